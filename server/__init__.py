@@ -1,0 +1,31 @@
+"""halfserve: serve trained PyTorch models over HTTP in half precision, with dynamic batching."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+__all__ = ["Precision", "Settings", "__version__", "create_app"]
+
+if TYPE_CHECKING:
+    from server.app import create_app
+    from server.precision import Precision
+    from server.settings import Settings
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy, so that importing a light module (server.batching) does not pull in torch and FastAPI.
+    if name == "create_app":
+        from server.app import create_app
+
+        return create_app
+    if name == "Precision":
+        from server.precision import Precision
+
+        return Precision
+    if name == "Settings":
+        from server.settings import Settings
+
+        return Settings
+    raise AttributeError(f"module 'server' has no attribute {name!r}")

@@ -1,0 +1,69 @@
+"""JSON error responses: every 4xx/5xx body is ``{"error": "<what went wrong, naming the field>"}``."""
+
+from __future__ import annotations
+
+import orjson
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import Response
+
+from server.batching import BatchFailedError, DeadlineExceededError, QueueFullError, ShuttingDownError
+from server.repository import ModelNotFoundError, ModelNotReadyError
+
+
+class APIError(Exception):
+    """An error to answer with ``status`` and ``{"error": message}``."""
+
+    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.headers = headers
+
+
+def error_response(status: int, message: str, headers: dict[str, str] | None = None) -> Response:
+    return Response(orjson.dumps({"error": message}), status_code=status, media_type="application/json", headers=headers)
+
+
+def from_exception(e: Exception) -> APIError:
+    """Map an error raised below the routes onto its HTTP status."""
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, ModelNotFoundError):
+        return APIError(404, str(e))
+    if isinstance(e, ModelNotReadyError):
+        return APIError(503, str(e), {"Retry-After": "1"})
+    if isinstance(e, QueueFullError):
+        return APIError(503, str(e), {"Retry-After": "1"})
+    if isinstance(e, ShuttingDownError):
+        return APIError(503, str(e))
+    if isinstance(e, DeadlineExceededError):
+        return APIError(504, str(e))
+    if isinstance(e, BatchFailedError):
+        return APIError(500, f"inference failed: {e}")
+    return APIError(500, f"internal error: {type(e).__name__}: {e}")
+
+
+def install(app: FastAPI) -> None:
+    """Make FastAPI's own errors (404, 405, validation) speak the same JSON shape."""
+
+    async def http_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, StarletteHTTPException)
+        return error_response(exc.status_code, str(exc.detail), dict(exc.headers) if exc.headers else None)
+
+    async def validation_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, RequestValidationError)
+        parts = []
+        for err in exc.errors():
+            field = ".".join(str(x) for x in err.get("loc", ()) if x != "body") or "body"
+            parts.append(f"{field}: {err.get('msg', 'invalid')}")
+        return error_response(400, "; ".join(parts))
+
+    async def api_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, APIError)
+        return error_response(exc.status, exc.message, exc.headers)
+
+    app.add_exception_handler(StarletteHTTPException, http_error)
+    app.add_exception_handler(RequestValidationError, validation_error)
+    app.add_exception_handler(APIError, api_error)

@@ -1,0 +1,55 @@
+"""Health, readiness, model listings and per-model batching statistics."""
+
+from __future__ import annotations
+
+import orjson
+from fastapi import APIRouter, Request
+from starlette.responses import Response
+
+from server.api.errors import APIError, error_response, from_exception
+from server.api.predict import repository
+
+router = APIRouter()
+
+
+def json_response(obj: object, status: int = 200) -> Response:
+    return Response(orjson.dumps(obj), status_code=status, media_type="application/json")
+
+
+@router.get("/health", response_class=Response)
+async def health() -> Response:
+    """Liveness: the process is up and its event loop answers."""
+    return json_response({"status": "live"})
+
+
+@router.get("/ready", response_class=Response)
+async def ready(request: Request) -> Response:
+    """Readiness: 200 once every model is loaded and warmed up, 503 before (and while draining)."""
+    repo = repository(request)
+    states = {name: m.state.value for name, m in repo.models.items()}
+    if request.app.state.draining:
+        return error_response(503, "draining: the server is shutting down")
+    if not repo.ready:
+        waiting = ", ".join(f"{n} ({s})" for n, s in states.items() if s != "ready")
+        return error_response(503, f"not ready: {waiting}", {"Retry-After": "1"})
+    return json_response({"status": "ready", "models": states})
+
+
+@router.get("/models", response_class=Response)
+async def list_models(request: Request) -> Response:
+    """Every served model with its version, device, precision, signature and batching limits."""
+    return json_response({"models": [m.describe() for m in repository(request).models.values()]})
+
+
+@router.get("/models/{name}/stats", response_class=Response)
+async def model_stats(name: str, request: Request) -> Response:
+    """Requests, rows, batches and the histogram of batch sizes the batcher has cut."""
+    try:
+        served = repository(request).get(name)
+    except Exception as e:
+        raise from_exception(e) from None
+    if served.batcher is None:
+        raise APIError(503, f"model {name!r} is {served.state.value}")
+    stats = served.batcher.stats.snapshot()
+    stats["queued_rows"] = served.batcher.queued_rows
+    return json_response({"model": name, "version": served.version, **stats})

@@ -1,0 +1,90 @@
+"""The ``halfserve`` command: ``serve``, ``train`` and ``loadtest``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+from pydantic import ValidationError
+
+from server.precision import Precision
+
+
+def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="serve the models of a model store over HTTP",
+        description="Serve a model store. Every flag has a HALFSERVE_<FLAG> environment variable; flags win.",
+    )
+    p.add_argument("--store", help="model store folder (default: model_store)")
+    p.add_argument("--models", help="comma-separated subset of the store's models to serve")
+    p.add_argument("--host", help="address to bind (default: 127.0.0.1)")
+    p.add_argument("--port", type=int, help="port (default: 8000)")
+    p.add_argument("--device", help="auto, cpu, cuda or cuda:N (default: auto)")
+    p.add_argument(
+        "--precision",
+        choices=[x.value for x in Precision],
+        help="override every model's precision; fp32 is the fallback switch",
+    )
+    p.add_argument("--max-batch-size", type=int, help="override every model's max_batch_size")
+    p.add_argument("--max-delay-ms", type=float, help="override every model's max_delay_ms")
+    p.add_argument("--max-queue-rows", type=int, help="override every model's max_queue_rows")
+    p.add_argument("--threads", type=int, help="torch intra-op threads")
+    p.add_argument("--no-warmup", dest="warmup", action="store_false", default=None, help="skip warm-up at load")
+    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--access-log", action="store_true", default=None, help="log every request (slower)")
+    p.set_defaults(func=serve)
+
+
+def serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from server import store
+    from server.app import create_app
+    from server.repository import ModelRepository
+    from server.settings import Settings
+
+    fields = set(Settings.model_fields)
+    given = {k: v for k, v in vars(args).items() if k in fields and v is not None}
+    try:
+        settings = Settings(**given)
+        # Validate every manifest before binding the port, so a bad store fails with the file and field named.
+        ModelRepository(settings).discover()
+    except (ValidationError, store.StoreError, ValueError) as e:
+        print(f"halfserve serve: {e}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    uvicorn.run(
+        create_app(settings),
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        access_log=settings.access_log,
+        timeout_graceful_shutdown=30,
+    )
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="halfserve", description="Half-precision PyTorch inference server.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_serve(sub)
+    try:
+        from server.training.cli import add_parser as add_train
+    except ImportError:
+        pass
+    else:
+        add_train(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    code: int = args.func(args)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,164 @@
+"""The set of served models: loading from the store, one engine and batcher per model, readiness and draining."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+
+import numpy as np
+
+from server import store
+from server.batching import Batcher
+from server.engine import Engine, resolve_device
+from server.settings import Settings
+from server.store import Batching, Manifest, StoreError
+
+log = logging.getLogger(__name__)
+
+
+class ModelState(str, Enum):
+    """Where a model is in its life."""
+
+    LOADING = "loading"
+    READY = "ready"
+    FAILED = "failed"
+
+
+class ModelNotFoundError(LookupError):
+    """No model of that name is known to the server."""
+
+
+class ModelNotReadyError(RuntimeError):
+    """The model is known but still loading, or failed to load."""
+
+
+@dataclass
+class ServedModel:
+    """A model being served: its manifest, and once ready, its engine and batcher."""
+
+    name: str
+    manifest: Manifest
+    version: int
+    batching: Batching
+    state: ModelState = ModelState.LOADING
+    error: str | None = None
+    engine: Engine | None = None
+    batcher: Batcher | None = None
+    warmup_seconds: float = 0.0
+    loaded_at: float = field(default_factory=time.time)
+
+    async def infer(self, x: np.ndarray, deadline: float | None = None) -> np.ndarray:
+        """Queue ``x`` (rows first) for batching and return its output rows."""
+        if self.batcher is None:
+            raise ModelNotReadyError(f"model {self.name!r} is {self.state.value}" + (f": {self.error}" if self.error else ""))
+        return await self.batcher.submit(x, deadline)
+
+    def describe(self) -> dict[str, object]:
+        """The model's listing: signature, batching limits, device and precision once loaded."""
+        m = self.manifest
+        info = self.engine.info if self.engine else None
+        return {
+            "name": self.name,
+            "version": self.version,
+            "state": self.state.value,
+            "error": self.error,
+            "device": info.device if info else None,
+            "precision": info.precision.value if info else None,
+            "weight_dtype": info.weight_dtype if info else None,
+            "weight_bytes": info.weight_bytes if info else None,
+            "inputs": [s.model_dump(mode="json") for s in m.inputs],
+            "outputs": [s.model_dump(mode="json") for s in m.outputs],
+            "labels": m.labels,
+            "batching": self.batching.model_dump(),
+            "description": m.description,
+            "evaluation": m.evaluation,
+            "warmup_seconds": round(self.warmup_seconds, 4),
+        }
+
+
+class ModelRepository:
+    """Loads the store's models and owns their engines and batchers."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.device = resolve_device(settings.device)
+        self.models: dict[str, ServedModel] = {}
+
+    def discover(self) -> None:
+        """Validate the manifests of the models to serve (fails fast, naming file and field) and register them."""
+        root = self.settings.store
+        names = self.settings.models or store.model_names(root)
+        if not names:
+            raise StoreError(f"{root}: no model folder with a {store.MANIFEST}")
+        for name in names:
+            model_dir = root / store.check_name(name)
+            manifest = store.load_manifest(model_dir)
+            version = store.resolve_version(model_dir, manifest)
+            self.models[name] = ServedModel(name, manifest, version, self._batching(manifest))
+
+    def _batching(self, manifest: Manifest) -> Batching:
+        s, b = self.settings, manifest.batching
+        return Batching(
+            max_batch_size=s.max_batch_size or b.max_batch_size,
+            max_delay_ms=b.max_delay_ms if s.max_delay_ms is None else s.max_delay_ms,
+            max_queue_rows=max(s.max_queue_rows or b.max_queue_rows, s.max_batch_size or b.max_batch_size),
+        )
+
+    async def load_all(self) -> None:
+        """Load and warm every discovered model, one after another; a failure marks that model failed."""
+        for served in list(self.models.values()):
+            try:
+                await self._load(served)
+            except Exception as e:  # a broken checkpoint must not stop the other models from serving
+                served.state, served.error = ModelState.FAILED, str(e)
+                log.error("model %s failed to load: %s", served.name, e)
+
+    async def _load(self, served: ServedModel) -> None:
+        precision = self.settings.precision or served.manifest.precision
+        loaded = await asyncio.to_thread(store.load, self.settings.store, served.name, served.version)
+        engine = await asyncio.to_thread(Engine, loaded, precision, self.device)
+        if self.settings.warmup:
+            served.warmup_seconds = await asyncio.to_thread(engine.warmup, served.batching.max_batch_size)
+        batcher = Batcher(
+            engine.run,
+            max_batch_size=served.batching.max_batch_size,
+            max_delay=served.batching.max_delay_ms / 1000.0,
+            max_queue_rows=served.batching.max_queue_rows,
+        )
+        batcher.start()
+        served.engine, served.batcher, served.state = engine, batcher, ModelState.READY
+        log.info(
+            "model %s v%d ready on %s in %s (warm-up %.2fs)",
+            served.name,
+            served.version,
+            engine.device,
+            engine.precision.value,
+            served.warmup_seconds,
+        )
+
+    @property
+    def ready(self) -> bool:
+        """True when every model is loaded and warmed up."""
+        return bool(self.models) and all(m.state is ModelState.READY for m in self.models.values())
+
+    def get(self, name: str | None) -> ServedModel:
+        """The model called ``name``; ``None`` means the only model when exactly one is served."""
+        if name is None:
+            if len(self.models) == 1:
+                return next(iter(self.models.values()))
+            raise ModelNotFoundError(f"several models are served ({', '.join(self.models)}); name one")
+        try:
+            return self.models[name]
+        except KeyError:
+            raise ModelNotFoundError(f"unknown model {name!r} (served: {', '.join(self.models)})") from None
+
+    async def close(self) -> None:
+        """Drain every batcher (queued requests are answered), then release the engines."""
+        for served in self.models.values():
+            if served.batcher is not None:
+                await served.batcher.stop()
+            if served.engine is not None:
+                served.engine.close()

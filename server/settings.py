@@ -1,0 +1,51 @@
+"""Server settings: ``HALFSERVE_*`` environment variables and ``halfserve serve`` flags map onto the same fields."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+from pydantic import Field, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+from server.precision import Precision
+
+
+class Settings(BaseSettings):
+    """Everything the server reads at start-up. Per-model settings live in each model's manifest."""
+
+    model_config = SettingsConfigDict(env_prefix="HALFSERVE_", extra="forbid")
+
+    store: Path = Path("model_store")
+    """The model store folder."""
+    models: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    """Serve only these models (comma-separated in the environment); empty serves every model in the store."""
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=0, le=65535)
+    device: str = "auto"
+    """``auto`` (CUDA when present), ``cpu``, ``cuda`` or ``cuda:N``."""
+    precision: Precision | None = None
+    """Override every manifest's precision; ``fp32`` is the fallback switch."""
+    max_batch_size: int | None = Field(default=None, ge=1, le=8192)
+    max_delay_ms: float | None = Field(default=None, ge=0.0, le=10_000.0)
+    max_queue_rows: int | None = Field(default=None, ge=1)
+    threads: int | None = Field(default=None, ge=1)
+    """torch intra-op threads; unset keeps torch's default."""
+    warmup: bool = True
+    log_level: str = "info"
+    access_log: bool = False
+
+    @field_validator("models", mode="before")
+    @classmethod
+    def _split(cls, value: object) -> object:
+        if isinstance(value, str):
+            return [m.strip() for m in value.split(",") if m.strip()]
+        return value
+
+    @model_validator(mode="after")
+    def _check(self) -> Settings:
+        if self.max_queue_rows is not None and self.max_batch_size is not None and self.max_queue_rows < self.max_batch_size:
+            raise ValueError(
+                f"max_queue_rows ({self.max_queue_rows}) must be at least max_batch_size ({self.max_batch_size})"
+            )
+        return self

@@ -1,0 +1,266 @@
+"""The model store: manifests, numbered versions and safe checkpoint loading.
+
+Layout::
+
+    <store>/<name>/config.json          the manifest (validated by :class:`Manifest`)
+    <store>/<name>/<version>/model.safetensors
+    <store>/<name>/<version>/model.pt2  (instead, for a ``torch.export`` program)
+
+The highest version is served unless the manifest (or the caller) pins one. Loading never runs code from a file:
+weights come from safetensors, and architectures are looked up by name in :mod:`server.models`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from server import models
+from server.precision import Precision
+
+MANIFEST = "config.json"
+WEIGHTS = "model.safetensors"
+PROGRAM = "model.pt2"
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
+_NAME_RE = re.compile(NAME_PATTERN)
+
+
+class StoreError(Exception):
+    """A model store, manifest or checkpoint is missing or invalid; the message names the file and field."""
+
+
+class DataType(str, Enum):
+    """Tensor element types, named as in the KServe V2 protocol."""
+
+    FP32 = "FP32"
+    FP16 = "FP16"
+    BF16 = "BF16"
+    FP64 = "FP64"
+    INT64 = "INT64"
+    INT32 = "INT32"
+
+
+class TensorSpec(BaseModel):
+    """One input or output: its name, element type and per-sample shape (no batch dimension)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(pattern=r"^[A-Za-z_][A-Za-z0-9_.-]*$")
+    datatype: DataType = DataType.FP32
+    shape: list[int] = Field(min_length=1)
+
+    @field_validator("shape")
+    @classmethod
+    def _positive(cls, shape: list[int]) -> list[int]:
+        if any(d <= 0 for d in shape):
+            raise ValueError(f"every dimension must be a positive integer, got {shape}")
+        return shape
+
+
+class Batching(BaseModel):
+    """Dynamic batching limits for one model."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_batch_size: int = Field(default=64, ge=1, le=8192)
+    max_delay_ms: float = Field(default=2.0, ge=0.0, le=10_000.0)
+    max_queue_rows: int = Field(default=4096, ge=1)
+
+    @model_validator(mode="after")
+    def _queue_holds_a_batch(self) -> Batching:
+        if self.max_queue_rows < self.max_batch_size:
+            raise ValueError(
+                f"max_queue_rows ({self.max_queue_rows}) must be at least max_batch_size ({self.max_batch_size})"
+            )
+        return self
+
+
+class Manifest(BaseModel):
+    """A model's ``config.json``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(pattern=NAME_PATTERN)
+    architecture: str | None = None
+    """A name registered in :mod:`server.models`; its keyword arguments are ``arch_kwargs``."""
+    arch_kwargs: dict[str, Any] = Field(default_factory=dict)
+    program: bool = False
+    """True when each version holds a ``torch.export`` program (``model.pt2``) instead of an architecture's weights."""
+    inputs: list[TensorSpec] = Field(min_length=1, max_length=1)
+    outputs: list[TensorSpec] = Field(min_length=1, max_length=1)
+    labels: list[str] | None = None
+    precision: Precision = Precision.AUTO
+    batching: Batching = Field(default_factory=Batching)
+    version: int | None = Field(default=None, ge=1)
+    """Pin a version; ``None`` serves the highest."""
+    description: str = ""
+    dataset: dict[str, Any] | None = None
+    training: dict[str, Any] | None = None
+    evaluation: dict[str, Any] | None = None
+
+    @field_validator("architecture")
+    @classmethod
+    def _registered(cls, name: str | None) -> str | None:
+        if name is not None and name not in models.names():
+            raise ValueError(f"unknown architecture {name!r} (registered: {', '.join(models.names())})")
+        return name
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Manifest:
+        if (self.architecture is None) == (not self.program):
+            raise ValueError("give exactly one of 'architecture' (a registered name) or 'program': true")
+        if self.labels is not None and len(self.labels) != self.outputs[0].shape[-1]:
+            raise ValueError(
+                f"labels has {len(self.labels)} entries but the output's last dimension is {self.outputs[0].shape[-1]}"
+            )
+        return self
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """A checkpoint read from the store: fp32 weights on the host, ready to be cast and moved by an engine."""
+
+    manifest: Manifest
+    version: int
+    module: nn.Module
+    path: Path
+
+
+def check_name(name: str) -> str:
+    """Reject model names that could escape the store directory."""
+    if not _NAME_RE.match(name):
+        raise StoreError(f"model name {name!r} is invalid: use letters, digits, '_', '.', '-' (max 64)")
+    return name
+
+
+def model_names(root: Path) -> list[str]:
+    """Names of the models in the store (folders holding a manifest)."""
+    if not root.is_dir():
+        raise StoreError(f"{root}: model store folder does not exist")
+    return sorted(p.name for p in root.iterdir() if (p / MANIFEST).is_file() and _NAME_RE.match(p.name))
+
+
+def _describe(err: ValidationError) -> str:
+    parts = []
+    for e in err.errors():
+        field = ".".join(str(x) for x in e["loc"]) or "(top level)"
+        parts.append(f"{field}: {e['msg']}")
+    return "; ".join(parts)
+
+
+def load_manifest(model_dir: Path) -> Manifest:
+    """Read and validate ``<model_dir>/config.json``; errors name the file and the field."""
+    path = model_dir / MANIFEST
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise StoreError(f"{path}: manifest not found") from None
+    except json.JSONDecodeError as e:
+        raise StoreError(f"{path}: not valid JSON ({e})") from None
+    try:
+        manifest = Manifest.model_validate(raw)
+    except ValidationError as e:
+        raise StoreError(f"{path}: {_describe(e)}") from None
+    if manifest.name != model_dir.name:
+        raise StoreError(f"{path}: name: {manifest.name!r} does not match its folder {model_dir.name!r}")
+    return manifest
+
+
+def versions(model_dir: Path) -> list[int]:
+    """Version numbers present under ``model_dir``, ascending."""
+    return sorted(int(p.name) for p in model_dir.iterdir() if p.is_dir() and p.name.isdigit() and int(p.name) > 0)
+
+
+def resolve_version(model_dir: Path, manifest: Manifest, pinned: int | None = None) -> int:
+    """The version to serve: ``pinned``, else the manifest's pin, else the highest present."""
+    present = versions(model_dir)
+    want = pinned if pinned is not None else manifest.version
+    if want is not None:
+        if want not in present:
+            raise StoreError(f"{model_dir / MANIFEST}: version: {want} is pinned but not present (have {present})")
+        return want
+    if not present:
+        raise StoreError(f"{model_dir}: no numbered version folder holds a checkpoint")
+    return present[-1]
+
+
+def load(root: Path, name: str, version: int | None = None) -> LoadedModel:
+    """Load model ``name`` (the served version unless ``version`` is given) with fp32 weights on the CPU."""
+    model_dir = root / check_name(name)
+    manifest = load_manifest(model_dir)
+    v = resolve_version(model_dir, manifest, version)
+    vdir = model_dir / str(v)
+    module: nn.Module
+    if manifest.program:
+        path = vdir / PROGRAM
+        if not path.is_file():
+            raise StoreError(f"{path}: torch.export program not found")
+        # torch.export's archive holds a serialized graph and tensors, not pickled code.
+        module = torch.export.load(str(path)).module()
+    else:
+        assert manifest.architecture is not None
+        path = vdir / WEIGHTS
+        if not path.is_file():
+            raise StoreError(f"{path}: checkpoint not found")
+        try:
+            module = models.build(manifest.architecture, **manifest.arch_kwargs)
+        except TypeError as e:
+            raise StoreError(f"{model_dir / MANIFEST}: arch_kwargs: {e}") from None
+        try:
+            state = load_file(str(path), device="cpu")
+        except Exception as e:  # safetensors raises its own error types for corrupt headers
+            raise StoreError(f"{path}: cannot read safetensors checkpoint ({e})") from None
+        try:
+            module.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()})
+        except RuntimeError as e:
+            raise StoreError(f"{path}: checkpoint does not fit architecture {manifest.architecture!r}: {e}") from None
+    return LoadedModel(manifest=manifest, version=v, module=module.float().eval(), path=path)
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
+
+
+def write_manifest(root: Path, manifest: Manifest) -> Path:
+    """Write ``<root>/<name>/config.json`` (atomically)."""
+    model_dir = root / check_name(manifest.name)
+    model_dir.mkdir(parents=True, exist_ok=True)
+    path = model_dir / MANIFEST
+    _atomic_write(path, (manifest.model_dump_json(indent=2, exclude_none=True) + "\n").encode())
+    return path
+
+
+def save(root: Path, manifest: Manifest, module: nn.Module, version: int | None = None) -> Path:
+    """Save ``module``'s weights as a new version of ``manifest.name`` (next number unless given) and the manifest.
+
+    Returns the version folder. Weights are stored in fp32 whatever the module's dtype, so any precision can be
+    served from them.
+    """
+    model_dir = root / check_name(manifest.name)
+    model_dir.mkdir(parents=True, exist_ok=True)
+    if version is None:
+        present = versions(model_dir)
+        version = present[-1] + 1 if present else 1
+    vdir = model_dir / str(version)
+    vdir.mkdir(parents=True, exist_ok=True)
+    state = {
+        k: (v.detach().float() if v.is_floating_point() else v.detach()).contiguous().cpu()
+        for k, v in module.state_dict().items()
+    }
+    save_file(state, str(vdir / WEIGHTS), metadata={"name": manifest.name, "version": str(version)})
+    write_manifest(root, manifest)
+    return vdir
