@@ -53,7 +53,9 @@ class ServedModel:
     async def infer(self, x: np.ndarray, deadline: float | None = None) -> np.ndarray:
         """Queue ``x`` (rows first) for batching and return its output rows."""
         if self.batcher is None:
-            raise ModelNotReadyError(f"model {self.name!r} is {self.state.value}" + (f": {self.error}" if self.error else ""))
+            raise ModelNotReadyError(
+                f"model {self.name!r} is {self.state.value}" + (f": {self.error}" if self.error else "")
+            )
         return await self.batcher.submit(x, deadline)
 
     def describe(self) -> dict[str, object]:

@@ -44,7 +44,11 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _check(self) -> Settings:
-        if self.max_queue_rows is not None and self.max_batch_size is not None and self.max_queue_rows < self.max_batch_size:
+        if (
+            self.max_queue_rows is not None
+            and self.max_batch_size is not None
+            and self.max_queue_rows < self.max_batch_size
+        ):
             raise ValueError(
                 f"max_queue_rows ({self.max_queue_rows}) must be at least max_batch_size ({self.max_batch_size})"
             )

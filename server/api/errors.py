@@ -23,7 +23,9 @@ class APIError(Exception):
 
 
 def error_response(status: int, message: str, headers: dict[str, str] | None = None) -> Response:
-    return Response(orjson.dumps({"error": message}), status_code=status, media_type="application/json", headers=headers)
+    return Response(
+        orjson.dumps({"error": message}), status_code=status, media_type="application/json", headers=headers
+    )
 
 
 def from_exception(e: Exception) -> APIError:

@@ -84,7 +84,7 @@ async def predict(request: Request) -> Response:
     if name is not None and not isinstance(name, str):
         raise APIError(400, f"model: expected a string, got {type(name).__name__}")
     if "inputs" not in payload:
-        raise APIError(400, "inputs: missing; send {\"inputs\": [sample, ...]}")
+        raise APIError(400, 'inputs: missing; send {"inputs": [sample, ...]}')
     try:
         served = repository(request).get(name)
         x = decode_samples(payload["inputs"], served.manifest.inputs[0])

@@ -30,4 +30,5 @@ class SmallCNN(nn.Module):
         self.head = nn.Linear(width * 4, num_classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.features(x).flatten(1))
+        y: torch.Tensor = self.head(self.features(x).flatten(1))
+        return y

@@ -27,4 +27,5 @@ class MLP(nn.Module):
         self.net = nn.Sequential(*layers)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net(x.flatten(1))
+        y: torch.Tensor = self.net(x.flatten(1))
+        return y

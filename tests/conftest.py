@@ -1,0 +1,106 @@
+"""Shared fixtures: small real model stores and real server processes."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from server import models, store
+from server.store import Batching, Manifest, TensorSpec
+
+ROOT = Path(__file__).resolve().parent.parent
+SHIPPED_STORE = ROOT / "model_store"
+
+
+def save_tiny_mlp(root: Path, name: str = "tiny", seed: int = 0, **manifest_fields: object) -> Path:
+    """A small MLP with random weights, saved through the real store code."""
+    torch.manual_seed(seed)
+    kwargs = {"in_features": 16, "hidden": [32], "out_features": 4}
+    module = models.build("mlp", **kwargs)
+    fields: dict[str, object] = {
+        "name": name,
+        "architecture": "mlp",
+        "arch_kwargs": kwargs,
+        "inputs": [TensorSpec(name="features", shape=[16])],
+        "outputs": [TensorSpec(name="logits", shape=[4])],
+        "labels": ["a", "b", "c", "d"],
+        "batching": Batching(max_batch_size=8, max_delay_ms=5),
+    }
+    fields.update(manifest_fields)
+    return store.save(root, Manifest.model_validate(fields), module)
+
+
+@pytest.fixture
+def tiny_store(tmp_path: Path) -> Path:
+    save_tiny_mlp(tmp_path)
+    return tmp_path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class ServerProcess:
+    """A real ``halfserve serve`` on 127.0.0.1, started as a subprocess and killed by PID."""
+
+    url: str
+    proc: subprocess.Popen[bytes]
+    log: Path
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def start_server(store_dir: Path, log: Path, *args: str, env: dict[str, str] | None = None) -> ServerProcess:
+    port = free_port()
+    cmd = [sys.executable, "-m", "server", "serve", "--store", str(store_dir), "--port", str(port), *args]
+    full_env = {**os.environ, **(env or {})}
+    with log.open("wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=full_env)
+    server = ServerProcess(f"http://127.0.0.1:{port}", proc, log)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}:\n{log.read_text()}")
+        try:
+            if httpx.get(f"{server.url}/ready", timeout=1).status_code == 200:
+                return server
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)
+    server.stop()
+    raise RuntimeError(f"server not ready within 120 s:\n{log.read_text()}")
+
+
+@pytest.fixture(scope="session")
+def server_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
+    started: list[ServerProcess] = []
+
+    def factory(store_dir: Path, *args: str, env: dict[str, str] | None = None) -> ServerProcess:
+        log = tmp_path_factory.mktemp("server") / "server.log"
+        server = start_server(store_dir, log, *args, env=env)
+        started.append(server)
+        return server
+
+    yield factory
+    for s in started:
+        s.stop()

@@ -1,0 +1,161 @@
+"""The app in-process: /predict, listings, stats, readiness, precision switch and bad input."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from server import precision, store
+from server.settings import Settings
+from tests.conftest import save_tiny_mlp
+from tests.integration.conftest import serving
+
+
+def reference(store_dir: Path, name: str, x: np.ndarray) -> np.ndarray:
+    loaded = store.load(store_dir, name)
+    with torch.inference_mode():
+        return loaded.module(torch.from_numpy(x)).numpy()
+
+
+async def test_predict_answers_outputs_and_labels(tiny_store: Path) -> None:
+    x = np.random.default_rng(0).standard_normal((5, 16)).astype(np.float32)
+    async with serving(Settings(store=tiny_store, precision="fp32")) as client:
+        r = await client.post("/predict", json={"model": "tiny", "inputs": x.tolist()})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert (body["model"], body["version"], body["precision"]) == ("tiny", 1, "fp32")
+    want = reference(tiny_store, "tiny", x)
+    np.testing.assert_allclose(np.array(body["outputs"]), want, rtol=1e-5, atol=1e-5)
+    assert body["labels"] == [["a", "b", "c", "d"][i] for i in want.argmax(1)]
+
+
+async def test_model_name_is_optional_with_one_model(tiny_store: Path) -> None:
+    async with serving(Settings(store=tiny_store)) as client:
+        r = await client.post("/predict", json={"inputs": [[0.5] * 16]})
+    assert r.status_code == 200, r.text
+    assert r.json()["model"] == "tiny"
+
+
+async def test_fp32_switch_serves_fp32_weights(tiny_store: Path) -> None:
+    async with serving(Settings(store=tiny_store, precision="fp32")) as client:
+        listing = (await client.get("/models")).json()["models"][0]
+        r = await client.post("/predict", json={"inputs": [[0.5] * 16]})
+    assert listing["precision"] == "fp32"
+    assert listing["weight_dtype"] == "float32"
+    assert r.json()["precision"] == "fp32"
+
+
+@pytest.mark.parametrize(("mode", "dtype"), [("fp16", "float16"), ("bf16", "bfloat16"), ("autocast", "float32")])
+async def test_half_precision_agrees_with_fp32(tiny_store: Path, mode: str, dtype: str) -> None:
+    """Half-precision logits stay within 2% of the logits' scale of fp32 and pick the same top class."""
+    x = np.random.default_rng(1).standard_normal((64, 16)).astype(np.float32)
+    async with serving(Settings(store=tiny_store, precision=mode)) as client:
+        listing = (await client.get("/models")).json()["models"][0]
+        body = (await client.post("/predict", json={"inputs": x.tolist()})).json()
+    assert listing["weight_dtype"] == dtype
+    assert body["precision"] == mode
+    want = reference(tiny_store, "tiny", x)
+    got = np.array(body["outputs"])
+    scale = np.abs(want).max()
+    np.testing.assert_allclose(got, want, atol=0.02 * scale, rtol=0)
+    assert (got.argmax(1) == want.argmax(1)).mean() >= 0.95
+
+
+async def test_manifest_precision_applies_per_model_and_global_switch_overrides(tmp_path: Path) -> None:
+    save_tiny_mlp(tmp_path, "halfmodel", precision="bf16")
+    save_tiny_mlp(tmp_path, "fullmodel", precision="fp32")
+    async with serving(Settings(store=tmp_path)) as client:
+        per_model = {m["name"]: m["precision"] for m in (await client.get("/models")).json()["models"]}
+    assert per_model == {"halfmodel": "bf16", "fullmodel": "fp32"}
+    async with serving(Settings(store=tmp_path, precision="fp32")) as client:
+        switched = {m["name"]: m["precision"] for m in (await client.get("/models")).json()["models"]}
+    assert switched == {"halfmodel": "fp32", "fullmodel": "fp32"}
+
+
+async def test_auto_picks_a_half_precision_only_where_it_is_fast(tiny_store: Path) -> None:
+    async with serving(Settings(store=tiny_store)) as client:
+        listing = (await client.get("/models")).json()["models"][0]
+    expected = precision.resolve("auto", torch.device("cpu")).value
+    assert listing["precision"] == expected
+    assert expected in ("bf16", "fp32")  # never fp16 on a CPU
+
+
+async def test_concurrent_requests_are_batched(tiny_store: Path) -> None:
+    x = np.random.default_rng(2).standard_normal((32, 16)).astype(np.float32)
+    async with serving(Settings(store=tiny_store, precision="fp32", max_delay_ms=20)) as client:
+        responses = await asyncio.gather(*(client.post("/predict", json={"inputs": [row.tolist()]}) for row in x))
+        stats = (await client.get("/models/tiny/stats")).json()
+    got = np.array([r.json()["outputs"][0] for r in responses])
+    np.testing.assert_allclose(got, reference(tiny_store, "tiny", x), rtol=1e-5, atol=1e-5)
+    assert stats["requests"] == 32
+    assert stats["rows"] == 32
+    assert max(int(k) for k in stats["batch_size_histogram"]) > 1
+    assert sum(int(k) * v for k, v in stats["batch_size_histogram"].items()) == 32
+
+
+async def test_request_larger_than_a_batch_spans_batches(tiny_store: Path) -> None:
+    x = np.random.default_rng(3).standard_normal((20, 16)).astype(np.float32)  # max_batch_size is 8
+    async with serving(Settings(store=tiny_store, precision="fp32")) as client:
+        body = (await client.post("/predict", json={"inputs": x.tolist()})).json()
+        stats = (await client.get("/models/tiny/stats")).json()
+    np.testing.assert_allclose(np.array(body["outputs"]), reference(tiny_store, "tiny", x), rtol=1e-5, atol=1e-5)
+    assert stats["batch_size_histogram"] == {"4": 1, "8": 2}
+
+
+BAD_REQUESTS = [
+    (b"{", 400, "malformed JSON"),
+    (b"", 400, "body: empty"),
+    (b"[1, 2]", 400, "expected a JSON object"),
+    (b'{"inputs": []}', 400, "inputs: empty"),
+    (b'{"inputs": 3}', 400, "inputs: expected a list"),
+    (b'{"model": "tiny"}', 400, "inputs: missing"),
+    (b'{"inputs": [[1, 2, 3]]}', 400, "inputs: each sample must have shape [16], got [3]"),
+    (b'{"inputs": [1, 2]}', 400, "got a scalar"),
+    (b'{"inputs": [["x", "y", "z", "w", "a", "b", "c", "d", "e", "f", "g", "h", "i", "j", "k", "l"]]}', 400, "strings"),
+    (b'{"inputs": [[1, null, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16]]}', 400, "must be numbers"),
+    (b'{"inputs": [[1, 2], [1]]}', 400, "ragged"),
+    (b'{"model": 7, "inputs": [[1]]}', 400, "model: expected a string"),
+    (b'{"model": "nope", "inputs": [[1]]}', 404, "unknown model 'nope'"),
+]
+
+
+async def test_bad_input_gets_a_4xx_naming_the_problem_and_serving_goes_on(tiny_store: Path) -> None:
+    async with serving(Settings(store=tiny_store)) as client:
+        for body, status, message in BAD_REQUESTS:
+            r = await client.post("/predict", content=body, headers={"content-type": "application/json"})
+            assert r.status_code == status, (body, r.text)
+            assert message in r.json()["error"], (body, r.text)
+        ok = await client.post("/predict", json={"inputs": [[0.0] * 16]})
+        assert ok.status_code == 200
+        assert (await client.get("/models/nope/stats")).status_code == 404
+        missing = await client.get("/no/such/path")
+        assert missing.status_code == 404
+        assert "error" in missing.json()
+
+
+async def test_listing_shows_signature_batching_and_device(tiny_store: Path) -> None:
+    async with serving(Settings(store=tiny_store, max_batch_size=16, precision="fp32")) as client:
+        m = (await client.get("/models")).json()["models"][0]
+        health = await client.get("/health")
+    assert health.json() == {"status": "live"}
+    assert m["name"] == "tiny"
+    assert m["version"] == 1
+    assert m["device"] == "cpu"
+    assert m["inputs"] == [{"name": "features", "datatype": "FP32", "shape": [16]}]
+    assert m["outputs"] == [{"name": "logits", "datatype": "FP32", "shape": [4]}]
+    assert m["batching"]["max_batch_size"] == 16  # the global override wins over the manifest's 8
+    assert m["weight_bytes"] == (16 * 32 + 32 + 32 * 4 + 4) * 4
+
+
+async def test_highest_version_is_served_unless_pinned(tmp_path: Path) -> None:
+    save_tiny_mlp(tmp_path, seed=0)
+    save_tiny_mlp(tmp_path, seed=1)
+    async with serving(Settings(store=tmp_path)) as client:
+        assert (await client.post("/predict", json={"inputs": [[0.0] * 16]})).json()["version"] == 2
+    save_tiny_mlp(tmp_path, seed=2, version=1)  # rewrites the manifest with a pin
+    async with serving(Settings(store=tmp_path)) as client:
+        assert (await client.post("/predict", json={"inputs": [[0.0] * 16]})).json()["version"] == 1

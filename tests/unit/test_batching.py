@@ -1,0 +1,207 @@
+"""The batcher alone: a fake runner, no torch, no server."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+
+import numpy as np
+import pytest
+
+from server.batching import (
+    Batcher,
+    BatchFailedError,
+    DeadlineExceededError,
+    Pending,
+    QueueFullError,
+    ShuttingDownError,
+    cut_batch,
+    seconds_until_cut,
+)
+
+
+class FakeRunner:
+    """Doubles its input; records every batch; can be held, or fail batches holding a poisoned value."""
+
+    def __init__(self) -> None:
+        self.batches: list[list[np.ndarray]] = []
+        self.gate = asyncio.Event()
+        self.gate.set()
+
+    async def __call__(self, chunks: list[np.ndarray]) -> list[np.ndarray]:
+        self.batches.append(chunks)
+        await self.gate.wait()
+        if any((c == -1).any() for c in chunks):
+            raise ValueError("poisoned input")
+        return [c * 2 for c in chunks]
+
+    @property
+    def sizes(self) -> list[int]:
+        return [sum(len(c) for c in b) for b in self.batches]
+
+
+def rows(n: int, start: float = 0.0, width: int = 3) -> np.ndarray:
+    return np.arange(n * width, dtype=np.float32).reshape(n, width) + start
+
+
+def pending(data: np.ndarray, enqueued: float = 0.0, deadline: float | None = None) -> Pending:
+    fut: asyncio.Future[np.ndarray] = asyncio.get_running_loop().create_future()
+    return Pending(data, fut, enqueued, deadline)
+
+
+# Pure pieces, with a fake clock (async only to own futures) ---------------------------------------------
+
+
+def test_seconds_until_cut_waits_for_the_oldest_request_delay() -> None:
+    assert seconds_until_cut(
+        queued_rows=3, oldest=10.0, now=10.001, max_batch_size=8, max_delay=0.005
+    ) == pytest.approx(0.004)
+    assert seconds_until_cut(queued_rows=3, oldest=10.0, now=10.010, max_batch_size=8, max_delay=0.005) == 0.0
+    assert seconds_until_cut(queued_rows=8, oldest=10.0, now=10.0, max_batch_size=8, max_delay=0.005) == 0.0
+
+
+async def test_cut_batch_takes_oldest_rows_up_to_the_limit_and_splits_a_request() -> None:
+    a, b, c = pending(rows(3)), pending(rows(4)), pending(rows(2))
+    queue = deque([a, b, c])
+    chunks, dropped = cut_batch(queue, max_batch_size=5, now=0.0)
+    assert [(ch.request, ch.start, ch.stop) for ch in chunks] == [(a, 0, 3), (b, 0, 2)]
+    assert not dropped
+    assert list(queue) == [b, c]  # b keeps its place with 2 rows left
+    chunks, _ = cut_batch(queue, max_batch_size=5, now=0.0)
+    assert [(ch.request, ch.start, ch.stop) for ch in chunks] == [(b, 2, 4), (c, 0, 2)]
+    assert np.array_equal(chunks[0].data, rows(4)[2:4])
+    assert not queue
+
+
+async def test_cut_batch_groups_by_sample_shape_and_keeps_order() -> None:
+    a, odd, b = pending(rows(1)), pending(rows(1, width=5)), pending(rows(1))
+    queue = deque([a, odd, b])
+    chunks, _ = cut_batch(queue, max_batch_size=8, now=0.0)
+    assert [ch.request for ch in chunks] == [a, b]
+    assert list(queue) == [odd]
+
+
+async def test_cut_batch_drops_requests_past_their_deadline() -> None:
+    late, fine = pending(rows(1), deadline=5.0), pending(rows(1), deadline=50.0)
+    queue = deque([late, fine])
+    chunks, dropped = cut_batch(queue, max_batch_size=8, now=10.0)
+    assert dropped == [late]
+    assert [ch.request for ch in chunks] == [fine]
+
+
+# The asyncio loop ------------------------------------------------------------------------------------------------
+
+
+async def test_cuts_on_size_without_waiting_for_the_delay() -> None:
+    runner = FakeRunner()
+    batcher = Batcher(runner, max_batch_size=4, max_delay=30.0, max_queue_rows=64)
+    batcher.start()
+    start = time.monotonic()
+    outs = await asyncio.wait_for(asyncio.gather(*(batcher.submit(rows(1, i)) for i in range(4))), timeout=5)
+    assert time.monotonic() - start < 5
+    assert runner.sizes == [4]
+    for i, out in enumerate(outs):
+        assert np.array_equal(out, rows(1, i) * 2)
+    await batcher.stop()
+
+
+async def test_cuts_on_delay_when_the_batch_is_not_full() -> None:
+    runner = FakeRunner()
+    batcher = Batcher(runner, max_batch_size=100, max_delay=0.05, max_queue_rows=1000)
+    batcher.start()
+    start = time.monotonic()
+    await asyncio.gather(*(batcher.submit(rows(1, i)) for i in range(3)))
+    assert time.monotonic() - start >= 0.05
+    assert runner.sizes == [3]
+    assert batcher.stats.batch_sizes == {3: 1}
+    await batcher.stop()
+
+
+async def test_full_queue_rejects_at_once() -> None:
+    runner = FakeRunner()
+    runner.gate.clear()  # hold the first batch in the runner so the queue fills up behind it
+    batcher = Batcher(runner, max_batch_size=2, max_delay=0.0, max_queue_rows=4)
+    batcher.start()
+    first = asyncio.ensure_future(batcher.submit(rows(2)))
+    while not runner.batches:
+        await asyncio.sleep(0.001)
+    queued = [asyncio.ensure_future(batcher.submit(rows(2))) for _ in range(2)]
+    await asyncio.sleep(0)
+    with pytest.raises(QueueFullError, match="queue full"):
+        await batcher.submit(rows(1))
+    assert batcher.stats.rejected == 1
+    runner.gate.set()
+    await asyncio.gather(first, *queued)
+    await batcher.stop()
+
+
+async def test_failing_batch_fails_only_its_own_requests_and_the_loop_keeps_running() -> None:
+    runner = FakeRunner()
+    batcher = Batcher(runner, max_batch_size=2, max_delay=0.0, max_queue_rows=64)
+    batcher.start()
+    poisoned = np.full((1, 3), -1, dtype=np.float32)
+    results = await asyncio.gather(
+        batcher.submit(poisoned), batcher.submit(rows(1)), batcher.submit(rows(1, 5)), return_exceptions=True
+    )
+    assert isinstance(results[0], BatchFailedError)
+    assert "poisoned input" in str(results[0])
+    assert isinstance(results[1], BatchFailedError)  # shared the poisoned batch
+    assert np.array_equal(results[2], rows(1, 5) * 2)
+    assert batcher.stats.failed_batches == 1
+    # still serving
+    assert np.array_equal(await batcher.submit(rows(2)), rows(2) * 2)
+    await batcher.stop()
+
+
+async def test_rows_of_one_request_span_batches_and_come_back_in_order() -> None:
+    runner = FakeRunner()
+    batcher = Batcher(runner, max_batch_size=4, max_delay=0.0, max_queue_rows=64)
+    batcher.start()
+    out = await batcher.submit(rows(10))
+    assert runner.sizes == [4, 4, 2]
+    assert np.array_equal(out, rows(10) * 2)
+    await batcher.stop()
+
+
+async def test_runner_returning_wrong_row_count_fails_the_batch_with_a_clear_error() -> None:
+    async def short(chunks: list[np.ndarray]) -> list[np.ndarray]:
+        return [c[:-1] for c in chunks]
+
+    batcher = Batcher(short, max_batch_size=4, max_delay=0.0, max_queue_rows=64)
+    batcher.start()
+    with pytest.raises(BatchFailedError, match="batch size mismatch"):
+        await batcher.submit(rows(2))
+    await batcher.stop()
+
+
+async def test_expired_request_is_answered_and_never_run() -> None:
+    runner = FakeRunner()
+    batcher = Batcher(runner, max_batch_size=4, max_delay=0.0, max_queue_rows=64)
+    batcher.start()
+    with pytest.raises(DeadlineExceededError):
+        await batcher.submit(rows(1), deadline=time.monotonic() - 1)
+    assert runner.batches == []
+    assert batcher.stats.expired == 1
+    await batcher.stop()
+
+
+async def test_stop_drains_queued_requests_then_refuses_new_ones() -> None:
+    runner = FakeRunner()
+    batcher = Batcher(runner, max_batch_size=2, max_delay=10.0, max_queue_rows=64)
+    batcher.start()
+    waiting = [asyncio.ensure_future(batcher.submit(rows(1, i))) for i in range(5)]
+    await asyncio.sleep(0)
+    await asyncio.wait_for(batcher.stop(), timeout=5)
+    assert all(f.done() and not f.exception() for f in waiting)
+    with pytest.raises(ShuttingDownError):
+        await batcher.submit(rows(1))
+
+
+async def test_batcher_module_does_not_import_torch_or_fastapi() -> None:
+    import subprocess
+    import sys
+
+    code = "import sys, server.batching; print('torch' in sys.modules, 'fastapi' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False", "False"]

@@ -1,0 +1,114 @@
+"""The model store: manifests, versions, safe loading."""
+
+from __future__ import annotations
+
+import json
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+
+from server import store
+from server.store import StoreError
+from tests.conftest import save_tiny_mlp
+
+
+def edit_manifest(root: Path, name: str, **changes: object) -> Path:
+    path = root / name / store.MANIFEST
+    raw = json.loads(path.read_text())
+    raw.update(changes)
+    path.write_text(json.dumps(raw))
+    return path
+
+
+def test_saved_model_loads_back_with_identical_weights(tmp_path: Path) -> None:
+    vdir = save_tiny_mlp(tmp_path)
+    assert vdir == tmp_path / "tiny" / "1"
+    assert (vdir / store.WEIGHTS).is_file()
+    loaded = store.load(tmp_path, "tiny")
+    torch.manual_seed(0)
+    from server import models
+
+    fresh = models.build("mlp", in_features=16, hidden=[32], out_features=4)
+    for (k, a), (_, b) in zip(loaded.module.state_dict().items(), fresh.state_dict().items(), strict=True):
+        assert torch.equal(a, b), k
+    assert loaded.version == 1
+    assert loaded.manifest.labels == ["a", "b", "c", "d"]
+
+
+def test_next_save_gets_the_next_version_and_highest_is_served(tmp_path: Path) -> None:
+    save_tiny_mlp(tmp_path)
+    assert save_tiny_mlp(tmp_path, seed=1).name == "2"
+    assert store.versions(tmp_path / "tiny") == [1, 2]
+    assert store.load(tmp_path, "tiny").version == 2
+    assert store.load(tmp_path, "tiny", version=1).version == 1
+
+
+@pytest.mark.parametrize(
+    ("changes", "field", "problem"),
+    [
+        ({"architecture": "resnet9000"}, "architecture", "unknown architecture 'resnet9000'"),
+        ({"batching": {"max_batch_size": 0}}, "batching.max_batch_size", "greater than or equal to 1"),
+        ({"batching": {"max_batch_size": 64, "max_queue_rows": 8}}, "batching", "max_queue_rows (8)"),
+        ({"precision": "fp8"}, "precision", "Input should be"),
+        ({"inputs": []}, "inputs", "at least 1 item"),
+        ({"inputs": [{"name": "x", "shape": [0]}]}, "inputs.0.shape", "positive integer"),
+        ({"labels": ["only", "three", "labels"]}, "(top level)", "labels has 3 entries"),
+        ({"unexpected": 1}, "unexpected", "Extra inputs are not permitted"),
+        ({"version": 7}, "version", "7 is pinned but not present"),
+    ],
+)
+def test_bad_manifest_names_file_and_field(
+    tmp_path: Path, changes: dict[str, object], field: str, problem: str
+) -> None:
+    save_tiny_mlp(tmp_path)
+    path = edit_manifest(tmp_path, "tiny", **changes)
+    with pytest.raises(StoreError) as err:
+        store.load(tmp_path, "tiny")
+    assert str(path) in str(err.value)
+    assert f"{field}: " in str(err.value) or field in str(err.value)
+    assert problem in str(err.value)
+
+
+def test_manifest_that_is_not_json_is_named(tmp_path: Path) -> None:
+    save_tiny_mlp(tmp_path)
+    (tmp_path / "tiny" / store.MANIFEST).write_text("{oops")
+    with pytest.raises(StoreError, match="config.json: not valid JSON"):
+        store.load_manifest(tmp_path / "tiny")
+
+
+def test_checkpoint_that_does_not_fit_the_architecture_is_refused(tmp_path: Path) -> None:
+    save_tiny_mlp(tmp_path)
+    edit_manifest(tmp_path, "tiny", arch_kwargs={"in_features": 16, "hidden": [64], "out_features": 4})
+    with pytest.raises(StoreError, match="does not fit architecture 'mlp'"):
+        store.load(tmp_path, "tiny")
+
+
+def test_a_pickle_posing_as_a_checkpoint_is_never_executed(tmp_path: Path) -> None:
+    marker = tmp_path / "pwned"
+
+    class Exploit:
+        def __reduce__(self) -> tuple[object, tuple[str]]:
+            return (Path.touch, (str(marker),))  # type: ignore[return-value]
+
+    vdir = save_tiny_mlp(tmp_path)
+    (vdir / store.WEIGHTS).write_bytes(pickle.dumps(Exploit()))
+    with pytest.raises(StoreError, match="cannot read safetensors checkpoint"):
+        store.load(tmp_path, "tiny")
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("name", ["../etc", "a/b", "", ".hidden", "x" * 65])
+def test_model_names_cannot_escape_the_store(tmp_path: Path, name: str) -> None:
+    with pytest.raises(StoreError, match="is invalid"):
+        store.load(tmp_path, name)
+
+
+def test_store_listing_only_counts_folders_with_a_manifest(tmp_path: Path) -> None:
+    save_tiny_mlp(tmp_path, "one")
+    save_tiny_mlp(tmp_path, "two")
+    (tmp_path / "empty").mkdir()
+    assert store.model_names(tmp_path) == ["one", "two"]
+    with pytest.raises(StoreError, match="does not exist"):
+        store.model_names(tmp_path / "missing")
