@@ -32,6 +32,7 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--max-delay-ms", type=float, help="override every model's max_delay_ms")
     p.add_argument("--max-queue-rows", type=int, help="override every model's max_queue_rows")
     p.add_argument("--threads", type=int, help="torch intra-op threads")
+    p.add_argument("--admin-token", help="bearer token that enables the management calls (load, unload)")
     p.add_argument("--no-warmup", dest="warmup", action="store_false", default=None, help="skip warm-up at load")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     p.add_argument("--access-log", action="store_true", default=None, help="log every request (slower)")

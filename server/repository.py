@@ -13,6 +13,7 @@ import numpy as np
 from server import store
 from server.batching import Batcher
 from server.engine import Engine, resolve_device
+from server.precision import Precision
 from server.settings import Settings
 from server.store import Batching, Manifest, StoreError
 
@@ -25,6 +26,7 @@ class ModelState(str, Enum):
     LOADING = "loading"
     READY = "ready"
     FAILED = "failed"
+    UNLOADED = "unloaded"
 
 
 class ModelNotFoundError(LookupError):
@@ -46,6 +48,8 @@ class ServedModel:
     state: ModelState = ModelState.LOADING
     error: str | None = None
     engine: Engine | None = None
+    precision: Precision | None = None
+    """The resolved precision the engine serves in, once loaded."""
     batcher: Batcher | None = None
     warmup_seconds: float = 0.0
     loaded_at: float = field(default_factory=time.time)
@@ -96,10 +100,13 @@ class ModelRepository:
         if not names:
             raise StoreError(f"{root}: no model folder with a {store.MANIFEST}")
         for name in names:
-            model_dir = root / store.check_name(name)
-            manifest = store.load_manifest(model_dir)
-            version = store.resolve_version(model_dir, manifest)
-            self.models[name] = ServedModel(name, manifest, version, self._batching(manifest))
+            self.models[name] = self._register(name)
+
+    def _register(self, name: str, version: int | None = None) -> ServedModel:
+        model_dir = self.settings.store / store.check_name(name)
+        manifest = store.load_manifest(model_dir)
+        version = store.resolve_version(model_dir, manifest, version)
+        return ServedModel(name, manifest, version, self._batching(manifest))
 
     def _batching(self, manifest: Manifest) -> Batching:
         s, b = self.settings, manifest.batching
@@ -131,7 +138,8 @@ class ModelRepository:
             max_queue_rows=served.batching.max_queue_rows,
         )
         batcher.start()
-        served.engine, served.batcher, served.state = engine, batcher, ModelState.READY
+        served.engine, served.batcher, served.precision = engine, batcher, engine.precision
+        served.state = ModelState.READY
         log.info(
             "model %s v%d ready on %s in %s (warm-up %.2fs)",
             served.name,
@@ -141,10 +149,42 @@ class ModelRepository:
             served.warmup_seconds,
         )
 
+    async def load(self, name: str, version: int | None = None) -> ServedModel:
+        """Load (or reload) ``name`` from the store without a restart; the old instance drains after the swap.
+
+        Raises :class:`StoreError` for a model or version the store does not hold.
+        """
+        if not (self.settings.store / store.check_name(name) / store.MANIFEST).is_file():
+            raise StoreError(f"model {name!r} is not in the store {self.settings.store}")
+        served = self._register(name, version)
+        await self._load(served)
+        old = self.models.get(name)
+        self.models[name] = served
+        if old is not None:
+            await self._release(old)
+        return served
+
+    async def unload(self, name: str) -> None:
+        """Stop serving ``name``: queued requests are answered, then the engine is released."""
+        served = self.get(name)
+        served.state = ModelState.UNLOADED
+        await self._release(served)
+
+    @staticmethod
+    async def _release(served: ServedModel) -> None:
+        batcher, engine = served.batcher, served.engine
+        served.batcher = None
+        if batcher is not None:
+            await batcher.stop()
+        if engine is not None:
+            engine.close()
+        served.engine = None
+
     @property
     def ready(self) -> bool:
-        """True when every model is loaded and warmed up."""
-        return bool(self.models) and all(m.state is ModelState.READY for m in self.models.values())
+        """True when every model that is not unloaded is loaded and warmed up."""
+        live = [m for m in self.models.values() if m.state is not ModelState.UNLOADED]
+        return bool(live) and all(m.state is ModelState.READY for m in live)
 
     def get(self, name: str | None) -> ServedModel:
         """The model called ``name``; ``None`` means the only model when exactly one is served."""
@@ -160,7 +200,4 @@ class ModelRepository:
     async def close(self) -> None:
         """Drain every batcher (queued requests are answered), then release the engines."""
         for served in self.models.values():
-            if served.batcher is not None:
-                await served.batcher.stop()
-            if served.engine is not None:
-                served.engine.close()
+            await self._release(served)

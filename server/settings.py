@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from server.precision import Precision
@@ -32,6 +32,8 @@ class Settings(BaseSettings):
     threads: int | None = Field(default=None, ge=1)
     """torch intra-op threads; unset keeps torch's default."""
     warmup: bool = True
+    admin_token: SecretStr | None = None
+    """Bearer token for the management calls (load, unload); without one they answer 403."""
     log_level: str = "info"
     access_log: bool = False
 

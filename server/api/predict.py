@@ -91,12 +91,10 @@ async def predict(request: Request) -> Response:
         out = await served.infer(x)
     except Exception as e:
         raise from_exception(e) from None
-    engine = served.engine
-    assert engine is not None
     body: dict[str, Any] = {
         "model": served.name,
         "version": served.version,
-        "precision": engine.precision.value,
+        "precision": str(served.precision),
         "outputs": out,
     }
     labels = served.manifest.labels

@@ -69,7 +69,7 @@ def load(version_dir: Path) -> TrainState:
     try:
         raw = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # unpickling errors come in many types; all mean the file is unusable
-        raise TrainingError(f"{path}: cannot read training state ({type(e).__name__}: {e})") from None
+        raise TrainingError(f"{path}: cannot read training state ({type(e).__name__}: {_essence(e)})") from None
     if not isinstance(raw, dict):
         raise TrainingError(f"{path}: expected a dict, found {type(raw).__name__}")
     if raw.get("format") != FORMAT:
@@ -78,3 +78,10 @@ def load(version_dir: Path) -> TrainState:
         if not isinstance(raw.get(name), kind):
             raise TrainingError(f"{path}: {name}: missing or of the wrong type ({type(raw.get(name)).__name__})")
     return TrainState(**{name: raw[name] for name in _FIELDS})
+
+
+def _essence(error: Exception) -> str:
+    """One line of an error message: torch's weights-only refusal spans a dozen lines of advice."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    reason = next((line for line in lines if line.startswith("WeightsUnpickler error:")), lines[0] if lines else "")
+    return reason.removeprefix("WeightsUnpickler error:").strip()

@@ -273,7 +273,7 @@ class _Run:
             "final_train_accuracy": last_epoch.get("train_accuracy"),
             "final_test_accuracy": last_epoch.get("test_accuracy"),
             "seconds": round(total_seconds, 3),
-            "run": {"epochs": config.epochs, "steps": run_steps, "seconds": round(seconds, 3)},
+            "run": {"epochs": epoch - (self.previous.epoch if self.previous else 0), "steps": run_steps, "seconds": round(seconds, 3)},
             "torch": torch.__version__,
         }
         if self.standardize is not None:

@@ -1,0 +1,215 @@
+"""Serving benchmark: /predict throughput and latency against concurrency, beside the in-process ceiling.
+
+For each precision it measures, in one run:
+  * the ceiling: the model's own batched forward in-process, through the same Engine code the server uses
+    (numpy in, cast, forward, float32 numpy out), in rows/s at each batch size;
+  * the load generator's own ceiling: wrk against the server's trivial GET /health;
+  * the server with dynamic batching, and with batching off (max_batch_size 1), at each concurrency level, driven by
+    wrk (one JSON sample per request), with the server's observed mean batch size.
+
+Usage (wrk from Debian's package):
+    python benchmarks/serve_bench.py --model digits_mlp --precisions bf16,fp32 --out benchmarks/results/cpu
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from server import store  # noqa: E402
+from server.engine import Engine  # noqa: E402
+from server.precision import Precision  # noqa: E402
+
+LUA = """
+wrk.method = "POST"
+wrk.headers["Content-Type"] = "application/json"
+local f = io.open(os.getenv("HALFSERVE_BODY"), "r")
+wrk.body = f:read("*a")
+f:close()
+"""
+
+
+def ceiling(store_dir: Path, model: str, precision: str, sizes: list[int], seconds: float) -> dict[str, float]:
+    loaded = store.load(store_dir, model)
+    engine = Engine(loaded, Precision(precision), torch.device("cpu"))
+    shape = tuple(loaded.manifest.inputs[0].shape)
+    out: dict[str, float] = {}
+    rng = np.random.default_rng(0)
+    for bs in sizes:
+        x = rng.uniform(0, 1, size=(bs, *shape)).astype(np.float32)
+        for _ in range(10):
+            engine.forward(x)
+        n, start = 0, time.perf_counter()
+        while time.perf_counter() - start < seconds:
+            engine.forward(x)
+            n += 1
+        out[str(bs)] = n * bs / (time.perf_counter() - start)
+    engine.close()
+    return out
+
+
+def parse_wrk(text: str) -> dict[str, float]:
+    def ms(token: str) -> float:
+        m = re.match(r"([\d.]+)(us|ms|s)", token)
+        assert m, token
+        v = float(m.group(1))
+        return v / 1000 if m.group(2) == "us" else v if m.group(2) == "ms" else v * 1000
+
+    lat = dict(re.findall(r"^\s+(50|75|90|99)%\s+(\S+)", text, re.M))
+    rps = float(re.search(r"Requests/sec:\s+([\d.]+)", text).group(1))  # type: ignore[union-attr]
+    total = int(re.search(r"(\d+) requests in", text).group(1))  # type: ignore[union-attr]
+    errors = re.search(r"Non-2xx or 3xx responses: (\d+)", text)
+    socket_errors = re.search(r"Socket errors: (.*)", text)
+    return {
+        "rps": rps,
+        "requests": total,
+        "non_2xx": int(errors.group(1)) if errors else 0,
+        "socket_errors": socket_errors.group(1) if socket_errors else "",  # type: ignore[dict-item]
+        "p50_ms": ms(lat["50"]),
+        "p90_ms": ms(lat["90"]),
+        "p99_ms": ms(lat["99"]),
+    }
+
+
+def wrk(url: str, connections: int, seconds: float, script: Path | None, body: Path | None) -> dict[str, float]:
+    cmd = ["wrk", "-t1", f"-c{connections}", f"-d{seconds:g}s", "--latency", "--timeout", "10s"]
+    if script is not None:
+        cmd += ["-s", str(script)]
+    env = {**os.environ, "HALFSERVE_BODY": str(body or "")}
+    text = subprocess.run([*cmd, url], capture_output=True, text=True, check=True, env=env).stdout
+    return parse_wrk(text)
+
+
+def start_server(store_dir: Path, model: str, port: int, *args: str) -> subprocess.Popen[bytes]:
+    cmd = [sys.executable, "-m", "server", "serve", "--store", str(store_dir), "--models", model, "--port", str(port)]
+    proc = subprocess.Popen([*cmd, *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
+    for _ in range(600):
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/ready", timeout=1).status_code == 200:
+                return proc
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError("server did not become ready")
+
+
+def stats(port: int, model: str) -> dict[str, float]:
+    s = httpx.get(f"http://127.0.0.1:{port}/models/{model}/stats").json()
+    return {"rows": s["rows"], "batches": s["batches"]}
+
+
+def sweep(args: argparse.Namespace, precision: str, batching: bool, body: Path, script: Path) -> list[dict[str, object]]:
+    port = args.port
+    extra = ["--precision", precision]
+    if not batching:
+        extra += ["--max-batch-size", "1", "--max-queue-rows", "4096"]
+    proc = start_server(args.store, args.model, port, *extra)
+    rows: list[dict[str, object]] = []
+    try:
+        url = f"http://127.0.0.1:{port}/predict"
+        wrk(url, 8, 2, script, body)  # warm the connection pool and allocator
+        for c in args.concurrency:
+            before = stats(port, args.model)
+            result = wrk(url, c, args.duration, script, body)
+            after = stats(port, args.model)
+            batches = after["batches"] - before["batches"]
+            mean_batch = (after["rows"] - before["rows"]) / batches if batches else 0.0
+            row = {"precision": precision, "batching": batching, "concurrency": c, **result, "mean_batch": mean_batch}
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+        if batching:
+            health = wrk(f"http://127.0.0.1:{port}/health", max(args.concurrency), args.duration, None, None)
+            rows.append({"precision": precision, "batching": None, "concurrency": max(args.concurrency),
+                         "endpoint": "GET /health", **health})
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    return rows
+
+
+def table(result: dict[str, object]) -> str:
+    lines = [
+        "| precision | batching | concurrency | req/s | p50 ms | p99 ms | mean batch | server / ceiling |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    ceilings = result["ceiling_rows_per_s"]
+    assert isinstance(ceilings, dict)
+    for r in result["runs"]:  # type: ignore[attr-defined]
+        if r.get("endpoint"):
+            continue
+        ceil = max(ceilings[r["precision"]].values())
+        lines.append(
+            f"| {r['precision']} | {'on' if r['batching'] else 'off (max_batch_size 1)'} | {r['concurrency']} "
+            f"| {r['rps']:.0f} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} | {r['mean_batch']:.1f} | {r['rps'] / ceil:.3f} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--store", type=Path, default=ROOT / "model_store")
+    p.add_argument("--model", default="digits_mlp")
+    p.add_argument("--precisions", default="bf16,fp32")
+    p.add_argument("--concurrency", default="1,8,32,64", type=lambda s: [int(x) for x in s.split(",")])
+    p.add_argument("--duration", type=float, default=10.0, help="seconds per level")
+    p.add_argument("--port", type=int, default=8471)
+    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "cpu")
+    args = p.parse_args()
+
+    manifest = store.load_manifest(args.store / args.model)
+    shape = manifest.inputs[0].shape
+    sample = np.random.default_rng(0).uniform(0, 1, size=shape).round(6).tolist()
+    tmp = Path(tempfile.mkdtemp())
+    body = tmp / "body.json"
+    body.write_text(json.dumps({"model": args.model, "inputs": [sample]}))
+    script = tmp / "post.lua"
+    script.write_text(LUA)
+
+    precisions = args.precisions.split(",")
+    sizes = sorted({1, 8, 32, manifest.batching.max_batch_size})
+    result: dict[str, object] = {
+        "model": args.model,
+        "input_shape": shape,
+        "max_batch_size": manifest.batching.max_batch_size,
+        "max_delay_ms": manifest.batching.max_delay_ms,
+        "machine": {
+            "cpu": platform.processor() or platform.machine(),
+            "cores": os.cpu_count(),
+            "torch": torch.__version__,
+            "torch_threads": torch.get_num_threads(),
+            "allocator": "jemalloc (LD_PRELOAD)" if "jemalloc" in os.environ.get("LD_PRELOAD", "") else "glibc malloc",
+            "load_generator": "wrk -t1 (one thread), one JSON sample per request, keep-alive",
+        },
+        "ceiling_rows_per_s": {},
+        "runs": [],
+    }
+    for prec in precisions:
+        result["ceiling_rows_per_s"][prec] = ceiling(args.store, args.model, prec, sizes, 2.0)  # type: ignore[index]
+        print(prec, "ceiling", result["ceiling_rows_per_s"][prec], flush=True)  # type: ignore[index]
+        for batching in (True, False):
+            result["runs"] += sweep(args, prec, batching, body, script)  # type: ignore[operator]
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
+    md = table(result)
+    args.out.with_suffix(".md").write_text(md + "\n")
+    print(md)
+
+
+if __name__ == "__main__":
+    main()
