@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from pydantic import ValidationError
 
 from server.precision import Precision
+from server.training import cli as train_cli
 
 
 def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -72,12 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="halfserve", description="Half-precision PyTorch inference server.")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_serve(sub)
-    try:
-        from server.training.cli import add_parser as add_train
-    except ImportError:
-        pass
-    else:
-        add_train(sub)
+    train_cli.add_parser(sub)
     return parser
 
 

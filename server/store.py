@@ -4,7 +4,6 @@ Layout::
 
     <store>/<name>/config.json          the manifest (validated by :class:`Manifest`)
     <store>/<name>/<version>/model.safetensors
-    <store>/<name>/<version>/model.pt2  (instead, for a ``torch.export`` program)
 
 The highest version is served unless the manifest (or the caller) pins one. Loading never runs code from a file:
 weights come from safetensors, and architectures are looked up by name in :mod:`server.models`.
@@ -21,7 +20,6 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
-import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from safetensors.torch import load_file, save_file
 from torch import nn
@@ -31,7 +29,6 @@ from server.precision import Precision
 
 MANIFEST = "config.json"
 WEIGHTS = "model.safetensors"
-PROGRAM = "model.pt2"
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
 _NAME_RE = re.compile(NAME_PATTERN)
 
@@ -92,11 +89,13 @@ class Manifest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     name: str = Field(pattern=NAME_PATTERN)
-    architecture: str | None = None
-    """A name registered in :mod:`server.models`; its keyword arguments are ``arch_kwargs``."""
+    architecture: str
+    """A name registered in :mod:`server.models`; its keyword arguments are ``arch_kwargs``.
+
+    ``torch.export`` programs are not accepted: ``torch.export.load`` falls back to full unpickling
+    (``weights_only=False``) when the safe load fails, so a crafted archive could run code.
+    """
     arch_kwargs: dict[str, Any] = Field(default_factory=dict)
-    program: bool = False
-    """True when each version holds a ``torch.export`` program (``model.pt2``) instead of an architecture's weights."""
     inputs: list[TensorSpec] = Field(min_length=1, max_length=1)
     outputs: list[TensorSpec] = Field(min_length=1, max_length=1)
     labels: list[str] | None = None
@@ -111,15 +110,13 @@ class Manifest(BaseModel):
 
     @field_validator("architecture")
     @classmethod
-    def _registered(cls, name: str | None) -> str | None:
-        if name is not None and name not in models.names():
+    def _registered(cls, name: str) -> str:
+        if name not in models.names():
             raise ValueError(f"unknown architecture {name!r} (registered: {', '.join(models.names())})")
         return name
 
     @model_validator(mode="after")
     def _consistent(self) -> Manifest:
-        if (self.architecture is None) == (not self.program):
-            raise ValueError("give exactly one of 'architecture' (a registered name) or 'program': true")
         if self.labels is not None and len(self.labels) != self.outputs[0].shape[-1]:
             raise ValueError(
                 f"labels has {len(self.labels)} entries but the output's last dimension is {self.outputs[0].shape[-1]}"
@@ -201,30 +198,21 @@ def load(root: Path, name: str, version: int | None = None) -> LoadedModel:
     manifest = load_manifest(model_dir)
     v = resolve_version(model_dir, manifest, version)
     vdir = model_dir / str(v)
-    module: nn.Module
-    if manifest.program:
-        path = vdir / PROGRAM
-        if not path.is_file():
-            raise StoreError(f"{path}: torch.export program not found")
-        # torch.export's archive holds a serialized graph and tensors, not pickled code.
-        module = torch.export.load(str(path)).module()
-    else:
-        assert manifest.architecture is not None
-        path = vdir / WEIGHTS
-        if not path.is_file():
-            raise StoreError(f"{path}: checkpoint not found")
-        try:
-            module = models.build(manifest.architecture, **manifest.arch_kwargs)
-        except TypeError as e:
-            raise StoreError(f"{model_dir / MANIFEST}: arch_kwargs: {e}") from None
-        try:
-            state = load_file(str(path), device="cpu")
-        except Exception as e:  # safetensors raises its own error types for corrupt headers
-            raise StoreError(f"{path}: cannot read safetensors checkpoint ({e})") from None
-        try:
-            module.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()})
-        except RuntimeError as e:
-            raise StoreError(f"{path}: checkpoint does not fit architecture {manifest.architecture!r}: {e}") from None
+    path = vdir / WEIGHTS
+    if not path.is_file():
+        raise StoreError(f"{path}: checkpoint not found")
+    try:
+        module = models.build(manifest.architecture, **manifest.arch_kwargs)
+    except TypeError as e:
+        raise StoreError(f"{model_dir / MANIFEST}: arch_kwargs: {e}") from None
+    try:
+        state = load_file(str(path), device="cpu")
+    except Exception as e:  # safetensors raises its own error types for corrupt headers
+        raise StoreError(f"{path}: cannot read safetensors checkpoint ({e})") from None
+    try:
+        module.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()})
+    except RuntimeError as e:
+        raise StoreError(f"{path}: checkpoint does not fit architecture {manifest.architecture!r}: {e}") from None
     return LoadedModel(manifest=manifest, version=v, module=module.float().eval(), path=path)
 
 
@@ -261,6 +249,11 @@ def save(root: Path, manifest: Manifest, module: nn.Module, version: int | None 
         k: (v.detach().float() if v.is_floating_point() else v.detach()).contiguous().cpu()
         for k, v in module.state_dict().items()
     }
-    save_file(state, str(vdir / WEIGHTS), metadata={"name": manifest.name, "version": str(version)})
+    weights = vdir / WEIGHTS
+    save_file(state, str(weights), metadata={"name": manifest.name, "version": str(version)})
+    # safetensors creates the file owner-only; a store built by one user is often served by another (containers).
+    umask = os.umask(0)
+    os.umask(umask)
+    weights.chmod(0o666 & ~umask)
     write_manifest(root, manifest)
     return vdir

@@ -20,6 +20,17 @@ EXIT_OK = 0
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
 PROG = "halfserve train"
+DESCRIPTION = """\
+Train a bundled recipe on data that ships with scikit-learn and save it as a new numbered version in the model
+store, with a report (report/metrics.json and loss, accuracy and loss-scale plots) and an evaluation of the saved
+checkpoint served in fp32, fp16 and bf16 (written to the manifest's "evaluation").
+
+examples:
+  halfserve train digits_cnn                       # bf16 autocast on a CPU, fp16 + GradScaler on CUDA
+  halfserve train digits_cnn --resume --epochs 4   # 4 more epochs from the newest version's train_state.pt
+  halfserve train tabular --no-state               # no optimizer state beside the weights (the shipped store)
+
+Expected errors print one line on stderr and exit with code 2."""
 
 
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -27,7 +38,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     parser = subparsers.add_parser(
         "train",
         help="train a bundled recipe and save it as a new model store version",
-        description=__doc__,
+        description=DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_arguments(parser)
@@ -120,7 +131,7 @@ def summary(result: TrainResult) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``python -m server.training``."""
     parser = argparse.ArgumentParser(
-        prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog=PROG, description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     add_arguments(parser)
     args = parser.parse_args(argv)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
 import math
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -12,6 +14,9 @@ from server.precision import DTYPE_NAMES, default_device, default_training_dtype
 from server.training import recipes
 from server.training.errors import TrainingError
 from server.training.recipes import Recipe
+
+OPTIONAL_DEPENDENCIES = {"sklearn": "scikit-learn", "matplotlib": "matplotlib", "rich": "rich"}
+"""The ``train`` extra: imported only by training, so ``halfserve serve`` runs without them."""
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -103,3 +108,20 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     if dev.type not in ("cpu", "cuda"):
         raise TrainingError(f"device {dev}: only cpu and cuda are supported")
     return dev
+
+
+def check_dependencies() -> None:
+    """Fail with the install command when the ``train`` extra is missing."""
+    missing = [dist for module, dist in OPTIONAL_DEPENDENCIES.items() if importlib.util.find_spec(module) is None]
+    if missing:
+        raise TrainingError(f"training needs {', '.join(missing)}: pip install 'halfserve[train]'")
+
+
+def check_writable(root: Path) -> None:
+    """Fail before training, not after minutes of it, when the store cannot take a new version."""
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=root):
+            pass
+    except OSError as e:
+        raise TrainingError(f"cannot write to model store {root}: {e.strerror or e}") from None

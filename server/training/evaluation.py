@@ -9,6 +9,7 @@ isolates what the cast itself changes.
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,7 +44,7 @@ class Evaluation:
         for name, value in self.agreement.items():
             out[f"{name}_top1_agreement"] = round(value, 6)
         for name, value in self.max_abs_logit_diff.items():
-            out[f"{name}_max_abs_logit_diff"] = round(value, 6) if value != float("inf") else None
+            out[f"{name}_max_abs_logit_diff"] = round(value, 6) if math.isfinite(value) else None
         return out
 
 
@@ -70,9 +71,7 @@ def evaluate_module(module: nn.Module, x: torch.Tensor, y: torch.Tensor, device:
         test_samples=int(x.shape[0]),
         accuracy={name: _fraction(pred == y) for name, pred in top1.items()},
         agreement={name: _fraction(top1[name] == top1[str(Precision.FP32)]) for name in halves},
-        max_abs_logit_diff={
-            name: float((outputs[name] - reference).abs().max().nan_to_num(float("inf"))) for name in halves
-        },
+        max_abs_logit_diff={name: _max_abs_diff(outputs[name], reference) for name in halves},
         device=str(device),
     )
 
@@ -81,6 +80,12 @@ def evaluate(root: Path, name: str, version: int, x: torch.Tensor, y: torch.Tens
     """Load version ``version`` of model ``name`` from the store at ``root`` and evaluate it on ``(x, y)``."""
     loaded = store.load(root, name, version)
     return evaluate_module(loaded.module, x, y, device)
+
+
+def _max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    diff = float((a - b).abs().max()) if a.numel() else 0.0
+    # NaN (an overflowed logit minus anything) reads as unbounded, not as "no difference".
+    return diff if math.isfinite(diff) else math.inf
 
 
 def _fraction(mask: torch.Tensor) -> float:

@@ -108,7 +108,7 @@ RECIPES: Mapping[str, Recipe] = MappingProxyType(
                 ),
                 load_data=datasets.digits_16x16_flat,
                 architecture="mlp",
-                arch_kwargs=_frozen(in_features=256, hidden=(1024, 1024), out_features=10, dropout=0.1),
+                arch_kwargs=_frozen(in_features=256, hidden=(1024, 1024), out_features=10, dropout=0.0),
                 input_name="pixels",
                 epochs=20,
                 batch_size=64,

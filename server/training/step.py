@@ -17,6 +17,7 @@ With bf16 or fp32 the scaler is disabled (bf16 has fp32's exponent range) and st
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -83,3 +84,9 @@ def train_step(
         grad_norm=float(grad_norm.item()),
         correct=correct,
     )
+
+
+def cosine_lr(base: float, step: int, total: int, floor: float = 0.1) -> float:
+    """The rate for 0-based ``step`` of ``total``: cosine from ``base`` down to ``floor * base`` at the last step."""
+    progress = step / max(total - 1, 1)
+    return base * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))

@@ -4,25 +4,22 @@ A run either starts fresh or resumes from the highest version of its recipe in t
 *new* numbered version, so a served version is never overwritten; the new version's training record counts steps
 and epochs over the whole chain.
 
-The learning rate follows one cosine decay from the recipe's rate to a tenth of it over the run's steps; a resumed
-run starts a new decay (a warm restart), since how many more runs will follow is unknown.
+The learning rate follows :func:`~server.training.step.cosine_lr` over the run's steps; a resumed run starts a new
+decay (a warm restart), since how many more runs will follow is unknown.
 """
 
 from __future__ import annotations
 
 import math
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from torch import nn
 
 from server import store
@@ -30,14 +27,17 @@ from server.precision import grad_scaler
 from server.store import Manifest, StoreError
 from server.training import checkpoint, evaluation, report
 from server.training.checkpoint import TrainState
-from server.training.config import TrainConfig
+from server.training.config import TrainConfig, check_dependencies, check_writable
 from server.training.datasets import Dataset
 from server.training.errors import TrainingError
 from server.training.evaluation import Evaluation
 from server.training.recipes import Recipe
 from server.training.report import History
 from server.training.standardization import fold, unfold
-from server.training.step import train_step
+from server.training.step import cosine_lr, train_step
+
+if TYPE_CHECKING:
+    from rich.progress import Progress
 
 
 @dataclass(frozen=True)
@@ -101,12 +101,32 @@ def train(
 
 def run(config: TrainConfig) -> TrainResult:
     """Carry out a resolved :class:`TrainConfig`."""
-    _check_writable(config.store)
+    check_dependencies()
+    check_writable(config.store)
     data = config.recipe.load_data()
     # Seeding is the run's business, not the caller's: the global RNG is restored afterwards.
-    cuda = [config.device] if config.device.type == "cuda" else []
+    cuda = []
+    if config.device.type == "cuda":
+        cuda = [config.device.index if config.device.index is not None else torch.cuda.current_device()]
     with torch.random.fork_rng(devices=cuda):
         return _Run(config, data).execute()
+
+
+@dataclass
+class _Counters:
+    """Where the loop is, over the whole chain (``step``, ``epoch``, ``skipped``) and in this run."""
+
+    step: int
+    skipped: int
+    epoch: int
+    run_steps: int = 0
+    last_loss: float = float("nan")
+
+    def count(self, loss: float, skipped: bool) -> None:
+        self.step += 1
+        self.run_steps += 1
+        self.skipped += skipped
+        self.last_loss = loss
 
 
 class _Run:
@@ -130,10 +150,14 @@ class _Run:
         )
         self.scaler = grad_scaler(config.dtype, config.device)
         if self.previous is not None:
-            self.optimizer.load_state_dict(self.previous.optimizer)
-            # A state from a bf16/fp32 run has no scale to restore; an fp16 run then starts from the default scale.
-            if self.scaler.is_enabled() and self.previous.scaler:
-                self.scaler.load_state_dict(self.previous.scaler)
+            try:
+                self.optimizer.load_state_dict(self.previous.optimizer)
+                # A state from a bf16/fp32 run has no scale to restore; fp16 then starts from the default scale.
+                if self.scaler.is_enabled() and self.previous.scaler:
+                    self.scaler.load_state_dict(self.previous.scaler)
+            except (ValueError, KeyError, TypeError, RuntimeError) as e:
+                where = config.store / self.recipe.name / str(self.previous_version) / checkpoint.STATE_FILE
+                raise TrainingError(f"{where}: optimizer/scaler state does not fit the model ({e})") from None
 
     def _resume(self) -> tuple[nn.Module, History]:
         root, name = self.config.store, self.recipe.name
@@ -157,7 +181,7 @@ class _Run:
         if self.standardize is not None:
             unfold(self.standardize, module)
         # A different seed per resumed step keeps dropout masks from repeating those of the first run.
-        torch.manual_seed(state.seed + state.step)
+        torch.manual_seed(self.config.seed + state.step)
         self.previous, self.previous_version = state, version
         return module, History.load(vdir)
 
@@ -167,34 +191,35 @@ class _Run:
         x_test, y_test = data.x_test.to(config.device), data.y_test.to(config.device)
         batch_size = min(config.batch_size, x_train.shape[0])
         per_epoch = x_train.shape[0] // batch_size  # drop the ragged tail: BatchNorm needs full, even batches
-        total = (
-            config.epochs * per_epoch if config.max_steps is None else min(config.max_steps, config.epochs * per_epoch)
+        total = config.epochs * per_epoch
+        if config.max_steps is not None:
+            total = min(total, config.max_steps)
+        first_epoch = self.previous.epoch if self.previous else 0
+        counters = _Counters(
+            step=self.previous.step if self.previous else 0,
+            skipped=self.previous.skipped_steps if self.previous else 0,
+            epoch=first_epoch,
         )
-        prev = self.previous
-        step = prev.step if prev else 0
-        first_epoch = prev.epoch if prev else 0
-        skipped = prev.skipped_steps if prev else 0
-        run_steps, last_loss, last_epoch = 0, float("nan"), first_epoch
 
         started = time.perf_counter()
         with _progress(config.progress) as progress:
             task = progress.add_task(f"{self.recipe.name} [{config.precision}]", total=total, info="")
             for epoch in range(first_epoch + 1, first_epoch + config.epochs + 1):
-                if run_steps >= total:
+                if counters.run_steps >= total:
                     break
-                order = torch.randperm(
-                    x_train.shape[0], generator=torch.Generator().manual_seed(config.seed * 10_000 + epoch)
-                )
+                # Shuffled by (seed, epoch) alone, so a resumed chain sees the same order a single run would.
+                shuffle = torch.Generator().manual_seed(config.seed * 10_000 + epoch)
+                order = torch.randperm(x_train.shape[0], generator=shuffle)
+                batches = [order[i * batch_size : (i + 1) * batch_size] for i in range(per_epoch)]
+                batches = batches[: total - counters.run_steps]
                 self.model.train()
                 seen = correct = 0
                 loss_sum = 0.0
-                for i in range(per_epoch):
-                    if run_steps >= total:
-                        break
-                    lr = cosine_lr(config.lr, run_steps, total)
+                for idx in batches:
+                    lr = cosine_lr(config.lr, counters.run_steps, total)
                     for group in self.optimizer.param_groups:
                         group["lr"] = lr
-                    idx = order[i * batch_size : (i + 1) * batch_size].to(config.device)
+                    idx = idx.to(config.device)
                     result = train_step(
                         self.model,
                         x_train[idx],
@@ -205,16 +230,18 @@ class _Run:
                         device=config.device,
                         max_grad_norm=self.recipe.max_grad_norm,
                     )
+                    counters.count(result.loss, result.skipped)
                     if not math.isfinite(result.loss) and not self.scaler.is_enabled():
-                        raise TrainingError(f"loss became {result.loss} at step {step + 1}: lower --lr or use fp32")
-                    step, run_steps = step + 1, run_steps + 1
-                    skipped += result.skipped
-                    seen += idx.numel()
-                    correct += result.correct
-                    loss_sum += result.loss * idx.numel()
-                    last_loss = result.loss
+                        raise TrainingError(
+                            f"loss became {result.loss} at step {counters.step}: lower --lr or use fp32"
+                        )
+                    seen, correct, loss_sum = (
+                        seen + idx.numel(),
+                        correct + result.correct,
+                        loss_sum + result.loss * idx.numel(),
+                    )
                     self.history.record_step(
-                        step=step,
+                        step=counters.step,
                         epoch=epoch,
                         loss=result.loss,
                         loss_scale=result.loss_scale,
@@ -222,20 +249,18 @@ class _Run:
                         grad_norm=result.grad_norm,
                         lr=lr,
                     )
-                    progress.update(
-                        task, advance=1, info=f"epoch {epoch} loss {result.loss:.4f} scale {result.loss_scale:g}"
-                    )
+                    info = f"epoch {epoch} loss {result.loss:.4f} scale {result.loss_scale:g}"
+                    progress.update(task, advance=1, info=info)
                 self.history.record_epoch(
                     epoch=epoch,
-                    steps=step,
+                    steps=counters.step,
                     train_loss=loss_sum / max(seen, 1),
                     train_accuracy=correct / max(seen, 1),
                     test_accuracy=self._test_accuracy(x_test, y_test),
-                    partial=seen < per_epoch * batch_size,
+                    partial=len(batches) < per_epoch,
                 )
-                last_epoch = epoch
-        seconds = time.perf_counter() - started
-        return self._finish(step, last_epoch, skipped, run_steps, last_loss, seconds)
+                counters.epoch = epoch
+        return self._finish(counters, time.perf_counter() - started)
 
     @torch.inference_mode()
     def _test_accuracy(self, x: torch.Tensor, y: torch.Tensor) -> float:
@@ -245,14 +270,13 @@ class _Run:
         )
         return correct / max(x.shape[0], 1)
 
-    def _finish(
-        self, step: int, epoch: int, skipped: int, run_steps: int, last_loss: float, seconds: float
-    ) -> TrainResult:
+    def _finish(self, c: _Counters, seconds: float) -> TrainResult:
         config, data, recipe = self.config, self.data, self.recipe
         module = self.module.cpu()
         if self.standardize is not None:
             fold(self.standardize.cpu(), module)
         total_seconds = seconds + (self.previous.seconds if self.previous else 0.0)
+        first_epoch = self.previous.epoch if self.previous else 0
         last_epoch = self.history.epochs[-1] if self.history.epochs else {}
         training: dict[str, Any] = {
             "recipe": recipe.name,
@@ -265,15 +289,15 @@ class _Run:
             "batch_size": min(config.batch_size, data.x_train.shape[0]),
             "max_grad_norm": recipe.max_grad_norm,
             "seed": config.seed,
-            "epochs": epoch,
-            "steps": step,
-            "skipped_steps": skipped,
-            "final_loss": report.finite_or_none(last_loss),
+            "epochs": c.epoch,
+            "steps": c.step,
+            "skipped_steps": c.skipped,
+            "final_loss": report.finite_or_none(c.last_loss),
             "final_epoch_train_loss": last_epoch.get("train_loss"),
             "final_train_accuracy": last_epoch.get("train_accuracy"),
             "final_test_accuracy": last_epoch.get("test_accuracy"),
             "seconds": round(total_seconds, 3),
-            "run": {"epochs": epoch - (self.previous.epoch if self.previous else 0), "steps": run_steps, "seconds": round(seconds, 3)},
+            "run": {"epochs": c.epoch - first_epoch, "steps": c.run_steps, "seconds": round(seconds, 3)},
             "torch": torch.__version__,
         }
         if self.standardize is not None:
@@ -290,9 +314,9 @@ class _Run:
             state = TrainState(
                 recipe=recipe.name,
                 precision=config.precision,
-                epoch=epoch,
-                step=step,
-                skipped_steps=skipped,
+                epoch=c.epoch,
+                step=c.step,
+                skipped_steps=c.skipped,
                 seed=config.seed,
                 seconds=total_seconds,
                 optimizer=self.optimizer.state_dict(),
@@ -320,34 +344,28 @@ class _Run:
             version_dir=version_dir,
             manifest=manifest,
             evaluation=result,
-            steps=step,
-            run_steps=run_steps,
-            skipped_steps=skipped,
-            final_loss=last_loss,
+            steps=c.step,
+            run_steps=c.run_steps,
+            skipped_steps=c.skipped,
+            final_loss=c.last_loss,
             seconds=seconds,
             report_files=files,
             state_file=state_file,
         )
 
 
-def cosine_lr(base: float, step: int, total: int, floor: float = 0.1) -> float:
-    """The rate for 0-based ``step`` of ``total``: cosine from ``base`` down to ``floor * base`` at the last step."""
-    progress = step / max(total - 1, 1)
-    return base * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
-
-
-def _check_writable(root: Path) -> None:
-    """Fail before training, not after minutes of it, when the store cannot take a new version."""
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=root):
-            pass
-    except OSError as e:
-        raise TrainingError(f"cannot write to model store {root}: {e.strerror or e}") from None
-
-
 @contextmanager
 def _progress(enabled: bool) -> Iterator[Progress]:
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
     # A bar on a non-terminal (CI logs, pipes) only produces noise.
     console = Console(stderr=True)
     with Progress(
