@@ -1,0 +1,115 @@
+"""The engine alone: one model, cast once, run in its own thread."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from server import store
+from server.engine import Engine, EngineError, batch_buckets, resolve_device
+from server.precision import Precision
+from tests.conftest import save_tiny_mlp
+
+CPU = torch.device("cpu")
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.fixture
+def loaded(tmp_path: Path) -> store.LoadedModel:
+    save_tiny_mlp(tmp_path)
+    return store.load(tmp_path, "tiny")
+
+
+def test_batch_buckets_are_powers_of_two_up_to_the_limit() -> None:
+    assert batch_buckets(1) == [1]
+    assert batch_buckets(8) == [1, 2, 4, 8]
+    assert batch_buckets(48) == [1, 2, 4, 8, 16, 32, 48]
+
+
+@pytest.mark.parametrize(
+    ("mode", "dtype"), [("fp16", torch.float16), ("bf16", torch.bfloat16), ("fp32", torch.float32)]
+)
+def test_engine_casts_a_copy_and_leaves_the_host_weights_fp32(
+    loaded: store.LoadedModel, mode: str, dtype: torch.dtype
+) -> None:
+    engine = Engine(loaded, Precision(mode), CPU)
+    assert {p.dtype for p in engine.model.parameters()} == {dtype}
+    assert {p.dtype for p in loaded.module.parameters()} == {torch.float32}
+    assert engine.info.weight_bytes == sum(p.numel() for p in loaded.module.parameters()) * dtype.itemsize
+    engine.close()
+
+
+def test_run_chunks_returns_one_float32_output_per_chunk(loaded: store.LoadedModel) -> None:
+    engine = Engine(loaded, Precision.FP32, CPU)
+    chunks = [np.random.default_rng(i).standard_normal((n, 16)).astype(np.float32) for i, n in enumerate((1, 3, 2))]
+    outs = engine.run_chunks(chunks)
+    assert [o.shape for o in outs] == [(1, 4), (3, 4), (2, 4)]
+    assert all(o.dtype == np.float32 for o in outs)
+    with torch.inference_mode():
+        want = loaded.module(torch.from_numpy(np.concatenate(chunks))).numpy()
+    np.testing.assert_allclose(np.concatenate(outs), want, rtol=1e-6, atol=1e-6)
+    assert engine.forwards == 1  # the chunks ran as one batch
+    engine.close()
+
+
+async def test_forward_runs_off_the_event_loop_thread(loaded: store.LoadedModel) -> None:
+    engine = Engine(loaded, Precision.FP32, CPU)
+    seen: list[str] = []
+    original = engine.model.forward
+
+    def spy(x: torch.Tensor) -> torch.Tensor:
+        seen.append(threading.current_thread().name)
+        return original(x)
+
+    engine.model.forward = spy  # type: ignore[method-assign]
+    await engine.run([np.zeros((2, 16), dtype=np.float32)])
+    assert len(seen) == 1
+    assert seen[0].startswith("engine-tiny")
+    assert seen[0] != threading.current_thread().name  # not the event loop's thread
+    engine.close()
+
+
+def test_a_model_that_drops_rows_is_caught(loaded: store.LoadedModel) -> None:
+    engine = Engine(loaded, Precision.FP32, CPU)
+
+    class DropsRows(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x[:-1]
+
+    engine.model = DropsRows()
+    with pytest.raises(EngineError, match="batch size mismatch: model returned 2 rows for 3 inputs"):
+        engine.forward(np.zeros((3, 16), dtype=np.float32))
+    engine.close()
+
+
+def test_warmup_runs_every_bucket(loaded: store.LoadedModel) -> None:
+    engine = Engine(loaded, Precision.BF16, CPU)
+    engine.warmup(8)
+    assert engine.forwards == len(batch_buckets(8))
+    engine.close()
+
+
+def test_cuda_device_is_refused_without_cuda() -> None:
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available here")
+    with pytest.raises(ValueError, match="CUDA is not available"):
+        resolve_device("cuda")
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("mode", ["fp16", "bf16", "autocast"])
+def test_cuda_engine_agrees_with_fp32(loaded: store.LoadedModel, mode: str) -> None:
+    engine = Engine(loaded, Precision(mode), torch.device("cuda"))
+    x = np.random.default_rng(0).standard_normal((32, 16)).astype(np.float32)
+    got = engine.forward(x)
+    with torch.inference_mode():
+        want = loaded.module(torch.from_numpy(x)).numpy()
+    np.testing.assert_allclose(got, want, atol=0.02 * np.abs(want).max(), rtol=0)
+    assert next(engine.model.parameters()).is_cuda
+    engine.close()
