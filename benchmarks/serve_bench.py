@@ -1,14 +1,17 @@
-"""Serving benchmark: /predict throughput and latency against concurrency, beside the in-process ceiling.
+"""Serving benchmark: throughput and latency against concurrency, beside the in-process ceiling.
 
 For each precision it measures, in one run:
   * the ceiling: the model's own batched forward in-process, through the same Engine code the server uses
     (numpy in, cast, forward, float32 numpy out), in rows/s at each batch size;
   * the load generator's own ceiling: wrk against the server's trivial GET /health;
   * the server with dynamic batching, and with batching off (max_batch_size 1), at each concurrency level, driven by
-    wrk (one JSON sample per request), with the server's observed mean batch size.
+    wrk (one sample per request), with the server's observed mean batch size, for each protocol asked for:
+    ``predict`` (POST /predict, JSON), ``v2-json`` (KServe V2 inference, JSON tensor data) and ``v2-binary`` (KServe
+    V2 with the binary tensor extension: JSON header plus raw float32 input, binary output).
 
 Usage (wrk from Debian's package):
     python benchmarks/serve_bench.py --model digits_mlp --precisions bf16,fp32 --out benchmarks/results/cpu
+    python benchmarks/serve_bench.py --protocols predict,v2-json,v2-binary --out benchmarks/results/cpu-protocols
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -37,11 +41,54 @@ from server.precision import Precision  # noqa: E402
 
 LUA = """
 wrk.method = "POST"
-wrk.headers["Content-Type"] = "application/json"
-local f = io.open(os.getenv("HALFSERVE_BODY"), "r")
+wrk.headers["Content-Type"] = "{content_type}"
+{extra_headers}local f = io.open(os.getenv("HALFSERVE_BODY"), "rb")
 wrk.body = f:read("*a")
 f:close()
 """
+
+PROTOCOLS = ("predict", "v2-json", "v2-binary")
+HEADER_LENGTH = "Inference-Header-Content-Length"
+
+
+@dataclass(frozen=True)
+class Protocol:
+    """One way of asking for an inference: the URL path, the request body and the wrk script that posts it."""
+
+    name: str
+    path: str
+    body: Path
+    script: Path
+
+
+def make_protocol(name: str, model: str, input_name: str, sample: np.ndarray, folder: Path) -> Protocol:
+    """Write the body and wrk script of protocol ``name`` for one sample into ``folder``.
+
+    JSON bodies carry ``sample``'s (float64, rounded) values as written; the binary body carries them as float32.
+    """
+    batch = [1, *sample.shape]
+    extra = ""
+    if name == "predict":
+        path, content_type = "/predict", "application/json"
+        body = json.dumps({"model": model, "inputs": [sample.tolist()]}).encode()
+    elif name == "v2-json":
+        path, content_type = f"/v2/models/{model}/infer", "application/json"
+        tensor = {"name": input_name, "shape": batch, "datatype": "FP32", "data": sample.ravel().tolist()}
+        body = json.dumps({"inputs": [tensor]}).encode()
+    elif name == "v2-binary":
+        path, content_type = f"/v2/models/{model}/infer", "application/octet-stream"
+        raw = sample.astype("<f4").tobytes()
+        tensor = {"name": input_name, "shape": batch, "datatype": "FP32", "parameters": {"binary_data_size": len(raw)}}
+        header = json.dumps({"inputs": [tensor], "parameters": {"binary_data_output": True}}).encode()
+        body = header + raw
+        extra = f'wrk.headers["{HEADER_LENGTH}"] = "{len(header)}"\n'
+    else:
+        raise ValueError(f"unknown protocol {name!r} (known: {', '.join(PROTOCOLS)})")
+    body_path = folder / f"{name}.body"
+    body_path.write_bytes(body)
+    script = folder / f"{name}.lua"
+    script.write_text(LUA.format(content_type=content_type, extra_headers=extra))
+    return Protocol(name, path, body_path, script)
 
 
 def ceiling(store_dir: Path, model: str, precision: str, sizes: list[int], seconds: float) -> dict[str, float]:
@@ -114,7 +161,9 @@ def stats(port: int, model: str) -> dict[str, float]:
     return {"rows": s["rows"], "batches": s["batches"]}
 
 
-def sweep(args: argparse.Namespace, precision: str, batching: bool, body: Path, script: Path) -> list[dict[str, object]]:
+def sweep(
+    args: argparse.Namespace, precision: str, batching: bool, protocols: list[Protocol]
+) -> list[dict[str, object]]:
     port = args.port
     extra = ["--precision", precision]
     if not batching:
@@ -122,21 +171,36 @@ def sweep(args: argparse.Namespace, precision: str, batching: bool, body: Path, 
     proc = start_server(args.store, args.model, port, *extra)
     rows: list[dict[str, object]] = []
     try:
-        url = f"http://127.0.0.1:{port}/predict"
-        wrk(url, 8, 2, script, body)  # warm the connection pool and allocator
-        for c in args.concurrency:
-            before = stats(port, args.model)
-            result = wrk(url, c, args.duration, script, body)
-            after = stats(port, args.model)
-            batches = after["batches"] - before["batches"]
-            mean_batch = (after["rows"] - before["rows"]) / batches if batches else 0.0
-            row = {"precision": precision, "batching": batching, "concurrency": c, **result, "mean_batch": mean_batch}
-            print(json.dumps(row), flush=True)
-            rows.append(row)
+        for proto in protocols:
+            url = f"http://127.0.0.1:{port}{proto.path}"
+            wrk(url, 8, 2, proto.script, proto.body)  # warm the connection pool and allocator
+            for c in args.concurrency:
+                before = stats(port, args.model)
+                result = wrk(url, c, args.duration, proto.script, proto.body)
+                after = stats(port, args.model)
+                batches = after["batches"] - before["batches"]
+                mean_batch = (after["rows"] - before["rows"]) / batches if batches else 0.0
+                row = {
+                    "precision": precision,
+                    "batching": batching,
+                    "protocol": proto.name,
+                    "concurrency": c,
+                    **result,
+                    "mean_batch": mean_batch,
+                }
+                print(json.dumps(row), flush=True)
+                rows.append(row)
         if batching:
             health = wrk(f"http://127.0.0.1:{port}/health", max(args.concurrency), args.duration, None, None)
-            rows.append({"precision": precision, "batching": None, "concurrency": max(args.concurrency),
-                         "endpoint": "GET /health", **health})
+            rows.append(
+                {
+                    "precision": precision,
+                    "batching": None,
+                    "concurrency": max(args.concurrency),
+                    "endpoint": "GET /health",
+                    **health,
+                }
+            )
     finally:
         proc.terminate()
         proc.wait(timeout=30)
@@ -145,8 +209,8 @@ def sweep(args: argparse.Namespace, precision: str, batching: bool, body: Path, 
 
 def table(result: dict[str, object]) -> str:
     lines = [
-        "| precision | batching | concurrency | req/s | p50 ms | p99 ms | mean batch | server / ceiling |",
-        "|---|---|---:|---:|---:|---:|---:|---:|",
+        "| precision | batching | protocol | concurrency | req/s | p50 ms | p99 ms | mean batch | server / ceiling |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     ceilings = result["ceiling_rows_per_s"]
     assert isinstance(ceilings, dict)
@@ -155,8 +219,10 @@ def table(result: dict[str, object]) -> str:
             continue
         ceil = max(ceilings[r["precision"]].values())
         lines.append(
-            f"| {r['precision']} | {'on' if r['batching'] else 'off (max_batch_size 1)'} | {r['concurrency']} "
-            f"| {r['rps']:.0f} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} | {r['mean_batch']:.1f} | {r['rps'] / ceil:.3f} |"
+            f"| {r['precision']} | {'on' if r['batching'] else 'off (max_batch_size 1)'} "
+            f"| {r.get('protocol', 'predict')} | {r['concurrency']} "
+            f"| {r['rps']:.0f} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} | {r['mean_batch']:.1f} "
+            f"| {r['rps'] / ceil:.3f} |"
         )
     return "\n".join(lines)
 
@@ -168,18 +234,24 @@ def main() -> None:
     p.add_argument("--precisions", default="bf16,fp32")
     p.add_argument("--concurrency", default="1,8,32,64", type=lambda s: [int(x) for x in s.split(",")])
     p.add_argument("--duration", type=float, default=10.0, help="seconds per level")
+    p.add_argument(
+        "--protocols",
+        default="predict",
+        type=lambda s: s.split(","),
+        help=f"comma-separated, of {', '.join(PROTOCOLS)} (default: predict)",
+    )
     p.add_argument("--port", type=int, default=8471)
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "cpu")
     args = p.parse_args()
+    unknown = [x for x in args.protocols if x not in PROTOCOLS]
+    if unknown:
+        p.error(f"--protocols: unknown {', '.join(unknown)} (known: {', '.join(PROTOCOLS)})")
 
     manifest = store.load_manifest(args.store / args.model)
     shape = manifest.inputs[0].shape
-    sample = np.random.default_rng(0).uniform(0, 1, size=shape).round(6).tolist()
+    sample = np.random.default_rng(0).uniform(0, 1, size=shape).round(6)
     tmp = Path(tempfile.mkdtemp())
-    body = tmp / "body.json"
-    body.write_text(json.dumps({"model": args.model, "inputs": [sample]}))
-    script = tmp / "post.lua"
-    script.write_text(LUA)
+    protocols = [make_protocol(x, args.model, manifest.inputs[0].name, sample, tmp) for x in args.protocols]
 
     precisions = args.precisions.split(",")
     sizes = sorted({1, 8, 32, manifest.batching.max_batch_size})
@@ -188,13 +260,14 @@ def main() -> None:
         "input_shape": shape,
         "max_batch_size": manifest.batching.max_batch_size,
         "max_delay_ms": manifest.batching.max_delay_ms,
+        "protocols": args.protocols,
         "machine": {
             "cpu": platform.processor() or platform.machine(),
             "cores": os.cpu_count(),
             "torch": torch.__version__,
             "torch_threads": torch.get_num_threads(),
             "allocator": "jemalloc (LD_PRELOAD)" if "jemalloc" in os.environ.get("LD_PRELOAD", "") else "glibc malloc",
-            "load_generator": "wrk -t1 (one thread), one JSON sample per request, keep-alive",
+            "load_generator": "wrk -t1 (one thread), one sample per request, keep-alive",
         },
         "ceiling_rows_per_s": {},
         "runs": [],
@@ -203,7 +276,7 @@ def main() -> None:
         result["ceiling_rows_per_s"][prec] = ceiling(args.store, args.model, prec, sizes, 2.0)  # type: ignore[index]
         print(prec, "ceiling", result["ceiling_rows_per_s"][prec], flush=True)  # type: ignore[index]
         for batching in (True, False):
-            result["runs"] += sweep(args, prec, batching, body, script)  # type: ignore[operator]
+            result["runs"] += sweep(args, prec, batching, protocols)  # type: ignore[operator]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
     md = table(result)

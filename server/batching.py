@@ -135,6 +135,19 @@ class BatchStats:
     batch_sizes: Counter[int] = field(default_factory=Counter)
     queue_seconds: float = 0.0
     compute_seconds: float = 0.0
+    queued_chunks: int = 0
+    """How many chunks ``queue_seconds`` sums over (a request spanning batches waits once per chunk)."""
+    succeeded: int = 0
+    """Requests answered with their outputs."""
+    failed: int = 0
+    """Requests answered with an error: rejected, expired, failed batch, shutting down or abandoned by the caller."""
+    success_seconds: float = 0.0
+    """Summed time from submit to answer of the succeeded requests; ``fail_seconds`` likewise for the failed."""
+    fail_seconds: float = 0.0
+    batch_compute_seconds: dict[int, float] = field(default_factory=dict)
+    """Summed runner time of the successful batches, per batch size (the keys of ``batch_sizes``)."""
+    last_inference: float = 0.0
+    """Wall-clock time (``time.time()``) the last successful batch finished; 0 before the first."""
 
     def snapshot(self) -> dict[str, object]:
         return {
@@ -207,24 +220,35 @@ class Batcher:
         Raises :class:`QueueFullError` at once when the rows do not fit in the queue.
         """
         if self._closing:
+            self.stats.failed += 1
             raise ShuttingDownError("server is shutting down")
         rows = int(data.shape[0])
         if rows < 1:
             raise ValueError("a request needs at least one row")
         if self._queued_rows + rows > self.max_queue_rows:
             self.stats.rejected += 1
+            self.stats.failed += 1
             raise QueueFullError(
                 f"queue full ({self._queued_rows} of {self.max_queue_rows} rows queued, request has {rows})"
             )
         future: asyncio.Future[np.ndarray] = asyncio.get_running_loop().create_future()
         was_empty = not self._queue
-        self._queue.append(Pending(data, future, self.clock(), deadline))
+        start = self.clock()
+        self._queue.append(Pending(data, future, start, deadline))
         self._queued_rows += rows
         self.stats.requests += 1
         # Wake the loop only when its wait could change: a first request starts the delay timer, a full batch ends it.
         if was_empty or self._queued_rows >= self.max_batch_size:
             self._wakeup.set()
-        return await future
+        try:
+            out = await future
+        except BaseException:
+            self.stats.failed += 1
+            self.stats.fail_seconds += self.clock() - start
+            raise
+        self.stats.succeeded += 1
+        self.stats.success_seconds += self.clock() - start
+        return out
 
     async def _loop(self) -> None:
         loop = asyncio.get_running_loop()
@@ -266,6 +290,7 @@ class Batcher:
             if chunks:
                 self._queued_rows -= sum(c.stop - c.start for c in chunks)
                 self.stats.queue_seconds += sum(now - c.request.enqueued for c in chunks)
+                self.stats.queued_chunks += len(chunks)
                 return chunks
 
     def _drop(self, dropped: list[Pending]) -> None:
@@ -294,11 +319,14 @@ class Batcher:
                 self._fail(c.request, err)
             return
         finally:
-            self.stats.compute_seconds += self.clock() - start
+            elapsed = self.clock() - start
+            self.stats.compute_seconds += elapsed
             self._slots.release()
         self.stats.batches += 1
         self.stats.rows += rows
         self.stats.batch_sizes[rows] += 1
+        self.stats.batch_compute_seconds[rows] = self.stats.batch_compute_seconds.get(rows, 0.0) + elapsed
+        self.stats.last_inference = time.time()
         for c, out in zip(chunks, outputs, strict=True):
             self._deliver(c, out)
 

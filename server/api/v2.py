@@ -1,0 +1,392 @@
+"""The KServe V2 (Open Inference Protocol) REST endpoints: health, server and model metadata, readiness, inference.
+
+Inference goes through the same batcher as ``/predict``, so V2 and ``/predict`` requests of the same dtype share
+batches. Tensors arrive as JSON ``data`` or as binary data after the JSON header (the binary tensor extension, see
+:mod:`server.api.binary`), and outputs leave either way, per output.
+
+Datatypes. A request's input datatype need not equal the manifest's; it must be able to feed it:
+
+* a floating input (FP32, FP16, BF16, FP64 in the manifest) takes any float or integer datatype, converted to the
+  manifest's dtype (float32 for FP32 and BF16 inputs) like ``/predict``'s JSON numbers. BF16 arrives exactly, as
+  float32; FP16 stays float16 when the model is served in fp16 (or declares FP16), so the engine's cast is a no-op
+  rather than a round trip through float32, and is widened exactly to float32 otherwise, so it can share batches;
+* an integer input (INT32, INT64) takes integer datatypes only, range-checked;
+* BOOL and BYTES feed nothing; a datatype the protocol does not define is a 400.
+
+FP16 and BF16 data travel only as binary data: JSON has no 16-bit floats, so such JSON ``data`` is a 400, and an
+FP16/BF16 output must be requested as binary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import orjson
+from fastapi import APIRouter, Request
+from starlette.responses import Response
+
+from server import __version__
+from server.api.binary import (
+    HEADER_LENGTH,
+    JSON_UNSUPPORTED,
+    WireType,
+    check_range,
+    decode_binary,
+    decode_json,
+    element_count,
+    encode_binary,
+    split_body,
+    wire_type,
+    wire_values,
+)
+from server.api.codec import NUMPY_DTYPES
+from server.api.errors import APIError, from_exception
+from server.api.models import json_response
+from server.api.predict import parse_json, repository
+from server.api.v2_schema import INFER_SCHEMA
+from server.precision import Precision
+from server.repository import ModelNotFoundError, ModelState, ServedModel
+from server.store import TensorSpec
+
+router = APIRouter()
+
+SERVER_NAME = "halfserve"
+PLATFORM = "pytorch_libtorch"
+EXTENSIONS = ["binary_tensor_data", "model_configuration", "statistics", "model_repository"]
+
+
+# Looking models up -----------------------------------------------------------------------------------------------
+
+
+def served_model(request: Request, name: str, version: str | None) -> ServedModel:
+    """The model ``name``, or a 404 when it is unknown or ``version`` is not the version it serves."""
+    try:
+        served = repository(request).get(name)
+    except ModelNotFoundError as e:
+        raise APIError(404, str(e)) from None
+    if version is not None and version != str(served.version):
+        raise APIError(404, f"model {name!r} has no version {version!r} (it serves version {served.version})")
+    return served
+
+
+def require_ready(served: ServedModel, version: str | None) -> None:
+    """Fail unless ``served`` can run inference now.
+
+    A model still loading is a 503 with ``Retry-After``. An unloaded or failed model answers as Triton does: 404
+    ("no available versions") when the URL names no version, 503 when it names the served version, which exists
+    but is not ready.
+    """
+    if served.state is ModelState.READY and served.batcher is not None:
+        return
+    if served.state is ModelState.LOADING:
+        raise APIError(503, f"model {served.name!r} is loading", {"Retry-After": "1"})
+    reason = served.error if served.state is ModelState.FAILED else served.state.value
+    if version is None:
+        raise APIError(404, f"model {served.name!r} has no available versions ({reason})")
+    raise APIError(503, f"model {served.name!r} version {version} is not ready ({reason})")
+
+
+def tensor_metadata(spec: TensorSpec) -> dict[str, object]:
+    return {"name": spec.name, "datatype": spec.datatype.value, "shape": [-1, *spec.shape]}
+
+
+# Health and metadata --------------------------------------------------------------------------------------------
+
+
+@router.get("/v2", response_class=Response)
+async def server_metadata() -> Response:
+    """Server metadata: name, version and the protocol extensions supported."""
+    return json_response({"name": SERVER_NAME, "version": __version__, "extensions": EXTENSIONS})
+
+
+@router.get("/v2/health/live", response_class=Response)
+async def server_live() -> Response:
+    """Liveness: 200 while the process answers."""
+    return json_response({"live": True})
+
+
+@router.get("/v2/health/ready", response_class=Response)
+async def server_ready(request: Request) -> Response:
+    """Readiness: 200 once every model is loaded and warmed up; 400 before and while draining (the protocol's 4xx
+    means false)."""
+    repo = repository(request)
+    if request.app.state.draining:
+        raise APIError(400, "not ready: the server is shutting down")
+    if not repo.ready:
+        waiting = ", ".join(f"{n} ({m.state.value})" for n, m in repo.models.items() if m.state is not ModelState.READY)
+        raise APIError(400, f"not ready: {waiting or 'no model is served'}")
+    return json_response({"ready": True})
+
+
+def _model_metadata(request: Request, name: str, version: str | None) -> Response:
+    served = served_model(request, name, version)
+    m = served.manifest
+    return json_response(
+        {
+            "name": served.name,
+            "versions": [str(served.version)],
+            "platform": PLATFORM,
+            "inputs": [tensor_metadata(s) for s in m.inputs],
+            "outputs": [tensor_metadata(s) for s in m.outputs],
+        }
+    )
+
+
+@router.get("/v2/models/{model_name}", response_class=Response)
+async def model_metadata(model_name: str, request: Request) -> Response:
+    """Model metadata: versions, platform, and each input and output with its datatype and shape (batch first,
+    as -1)."""
+    return _model_metadata(request, model_name, None)
+
+
+@router.get("/v2/models/{model_name}/versions/{model_version}", response_class=Response)
+async def model_version_metadata(model_name: str, model_version: str, request: Request) -> Response:
+    """Model metadata for one version; any version but the served one is a 404."""
+    return _model_metadata(request, model_name, model_version)
+
+
+def _model_ready(request: Request, name: str, version: str | None) -> Response:
+    served = served_model(request, name, version)
+    if served.state is not ModelState.READY:
+        detail = f": {served.error}" if served.error else ""
+        raise APIError(400, f"model {name!r} is not ready: {served.state.value}{detail}")
+    return json_response({"name": served.name, "ready": True})
+
+
+@router.get("/v2/models/{model_name}/ready", response_class=Response)
+async def model_ready(model_name: str, request: Request) -> Response:
+    """Model readiness: 200 when ready, 400 when known but not ready (loading, failed, unloaded), 404 when unknown."""
+    return _model_ready(request, model_name, None)
+
+
+@router.get("/v2/models/{model_name}/versions/{model_version}/ready", response_class=Response)
+async def model_version_ready(model_name: str, model_version: str, request: Request) -> Response:
+    """Readiness of one version of a model."""
+    return _model_ready(request, model_name, model_version)
+
+
+# Inference -------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Inference:
+    """A decoded inference request, ready for the batcher."""
+
+    x: np.ndarray
+    request_id: str | None
+    binary_output: bool
+    timeout_us: int = 0
+
+
+def to_input_dtype(arr: np.ndarray, wire: WireType, spec: TensorSpec, fp16_weights: bool, field: str) -> np.ndarray:
+    """``arr`` (of datatype ``wire``) as the array the batcher takes for ``spec``; the rules are in the module's
+    docstring. The result is always writable (the engine hands it to torch without a copy)."""
+    target = NUMPY_DTYPES[spec.datatype]
+    if target.kind == "f":
+        if not (wire.is_float or wire.is_integer):
+            raise APIError(400, f"{field}: {wire.value} data cannot feed the {spec.datatype.value} input {spec.name!r}")
+        if wire is WireType.FP16 and (target == np.float16 or fp16_weights):
+            target = np.dtype(np.float16)
+    else:
+        if not wire.is_integer:
+            raise APIError(
+                400, f"{field}: the {spec.datatype.value} input {spec.name!r} takes integer datatypes, got {wire.value}"
+            )
+        check_range(arr, target, field)
+    return arr.astype(target, copy=not arr.flags.writeable)
+
+
+def _input_shape(shape: object, spec: TensorSpec, field: str) -> list[int]:
+    if type(shape) is list and shape and type(shape[0]) is int and shape[0] >= 1 and shape[1:] == spec.shape:
+        return shape  # the common case, checked first: it runs on every request
+    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) for d in shape):
+        raise APIError(400, f"{field}: expected a list of integers")
+    if len(shape) != len(spec.shape) + 1 or shape[1:] != spec.shape:
+        raise APIError(400, f"{field}: expected [N, {', '.join(map(str, spec.shape))}] (batch first), got {shape}")
+    if shape[0] < 1:
+        raise APIError(400, f"{field}: the batch dimension must be at least 1, got {shape[0]}")
+    return shape
+
+
+def _params(obj: dict[str, Any], field: str) -> dict[str, Any]:
+    params = obj.get("parameters", {})
+    if not isinstance(params, dict):
+        raise APIError(400, f"{field}: expected an object, got {type(params).__name__}")
+    return params
+
+
+def _flag(params: dict[str, Any], key: str, field: str, default: bool) -> bool:
+    value = params.get(key, default)
+    if not isinstance(value, bool):
+        raise APIError(400, f"{field}.{key}: expected true or false, got {value!r}")
+    return value
+
+
+def _decode_input(item: object, field: str, binary: memoryview | None, served: ServedModel) -> tuple[np.ndarray, int]:
+    """An entry of ``inputs`` as the batcher's array, and how many bytes of ``binary`` it took (from the start)."""
+    spec = served.manifest.inputs[0]
+    if not isinstance(item, dict):
+        raise APIError(400, f"{field}: expected an object, got {type(item).__name__}")
+    if item.get("name") != spec.name:
+        raise APIError(400, f"{field}.name: unexpected input {item.get('name')!r}; the model takes {spec.name!r}")
+    wire = wire_type(item.get("datatype"), f"{field}.datatype")
+    shape = _input_shape(item.get("shape"), spec, f"{field}.shape")
+    params = _params(item, f"{field}.parameters")
+    if "shared_memory_region" in params:
+        raise APIError(400, f"{field}.parameters.shared_memory_region: shared memory is not supported")
+    size = params.get("binary_data_size")
+    if size is not None:
+        where = f"{field}.parameters.binary_data_size"
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise APIError(400, f"{where}: expected a byte count, got {size!r}")
+        if "data" in item:
+            raise APIError(400, f"{field}: give either data or parameters.binary_data_size, not both")
+        if binary is None:
+            raise APIError(400, f"{where}: binary data needs an {HEADER_LENGTH} header")
+        if size > len(binary):
+            raise APIError(
+                400,
+                f"{where}: inputs declare {size} bytes of binary data, "
+                f"but the body has {len(binary)} after the {HEADER_LENGTH} bytes of JSON",
+            )
+        arr = decode_binary(binary[:size], wire, shape, where)
+    elif "data" in item:
+        arr, size = decode_json(item["data"], wire, shape, f"{field}.data"), 0
+    else:
+        raise APIError(400, f"{field}: no tensor data; give data or parameters.binary_data_size")
+    return to_input_dtype(arr, wire, spec, served.precision is Precision.FP16, f"{field}.datatype"), size
+
+
+def _binary_output(payload: dict[str, Any], default: bool, out_spec: TensorSpec) -> bool:
+    """Whether the output goes as binary data: its own ``binary_data``, else the request's ``binary_data_output``."""
+    binary = default
+    requested = payload.get("outputs")
+    if requested is not None:
+        if not isinstance(requested, list):
+            raise APIError(400, f"outputs: expected a list, got {type(requested).__name__}")
+        for i, item in enumerate(requested):
+            field = f"outputs[{i}]"
+            if not isinstance(item, dict) or item.get("name") != out_spec.name:
+                got = item.get("name") if isinstance(item, dict) else item
+                raise APIError(400, f"{field}.name: unknown output {got!r}; the model has {out_spec.name!r}")
+            params = _params(item, f"{field}.parameters")
+            if params.get("classification"):
+                raise APIError(400, f"{field}.parameters.classification: the classification extension is not served")
+            binary = _flag(params, "binary_data", f"{field}.parameters", default)
+    if wire_type(out_spec.datatype.value, out_spec.name) in JSON_UNSUPPORTED and not binary:
+        kind = out_spec.datatype.value
+        raise APIError(400, f"outputs: {out_spec.name!r} is {kind}; JSON has no 16-bit floats, request binary_data")
+    return binary
+
+
+def parse_request(payload: object, binary: memoryview | None, served: ServedModel) -> Inference:
+    """Decode a V2 inference request for ``served``: its JSON header, and the binary data after it (``None`` when
+    the request has no ``Inference-Header-Content-Length`` and so is all JSON)."""
+    if not isinstance(payload, dict):
+        raise APIError(400, f"body: expected a JSON object, got {type(payload).__name__}")
+    spec = served.manifest.inputs[0]
+    request_id = payload.get("id")
+    if request_id is not None and not isinstance(request_id, str):
+        raise APIError(400, f"id: expected a string, got {type(request_id).__name__}")
+    params = _params(payload, "parameters")
+    binary_output = _flag(params, "binary_data_output", "parameters", False)
+    timeout = params.get("timeout", 0)
+    if not isinstance(timeout, int) or isinstance(timeout, bool) or timeout < 0:
+        raise APIError(400, f"parameters.timeout: expected non-negative microseconds, got {timeout!r}")
+    inputs = payload.get("inputs")
+    if not isinstance(inputs, list) or not inputs:
+        raise APIError(400, f"inputs: expected a non-empty list; the model takes input {spec.name!r}")
+    if len(inputs) > 1:
+        raise APIError(400, f"inputs: {len(inputs)} given; the model takes one, {spec.name!r}")
+    x, declared = _decode_input(inputs[0], "inputs[0]", binary, served)
+    if binary is not None and len(binary) != declared:
+        raise APIError(
+            400,
+            f"body: {len(binary)} bytes follow the {HEADER_LENGTH} bytes of JSON, "
+            f"but the inputs' binary_data_size declare {declared}",
+        )
+    return Inference(x, request_id, _binary_output(payload, binary_output, served.manifest.outputs[0]), timeout)
+
+
+def parse_raw(binary: memoryview, served: ServedModel) -> Inference:
+    """A raw binary request (``Inference-Header-Content-Length: 0``): the whole body is the single input's data.
+
+    Its datatype is the manifest's. Since every per-sample dimension is fixed, the batch size follows from the byte
+    count: any whole number of samples is accepted (Triton takes exactly one). Outputs are returned as binary.
+    """
+    spec = served.manifest.inputs[0]
+    wire = wire_type(spec.datatype.value, spec.name)
+    sample = element_count(spec.shape) * wire.dtype.itemsize
+    if not binary or len(binary) % sample:
+        raise APIError(
+            400,
+            f"body: a raw binary request ({HEADER_LENGTH}: 0) must hold whole samples of {spec.name!r} "
+            f"({spec.datatype.value} {spec.shape}: {sample} bytes each), got {len(binary)} bytes",
+        )
+    shape = [len(binary) // sample, *spec.shape]
+    arr = decode_binary(binary, wire, shape, "body")
+    fp16_weights = served.precision is Precision.FP16
+    return Inference(to_input_dtype(arr, wire, spec, fp16_weights, "body"), None, True)
+
+
+def encode_response(served: ServedModel, req: Inference, out: np.ndarray) -> Response:
+    """The V2 inference response: JSON, or JSON followed by the output's binary data."""
+    spec = served.manifest.outputs[0]
+    wire = wire_type(spec.datatype.value, spec.name)
+    output: dict[str, Any] = {"name": spec.name, "datatype": wire.value, "shape": list(out.shape)}
+    tail = b""
+    if req.binary_output:
+        tail = encode_binary(out, wire)
+        output["parameters"] = {"binary_data_size": len(tail)}
+    else:
+        output["data"] = wire_values(out, wire).reshape(-1)
+    header: dict[str, Any] = {"model_name": served.name, "model_version": str(served.version)}
+    if req.request_id is not None:
+        header["id"] = req.request_id
+    header["parameters"] = {"precision": str(served.precision)}
+    header["outputs"] = [output]
+    body = orjson.dumps(header, option=orjson.OPT_SERIALIZE_NUMPY)
+    if not tail:
+        return Response(body, media_type="application/json")
+    return Response(body + tail, media_type="application/octet-stream", headers={HEADER_LENGTH: str(len(body))})
+
+
+async def infer(request: Request) -> Response:
+    """``POST /v2/models/{model_name}[/versions/{model_version}]/infer``, as a plain Starlette endpoint."""
+    name: str = request.path_params["model_name"]
+    version: str | None = request.path_params.get("model_version")
+    served = served_model(request, name, version)
+    require_ready(served, version)
+    encoding = request.headers.get("content-encoding", "identity")
+    if encoding != "identity":
+        raise APIError(415, f"Content-Encoding: {encoding!r} is not supported; send the body uncompressed")
+    body = await request.body()
+    header, binary = split_body(body, request.headers.get(HEADER_LENGTH))
+    if header is not None:
+        req = parse_request(parse_json(header), binary, served)
+    else:
+        assert binary is not None
+        req = parse_raw(binary, served)
+    batcher = served.batcher
+    deadline = batcher.clock() + req.timeout_us / 1e6 if req.timeout_us and batcher is not None else None
+    try:
+        out = await served.infer(req.x, deadline)
+    except Exception as e:
+        raise from_exception(e) from None
+    return encode_response(served, req, out)
+
+
+@router.post("/v2/models/{model_name}/infer", openapi_extra=INFER_SCHEMA, response_class=Response)
+async def model_infer(model_name: str, request: Request) -> Response:
+    """Run an inference request; concurrent requests (V2 and ``/predict``) are batched together."""
+    return await infer(request)
+
+
+@router.post(
+    "/v2/models/{model_name}/versions/{model_version}/infer", openapi_extra=INFER_SCHEMA, response_class=Response
+)
+async def model_version_infer(model_name: str, model_version: str, request: Request) -> Response:
+    """Run an inference request on one version of a model; any version but the served one is a 404."""
+    return await infer(request)

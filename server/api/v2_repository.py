@@ -1,0 +1,127 @@
+"""The V2 model repository extension: list the store's models, load and unload them without a restart.
+
+These are management calls. They answer only with ``Authorization: Bearer <admin token>`` (401 otherwise), and
+only when the server has an admin token at all (403 otherwise), so a server started without one cannot be
+reconfigured over HTTP.
+"""
+
+from __future__ import annotations
+
+import secrets
+from enum import Enum
+
+from fastapi import APIRouter, Request
+from starlette.responses import Response
+
+from server import store
+from server.api.errors import APIError, from_exception
+from server.api.models import json_response
+from server.api.predict import parse_json, repository
+from server.repository import ModelState, ServedModel
+from server.settings import Settings
+from server.store import StoreError
+
+router = APIRouter()
+
+
+class RepositoryState(str, Enum):
+    """A model's state as the repository extension names it."""
+
+    READY = "READY"
+    LOADING = "LOADING"
+    UNAVAILABLE = "UNAVAILABLE"
+
+
+def require_admin(request: Request) -> None:
+    """Fail with 403 when no admin token is configured, 401 when the request does not carry it."""
+    settings: Settings = request.app.state.settings
+    if settings.admin_token is None:
+        raise APIError(403, "management API is disabled; set HALFSERVE_ADMIN_TOKEN")
+    scheme, _, given = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not given.strip():
+        raise APIError(401, "management call needs Authorization: Bearer <admin token>", {"WWW-Authenticate": "Bearer"})
+    expected = settings.admin_token.get_secret_value().encode()
+    if not secrets.compare_digest(given.strip().encode(), expected):
+        raise APIError(401, "wrong admin token", {"WWW-Authenticate": 'Bearer error="invalid_token"'})
+
+
+def index_entry(served: ServedModel) -> dict[str, object]:
+    """One model of the repository index: name, version, state and, unless ready, the reason."""
+    if served.state is ModelState.READY:
+        state, reason = RepositoryState.READY, ""
+    elif served.state is ModelState.LOADING:
+        state, reason = RepositoryState.LOADING, "loading"
+    else:
+        state, reason = RepositoryState.UNAVAILABLE, served.error or served.state.value
+    return {"name": served.name, "version": str(served.version), "state": state.value, "reason": reason}
+
+
+async def _body(request: Request) -> dict[str, object]:
+    raw = await request.body()
+    if not raw.strip():
+        return {}
+    payload = parse_json(raw)
+    if not isinstance(payload, dict):
+        raise APIError(400, f"body: expected a JSON object, got {type(payload).__name__}")
+    return payload
+
+
+@router.post("/v2/repository/index", response_class=Response)
+async def repository_index(request: Request) -> Response:
+    """Every model in the store: served ones with their version and state, the others as ``UNAVAILABLE`` ("not
+    loaded"). With ``{"ready": true}``, only the ready ones."""
+    require_admin(request)
+    ready_only = (await _body(request)).get("ready", False)
+    if not isinstance(ready_only, bool):
+        raise APIError(400, f"ready: expected true or false, got {ready_only!r}")
+    repo = repository(request)
+    entries = [index_entry(m) for m in repo.models.values()]
+    try:
+        others = [n for n in store.model_names(repo.settings.store) if n not in repo.models]
+    except StoreError:
+        others = []
+    entries += [{"name": n, "state": RepositoryState.UNAVAILABLE.value, "reason": "not loaded"} for n in others]
+    if ready_only:
+        entries = [e for e in entries if e["state"] == RepositoryState.READY.value]
+    return json_response(sorted(entries, key=lambda e: str(e["name"])))
+
+
+@router.post("/v2/repository/models/{model_name}/load", response_class=Response)
+async def load_model(model_name: str, request: Request) -> Response:
+    """Load (or reload) a model from the store: the served version is read again, and a loaded model keeps
+    answering from its old instance until the new one is warm. Overriding the configuration is not supported."""
+    require_admin(request)
+    params = (await _body(request)).get("parameters") or {}
+    if not isinstance(params, dict):
+        raise APIError(400, f"parameters: expected an object, got {type(params).__name__}")
+    overrides = sorted(k for k in params if k == "config" or k.startswith("file:"))
+    if overrides:
+        raise APIError(400, f"parameters: {', '.join(overrides)}: overriding a model's configuration is not supported")
+    repo = repository(request)
+    try:
+        store.check_name(model_name)
+    except StoreError as e:
+        raise APIError(400, str(e)) from None
+    if not (repo.settings.store / model_name / store.MANIFEST).is_file():
+        raise APIError(404, f"model {model_name!r} is not in the store")
+    try:
+        served = await repo.load(model_name)
+    except StoreError as e:
+        raise APIError(400, f"failed to load {model_name!r}: {e}") from None
+    except Exception as e:
+        raise from_exception(e) from None
+    return json_response(index_entry(served))
+
+
+@router.post("/v2/repository/models/{model_name}/unload", response_class=Response)
+async def unload_model(model_name: str, request: Request) -> Response:
+    """Stop serving a model: requests already queued are answered, then its engine is released."""
+    require_admin(request)
+    await _body(request)  # validated; unload_dependents has no meaning here (models have no dependents)
+    repo = repository(request)
+    try:
+        await repo.unload(model_name)
+        served = repo.get(model_name)
+    except Exception as e:
+        raise from_exception(e) from None
+    return json_response(index_entry(served))

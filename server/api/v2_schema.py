@@ -1,0 +1,140 @@
+"""OpenAPI descriptions of the KServe V2 inference request and response, for the FastAPI route declarations."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from server.api.binary import WireType
+
+_PARAMETERS: dict[str, Any] = {"type": "object", "additionalProperties": True}
+
+_TENSOR_DATA: dict[str, Any] = {
+    "type": "array",
+    "description": "Row-major values, flat or nested as `shape`. FP16 and BF16 cannot travel as JSON.",
+    "items": {},
+}
+
+REQUEST_INPUT: dict[str, Any] = {
+    "type": "object",
+    "required": ["name", "shape", "datatype"],
+    "properties": {
+        "name": {"type": "string"},
+        "shape": {
+            "type": "array",
+            "items": {"type": "integer"},
+            "description": "Batch first: [N, *the model's per-sample shape].",
+        },
+        "datatype": {
+            "type": "string",
+            "enum": [t.value for t in WireType],
+        },
+        "data": _TENSOR_DATA,
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "binary_data_size": {
+                    "type": "integer",
+                    "description": "The tensor travels as this many bytes of binary data after the JSON header.",
+                }
+            },
+        },
+    },
+}
+
+INFERENCE_REQUEST: dict[str, Any] = {
+    "type": "object",
+    "required": ["inputs"],
+    "properties": {
+        "id": {"type": "string", "description": "Echoed in the response."},
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "binary_data_output": {"type": "boolean", "description": "Return every output as binary data."},
+                "timeout": {"type": "integer", "description": "Give up if not run within this many microseconds."},
+            },
+        },
+        "inputs": {"type": "array", "items": REQUEST_INPUT},
+        "outputs": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["name"],
+                "properties": {
+                    "name": {"type": "string"},
+                    "parameters": {"type": "object", "properties": {"binary_data": {"type": "boolean"}}},
+                },
+            },
+        },
+    },
+}
+
+INFERENCE_RESPONSE: dict[str, Any] = {
+    "type": "object",
+    "required": ["model_name", "outputs"],
+    "properties": {
+        "model_name": {"type": "string"},
+        "model_version": {"type": "string"},
+        "id": {"type": "string"},
+        "parameters": {
+            "type": "object",
+            "properties": {"precision": {"type": "string", "description": "The precision that served it."}},
+        },
+        "outputs": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["name", "shape", "datatype"],
+                "properties": {
+                    "name": {"type": "string"},
+                    "shape": {"type": "array", "items": {"type": "integer"}},
+                    "datatype": {"type": "string"},
+                    "data": _TENSOR_DATA,
+                    "parameters": _PARAMETERS,
+                },
+            },
+        },
+    },
+}
+
+_BINARY_BODY = {
+    "schema": {"type": "string", "format": "binary"},
+    "description": (
+        "Binary tensor extension: the JSON object (Inference-Header-Content-Length bytes), then each binary "
+        "tensor in input order. With Inference-Header-Content-Length: 0 the whole body is the single input's "
+        "data in the manifest's datatype, whole samples (a raw binary request)."
+    ),
+}
+
+INFER_SCHEMA: dict[str, Any] = {
+    "parameters": [
+        {
+            "name": "Inference-Header-Content-Length",
+            "in": "header",
+            "required": False,
+            "schema": {"type": "integer", "minimum": 0},
+            "description": "Length of the JSON object at the start of a body that carries binary tensor data.",
+        }
+    ],
+    "requestBody": {
+        "required": True,
+        "content": {
+            "application/json": {"schema": INFERENCE_REQUEST},
+            "application/octet-stream": _BINARY_BODY,
+        },
+    },
+    "responses": {
+        "200": {
+            "description": (
+                "The outputs. When any output is binary the body is the JSON object followed by its data, with "
+                "Inference-Header-Content-Length giving the JSON's length."
+            ),
+            "content": {
+                "application/json": {"schema": INFERENCE_RESPONSE},
+                "application/octet-stream": {"schema": {"type": "string", "format": "binary"}},
+            },
+        },
+        "400": {"description": "Malformed request: the error names the field."},
+        "404": {"description": "Unknown model or version, or a model with no available version."},
+        "503": {"description": "Model loading or not ready, or its queue is full."},
+    },
+}

@@ -1,0 +1,141 @@
+"""Triton's model configuration and statistics extensions to the V2 protocol.
+
+``GET /v2/models/{m}[/versions/{v}]/config`` describes a model as a Triton ``ModelConfig``; ``GET
+/v2/models[/{m}[/versions/{v}]]/stats`` reports what its batcher has done since the model was loaded, in Triton's
+statistics shape: ``inference_count`` counts rows and ``execution_count`` batches, so their ratio is the mean batch
+size.
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from starlette.responses import Response
+
+from server.api.errors import APIError
+from server.api.models import json_response
+from server.api.predict import repository
+from server.api.v2 import PLATFORM, require_ready, served_model
+from server.batching import BatchStats
+from server.repository import ServedModel
+from server.store import TensorSpec
+
+router = APIRouter()
+
+BACKEND = "pytorch"
+
+
+def _tensor_config(spec: TensorSpec) -> dict[str, object]:
+    return {"name": spec.name, "data_type": f"TYPE_{spec.datatype.value}", "dims": list(spec.shape)}
+
+
+def model_config(served: ServedModel, device_type: str, device_index: int | None) -> dict[str, object]:
+    """``served`` as a Triton ``ModelConfig``: per-sample ``dims`` (the batch dimension is implied by
+    ``max_batch_size``), the dynamic batcher's delay, one instance on the serving device. Settings Triton has no
+    field for (precision, the queue bound in rows) are string ``parameters``."""
+    b = served.batching
+    gpu = device_type == "cuda"
+    instance: dict[str, object] = {"name": f"{served.name}_0", "kind": "KIND_GPU" if gpu else "KIND_CPU", "count": 1}
+    if gpu:
+        instance["gpus"] = [device_index or 0]
+    parameters = {"max_queue_rows": {"string_value": str(b.max_queue_rows)}}
+    if served.precision is not None:
+        parameters["precision"] = {"string_value": served.precision.value}
+    return {
+        "name": served.name,
+        "platform": PLATFORM,
+        "backend": BACKEND,
+        "version_policy": {"specific": {"versions": [served.version]}},
+        "max_batch_size": b.max_batch_size,
+        "input": [_tensor_config(s) for s in served.manifest.inputs],
+        "output": [_tensor_config(s) for s in served.manifest.outputs],
+        "dynamic_batching": {"max_queue_delay_microseconds": round(b.max_delay_ms * 1000)},
+        "instance_group": [instance],
+        "parameters": parameters,
+    }
+
+
+def _config(request: Request, name: str, version: str | None) -> Response:
+    served = served_model(request, name, version)
+    device = repository(request).device
+    return json_response(model_config(served, device.type, device.index))
+
+
+@router.get("/v2/models/{model_name}/config", response_class=Response)
+async def config(model_name: str, request: Request) -> Response:
+    """The model's configuration in Triton's ``ModelConfig`` JSON."""
+    return _config(request, model_name, None)
+
+
+@router.get("/v2/models/{model_name}/versions/{model_version}/config", response_class=Response)
+async def version_config(model_name: str, model_version: str, request: Request) -> Response:
+    """The configuration of one version of a model."""
+    return _config(request, model_name, model_version)
+
+
+def _duration(count: int, seconds: float) -> dict[str, int]:
+    return {"count": count, "ns": round(seconds * 1e9)}
+
+
+def model_stats(served: ServedModel, stats: BatchStats) -> dict[str, object]:
+    """One ``model_stats`` entry.
+
+    ``success`` and ``fail`` count requests, with their time from queueing to answer; ``queue`` counts the chunks
+    cut into batches (a request larger than a batch waits once per chunk). The engine times a batch as a whole
+    (host-to-device copy, cast, forward, copy back), so ``compute_infer`` holds it all, counted per batch, and
+    ``compute_input`` / ``compute_output`` hold counts with zero time.
+    """
+    compute = sum(stats.batch_compute_seconds.values())
+    return {
+        "name": served.name,
+        "version": str(served.version),
+        "last_inference": round(stats.last_inference * 1000),
+        "inference_count": stats.rows,
+        "execution_count": stats.batches,
+        "inference_stats": {
+            "success": _duration(stats.succeeded, stats.success_seconds),
+            "fail": _duration(stats.failed, stats.fail_seconds),
+            "queue": _duration(stats.queued_chunks, stats.queue_seconds),
+            "compute_input": _duration(stats.batches, 0.0),
+            "compute_infer": _duration(stats.batches, compute),
+            "compute_output": _duration(stats.batches, 0.0),
+            "cache_hit": _duration(0, 0.0),
+            "cache_miss": _duration(0, 0.0),
+        },
+        "batch_stats": [
+            {
+                "batch_size": size,
+                "compute_input": _duration(count, 0.0),
+                "compute_infer": _duration(count, stats.batch_compute_seconds[size]),
+                "compute_output": _duration(count, 0.0),
+            }
+            for size, count in sorted(stats.batch_sizes.items())
+        ],
+    }
+
+
+def _stats(request: Request, name: str, version: str | None) -> Response:
+    served = served_model(request, name, version)
+    require_ready(served, version)
+    if served.batcher is None:  # unloaded between the check and here
+        raise APIError(503, f"model {name!r} is {served.state.value}")
+    return json_response({"model_stats": [model_stats(served, served.batcher.stats)]})
+
+
+# Declared (and installed) ahead of /v2/models/{model_name}, which would otherwise take "stats" for a model name.
+@router.get("/v2/models/stats", response_class=Response)
+async def all_stats(request: Request) -> Response:
+    """Statistics of every loaded model (a model's statistics start afresh each time it is loaded)."""
+    models = repository(request).models.values()
+    return json_response({"model_stats": [model_stats(m, m.batcher.stats) for m in models if m.batcher is not None]})
+
+
+@router.get("/v2/models/{model_name}/stats", response_class=Response)
+async def stats(model_name: str, request: Request) -> Response:
+    """Statistics of one model: requests, rows, batches and time, with a breakdown per batch size."""
+    return _stats(request, model_name, None)
+
+
+@router.get("/v2/models/{model_name}/versions/{model_version}/stats", response_class=Response)
+async def version_stats(model_name: str, model_version: str, request: Request) -> Response:
+    """Statistics of one version of a model."""
+    return _stats(request, model_name, model_version)

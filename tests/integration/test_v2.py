@@ -1,0 +1,492 @@
+"""The KServe V2 endpoints in-process: metadata, JSON and binary inference, Triton's extensions, management."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import orjson
+import pytest
+
+from server import __version__
+from server.api.binary import WireType
+from server.api.errors import APIError
+from server.api.v2 import to_input_dtype
+from server.settings import Settings
+from server.store import DataType, TensorSpec
+from tests.conftest import save_tiny_mlp
+from tests.integration.conftest import serving
+
+HEADER = "Inference-Header-Content-Length"
+INFER = "/v2/models/tiny/infer"
+TOKEN = "s3cret-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+NUMPY = {"FP32": np.float32, "FP16": np.float16, "FP64": np.float64, "INT64": np.int64, "INT32": np.int32}
+
+
+def samples(n: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((n, 16)).astype(np.float32)
+
+
+def bf16_bits(x: np.ndarray) -> np.ndarray:
+    """float32 values that bf16 holds exactly (the test picks them so) as their bf16 bit patterns."""
+    return (x.view(np.uint32) >> 16).astype(np.uint16)
+
+
+def json_request(x: np.ndarray, datatype: str = "FP32", **fields: Any) -> dict[str, Any]:
+    tensor = {"name": "features", "shape": list(x.shape), "datatype": datatype, "data": x.ravel().tolist()}
+    return {"inputs": [tensor], **fields}
+
+
+def binary_request(raw: bytes, shape: list[int], datatype: str = "FP32", **fields: Any) -> tuple[bytes, dict[str, str]]:
+    """A body in the binary tensor extension: JSON header, then ``raw``."""
+    tensor = {"name": "features", "shape": shape, "datatype": datatype, "parameters": {"binary_data_size": len(raw)}}
+    header = orjson.dumps({"inputs": [tensor], **fields})
+    return header + raw, {HEADER: str(len(header)), "Content-Type": "application/octet-stream"}
+
+
+def read_response(r: httpx.Response) -> tuple[dict[str, Any], np.ndarray]:
+    """The response's JSON and its one output as an array, whether the output came as JSON or binary."""
+    assert r.status_code == 200, r.text
+    if HEADER not in r.headers:
+        assert r.headers["content-type"] == "application/json"
+        body = r.json()
+        out = body["outputs"][0]
+        return body, np.asarray(out["data"], dtype=NUMPY[out["datatype"]]).reshape(out["shape"])
+    assert r.headers["content-type"] == "application/octet-stream"
+    n = int(r.headers[HEADER])
+    body = orjson.loads(r.content[:n])
+    out = body["outputs"][0]
+    size = out["parameters"]["binary_data_size"]
+    assert len(r.content) == n + size
+    return body, np.frombuffer(r.content[n:], dtype=NUMPY[out["datatype"]]).reshape(out["shape"])
+
+
+async def predict(client: httpx.AsyncClient, x: np.ndarray) -> np.ndarray:
+    return await predict_model(client, None, x)
+
+
+async def predict_model(client: httpx.AsyncClient, model: str | None, x: np.ndarray) -> np.ndarray:
+    r = await client.post("/predict", json={"model": model, "inputs": x.tolist()})
+    assert r.status_code == 200, r.text
+    return np.asarray(r.json()["outputs"], dtype=np.float32)
+
+
+async def test_server_metadata_and_health(tiny_store: Path) -> None:
+    async with serving(Settings(store=tiny_store)) as client:
+        meta = (await client.get("/v2")).json()
+        live = await client.get("/v2/health/live")
+        ready = await client.get("/v2/health/ready")
+    assert meta["name"] == "halfserve"
+    assert meta["version"] == __version__
+    assert set(meta["extensions"]) >= {"binary_tensor_data", "model_configuration", "statistics", "model_repository"}
+    assert live.status_code == 200
+    assert ready.status_code == 200
+
+
+async def test_model_metadata_config_and_readiness(tiny_store: Path) -> None:
+    async with serving(Settings(store=tiny_store, precision="fp32", max_delay_ms=3)) as client:
+        meta = (await client.get("/v2/models/tiny")).json()
+        versioned = (await client.get("/v2/models/tiny/versions/1")).json()
+        config = (await client.get("/v2/models/tiny/config")).json()
+        ready = await client.get("/v2/models/tiny/ready")
+        ready_v1 = await client.get("/v2/models/tiny/versions/1/ready")
+        missing = {
+            url: await client.get(url)
+            for url in [
+                "/v2/models/nope",
+                "/v2/models/nope/ready",
+                "/v2/models/nope/config",
+                "/v2/models/nope/stats",
+                "/v2/models/tiny/versions/2",
+                "/v2/models/tiny/versions/2/ready",
+                "/v2/models/tiny/versions/2/config",
+                "/v2/models/tiny/versions/2/stats",
+            ]
+        }
+        missing["infer nope"] = await client.post("/v2/models/nope/infer", json=json_request(samples(1)))
+        missing["infer v2"] = await client.post("/v2/models/tiny/versions/2/infer", json=json_request(samples(1)))
+    assert (
+        meta
+        == versioned
+        == {
+            "name": "tiny",
+            "versions": ["1"],
+            "platform": "pytorch_libtorch",
+            "inputs": [{"name": "features", "datatype": "FP32", "shape": [-1, 16]}],
+            "outputs": [{"name": "logits", "datatype": "FP32", "shape": [-1, 4]}],
+        }
+    )
+    assert config["name"] == "tiny"
+    assert (config["platform"], config["backend"]) == ("pytorch_libtorch", "pytorch")
+    assert config["max_batch_size"] == 8
+    assert config["input"] == [{"name": "features", "data_type": "TYPE_FP32", "dims": [16]}]
+    assert config["output"] == [{"name": "logits", "data_type": "TYPE_FP32", "dims": [4]}]
+    assert config["dynamic_batching"] == {"max_queue_delay_microseconds": 3000}
+    assert config["instance_group"][0]["kind"] == "KIND_CPU"
+    assert config["parameters"]["precision"] == {"string_value": "fp32"}
+    assert ready.status_code == ready_v1.status_code == 200
+    for what, r in missing.items():
+        assert r.status_code == 404, (what, r.text)
+        assert "error" in r.json()
+    assert "unknown model 'nope'" in missing["/v2/models/nope"].json()["error"]
+    assert "no version '2'" in missing["/v2/models/tiny/versions/2"].json()["error"]
+
+
+async def test_json_and_binary_inference_equal_predict(tiny_store: Path) -> None:
+    x = samples(3, seed=1)
+    async with serving(Settings(store=tiny_store, precision="fp32")) as client:
+        want = await predict(client, x)
+        flat = await client.post(INFER, json=json_request(x, id="req-1"))
+        nested_body = json_request(x)
+        nested_body["inputs"][0]["data"] = x.tolist()
+        nested = await client.post("/v2/models/tiny/versions/1/infer", json=nested_body)
+        content, headers = binary_request(x.tobytes(), [3, 16])
+        binary_in = await client.post(INFER, content=content, headers=headers)
+        content, headers = binary_request(x.tobytes(), [3, 16], parameters={"binary_data_output": True})
+        binary_both = await client.post(INFER, content=content, headers=headers)
+        per_output = await client.post(
+            INFER, json=json_request(x, outputs=[{"name": "logits", "parameters": {"binary_data": True}}])
+        )
+        override = await client.post(
+            INFER,
+            json=json_request(
+                x,
+                parameters={"binary_data_output": True},
+                outputs=[{"name": "logits", "parameters": {"binary_data": False}}],
+            ),
+        )
+        fp64 = await client.post(INFER, json=json_request(x.astype(np.float64), "FP64"))
+    body, got = read_response(flat)
+    assert body["model_name"] == "tiny"
+    assert body["model_version"] == "1"
+    assert body["id"] == "req-1"
+    assert body["parameters"] == {"precision": "fp32"}
+    assert body["outputs"][0]["name"] == "logits"
+    assert body["outputs"][0]["datatype"] == "FP32"
+    assert body["outputs"][0]["shape"] == [3, 4]
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    for r, binary_out in [
+        (nested, False),
+        (binary_in, False),
+        (binary_both, True),
+        (per_output, True),
+        (override, False),
+        (fp64, False),
+    ]:
+        assert (HEADER in r.headers) is binary_out, r.headers
+        _, got = read_response(r)
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    assert "id" not in read_response(nested)[0]
+
+
+async def test_fp16_and_bf16_binary_inputs(tmp_path: Path) -> None:
+    save_tiny_mlp(tmp_path)
+    x16 = samples(4, seed=2).astype(np.float16)
+    xb = (bf16_bits(samples(4, seed=3)).astype(np.uint32) << 16).view(np.float32)  # exactly bf16 values
+    async with serving(Settings(store=tmp_path, precision="fp16")) as client:
+        want = await predict(client, x16.astype(np.float32))
+        content, headers = binary_request(x16.tobytes(), [4, 16], "FP16")
+        body, got = read_response(await client.post(INFER, content=content, headers=headers))
+        content, headers = binary_request(bf16_bits(xb).tobytes(), [4, 16], "BF16")
+        _, got_bf16 = read_response(await client.post(INFER, content=content, headers=headers))
+        want_bf16 = await predict(client, xb)
+    assert body["parameters"] == {"precision": "fp16"}
+    # The fp16 model casts /predict's float32 to the same fp16 values: one forward, one answer.
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(got_bf16, want_bf16)
+
+
+async def test_half_output_datatypes_travel_only_as_binary(tmp_path: Path) -> None:
+    for name, datatype in [("half", DataType.FP16), ("bhalf", DataType.BF16)]:
+        save_tiny_mlp(tmp_path, name, outputs=[TensorSpec(name="logits", datatype=datatype, shape=[4])])
+    x = samples(3, seed=8)
+    async with serving(Settings(store=tmp_path, precision="fp32")) as client:
+        want = await predict_model(client, "half", x)
+        binary = json_request(x, parameters={"binary_data_output": True})
+        half = await client.post("/v2/models/half/infer", json=binary)
+        bhalf = await client.post("/v2/models/bhalf/infer", json=binary)
+        as_json = await client.post("/v2/models/half/infer", json=json_request(x))
+    body, got = read_response(half)
+    assert body["outputs"][0]["datatype"] == "FP16"
+    assert got.dtype == np.float16
+    np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-3)
+    n = int(bhalf.headers[HEADER])
+    out = orjson.loads(bhalf.content[:n])["outputs"][0]
+    assert out["datatype"] == "BF16"
+    bits = np.frombuffer(bhalf.content[n:], np.uint16).reshape(out["shape"])
+    np.testing.assert_allclose((bits.astype(np.uint32) << 16).view(np.float32), want, rtol=1e-2, atol=1e-2)
+    assert as_json.status_code == 400
+    assert "JSON has no 16-bit floats" in as_json.json()["error"]
+
+
+async def test_fp16_input_reaches_an_fp16_model_as_float16(tiny_store: Path) -> None:
+    """Shown by the batcher: float16 rows and /predict's float32 rows never share a batch on an fp16 model, while on
+    an fp32 model FP16 input is widened and shares one."""
+    x = samples(1, seed=4).astype(np.float16)
+    content, headers = binary_request(x.tobytes(), [1, 16], "FP16")
+    histograms = {}
+    for mode in ("fp16", "fp32"):
+        async with serving(Settings(store=tiny_store, precision=mode, max_delay_ms=300)) as client:
+            r1, r2 = await asyncio.gather(
+                client.post("/predict", json={"inputs": x.astype(np.float32).tolist()}),
+                client.post(INFER, content=content, headers=headers),
+            )
+            assert r1.status_code == r2.status_code == 200, (r1.text, r2.text)
+            histograms[mode] = (await client.get("/models/tiny/stats")).json()["batch_size_histogram"]
+    assert histograms == {"fp16": {"1": 2}, "fp32": {"2": 1}}
+
+
+def test_input_dtype_rules() -> None:
+    spec = TensorSpec(name="features", shape=[2])
+    half = np.ones((1, 2), np.float16)
+    assert to_input_dtype(half, WireType.FP16, spec, fp16_weights=True, field="x").dtype == np.float16
+    assert to_input_dtype(half, WireType.FP16, spec, fp16_weights=False, field="x").dtype == np.float32
+    for wire, arr in [(WireType.INT64, np.ones((1, 2), np.int64)), (WireType.FP64, np.ones((1, 2)))]:
+        assert to_input_dtype(arr, wire, spec, fp16_weights=False, field="x").dtype == np.float32
+    readonly = np.frombuffer(np.ones(2, np.float32).tobytes(), np.float32).reshape(1, 2)
+    assert to_input_dtype(readonly, WireType.FP32, spec, fp16_weights=False, field="x").flags.writeable
+    ids = TensorSpec(name="ids", datatype=DataType.INT32, shape=[2])
+    assert to_input_dtype(np.ones((1, 2), np.int64), WireType.INT64, ids, False, "x").dtype == np.int32
+    with pytest.raises(APIError, match="takes integer datatypes"):
+        to_input_dtype(np.ones((1, 2), np.float32), WireType.FP32, ids, False, "x")
+    with pytest.raises(APIError, match="do not fit int32"):
+        to_input_dtype(np.full((1, 2), 2**40, np.int64), WireType.INT64, ids, False, "x")
+    with pytest.raises(APIError, match="BOOL data cannot feed"):
+        to_input_dtype(np.ones((1, 2), np.bool_), WireType.BOOL, spec, False, "x")
+
+
+async def test_raw_binary_body(tiny_store: Path) -> None:
+    x = samples(3, seed=5)
+    async with serving(Settings(store=tiny_store, precision="fp32")) as client:
+        want = await predict(client, x)
+        r = await client.post(INFER, content=x.tobytes(), headers={HEADER: "0"})
+        one = await client.post(INFER, content=x[:1].tobytes(), headers={HEADER: "0"})
+        partial = await client.post(INFER, content=x.tobytes()[:-4], headers={HEADER: "0"})
+        empty = await client.post(INFER, content=b"", headers={HEADER: "0"})
+    _, got = read_response(r)  # raw requests get binary outputs
+    assert HEADER in r.headers
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(read_response(one)[1], want[:1], rtol=1e-6, atol=1e-6)
+    for bad in (partial, empty):
+        assert bad.status_code == 400
+        assert "whole samples of 'features' (FP32 [16]: 64 bytes each)" in bad.json()["error"]
+
+
+def _with_header(header: dict[str, Any], tail: bytes, length_delta: int = 0) -> tuple[bytes, dict[str, str]]:
+    h = orjson.dumps(header)
+    return h + tail, {HEADER: str(len(h) + length_delta)}
+
+
+def _input(**fields: Any) -> dict[str, Any]:
+    return {"inputs": [{"name": "features", "shape": [1, 16], "datatype": "FP32", **fields}]}
+
+
+ROW = np.zeros(16, np.float32).tobytes()
+JSON_ROW = [0.0] * 16
+BAD_REQUESTS: list[tuple[str, bytes, dict[str, str], int, str]] = [
+    ("truncated binary", *_with_header(_input(parameters={"binary_data_size": 64}), ROW[:32]), 400, "declare 64 bytes"),
+    ("extra binary", *_with_header(_input(parameters={"binary_data_size": 64}), ROW + b"xx"), 400, "66 bytes follow"),
+    ("header past body", *_with_header(_input(data=JSON_ROW), b"", 10), 400, "exceeds the body"),
+    ("header not a number", orjson.dumps(_input(data=JSON_ROW)), {HEADER: "ten"}, 400, "non-negative integer"),
+    ("header negative", orjson.dumps(_input(data=JSON_ROW)), {HEADER: "-1"}, 400, "non-negative integer"),
+    (
+        "size disagrees with shape",
+        *_with_header(_input(parameters={"binary_data_size": 32}), ROW[:32]),
+        400,
+        "32 bytes of binary data, but shape [1, 16] of FP32 takes 64 bytes",
+    ),
+    ("size without header", orjson.dumps(_input(parameters={"binary_data_size": 64})), {}, 400, "needs an"),
+    ("binary and data", *_with_header(_input(data=JSON_ROW, parameters={"binary_data_size": 64}), ROW), 400, "either"),
+    ("unknown datatype", orjson.dumps(_input(datatype="FP8", data=JSON_ROW)), {}, 400, "unknown datatype 'FP8'"),
+    ("string tensor", orjson.dumps(_input(datatype="BYTES", data=["a"] * 16)), {}, 400, "not served"),
+    ("data shorter than shape", orjson.dumps(_input(data=JSON_ROW[:8])), {}, 400, "8 values, but shape [1, 16]"),
+    ("nested unlike shape", orjson.dumps(_input(data=[JSON_ROW[:8], JSON_ROW[8:]])), {}, 400, "nested as [2, 8]"),
+    ("per-sample shape", orjson.dumps(_input(shape=[1, 15], data=JSON_ROW[:15])), {}, 400, "expected [N, 16]"),
+    ("no batch dimension", orjson.dumps(_input(shape=[16], data=JSON_ROW)), {}, 400, "(batch first), got [16]"),
+    ("zero rows", orjson.dumps(_input(shape=[0, 16], data=[])), {}, 400, "at least 1"),
+    ("empty shape", orjson.dumps(_input(shape=[], data=JSON_ROW)), {}, 400, "expected [N, 16] (batch first), got []"),
+    ("shape of floats", orjson.dumps(_input(shape=[1.0, 16], data=JSON_ROW)), {}, 400, "a list of integers"),
+    ("no inputs", orjson.dumps({"inputs": []}), {}, 400, "takes input 'features'"),
+    ("two inputs", orjson.dumps({"inputs": _input(data=JSON_ROW)["inputs"] * 2}), {}, 400, "2 given; the model"),
+    ("BOOL input", orjson.dumps(_input(datatype="BOOL", data=[True] * 16)), {}, 400, "BOOL data cannot feed"),
+    ("inputs missing", orjson.dumps({"id": "x"}), {}, 400, "inputs: expected a non-empty list"),
+    ("wrong input name", orjson.dumps(_input(name="pixels", data=JSON_ROW)), {}, 400, "unexpected input 'pixels'"),
+    ("no data", orjson.dumps(_input()), {}, 400, "no tensor data"),
+    ("JSON FP16", orjson.dumps(_input(datatype="FP16", data=JSON_ROW)), {}, 400, "FP16 data cannot travel as JSON"),
+    ("JSON BF16", orjson.dumps(_input(datatype="BF16", data=JSON_ROW)), {}, 400, "BF16 data cannot travel as JSON"),
+    ("strings", orjson.dumps(_input(data=["a"] * 16)), {}, 400, "must be numbers, got strings"),
+    ("float data, INT64", orjson.dumps(_input(datatype="INT64", data=[0.5] * 16)), {}, 400, "must be integers"),
+    ("unknown output", orjson.dumps({**_input(data=JSON_ROW), "outputs": [{"name": "probs"}]}), {}, 400, "'probs'"),
+    ("id not a string", orjson.dumps({**_input(data=JSON_ROW), "id": 7}), {}, 400, "id: expected a string"),
+    ("bad flag", orjson.dumps({**_input(data=JSON_ROW), "parameters": {"binary_data_output": 1}}), {}, 400, "true or"),
+    ("malformed JSON", b'{"inputs": [', {}, 400, "malformed JSON"),
+    ("not an object", b"[1, 2]", {}, 400, "expected a JSON object"),
+    ("compressed", orjson.dumps(_input(data=JSON_ROW)), {"Content-Encoding": "gzip"}, 415, "Content-Encoding"),
+]
+
+
+async def test_malformed_requests_get_4xx_naming_the_problem_and_serving_goes_on(tiny_store: Path) -> None:
+    async with serving(Settings(store=tiny_store)) as client:
+        for what, content, headers, status, message in BAD_REQUESTS:
+            r = await client.post(INFER, content=content, headers=headers)
+            assert r.status_code == status, (what, r.text)
+            assert message in r.json()["error"], (what, r.text)
+            ok = await client.post(INFER, json=json_request(samples(1)))
+            assert ok.status_code == 200, (what, ok.text)
+
+
+async def test_v2_and_predict_share_a_batch(tiny_store: Path) -> None:
+    x = samples(2, seed=6)
+    async with serving(Settings(store=tiny_store, precision="fp32", max_delay_ms=300)) as client:
+        via_predict, via_v2 = await asyncio.gather(
+            client.post("/predict", json={"inputs": x[:1].tolist()}),
+            client.post(INFER, json=json_request(x[1:])),
+        )
+        histogram = (await client.get("/models/tiny/stats")).json()["batch_size_histogram"]
+        stats = (await client.get("/v2/models/tiny/stats")).json()["model_stats"][0]
+    assert via_predict.status_code == 200, via_predict.text
+    _, got = read_response(via_v2)
+    assert histogram == {"2": 1}  # one batch holding the /predict row and the V2 row
+    assert (stats["inference_count"], stats["execution_count"]) == (2, 1)
+    assert [(b["batch_size"], b["compute_infer"]["count"]) for b in stats["batch_stats"]] == [(2, 1)]
+    assert stats["inference_stats"]["success"]["count"] == 2
+
+
+async def test_statistics_add_up(tiny_store: Path) -> None:
+    rows = [1, 3, 2, 5, 1, 12]  # 12 spans two batches of at most 8
+    before = time.time()
+    async with serving(Settings(store=tiny_store, precision="fp32", max_delay_ms=0)) as client:
+        for i, n in enumerate(rows):
+            assert (await client.post(INFER, json=json_request(samples(n, seed=i)))).status_code == 200
+        await client.post(INFER, json={"inputs": []})  # a 400 never reaches the batcher
+        everything = (await client.get("/v2/models/stats")).json()
+        one = (await client.get("/v2/models/tiny/stats")).json()
+        versioned = (await client.get("/v2/models/tiny/versions/1/stats")).json()
+        legacy = (await client.get("/models/tiny/stats")).json()
+    assert everything == one == versioned
+    s = one["model_stats"][0]
+    assert (s["name"], s["version"]) == ("tiny", "1")
+    assert s["inference_count"] == sum(rows) == legacy["rows"]
+    assert s["execution_count"] == legacy["batches"] == sum(b["compute_infer"]["count"] for b in s["batch_stats"])
+    assert sum(b["batch_size"] * b["compute_infer"]["count"] for b in s["batch_stats"]) == sum(rows)
+    assert s["inference_count"] / s["execution_count"] == pytest.approx(legacy["mean_batch_size"])
+    inf = s["inference_stats"]
+    assert inf["success"]["count"] == len(rows)
+    assert inf["fail"]["count"] == 0
+    assert inf["queue"]["count"] == len(rows) + 1  # the 12-row request waited once per chunk
+    assert inf["compute_infer"]["count"] == s["execution_count"]
+    assert inf["success"]["ns"] >= inf["compute_infer"]["ns"] > 0
+    assert before * 1000 <= s["last_inference"] <= time.time() * 1000
+
+
+async def test_timeout_parameter_expires_a_queued_request(tiny_store: Path) -> None:
+    async with serving(Settings(store=tiny_store, max_delay_ms=200)) as client:
+        r = await client.post(INFER, json=json_request(samples(1), parameters={"timeout": 1000}))
+        stats = (await client.get("/v2/models/tiny/stats")).json()["model_stats"][0]
+    assert r.status_code == 504, r.text
+    assert stats["inference_stats"]["fail"]["count"] == 1
+
+
+MANAGEMENT = [
+    ("/v2/repository/index", None),
+    ("/v2/repository/models/tiny/unload", {"parameters": {"unload_dependents": False}}),
+    ("/v2/repository/models/tiny/load", {}),
+]
+
+
+async def test_management_calls_are_off_without_an_admin_token(tiny_store: Path) -> None:
+    async with serving(Settings(store=tiny_store)) as client:
+        for url, body in MANAGEMENT:
+            r = await client.post(url, json=body, headers=AUTH)
+            assert r.status_code == 403, (url, r.text)
+            assert r.json() == {"error": "management API is disabled; set HALFSERVE_ADMIN_TOKEN"}
+        assert (await client.get("/v2/models/tiny/ready")).status_code == 200
+
+
+async def test_management_calls_need_the_admin_token(tiny_store: Path) -> None:
+    async with serving(Settings(store=tiny_store, admin_token=TOKEN)) as client:
+        for url, body in MANAGEMENT:
+            for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Basic {TOKEN}"}):
+                r = await client.post(url, json=body, headers=headers)
+                assert r.status_code == 401, (url, headers, r.text)
+                assert r.headers["www-authenticate"].startswith("Bearer")
+            r = await client.post(url, json=body, headers=AUTH)
+            assert r.status_code == 200, (url, r.text)
+
+
+async def test_unload_and_load_round_trip(tmp_path: Path) -> None:
+    save_tiny_mlp(tmp_path)
+    save_tiny_mlp(tmp_path, "spare", seed=1)
+    x = samples(2, seed=7)
+    settings = Settings(store=tmp_path, models=["tiny"], precision="fp32", admin_token=TOKEN)
+    async with serving(settings) as client:
+        want = read_response(await client.post(INFER, json=json_request(x)))[1]
+        index = (await client.post("/v2/repository/index", headers=AUTH)).json()
+        assert index == [
+            {"name": "spare", "state": "UNAVAILABLE", "reason": "not loaded"},
+            {"name": "tiny", "version": "1", "state": "READY", "reason": ""},
+        ]
+        r = await client.post("/v2/repository/models/tiny/unload", headers=AUTH)
+        assert r.status_code == 200, r.text
+        index = (await client.post("/v2/repository/index", headers=AUTH, json={})).json()
+        assert {"name": "tiny", "version": "1", "state": "UNAVAILABLE", "reason": "unloaded"} in index
+        assert (await client.post("/v2/repository/index", headers=AUTH, json={"ready": True})).json() == []
+        assert (await client.get("/v2/models/tiny/ready")).status_code == 400
+        assert (await client.get("/v2/health/ready")).status_code == 400
+        unversioned = await client.post(INFER, json=json_request(x))
+        versioned = await client.post("/v2/models/tiny/versions/1/infer", json=json_request(x))
+        assert unversioned.status_code == 404, unversioned.text  # as Triton: no available versions
+        assert "has no available versions (unloaded)" in unversioned.json()["error"]
+        assert versioned.status_code == 503, versioned.text  # as Triton: that version is not ready
+        assert (await client.get("/v2/models/tiny/stats")).status_code == 404
+        assert (await client.get("/v2/models/stats")).json() == {"model_stats": []}
+
+        r = await client.post("/v2/repository/models/tiny/load", headers=AUTH)
+        assert r.status_code == 200, r.text
+        assert r.json()["state"] == "READY"
+        assert (await client.get("/v2/models/tiny/ready")).status_code == 200
+        np.testing.assert_array_equal(read_response(await client.post(INFER, json=json_request(x)))[1], want)
+        assert (await client.get("/v2/models/tiny/stats")).json()["model_stats"][0]["inference_count"] == 2
+
+        r = await client.post("/v2/repository/models/spare/load", headers=AUTH)
+        assert r.status_code == 200, r.text
+        assert (await client.get("/v2/models/spare/ready")).status_code == 200
+        assert [e["state"] for e in (await client.post("/v2/repository/index", headers=AUTH)).json()] == ["READY"] * 2
+
+        assert (await client.post("/v2/repository/models/nope/load", headers=AUTH)).status_code == 404
+        assert (await client.post("/v2/repository/models/nope/unload", headers=AUTH)).status_code == 404
+        assert (await client.post("/v2/repository/models/..%2Fetc/load", headers=AUTH)).status_code in (400, 404)
+        override = await client.post(
+            "/v2/repository/models/tiny/load", headers=AUTH, json={"parameters": {"config": "{}"}}
+        )
+        assert override.status_code == 400
+        assert "not supported" in override.json()["error"]
+
+
+async def test_openapi_documents_the_v2_endpoints(tiny_store: Path) -> None:
+    async with serving(Settings(store=tiny_store)) as client:
+        schema = (await client.get("/openapi.json")).json()
+    paths = schema["paths"]
+    for path in [
+        "/v2",
+        "/v2/health/live",
+        "/v2/health/ready",
+        "/v2/models/{model_name}",
+        "/v2/models/{model_name}/ready",
+        "/v2/models/{model_name}/config",
+        "/v2/models/{model_name}/stats",
+        "/v2/models/stats",
+        "/v2/repository/index",
+        "/v2/repository/models/{model_name}/load",
+        "/v2/repository/models/{model_name}/unload",
+        "/v2/models/{model_name}/versions/{model_version}/infer",
+    ]:
+        assert path in paths, path
+    infer = paths["/v2/models/{model_name}/infer"]["post"]
+    assert set(infer["requestBody"]["content"]) == {"application/json", "application/octet-stream"}
+    assert any(p["name"] == HEADER for p in infer["parameters"])
