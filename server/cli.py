@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 from pydantic import ValidationError
 
+from server.loadtest import cli as loadtest_cli
 from server.precision import Precision
 from server.training import cli as train_cli
 
@@ -74,6 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_serve(sub)
     train_cli.add_parser(sub)
+    loadtest_cli.add_parser(sub)
     return parser
 
 

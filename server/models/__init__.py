@@ -52,6 +52,6 @@ def names() -> list[str]:
 
 
 # Importing the modules registers their architectures.
-from server.models import cnn, mlp  # noqa: E402, F401
+from server.models import cnn, mlp, resnet  # noqa: E402, F401
 
 __all__ = ["build", "names", "register", "UnknownArchitectureError"]

@@ -1,0 +1,5 @@
+import sys
+
+from server.loadtest.cli import main
+
+sys.exit(main())
