@@ -3,7 +3,19 @@
 Pure asyncio and numpy; no torch, no HTTP. A request carries an array whose first dimension is rows (samples).
 A batch is cut when ``max_batch_size`` rows are queued or ``max_delay`` has passed since the oldest queued request
 arrived; only rows of the same sample shape and dtype are batched together; a request's rows may span batches. The
-runner receives a list of chunks (row slices of requests) and must return one output per chunk with as many rows.
+runner receives a list of chunks (row slices of requests) and returns one outcome per chunk: its output rows (an
+array, or an :class:`Output` tagged with how they were computed), or an exception that fails that chunk's request
+alone.
+
+Faults stay with the requests that cause them. A batch whose runner raises is bisected: its chunks are rerun as two
+smaller batches, recursively, until the failing chunks stand alone, so only their requests fail. A runner that raises
+:class:`BatchTooLargeError` (the device ran out of memory) makes the batcher halve its batch size for good and rerun
+the rows in batches of the new size, splitting requests where needed. The batcher knows chunks and so owns the split;
+what counts as "too large" is the runner's call (the engine maps torch's out-of-memory error onto it).
+
+A request's deadline is enforced by a timer: when it passes while any of the request's rows are still queued, the
+request is answered with :class:`DeadlineExceededError` at once and its queued rows never run; rows of it already in
+a running batch finish with that batch and are discarded. A request whose rows are all running is left to finish.
 """
 
 from __future__ import annotations
@@ -12,13 +24,36 @@ import asyncio
 import contextlib
 import time
 from collections import Counter, deque
-from collections.abc import Awaitable, Callable, Hashable
+from collections.abc import Awaitable, Callable, Hashable, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
-Runner = Callable[[list[np.ndarray]], Awaitable[list[np.ndarray]]]
 Clock = Callable[[], float]
+
+# Output and Result are NamedTuples rather than frozen dataclasses: one of each is built per chunk and per request,
+# and a tuple builds several times faster.
+
+
+class Output(NamedTuple):
+    """One chunk's output rows, tagged by the runner (the engine tags the precision that computed them)."""
+
+    data: np.ndarray
+    tag: str | None = None
+
+
+Outcome = np.ndarray | Output | Exception
+"""What a runner gives back per chunk: its output rows, or the error that fails that chunk's request alone."""
+
+Runner = Callable[[list[np.ndarray]], Awaitable[Sequence[Outcome]]]
+
+
+class Result(NamedTuple):
+    """A request's output rows and the distinct tags of the chunks that computed them, in row order."""
+
+    data: np.ndarray
+    tags: tuple[str, ...] = ()
 
 
 class BatchingError(Exception):
@@ -38,7 +73,19 @@ class ShuttingDownError(BatchingError):
 
 
 class BatchFailedError(BatchingError):
-    """The batch holding this request failed in the runner."""
+    """The runner failed on this request's rows (alone: other requests of the batch were rerun without it)."""
+
+
+class RequestTooLargeError(BatchingError):
+    """The request has more rows than the queue can ever hold; retrying cannot help."""
+
+
+class BatchTooLargeError(Exception):
+    """Raised by a runner that cannot run this many rows at once (the device is out of memory).
+
+    The batcher halves its batch size for good and reruns the rows in smaller batches; only a single row that still
+    does not fit fails its request.
+    """
 
 
 @dataclass(eq=False)
@@ -46,12 +93,12 @@ class Pending:
     """A queued request: its rows, how many have been cut into batches so far, and its outputs as they arrive."""
 
     data: np.ndarray
-    future: asyncio.Future[np.ndarray]
+    future: asyncio.Future[Result]
     enqueued: float
     deadline: float | None = None
     taken: int = 0
     done_rows: int = 0
-    parts: dict[int, np.ndarray] = field(default_factory=dict)
+    parts: dict[int, tuple[np.ndarray, str | None]] = field(default_factory=dict)
 
     @property
     def rows(self) -> int:
@@ -75,6 +122,10 @@ class Chunk:
     stop: int
 
     @property
+    def rows(self) -> int:
+        return self.stop - self.start
+
+    @property
     def data(self) -> np.ndarray:
         if self.start == 0 and self.stop == self.request.rows:
             return self.request.data
@@ -91,9 +142,9 @@ def seconds_until_cut(queued_rows: int, oldest: float, now: float, max_batch_siz
 def cut_batch(queue: deque[Pending], max_batch_size: int, now: float) -> tuple[list[Chunk], list[Pending]]:
     """Take up to ``max_batch_size`` rows from ``queue``, oldest first, of the head request's sample shape.
 
-    Returns the batch's chunks and the requests removed because their deadline passed or their caller went away.
-    Requests of another shape keep their place. Fully taken requests leave the queue; a partly taken one stays at
-    its place with ``taken`` advanced.
+    Returns the batch's chunks and the requests removed because their deadline passed (partly taken ones too: their
+    remaining rows are never run) or their caller went away. Requests of another shape keep their place. Fully
+    taken requests leave the queue; a partly taken one stays at its place with ``taken`` advanced.
     """
     chunks: list[Chunk] = []
     dropped: list[Pending] = []
@@ -102,7 +153,7 @@ def cut_batch(queue: deque[Pending], max_batch_size: int, now: float) -> tuple[l
     kept: deque[Pending] = deque()
     while queue and room:
         req = queue.popleft()
-        if req.future.done() or (req.deadline is not None and now >= req.deadline and req.taken == 0):
+        if req.future.done() or (req.deadline is not None and now >= req.deadline):
             dropped.append(req)
             continue
         if key is None:
@@ -122,6 +173,26 @@ def cut_batch(queue: deque[Pending], max_batch_size: int, now: float) -> tuple[l
     return chunks, dropped
 
 
+def split_rows(chunks: list[Chunk], size: int) -> list[list[Chunk]]:
+    """Regroup ``chunks`` into batches of at most ``size`` rows, in order, splitting chunks where a batch fills."""
+    batches: list[list[Chunk]] = []
+    current: list[Chunk] = []
+    room = size
+    for chunk in chunks:
+        start = chunk.start
+        while start < chunk.stop:
+            n = min(room, chunk.stop - start)
+            current.append(Chunk(chunk.request, start, start + n))
+            start += n
+            room -= n
+            if not room:
+                batches.append(current)
+                current, room = [], size
+    if current:
+        batches.append(current)
+    return batches
+
+
 @dataclass
 class BatchStats:
     """What a batcher has done: counts, a histogram of batch sizes and summed queue / compute time."""
@@ -132,6 +203,10 @@ class BatchStats:
     failed_batches: int = 0
     rejected: int = 0
     expired: int = 0
+    split_retries: int = 0
+    """Failed batches rerun as two smaller ones to isolate the failing requests."""
+    oom_shrinks: int = 0
+    """Times the runner reported a batch too large and the batch size was halved."""
     batch_sizes: Counter[int] = field(default_factory=Counter)
     queue_seconds: float = 0.0
     compute_seconds: float = 0.0
@@ -155,8 +230,12 @@ class BatchStats:
             "rows": self.rows,
             "batches": self.batches,
             "failed_batches": self.failed_batches,
+            "succeeded": self.succeeded,
+            "failed": self.failed,
             "rejected": self.rejected,
             "expired": self.expired,
+            "split_retries": self.split_retries,
+            "oom_shrinks": self.oom_shrinks,
             "mean_batch_size": self.rows / self.batches if self.batches else 0.0,
             "batch_size_histogram": {str(k): v for k, v in sorted(self.batch_sizes.items())},
             "queue_seconds": self.queue_seconds,
@@ -168,6 +247,8 @@ class Batcher:
     """Queue requests and run them in batches through ``runner``; up to ``concurrency`` batches in flight.
 
     Create it inside a running event loop and call :meth:`start`; :meth:`stop` drains what is queued.
+    ``max_batch_size`` is the configured limit; :attr:`max_batch_size` can shrink below it when the runner reports
+    a batch too large.
     """
 
     def __init__(
@@ -183,6 +264,7 @@ class Batcher:
         if max_batch_size < 1 or max_queue_rows < 1 or max_delay < 0 or concurrency < 1:
             raise ValueError("max_batch_size, max_queue_rows and concurrency must be >= 1 and max_delay >= 0")
         self.runner = runner
+        self.configured_max_batch_size = max_batch_size
         self.max_batch_size = max_batch_size
         self.max_delay = max_delay
         self.max_queue_rows = max_queue_rows
@@ -215,9 +297,15 @@ class Batcher:
             await asyncio.gather(*self._inflight, return_exceptions=True)
 
     async def submit(self, data: np.ndarray, deadline: float | None = None) -> np.ndarray:
-        """Queue ``data`` (rows first) and wait for its output rows.
+        """Queue ``data`` (rows first) and wait for its output rows; see :meth:`submit_result`."""
+        return (await self.submit_result(data, deadline)).data
 
-        Raises :class:`QueueFullError` at once when the rows do not fit in the queue.
+    async def submit_result(self, data: np.ndarray, deadline: float | None = None) -> Result:
+        """Queue ``data`` (rows first) and wait for its output rows and their tags.
+
+        ``deadline`` is a time on :attr:`clock`. Raises :class:`QueueFullError` at once when the rows do not fit in
+        the queue now, :class:`RequestTooLargeError` when they never would, :class:`DeadlineExceededError` when the
+        deadline passes before all its rows started, :class:`BatchFailedError` when the runner fails on its rows.
         """
         if self._closing:
             self.stats.failed += 1
@@ -225,30 +313,53 @@ class Batcher:
         rows = int(data.shape[0])
         if rows < 1:
             raise ValueError("a request needs at least one row")
+        if rows > self.max_queue_rows:
+            self.stats.rejected += 1
+            self.stats.failed += 1
+            raise RequestTooLargeError(f"request has {rows} rows; the queue holds at most {self.max_queue_rows}")
         if self._queued_rows + rows > self.max_queue_rows:
             self.stats.rejected += 1
             self.stats.failed += 1
             raise QueueFullError(
                 f"queue full ({self._queued_rows} of {self.max_queue_rows} rows queued, request has {rows})"
             )
-        future: asyncio.Future[np.ndarray] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Result] = loop.create_future()
         was_empty = not self._queue
         start = self.clock()
-        self._queue.append(Pending(data, future, start, deadline))
+        req = Pending(data, future, start, deadline)
+        self._queue.append(req)
         self._queued_rows += rows
         self.stats.requests += 1
         # Wake the loop only when its wait could change: a first request starts the delay timer, a full batch ends it.
         if was_empty or self._queued_rows >= self.max_batch_size:
             self._wakeup.set()
+        timer = loop.call_later(max(0.0, deadline - start), self._expire, req) if deadline is not None else None
         try:
             out = await future
         except BaseException:
             self.stats.failed += 1
             self.stats.fail_seconds += self.clock() - start
             raise
+        finally:
+            if timer is not None:
+                timer.cancel()
         self.stats.succeeded += 1
         self.stats.success_seconds += self.clock() - start
         return out
+
+    def _expire(self, req: Pending) -> None:
+        """The deadline timer: answer ``req`` unless it is answered or all its rows are running."""
+        if req.future.done() or not req.remaining:
+            return
+        started = req.taken
+        with contextlib.suppress(ValueError):
+            self._queue.remove(req)
+            self._queued_rows -= req.remaining
+        req.taken = req.rows
+        self.stats.expired += 1
+        detail = f" ({started} of its {req.rows} rows had started; their outputs are discarded)" if started else ""
+        req.future.set_exception(DeadlineExceededError(f"deadline passed while the request was queued{detail}"))
 
     async def _loop(self) -> None:
         loop = asyncio.get_running_loop()
@@ -288,7 +399,7 @@ class Batcher:
             chunks, dropped = cut_batch(self._queue, self.max_batch_size, now)
             self._drop(dropped)
             if chunks:
-                self._queued_rows -= sum(c.stop - c.start for c in chunks)
+                self._queued_rows -= sum(c.rows for c in chunks)
                 self.stats.queue_seconds += sum(now - c.request.enqueued for c in chunks)
                 self.stats.queued_chunks += len(chunks)
                 return chunks
@@ -296,39 +407,78 @@ class Batcher:
     def _drop(self, dropped: list[Pending]) -> None:
         for req in dropped:
             self._queued_rows -= req.remaining
+            req.taken = req.rows
             if not req.future.done():
                 self.stats.expired += 1
                 req.future.set_exception(DeadlineExceededError("deadline passed while the request was queued"))
 
     async def _execute(self, chunks: list[Chunk]) -> None:
-        rows = sum(c.stop - c.start for c in chunks)
+        try:
+            await self._run(chunks)
+        except Exception as e:  # a bug here must still answer every request the batch holds, never strand it
+            for c in chunks:
+                self._fail(c.request, BatchFailedError(f"internal error: {_describe(e)}"))
+        finally:
+            self._slots.release()
+
+    async def _run(self, chunks: list[Chunk]) -> None:
+        """Run one batch; on failure, rerun its chunks in smaller batches until the failure is isolated."""
+        # Requests already answered (failed in an earlier part, expired, abandoned by the caller) are not run again.
+        chunks = [c for c in chunks if not c.request.future.done()]
+        if not chunks:
+            return
+        rows = sum(c.rows for c in chunks)
         start = self.clock()
         try:
-            outputs = await self.runner([c.data for c in chunks])
-            if len(outputs) != len(chunks):
-                raise BatchFailedError(f"batch size mismatch: runner returned {len(outputs)} outputs for {len(chunks)}")
-            for c, out in zip(chunks, outputs, strict=True):
-                if out.shape[0] != c.stop - c.start:
-                    raise BatchFailedError(
-                        f"batch size mismatch: runner returned {out.shape[0]} rows for a chunk of {c.stop - c.start}"
-                    )
-        except Exception as e:  # a failing batch fails its own requests, never the loop
+            outcomes = await self.runner([c.data for c in chunks])
+            if len(outcomes) != len(chunks):
+                n = len(outcomes)
+                raise BatchFailedError(f"batch size mismatch: runner returned {n} outputs for {len(chunks)}")
+        except BatchTooLargeError as e:
+            self.stats.compute_seconds += self.clock() - start
             self.stats.failed_batches += 1
-            err = e if isinstance(e, BatchFailedError) else BatchFailedError(f"{type(e).__name__}: {e}")
-            for c in chunks:
-                self._fail(c.request, err)
+            if rows == 1:
+                self._fail(chunks[0].request, BatchFailedError(f"{e} (even a single row does not fit)"))
+                return
+            # A batch cut before an earlier shrink is split at the current size without halving again.
+            if rows <= self.max_batch_size:
+                self.max_batch_size = max(1, rows // 2)
+                self.stats.oom_shrinks += 1
+            for part in split_rows(chunks, self.max_batch_size):
+                await self._run(part)
             return
-        finally:
-            elapsed = self.clock() - start
-            self.stats.compute_seconds += elapsed
-            self._slots.release()
+        except Exception as e:  # a failing batch fails its own requests, never the loop
+            self.stats.compute_seconds += self.clock() - start
+            self.stats.failed_batches += 1
+            if len(chunks) == 1:
+                err = e if isinstance(e, BatchFailedError) else BatchFailedError(_describe(e))
+                self._fail(chunks[0].request, err)
+                return
+            self.stats.split_retries += 1
+            half = len(chunks) // 2
+            await self._run(chunks[:half])
+            await self._run(chunks[half:])
+            return
+        elapsed = self.clock() - start
+        self.stats.compute_seconds += elapsed
         self.stats.batches += 1
         self.stats.rows += rows
         self.stats.batch_sizes[rows] += 1
         self.stats.batch_compute_seconds[rows] = self.stats.batch_compute_seconds.get(rows, 0.0) + elapsed
         self.stats.last_inference = time.time()
-        for c, out in zip(chunks, outputs, strict=True):
-            self._deliver(c, out)
+        for c, outcome in zip(chunks, outcomes, strict=True):
+            if isinstance(outcome, Exception):
+                err = outcome if isinstance(outcome, BatchFailedError) else BatchFailedError(_describe(outcome))
+                self._fail(c.request, err)
+                continue
+            out, tag = outcome if isinstance(outcome, Output) else (outcome, None)
+            if not isinstance(out, np.ndarray):
+                self._fail(c.request, BatchFailedError(f"runner returned {type(out).__name__}, expected an array"))
+            elif out.shape[0] != c.rows:
+                msg = f"batch size mismatch: runner returned {out.shape[0]} rows for a chunk of {c.rows}"
+                self._fail(c.request, BatchFailedError(msg))
+            else:
+                self._deliver(c, out, tag)
 
     def _fail(self, req: Pending, err: BaseException) -> None:
         if not req.future.done():
@@ -341,14 +491,20 @@ class Batcher:
                 req.taken = req.rows
 
     @staticmethod
-    def _deliver(chunk: Chunk, out: np.ndarray) -> None:
+    def _deliver(chunk: Chunk, out: np.ndarray, tag: str | None) -> None:
         req = chunk.request
         if req.future.done():
             return
         if chunk.start == 0 and chunk.stop == req.rows:
-            req.future.set_result(out)
+            req.future.set_result(Result(out, () if tag is None else (tag,)))
             return
-        req.parts[chunk.start] = out
-        req.done_rows += chunk.stop - chunk.start
+        req.parts[chunk.start] = (out, tag)
+        req.done_rows += chunk.rows
         if req.done_rows == req.rows:
-            req.future.set_result(np.concatenate([req.parts[k] for k in sorted(req.parts)]))
+            parts = [req.parts[k] for k in sorted(req.parts)]
+            tags = tuple(dict.fromkeys(t for _, t in parts if t is not None))
+            req.future.set_result(Result(np.concatenate([o for o, _ in parts]), tags))
+
+
+def _describe(e: Exception) -> str:
+    return f"{type(e).__name__}: {e}"

@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from types import FrameType
 
+import uvicorn
 from pydantic import ValidationError
 
 from server.loadtest import cli as loadtest_cli
@@ -33,6 +35,19 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--max-batch-size", type=int, help="override every model's max_batch_size")
     p.add_argument("--max-delay-ms", type=float, help="override every model's max_delay_ms")
     p.add_argument("--max-queue-rows", type=int, help="override every model's max_queue_rows")
+    p.add_argument(
+        "--request-timeout-ms",
+        type=float,
+        help="override every model's request_timeout_ms: a request not started by then is answered 504",
+    )
+    p.add_argument("--max-body-bytes", type=int, help="largest request body accepted, else 413 (default: 64 MiB)")
+    p.add_argument("--max-request-rows", type=int, help="most rows per inference request (default: max_queue_rows)")
+    p.add_argument("--max-request-elements", type=int, help="most input values per inference request (default: 2^24)")
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        help="seconds a shutdown waits for requests in flight before cancelling them (default: 30)",
+    )
     p.add_argument("--threads", type=int, help="torch intra-op threads")
     p.add_argument("--admin-token", help="bearer token that enables the management calls (load, unload)")
     p.add_argument("--no-warmup", dest="warmup", action="store_false", default=None, help="skip warm-up at load")
@@ -41,11 +56,26 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.set_defaults(func=serve)
 
 
-def serve(args: argparse.Namespace) -> int:
-    import uvicorn
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server, telling the app the moment a shutdown signal arrives.
 
+    uvicorn's own sequence then runs: it stops listening, lets requests in flight finish (up to
+    ``timeout_graceful_shutdown``, then cancels them), and only then runs the lifespan's shutdown, where the batchers
+    drain what is still queued. The hook makes readiness answer 503 from the signal on, on connections still open.
+    """
+
+    def __init__(self, config: uvicorn.Config, on_signal: Callable[[], None]) -> None:
+        super().__init__(config)
+        self._on_signal = on_signal
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        self._on_signal()
+        super().handle_exit(sig, frame)
+
+
+def serve(args: argparse.Namespace) -> int:
     from server import store
-    from server.app import create_app
+    from server.app import begin_drain, create_app
     from server.repository import ModelRepository
     from server.settings import Settings
 
@@ -59,14 +89,17 @@ def serve(args: argparse.Namespace) -> int:
         print(f"halfserve serve: {e}", file=sys.stderr)
         return 2
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    uvicorn.run(
-        create_app(settings),
+    app = create_app(settings)
+    config = uvicorn.Config(
+        app,
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level,
         access_log=settings.access_log,
-        timeout_graceful_shutdown=30,
+        # uvicorn waits this long for requests in flight, then cancels them; float seconds work despite its hint.
+        timeout_graceful_shutdown=settings.drain_timeout,  # type: ignore[arg-type]
     )
+    DrainingServer(config, lambda: begin_drain(app)).run()
     return 0
 
 

@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import NamedTuple
 
 import numpy as np
 
 from server import store
-from server.batching import Batcher
+from server.batching import Batcher, BatchStats
 from server.engine import Engine, resolve_device
 from server.precision import Precision
 from server.settings import Settings
@@ -37,6 +40,17 @@ class ModelNotReadyError(RuntimeError):
     """The model is known but still loading, or failed to load."""
 
 
+class Prediction(NamedTuple):
+    """A request's output rows and the precision that computed them.
+
+    ``precision`` is the served precision, ``fp32`` where an overflowing half-precision output was rerun, and both
+    joined by ``+`` (``fp16+fp32``) for a request spanning batches of which only some were rerun.
+    """
+
+    outputs: np.ndarray
+    precision: str
+
+
 @dataclass
 class ServedModel:
     """A model being served: its manifest, and once ready, its engine and batcher."""
@@ -53,14 +67,45 @@ class ServedModel:
     batcher: Batcher | None = None
     warmup_seconds: float = 0.0
     loaded_at: float = field(default_factory=time.time)
+    final_stats: BatchStats | None = None
+    """The statistics of the last batcher, kept once it is released (for the drain report)."""
 
-    async def infer(self, x: np.ndarray, deadline: float | None = None) -> np.ndarray:
-        """Queue ``x`` (rows first) for batching and return its output rows."""
-        if self.batcher is None:
-            raise ModelNotReadyError(
-                f"model {self.name!r} is {self.state.value}" + (f": {self.error}" if self.error else "")
-            )
-        return await self.batcher.submit(x, deadline)
+    @functools.cached_property
+    def sample_size(self) -> int:
+        """Input values per row (sample)."""
+        return math.prod(self.manifest.inputs[0].shape)
+
+    async def infer(self, x: np.ndarray, timeout: float | None = None) -> Prediction:
+        """Queue ``x`` (rows first) for batching and return its output rows.
+
+        ``timeout`` (seconds, the client's) and the model's ``request_timeout_ms``, whichever is shorter, bound how
+        long its rows may wait to start: past it the request fails with ``DeadlineExceededError``.
+        """
+        batcher = self.batcher
+        if batcher is None:
+            state = "draining" if self.state is ModelState.READY else self.state.value  # released while ready
+            raise ModelNotReadyError(f"model {self.name!r} is {state}" + (f": {self.error}" if self.error else ""))
+        configured = self.batching.request_timeout_ms
+        if configured is not None:
+            timeout = configured / 1000.0 if timeout is None else min(timeout, configured / 1000.0)
+        result = await batcher.submit_result(x, None if timeout is None else batcher.clock() + timeout)
+        precision = "+".join(result.tags) if result.tags else str(self.precision)
+        return Prediction(result.data, precision)
+
+    def stats(self) -> dict[str, object] | None:
+        """What the batcher and the engine have done since the model was loaded; ``None`` unless it is served."""
+        batcher, engine = self.batcher, self.engine
+        if batcher is None:
+            return None
+        stats = batcher.stats.snapshot()
+        stats["queued_rows"] = batcher.queued_rows
+        stats["max_batch_size"] = batcher.max_batch_size
+        stats["configured_max_batch_size"] = batcher.configured_max_batch_size
+        if engine is not None:
+            stats["overflow_policy"] = engine.overflow.value
+            stats["overflows"] = engine.overflows
+            stats["fp32_reruns"] = engine.fp32_reruns
+        return stats
 
     def describe(self) -> dict[str, object]:
         """The model's listing: signature, batching limits, device and precision once loaded."""
@@ -75,10 +120,13 @@ class ServedModel:
             "precision": info.precision.value if info else None,
             "weight_dtype": info.weight_dtype if info else None,
             "weight_bytes": info.weight_bytes if info else None,
+            "fp32_fallback_bytes": info.fp32_fallback_bytes if info else None,
             "inputs": [s.model_dump(mode="json") for s in m.inputs],
             "outputs": [s.model_dump(mode="json") for s in m.outputs],
             "labels": m.labels,
             "batching": self.batching.model_dump(),
+            "overflow": m.overflow.value,
+            "allow_nonfinite_inputs": m.allow_nonfinite_inputs,
             "description": m.description,
             "evaluation": m.evaluation,
             "warmup_seconds": round(self.warmup_seconds, 4),
@@ -114,6 +162,7 @@ class ModelRepository:
             max_batch_size=s.max_batch_size or b.max_batch_size,
             max_delay_ms=b.max_delay_ms if s.max_delay_ms is None else s.max_delay_ms,
             max_queue_rows=max(s.max_queue_rows or b.max_queue_rows, s.max_batch_size or b.max_batch_size),
+            request_timeout_ms=s.request_timeout_ms or b.request_timeout_ms,
         )
 
     async def load_all(self) -> None:
@@ -176,6 +225,7 @@ class ModelRepository:
         served.batcher = None
         if batcher is not None:
             await batcher.stop()
+            served.final_stats = batcher.stats
         if engine is not None:
             engine.close()
         served.engine = None

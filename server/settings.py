@@ -29,6 +29,16 @@ class Settings(BaseSettings):
     max_batch_size: int | None = Field(default=None, ge=1, le=8192)
     max_delay_ms: float | None = Field(default=None, ge=0.0, le=10_000.0)
     max_queue_rows: int | None = Field(default=None, ge=1)
+    request_timeout_ms: float | None = Field(default=None, gt=0.0, le=3_600_000.0)
+    """Override every manifest's ``request_timeout_ms``: a request whose rows have not all started by then gets 504."""
+    max_body_bytes: int = Field(default=64 * 2**20, ge=1024)
+    """Largest request body accepted; a larger one gets 413 before it is read."""
+    max_request_rows: int | None = Field(default=None, ge=1)
+    """Most rows (samples) one inference request may carry; unset: a model's ``max_queue_rows``."""
+    max_request_elements: int = Field(default=2**24, ge=1)
+    """Most input values one inference request may carry (rows times the per-sample size)."""
+    drain_timeout: float = Field(default=30.0, ge=0.0, le=3600.0)
+    """Seconds from a shutdown signal to exit: requests in flight get this long, then are cancelled (503)."""
     threads: int | None = Field(default=None, ge=1)
     """torch intra-op threads; unset keeps torch's default."""
     warmup: bool = True

@@ -48,6 +48,17 @@ class DataType(str, Enum):
     INT32 = "INT32"
 
 
+class OverflowPolicy(str, Enum):
+    """What serving does when a half-precision output is not finite for a finite input (fp16 overflows past 65504)."""
+
+    RERUN_FP32 = "rerun_fp32"
+    """Rerun those requests' rows in fp32 (the host keeps the fp32 weights); the response says ``fp32``."""
+    ERROR = "error"
+    """Fail those requests (500 naming the overflow); the batch's other requests are answered."""
+    ALLOW = "allow"
+    """Return the non-finite values (JSON writes them as ``null``; binary outputs carry them)."""
+
+
 class TensorSpec(BaseModel):
     """One input or output: its name, element type and per-sample shape (no batch dimension)."""
 
@@ -73,6 +84,8 @@ class Batching(BaseModel):
     max_batch_size: int = Field(default=64, ge=1, le=8192)
     max_delay_ms: float = Field(default=2.0, ge=0.0, le=10_000.0)
     max_queue_rows: int = Field(default=4096, ge=1)
+    request_timeout_ms: float | None = Field(default=None, gt=0.0, le=3_600_000.0)
+    """Answer a request 504 when its rows have not all started within this time; a client may ask for less."""
 
     @model_validator(mode="after")
     def _queue_holds_a_batch(self) -> Batching:
@@ -100,6 +113,9 @@ class Manifest(BaseModel):
     outputs: list[TensorSpec] = Field(min_length=1, max_length=1)
     labels: list[str] | None = None
     precision: Precision = Precision.AUTO
+    overflow: OverflowPolicy = OverflowPolicy.RERUN_FP32
+    allow_nonfinite_inputs: bool = False
+    """Accept NaN and infinite input values (only binary tensors can carry them); refused with a 400 otherwise."""
     batching: Batching = Field(default_factory=Batching)
     version: int | None = Field(default=None, ge=1)
     """Pin a version; ``None`` serves the highest."""
@@ -136,7 +152,8 @@ class LoadedModel:
 
 def check_name(name: str) -> str:
     """Reject model names that could escape the store directory."""
-    if not _NAME_RE.match(name):
+    # fullmatch: with match, "$" would let a trailing newline through.
+    if not _NAME_RE.fullmatch(name):
         raise StoreError(f"model name {name!r} is invalid: use letters, digits, '_', '.', '-' (max 64)")
     return name
 
@@ -145,7 +162,7 @@ def model_names(root: Path) -> list[str]:
     """Names of the models in the store (folders holding a manifest)."""
     if not root.is_dir():
         raise StoreError(f"{root}: model store folder does not exist")
-    return sorted(p.name for p in root.iterdir() if (p / MANIFEST).is_file() and _NAME_RE.match(p.name))
+    return sorted(p.name for p in root.iterdir() if (p / MANIFEST).is_file() and _NAME_RE.fullmatch(p.name))
 
 
 def _describe(err: ValidationError) -> str:

@@ -153,7 +153,12 @@ def decode_json(data: object, wire: WireType, shape: list[int], field: str) -> n
         raise APIError(400, f"{field}: nested as {list(arr.shape)}, but shape is {shape}; nest as shape or send flat")
     if wire.is_integer:
         check_range(arr, wire.dtype, field)
-    return arr.astype(wire.dtype).reshape(shape)
+    try:
+        # JSON numbers are finite: the cast is where one could overflow (1e39 as FP32).
+        with np.errstate(over="raise", invalid="raise"):
+            return arr.astype(wire.dtype).reshape(shape)
+    except FloatingPointError:
+        raise APIError(400, f"{field}: values beyond the range of {wire.value}") from None
 
 
 def check_range(arr: np.ndarray, dtype: np.dtype[Any], field: str) -> None:
@@ -180,9 +185,12 @@ def wire_values(arr: np.ndarray, wire: WireType) -> np.ndarray:
     """Output values (float32 from the engine) in ``wire``'s dtype: integers are rounded, BF16 gives its bits."""
     if wire is WireType.BF16:
         return to_bf16_bits(arr)
-    if wire.is_integer and arr.dtype.kind == "f":
-        arr = np.rint(arr)
-    return np.ascontiguousarray(arr, dtype=wire.dtype)
+    # An output beyond the datatype's range (an FP16 output over 65504, an infinite one as an integer) is cast as
+    # numpy casts it, without a warning per response.
+    with np.errstate(over="ignore", invalid="ignore"):
+        if wire.is_integer and arr.dtype.kind == "f":
+            arr = np.rint(arr)
+        return np.ascontiguousarray(arr, dtype=wire.dtype)
 
 
 def encode_binary(arr: np.ndarray, wire: WireType) -> bytes:

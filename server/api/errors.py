@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
-from server.batching import BatchFailedError, DeadlineExceededError, QueueFullError, ShuttingDownError
+from server.batching import (
+    BatchFailedError,
+    DeadlineExceededError,
+    QueueFullError,
+    RequestTooLargeError,
+    ShuttingDownError,
+)
 from server.repository import ModelNotFoundError, ModelNotReadyError
 
 
@@ -28,6 +36,16 @@ def error_response(status: int, message: str, headers: dict[str, str] | None = N
     )
 
 
+def cut_off_by_shutdown() -> APIError:
+    """The answer for a request the server cancelled because the drain timeout passed during shutdown.
+
+    Left to itself, uvicorn answers a cancelled request with a plain-text 500; inference is idempotent, so a 503 with
+    ``Retry-After`` tells the client to send it again, to another replica.
+    """
+    message = "server is shutting down: the drain timeout passed before this request was answered"
+    return APIError(503, message, {"Retry-After": "1"})
+
+
 def from_exception(e: Exception) -> APIError:
     """Map an error raised below the routes onto its HTTP status."""
     if isinstance(e, APIError):
@@ -38,6 +56,8 @@ def from_exception(e: Exception) -> APIError:
         return APIError(503, str(e), {"Retry-After": "1"})
     if isinstance(e, QueueFullError):
         return APIError(503, str(e), {"Retry-After": "1"})
+    if isinstance(e, RequestTooLargeError):
+        return APIError(413, f"inputs: {e}")
     if isinstance(e, ShuttingDownError):
         return APIError(503, str(e))
     if isinstance(e, DeadlineExceededError):
@@ -45,6 +65,41 @@ def from_exception(e: Exception) -> APIError:
     if isinstance(e, BatchFailedError):
         return APIError(500, f"inference failed: {e}")
     return APIError(500, f"internal error: {type(e).__name__}: {e}")
+
+
+ERROR_BODY: dict[str, Any] = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {"error": {"type": "string", "description": "What went wrong, naming the field or setting."}},
+}
+
+_HEADERS: dict[int, dict[str, Any]] = {
+    401: {"WWW-Authenticate": {"schema": {"type": "string"}, "description": "Bearer"}},
+    503: {"Retry-After": {"schema": {"type": "string"}, "description": "Seconds to wait (queue full, loading)."}},
+}
+
+
+Responses = dict[int | str, dict[str, Any]]
+"""OpenAPI ``responses`` entries by status, as FastAPI's route decorators take them."""
+
+
+def error_responses(descriptions: dict[int, str]) -> Responses:
+    """OpenAPI ``responses`` entries for error statuses, each with the ``{"error": ...}`` body."""
+    responses: Responses = {}
+    for status, description in descriptions.items():
+        entry: dict[str, Any] = {
+            "description": description,
+            "content": {"application/json": {"schema": ERROR_BODY}},
+        }
+        if status in _HEADERS:
+            entry["headers"] = _HEADERS[status]
+        responses[str(status)] = entry
+    return responses
+
+
+def json_ok(description: str, schema: dict[str, Any] | None = None) -> Responses:
+    """The OpenAPI ``responses`` entry of a 200 with a JSON body described by ``schema``."""
+    return {"200": {"description": description, "content": {"application/json": {"schema": schema or {}}}}}
 
 
 def install(app: FastAPI) -> None:

@@ -6,7 +6,7 @@ import orjson
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from server.api.errors import APIError, error_response, from_exception
+from server.api.errors import APIError, error_response, error_responses, from_exception, json_ok
 from server.api.predict import repository
 
 router = APIRouter()
@@ -16,13 +16,27 @@ def json_response(obj: object, status: int = 200) -> Response:
     return Response(orjson.dumps(obj), status_code=status, media_type="application/json")
 
 
-@router.get("/health", response_class=Response)
+_OBJECT = {"type": "object"}
+
+
+@router.get(
+    "/health",
+    response_class=Response,
+    responses=json_ok("Live.", {"type": "object", "required": ["status"], "properties": {"status": {"const": "live"}}}),
+)
 async def health() -> Response:
     """Liveness: the process is up and its event loop answers."""
     return json_response({"status": "live"})
 
 
-@router.get("/ready", response_class=Response)
+@router.get(
+    "/ready",
+    response_class=Response,
+    responses={
+        **json_ok("Every model is loaded and warm.", {"type": "object", "required": ["status", "models"]}),
+        **error_responses({503: "A model is still loading or failed, or the server is draining."}),
+    },
+)
 async def ready(request: Request) -> Response:
     """Readiness: 200 once every model is loaded and warmed up, 503 before (and while draining)."""
     repo = repository(request)
@@ -35,21 +49,33 @@ async def ready(request: Request) -> Response:
     return json_response({"status": "ready", "models": states})
 
 
-@router.get("/models", response_class=Response)
+@router.get(
+    "/models",
+    response_class=Response,
+    responses=json_ok("The served models.", {"type": "object", "required": ["models"]}),
+)
 async def list_models(request: Request) -> Response:
     """Every served model with its version, device, precision, signature and batching limits."""
     return json_response({"models": [m.describe() for m in repository(request).models.values()]})
 
 
-@router.get("/models/{name}/stats", response_class=Response)
+@router.get(
+    "/models/{name}/stats",
+    response_class=Response,
+    responses={
+        **json_ok("The model's statistics.", _OBJECT),
+        **error_responses({404: "Unknown model.", 503: "The model is not loaded."}),
+    },
+)
 async def model_stats(name: str, request: Request) -> Response:
-    """Requests, rows, batches and the histogram of batch sizes the batcher has cut."""
+    """Requests, rows, batches and the histogram of batch sizes the batcher has cut; failures isolated by splitting
+    batches, the batch size in force (halved after an out-of-memory error) and half-precision overflows rerun in
+    fp32."""
     try:
         served = repository(request).get(name)
     except Exception as e:
         raise from_exception(e) from None
-    if served.batcher is None:
+    stats = served.stats()
+    if stats is None:
         raise APIError(503, f"model {name!r} is {served.state.value}")
-    stats = served.batcher.stats.snapshot()
-    stats["queued_rows"] = served.batcher.queued_rows
     return json_response({"model": name, "version": served.version, **stats})

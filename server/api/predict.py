@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import numpy as np
@@ -10,12 +11,22 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from server.api.codec import decode_samples
-from server.api.errors import APIError, from_exception
+from server.api.errors import APIError, cut_off_by_shutdown, error_responses, from_exception
+from server.api.limits import TIMEOUT_HEADER, check_size, client_timeout, read_body
 from server.repository import ModelRepository
 
 router = APIRouter()
 
 PREDICT_SCHEMA: dict[str, Any] = {
+    "parameters": [
+        {
+            "name": TIMEOUT_HEADER,
+            "in": "header",
+            "required": False,
+            "schema": {"type": "number", "exclusiveMinimum": 0, "maximum": 3_600_000},
+            "description": "Answer 504 if the request's rows have not all started within this many milliseconds.",
+        }
+    ],
     "requestBody": {
         "required": True,
         "content": {
@@ -47,14 +58,31 @@ PREDICT_SCHEMA: dict[str, Any] = {
                         "properties": {
                             "model": {"type": "string"},
                             "version": {"type": "integer"},
-                            "precision": {"type": "string"},
-                            "outputs": {"type": "array"},
-                            "labels": {"type": "array", "items": {"type": "string"}},
+                            "precision": {
+                                "type": "string",
+                                "description": "The precision that computed the outputs: the served one, or fp32 "
+                                "where a half-precision overflow was rerun (fp16+fp32 when only part of the rows).",
+                            },
+                            "outputs": {
+                                "type": "array",
+                                "description": "Non-finite values (overflow policy allow) are written as null.",
+                            },
+                            "labels": {"type": "array"},
                         },
                     }
                 }
             },
-        }
+        },
+        **error_responses(
+            {
+                400: "Malformed request, or NaN / infinite inputs the model does not take; the error names the field.",
+                404: "Unknown model.",
+                413: "Body, rows or values over the limits (max_body_bytes, max_request_rows, max_request_elements).",
+                500: "The model failed on this request's rows (or overflowed with overflow policy error).",
+                503: "Queue full, model not loaded, or the request cut off by shutdown (with Retry-After).",
+                504: "The request's deadline passed before its rows had all started.",
+            }
+        ),
     },
 }
 
@@ -77,7 +105,10 @@ def repository(request: Request) -> ModelRepository:
 @router.post("/predict", openapi_extra=PREDICT_SCHEMA, response_class=Response)
 async def predict(request: Request) -> Response:
     """Run a list of samples through a model; concurrent calls are batched together."""
-    payload = parse_json(await request.body())
+    repo = repository(request)
+    limits = repo.settings
+    timeout = client_timeout(request)
+    payload = parse_json(await read_body(request, limits.max_body_bytes))
     if not isinstance(payload, dict):
         raise APIError(400, f"body: expected a JSON object, got {type(payload).__name__}")
     name = payload.get("model")
@@ -85,16 +116,25 @@ async def predict(request: Request) -> Response:
         raise APIError(400, f"model: expected a string, got {type(name).__name__}")
     if "inputs" not in payload:
         raise APIError(400, 'inputs: missing; send {"inputs": [sample, ...]}')
+    samples = payload["inputs"]
     try:
-        served = repository(request).get(name)
-        x = decode_samples(payload["inputs"], served.manifest.inputs[0])
-        out = await served.infer(x)
+        served = repo.get(name)
+        if isinstance(samples, list):
+            check_size(limits, served, len(samples), "inputs")
+        # No finiteness check: JSON carries no NaN or infinity, and decoding refuses numbers the dtype cannot hold.
+        x = decode_samples(samples, served.manifest.inputs[0])
+        result = await served.infer(x, timeout)
+    except asyncio.CancelledError:
+        if not request.app.state.draining:
+            raise
+        raise cut_off_by_shutdown() from None
     except Exception as e:
         raise from_exception(e) from None
+    out = result.outputs
     body: dict[str, Any] = {
         "model": served.name,
         "version": served.version,
-        "precision": str(served.precision),
+        "precision": result.precision,
         "outputs": out,
     }
     labels = served.manifest.labels

@@ -19,6 +19,7 @@ FP16/BF16 output must be requested as binary.
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,12 +43,14 @@ from server.api.binary import (
     wire_values,
 )
 from server.api.codec import NUMPY_DTYPES
-from server.api.errors import APIError, from_exception
+from server.api.errors import APIError, cut_off_by_shutdown, error_responses, from_exception, json_ok
+from server.api.limits import check_finite, check_size, client_timeout, read_body, settings
 from server.api.models import json_response
 from server.api.predict import parse_json, repository
 from server.api.v2_schema import INFER_SCHEMA
 from server.precision import Precision
-from server.repository import ModelNotFoundError, ModelState, ServedModel
+from server.repository import ModelNotFoundError, ModelState, Prediction, ServedModel
+from server.settings import Settings
 from server.store import TensorSpec
 
 router = APIRouter()
@@ -94,20 +97,34 @@ def tensor_metadata(spec: TensorSpec) -> dict[str, object]:
 
 # Health and metadata --------------------------------------------------------------------------------------------
 
+_OBJECT: dict[str, Any] = {"type": "object"}
+_METADATA_RESPONSES = {
+    **json_ok("The model's metadata.", _OBJECT),
+    **error_responses({404: "Unknown model, or a version it does not serve."}),
+}
+_READY_RESPONSES = {
+    **json_ok("Ready.", _OBJECT),
+    **error_responses({400: "Known but not ready: loading, failed or unloaded.", 404: "Unknown model or version."}),
+}
 
-@router.get("/v2", response_class=Response)
+
+@router.get("/v2", response_class=Response, responses=json_ok("Server metadata.", _OBJECT))
 async def server_metadata() -> Response:
     """Server metadata: name, version and the protocol extensions supported."""
     return json_response({"name": SERVER_NAME, "version": __version__, "extensions": EXTENSIONS})
 
 
-@router.get("/v2/health/live", response_class=Response)
+@router.get("/v2/health/live", response_class=Response, responses=json_ok("Live.", _OBJECT))
 async def server_live() -> Response:
     """Liveness: 200 while the process answers."""
     return json_response({"live": True})
 
 
-@router.get("/v2/health/ready", response_class=Response)
+@router.get(
+    "/v2/health/ready",
+    response_class=Response,
+    responses={**json_ok("Ready.", _OBJECT), **error_responses({400: "Not ready: loading, failed or draining."})},
+)
 async def server_ready(request: Request) -> Response:
     """Readiness: 200 once every model is loaded and warmed up; 400 before and while draining (the protocol's 4xx
     means false)."""
@@ -134,14 +151,14 @@ def _model_metadata(request: Request, name: str, version: str | None) -> Respons
     )
 
 
-@router.get("/v2/models/{model_name}", response_class=Response)
+@router.get("/v2/models/{model_name}", response_class=Response, responses=_METADATA_RESPONSES)
 async def model_metadata(model_name: str, request: Request) -> Response:
     """Model metadata: versions, platform, and each input and output with its datatype and shape (batch first,
     as -1)."""
     return _model_metadata(request, model_name, None)
 
 
-@router.get("/v2/models/{model_name}/versions/{model_version}", response_class=Response)
+@router.get("/v2/models/{model_name}/versions/{model_version}", response_class=Response, responses=_METADATA_RESPONSES)
 async def model_version_metadata(model_name: str, model_version: str, request: Request) -> Response:
     """Model metadata for one version; any version but the served one is a 404."""
     return _model_metadata(request, model_name, model_version)
@@ -155,13 +172,15 @@ def _model_ready(request: Request, name: str, version: str | None) -> Response:
     return json_response({"name": served.name, "ready": True})
 
 
-@router.get("/v2/models/{model_name}/ready", response_class=Response)
+@router.get("/v2/models/{model_name}/ready", response_class=Response, responses=_READY_RESPONSES)
 async def model_ready(model_name: str, request: Request) -> Response:
     """Model readiness: 200 when ready, 400 when known but not ready (loading, failed, unloaded), 404 when unknown."""
     return _model_ready(request, model_name, None)
 
 
-@router.get("/v2/models/{model_name}/versions/{model_version}/ready", response_class=Response)
+@router.get(
+    "/v2/models/{model_name}/versions/{model_version}/ready", response_class=Response, responses=_READY_RESPONSES
+)
 async def model_version_ready(model_name: str, model_version: str, request: Request) -> Response:
     """Readiness of one version of a model."""
     return _model_ready(request, model_name, model_version)
@@ -195,7 +214,9 @@ def to_input_dtype(arr: np.ndarray, wire: WireType, spec: TensorSpec, fp16_weigh
                 400, f"{field}: the {spec.datatype.value} input {spec.name!r} takes integer datatypes, got {wire.value}"
             )
         check_range(arr, target, field)
-    return arr.astype(target, copy=not arr.flags.writeable)
+    # Floats beyond the target's range become infinite here, silently: the finiteness check that follows names them.
+    with np.errstate(over="ignore", invalid="ignore"):
+        return arr.astype(target, copy=not arr.flags.writeable)
 
 
 def _input_shape(shape: object, spec: TensorSpec, field: str) -> list[int]:
@@ -224,7 +245,9 @@ def _flag(params: dict[str, Any], key: str, field: str, default: bool) -> bool:
     return value
 
 
-def _decode_input(item: object, field: str, binary: memoryview | None, served: ServedModel) -> tuple[np.ndarray, int]:
+def _decode_input(
+    item: object, field: str, binary: memoryview | None, served: ServedModel, limits: Settings | None
+) -> tuple[np.ndarray, int]:
     """An entry of ``inputs`` as the batcher's array, and how many bytes of ``binary`` it took (from the start)."""
     spec = served.manifest.inputs[0]
     if not isinstance(item, dict):
@@ -233,6 +256,8 @@ def _decode_input(item: object, field: str, binary: memoryview | None, served: S
         raise APIError(400, f"{field}.name: unexpected input {item.get('name')!r}; the model takes {spec.name!r}")
     wire = wire_type(item.get("datatype"), f"{field}.datatype")
     shape = _input_shape(item.get("shape"), spec, f"{field}.shape")
+    if limits is not None:
+        check_size(limits, served, shape[0], f"{field}.shape")
     params = _params(item, f"{field}.parameters")
     if "shared_memory_region" in params:
         raise APIError(400, f"{field}.parameters.shared_memory_region: shared memory is not supported")
@@ -256,7 +281,9 @@ def _decode_input(item: object, field: str, binary: memoryview | None, served: S
         arr, size = decode_json(item["data"], wire, shape, f"{field}.data"), 0
     else:
         raise APIError(400, f"{field}: no tensor data; give data or parameters.binary_data_size")
-    return to_input_dtype(arr, wire, spec, served.precision is Precision.FP16, f"{field}.datatype"), size
+    x = to_input_dtype(arr, wire, spec, served.precision is Precision.FP16, f"{field}.datatype")
+    check_finite(x, served, f"{field}.data" if size == 0 else f"{field} (binary data)")
+    return x, size
 
 
 def _binary_output(payload: dict[str, Any], default: bool, out_spec: TensorSpec) -> bool:
@@ -281,9 +308,11 @@ def _binary_output(payload: dict[str, Any], default: bool, out_spec: TensorSpec)
     return binary
 
 
-def parse_request(payload: object, binary: memoryview | None, served: ServedModel) -> Inference:
+def parse_request(
+    payload: object, binary: memoryview | None, served: ServedModel, limits: Settings | None = None
+) -> Inference:
     """Decode a V2 inference request for ``served``: its JSON header, and the binary data after it (``None`` when
-    the request has no ``Inference-Header-Content-Length`` and so is all JSON)."""
+    the request has no ``Inference-Header-Content-Length`` and so is all JSON). ``limits`` bounds its size."""
     if not isinstance(payload, dict):
         raise APIError(400, f"body: expected a JSON object, got {type(payload).__name__}")
     spec = served.manifest.inputs[0]
@@ -300,7 +329,7 @@ def parse_request(payload: object, binary: memoryview | None, served: ServedMode
         raise APIError(400, f"inputs: expected a non-empty list; the model takes input {spec.name!r}")
     if len(inputs) > 1:
         raise APIError(400, f"inputs: {len(inputs)} given; the model takes one, {spec.name!r}")
-    x, declared = _decode_input(inputs[0], "inputs[0]", binary, served)
+    x, declared = _decode_input(inputs[0], "inputs[0]", binary, served, limits)
     if binary is not None and len(binary) != declared:
         raise APIError(
             400,
@@ -310,7 +339,7 @@ def parse_request(payload: object, binary: memoryview | None, served: ServedMode
     return Inference(x, request_id, _binary_output(payload, binary_output, served.manifest.outputs[0]), timeout)
 
 
-def parse_raw(binary: memoryview, served: ServedModel) -> Inference:
+def parse_raw(binary: memoryview, served: ServedModel, limits: Settings | None = None) -> Inference:
     """A raw binary request (``Inference-Header-Content-Length: 0``): the whole body is the single input's data.
 
     Its datatype is the manifest's. Since every per-sample dimension is fixed, the batch size follows from the byte
@@ -326,13 +355,22 @@ def parse_raw(binary: memoryview, served: ServedModel) -> Inference:
             f"({spec.datatype.value} {spec.shape}: {sample} bytes each), got {len(binary)} bytes",
         )
     shape = [len(binary) // sample, *spec.shape]
+    if limits is not None:
+        check_size(limits, served, shape[0], "body")
     arr = decode_binary(binary, wire, shape, "body")
     fp16_weights = served.precision is Precision.FP16
-    return Inference(to_input_dtype(arr, wire, spec, fp16_weights, "body"), None, True)
+    x = to_input_dtype(arr, wire, spec, fp16_weights, "body")
+    check_finite(x, served, "body")
+    return Inference(x, None, True)
 
 
-def encode_response(served: ServedModel, req: Inference, out: np.ndarray) -> Response:
-    """The V2 inference response: JSON, or JSON followed by the output's binary data."""
+def encode_response(served: ServedModel, req: Inference, result: Prediction) -> Response:
+    """The V2 inference response: JSON, or JSON followed by the output's binary data.
+
+    JSON cannot carry non-finite numbers: an infinite or NaN output (overflow policy ``allow``) is written as
+    ``null`` in JSON ``data``; binary outputs carry it exactly.
+    """
+    out = result.outputs
     spec = served.manifest.outputs[0]
     wire = wire_type(spec.datatype.value, spec.name)
     output: dict[str, Any] = {"name": spec.name, "datatype": wire.value, "shape": list(out.shape)}
@@ -345,7 +383,7 @@ def encode_response(served: ServedModel, req: Inference, out: np.ndarray) -> Res
     header: dict[str, Any] = {"model_name": served.name, "model_version": str(served.version)}
     if req.request_id is not None:
         header["id"] = req.request_id
-    header["parameters"] = {"precision": str(served.precision)}
+    header["parameters"] = {"precision": result.precision}
     header["outputs"] = [output]
     body = orjson.dumps(header, option=orjson.OPT_SERIALIZE_NUMPY)
     if not tail:
@@ -362,20 +400,33 @@ async def infer(request: Request) -> Response:
     encoding = request.headers.get("content-encoding", "identity")
     if encoding != "identity":
         raise APIError(415, f"Content-Encoding: {encoding!r} is not supported; send the body uncompressed")
-    body = await request.body()
+    limits = settings(request)
+    timeout = client_timeout(request)
+    body = await read_body(request, limits.max_body_bytes)
     header, binary = split_body(body, request.headers.get(HEADER_LENGTH))
     if header is not None:
-        req = parse_request(parse_json(header), binary, served)
+        req = parse_request(parse_json(header), binary, served, limits)
     else:
         assert binary is not None
-        req = parse_raw(binary, served)
-    batcher = served.batcher
-    deadline = batcher.clock() + req.timeout_us / 1e6 if req.timeout_us and batcher is not None else None
+        if request.headers.get("content-type", "").startswith("application/json"):
+            # Read as raw tensor bytes, a JSON body whose length happens to be whole samples would be served garbage.
+            raise APIError(
+                400,
+                f"{HEADER_LENGTH}: 0 announces a raw binary body, but Content-Type is application/json; "
+                "send raw tensor data as application/octet-stream",
+            )
+        req = parse_raw(binary, served, limits)
+    if req.timeout_us:
+        timeout = req.timeout_us / 1e6 if timeout is None else min(timeout, req.timeout_us / 1e6)
     try:
-        out = await served.infer(req.x, deadline)
+        result = await served.infer(req.x, timeout)
+    except asyncio.CancelledError:
+        if not request.app.state.draining:
+            raise
+        raise cut_off_by_shutdown() from None
     except Exception as e:
         raise from_exception(e) from None
-    return encode_response(served, req, out)
+    return encode_response(served, req, result)
 
 
 @router.post("/v2/models/{model_name}/infer", openapi_extra=INFER_SCHEMA, response_class=Response)

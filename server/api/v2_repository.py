@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import secrets
 from enum import Enum
+from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
+from fastapi.security import HTTPBearer
 from starlette.responses import Response
 
 from server import store
-from server.api.errors import APIError, from_exception
+from server.api.errors import APIError, error_responses, from_exception, json_ok
 from server.api.models import json_response
 from server.api.predict import parse_json, repository
 from server.repository import ModelState, ServedModel
@@ -22,6 +24,20 @@ from server.settings import Settings
 from server.store import StoreError
 
 router = APIRouter()
+
+_ENTRY: dict[str, Any] = {"type": "object", "required": ["name", "state"]}
+_AUTH_ERRORS = error_responses(
+    {
+        400: "Malformed body.",
+        401: "The Authorization: Bearer token is missing or wrong.",
+        403: "The management API is off: the server has no admin token.",
+    }
+)
+_OPTIONAL_JSON_BODY: dict[str, Any] = {
+    "requestBody": {"required": False, "content": {"application/json": {"schema": {"type": "object"}}}},
+}
+# Declares the bearer scheme in the OpenAPI schema; the check itself is require_admin's (403 when no token is set).
+_BEARER = [Depends(HTTPBearer(auto_error=False))]
 
 
 class RepositoryState(str, Enum):
@@ -66,7 +82,13 @@ async def _body(request: Request) -> dict[str, object]:
     return payload
 
 
-@router.post("/v2/repository/index", response_class=Response)
+@router.post(
+    "/v2/repository/index",
+    response_class=Response,
+    responses={**json_ok("The models of the store.", {"type": "array"}), **_AUTH_ERRORS},
+    openapi_extra=_OPTIONAL_JSON_BODY,
+    dependencies=_BEARER,
+)
 async def repository_index(request: Request) -> Response:
     """Every model in the store: served ones with their version and state, the others as ``UNAVAILABLE`` ("not
     loaded"). With ``{"ready": true}``, only the ready ones."""
@@ -86,7 +108,22 @@ async def repository_index(request: Request) -> Response:
     return json_response(sorted(entries, key=lambda e: str(e["name"])))
 
 
-@router.post("/v2/repository/models/{model_name}/load", response_class=Response)
+@router.post(
+    "/v2/repository/models/{model_name}/load",
+    response_class=Response,
+    responses={
+        **json_ok("Loaded and ready.", _ENTRY),
+        **_AUTH_ERRORS,
+        **error_responses(
+            {
+                400: "Malformed body, an invalid model name, a configuration override, or a checkpoint that fails.",
+                404: "No such model in the store.",
+            }
+        ),
+    },
+    openapi_extra=_OPTIONAL_JSON_BODY,
+    dependencies=_BEARER,
+)
 async def load_model(model_name: str, request: Request) -> Response:
     """Load (or reload) a model from the store: the served version is read again, and a loaded model keeps
     answering from its old instance until the new one is warm. Overriding the configuration is not supported."""
@@ -113,7 +150,17 @@ async def load_model(model_name: str, request: Request) -> Response:
     return json_response(index_entry(served))
 
 
-@router.post("/v2/repository/models/{model_name}/unload", response_class=Response)
+@router.post(
+    "/v2/repository/models/{model_name}/unload",
+    response_class=Response,
+    responses={
+        **json_ok("Unloaded.", _ENTRY),
+        **_AUTH_ERRORS,
+        **error_responses({400: "Malformed body.", 404: "No such model is served."}),
+    },
+    openapi_extra=_OPTIONAL_JSON_BODY,
+    dependencies=_BEARER,
+)
 async def unload_model(model_name: str, request: Request) -> Response:
     """Stop serving a model: requests already queued are answered, then its engine is released."""
     require_admin(request)

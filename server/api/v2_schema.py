@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from server.api.binary import WireType
+from server.api.errors import error_responses
 
 _PARAMETERS: dict[str, Any] = {"type": "object", "additionalProperties": True}
 
@@ -50,7 +51,11 @@ INFERENCE_REQUEST: dict[str, Any] = {
             "type": "object",
             "properties": {
                 "binary_data_output": {"type": "boolean", "description": "Return every output as binary data."},
-                "timeout": {"type": "integer", "description": "Give up if not run within this many microseconds."},
+                "timeout": {
+                    "type": "integer",
+                    "minimum": 0,
+                    "description": "Answer 504 if the request has not started within this many microseconds (0: none).",
+                },
             },
         },
         "inputs": {"type": "array", "items": REQUEST_INPUT},
@@ -77,7 +82,13 @@ INFERENCE_RESPONSE: dict[str, Any] = {
         "id": {"type": "string"},
         "parameters": {
             "type": "object",
-            "properties": {"precision": {"type": "string", "description": "The precision that served it."}},
+            "properties": {
+                "precision": {
+                    "type": "string",
+                    "description": "The precision that computed the outputs: the served one, or fp32 where a "
+                    "half-precision overflow was rerun (fp16+fp32 when only part of the rows).",
+                }
+            },
         },
         "outputs": {
             "type": "array",
@@ -113,7 +124,14 @@ INFER_SCHEMA: dict[str, Any] = {
             "required": False,
             "schema": {"type": "integer", "minimum": 0},
             "description": "Length of the JSON object at the start of a body that carries binary tensor data.",
-        }
+        },
+        {
+            "name": "X-Request-Timeout-Ms",
+            "in": "header",
+            "required": False,
+            "schema": {"type": "number", "exclusiveMinimum": 0, "maximum": 3_600_000},
+            "description": "Answer 504 if the request's rows have not all started within this many milliseconds.",
+        },
     ],
     "requestBody": {
         "required": True,
@@ -133,8 +151,16 @@ INFER_SCHEMA: dict[str, Any] = {
                 "application/octet-stream": {"schema": {"type": "string", "format": "binary"}},
             },
         },
-        "400": {"description": "Malformed request: the error names the field."},
-        "404": {"description": "Unknown model or version, or a model with no available version."},
-        "503": {"description": "Model loading or not ready, or its queue is full."},
+        **error_responses(
+            {
+                400: "Malformed request, or NaN / infinite inputs the model does not take; the error names the field.",
+                404: "Unknown model or version, or a model with no available version.",
+                413: "Body, rows or values over the limits (max_body_bytes, max_request_rows, max_request_elements).",
+                415: "A compressed body.",
+                500: "The model failed on this request's rows (or overflowed with overflow policy error).",
+                503: "Model loading or not ready, its queue full, or the request cut off by shutdown (Retry-After).",
+                504: "The request's deadline (parameters.timeout, X-Request-Timeout-Ms) passed before it ran.",
+            }
+        ),
     },
 }

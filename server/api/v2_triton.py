@@ -8,10 +8,12 @@ size.
 
 from __future__ import annotations
 
+from typing import Any
+
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from server.api.errors import APIError
+from server.api.errors import APIError, Responses, error_responses, json_ok
 from server.api.models import json_response
 from server.api.predict import repository
 from server.api.v2 import PLATFORM, require_ready, served_model
@@ -22,6 +24,21 @@ from server.store import TensorSpec
 router = APIRouter()
 
 BACKEND = "pytorch"
+
+_CONFIG_RESPONSES: Responses = {
+    **json_ok("Triton's ModelConfig of the model.", {"type": "object", "required": ["name", "max_batch_size"]}),
+    **error_responses({404: "Unknown model, or a version it does not serve."}),
+}
+_STATS: dict[str, Any] = {"type": "object", "required": ["model_stats"]}
+_STATS_RESPONSES: Responses = {
+    **json_ok("The model's statistics.", _STATS),
+    **error_responses(
+        {
+            404: "Unknown model or version, or a model with no available version (unloaded, failed).",
+            503: "The model is loading, or the version named is not ready.",
+        }
+    ),
+}
 
 
 def _tensor_config(spec: TensorSpec) -> dict[str, object]:
@@ -40,6 +57,14 @@ def model_config(served: ServedModel, device_type: str, device_index: int | None
     parameters = {"max_queue_rows": {"string_value": str(b.max_queue_rows)}}
     if served.precision is not None:
         parameters["precision"] = {"string_value": served.precision.value}
+    dynamic_batching: dict[str, object] = {"max_queue_delay_microseconds": round(b.max_delay_ms * 1000)}
+    if b.request_timeout_ms is not None:
+        # Triton's own name for a queued request's deadline; a client's shorter parameters.timeout overrides it.
+        dynamic_batching["default_queue_policy"] = {
+            "timeout_action": "REJECT",
+            "default_timeout_microseconds": round(b.request_timeout_ms * 1000),
+            "allow_timeout_override": True,
+        }
     return {
         "name": served.name,
         "platform": PLATFORM,
@@ -48,7 +73,7 @@ def model_config(served: ServedModel, device_type: str, device_index: int | None
         "max_batch_size": b.max_batch_size,
         "input": [_tensor_config(s) for s in served.manifest.inputs],
         "output": [_tensor_config(s) for s in served.manifest.outputs],
-        "dynamic_batching": {"max_queue_delay_microseconds": round(b.max_delay_ms * 1000)},
+        "dynamic_batching": dynamic_batching,
         "instance_group": [instance],
         "parameters": parameters,
     }
@@ -60,13 +85,15 @@ def _config(request: Request, name: str, version: str | None) -> Response:
     return json_response(model_config(served, device.type, device.index))
 
 
-@router.get("/v2/models/{model_name}/config", response_class=Response)
+@router.get("/v2/models/{model_name}/config", response_class=Response, responses=_CONFIG_RESPONSES)
 async def config(model_name: str, request: Request) -> Response:
     """The model's configuration in Triton's ``ModelConfig`` JSON."""
     return _config(request, model_name, None)
 
 
-@router.get("/v2/models/{model_name}/versions/{model_version}/config", response_class=Response)
+@router.get(
+    "/v2/models/{model_name}/versions/{model_version}/config", response_class=Response, responses=_CONFIG_RESPONSES
+)
 async def version_config(model_name: str, model_version: str, request: Request) -> Response:
     """The configuration of one version of a model."""
     return _config(request, model_name, model_version)
@@ -122,20 +149,22 @@ def _stats(request: Request, name: str, version: str | None) -> Response:
 
 
 # Declared (and installed) ahead of /v2/models/{model_name}, which would otherwise take "stats" for a model name.
-@router.get("/v2/models/stats", response_class=Response)
+@router.get("/v2/models/stats", response_class=Response, responses=json_ok("Every loaded model's statistics.", _STATS))
 async def all_stats(request: Request) -> Response:
     """Statistics of every loaded model (a model's statistics start afresh each time it is loaded)."""
     models = repository(request).models.values()
     return json_response({"model_stats": [model_stats(m, m.batcher.stats) for m in models if m.batcher is not None]})
 
 
-@router.get("/v2/models/{model_name}/stats", response_class=Response)
+@router.get("/v2/models/{model_name}/stats", response_class=Response, responses=_STATS_RESPONSES)
 async def stats(model_name: str, request: Request) -> Response:
     """Statistics of one model: requests, rows, batches and time, with a breakdown per batch size."""
     return _stats(request, model_name, None)
 
 
-@router.get("/v2/models/{model_name}/versions/{model_version}/stats", response_class=Response)
+@router.get(
+    "/v2/models/{model_name}/versions/{model_version}/stats", response_class=Response, responses=_STATS_RESPONSES
+)
 async def version_stats(model_name: str, model_version: str, request: Request) -> Response:
     """Statistics of one version of a model."""
     return _stats(request, model_name, model_version)

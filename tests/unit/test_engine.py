@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from server import store
+from server.batching import Output
 from server.engine import Engine, EngineError, batch_buckets, resolve_device
 from server.precision import Precision
 from tests.conftest import save_tiny_mlp
@@ -47,7 +48,9 @@ def test_engine_casts_a_copy_and_leaves_the_host_weights_fp32(
 def test_run_chunks_returns_one_float32_output_per_chunk(loaded: store.LoadedModel) -> None:
     engine = Engine(loaded, Precision.FP32, CPU)
     chunks = [np.random.default_rng(i).standard_normal((n, 16)).astype(np.float32) for i, n in enumerate((1, 3, 2))]
-    outs = engine.run_chunks(chunks)
+    outcomes = engine.run_chunks(chunks)
+    assert all(isinstance(o, Output) and o.tag == "fp32" for o in outcomes)
+    outs = [o.data for o in outcomes if isinstance(o, Output)]
     assert [o.shape for o in outs] == [(1, 4), (3, 4), (2, 4)]
     assert all(o.dtype == np.float32 for o in outs)
     with torch.inference_mode():

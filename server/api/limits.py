@@ -1,0 +1,113 @@
+"""What one request may ask of the server: body size, rows and values, how long it may wait, non-finite inputs.
+
+Every refusal is a 4xx JSON error naming the field and the setting that decides it: 413 for a body, a row count or a
+value count over its limit (``max_body_bytes``, ``max_request_rows`` / the model's ``max_queue_rows``,
+``max_request_elements``), 400 for a malformed timeout header or a NaN / infinite input the model does not accept
+(``allow_nonfinite_inputs`` in its manifest).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from starlette.requests import Request
+
+from server.api.errors import APIError
+from server.repository import ServedModel
+from server.settings import Settings
+
+TIMEOUT_HEADER = "X-Request-Timeout-Ms"
+"""A client's deadline in milliseconds: a request whose rows have not all started by then is answered 504."""
+
+_TIMEOUT_KEY = TIMEOUT_HEADER.lower().encode()
+MAX_TIMEOUT_MS = 3_600_000.0
+
+
+def settings(request: Request) -> Settings:
+    s: Settings = request.app.state.settings
+    return s
+
+
+def raw_header(request: Request, name: bytes) -> bytes | None:
+    """The first value of header ``name`` (lower case), straight from the ASGI scope.
+
+    On the inference routes this stands in for ``request.headers``, whose construction and mapping lookups cost
+    more than a scan of the few raw headers a request carries.
+    """
+    for key, value in request.scope["headers"]:
+        if key == name:
+            return bytes(value)
+    return None
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, or a 413 once it is known to exceed ``limit`` (``max_body_bytes``), before reading it when
+    the ``Content-Length`` header tells."""
+    declared = raw_header(request, b"content-length")
+    if declared is not None:
+        # The HTTP server hands the app no more than Content-Length bytes, so checking the header suffices.
+        if declared.isdigit() and int(declared) > limit:
+            size = declared.decode()
+            raise APIError(413, f"body: {size} bytes exceed the limit of {limit} bytes (max_body_bytes)")
+        return await request.body()
+    parts: list[bytes] = []
+    received = 0
+    async for part in request.stream():
+        received += len(part)
+        if received > limit:
+            raise APIError(413, f"body: more than {limit} bytes (max_body_bytes)")
+        parts.append(part)
+    return b"".join(parts)
+
+
+def check_size(s: Settings, served: ServedModel, rows: int, field: str) -> None:
+    """Fail with a 413 naming ``field`` when ``rows`` samples are more than one request may carry."""
+    queue = served.batching.max_queue_rows
+    max_rows = queue if s.max_request_rows is None else min(s.max_request_rows, queue)
+    if rows > max_rows:
+        setting = "max_request_rows" if max_rows == s.max_request_rows else "the model's max_queue_rows"
+        raise APIError(413, f"{field}: {rows} rows exceed the limit of {max_rows} per request ({setting})")
+    elements = rows * served.sample_size
+    if elements > s.max_request_elements:
+        raise APIError(
+            413,
+            f"{field}: {elements} input values exceed the limit of {s.max_request_elements} per request "
+            "(max_request_elements)",
+        )
+
+
+def check_finite(x: np.ndarray, served: ServedModel, field: str) -> None:
+    """Fail with a 400 naming ``field`` and the first bad row when ``x`` holds NaN or infinite values the model does
+    not accept."""
+    if x.dtype.kind != "f" or served.manifest.allow_nonfinite_inputs:
+        return
+    # One reduction: the sum is finite when every value is (a sum overflowing from finite values goes on to the
+    # exact check below).
+    if math.isfinite(x.sum()):
+        return
+    finite = np.isfinite(x)
+    if finite.all():
+        return
+    row = int(np.flatnonzero(~finite.reshape(x.shape[0], -1).all(axis=1))[0])
+    raise APIError(
+        400,
+        f"{field}: row {row} holds a NaN or infinite value (or one beyond the range of {x.dtype.name}); "
+        f"model {served.name!r} does not accept them (allow_nonfinite_inputs)",
+    )
+
+
+def client_timeout(request: Request) -> float | None:
+    """The ``X-Request-Timeout-Ms`` header in seconds, ``None`` without one; a 400 when it is not a positive number
+    of milliseconds."""
+    raw = raw_header(request, _TIMEOUT_KEY)
+    if raw is None:
+        return None
+    text = raw.decode("latin-1")
+    try:
+        ms = float(text)
+    except ValueError:
+        ms = math.nan
+    if not 0 < ms <= MAX_TIMEOUT_MS:  # also refuses NaN
+        raise APIError(400, f"{TIMEOUT_HEADER}: expected milliseconds in (0, {MAX_TIMEOUT_MS:.0f}], got {text!r}")
+    return ms / 1000.0

@@ -1,0 +1,127 @@
+"""Input limits in-process: body size, rows and values per request, NaN and infinite inputs; each a 4xx naming the
+field and the setting."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import numpy as np
+import orjson
+import pytest
+
+from server.settings import Settings
+from server.store import DataType, TensorSpec
+from tests.conftest import save_tiny_mlp
+from tests.integration.conftest import serving
+
+HEADER = "Inference-Header-Content-Length"
+INFER = "/v2/models/tiny/infer"
+ROW = [0.25] * 16
+
+
+def binary_body(x: np.ndarray, datatype: str = "FP32") -> tuple[bytes, dict[str, str]]:
+    raw = x.tobytes()
+    params = {"binary_data_size": len(raw)}
+    tensor = {"name": "features", "shape": list(x.shape), "datatype": datatype, "parameters": params}
+    header = orjson.dumps({"inputs": [tensor]})
+    return header + raw, {HEADER: str(len(header))}
+
+
+async def test_a_body_over_max_body_bytes_is_a_413_naming_the_setting(tiny_store: Path) -> None:
+    big = orjson.dumps({"inputs": [ROW] * 200})
+    assert len(big) > 4096
+
+    async def chunked() -> AsyncIterator[bytes]:  # no Content-Length: the limit is enforced while reading
+        for i in range(0, len(big), 1000):
+            yield big[i : i + 1000]
+
+    async with serving(Settings(store=tiny_store, max_body_bytes=4096)) as client:
+        declared = await client.post("/predict", content=big, headers={"content-type": "application/json"})
+        streamed = await client.post("/predict", content=chunked(), headers={"content-type": "application/json"})
+        v2 = await client.post(INFER, content=big)
+        ok = await client.post("/predict", json={"inputs": [ROW]})
+    assert declared.status_code == streamed.status_code == v2.status_code == 413
+    assert declared.json()["error"] == f"body: {len(big)} bytes exceed the limit of 4096 bytes (max_body_bytes)"
+    assert streamed.json()["error"] == "body: more than 4096 bytes (max_body_bytes)"
+    assert "max_body_bytes" in v2.json()["error"]
+    assert ok.status_code == 200
+
+
+async def test_rows_and_values_over_their_limits_are_413s_naming_field_and_setting(tiny_store: Path) -> None:
+    x = np.zeros((5, 16), np.float32)
+    content, headers = binary_body(x)
+    async with serving(Settings(store=tiny_store, max_request_rows=4)) as client:
+        predict = await client.post("/predict", json={"inputs": x.tolist()})
+        v2 = await client.post(INFER, content=content, headers=headers)
+        raw = await client.post(INFER, content=x.tobytes(), headers={HEADER: "0"})
+        four = await client.post("/predict", json={"inputs": x[:4].tolist()})
+    assert predict.status_code == v2.status_code == raw.status_code == 413
+    assert predict.json()["error"] == "inputs: 5 rows exceed the limit of 4 per request (max_request_rows)"
+    assert v2.json()["error"] == "inputs[0].shape: 5 rows exceed the limit of 4 per request (max_request_rows)"
+    assert raw.json()["error"].startswith("body: 5 rows exceed")
+    assert four.status_code == 200
+    async with serving(Settings(store=tiny_store, max_request_elements=40)) as client:
+        too_many = await client.post("/predict", json={"inputs": x[:3].tolist()})
+        fine = await client.post("/predict", json={"inputs": x[:2].tolist()})
+    assert too_many.status_code == 413
+    assert too_many.json()["error"] == (
+        "inputs: 48 input values exceed the limit of 40 per request (max_request_elements)"
+    )
+    assert fine.status_code == 200
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+async def test_non_finite_binary_inputs_are_refused_by_default(tiny_store: Path, bad: float) -> None:
+    x = np.zeros((3, 16), np.float32)
+    x[2, 5] = bad
+    content, headers = binary_body(x)
+    async with serving(Settings(store=tiny_store)) as client:
+        v2 = await client.post(INFER, content=content, headers=headers)
+        raw = await client.post(INFER, content=x.tobytes(), headers={HEADER: "0"})
+        half_content, half_headers = binary_body(x.astype(np.float16), "FP16")
+        half = await client.post(INFER, content=half_content, headers=half_headers)
+    assert v2.status_code == raw.status_code == 400
+    assert v2.json()["error"].startswith("inputs[0] (binary data): row 2 holds a NaN or infinite value")
+    assert "allow_nonfinite_inputs" in v2.json()["error"]
+    assert raw.json()["error"].startswith("body: row 2 holds a NaN")
+    assert half.status_code == 400
+    assert half.json()["error"].startswith("inputs[0] (binary data): row 2 holds a NaN or infinite value")
+
+
+async def test_json_numbers_beyond_the_inputs_range_are_refused(tiny_store: Path) -> None:
+    row = [0.0] * 15 + [1e39]
+    async with serving(Settings(store=tiny_store)) as client:
+        predict = await client.post("/predict", json={"inputs": [row]})
+        fp32 = await client.post(
+            INFER, json={"inputs": [{"name": "features", "shape": [1, 16], "datatype": "FP32", "data": row}]}
+        )
+        fp64 = await client.post(
+            INFER, json={"inputs": [{"name": "features", "shape": [1, 16], "datatype": "FP64", "data": row}]}
+        )
+    assert predict.status_code == fp32.status_code == fp64.status_code == 400
+    assert predict.json()["error"] == "inputs: values beyond the range of float32"
+    assert fp32.json()["error"] == "inputs[0].data: values beyond the range of FP32"
+    # FP64 holds it; the conversion to the model's float32 makes it infinite, which the model does not accept.
+    assert fp64.json()["error"].startswith("inputs[0].data: row 0 holds a NaN or infinite value (or one beyond")
+
+
+async def test_json_numbers_beyond_an_integer_inputs_range_are_refused(tmp_path: Path) -> None:
+    save_tiny_mlp(tmp_path, inputs=[TensorSpec(name="features", datatype=DataType.INT32, shape=[16])])
+    async with serving(Settings(store=tmp_path)) as client:
+        r = await client.post("/predict", json={"inputs": [[0] * 15 + [1e20]]})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"] == "inputs: values beyond the range of int32"  # not wrapped around
+
+
+async def test_a_model_may_accept_non_finite_inputs(tmp_path: Path) -> None:
+    save_tiny_mlp(tmp_path, allow_nonfinite_inputs=True)
+    x = np.zeros((1, 16), np.float32)
+    x[0, 0] = np.nan
+    content, headers = binary_body(x)
+    async with serving(Settings(store=tmp_path)) as client:
+        r = await client.post(INFER, content=content, headers=headers)
+        listing = (await client.get("/models")).json()["models"][0]
+    assert r.status_code == 200, r.text
+    assert r.json()["outputs"][0]["data"] == [None] * 4  # NaN out, written as null
+    assert listing["allow_nonfinite_inputs"] is True
