@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 import torch
 from fastapi import FastAPI
 
-from server import __version__, api
+from server import __version__, api, precision
 from server.repository import ModelRepository
 from server.settings import Settings
 
@@ -67,6 +67,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if settings.threads:
             torch.set_num_threads(settings.threads)
+        precision.set_tf32(settings.tf32)
         repo = ModelRepository(settings)
         repo.discover()
         app.state.repository = repo

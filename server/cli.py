@@ -49,6 +49,12 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="seconds a shutdown waits for requests in flight before cancelling them (default: 30)",
     )
     p.add_argument("--threads", type=int, help="torch intra-op threads")
+    p.add_argument(
+        "--tf32",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="let fp32 use TF32 on Ampere+ GPUs (default: off, fp32 is IEEE fp32)",
+    )
     p.add_argument("--admin-token", help="bearer token that enables the management calls (load, unload)")
     p.add_argument("--no-warmup", dest="warmup", action="store_false", default=None, help="skip warm-up at load")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])

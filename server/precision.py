@@ -63,6 +63,17 @@ def resolve(precision: Precision | str, device: torch.device) -> Precision:
     return Precision.BF16 if cpu_has_native_bf16() else Precision.FP32
 
 
+def set_tf32(enabled: bool) -> None:
+    """Allow or forbid TF32 for fp32 matmuls and cuDNN convolutions/RNNs (Ampere and newer GPUs; no effect elsewhere).
+
+    torch's defaults differ per library (matmul: off; cuDNN: on), so fp32 on an A10 would be partly TF32 unless set.
+    The ``allow_tf32`` flags are used because torch 2.3 knows only them; mixing them with the newer
+    ``fp32_precision`` API makes torch's own getters raise.
+    """
+    torch.backends.cuda.matmul.allow_tf32 = enabled
+    torch.backends.cudnn.allow_tf32 = enabled
+
+
 def weight_dtype(precision: Precision) -> torch.dtype:
     """The dtype the model's parameters are stored in when serving under ``precision`` (a resolved mode)."""
     return _WEIGHT_DTYPES[Precision(precision)]

@@ -39,6 +39,9 @@ class Settings(BaseSettings):
     """Most input values one inference request may carry (rows times the per-sample size)."""
     drain_timeout: float = Field(default=30.0, ge=0.0, le=3600.0)
     """Seconds from a shutdown signal to exit: requests in flight get this long, then are cancelled (503)."""
+    tf32: bool = False
+    """Let fp32 matmuls and cuDNN convolutions use TF32 on Ampere and newer GPUs. Off (the default), fp32 is IEEE fp32
+    everywhere, so the fp32 fallback and fp32 benchmarks are the real thing; torch's own default lets cuDNN use TF32."""
     threads: int | None = Field(default=None, ge=1)
     """torch intra-op threads; unset keeps torch's default."""
     warmup: bool = True

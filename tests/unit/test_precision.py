@@ -50,3 +50,23 @@ def test_training_autocast_is_off_for_fp32() -> None:
         assert not torch.is_autocast_enabled("cpu")
     with precision.training_autocast(torch.bfloat16, CPU):
         assert torch.is_autocast_enabled("cpu")
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_set_tf32_sets_both_matmul_and_cudnn(enabled: bool) -> None:
+    before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = not enabled
+        precision.set_tf32(enabled)
+        assert torch.backends.cuda.matmul.allow_tf32 is enabled
+        assert torch.backends.cudnn.allow_tf32 is enabled
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
+
+
+def test_tf32_is_off_unless_asked_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    from server.settings import Settings
+
+    assert Settings().tf32 is False
+    monkeypatch.setenv("HALFSERVE_TF32", "1")
+    assert Settings().tf32 is True
