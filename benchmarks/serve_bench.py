@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import re
 import subprocess
 import sys
@@ -36,7 +35,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from server import store  # noqa: E402
+from server import hostinfo, store  # noqa: E402
 from server.engine import Engine  # noqa: E402
 from server.precision import Precision  # noqa: E402
 
@@ -271,11 +270,7 @@ def main() -> None:
         "max_delay_ms": manifest.batching.max_delay_ms,
         "protocols": args.protocols,
         "machine": {
-            "cpu": platform.processor() or platform.machine(),
-            "cores": os.cpu_count(),
-            "torch": torch.__version__,
-            "torch_threads": torch.get_num_threads(),
-            "allocator": "jemalloc (LD_PRELOAD)" if "jemalloc" in os.environ.get("LD_PRELOAD", "") else "glibc malloc",
+            **hostinfo.describe(),
             "load_generator": "wrk -t1 (one thread), one sample per request, keep-alive",
         },
         "ceiling_rows_per_s": {},

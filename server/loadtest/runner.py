@@ -7,7 +7,6 @@ before, the level itself (by duration or by request count), the same after. The 
 
 from __future__ import annotations
 
-import os
 import platform
 import time
 from dataclasses import dataclass, field
@@ -78,11 +77,11 @@ class Sweep:
         self.seconds = time.monotonic() - self._t0
 
     def machine(self) -> dict[str, Any]:
+        from server import hostinfo  # imports torch: only when the results are written
+
         return {
+            **hostinfo.describe(),
             "platform": platform.platform(),
-            "processor": platform.processor() or platform.machine(),
-            "cpu_count": os.cpu_count(),
-            "python": platform.python_version(),
             "halfserve": __version__,
             "httpx": httpx.__version__,
             "client_event_loop": self.client_loop,
