@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import gc
 import logging
+import os
 import time
 from collections.abc import AsyncIterator
 
@@ -58,6 +59,11 @@ async def _drain(repo: ModelRepository, timeout: float) -> None:
             )
 
 
+def serving_threads() -> int:
+    """torch intra-op threads when none are set: every core this process may run on but one, at least one."""
+    return max(1, len(os.sched_getaffinity(0)) - 1)
+
+
 def create_app(settings: Settings | None = None) -> FastAPI:
     """Build the FastAPI app for ``settings``. Manifests are validated when the lifespan starts (fail fast);
     weights load and warm up in the background while ``/ready`` answers 503."""
@@ -65,8 +71,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        if settings.threads:
-            torch.set_num_threads(settings.threads)
+        torch.set_num_threads(settings.threads or serving_threads())
         precision.set_tf32(settings.tf32)
         repo = ModelRepository(settings)
         repo.discover()
@@ -87,7 +92,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             spent = time.monotonic() - app.state.drain_started
             await _drain(repo, max(settings.drain_timeout - spent, _LAST_BATCH_GRACE_S))
 
-    app = FastAPI(
+    app = api.App(
         title="halfserve",
         version=__version__,
         description="Half-precision PyTorch inference with dynamic batching.",

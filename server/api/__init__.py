@@ -2,10 +2,20 @@
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Awaitable, Callable
+
 from fastapi import FastAPI
-from starlette.routing import Route
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Match, Route
+from starlette.types import Receive, Scope, Send
 
 from server.api import errors, models, predict, v2, v2_repository, v2_triton
+
+log = logging.getLogger(__name__)
+
+Endpoint = Callable[[Request], Awaitable[Response]]
 
 HOT_PATHS: list[Route] = [
     Route("/predict", predict.predict, methods=["POST"], include_in_schema=False),
@@ -21,6 +31,44 @@ on a small model (profiled); the FastAPI declarations stay for the OpenAPI schem
 """
 
 
+class App(FastAPI):
+    """FastAPI, with the inference routes answered ahead of its middleware stack.
+
+    Every request through FastAPI passes its middleware layers (server errors, exceptions, the async exit stack and
+    the newer releases' body-limit and telemetry layers) before routing: measured here, a bare FastAPI ``/health``
+    answered 4,100 req/s where the same route on bare Starlette answered 8,100. The inference routes handle their own
+    errors (:class:`errors.APIError` and anything unexpected become JSON), so they are matched and run first; every
+    other request, and the lifespan, go through FastAPI as usual.
+    """
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            for route in HOT_PATHS:
+                match, child = route.matches(scope)
+                if match is Match.FULL:
+                    scope["app"] = self
+                    scope.update(child)
+                    await _answer(route.endpoint, scope, receive, send)
+                    return
+        await super().__call__(scope, receive, send)
+
+
+async def _answer(endpoint: Endpoint, scope: Scope, receive: Receive, send: Send) -> None:
+    """Run an inference endpoint and send its response, or its error as the API's JSON.
+
+    The endpoint is called directly rather than through ``Route.handle``, whose request/response wrapper and
+    exception-handler lookup cost about a tenth of the event loop's time per request on a small model (profiled).
+    """
+    try:
+        response = await endpoint(Request(scope, receive, send))
+    except errors.APIError as e:
+        response = errors.error_response(e.status, e.message, e.headers)
+    except Exception as e:  # what FastAPI's ServerErrorMiddleware would do, in the API's JSON shape
+        log.exception("unhandled error in %s", scope["path"])
+        response = errors.error_response(500, f"internal error: {type(e).__name__}: {e}")
+    await response(scope, receive, send)
+
+
 def install(app: FastAPI) -> None:
     """Add every route and the JSON error handlers to ``app``."""
     errors.install(app)
@@ -31,4 +79,4 @@ def install(app: FastAPI) -> None:
     app.router.routes[:0] = HOT_PATHS
 
 
-__all__ = ["install"]
+__all__ = ["App", "install"]
