@@ -15,7 +15,7 @@ import numpy as np
 
 from server import store
 from server.batching import Batcher, BatchStats
-from server.engine import Engine, resolve_device
+from server.engine import Engine, EngineInfo, resolve_device
 from server.precision import Precision
 from server.settings import Settings
 from server.store import Batching, Manifest, StoreError
@@ -105,6 +105,7 @@ class ServedModel:
             stats["overflow_policy"] = engine.overflow.value
             stats["overflows"] = engine.overflows
             stats["fp32_reruns"] = engine.fp32_reruns
+            stats["instance_forwards"] = [i.forwards for i in engine.instances]
         return stats
 
     def describe(self) -> dict[str, object]:
@@ -130,7 +131,19 @@ class ServedModel:
             "description": m.description,
             "evaluation": m.evaluation,
             "warmup_seconds": round(self.warmup_seconds, 4),
+            "execution": _execution(info) if info else m.execution.model_dump(mode="json"),
         }
+
+
+def _execution(info: EngineInfo) -> dict[str, object]:
+    """How a loaded engine runs: what the manifest asked for, as resolved for its device."""
+    return {
+        "instances": info.instances,
+        "buckets": list(info.buckets),
+        "cuda_graphs": info.cuda_graphs,
+        "channels_last": info.channels_last,
+        "graph_capture_seconds": round(info.graph_capture_seconds, 4),
+    }
 
 
 class ModelRepository:
@@ -177,7 +190,12 @@ class ModelRepository:
     async def _load(self, served: ServedModel) -> None:
         precision = self.settings.precision or served.manifest.precision
         loaded = await asyncio.to_thread(store.load, self.settings.store, served.name, served.version)
-        engine = await asyncio.to_thread(Engine, loaded, precision, self.device)
+        engine = await asyncio.to_thread(
+            functools.partial(Engine, max_batch_size=served.batching.max_batch_size),
+            loaded,
+            precision,
+            self.device,
+        )
         if self.settings.warmup:
             served.warmup_seconds = await asyncio.to_thread(engine.warmup, served.batching.max_batch_size)
         batcher = Batcher(
@@ -185,6 +203,8 @@ class ModelRepository:
             max_batch_size=served.batching.max_batch_size,
             max_delay=served.batching.max_delay_ms / 1000.0,
             max_queue_rows=served.batching.max_queue_rows,
+            # One batch in flight per instance: each instance takes the next batch when it is idle.
+            concurrency=len(engine.instances),
         )
         batcher.start()
         served.engine, served.batcher, served.precision = engine, batcher, engine.precision
