@@ -187,7 +187,7 @@ class Engine:
             t = t.contiguous(memory_format=torch.channels_last)
         return t
 
-    def _forward_device(self, t: torch.Tensor) -> torch.Tensor:
+    def forward_device(self, t: torch.Tensor) -> torch.Tensor:
         """Cast and run a batch already on the device, under the precision's context."""
         with prec.inference(self.precision, self.device):
             y = self.model(self._prepare(t))
@@ -204,7 +204,7 @@ class Engine:
             if graph is not None and graph.model is self.model and graph.input.dtype == host.dtype:
                 y = inst.replay(graph, host)
             else:
-                y = self._forward_device(inst.to_device(host))
+                y = self.forward_device(inst.to_device(host))
             inst.forwards += 1
             return inst.fetch(_checked(y, size)[:rows])
 
@@ -297,7 +297,7 @@ class Engine:
                 if self.cuda_graphs:
                     with inst.on_stream():
                         sample = inst.to_device(inst.stage([x], size))
-                    graph = inst.capture(size, sample, self._forward_device, self.model)
+                    graph = inst.capture(size, sample, self.forward_device, self.model)
                     secs = graph.capture_seconds
                     log.info("%s[%d]: captured a CUDA graph of batch %d in %.3fs", self.name, inst.index, size, secs)
                 self.forward_chunks([x], inst)
