@@ -48,7 +48,7 @@ from server.loadtest.config import LoadtestConfig  # noqa: E402
 from server.loadtest.make_bench_model import calibrate  # noqa: E402
 from server.loadtest.payload import Protocol  # noqa: E402
 from server.precision import Precision, set_tf32  # noqa: E402
-from server.store import Batching, Compile, Execution, LoadedModel, Manifest, TensorSpec  # noqa: E402
+from server.store import Batching, Compile, DataType, Execution, LoadedModel, Manifest, TensorSpec  # noqa: E402
 
 MODEL = "resnet50"
 
@@ -95,8 +95,14 @@ def build_store(root: Path, image_size: int, max_batch_size: int, execution: Exe
     return store.load(root, MODEL)
 
 
-def set_execution(root: Path, execution: Execution) -> None:
-    manifest = store.load_manifest(root / MODEL)
+def with_wire(manifest: Manifest, wire: str) -> Manifest:
+    """The manifest with its input declared ``wire`` (FP32 or FP16): what clients send and the engine stages."""
+    spec = manifest.inputs[0].model_copy(update={"datatype": DataType(wire.upper())})
+    return manifest.model_copy(update={"inputs": [spec]})
+
+
+def set_manifest(root: Path, execution: Execution, wire: str) -> None:
+    manifest = with_wire(store.load_manifest(root / MODEL), wire)
     store.write_manifest(root, manifest.model_copy(update={"execution": execution}))
 
 
@@ -120,7 +126,7 @@ def ceiling(
     engine_rate: dict[str, float] = {}
     device_rate: dict[str, float] = {}
     for b in sizes:
-        x = rng.uniform(0, 1, (b, *shape)).astype(np.float32)
+        x = rng.uniform(0, 1, (b, *shape)).astype(engine.input_dtype)
         engine_rate[str(b)] = rate(lambda x=x: engine.forward(x), b, seconds, device)
         if device_only:
             xd = torch.from_numpy(x).to(device)
@@ -159,7 +165,7 @@ def instances_rate(
     for n in counts:
         engine = Engine(loaded, Precision(precision), device, execution=ex.model_copy(update={"instances": n}))
         engine.warmup(batch)
-        x = np.random.default_rng(0).uniform(0, 1, (batch, *engine.sample_shape)).astype(np.float32)
+        x = np.random.default_rng(0).uniform(0, 1, (batch, *engine.sample_shape)).astype(engine.input_dtype)
         done = [0] * n
         stop = threading.Event()
 
@@ -223,35 +229,44 @@ def best_upto(rates: dict[str, float], limit: int) -> float:
     return max(eligible) if eligible else max(rates.values())
 
 
-def summarize(result: dict[str, Any], half: str) -> dict[str, Any]:
-    """Server / ceiling per precision and concurrency, and half / fp32 at each concurrency."""
-    best = {p: result["ceiling"][p]["best_engine_rows_per_s"] for p in result["ceiling"]}
+def summarize(
+    sweep: dict[str, Any], ceilings: dict[str, dict[str, float]], half: str, instances: dict[str, Any] | None
+) -> dict[str, Any]:
+    """Server / ceiling per precision and concurrency, and half / fp32 at each concurrency.
+
+    The ceiling at concurrency c is the single-instance Engine's best rate at a batch size <= c (the largest batch
+    c requests in flight can form); beside it, for the half precision, the rate of as many in-process instances as
+    the server runs, driven flat out at batch 64.
+    """
     table: list[dict[str, Any]] = []
     served: dict[tuple[str, int], float] = {}
-    for r in result["server"]["results"]:
+    multi = instances["rows_per_s"].get(str(instances["server_instances"])) if instances else None
+    for r in sweep["results"]:
         p, c = r["precision"], r["concurrency"]
         served[(p, c)] = r["rows_per_s"]
-        ceil = best_upto(best[p], c)
-        table.append(
-            {
-                "precision": p,
-                "concurrency": c,
-                "rows_per_s": round(r["rows_per_s"], 1),
-                "p50_ms": r["p50_ms"],
-                "p99_ms": r["p99_ms"],
-                "mean_batch": r["mean_batch_size"],
-                "errors": r["errors"],
-                "ceiling_rows_per_s": round(ceil, 1),
-                "server_over_ceiling": round(r["rows_per_s"] / ceil, 3),
-                "client_bound": r["client_bound"],
-            }
-        )
+        ceil = best_upto(ceilings[p], c)
+        row = {
+            "precision": p,
+            "concurrency": c,
+            "rows_per_s": round(r["rows_per_s"], 1),
+            "p50_ms": r["p50_ms"],
+            "p99_ms": r["p99_ms"],
+            "mean_batch": r["mean_batch_size"],
+            "errors": r["errors"],
+            "ceiling_rows_per_s": round(ceil, 1),
+            "server_over_ceiling": round(r["rows_per_s"] / ceil, 3),
+            "client_bound": r["client_bound"],
+            "server_cpu_percent": r["server_cpu_percent"],
+        }
+        if p == half and multi:
+            row["server_over_instances_ceiling"] = round(r["rows_per_s"] / multi, 3)
+        table.append(row)
     ratio = {
         str(c): round(served[(half, c)] / served[("fp32", c)], 3)
         for (p, c) in served
         if p == half and ("fp32", c) in served and served[("fp32", c)] > 0
     }
-    return {"levels": table, f"{half}_over_fp32": ratio}
+    return {"levels": table, f"{half}_over_fp32": ratio, "instances_ceiling_rows_per_s": multi}
 
 
 def markdown(result: dict[str, Any], half: str) -> str:
@@ -277,19 +292,25 @@ def markdown(result: dict[str, Any], half: str) -> str:
         lines += ["", f"## Instances at batch {result['instances']['batch']} ({half}, rows/s)", ""]
         lines += ["| instances | rows/s |", "|---:|---:|"]
         lines += [f"| {n} | {v:.0f} |" for n, v in result["instances"]["rows_per_s"].items()]
-    summary = result.get("summary")
-    if summary:
-        lines += ["", "## Server (halfserve serve, KServe V2 binary, one image per request)", ""]
+    for wire, server in result.get("servers", {}).items():
+        summary = server["summary"]
+        lines += ["", f"## Server (halfserve serve, KServe V2 binary, one {wire.upper()} image per request)", ""]
         lines += [
-            "| precision | concurrency | rows/s | p50 ms | p99 ms | mean batch | ceiling | server / ceiling |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|",
+            f"Execution: {json.dumps(result['server_execution'])}; {half} in-process with as many instances at "
+            f"batch 64: {summary['instances_ceiling_rows_per_s'] or 0:.0f} rows/s.",
+            "",
+            "| precision | concurrency | rows/s | p50 ms | p99 ms | mean batch | server CPU % | ceiling "
+            "| server / ceiling | server / instances ceiling |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for r in summary["levels"]:
             mark = " (client-bound)" if r["client_bound"] else ""
+            multi = r.get("server_over_instances_ceiling")
             lines.append(
                 f"| {r['precision']} | {r['concurrency']} | {r['rows_per_s']:.0f}{mark} | {r['p50_ms']:.1f} "
-                f"| {r['p99_ms']:.1f} | {r['mean_batch'] or 0:.1f} | {r['ceiling_rows_per_s']:.0f} "
-                f"| {r['server_over_ceiling']:.3f} |"
+                f"| {r['p99_ms']:.1f} | {r['mean_batch'] or 0:.1f} | {r['server_cpu_percent'] or 0:.0f} "
+                f"| {r['ceiling_rows_per_s']:.0f} | {r['server_over_ceiling']:.3f} "
+                f"| {'' if multi is None else f'{multi:.3f}'} |"
             )
         lines += ["", f"{half} / fp32 (server rows/s): " + json.dumps(summary[f"{half}_over_fp32"])]
     return "\n".join(lines) + "\n"
@@ -306,40 +327,39 @@ def plot(result: dict[str, Any], path: Path, half: str) -> None:
     for label, c in result["ceiling_runs"].items():
         sizes = [int(b) for b in c["engine_rows_per_s"]]
         ax.plot(sizes, list(c["engine_rows_per_s"].values()), marker="o", label=label)
-    ax.set(xscale="log", xlabel="batch size", ylabel="rows/s", title="in-process ceiling (Engine)")
-    ax.legend(fontsize=8)
+    ax.set(xscale="log", xlabel="batch size", ylabel="rows/s", title="in-process ceiling (Engine, one instance)")
+    ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
-    summary = result.get("summary")
-    if summary:
-        ax = axes[1]
+    for wire, server in result.get("servers", {}).items():
+        summary = server["summary"]
+        style = "-" if wire == "fp32" else ":"
         for p in result["precisions"]:
             levels = [r for r in summary["levels"] if r["precision"] == p]
             cs = [r["concurrency"] for r in levels]
-            (line,) = ax.plot(cs, [r["rows_per_s"] for r in levels], marker="o", label=f"server {p}")
-            ax.plot(
-                cs, [r["ceiling_rows_per_s"] for r in levels], ls="--", color=line.get_color(), label=f"ceiling {p}"
-            )
-        ax.set(xscale="log", xlabel="concurrency (one image per request)", ylabel="rows/s", title="server")
-        ax.legend(fontsize=8)
-        ax.grid(alpha=0.3)
-        ax = axes[2]
-        for p in result["precisions"]:
-            levels = [r for r in summary["levels"] if r["precision"] == p]
-            ax.plot(
-                [r["concurrency"] for r in levels],
-                [r["server_over_ceiling"] for r in levels],
-                marker="o",
-                label=f"server / ceiling, {p}",
-            )
+            label = f"{p}, {wire} input"
+            (line,) = axes[1].plot(cs, [r["rows_per_s"] for r in levels], marker="o", ls=style, label=label)
+            if wire == "fp32":
+                ceil = [r["ceiling_rows_per_s"] for r in levels]
+                axes[1].plot(cs, ceil, ls="--", color=line.get_color(), alpha=0.6, label=f"ceiling {p}")
+            ratios = [r["server_over_ceiling"] for r in levels]
+            axes[2].plot(cs, ratios, marker="o", ls=style, label=f"server / ceiling, {label}")
         ratio = summary[f"{half}_over_fp32"]
         if ratio:
-            ax.plot([int(c) for c in ratio], list(ratio.values()), marker="s", color="k", label=f"{half} / fp32")
+            xs = [int(c) for c in ratio]
+            axes[2].plot(
+                xs, list(ratio.values()), marker="s", color="k", ls=style, label=f"{half} / fp32, {wire} input"
+            )
             for c, v in ratio.items():
-                ax.annotate(f"{v:.2f}", (int(c), v), textcoords="offset points", xytext=(0, 6), ha="center", fontsize=7)
-        ax.axhline(1.0, color="grey", lw=0.8)
-        ax.set(xscale="log", xlabel="concurrency", ylabel="ratio", title="server / ceiling and half / fp32")
-        ax.legend(fontsize=8)
-        ax.grid(alpha=0.3)
+                axes[2].annotate(
+                    f"{v:.2f}", (int(c), v), textcoords="offset points", xytext=(0, 6), ha="center", fontsize=7
+                )
+    if result.get("servers"):
+        axes[1].set(xscale="log", xlabel="concurrency (one image per request)", ylabel="rows/s", title="server")
+        axes[2].axhline(1.0, color="grey", lw=0.8)
+        axes[2].set(xscale="log", xlabel="concurrency", ylabel="ratio", title=f"server / ceiling and {half} / fp32")
+        for ax in axes[1:]:
+            ax.legend(fontsize=7)
+            ax.grid(alpha=0.3)
     m = result["machine"]
     fig.suptitle(
         f"{MODEL} {result['input_shape']} on {m.get('gpu', m['cpu'])}; torch {m['torch']}, CUDA {m.get('cuda')}, "
@@ -371,6 +391,11 @@ def main() -> None:
     p.add_argument("--warmup", type=float, default=1.0, help="unmeasured seconds before each server level")
     p.add_argument("--client-processes", type=int, default=8)
     p.add_argument("--client-ceiling", type=float, default=2.0)
+    p.add_argument(
+        "--wires",
+        default="fp32",
+        help="input datatypes the server is swept with, of fp32,fp16 (an FP16-declared input halves the bytes)",
+    )
     p.add_argument("--skip-server", action="store_true")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "gpu")
     args = p.parse_args()
@@ -406,11 +431,12 @@ def main() -> None:
             "machine": hostinfo.describe(),
             "load_generator": (
                 f"halfserve loadtest client: {args.client_processes} processes (httpx, uvloop), one keep-alive "
-                "connection and one request in flight per virtual user, KServe V2 binary tensor (fp32 image), "
-                "one image per request, on the same host"
+                "connection and one request in flight per virtual user, KServe V2 binary tensor (an image of the "
+                "input's declared datatype), one image per request, on the same host"
             ),
             "ceiling_runs": {},
             "ceiling": {},
+            "servers": {},
         }
         runs = result["ceiling_runs"]
         for prec in precisions:
@@ -446,20 +472,35 @@ def main() -> None:
             "execution": mode_ex.model_dump(mode="json"),
             "rows_per_s": instances_rate(loaded, half, device, batch, args.instance_counts, args.seconds * 2, mode_ex),
         }
-        weights = {prec: runs[f"{prec} eager"]["weight_bytes"] for prec in precisions}
-        result["weight_bytes"] = weights
-        if not args.skip_server:
-            set_execution(tmp, server_ex)
-            result["server"] = serve_sweep(tmp, args, precisions, args.out / "loadtest")
-            result["summary"] = summarize(result, half)
+        result["weight_bytes"] = {prec: runs[f"{prec} eager"]["weight_bytes"] for prec in precisions}
+        result["instances"]["server_instances"] = args.instances
+        write(result, args.out, half)  # the in-process part survives a server sweep that fails or runs out of time
+        result["servers"] = {}
+        for wire in [] if args.skip_server else args.wires.split(","):
+            ceilings = {prec: result["ceiling"][prec]["best_engine_rows_per_s"] for prec in precisions}
+            if wire != "fp32":
+                wired = LoadedModel(with_wire(loaded.manifest, wire), loaded.version, loaded.module, loaded.path)
+                for prec in precisions:
+                    label = f"{result['ceiling'][prec]['mode']}, {wire} input"
+                    runs[label] = ceiling(wired, prec, device, sizes, args.seconds, mode_ex)
+                    ceilings[prec] = runs[label]["engine_rows_per_s"]
+            set_manifest(tmp, server_ex, wire)
+            sweep = serve_sweep(tmp, args, precisions, args.out / f"loadtest-{wire}")
+            summary = summarize(sweep, ceilings, half, result["instances"] if wire == "fp32" else None)
+            result["servers"][wire] = {"summary": summary, "loadtest": sweep}
+            write(result, args.out, half)
         result["seconds"] = round(time.perf_counter() - t0, 1)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    (args.out / "gpu_bench.json").write_text(json.dumps(result, indent=2) + "\n")
+    print(write(result, args.out, half))
+
+
+def write(result: dict[str, Any], out: Path, half: str) -> str:
+    (out / "gpu_bench.json").write_text(json.dumps(result, indent=2) + "\n")
     md = markdown(result, half)
-    (args.out / "gpu_bench.md").write_text(md)
-    plot(result, args.out / "gpu_bench.png", half)
-    print(md)
+    (out / "gpu_bench.md").write_text(md)
+    plot(result, out / "gpu_bench.png", half)
+    return md
 
 
 if __name__ == "__main__":

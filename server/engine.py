@@ -30,7 +30,7 @@ from server import precision as prec
 from server.batching import BatchTooLargeError, Outcome, Output
 from server.instance import Instance, bucket_for
 from server.precision import Precision
-from server.store import Compile, Execution, LoadedModel, OverflowPolicy
+from server.store import Compile, DataType, Execution, LoadedModel, OverflowPolicy
 
 log = logging.getLogger(__name__)
 
@@ -128,6 +128,8 @@ class Engine:
         cuda = device.type == "cuda"
         spec = loaded.manifest.inputs[0]
         self.sample_shape = tuple(spec.shape)
+        # What requests' rows arrive as: an FP16 input stays float16 up to the device copy (half the bytes to move).
+        self.input_dtype = np.dtype(np.float16 if spec.datatype is DataType.FP16 else np.float32)
         self.out_shape = tuple(loaded.manifest.outputs[0].shape)
         self.pad = cuda if ex.pad_to_bucket is None else ex.pad_to_bucket
         # Graphs replay fixed shapes and fixed casts: autocast's weight cache cannot be captured, so it runs eagerly.
@@ -292,8 +294,8 @@ class Engine:
             self.buckets = sizes
         for inst in self.instances:
             for size in sorted(sizes, reverse=self.cuda_graphs):
-                # Warm-up batches enter as fp32 host rows, like real requests.
-                x = np.zeros((size, *self.sample_shape), dtype=np.float32)
+                # Warm-up batches enter as host rows of the input's dtype, like real requests (graphs are per dtype).
+                x = np.zeros((size, *self.sample_shape), dtype=self.input_dtype)
                 if self.cuda_graphs:
                     with inst.on_stream():
                         sample = inst.to_device(inst.stage([x], size))
