@@ -173,8 +173,8 @@ def instances_rate(
             i: int, engine: Engine = engine, done: list[int] = done, x: np.ndarray = x, stop: threading.Event = stop
         ) -> None:
             inst = engine.instances[i]
-            while not stop.is_set():
-                engine.run_chunks([x], inst)
+            while not stop.is_set():  # on the instance's own thread, where it warmed up, as the server runs it
+                inst.executor.submit(engine.run_chunks, [x], inst).result()
                 done[i] += 1
 
         threads = [threading.Thread(target=drive, args=(i,)) for i in range(n)]
@@ -195,7 +195,9 @@ def instances_rate(
     return out
 
 
-def serve_sweep(root: Path, args: argparse.Namespace, precisions: list[str], out: Path) -> dict[str, Any]:
+def serve_sweep(
+    root: Path, args: argparse.Namespace, precisions: list[str], out: Path, extra: tuple[str, ...] = ()
+) -> dict[str, Any]:
     """``halfserve loadtest`` (self-contained: a server per precision) over the concurrency levels."""
     from server.loadtest import report
     from server.loadtest.progress import SweepProgress
@@ -215,7 +217,7 @@ def serve_sweep(root: Path, args: argparse.Namespace, precisions: list[str], out
         timeout=60.0,
         client_processes=args.client_processes,
         client_ceiling=args.client_ceiling,
-        server_args=("--no-tf32",),
+        server_args=("--no-tf32", *extra),
     )
     with SweepProgress(enabled=False) as progress:
         sweep = Runner(config, progress).run()
@@ -292,12 +294,13 @@ def markdown(result: dict[str, Any], half: str) -> str:
         lines += ["", f"## Instances at batch {result['instances']['batch']} ({half}, rows/s)", ""]
         lines += ["| instances | rows/s |", "|---:|---:|"]
         lines += [f"| {n} | {v:.0f} |" for n, v in result["instances"]["rows_per_s"].items()]
-    for wire, server in result.get("servers", {}).items():
-        summary = server["summary"]
-        lines += ["", f"## Server (halfserve serve, KServe V2 binary, one {wire.upper()} image per request)", ""]
+    for label, server in result.get("servers", {}).items():
+        summary, wire = server["summary"], server["wire"]
+        args = " ".join(server["server_args"]) or "defaults"
+        lines += ["", f"## Server {label}: KServe V2 binary, one {wire.upper()} image per request; {args}", ""]
         lines += [
             f"Execution: {json.dumps(result['server_execution'])}; {half} in-process with as many instances at "
-            f"batch 64: {summary['instances_ceiling_rows_per_s'] or 0:.0f} rows/s.",
+            f"batch {result['instances']['batch']}: {summary['instances_ceiling_rows_per_s'] or 0:.0f} rows/s.",
             "",
             "| precision | concurrency | rows/s | p50 ms | p99 ms | mean batch | server CPU % | ceiling "
             "| server / ceiling | server / instances ceiling |",
@@ -330,15 +333,15 @@ def plot(result: dict[str, Any], path: Path, half: str) -> None:
     ax.set(xscale="log", xlabel="batch size", ylabel="rows/s", title="in-process ceiling (Engine, one instance)")
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
-    for wire, server in result.get("servers", {}).items():
+    for n, (name, server) in enumerate(result.get("servers", {}).items()):
         summary = server["summary"]
-        style = "-" if wire == "fp32" else ":"
+        style = ["-", ":", "-."][n % 3]
         for p in result["precisions"]:
             levels = [r for r in summary["levels"] if r["precision"] == p]
             cs = [r["concurrency"] for r in levels]
-            label = f"{p}, {wire} input"
+            label = f"{p}, {name}"
             (line,) = axes[1].plot(cs, [r["rows_per_s"] for r in levels], marker="o", ls=style, label=label)
-            if wire == "fp32":
+            if n == 0:
                 ceil = [r["ceiling_rows_per_s"] for r in levels]
                 axes[1].plot(cs, ceil, ls="--", color=line.get_color(), alpha=0.6, label=f"ceiling {p}")
             ratios = [r["server_over_ceiling"] for r in levels]
@@ -346,9 +349,7 @@ def plot(result: dict[str, Any], path: Path, half: str) -> None:
         ratio = summary[f"{half}_over_fp32"]
         if ratio:
             xs = [int(c) for c in ratio]
-            axes[2].plot(
-                xs, list(ratio.values()), marker="s", color="k", ls=style, label=f"{half} / fp32, {wire} input"
-            )
+            axes[2].plot(xs, list(ratio.values()), marker="s", color="k", ls=style, label=f"{half} / fp32, {name}")
             for c, v in ratio.items():
                 axes[2].annotate(
                     f"{v:.2f}", (int(c), v), textcoords="offset points", xytext=(0, 6), ha="center", fontsize=7
@@ -395,6 +396,12 @@ def main() -> None:
         "--wires",
         default="fp32",
         help="input datatypes the server is swept with, of fp32,fp16 (an FP16-declared input halves the bytes)",
+    )
+    p.add_argument(
+        "--baseline-switch-interval-ms",
+        type=float,
+        default=None,
+        help="also sweep the server with this GIL switch interval (Python's default is 5) to measure the setting",
     )
     p.add_argument("--skip-server", action="store_true")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "gpu")
@@ -455,10 +462,11 @@ def main() -> None:
             runs[f"{half} eager, NCHW"] = ceiling(nchw, half, device, sizes, args.seconds, no_cl)
         use_graphs = False
         if cuda and args.compile != "none":
-            top = str(max(b for b in sizes if b <= 64))
-            use_graphs = args.compile == "cuda_graphs" or (
-                runs[f"{half} CUDA graphs"]["engine_rows_per_s"][top] > runs[f"{half} eager"]["engine_rows_per_s"][top]
-            )
+            # Graphs win big at small batches (launch-bound) and roughly tie at large ones: take them when their mean
+            # speed-up over the batch sizes the server forms at moderate load (<= 64) is above 1.
+            g, e = runs[f"{half} CUDA graphs"]["engine_rows_per_s"], runs[f"{half} eager"]["engine_rows_per_s"]
+            gains = [g[str(b)] / e[str(b)] for b in sizes if b <= 64]
+            use_graphs = args.compile == "cuda_graphs" or sum(gains) / len(gains) > 1.0
         server_ex = (graphs if use_graphs else eager).model_copy(update={"instances": args.instances})
         for prec in precisions:
             mode = f"{prec} CUDA graphs" if use_graphs else f"{prec} eager"
@@ -476,18 +484,23 @@ def main() -> None:
         result["instances"]["server_instances"] = args.instances
         write(result, args.out, half)  # the in-process part survives a server sweep that fails or runs out of time
         result["servers"] = {}
-        for wire in [] if args.skip_server else args.wires.split(","):
+        plans = [(wire, wire, ()) for wire in args.wires.split(",")]
+        if args.baseline_switch_interval_ms:
+            ms = args.baseline_switch_interval_ms
+            plans.append((f"fp32, GIL switch interval {ms:g} ms", "fp32", ("--gil-switch-interval-ms", f"{ms:g}")))
+        for label, wire, extra in [] if args.skip_server else plans:
             ceilings = {prec: result["ceiling"][prec]["best_engine_rows_per_s"] for prec in precisions}
             if wire != "fp32":
                 wired = LoadedModel(with_wire(loaded.manifest, wire), loaded.version, loaded.module, loaded.path)
                 for prec in precisions:
-                    label = f"{result['ceiling'][prec]['mode']}, {wire} input"
-                    runs[label] = ceiling(wired, prec, device, sizes, args.seconds, mode_ex)
-                    ceilings[prec] = runs[label]["engine_rows_per_s"]
+                    run_label = f"{result['ceiling'][prec]['mode']}, {wire} input"
+                    runs[run_label] = ceiling(wired, prec, device, sizes, args.seconds, mode_ex)
+                    ceilings[prec] = runs[run_label]["engine_rows_per_s"]
             set_manifest(tmp, server_ex, wire)
-            sweep = serve_sweep(tmp, args, precisions, args.out / f"loadtest-{wire}")
-            summary = summarize(sweep, ceilings, half, result["instances"] if wire == "fp32" else None)
-            result["servers"][wire] = {"summary": summary, "loadtest": sweep}
+            folder = args.out / ("loadtest-" + "".join(ch if ch.isalnum() else "-" for ch in label).strip("-"))
+            sweep = serve_sweep(tmp, args, precisions, folder, extra)
+            summary = summarize(sweep, ceilings, half, result["instances"])
+            result["servers"][label] = {"wire": wire, "server_args": list(extra), "summary": summary, "loadtest": sweep}
             write(result, args.out, half)
         result["seconds"] = round(time.perf_counter() - t0, 1)
     finally:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import copy
 import logging
-import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -34,12 +33,6 @@ from server.precision import Precision
 from server.store import Compile, DataType, Execution, LoadedModel, OverflowPolicy
 
 log = logging.getLogger(__name__)
-
-GIL_SWITCH_INTERVAL_S = 0.0005
-"""The interpreter's thread switch interval while a CUDA engine serves (Python's default is 5 ms). The event loop
-decodes request bodies holding the GIL; an engine thread that let go of it for a copy or a kernel waits up to this
-long to get it back, several times per batch. At the default, a ResNet-50 batch of 16 that takes 3 ms in-process
-took about 20 ms inside the server (measured on an H100 with 600 KB requests)."""
 
 
 class EngineError(RuntimeError):
@@ -153,8 +146,7 @@ class Engine:
         if cuda and self.pad:
             # A few fixed shapes, each seen at warm-up: let cuDNN time its algorithms once per shape and keep the best.
             torch.backends.cudnn.benchmark = True
-        if cuda:
-            sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_INTERVAL_S))
+
         self.guarded = self.precision is not Precision.FP32
         """Whether outputs are checked for overflow: only a reduced precision can overflow where fp32 would not."""
         # The host's fp32 weights are kept only where they can be needed: reruns of overflowing half outputs.
@@ -295,6 +287,8 @@ class Engine:
         """Run every batch-size bucket on every instance so first requests pay no allocation or kernel-selection cost;
         with CUDA graphs on, capture one per bucket (largest first, so the smaller ones fit in its memory pool).
 
+        Each instance warms up on its own thread: cuDNN keeps its tuned algorithms per thread, so a warm-up on
+        another thread would leave the instance to re-tune (about a second per shape for ResNet-50) under load.
         Returns the seconds it took.
         """
         start = time.perf_counter()
@@ -302,17 +296,20 @@ class Engine:
         if self.pad and not self.buckets:
             self.buckets = sizes
         for inst in self.instances:
-            for size in sorted(sizes, reverse=self.cuda_graphs):
-                # Warm-up batches enter as host rows of the input's dtype, like real requests (graphs are per dtype).
-                x = np.zeros((size, *self.sample_shape), dtype=self.input_dtype)
-                if self.cuda_graphs:
-                    with inst.on_stream():
-                        sample = inst.to_device(inst.stage([x], size))
-                    graph = inst.capture(size, sample, self.forward_device, self.model)
-                    secs = graph.capture_seconds
-                    log.info("%s[%d]: captured a CUDA graph of batch %d in %.3fs", self.name, inst.index, size, secs)
-                self.forward_chunks([x], inst)
+            inst.executor.submit(self._warm_instance, inst, sizes).result()
         return time.perf_counter() - start
+
+    def _warm_instance(self, inst: Instance, sizes: list[int]) -> None:
+        for size in sorted(sizes, reverse=self.cuda_graphs):
+            # Warm-up batches enter as host rows of the input's dtype, like real requests (graphs are per dtype).
+            x = np.zeros((size, *self.sample_shape), dtype=self.input_dtype)
+            if self.cuda_graphs:
+                with inst.on_stream():
+                    sample = inst.to_device(inst.stage([x], size))
+                graph = inst.capture(size, sample, self.forward_device, self.model)
+                secs = graph.capture_seconds
+                log.info("%s[%d]: captured a CUDA graph of batch %d in %.3fs", self.name, inst.index, size, secs)
+            self.forward_chunks([x], inst)
 
     def close(self) -> None:
         for inst in self.instances:

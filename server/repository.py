@@ -6,6 +6,7 @@ import asyncio
 import functools
 import logging
 import math
+import sys
 import time
 from dataclasses import dataclass, field
 from enum import Enum
@@ -21,6 +22,10 @@ from server.settings import Settings
 from server.store import Batching, Manifest, StoreError
 
 log = logging.getLogger(__name__)
+
+CUDA_GIL_SWITCH_INTERVAL_MS = 0.5
+"""The switch interval when serving on CUDA: at Python's 5 ms, engine threads wait on the event loop for the GIL
+between their copies and kernels (see ``Settings.gil_switch_interval_ms``)."""
 
 
 class ModelState(str, Enum):
@@ -153,6 +158,11 @@ class ModelRepository:
         self.settings = settings
         self.device = resolve_device(settings.device)
         self.models: dict[str, ServedModel] = {}
+        interval = settings.gil_switch_interval_ms
+        if interval is None and self.device.type == "cuda":
+            interval = CUDA_GIL_SWITCH_INTERVAL_MS
+        if interval is not None:
+            sys.setswitchinterval(interval / 1000.0)
 
     def discover(self) -> None:
         """Validate the manifests of the models to serve (fails fast, naming file and field) and register them."""

@@ -44,6 +44,10 @@ class Settings(BaseSettings):
     everywhere, so the fp32 fallback and fp32 benchmarks are the real thing; torch's own default lets cuDNN use TF32."""
     threads: int | None = Field(default=None, ge=1)
     """torch intra-op threads; unset keeps torch's default."""
+    gil_switch_interval_ms: float | None = Field(default=None, gt=0.0, le=100.0)
+    """The interpreter's thread switch interval. Unset: 0.5 ms when serving on CUDA (Python's 5 ms default otherwise).
+    The event loop decodes request bodies holding the GIL; an engine thread that let go of it for a copy or a kernel
+    waits up to this long to get it back, several times per batch."""
     warmup: bool = True
     admin_token: SecretStr | None = None
     """Bearer token for the management calls (load, unload); without one they answer 403."""
