@@ -219,13 +219,17 @@ class ModelRepository:
         batcher.start()
         served.engine, served.batcher, served.precision = engine, batcher, engine.precision
         served.state = ModelState.READY
+        info = engine.info
         log.info(
-            "model %s v%d ready on %s in %s (warm-up %.2fs)",
+            "model %s v%d ready on %s in %s (warm-up %.2fs; %d instance(s), buckets %s, CUDA graphs %s)",
             served.name,
             served.version,
             engine.device,
             engine.precision.value,
             served.warmup_seconds,
+            info.instances,
+            list(info.buckets) or "off",
+            f"captured in {info.graph_capture_seconds:.2f}s" if info.cuda_graphs else "off",
         )
 
     async def load(self, name: str, version: int | None = None) -> ServedModel:
