@@ -164,6 +164,22 @@ async def test_instances_share_the_weights_and_each_takes_batches_on_its_own_thr
     engine.close()
 
 
+def test_each_instance_warms_up_on_its_own_thread(tmp_path: Path) -> None:
+    # cuDNN tunes per thread: a warm-up on another thread would leave the instance to re-tune under load.
+    engine = Engine(tiny(tmp_path, instances=2, pad_to_bucket=True), Precision.FP32, CPU)
+    seen: list[tuple[str, int]] = []
+    original = engine.model.forward
+
+    def spy(x: torch.Tensor) -> torch.Tensor:
+        seen.append((threading.current_thread().name.rsplit("_", 1)[0], x.shape[0]))
+        return original(x)
+
+    engine.model.forward = spy  # type: ignore[method-assign]
+    engine.warmup(4)
+    assert seen == [(f"engine-tiny-{i}", b) for i in (0, 1) for b in (1, 2, 4)]
+    engine.close()
+
+
 async def test_the_repository_gives_the_batcher_one_slot_per_instance(tmp_path: Path) -> None:
     from server.repository import ModelRepository
     from server.settings import Settings
