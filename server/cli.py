@@ -50,6 +50,11 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     p.add_argument("--threads", type=int, help="torch intra-op threads")
     p.add_argument(
+        "--gil-switch-interval-ms",
+        type=float,
+        help="the interpreter's thread switch interval (default: 0.5 on CUDA, Python's 5 elsewhere)",
+    )
+    p.add_argument(
         "--tf32",
         action=argparse.BooleanOptionalAction,
         default=None,

@@ -18,8 +18,8 @@ from __future__ import annotations
 import asyncio
 import copy
 import logging
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,8 +28,9 @@ from torch import nn
 
 from server import precision as prec
 from server.batching import BatchTooLargeError, Outcome, Output
+from server.instance import Instance, bucket_for
 from server.precision import Precision
-from server.store import LoadedModel, OverflowPolicy
+from server.store import Compile, DataType, Execution, LoadedModel, OverflowPolicy
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +69,13 @@ class EngineInfo:
     weight_bytes: int
     fp32_fallback_bytes: int = 0
     """Host memory held by the fp32 copy kept for overflow reruns (0 when none is kept)."""
+    instances: int = 1
+    buckets: tuple[int, ...] = ()
+    """The batch sizes batches are padded up to (empty: no padding)."""
+    cuda_graphs: bool = False
+    channels_last: bool = False
+    graph_capture_seconds: float = 0.0
+    """Time spent capturing CUDA graphs at warm-up, all buckets and instances together."""
 
 
 def batch_buckets(max_batch_size: int) -> list[int]:
@@ -91,8 +99,16 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
+def has_conv2d(module: nn.Module) -> bool:
+    return any(isinstance(m, nn.Conv2d) for m in module.modules())
+
+
 class Engine:
-    """Owns a model cast for serving on one device; runs batches in its own thread."""
+    """Owns a model cast for serving on one device; runs batches on its instances' threads.
+
+    ``execution`` (default: the manifest's) sets the number of instances, padding to batch buckets, CUDA graphs and
+    ``channels_last``; ``max_batch_size`` sets the buckets (else :meth:`warmup` does).
+    """
 
     def __init__(
         self,
@@ -100,28 +116,56 @@ class Engine:
         precision: Precision,
         device: torch.device,
         overflow: OverflowPolicy | None = None,
+        *,
+        execution: Execution | None = None,
+        max_batch_size: int | None = None,
     ) -> None:
         self.name = loaded.manifest.name
         self.device = device
         self.precision = prec.resolve(precision, device)
         self.overflow = OverflowPolicy(overflow or loaded.manifest.overflow)
+        ex = execution or loaded.manifest.execution
+        cuda = device.type == "cuda"
         spec = loaded.manifest.inputs[0]
         self.sample_shape = tuple(spec.shape)
+        # What requests' rows arrive as: an FP16 input stays float16 up to the device copy (half the bytes to move).
+        self.input_dtype = np.dtype(np.float16 if spec.datatype is DataType.FP16 else np.float32)
         self.out_shape = tuple(loaded.manifest.outputs[0].shape)
-        # The loaded module stays fp32 on the host; serving gets its own cast copy.
-        self.model: nn.Module = prec.prepare_model(copy.deepcopy(loaded.module), self.precision, device)
+        self.pad = cuda if ex.pad_to_bucket is None else ex.pad_to_bucket
+        # Graphs replay fixed shapes and fixed casts: autocast's weight cache cannot be captured, so it runs eagerly.
+        self.cuda_graphs = ex.compile is Compile.CUDA_GRAPHS and cuda and self.precision is not Precision.AUTOCAST
+        images = len(self.sample_shape) == 3
+        wants_nhwc = cuda if ex.channels_last is None else ex.channels_last
+        self.channels_last = wants_nhwc and images and has_conv2d(loaded.module)
+        self.buckets: list[int] = batch_buckets(max_batch_size) if self.pad and max_batch_size else []
+        # The loaded module stays fp32 on the host; serving gets its own cast copy, shared by the instances.
+        model = prec.prepare_model(copy.deepcopy(loaded.module), self.precision, device)
+        if self.channels_last:
+            model = model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
+        self.model: nn.Module = model
+        if cuda and self.pad:
+            # A few fixed shapes, each seen at warm-up: let cuDNN time its algorithms once per shape and keep the best.
+            torch.backends.cudnn.benchmark = True
+
         self.guarded = self.precision is not Precision.FP32
         """Whether outputs are checked for overflow: only a reduced precision can overflow where fp32 would not."""
         # The host's fp32 weights are kept only where they can be needed: reruns of overflowing half outputs.
         self._fp32: nn.Module | None = (
             loaded.module if self.guarded and self.overflow is OverflowPolicy.RERUN_FP32 else None
         )
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"engine-{self.name}")
-        self.forwards = 0
+        self.instances = [Instance(self.name, i, device) for i in range(ex.instances)]
+        self._idle = list(reversed(self.instances))
+        self._next = 0
+        self._lock = threading.Lock()
         self.overflows = 0
         """Chunks whose half-precision output was not finite for a finite input, whatever the policy did."""
         self.fp32_reruns = 0
         """Chunks rerun in fp32 because of such an overflow."""
+
+    @property
+    def forwards(self) -> int:
+        """Forwards run so far, all instances together (warm-up included)."""
+        return sum(i.forwards for i in self.instances)
 
     @property
     def info(self) -> EngineInfo:
@@ -131,19 +175,45 @@ class Engine:
             weight_dtype=str(prec.weight_dtype(self.precision)).removeprefix("torch."),
             weight_bytes=_bytes(self.model),
             fp32_fallback_bytes=_bytes(self._fp32) if self._fp32 is not None else 0,
+            instances=len(self.instances),
+            buckets=tuple(self.buckets),
+            cuda_graphs=self.cuda_graphs,
+            channels_last=self.channels_last,
+            graph_capture_seconds=sum(g.capture_seconds for i in self.instances for g in i.graphs.values()),
         )
+
+    def _prepare(self, t: torch.Tensor) -> torch.Tensor:
+        """A device batch as the model takes it: cast to the serving dtype on the device (the copy moved fp32 rows;
+        a host-side cast would cost a CPU pass and an unpinned temporary), NHWC where the engine runs channels_last."""
+        t = prec.cast_input(t, self.precision)
+        if self.channels_last:
+            t = t.contiguous(memory_format=torch.channels_last)
+        return t
+
+    def forward_device(self, t: torch.Tensor) -> torch.Tensor:
+        """Cast and run a batch already on the device, under the precision's context."""
+        with prec.inference(self.precision, self.device):
+            y = self.model(self._prepare(t))
+        return y  # type: ignore[no-any-return]
+
+    def forward_chunks(self, chunks: list[np.ndarray], inst: Instance | None = None) -> np.ndarray:
+        """Run the chunks as one batch (padded to its bucket) on ``inst``; float32 outputs, one row per input row."""
+        inst = inst or self.instances[0]
+        rows = sum(len(c) for c in chunks)
+        size = bucket_for(rows, self.buckets)
+        with inst.on_stream():
+            host = inst.stage(chunks, size)
+            graph = inst.graphs.get(size)
+            if graph is not None and graph.model is self.model and graph.input.dtype == host.dtype:
+                y = inst.replay(graph, host)
+            else:
+                y = self.forward_device(inst.to_device(host))
+            inst.forwards += 1
+            return inst.fetch(_checked(y, size)[:rows])
 
     def forward(self, x: np.ndarray) -> np.ndarray:
         """Run one batch (rows first) synchronously; returns float32 outputs with one row per input row."""
-        t = torch.from_numpy(x)
-        if self.device.type == "cuda":
-            t = t.pin_memory().to(self.device, non_blocking=True)
-        t = prec.cast_input(t, self.precision)
-        with prec.inference(self.precision, self.device):
-            y = self.model(t)
-        self.forwards += 1
-        # float() on the device halves the copy for half outputs' consumers and gives JSON a stable dtype.
-        return _checked(y, x).float().cpu().numpy()
+        return self.forward_chunks([x])
 
     def forward_fp32(self, x: np.ndarray) -> np.ndarray:
         """Run rows through the host's fp32 weights (the overflow fallback); returns float32 outputs."""
@@ -152,22 +222,22 @@ class Engine:
         t = prec.cast_input(torch.from_numpy(x), Precision.FP32)
         with torch.inference_mode():
             y = self._fp32(t)
-        return _checked(y, x).float().numpy()
+        return _checked(y, len(x)).float().numpy()
 
-    def run_chunks(self, chunks: list[np.ndarray]) -> list[Outcome]:
+    def run_chunks(self, chunks: list[np.ndarray], inst: Instance | None = None) -> list[Outcome]:
         """Run the chunks of one batch as a single forward; returns one outcome per chunk.
 
         Raises :class:`~server.batching.BatchTooLargeError` when the device runs out of memory.
         """
-        x = chunks[0] if len(chunks) == 1 else np.concatenate(chunks)
         try:
-            out = self.forward(x)
+            out = self.forward_chunks(chunks, inst)
         except Exception as e:
             if not is_out_of_memory(e):
                 raise
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()  # give the failed batch's blocks back before the smaller reruns
-            raise BatchTooLargeError(f"out of memory on {self.device} running {len(x)} rows: {e}") from None
+            rows = sum(len(c) for c in chunks)
+            raise BatchTooLargeError(f"out of memory on {self.device} running {rows} rows: {e}") from None
         outs = [out] if len(chunks) == 1 else np.split(out, np.cumsum([len(c) for c in chunks])[:-1])
         tag = self.precision.value
         # One vectorised check over the whole batch: the per-chunk work below only runs when something is wrong.
@@ -181,7 +251,8 @@ class Engine:
         overflowed = _rows_finite(x) & ~_rows_finite(out)
         if not overflowed.any():  # non-finite in, non-finite out: the input's doing, not the precision's
             return Output(out, tag)
-        self.overflows += 1
+        with self._lock:  # instances run on their own threads
+            self.overflows += 1
         if self.overflow is OverflowPolicy.ALLOW:
             return Output(out, tag)
         rows = np.flatnonzero(overflowed).tolist()
@@ -190,39 +261,68 @@ class Engine:
                 f"{tag} overflow: the output of row(s) {rows[:8]} is not finite for finite input "
                 f"(the model's overflow policy is 'error'; 'rerun_fp32' would rerun them in fp32)"
             )
-        self.fp32_reruns += 1
+        with self._lock:
+            self.fp32_reruns += 1
         return Output(self.forward_fp32(x), Precision.FP32.value)
 
     async def run(self, chunks: list[np.ndarray]) -> list[Outcome]:
-        """Run a batch on the engine's thread without blocking the event loop."""
-        return await asyncio.get_running_loop().run_in_executor(self._executor, self.run_chunks, chunks)
+        """Run a batch on an idle instance's thread without blocking the event loop.
+
+        The batcher keeps at most one batch in flight per instance, so an idle one is normally at hand; past that
+        (a caller running more at once) batches queue on the instances in turn.
+        """
+        if self._idle:
+            inst = self._idle.pop()
+        else:
+            inst = self.instances[self._next % len(self.instances)]
+            self._next += 1
+        try:
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(inst.executor, self.run_chunks, chunks, inst)
+        finally:
+            if inst not in self._idle:
+                self._idle.append(inst)
 
     def warmup(self, max_batch_size: int) -> float:
-        """Run one forward per batch-size bucket so first requests pay no allocation or kernel-selection cost.
+        """Run every batch-size bucket on every instance so first requests pay no allocation or kernel-selection cost;
+        with CUDA graphs on, capture one per bucket (largest first, so the smaller ones fit in its memory pool).
 
+        Each instance warms up on its own thread: cuDNN keeps its tuned algorithms per thread, so a warm-up on
+        another thread would leave the instance to re-tune (about a second per shape for ResNet-50) under load.
         Returns the seconds it took.
         """
         start = time.perf_counter()
-        ref = next(iter(self.model.parameters()), None)
-        for size in batch_buckets(max_batch_size):
-            # new_zeros: the warm-up batch inherits the weights' device; inputs enter as fp32 like real requests.
-            x = ref.new_zeros((size, *self.sample_shape), dtype=torch.float32) if ref is not None else None
-            if x is None:
-                x = torch.zeros((size, *self.sample_shape))
-            self.forward(x.cpu().numpy())
+        sizes = batch_buckets(max_batch_size)
+        if self.pad and not self.buckets:
+            self.buckets = sizes
+        for inst in self.instances:
+            inst.executor.submit(self._warm_instance, inst, sizes).result()
         return time.perf_counter() - start
 
+    def _warm_instance(self, inst: Instance, sizes: list[int]) -> None:
+        for size in sorted(sizes, reverse=self.cuda_graphs):
+            # Warm-up batches enter as host rows of the input's dtype, like real requests (graphs are per dtype).
+            x = np.zeros((size, *self.sample_shape), dtype=self.input_dtype)
+            if self.cuda_graphs:
+                with inst.on_stream():
+                    sample = inst.to_device(inst.stage([x], size))
+                graph = inst.capture(size, sample, self.forward_device, self.model)
+                secs = graph.capture_seconds
+                log.info("%s[%d]: captured a CUDA graph of batch %d in %.3fs", self.name, inst.index, size, secs)
+            self.forward_chunks([x], inst)
+
     def close(self) -> None:
-        self._executor.shutdown(wait=True)
+        for inst in self.instances:
+            inst.close()
 
 
 def _bytes(module: nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()))
 
 
-def _checked(y: object, x: np.ndarray) -> torch.Tensor:
+def _checked(y: object, rows: int) -> torch.Tensor:
     if not isinstance(y, torch.Tensor):
         raise EngineError(f"model returned {type(y).__name__}, expected a tensor")
-    if y.shape[0] != x.shape[0]:
-        raise EngineError(f"batch size mismatch: model returned {y.shape[0]} rows for {x.shape[0]} inputs")
+    if y.shape[0] != rows:
+        raise EngineError(f"batch size mismatch: model returned {y.shape[0]} rows for {rows} inputs")
     return y

@@ -6,6 +6,7 @@ import asyncio
 import functools
 import logging
 import math
+import sys
 import time
 from dataclasses import dataclass, field
 from enum import Enum
@@ -15,12 +16,16 @@ import numpy as np
 
 from server import store
 from server.batching import Batcher, BatchStats
-from server.engine import Engine, resolve_device
+from server.engine import Engine, EngineInfo, resolve_device
 from server.precision import Precision
 from server.settings import Settings
 from server.store import Batching, Manifest, StoreError
 
 log = logging.getLogger(__name__)
+
+CUDA_GIL_SWITCH_INTERVAL_MS = 0.5
+"""The switch interval when serving on CUDA: at Python's 5 ms, engine threads wait on the event loop for the GIL
+between their copies and kernels (see ``Settings.gil_switch_interval_ms``)."""
 
 
 class ModelState(str, Enum):
@@ -105,6 +110,7 @@ class ServedModel:
             stats["overflow_policy"] = engine.overflow.value
             stats["overflows"] = engine.overflows
             stats["fp32_reruns"] = engine.fp32_reruns
+            stats["instance_forwards"] = [i.forwards for i in engine.instances]
         return stats
 
     def describe(self) -> dict[str, object]:
@@ -130,7 +136,19 @@ class ServedModel:
             "description": m.description,
             "evaluation": m.evaluation,
             "warmup_seconds": round(self.warmup_seconds, 4),
+            "execution": _execution(info) if info else m.execution.model_dump(mode="json"),
         }
+
+
+def _execution(info: EngineInfo) -> dict[str, object]:
+    """How a loaded engine runs: what the manifest asked for, as resolved for its device."""
+    return {
+        "instances": info.instances,
+        "buckets": list(info.buckets),
+        "cuda_graphs": info.cuda_graphs,
+        "channels_last": info.channels_last,
+        "graph_capture_seconds": round(info.graph_capture_seconds, 4),
+    }
 
 
 class ModelRepository:
@@ -140,6 +158,11 @@ class ModelRepository:
         self.settings = settings
         self.device = resolve_device(settings.device)
         self.models: dict[str, ServedModel] = {}
+        interval = settings.gil_switch_interval_ms
+        if interval is None and self.device.type == "cuda":
+            interval = CUDA_GIL_SWITCH_INTERVAL_MS
+        if interval is not None:
+            sys.setswitchinterval(interval / 1000.0)
 
     def discover(self) -> None:
         """Validate the manifests of the models to serve (fails fast, naming file and field) and register them."""
@@ -177,7 +200,12 @@ class ModelRepository:
     async def _load(self, served: ServedModel) -> None:
         precision = self.settings.precision or served.manifest.precision
         loaded = await asyncio.to_thread(store.load, self.settings.store, served.name, served.version)
-        engine = await asyncio.to_thread(Engine, loaded, precision, self.device)
+        engine = await asyncio.to_thread(
+            functools.partial(Engine, max_batch_size=served.batching.max_batch_size),
+            loaded,
+            precision,
+            self.device,
+        )
         if self.settings.warmup:
             served.warmup_seconds = await asyncio.to_thread(engine.warmup, served.batching.max_batch_size)
         batcher = Batcher(
@@ -185,17 +213,23 @@ class ModelRepository:
             max_batch_size=served.batching.max_batch_size,
             max_delay=served.batching.max_delay_ms / 1000.0,
             max_queue_rows=served.batching.max_queue_rows,
+            # One batch in flight per instance: each instance takes the next batch when it is idle.
+            concurrency=len(engine.instances),
         )
         batcher.start()
         served.engine, served.batcher, served.precision = engine, batcher, engine.precision
         served.state = ModelState.READY
+        info = engine.info
         log.info(
-            "model %s v%d ready on %s in %s (warm-up %.2fs)",
+            "model %s v%d ready on %s in %s (warm-up %.2fs; %d instance(s), buckets %s, CUDA graphs %s)",
             served.name,
             served.version,
             engine.device,
             engine.precision.value,
             served.warmup_seconds,
+            info.instances,
+            list(info.buckets) or "off",
+            f"captured in {info.graph_capture_seconds:.2f}s" if info.cuda_graphs else "off",
         )
 
     async def load(self, name: str, version: int | None = None) -> ServedModel:

@@ -96,6 +96,42 @@ class Batching(BaseModel):
         return self
 
 
+class Compile(str, Enum):
+    """What is done to the served model per batch bucket at load, beyond casting it."""
+
+    NONE = "none"
+    """Eager forwards."""
+    CUDA_GRAPHS = "cuda_graphs"
+    """Capture one CUDA graph per batch bucket at warm-up and replay it (CUDA only; ignored on a CPU)."""
+
+
+class Execution(BaseModel):
+    """How a model runs on its device: instances, batch buckets, CUDA graphs, memory format.
+
+    ``None`` means "decided per device": padding to buckets and ``channels_last`` for convolutional models are on
+    for CUDA, off for a CPU.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    instances: int = Field(default=1, ge=1, le=16)
+    """Engine instances sharing the model's weights and its batcher queue (Triton's instance count): each has its
+    own thread, CUDA stream and staging buffers and takes the next batch when idle, so one instance's copies overlap
+    another's compute."""
+    pad_to_bucket: bool | None = None
+    """Pad each batch up to the next bucket (powers of two up to ``max_batch_size``): a few fixed shapes, each warmed
+    up (and captured as a CUDA graph) at load."""
+    compile: Compile = Compile.NONE
+    channels_last: bool | None = None
+    """NHWC activations and weights for models with 2-D convolutions (cuDNN's tensor-core kernels want NHWC)."""
+
+    @model_validator(mode="after")
+    def _graphs_need_buckets(self) -> Execution:
+        if self.compile is Compile.CUDA_GRAPHS and self.pad_to_bucket is False:
+            raise ValueError("compile 'cuda_graphs' replays fixed shapes: it needs pad_to_bucket (true or unset)")
+        return self
+
+
 class Manifest(BaseModel):
     """A model's ``config.json``."""
 
@@ -117,6 +153,7 @@ class Manifest(BaseModel):
     allow_nonfinite_inputs: bool = False
     """Accept NaN and infinite input values (only binary tensors can carry them); refused with a 400 otherwise."""
     batching: Batching = Field(default_factory=Batching)
+    execution: Execution = Field(default_factory=Execution)
     version: int | None = Field(default=None, ge=1)
     """Pin a version; ``None`` serves the highest."""
     description: str = ""

@@ -1,0 +1,284 @@
+"""The engine's fast path: batch buckets with padding, several instances, pinned staging and CUDA graphs.
+
+Buckets, padding and instances run on a CPU too; pinned memory, streams and graphs need CUDA (marked ``gpu``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from pydantic import ValidationError
+
+from server import models, store
+from server.batching import Batcher, Output
+from server.engine import Engine
+from server.instance import bucket_for
+from server.precision import Precision
+from server.store import Batching, Compile, Execution, Manifest, TensorSpec
+from tests.conftest import save_tiny_mlp
+
+CPU = torch.device("cpu")
+CUDA = torch.device("cuda")
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def tiny(tmp_path: Path, **execution: object) -> store.LoadedModel:
+    save_tiny_mlp(tmp_path, execution=Execution.model_validate(execution))
+    return store.load(tmp_path, "tiny")
+
+
+def small_cnn(tmp_path: Path, **execution: object) -> store.LoadedModel:
+    """A two-stage bottleneck ResNet on 3x16x16 images, saved through the store."""
+    kwargs = {"width": 8, "blocks": [1, 1], "block": "bottleneck", "channels_last": False}
+    torch.manual_seed(0)
+    module = models.build("resnet_bench", **kwargs)
+    manifest = Manifest(
+        name="cnn",
+        architecture="resnet_bench",
+        arch_kwargs=kwargs,
+        inputs=[TensorSpec(name="image", shape=[3, 16, 16])],
+        outputs=[TensorSpec(name="logits", shape=[10])],
+        batching=Batching(max_batch_size=8),
+        execution=Execution.model_validate(execution),
+    )
+    store.save(tmp_path, manifest, module)
+    return store.load(tmp_path, "cnn")
+
+
+def reference(loaded: store.LoadedModel, x: np.ndarray) -> np.ndarray:
+    with torch.inference_mode():
+        out: np.ndarray = loaded.module(torch.from_numpy(x)).numpy()
+    return out
+
+
+def rows(n: int, features: int = 16, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((n, features)).astype(np.float32)
+
+
+def test_bucket_for_picks_the_smallest_bucket_that_holds_the_rows() -> None:
+    buckets = [1, 2, 4, 8, 12]
+    assert [bucket_for(n, buckets) for n in (1, 2, 3, 5, 8, 9, 12)] == [1, 2, 4, 8, 8, 12, 12]
+    assert bucket_for(13, buckets) == 13  # past the largest: run as is
+    assert bucket_for(3, []) == 3
+
+
+def test_execution_defaults_and_validation() -> None:
+    ex = Execution()
+    assert (ex.instances, ex.pad_to_bucket, ex.compile, ex.channels_last) == (1, None, Compile.NONE, None)
+    with pytest.raises(ValidationError, match="needs pad_to_bucket"):
+        Execution(compile=Compile.CUDA_GRAPHS, pad_to_bucket=False)
+    with pytest.raises(ValidationError, match="instances"):
+        Execution(instances=0)
+
+
+def test_padding_is_off_on_a_cpu_unless_asked(tmp_path: Path) -> None:
+    engine = Engine(tiny(tmp_path), Precision.FP32, CPU, max_batch_size=8)
+    assert (engine.pad, engine.buckets, engine.cuda_graphs, engine.channels_last) == (False, [], False, False)
+    engine.close()
+
+
+def test_padded_batches_run_the_bucket_size_and_return_only_their_rows(tmp_path: Path) -> None:
+    loaded = tiny(tmp_path, pad_to_bucket=True)
+    engine = Engine(loaded, Precision.FP32, CPU, max_batch_size=8)
+    assert engine.buckets == [1, 2, 4, 8]
+    seen: list[int] = []
+    original = engine.model.forward
+
+    def spy(x: torch.Tensor) -> torch.Tensor:
+        seen.append(x.shape[0])
+        return original(x)
+
+    engine.model.forward = spy  # type: ignore[method-assign]
+    chunks = [rows(2, seed=1), rows(1, seed=2), rows(2, seed=3)]
+    outcomes = engine.run_chunks(chunks)
+    assert seen == [8]  # 5 rows padded up to the bucket of 8
+    outs = [o.data for o in outcomes if isinstance(o, Output)]
+    assert [o.shape for o in outs] == [(2, 4), (1, 4), (2, 4)]
+    np.testing.assert_allclose(np.concatenate(outs), reference(loaded, np.concatenate(chunks)), rtol=1e-5, atol=1e-6)
+    # The staging buffer is reused: a smaller batch of the same bucket leaves no stale rows in its output.
+    out = engine.forward(rows(3, seed=4))
+    assert seen == [8, 4]
+    np.testing.assert_allclose(out, reference(loaded, rows(3, seed=4)), rtol=1e-5, atol=1e-6)
+    engine.close()
+
+
+def test_warmup_sets_the_buckets_when_padding(tmp_path: Path) -> None:
+    engine = Engine(tiny(tmp_path, pad_to_bucket=True), Precision.BF16, CPU)
+    assert engine.buckets == []
+    engine.warmup(6)
+    assert engine.buckets == [1, 2, 4, 6]
+    assert engine.info.buckets == (1, 2, 4, 6)
+    engine.close()
+
+
+def test_cuda_graphs_are_ignored_on_a_cpu(tmp_path: Path) -> None:
+    engine = Engine(tiny(tmp_path, compile="cuda_graphs"), Precision.FP32, CPU, max_batch_size=4)
+    engine.warmup(4)
+    assert not engine.cuda_graphs
+    assert engine.info.graph_capture_seconds == 0.0
+    engine.close()
+
+
+def test_channels_last_on_request_for_conv_models(tmp_path: Path) -> None:
+    loaded = small_cnn(tmp_path, channels_last=True)
+    engine = Engine(loaded, Precision.FP32, CPU)
+    assert engine.channels_last
+    conv = next(m for m in engine.model.modules() if isinstance(m, torch.nn.Conv2d))
+    assert conv.weight.is_contiguous(memory_format=torch.channels_last)
+    x = np.random.default_rng(0).uniform(0, 1, (3, 3, 16, 16)).astype(np.float32)
+    np.testing.assert_allclose(engine.forward(x), reference(loaded, x), rtol=1e-4, atol=1e-4)
+    engine.close()
+    # Not for a model without 2-D convolutions, whatever the manifest says.
+    assert not Engine(tiny(tmp_path / "mlp", channels_last=True), Precision.FP32, CPU).channels_last
+
+
+async def test_instances_share_the_weights_and_each_takes_batches_on_its_own_thread(tmp_path: Path) -> None:
+    loaded = tiny(tmp_path, instances=2)
+    engine = Engine(loaded, Precision.FP32, CPU)
+    assert len(engine.instances) == 2
+    assert engine.info.instances == 2
+    threads: set[str] = set()
+    both_running = threading.Barrier(2, timeout=10)
+    original = engine.model.forward
+
+    def spy(x: torch.Tensor) -> torch.Tensor:
+        threads.add(threading.current_thread().name)
+        both_running.wait()  # returns only once two forwards run at the same time
+        return original(x)
+
+    engine.model.forward = spy  # type: ignore[method-assign]
+    batcher = Batcher(engine.run, max_batch_size=2, max_delay=0.0, max_queue_rows=64, concurrency=2)
+    batcher.start()
+    xs = [rows(2, seed=i) for i in range(2)]
+    outs = await asyncio.gather(*(batcher.submit(x) for x in xs))
+    await batcher.stop()
+    for x, out in zip(xs, outs, strict=True):
+        np.testing.assert_allclose(out, reference(loaded, x), rtol=1e-5, atol=1e-6)
+    assert threads == {"engine-tiny-0_0", "engine-tiny-1_0"}
+    assert [i.forwards for i in engine.instances] == [1, 1]
+    engine.close()
+
+
+def test_each_instance_warms_up_on_its_own_thread(tmp_path: Path) -> None:
+    # cuDNN tunes per thread: a warm-up on another thread would leave the instance to re-tune under load.
+    engine = Engine(tiny(tmp_path, instances=2, pad_to_bucket=True), Precision.FP32, CPU)
+    seen: list[tuple[str, int]] = []
+    original = engine.model.forward
+
+    def spy(x: torch.Tensor) -> torch.Tensor:
+        seen.append((threading.current_thread().name.rsplit("_", 1)[0], x.shape[0]))
+        return original(x)
+
+    engine.model.forward = spy  # type: ignore[method-assign]
+    engine.warmup(4)
+    assert seen == [(f"engine-tiny-{i}", b) for i in (0, 1) for b in (1, 2, 4)]
+    engine.close()
+
+
+async def test_the_repository_gives_the_batcher_one_slot_per_instance(tmp_path: Path) -> None:
+    from server.repository import ModelRepository
+    from server.settings import Settings
+
+    save_tiny_mlp(tmp_path, execution=Execution(instances=3, pad_to_bucket=True))
+    repo = ModelRepository(Settings(store=tmp_path, device="cpu"))
+    repo.discover()
+    await repo.load_all()
+    served = repo.get("tiny")
+    assert served.batcher is not None
+    assert served.engine is not None
+    assert served.batcher._slots._value == 3
+    listing = served.describe()
+    assert listing["execution"] == {
+        "instances": 3,
+        "buckets": [1, 2, 4, 8],
+        "cuda_graphs": False,
+        "channels_last": False,
+        "graph_capture_seconds": 0.0,
+    }
+    outs = await asyncio.gather(*(served.infer(rows(1, seed=i)) for i in range(12)))
+    assert all(p.outputs.shape == (1, 4) for p in outs)
+    stats = served.stats()
+    assert stats is not None
+    assert len(stats["instance_forwards"]) == 3
+    await repo.close()
+
+
+# CUDA ------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@cuda
+def test_cuda_staging_is_pinned_reused_and_each_instance_has_its_own_stream(tmp_path: Path) -> None:
+    loaded = tiny(tmp_path, instances=2)
+    engine = Engine(loaded, Precision.FP16, CUDA, max_batch_size=8)
+    assert engine.pad
+    assert engine.buckets == [1, 2, 4, 8]
+    a, b = engine.instances
+    assert a.stream is not None
+    assert b.stream is not None
+    assert a.stream != b.stream
+    staged = a.stage([rows(3)], 4)
+    assert staged.is_pinned()
+    assert staged.shape == (4, 16)
+    assert torch.equal(staged[3], torch.zeros(16))
+    assert a.stage([rows(2, seed=5)], 4).data_ptr() == staged.data_ptr()  # one buffer per bucket, reused
+    x = rows(5, seed=1)
+    got = engine.forward_chunks([x[:2], x[2:]], b)
+    want = reference(loaded, x)
+    np.testing.assert_allclose(got, want, atol=0.02 * np.abs(want).max(), rtol=0)
+    assert got.shape == (5, 4)
+    assert got.dtype == np.float32
+    engine.close()
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("mode", ["fp16", "fp32"])
+def test_cuda_graphs_are_captured_per_bucket_and_replayed(tmp_path: Path, mode: str) -> None:
+    loaded = small_cnn(tmp_path, compile="cuda_graphs", instances=2)
+    engine = Engine(loaded, Precision(mode), CUDA, max_batch_size=8)
+    engine.warmup(8)
+    assert engine.cuda_graphs
+    assert engine.channels_last
+    assert all(sorted(i.graphs) == [1, 2, 4, 8] for i in engine.instances)
+    assert engine.info.graph_capture_seconds > 0
+    calls = 0
+    original = engine.model.forward
+
+    def spy(x: torch.Tensor) -> torch.Tensor:
+        nonlocal calls
+        calls += 1
+        return original(x)
+
+    engine.model.forward = spy  # type: ignore[method-assign]
+    tol = 0.02 if mode == "fp16" else 1e-3
+    for n in (1, 3, 8):  # 3 rows replay the graph of 4
+        x = np.random.default_rng(n).uniform(0, 1, (n, 3, 16, 16)).astype(np.float32)
+        got = engine.forward(x)
+        want = reference(loaded, x)
+        np.testing.assert_allclose(got, want, atol=tol * np.abs(want).max(), rtol=0)
+    assert calls == 0  # every batch was a graph replay, not an eager forward
+    engine.close()
+
+
+@pytest.mark.gpu
+@cuda
+async def test_cuda_instances_run_batches_at_once_through_the_batcher(tmp_path: Path) -> None:
+    loaded = small_cnn(tmp_path, instances=2, compile="cuda_graphs")
+    engine = Engine(loaded, Precision.FP16, CUDA, max_batch_size=8)
+    engine.warmup(8)
+    batcher = Batcher(engine.run, max_batch_size=8, max_delay=0.001, max_queue_rows=4096, concurrency=2)
+    batcher.start()
+    xs = [np.random.default_rng(i).uniform(0, 1, (1, 3, 16, 16)).astype(np.float32) for i in range(256)]
+    forwards = [i.forwards for i in engine.instances]
+    outs = await asyncio.gather(*(batcher.submit(x) for x in xs))
+    await batcher.stop()
+    want = reference(loaded, np.concatenate(xs))
+    np.testing.assert_allclose(np.concatenate(outs), want, atol=0.02 * np.abs(want).max(), rtol=0)
+    assert all(i.forwards > f for i, f in zip(engine.instances, forwards, strict=True))  # both instances served
+    engine.close()
