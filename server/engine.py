@@ -129,8 +129,8 @@ class Engine:
             device=str(self.device),
             precision=self.precision,
             weight_dtype=str(prec.weight_dtype(self.precision)).removeprefix("torch."),
-            weight_bytes=_bytes(self.model),
-            fp32_fallback_bytes=_bytes(self._fp32) if self._fp32 is not None else 0,
+            weight_bytes=module_bytes(self.model),
+            fp32_fallback_bytes=module_bytes(self._fp32) if self._fp32 is not None else 0,
         )
 
     def forward(self, x: np.ndarray) -> np.ndarray:
@@ -216,7 +216,8 @@ class Engine:
         self._executor.shutdown(wait=True)
 
 
-def _bytes(module: nn.Module) -> int:
+def module_bytes(module: nn.Module) -> int:
+    """Bytes held by ``module``'s parameters and buffers, in their current dtype."""
     return sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()))
 
 
