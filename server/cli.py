@@ -97,7 +97,7 @@ def serve(args: argparse.Namespace) -> int:
     except (ValidationError, store.StoreError, ValueError) as e:
         print(f"halfserve serve: {e}", file=sys.stderr)
         return 2
-    log_config = logs.configure(settings.log_format, settings.log_level)
+    log_config = logs.configure(settings.log_format, settings.log_level, settings.access_log)
     app = create_app(settings)
     config = uvicorn.Config(
         app,

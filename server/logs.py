@@ -15,6 +15,7 @@ import orjson
 from server.settings import LogFormat
 
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+ACCESS_LOGGER = "halfserve.access"
 
 # Every attribute a LogRecord has before ``extra`` is applied; whatever else it carries came from ``extra``.
 _STANDARD = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime", "taskName"}
@@ -50,10 +51,12 @@ class SkipInference(logging.Filter):
         return not (method == "POST" and (path == "/predict" or path.endswith("/infer")))
 
 
-def configure(fmt: LogFormat, level: str) -> dict[str, Any] | None:
+def configure(fmt: LogFormat, level: str, access_log: bool = False) -> dict[str, Any] | None:
     """Set up the root logger for ``fmt`` at ``level``; returns the ``log_config`` to hand uvicorn.
 
     For JSON, uvicorn gets ``None`` (it configures nothing) and its loggers propagate to the root's JSON handler.
+    ``access_log`` turns on the line per inference request (``halfserve.access`` at INFO); without it, that logger
+    passes only failures.
     """
     import uvicorn.config
 
@@ -67,5 +70,6 @@ def configure(fmt: LogFormat, level: str) -> dict[str, Any] | None:
         handler.setFormatter(logging.Formatter(TEXT_FORMAT))
         config = uvicorn.config.LOGGING_CONFIG
     root.handlers = [handler]
+    logging.getLogger(ACCESS_LOGGER).setLevel(logging.INFO if access_log else logging.WARNING)
     logging.getLogger("uvicorn.access").addFilter(SkipInference())
     return config

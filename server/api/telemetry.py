@@ -21,12 +21,15 @@ from starlette.responses import Response
 
 from server.api.errors import APIError, error_response
 from server.api.limits import raw_header
+from server.logs import ACCESS_LOGGER
 from server.metrics import Metrics, Protocol
 
 if TYPE_CHECKING:
     from server.repository import Prediction, ServedModel
 
-log = logging.getLogger("halfserve.access")
+log = logging.getLogger(ACCESS_LOGGER)
+"""One line per inference request at INFO when access logging is on (see :func:`server.logs.configure`); failures
+(5xx) at WARNING whatever the setting."""
 
 REQUEST_ID_HEADER = "X-Request-Id"
 _REQUEST_ID_KEY = REQUEST_ID_HEADER.lower().encode()
@@ -93,12 +96,11 @@ def _record(request: Request, protocol: Protocol, status: int, rid: bytes, secon
     else:
         precision = served.precision.value if served is not None and served.precision is not None else ""
         rows = 0
-    app = scope["app"]
-    metrics: Metrics | None = getattr(app.state, "metrics", None)
+    metrics: Metrics | None = getattr(scope["app"].state, "metrics", None)
     if metrics is not None:
         metrics.request(model, precision, protocol, status, rows, seconds)
-    if status >= 500 or app.state.settings.access_log:
-        level = logging.WARNING if status >= 500 else logging.INFO
+    level = logging.WARNING if status >= 500 else logging.INFO
+    if log.isEnabledFor(level):
         log.log(
             level,
             "%s %s %d %.2fms model=%s precision=%s rows=%d request_id=%s",
