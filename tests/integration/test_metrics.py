@@ -10,7 +10,9 @@ import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
 from server.settings import Settings
+from server.store import OverflowPolicy
 from tests.conftest import save_tiny_mlp
+from tests.fault_models import save_overflowing_linear
 from tests.integration.conftest import serving
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
@@ -70,7 +72,8 @@ async def test_counters_and_histograms_add_up_after_known_traffic(tiny_store: Pa
         samples = await scrape(client)
         stats = (await client.get("/models/tiny/stats")).json()
         triton = (await client.get("/v2/models/tiny/stats")).json()["model_stats"][0]
-        listing = (await client.get("/models")).json()["models"][0]
+        models = (await client.get("/models")).json()
+        listing = models["models"][0]
 
     ok = {"model": "tiny", "precision": "bf16", "status": "200"}
     assert value(samples, "halfserve_requests_total", protocol="predict", **ok) == len(predict_rows)
@@ -121,6 +124,10 @@ async def test_counters_and_histograms_add_up_after_known_traffic(tiny_store: Pa
     assert value(samples, "halfserve_queue_rows", model="tiny") == 0
     assert value(samples, "halfserve_model_state", model="tiny", version="1", state="ready") == 1
     assert value(samples, "halfserve_fp32_reruns_total", model="tiny") == 0
+    # The status page's source: the listing carries the same statistics and the server's clock to time rates by.
+    assert listing["stats"]["rows"] == rows
+    assert listing["stats"]["succeeded"] == len(predict_rows) + len(v2_rows)
+    assert isinstance(models["time"], float)
 
 
 async def test_request_id_is_echoed_or_generated_on_answers_and_errors(tiny_store: Path) -> None:
@@ -157,3 +164,25 @@ async def test_metrics_of_two_models_stay_apart_and_survive_a_reload(tmp_path: P
     # Counters fed per batch outlive the reload; the batcher's own statistics start afresh with the new instance.
     assert value(samples, "halfserve_inference_count_total", model="one", version="1") == 4
     assert stats["rows"] == 1
+
+
+async def test_fp32_reruns_are_counted_across_precision_switches(tmp_path: Path) -> None:
+    save_overflowing_linear(tmp_path, "hot", OverflowPolicy.RERUN_FP32)
+    auth = {"Authorization": "Bearer t"}
+    big = {"inputs": [[100.0] * 4]}  # 80,000 in output 0: past fp16's 65,504
+
+    async with serving(Settings(store=tmp_path, admin_token="t")) as client:
+        first = await client.post("/predict", json=big)
+        await client.post("/models/hot/precision", json={"precision": "fp32"}, headers=auth)
+        native = await client.post("/predict", json=big)
+        await client.post("/models/hot/precision", json={"precision": "fp16"}, headers=auth)
+        second = await client.post("/predict", json=big)
+        samples = await scrape(client)
+    assert [r.json()["precision"] for r in (first, native, second)] == ["fp32"] * 3
+    assert value(samples, "halfserve_fp32_reruns_total", model="hot") == 2
+    assert value(samples, "halfserve_overflows_total", model="hot") == 2
+    # Labelled by the precision that computed each answer: two reruns and one native fp32 forward.
+    answered = {"model": "hot", "precision": "fp32", "protocol": "predict", "status": "200"}
+    assert value(samples, "halfserve_requests_total", **answered) == 3
+    assert value(samples, "halfserve_compute_duration_seconds_count", model="hot", precision="fp16") == 2
+    assert value(samples, "halfserve_compute_duration_seconds_count", model="hot", precision="fp32") == 1
