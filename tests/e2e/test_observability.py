@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -45,6 +46,13 @@ def test_precision_switch_under_concurrent_http_traffic(server: ServerProcess) -
                 with lock:
                     results.append((r.status_code, r.json().get("precision", r.text)))
 
+    def answered_in(precision: str, since: int, count: int = 10) -> None:
+        """Wait until ``count`` answers after the ``since``-th were computed in ``precision``."""
+        deadline = time.monotonic() + 30
+        while sum(p == precision for _, p in results[since:]) < count:
+            assert time.monotonic() < deadline, f"no {precision} answers after the switch"
+            time.sleep(0.01)
+
     threads = [threading.Thread(target=send) for _ in range(6)]
     for t in threads:
         t.start()
@@ -53,6 +61,7 @@ def test_precision_switch_under_concurrent_http_traffic(server: ServerProcess) -
             for precision in ("fp32", "bf16", "fp32", "bf16"):
                 r = admin.post("/models/tiny/precision", json={"precision": precision})
                 assert (r.status_code, r.json()["precision"]) == (200, precision)
+                answered_in(precision, len(results))
     finally:
         stop.set()
         for t in threads:
