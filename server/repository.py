@@ -298,8 +298,8 @@ class ModelRepository:
             batcher, old, loaded = served.batcher, served.engine, served.loaded
             if served.state is not ModelState.READY or batcher is None or old is None or loaded is None:
                 raise ModelNotReadyError(f"model {name!r} is {served.state.value}; load it first")
-            self.precisions[name] = precision
             if prec.resolve(precision, self.device) is old.precision:
+                self.precisions[name] = precision
                 return served
             engine = await asyncio.to_thread(Engine, loaded, precision, self.device)
             if self.settings.warmup:
@@ -308,8 +308,12 @@ class ModelRepository:
                 except BaseException:
                     engine.close()
                     raise
+            if served.batcher is not batcher:  # released (shutdown) while the new engine warmed up
+                engine.close()
+                raise ModelNotReadyError(f"model {name!r} was released during the precision switch")
             batcher.runner, batcher.observer = engine.run, self._observer(served, engine)
             served.engine, served.precision = engine, engine.precision
+            self.precisions[name] = precision
             await asyncio.to_thread(old.close)  # returns once the batch running on it (if any) is answered
             served.retired_overflows += old.overflows
             served.retired_fp32_reruns += old.fp32_reruns
