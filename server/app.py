@@ -14,6 +14,7 @@ import torch
 from fastapi import FastAPI
 
 from server import __version__, api, precision
+from server.metrics import Metrics
 from server.repository import ModelRepository
 from server.settings import Settings
 
@@ -73,9 +74,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         torch.set_num_threads(settings.threads or serving_threads())
         precision.set_tf32(settings.tf32)
-        repo = ModelRepository(settings)
+        metrics = Metrics()
+        repo = ModelRepository(settings, observe=metrics.batch_observer)
         repo.discover()
+        metrics.watch(lambda: repo.models.values())
         app.state.repository = repo
+        app.state.metrics = metrics
         app.state.draining = False
         loading = asyncio.create_task(_load(repo), name="load-models")
         try:

@@ -26,7 +26,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Awaitable, Callable, Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import numpy as np
 
@@ -47,6 +47,17 @@ Outcome = np.ndarray | Output | Exception
 """What a runner gives back per chunk: its output rows, or the error that fails that chunk's request alone."""
 
 Runner = Callable[[list[np.ndarray]], Awaitable[Sequence[Outcome]]]
+
+
+class BatchObserver(Protocol):
+    """Told of each chunk cut into a batch and each batch run; metrics hang here. Called on the event loop, so it
+    must be cheap and must not raise."""
+
+    def queued(self, seconds: float) -> None:
+        """A chunk waited ``seconds`` in the queue before it was cut into a batch."""
+
+    def ran(self, rows: int, seconds: float) -> None:
+        """A batch of ``rows`` rows ran successfully in ``seconds``."""
 
 
 class Result(NamedTuple):
@@ -240,6 +251,7 @@ class BatchStats:
             "batch_size_histogram": {str(k): v for k, v in sorted(self.batch_sizes.items())},
             "queue_seconds": self.queue_seconds,
             "compute_seconds": self.compute_seconds,
+            "success_seconds": self.success_seconds,
         }
 
 
@@ -248,7 +260,8 @@ class Batcher:
 
     Create it inside a running event loop and call :meth:`start`; :meth:`stop` drains what is queued.
     ``max_batch_size`` is the configured limit; :attr:`max_batch_size` can shrink below it when the runner reports
-    a batch too large.
+    a batch too large. :attr:`runner` and :attr:`observer` may be replaced while it runs: batches already running
+    finish on the old runner, the next batch (or rerun part of a batch) uses the new one.
     """
 
     def __init__(
@@ -260,6 +273,7 @@ class Batcher:
         max_queue_rows: int,
         concurrency: int = 1,
         clock: Clock = time.monotonic,
+        observer: BatchObserver | None = None,
     ) -> None:
         if max_batch_size < 1 or max_queue_rows < 1 or max_delay < 0 or concurrency < 1:
             raise ValueError("max_batch_size, max_queue_rows and concurrency must be >= 1 and max_delay >= 0")
@@ -269,6 +283,7 @@ class Batcher:
         self.max_delay = max_delay
         self.max_queue_rows = max_queue_rows
         self.clock = clock
+        self.observer = observer
         self.stats = BatchStats()
         self._queue: deque[Pending] = deque()
         self._queued_rows = 0
@@ -400,8 +415,12 @@ class Batcher:
             self._drop(dropped)
             if chunks:
                 self._queued_rows -= sum(c.rows for c in chunks)
-                self.stats.queue_seconds += sum(now - c.request.enqueued for c in chunks)
+                waits = [now - c.request.enqueued for c in chunks]
+                self.stats.queue_seconds += sum(waits)
                 self.stats.queued_chunks += len(chunks)
+                if self.observer is not None:
+                    for wait in waits:
+                        self.observer.queued(wait)
                 return chunks
 
     def _drop(self, dropped: list[Pending]) -> None:
@@ -466,6 +485,8 @@ class Batcher:
         self.stats.batch_sizes[rows] += 1
         self.stats.batch_compute_seconds[rows] = self.stats.batch_compute_seconds.get(rows, 0.0) + elapsed
         self.stats.last_inference = time.time()
+        if self.observer is not None:
+            self.observer.ran(rows, elapsed)
         for c, outcome in zip(chunks, outcomes, strict=True):
             if isinstance(outcome, Exception):
                 err = outcome if isinstance(outcome, BatchFailedError) else BatchFailedError(_describe(outcome))

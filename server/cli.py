@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 from collections.abc import Callable, Sequence
 from types import FrameType
@@ -13,6 +12,7 @@ from pydantic import ValidationError
 
 from server.loadtest import cli as loadtest_cli
 from server.precision import Precision
+from server.settings import LogFormat
 from server.training import cli as train_cli
 
 
@@ -60,9 +60,12 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         default=None,
         help="let fp32 use TF32 on Ampere+ GPUs (default: off, fp32 is IEEE fp32)",
     )
-    p.add_argument("--admin-token", help="bearer token that enables the management calls (load, unload)")
+    p.add_argument(
+        "--admin-token", help="bearer token that enables the management calls (load, unload, reload, precision)"
+    )
     p.add_argument("--no-warmup", dest="warmup", action="store_false", default=None, help="skip warm-up at load")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--log-format", choices=[f.value for f in LogFormat], help="text (default) or json, one per line")
     p.add_argument("--access-log", action="store_true", default=None, help="log every request (slower)")
     p.set_defaults(func=serve)
 
@@ -85,7 +88,7 @@ class DrainingServer(uvicorn.Server):
 
 
 def serve(args: argparse.Namespace) -> int:
-    from server import store
+    from server import logs, store
     from server.app import begin_drain, create_app
     from server.repository import ModelRepository
     from server.settings import Settings
@@ -99,13 +102,14 @@ def serve(args: argparse.Namespace) -> int:
     except (ValidationError, store.StoreError, ValueError) as e:
         print(f"halfserve serve: {e}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log_config = logs.configure(settings.log_format, settings.log_level, settings.access_log)
     app = create_app(settings)
     config = uvicorn.Config(
         app,
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level,
+        log_config=log_config,
         access_log=settings.access_log,
         # uvicorn waits this long for requests in flight, then cancels them; float seconds work despite its hint.
         timeout_graceful_shutdown=settings.drain_timeout,  # type: ignore[arg-type]

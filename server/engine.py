@@ -173,8 +173,8 @@ class Engine:
             device=str(self.device),
             precision=self.precision,
             weight_dtype=str(prec.weight_dtype(self.precision)).removeprefix("torch."),
-            weight_bytes=_bytes(self.model),
-            fp32_fallback_bytes=_bytes(self._fp32) if self._fp32 is not None else 0,
+            weight_bytes=module_bytes(self.model),
+            fp32_fallback_bytes=module_bytes(self._fp32) if self._fp32 is not None else 0,
             instances=len(self.instances),
             buckets=tuple(self.buckets),
             cuda_graphs=self.cuda_graphs,
@@ -316,7 +316,8 @@ class Engine:
             inst.close()
 
 
-def _bytes(module: nn.Module) -> int:
+def module_bytes(module: nn.Module) -> int:
+    """Bytes held by ``module``'s parameters and buffers, in their current dtype."""
     return sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()))
 
 

@@ -8,24 +8,29 @@ import logging
 import math
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import NamedTuple
 
 import numpy as np
 
+from server import precision as prec
 from server import store
-from server.batching import Batcher, BatchStats
-from server.engine import Engine, EngineInfo, resolve_device
+from server.batching import Batcher, BatchObserver, BatchStats
+from server.engine import Engine, EngineInfo, module_bytes, resolve_device
 from server.precision import Precision
 from server.settings import Settings
-from server.store import Batching, Manifest, StoreError
+from server.store import Batching, LoadedModel, Manifest, StoreError
 
 log = logging.getLogger(__name__)
 
 CUDA_GIL_SWITCH_INTERVAL_MS = 0.5
 """The switch interval when serving on CUDA: at Python's 5 ms, engine threads wait on the event loop for the GIL
 between their copies and kernels (see ``Settings.gil_switch_interval_ms``)."""
+
+ObserverFactory = Callable[[str, int, str], BatchObserver]
+"""Makes the batch observer of a model (name, version, precision served), e.g. :meth:`Metrics.batch_observer`."""
 
 
 class ModelState(str, Enum):
@@ -74,6 +79,23 @@ class ServedModel:
     loaded_at: float = field(default_factory=time.time)
     final_stats: BatchStats | None = None
     """The statistics of the last batcher, kept once it is released (for the drain report)."""
+    loaded: LoadedModel | None = None
+    """The checkpoint's fp32 weights on the host, kept so the precision can be switched without re-reading it."""
+    host_weight_bytes: int = 0
+    """Bytes of those fp32 host weights."""
+    retired_overflows: int = 0
+    """Overflows and fp32 reruns counted by engines replaced by a precision switch (their counts carry over)."""
+    retired_fp32_reruns: int = 0
+
+    @property
+    def overflows(self) -> int:
+        """Half-precision overflows since the model was loaded, across precision switches."""
+        return self.retired_overflows + (self.engine.overflows if self.engine is not None else 0)
+
+    @property
+    def fp32_reruns(self) -> int:
+        """Chunks rerun in fp32 after an overflow since the model was loaded, across precision switches."""
+        return self.retired_fp32_reruns + (self.engine.fp32_reruns if self.engine is not None else 0)
 
     @functools.cached_property
     def sample_size(self) -> int:
@@ -108,8 +130,8 @@ class ServedModel:
         stats["configured_max_batch_size"] = batcher.configured_max_batch_size
         if engine is not None:
             stats["overflow_policy"] = engine.overflow.value
-            stats["overflows"] = engine.overflows
-            stats["fp32_reruns"] = engine.fp32_reruns
+            stats["overflows"] = self.overflows
+            stats["fp32_reruns"] = self.fp32_reruns
             stats["instance_forwards"] = [i.forwards for i in engine.instances]
         return stats
 
@@ -127,6 +149,7 @@ class ServedModel:
             "weight_dtype": info.weight_dtype if info else None,
             "weight_bytes": info.weight_bytes if info else None,
             "fp32_fallback_bytes": info.fp32_fallback_bytes if info else None,
+            "host_fp32_bytes": self.host_weight_bytes if self.loaded is not None else None,
             "inputs": [s.model_dump(mode="json") for s in m.inputs],
             "outputs": [s.model_dump(mode="json") for s in m.outputs],
             "labels": m.labels,
@@ -137,6 +160,8 @@ class ServedModel:
             "evaluation": m.evaluation,
             "warmup_seconds": round(self.warmup_seconds, 4),
             "execution": _execution(info) if info else m.execution.model_dump(mode="json"),
+            "loaded_at": self.loaded_at,
+            "stats": self.stats(),
         }
 
 
@@ -154,7 +179,7 @@ def _execution(info: EngineInfo) -> dict[str, object]:
 class ModelRepository:
     """Loads the store's models and owns their engines and batchers."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, observe: ObserverFactory | None = None) -> None:
         self.settings = settings
         self.device = resolve_device(settings.device)
         self.models: dict[str, ServedModel] = {}
@@ -163,6 +188,14 @@ class ModelRepository:
             interval = CUDA_GIL_SWITCH_INTERVAL_MS
         if interval is not None:
             sys.setswitchinterval(interval / 1000.0)
+        self.observe = observe
+        self.precisions: dict[str, Precision] = {}
+        """Precisions set at run time, per model; they outrank the settings and the manifest, across reloads."""
+        self._locks: dict[str, asyncio.Lock] = {}
+
+    def _lock(self, name: str) -> asyncio.Lock:
+        """Serialises the management calls (load, unload, precision switch) on one model."""
+        return self._locks.setdefault(name, asyncio.Lock())
 
     def discover(self) -> None:
         """Validate the manifests of the models to serve (fails fast, naming file and field) and register them."""
@@ -191,15 +224,18 @@ class ModelRepository:
     async def load_all(self) -> None:
         """Load and warm every discovered model, one after another; a failure marks that model failed."""
         for served in list(self.models.values()):
-            try:
-                await self._load(served)
-            except Exception as e:  # a broken checkpoint must not stop the other models from serving
-                served.state, served.error = ModelState.FAILED, str(e)
-                log.error("model %s failed to load: %s", served.name, e)
+            async with self._lock(served.name):
+                try:
+                    await self._load(served)
+                except Exception as e:  # a broken checkpoint must not stop the other models from serving
+                    served.state, served.error = ModelState.FAILED, str(e)
+                    log.error("model %s failed to load: %s", served.name, e)
 
-    async def _load(self, served: ServedModel) -> None:
-        precision = self.settings.precision or served.manifest.precision
-        loaded = await asyncio.to_thread(store.load, self.settings.store, served.name, served.version)
+    def _observer(self, served: ServedModel, engine: Engine) -> BatchObserver | None:
+        return self.observe(served.name, served.version, engine.precision.value) if self.observe else None
+
+    async def _engine(self, served: ServedModel, loaded: LoadedModel, precision: Precision) -> Engine:
+        """A new engine for ``served`` cast from ``loaded``'s host weights, warmed up unless warm-up is off."""
         engine = await asyncio.to_thread(
             functools.partial(Engine, max_batch_size=served.batching.max_batch_size),
             loaded,
@@ -207,7 +243,17 @@ class ModelRepository:
             self.device,
         )
         if self.settings.warmup:
-            served.warmup_seconds = await asyncio.to_thread(engine.warmup, served.batching.max_batch_size)
+            try:
+                served.warmup_seconds = await asyncio.to_thread(engine.warmup, served.batching.max_batch_size)
+            except BaseException:
+                engine.close()
+                raise
+        return engine
+
+    async def _load(self, served: ServedModel) -> None:
+        precision = self.precisions.get(served.name) or self.settings.precision or served.manifest.precision
+        loaded = await asyncio.to_thread(store.load, self.settings.store, served.name, served.version)
+        engine = await self._engine(served, loaded, precision)
         batcher = Batcher(
             engine.run,
             max_batch_size=served.batching.max_batch_size,
@@ -215,8 +261,10 @@ class ModelRepository:
             max_queue_rows=served.batching.max_queue_rows,
             # One batch in flight per instance: each instance takes the next batch when it is idle.
             concurrency=len(engine.instances),
+            observer=self._observer(served, engine),
         )
         batcher.start()
+        served.loaded, served.host_weight_bytes = loaded, module_bytes(loaded.module)
         served.engine, served.batcher, served.precision = engine, batcher, engine.precision
         served.state = ModelState.READY
         info = engine.info
@@ -232,26 +280,78 @@ class ModelRepository:
             f"captured in {info.graph_capture_seconds:.2f}s" if info.cuda_graphs else "off",
         )
 
-    async def load(self, name: str, version: int | None = None) -> ServedModel:
-        """Load (or reload) ``name`` from the store without a restart; the old instance drains after the swap.
+    async def load(self, name: str, version: int | None = None, precision: Precision | None = None) -> ServedModel:
+        """Load (or reload) ``name`` from the store without a restart, warmed up before it serves.
 
-        Raises :class:`StoreError` for a model or version the store does not hold.
+        ``version`` defaults to the store's served version (the manifest's pin, else the highest); ``precision``
+        sets the model's precision from now on. A model being served keeps answering from its old instance until
+        the new one is warm, then the old one drains; a model not being served shows as loading (so readiness
+        answers "not ready") until it is warm. If loading fails, the model is left as it was.
+
+        Raises :class:`StoreError` for a model or version the store does not hold, or a checkpoint that fails.
         """
         if not (self.settings.store / store.check_name(name) / store.MANIFEST).is_file():
             raise StoreError(f"model {name!r} is not in the store {self.settings.store}")
-        served = self._register(name, version)
-        await self._load(served)
-        old = self.models.get(name)
-        self.models[name] = served
-        if old is not None:
-            await self._release(old)
-        return served
+        async with self._lock(name):
+            served = self._register(name, version)
+            old = self.models.get(name)
+            if old is None or old.batcher is None:
+                self.models[name] = served
+            before = self.precisions.get(name)
+            if precision is not None:
+                self.precisions[name] = precision
+            try:
+                await self._load(served)
+            except BaseException:
+                _restore(self.precisions, name, before)
+                if old is None:
+                    self.models.pop(name, None)
+                else:
+                    self.models[name] = old
+                raise
+            self.models[name] = served
+            if old is not None:
+                await self._release(old)
+            return served
+
+    async def reload(self, name: str, precision: Precision | None = None) -> ServedModel:
+        """Read the version ``name`` serves (or last served) again from the store; see :meth:`load`."""
+        return await self.load(name, self.get(name).version, precision)
 
     async def unload(self, name: str) -> None:
         """Stop serving ``name``: queued requests are answered, then the engine is released."""
-        served = self.get(name)
-        served.state = ModelState.UNLOADED
-        await self._release(served)
+        async with self._lock(name):
+            served = self.get(name)
+            served.state = ModelState.UNLOADED
+            await self._release(served)
+
+    async def set_precision(self, name: str, precision: Precision) -> ServedModel:
+        """Serve ``name`` in ``precision`` from now on, without re-reading its checkpoint or failing a request.
+
+        A new engine is cast from the fp32 weights kept on the host and warmed up while the old one serves; then the
+        batcher hands its next batch to the new engine, and the old one is released once its running batch is done.
+        Raises :class:`ModelNotReadyError` unless the model is being served.
+        """
+        async with self._lock(name):
+            served = self.get(name)
+            batcher, old, loaded = served.batcher, served.engine, served.loaded
+            if served.state is not ModelState.READY or batcher is None or old is None or loaded is None:
+                raise ModelNotReadyError(f"model {name!r} is {served.state.value}; load it first")
+            if prec.resolve(precision, self.device) is old.precision:
+                self.precisions[name] = precision
+                return served
+            engine = await self._engine(served, loaded, precision)
+            if served.batcher is not batcher:  # released (shutdown) while the new engine warmed up
+                engine.close()
+                raise ModelNotReadyError(f"model {name!r} was released during the precision switch")
+            batcher.runner, batcher.observer = engine.run, self._observer(served, engine)
+            served.engine, served.precision = engine, engine.precision
+            self.precisions[name] = precision
+            await asyncio.to_thread(old.close)  # returns once the batch running on it (if any) is answered
+            served.retired_overflows += old.overflows
+            served.retired_fp32_reruns += old.fp32_reruns
+            log.info("model %s switched from %s to %s", name, old.precision.value, engine.precision.value)
+            return served
 
     @staticmethod
     async def _release(served: ServedModel) -> None:
@@ -285,3 +385,10 @@ class ModelRepository:
         """Drain every batcher (queued requests are answered), then release the engines."""
         for served in self.models.values():
             await self._release(served)
+
+
+def _restore(overrides: dict[str, Precision], name: str, value: Precision | None) -> None:
+    if value is None:
+        overrides.pop(name, None)
+    else:
+        overrides[name] = value

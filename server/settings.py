@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from enum import Enum
 from pathlib import Path
 from typing import Annotated
 
@@ -9,6 +10,15 @@ from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from server.precision import Precision
+
+
+class LogFormat(str, Enum):
+    """How log lines are written."""
+
+    TEXT = "text"
+    """``time level logger: message``, for people."""
+    JSON = "json"
+    """One JSON object per line, with the request id and other fields as keys, for log collectors."""
 
 
 class Settings(BaseSettings):
@@ -52,9 +62,11 @@ class Settings(BaseSettings):
     waits up to this long to get it back, several times per batch."""
     warmup: bool = True
     admin_token: SecretStr | None = None
-    """Bearer token for the management calls (load, unload); without one they answer 403."""
+    """Bearer token for the management calls (load, unload, reload, precision); without one they answer 403."""
     log_level: str = "info"
+    log_format: LogFormat = LogFormat.TEXT
     access_log: bool = False
+    """Log every request; inference requests with their request id, model, precision, status and duration."""
 
     @field_validator("models", mode="before")
     @classmethod

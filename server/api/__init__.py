@@ -11,7 +11,7 @@ from starlette.responses import Response
 from starlette.routing import Match, Route
 from starlette.types import Receive, Scope, Send
 
-from server.api import errors, models, predict, v2, v2_repository, v2_triton
+from server.api import errors, management, models, monitoring, predict, v2, v2_repository, v2_triton
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +73,8 @@ def install(app: FastAPI) -> None:
     """Add every route and the JSON error handlers to ``app``."""
     errors.install(app)
     # v2_triton ahead of v2: its /v2/models/stats must match before v2's /v2/models/{model_name}.
-    for router in (predict.router, models.router, v2_triton.router, v2_repository.router, v2.router):
+    routers = (predict.router, models.router, management.router, monitoring.router, v2_triton.router)
+    for router in (*routers, v2_repository.router, v2.router):
         # Added flat rather than with include_router, which matches through an extra router layer per request.
         app.router.routes.extend(router.routes)
     app.router.routes[:0] = HOT_PATHS

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import orjson
 from fastapi import APIRouter, Request
 from starlette.responses import Response
@@ -55,8 +57,10 @@ async def ready(request: Request) -> Response:
     responses=json_ok("The served models.", {"type": "object", "required": ["models"]}),
 )
 async def list_models(request: Request) -> Response:
-    """Every served model with its version, device, precision, signature and batching limits."""
-    return json_response({"models": [m.describe() for m in repository(request).models.values()]})
+    """Every served model with its version, device, precision, signature, batching limits and statistics; ``time``
+    is the server's clock, so a poller can turn two listings' counters into rates."""
+    models = [m.describe() for m in repository(request).models.values()]
+    return json_response({"models": models, "time": time.time()})
 
 
 @router.get(

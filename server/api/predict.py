@@ -13,6 +13,8 @@ from starlette.responses import Response
 from server.api.codec import decode_samples
 from server.api.errors import APIError, cut_off_by_shutdown, error_responses, from_exception
 from server.api.limits import TIMEOUT_HEADER, check_size, client_timeout, read_body
+from server.api.telemetry import answered, metered, note
+from server.metrics import Protocol
 from server.repository import ModelRepository
 
 router = APIRouter()
@@ -103,6 +105,7 @@ def repository(request: Request) -> ModelRepository:
 
 
 @router.post("/predict", openapi_extra=PREDICT_SCHEMA, response_class=Response)
+@metered(Protocol.PREDICT)
 async def predict(request: Request) -> Response:
     """Run a list of samples through a model; concurrent calls are batched together."""
     repo = repository(request)
@@ -119,11 +122,13 @@ async def predict(request: Request) -> Response:
     samples = payload["inputs"]
     try:
         served = repo.get(name)
+        note(request, served)
         if isinstance(samples, list):
             check_size(limits, served, len(samples), "inputs")
         # No finiteness check: JSON carries no NaN or infinity, and decoding refuses numbers the dtype cannot hold.
         x = decode_samples(samples, served.manifest.inputs[0])
         result = await served.infer(x, timeout)
+        answered(request, result)
     except asyncio.CancelledError:
         if not request.app.state.draining:
             raise

@@ -47,7 +47,9 @@ from server.api.errors import APIError, cut_off_by_shutdown, error_responses, fr
 from server.api.limits import check_finite, check_size, client_timeout, read_body, settings
 from server.api.models import json_response
 from server.api.predict import parse_json, repository
+from server.api.telemetry import answered, metered, note
 from server.api.v2_schema import INFER_SCHEMA
+from server.metrics import Protocol
 from server.precision import Precision
 from server.repository import ModelNotFoundError, ModelState, Prediction, ServedModel
 from server.settings import Settings
@@ -391,11 +393,13 @@ def encode_response(served: ServedModel, req: Inference, result: Prediction) -> 
     return Response(body + tail, media_type="application/octet-stream", headers={HEADER_LENGTH: str(len(body))})
 
 
+@metered(Protocol.V2)
 async def infer(request: Request) -> Response:
     """``POST /v2/models/{model_name}[/versions/{model_version}]/infer``, as a plain Starlette endpoint."""
     name: str = request.path_params["model_name"]
     version: str | None = request.path_params.get("model_version")
     served = served_model(request, name, version)
+    note(request, served)
     require_ready(served, version)
     encoding = request.headers.get("content-encoding", "identity")
     if encoding != "identity":
@@ -420,6 +424,7 @@ async def infer(request: Request) -> Response:
         timeout = req.timeout_us / 1e6 if timeout is None else min(timeout, req.timeout_us / 1e6)
     try:
         result = await served.infer(req.x, timeout)
+        answered(request, result)
     except asyncio.CancelledError:
         if not request.app.state.draining:
             raise

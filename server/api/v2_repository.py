@@ -19,25 +19,26 @@ from server import store
 from server.api.errors import APIError, error_responses, from_exception, json_ok
 from server.api.models import json_response
 from server.api.predict import parse_json, repository
-from server.repository import ModelState, ServedModel
+from server.precision import Precision
+from server.repository import ModelRepository, ModelState, ServedModel
 from server.settings import Settings
 from server.store import StoreError
 
 router = APIRouter()
 
 _ENTRY: dict[str, Any] = {"type": "object", "required": ["name", "state"]}
-_AUTH_ERRORS = error_responses(
+AUTH_ERRORS = error_responses(
     {
         400: "Malformed body.",
         401: "The Authorization: Bearer token is missing or wrong.",
         403: "The management API is off: the server has no admin token.",
     }
 )
-_OPTIONAL_JSON_BODY: dict[str, Any] = {
+OPTIONAL_JSON_BODY: dict[str, Any] = {
     "requestBody": {"required": False, "content": {"application/json": {"schema": {"type": "object"}}}},
 }
 # Declares the bearer scheme in the OpenAPI schema; the check itself is require_admin's (403 when no token is set).
-_BEARER = [Depends(HTTPBearer(auto_error=False))]
+BEARER = [Depends(HTTPBearer(auto_error=False))]
 
 
 class RepositoryState(str, Enum):
@@ -72,7 +73,8 @@ def index_entry(served: ServedModel) -> dict[str, object]:
     return {"name": served.name, "version": str(served.version), "state": state.value, "reason": reason}
 
 
-async def _body(request: Request) -> dict[str, object]:
+async def json_object(request: Request) -> dict[str, object]:
+    """The request's JSON object body; an empty body is ``{}``, anything but an object a 400."""
     raw = await request.body()
     if not raw.strip():
         return {}
@@ -82,18 +84,40 @@ async def _body(request: Request) -> dict[str, object]:
     return payload
 
 
+async def load_from_store(
+    repo: ModelRepository, name: str, version: int | None = None, precision: Precision | None = None
+) -> ServedModel:
+    """Load ``name`` from the store: a 400 for an invalid name or a checkpoint that fails, a 404 when the store
+    has no such model or version."""
+    try:
+        store.check_name(name)
+    except StoreError as e:
+        raise APIError(400, str(e)) from None
+    model_dir = repo.settings.store / name
+    if not (model_dir / store.MANIFEST).is_file():
+        raise APIError(404, f"model {name!r} is not in the store")
+    if version is not None and version not in store.versions(model_dir):
+        raise APIError(404, f"model {name!r} has no version {version} in the store")
+    try:
+        return await repo.load(name, version, precision)
+    except StoreError as e:
+        raise APIError(400, f"failed to load {name!r}: {e}") from None
+    except Exception as e:
+        raise from_exception(e) from None
+
+
 @router.post(
     "/v2/repository/index",
     response_class=Response,
-    responses={**json_ok("The models of the store.", {"type": "array"}), **_AUTH_ERRORS},
-    openapi_extra=_OPTIONAL_JSON_BODY,
-    dependencies=_BEARER,
+    responses={**json_ok("The models of the store.", {"type": "array"}), **AUTH_ERRORS},
+    openapi_extra=OPTIONAL_JSON_BODY,
+    dependencies=BEARER,
 )
 async def repository_index(request: Request) -> Response:
     """Every model in the store: served ones with their version and state, the others as ``UNAVAILABLE`` ("not
     loaded"). With ``{"ready": true}``, only the ready ones."""
     require_admin(request)
-    ready_only = (await _body(request)).get("ready", False)
+    ready_only = (await json_object(request)).get("ready", False)
     if not isinstance(ready_only, bool):
         raise APIError(400, f"ready: expected true or false, got {ready_only!r}")
     repo = repository(request)
@@ -113,7 +137,7 @@ async def repository_index(request: Request) -> Response:
     response_class=Response,
     responses={
         **json_ok("Loaded and ready.", _ENTRY),
-        **_AUTH_ERRORS,
+        **AUTH_ERRORS,
         **error_responses(
             {
                 400: "Malformed body, an invalid model name, a configuration override, or a checkpoint that fails.",
@@ -121,32 +145,20 @@ async def repository_index(request: Request) -> Response:
             }
         ),
     },
-    openapi_extra=_OPTIONAL_JSON_BODY,
-    dependencies=_BEARER,
+    openapi_extra=OPTIONAL_JSON_BODY,
+    dependencies=BEARER,
 )
 async def load_model(model_name: str, request: Request) -> Response:
     """Load (or reload) a model from the store: the served version is read again, and a loaded model keeps
     answering from its old instance until the new one is warm. Overriding the configuration is not supported."""
     require_admin(request)
-    params = (await _body(request)).get("parameters") or {}
+    params = (await json_object(request)).get("parameters") or {}
     if not isinstance(params, dict):
         raise APIError(400, f"parameters: expected an object, got {type(params).__name__}")
     overrides = sorted(k for k in params if k == "config" or k.startswith("file:"))
     if overrides:
         raise APIError(400, f"parameters: {', '.join(overrides)}: overriding a model's configuration is not supported")
-    repo = repository(request)
-    try:
-        store.check_name(model_name)
-    except StoreError as e:
-        raise APIError(400, str(e)) from None
-    if not (repo.settings.store / model_name / store.MANIFEST).is_file():
-        raise APIError(404, f"model {model_name!r} is not in the store")
-    try:
-        served = await repo.load(model_name)
-    except StoreError as e:
-        raise APIError(400, f"failed to load {model_name!r}: {e}") from None
-    except Exception as e:
-        raise from_exception(e) from None
+    served = await load_from_store(repository(request), model_name)
     return json_response(index_entry(served))
 
 
@@ -155,16 +167,16 @@ async def load_model(model_name: str, request: Request) -> Response:
     response_class=Response,
     responses={
         **json_ok("Unloaded.", _ENTRY),
-        **_AUTH_ERRORS,
+        **AUTH_ERRORS,
         **error_responses({400: "Malformed body.", 404: "No such model is served."}),
     },
-    openapi_extra=_OPTIONAL_JSON_BODY,
-    dependencies=_BEARER,
+    openapi_extra=OPTIONAL_JSON_BODY,
+    dependencies=BEARER,
 )
 async def unload_model(model_name: str, request: Request) -> Response:
     """Stop serving a model: requests already queued are answered, then its engine is released."""
     require_admin(request)
-    await _body(request)  # validated; unload_dependents has no meaning here (models have no dependents)
+    await json_object(request)  # validated; unload_dependents has no meaning here (models have no dependents)
     repo = repository(request)
     try:
         await repo.unload(model_name)

@@ -207,3 +207,48 @@ async def test_batcher_module_does_not_import_torch_or_fastapi() -> None:
     code = "import sys, server.batching; print('torch' in sys.modules, 'fastapi' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False", "False"]
+
+
+class RecordingObserver:
+    def __init__(self) -> None:
+        self.waits: list[float] = []
+        self.runs: list[tuple[int, float]] = []
+
+    def queued(self, seconds: float) -> None:
+        self.waits.append(seconds)
+
+    def ran(self, rows: int, seconds: float) -> None:
+        self.runs.append((rows, seconds))
+
+
+async def test_observer_hears_every_chunk_queued_and_every_batch_run() -> None:
+    runner, observer = FakeRunner(), RecordingObserver()
+    b = Batcher(runner, max_batch_size=4, max_delay=0.01, max_queue_rows=64, observer=observer)
+    b.start()
+    await asyncio.gather(*(b.submit(rows(n)) for n in (3, 2, 1, 5)))
+    await b.stop()
+    # 11 rows in batches of at most 4: requests of 2 and 5 rows span batches and so are queued chunks twice or more.
+    assert [r for r, _ in observer.runs] == runner.sizes
+    assert sum(r for r, _ in observer.runs) == 11 == b.stats.rows
+    assert len(observer.waits) == b.stats.queued_chunks > 4
+    assert sum(observer.waits) == pytest.approx(b.stats.queue_seconds)
+    assert sum(s for _, s in observer.runs) == pytest.approx(b.stats.compute_seconds)
+
+
+async def test_replacing_the_runner_moves_the_next_batch_only() -> None:
+    first, second = FakeRunner(), FakeRunner()
+    first.gate.clear()
+    b = Batcher(first, max_batch_size=2, max_delay=0.0, max_queue_rows=64)
+    b.start()
+    running = asyncio.ensure_future(b.submit(rows(2)))
+    while not first.batches:
+        await asyncio.sleep(0)
+    b.runner = second
+    queued = asyncio.ensure_future(b.submit(rows(2, start=100)))
+    first.gate.set()
+    out = await asyncio.gather(running, queued)
+    await b.stop()
+    assert first.sizes == [2]
+    assert second.sizes == [2]
+    np.testing.assert_array_equal(out[0], rows(2) * 2)
+    np.testing.assert_array_equal(out[1], rows(2, start=100) * 2)

@@ -1,0 +1,191 @@
+"""The management API in-process: precision switches under traffic, load / unload / reload of versions, readiness."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from server import store
+from server.settings import Settings
+from tests.conftest import save_tiny_mlp
+from tests.integration.conftest import serving
+
+TOKEN = "management-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+SAMPLE = {"model": "tiny", "inputs": [[0.5] * 16, [-0.25] * 16]}
+
+
+def settings(root: Path, **kw: object) -> Settings:
+    return Settings(store=root, admin_token=TOKEN, **kw)
+
+
+async def switch(client: httpx.AsyncClient, precision: str) -> dict[str, object]:
+    r = await client.post("/models/tiny/precision", json={"precision": precision}, headers=AUTH)
+    assert r.status_code == 200, r.text
+    listing: dict[str, object] = r.json()
+    return listing
+
+
+async def test_switching_to_fp32_and_back_under_traffic_fails_no_request(tiny_store: Path) -> None:
+    async with serving(settings(tiny_store, precision="fp16", max_delay_ms=1)) as client:
+        stop = asyncio.Event()
+        answers: list[httpx.Response] = []
+
+        async def traffic() -> None:
+            while not stop.is_set():
+                answers.append(await client.post("/predict", json=SAMPLE))
+
+        async def answered(more: int) -> None:
+            target = len(answers) + more
+            for _ in range(2000):
+                if len(answers) >= target:
+                    return
+                await asyncio.sleep(0.005)
+            raise AssertionError(f"traffic stalled at {len(answers)} answers")
+
+        senders = [asyncio.create_task(traffic()) for _ in range(8)]
+        try:
+            await answered(20)
+            fp32 = await switch(client, "fp32")
+            await answered(20)
+            back = await switch(client, "fp16")
+            await answered(20)
+        finally:
+            stop.set()
+            await asyncio.gather(*senders)
+        stats = (await client.get("/models/tiny/stats")).json()
+
+    assert [r.status_code for r in answers if r.status_code != 200] == []
+    precisions = [r.json()["precision"] for r in answers]
+    assert {"fp16", "fp32"} <= set(precisions)
+    # In order: fp16 before the first switch, fp32 in between, fp16 again at the end.
+    assert precisions[0] == precisions[-1] == "fp16"
+    first32 = precisions.index("fp32")
+    assert "fp16" in precisions[first32:]
+    assert (fp32["precision"], fp32["weight_dtype"]) == ("fp32", "float32")
+    assert (back["precision"], back["weight_dtype"]) == ("fp16", "float16")
+    assert back["weight_bytes"] * 2 == fp32["weight_bytes"] == back["host_fp32_bytes"]
+    assert stats["succeeded"] == len(answers)
+    assert stats["failed"] == 0
+
+
+async def test_precision_switch_uses_the_host_weights_not_the_checkpoint(tiny_store: Path) -> None:
+    x = np.random.default_rng(0).standard_normal((4, 16)).astype(np.float32)
+    async with serving(settings(tiny_store, precision="bf16")) as client:
+        half = (await client.post("/predict", json={"inputs": x.tolist()})).json()
+        (tiny_store / "tiny" / "1" / store.WEIGHTS).write_bytes(b"not a checkpoint any more")
+        await switch(client, "fp32")
+        full = (await client.post("/predict", json={"inputs": x.tolist()})).json()
+        again = await switch(client, "fp32")  # already fp32: nothing to do
+    assert (half["precision"], full["precision"], again["precision"]) == ("bf16", "fp32", "fp32")
+    np.testing.assert_allclose(np.array(full["outputs"]), np.array(half["outputs"]), atol=0.1)
+    assert full["outputs"] != half["outputs"]
+
+
+async def test_load_a_version_unload_and_reload_without_restart(tmp_path: Path) -> None:
+    save_tiny_mlp(tmp_path, seed=0)
+    save_tiny_mlp(tmp_path, seed=1)  # version 2, other weights: the highest is served
+    async with serving(settings(tmp_path, precision="fp32")) as client:
+        v2 = (await client.post("/predict", json=SAMPLE)).json()
+        r = await client.post("/models/tiny/load", json={"version": 1, "precision": "bf16"}, headers=AUTH)
+        assert r.status_code == 200, r.text
+        assert (r.json()["version"], r.json()["precision"], r.json()["state"]) == (1, "bf16", "ready")
+        v1 = (await client.post("/predict", json=SAMPLE)).json()
+
+        r = await client.post("/models/tiny/unload", headers=AUTH)
+        assert (r.status_code, r.json()["state"]) == (200, "unloaded")
+        gone = await client.post("/predict", json=SAMPLE)
+        model_ready = await client.get("/v2/models/tiny/ready")
+
+        r = await client.post("/models/tiny/reload", headers=AUTH)
+        assert r.status_code == 200, r.text
+        reloaded = (await client.post("/predict", json=SAMPLE)).json()
+        listing = (await client.get("/models")).json()["models"][0]
+    assert (v2["version"], v1["version"], reloaded["version"]) == (2, 1, 1)
+    assert v1["outputs"] != v2["outputs"]
+    assert gone.status_code == 503
+    assert "unloaded" in gone.json()["error"]
+    assert model_ready.status_code == 400
+    # The precision given at load time sticks across the reload.
+    assert (reloaded["precision"], listing["precision"], listing["state"]) == ("bf16", "bf16", "ready")
+
+
+async def test_readiness_reflects_a_model_loading_and_warming_up(tiny_store: Path) -> None:
+    async with serving(settings(tiny_store)) as client:
+        assert (await client.post("/models/tiny/unload", headers=AUTH)).status_code == 200
+        loading = asyncio.create_task(client.post("/models/tiny/load", headers=AUTH))
+        seen: list[tuple[int, int, int]] = []
+        while not loading.done():
+            seen.append(
+                (
+                    (await client.get("/ready")).status_code,
+                    (await client.get("/v2/health/ready")).status_code,
+                    (await client.get("/v2/models/tiny/ready")).status_code,
+                )
+            )
+            await asyncio.sleep(0.001)  # in-process requests never yield to the loop by themselves
+        assert (await loading).status_code == 200
+        after = (
+            (await client.get("/ready")).status_code,
+            (await client.get("/v2/models/tiny/ready")).status_code,
+        )
+    assert (503, 400, 400) in seen, seen
+    assert after == (200, 200)
+
+
+async def test_a_failed_load_leaves_the_served_model_alone(tiny_store: Path) -> None:
+    async with serving(settings(tiny_store)) as client:
+        (tiny_store / "tiny" / "1" / store.WEIGHTS).write_bytes(b"broken")
+        r = await client.post("/models/tiny/reload", headers=AUTH)
+        still = await client.post("/predict", json=SAMPLE)
+        ready = await client.get("/ready")
+    assert r.status_code == 400
+    assert "safetensors" in r.json()["error"]
+    assert still.status_code == 200
+    assert ready.status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "error"),
+    [
+        ("/models/tiny/precision", {"precision": "fp8"}, 400, "precision: expected one of"),
+        ("/models/tiny/precision", {}, 400, "precision: expected one of"),
+        ("/models/nope/precision", {"precision": "fp32"}, 404, "unknown model"),
+        ("/models/tiny/load", {"version": 7}, 404, "no version 7"),
+        ("/models/tiny/load", {"version": True}, 400, "version: expected a positive integer"),
+        ("/models/nope/load", {}, 404, "not in the store"),
+        ("/models/bad%20name/load", {}, 400, "invalid"),
+        ("/models/nope/reload", {}, 404, "unknown model"),
+        ("/models/nope/unload", {}, 404, "unknown model"),
+    ],
+)
+async def test_management_errors_name_the_problem(
+    tiny_store: Path, path: str, body: dict[str, object], status: int, error: str
+) -> None:
+    async with serving(settings(tiny_store)) as client:
+        r = await client.post(path, json=body, headers=AUTH)
+    assert r.status_code == status, r.text
+    assert error in r.json()["error"]
+
+
+async def test_switching_an_unloaded_model_is_a_conflict(tiny_store: Path) -> None:
+    async with serving(settings(tiny_store)) as client:
+        await client.post("/models/tiny/unload", headers=AUTH)
+        r = await client.post("/models/tiny/precision", json={"precision": "fp32"}, headers=AUTH)
+    assert r.status_code == 409
+    assert "load it first" in r.json()["error"]
+
+
+async def test_management_needs_the_admin_token(tiny_store: Path) -> None:
+    async with serving(settings(tiny_store)) as client:
+        missing = await client.post("/models/tiny/precision", json={"precision": "fp32"})
+        wrong = await client.post("/models/tiny/unload", headers={"Authorization": "Bearer nope"})
+        listing = (await client.get("/models")).json()["models"][0]
+    async with serving(Settings(store=tiny_store)) as client:
+        off = await client.post("/models/tiny/reload", headers=AUTH)
+    assert (missing.status_code, wrong.status_code, off.status_code) == (401, 401, 403)
+    assert listing["state"] == "ready"

@@ -1,0 +1,119 @@
+"""Metrics, request ids and log lines, each on its own: no model, no server."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import timeit
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from starlette.requests import Request
+
+from server.api.telemetry import request_id
+from server.logs import JsonFormatter, SkipInference
+from server.metrics import Metrics, Protocol
+
+
+def samples(m: Metrics) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for f in text_string_to_metric_families(m.render().decode())
+        for s in f.samples
+    }
+
+
+def test_a_request_counts_rows_and_latency_only_when_answered() -> None:
+    m = Metrics()
+    m.request("a", "fp16", Protocol.V2, 200, 3, 0.004)
+    m.request("a", "fp16", Protocol.V2, 200, 2, 0.030)
+    m.request("a", "fp16", Protocol.V2, 504, 7, 1.0)
+    got = samples(m)
+    ok = frozenset({"model": "a", "precision": "fp16", "protocol": "v2", "status": "200"}.items())
+    late = frozenset({"model": "a", "precision": "fp16", "protocol": "v2", "status": "504"}.items())
+    assert got[("halfserve_requests_total", ok)] == 2
+    assert got[("halfserve_requests_total", late)] == 1
+    assert got[("halfserve_request_rows_total", ok)] == 5
+    assert ("halfserve_request_rows_total", late) not in got or got[("halfserve_request_rows_total", late)] == 0
+    latency = frozenset({"model": "a", "precision": "fp16", "protocol": "v2"}.items())
+    assert got[("halfserve_request_duration_seconds_count", latency)] == 2
+    assert got[("halfserve_request_duration_seconds_sum", latency)] == pytest.approx(0.034)
+    assert got[("halfserve_request_duration_seconds_bucket", latency | {("le", "0.005")})] == 1
+
+
+def test_batch_observer_feeds_sizes_times_and_tritons_counts() -> None:
+    m = Metrics()
+    observer = m.batch_observer("a", 2, "bf16")
+    for rows in (1, 3, 8):
+        observer.queued(0.001)
+        observer.ran(rows, 0.002)
+    got = samples(m)
+    a = frozenset({("model", "a")})
+    assert got[("halfserve_batch_size_count", a)] == 3
+    assert got[("halfserve_batch_size_sum", a)] == 12
+    assert got[("halfserve_batch_size_bucket", a | {("le", "2.0")})] == 1
+    assert got[("halfserve_batch_size_bucket", a | {("le", "4.0")})] == 2
+    assert got[("halfserve_inference_count_total", a | {("version", "2")})] == 12
+    assert got[("halfserve_execution_count_total", a | {("version", "2")})] == 3
+    assert got[("halfserve_compute_duration_seconds_count", a | {("precision", "bf16")})] == 3
+    assert got[("halfserve_queue_duration_seconds_count", a)] == 3
+
+
+def test_two_apps_keep_separate_registries() -> None:
+    one, two = Metrics(), Metrics()
+    one.request("a", "fp32", Protocol.PREDICT, 200, 1, 0.001)
+    assert b'halfserve_requests_total{model="a"' in one.render()
+    assert b'halfserve_requests_total{model="a"' not in two.render()
+
+
+def test_recording_a_request_costs_a_few_microseconds() -> None:
+    m = Metrics()
+    m.request("a", "fp16", Protocol.PREDICT, 200, 1, 0.001)
+    n = 20_000
+    seconds = min(timeit.repeat(lambda: m.request("a", "fp16", Protocol.PREDICT, 200, 1, 0.001), number=n, repeat=3))
+    assert seconds / n < 20e-6  # measured ~2 us; the bound only catches a per-call label resolution or worse
+
+
+def scope_request(headers: list[tuple[bytes, bytes]]) -> Request:
+    return Request({"type": "http", "method": "POST", "path": "/predict", "headers": headers})
+
+
+def test_request_id_takes_a_sane_client_id_and_replaces_others() -> None:
+    assert request_id(scope_request([(b"x-request-id", b"abc-1")])) == b"abc-1"
+    fresh = {request_id(scope_request([])) for _ in range(3)}
+    assert len(fresh) == 3
+    for bad in (b"", b"x" * 129, "é".encode(), b"a\x01b"):
+        assert request_id(scope_request([(b"x-request-id", bad)])) != bad
+
+
+def test_json_formatter_writes_extra_fields_and_the_exception() -> None:
+    record = logging.LogRecord("halfserve.access", logging.WARNING, __file__, 1, "POST %s %d", ("/predict", 500), None)
+    record.request_id = "r-1"
+    record.status = 500
+    try:
+        raise ValueError("boom")
+    except ValueError:
+        record.exc_info = sys.exc_info()
+    line = JsonFormatter().format(record)
+    entry = json.loads(line)
+    assert "\n" not in line
+    assert entry["message"] == "POST /predict 500"
+    assert (entry["level"], entry["logger"], entry["request_id"], entry["status"]) == (
+        "WARNING",
+        "halfserve.access",
+        "r-1",
+        500,
+    )
+    assert "ValueError: boom" in entry["exception"]
+    assert entry["time"].endswith("Z")
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "kept"),
+    [("POST", "/predict", False), ("POST", "/v2/models/m/infer?x=1", False), ("GET", "/ready", True)],
+)
+def test_uvicorn_access_lines_of_inference_requests_are_dropped(method: str, path: str, kept: bool) -> None:
+    args = ("127.0.0.1:1", method, path, "1.1", 200)
+    record = logging.LogRecord("uvicorn.access", logging.INFO, __file__, 1, '%s - "%s %s HTTP/%s" %d', args, None)
+    assert SkipInference().filter(record) is kept
