@@ -138,8 +138,15 @@ class Engine:
         wants_nhwc = cuda if ex.channels_last is None else ex.channels_last
         self.channels_last = wants_nhwc and images and has_conv2d(loaded.module)
         self.buckets: list[int] = batch_buckets(max_batch_size) if self.pad and max_batch_size else []
-        # The loaded module stays fp32 on the host; serving gets its own cast copy, shared by the instances.
-        model = prec.prepare_model(copy.deepcopy(loaded.module), self.precision, device)
+        # The loaded module stays fp32 on the host (for precision switches and overflow reruns); serving gets its own
+        # cast copy, shared by the instances, unless that copy would equal the host's weights (fp32 weights on the
+        # CPU in their usual layout): then it serves those rather than hold every weight twice.
+        shares_host = (
+            device.type == "cpu" and not self.channels_last and prec.weight_dtype(self.precision) == torch.float32
+        )
+        model = prec.prepare_model(
+            loaded.module if shares_host else copy.deepcopy(loaded.module), self.precision, device
+        )
         if self.channels_last:
             model = model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
         self.model: nn.Module = model

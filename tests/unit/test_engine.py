@@ -45,6 +45,20 @@ def test_engine_casts_a_copy_and_leaves_the_host_weights_fp32(
     engine.close()
 
 
+@pytest.mark.parametrize(("mode", "shared"), [("fp32", True), ("autocast", True), ("bf16", False), ("fp16", False)])
+def test_fp32_weights_on_the_cpu_are_held_once(loaded: store.LoadedModel, mode: str, shared: bool) -> None:
+    engine = Engine(loaded, Precision(mode), CPU)
+    host = {p.data_ptr() for p in loaded.module.parameters()}
+    served = {p.data_ptr() for p in engine.model.parameters()}
+    assert (served == host) is shared
+    assert served.isdisjoint(host) is not shared
+    x = np.random.default_rng(0).standard_normal((3, 16)).astype(np.float32)
+    with torch.inference_mode():
+        want = loaded.module(torch.from_numpy(x)).numpy()
+    np.testing.assert_allclose(engine.forward(x), want, rtol=0.05, atol=0.05)
+    engine.close()
+
+
 def test_run_chunks_returns_one_float32_output_per_chunk(loaded: store.LoadedModel) -> None:
     engine = Engine(loaded, Precision.FP32, CPU)
     chunks = [np.random.default_rng(i).standard_normal((n, 16)).astype(np.float32) for i, n in enumerate((1, 3, 2))]

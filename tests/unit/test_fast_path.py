@@ -51,8 +51,11 @@ def small_cnn(tmp_path: Path, **execution: object) -> store.LoadedModel:
 
 
 def reference(loaded: store.LoadedModel, x: np.ndarray) -> np.ndarray:
+    # The class's forward: tests spy on the engine's model through an instance attribute, and an fp32 engine on the
+    # CPU serves the host module itself.
+    module = loaded.module
     with torch.inference_mode():
-        out: np.ndarray = loaded.module(torch.from_numpy(x)).numpy()
+        out: np.ndarray = type(module).forward(module, torch.from_numpy(x)).numpy()
     return out
 
 
