@@ -11,7 +11,7 @@ from starlette.responses import Response
 from starlette.routing import Match, Route
 from starlette.types import Receive, Scope, Send
 
-from server.api import errors, management, models, monitoring, predict, v2, v2_repository, v2_triton
+from server.api import errors, management, models, monitoring, predict, telemetry, v2, v2_repository, v2_triton
 
 log = logging.getLogger(__name__)
 
@@ -70,8 +70,9 @@ async def _answer(endpoint: Endpoint, scope: Scope, receive: Receive, send: Send
 
 
 def install(app: FastAPI) -> None:
-    """Add every route and the JSON error handlers to ``app``."""
+    """Add every route, the JSON error handlers and request ids to ``app``."""
     errors.install(app)
+    app.add_middleware(telemetry.RequestIdMiddleware)
     # v2_triton ahead of v2: its /v2/models/stats must match before v2's /v2/models/{model_name}.
     routers = (predict.router, models.router, management.router, monitoring.router, v2_triton.router)
     for router in (*routers, v2_repository.router, v2.router):

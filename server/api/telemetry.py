@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from starlette.requests import Request
 from starlette.responses import Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server.api.errors import APIError, error_response
 from server.api.limits import raw_header
@@ -46,10 +47,37 @@ Endpoint = Callable[[Request], Awaitable[Response]]
 
 def request_id(request: Request) -> bytes:
     """The client's ``X-Request-Id`` when it is a sane one (printable ASCII, at most 128 bytes), else a new id."""
-    given = raw_header(request, _REQUEST_ID_KEY)
+    return _sane_or_new(raw_header(request, _REQUEST_ID_KEY))
+
+
+def _sane_or_new(given: bytes | None) -> bytes:
     if given is not None and 0 < len(given) <= _MAX_REQUEST_ID and given.isascii() and given.decode().isprintable():
         return given
     return f"{_PREFIX}-{next(_sequence):x}".encode()
+
+
+class RequestIdMiddleware:
+    """``X-Request-Id`` in and out on every other route (health, listings, metrics, management, errors).
+
+    The inference routes are answered ahead of the middleware stack and set the header themselves (:func:`metered`);
+    this pure ASGI layer costs the other routes a header scan and one list append.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        rid = _sane_or_new(next((bytes(v) for k, v in scope["headers"] if k == _REQUEST_ID_KEY), None))
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", ()), (_REQUEST_ID_KEY, rid)]
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
 
 
 def note(request: Request, served: ServedModel) -> None:

@@ -145,6 +145,20 @@ async def test_request_id_is_echoed_or_generated_on_answers_and_errors(tiny_stor
     assert unprintable.headers["x-request-id"] not in ("a\tb", *ids)
 
 
+async def test_every_other_route_echoes_or_generates_a_request_id_too(tiny_store: Path) -> None:
+    async with serving(Settings(store=tiny_store)) as client:
+        listing = await client.get("/models", headers={"X-Request-Id": "ops-7"})
+        missing = await client.get("/models/nope/stats", headers={"X-Request-Id": "ops-8"})
+        health = [await client.get("/health") for _ in range(2)]
+        metrics = await client.get("/metrics")
+    assert (listing.status_code, listing.headers["x-request-id"]) == (200, "ops-7")
+    assert (missing.status_code, missing.headers["x-request-id"]) == (404, "ops-8")
+    ids = {r.headers["x-request-id"] for r in (*health, metrics)}
+    assert len(ids) == 3
+    assert all(ids)
+    assert listing.headers.get_list("x-request-id") == ["ops-7"]  # once, not once per layer
+
+
 async def test_metrics_of_two_models_stay_apart_and_survive_a_reload(tmp_path: Path) -> None:
     save_tiny_mlp(tmp_path, "one")
     save_tiny_mlp(tmp_path, "two", seed=1)
