@@ -48,7 +48,7 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         type=float,
         help="seconds a shutdown waits for requests in flight before cancelling them (default: 30)",
     )
-    p.add_argument("--threads", type=int, help="torch intra-op threads")
+    p.add_argument("--threads", type=int, help="torch intra-op threads (default: one per core less one)")
     p.add_argument(
         "--gil-switch-interval-ms",
         type=float,
