@@ -30,7 +30,7 @@ from server import precision as prec
 from server.batching import BatchTooLargeError, Outcome, Output
 from server.instance import Instance, bucket_for
 from server.precision import Precision
-from server.store import Compile, DataType, Execution, LoadedModel, OverflowPolicy
+from server.store import Compile, DataType, Execution, LoadedModel, Normalize, OverflowPolicy
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +103,32 @@ def has_conv2d(module: nn.Module) -> bool:
     return any(isinstance(m, nn.Conv2d) for m in module.modules())
 
 
+INPUT_DTYPES: dict[DataType, type[np.generic]] = {DataType.FP16: np.float16, DataType.UINT8: np.uint8}
+"""What a request's rows arrive as when not float32: FP16 stays float16 and UINT8 stays bytes up to the device copy
+(half and a quarter of the bytes to move); they are widened on the device."""
+
+
+class Normalizer:
+    """A manifest's :class:`~server.store.Normalize` on one device: ``(x * scale - mean) / std`` in fp32, per channel.
+
+    fp32 whatever the serving precision: the cast to it follows, as it would after a client's own normalisation.
+    """
+
+    def __init__(self, spec: Normalize, sample_ndim: int, device: torch.device) -> None:
+        per_channel = (1, -1, *([1] * (sample_ndim - 1)))
+        self.scale = spec.scale
+        self.mean = None if spec.mean is None else torch.tensor(spec.mean, device=device).reshape(per_channel)
+        self.std = None if spec.std is None else torch.tensor(spec.std, device=device).reshape(per_channel)
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        t = t.to(torch.float32) * self.scale
+        if self.mean is not None:
+            t = t - self.mean
+        if self.std is not None:
+            t = t / self.std
+        return t
+
+
 class Engine:
     """Owns a model cast for serving on one device; runs batches on its instances' threads.
 
@@ -129,7 +155,10 @@ class Engine:
         spec = loaded.manifest.inputs[0]
         self.sample_shape = tuple(spec.shape)
         # What requests' rows arrive as: an FP16 input stays float16 up to the device copy (half the bytes to move).
-        self.input_dtype = np.dtype(np.float16 if spec.datatype is DataType.FP16 else np.float32)
+        self.input_dtype = np.dtype(INPUT_DTYPES.get(spec.datatype, np.float32))
+        norm = loaded.manifest.normalize
+        self._normalize = Normalizer(norm, len(self.sample_shape), device) if norm else None
+        self._normalize_host = Normalizer(norm, len(self.sample_shape), torch.device("cpu")) if norm else None
         self.out_shape = tuple(loaded.manifest.outputs[0].shape)
         self.pad = cuda if ex.pad_to_bucket is None else ex.pad_to_bucket
         # Graphs replay fixed shapes and fixed casts: autocast's weight cache cannot be captured, so it runs eagerly.
@@ -192,6 +221,8 @@ class Engine:
     def _prepare(self, t: torch.Tensor) -> torch.Tensor:
         """A device batch as the model takes it: cast to the serving dtype on the device (the copy moved fp32 rows;
         a host-side cast would cost a CPU pass and an unpinned temporary), NHWC where the engine runs channels_last."""
+        if self._normalize is not None:
+            t = self._normalize(t)
         t = prec.cast_input(t, self.precision)
         if self.channels_last:
             t = t.contiguous(memory_format=torch.channels_last)
@@ -226,7 +257,10 @@ class Engine:
         """Run rows through the host's fp32 weights (the overflow fallback); returns float32 outputs."""
         if self._fp32 is None:
             raise EngineError("no fp32 weights are kept for reruns (the overflow policy is not rerun_fp32)")
-        t = prec.cast_input(torch.from_numpy(x), Precision.FP32)
+        t = torch.from_numpy(x)
+        if self._normalize_host is not None:
+            t = self._normalize_host(t)
+        t = prec.cast_input(t, Precision.FP32)
         with torch.inference_mode():
             y = self._fp32(t)
         return _checked(y, len(x)).float().numpy()

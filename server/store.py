@@ -46,6 +46,7 @@ class DataType(str, Enum):
     FP64 = "FP64"
     INT64 = "INT64"
     INT32 = "INT32"
+    UINT8 = "UINT8"
 
 
 class OverflowPolicy(str, Enum):
@@ -132,6 +133,27 @@ class Execution(BaseModel):
         return self
 
 
+class Normalize(BaseModel):
+    """Input normalisation run on the device, in the serving dtype, before the model: ``(x * scale - mean) / std``.
+
+    ``mean`` and ``std`` hold one value per channel (the sample's first dimension). With a ``UINT8`` input, clients
+    send images as bytes (a quarter of FP32's) and the server widens and normalises them where it is cheap.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    scale: float = Field(default=1.0, gt=0.0)
+    mean: list[float] | None = None
+    std: list[float] | None = None
+
+    @field_validator("std")
+    @classmethod
+    def _positive_std(cls, std: list[float] | None) -> list[float] | None:
+        if std is not None and any(v <= 0 for v in std):
+            raise ValueError(f"every std must be positive, got {std}")
+        return std
+
+
 class Manifest(BaseModel):
     """A model's ``config.json``."""
 
@@ -152,6 +174,7 @@ class Manifest(BaseModel):
     overflow: OverflowPolicy = OverflowPolicy.RERUN_FP32
     allow_nonfinite_inputs: bool = False
     """Accept NaN and infinite input values (only binary tensors can carry them); refused with a 400 otherwise."""
+    normalize: Normalize | None = None
     batching: Batching = Field(default_factory=Batching)
     execution: Execution = Field(default_factory=Execution)
     version: int | None = Field(default=None, ge=1)
@@ -174,6 +197,14 @@ class Manifest(BaseModel):
             raise ValueError(
                 f"labels has {len(self.labels)} entries but the output's last dimension is {self.outputs[0].shape[-1]}"
             )
+        if self.normalize is not None:
+            channels = self.inputs[0].shape[0]
+            for field, values in (("mean", self.normalize.mean), ("std", self.normalize.std)):
+                if values is not None and len(values) != channels:
+                    raise ValueError(
+                        f"normalize.{field} has {len(values)} values but the input has {channels} channels "
+                        "(its first dimension)"
+                    )
         return self
 
 

@@ -6,6 +6,7 @@ from typing import Any
 
 import numpy as np
 
+from server.api.binary import check_range
 from server.api.errors import APIError
 from server.store import DataType, TensorSpec
 
@@ -17,6 +18,7 @@ NUMPY_DTYPES: dict[DataType, np.dtype[Any]] = {
     DataType.FP64: np.dtype(np.float64),
     DataType.INT64: np.dtype(np.int64),
     DataType.INT32: np.dtype(np.int32),
+    DataType.UINT8: np.dtype(np.uint8),
 }
 
 
@@ -48,8 +50,17 @@ def cast_json_numbers(arr: np.ndarray, dtype: np.dtype[Any], field: str) -> np.n
 
     JSON (as orjson reads it) carries no NaN or infinity, so this cast is the one place a JSON value could become
     non-finite (``1e39`` as float32) or wrap (``1e20`` as int32): refusing it here leaves JSON inputs finite without
-    a separate check.
+    a separate check. An integer input takes whole numbers that fit its type: a cast would truncate ``1.5`` and wrap
+    ``256`` (as UINT8) silently.
     """
+    if dtype.kind in "iu":
+        if arr.dtype.kind != "f":
+            check_range(arr, dtype, field)
+        elif not np.array_equal(arr, np.trunc(arr)):
+            raise APIError(400, f"{field}: the input takes integers ({dtype.name}), got fractional values")
+        elif arr.size and (arr.min() < np.iinfo(dtype).min or arr.max() > np.iinfo(dtype).max):
+            raise APIError(400, f"{field}: values beyond the range of {dtype.name}")
+        return arr.astype(dtype, copy=False)
     try:
         with np.errstate(over="raise", invalid="raise"):
             return arr.astype(dtype, copy=False)

@@ -25,7 +25,7 @@ MAX_RANDOM_ELEMENTS = 1 << 20
 """Cap on random values generated (about 8 MB of JSON), which bounds the bodies of big inputs and big requests."""
 
 _FLOAT_TYPES = {"FP32", "FP16", "BF16", "FP64"}
-_INT_TYPES = {"INT32", "INT64"}
+_INT_TYPES = {"INT32", "INT64", "UINT8"}
 
 
 class Protocol(str, Enum):
@@ -97,12 +97,12 @@ HEALTH = RequestTemplate("GET", "/health", rows_per_request=0)
 
 
 def random_samples(sig: Signature, count: int, seed: int = 0) -> np.ndarray:
-    """``count`` samples of the signature: uniform in [0, 1) rounded to 4 decimals for floats (short JSON), 0..9 for
-    integers."""
+    """``count`` samples of the signature: uniform in [0, 1) rounded to 4 decimals for floats (short JSON), 0..255 for
+    UINT8 (image bytes), 0..9 for other integers."""
     rng = np.random.default_rng(seed)
     size = (count, *sig.shape)
     if sig.is_integer:
-        return rng.integers(0, 10, size=size, dtype=np.int64)
+        return rng.integers(0, 256 if sig.datatype == "UINT8" else 10, size=size, dtype=np.int64)
     return rng.uniform(0.0, 1.0, size=size).round(4)
 
 
@@ -143,7 +143,9 @@ def load_samples(path: Path, sig: Signature) -> np.ndarray:
 
 def _wire(sig: Signature) -> tuple[str, str]:
     """The V2 datatype and little-endian numpy dtype to send: FP32 feeds any float input, INT64 any integer input;
-    an input declared FP16 gets FP16, half the bytes (what a client of such a model sends)."""
+    an input declared FP16 gets FP16, half the bytes, and one declared UINT8 gets UINT8 (what their clients send)."""
+    if sig.datatype == "UINT8":
+        return "UINT8", "<u1"
     if sig.is_integer:
         return "INT64", "<i8"
     if sig.datatype == "FP16":

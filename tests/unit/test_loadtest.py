@@ -236,6 +236,18 @@ def test_integer_inputs_travel_as_int64() -> None:
     assert len(body) - length == 2 * 8
 
 
+def test_uint8_images_travel_as_bytes() -> None:
+    sig = Signature("pixels", "UINT8", (3, 8, 8))
+    samples = random_samples(sig, 16)
+    assert samples.min() >= 0
+    assert samples.max() <= 255
+    assert samples.max() > 9  # the whole byte range, not the small integers of an id input
+    body, headers = encode_body(Protocol.V2_BINARY, "m", sig, samples[:2])
+    length = int(headers[HEADER_LENGTH.lower()])
+    assert orjson.loads(body[:length])["inputs"][0]["datatype"] == "UINT8"
+    assert body[length:] == samples[:2].astype(np.uint8).tobytes()
+
+
 def test_random_samples_are_seeded_and_in_range() -> None:
     a, b = random_samples(SIG, 5, seed=1), random_samples(SIG, 5, seed=1)
     np.testing.assert_array_equal(a, b)
