@@ -48,7 +48,16 @@ from server.loadtest.config import LoadtestConfig  # noqa: E402
 from server.loadtest.make_bench_model import calibrate  # noqa: E402
 from server.loadtest.payload import Protocol  # noqa: E402
 from server.precision import Precision, set_tf32  # noqa: E402
-from server.store import Batching, Compile, DataType, Execution, LoadedModel, Manifest, TensorSpec  # noqa: E402
+from server.store import (  # noqa: E402
+    Batching,
+    Compile,
+    DataType,
+    Execution,
+    LoadedModel,
+    Manifest,
+    Normalize,
+    TensorSpec,
+)
 
 MODEL = "resnet50"
 
@@ -95,10 +104,17 @@ def build_store(root: Path, image_size: int, max_batch_size: int, execution: Exe
     return store.load(root, MODEL)
 
 
+IMAGENET = Normalize(scale=1 / 255, mean=[0.485, 0.456, 0.406], std=[0.229, 0.224, 0.225])
+
+
 def with_wire(manifest: Manifest, wire: str) -> Manifest:
-    """The manifest with its input declared ``wire`` (FP32 or FP16): what clients send and the engine stages."""
+    """The manifest with its input declared ``wire`` (FP32, FP16 or UINT8): what clients send and the engine stages.
+
+    UINT8 images come with ImageNet's normalisation, done by the server on the device.
+    """
     spec = manifest.inputs[0].model_copy(update={"datatype": DataType(wire.upper())})
-    return manifest.model_copy(update={"inputs": [spec]})
+    normalize = IMAGENET if spec.datatype is DataType.UINT8 else None
+    return manifest.model_copy(update={"inputs": [spec], "normalize": normalize})
 
 
 def set_manifest(root: Path, execution: Execution, wire: str) -> None:
@@ -395,7 +411,7 @@ def main() -> None:
     p.add_argument(
         "--wires",
         default="fp32",
-        help="input datatypes the server is swept with, of fp32,fp16 (an FP16-declared input halves the bytes)",
+        help="input datatypes the server is swept with, of fp32,fp16,uint8 (FP16 halves the bytes, UINT8 quarters)",
     )
     p.add_argument(
         "--baseline-switch-interval-ms",
