@@ -158,7 +158,12 @@ class Engine:
         self.input_dtype = np.dtype(INPUT_DTYPES.get(spec.datatype, np.float32))
         norm = loaded.manifest.normalize
         self._normalize = Normalizer(norm, len(self.sample_shape), device) if norm else None
-        self._normalize_host = Normalizer(norm, len(self.sample_shape), torch.device("cpu")) if norm else None
+        # The fp32 overflow rerun runs on the host: on a CPU engine that is the same normaliser.
+        self._normalize_host = (
+            Normalizer(norm, len(self.sample_shape), torch.device("cpu"))
+            if norm and device.type != "cpu"
+            else self._normalize
+        )
         self.out_shape = tuple(loaded.manifest.outputs[0].shape)
         self.pad = cuda if ex.pad_to_bucket is None else ex.pad_to_bucket
         # Graphs replay fixed shapes and fixed casts: autocast's weight cache cannot be captured, so it runs eagerly.
@@ -219,8 +224,9 @@ class Engine:
         )
 
     def _prepare(self, t: torch.Tensor) -> torch.Tensor:
-        """A device batch as the model takes it: cast to the serving dtype on the device (the copy moved fp32 rows;
-        a host-side cast would cost a CPU pass and an unpinned temporary), NHWC where the engine runs channels_last."""
+        """A device batch as the model takes it: normalised (when the manifest says so) and cast to the serving dtype
+        on the device (the copy moved the rows as they arrived; a host-side cast would cost a CPU pass and an unpinned
+        temporary), NHWC where the engine runs channels_last."""
         if self._normalize is not None:
             t = self._normalize(t)
         t = prec.cast_input(t, self.precision)
