@@ -2,4 +2,5 @@ import sys
 
 from server.cli import main
 
-sys.exit(main())
+if __name__ == "__main__":  # not when a front-end process, spawned by multiprocessing, imports this module
+    sys.exit(main())

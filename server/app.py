@@ -8,12 +8,15 @@ import gc
 import logging
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from types import FrameType
 
 import torch
+import uvicorn
 from fastapi import FastAPI
 
 from server import __version__, api, precision
+from server.backplane import Backplane, Frontends
 from server.metrics import Metrics
 from server.repository import ModelRepository
 from server.settings import Settings
@@ -32,11 +35,31 @@ async def _load(repo: ModelRepository) -> None:
     gc.freeze()
 
 
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server, telling the app the moment a shutdown signal arrives.
+
+    uvicorn's own sequence then runs: it stops listening, lets requests in flight finish (up to
+    ``timeout_graceful_shutdown``, then cancels them), and only then runs the lifespan's shutdown, where the batchers
+    drain what is still queued. The hook makes readiness answer 503 from the signal on, on connections still open.
+    """
+
+    def __init__(self, config: uvicorn.Config, on_signal: Callable[[], None]) -> None:
+        super().__init__(config)
+        self._on_signal = on_signal
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        self._on_signal()
+        super().handle_exit(sig, frame)
+
+
 def begin_drain(app: FastAPI) -> None:
     """Mark ``app`` as shutting down: readiness answers 503 from now on; requests already accepted are answered."""
     if not getattr(app.state, "draining", False):
         app.state.drain_started = time.monotonic()
     app.state.draining = True
+    frontends: Frontends | None = getattr(app.state, "frontends", None)
+    if frontends is not None:
+        frontends.stop()
 
 
 async def _drain(repo: ModelRepository, timeout: float) -> None:
@@ -65,9 +88,13 @@ def serving_threads() -> int:
     return max(1, len(os.sched_getaffinity(0)) - 1)
 
 
-def create_app(settings: Settings | None = None) -> FastAPI:
+def create_app(settings: Settings | None = None, frontends: Frontends | None = None) -> FastAPI:
     """Build the FastAPI app for ``settings``. Manifests are validated when the lifespan starts (fail fast);
-    weights load and warm up in the background while ``/ready`` answers 503."""
+    weights load and warm up in the background while ``/ready`` answers 503.
+
+    With ``frontends``, this process is the engine process: it starts them and serves their inference requests over
+    the backplane (:mod:`server.backplane`), and on shutdown lets them drain before draining its batchers.
+    """
     settings = settings or Settings()
 
     @contextlib.asynccontextmanager
@@ -82,12 +109,24 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         app.state.metrics = metrics
         app.state.draining = False
         loading = asyncio.create_task(_load(repo), name="load-models")
+        backplane, watching = None, None
+        if frontends is not None:
+            backplane = Backplane(frontends.backplane_socket, repo, metrics)
+            await backplane.start()
+            frontends.start()
+            watching = asyncio.create_task(frontends.watch(), name="watch-frontends")
+        app.state.frontends = frontends
         try:
             yield
         finally:
             # Under uvicorn this runs after the server stopped listening and its requests in flight were answered
             # (or cancelled at the drain timeout); what is still queued now belongs to no caller or a late one.
             begin_drain(app)
+            if frontends is not None and backplane is not None and watching is not None:
+                # The front-ends answer what they hold through the backplane, so it and the engines outlive them.
+                watching.cancel()
+                await frontends.join(settings.drain_timeout)
+                await backplane.close()
             loading.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await loading

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
+import socket
 import sys
-from collections.abc import Callable, Sequence
-from types import FrameType
+import tempfile
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 from pydantic import ValidationError
@@ -14,6 +18,9 @@ from server.loadtest import cli as loadtest_cli
 from server.precision import Precision
 from server.settings import LogFormat
 from server.training import cli as train_cli
+
+if TYPE_CHECKING:
+    from server.backplane import Frontends
 
 
 def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -48,6 +55,11 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         type=float,
         help="seconds a shutdown waits for requests in flight before cancelling them (default: 30)",
     )
+    p.add_argument(
+        "--http-workers",
+        type=int,
+        help="HTTP front-end processes feeding this process's engines (default: 1, no front-ends); for GPU hosts",
+    )
     p.add_argument("--threads", type=int, help="torch intra-op threads (default: one per core less one)")
     p.add_argument(
         "--gil-switch-interval-ms",
@@ -70,26 +82,10 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.set_defaults(func=serve)
 
 
-class DrainingServer(uvicorn.Server):
-    """uvicorn's server, telling the app the moment a shutdown signal arrives.
-
-    uvicorn's own sequence then runs: it stops listening, lets requests in flight finish (up to
-    ``timeout_graceful_shutdown``, then cancels them), and only then runs the lifespan's shutdown, where the batchers
-    drain what is still queued. The hook makes readiness answer 503 from the signal on, on connections still open.
-    """
-
-    def __init__(self, config: uvicorn.Config, on_signal: Callable[[], None]) -> None:
-        super().__init__(config)
-        self._on_signal = on_signal
-
-    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        self._on_signal()
-        super().handle_exit(sig, frame)
-
-
 def serve(args: argparse.Namespace) -> int:
     from server import logs, store
-    from server.app import begin_drain, create_app
+    from server.app import DrainingServer, begin_drain, create_app
+    from server.backplane import Frontends
     from server.repository import ModelRepository
     from server.settings import Settings
 
@@ -103,19 +99,38 @@ def serve(args: argparse.Namespace) -> int:
         print(f"halfserve serve: {e}", file=sys.stderr)
         return 2
     log_config = logs.configure(settings.log_format, settings.log_level, settings.access_log)
-    app = create_app(settings)
+    frontends: Frontends | None = None
+    where: dict[str, Any] = {"host": settings.host, "port": settings.port}
+    if settings.http_workers > 1:
+        # The front-ends share the listening socket; this process serves its API to them on a Unix socket.
+        frontends = Frontends(settings, listen(settings.host, settings.port), tempfile.mkdtemp(prefix="halfserve-"))
+        where = {"uds": frontends.api_socket}
+    app = create_app(settings, frontends)
     config = uvicorn.Config(
         app,
-        host=settings.host,
-        port=settings.port,
+        **where,
         log_level=settings.log_level,
         log_config=log_config,
         access_log=settings.access_log,
         # uvicorn waits this long for requests in flight, then cancels them; float seconds work despite its hint.
         timeout_graceful_shutdown=settings.drain_timeout,  # type: ignore[arg-type]
     )
-    DrainingServer(config, lambda: begin_drain(app)).run()
+    try:
+        DrainingServer(config, lambda: begin_drain(app)).run()
+    finally:
+        if frontends is not None:
+            shutil.rmtree(os.path.dirname(frontends.api_socket), ignore_errors=True)
     return 0
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host:port`` that spawned processes can inherit."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
 
 
 def build_parser() -> argparse.ArgumentParser:

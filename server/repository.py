@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 import numpy as np
 
@@ -96,6 +96,11 @@ class ServedModel:
     def fp32_reruns(self) -> int:
         """Chunks rerun in fp32 after an overflow since the model was loaded, across precision switches."""
         return self.retired_fp32_reruns + (self.engine.fp32_reruns if self.engine is not None else 0)
+
+    @property
+    def serving(self) -> bool:
+        """Ready, with a batcher to take requests now."""
+        return self.state is ModelState.READY and self.batcher is not None
 
     @functools.cached_property
     def sample_size(self) -> int:
@@ -372,19 +377,27 @@ class ModelRepository:
 
     def get(self, name: str | None) -> ServedModel:
         """The model called ``name``; ``None`` means the only model when exactly one is served."""
-        if name is None:
-            if len(self.models) == 1:
-                return next(iter(self.models.values()))
-            raise ModelNotFoundError(f"several models are served ({', '.join(self.models)}); name one")
-        try:
-            return self.models[name]
-        except KeyError:
-            raise ModelNotFoundError(f"unknown model {name!r} (served: {', '.join(self.models)})") from None
+        return find(self.models, name)
 
     async def close(self) -> None:
         """Drain every batcher (queued requests are answered), then release the engines."""
         for served in self.models.values():
             await self._release(served)
+
+
+M = TypeVar("M", bound=ServedModel)
+
+
+def find(models: dict[str, M], name: str | None) -> M:
+    """The model called ``name`` in ``models``; ``None`` means the only model when there is exactly one."""
+    if name is None:
+        if len(models) == 1:
+            return next(iter(models.values()))
+        raise ModelNotFoundError(f"several models are served ({', '.join(models)}); name one")
+    try:
+        return models[name]
+    except KeyError:
+        raise ModelNotFoundError(f"unknown model {name!r} (served: {', '.join(models)})") from None
 
 
 def _restore(overrides: dict[str, Precision], name: str, value: Precision | None) -> None:

@@ -52,6 +52,9 @@ class Settings(BaseSettings):
     tf32: bool = False
     """Let fp32 matmuls and cuDNN convolutions use TF32 on Ampere and newer GPUs. Off (the default), fp32 is IEEE fp32
     everywhere, so the fp32 fallback and fp32 benchmarks are the real thing; torch's own default lets cuDNN use TF32."""
+    http_workers: int = Field(default=1, ge=1, le=64)
+    """HTTP front-end processes. Above 1, that many processes accept connections and decode and encode requests,
+    and this one runs the engines and batches their requests together (see :mod:`server.backplane`)."""
     threads: int | None = Field(default=None, ge=1)
     """torch intra-op threads. Unset: one per core less one, so the event loop (decoding, batching, encoding) keeps a
     core of its own while a forward runs; torch's own default of one per core slowed a small MLP's serving by 10% on

@@ -83,7 +83,7 @@ def require_ready(served: ServedModel, version: str | None) -> None:
     ("no available versions") when the URL names no version, 503 when it names the served version, which exists
     but is not ready.
     """
-    if served.state is ModelState.READY and served.batcher is not None:
+    if served.serving:
         return
     if served.state is ModelState.LOADING:
         raise APIError(503, f"model {served.name!r} is loading", {"Retry-After": "1"})
