@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 import tempfile
@@ -241,6 +242,87 @@ def serve_sweep(
     return report.to_json(sweep)
 
 
+def wrk_sweep(
+    root: Path, args: argparse.Namespace, precisions: list[str], wire: str, out: Path, extra: tuple[str, ...] = ()
+) -> dict[str, Any]:
+    """The server swept with wrk (C, not the bottleneck) posting one V2 binary image per request.
+
+    Same result shape as :func:`serve_sweep`; the mean batch comes from the server's ``/models/{model}/stats``
+    before and after each level, the server's CPU from ``/proc`` (the engine process and its front-ends).
+    """
+    import serve_bench
+
+    out.mkdir(parents=True, exist_ok=True)
+    spec = store.load_manifest(root / MODEL).inputs[0]
+    dtype = {"uint8": np.uint8, "fp16": np.float16, "fp32": np.float32}[wire]
+    image = np.random.default_rng(0).integers(0, 256, (1, *spec.shape)).astype(dtype)
+    if wire != "uint8":
+        image = (image / 255).astype(dtype)
+    raw = image.tobytes()
+    tensor = {"name": spec.name, "shape": [1, *spec.shape], "datatype": wire.upper()}
+    tensor["parameters"] = {"binary_data_size": len(raw)}
+    header = json.dumps({"inputs": [tensor], "parameters": {"binary_data_output": True}}).encode()
+    body, script = out / "request.body", out / "request.lua"
+    body.write_bytes(header + raw)
+    script.write_text(
+        serve_bench.LUA.format(
+            content_type="application/octet-stream",
+            extra_headers=f'wrk.headers["{serve_bench.HEADER_LENGTH}"] = "{len(header)}"\n',
+        )
+    )
+    port, results = 8470, []
+    for prec in precisions:
+        server = serve_bench.start_server(root, MODEL, port, "--precision", prec, "--no-tf32", *extra)
+        url = f"http://127.0.0.1:{port}/v2/models/{MODEL}/infer"
+        try:
+            serve_bench.wrk(url, 64, args.warmup, script, body, threads=args.wrk_threads)
+            for c in args.concurrency:
+                before, cpu0, t0 = serve_bench.stats(port, MODEL), process_cpu(server.pid), time.perf_counter()
+                r = serve_bench.wrk(url, c, args.duration, script, body, threads=min(args.wrk_threads, c))
+                cpu = (process_cpu(server.pid) - cpu0) / (time.perf_counter() - t0) * 100
+                after = serve_bench.stats(port, MODEL)
+                batches = after["batches"] - before["batches"]
+                row = {
+                    "precision": prec,
+                    "concurrency": c,
+                    "rows_per_s": r["rps"],
+                    "p50_ms": r["p50_ms"],
+                    "p99_ms": r["p99_ms"],
+                    "mean_batch_size": (after["rows"] - before["rows"]) / batches if batches else None,
+                    "errors": r["non_2xx"],
+                    "client_bound": False,
+                    "server_cpu_percent": round(cpu),
+                }
+                print(json.dumps(row), flush=True)
+                results.append(row)
+        finally:
+            server.terminate()
+            server.wait(timeout=120)
+    sweep = {"load_generator": f"wrk -t{args.wrk_threads}", "server_args": list(extra), "results": results}
+    (out / "sweep.json").write_text(json.dumps(sweep, indent=2) + "\n")
+    return sweep
+
+
+def process_cpu(pid: int) -> float:
+    """CPU seconds used by ``pid`` and its children (the front-end processes), from ``/proc``."""
+    total = 0.0
+    for p in [pid, *children(pid)]:
+        try:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+        except FileNotFoundError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
+def children(pid: int) -> list[int]:
+    try:
+        text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
+    except FileNotFoundError:
+        return []
+    return [int(c) for c in text.split()]
+
+
 def best_upto(rates: dict[str, float], limit: int) -> float:
     """The best rate at a batch size the server could form with ``limit`` requests in flight."""
     eligible = [v for k, v in rates.items() if int(k) <= limit]
@@ -419,6 +501,14 @@ def main() -> None:
         default=None,
         help="also sweep the server with this GIL switch interval (Python's default is 5) to measure the setting",
     )
+    p.add_argument("--http-workers", type=int, default=1, help="server front-end processes (default: 1)")
+    p.add_argument(
+        "--load-generator",
+        choices=["loadtest", "wrk"],
+        default="loadtest",
+        help="halfserve loadtest's client processes, or wrk (C: for rates a Python client cannot send)",
+    )
+    p.add_argument("--wrk-threads", type=int, default=8)
     p.add_argument("--skip-server", action="store_true")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "gpu")
     args = p.parse_args()
@@ -453,7 +543,10 @@ def main() -> None:
             "tf32": False,
             "machine": hostinfo.describe(),
             "load_generator": (
-                f"halfserve loadtest client: {args.client_processes} processes (httpx, uvloop), one keep-alive "
+                f"wrk -t{args.wrk_threads}, one keep-alive connection per virtual user, KServe V2 binary tensor, one "
+                "image per request, on the same host"
+                if args.load_generator == "wrk"
+                else f"halfserve loadtest client: {args.client_processes} processes (httpx, uvloop), one keep-alive "
                 "connection and one request in flight per virtual user, KServe V2 binary tensor (an image of the "
                 "input's declared datatype), one image per request, on the same host"
             ),
@@ -500,10 +593,13 @@ def main() -> None:
         result["instances"]["server_instances"] = args.instances
         write(result, args.out, half)  # the in-process part survives a server sweep that fails or runs out of time
         result["servers"] = {}
-        plans = [(wire, wire, ()) for wire in args.wires.split(",")]
+        workers = ("--http-workers", str(args.http_workers)) if args.http_workers > 1 else ()
+        plans = [(wire, wire, workers) for wire in args.wires.split(",")]
         if args.baseline_switch_interval_ms:
             ms = args.baseline_switch_interval_ms
-            plans.append((f"fp32, GIL switch interval {ms:g} ms", "fp32", ("--gil-switch-interval-ms", f"{ms:g}")))
+            plans.append(
+                (f"fp32, GIL switch interval {ms:g} ms", "fp32", (*workers, "--gil-switch-interval-ms", f"{ms:g}"))
+            )
         for label, wire, extra in [] if args.skip_server else plans:
             ceilings = {prec: result["ceiling"][prec]["best_engine_rows_per_s"] for prec in precisions}
             if wire != "fp32":
@@ -514,7 +610,10 @@ def main() -> None:
                     ceilings[prec] = runs[run_label]["engine_rows_per_s"]
             set_manifest(tmp, server_ex, wire)
             folder = args.out / ("loadtest-" + "".join(ch if ch.isalnum() else "-" for ch in label).strip("-"))
-            sweep = serve_sweep(tmp, args, precisions, folder, extra)
+            if args.load_generator == "wrk":
+                sweep = wrk_sweep(tmp, args, precisions, wire, folder, extra)
+            else:
+                sweep = serve_sweep(tmp, args, precisions, folder, extra)
             summary = summarize(sweep, ceilings, half, result["instances"])
             result["servers"][label] = {"wire": wire, "server_args": list(extra), "summary": summary, "loadtest": sweep}
             write(result, args.out, half)

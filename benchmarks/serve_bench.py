@@ -139,8 +139,11 @@ def parse_wrk(text: str) -> dict[str, float]:
     }
 
 
-def wrk(url: str, connections: int, seconds: float, script: Path | None, body: Path | None) -> dict[str, float]:
-    cmd = ["wrk", "-t1", f"-c{connections}", f"-d{seconds:g}s", "--latency", "--timeout", "10s"]
+def wrk(
+    url: str, connections: int, seconds: float, script: Path | None, body: Path | None, threads: int = 1
+) -> dict[str, float]:
+    cmd = [os.environ.get("WRK", "wrk"), f"-t{threads}", f"-c{connections}", f"-d{seconds:g}s", "--latency"]
+    cmd += ["--timeout", "10s"]
     if script is not None:
         cmd += ["-s", str(script)]
     env = {**os.environ, "HALFSERVE_BODY": str(body or "")}
