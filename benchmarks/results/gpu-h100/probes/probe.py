@@ -1,0 +1,117 @@
+"""Probe: server with UINT8 ResNet-50 images under wrk, per precision, with server CPU and a py-spy profile."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+ROOT = Path.cwd()  # run from the repository root
+sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT))
+import gpu_bench  # noqa: E402
+
+from server.store import Compile, Execution  # noqa: E402
+
+OUT = Path(os.environ.get("OUT", "/tmp/out"))
+OUT.mkdir(parents=True, exist_ok=True)
+WRK = str(ROOT / ".gpu/bin/wrk")
+ENV = {**os.environ, "LD_LIBRARY_PATH": str(ROOT / ".gpu/lib")}
+store_dir = Path("/tmp/probe_store")
+args = sys.argv[1:]
+conc = [int(c) for c in os.environ.get("CONC", "16,64,128").split(",")]
+precs = os.environ.get("PRECS", "fp16,fp32").split(",")
+extra = os.environ.get("SERVER_ARGS", "").split()
+instances = int(os.environ.get("INSTANCES", "2"))
+wire = os.environ.get("WIRE", "uint8")
+
+if not (store_dir / "resnet50").exists():
+    t = time.time()
+    gpu_bench.build_store(store_dir, 224, 128, Execution())
+    print("built", time.time() - t, flush=True)
+ex = Execution(instances=instances, compile=Compile.CUDA_GRAPHS, pad_to_bucket=True)
+gpu_bench.set_manifest(store_dir, ex, wire)
+
+dt = {"uint8": ("UINT8", np.uint8, 1), "fp32": ("FP32", np.float32, 4)}[wire]
+img = np.random.default_rng(0).integers(0, 256, (1, 3, 224, 224)).astype(dt[1])
+raw = img.tobytes()
+tensor = {"name": "image", "shape": [1, 3, 224, 224], "datatype": dt[0], "parameters": {"binary_data_size": len(raw)}}
+header = json.dumps({"inputs": [tensor], "parameters": {"binary_data_output": True}}).encode()
+(OUT / "body").write_bytes(header + raw)
+lua = OUT / "v2.lua"
+lua.write_text(
+    'wrk.method = "POST"\nwrk.headers["Content-Type"] = "application/octet-stream"\n'
+    f'wrk.headers["Inference-Header-Content-Length"] = "{len(header)}"\n'
+    'local f = io.open(os.getenv("HALFSERVE_BODY"), "rb")\nwrk.body = f:read("*a")\nf:close()\n'
+)
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def metric(port: int, name: str) -> float:
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name) and not line.startswith("#"):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+results = []
+for prec in precs:
+    port = 8100
+    cmd = [sys.executable, "-m", "server", "serve", "--store", str(store_dir), "--port", str(port)]
+    cmd += ["--precision", prec, "--no-tf32", *extra]
+    log = open(OUT / f"server-{prec}.log", "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    t = time.time()
+    while True:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/ready", timeout=1).status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        if proc.poll() is not None:
+            raise SystemExit(f"server died: {(OUT / f'server-{prec}.log').read_text()[-3000:]}")
+        time.sleep(0.2)
+    print(prec, "ready in", round(time.time() - t, 1), flush=True)
+    url = f"http://127.0.0.1:{port}/v2/models/resnet50/infer"
+    wenv = {**ENV, "HALFSERVE_BODY": str(OUT / "body")}
+    subprocess.run([WRK, "-t4", "-c64", "-d3s", "-s", str(lua), url], env=wenv, capture_output=True)
+    for c in conc:
+        rows0 = metric(port, "halfserve_batch_size_sum")
+        n0 = metric(port, "halfserve_batch_size_count")
+        cpu0 = cpu_seconds(proc.pid)
+        spy = None
+        if c == 64 and os.environ.get("PYSPY"):
+            spy = subprocess.Popen(
+                ["py-spy", "record", "-d", "5", "-r", "250", "--nonblocking", "-f", "raw", "-t", "-o",
+                 str(OUT / f"pyspy-{prec}-c{c}.txt"), "--pid", str(proc.pid)],
+                stdout=subprocess.DEVNULL, stderr=open(OUT / f"pyspy-{prec}.err", "w"),
+            )
+        t0 = time.time()
+        w = subprocess.run(
+            [WRK, f"-t{min(int(os.environ.get('WRK_THREADS', '8')), c)}", f"-c{c}", "-d8s", "--latency", "--timeout", "20s", "-s", str(lua), url],
+            env=wenv, capture_output=True, text=True,
+        ).stdout
+        wall = time.time() - t0
+        cpu = (cpu_seconds(proc.pid) - cpu0) / wall * 100
+        if spy:
+            spy.wait()
+        rows = metric(port, "halfserve_batch_size_sum") - rows0
+        n = metric(port, "halfserve_batch_size_count") - n0
+        parsed = gpu_bench_parse = __import__("serve_bench").parse_wrk(w)
+        r = {"precision": prec, "concurrency": c, **parsed, "server_cpu_percent": round(cpu),
+             "mean_batch": round(rows / max(n, 1), 1), "args": extra, "wire": wire, "instances": instances}
+        print(json.dumps(r), flush=True)
+        results.append(r)
+    proc.terminate()
+    proc.wait(timeout=60)
+(OUT / f"probe-{wire}-{os.environ.get('TAG', 'x')}.json").write_text(json.dumps(results, indent=1))
