@@ -1,0 +1,214 @@
+"""``halfserve serve --http-workers 2``: front-end processes feeding one engine process, as real processes on 127.0.0.1.
+
+What must hold: answers equal the single-process server's (same model, same rows), requests from both front-ends are
+batched together, bad input is a 4xx naming the field while the rest are answered, the routes relayed to the engine
+process (listings, metrics, management) behave as without front-ends, a killed front-end is replaced, and SIGTERM
+drains every front-end's requests before the engine process exits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import torch
+import tritonclient.http as triton
+
+from server import store
+from server.backplane import SLOT_BYTES, FrameReader, frame
+from tests.conftest import SHIPPED_STORE, ServerProcess, start_server
+
+MODEL = "digits_mlp"
+TOKEN = "workers-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+pytestmark = pytest.mark.slow
+
+StartServer = Callable[..., ServerProcess]
+
+
+def samples(n: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).uniform(0, 1, size=(n, 256)).astype(np.float32)
+
+
+def reference(x: np.ndarray) -> np.ndarray:
+    loaded = store.load(SHIPPED_STORE, MODEL)
+    with torch.inference_mode():
+        return loaded.module(torch.from_numpy(x)).numpy()
+
+
+def children(pid: int) -> list[int]:
+    try:
+        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except FileNotFoundError:
+        return []
+
+
+def frontends(server: ServerProcess) -> list[int]:
+    """The front-end processes: the engine process's children that serve HTTP (not multiprocessing's tracker)."""
+    found = []
+    for pid in children(server.proc.pid):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except FileNotFoundError:
+            continue
+        if b"spawn_main" in cmdline:
+            found.append(pid)
+    return found
+
+
+async def post_many(url: str, bodies: list[dict[str, object]]) -> list[httpx.Response]:
+    """Each body on its own connection, all at once (connections spread over the front-ends)."""
+    limits = httpx.Limits(max_connections=len(bodies), max_keepalive_connections=0)
+    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=60) as client:
+        return await asyncio.gather(*(client.post("/predict", json=b) for b in bodies))
+
+
+@pytest.fixture(scope="module")
+def workers_server(server_factory: StartServer) -> ServerProcess:
+    return server_factory(
+        SHIPPED_STORE,
+        "--models",
+        f"{MODEL},digits_cnn",
+        "--http-workers",
+        "2",
+        "--precision",
+        "fp32",
+        "--max-delay-ms",
+        "20",
+        "--admin-token",
+        TOKEN,
+    )
+
+
+def test_two_front_ends_answer_like_one_process_and_batch_together(workers_server: ServerProcess) -> None:
+    assert len(frontends(workers_server)) == 2
+    x = samples(64)
+    before = httpx.get(f"{workers_server.url}/models/{MODEL}/stats").json()
+    responses = asyncio.run(post_many(workers_server.url, [{"model": MODEL, "inputs": [row.tolist()]} for row in x]))
+    after = httpx.get(f"{workers_server.url}/models/{MODEL}/stats").json()
+    assert [r.status_code for r in responses] == [200] * 64
+    got = np.array([r.json()["outputs"][0] for r in responses])
+    np.testing.assert_allclose(got, reference(x), rtol=1e-4, atol=1e-4)
+    assert {r.json()["precision"] for r in responses} == {"fp32"}
+    rows, batches = after["rows"] - before["rows"], after["batches"] - before["batches"]
+    assert rows == 64
+    assert batches < 32, f"64 concurrent requests ran as {batches} batches: not batched"
+    log = workers_server.log.read_text()
+    assert "front-end 0 (pid" in log
+    assert "front-end 1 (pid" in log
+
+
+def test_v2_binary_through_a_front_end_including_a_request_larger_than_a_slot(workers_server: ServerProcess) -> None:
+    client = triton.InferenceServerClient(workers_server.url.removeprefix("http://"))
+    rows = SLOT_BYTES // (256 * 4) + 500  # its input travels inline on the backplane, not through shared memory
+    for n in (3, rows):
+        x = samples(n, seed=n)
+        tensor = triton.InferInput("pixels", list(x.shape), "FP32")
+        tensor.set_data_from_numpy(x, binary_data=True)
+        result = client.infer(MODEL, [tensor], outputs=[triton.InferRequestedOutput("logits", binary_data=True)])
+        np.testing.assert_allclose(result.as_numpy("logits"), reference(x), rtol=1e-4, atol=1e-4)
+
+
+def test_bad_requests_get_4xx_naming_the_problem_while_good_ones_are_answered(workers_server: ServerProcess) -> None:
+    good = [{"model": MODEL, "inputs": [row.tolist()]} for row in samples(24)]
+    bad: list[dict[str, object]] = [
+        {"model": MODEL, "inputs": [[1.0, 2.0]]},
+        {"model": "no_such_model", "inputs": [[0.0] * 256]},
+        {"model": MODEL},
+    ]
+    responses = asyncio.run(post_many(workers_server.url, good + bad))
+    assert [r.status_code for r in responses[:24]] == [200] * 24
+    statuses = [(r.status_code, r.json()["error"]) for r in responses[24:]]
+    assert statuses[0][0] == 400
+    assert "shape [256]" in statuses[0][1]
+    assert statuses[1][0] == 404
+    assert "no_such_model" in statuses[1][1]
+    assert statuses[2][0] == 400
+    assert statuses[2][1].startswith("inputs:")
+
+
+def test_metrics_count_the_front_ends_requests(workers_server: ServerProcess) -> None:
+    def answered() -> float:
+        text = httpx.get(f"{workers_server.url}/metrics").text
+        prefix = f'halfserve_requests_total{{model="{MODEL}",precision="fp32",protocol="predict",status="200"}}'
+        return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(prefix))
+
+    start = answered()
+    asyncio.run(post_many(workers_server.url, [{"model": MODEL, "inputs": [row.tolist()]} for row in samples(20)]))
+    deadline = time.monotonic() + 5
+    while answered() < start + 20 and time.monotonic() < deadline:
+        time.sleep(0.05)  # front-ends send their counts every 0.1 s
+    assert answered() == start + 20
+
+
+def test_a_precision_switch_relayed_through_a_front_end_reaches_every_front_end(workers_server: ServerProcess) -> None:
+    url = workers_server.url
+    x = samples(1)
+    body = {"model": MODEL, "inputs": x.tolist()}
+    r = httpx.post(f"{url}/models/{MODEL}/precision", json={"precision": "bf16"}, headers=AUTH)
+    assert r.status_code == 200, r.text
+    try:
+        time.sleep(0.2)  # the other front-end's table is pushed within 0.05 s
+        responses = asyncio.run(post_many(url, [body] * 16))
+        assert {resp.json()["precision"] for resp in responses} == {"bf16"}
+        unauthorised = httpx.post(f"{url}/models/{MODEL}/precision", json={"precision": "fp32"})
+        assert unauthorised.status_code == 401
+    finally:
+        r = httpx.post(f"{url}/models/{MODEL}/precision", json={"precision": "fp32"}, headers=AUTH)
+        assert r.status_code == 200, r.text
+    assert httpx.post(f"{url}/predict", json=body).json()["precision"] == "fp32"
+
+
+def test_a_killed_front_end_is_replaced(workers_server: ServerProcess) -> None:
+    victim = frontends(workers_server)[0]
+    os.kill(victim, signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        alive = frontends(workers_server)
+        if len(alive) == 2 and victim not in alive:
+            break
+        time.sleep(0.2)
+    assert victim not in frontends(workers_server)
+    assert len(frontends(workers_server)) == 2
+    responses = asyncio.run(post_many(workers_server.url, [{"model": MODEL, "inputs": [[0.5] * 256]}] * 16))
+    assert [r.status_code for r in responses] == [200] * 16
+    assert "exited with -9; restarting it" in workers_server.log.read_text()
+
+
+def test_sigterm_answers_every_front_ends_requests_then_exits(tmp_path: Path) -> None:
+    # 24 rows never fill a batch of 64: they wait out the 1 s delay in the queue, in flight when the signal comes.
+    args = ("--models", MODEL, "--http-workers", "2", "--max-delay-ms", "1000", "--max-batch-size", "64")
+    server = start_server(SHIPPED_STORE, tmp_path / "server.log", *args)
+    workers = frontends(server)
+    bodies = [{"model": MODEL, "inputs": samples(1, seed=i).tolist()} for i in range(24)]
+
+    async def load_then_stop() -> list[httpx.Response]:
+        requests = asyncio.ensure_future(post_many(server.url, bodies))
+        await asyncio.sleep(0.3)  # requests in flight on both front-ends
+        server.proc.send_signal(signal.SIGTERM)
+        return await requests
+
+    try:
+        responses = asyncio.run(load_then_stop())
+        assert server.proc.wait(timeout=60) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal once shut down
+    finally:
+        server.stop()
+    assert [r.status_code for r in responses] == [200] * len(bodies)
+    assert all(not Path(f"/proc/{pid}").exists() for pid in workers)
+    assert "24 requests accepted, 24 answered with outputs" in server.log.read_text()
+
+
+def test_frames_split_anywhere_are_reassembled() -> None:
+    stream = b"".join(bytes(p) for p in frame({"op": "infer", "id": 1}, b"\x01\x02\x03") + frame({"id": 2}))
+    reader = FrameReader()
+    got = []
+    for i in range(len(stream)):  # one byte at a time
+        got += reader.feed(stream[i : i + 1])
+    assert [(h, bytes(p)) for h, p in got] == [({"op": "infer", "id": 1}, b"\x01\x02\x03"), ({"id": 2}, b"")]
