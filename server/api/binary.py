@@ -163,8 +163,8 @@ def decode_json(data: object, wire: WireType, shape: list[int], field: str) -> n
 
 def check_range(arr: np.ndarray, dtype: np.dtype[Any], field: str) -> None:
     """Fail with a 400 when integers in ``arr`` do not fit ``dtype``."""
-    if not arr.size or arr.dtype.kind not in "iu":
-        return
+    if not arr.size or arr.dtype.kind not in "iu" or np.can_cast(arr.dtype, dtype, "safe"):
+        return  # nothing to check, or every value of its dtype fits (UINT8 bytes for a UINT8 input: no pass over them)
     info = np.iinfo(dtype)
     lo, hi = int(arr.min()), int(arr.max())
     if lo < info.min or hi > info.max:

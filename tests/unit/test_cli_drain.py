@@ -7,8 +7,8 @@ from pathlib import Path
 
 import uvicorn
 
-from server.app import begin_drain, create_app
-from server.cli import DrainingServer, build_parser
+from server.app import DrainingServer, begin_drain, create_app
+from server.cli import build_parser
 from server.settings import Settings
 
 

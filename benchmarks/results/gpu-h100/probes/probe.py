@@ -28,6 +28,7 @@ precs = os.environ.get("PRECS", "fp16,fp32").split(",")
 extra = os.environ.get("SERVER_ARGS", "").split()
 instances = int(os.environ.get("INSTANCES", "2"))
 wire = os.environ.get("WIRE", "uint8")
+threads = int(os.environ.get("WRK_THREADS", "8"))
 
 if not (store_dir / "resnet50").exists():
     t = time.time()
@@ -69,8 +70,8 @@ for prec in precs:
     port = 8100
     cmd = [sys.executable, "-m", "server", "serve", "--store", str(store_dir), "--port", str(port)]
     cmd += ["--precision", prec, "--no-tf32", *extra]
-    log = open(OUT / f"server-{prec}.log", "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    with (OUT / f"server-{prec}.log").open("wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     t = time.time()
     while True:
         try:
@@ -92,14 +93,31 @@ for prec in precs:
         spy = None
         if c == 64 and os.environ.get("PYSPY"):
             spy = subprocess.Popen(
-                ["py-spy", "record", "-d", "5", "-r", "250", "--nonblocking", "-f", "raw", "-t", "-o",
-                 str(OUT / f"pyspy-{prec}-c{c}.txt"), "--pid", str(proc.pid)],
-                stdout=subprocess.DEVNULL, stderr=open(OUT / f"pyspy-{prec}.err", "w"),
+                [
+                    "py-spy",
+                    "record",
+                    "-d",
+                    "5",
+                    "-r",
+                    "250",
+                    "--nonblocking",
+                    "-f",
+                    "raw",
+                    "-t",
+                    "-o",
+                    str(OUT / f"pyspy-{prec}-c{c}.txt"),
+                    "--pid",
+                    str(proc.pid),
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
             )
         t0 = time.time()
         w = subprocess.run(
-            [WRK, f"-t{min(int(os.environ.get('WRK_THREADS', '8')), c)}", f"-c{c}", "-d8s", "--latency", "--timeout", "20s", "-s", str(lua), url],
-            env=wenv, capture_output=True, text=True,
+            [WRK, f"-t{min(threads, c)}", f"-c{c}", "-d8s", "--latency", "--timeout", "20s", "-s", str(lua), url],
+            env=wenv,
+            capture_output=True,
+            text=True,
         ).stdout
         wall = time.time() - t0
         cpu = (cpu_seconds(proc.pid) - cpu0) / wall * 100
@@ -108,8 +126,16 @@ for prec in precs:
         rows = metric(port, "halfserve_batch_size_sum") - rows0
         n = metric(port, "halfserve_batch_size_count") - n0
         parsed = gpu_bench_parse = __import__("serve_bench").parse_wrk(w)
-        r = {"precision": prec, "concurrency": c, **parsed, "server_cpu_percent": round(cpu),
-             "mean_batch": round(rows / max(n, 1), 1), "args": extra, "wire": wire, "instances": instances}
+        r = {
+            "precision": prec,
+            "concurrency": c,
+            **parsed,
+            "server_cpu_percent": round(cpu),
+            "mean_batch": round(rows / max(n, 1), 1),
+            "args": extra,
+            "wire": wire,
+            "instances": instances,
+        }
         print(json.dumps(r), flush=True)
         results.append(r)
     proc.terminate()
