@@ -38,7 +38,8 @@ from typing import Any, cast
 import numpy as np
 import orjson
 
-from server.api.errors import from_exception
+from server.api.errors import APIError, from_exception
+from server.api.v2 import require_ready
 from server.metrics import Metrics, Protocol
 from server.repository import ModelRepository, ServedModel
 from server.settings import Settings
@@ -181,9 +182,6 @@ class _Connection(asyncio.Protocol):
             self.send({**reply, "slot": -1}, np.ascontiguousarray(out).data.cast("B"))
 
     def _input(self, served: ServedModel, head: dict[str, Any], payload: bytearray) -> np.ndarray:
-        from server.api.errors import APIError
-        from server.api.v2 import require_ready
-
         if head["version"] != served.version:
             raise APIError(503, f"model {served.name!r} was reloaded as version {served.version}; retry", {})
         require_ready(served, None)

@@ -165,9 +165,8 @@ class BackplaneClient(asyncio.Protocol):
             self._release(slot)
 
     async def refresh(self) -> None:
-        """Fetch the model table now (after a management call this front-end relayed)."""
-        header, _ = await self._ask({"op": "table"})
-        self.on_table(header["models"])
+        """Fetch the model table now (after a management call this front-end relayed); the answer updates it."""
+        await self._ask({"op": "table"})
 
     def record(self, row: list[Any]) -> None:
         self.records.append(row)
