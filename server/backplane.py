@@ -196,8 +196,10 @@ class _Connection(asyncio.Protocol):
 class Backplane:
     """The engine process's end: accepts front-ends on a Unix socket and serves their requests from ``repo``."""
 
-    def __init__(self, path: str, repo: ModelRepository, metrics: Metrics) -> None:
+    def __init__(self, path: str, repo: ModelRepository, metrics: Metrics, expected: int) -> None:
         self.path = path
+        self.expected = expected
+        """Front-ends the server runs: until that many are connected, readiness answers no."""
         self.repo = repo
         self.metrics = metrics
         self.connections: set[_Connection] = set()

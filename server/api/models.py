@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 import orjson
 from fastapi import APIRouter, Request
@@ -10,6 +11,9 @@ from starlette.responses import Response
 
 from server.api.errors import APIError, error_response, error_responses, from_exception, json_ok
 from server.api.predict import repository
+
+if TYPE_CHECKING:
+    from server.backplane import Backplane
 
 router = APIRouter()
 
@@ -48,7 +52,18 @@ async def ready(request: Request) -> Response:
     if not repo.ready:
         waiting = ", ".join(f"{n} ({s})" for n, s in states.items() if s != "ready")
         return error_response(503, f"not ready: {waiting}", {"Retry-After": "1"})
+    pending = frontends_pending(request)
+    if pending:
+        return error_response(503, f"not ready: {pending}", {"Retry-After": "1"})
     return json_response({"status": "ready", "models": states})
+
+
+def frontends_pending(request: Request) -> str | None:
+    """With ``--http-workers``, what is missing while not every front-end is connected to the backplane."""
+    backplane: Backplane | None = getattr(request.app.state, "backplane", None)
+    if backplane is None or len(backplane.connections) >= backplane.expected:
+        return None
+    return f"HTTP front-ends ({len(backplane.connections)} of {backplane.expected} connected)"
 
 
 @router.get(

@@ -45,7 +45,7 @@ from server.api.binary import (
 from server.api.codec import NUMPY_DTYPES
 from server.api.errors import APIError, cut_off_by_shutdown, error_responses, from_exception, json_ok
 from server.api.limits import check_finite, check_size, client_timeout, read_body, settings
-from server.api.models import json_response
+from server.api.models import frontends_pending, json_response
 from server.api.predict import parse_json, repository
 from server.api.telemetry import answered, metered, note
 from server.api.v2_schema import INFER_SCHEMA
@@ -136,6 +136,9 @@ async def server_ready(request: Request) -> Response:
     if not repo.ready:
         waiting = ", ".join(f"{n} ({m.state.value})" for n, m in repo.models.items() if m.state is not ModelState.READY)
         raise APIError(400, f"not ready: {waiting or 'no model is served'}")
+    pending = frontends_pending(request)
+    if pending:
+        raise APIError(400, f"not ready: {pending}")
     return json_response({"ready": True})
 
 
