@@ -10,10 +10,12 @@ import os
 import time
 from collections.abc import AsyncIterator, Callable
 from types import FrameType
+from typing import Any
 
 import torch
 import uvicorn
 from fastapi import FastAPI
+from starlette.types import ASGIApp
 
 from server import __version__, api, precision
 from server.backplane import Backplane, Frontends
@@ -50,6 +52,20 @@ class DrainingServer(uvicorn.Server):
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         self._on_signal()
         super().handle_exit(sig, frame)
+
+
+def uvicorn_config(app: ASGIApp, settings: Settings, log_config: dict[str, Any] | None, **where: Any) -> uvicorn.Config:
+    """uvicorn's configuration for ``app`` under ``settings``; ``where`` is where it listens (host and port, uds),
+    if not on sockets handed to ``run``."""
+    return uvicorn.Config(
+        app,
+        **where,
+        log_level=settings.log_level,
+        log_config=log_config,
+        access_log=settings.access_log,
+        # uvicorn waits this long for requests in flight, then cancels them; float seconds work despite its hint.
+        timeout_graceful_shutdown=settings.drain_timeout,  # type: ignore[arg-type]
+    )
 
 
 def begin_drain(app: FastAPI) -> None:

@@ -114,13 +114,14 @@ def _signature(repo: ModelRepository) -> tuple[object, ...]:
 
 
 @dataclass
-class _Segment:
-    """A front-end's shared memory, as mapped here."""
+class Segment:
+    """A front-end's shared memory, cut into slots of ``slot_bytes``; mapped by it and by the engine process."""
 
     memory: mmap.mmap
     slot_bytes: int
 
-    def view(self, slot: int, dtype: np.dtype[Any], shape: list[int]) -> np.ndarray:
+    def view(self, slot: int, dtype: np.dtype[Any], shape: list[int] | tuple[int, ...]) -> np.ndarray:
+        """The array of ``dtype`` and ``shape`` at the start of ``slot``."""
         count = int(np.prod(shape))
         return np.frombuffer(self.memory, dtype, count, slot * self.slot_bytes).reshape(shape)
 
@@ -128,7 +129,7 @@ class _Segment:
 class _Connection(asyncio.Protocol):
     """One front-end's connection, on the engine process's event loop."""
 
-    def __init__(self, backplane: Backplane, segment: _Segment) -> None:
+    def __init__(self, backplane: Backplane, segment: Segment) -> None:
         self.backplane = backplane
         self.segment = segment
         self.reader = FrameReader()
@@ -233,7 +234,7 @@ class Backplane:
                 log.exception("a front-end's hello failed")
                 conn.close()
                 continue
-            connection = _Connection(self, _Segment(memory, hello["slot_bytes"]))
+            connection = _Connection(self, Segment(memory, hello["slot_bytes"]))
             self.connections.add(connection)
             await loop.connect_accepted_socket(lambda c=connection: c, sock=conn)  # type: ignore[misc]
             log.info("front-end %s (pid %s) connected", hello.get("index"), hello.get("pid"))

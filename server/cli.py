@@ -11,7 +11,6 @@ import tempfile
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-import uvicorn
 from pydantic import ValidationError
 
 from server.loadtest import cli as loadtest_cli
@@ -84,7 +83,7 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 def serve(args: argparse.Namespace) -> int:
     from server import logs, store
-    from server.app import DrainingServer, begin_drain, create_app
+    from server.app import DrainingServer, begin_drain, create_app, uvicorn_config
     from server.backplane import Frontends
     from server.repository import ModelRepository
     from server.settings import Settings
@@ -106,15 +105,7 @@ def serve(args: argparse.Namespace) -> int:
         frontends = Frontends(settings, listen(settings.host, settings.port), tempfile.mkdtemp(prefix="halfserve-"))
         where = {"uds": frontends.api_socket}
     app = create_app(settings, frontends)
-    config = uvicorn.Config(
-        app,
-        **where,
-        log_level=settings.log_level,
-        log_config=log_config,
-        access_log=settings.access_log,
-        # uvicorn waits this long for requests in flight, then cancels them; float seconds work despite its hint.
-        timeout_graceful_shutdown=settings.drain_timeout,  # type: ignore[arg-type]
-    )
+    config = uvicorn_config(app, settings, log_config, **where)
     try:
         DrainingServer(config, lambda: begin_drain(app)).run()
     finally:

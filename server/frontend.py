@@ -62,7 +62,7 @@ class BackplaneClient(asyncio.Protocol):
         self.slot_bytes = backplane.SLOT_BYTES
         fd = os.memfd_create("halfserve-frontend")
         os.ftruncate(fd, backplane.SLOTS * self.slot_bytes)
-        self.memory = mmap.mmap(fd, backplane.SLOTS * self.slot_bytes)
+        self.segment = backplane.Segment(mmap.mmap(fd, backplane.SLOTS * self.slot_bytes), self.slot_bytes)
         self._fd = fd
         self.free = list(range(backplane.SLOTS - 1, -1, -1))
         self.table_seen = asyncio.Event()
@@ -146,8 +146,7 @@ class BackplaneClient(asyncio.Protocol):
         head = {"op": "infer", "model": model.name, "version": model.version, "timeout": timeout}
         head |= {"dtype": x.dtype.str, "shape": x.shape, "slot": slot}
         if slot >= 0:
-            view = np.frombuffer(self.memory, x.dtype, x.size, slot * self.slot_bytes).reshape(x.shape)
-            np.copyto(view, x)
+            np.copyto(self.segment.view(slot, x.dtype, x.shape), x)
             header, payload = await self._ask(head, slot=slot)
         else:
             header, payload = await self._ask(head, np.ascontiguousarray(x).data.cast("B"))
@@ -156,8 +155,7 @@ class BackplaneClient(asyncio.Protocol):
                 raise APIError(header["status"], header["error"], header.get("headers"))
             dtype, shape = np.dtype(header["dtype"]), header["shape"]
             if header.get("slot", slot) >= 0:
-                count = int(np.prod(shape))
-                out = np.frombuffer(self.memory, dtype, count, slot * self.slot_bytes).reshape(shape).copy()
+                out = self.segment.view(slot, dtype, shape).copy()
             else:
                 out = np.frombuffer(payload, dtype).reshape(shape)
             return Prediction(out, header["precision"])
@@ -363,18 +361,9 @@ async def _send_json(send: Send, status: int, body: dict[str, Any]) -> None:
 
 def run(settings: Settings, sock: socket.socket, api_socket: str, backplane_socket: str, index: int) -> None:
     """A front-end process's main: serve ``sock`` (the listening socket every front-end shares) until told to stop."""
-    import uvicorn
-
-    from server.app import DrainingServer
+    from server.app import DrainingServer, uvicorn_config
 
     log_config = logs.configure(settings.log_format, settings.log_level, settings.access_log)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per relayed request otherwise
     app = FrontendApp(settings, api_socket, backplane_socket, index)
-    config = uvicorn.Config(
-        app,
-        log_level=settings.log_level,
-        log_config=log_config,
-        access_log=settings.access_log,
-        timeout_graceful_shutdown=settings.drain_timeout,  # type: ignore[arg-type]
-    )
-    DrainingServer(config, app.begin_drain).run(sockets=[sock])
+    DrainingServer(uvicorn_config(app, settings, log_config), app.begin_drain).run(sockets=[sock])
