@@ -18,12 +18,11 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
-import torch
 import tritonclient.http as triton
 
-from server import store
 from server.backplane import SLOT_BYTES, FrameReader, frame
 from tests.conftest import SHIPPED_STORE, ServerProcess, start_server
+from tests.e2e.test_server import fp32_reference, samples
 
 MODEL = "digits_mlp"
 TOKEN = "workers-token"
@@ -31,16 +30,6 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 pytestmark = pytest.mark.slow
 
 StartServer = Callable[..., ServerProcess]
-
-
-def samples(n: int, seed: int = 0) -> np.ndarray:
-    return np.random.default_rng(seed).uniform(0, 1, size=(n, 256)).astype(np.float32)
-
-
-def reference(x: np.ndarray) -> np.ndarray:
-    loaded = store.load(SHIPPED_STORE, MODEL)
-    with torch.inference_mode():
-        return loaded.module(torch.from_numpy(x)).numpy()
 
 
 def children(pid: int) -> list[int]:
@@ -95,7 +84,7 @@ def test_two_front_ends_answer_like_one_process_and_batch_together(workers_serve
     after = httpx.get(f"{workers_server.url}/models/{MODEL}/stats").json()
     assert [r.status_code for r in responses] == [200] * 64
     got = np.array([r.json()["outputs"][0] for r in responses])
-    np.testing.assert_allclose(got, reference(x), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(got, fp32_reference(x), rtol=1e-4, atol=1e-4)
     assert {r.json()["precision"] for r in responses} == {"fp32"}
     rows, batches = after["rows"] - before["rows"], after["batches"] - before["batches"]
     assert rows == 64
@@ -113,7 +102,7 @@ def test_v2_binary_through_a_front_end_including_a_request_larger_than_a_slot(wo
         tensor = triton.InferInput("pixels", list(x.shape), "FP32")
         tensor.set_data_from_numpy(x, binary_data=True)
         result = client.infer(MODEL, [tensor], outputs=[triton.InferRequestedOutput("logits", binary_data=True)])
-        np.testing.assert_allclose(result.as_numpy("logits"), reference(x), rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(result.as_numpy("logits"), fp32_reference(x), rtol=1e-4, atol=1e-4)
 
 
 def test_bad_requests_get_4xx_naming_the_problem_while_good_ones_are_answered(workers_server: ServerProcess) -> None:
