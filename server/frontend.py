@@ -59,14 +59,13 @@ class BackplaneClient(asyncio.Protocol):
         self.pending: dict[int, _Pending] = {}
         self.ids = itertools.count(1)
         self.records: list[list[Any]] = []
-        self.slot_bytes = backplane.SLOT_BYTES
+        size = backplane.SLOTS * backplane.SLOT_BYTES
         fd = os.memfd_create("halfserve-frontend")
-        os.ftruncate(fd, backplane.SLOTS * self.slot_bytes)
-        self.segment = backplane.Segment(mmap.mmap(fd, backplane.SLOTS * self.slot_bytes), self.slot_bytes)
+        os.ftruncate(fd, size)
+        self.segment = backplane.Segment(mmap.mmap(fd, size), backplane.SLOT_BYTES)
         self._fd = fd
         self.free = list(range(backplane.SLOTS - 1, -1, -1))
         self.table_seen = asyncio.Event()
-        self.closed = asyncio.get_running_loop().create_future()
 
     async def connect(self, path: str, index: int, timeout: float = 60.0) -> None:
         loop = asyncio.get_running_loop()
@@ -81,7 +80,7 @@ class BackplaneClient(asyncio.Protocol):
                 if time.monotonic() > deadline:
                     raise
                 await asyncio.sleep(0.05)
-        hello = {"index": index, "pid": os.getpid(), "slots": backplane.SLOTS, "slot_bytes": self.slot_bytes}
+        hello = {"index": index, "pid": os.getpid(), "slots": backplane.SLOTS, "slot_bytes": self.segment.slot_bytes}
         socket.send_fds(sock, [orjson.dumps(hello)], [self._fd])
         os.close(self._fd)
         sock.setblocking(False)
@@ -97,13 +96,11 @@ class BackplaneClient(asyncio.Protocol):
             if not p.future.done():
                 p.future.set_exception(ModelNotReadyError("the engine process is gone"))
         self.pending.clear()
-        if not self.closed.done():
-            self.closed.set_result(None)
 
     def data_received(self, data: bytes) -> None:
         for header, payload in self.reader.feed(data):
             rid = header.get("id")
-            if header.get("op") == "table" or "models" in header:
+            if "models" in header:  # a pushed table, or the answer to a refresh
                 self.on_table(header["models"])
                 self.table_seen.set()
             if rid is None:
@@ -142,7 +139,7 @@ class BackplaneClient(asyncio.Protocol):
             raise
 
     async def infer(self, model: RemoteModel, x: np.ndarray, timeout: float | None) -> Prediction:
-        slot = self.free.pop() if self.free and x.nbytes <= self.slot_bytes else -1
+        slot = self.free.pop() if self.free and x.nbytes <= self.segment.slot_bytes else -1
         head = {"op": "infer", "model": model.name, "version": model.version, "timeout": timeout}
         head |= {"dtype": x.dtype.str, "shape": x.shape, "slot": slot}
         if slot >= 0:
