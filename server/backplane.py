@@ -32,6 +32,7 @@ import signal
 import socket
 import struct
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -40,6 +41,7 @@ import orjson
 
 from server.api.errors import APIError, from_exception
 from server.api.v2 import require_ready
+from server.instance import pin_host
 from server.metrics import Metrics, Protocol
 from server.repository import ModelRepository, ServedModel
 from server.settings import Settings
@@ -129,9 +131,10 @@ class Segment:
 class _Connection(asyncio.Protocol):
     """One front-end's connection, on the engine process's event loop."""
 
-    def __init__(self, backplane: Backplane, segment: Segment) -> None:
+    def __init__(self, backplane: Backplane, segment: Segment, unpin: Callable[[], None] | None = None) -> None:
         self.backplane = backplane
         self.segment = segment
+        self.unpin = unpin
         self.reader = FrameReader()
         self.transport: asyncio.Transport | None = None
         self.tasks: set[asyncio.Task[None]] = set()
@@ -145,6 +148,14 @@ class _Connection(asyncio.Protocol):
         self.backplane.connections.discard(self)
         for t in self.tasks:
             t.cancel()
+            t.add_done_callback(self._release)
+        self._release()
+
+    def _release(self, _: object = None) -> None:
+        """Unpin the front-end's memory once it is gone and none of its requests is left running."""
+        if self.transport is None and not self.tasks and self.unpin is not None:
+            self.unpin()
+            self.unpin = None
 
     def send(self, header: dict[str, Any], payload: bytes | memoryview = b"") -> None:
         if self.transport is not None and not self.transport.is_closing():
@@ -225,19 +236,28 @@ class Backplane:
             try:
                 # The hello carries the front-end's memfd; asyncio's transports cannot receive descriptors.
                 conn.setblocking(True)
-                msg, fds, _, _ = await loop.run_in_executor(None, socket.recv_fds, conn, HELLO_BYTES, 1)
-                hello = orjson.loads(msg)
-                memory = mmap.mmap(fds[0], hello["slots"] * hello["slot_bytes"])
-                os.close(fds[0])
+                hello, memory, unpin = await loop.run_in_executor(None, self._open_segment, conn)
                 conn.setblocking(False)
             except Exception:
                 log.exception("a front-end's hello failed")
                 conn.close()
                 continue
-            connection = _Connection(self, Segment(memory, hello["slot_bytes"]))
+            connection = _Connection(self, Segment(memory, hello["slot_bytes"]), unpin)
             self.connections.add(connection)
             await loop.connect_accepted_socket(lambda c=connection: c, sock=conn)  # type: ignore[misc]
             log.info("front-end %s (pid %s) connected", hello.get("index"), hello.get("pid"))
+
+    def _open_segment(self, conn: socket.socket) -> tuple[dict[str, Any], mmap.mmap, Callable[[], None] | None]:
+        """Receive a front-end's hello and its memfd; map it, and on a CUDA engine page-lock it, so that batches copy
+        its slots straight to the device (about 0.1 ms per image less on the instance's thread)."""
+        msg, fds, _, _ = socket.recv_fds(conn, HELLO_BYTES, 1)
+        hello = orjson.loads(msg)
+        memory = mmap.mmap(fds[0], hello["slots"] * hello["slot_bytes"])
+        os.close(fds[0])
+        unpin = pin_host(memory) if self.repo.device.type == "cuda" else None
+        if self.repo.device.type == "cuda" and unpin is None:
+            log.warning("front-end %s: shared memory not page-locked; batches stage it", hello.get("index"))
+        return hello, memory, unpin
 
     async def _watch(self) -> None:
         """Push the model table to every front-end when a model changes."""

@@ -28,7 +28,7 @@ from torch import nn
 
 from server import precision as prec
 from server.batching import BatchTooLargeError, Outcome, Output
-from server.instance import Instance, bucket_for
+from server.instance import Instance, bucket_for, torch_dtype
 from server.precision import Precision
 from server.store import Compile, DataType, Execution, LoadedModel, Normalize, OverflowPolicy
 
@@ -78,15 +78,12 @@ class EngineInfo:
     """Time spent capturing CUDA graphs at warm-up, all buckets and instances together."""
 
 
-def batch_buckets(max_batch_size: int) -> list[int]:
-    """Powers of two up to ``max_batch_size``, and ``max_batch_size`` itself: the batch sizes warmed up at load."""
-    sizes = []
-    b = 1
-    while b < max_batch_size:
-        sizes.append(b)
-        b *= 2
-    sizes.append(max_batch_size)
-    return sizes
+def batch_buckets(max_batch_size: int, sizes: list[int] | None = None) -> list[int]:
+    """The batch sizes warmed up at load, ascending: ``sizes`` (default: powers of two) below ``max_batch_size``,
+    and ``max_batch_size`` itself."""
+    if sizes is None:
+        sizes = [1 << i for i in range(max_batch_size.bit_length())]
+    return sorted({s for s in sizes if s < max_batch_size} | {max_batch_size})
 
 
 def resolve_device(name: str) -> torch.device:
@@ -171,7 +168,8 @@ class Engine:
         images = len(self.sample_shape) == 3
         wants_nhwc = cuda if ex.channels_last is None else ex.channels_last
         self.channels_last = wants_nhwc and images and has_conv2d(loaded.module)
-        self.buckets: list[int] = batch_buckets(max_batch_size) if self.pad and max_batch_size else []
+        self._bucket_sizes = ex.batch_buckets
+        self.buckets: list[int] = batch_buckets(max_batch_size, ex.batch_buckets) if self.pad and max_batch_size else []
         # The loaded module stays fp32 on the host (for precision switches and overflow reruns); serving gets its own
         # cast copy, shared by the instances, unless that copy would equal the host's weights (fp32 weights on the
         # CPU in their usual layout): then it serves those rather than hold every weight twice.
@@ -246,12 +244,11 @@ class Engine:
         rows = sum(len(c) for c in chunks)
         size = bucket_for(rows, self.buckets)
         with inst.on_stream():
-            host = inst.stage(chunks, size)
             graph = inst.graphs.get(size)
-            if graph is not None and graph.model is self.model and graph.input.dtype == host.dtype:
-                y = inst.replay(graph, host)
+            if graph is not None and graph.model is self.model and graph.input.dtype == torch_dtype(chunks[0].dtype):
+                y = inst.replay(graph, chunks, size)
             else:
-                y = self.forward_device(inst.to_device(host))
+                y = self.forward_device(inst.upload(chunks, size))
             inst.forwards += 1
             return inst.fetch(_checked(y, size)[:rows])
 
@@ -339,7 +336,7 @@ class Engine:
         Returns the seconds it took.
         """
         start = time.perf_counter()
-        sizes = batch_buckets(max_batch_size)
+        sizes = batch_buckets(max_batch_size, self._bucket_sizes)
         if self.pad and not self.buckets:
             self.buckets = sizes
         for inst in self.instances:
@@ -352,7 +349,7 @@ class Engine:
             x = np.zeros((size, *self.sample_shape), dtype=self.input_dtype)
             if self.cuda_graphs:
                 with inst.on_stream():
-                    sample = inst.to_device(inst.stage([x], size))
+                    sample = inst.upload([x], size)
                 graph = inst.capture(size, sample, self.forward_device, self.model)
                 secs = graph.capture_seconds
                 log.info("%s[%d]: captured a CUDA graph of batch %d in %.3fs", self.name, inst.index, size, secs)

@@ -27,6 +27,51 @@ GRAPH_WARMUP_FORWARDS = 3
 outside the graph."""
 
 
+_PINNED: dict[int, int] = {}
+"""Start address -> end address of each buffer :func:`pin_host` page-locked."""
+
+
+def pin_host(buffer: Any) -> Callable[[], None] | None:
+    """Page-lock a writable host buffer (an ``mmap``, say) for CUDA, so that copies from arrays in it go straight to
+    the device without a staging copy; returns the function that unpins it, or None where CUDA is absent or refused.
+
+    The buffer stays exported (it cannot be closed or resized) until the returned function has run.
+    """
+    if not torch.cuda.is_available():
+        return None
+    t = torch.frombuffer(buffer, dtype=torch.uint8)
+    cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
+    start = t.data_ptr()
+    if int(cudart.cudaHostRegister(start, t.numel(), 0)) != 0:
+        return None
+    _PINNED[start] = start + t.numel()
+
+    def unpin() -> None:
+        if _PINNED.pop(start, None) is not None:
+            cudart.cudaHostUnregister(start)
+
+    return unpin
+
+
+def torch_dtype(dtype: np.dtype[Any]) -> torch.dtype:
+    """The torch dtype of a numpy dtype."""
+    return torch.from_numpy(np.empty(0, dtype=dtype)).dtype
+
+
+def pinned(chunks: list[np.ndarray]) -> bool:
+    """True when every chunk lies in a buffer :func:`pin_host` page-locked, so it can be copied to the device as it
+    is. Pure Python on purpose: no torch call, which would let go of the GIL and wait to get it back."""
+    if not _PINNED:
+        return False
+    for c in chunks:
+        if not (c.flags.c_contiguous and c.flags.writeable):
+            return False
+        start = c.__array_interface__["data"][0]
+        if not any(lo <= start and start + c.nbytes <= hi for lo, hi in _PINNED.items()):
+            return False
+    return True
+
+
 def bucket_for(rows: int, buckets: list[int]) -> int:
     """The smallest bucket holding ``rows``; ``rows`` itself when it exceeds every bucket (or there are none)."""
     for size in buckets:
@@ -63,6 +108,7 @@ class Instance:
         # All of an instance's graphs replay one at a time on its stream, so they can share one memory pool.
         self._pool: Any = None
         self._staging: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+        self._device_staging: dict[tuple[int, torch.dtype], torch.Tensor] = {}
         self._outputs: dict[tuple[int, ...], torch.Tensor] = {}
         self.forwards = 0
 
@@ -85,17 +131,46 @@ class Instance:
         rows = sum(len(c) for c in chunks)
         if not self.cuda and len(chunks) == 1 and rows == size:
             return torch.from_numpy(chunks[0])  # nothing to pad: no copy on a CPU
-        dtype = torch.from_numpy(np.empty(0, dtype=chunks[0].dtype)).dtype
-        key = (size, dtype)
+        key = (size, torch_dtype(chunks[0].dtype))
         buf = self._staging.get(key)
         if buf is None:
-            buf = torch.empty((size, *chunks[0].shape[1:]), dtype=dtype, pin_memory=self.cuda)
+            buf = torch.empty((size, *chunks[0].shape[1:]), dtype=key[1], pin_memory=self.cuda)
             self._staging[key] = buf
         # One call for all chunks: numpy lets go of the GIL once for the whole copy, not once per chunk.
         np.concatenate(chunks, out=buf.numpy()[:rows], casting="same_kind")
         if rows < size:
             buf[rows:].zero_()
         return buf
+
+    def upload(self, chunks: list[np.ndarray], size: int, into: torch.Tensor | None = None) -> torch.Tensor:
+        """The batch on the device as ``size`` rows (zero rows after the chunks' rows), in ``into`` when given.
+
+        Chunks in page-locked memory (a front-end's shared slots, pinned by the engine process) are copied to the
+        device one by one, with no host-side copy; others are staged first (:meth:`stage`). Either way the copies
+        are asynchronous on the current stream, and the chunks must stay unchanged until the stream has passed them
+        (the engine answers a batch only after :meth:`fetch` has synchronised).
+        """
+        if not (self.cuda and pinned(chunks)):
+            host = self.stage(chunks, size)
+            if into is None:
+                return self.to_device(host)
+            into.copy_(host, non_blocking=True)
+            return into
+        if into is None:
+            key = (size, torch_dtype(chunks[0].dtype))
+            into = self._device_staging.get(key)
+            if into is None:
+                into = torch.empty((size, *chunks[0].shape[1:]), dtype=key[1], device=self.device)
+                self._device_staging[key] = into
+        # One torch call for all the copies: each call lets go of the GIL, and getting it back waits on the event
+        # loop's thread, which is busy under load (tens of microseconds each time).
+        sizes = [len(c) for c in chunks]
+        rows = sum(sizes)
+        parts = list(into[:rows].split(sizes))  # type: ignore[no-untyped-call]
+        torch._foreach_copy_(parts, [torch.from_numpy(c) for c in chunks], non_blocking=True)
+        if rows < size:
+            into[rows:].zero_()
+        return into
 
     def to_device(self, host: torch.Tensor) -> torch.Tensor:
         """Send a staged batch to the device on the current stream (a no-op on a CPU)."""
@@ -139,9 +214,9 @@ class Instance:
         self.graphs[size] = captured
         return captured
 
-    def replay(self, graph: Graph, host: torch.Tensor) -> torch.Tensor:
-        """Run a captured graph on a staged batch (same dtype as the capture's); returns its static float32 output."""
-        graph.input.copy_(host, non_blocking=True)
+    def replay(self, graph: Graph, chunks: list[np.ndarray], size: int) -> torch.Tensor:
+        """Run a captured graph on a batch (same dtype as the capture's); returns its static float32 output."""
+        self.upload(chunks, size, into=graph.input)
         graph.graph.replay()
         return graph.output
 
@@ -149,4 +224,5 @@ class Instance:
         self.executor.shutdown(wait=True)
         self.graphs.clear()
         self._staging.clear()
+        self._device_staging.clear()
         self._outputs.clear()

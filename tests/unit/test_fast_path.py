@@ -6,6 +6,7 @@ Buckets, padding and instances run on a CPU too; pinned memory, streams and grap
 from __future__ import annotations
 
 import asyncio
+import mmap
 import threading
 from pathlib import Path
 
@@ -17,7 +18,7 @@ from pydantic import ValidationError
 from server import models, store
 from server.batching import Batcher, Output
 from server.engine import Engine
-from server.instance import bucket_for
+from server.instance import bucket_for, pin_host, pinned
 from server.precision import Precision
 from server.store import Batching, Compile, Execution, Manifest, TensorSpec
 from tests.conftest import save_tiny_mlp
@@ -285,3 +286,62 @@ async def test_cuda_instances_run_batches_at_once_through_the_batcher(tmp_path: 
     np.testing.assert_allclose(np.concatenate(outs), want, atol=0.02 * np.abs(want).max(), rtol=0)
     assert all(i.forwards > f for i, f in zip(engine.instances, forwards, strict=True))  # both instances served
     engine.close()
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("compile_", ["none", "cuda_graphs"])
+def test_cuda_chunks_in_pinned_shared_memory_go_to_the_device_without_host_staging(
+    tmp_path: Path, compile_: str
+) -> None:
+    loaded = small_cnn(tmp_path, compile=compile_)
+    engine = Engine(loaded, Precision.FP16, CUDA, max_batch_size=8)
+    engine.warmup(8)
+    inst = engine.instances[0]
+    memory = mmap.mmap(-1, 1 << 20)  # what a front-end's slots are: a shared mapping
+    unpin = pin_host(memory)
+    assert unpin is not None
+    x = np.random.default_rng(3).uniform(0, 1, (5, 3, 16, 16)).astype(np.float32)
+    first = np.frombuffer(memory, np.float32, 2 * 768, 0).reshape(2, 3, 16, 16)
+    rest = np.frombuffer(memory, np.float32, 3 * 768, 65536).reshape(3, 3, 16, 16)
+    first[:], rest[:] = x[:2], x[2:]
+    assert pinned([first, rest])
+    assert not pinned([first, x[2:]])  # one pageable chunk: the batch is staged
+    inst._staging.clear()
+    got = engine.forward_chunks([first, rest], inst)
+    assert not inst._staging  # no host staging buffer was needed
+    want = reference(loaded, x)
+    np.testing.assert_allclose(got, want, atol=0.02 * np.abs(want).max(), rtol=0)
+    # The padding rows of the bucket of 8 are zeros, not the rows of an earlier full batch.
+    ones = np.frombuffer(memory, np.float32, 8 * 768, 1 << 19).reshape(8, 3, 16, 16)
+    ones[:] = 1.0
+    engine.forward_chunks([ones], inst)
+    got = engine.forward_chunks([first, rest], inst)
+    np.testing.assert_allclose(got, want, atol=0.02 * np.abs(want).max(), rtol=0)
+    batch = inst.graphs[8].input if compile_ == "cuda_graphs" else inst._device_staging[(8, torch.float32)]
+    assert torch.equal(batch[:5].cpu(), torch.from_numpy(x))
+    assert not batch[5:].any()
+    engine.close()
+    del first, rest, ones
+    unpin()
+    memory.close()
+
+
+def test_explicit_buckets_pad_to_the_next_listed_size(tmp_path: Path) -> None:
+    loaded = tiny(tmp_path, pad_to_bucket=True, batch_buckets=[1, 4, 6, 12])
+    engine = Engine(loaded, Precision.FP32, CPU, max_batch_size=8)
+    assert engine.buckets == [1, 4, 6, 8]  # max_batch_size is always one; sizes past it are dropped
+    seen: list[int] = []
+    original = engine.model.forward
+
+    def spy(x: torch.Tensor) -> torch.Tensor:
+        seen.append(x.shape[0])
+        return original(x)
+
+    engine.model.forward = spy  # type: ignore[method-assign]
+    for n in (5, 2, 7):
+        x = rows(n, seed=n)
+        np.testing.assert_allclose(engine.forward(x), reference(loaded, x), atol=1e-5, rtol=0)
+    assert seen == [6, 4, 8]
+    with pytest.raises(ValidationError, match="batch_buckets"):
+        Execution(batch_buckets=[0, 4])
