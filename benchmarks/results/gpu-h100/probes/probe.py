@@ -1,7 +1,9 @@
 """Probe: server with UINT8 ResNet-50 images under wrk, per precision, with server CPU and a py-spy profile."""
 
+import contextlib
 import json
 import os
+import resource
 import subprocess
 import sys
 import time
@@ -34,7 +36,8 @@ if not (store_dir / "resnet50").exists():
     t = time.time()
     gpu_bench.build_store(store_dir, 224, 128, Execution())
     print("built", time.time() - t, flush=True)
-ex = Execution(instances=instances, compile=Compile.CUDA_GRAPHS, pad_to_bucket=True)
+buckets = [int(b) for b in os.environ["BUCKETS"].split(",")] if os.environ.get("BUCKETS") else None
+ex = Execution(instances=instances, compile=Compile.CUDA_GRAPHS, pad_to_bucket=True, batch_buckets=buckets)
 gpu_bench.set_manifest(store_dir, ex, wire)
 
 dt = {"uint8": ("UINT8", np.uint8, 1), "fp32": ("FP32", np.float32, 4)}[wire]
@@ -54,6 +57,24 @@ lua.write_text(
 def cpu_seconds(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def host_cpu() -> tuple[float, float]:
+    """(busy, total) jiffies of all CPUs, from /proc/stat."""
+    f = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = f[3] + f[4]
+    return sum(f) - idle, sum(f)
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """CPU seconds of ``pid`` and its children (the front-end processes)."""
+    kids = Path(f"/proc/{pid}/task/{pid}/children")
+    pids = [pid, *(int(k) for k in kids.read_text().split())] if kids.exists() else [pid]
+    total = 0.0
+    for p in pids:
+        with contextlib.suppress(FileNotFoundError):  # a front-end that just ended
+            total += cpu_seconds(p)
+    return total
 
 
 def metric(port: int, name: str) -> float:
@@ -89,7 +110,12 @@ for prec in precs:
     for c in conc:
         rows0 = metric(port, "halfserve_batch_size_sum")
         n0 = metric(port, "halfserve_batch_size_count")
+        comp0 = metric(port, "halfserve_compute_duration_seconds_sum")
+        q0 = metric(port, "halfserve_queue_duration_seconds_sum")
+        qn0 = metric(port, "halfserve_queue_duration_seconds_count")
         cpu0 = cpu_seconds(proc.pid)
+        tree0 = tree_cpu_seconds(proc.pid)
+        busy0, total0 = host_cpu()
         spy = None
         if c == 64 and os.environ.get("PYSPY"):
             spy = subprocess.Popen(
@@ -113,6 +139,7 @@ for prec in precs:
                 stderr=subprocess.DEVNULL,
             )
         t0 = time.time()
+        ru0 = resource.getrusage(resource.RUSAGE_CHILDREN)
         w = subprocess.run(
             [WRK, f"-t{min(threads, c)}", f"-c{c}", "-d8s", "--latency", "--timeout", "20s", "-s", str(lua), url],
             env=wenv,
@@ -120,21 +147,35 @@ for prec in precs:
             text=True,
         ).stdout
         wall = time.time() - t0
+        ru1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+        wrk_cpu = (ru1.ru_utime + ru1.ru_stime - ru0.ru_utime - ru0.ru_stime) / wall * 100
         cpu = (cpu_seconds(proc.pid) - cpu0) / wall * 100
+        tree = (tree_cpu_seconds(proc.pid) - tree0) / wall * 100
+        busy1, total1 = host_cpu()
+        host_busy = (busy1 - busy0) / max(1, total1 - total0) * 100
         if spy:
             spy.wait()
         rows = metric(port, "halfserve_batch_size_sum") - rows0
         n = metric(port, "halfserve_batch_size_count") - n0
+        comp = metric(port, "halfserve_compute_duration_seconds_sum") - comp0
+        q = metric(port, "halfserve_queue_duration_seconds_sum") - q0
+        qn = metric(port, "halfserve_queue_duration_seconds_count") - qn0
         parsed = gpu_bench_parse = __import__("serve_bench").parse_wrk(w)
         r = {
             "precision": prec,
             "concurrency": c,
             **parsed,
             "server_cpu_percent": round(cpu),
+            "server_and_frontends_cpu_percent": round(tree),
+            "host_cpu_busy_percent": round(host_busy, 1),
+            "wrk_cpu_percent": round(wrk_cpu),
             "mean_batch": round(rows / max(n, 1), 1),
+            "mean_compute_ms": round(1000 * comp / max(n, 1), 2),
+            "mean_queue_ms": round(1000 * q / max(qn, 1), 2),
             "args": extra,
             "wire": wire,
             "instances": instances,
+            "buckets": buckets,
         }
         print(json.dumps(r), flush=True)
         results.append(r)
