@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 from collections import Counter, deque
 from collections.abc import Awaitable, Callable, Hashable, Sequence
@@ -316,11 +317,18 @@ class Batcher:
         return (await self.submit_result(data, deadline)).data
 
     async def submit_result(self, data: np.ndarray, deadline: float | None = None) -> Result:
-        """Queue ``data`` (rows first) and wait for its output rows and their tags.
+        """Queue ``data`` (rows first) and wait for its output rows and their tags; see :meth:`enqueue`."""
+        return await self.enqueue(data, deadline)
+
+    def enqueue(self, data: np.ndarray, deadline: float | None = None) -> asyncio.Future[Result]:
+        """Queue ``data`` (rows first); returns the future of its output rows and their tags.
 
         ``deadline`` is a time on :attr:`clock`. Raises :class:`QueueFullError` at once when the rows do not fit in
-        the queue now, :class:`RequestTooLargeError` when they never would, :class:`DeadlineExceededError` when the
-        deadline passes before all its rows started, :class:`BatchFailedError` when the runner fails on its rows.
+        the queue now, :class:`RequestTooLargeError` when they never would; the future fails with
+        :class:`DeadlineExceededError` when the deadline passes before all its rows started, and with
+        :class:`BatchFailedError` when the runner fails on its rows. Cancelling the future withdraws the rows not
+        yet running. A future rather than a coroutine: a caller that answers from a callback (the engine process's
+        front-end connections) spares a task per request.
         """
         if self._closing:
             self.stats.failed += 1
@@ -350,18 +358,20 @@ class Batcher:
         if was_empty or self._queued_rows >= self.max_batch_size:
             self._wakeup.set()
         timer = loop.call_later(max(0.0, deadline - start), self._expire, req) if deadline is not None else None
-        try:
-            out = await future
-        except BaseException:
+        # Registered before any caller awaits the future, so the counts are updated before the caller resumes.
+        future.add_done_callback(functools.partial(self._settled, start, timer))
+        return future
+
+    def _settled(self, start: float, timer: asyncio.TimerHandle | None, future: asyncio.Future[Result]) -> None:
+        if timer is not None:
+            timer.cancel()
+        elapsed = self.clock() - start
+        if future.cancelled() or future.exception() is not None:
             self.stats.failed += 1
-            self.stats.fail_seconds += self.clock() - start
-            raise
-        finally:
-            if timer is not None:
-                timer.cancel()
-        self.stats.succeeded += 1
-        self.stats.success_seconds += self.clock() - start
-        return out
+            self.stats.fail_seconds += elapsed
+        else:
+            self.stats.succeeded += 1
+            self.stats.success_seconds += elapsed
 
     def _expire(self, req: Pending) -> None:
         """The deadline timer: answer ``req`` unless it is answered or all its rows are running."""

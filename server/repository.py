@@ -17,7 +17,7 @@ import numpy as np
 
 from server import precision as prec
 from server import store
-from server.batching import Batcher, BatchObserver, BatchStats
+from server.batching import Batcher, BatchObserver, BatchStats, Result
 from server.engine import Engine, EngineInfo, module_bytes, resolve_device
 from server.precision import Precision
 from server.settings import Settings
@@ -113,6 +113,11 @@ class ServedModel:
         ``timeout`` (seconds, the client's) and the model's ``request_timeout_ms``, whichever is shorter, bound how
         long its rows may wait to start: past it the request fails with ``DeadlineExceededError``.
         """
+        return self.prediction(await self.submit(x, timeout))
+
+    def submit(self, x: np.ndarray, timeout: float | None = None) -> asyncio.Future[Result]:
+        """:meth:`infer` as a future of the batcher's result, for callers that answer from a callback; raises at
+        once what :meth:`infer` raises before queueing. :meth:`prediction` turns the result into the answer."""
         batcher = self.batcher
         if batcher is None:
             state = "draining" if self.state is ModelState.READY else self.state.value  # released while ready
@@ -120,9 +125,11 @@ class ServedModel:
         configured = self.batching.request_timeout_ms
         if configured is not None:
             timeout = configured / 1000.0 if timeout is None else min(timeout, configured / 1000.0)
-        result = await batcher.submit_result(x, None if timeout is None else batcher.clock() + timeout)
-        precision = "+".join(result.tags) if result.tags else str(self.precision)
-        return Prediction(result.data, precision)
+        return batcher.enqueue(x, None if timeout is None else batcher.clock() + timeout)
+
+    def prediction(self, result: Result) -> Prediction:
+        """A batcher's result as an answer: its rows, and the precision that computed them."""
+        return Prediction(result.data, "+".join(result.tags) if result.tags else str(self.precision))
 
     def stats(self) -> dict[str, object] | None:
         """What the batcher and the engine have done since the model was loaded; ``None`` unless it is served."""
