@@ -252,3 +252,22 @@ async def test_replacing_the_runner_moves_the_next_batch_only() -> None:
     assert second.sizes == [2]
     np.testing.assert_array_equal(out[0], rows(2) * 2)
     np.testing.assert_array_equal(out[1], rows(2, start=100) * 2)
+
+
+async def test_enqueue_returns_a_future_whose_cancel_withdraws_its_rows() -> None:
+    runner = FakeRunner()
+    runner.gate.clear()  # the first batch holds the only slot, so the next requests stay queued
+    b = Batcher(runner, max_batch_size=4, max_delay=0.001, max_queue_rows=64)
+    b.start()
+    first = b.enqueue(rows(4))
+    await asyncio.sleep(0.01)
+    withdrawn, kept = b.enqueue(rows(2, start=100)), b.enqueue(rows(1, start=200))
+    assert b.queued_rows == 3
+    withdrawn.cancel()
+    runner.gate.set()
+    np.testing.assert_array_equal((await kept).data, rows(1, start=200) * 2)
+    assert (await first).data.shape == (4, 3)
+    assert runner.sizes == [4, 1]  # the cancelled request's rows never ran
+    assert b.stats.succeeded == 2
+    assert b.stats.failed == 1  # counted by the future's own callback, before the awaiting caller resumed
+    await b.stop()
