@@ -60,6 +60,19 @@ def reference(loaded: store.LoadedModel, x: np.ndarray) -> np.ndarray:
     return out
 
 
+def forward_batch_sizes(engine: Engine) -> list[int]:
+    """The batch size of each forward the engine's model runs from now on (a spy on its ``forward``)."""
+    seen: list[int] = []
+    original = engine.model.forward
+
+    def spy(x: torch.Tensor) -> torch.Tensor:
+        seen.append(x.shape[0])
+        return original(x)
+
+    engine.model.forward = spy  # type: ignore[method-assign]
+    return seen
+
+
 def rows(n: int, features: int = 16, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).standard_normal((n, features)).astype(np.float32)
 
@@ -90,14 +103,7 @@ def test_padded_batches_run_the_bucket_size_and_return_only_their_rows(tmp_path:
     loaded = tiny(tmp_path, pad_to_bucket=True)
     engine = Engine(loaded, Precision.FP32, CPU, max_batch_size=8)
     assert engine.buckets == [1, 2, 4, 8]
-    seen: list[int] = []
-    original = engine.model.forward
-
-    def spy(x: torch.Tensor) -> torch.Tensor:
-        seen.append(x.shape[0])
-        return original(x)
-
-    engine.model.forward = spy  # type: ignore[method-assign]
+    seen = forward_batch_sizes(engine)
     chunks = [rows(2, seed=1), rows(1, seed=2), rows(2, seed=3)]
     outcomes = engine.run_chunks(chunks)
     assert seen == [8]  # 5 rows padded up to the bucket of 8
@@ -331,14 +337,7 @@ def test_explicit_buckets_pad_to_the_next_listed_size(tmp_path: Path) -> None:
     loaded = tiny(tmp_path, pad_to_bucket=True, batch_buckets=[1, 4, 6, 12])
     engine = Engine(loaded, Precision.FP32, CPU, max_batch_size=8)
     assert engine.buckets == [1, 4, 6, 8]  # max_batch_size is always one; sizes past it are dropped
-    seen: list[int] = []
-    original = engine.model.forward
-
-    def spy(x: torch.Tensor) -> torch.Tensor:
-        seen.append(x.shape[0])
-        return original(x)
-
-    engine.model.forward = spy  # type: ignore[method-assign]
+    seen = forward_batch_sizes(engine)
     for n in (5, 2, 7):
         x = rows(n, seed=n)
         np.testing.assert_allclose(engine.forward(x), reference(loaded, x), atol=1e-5, rtol=0)
