@@ -13,6 +13,7 @@ without a copy).
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -53,8 +54,9 @@ def pin_host(buffer: Any) -> Callable[[], None] | None:
     return unpin
 
 
+@functools.cache
 def torch_dtype(dtype: np.dtype[Any]) -> torch.dtype:
-    """The torch dtype of a numpy dtype."""
+    """The torch dtype of a numpy dtype (asked once per batch: cached)."""
     return torch.from_numpy(np.empty(0, dtype=dtype)).dtype
 
 
@@ -146,7 +148,7 @@ class Instance:
         """The batch on the device as ``size`` rows (zero rows after the chunks' rows), in ``into`` when given.
 
         Chunks in page-locked memory (a front-end's shared slots, pinned by the engine process) are copied to the
-        device one by one, with no host-side copy; others are staged first (:meth:`stage`). Either way the copies
+        device as they are, with no host-side copy; others are staged first (:meth:`stage`). Either way the copies
         are asynchronous on the current stream, and the chunks must stay unchanged until the stream has passed them
         (the engine answers a batch only after :meth:`fetch` has synchronised).
         """
