@@ -72,6 +72,28 @@ def frame(header: dict[str, Any], payload: bytes | memoryview = b"") -> list[byt
     return parts
 
 
+class FrameWriter:
+    """Frames sent during one event-loop iteration, written to the transport together at the iteration's end.
+
+    Answers come in bursts (every request of a batch is answered in the same iteration), so coalescing them makes one
+    write, and one wake-up of the reader, per burst rather than per frame.
+    """
+
+    def __init__(self, transport: asyncio.Transport) -> None:
+        self.transport = transport
+        self._parts: list[bytes | memoryview] = []
+
+    def write(self, header: dict[str, Any], payload: bytes | memoryview = b"") -> None:
+        if not self._parts:
+            asyncio.get_running_loop().call_soon(self._flush)
+        self._parts += frame(header, payload)
+
+    def _flush(self) -> None:
+        parts, self._parts = self._parts, []
+        if not self.transport.is_closing():
+            self.transport.writelines(parts)
+
+
 class FrameReader:
     """Cuts a byte stream into (header, payload) frames."""
 
@@ -140,11 +162,13 @@ class _Connection(asyncio.Protocol):
         self.unpin = unpin
         self.reader = FrameReader()
         self.transport: asyncio.Transport | None = None
+        self.writer: FrameWriter | None = None
         self.pending: set[asyncio.Future[Result]] = set()
         """Requests queued or running, answered from a callback when done (no task per request)."""
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's transports are not asyncio's subclasses
+        self.writer = FrameWriter(self.transport)
         self.send({"op": "table", "models": table(self.backplane.repo)})
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -162,8 +186,8 @@ class _Connection(asyncio.Protocol):
             self.unpin = None
 
     def send(self, header: dict[str, Any], payload: bytes | memoryview = b"") -> None:
-        if self.transport is not None and not self.transport.is_closing():
-            self.transport.writelines(frame(header, payload))
+        if self.writer is not None and self.transport is not None and not self.transport.is_closing():
+            self.writer.write(header, payload)
 
     def data_received(self, data: bytes) -> None:
         for header, payload in self.reader.feed(data):

@@ -56,6 +56,7 @@ class BackplaneClient(asyncio.Protocol):
         self.on_table = on_table
         self.reader = backplane.FrameReader()
         self.transport: asyncio.Transport | None = None
+        self.writer: backplane.FrameWriter | None = None
         self.pending: dict[int, _Pending] = {}
         self.ids = itertools.count(1)
         self.records: list[list[Any]] = []
@@ -89,6 +90,7 @@ class BackplaneClient(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's transports are not asyncio's subclasses
+        self.writer = backplane.FrameWriter(self.transport)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.transport = None
@@ -114,9 +116,9 @@ class BackplaneClient(asyncio.Protocol):
                 pending.future.set_result((header, payload))
 
     def _send(self, header: dict[str, Any], payload: bytes | memoryview = b"") -> None:
-        if self.transport is None or self.transport.is_closing():
+        if self.writer is None or self.transport is None or self.transport.is_closing():
             raise ModelNotReadyError("the engine process is not connected")
-        self.transport.writelines(backplane.frame(header, payload))
+        self.writer.write(header, payload)
 
     def _release(self, slot: int) -> None:
         if slot >= 0:
