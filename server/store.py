@@ -144,7 +144,7 @@ class Execution(BaseModel):
 
 
 class Normalize(BaseModel):
-    """Input normalisation run on the device, in the serving dtype, before the model: ``(x * scale - mean) / std``.
+    """Input normalisation run on the device, in fp32, before the model's cast: ``(x * scale - mean) / std``.
 
     ``mean`` and ``std`` hold one value per channel (the sample's first dimension). With a ``UINT8`` input, clients
     send images as bytes (a quarter of FP32's) and the server widens and normalises them where it is cheap.

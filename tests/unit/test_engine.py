@@ -12,8 +12,9 @@ from torch import nn
 
 from server import store
 from server.batching import Output
-from server.engine import Engine, EngineError, batch_buckets, resolve_device
+from server.engine import Engine, EngineError, Normalizer, batch_buckets, resolve_device
 from server.precision import Precision
+from server.store import Normalize
 from tests.conftest import save_tiny_mlp
 
 CPU = torch.device("cpu")
@@ -30,6 +31,28 @@ def test_batch_buckets_are_powers_of_two_up_to_the_limit() -> None:
     assert batch_buckets(1) == [1]
     assert batch_buckets(8) == [1, 2, 4, 8]
     assert batch_buckets(48) == [1, 2, 4, 8, 16, 32, 48]
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        Normalize(scale=1 / 255, mean=[0.485, 0.456, 0.406], std=[0.229, 0.224, 0.225]),
+        Normalize(scale=0.5),
+        Normalize(mean=[1, 2, 3]),
+        Normalize(scale=2, std=[1, 2, 4]),
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.float16, torch.float32])
+def test_normalizer_computes_the_manifest_formula_in_fp32(spec: Normalize, dtype: torch.dtype) -> None:
+    x = torch.randint(0, 256, (4, 3, 5, 5)).to(dtype)
+    want = x.double() * spec.scale
+    if spec.mean is not None:
+        want = want - torch.tensor(spec.mean, dtype=torch.float64).reshape(1, -1, 1, 1)
+    if spec.std is not None:
+        want = want / torch.tensor(spec.std, dtype=torch.float64).reshape(1, -1, 1, 1)
+    got = Normalizer(spec, 3, CPU)(x)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize(
