@@ -61,10 +61,17 @@ class Protocol:
     script: Path
 
 
-def make_protocol(name: str, model: str, input_name: str, sample: np.ndarray, folder: Path) -> Protocol:
+WIRE_DTYPES = {"FP32": "<f4", "FP16": "<f2", "UINT8": "u1"}
+"""numpy dtypes of the V2 datatypes a binary body may carry."""
+
+
+def make_protocol(
+    name: str, model: str, input_name: str, sample: np.ndarray, folder: Path, datatype: str = "FP32"
+) -> Protocol:
     """Write the body and wrk script of protocol ``name`` for one sample into ``folder``.
 
-    JSON bodies carry ``sample``'s (float64, rounded) values as written; the binary body carries them as float32.
+    JSON bodies carry ``sample``'s (float64, rounded) values as written; the binary body carries them as
+    ``datatype``.
     """
     batch = [1, *sample.shape]
     extra = ""
@@ -77,8 +84,13 @@ def make_protocol(name: str, model: str, input_name: str, sample: np.ndarray, fo
         body = json.dumps({"inputs": [tensor]}).encode()
     elif name == "v2-binary":
         path, content_type = f"/v2/models/{model}/infer", "application/octet-stream"
-        raw = sample.astype("<f4").tobytes()
-        tensor = {"name": input_name, "shape": batch, "datatype": "FP32", "parameters": {"binary_data_size": len(raw)}}
+        raw = sample.astype(WIRE_DTYPES[datatype]).tobytes()
+        tensor = {
+            "name": input_name,
+            "shape": batch,
+            "datatype": datatype,
+            "parameters": {"binary_data_size": len(raw)},
+        }
         header = json.dumps({"inputs": [tensor], "parameters": {"binary_data_output": True}}).encode()
         body = header + raw
         extra = f'wrk.headers["{HEADER_LENGTH}"] = "{len(header)}"\n'
@@ -151,9 +163,10 @@ def wrk(
     return parse_wrk(text)
 
 
-def start_server(store_dir: Path, model: str, port: int, *args: str) -> subprocess.Popen[bytes]:
+def start_server(store_dir: Path, model: str, port: int, *args: str, source: Path = ROOT) -> subprocess.Popen[bytes]:
+    """``halfserve serve`` of the tree at ``source`` (python -m puts it first on the path), once it answers ready."""
     cmd = [sys.executable, "-m", "server", "serve", "--store", str(store_dir), "--models", model, "--port", str(port)]
-    proc = subprocess.Popen([*cmd, *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
+    proc = subprocess.Popen([*cmd, *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=source)
     for _ in range(600):
         try:
             if httpx.get(f"http://127.0.0.1:{port}/ready", timeout=1).status_code == 200:
