@@ -76,6 +76,9 @@ class EngineInfo:
     channels_last: bool = False
     graph_capture_seconds: float = 0.0
     """Time spent capturing CUDA graphs at warm-up, all buckets and instances together."""
+    inductor: bool = False
+    inductor_compile_seconds: float = 0.0
+    """Time spent compiling with TorchInductor at warm-up (each bucket's first forward), all buckets together."""
 
 
 def batch_buckets(max_batch_size: int, sizes: list[int] | None = None) -> list[int]:
@@ -162,7 +165,9 @@ class Engine:
             else self._normalize
         )
         self.out_shape = tuple(loaded.manifest.outputs[0].shape)
-        self.pad = cuda if ex.pad_to_bucket is None else ex.pad_to_bucket
+        self.inductor = ex.compile is Compile.INDUCTOR
+        # A compiled forward runs fixed shapes, so it pads to buckets wherever it runs.
+        self.pad = (cuda or self.inductor) if ex.pad_to_bucket is None else ex.pad_to_bucket
         # Graphs replay fixed shapes and fixed casts: autocast's weight cache cannot be captured, so it runs eagerly.
         self.cuda_graphs = ex.compile is Compile.CUDA_GRAPHS and cuda and self.precision is not Precision.AUTOCAST
         images = len(self.sample_shape) == 3
@@ -196,6 +201,8 @@ class Engine:
         self._idle = list(reversed(self.instances))
         self._next = 0
         self._lock = threading.Lock()
+        self._run = torch.compile(self._run_eager, dynamic=False) if self.inductor else self._run_eager
+        self.compile_seconds = 0.0
         self.overflows = 0
         """Chunks whose half-precision output was not finite for a finite input, whatever the policy did."""
         self.fp32_reruns = 0
@@ -219,6 +226,8 @@ class Engine:
             cuda_graphs=self.cuda_graphs,
             channels_last=self.channels_last,
             graph_capture_seconds=sum(g.capture_seconds for i in self.instances for g in i.graphs.values()),
+            inductor=self.inductor,
+            inductor_compile_seconds=self.compile_seconds,
         )
 
     def _prepare(self, t: torch.Tensor) -> torch.Tensor:
@@ -232,11 +241,13 @@ class Engine:
             t = t.contiguous(memory_format=torch.channels_last)
         return t
 
+    def _run_eager(self, t: torch.Tensor) -> torch.Tensor:
+        return self.model(self._prepare(t))  # type: ignore[no-any-return]
+
     def forward_device(self, t: torch.Tensor) -> torch.Tensor:
-        """Cast and run a batch already on the device, under the precision's context."""
+        """Cast and run a batch already on the device, under the precision's context (compiled with ``inductor``)."""
         with prec.inference(self.precision, self.device):
-            y = self.model(self._prepare(t))
-        return y  # type: ignore[no-any-return]
+            return self._run(t)
 
     def forward_chunks(self, chunks: list[np.ndarray], inst: Instance | None = None) -> np.ndarray:
         """Run the chunks as one batch (padded to its bucket) on ``inst``; float32 outputs, one row per input row."""
@@ -339,6 +350,11 @@ class Engine:
         sizes = batch_buckets(max_batch_size, self._bucket_sizes)
         if self.pad and not self.buckets:
             self.buckets = sizes
+        if self.inductor:
+            global _compiled_shapes
+            _compiled_shapes += len(sizes)
+            for inst in self.instances:
+                inst.executor.submit(_allow_compiled_shapes, _compiled_shapes).result()
         for inst in self.instances:
             inst.executor.submit(self._warm_instance, inst, sizes).result()
         return time.perf_counter() - start
@@ -353,11 +369,32 @@ class Engine:
                 graph = inst.capture(size, sample, self.forward_device, self.model)
                 secs = graph.capture_seconds
                 log.info("%s[%d]: captured a CUDA graph of batch %d in %.3fs", self.name, inst.index, size, secs)
+            start = time.perf_counter()
             self.forward_chunks([x], inst)
+            if self.inductor and inst.index == 0:  # the first instance compiles; the others find it compiled
+                secs = time.perf_counter() - start
+                self.compile_seconds += secs
+                log.info("%s: compiled batch %d with TorchInductor in %.2fs", self.name, size, secs)
 
     def close(self) -> None:
         for inst in self.instances:
             inst.close()
+
+
+_compiled_shapes = 0
+"""Shapes compiled with TorchInductor so far in this process, every engine's together."""
+
+
+def _allow_compiled_shapes(count: int) -> None:
+    """Let torch.compile keep ``count`` compiled shapes of :meth:`Engine._run_eager` on this thread.
+
+    Every engine's compiled forward is the same code object to torch.compile, so its entries add up over models,
+    precisions and reloads; past its recompile limit (8) it would run eager forwards and say so only in a log line.
+    Its limits are read on the compiling thread, so an instance sets them on its own.
+    """
+    config = torch._dynamo.config
+    config.cache_size_limit = max(config.cache_size_limit, count)
+    config.accumulated_cache_size_limit = max(config.accumulated_cache_size_limit, count)
 
 
 def module_bytes(module: nn.Module) -> int:

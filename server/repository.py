@@ -185,6 +185,8 @@ def _execution(info: EngineInfo) -> dict[str, object]:
         "cuda_graphs": info.cuda_graphs,
         "channels_last": info.channels_last,
         "graph_capture_seconds": round(info.graph_capture_seconds, 4),
+        "inductor": info.inductor,
+        "inductor_compile_seconds": round(info.inductor_compile_seconds, 4),
     }
 
 
@@ -281,7 +283,7 @@ class ModelRepository:
         served.state = ModelState.READY
         info = engine.info
         log.info(
-            "model %s v%d ready on %s in %s (warm-up %.2fs; %d instance(s), buckets %s, CUDA graphs %s)",
+            "model %s v%d ready on %s in %s (warm-up %.2fs; %d instance(s), buckets %s, CUDA graphs %s, inductor %s)",
             served.name,
             served.version,
             engine.device,
@@ -290,6 +292,7 @@ class ModelRepository:
             info.instances,
             list(info.buckets) or "off",
             f"captured in {info.graph_capture_seconds:.2f}s" if info.cuda_graphs else "off",
+            f"compiled in {info.inductor_compile_seconds:.2f}s" if info.inductor else "off",
         )
 
     async def load(self, name: str, version: int | None = None, precision: Precision | None = None) -> ServedModel:

@@ -104,6 +104,10 @@ class Compile(str, Enum):
     """Eager forwards."""
     CUDA_GRAPHS = "cuda_graphs"
     """Capture one CUDA graph per batch bucket at warm-up and replay it (CUDA only; ignored on a CPU)."""
+    INDUCTOR = "inductor"
+    """``torch.compile`` (TorchInductor) of the input preparation and the forward, one fixed shape per batch bucket,
+    compiled at warm-up: fused kernels and planned buffers. On a CPU it builds C++ kernels, so it needs a C++
+    compiler where the server runs."""
 
 
 class Execution(BaseModel):
@@ -137,9 +141,11 @@ class Execution(BaseModel):
         return v
 
     @model_validator(mode="after")
-    def _graphs_need_buckets(self) -> Execution:
-        if self.compile is Compile.CUDA_GRAPHS and self.pad_to_bucket is False:
-            raise ValueError("compile 'cuda_graphs' replays fixed shapes: it needs pad_to_bucket (true or unset)")
+    def _compiled_need_buckets(self) -> Execution:
+        if self.compile is not Compile.NONE and self.pad_to_bucket is False:
+            raise ValueError(
+                f"compile {self.compile.value!r} runs fixed shapes: it needs pad_to_bucket (true or unset)"
+            )
         return self
 
 

@@ -159,3 +159,22 @@ async def test_highest_version_is_served_unless_pinned(tmp_path: Path) -> None:
     save_tiny_mlp(tmp_path, seed=2, version=1)  # rewrites the manifest with a pin
     async with serving(Settings(store=tmp_path)) as client:
         assert (await client.post("/predict", json={"inputs": [[0.0] * 16]})).json()["version"] == 1
+
+
+async def test_a_model_compiled_with_inductor_serves_in_bf16_and_reports_its_compile_time(tmp_path: Path) -> None:
+    save_tiny_mlp(tmp_path, execution=store.Execution(compile="inductor"), batching=store.Batching(max_batch_size=2))
+    x = np.random.default_rng(0).standard_normal((3, 16)).astype(np.float32)
+    async with serving(Settings(store=tmp_path, precision="bf16")) as client:
+        answers = await asyncio.gather(
+            *(client.post("/predict", json={"model": "tiny", "inputs": x[i : i + 1].tolist()}) for i in range(3))
+        )
+        listing = (await client.get("/models")).json()
+    assert [r.status_code for r in answers] == [200] * 3
+    assert {r.json()["precision"] for r in answers} == {"bf16"}
+    got = np.concatenate([r.json()["outputs"] for r in answers])
+    want = reference(tmp_path, "tiny", x)
+    np.testing.assert_allclose(got, want, atol=0.05 * np.abs(want).max(), rtol=0)
+    (entry,) = listing["models"]
+    assert entry["execution"]["buckets"] == [1, 2]
+    assert entry["execution"]["inductor"] is True
+    assert entry["execution"]["inductor_compile_seconds"] > 0

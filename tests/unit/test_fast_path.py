@@ -89,6 +89,8 @@ def test_execution_defaults_and_validation() -> None:
     assert (ex.instances, ex.pad_to_bucket, ex.compile, ex.channels_last) == (1, None, Compile.NONE, None)
     with pytest.raises(ValidationError, match="needs pad_to_bucket"):
         Execution(compile=Compile.CUDA_GRAPHS, pad_to_bucket=False)
+    with pytest.raises(ValidationError, match="inductor.*needs pad_to_bucket"):
+        Execution(compile=Compile.INDUCTOR, pad_to_bucket=False)
     with pytest.raises(ValidationError, match="instances"):
         Execution(instances=0)
 
@@ -209,6 +211,8 @@ async def test_the_repository_gives_the_batcher_one_slot_per_instance(tmp_path: 
         "cuda_graphs": False,
         "channels_last": False,
         "graph_capture_seconds": 0.0,
+        "inductor": False,
+        "inductor_compile_seconds": 0.0,
     }
     outs = await asyncio.gather(*(served.infer(rows(1, seed=i)) for i in range(12)))
     assert all(p.outputs.shape == (1, 4) for p in outs)
@@ -273,6 +277,24 @@ def test_cuda_graphs_are_captured_per_bucket_and_replayed(tmp_path: Path, mode: 
         want = reference(loaded, x)
         np.testing.assert_allclose(got, want, atol=tol * np.abs(want).max(), rtol=0)
     assert calls == 0  # every batch was a graph replay, not an eager forward
+    engine.close()
+
+
+@pytest.mark.gpu
+@cuda
+def test_cuda_inductor_compiles_each_bucket_and_agrees_with_fp32(tmp_path: Path) -> None:
+    loaded = small_cnn(tmp_path, compile="inductor", instances=2)
+    engine = Engine(loaded, Precision.FP16, CUDA, max_batch_size=8)
+    graphs = torch._dynamo.utils.counters["stats"]
+    before = graphs["unique_graphs"]
+    engine.warmup(8)
+    assert engine.info.inductor
+    assert graphs["unique_graphs"] - before == 4
+    for n in (1, 3, 8):  # 3 rows run the compiled shape of 4
+        x = np.random.default_rng(n).uniform(0, 1, (n, 3, 16, 16)).astype(np.float32)
+        want = reference(loaded, x)
+        np.testing.assert_allclose(engine.forward(x), want, atol=0.02 * np.abs(want).max(), rtol=0)
+    assert graphs["unique_graphs"] - before == 4
     engine.close()
 
 
@@ -344,3 +366,53 @@ def test_explicit_buckets_pad_to_the_next_listed_size(tmp_path: Path) -> None:
     assert seen == [6, 4, 8]
     with pytest.raises(ValidationError, match="batch_buckets"):
         Execution(batch_buckets=[0, 4])
+
+
+async def test_inductor_compiles_each_bucket_once_at_warmup_and_its_instances_serve_them(tmp_path: Path) -> None:
+    loaded = tiny(tmp_path, compile="inductor", instances=2)
+    engine = Engine(loaded, Precision.FP32, CPU)
+    assert engine.pad  # a compiled forward runs fixed shapes, so it pads on a CPU too
+    graphs = torch._dynamo.utils.counters["stats"]
+    before = graphs["unique_graphs"]
+    engine.warmup(4)
+    assert engine.buckets == [1, 2, 4]
+    assert graphs["unique_graphs"] - before == 3  # one per bucket: the second instance found them compiled
+    assert engine.info.inductor
+    assert engine.info.inductor_compile_seconds > 0
+    xs = [rows(n, seed=n) for n in (3, 1, 4, 2, 3, 4)]
+    outs = await asyncio.gather(*(engine.run([x]) for x in xs))
+    for x, (out,) in zip(xs, outs, strict=True):
+        assert isinstance(out, Output)
+        np.testing.assert_allclose(out.data, reference(loaded, x), rtol=1e-5, atol=1e-6)
+    assert graphs["unique_graphs"] - before == 3  # padded batches ran the compiled shapes: nothing recompiled
+    assert all(i.forwards > 3 for i in engine.instances)  # both instances served
+    engine.close()
+
+
+def test_inductor_keeps_compiling_past_torch_compiles_recompile_limit(tmp_path: Path) -> None:
+    # Every engine's compiled forward is one code object to torch.compile: three precisions of four buckets each are
+    # twelve shapes, past its default limit of eight, after which it would quietly run eager forwards. The MLP's
+    # widths are its own, so no other test has compiled these shapes in this process.
+    kwargs = {"in_features": 16, "hidden": [24], "out_features": 4}
+    torch.manual_seed(0)
+    manifest = Manifest(
+        name="mlp24",
+        architecture="mlp",
+        arch_kwargs=kwargs,
+        inputs=[TensorSpec(name="features", shape=[16])],
+        outputs=[TensorSpec(name="logits", shape=[4])],
+        execution=Execution(compile=Compile.INDUCTOR),
+    )
+    store.save(tmp_path, manifest, models.build("mlp", **kwargs))
+    loaded = store.load(tmp_path, "mlp24")
+    graphs = torch._dynamo.utils.counters["stats"]
+    x = rows(5, seed=5)
+    for mode, tolerance in ((Precision.FP32, 1e-5), (Precision.BF16, 0.05), (Precision.FP16, 0.01)):
+        engine = Engine(loaded, mode, CPU)
+        before = graphs["unique_graphs"]
+        engine.warmup(8)
+        assert engine.buckets == [1, 2, 4, 8]
+        assert graphs["unique_graphs"] - before == 4, mode  # each bucket compiled, none left to eager forwards
+        want = reference(loaded, x)
+        np.testing.assert_allclose(engine.forward(x), want, atol=tolerance * np.abs(want).max(), rtol=0)
+        engine.close()
