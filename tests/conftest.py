@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -20,6 +21,13 @@ from server.store import Batching, Manifest, TensorSpec
 
 ROOT = Path(__file__).resolve().parent.parent
 SHIPPED_STORE = ROOT / "model_store"
+
+
+needs_cxx = pytest.mark.skipif(
+    not any(shutil.which(c) for c in ("g++", "c++", "clang++")),
+    reason="TorchInductor builds C++ kernels on a CPU: needs a C++ compiler",
+)
+"""For tests of ``execution.compile: "inductor"`` on a CPU."""
 
 
 def save_tiny_mlp(root: Path, name: str = "tiny", seed: int = 0, **manifest_fields: object) -> Path:

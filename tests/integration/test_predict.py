@@ -11,7 +11,7 @@ import torch
 
 from server import precision, store
 from server.settings import Settings
-from tests.conftest import save_tiny_mlp
+from tests.conftest import needs_cxx, save_tiny_mlp
 from tests.integration.conftest import serving
 
 
@@ -161,6 +161,7 @@ async def test_highest_version_is_served_unless_pinned(tmp_path: Path) -> None:
         assert (await client.post("/predict", json={"inputs": [[0.0] * 16]})).json()["version"] == 1
 
 
+@needs_cxx
 async def test_a_model_compiled_with_inductor_serves_in_bf16_and_reports_its_compile_time(tmp_path: Path) -> None:
     save_tiny_mlp(tmp_path, execution=store.Execution(compile="inductor"), batching=store.Batching(max_batch_size=2))
     x = np.random.default_rng(0).standard_normal((3, 16)).astype(np.float32)

@@ -21,7 +21,7 @@ from server.engine import Engine
 from server.instance import bucket_for, pin_host, pinned
 from server.precision import Precision
 from server.store import Batching, Compile, Execution, Manifest, TensorSpec
-from tests.conftest import save_tiny_mlp
+from tests.conftest import needs_cxx, save_tiny_mlp
 
 CPU = torch.device("cpu")
 CUDA = torch.device("cuda")
@@ -368,6 +368,7 @@ def test_explicit_buckets_pad_to_the_next_listed_size(tmp_path: Path) -> None:
         Execution(batch_buckets=[0, 4])
 
 
+@needs_cxx
 async def test_inductor_compiles_each_bucket_once_at_warmup_and_its_instances_serve_them(tmp_path: Path) -> None:
     loaded = tiny(tmp_path, compile="inductor", instances=2)
     engine = Engine(loaded, Precision.FP32, CPU)
@@ -389,6 +390,7 @@ async def test_inductor_compiles_each_bucket_once_at_warmup_and_its_instances_se
     engine.close()
 
 
+@needs_cxx
 def test_inductor_keeps_compiling_past_torch_compiles_recompile_limit(tmp_path: Path) -> None:
     # Every engine's compiled forward is one code object to torch.compile: three precisions of four buckets each are
     # twelve shapes, past its default limit of eight, after which it would quietly run eager forwards. The MLP's
