@@ -117,7 +117,10 @@ class ServedModel:
 
     def submit(self, x: np.ndarray, timeout: float | None = None) -> asyncio.Future[Result]:
         """:meth:`infer` as a future of the batcher's result, for callers that answer from a callback; raises at
-        once what :meth:`infer` raises before queueing. :meth:`prediction` turns the result into the answer."""
+        once what :meth:`infer` raises before queueing. :meth:`prediction` turns the result into the answer.
+
+        A read-only ``x`` (a binary request body decoded in place) is copied first: the engine hands a batch's rows to
+        torch without a copy where it can, and torch takes only writable memory."""
         batcher = self.batcher
         if batcher is None:
             state = "draining" if self.state is ModelState.READY else self.state.value  # released while ready
@@ -125,6 +128,8 @@ class ServedModel:
         configured = self.batching.request_timeout_ms
         if configured is not None:
             timeout = configured / 1000.0 if timeout is None else min(timeout, configured / 1000.0)
+        if not x.flags.writeable:
+            x = x.copy()
         return batcher.enqueue(x, None if timeout is None else batcher.clock() + timeout)
 
     def prediction(self, result: Result) -> Prediction:

@@ -206,7 +206,8 @@ class Inference:
 
 def to_input_dtype(arr: np.ndarray, wire: WireType, spec: TensorSpec, fp16_weights: bool, field: str) -> np.ndarray:
     """``arr`` (of datatype ``wire``) as the array the batcher takes for ``spec``; the rules are in the module's
-    docstring. The result is always writable (the engine hands it to torch without a copy)."""
+    docstring. A binary body's rows stay a read-only view of the body when their dtype is already the target's:
+    :meth:`~server.repository.ServedModel.submit` copies them for the engine, a front-end into its shared slot."""
     target = NUMPY_DTYPES[spec.datatype]
     if target.kind == "f":
         if not (wire.is_float or wire.is_integer):
@@ -221,7 +222,7 @@ def to_input_dtype(arr: np.ndarray, wire: WireType, spec: TensorSpec, fp16_weigh
         check_range(arr, target, field)
     # Floats beyond the target's range become infinite here, silently: the finiteness check that follows names them.
     with np.errstate(over="ignore", invalid="ignore"):
-        return arr.astype(target, copy=not arr.flags.writeable)
+        return arr.astype(target, copy=False)
 
 
 def _input_shape(shape: object, spec: TensorSpec, field: str) -> list[int]:
