@@ -18,11 +18,17 @@ Source trees run interleaved (A, B, A, B, ...), since runs on a shared host move
 a commit, checked out in a temporary git worktree, or ``.`` for this working tree:
 
     python benchmarks/path_cost.py --revs HEAD~1,. --rounds 3 --out benchmarks/results/path-cost-cpu/ab
+
+``--variants`` compares server options the same way (each one's runs for every rev):
+
+    python benchmarks/path_cost.py --model resnet_bench --store model_store --http-workers 1 \
+        --variants="--threads 1" --variants="--threads 2"
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import resource
@@ -99,9 +105,11 @@ def children_cpu() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def measure(args: argparse.Namespace, source: Path, proto: serve_bench.Protocol) -> dict[str, Any]:
-    """One server of the tree at ``source``: warm up, then one wrk run with every part's CPU time around it."""
+def measure(args: argparse.Namespace, source: Path, variant: str, proto: serve_bench.Protocol) -> dict[str, Any]:
+    """One server of the tree at ``source`` with the options ``variant`` adds: warm up, then one wrk run with every
+    part's CPU time around it."""
     server_args = ["--http-workers", str(args.http_workers), "--precision", args.precision, "--log-level", "warning"]
+    server_args += variant.split()
     proc = serve_bench.start_server(args.store, args.model, args.port, *server_args, source=source)
     url = f"http://127.0.0.1:{args.port}{proto.path}"
     try:
@@ -137,17 +145,17 @@ def checkout(rev: str, folder: Path) -> tuple[Path, str]:
 
 def summary(result: dict[str, Any]) -> str:
     lines = [
-        "| rev | commit | req/s | mean batch | " + " | ".join(f"{p} us/req" for p in PARTS) + " |",
-        "|---|---|---:|---:|" + "---:|" * len(PARTS),
+        "| rev | commit | options | req/s | mean batch | " + " | ".join(f"{p} us/req" for p in PARTS) + " |",
+        "|---|---|---|---:|---:|" + "---:|" * len(PARTS),
     ]
-    for rev, commit in result["revs"].items():
-        runs = [r for r in result["runs"] if r["rev"] == rev]
+    for (rev, commit), variant in itertools.product(result["revs"].items(), result["variants"]):
+        runs = [r for r in result["runs"] if r["rev"] == rev and r["variant"] == variant]
         med = {p: statistics.median(r["cpu_us_per_request"][p] for r in runs) for p in PARTS}
         rps = statistics.median(r["rps"] for r in runs)
         batch = statistics.median(r["mean_batch"] for r in runs)
         cells = " | ".join(f"{med[p]:.0f}" for p in PARTS)
-        lines.append(f"| {rev} | {commit} | {rps:.0f} | {batch:.1f} | {cells} |")
-    rounds = len(result["runs"]) // max(1, len(result["revs"]))
+        lines.append(f"| {rev} | {commit} | {variant or '-'} | {rps:.0f} | {batch:.1f} | {cells} |")
+    rounds = len(result["runs"]) // max(1, len(result["revs"]) * len(result["variants"]))
     lines.append(f"\nMedians of {rounds} interleaved rounds; every run is in the JSON.")
     return "\n".join(lines)
 
@@ -155,9 +163,11 @@ def summary(result: dict[str, Any]) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--revs", default=".", type=lambda s: s.split(","), help="comma-separated (default: .)")
+    p.add_argument("--variants", action="append", help="server options to compare, one flag each (default: none added)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--duration", type=float, default=8.0, help="seconds per run")
     p.add_argument("--concurrency", type=int, default=32)
+    p.add_argument("--protocol", default="v2-binary", choices=serve_bench.PROTOCOLS)
     p.add_argument("--http-workers", type=int, default=2)
     p.add_argument("--precision", default="fp32")
     p.add_argument("--store", type=Path, help="model store (default: the workload above, built in a temp folder)")
@@ -171,23 +181,25 @@ def main() -> None:
         args.store = tmp / "store"
         build_store(args.store)
     spec = store.load_manifest(args.store / args.model).inputs[0]
-    sample = np.random.default_rng(0).integers(0, 256, spec.shape)
-    proto = serve_bench.make_protocol("v2-binary", args.model, spec.name, sample, tmp, spec.datatype.value)
+    rng = np.random.default_rng(0)
+    sample = rng.integers(0, 256, spec.shape) if spec.datatype is DataType.UINT8 else rng.uniform(0, 1, spec.shape)
+    proto = serve_bench.make_protocol(args.protocol, args.model, spec.name, sample, tmp, spec.datatype.value)
     trees: dict[str, Path] = {}
     result: dict[str, Any] = {
-        "workload": {"model": args.model, "input": spec.model_dump(mode="json"), "protocol": "v2-binary"},
+        "workload": {"model": args.model, "input": spec.model_dump(mode="json"), "protocol": args.protocol},
         "server": {"http_workers": args.http_workers, "precision": args.precision},
         "load_generator": f"wrk -t1 -c{args.concurrency}, {args.duration:g} s per run",
         "machine": hostinfo.describe(),
         "revs": {},
+        "variants": args.variants or [""],
         "runs": [],
     }
     try:
         for i, rev in enumerate(args.revs):
             trees[rev], result["revs"][rev] = checkout(rev, tmp / f"tree-{i}")
         for r in range(args.rounds):
-            for rev in args.revs:
-                run = {"rev": rev, "round": r, **measure(args, trees[rev], proto)}
+            for rev, variant in itertools.product(args.revs, result["variants"]):
+                run = {"rev": rev, "variant": variant, "round": r, **measure(args, trees[rev], variant, proto)}
                 print(json.dumps(run), flush=True)
                 result["runs"].append(run)
     finally:

@@ -100,8 +100,9 @@ async def _drain(repo: ModelRepository, timeout: float) -> None:
 
 
 def serving_threads() -> int:
-    """torch intra-op threads when none are set: every core this process may run on but one, at least one."""
-    return max(1, len(os.sched_getaffinity(0)) - 1)
+    """torch intra-op threads when none are set: every core this process may run on (its affinity, which a
+    container's CPU set narrows)."""
+    return len(os.sched_getaffinity(0))
 
 
 def create_app(settings: Settings | None = None, frontends: Frontends | None = None) -> FastAPI:

@@ -59,7 +59,7 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         type=int,
         help="HTTP front-end processes feeding this process's engines (default: 1, no front-ends); for GPU hosts",
     )
-    p.add_argument("--threads", type=int, help="torch intra-op threads (default: one per core less one)")
+    p.add_argument("--threads", type=int, help="torch intra-op threads (default: one per core)")
     p.add_argument(
         "--gil-switch-interval-ms",
         type=float,

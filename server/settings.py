@@ -56,9 +56,9 @@ class Settings(BaseSettings):
     """HTTP front-end processes. Above 1, that many processes accept connections and decode and encode requests,
     and this one runs the engines and batches their requests together (see :mod:`server.backplane`)."""
     threads: int | None = Field(default=None, ge=1)
-    """torch intra-op threads. Unset: one per core less one, so the event loop (decoding, batching, encoding) keeps a
-    core of its own while a forward runs; torch's own default of one per core slowed a small MLP's serving by 10% on
-    2 cores."""
+    """torch intra-op threads. Unset: one per core this process may run on. Keeping a core back for the event loop
+    cost a convolutional model a third of its throughput on 2 cores and gained a loop-bound MLP nothing measurable
+    (``benchmarks/results/threads-cpu/``)."""
     gil_switch_interval_ms: float | None = Field(default=None, gt=0.0, le=100.0)
     """The interpreter's thread switch interval. Unset: 0.5 ms when serving on CUDA (Python's 5 ms default otherwise).
     The event loop decodes request bodies holding the GIL; an engine thread that let go of it for a copy or a kernel
