@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import serve_bench
 import torch
 from serve_bench import ROOT
 
@@ -122,9 +123,7 @@ def main() -> None:
     md = markdown(result)
     print(md)
     if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
-        args.out.with_suffix(".md").write_text(md + "\n")
+        serve_bench.write_results(args.out, result, md)
 
 
 if __name__ == "__main__":

@@ -209,9 +209,7 @@ def main() -> None:
     md = summary(result)
     print(md)
     if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
-        args.out.with_suffix(".md").write_text(md + "\n")
+        serve_bench.write_results(args.out, result, md)
 
 
 if __name__ == "__main__":

@@ -229,6 +229,13 @@ def sweep(
     return rows
 
 
+def write_results(prefix: Path, result: object, md: str) -> None:
+    """``result`` as ``<prefix>.json`` and its table as ``<prefix>.md``."""
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    prefix.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
+    prefix.with_suffix(".md").write_text(md + "\n")
+
+
 def table(result: dict[str, object]) -> str:
     lines = [
         "| precision | batching | protocol | concurrency | req/s | p50 ms | p99 ms | mean batch "
@@ -297,10 +304,8 @@ def main() -> None:
         print(prec, "ceiling", result["ceiling_rows_per_s"][prec], flush=True)  # type: ignore[index]
         for batching in (True, False):
             result["runs"] += sweep(args, prec, batching, protocols)  # type: ignore[operator]
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
     md = table(result)
-    args.out.with_suffix(".md").write_text(md + "\n")
+    write_results(args.out, result, md)
     print(md)
 
 
