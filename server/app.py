@@ -19,6 +19,7 @@ from starlette.types import ASGIApp
 
 from server import __version__, api, precision
 from server.backplane import Backplane, Frontends
+from server.http_protocol import CoalescingHttpToolsProtocol
 from server.metrics import Metrics
 from server.repository import ModelRepository
 from server.settings import Settings
@@ -60,6 +61,7 @@ def uvicorn_config(app: ASGIApp, settings: Settings, log_config: dict[str, Any] 
     return uvicorn.Config(
         app,
         **where,
+        http=CoalescingHttpToolsProtocol,
         log_level=settings.log_level,
         log_config=log_config,
         access_log=settings.access_log,

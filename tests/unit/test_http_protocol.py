@@ -1,0 +1,62 @@
+"""The HTTP protocol's transport: a response's writes in one event-loop iteration go out as one write."""
+
+from __future__ import annotations
+
+import asyncio
+
+from server.app import uvicorn_config
+from server.http_protocol import CoalescedWrites, CoalescingHttpToolsProtocol
+from server.settings import Settings
+
+
+class RecordingTransport(asyncio.Transport):
+    """Keeps each ``write`` and when ``close`` came."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.events: list[object] = []
+        self.closing = False
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        self.events.append(bytes(data))
+
+    def close(self) -> None:
+        self.events.append("close")
+        self.closing = True
+
+    def is_closing(self) -> bool:
+        return self.closing
+
+    def get_extra_info(self, name: str, default: object = None) -> object:
+        return ("127.0.0.1", 1234) if name == "peername" else default
+
+
+def test_writes_in_one_iteration_go_out_as_one_and_a_close_sends_them_first() -> None:
+    async def scenario() -> list[list[object]]:
+        transport = RecordingTransport()
+        writes = CoalescedWrites(transport)
+        writes.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n")
+        writes.write(b"{}")
+        seen = [list(transport.events)]  # nothing yet: the iteration is not over
+        await asyncio.sleep(0)
+        seen.append(list(transport.events))
+        writes.write(b"last")
+        writes.close()  # a connection closed after its response: the response first
+        seen.append(list(transport.events))
+        await asyncio.sleep(0)
+        writes.write(b"too late")  # nothing reaches a closing transport
+        await asyncio.sleep(0)
+        seen.append(list(transport.events))
+        assert writes.get_extra_info("peername") == ("127.0.0.1", 1234)  # the rest is the transport's
+        return seen
+
+    before, after_iteration, after_close, at_end = asyncio.run(scenario())
+    assert before == []
+    assert after_iteration == [b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}"]
+    assert after_close == [*after_iteration, b"last", "close"]
+    assert at_end == after_close
+
+
+def test_the_server_runs_the_coalescing_protocol() -> None:
+    config = uvicorn_config(lambda *_: None, Settings(), None, host="127.0.0.1", port=0)  # type: ignore[arg-type]
+    assert config.http is CoalescingHttpToolsProtocol
