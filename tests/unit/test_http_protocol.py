@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 from server.app import uvicorn_config
 from server.http_protocol import CoalescedWrites, CoalescingHttpToolsProtocol
@@ -19,6 +20,9 @@ class RecordingTransport(asyncio.Transport):
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
         self.events.append(bytes(data))
+
+    def writelines(self, list_of_data: Any) -> None:
+        self.events.append(b"".join(list_of_data))
 
     def close(self) -> None:
         self.events.append("close")
