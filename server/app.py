@@ -19,10 +19,10 @@ from starlette.types import ASGIApp
 
 from server import __version__, api, precision
 from server.backplane import Backplane, Frontends
-from server.http_protocol import CoalescingHttpToolsProtocol
 from server.metrics import Metrics
 from server.repository import ModelRepository
 from server.settings import Settings
+from server.transport import CoalescingHttpToolsProtocol
 
 log = logging.getLogger(__name__)
 

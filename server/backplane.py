@@ -48,6 +48,7 @@ from server.instance import pin_host
 from server.metrics import Metrics, Protocol
 from server.repository import ModelRepository, ServedModel
 from server.settings import Settings
+from server.transport import CoalescedWrites
 
 log = logging.getLogger(__name__)
 
@@ -70,28 +71,6 @@ def frame(header: dict[str, Any], payload: bytes | memoryview = b"") -> list[byt
     if payload:
         parts.append(payload)
     return parts
-
-
-class FrameWriter:
-    """Frames sent during one event-loop iteration, written to the transport together at the iteration's end.
-
-    Answers come in bursts (every request of a batch is answered in the same iteration), so coalescing them makes one
-    write, and one wake-up of the reader, per burst rather than per frame.
-    """
-
-    def __init__(self, transport: asyncio.Transport) -> None:
-        self.transport = transport
-        self._parts: list[bytes | memoryview] = []
-
-    def write(self, header: dict[str, Any], payload: bytes | memoryview = b"") -> None:
-        if not self._parts:
-            asyncio.get_running_loop().call_soon(self._flush)
-        self._parts += frame(header, payload)
-
-    def _flush(self) -> None:
-        parts, self._parts = self._parts, []
-        if not self.transport.is_closing():
-            self.transport.writelines(parts)
 
 
 class FrameReader:
@@ -162,13 +141,12 @@ class _Connection(asyncio.Protocol):
         self.unpin = unpin
         self.reader = FrameReader()
         self.transport: asyncio.Transport | None = None
-        self.writer: FrameWriter | None = None
         self.pending: set[asyncio.Future[Result]] = set()
         """Requests queued or running, answered from a callback when done (no task per request)."""
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = cast(asyncio.Transport, transport)  # uvloop's transports are not asyncio's subclasses
-        self.writer = FrameWriter(self.transport)
+        # A batch's answers go out in one write. (The cast: uvloop's transports are not asyncio's subclasses either.)
+        self.transport = cast(asyncio.Transport, CoalescedWrites(transport))
         self.send({"op": "table", "models": table(self.backplane.repo)})
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -186,8 +164,8 @@ class _Connection(asyncio.Protocol):
             self.unpin = None
 
     def send(self, header: dict[str, Any], payload: bytes | memoryview = b"") -> None:
-        if self.writer is not None and self.transport is not None and not self.transport.is_closing():
-            self.writer.write(header, payload)
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.writelines(frame(header, payload))
 
     def data_received(self, data: bytes) -> None:
         for header, payload in self.reader.feed(data):

@@ -34,6 +34,7 @@ from server.precision import Precision
 from server.repository import ModelNotReadyError, ModelState, Prediction, ServedModel, find
 from server.settings import Settings
 from server.store import Batching, Manifest
+from server.transport import CoalescedWrites
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +57,6 @@ class BackplaneClient(asyncio.Protocol):
         self.on_table = on_table
         self.reader = backplane.FrameReader()
         self.transport: asyncio.Transport | None = None
-        self.writer: backplane.FrameWriter | None = None
         self.pending: dict[int, _Pending] = {}
         self.ids = itertools.count(1)
         self.records: list[list[Any]] = []
@@ -89,8 +89,8 @@ class BackplaneClient(asyncio.Protocol):
         await asyncio.wait_for(self.table_seen.wait(), timeout)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = cast(asyncio.Transport, transport)  # uvloop's transports are not asyncio's subclasses
-        self.writer = backplane.FrameWriter(self.transport)
+        # Requests sent in one iteration go out in one write. (The cast: uvloop's transports are not asyncio's either.)
+        self.transport = cast(asyncio.Transport, CoalescedWrites(transport))
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.transport = None
@@ -116,9 +116,9 @@ class BackplaneClient(asyncio.Protocol):
                 pending.future.set_result((header, payload))
 
     def _send(self, header: dict[str, Any], payload: bytes | memoryview = b"") -> None:
-        if self.writer is None or self.transport is None or self.transport.is_closing():
+        if self.transport is None or self.transport.is_closing():
             raise ModelNotReadyError("the engine process is not connected")
-        self.writer.write(header, payload)
+        self.transport.writelines(backplane.frame(header, payload))
 
     def _release(self, slot: int) -> None:
         if slot >= 0:

@@ -14,14 +14,13 @@ import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import httpx
 import numpy as np
 import pytest
 import tritonclient.http as triton
 
-from server.backplane import SLOT_BYTES, FrameReader, FrameWriter, frame
+from server.backplane import SLOT_BYTES, FrameReader, frame
 from tests.conftest import SHIPPED_STORE, ServerProcess, start_server
 from tests.e2e.test_server import fp32_reference, samples
 
@@ -208,38 +207,3 @@ def test_frames_split_anywhere_are_reassembled() -> None:
     for i in range(len(stream)):  # one byte at a time
         got += reader.feed(stream[i : i + 1])
     assert [(h, bytes(p)) for h, p in got] == [({"op": "infer", "id": 1}, b"\x01\x02\x03"), ({"id": 2}, b"")]
-
-
-class RecordingTransport(asyncio.Transport):
-    """Keeps what each ``writelines`` call wrote."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.writes: list[bytes] = []
-        self.closing = False
-
-    def writelines(self, list_of_data: Any) -> None:
-        self.writes.append(b"".join(bytes(p) for p in list_of_data))
-
-    def is_closing(self) -> bool:
-        return self.closing
-
-
-def test_frames_sent_in_one_iteration_are_written_together_in_order() -> None:
-    async def scenario() -> tuple[list[bytes], list[bytes]]:
-        transport = RecordingTransport()
-        writer = FrameWriter(transport)
-        for i in range(3):
-            writer.write({"id": i}, bytes([i]))
-        assert transport.writes == []  # nothing yet: the iteration is not over
-        await asyncio.sleep(0)
-        burst = list(transport.writes)
-        writer.write({"id": 3})
-        transport.closing = True  # a frame queued for a connection that closes before the flush is dropped
-        await asyncio.sleep(0)
-        return burst, transport.writes
-
-    burst, writes = asyncio.run(scenario())
-    assert len(burst) == 1
-    assert [(h, bytes(p)) for h, p in FrameReader().feed(burst[0])] == [({"id": i}, bytes([i])) for i in range(3)]
-    assert writes == burst

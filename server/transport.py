@@ -1,8 +1,9 @@
-"""The HTTP/1.1 protocol uvicorn runs for the server: httptools', with each response written in one piece.
+"""Transports that write once per event-loop iteration, and the HTTP protocol the server runs over one.
 
-uvicorn writes a response's status line and headers, then its body, as two writes to the socket: two system calls,
-and on a keep-alive connection two wake-ups of the client, for every response. :class:`CoalescedWrites` holds the
-writes a connection makes in one event-loop iteration and sends them together at its end.
+Writes come in bursts: uvicorn writes a response's status line and headers, then its body; the backplane answers
+every request of a batch in the same iteration. Each write is a system call and, on the other end, a wake-up of the
+reader. :class:`CoalescedWrites` holds a connection's writes during one iteration and sends them together at its
+end, as one ``writev``.
 """
 
 from __future__ import annotations
@@ -16,14 +17,17 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 class CoalescedWrites:
     """A transport whose writes during one event-loop iteration go out as one; anything else goes to ``transport``."""
 
-    def __init__(self, transport: asyncio.Transport) -> None:
-        self._transport = transport
-        self._parts: list[bytes] = []
+    def __init__(self, transport: asyncio.BaseTransport) -> None:
+        self._transport: Any = transport
+        self._parts: list[bytes | memoryview] = []
 
-    def write(self, data: bytes) -> None:
+    def write(self, data: bytes | memoryview) -> None:
+        self.writelines([data])
+
+    def writelines(self, parts: list[bytes | memoryview]) -> None:
         if not self._parts:
             asyncio.get_running_loop().call_soon(self.flush)
-        self._parts.append(data)
+        self._parts += parts
 
     def flush(self) -> None:
         if not self._parts:
@@ -41,7 +45,7 @@ class CoalescedWrites:
 
 
 class CoalescingHttpToolsProtocol(HttpToolsProtocol):
-    """uvicorn's httptools protocol over :class:`CoalescedWrites`."""
+    """uvicorn's httptools protocol over :class:`CoalescedWrites`: a response's head and body in one write."""
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(CoalescedWrites(transport))  # type: ignore[arg-type]

@@ -1,4 +1,4 @@
-"""The HTTP protocol's transport: a response's writes in one event-loop iteration go out as one write."""
+"""Coalesced writes: what a connection writes in one event-loop iteration goes out as one write."""
 
 from __future__ import annotations
 
@@ -6,8 +6,9 @@ import asyncio
 from typing import Any
 
 from server.app import uvicorn_config
-from server.http_protocol import CoalescedWrites, CoalescingHttpToolsProtocol
+from server.backplane import FrameReader, frame
 from server.settings import Settings
+from server.transport import CoalescedWrites, CoalescingHttpToolsProtocol
 
 
 class RecordingTransport(asyncio.Transport):
@@ -64,3 +65,17 @@ def test_writes_in_one_iteration_go_out_as_one_and_a_close_sends_them_first() ->
 def test_the_server_runs_the_coalescing_protocol() -> None:
     config = uvicorn_config(lambda *_: None, Settings(), None, host="127.0.0.1", port=0)  # type: ignore[arg-type]
     assert config.http is CoalescingHttpToolsProtocol
+
+
+def test_backplane_frames_sent_in_one_iteration_are_written_together_in_order() -> None:
+    async def scenario() -> list[object]:
+        transport = RecordingTransport()
+        writes = CoalescedWrites(transport)
+        for i in range(3):
+            writes.writelines(frame({"id": i}, bytes([i])))
+        await asyncio.sleep(0)
+        return transport.events
+
+    (burst,) = asyncio.run(scenario())
+    assert isinstance(burst, bytes)
+    assert [(h, bytes(p)) for h, p in FrameReader().feed(burst)] == [({"id": i}, bytes([i])) for i in range(3)]
