@@ -20,7 +20,7 @@ from server.batching import Batcher, Output
 from server.engine import Engine
 from server.instance import bucket_for, pin_host, pinned
 from server.precision import Precision
-from server.store import Batching, Compile, Execution, Manifest, TensorSpec
+from server.store import Batching, Compile, DataType, Execution, Manifest, Normalize, TensorSpec
 from tests.conftest import needs_cxx, save_tiny_mlp
 
 CPU = torch.device("cpu")
@@ -388,6 +388,33 @@ async def test_inductor_compiles_each_bucket_once_at_warmup_and_its_instances_se
     assert graphs["unique_graphs"] - before == 3  # padded batches ran the compiled shapes: nothing recompiled
     assert all(i.forwards > 3 for i in engine.instances)  # both instances served
     engine.close()
+
+
+@needs_cxx
+def test_inductor_compiles_the_input_preparation_of_uint8_images_with_channels_last(tmp_path: Path) -> None:
+    # The configuration served on GPUs: bytes in, normalised, cast and made NHWC inside the compiled forward.
+    kwargs = {"width": 8, "blocks": [1, 1], "block": "bottleneck", "channels_last": False}
+    torch.manual_seed(0)
+    module = models.build("resnet_bench", **kwargs)
+    spec = {
+        "name": "cnn",
+        "architecture": "resnet_bench",
+        "arch_kwargs": kwargs,
+        "inputs": [TensorSpec(name="image", shape=[3, 16, 16], datatype=DataType.UINT8)],
+        "outputs": [TensorSpec(name="logits", shape=[10])],
+        "normalize": Normalize(scale=1 / 255, mean=[0.5, 0.4, 0.3], std=[0.2, 0.3, 0.25]),
+    }
+    x = np.random.default_rng(0).integers(0, 256, (3, 3, 16, 16)).astype(np.uint8)
+    outs = []
+    for compile in (Compile.NONE, Compile.INDUCTOR):
+        execution = Execution(compile=compile, channels_last=True, pad_to_bucket=True)
+        store.save(tmp_path / compile.value, Manifest.model_validate({**spec, "execution": execution}), module)
+        engine = Engine(store.load(tmp_path / compile.value, "cnn"), Precision.FP32, CPU)
+        engine.warmup(4)
+        assert (engine.channels_last, engine.inductor) == (True, compile is Compile.INDUCTOR)
+        outs.append(engine.forward(x))  # 3 rows, padded to the bucket of 4
+        engine.close()
+    np.testing.assert_allclose(outs[1], outs[0], rtol=1e-5, atol=1e-5)
 
 
 @needs_cxx
