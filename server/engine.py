@@ -203,6 +203,9 @@ class Engine:
         self._lock = threading.Lock()
         self._run = torch.compile(self._run_eager, dynamic=False) if self.inductor else self._run_eager
         self.compile_seconds = 0.0
+        self._room_made = False
+        if self.inductor and self.buckets:
+            self._make_room_for_compiles(self.buckets)  # before any batch: with --no-warmup they compile under load
         self.overflows = 0
         """Chunks whose half-precision output was not finite for a finite input, whatever the policy did."""
         self.fp32_reruns = 0
@@ -350,14 +353,19 @@ class Engine:
         sizes = batch_buckets(max_batch_size, self._bucket_sizes)
         if self.pad and not self.buckets:
             self.buckets = sizes
-        if self.inductor:
-            global _compiled_shapes
-            _compiled_shapes += len(sizes)
-            for inst in self.instances:
-                inst.executor.submit(_allow_compiled_shapes, _compiled_shapes).result()
+        if self.inductor and not self._room_made:
+            self._make_room_for_compiles(sizes)
         for inst in self.instances:
             inst.executor.submit(self._warm_instance, inst, sizes).result()
         return time.perf_counter() - start
+
+    def _make_room_for_compiles(self, sizes: list[int]) -> None:
+        """Count this engine's shapes in, and let each instance's thread keep every shape compiled so far."""
+        global _compiled_shapes
+        _compiled_shapes += len(sizes)
+        for inst in self.instances:
+            inst.executor.submit(_allow_compiled_shapes, _compiled_shapes).result()
+        self._room_made = True
 
     def _warm_instance(self, inst: Instance, sizes: list[int]) -> None:
         for size in sorted(sizes, reverse=self.cuda_graphs):
