@@ -51,8 +51,7 @@ def compare(
     shape = (max(sizes), *eager.sample_shape)
     data = rng.integers(0, 256, shape) if dtype == np.uint8 else rng.uniform(0, 1, shape)
     inputs = {bs: np.ascontiguousarray(data[:bs]).astype(dtype) for bs in sizes}
-    best: dict[str, dict[str, float]] = {"eager": dict.fromkeys(map(str, sizes), 0.0), "inductor": {}}
-    best["inductor"] = dict.fromkeys(map(str, sizes), 0.0)
+    best = {name: dict.fromkeys(map(str, sizes), 0.0) for name in ("eager", "inductor")}
     for _ in range(rounds):
         for bs, x in inputs.items():
             for name, engine in (("eager", eager), ("inductor", compiled)):
