@@ -20,7 +20,8 @@ HEADER_LENGTH = "Inference-Header-Content-Length"
 
 
 class WireType(str, Enum):
-    """The V2 protocol's tensor datatypes that can carry numbers (``BYTES`` strings are not served)."""
+    """The V2 protocol's tensor datatypes that can carry numbers (``BYTES`` strings feed no input; they leave only as
+    the classification extension's answer, :func:`encode_bytes`)."""
 
     BOOL = "BOOL"
     UINT8 = "UINT8"
@@ -196,6 +197,11 @@ def wire_values(arr: np.ndarray, wire: WireType) -> np.ndarray:
 def encode_binary(arr: np.ndarray, wire: WireType) -> bytes:
     """``arr`` as the binary tensor data of ``wire``."""
     return wire_values(arr, wire).tobytes()
+
+
+def encode_bytes(items: list[bytes]) -> bytes:
+    """``BYTES`` elements as binary tensor data: each one's length (4 bytes, little-endian), then the element."""
+    return b"".join(len(b).to_bytes(4, "little") + b for b in items)
 
 
 def _kind_name(arr: np.ndarray) -> str:

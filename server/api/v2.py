@@ -38,6 +38,7 @@ from server.api.binary import (
     decode_json,
     element_count,
     encode_binary,
+    encode_bytes,
     split_body,
     wire_type,
     wire_values,
@@ -59,7 +60,7 @@ router = APIRouter()
 
 SERVER_NAME = "halfserve"
 PLATFORM = "pytorch_libtorch"
-EXTENSIONS = ["binary_tensor_data", "model_configuration", "statistics", "model_repository"]
+EXTENSIONS = ["binary_tensor_data", "classification", "model_configuration", "statistics", "model_repository"]
 
 
 # Looking models up -----------------------------------------------------------------------------------------------
@@ -202,6 +203,8 @@ class Inference:
     request_id: str | None
     binary_output: bool
     timeout_us: int = 0
+    classes: int = 0
+    """The top classes to return per row instead of the output (the classification extension); 0: the output."""
 
 
 def to_input_dtype(arr: np.ndarray, wire: WireType, spec: TensorSpec, fp16_weights: bool, field: str) -> np.ndarray:
@@ -292,9 +295,10 @@ def _decode_input(
     return x, size
 
 
-def _binary_output(payload: dict[str, Any], default: bool, out_spec: TensorSpec) -> bool:
-    """Whether the output goes as binary data: its own ``binary_data``, else the request's ``binary_data_output``."""
-    binary = default
+def _requested_output(payload: dict[str, Any], default: bool, out_spec: TensorSpec) -> tuple[bool, int]:
+    """How the output goes: as binary data or not (its own ``binary_data``, else the request's
+    ``binary_data_output``), and how many top classes to send instead of it (``classification``; 0 for none)."""
+    binary, classes = default, 0
     requested = payload.get("outputs")
     if requested is not None:
         if not isinstance(requested, list):
@@ -305,13 +309,14 @@ def _binary_output(payload: dict[str, Any], default: bool, out_spec: TensorSpec)
                 got = item.get("name") if isinstance(item, dict) else item
                 raise APIError(400, f"{field}.name: unknown output {got!r}; the model has {out_spec.name!r}")
             params = _params(item, f"{field}.parameters")
-            if params.get("classification"):
-                raise APIError(400, f"{field}.parameters.classification: the classification extension is not served")
+            classes = params.get("classification", 0)
+            if not isinstance(classes, int) or isinstance(classes, bool) or classes < 0:
+                raise APIError(400, f"{field}.parameters.classification: expected a class count, got {classes!r}")
             binary = _flag(params, "binary_data", f"{field}.parameters", default)
-    if wire_type(out_spec.datatype.value, out_spec.name) in JSON_UNSUPPORTED and not binary:
+    if not classes and wire_type(out_spec.datatype.value, out_spec.name) in JSON_UNSUPPORTED and not binary:
         kind = out_spec.datatype.value
         raise APIError(400, f"outputs: {out_spec.name!r} is {kind}; JSON has no 16-bit floats, request binary_data")
-    return binary
+    return binary, classes
 
 
 def parse_request(
@@ -342,7 +347,8 @@ def parse_request(
             f"body: {len(binary)} bytes follow the {HEADER_LENGTH} bytes of JSON, "
             f"but the inputs' binary_data_size declare {declared}",
         )
-    return Inference(x, request_id, _binary_output(payload, binary_output, served.manifest.outputs[0]), timeout)
+    binary_output, classes = _requested_output(payload, binary_output, served.manifest.outputs[0])
+    return Inference(x, request_id, binary_output, timeout, classes)
 
 
 def parse_raw(binary: memoryview, served: ServedModel, limits: Settings | None = None) -> Inference:
@@ -370,6 +376,27 @@ def parse_raw(binary: memoryview, served: ServedModel, limits: Settings | None =
     return Inference(x, None, True)
 
 
+def top_classes(out: np.ndarray, wire: WireType, count: int, labels: list[str] | None) -> list[list[str]]:
+    """Per row, the ``count`` highest values of the output (every value, where it has fewer) as Triton's
+    classification extension writes them: ``"<value>:<index>"``, then ``":<label>"`` when the manifest's labels
+    name the output's values.
+
+    Values are compared and written as the output's datatype carries them (an FP16 output's rounded values; integers
+    as integers); ties go to the lower index.
+    """
+    values = wire_values(out, wire)
+    if wire is WireType.BF16:
+        values = (values.astype(np.uint32) << 16).view(np.float32)
+    values = values.reshape(len(out), -1)
+    order = np.argsort(-values.astype(np.float64), axis=1, kind="stable")[:, :count]
+    named = labels if labels is not None and len(labels) == values.shape[1] else None
+    rows = []
+    for row, idx in zip(values, order, strict=True):
+        texts = [f"{row[i]:f}:{i}" if wire.is_float else f"{int(row[i])}:{i}" for i in idx]
+        rows.append([f"{t}:{named[i]}" for t, i in zip(texts, idx, strict=True)] if named else texts)
+    return rows
+
+
 def encode_response(served: ServedModel, req: Inference, result: Prediction) -> Response:
     """The V2 inference response: JSON, or JSON followed by the output's binary data.
 
@@ -381,7 +408,16 @@ def encode_response(served: ServedModel, req: Inference, result: Prediction) -> 
     wire = wire_type(spec.datatype.value, spec.name)
     output: dict[str, Any] = {"name": spec.name, "datatype": wire.value, "shape": list(out.shape)}
     tail = b""
-    if req.binary_output:
+    if req.classes:
+        classes = top_classes(out, wire, req.classes, served.manifest.labels)
+        output |= {"datatype": "BYTES", "shape": [len(classes), len(classes[0])]}
+        flat = [c for row in classes for c in row]
+        if req.binary_output:
+            tail = encode_bytes([c.encode() for c in flat])
+            output["parameters"] = {"binary_data_size": len(tail)}
+        else:
+            output["data"] = flat
+    elif req.binary_output:
         tail = encode_binary(out, wire)
         output["parameters"] = {"binary_data_size": len(tail)}
     else:

@@ -66,7 +66,13 @@ INFERENCE_REQUEST: dict[str, Any] = {
                 "required": ["name"],
                 "properties": {
                     "name": {"type": "string"},
-                    "parameters": {"type": "object", "properties": {"binary_data": {"type": "boolean"}}},
+                    "parameters": {
+                        "type": "object",
+                        "properties": {
+                            "binary_data": {"type": "boolean"},
+                            "classification": {"type": "integer", "minimum": 0},
+                        },
+                    },
                 },
             },
         },

@@ -79,7 +79,9 @@ def test_server_and_model_metadata(client: triton.InferenceServerClient) -> None
     assert client.is_server_ready()
     meta = client.get_server_metadata()
     assert meta["name"] == "halfserve"
-    assert {"binary_tensor_data", "model_configuration", "statistics", "model_repository"} <= set(meta["extensions"])
+    assert {"binary_tensor_data", "classification", "model_configuration", "statistics", "model_repository"} <= set(
+        meta["extensions"]
+    )
     model = client.get_model_metadata(MODEL)
     assert model["versions"] == ["1"]
     assert model["inputs"] == [{"name": "features", "datatype": "FP32", "shape": [-1, 16]}]
@@ -115,6 +117,25 @@ def test_fp32_inference_equals_predict(
     assert got.dtype == np.float32
     assert got.shape == (3, 4)
     np.testing.assert_allclose(got, predict(fp32_server, x), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("binary_out", [False, True], ids=["json-out", "binary-out"])
+def test_class_count_returns_the_top_labels(
+    client: triton.InferenceServerClient, fp32_server: ServerProcess, binary_out: bool
+) -> None:
+    """``InferRequestedOutput(class_count=k)`` (the classification extension, as Triton's image_client uses it)."""
+    x = samples(5, seed=7)
+    want = predict(fp32_server, x)
+    outputs = [triton.InferRequestedOutput("logits", binary_data=binary_out, class_count=3)]
+    got = client.infer(MODEL, [infer_input(x, "FP32", True)], outputs=outputs).as_numpy("logits")
+    assert got.shape == (5, 3)
+    labels = "abcd"
+    for row, values in zip(got, want, strict=True):
+        best = np.argsort(-values, kind="stable")[:3]
+        # BYTES elements come back as bytes from binary data and as str from JSON (the client's doing).
+        assert [item.decode() if isinstance(item, bytes) else item for item in row] == [
+            f"{values[i]:f}:{i}:{labels[i]}" for i in best
+        ]
 
 
 def test_fp16_inputs(fp16_client: triton.InferenceServerClient, fp16_server: ServerProcess) -> None:

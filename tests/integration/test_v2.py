@@ -224,6 +224,64 @@ async def test_half_output_datatypes_travel_only_as_binary(tmp_path: Path) -> No
     assert "JSON has no 16-bit floats" in as_json.json()["error"]
 
 
+def classes_requested(x: np.ndarray, count: int, binary: bool) -> dict[str, Any]:
+    params = {"classification": count, "binary_data": binary}
+    return json_request(x, outputs=[{"name": "logits", "parameters": params}])
+
+
+def read_classes(r: httpx.Response) -> tuple[dict[str, Any], list[list[str]]]:
+    """The one output of a classification answer, as rows of strings, whether it came as JSON or binary BYTES."""
+    assert r.status_code == 200, r.text
+    if HEADER not in r.headers:
+        out = r.json()["outputs"][0]
+        items = out["data"]
+    else:
+        n = int(r.headers[HEADER])
+        out = orjson.loads(r.content[:n])["outputs"][0]
+        data, items = r.content[n:], []
+        assert len(data) == out["parameters"]["binary_data_size"]
+        while data:  # each element: its length (4 bytes, little-endian), then its bytes
+            size = int.from_bytes(data[:4], "little")
+            items.append(data[4 : 4 + size].decode())
+            data = data[4 + size :]
+    assert out["datatype"] == "BYTES"
+    rows, count = out["shape"]
+    assert len(items) == rows * count
+    return out, [items[i * count : (i + 1) * count] for i in range(rows)]
+
+
+async def test_classification_extension_returns_top_classes(tmp_path: Path) -> None:
+    """Triton's classification extension: ``"<value>:<index>:<label>"`` for the top classes of each row, highest
+    first, as JSON or binary BYTES; no label where the manifest has none; a count past the classes gives them all."""
+    save_tiny_mlp(tmp_path)
+    save_tiny_mlp(tmp_path, "unlabelled", labels=None)
+    save_tiny_mlp(tmp_path, "half", outputs=[TensorSpec(name="logits", datatype=DataType.FP16, shape=[4])])
+    x = samples(3, seed=9)
+    async with serving(Settings(store=tmp_path, precision="fp32")) as client:
+        want = await predict_model(client, "tiny", x)
+        as_json = await client.post(INFER, json=classes_requested(x, 2, binary=False))
+        as_binary = await client.post(INFER, json=classes_requested(x, 2, binary=True))
+        unlabelled = await client.post("/v2/models/unlabelled/infer", json=classes_requested(x, 1, binary=False))
+        every = await client.post(INFER, json=classes_requested(x, 9, binary=False))
+        half = await client.post("/v2/models/half/infer", json=classes_requested(x, 4, binary=False))
+        meta = (await client.get("/v2")).json()
+    assert "classification" in meta["extensions"]
+    order = np.argsort(-want, axis=1, kind="stable")
+    labels = ["a", "b", "c", "d"]
+    out, rows = read_classes(as_json)
+    assert out["shape"] == [3, 2]
+    assert read_classes(as_binary)[1] == rows
+    for row, best, values in zip(rows, order, want, strict=True):
+        assert [t.split(":")[1:] for t in row] == [[str(i), labels[i]] for i in best[:2]]
+        np.testing.assert_allclose([float(t.split(":")[0]) for t in row], values[best[:2]], rtol=1e-5, atol=1e-5)
+    assert [row[0].split(":")[1:] for row in read_classes(unlabelled)[1]] == [[str(best[0])] for best in order]
+    assert read_classes(every)[0]["shape"] == [3, 4]
+    # An FP16 output (which JSON cannot carry as numbers) is classified by its fp16 values, written as C's "%f" (as
+    # Triton does: six decimals), and sent as strings.
+    for row, values in zip(read_classes(half)[1], want.astype(np.float16), strict=True):
+        assert [t.split(":")[0] for t in row] == [f"{v:f}" for v in sorted(values.astype(float), reverse=True)]
+
+
 async def test_fp16_input_reaches_an_fp16_model_as_float16(tiny_store: Path) -> None:
     """Shown by the batcher: float16 rows and /predict's float32 rows never share a batch on an fp16 model, while on
     an fp32 model FP16 input is widened and shares one."""
@@ -325,6 +383,20 @@ BAD_REQUESTS: list[tuple[str, bytes, dict[str, str], int, str]] = [
     ("unknown output", orjson.dumps({**_input(data=JSON_ROW), "outputs": [{"name": "probs"}]}), {}, 400, "'probs'"),
     ("id not a string", orjson.dumps({**_input(data=JSON_ROW), "id": 7}), {}, 400, "id: expected a string"),
     ("bad flag", orjson.dumps({**_input(data=JSON_ROW), "parameters": {"binary_data_output": 1}}), {}, 400, "true or"),
+    (
+        "class count not a number",
+        orjson.dumps({**_input(data=JSON_ROW), "outputs": [{"name": "logits", "parameters": {"classification": "3"}}]}),
+        {},
+        400,
+        "outputs[0].parameters.classification: expected a class count, got '3'",
+    ),
+    (
+        "negative class count",
+        orjson.dumps({**_input(data=JSON_ROW), "outputs": [{"name": "logits", "parameters": {"classification": -1}}]}),
+        {},
+        400,
+        "expected a class count, got -1",
+    ),
     ("malformed JSON", b'{"inputs": [', {}, 400, "malformed JSON"),
     ("not an object", b"[1, 2]", {}, 400, "expected a JSON object"),
     ("compressed", orjson.dumps(_input(data=JSON_ROW)), {"Content-Encoding": "gzip"}, 415, "Content-Encoding"),
