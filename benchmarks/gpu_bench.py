@@ -336,12 +336,13 @@ def summarize(
     """Server / ceiling per precision and concurrency, and half / fp32 at each concurrency.
 
     The ceiling at concurrency c is the single-instance Engine's best rate at a batch size <= c (the largest batch
-    c requests in flight can form); beside it, for the half precision, the rate of as many in-process instances as
-    the server runs, driven flat out at batch 64.
+    c requests in flight can form); beside it, for the precision the instance sweep ran (the half one when
+    measured), the rate of as many in-process instances as the server runs, driven flat out at batch 64.
     """
     table: list[dict[str, Any]] = []
     served: dict[tuple[str, int], float] = {}
     multi = instances["rows_per_s"].get(str(instances["server_instances"])) if instances else None
+    swept = instances.get("precision", half) if instances else None
     for r in sweep["results"]:
         p, c = r["precision"], r["concurrency"]
         served[(p, c)] = r["rows_per_s"]
@@ -359,7 +360,7 @@ def summarize(
             "client_bound": r["client_bound"],
             "server_cpu_percent": r["server_cpu_percent"],
         }
-        if p == half and multi:
+        if p == swept and multi:
             row["server_over_instances_ceiling"] = round(r["rows_per_s"] / multi, 3)
         table.append(row)
     ratio = {
@@ -391,7 +392,8 @@ def markdown(result: dict[str, Any], half: str) -> str:
             dev = " | ".join(f"{c['device_forward_rows_per_s'][b]:.0f}" for b in result["batch_sizes_str"])
             lines.append(f"| {label}, bare device forward | {dev} | | |")
     if result.get("instances"):
-        lines += ["", f"## Instances at batch {result['instances']['batch']} ({half}, rows/s)", ""]
+        swept = result["instances"].get("precision", half)
+        lines += ["", f"## Instances at batch {result['instances']['batch']} ({swept}, rows/s)", ""]
         lines += ["| instances | rows/s |", "|---:|---:|"]
         lines += [f"| {n} | {v:.0f} |" for n, v in result["instances"]["rows_per_s"].items()]
     for label, server in result.get("servers", {}).items():
@@ -399,7 +401,8 @@ def markdown(result: dict[str, Any], half: str) -> str:
         args = " ".join(server["server_args"]) or "defaults"
         lines += ["", f"## Server {label}: KServe V2 binary, one {wire.upper()} image per request; {args}", ""]
         lines += [
-            f"Execution: {json.dumps(result['server_execution'])}; {half} in-process with as many instances at "
+            f"Execution: {json.dumps(result['server_execution'])}; "
+            f"{result['instances'].get('precision', half)} in-process with as many instances at "
             f"batch {result['instances']['batch']}: {summary['instances_ceiling_rows_per_s'] or 0:.0f} rows/s.",
             "",
             "| precision | concurrency | rows/s | p50 ms | p99 ms | mean batch | server CPU % | ceiling "
@@ -594,10 +597,13 @@ def main() -> None:
         result["server_execution"] = server_ex.model_dump(mode="json")
         batch = min(64, max(sizes))
         mode_ex = graphs if use_graphs else eager
+        # The half precision's when it is measured; else the first asked for (not a precision nobody asked for).
+        swept = half if half in precisions else precisions[0]
         result["instances"] = {
             "batch": batch,
+            "precision": swept,
             "execution": mode_ex.model_dump(mode="json"),
-            "rows_per_s": instances_rate(loaded, half, device, batch, args.instance_counts, args.seconds * 2, mode_ex),
+            "rows_per_s": instances_rate(loaded, swept, device, batch, args.instance_counts, args.seconds * 2, mode_ex),
         }
         result["weight_bytes"] = {prec: runs[f"{prec} eager"]["weight_bytes"] for prec in precisions}
         result["instances"]["server_instances"] = args.instances
