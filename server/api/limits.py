@@ -2,13 +2,15 @@
 
 Every refusal is a 4xx JSON error naming the field and the setting that decides it: 413 for a body, a row count or a
 value count over its limit (``max_body_bytes``, ``max_request_rows`` / the model's ``max_queue_rows``,
-``max_request_elements``), 400 for a malformed timeout header or a NaN / infinite input the model does not accept
-(``allow_nonfinite_inputs`` in its manifest).
+``max_request_elements``; a gzip or deflate body counts decompressed), 400 for a malformed timeout header, a
+compressed body that is not one whole stream, or a NaN / infinite input the model does not accept
+(``allow_nonfinite_inputs`` in its manifest), 415 for a ``Content-Encoding`` other than identity, gzip or deflate.
 """
 
 from __future__ import annotations
 
 import math
+import zlib
 
 import numpy as np
 from starlette.requests import Request
@@ -42,23 +44,68 @@ def raw_header(request: Request, name: bytes) -> bytes | None:
 
 
 async def read_body(request: Request, limit: int) -> bytes:
-    """The request body, or a 413 once it is known to exceed ``limit`` (``max_body_bytes``), before reading it when
-    the ``Content-Length`` header tells."""
+    """The request body, decompressed when its ``Content-Encoding`` is gzip or deflate (as Triton and tritonclient's
+    ``request_compression_algorithm`` do); a 413 once it is known to exceed ``limit`` (``max_body_bytes``), before
+    reading it when the ``Content-Length`` header tells, and as it decompresses past the limit."""
+    encoding = raw_header(request, b"content-encoding")
+    codec = _codec(encoding)  # before reading: an unknown encoding is refused whatever the body
     declared = raw_header(request, b"content-length")
     if declared is not None:
         # The HTTP server hands the app no more than Content-Length bytes, so checking the header suffices.
         if declared.isdigit() and int(declared) > limit:
             size = declared.decode()
             raise APIError(413, f"body: {size} bytes exceed the limit of {limit} bytes (max_body_bytes)")
-        return await request.body()
-    parts: list[bytes] = []
-    received = 0
-    async for part in request.stream():
-        received += len(part)
-        if received > limit:
-            raise APIError(413, f"body: more than {limit} bytes (max_body_bytes)")
-        parts.append(part)
-    return b"".join(parts)
+        body = await request.body()
+    else:
+        parts: list[bytes] = []
+        received = 0
+        async for part in request.stream():
+            received += len(part)
+            if received > limit:
+                raise APIError(413, f"body: more than {limit} bytes (max_body_bytes)")
+            parts.append(part)
+        body = b"".join(parts)
+    if codec is None:
+        return body
+    assert encoding is not None
+    return _decompress(body, codec, encoding.decode("latin-1"), limit)
+
+
+_CODECS = {b"gzip": 16 + zlib.MAX_WBITS, b"x-gzip": 16 + zlib.MAX_WBITS, b"deflate": zlib.MAX_WBITS}
+"""zlib's ``wbits`` per ``Content-Encoding``: gzip's wrapper, or deflate's (which HTTP defines as zlib's format)."""
+
+
+def _codec(encoding: bytes | None) -> int | None:
+    """zlib's ``wbits`` for a ``Content-Encoding``, None for an uncompressed body, a 415 for any other encoding."""
+    if encoding is None:
+        return None
+    name = encoding.strip().lower()
+    if name in (b"", b"identity"):
+        return None
+    if name not in _CODECS:
+        text = encoding.decode("latin-1")
+        raise APIError(415, f"Content-Encoding: {text!r} is not supported; send identity, gzip or deflate")
+    return _CODECS[name]
+
+
+def _decompress(body: bytes, wbits: int, encoding: str, limit: int) -> bytes:
+    """``body`` decompressed, refused with a 413 as soon as it grows past ``limit`` (a small body can inflate a
+    thousandfold) and with a 400 when it is not one whole stream of its encoding."""
+    d = zlib.decompressobj(wbits)
+    try:
+        out = d.decompress(body, limit + 1)
+        if len(out) <= limit and not d.eof:
+            out += d.flush()
+    except zlib.error as e:
+        if wbits == zlib.MAX_WBITS:  # deflate sent raw, without zlib's header (some clients do)
+            return _decompress(body, -zlib.MAX_WBITS, encoding, limit)
+        raise APIError(400, f"body: not valid {encoding} data (Content-Encoding: {encoding}): {e}") from None
+    if len(out) > limit:
+        raise APIError(413, f"body: decompresses to more than {limit} bytes (max_body_bytes)")
+    if not d.eof or d.unused_data:
+        what = "ends before its compressed stream does" if not d.eof else "has bytes after its compressed stream"
+        raise APIError(400, f"body: {what} (Content-Encoding: {encoding})")
+    return out
 
 
 def check_size(s: Settings, served: ServedModel, rows: int, field: str) -> None:

@@ -441,9 +441,6 @@ async def infer(request: Request) -> Response:
     served = served_model(request, name, version)
     note(request, served)
     require_ready(served, version)
-    encoding = request.headers.get("content-encoding", "identity")
-    if encoding != "identity":
-        raise APIError(415, f"Content-Encoding: {encoding!r} is not supported; send the body uncompressed")
     limits = settings(request)
     timeout = client_timeout(request)
     body = await read_body(request, limits.max_body_bytes)

@@ -119,6 +119,21 @@ def test_fp32_inference_equals_predict(
     np.testing.assert_allclose(got, predict(fp32_server, x), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("algorithm", ["gzip", "deflate"])
+def test_compressed_requests(client: triton.InferenceServerClient, fp32_server: ServerProcess, algorithm: str) -> None:
+    """``request_compression_algorithm``: the body arrives compressed and is inflated before decoding. The response
+    comes back uncompressed whatever ``response_compression_algorithm`` asks for, which HTTP allows and the client
+    reads as it is."""
+    x = samples(3, seed=8)
+    result = client.infer(
+        MODEL,
+        [infer_input(x, "FP32", binary=True)],
+        request_compression_algorithm=algorithm,
+        response_compression_algorithm=algorithm,
+    )
+    np.testing.assert_allclose(result.as_numpy("logits"), predict(fp32_server, x), rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("binary_out", [False, True], ids=["json-out", "binary-out"])
 def test_class_count_returns_the_top_labels(
     client: triton.InferenceServerClient, fp32_server: ServerProcess, binary_out: bool

@@ -3,6 +3,7 @@ field and the setting."""
 
 from __future__ import annotations
 
+import gzip
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -46,6 +47,23 @@ async def test_a_body_over_max_body_bytes_is_a_413_naming_the_setting(tiny_store
     assert streamed.json()["error"] == "body: more than 4096 bytes (max_body_bytes)"
     assert "max_body_bytes" in v2.json()["error"]
     assert ok.status_code == 200
+
+
+async def test_a_compressed_body_is_held_to_max_body_bytes_as_it_inflates(tiny_store: Path) -> None:
+    """A 65 KB gzip body that would inflate to 64 MB is refused after the first 100 KB + 1 of output, not inflated."""
+    bomb = gzip.compress(b"[" + b" " * (64 << 20) + b"]", compresslevel=9)
+    small = gzip.compress(orjson.dumps({"inputs": [ROW]}))
+    assert len(bomb) < 100_000
+    gz = {"content-type": "application/json", "content-encoding": "gzip"}
+    async with serving(Settings(store=tiny_store, max_body_bytes=100_000)) as client:
+        predict = await client.post("/predict", content=bomb, headers=gz)
+        v2 = await client.post(INFER, content=bomb, headers=gz)
+        ok = await client.post("/predict", content=small, headers=gz)
+    assert predict.status_code == v2.status_code == 413
+    assert (
+        predict.json()["error"] == v2.json()["error"] == "body: decompresses to more than 100000 bytes (max_body_bytes)"
+    )
+    assert ok.status_code == 200, ok.text
 
 
 async def test_rows_and_values_over_their_limits_are_413s_naming_field_and_setting(tiny_store: Path) -> None:
