@@ -18,6 +18,7 @@ from fastapi import FastAPI
 from starlette.types import ASGIApp
 
 from server import __version__, api, precision
+from server.api.shm import Regions
 from server.backplane import Backplane, Frontends
 from server.metrics import Metrics
 from server.repository import ModelRepository
@@ -130,7 +131,7 @@ def create_app(settings: Settings | None = None, frontends: Frontends | None = N
         loading = asyncio.create_task(_load(repo), name="load-models")
         backplane, watching = None, None
         if frontends is not None:
-            backplane = Backplane(frontends.backplane_socket, repo, metrics, settings.http_workers)
+            backplane = Backplane(frontends.backplane_socket, repo, metrics, settings.http_workers, app.state.shm)
             await backplane.start()
             frontends.start()
             watching = asyncio.create_task(frontends.watch(), name="watch-frontends")
@@ -162,5 +163,6 @@ def create_app(settings: Settings | None = None, frontends: Frontends | None = N
         lifespan=lifespan,
     )
     app.state.settings = settings
+    app.state.shm = Regions()
     api.install(app)
     return app

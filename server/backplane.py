@@ -42,6 +42,7 @@ import numpy as np
 import orjson
 
 from server.api.errors import APIError, from_exception
+from server.api.shm import Regions
 from server.api.v2 import require_ready
 from server.batching import Result
 from server.instance import pin_host
@@ -113,10 +114,11 @@ def table(repo: ModelRepository) -> list[dict[str, Any]]:
     ]
 
 
-def _signature(repo: ModelRepository) -> tuple[object, ...]:
-    return tuple(
+def _signature(repo: ModelRepository, regions: Regions) -> tuple[object, ...]:
+    models = tuple(
         (s.name, s.version, s.state, s.precision, id(s.manifest), s.batcher is None) for s in repo.models.values()
     )
+    return models, regions.generation
 
 
 @dataclass
@@ -147,7 +149,7 @@ class _Connection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # A batch's answers go out in one write. (The cast: uvloop's transports are not asyncio's subclasses either.)
         self.transport = cast(asyncio.Transport, CoalescedWrites(transport))
-        self.send({"op": "table", "models": table(self.backplane.repo)})
+        self.send({"op": "table", **self.backplane.table()})
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.transport = None
@@ -175,7 +177,7 @@ class _Connection(asyncio.Protocol):
             elif op == "record":
                 self.backplane.record(header["records"])
             elif op == "table":
-                self.send({"id": header["id"], "models": table(self.backplane.repo)})
+                self.send({"id": header["id"], **self.backplane.table()})
 
     def _infer(self, head: dict[str, Any], payload: bytearray) -> None:
         try:
@@ -223,11 +225,13 @@ class _Connection(asyncio.Protocol):
 class Backplane:
     """The engine process's end: accepts front-ends on a Unix socket and serves their requests from ``repo``."""
 
-    def __init__(self, path: str, repo: ModelRepository, metrics: Metrics, expected: int) -> None:
+    def __init__(self, path: str, repo: ModelRepository, metrics: Metrics, expected: int, regions: Regions) -> None:
         self.path = path
         self.expected = expected
         """Front-ends the server runs: until that many are connected, readiness answers no."""
         self.repo = repo
+        self.regions = regions
+        """Client shared memory regions: front-ends map them too, since they decode and encode tensors."""
         self.metrics = metrics
         self.connections: set[_Connection] = set()
         self._listener: socket.socket | None = None
@@ -274,17 +278,21 @@ class Backplane:
             log.warning("front-end %s: shared memory not page-locked; batches stage it", hello.get("index"))
         return hello, memory, unpin
 
+    def table(self) -> dict[str, Any]:
+        """What front-ends mirror: the model table and the shared memory regions."""
+        return {"models": table(self.repo), "regions": self.regions.status(None)}
+
     async def _watch(self) -> None:
-        """Push the model table to every front-end when a model changes."""
-        seen = _signature(self.repo)
+        """Push the table to every front-end when a model or a region changes."""
+        seen = _signature(self.repo, self.regions)
         while True:
             await asyncio.sleep(TABLE_POLL_S)
-            now = _signature(self.repo)
+            now = _signature(self.repo, self.regions)
             if now != seen:
                 seen = now
-                models = table(self.repo)
+                message = {"op": "table", **self.table()}
                 for c in list(self.connections):
-                    c.send({"op": "table", "models": models})
+                    c.send(message)
 
     def record(self, records: list[list[Any]]) -> None:
         """Count front-ends' requests: ``[model, precision, protocol, status, rows, seconds]`` each."""

@@ -29,6 +29,7 @@ from starlette.types import Receive, Scope, Send
 
 from server import api, backplane, logs
 from server.api.errors import APIError
+from server.api.shm import Regions
 from server.metrics import Protocol
 from server.precision import Precision
 from server.repository import ModelNotReadyError, ModelState, Prediction, ServedModel, find
@@ -53,8 +54,9 @@ class _Pending:
 class BackplaneClient(asyncio.Protocol):
     """A front-end's connection to the engine process, with its shared-memory slots."""
 
-    def __init__(self, on_table: Any) -> None:
+    def __init__(self, on_table: Any, on_regions: Any) -> None:
         self.on_table = on_table
+        self.on_regions = on_regions
         self.reader = backplane.FrameReader()
         self.transport: asyncio.Transport | None = None
         self.pending: dict[int, _Pending] = {}
@@ -104,6 +106,7 @@ class BackplaneClient(asyncio.Protocol):
             rid = header.get("id")
             if "models" in header:  # a pushed table, or the answer to a refresh
                 self.on_table(header["models"])
+                self.on_regions(header["regions"])
                 self.table_seen.set()
             if rid is None:
                 continue
@@ -249,6 +252,9 @@ class FrontendApp:
         self.state.draining = False
         self.repository = RemoteRepository(settings)
         self.state.repository = self.repository
+        self.shm = Regions()
+        """The engine process's shared memory regions, mapped here too: this process decodes and encodes."""
+        self.state.shm = self.shm
         self.http: httpx.AsyncClient | None = None
         self.client: BackplaneClient | None = None
         self._flusher: asyncio.Task[None] | None = None
@@ -289,7 +295,7 @@ class FrontendApp:
                 return
 
     async def _start(self) -> None:
-        self.client = BackplaneClient(self.repository.update)
+        self.client = BackplaneClient(self.repository.update, self.shm.sync)
         self.repository.client = self.client
         self.state.metrics = RemoteMetrics(self.client)
         await self.client.connect(self.backplane_socket, self.index)

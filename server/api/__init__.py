@@ -7,7 +7,7 @@ from starlette.requests import Request
 from starlette.routing import Match, Route
 from starlette.types import Receive, Scope, Send
 
-from server.api import errors, management, models, monitoring, predict, telemetry, v2, v2_repository, v2_triton
+from server.api import errors, management, models, monitoring, predict, shm, telemetry, v2, v2_repository, v2_triton
 
 HOT_PATHS: list[Route] = [
     Route("/predict", predict.predict, methods=["POST"], include_in_schema=False),
@@ -61,7 +61,7 @@ def install(app: FastAPI) -> None:
     errors.install(app)
     app.add_middleware(telemetry.RequestIdMiddleware)
     # v2_triton ahead of v2: its /v2/models/stats must match before v2's /v2/models/{model_name}.
-    routers = (predict.router, models.router, management.router, monitoring.router, v2_triton.router)
+    routers = (predict.router, models.router, management.router, monitoring.router, v2_triton.router, shm.router)
     for router in (*routers, v2_repository.router, v2.router):
         # Added flat rather than with include_router, which matches through an extra router layer per request.
         app.router.routes.extend(router.routes)

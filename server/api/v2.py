@@ -48,6 +48,7 @@ from server.api.errors import APIError, cut_off_by_shutdown, error_responses, fr
 from server.api.limits import check_finite, check_size, client_timeout, read_body, settings
 from server.api.models import frontends_pending, json_response
 from server.api.predict import parse_json, repository
+from server.api.shm import Regions, region_view, regions_of
 from server.api.telemetry import answered, metered, note
 from server.api.v2_schema import INFER_SCHEMA
 from server.metrics import Protocol
@@ -60,7 +61,14 @@ router = APIRouter()
 
 SERVER_NAME = "halfserve"
 PLATFORM = "pytorch_libtorch"
-EXTENSIONS = ["binary_tensor_data", "classification", "model_configuration", "statistics", "model_repository"]
+EXTENSIONS = [
+    "binary_tensor_data",
+    "classification",
+    "model_configuration",
+    "statistics",
+    "model_repository",
+    "system_shared_memory",
+]
 
 
 # Looking models up -----------------------------------------------------------------------------------------------
@@ -205,6 +213,8 @@ class Inference:
     timeout_us: int = 0
     classes: int = 0
     """The top classes to return per row instead of the output (the classification extension); 0: the output."""
+    output_region: tuple[str, memoryview] | None = None
+    """The shared memory region the output goes to, and its bytes there (the shared memory extension)."""
 
 
 def to_input_dtype(arr: np.ndarray, wire: WireType, spec: TensorSpec, fp16_weights: bool, field: str) -> np.ndarray:
@@ -255,7 +265,12 @@ def _flag(params: dict[str, Any], key: str, field: str, default: bool) -> bool:
 
 
 def _decode_input(
-    item: object, field: str, binary: memoryview | None, served: ServedModel, limits: Settings | None
+    item: object,
+    field: str,
+    binary: memoryview | None,
+    served: ServedModel,
+    limits: Settings | None,
+    regions: Regions | None,
 ) -> tuple[np.ndarray, int]:
     """An entry of ``inputs`` as the batcher's array, and how many bytes of ``binary`` it took (from the start)."""
     spec = served.manifest.inputs[0]
@@ -268,10 +283,14 @@ def _decode_input(
     if limits is not None:
         check_size(limits, served, shape[0], f"{field}.shape")
     params = _params(item, f"{field}.parameters")
-    if "shared_memory_region" in params:
-        raise APIError(400, f"{field}.parameters.shared_memory_region: shared memory is not supported")
     size = params.get("binary_data_size")
-    if size is not None:
+    if "shared_memory_region" in params:
+        if size is not None or "data" in item:
+            raise APIError(400, f"{field}: give one of data, binary_data_size or shared_memory_region")
+        where = f"{field}.parameters"
+        _, view = region_view(regions or Regions(), params, where)
+        arr, size = decode_binary(view, wire, shape, f"{where}.shared_memory_byte_size"), 0
+    elif size is not None:
         where = f"{field}.parameters.binary_data_size"
         if not isinstance(size, int) or isinstance(size, bool) or size < 0:
             raise APIError(400, f"{where}: expected a byte count, got {size!r}")
@@ -295,10 +314,13 @@ def _decode_input(
     return x, size
 
 
-def _requested_output(payload: dict[str, Any], default: bool, out_spec: TensorSpec) -> tuple[bool, int]:
+def _requested_output(
+    payload: dict[str, Any], default: bool, out_spec: TensorSpec, regions: Regions | None
+) -> tuple[bool, int, tuple[str, memoryview] | None]:
     """How the output goes: as binary data or not (its own ``binary_data``, else the request's
-    ``binary_data_output``), and how many top classes to send instead of it (``classification``; 0 for none)."""
-    binary, classes = default, 0
+    ``binary_data_output``), how many top classes to send instead of it (``classification``; 0 for none), and the
+    shared memory it goes to instead of the body (``shared_memory_region``)."""
+    binary, classes, region = default, 0, None
     requested = payload.get("outputs")
     if requested is not None:
         if not isinstance(requested, list):
@@ -313,17 +335,28 @@ def _requested_output(payload: dict[str, Any], default: bool, out_spec: TensorSp
             if not isinstance(classes, int) or isinstance(classes, bool) or classes < 0:
                 raise APIError(400, f"{field}.parameters.classification: expected a class count, got {classes!r}")
             binary = _flag(params, "binary_data", f"{field}.parameters", default)
+            if "shared_memory_region" in params:
+                if classes:
+                    raise APIError(400, f"{field}.parameters: classification answers in the body, not shared memory")
+                region = region_view(regions or Regions(), params, f"{field}.parameters")
+    if region is not None:
+        return False, 0, region
     if not classes and wire_type(out_spec.datatype.value, out_spec.name) in JSON_UNSUPPORTED and not binary:
         kind = out_spec.datatype.value
         raise APIError(400, f"outputs: {out_spec.name!r} is {kind}; JSON has no 16-bit floats, request binary_data")
-    return binary, classes
+    return binary, classes, region
 
 
 def parse_request(
-    payload: object, binary: memoryview | None, served: ServedModel, limits: Settings | None = None
+    payload: object,
+    binary: memoryview | None,
+    served: ServedModel,
+    limits: Settings | None = None,
+    regions: Regions | None = None,
 ) -> Inference:
     """Decode a V2 inference request for ``served``: its JSON header, and the binary data after it (``None`` when
-    the request has no ``Inference-Header-Content-Length`` and so is all JSON). ``limits`` bounds its size."""
+    the request has no ``Inference-Header-Content-Length`` and so is all JSON). ``limits`` bounds its size;
+    ``regions`` are the shared memory regions it may name."""
     if not isinstance(payload, dict):
         raise APIError(400, f"body: expected a JSON object, got {type(payload).__name__}")
     spec = served.manifest.inputs[0]
@@ -340,15 +373,26 @@ def parse_request(
         raise APIError(400, f"inputs: expected a non-empty list; the model takes input {spec.name!r}")
     if len(inputs) > 1:
         raise APIError(400, f"inputs: {len(inputs)} given; the model takes one, {spec.name!r}")
-    x, declared = _decode_input(inputs[0], "inputs[0]", binary, served, limits)
+    x, declared = _decode_input(inputs[0], "inputs[0]", binary, served, limits, regions)
     if binary is not None and len(binary) != declared:
         raise APIError(
             400,
             f"body: {len(binary)} bytes follow the {HEADER_LENGTH} bytes of JSON, "
             f"but the inputs' binary_data_size declare {declared}",
         )
-    binary_output, classes = _requested_output(payload, binary_output, served.manifest.outputs[0])
-    return Inference(x, request_id, binary_output, timeout, classes)
+    out_spec = served.manifest.outputs[0]
+    binary_output, classes, region = _requested_output(payload, binary_output, out_spec, regions)
+    if region is not None:
+        # Checked before the forward: the output's size is known from the rows.
+        wire = wire_type(out_spec.datatype.value, out_spec.name)
+        need = len(x) * element_count(out_spec.shape) * wire.dtype.itemsize
+        if need > len(region[1]):
+            raise APIError(
+                400,
+                f"outputs[0].parameters.shared_memory_byte_size: {len(region[1])} bytes cannot hold the output "
+                f"{out_spec.name!r} ({need} bytes for {len(x)} rows)",
+            )
+    return Inference(x, request_id, binary_output, timeout, classes, region)
 
 
 def parse_raw(binary: memoryview, served: ServedModel, limits: Settings | None = None) -> Inference:
@@ -408,7 +452,12 @@ def encode_response(served: ServedModel, req: Inference, result: Prediction) -> 
     wire = wire_type(spec.datatype.value, spec.name)
     output: dict[str, Any] = {"name": spec.name, "datatype": wire.value, "shape": list(out.shape)}
     tail = b""
-    if req.classes:
+    if req.output_region is not None:
+        name, view = req.output_region
+        data = wire_values(out, wire).reshape(-1).view(np.uint8)
+        np.frombuffer(view, np.uint8, count=len(data))[:] = data
+        output["parameters"] = {"shared_memory_region": name, "shared_memory_byte_size": len(data)}
+    elif req.classes:
         classes = top_classes(out, wire, req.classes, served.manifest.labels)
         output |= {"datatype": "BYTES", "shape": [len(classes), len(classes[0])]}
         flat = [c for row in classes for c in row]
@@ -446,7 +495,7 @@ async def infer(request: Request) -> Response:
     body = await read_body(request, limits.max_body_bytes)
     header, binary = split_body(body, request.headers.get(HEADER_LENGTH))
     if header is not None:
-        req = parse_request(parse_json(header), binary, served, limits)
+        req = parse_request(parse_json(header), binary, served, limits, regions_of(request))
     else:
         assert binary is not None
         if request.headers.get("content-type", "").startswith("application/json"):

@@ -19,6 +19,8 @@ import httpx
 import numpy as np
 import pytest
 import tritonclient.http as triton
+import tritonclient.utils.shared_memory as shm
+from tritonclient.utils import InferenceServerException
 
 from server.backplane import SLOT_BYTES, FrameReader, frame
 from tests.conftest import SHIPPED_STORE, ServerProcess, start_server
@@ -103,6 +105,42 @@ def test_v2_binary_through_a_front_end_including_a_request_larger_than_a_slot(wo
         tensor.set_data_from_numpy(x, binary_data=True)
         result = client.infer(MODEL, [tensor], outputs=[triton.InferRequestedOutput("logits", binary_data=True)])
         np.testing.assert_allclose(result.as_numpy("logits"), fp32_reference(x), rtol=1e-4, atol=1e-4)
+
+
+def test_shared_memory_regions_reach_every_front_end(workers_server: ServerProcess) -> None:
+    """A region registered through one front-end is mapped by both (each decodes and encodes its own requests);
+    once unregistered, neither takes it."""
+    url = workers_server.url.removeprefix("http://")
+    key = f"/halfserve-workers-{os.getpid()}"
+    x = samples(4, seed=5)
+    handle = shm.create_shared_memory_region("images", key, 2 * x.nbytes)
+    try:
+        shm.set_shared_memory_region(handle, [x])
+        triton.InferenceServerClient(url).register_system_shared_memory("images", key, 2 * x.nbytes, headers=AUTH)
+        time.sleep(0.2)  # the other front-end's copy is pushed within 0.05 s
+        for _ in range(8):  # a new connection each time: both front-ends answer some
+            client = triton.InferenceServerClient(url)
+            tensor = triton.InferInput("pixels", list(x.shape), "FP32")
+            tensor.set_shared_memory("images", x.nbytes)
+            out = triton.InferRequestedOutput("logits", binary_data=True)
+            out.set_shared_memory("images", 4 * 10 * 4, offset=x.nbytes)
+            result = client.infer(MODEL, [tensor], outputs=[out])
+            assert result.get_output("logits")["shape"] == [4, 10]
+            got = shm.get_contents_as_numpy(handle, np.float32, [4, 10], offset=x.nbytes)
+            np.testing.assert_allclose(got, fp32_reference(x), rtol=1e-4, atol=1e-4)
+            shm.set_shared_memory_region(handle, [np.zeros((4, 10), np.float32)], offset=x.nbytes)
+            client.close()
+        triton.InferenceServerClient(url).unregister_system_shared_memory("images", headers=AUTH)
+        time.sleep(0.2)
+        for _ in range(4):
+            client = triton.InferenceServerClient(url)
+            tensor = triton.InferInput("pixels", list(x.shape), "FP32")
+            tensor.set_shared_memory("images", x.nbytes)
+            with pytest.raises(InferenceServerException, match="no shared memory region 'images'"):
+                client.infer(MODEL, [tensor])
+            client.close()
+    finally:
+        shm.destroy_shared_memory_region(handle)
 
 
 def test_bad_requests_get_4xx_naming_the_problem_while_good_ones_are_answered(workers_server: ServerProcess) -> None:

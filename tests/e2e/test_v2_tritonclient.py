@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -10,6 +11,7 @@ import httpx
 import numpy as np
 import pytest
 import tritonclient.http as triton
+import tritonclient.utils.shared_memory as shm
 from tritonclient.utils import InferenceServerException
 
 from tests.conftest import ServerProcess, save_tiny_mlp
@@ -117,6 +119,33 @@ def test_fp32_inference_equals_predict(
     assert got.dtype == np.float32
     assert got.shape == (3, 4)
     np.testing.assert_allclose(got, predict(fp32_server, x), rtol=1e-6, atol=1e-6)
+
+
+def test_system_shared_memory(client: triton.InferenceServerClient, fp32_server: ServerProcess) -> None:
+    """Inputs and outputs in a region made by tritonclient's own shared memory module, as perf_analyzer's
+    ``--shared-memory system`` and Triton's shm examples use it."""
+    x = samples(5, seed=9)
+    key = f"/halfserve-e2e-{os.getpid()}"
+    handle = shm.create_shared_memory_region("io", key, 1024)
+    try:
+        shm.set_shared_memory_region(handle, [x])
+        client.register_system_shared_memory("io", key, 1024, headers=AUTH)
+        assert client.get_system_shared_memory_status() == [{"name": "io", "key": key, "offset": 0, "byte_size": 1024}]
+        tensor = triton.InferInput("features", list(x.shape), "FP32")
+        tensor.set_shared_memory("io", x.nbytes)
+        out = triton.InferRequestedOutput("logits", binary_data=True)
+        out.set_shared_memory("io", 5 * 4 * 4, offset=512)
+        result = client.infer(MODEL, [tensor], outputs=[out])
+        output = result.get_output("logits")  # nothing in the body: the output is in the region
+        assert "data" not in output
+        assert output["parameters"] == {"shared_memory_region": "io", "shared_memory_byte_size": 80}
+        got = shm.get_contents_as_numpy(handle, np.float32, [5, 4], offset=512)
+        np.testing.assert_allclose(got, predict(fp32_server, x), rtol=1e-6, atol=1e-6)
+        client.unregister_system_shared_memory(headers=AUTH)
+        assert client.get_system_shared_memory_status() == []
+        assert client.get_cuda_shared_memory_status() == []
+    finally:
+        shm.destroy_shared_memory_region(handle)
 
 
 @pytest.mark.parametrize("algorithm", ["gzip", "deflate"])
