@@ -19,6 +19,12 @@ a commit, checked out in a temporary git worktree, or ``.`` for this working tre
 
     python benchmarks/path_cost.py --revs HEAD~1,. --rounds 3 --out benchmarks/results/path-cost-cpu/ab
 
+``--protocols`` (comma-separated) compares ways of sending the image, interleaved too; ``v2-shm`` sends it through the
+system shared memory extension: the server reads it from a registered region (one region, read by every request), so
+only a few hundred bytes of JSON travel per request:
+
+    python benchmarks/path_cost.py --protocols v2-binary,v2-shm --rounds 3
+
 ``--variants`` compares server options the same way (each one's runs for every rev):
 
     python benchmarks/path_cost.py --model resnet_bench --store model_store --http-workers 1 \
@@ -35,9 +41,11 @@ import resource
 import statistics
 import subprocess
 import tempfile
+from multiprocessing import shared_memory
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 import serve_bench
 import torch
@@ -110,9 +118,13 @@ def measure(args: argparse.Namespace, source: Path, variant: str, proto: serve_b
     part's CPU time around it."""
     server_args = ["--http-workers", str(args.http_workers), "--precision", args.precision, "--log-level", "warning"]
     server_args += variant.split()
+    if proto.name == "v2-shm":
+        server_args += ["--admin-token", SHM_TOKEN]
     proc = serve_bench.start_server(args.store, args.model, args.port, *server_args, source=source)
     url = f"http://127.0.0.1:{args.port}{proto.path}"
     try:
+        if proto.name == "v2-shm":
+            register_region(args.port, args.region)
         serve_bench.wrk(url, args.concurrency, 2, proto.script, proto.body)
         before, wrk_before, batches_before = (
             server_cpu(proc.pid),
@@ -132,6 +144,35 @@ def measure(args: argparse.Namespace, source: Path, variant: str, proto: serve_b
     return {**result, "mean_batch": rows / batches if batches else 0.0, "cpu_us_per_request": cpu}
 
 
+SHM_TOKEN = "path-cost"
+SHM_REGION = "image"
+
+
+def shm_protocol(
+    model: str, input_name: str, sample: np.ndarray, datatype: str, folder: Path
+) -> tuple[serve_bench.Protocol, shared_memory.SharedMemory]:
+    """A V2 request naming ``sample`` in a shared memory object (written here) instead of carrying it."""
+    raw = sample.astype(serve_bench.WIRE_DTYPES[datatype]).tobytes()
+    region = shared_memory.SharedMemory(create=True, size=len(raw))
+    region.buf[: len(raw)] = raw
+    params = {"shared_memory_region": SHM_REGION, "shared_memory_byte_size": len(raw)}
+    tensor = {"name": input_name, "shape": [1, *sample.shape], "datatype": datatype, "parameters": params}
+    body = folder / "v2-shm.body"
+    body.write_bytes(json.dumps({"inputs": [tensor], "parameters": {"binary_data_output": True}}).encode())
+    script = folder / "v2-shm.lua"
+    script.write_text(serve_bench.LUA.format(content_type="application/json", extra_headers=""))
+    return serve_bench.Protocol("v2-shm", f"/v2/models/{model}/infer", body, script), region
+
+
+def register_region(port: int, region: shared_memory.SharedMemory) -> None:
+    r = httpx.post(
+        f"http://127.0.0.1:{port}/v2/systemsharedmemory/region/{SHM_REGION}/register",
+        json={"key": "/" + region.name.lstrip("/"), "byte_size": region.size},
+        headers={"Authorization": f"Bearer {SHM_TOKEN}"},
+    )
+    r.raise_for_status()
+
+
 def checkout(rev: str, folder: Path) -> tuple[Path, str]:
     """The source tree of ``rev`` (``.``: this one) and its commit."""
     if rev == ".":
@@ -145,17 +186,18 @@ def checkout(rev: str, folder: Path) -> tuple[Path, str]:
 
 def summary(result: dict[str, Any]) -> str:
     lines = [
-        "| rev | commit | options | req/s | mean batch | " + " | ".join(f"{p} us/req" for p in PARTS) + " |",
-        "|---|---|---|---:|---:|" + "---:|" * len(PARTS),
+        "| rev | commit | options | protocol | req/s | mean batch | " + " | ".join(f"{p} us/req" for p in PARTS) + " |",
+        "|---|---|---|---|---:|---:|" + "---:|" * len(PARTS),
     ]
-    for (rev, commit), variant in itertools.product(result["revs"].items(), result["variants"]):
-        runs = [r for r in result["runs"] if r["rev"] == rev and r["variant"] == variant]
+    cases = itertools.product(result["revs"].items(), result["variants"], result["protocols"])
+    for (rev, commit), variant, protocol in cases:
+        runs = [r for r in result["runs"] if (r["rev"], r["variant"], r["protocol"]) == (rev, variant, protocol)]
         med = {p: statistics.median(r["cpu_us_per_request"][p] for r in runs) for p in PARTS}
         rps = statistics.median(r["rps"] for r in runs)
         batch = statistics.median(r["mean_batch"] for r in runs)
         cells = " | ".join(f"{med[p]:.0f}" for p in PARTS)
-        lines.append(f"| {rev} | {commit} | {variant or '-'} | {rps:.0f} | {batch:.1f} | {cells} |")
-    rounds = len(result["runs"]) // max(1, len(result["revs"]) * len(result["variants"]))
+        lines.append(f"| {rev} | {commit} | {variant or '-'} | {protocol} | {rps:.0f} | {batch:.1f} | {cells} |")
+    rounds = len(result["runs"]) // max(1, len(result["revs"]) * len(result["variants"]) * len(result["protocols"]))
     lines.append(f"\nMedians of {rounds} interleaved rounds; every run is in the JSON.")
     return "\n".join(lines)
 
@@ -167,7 +209,12 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--duration", type=float, default=8.0, help="seconds per run")
     p.add_argument("--concurrency", type=int, default=32)
-    p.add_argument("--protocol", default="v2-binary", choices=serve_bench.PROTOCOLS)
+    p.add_argument(
+        "--protocols",
+        default=["v2-binary"],
+        type=lambda s: s.split(","),
+        help=f"comma-separated, of {', '.join([*serve_bench.PROTOCOLS, 'v2-shm'])} (default: v2-binary)",
+    )
     p.add_argument("--http-workers", type=int, default=2)
     p.add_argument("--precision", default="fp32")
     p.add_argument("--store", type=Path, help="model store (default: the workload above, built in a temp folder)")
@@ -183,26 +230,37 @@ def main() -> None:
     spec = store.load_manifest(args.store / args.model).inputs[0]
     rng = np.random.default_rng(0)
     sample = rng.integers(0, 256, spec.shape) if spec.datatype is DataType.UINT8 else rng.uniform(0, 1, spec.shape)
-    proto = serve_bench.make_protocol(args.protocol, args.model, spec.name, sample, tmp, spec.datatype.value)
+    args.region = None
+    protos: dict[str, serve_bench.Protocol] = {}
+    for name in args.protocols:
+        if name == "v2-shm":
+            protos[name], args.region = shm_protocol(args.model, spec.name, sample, spec.datatype.value, tmp)
+        else:
+            protos[name] = serve_bench.make_protocol(name, args.model, spec.name, sample, tmp, spec.datatype.value)
     trees: dict[str, Path] = {}
     result: dict[str, Any] = {
-        "workload": {"model": args.model, "input": spec.model_dump(mode="json"), "protocol": args.protocol},
+        "workload": {"model": args.model, "input": spec.model_dump(mode="json")},
         "server": {"http_workers": args.http_workers, "precision": args.precision},
         "load_generator": f"wrk -t1 -c{args.concurrency}, {args.duration:g} s per run",
         "machine": hostinfo.describe(),
         "revs": {},
         "variants": args.variants or [""],
+        "protocols": args.protocols,
         "runs": [],
     }
     try:
         for i, rev in enumerate(args.revs):
             trees[rev], result["revs"][rev] = checkout(rev, tmp / f"tree-{i}")
         for r in range(args.rounds):
-            for rev, variant in itertools.product(args.revs, result["variants"]):
-                run = {"rev": rev, "variant": variant, "round": r, **measure(args, trees[rev], variant, proto)}
+            for rev, variant, protocol in itertools.product(args.revs, result["variants"], args.protocols):
+                run = {"rev": rev, "variant": variant, "protocol": protocol, "round": r}
+                run |= measure(args, trees[rev], variant, protos[protocol])
                 print(json.dumps(run), flush=True)
                 result["runs"].append(run)
     finally:
+        if args.region is not None:
+            args.region.close()
+            args.region.unlink()
         for tree in trees.values():
             if tree != ROOT:
                 subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=ROOT, check=False)
