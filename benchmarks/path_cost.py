@@ -25,7 +25,8 @@ only a few hundred bytes of JSON travel per request:
 
     python benchmarks/path_cost.py --protocols v2-binary,v2-shm --rounds 3
 
-``--variants`` compares server options the same way (each one's runs for every rev):
+``--variants`` compares server options the same way (each one's runs for every rev); a ``NAME=value`` word in a
+variant sets an environment variable of the server instead (``--variants=OMP_WAIT_POLICY=PASSIVE``):
 
     python benchmarks/path_cost.py --model resnet_bench --store model_store --http-workers 1 \
         --variants="--threads 1" --variants="--threads 2"
@@ -117,10 +118,12 @@ def measure(args: argparse.Namespace, source: Path, variant: str, proto: serve_b
     """One server of the tree at ``source`` with the options ``variant`` adds: warm up, then one wrk run with every
     part's CPU time around it."""
     server_args = ["--http-workers", str(args.http_workers), "--precision", args.precision, "--log-level", "warning"]
-    server_args += variant.split()
+    words = variant.split()
+    env = dict(w.split("=", 1) for w in words if "=" in w and not w.startswith("-"))
+    server_args += [w for w in words if "=" not in w or w.startswith("-")]
     if proto.name == "v2-shm":
         server_args += ["--admin-token", SHM_TOKEN]
-    proc = serve_bench.start_server(args.store, args.model, args.port, *server_args, source=source)
+    proc = serve_bench.start_server(args.store, args.model, args.port, *server_args, source=source, env=env)
     url = f"http://127.0.0.1:{args.port}{proto.path}"
     try:
         if proto.name == "v2-shm":

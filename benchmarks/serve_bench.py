@@ -163,10 +163,15 @@ def wrk(
     return parse_wrk(text)
 
 
-def start_server(store_dir: Path, model: str, port: int, *args: str, source: Path = ROOT) -> subprocess.Popen[bytes]:
-    """``halfserve serve`` of the tree at ``source`` (python -m puts it first on the path), once it answers ready."""
+def start_server(
+    store_dir: Path, model: str, port: int, *args: str, source: Path = ROOT, env: dict[str, str] | None = None
+) -> subprocess.Popen[bytes]:
+    """``halfserve serve`` of the tree at ``source`` (python -m puts it first on the path), with ``env`` added to
+    this process's environment, once it answers ready."""
     cmd = [sys.executable, "-m", "server", "serve", "--store", str(store_dir), "--models", model, "--port", str(port)]
-    proc = subprocess.Popen([*cmd, *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=source)
+    full_env = {**os.environ, **(env or {})}
+    quiet = subprocess.DEVNULL
+    proc = subprocess.Popen([*cmd, *args], stdout=quiet, stderr=quiet, cwd=source, env=full_env)
     for _ in range(600):
         try:
             if httpx.get(f"http://127.0.0.1:{port}/ready", timeout=1).status_code == 200:
