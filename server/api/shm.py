@@ -18,6 +18,7 @@ import mmap
 import os
 import re
 import stat
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,8 @@ class Region:
     offset: int
     byte_size: int
     memory: mmap.mmap
+    fd: int
+    """Kept open to check the object's size on every use (closed when the region is dropped)."""
 
     def status(self) -> dict[str, Any]:
         return {"name": self.name, "key": self.key, "offset": self.offset, "byte_size": self.byte_size}
@@ -55,6 +58,10 @@ class Region:
                 f"({self.byte_size} bytes)",
             )
         start = self.offset + offset
+        # Reading a mapped page past the object's end kills the process (SIGBUS): an object its owner shrank since
+        # registration fails the request instead.
+        if os.fstat(self.fd).st_size < start + size:
+            raise APIError(400, f"{field}: the shared memory object of region {self.name!r} shrank below it")
         return memoryview(self.memory)[start : start + size]
 
 
@@ -76,9 +83,12 @@ def open_region(name: str, key: str, offset: int, byte_size: int) -> Region:
                 400, f"byte_size: {byte_size} bytes from offset {offset} do not fit {key!r} ({info.st_size} bytes)"
             )
         memory = mmap.mmap(fd, offset + byte_size)
-    finally:
+    except BaseException:
         os.close(fd)
-    return Region(name, key, offset, byte_size, memory)
+        raise
+    region = Region(name, key, offset, byte_size, memory, fd)
+    weakref.finalize(region, os.close, fd)
+    return region
 
 
 def _count(value: object, field: str) -> int:
@@ -141,14 +151,30 @@ class Regions:
         self.regions = fresh
 
 
-def region_view(regions: Regions, params: dict[str, Any], where: str) -> tuple[str, memoryview]:
-    """The region named by a tensor's ``shared_memory_*`` parameters (``where``), and the tensor's bytes in it."""
+@dataclass(frozen=True)
+class Span:
+    """Where a tensor lies in a region: ``size`` bytes from ``offset`` (checked against the region when made)."""
+
+    region: Region
+    offset: int
+    size: int
+    field: str
+
+    def bytes(self) -> memoryview:
+        """The span's bytes, the object's size checked again: call it right before reading or writing."""
+        return self.region.view(self.offset, self.size, self.field)
+
+
+def span(regions: Regions, params: dict[str, Any], where: str) -> Span:
+    """The span named by a tensor's ``shared_memory_*`` parameters (``where`` names them in errors)."""
     if "shared_memory_byte_size" not in params:
         raise APIError(400, f"{where}: shared_memory_region needs shared_memory_byte_size")
     region = regions.get(params["shared_memory_region"], f"{where}.shared_memory_region")
     size = _count(params["shared_memory_byte_size"], f"{where}.shared_memory_byte_size")
     offset = _count(params.get("shared_memory_offset", 0), f"{where}.shared_memory_offset")
-    return region.name, region.view(offset, size, where)
+    found = Span(region, offset, size, where)
+    found.bytes()  # fails now, not after the forward, when it does not fit
+    return found
 
 
 def regions_of(request: Request) -> Regions:

@@ -48,7 +48,7 @@ from server.api.errors import APIError, cut_off_by_shutdown, error_responses, fr
 from server.api.limits import check_finite, check_size, client_timeout, read_body, settings
 from server.api.models import frontends_pending, json_response
 from server.api.predict import parse_json, repository
-from server.api.shm import Regions, region_view, regions_of
+from server.api.shm import Regions, Span, regions_of, span
 from server.api.telemetry import answered, metered, note
 from server.api.v2_schema import INFER_SCHEMA
 from server.metrics import Protocol
@@ -213,8 +213,8 @@ class Inference:
     timeout_us: int = 0
     classes: int = 0
     """The top classes to return per row instead of the output (the classification extension); 0: the output."""
-    output_region: tuple[str, memoryview] | None = None
-    """The shared memory region the output goes to, and its bytes there (the shared memory extension)."""
+    output_span: Span | None = None
+    """Where in shared memory the output goes (the shared memory extension); None: in the body."""
 
 
 def to_input_dtype(arr: np.ndarray, wire: WireType, spec: TensorSpec, fp16_weights: bool, field: str) -> np.ndarray:
@@ -288,8 +288,11 @@ def _decode_input(
         if size is not None or "data" in item:
             raise APIError(400, f"{field}: give one of data, binary_data_size or shared_memory_region")
         where = f"{field}.parameters"
-        _, view = region_view(regions or Regions(), params, where)
-        arr, size = decode_binary(view, wire, shape, f"{where}.shared_memory_byte_size"), 0
+        raw = span(regions or Regions(), params, where).bytes()
+        arr, size = decode_binary(raw, wire, shape, f"{where}.shared_memory_byte_size"), 0
+        # Read-only, so the batcher takes a copy now: the client may change or shrink the object once answered, and
+        # a page read past a shrunk object's end would kill the process.
+        arr.flags.writeable = False
     elif size is not None:
         where = f"{field}.parameters.binary_data_size"
         if not isinstance(size, int) or isinstance(size, bool) or size < 0:
@@ -316,7 +319,7 @@ def _decode_input(
 
 def _requested_output(
     payload: dict[str, Any], default: bool, out_spec: TensorSpec, regions: Regions | None
-) -> tuple[bool, int, tuple[str, memoryview] | None]:
+) -> tuple[bool, int, Span | None]:
     """How the output goes: as binary data or not (its own ``binary_data``, else the request's
     ``binary_data_output``), how many top classes to send instead of it (``classification``; 0 for none), and the
     shared memory it goes to instead of the body (``shared_memory_region``)."""
@@ -338,7 +341,7 @@ def _requested_output(
             if "shared_memory_region" in params:
                 if classes:
                     raise APIError(400, f"{field}.parameters: classification answers in the body, not shared memory")
-                region = region_view(regions or Regions(), params, f"{field}.parameters")
+                region = span(regions or Regions(), params, f"{field}.parameters")
     if region is not None:
         return False, 0, region
     if not classes and wire_type(out_spec.datatype.value, out_spec.name) in JSON_UNSUPPORTED and not binary:
@@ -386,10 +389,10 @@ def parse_request(
         # Checked before the forward: the output's size is known from the rows.
         wire = wire_type(out_spec.datatype.value, out_spec.name)
         need = len(x) * element_count(out_spec.shape) * wire.dtype.itemsize
-        if need > len(region[1]):
+        if need > region.size:
             raise APIError(
                 400,
-                f"outputs[0].parameters.shared_memory_byte_size: {len(region[1])} bytes cannot hold the output "
+                f"outputs[0].parameters.shared_memory_byte_size: {region.size} bytes cannot hold the output "
                 f"{out_spec.name!r} ({need} bytes for {len(x)} rows)",
             )
     return Inference(x, request_id, binary_output, timeout, classes, region)
@@ -452,10 +455,10 @@ def encode_response(served: ServedModel, req: Inference, result: Prediction) -> 
     wire = wire_type(spec.datatype.value, spec.name)
     output: dict[str, Any] = {"name": spec.name, "datatype": wire.value, "shape": list(out.shape)}
     tail = b""
-    if req.output_region is not None:
-        name, view = req.output_region
+    if req.output_span is not None:
         data = wire_values(out, wire).reshape(-1).view(np.uint8)
-        np.frombuffer(view, np.uint8, count=len(data))[:] = data
+        np.frombuffer(req.output_span.bytes(), np.uint8, count=len(data))[:] = data
+        name = req.output_span.region.name
         output["parameters"] = {"shared_memory_region": name, "shared_memory_byte_size": len(data)}
     elif req.classes:
         classes = top_classes(out, wire, req.classes, served.manifest.labels)

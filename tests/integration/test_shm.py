@@ -137,6 +137,37 @@ async def test_registration_needs_the_admin_token_and_a_real_object(
     assert unknown_status.status_code == 404
 
 
+async def test_an_object_shrunk_after_registration_fails_its_requests_not_the_server(tiny_store: Path) -> None:
+    """Touching a mapped page past a shrunk object's end is SIGBUS: the server checks the size on every use, and
+    copies inputs out of the region before queueing them (so a later shrink cannot reach them either)."""
+    name = f"halfserve-shrink-{secrets.token_hex(4)}"
+    path = Path("/dev/shm") / name
+    path.write_bytes(bytes(8192))
+    ins = {"shared_memory_region": "r", "shared_memory_byte_size": 64, "shared_memory_offset": 4096}
+    outs = {"shared_memory_region": "r", "shared_memory_byte_size": 64, "shared_memory_offset": 4096 + 64}
+    try:
+        async with serving(Settings(store=tiny_store, admin_token=TOKEN)) as client:
+            await register(client, "r", {"key": "/" + name, "byte_size": 8192})
+            before = await client.post(INFER, json=request(1, ins, outs))
+            os.truncate(path, 1024)
+            after_in = await client.post(INFER, json=request(1, ins))
+            after_out = await client.post(
+                INFER,
+                json={
+                    **request(1, {"shared_memory_region": "r", "shared_memory_byte_size": 64}),
+                    "outputs": [{"name": "logits", "parameters": outs}],
+                },
+            )
+            still = await client.post("/predict", json={"inputs": [[0.0] * 16]})
+    finally:
+        path.unlink()
+    assert before.status_code == 200, before.text
+    for r in (after_in, after_out):
+        assert r.status_code == 400, r.text
+        assert "the shared memory object of region 'r' shrank below it" in r.json()["error"]
+    assert still.status_code == 200
+
+
 async def test_bad_shared_memory_requests_are_400s_and_unregistered_regions_are_gone(
     tiny_store: Path, segment: shared_memory.SharedMemory
 ) -> None:
