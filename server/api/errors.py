@@ -30,6 +30,13 @@ class APIError(Exception):
         self.headers = headers
 
 
+def count(value: object, field: str, what: str = "a non-negative integer") -> int:
+    """``value`` when it is a non-negative integer (not a boolean), else a 400 naming ``field`` and ``what``."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise APIError(400, f"{field}: expected {what}, got {value!r}")
+    return value
+
+
 def error_response(status: int, message: str, headers: dict[str, str] | None = None) -> Response:
     return Response(
         orjson.dumps({"error": message}), status_code=status, media_type="application/json", headers=headers

@@ -26,7 +26,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from server.api.errors import APIError, error_responses, json_ok
+from server.api.errors import APIError, count, error_responses, json_ok
 from server.api.models import json_response
 from server.api.v2_repository import AUTH_ERRORS, BEARER, OPTIONAL_JSON_BODY, json_object, require_admin
 
@@ -91,12 +91,6 @@ def open_region(name: str, key: str, offset: int, byte_size: int) -> Region:
     return region
 
 
-def _count(value: object, field: str) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise APIError(400, f"{field}: expected a non-negative integer, got {value!r}")
-    return value
-
-
 class Regions:
     """The registered regions, by name. Unregistering drops a region from the table; its mapping goes once no
     request still reads or writes it."""
@@ -112,8 +106,8 @@ class Regions:
         key = body.get("key")
         if not isinstance(key, str):
             raise APIError(400, f"key: expected a string, got {key!r}")
-        offset = _count(body.get("offset", 0), "offset")
-        byte_size = _count(body.get("byte_size"), "byte_size")
+        offset = count(body.get("offset", 0), "offset")
+        byte_size = count(body.get("byte_size"), "byte_size")
         self.regions[name] = open_region(name, key, offset, byte_size)
         self.generation += 1
 
@@ -170,8 +164,8 @@ def span(regions: Regions, params: dict[str, Any], where: str) -> Span:
     if "shared_memory_byte_size" not in params:
         raise APIError(400, f"{where}: shared_memory_region needs shared_memory_byte_size")
     region = regions.get(params["shared_memory_region"], f"{where}.shared_memory_region")
-    size = _count(params["shared_memory_byte_size"], f"{where}.shared_memory_byte_size")
-    offset = _count(params.get("shared_memory_offset", 0), f"{where}.shared_memory_offset")
+    size = count(params["shared_memory_byte_size"], f"{where}.shared_memory_byte_size")
+    offset = count(params.get("shared_memory_offset", 0), f"{where}.shared_memory_offset")
     found = Span(region, offset, size, where)
     found.bytes()  # fails now, not after the forward, when it does not fit
     return found

@@ -44,7 +44,7 @@ from server.api.binary import (
     wire_values,
 )
 from server.api.codec import NUMPY_DTYPES
-from server.api.errors import APIError, cut_off_by_shutdown, error_responses, from_exception, json_ok
+from server.api.errors import APIError, count, cut_off_by_shutdown, error_responses, from_exception, json_ok
 from server.api.limits import check_finite, check_size, client_timeout, read_body, settings
 from server.api.models import frontends_pending, json_response
 from server.api.predict import parse_json, repository
@@ -295,8 +295,7 @@ def _decode_input(
         arr.flags.writeable = False
     elif size is not None:
         where = f"{field}.parameters.binary_data_size"
-        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
-            raise APIError(400, f"{where}: expected a byte count, got {size!r}")
+        size = count(size, where, "a byte count")
         if "data" in item:
             raise APIError(400, f"{field}: give either data or parameters.binary_data_size, not both")
         if binary is None:
@@ -334,9 +333,7 @@ def _requested_output(
                 got = item.get("name") if isinstance(item, dict) else item
                 raise APIError(400, f"{field}.name: unknown output {got!r}; the model has {out_spec.name!r}")
             params = _params(item, f"{field}.parameters")
-            classes = params.get("classification", 0)
-            if not isinstance(classes, int) or isinstance(classes, bool) or classes < 0:
-                raise APIError(400, f"{field}.parameters.classification: expected a class count, got {classes!r}")
+            classes = count(params.get("classification", 0), f"{field}.parameters.classification", "a class count")
             binary = _flag(params, "binary_data", f"{field}.parameters", default)
             if "shared_memory_region" in params:
                 if classes:
@@ -368,9 +365,7 @@ def parse_request(
         raise APIError(400, f"id: expected a string, got {type(request_id).__name__}")
     params = _params(payload, "parameters")
     binary_output = _flag(params, "binary_data_output", "parameters", False)
-    timeout = params.get("timeout", 0)
-    if not isinstance(timeout, int) or isinstance(timeout, bool) or timeout < 0:
-        raise APIError(400, f"parameters.timeout: expected non-negative microseconds, got {timeout!r}")
+    timeout = count(params.get("timeout", 0), "parameters.timeout", "non-negative microseconds")
     inputs = payload.get("inputs")
     if not isinstance(inputs, list) or not inputs:
         raise APIError(400, f"inputs: expected a non-empty list; the model takes input {spec.name!r}")
