@@ -280,7 +280,7 @@ class Backplane:
 
     def table(self) -> dict[str, Any]:
         """What front-ends mirror: the model table and the shared memory regions."""
-        return {"models": table(self.repo), "regions": self.regions.status(None)}
+        return {"models": table(self.repo), "regions": self.regions.status()}
 
     async def _watch(self) -> None:
         """Push the table to every front-end when a model or a region changes."""

@@ -49,14 +49,19 @@ class Region:
     def status(self) -> dict[str, Any]:
         return {"name": self.name, "key": self.key, "offset": self.offset, "byte_size": self.byte_size}
 
-    def view(self, offset: int, size: int, field: str) -> memoryview:
-        """``size`` bytes from ``offset`` into the region, or a 400 naming ``field`` when they fall outside it."""
+    def check(self, offset: int, size: int, field: str) -> None:
+        """A 400 naming ``field`` when ``size`` bytes from ``offset`` fall outside the region."""
         if offset + size > self.byte_size:
             raise APIError(
                 400,
                 f"{field}: {size} bytes from offset {offset} overrun shared memory region {self.name!r} "
                 f"({self.byte_size} bytes)",
             )
+
+    def view(self, offset: int, size: int, field: str) -> memoryview:
+        """``size`` bytes from ``offset`` into the region, or a 400 naming ``field`` when they fall outside it or
+        past the end of the object as it is now."""
+        self.check(offset, size, field)
         start = self.offset + offset
         # Reading a mapped page past the object's end kills the process (SIGBUS): an object its owner shrank since
         # registration fails the request instead.
@@ -119,10 +124,8 @@ class Regions:
             self.regions.pop(name, None)
         self.generation += 1
 
-    def status(self, name: str | None) -> list[dict[str, Any]]:
-        if name is None:
-            return [r.status() for r in self.regions.values()]
-        return [self.get(name, "region").status()]
+    def status(self) -> list[dict[str, Any]]:
+        return [r.status() for r in self.regions.values()]
 
     def get(self, name: object, field: str) -> Region:
         region = self.regions.get(name) if isinstance(name, str) else None
@@ -166,9 +169,8 @@ def span(regions: Regions, params: dict[str, Any], where: str) -> Span:
     region = regions.get(params["shared_memory_region"], f"{where}.shared_memory_region")
     size = count(params["shared_memory_byte_size"], f"{where}.shared_memory_byte_size")
     offset = count(params.get("shared_memory_offset", 0), f"{where}.shared_memory_offset")
-    found = Span(region, offset, size, where)
-    found.bytes()  # fails now, not after the forward, when it does not fit
-    return found
+    region.check(offset, size, where)  # now, not after the forward; the object's size is checked on each use
+    return Span(region, offset, size, where)
 
 
 def regions_of(request: Request) -> Regions:
@@ -191,16 +193,16 @@ _CHANGE = {**json_ok("Done.", {"type": "object"}), **AUTH_ERRORS}
 @router.get("/v2/systemsharedmemory/status", response_class=Response, responses=_STATUS)
 async def system_status(request: Request) -> Response:
     """Every registered system shared memory region."""
-    return json_response(regions_of(request).status(None))
+    return json_response(regions_of(request).status())
 
 
 @router.get("/v2/systemsharedmemory/region/{region_name}/status", response_class=Response, responses=_STATUS)
 async def system_region_status(region_name: str, request: Request) -> Response:
     """One registered region."""
-    regions = regions_of(request)
-    if region_name not in regions.regions:
+    region = regions_of(request).regions.get(region_name)
+    if region is None:
         raise APIError(404, f"no shared memory region {region_name!r} is registered")
-    return json_response(regions.status(region_name))
+    return json_response([region.status()])
 
 
 @router.post(
