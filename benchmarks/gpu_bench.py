@@ -373,6 +373,7 @@ def summarize(
 
 def markdown(result: dict[str, Any], half: str) -> str:
     m = result["machine"]
+    swept = result.get("instances", {}).get("precision", half)  # the instance sweep's precision (older runs: half)
     lines = [
         f"# GPU fast path: {MODEL} {result['input_shape']} on {m.get('gpu', m['cpu'])}",
         "",
@@ -392,7 +393,6 @@ def markdown(result: dict[str, Any], half: str) -> str:
             dev = " | ".join(f"{c['device_forward_rows_per_s'][b]:.0f}" for b in result["batch_sizes_str"])
             lines.append(f"| {label}, bare device forward | {dev} | | |")
     if result.get("instances"):
-        swept = result["instances"].get("precision", half)
         lines += ["", f"## Instances at batch {result['instances']['batch']} ({swept}, rows/s)", ""]
         lines += ["| instances | rows/s |", "|---:|---:|"]
         lines += [f"| {n} | {v:.0f} |" for n, v in result["instances"]["rows_per_s"].items()]
@@ -401,8 +401,7 @@ def markdown(result: dict[str, Any], half: str) -> str:
         args = " ".join(server["server_args"]) or "defaults"
         lines += ["", f"## Server {label}: KServe V2 binary, one {wire.upper()} image per request; {args}", ""]
         lines += [
-            f"Execution: {json.dumps(result['server_execution'])}; "
-            f"{result['instances'].get('precision', half)} in-process with as many instances at "
+            f"Execution: {json.dumps(result['server_execution'])}; {swept} in-process with as many instances at "
             f"batch {result['instances']['batch']}: {summary['instances_ceiling_rows_per_s'] or 0:.0f} rows/s.",
             "",
             "| precision | concurrency | rows/s | p50 ms | p99 ms | mean batch | server CPU % | ceiling "
