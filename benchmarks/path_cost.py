@@ -160,11 +160,9 @@ def shm_protocol(
     region.buf[: len(raw)] = raw
     params = {"shared_memory_region": SHM_REGION, "shared_memory_byte_size": len(raw)}
     tensor = {"name": input_name, "shape": [1, *sample.shape], "datatype": datatype, "parameters": params}
-    body = folder / "v2-shm.body"
-    body.write_bytes(json.dumps({"inputs": [tensor], "parameters": {"binary_data_output": True}}).encode())
-    script = folder / "v2-shm.lua"
-    script.write_text(serve_bench.LUA.format(content_type="application/json", extra_headers=""))
-    return serve_bench.Protocol("v2-shm", f"/v2/models/{model}/infer", body, script), region
+    body = json.dumps({"inputs": [tensor], "parameters": {"binary_data_output": True}}).encode()
+    proto = serve_bench.write_protocol("v2-shm", f"/v2/models/{model}/infer", body, "application/json", folder)
+    return proto, region
 
 
 def register_region(port: int, region: shared_memory.SharedMemory) -> None:

@@ -70,8 +70,8 @@ def make_protocol(
 ) -> Protocol:
     """Write the body and wrk script of protocol ``name`` for one sample into ``folder``.
 
-    JSON bodies carry ``sample``'s (float64, rounded) values as written; the binary body carries them as
-    ``datatype``.
+    JSON bodies carry ``sample``'s (float64, rounded) values as written, V2 JSON declaring them ``datatype`` (FP32
+    for the 16-bit floats JSON cannot carry); the binary body carries them as ``datatype``.
     """
     batch = [1, *sample.shape]
     extra = ""
@@ -80,7 +80,8 @@ def make_protocol(
         body = json.dumps({"model": model, "inputs": [sample.tolist()]}).encode()
     elif name == "v2-json":
         path, content_type = f"/v2/models/{model}/infer", "application/json"
-        tensor = {"name": input_name, "shape": batch, "datatype": "FP32", "data": sample.ravel().tolist()}
+        declared = "FP32" if datatype in ("FP16", "BF16") else datatype  # an integer input takes no FP32 data
+        tensor = {"name": input_name, "shape": batch, "datatype": declared, "data": sample.ravel().tolist()}
         body = json.dumps({"inputs": [tensor]}).encode()
     elif name == "v2-binary":
         path, content_type = f"/v2/models/{model}/infer", "application/octet-stream"
@@ -96,6 +97,11 @@ def make_protocol(
         extra = f'wrk.headers["{HEADER_LENGTH}"] = "{len(header)}"\n'
     else:
         raise ValueError(f"unknown protocol {name!r} (known: {', '.join(PROTOCOLS)})")
+    return write_protocol(name, path, body, content_type, folder, extra)
+
+
+def write_protocol(name: str, path: str, body: bytes, content_type: str, folder: Path, extra: str = "") -> Protocol:
+    """``body`` and the wrk script that posts it to ``path``, written into ``folder``."""
     body_path = folder / f"{name}.body"
     body_path.write_bytes(body)
     script = folder / f"{name}.lua"
