@@ -33,12 +33,14 @@ RUN python -m venv /opt/venv \
     && pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}"
 
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md constraints.txt ./
 COPY server ./server
 # A regular (not editable) install: the venv is all the runtime stage takes; the source and build tree stay here.
 # The train extra (rich, matplotlib, scikit-learn) makes every subcommand work in the image: serve, and also
 # loadtest (compose's loadtest service) and train, for a few percent of the image's size.
-RUN pip install "./[train]" && halfserve --help >/dev/null
+# -c constraints.txt: the versions CI tested (the lock). It pins torch's version, which the CUDA build above meets
+# (2.13.0+cu126 is 2.13.0), and re-pins torch's own dependencies (sympy, networkx, ...) that the torch index chose.
+RUN pip install -c constraints.txt "./[train]" && halfserve --help >/dev/null
 
 
 FROM ${PYTHON_IMAGE} AS runtime

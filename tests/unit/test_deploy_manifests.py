@@ -287,10 +287,10 @@ def test_dockerfile_pins_a_cuda_build_of_torch_for_t4_and_a10() -> None:
     # 2.x releases from 2.4 on with CUDA 12.x wheels include sm_75 (T4) and sm_86 (A10) kernels.
     assert (int(version[1]), int(version[2])) >= (2, 4)
     assert index[1].startswith("12")
-    # The image runs the torch release CI tests the server with.
-    ci = re.search(r"torch==([\w.]+)", (ROOT / ".ci" / "run").read_text())
-    if ci:
-        assert ".".join(version.groups()) == ci[1], "the image's torch differs from the one .ci/run tests with"
+    # The image runs the torch release CI tests the server with: the lock's.
+    locked = re.search(r"^torch==([\w.]+)", (ROOT / "constraints.txt").read_text(), re.M)
+    assert locked, "constraints.txt pins torch"
+    assert ".".join(version.groups()) == locked[1], "the image's torch differs from the lock's, which CI tests with"
 
 
 def test_the_model_store_is_the_same_path_everywhere(dockerfile: Dockerfile, compose: dict[str, Any]) -> None:
