@@ -109,7 +109,7 @@ def element_count(shape: list[int]) -> int:
     return math.prod(shape)
 
 
-def decode_binary(buf: memoryview | bytes, wire: WireType, shape: list[int], field: str) -> np.ndarray:
+def decode_binary(buf: memoryview | bytes | bytearray, wire: WireType, shape: list[int], field: str) -> np.ndarray:
     """``buf`` as an array of ``shape``; BF16 is widened to float32 exactly (its bits are float32's top half).
 
     The result may be a read-only view of ``buf``.

@@ -7,14 +7,19 @@ inference request instead of sending the tensor's bytes: an input's ``parameters
 output's give the same, and the server writes the output there and answers with its datatype and shape only. A
 150 KB image then costs the HTTP request a few hundred bytes of JSON.
 
-Registering maps the object into the server (and into each front-end, which decode requests themselves), so it is a
-management call: it needs the admin token, and a server without one cannot be made to map anything. Keys are POSIX
+Registering opens the object in the server (and in each front-end, which decode requests themselves), so it is a
+management call: it needs the admin token, and a server without one cannot be made to open anything. Keys are POSIX
 shared memory names (``/name``), opened in ``/dev/shm`` without following links, and must hold the region.
+
+The object is the client's, and it may shrink it, or fill the tmpfs it lives on, at any moment. A mapping would turn
+either into SIGBUS on the next access, which kills the process however it is guarded: a size check before the access
+always leaves a window. So the server never maps a client's object: it reads with ``preadv`` into a buffer of its own
+and writes with ``pwrite``, and a shrunk object is a short read (400), a full tmpfs ``ENOSPC`` (507).
 """
 
 from __future__ import annotations
 
-import mmap
+import errno
 import os
 import re
 import stat
@@ -42,9 +47,8 @@ class Region:
     key: str
     offset: int
     byte_size: int
-    memory: mmap.mmap
     fd: int
-    """Kept open to check the object's size on every use (closed when the region is dropped)."""
+    """Every read and write goes through it (closed when the region is dropped)."""
 
     def status(self) -> dict[str, Any]:
         return {"name": self.name, "key": self.key, "offset": self.offset, "byte_size": self.byte_size}
@@ -58,16 +62,35 @@ class Region:
                 f"({self.byte_size} bytes)",
             )
 
-    def view(self, offset: int, size: int, field: str) -> memoryview:
-        """``size`` bytes from ``offset`` into the region, or a 400 naming ``field`` when they fall outside it or
-        past the end of the object as it is now."""
+    def read(self, offset: int, size: int, field: str) -> bytearray:
+        """A copy of ``size`` bytes from ``offset`` into the region, or a 400 naming ``field`` when they fall outside
+        it or past the end of the object as it is now."""
         self.check(offset, size, field)
-        start = self.offset + offset
-        # Reading a mapped page past the object's end kills the process (SIGBUS): an object its owner shrank since
-        # registration fails the request instead.
-        if os.fstat(self.fd).st_size < start + size:
+        buf = bytearray(size)
+        got = os.preadv(self.fd, [buf], self.offset + offset)
+        if got != size:
             raise APIError(400, f"{field}: the shared memory object of region {self.name!r} shrank below it")
-        return memoryview(self.memory)[start : start + size]
+        return buf
+
+    def write(self, offset: int, data: memoryview, field: str) -> None:
+        """``data`` written from ``offset`` into the region; a 400 when the object shrank below it, a 507 when the
+        file system holding the object has no room for its pages."""
+        self.check(offset, len(data), field)
+        start = self.offset + offset
+        # Not grown back: an object its owner shrank is the owner's decision (a shrink after this check is not
+        # harmful either: pwrite extends the file, where a mapping would fault).
+        if os.fstat(self.fd).st_size < start + len(data):
+            raise APIError(400, f"{field}: the shared memory object of region {self.name!r} shrank below it")
+        try:
+            written = os.pwrite(self.fd, data, start)
+        except OSError as e:
+            if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+                raise APIError(
+                    507, f"{field}: no room to write shared memory region {self.name!r}: {e.strerror}"
+                ) from None
+            raise APIError(400, f"{field}: cannot write shared memory region {self.name!r}: {e.strerror}") from None
+        if written != len(data):
+            raise APIError(507, f"{field}: only {written} of {len(data)} bytes fit shared memory region {self.name!r}")
 
 
 def open_region(name: str, key: str, offset: int, byte_size: int) -> Region:
@@ -87,18 +110,17 @@ def open_region(name: str, key: str, offset: int, byte_size: int) -> Region:
             raise APIError(
                 400, f"byte_size: {byte_size} bytes from offset {offset} do not fit {key!r} ({info.st_size} bytes)"
             )
-        memory = mmap.mmap(fd, offset + byte_size)
     except BaseException:
         os.close(fd)
         raise
-    region = Region(name, key, offset, byte_size, memory, fd)
+    region = Region(name, key, offset, byte_size, fd)
     weakref.finalize(region, os.close, fd)
     return region
 
 
 class Regions:
-    """The registered regions, by name. Unregistering drops a region from the table; its mapping goes once no
-    request still reads or writes it."""
+    """The registered regions, by name. Unregistering drops a region from the table; its descriptor is closed once
+    no request still reads or writes it."""
 
     def __init__(self) -> None:
         self.regions: dict[str, Region] = {}
@@ -134,7 +156,7 @@ class Regions:
         return region
 
     def sync(self, listing: list[dict[str, Any]]) -> None:
-        """Mirror the engine process's regions (a front-end's copy): map the new ones, drop the gone ones."""
+        """Mirror the engine process's regions (a front-end's copy): open the new ones, drop the gone ones."""
         fresh: dict[str, Region] = {}
         for entry in listing:
             old = self.regions.get(entry["name"])
@@ -157,9 +179,12 @@ class Span:
     size: int
     field: str
 
-    def bytes(self) -> memoryview:
-        """The span's bytes, the object's size checked again: call it right before reading or writing."""
-        return self.region.view(self.offset, self.size, self.field)
+    def read(self) -> bytearray:
+        """A copy of the span's bytes, read now."""
+        return self.region.read(self.offset, self.size, self.field)
+
+    def write(self, data: memoryview) -> None:
+        self.region.write(self.offset, data, self.field)
 
 
 def span(regions: Regions, params: dict[str, Any], where: str) -> Span:

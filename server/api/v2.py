@@ -288,11 +288,9 @@ def _decode_input(
         if size is not None or "data" in item:
             raise APIError(400, f"{field}: give one of data, binary_data_size or shared_memory_region")
         where = f"{field}.parameters"
-        raw = span(regions or Regions(), params, where).bytes()
+        # A copy of the client's bytes, so the batcher's array stays as it was read whatever the client does next.
+        raw = span(regions or Regions(), params, where).read()
         arr, size = decode_binary(raw, wire, shape, f"{where}.shared_memory_byte_size"), 0
-        # Read-only, so the batcher takes a copy now: the client may change or shrink the object once answered, and
-        # a page read past a shrunk object's end would kill the process.
-        arr.flags.writeable = False
     elif size is not None:
         where = f"{field}.parameters.binary_data_size"
         size = count(size, where, "a byte count")
@@ -452,7 +450,7 @@ def encode_response(served: ServedModel, req: Inference, result: Prediction) -> 
     tail = b""
     if req.output_span is not None:
         data = wire_values(out, wire).reshape(-1).view(np.uint8)
-        np.frombuffer(req.output_span.bytes(), np.uint8, count=len(data))[:] = data
+        req.output_span.write(data.data)
         name = req.output_span.region.name
         output["parameters"] = {"shared_memory_region": name, "shared_memory_byte_size": len(data)}
     elif req.classes:

@@ -166,6 +166,7 @@ INFER_SCHEMA: dict[str, Any] = {
                 500: "The model failed on this request's rows (or overflowed with overflow policy error).",
                 503: "Model loading or not ready, its queue full, or the request cut off by shutdown (Retry-After).",
                 504: "The request's deadline (parameters.timeout, X-Request-Timeout-Ms) passed before it ran.",
+                507: "No room to write an output into its shared memory region (the tmpfs holding it is full).",
             }
         ),
     },

@@ -138,8 +138,8 @@ async def test_registration_needs_the_admin_token_and_a_real_object(
 
 
 async def test_an_object_shrunk_after_registration_fails_its_requests_not_the_server(tiny_store: Path) -> None:
-    """Touching a mapped page past a shrunk object's end is SIGBUS: the server checks the size on every use, and
-    copies inputs out of the region before queueing them (so a later shrink cannot reach them either)."""
+    """A shrunk object is a short read and a refused write for the requests that name it; the server goes on.
+    (tests/security/test_shm_faults.py shrinks it during requests.)"""
     name = f"halfserve-shrink-{secrets.token_hex(4)}"
     path = Path("/dev/shm") / name
     path.write_bytes(bytes(8192))
