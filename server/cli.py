@@ -50,6 +50,9 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--max-request-rows", type=int, help="most rows per inference request (default: max_queue_rows)")
     p.add_argument("--max-request-elements", type=int, help="most input values per inference request (default: 2^24)")
     p.add_argument(
+        "--max-json-values", type=int, help="most values and containers in a JSON request body (default: 2^19)"
+    )
+    p.add_argument(
         "--drain-timeout",
         type=float,
         help="seconds a shutdown waits for requests in flight before cancelling them (default: 30)",

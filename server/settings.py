@@ -47,6 +47,10 @@ class Settings(BaseSettings):
     """Most rows (samples) one inference request may carry; unset: a model's ``max_queue_rows``."""
     max_request_elements: int = Field(default=2**24, ge=1)
     """Most input values one inference request may carry (rows times the per-sample size)."""
+    max_json_values: int = Field(default=2**19, ge=1024)
+    """Most values and containers a JSON body may hold (its commas, ``[`` and ``{``), counted before it is parsed:
+    parsing builds a Python object per value, so a small body of ``[],[],...`` costs seconds and gigabytes. Larger
+    tensors travel as binary data (the binary tensor extension, or raw)."""
     drain_timeout: float = Field(default=30.0, ge=0.0, le=3600.0)
     """Seconds from a shutdown signal to exit: requests in flight get this long, then are cancelled (503)."""
     tf32: bool = False

@@ -12,7 +12,7 @@ from starlette.responses import Response
 
 from server.api.codec import decode_samples
 from server.api.errors import APIError, cut_off_by_shutdown, error_responses, from_exception
-from server.api.limits import TIMEOUT_HEADER, check_size, client_timeout, read_body
+from server.api.limits import TIMEOUT_HEADER, check_size, client_timeout, parse_json, read_body
 from server.api.telemetry import answered, metered, note
 from server.metrics import Protocol
 from server.repository import ModelRepository
@@ -79,7 +79,7 @@ PREDICT_SCHEMA: dict[str, Any] = {
             {
                 400: "Malformed request, or NaN / infinite inputs the model does not take; the error names the field.",
                 404: "Unknown model.",
-                413: "Body, rows or values over the limits (max_body_bytes, max_request_rows, max_request_elements).",
+                413: "Body, JSON values, rows or input values over the limits (max_body_bytes, max_json_values, ...).",
                 500: "The model failed on this request's rows (or overflowed with overflow policy error).",
                 503: "Queue full, model not loaded, or the request cut off by shutdown (with Retry-After).",
                 504: "The request's deadline passed before its rows had all started.",
@@ -87,16 +87,6 @@ PREDICT_SCHEMA: dict[str, Any] = {
         ),
     },
 }
-
-
-def parse_json(body: bytes) -> Any:
-    """Decode a JSON body, or fail with a 400 naming the problem."""
-    if not body:
-        raise APIError(400, "body: empty; expected a JSON object")
-    try:
-        return orjson.loads(body)
-    except orjson.JSONDecodeError as e:
-        raise APIError(400, f"body: malformed JSON ({e})") from None
 
 
 def repository(request: Request) -> ModelRepository:
@@ -111,7 +101,7 @@ async def predict(request: Request) -> Response:
     repo = repository(request)
     limits = repo.settings
     timeout = client_timeout(request)
-    payload = parse_json(await read_body(request, limits.max_body_bytes))
+    payload = await parse_json(await read_body(request, limits.max_body_bytes), limits.max_json_values)
     if not isinstance(payload, dict):
         raise APIError(400, f"body: expected a JSON object, got {type(payload).__name__}")
     name = payload.get("model")

@@ -45,9 +45,9 @@ from server.api.binary import (
 )
 from server.api.codec import NUMPY_DTYPES
 from server.api.errors import APIError, count, cut_off_by_shutdown, error_responses, from_exception, json_ok
-from server.api.limits import check_finite, check_size, client_timeout, read_body, settings
+from server.api.limits import check_finite, check_size, client_timeout, parse_json, read_body, settings
 from server.api.models import frontends_pending, json_response
-from server.api.predict import parse_json, repository
+from server.api.predict import repository
 from server.api.shm import Regions, Span, regions_of, span
 from server.api.telemetry import answered, metered, note
 from server.api.v2_schema import INFER_SCHEMA
@@ -491,7 +491,8 @@ async def infer(request: Request) -> Response:
     body = await read_body(request, limits.max_body_bytes)
     header, binary = split_body(body, request.headers.get(HEADER_LENGTH))
     if header is not None:
-        req = parse_request(parse_json(header), binary, served, limits, regions_of(request))
+        payload = await parse_json(header, limits.max_json_values)
+        req = parse_request(payload, binary, served, limits, regions_of(request))
     else:
         assert binary is not None
         if request.headers.get("content-type", "").startswith("application/json"):

@@ -17,8 +17,9 @@ from starlette.responses import Response
 
 from server import store
 from server.api.errors import APIError, error_responses, from_exception, json_ok
+from server.api.limits import parse_json, read_body
 from server.api.models import json_response
-from server.api.predict import parse_json, repository
+from server.api.predict import repository
 from server.precision import Precision
 from server.repository import ModelRepository, ModelState, ServedModel
 from server.settings import Settings
@@ -32,6 +33,7 @@ AUTH_ERRORS = error_responses(
         400: "Malformed body.",
         401: "The Authorization: Bearer token is missing or wrong.",
         403: "The management API is off: the server has no admin token.",
+        413: "A body over 64 KiB.",
     }
 )
 OPTIONAL_JSON_BODY: dict[str, Any] = {
@@ -73,12 +75,17 @@ def index_entry(served: ServedModel) -> dict[str, object]:
     return {"name": served.name, "version": str(served.version), "state": state.value, "reason": reason}
 
 
+MANAGEMENT_BODY_BYTES = 64 * 2**10
+"""Largest body of a management call (a load's parameters, a region's key): they are a few hundred bytes."""
+
+
 async def json_object(request: Request) -> dict[str, object]:
-    """The request's JSON object body; an empty body is ``{}``, anything but an object a 400."""
-    raw = await request.body()
+    """The request's JSON object body; an empty body is ``{}``, anything but an object a 400, one over
+    ``MANAGEMENT_BODY_BYTES`` a 413."""
+    raw = await read_body(request, MANAGEMENT_BODY_BYTES, "a management call's limit")
     if not raw.strip():
         return {}
-    payload = parse_json(raw)
+    payload = await parse_json(raw, MANAGEMENT_BODY_BYTES)
     if not isinstance(payload, dict):
         raise APIError(400, f"body: expected a JSON object, got {type(payload).__name__}")
     return payload

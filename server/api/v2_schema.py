@@ -161,7 +161,7 @@ INFER_SCHEMA: dict[str, Any] = {
             {
                 400: "Malformed request, or NaN / infinite inputs the model does not take; the error names the field.",
                 404: "Unknown model or version, or a model with no available version.",
-                413: "Body, rows or values over the limits (max_body_bytes, max_request_rows, max_request_elements).",
+                413: "Body, JSON values, rows or input values over the limits (max_body_bytes, max_json_values, ...).",
                 415: "A Content-Encoding other than identity, gzip or deflate.",
                 500: "The model failed on this request's rows (or overflowed with overflow policy error).",
                 503: "Model loading or not ready, its queue full, or the request cut off by shutdown (Retry-After).",
