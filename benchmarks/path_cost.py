@@ -161,7 +161,9 @@ def shm_protocol(
     params = {"shared_memory_region": SHM_REGION, "shared_memory_byte_size": len(raw)}
     tensor = {"name": input_name, "shape": [1, *sample.shape], "datatype": datatype, "parameters": params}
     body = json.dumps({"inputs": [tensor], "parameters": {"binary_data_output": True}}).encode()
-    proto = serve_bench.write_protocol("v2-shm", f"/v2/models/{model}/infer", body, "application/json", folder)
+    # Naming a region needs the admin token, as registering it does.
+    auth = f'wrk.headers["Authorization"] = "Bearer {SHM_TOKEN}"\n'
+    proto = serve_bench.write_protocol("v2-shm", f"/v2/models/{model}/infer", body, "application/json", folder, auth)
     return proto, region
 
 

@@ -24,6 +24,7 @@ import os
 import re
 import stat
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -187,11 +188,17 @@ class Span:
         self.region.write(self.offset, data, self.field)
 
 
-def span(regions: Regions, params: dict[str, Any], where: str) -> Span:
+RegionSource = Callable[[], Regions]
+"""The regions a request may name, asked for only when it names one (the check behind it may refuse)."""
+
+
+def span(regions: RegionSource | None, params: dict[str, Any], where: str) -> Span:
     """The span named by a tensor's ``shared_memory_*`` parameters (``where`` names them in errors)."""
     if "shared_memory_byte_size" not in params:
         raise APIError(400, f"{where}: shared_memory_region needs shared_memory_byte_size")
-    region = regions.get(params["shared_memory_region"], f"{where}.shared_memory_region")
+    if regions is None:
+        raise APIError(400, f"{where}.shared_memory_region: shared memory is not served here")
+    region = regions().get(params["shared_memory_region"], f"{where}.shared_memory_region")
     size = count(params["shared_memory_byte_size"], f"{where}.shared_memory_byte_size")
     offset = count(params.get("shared_memory_offset", 0), f"{where}.shared_memory_offset")
     region.check(offset, size, where)  # now, not after the forward; the object's size is checked on each use
@@ -203,6 +210,20 @@ def regions_of(request: Request) -> Regions:
     return found
 
 
+def authorised_regions(request: Request) -> Regions:
+    """The registered regions, for a request that carries the admin token: a region is another client's memory, so
+    reading it (as an input) or writing it (as an output) is for holders of the token that registered it."""
+    try:
+        require_admin(request)
+    except APIError as e:
+        raise APIError(
+            e.status,
+            f"shared_memory_region: using a shared memory region needs the admin token: {e.message}",
+            e.headers,
+        ) from None
+    return regions_of(request)
+
+
 # Endpoints ---------------------------------------------------------------------------------------------------------
 
 router = APIRouter()
@@ -210,20 +231,28 @@ router = APIRouter()
 _LIST: dict[str, Any] = {"type": "array", "items": {"type": "object"}}
 _STATUS = {
     **json_ok("The registered regions: name, key, offset, byte_size.", _LIST),
+    **AUTH_ERRORS,
     **error_responses({404: "No region of that name is registered."}),
 }
 _CHANGE = {**json_ok("Done.", {"type": "object"}), **AUTH_ERRORS}
 
 
-@router.get("/v2/systemsharedmemory/status", response_class=Response, responses=_STATUS)
+@router.get("/v2/systemsharedmemory/status", response_class=Response, responses=_STATUS, dependencies=BEARER)
 async def system_status(request: Request) -> Response:
-    """Every registered system shared memory region."""
+    """Every registered system shared memory region (names and keys are the owners': admin token only)."""
+    require_admin(request)
     return json_response(regions_of(request).status())
 
 
-@router.get("/v2/systemsharedmemory/region/{region_name}/status", response_class=Response, responses=_STATUS)
+@router.get(
+    "/v2/systemsharedmemory/region/{region_name}/status",
+    response_class=Response,
+    responses=_STATUS,
+    dependencies=BEARER,
+)
 async def system_region_status(region_name: str, request: Request) -> Response:
-    """One registered region."""
+    """One registered region (admin token only)."""
+    require_admin(request)
     region = regions_of(request).regions.get(region_name)
     if region is None:
         raise APIError(404, f"no shared memory region {region_name!r} is registered")

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -48,7 +49,7 @@ from server.api.errors import APIError, count, cut_off_by_shutdown, error_respon
 from server.api.limits import check_finite, check_size, client_timeout, parse_json, read_body, settings
 from server.api.models import frontends_pending, json_response
 from server.api.predict import repository
-from server.api.shm import Regions, Span, regions_of, span
+from server.api.shm import RegionSource, Span, authorised_regions, span
 from server.api.telemetry import answered, metered, note
 from server.api.v2_schema import INFER_SCHEMA
 from server.metrics import Protocol
@@ -270,7 +271,7 @@ def _decode_input(
     binary: memoryview | None,
     served: ServedModel,
     limits: Settings | None,
-    regions: Regions | None,
+    regions: RegionSource | None,
 ) -> tuple[np.ndarray, int]:
     """An entry of ``inputs`` as the batcher's array, and how many bytes of ``binary`` it took (from the start)."""
     spec = served.manifest.inputs[0]
@@ -289,7 +290,7 @@ def _decode_input(
             raise APIError(400, f"{field}: give one of data, binary_data_size or shared_memory_region")
         where = f"{field}.parameters"
         # A copy of the client's bytes, so the batcher's array stays as it was read whatever the client does next.
-        raw = span(regions or Regions(), params, where).read()
+        raw = span(regions, params, where).read()
         arr, size = decode_binary(raw, wire, shape, f"{where}.shared_memory_byte_size"), 0
     elif size is not None:
         where = f"{field}.parameters.binary_data_size"
@@ -315,7 +316,7 @@ def _decode_input(
 
 
 def _requested_output(
-    payload: dict[str, Any], default: bool, out_spec: TensorSpec, regions: Regions | None
+    payload: dict[str, Any], default: bool, out_spec: TensorSpec, regions: RegionSource | None
 ) -> tuple[bool, int, Span | None]:
     """How the output goes: as binary data or not (its own ``binary_data``, else the request's
     ``binary_data_output``), how many top classes to send instead of it (``classification``; 0 for none), and the
@@ -336,7 +337,7 @@ def _requested_output(
             if "shared_memory_region" in params:
                 if classes:
                     raise APIError(400, f"{field}.parameters: classification answers in the body, not shared memory")
-                region = span(regions or Regions(), params, f"{field}.parameters")
+                region = span(regions, params, f"{field}.parameters")
     if region is not None:
         return False, 0, region
     if not classes and wire_type(out_spec.datatype.value, out_spec.name) in JSON_UNSUPPORTED and not binary:
@@ -350,11 +351,11 @@ def parse_request(
     binary: memoryview | None,
     served: ServedModel,
     limits: Settings | None = None,
-    regions: Regions | None = None,
+    regions: RegionSource | None = None,
 ) -> Inference:
     """Decode a V2 inference request for ``served``: its JSON header, and the binary data after it (``None`` when
     the request has no ``Inference-Header-Content-Length`` and so is all JSON). ``limits`` bounds its size;
-    ``regions`` are the shared memory regions it may name."""
+    ``regions`` gives the shared memory regions it may name, asked only when it names one."""
     if not isinstance(payload, dict):
         raise APIError(400, f"body: expected a JSON object, got {type(payload).__name__}")
     spec = served.manifest.inputs[0]
@@ -492,7 +493,7 @@ async def infer(request: Request) -> Response:
     header, binary = split_body(body, request.headers.get(HEADER_LENGTH))
     if header is not None:
         payload = await parse_json(header, limits.max_json_values)
-        req = parse_request(payload, binary, served, limits, regions_of(request))
+        req = parse_request(payload, binary, served, limits, partial(authorised_regions, request))
     else:
         assert binary is not None
         if request.headers.get("content-type", "").startswith("application/json"):

@@ -124,7 +124,7 @@ def test_shared_memory_regions_reach_every_front_end(workers_server: ServerProce
             tensor.set_shared_memory("images", x.nbytes)
             out = triton.InferRequestedOutput("logits", binary_data=True)
             out.set_shared_memory("images", 4 * 10 * 4, offset=x.nbytes)
-            result = client.infer(MODEL, [tensor], outputs=[out])
+            result = client.infer(MODEL, [tensor], outputs=[out], headers=AUTH)
             assert result.get_output("logits")["shape"] == [4, 10]
             got = shm.get_contents_as_numpy(handle, np.float32, [4, 10], offset=x.nbytes)
             np.testing.assert_allclose(got, fp32_reference(x), rtol=1e-4, atol=1e-4)
@@ -137,7 +137,7 @@ def test_shared_memory_regions_reach_every_front_end(workers_server: ServerProce
             tensor = triton.InferInput("pixels", list(x.shape), "FP32")
             tensor.set_shared_memory("images", x.nbytes)
             with pytest.raises(InferenceServerException, match="no shared memory region 'images'"):
-                client.infer(MODEL, [tensor])
+                client.infer(MODEL, [tensor], headers=AUTH)
             client.close()
     finally:
         shm.destroy_shared_memory_region(handle)

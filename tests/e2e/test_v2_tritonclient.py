@@ -130,19 +130,20 @@ def test_system_shared_memory(client: triton.InferenceServerClient, fp32_server:
     try:
         shm.set_shared_memory_region(handle, [x])
         client.register_system_shared_memory("io", key, 1024, headers=AUTH)
-        assert client.get_system_shared_memory_status() == [{"name": "io", "key": key, "offset": 0, "byte_size": 1024}]
+        status = client.get_system_shared_memory_status(headers=AUTH)
+        assert status == [{"name": "io", "key": key, "offset": 0, "byte_size": 1024}]
         tensor = triton.InferInput("features", list(x.shape), "FP32")
         tensor.set_shared_memory("io", x.nbytes)
         out = triton.InferRequestedOutput("logits", binary_data=True)
         out.set_shared_memory("io", 5 * 4 * 4, offset=512)
-        result = client.infer(MODEL, [tensor], outputs=[out])
+        result = client.infer(MODEL, [tensor], outputs=[out], headers=AUTH)  # a region is used with the token
         output = result.get_output("logits")  # nothing in the body: the output is in the region
         assert "data" not in output
         assert output["parameters"] == {"shared_memory_region": "io", "shared_memory_byte_size": 80}
         got = shm.get_contents_as_numpy(handle, np.float32, [5, 4], offset=512)
         np.testing.assert_allclose(got, predict(fp32_server, x), rtol=1e-6, atol=1e-6)
         client.unregister_system_shared_memory(headers=AUTH)
-        assert client.get_system_shared_memory_status() == []
+        assert client.get_system_shared_memory_status(headers=AUTH) == []
         assert client.get_cuda_shared_memory_status() == []
     finally:
         shm.destroy_shared_memory_region(handle)

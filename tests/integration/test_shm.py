@@ -55,6 +55,7 @@ async def test_inputs_read_from_and_outputs_written_into_shared_memory(
     x = np.random.default_rng(0).standard_normal((3, 16)).astype(np.float32)
     np.ndarray(x.shape, np.float32, segment.buf, offset=256)[:] = x
     async with serving(Settings(store=tiny_store, precision="fp32", admin_token=TOKEN)) as client:
+        client.headers.update(AUTH)  # naming a region, and listing them, need the token
         want = np.asarray((await client.post("/predict", json={"inputs": x.tolist()})).json()["outputs"])
         # Two regions in one object: inputs from byte 0 of the first, outputs into the second.
         assert (await register(client, "in", {"key": key(segment), "offset": 0, "byte_size": 2048})).status_code == 200
@@ -109,11 +110,11 @@ async def test_registration_needs_the_admin_token_and_a_real_object(
                     "negative": {"offset": -1},
                 }.items()
             }
-            status = (await client.get("/v2/systemsharedmemory/status")).json()
+            status = (await client.get("/v2/systemsharedmemory/status", headers=AUTH)).json()
             first = await register(client, "r", body)
             again = await register(client, "r", body)
             cuda = await client.post("/v2/cudasharedmemory/region/g/register", json={}, headers=AUTH)
-            unknown_status = await client.get("/v2/systemsharedmemory/region/nope/status")
+            unknown_status = await client.get("/v2/systemsharedmemory/region/nope/status", headers=AUTH)
     finally:
         link.unlink()
     assert off.status_code == 403
@@ -147,6 +148,7 @@ async def test_an_object_shrunk_after_registration_fails_its_requests_not_the_se
     outs = {"shared_memory_region": "r", "shared_memory_byte_size": 64, "shared_memory_offset": 4096 + 64}
     try:
         async with serving(Settings(store=tiny_store, admin_token=TOKEN)) as client:
+            client.headers.update(AUTH)
             await register(client, "r", {"key": "/" + name, "byte_size": 8192})
             before = await client.post(INFER, json=request(1, ins, outs))
             os.truncate(path, 1024)
@@ -174,6 +176,7 @@ async def test_bad_shared_memory_requests_are_400s_and_unregistered_regions_are_
     x = np.zeros((2, 16), np.float32)
     ins = {"shared_memory_region": "r", "shared_memory_byte_size": x.nbytes}
     async with serving(Settings(store=tiny_store, admin_token=TOKEN)) as client:
+        client.headers.update(AUTH)
         await register(client, "r", {"key": key(segment), "byte_size": 1024})
         cases = {
             "unknown region": (request(2, {**ins, "shared_memory_region": "nope"}), "no shared memory region 'nope'"),
