@@ -23,7 +23,7 @@ from server.backplane import Backplane, Frontends
 from server.metrics import Metrics
 from server.repository import ModelRepository
 from server.settings import Settings
-from server.transport import CoalescingHttpToolsProtocol
+from server.transport import HttpLimits, LimitedHttpProtocol
 
 log = logging.getLogger(__name__)
 
@@ -56,13 +56,18 @@ class DrainingServer(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
+def http_limits(settings: Settings) -> HttpLimits:
+    s = settings
+    return HttpLimits(s.header_timeout, s.body_timeout, s.max_url_bytes, s.max_header_bytes, s.max_connections)
+
+
 def uvicorn_config(app: ASGIApp, settings: Settings, log_config: dict[str, Any] | None, **where: Any) -> uvicorn.Config:
     """uvicorn's configuration for ``app`` under ``settings``; ``where`` is where it listens (host and port, uds),
     if not on sockets handed to ``run``."""
     return uvicorn.Config(
         app,
         **where,
-        http=CoalescingHttpToolsProtocol,
+        http=LimitedHttpProtocol.with_limits(http_limits(settings)),
         log_level=settings.log_level,
         log_config=log_config,
         access_log=settings.access_log,

@@ -52,6 +52,11 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument(
         "--max-json-values", type=int, help="most values and containers in a JSON request body (default: 2^19)"
     )
+    p.add_argument("--header-timeout", type=float, help="seconds to send a request's headers, else 408 (default: 10)")
+    p.add_argument("--body-timeout", type=float, help="seconds a body may stall between bytes, else 408 (default: 30)")
+    p.add_argument("--max-url-bytes", type=int, help="longest request target, else 414 (default: 8192)")
+    p.add_argument("--max-header-bytes", type=int, help="most header bytes per request, else 431 (default: 65536)")
+    p.add_argument("--max-connections", type=int, help="open connections per process, else 503 (default: 1024)")
     p.add_argument(
         "--drain-timeout",
         type=float,

@@ -51,6 +51,17 @@ class Settings(BaseSettings):
     """Most values and containers a JSON body may hold (its commas, ``[`` and ``{``), counted before it is parsed:
     parsing builds a Python object per value, so a small body of ``[],[],...`` costs seconds and gigabytes. Larger
     tensors travel as binary data (the binary tensor extension, or raw)."""
+    header_timeout: float = Field(default=10.0, gt=0.0, le=3600.0)
+    """Seconds a connection may take to send a request's line and headers, from when it opens or the request's first
+    byte arrives; then 408 and the connection is closed (an idle or trickling connection holds a socket)."""
+    body_timeout: float = Field(default=30.0, gt=0.0, le=3600.0)
+    """Seconds a request body may go without a byte arriving; then 408 and the connection is closed."""
+    max_url_bytes: int = Field(default=8192, ge=256)
+    """Longest request target (path and query); a longer one gets 414 before it is read whole."""
+    max_header_bytes: int = Field(default=65536, ge=1024)
+    """Most bytes of header names and values in one request; more gets 431 before they are read whole."""
+    max_connections: int = Field(default=1024, ge=1)
+    """Open HTTP connections per process; one more is answered 503 and closed at once."""
     drain_timeout: float = Field(default=30.0, ge=0.0, le=3600.0)
     """Seconds from a shutdown signal to exit: requests in flight get this long, then are cancelled (503)."""
     tf32: bool = False

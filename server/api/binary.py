@@ -94,7 +94,8 @@ def split_body(body: bytes, header_length: str | None) -> tuple[bytes | None, me
     if header_length is None:
         return body, None
     text = header_length.strip()
-    if not (text.isascii() and text.isdigit()):
+    # Past 18 digits no length can be right, and int() of over 4,300 digits raises (CPython's conversion limit).
+    if not (text.isascii() and text.isdigit() and len(text) <= 18):
         raise APIError(400, f"{HEADER_LENGTH}: expected a non-negative integer, got {header_length!r}")
     n = int(text)
     if n == 0:

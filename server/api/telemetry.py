@@ -12,11 +12,12 @@ import functools
 import itertools
 import logging
 import os
+import re
 import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -24,6 +25,7 @@ from server.api.errors import APIError, error_response
 from server.api.limits import raw_header
 from server.logs import ACCESS_LOGGER
 from server.metrics import Metrics, Protocol
+from server.transport import BODY_TIMED_OUT
 
 if TYPE_CHECKING:
     from server.repository import Prediction, ServedModel
@@ -34,7 +36,8 @@ log = logging.getLogger(ACCESS_LOGGER)
 
 REQUEST_ID_HEADER = "X-Request-Id"
 _REQUEST_ID_KEY = REQUEST_ID_HEADER.lower().encode()
-_MAX_REQUEST_ID = 128
+_REQUEST_ID = re.compile(rb"[A-Za-z0-9._:-]{1,128}")
+"""A client's id is logged as given: no spaces or ``=`` that could forge fields of a text log line."""
 _SERVED = "halfserve.served"
 _ANSWERED = "halfserve.answered"
 
@@ -46,12 +49,12 @@ Endpoint = Callable[[Request], Awaitable[Response]]
 
 
 def request_id(request: Request) -> bytes:
-    """The client's ``X-Request-Id`` when it is a sane one (printable ASCII, at most 128 bytes), else a new id."""
+    """The client's ``X-Request-Id`` when it is a sane one (1-128 of ``A-Z a-z 0-9 . _ : -``), else a new id."""
     return _sane_or_new(raw_header(request, _REQUEST_ID_KEY))
 
 
 def _sane_or_new(given: bytes | None) -> bytes:
-    if given is not None and 0 < len(given) <= _MAX_REQUEST_ID and given.isascii() and given.decode().isprintable():
+    if given is not None and _REQUEST_ID.fullmatch(given):
         return given
     return f"{_PREFIX}-{next(_sequence):x}".encode()
 
@@ -102,6 +105,14 @@ def metered(protocol: Protocol) -> Callable[[Endpoint], Endpoint]:
                 response = await endpoint(request)
             except APIError as e:
                 response = error_response(e.status, e.message, e.headers)
+            except ClientDisconnect:
+                # The client went away before its body arrived (499, nginx's "client closed request"), or let it
+                # stall past the body timeout (408, already answered by the protocol): nothing to answer now, and
+                # not the server's fault, so no 500 and no traceback.
+                if request.scope.get(BODY_TIMED_OUT):
+                    response = error_response(408, "body: stalled past the body timeout (body_timeout)")
+                else:
+                    response = error_response(499, "client closed the connection before the request body arrived")
             except Exception as e:  # what Starlette's error middleware would answer, in the API's JSON shape
                 log.exception("unhandled error in %s", request.url.path, extra={"request_id": rid.decode()})
                 response = error_response(500, f"internal error: {type(e).__name__}: {e}")

@@ -46,3 +46,15 @@ async def test_json_values_are_counted_against_the_setting_on_both_apis(tiny_sto
         assert r.status_code == 413, r.text
         assert r.json()["error"].startswith("body: JSON with more than 1024 values and containers (max_json_values)")
     assert under.status_code == 200, under.text
+
+
+async def test_a_header_length_of_thousands_of_digits_is_a_400(tiny_store: Path) -> None:
+    """Past 4,300 digits Python's int() raises: that was a 500 with a traceback."""
+    async with serving(Settings(store=tiny_store)) as client:
+        r = await client.post(
+            "/v2/models/tiny/infer",
+            content=b"{}",
+            headers={"Inference-Header-Content-Length": "9" * 5000, "content-type": "application/json"},
+        )
+    assert r.status_code == 400
+    assert r.json()["error"].startswith("Inference-Header-Content-Length: expected a non-negative integer")

@@ -8,7 +8,7 @@ from typing import Any
 from server.app import uvicorn_config
 from server.backplane import FrameReader, frame
 from server.settings import Settings
-from server.transport import CoalescedWrites, CoalescingHttpToolsProtocol
+from server.transport import CoalescedWrites, CoalescingHttpToolsProtocol, HttpLimits, LimitedHttpProtocol
 
 
 class RecordingTransport(asyncio.Transport):
@@ -62,9 +62,13 @@ def test_writes_in_one_iteration_go_out_as_one_and_a_close_sends_them_first() ->
     assert at_end == after_close
 
 
-def test_the_server_runs_the_coalescing_protocol() -> None:
-    config = uvicorn_config(lambda *_: None, Settings(), None, host="127.0.0.1", port=0)  # type: ignore[arg-type]
-    assert config.http is CoalescingHttpToolsProtocol
+def test_the_server_runs_the_coalescing_protocol_with_the_settings_limits() -> None:
+    settings = Settings(header_timeout=3, body_timeout=4, max_url_bytes=5000, max_header_bytes=6000, max_connections=7)
+    config = uvicorn_config(lambda *_: None, settings, None, host="127.0.0.1", port=0)  # type: ignore[arg-type]
+    assert isinstance(config.http, type)
+    assert issubclass(config.http, CoalescingHttpToolsProtocol)
+    assert issubclass(config.http, LimitedHttpProtocol)
+    assert config.http.limits == HttpLimits(3, 4, 5000, 6000, 7)
 
 
 def test_backplane_frames_sent_in_one_iteration_are_written_together_in_order() -> None:

@@ -1,0 +1,180 @@
+"""Every connection is held to limits: idle, trickling and oversized ones are answered (408, 414, 431, 503) and
+closed, and the server keeps serving everyone else. Over a real server, with short timeouts so the tests are quick."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import httpx
+import pytest
+
+from tests.conftest import ServerProcess, save_tiny_mlp
+
+pytestmark = pytest.mark.slow
+
+StartServer = Callable[..., ServerProcess]
+
+
+@pytest.fixture(scope="module")
+def server(server_factory: StartServer, tmp_path_factory: pytest.TempPathFactory) -> ServerProcess:
+    root = tmp_path_factory.mktemp("http-limits-store")
+    save_tiny_mlp(root)
+    limits = ["--header-timeout", "1", "--body-timeout", "1", "--max-url-bytes", "1024", "--max-header-bytes", "4096"]
+    return server_factory(root, *limits, "--max-connections", "16")
+
+
+@contextmanager
+def connection(server: ServerProcess) -> Iterator[socket.socket]:
+    host, port = server.url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)), timeout=10)
+    try:
+        yield sock
+    finally:
+        sock.close()
+
+
+def answer(sock: socket.socket) -> tuple[int, bytes, float]:
+    """Read until the server closes: the status, the whole answer, and how long it took."""
+    start, data = time.monotonic(), b""
+    while chunk := sock.recv(65536):
+        data += chunk
+    status = int(data.split(b" ", 2)[1]) if data.startswith(b"HTTP/1.1 ") else 0
+    return status, data, time.monotonic() - start
+
+
+def send_slowly(sock: socket.socket, data: bytes, every: float) -> None:
+    """A byte at a time, ``every`` seconds apart, until the server hangs up."""
+    for i in range(len(data)):
+        try:
+            sock.sendall(data[i : i + 1])
+        except OSError:
+            return
+        time.sleep(every)
+
+
+def metric(server: ServerProcess, status: int) -> float:
+    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("halfserve_requests_total{") and f'status="{status}"' in line
+    )
+
+
+def still_serving(server: ServerProcess) -> None:
+    assert server.proc.poll() is None
+    r = httpx.post(f"{server.url}/predict", json={"inputs": [[0.0] * 16]}, timeout=10)
+    assert r.status_code == 200
+
+
+def test_an_idle_connection_is_closed_after_the_header_timeout(server: ServerProcess) -> None:
+    with connection(server) as sock:
+        status, data, took = answer(sock)
+    assert status == 408
+    assert b"(header_timeout)" in data
+    assert took < 5
+    still_serving(server)
+
+
+def test_headers_trickled_a_byte_at_a_time_are_cut_off(server: ServerProcess) -> None:
+    head = b"POST /predict HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\nx-padding: " + b"a" * 200
+    with connection(server) as sock:
+        start = time.monotonic()
+        send_slowly(sock, head, every=0.05)  # the head's first byte re-arms the timer once; then 1 s
+        status, data, _ = answer(sock)
+    assert status == 408
+    assert time.monotonic() - start < 5
+    still_serving(server)
+
+
+def test_a_stalled_body_is_a_408_counted_as_one(server: ServerProcess) -> None:
+    before = metric(server, 408)
+    with connection(server) as sock:
+        sock.sendall(
+            b"POST /predict HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\ncontent-length: 1000\r\n\r\n"
+        )
+        sock.sendall(b'{"inputs": [[0.0, ')
+        status, data, took = answer(sock)
+    assert status == 408
+    assert b"(body_timeout)" in data
+    assert took < 5
+    time.sleep(0.2)
+    assert metric(server, 408) == before + 1
+    still_serving(server)
+
+
+@pytest.mark.parametrize(
+    ("what", "head", "status", "setting"),
+    [
+        ("a long URL", b"GET /health?" + b"a" * (2 << 20) + b" HTTP/1.1\r\nHost: x\r\n\r\n", 414, b"(max_url_bytes)"),
+        (
+            "one long header",
+            b"GET /health HTTP/1.1\r\nHost: x\r\nx-big: " + b"a" * (2 << 20) + b"\r\n\r\n",
+            431,
+            b"max_",
+        ),
+        (
+            "many small headers",
+            b"GET /health HTTP/1.1\r\nHost: x\r\n" + b"".join(b"x-h%d: %s\r\n" % (i, b"v" * 40) for i in range(200)),
+            431,
+            b"(max_header_bytes)",
+        ),
+    ],
+)
+def test_an_oversized_head_is_refused_before_it_is_read_whole(
+    server: ServerProcess, what: str, head: bytes, status: int, setting: bytes
+) -> None:
+    with connection(server) as sock:
+        with contextlib.suppress(OSError):  # the server answered and hung up before the rest was sent: the point
+            sock.sendall(head)
+        got, data, _ = answer(sock)
+    assert got == status, (what, data[:300])
+    assert setting in data
+    still_serving(server)
+
+
+def test_connections_past_the_cap_are_refused_and_the_server_recovers(server: ServerProcess) -> None:
+    host, port = server.url.removeprefix("http://").split(":")
+    held = [socket.create_connection((host, int(port)), timeout=10) for _ in range(16)]
+    try:
+        with connection(server) as extra:
+            status, data, _ = answer(extra)
+    finally:
+        for s in held:
+            s.close()
+    assert status == 503
+    assert b"(max_connections)" in data
+    time.sleep(0.3)  # the held ones are closed; the slots are free again
+    still_serving(server)
+
+
+def test_a_client_gone_mid_body_is_a_499_without_a_traceback(server: ServerProcess) -> None:
+    before = metric(server, 499)
+    with connection(server) as sock:
+        sock.sendall(
+            b"POST /predict HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\ncontent-length: 1000\r\n\r\n"
+        )
+        sock.sendall(b'{"inputs": ')
+        time.sleep(0.2)
+    time.sleep(0.5)
+    assert metric(server, 499) == before + 1
+    assert metric(server, 500) == 0
+    assert "Traceback" not in server.log.read_text()
+    still_serving(server)
+
+
+@pytest.mark.parametrize("given", ["a b", "user=admin", "x\ty", "k=v status=200", "é"])
+def test_request_ids_that_could_forge_log_fields_are_replaced(server: ServerProcess, given: str) -> None:
+    r = httpx.post(
+        f"{server.url}/predict",
+        json={"inputs": [[0.0] * 16]},
+        headers={"X-Request-Id": given.encode()},
+        timeout=10,
+    )
+    assert r.status_code == 200
+    assert r.headers["x-request-id"] != given
+    assert all(c.isalnum() or c in "._:-" for c in r.headers["x-request-id"])
