@@ -7,6 +7,8 @@ import contextlib
 import gc
 import logging
 import os
+import signal
+import socket
 import time
 from collections.abc import AsyncIterator, Callable
 from types import FrameType
@@ -47,13 +49,29 @@ class DrainingServer(uvicorn.Server):
     drain what is still queued. The hook makes readiness answer 503 from the signal on, on connections still open.
     """
 
-    def __init__(self, config: uvicorn.Config, on_signal: Callable[[], None]) -> None:
+    def __init__(
+        self, config: uvicorn.Config, on_signal: Callable[[], None], on_shutdown: Callable[[], None] | None = None
+    ) -> None:
         super().__init__(config)
         self._on_signal = on_signal
+        self._on_shutdown = on_shutdown
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         self._on_signal()
         super().handle_exit(sig, frame)
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        """uvicorn's shutdown, then ``on_shutdown``; a SIGTERM that was drained is not raised again.
+
+        uvicorn re-raises the signal it caught once it has shut down, so that the default handler ends the process:
+        no ``finally`` after :meth:`run` would then run (the front-ends' temporary directory was left behind), and
+        the exit status was -SIGTERM rather than the 0 a drained shutdown promises. SIGINT is still re-raised.
+        """
+        await super().shutdown(sockets)
+        if self._on_shutdown is not None:
+            self._on_shutdown()
+        captured: list[int] = getattr(self, "_captured_signals", [])
+        captured[:] = [sig for sig in captured if sig != signal.SIGTERM]
 
 
 def http_limits(settings: Settings) -> HttpLimits:

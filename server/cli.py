@@ -114,11 +114,15 @@ def serve(args: argparse.Namespace) -> int:
         where = {"uds": frontends.api_socket}
     app = create_app(settings, frontends)
     config = uvicorn_config(app, settings, log_config, **where)
-    try:
-        DrainingServer(config, lambda: begin_drain(app)).run()
-    finally:
+
+    def remove_temporary_files() -> None:
         if frontends is not None:
             shutil.rmtree(os.path.dirname(frontends.api_socket), ignore_errors=True)
+
+    try:
+        DrainingServer(config, lambda: begin_drain(app), remove_temporary_files).run()
+    finally:
+        remove_temporary_files()  # also when the server failed to start
     return 0
 
 
