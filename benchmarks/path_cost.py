@@ -147,7 +147,7 @@ def measure(args: argparse.Namespace, source: Path, variant: str, proto: serve_b
     return {**result, "mean_batch": rows / batches if batches else 0.0, "cpu_us_per_request": cpu}
 
 
-SHM_TOKEN = "path-cost"
+SHM_TOKEN = "path-cost-admin-token"
 SHM_REGION = "image"
 
 

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import shutil
 import socket
 import sys
 import tempfile
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
@@ -80,8 +82,10 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="let fp32 use TF32 on Ampere+ GPUs (default: off, fp32 is IEEE fp32)",
     )
     p.add_argument(
-        "--admin-token", help="bearer token that enables the management calls (load, unload, reload, precision)"
+        "--admin-token",
+        help="bearer token that enables the management calls; shows in ps: prefer HALFSERVE_ADMIN_TOKEN or the file",
     )
+    p.add_argument("--admin-token-file", type=Path, help="file holding the admin token (a mounted secret)")
     p.add_argument("--no-warmup", dest="warmup", action="store_false", default=None, help="skip warm-up at load")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     p.add_argument("--log-format", choices=[f.value for f in LogFormat], help="text (default) or json, one per line")
@@ -106,6 +110,10 @@ def serve(args: argparse.Namespace) -> int:
         print(f"halfserve serve: {e}", file=sys.stderr)
         return 2
     log_config = logs.configure(settings.log_format, settings.log_level, settings.access_log)
+    if args.admin_token is not None:
+        logging.getLogger(__name__).warning(
+            "--admin-token shows in the process list (ps, /proc); pass HALFSERVE_ADMIN_TOKEN or --admin-token-file"
+        )
     frontends: Frontends | None = None
     where: dict[str, Any] = {"host": settings.host, "port": settings.port}
     if settings.http_workers > 1:

@@ -11,6 +11,9 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from server.precision import Precision
 
+MIN_ADMIN_TOKEN = 16
+"""Shortest admin token accepted."""
+
 
 class LogFormat(str, Enum):
     """How log lines are written."""
@@ -80,7 +83,11 @@ class Settings(BaseSettings):
     waits up to this long to get it back, several times per batch."""
     warmup: bool = True
     admin_token: SecretStr | None = None
-    """Bearer token for the management calls (load, unload, reload, precision); without one they answer 403."""
+    """Bearer token for the management calls (load, unload, reload, precision); without one they answer 403. At
+    least 16 characters. Prefer the environment or ``admin_token_file``: a command-line flag shows in ``ps``."""
+    admin_token_file: Path | None = None
+    """A file holding the admin token (a Kubernetes or Docker secret), read once at start; surrounding whitespace is
+    dropped."""
     log_level: str = "info"
     log_format: LogFormat = LogFormat.TEXT
     access_log: bool = False
@@ -95,6 +102,18 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _check(self) -> Settings:
+        if self.admin_token_file is not None:
+            if self.admin_token is not None:
+                raise ValueError("admin_token and admin_token_file: give one, not both")
+            try:
+                self.admin_token = SecretStr(self.admin_token_file.read_text().strip())
+            except (OSError, UnicodeDecodeError) as e:
+                raise ValueError(f"admin_token_file: cannot read {self.admin_token_file}: {e}") from None
+        if self.admin_token is not None and len(self.admin_token.get_secret_value()) < MIN_ADMIN_TOKEN:
+            raise ValueError(
+                f"admin_token: at least {MIN_ADMIN_TOKEN} characters (a guessable token is no protection); "
+                "make one with: python -c 'import secrets; print(secrets.token_urlsafe(32))'"
+            )
         if (
             self.max_queue_rows is not None
             and self.max_batch_size is not None

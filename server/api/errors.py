@@ -82,6 +82,7 @@ ERROR_BODY: dict[str, Any] = {
 
 _HEADERS: dict[int, dict[str, Any]] = {
     401: {"WWW-Authenticate": {"schema": {"type": "string"}, "description": "Bearer"}},
+    429: {"Retry-After": {"schema": {"type": "string"}, "description": "Seconds until the address may try again."}},
     503: {"Retry-After": {"schema": {"type": "string"}, "description": "Seconds to wait (queue full, loading)."}},
 }
 

@@ -7,7 +7,11 @@ reconfigured over HTTP.
 
 from __future__ import annotations
 
+import math
 import secrets
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable
 from enum import Enum
 from typing import Any
 
@@ -34,6 +38,7 @@ AUTH_ERRORS = error_responses(
         401: "The Authorization: Bearer token is missing or wrong.",
         403: "The management API is off: the server has no admin token.",
         413: "A body over 64 KiB.",
+        429: "Too many wrong tokens from this address lately (Retry-After).",
     }
 )
 OPTIONAL_JSON_BODY: dict[str, Any] = {
@@ -51,16 +56,58 @@ class RepositoryState(str, Enum):
     UNAVAILABLE = "UNAVAILABLE"
 
 
+class FailedAttempts:
+    """Wrong admin tokens per client address. Past ``limit`` in ``window`` seconds an address is refused (429)
+    without its token being checked, until its oldest failure leaves the window: guessing costs minutes per ten tries.
+    At most ``addresses`` are remembered (the longest quiet ones are forgotten first), so the table stays small."""
+
+    def __init__(
+        self, limit: int = 10, window: float = 60.0, addresses: int = 4096, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.limit, self.window, self.addresses, self.clock = limit, window, addresses, clock
+        self.failures: OrderedDict[str, deque[float]] = OrderedDict()
+
+    def retry_after(self, who: str) -> float:
+        """Seconds until ``who`` may try again; 0 when it may now."""
+        times = self.failures.get(who)
+        if times is None:
+            return 0.0
+        now = self.clock()
+        while times and times[0] <= now - self.window:
+            times.popleft()
+        if not times:
+            del self.failures[who]
+            return 0.0
+        return times[0] + self.window - now if len(times) >= self.limit else 0.0
+
+    def failed(self, who: str) -> None:
+        times = self.failures.setdefault(who, deque())
+        times.append(self.clock())
+        self.failures.move_to_end(who)
+        if len(self.failures) > self.addresses:
+            self.failures.popitem(last=False)
+
+
 def require_admin(request: Request) -> None:
-    """Fail with 403 when no admin token is configured, 401 when the request does not carry it."""
+    """Fail with 403 when no admin token is configured, 401 when the request does not carry it, 429 when its address
+    got the token wrong too often lately (:class:`FailedAttempts`)."""
     settings: Settings = request.app.state.settings
     if settings.admin_token is None:
         raise APIError(403, "management API is disabled; set HALFSERVE_ADMIN_TOKEN")
+    attempts: FailedAttempts | None = getattr(request.app.state, "failed_admin_attempts", None)
+    if attempts is None:
+        attempts = request.app.state.failed_admin_attempts = FailedAttempts()
+    who = request.client.host if request.client else ""
+    wait = attempts.retry_after(who)
+    if wait > 0:
+        seconds = str(math.ceil(wait))
+        raise APIError(429, f"too many wrong admin tokens from {who}; retry in {seconds} s", {"Retry-After": seconds})
     scheme, _, given = request.headers.get("authorization", "").partition(" ")
     if scheme.lower() != "bearer" or not given.strip():
         raise APIError(401, "management call needs Authorization: Bearer <admin token>", {"WWW-Authenticate": "Bearer"})
     expected = settings.admin_token.get_secret_value().encode()
     if not secrets.compare_digest(given.strip().encode(), expected):
+        attempts.failed(who)
         raise APIError(401, "wrong admin token", {"WWW-Authenticate": 'Bearer error="invalid_token"'})
 
 

@@ -161,6 +161,7 @@ INFER_SCHEMA: dict[str, Any] = {
             {
                 400: "Malformed request, or NaN / infinite inputs the model does not take; the error names the field.",
                 401: "A shared memory region named without the admin token (Authorization: Bearer).",
+                429: "A shared memory region named after too many wrong admin tokens from this address.",
                 403: "A shared memory region named on a server with no admin token.",
                 404: "Unknown model or version, or a model with no available version.",
                 413: "Body, JSON values, rows or input values over the limits (max_body_bytes, max_json_values, ...).",

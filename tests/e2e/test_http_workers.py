@@ -27,7 +27,7 @@ from tests.conftest import SHIPPED_STORE, ServerProcess, start_server
 from tests.e2e.test_server import fp32_reference, samples
 
 MODEL = "digits_mlp"
-TOKEN = "workers-token"
+TOKEN = "workers-admin-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 pytestmark = pytest.mark.slow
 

@@ -18,7 +18,7 @@ from tests.conftest import ServerProcess, save_tiny_mlp
 pytestmark = pytest.mark.slow
 
 StartServer = Callable[..., ServerProcess]
-TOKEN = "e2e-token"
+TOKEN = "e2e-observability-token"
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ from tests.conftest import ServerProcess, save_tiny_mlp
 pytestmark = pytest.mark.slow
 
 MODEL = "tiny"
-TOKEN = "e2e-admin-token"
+TOKEN = "e2e-tritonclient-admin-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 StartServer = Callable[..., ServerProcess]

@@ -162,8 +162,8 @@ async def test_every_other_route_echoes_or_generates_a_request_id_too(tiny_store
 async def test_metrics_of_two_models_stay_apart_and_survive_a_reload(tmp_path: Path) -> None:
     save_tiny_mlp(tmp_path, "one")
     save_tiny_mlp(tmp_path, "two", seed=1)
-    settings = Settings(store=tmp_path, precision="fp32", admin_token="t")
-    auth = {"Authorization": "Bearer t"}
+    settings = Settings(store=tmp_path, precision="fp32", admin_token="metrics-admin-token")
+    auth = {"Authorization": "Bearer metrics-admin-token"}
     async with serving(settings) as client:
         for name, n in (("one", 3), ("two", 1)):
             for _ in range(n):
@@ -182,10 +182,10 @@ async def test_metrics_of_two_models_stay_apart_and_survive_a_reload(tmp_path: P
 
 async def test_fp32_reruns_are_counted_across_precision_switches(tmp_path: Path) -> None:
     save_overflowing_linear(tmp_path, "hot", OverflowPolicy.RERUN_FP32)
-    auth = {"Authorization": "Bearer t"}
+    auth = {"Authorization": "Bearer metrics-admin-token"}
     big = {"inputs": [[100.0] * 4]}  # 80,000 in output 0: past fp16's 65,504
 
-    async with serving(Settings(store=tmp_path, admin_token="t")) as client:
+    async with serving(Settings(store=tmp_path, admin_token="metrics-admin-token")) as client:
         first = await client.post("/predict", json=big)
         await client.post("/models/hot/precision", json={"precision": "fp32"}, headers=auth)
         native = await client.post("/predict", json=big)

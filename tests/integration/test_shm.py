@@ -16,7 +16,7 @@ import pytest
 from server.settings import Settings
 from tests.integration.conftest import serving
 
-TOKEN = "shm-admin-token"
+TOKEN = "shm-admin-token-for-tests"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 INFER = "/v2/models/tiny/infer"
 

@@ -25,7 +25,7 @@ from tests.integration.conftest import serving
 
 HEADER = "Inference-Header-Content-Length"
 INFER = "/v2/models/tiny/infer"
-TOKEN = "s3cret-token"
+TOKEN = "s3cret-token-for-v2-tests"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 NUMPY = {"FP32": np.float32, "FP16": np.float16, "FP64": np.float64, "INT64": np.int64, "INT32": np.int32}
 
