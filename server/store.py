@@ -170,6 +170,10 @@ class Normalize(BaseModel):
         return std
 
 
+_EVALUATION_KEY = re.compile(r"[a-z0-9_]{1,64}")
+_DEVICE = re.compile(r"[a-z0-9:_]{1,32}")
+
+
 class Manifest(BaseModel):
     """A model's ``config.json``."""
 
@@ -199,6 +203,24 @@ class Manifest(BaseModel):
     dataset: dict[str, Any] | None = None
     training: dict[str, Any] | None = None
     evaluation: dict[str, Any] | None = None
+    """What ``halfserve train`` measured: ``test_samples`` (an integer), ``device`` (a short name), and numbers (or
+    null) under names such as ``fp16_accuracy``; shown on the status page, so nothing else is accepted."""
+
+    @field_validator("evaluation")
+    @classmethod
+    def _evaluation(cls, block: dict[str, Any] | None) -> dict[str, Any] | None:
+        for key, value in (block or {}).items():
+            if not _EVALUATION_KEY.fullmatch(key):
+                raise ValueError(f"evaluation: {key!r} is not a metric name (lower case, digits and _)")
+            if key == "test_samples":
+                ok = isinstance(value, int) and not isinstance(value, bool) and value >= 0
+            elif key == "device":
+                ok = isinstance(value, str) and _DEVICE.fullmatch(value) is not None
+            else:
+                ok = value is None or (isinstance(value, int | float) and not isinstance(value, bool))
+            if not ok:
+                raise ValueError(f"evaluation.{key}: unexpected value {value!r}")
+        return block
 
     @field_validator("architecture")
     @classmethod
