@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import socket
 import subprocess
@@ -10,6 +11,7 @@ import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from multiprocessing import shared_memory
 from pathlib import Path
 
 import httpx
@@ -112,3 +114,19 @@ def server_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]
     yield factory
     for s in started:
         s.stop()
+
+
+@pytest.fixture
+def segment() -> Iterator[shared_memory.SharedMemory]:
+    """A 4 KiB POSIX shared memory object, as a client would create it (``/dev/shm/<name>``)."""
+    shm = shared_memory.SharedMemory(name=f"halfserve-test-{secrets.token_hex(4)}", create=True, size=4096)
+    try:
+        yield shm
+    finally:
+        shm.close()
+        shm.unlink()
+
+
+def shm_key(shm: shared_memory.SharedMemory) -> str:
+    """The object's POSIX name, as a client registers it."""
+    return "/" + shm.name.lstrip("/")

@@ -4,36 +4,20 @@ from __future__ import annotations
 
 import os
 import secrets
-from collections.abc import Iterator
 from multiprocessing import shared_memory
 from pathlib import Path
 from typing import Any
 
 import httpx
 import numpy as np
-import pytest
 
 from server.settings import Settings
+from tests.conftest import shm_key
 from tests.integration.conftest import serving
 
 TOKEN = "shm-admin-token-for-tests"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 INFER = "/v2/models/tiny/infer"
-
-
-@pytest.fixture
-def segment() -> Iterator[shared_memory.SharedMemory]:
-    """A 4 KiB POSIX shared memory object, as a client would create it (``/dev/shm/<name>``)."""
-    shm = shared_memory.SharedMemory(name=f"halfserve-test-{secrets.token_hex(4)}", create=True, size=4096)
-    try:
-        yield shm
-    finally:
-        shm.close()
-        shm.unlink()
-
-
-def key(shm: shared_memory.SharedMemory) -> str:
-    return "/" + shm.name.lstrip("/")
 
 
 def request(rows: int, inputs: dict[str, Any], outputs: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -58,8 +42,9 @@ async def test_inputs_read_from_and_outputs_written_into_shared_memory(
         client.headers.update(AUTH)  # naming a region, and listing them, need the token
         want = np.asarray((await client.post("/predict", json={"inputs": x.tolist()})).json()["outputs"])
         # Two regions in one object: inputs from byte 0 of the first, outputs into the second.
-        assert (await register(client, "in", {"key": key(segment), "offset": 0, "byte_size": 2048})).status_code == 200
-        r = await register(client, "out", {"key": key(segment), "offset": 2048, "byte_size": 2048})
+        r = await register(client, "in", {"key": shm_key(segment), "offset": 0, "byte_size": 2048})
+        assert r.status_code == 200, r.text
+        r = await register(client, "out", {"key": shm_key(segment), "offset": 2048, "byte_size": 2048})
         assert r.status_code == 200, r.text
         status = (await client.get("/v2/systemsharedmemory/status")).json()
         one = (await client.get("/v2/systemsharedmemory/region/out/status")).json()
@@ -70,8 +55,8 @@ async def test_inputs_read_from_and_outputs_written_into_shared_memory(
         meta = (await client.get("/v2")).json()
     assert "system_shared_memory" in meta["extensions"]
     assert status == [
-        {"name": "in", "key": key(segment), "offset": 0, "byte_size": 2048},
-        {"name": "out", "key": key(segment), "offset": 2048, "byte_size": 2048},
+        {"name": "in", "key": shm_key(segment), "offset": 0, "byte_size": 2048},
+        {"name": "out", "key": shm_key(segment), "offset": 2048, "byte_size": 2048},
     ]
     assert one == [status[1]]
     assert both.status_code == 200, both.text
@@ -87,7 +72,7 @@ async def test_inputs_read_from_and_outputs_written_into_shared_memory(
 async def test_registration_needs_the_admin_token_and_a_real_object(
     tiny_store: Path, segment: shared_memory.SharedMemory, tmp_path: Path
 ) -> None:
-    body = {"key": key(segment), "byte_size": 1024}
+    body = {"key": shm_key(segment), "byte_size": 1024}
     link = Path("/dev/shm") / f"halfserve-link-{secrets.token_hex(4)}"
     secret = tmp_path / "secret"
     secret.write_bytes(b"x" * 4096)
@@ -177,7 +162,7 @@ async def test_bad_shared_memory_requests_are_400s_and_unregistered_regions_are_
     ins = {"shared_memory_region": "r", "shared_memory_byte_size": x.nbytes}
     async with serving(Settings(store=tiny_store, admin_token=TOKEN)) as client:
         client.headers.update(AUTH)
-        await register(client, "r", {"key": key(segment), "byte_size": 1024})
+        await register(client, "r", {"key": shm_key(segment), "byte_size": 1024})
         cases = {
             "unknown region": (request(2, {**ins, "shared_memory_region": "nope"}), "no shared memory region 'nope'"),
             "no byte size": (request(2, {"shared_memory_region": "r"}), "needs shared_memory_byte_size"),
@@ -207,8 +192,8 @@ async def test_bad_shared_memory_requests_are_400s_and_unregistered_regions_are_
         ok = await client.post(INFER, json=request(2, ins))
         gone = await client.post("/v2/systemsharedmemory/region/r/unregister", headers=AUTH)
         after = await client.post(INFER, json=request(2, ins))
-        await register(client, "a", {"key": key(segment), "byte_size": 8})
-        await register(client, "b", {"key": key(segment), "byte_size": 8})
+        await register(client, "a", {"key": shm_key(segment), "byte_size": 8})
+        await register(client, "b", {"key": shm_key(segment), "byte_size": 8})
         everything = await client.post("/v2/systemsharedmemory/unregister", headers=AUTH)
         left = (await client.get("/v2/systemsharedmemory/status")).json()
     for what, (_, message) in cases.items():

@@ -3,29 +3,17 @@ model (as an input), overwrite it (as an output), nor list the regions and their
 
 from __future__ import annotations
 
-import secrets
-from collections.abc import Iterator
 from multiprocessing import shared_memory
 from pathlib import Path
 
 import numpy as np
-import pytest
 
 from server.settings import Settings
+from tests.conftest import shm_key
 from tests.integration.conftest import serving
 
 TOKEN = "shm-access-admin-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
-
-
-@pytest.fixture
-def segment() -> Iterator[shared_memory.SharedMemory]:
-    shm = shared_memory.SharedMemory(name=f"halfserve-access-{secrets.token_hex(4)}", create=True, size=4096)
-    try:
-        yield shm
-    finally:
-        shm.close()
-        shm.unlink()
 
 
 async def test_regions_are_used_and_listed_only_with_the_admin_token(
@@ -33,7 +21,7 @@ async def test_regions_are_used_and_listed_only_with_the_admin_token(
 ) -> None:
     secret = np.arange(16, dtype=np.float32)
     np.ndarray((16,), np.float32, segment.buf)[:] = secret
-    key = "/" + segment.name.lstrip("/")
+    key = shm_key(segment)
     ins = {"shared_memory_region": "owner", "shared_memory_byte_size": 64}
     outs = {"shared_memory_region": "owner", "shared_memory_byte_size": 16, "shared_memory_offset": 0}
     read = {"inputs": [{"name": "features", "shape": [1, 16], "datatype": "FP32", "parameters": ins}]}
