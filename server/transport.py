@@ -92,7 +92,8 @@ class LimitedHttpProtocol(CoalescingHttpToolsProtocol):
         """Inside a request's line and headers: from its first byte until its headers are complete."""
         self._head_bytes = 0
         self._header_bytes = 0
-        self._refusal: tuple[int, str] | None = None
+        self._refused = False
+        """Answered with a refusal: what still arrives is dropped."""
 
     @classmethod
     def with_limits(cls, limits: HttpLimits) -> type[LimitedHttpProtocol]:
@@ -112,11 +113,11 @@ class LimitedHttpProtocol(CoalescingHttpToolsProtocol):
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
-        if self._refusal is not None:
+        if self._refused:
             return  # the rest of a refused request, read only so that closing does not reset the connection
         continuing = self._in_head
         super().data_received(data)
-        if continuing and self._in_head and self._refusal is None:
+        if continuing and self._in_head and not self._refused:
             # httptools holds a header's name and value until it ends, so the head's size is checked here too, by
             # the reads that arrived whole inside it (the read it began in, and the limit, are the most it can
             # overshoot by).
@@ -127,7 +128,7 @@ class LimitedHttpProtocol(CoalescingHttpToolsProtocol):
                 self._refuse(431, what, linger=True)
 
     def send_400_response(self, msg: str) -> None:
-        if self._refusal is None:
+        if not self._refused:
             super().send_400_response(msg)
         # else: a callback refused the request (and answered it); the parser error is that refusal
 
@@ -205,7 +206,7 @@ class LimitedHttpProtocol(CoalescingHttpToolsProtocol):
     def _refuse(self, status: int, message: str, linger: bool = False) -> None:
         """Answer ``status`` with the API's JSON error and close the connection (``linger``: once the client has
         had a moment to stop sending)."""
-        self._refusal = (status, message)
+        self._refused = True
         self._disarm()
         if self.transport.is_closing():
             return
