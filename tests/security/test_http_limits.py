@@ -56,6 +56,12 @@ def send_slowly(sock: socket.socket, data: bytes, every: float) -> None:
         time.sleep(every)
 
 
+def send_part_of_a_body(sock: socket.socket, part: bytes) -> None:
+    """A /predict request announcing a 1000-byte body, and only ``part`` of it."""
+    head = b"POST /predict HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\ncontent-length: 1000\r\n\r\n"
+    sock.sendall(head + part)
+
+
 def metric(server: ServerProcess, status: int) -> float:
     text = httpx.get(f"{server.url}/metrics", timeout=10).text
     return sum(
@@ -94,10 +100,7 @@ def test_headers_trickled_a_byte_at_a_time_are_cut_off(server: ServerProcess) ->
 def test_a_stalled_body_is_a_408_counted_as_one(server: ServerProcess) -> None:
     before = metric(server, 408)
     with connection(server) as sock:
-        sock.sendall(
-            b"POST /predict HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\ncontent-length: 1000\r\n\r\n"
-        )
-        sock.sendall(b'{"inputs": [[0.0, ')
+        send_part_of_a_body(sock, b'{"inputs": [[0.0, ')
         status, data, took = answer(sock)
     assert status == 408
     assert b"(body_timeout)" in data
@@ -155,10 +158,7 @@ def test_connections_past_the_cap_are_refused_and_the_server_recovers(server: Se
 def test_a_client_gone_mid_body_is_a_499_without_a_traceback(server: ServerProcess) -> None:
     before = metric(server, 499)
     with connection(server) as sock:
-        sock.sendall(
-            b"POST /predict HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\ncontent-length: 1000\r\n\r\n"
-        )
-        sock.sendall(b'{"inputs": ')
+        send_part_of_a_body(sock, b'{"inputs": ')
         time.sleep(0.2)
     time.sleep(0.5)
     assert metric(server, 499) == before + 1
