@@ -17,6 +17,7 @@ import mmap
 import os
 import socket
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -29,7 +30,9 @@ from starlette.types import Receive, Scope, Send
 
 from server import api, backplane, logs
 from server.api.errors import APIError
+from server.api.limits import scope_header
 from server.api.shm import Regions
+from server.api.v2_repository import MANAGEMENT_BODY_BYTES, RELAYED_CLIENT
 from server.metrics import Protocol
 from server.precision import Precision
 from server.repository import ModelNotReadyError, ModelState, Prediction, ServedModel, find
@@ -321,25 +324,40 @@ class FrontendApp:
             await self.http.aclose()
 
     async def _relay(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """Forward a request to the engine process's HTTP server and stream its answer back."""
+        """Forward a request to the engine process's HTTP server and stream its answer back.
+
+        Every relayed route is a small one (a listing, a management call): a body over
+        :data:`~server.api.v2_repository.MANAGEMENT_BODY_BYTES` is a 413, before any of it is read when its length is
+        declared. The body is streamed to the engine process, never gathered here, and the engine process checks the
+        admin token before it reads a byte of it; it learns the client's address from :data:`RELAYED_CLIENT`, so a
+        wrong token counts against that address, not against every client of the front-ends.
+        """
         assert self.http is not None
         assert self.client is not None
-        body = bytearray()
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return
-            body += message.get("body", b"")
-            if not message.get("more_body"):
-                break
+        declared = scope_header(scope, b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > RELAY_BODY_BYTES:
+            await _send_json(send, 413, {"error": f"body: {declared.decode()} bytes exceed {_RELAY_LIMIT}"})
+            return
         target = scope.get("raw_path") or scope["path"].encode()
         if scope.get("query_string"):
             target += b"?" + scope["query_string"]
-        headers = [(k, v) for k, v in scope["headers"] if k not in HOP_BY_HOP]
+        headers = [(k, v) for k, v in scope["headers"] if k not in HOP_BY_HOP and k != RELAYED_CLIENT]
+        if declared is not None:
+            headers.append((b"content-length", declared))  # the body goes on as sent, not re-chunked
+        client = scope.get("client")
+        if client:
+            headers.append((RELAYED_CLIENT, str(client[0]).encode("latin-1")))
+        has_body = declared is not None or scope_header(scope, b"transfer-encoding") is not None
         url = target.decode("latin-1")
-        request = self.http.build_request(scope["method"], url, headers=headers, content=bytes(body))
+        content = _body(receive) if has_body else None
+        request = self.http.build_request(scope["method"], url, headers=headers, content=content)
         try:
             response = await self.http.send(request, stream=True)
+        except _ClientGone:
+            return  # nobody to answer
+        except _TooLarge:
+            await _send_json(send, 413, {"error": f"body: more than {RELAY_BODY_BYTES} bytes ({_RELAY_LIMIT})"})
+            return
         except httpx.TransportError as e:
             await _send_json(send, 503, {"error": f"the engine process is not answering ({type(e).__name__})"})
             return
@@ -355,6 +373,36 @@ class FrontendApp:
             # A management call may have changed a model: know it before the client's next request arrives here.
             with contextlib.suppress(Exception):
                 await self.client.refresh()
+
+
+RELAY_BODY_BYTES = MANAGEMENT_BODY_BYTES
+"""Largest body a front-end relays: every route it relays is a listing or a management call."""
+_RELAY_LIMIT = "a management call's limit"
+
+
+class _ClientGone(Exception):
+    """The client went away before its body was whole."""
+
+
+class _TooLarge(Exception):
+    """The body grew past :data:`RELAY_BODY_BYTES`."""
+
+
+async def _body(receive: Receive) -> AsyncIterator[bytes]:
+    """A request's body as it arrives, for the relay's upstream request: counted, never gathered."""
+    received = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise _ClientGone
+        chunk = message.get("body", b"")
+        received += len(chunk)
+        if received > RELAY_BODY_BYTES:
+            raise _TooLarge
+        if chunk:
+            yield chunk
+        if not message.get("more_body"):
+            return
 
 
 async def _send_json(send: Send, status: int, body: dict[str, Any]) -> None:

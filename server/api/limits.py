@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import orjson
 from starlette.requests import Request
+from starlette.types import Scope
 
 from server.api.errors import APIError
 from server.repository import ServedModel
@@ -42,7 +43,12 @@ def raw_header(request: Request, name: bytes) -> bytes | None:
     On the inference routes this stands in for ``request.headers``, whose construction and mapping lookups cost
     more than a scan of the few raw headers a request carries.
     """
-    for key, value in request.scope["headers"]:
+    return scope_header(request.scope, name)
+
+
+def scope_header(scope: Scope, name: bytes) -> bytes | None:
+    """The first value of header ``name`` (lower case) in an ASGI scope."""
+    for key, value in scope["headers"]:
         if key == name:
             return bytes(value)
     return None

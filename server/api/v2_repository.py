@@ -21,7 +21,7 @@ from starlette.responses import Response
 
 from server import store
 from server.api.errors import APIError, error_responses, from_exception, json_ok
-from server.api.limits import parse_json, read_body
+from server.api.limits import parse_json, raw_header, read_body
 from server.api.models import json_response
 from server.api.predict import repository
 from server.precision import Precision
@@ -88,6 +88,18 @@ class FailedAttempts:
             self.failures.popitem(last=False)
 
 
+RELAYED_CLIENT = b"x-halfserve-relayed-client"
+"""The client's address on a request a front-end relays (``--http-workers``), which reaches this process over a Unix
+socket that has no client address; a front-end drops the header from what clients send."""
+
+
+def client_address(request: Request) -> str:
+    """The address a request came from: its connection's, or on a relayed request the one the front-end saw."""
+    if request.client is not None:
+        return request.client.host
+    return (raw_header(request, RELAYED_CLIENT) or b"").decode("latin-1")
+
+
 def require_admin(request: Request) -> None:
     """Fail with 403 when no admin token is configured, 401 when the request does not carry it, 429 when its address
     got the token wrong too often lately (:class:`FailedAttempts`)."""
@@ -97,7 +109,7 @@ def require_admin(request: Request) -> None:
     attempts: FailedAttempts | None = getattr(request.app.state, "failed_admin_attempts", None)
     if attempts is None:
         attempts = request.app.state.failed_admin_attempts = FailedAttempts()
-    who = request.client.host if request.client else ""
+    who = client_address(request)
     wait = attempts.retry_after(who)
     if wait > 0:
         seconds = str(math.ceil(wait))

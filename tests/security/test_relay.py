@@ -1,0 +1,100 @@
+"""``--http-workers``: a front-end relays the routes it does not answer without gathering their bodies, and the engine
+process holds each client to its own address for wrong admin tokens. Over a real two-front-end server."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.conftest import ServerProcess, save_tiny_mlp
+from tests.e2e.test_http_workers import frontends
+
+pytestmark = pytest.mark.slow
+
+StartServer = Callable[..., ServerProcess]
+TOKEN = "relay-admin-token-0123"
+MIB = 2**20
+
+
+@pytest.fixture(scope="module")
+def server(server_factory: StartServer, tmp_path_factory: pytest.TempPathFactory) -> ServerProcess:
+    root = tmp_path_factory.mktemp("relay-store")
+    save_tiny_mlp(root)
+    return server_factory(root, "--http-workers", "2", env={"HALFSERVE_ADMIN_TOKEN": TOKEN})
+
+
+def rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError(f"no VmRSS for {pid}")
+
+
+async def zeros(total: int, chunk: int = MIB) -> AsyncIterator[bytes]:
+    block = b"0" * chunk
+    for _ in range(total // chunk):
+        yield block
+
+
+async def test_a_large_unauthenticated_body_is_refused_without_being_gathered(server: ServerProcess) -> None:
+    pids = frontends(server)
+    assert len(pids) == 2
+    before = {pid: rss_mib(pid) for pid in pids}
+    async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+        # Declared: refused from its headers.
+        declared = await client.post(
+            "/v2/repository/index", content=zeros(300 * MIB), headers={"Content-Length": str(300 * MIB)}
+        )
+        # Chunked: refused once it passes the limit, the rest dropped as it arrives.
+        chunked = await client.post("/v2/repository/index", content=zeros(300 * MIB))
+        for r in (declared, chunked):
+            assert r.status_code == 413, r.text
+            assert r.json()["error"].startswith("body:")
+            assert "management call's limit" in r.json()["error"]
+        # The server goes on: small management calls are answered, with and without the token.
+        assert (await client.post("/v2/repository/index")).status_code == 401
+        auth = {"Authorization": f"Bearer {TOKEN}"}
+        index = await client.post("/v2/repository/index", json={}, headers=auth)
+        assert index.status_code == 200
+        assert [m["name"] for m in index.json()] == ["tiny"]
+    grown = {pid: rss_mib(pid) - before[pid] for pid in pids}
+    assert max(grown.values()) < 64, grown  # gathering 300 MiB grew a front-end by 600 MiB
+
+
+async def test_wrong_tokens_through_the_front_ends_lock_out_their_own_address_only(server: ServerProcess) -> None:
+    wrong = {"Authorization": "Bearer not-the-token-at-all"}
+    right = {"Authorization": f"Bearer {TOKEN}"}
+
+    async def post(address: str, headers: dict[str, str]) -> httpx.Response:
+        transport = httpx.AsyncHTTPTransport(local_address=address)
+        async with httpx.AsyncClient(base_url=server.url, transport=transport, timeout=30) as client:
+            return await client.post("/v2/repository/index", headers=headers)
+
+    for i in range(10):
+        # The relayed address is the front-end's to set: a client's own claim is dropped.
+        forged = {**wrong, "X-Halfserve-Relayed-Client": f"10.0.0.{i}"}
+        assert (await post("127.0.0.1", forged)).status_code == 401
+    locked = await post("127.0.0.1", right)
+    assert locked.status_code == 429
+    assert "127.0.0.1" in locked.json()["error"]
+    # Another address is not held to the first one's failures.
+    assert (await post("127.0.0.2", right)).status_code == 200
+
+
+async def test_a_client_gone_mid_relayed_body_leaves_the_front_end_serving(server: ServerProcess) -> None:
+    host, port = server.url.removeprefix("http://").split(":")
+    for _ in range(4):
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(
+            b"POST /v2/repository/index HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n"
+            b"Authorization: Bearer " + TOKEN.encode() + b"\r\n\r\n{"
+        )
+        await writer.drain()
+        writer.close()
+    async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
+        for _ in range(4):
+            assert (await client.get("/v2/health/ready")).status_code == 200
