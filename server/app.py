@@ -154,7 +154,9 @@ def create_app(settings: Settings | None = None, frontends: Frontends | None = N
         loading = asyncio.create_task(_load(repo), name="load-models")
         backplane, watching = None, None
         if frontends is not None:
-            backplane = Backplane(frontends.backplane_socket, repo, metrics, settings.http_workers, app.state.shm)
+            backplane = Backplane(
+                frontends.backplane_socket, repo, metrics, settings.http_workers, app.state.shm, frontends.secret
+            )
             await backplane.start()
             frontends.start()
             watching = asyncio.create_task(frontends.watch(), name="watch-frontends")

@@ -30,6 +30,7 @@ import mmap
 import multiprocessing
 import multiprocessing.process
 import os
+import secrets
 import signal
 import socket
 import struct
@@ -63,6 +64,8 @@ for the slots a front-end has used."""
 TABLE_POLL_S = 0.05
 """How often the engine process looks for model changes (loads, unloads, precision switches) to push."""
 HELLO_BYTES = 4096
+HELLO_TIMEOUT_S = 5.0
+"""How long a new connection has to send its hello before it is dropped."""
 
 
 def frame(header: dict[str, Any], payload: bytes | memoryview = b"") -> list[bytes | memoryview]:
@@ -132,6 +135,10 @@ class Segment:
         """The array of ``dtype`` and ``shape`` at the start of ``slot``."""
         count = math.prod(shape)  # numpy.prod costs ~10 us of Python per call, here twice per request
         return np.frombuffer(self.memory, dtype, count, slot * self.slot_bytes).reshape(shape)
+
+
+class HelloRefused(Exception):
+    """A connection's hello was late, malformed or not from one of this run's front-ends."""
 
 
 class _Connection(asyncio.Protocol):
@@ -225,8 +232,12 @@ class _Connection(asyncio.Protocol):
 class Backplane:
     """The engine process's end: accepts front-ends on a Unix socket and serves their requests from ``repo``."""
 
-    def __init__(self, path: str, repo: ModelRepository, metrics: Metrics, expected: int, regions: Regions) -> None:
+    def __init__(
+        self, path: str, repo: ModelRepository, metrics: Metrics, expected: int, regions: Regions, secret: str
+    ) -> None:
         self.path = path
+        self.secret = secret
+        """The run's secret (:attr:`Frontends.secret`): a hello without it is dropped."""
         self.expected = expected
         """Front-ends the server runs: until that many are connected, readiness answers no."""
         self.repo = repo
@@ -236,6 +247,7 @@ class Backplane:
         self.connections: set[_Connection] = set()
         self._listener: socket.socket | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        self._hellos: set[asyncio.Task[None]] = set()
 
     async def start(self) -> None:
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -252,31 +264,72 @@ class Backplane:
         loop = asyncio.get_running_loop()
         while True:
             conn, _ = await loop.sock_accept(listener)
-            try:
-                # The hello carries the front-end's memfd; asyncio's transports cannot receive descriptors.
-                conn.setblocking(True)
-                hello, memory, unpin = await loop.run_in_executor(None, self._open_segment, conn)
-                conn.setblocking(False)
-            except Exception:
-                log.exception("a front-end's hello failed")
-                conn.close()
-                continue
-            connection = _Connection(self, Segment(memory, hello["slot_bytes"]), unpin)
-            self.connections.add(connection)
-            await loop.connect_accepted_socket(lambda c=connection: c, sock=conn)  # type: ignore[misc]
-            log.info("front-end %s (pid %s) connected", hello.get("index"), hello.get("pid"))
+            # Each hello on its own: a connection that says nothing holds up no other front-end's (re)connect.
+            task = asyncio.create_task(self._welcome(conn), name="backplane-hello")
+            self._hellos.add(task)
+            task.add_done_callback(self._hellos.discard)
 
-    def _open_segment(self, conn: socket.socket) -> tuple[dict[str, Any], mmap.mmap, Callable[[], None] | None]:
-        """Receive a front-end's hello and its memfd; map it, and on a CUDA engine page-lock it, so that batches copy
-        its slots straight to the device (about 0.1 ms per image less on the instance's thread)."""
+    async def _welcome(self, conn: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            hello, fd = await self._hello(conn)
+            memory, unpin = await loop.run_in_executor(None, self._open_segment, hello, fd)
+        except (HelloRefused, OSError, ValueError, TypeError, KeyError) as e:
+            log.warning("a connection to the backplane was dropped: %s", e)
+            conn.close()
+            return
+        connection = _Connection(self, Segment(memory, hello["slot_bytes"]), unpin)
+        self.connections.add(connection)
+        await loop.connect_accepted_socket(lambda: connection, sock=conn)
+        log.info("front-end %s (pid %s) connected", hello.get("index"), hello.get("pid"))
+
+    async def _hello(self, conn: socket.socket) -> tuple[dict[str, Any], int]:
+        """A front-end's hello (its index, pid, the run's secret, its slots) and its memfd, within
+        :data:`HELLO_TIMEOUT_S`. asyncio's transports cannot receive descriptors, so the hello is read with
+        ``recvmsg`` once the socket is readable."""
+        loop = asyncio.get_running_loop()
+        readable = loop.create_future()
+
+        def ready() -> None:
+            if not readable.done():
+                readable.set_result(None)
+
+        loop.add_reader(conn.fileno(), ready)
+        try:
+            await asyncio.wait_for(readable, HELLO_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            raise HelloRefused(f"no hello within {HELLO_TIMEOUT_S:g} s") from None
+        finally:
+            loop.remove_reader(conn.fileno())
         msg, fds, _, _ = socket.recv_fds(conn, HELLO_BYTES, 1)
-        hello = orjson.loads(msg)
-        memory = mmap.mmap(fds[0], hello["slots"] * hello["slot_bytes"])
-        os.close(fds[0])
+        try:
+            hello = orjson.loads(msg)
+            given = hello.get("secret", "") if isinstance(hello, dict) else ""
+            if not isinstance(given, str) or not secrets.compare_digest(given.encode(), self.secret.encode()):
+                raise HelloRefused("the hello does not carry this run's secret")
+            slots, slot_bytes = hello["slots"], hello["slot_bytes"]
+            if not (isinstance(slots, int) and isinstance(slot_bytes, int) and 0 < slots * slot_bytes <= 2**34):
+                raise HelloRefused(f"a hello asking for {slots!r} slots of {slot_bytes!r} bytes")
+            if len(fds) != 1:
+                raise HelloRefused(f"a hello with {len(fds)} descriptors, not one")
+        except BaseException:
+            for fd in fds:
+                os.close(fd)
+            raise
+        conn.setblocking(False)
+        return hello, fds[0]
+
+    def _open_segment(self, hello: dict[str, Any], fd: int) -> tuple[mmap.mmap, Callable[[], None] | None]:
+        """Map a front-end's memfd and, on a CUDA engine, page-lock it, so that batches copy its slots straight to
+        the device (about 0.1 ms per image less on the instance's thread)."""
+        try:
+            memory = mmap.mmap(fd, hello["slots"] * hello["slot_bytes"])
+        finally:
+            os.close(fd)
         unpin = pin_host(memory) if self.repo.device.type == "cuda" else None
         if self.repo.device.type == "cuda" and unpin is None:
             log.warning("front-end %s: shared memory not page-locked; batches stage it", hello.get("index"))
-        return hello, memory, unpin
+        return memory, unpin
 
     def table(self) -> dict[str, Any]:
         """What front-ends mirror: the model table and the shared memory regions."""
@@ -300,9 +353,9 @@ class Backplane:
             self.metrics.request(model, precision, Protocol(protocol), status, rows, seconds)
 
     async def close(self) -> None:
-        for t in self._tasks:
+        for t in [*self._tasks, *self._hellos]:
             t.cancel()
-        for t in self._tasks:
+        for t in [*self._tasks, *self._hellos]:
             with contextlib.suppress(asyncio.CancelledError):
                 await t
         for c in list(self.connections):
@@ -322,6 +375,9 @@ class Frontends:
         self.sock = sock
         self.api_socket = os.path.join(folder, "api.sock")
         self.backplane_socket = os.path.join(folder, "backplane.sock")
+        self.secret = secrets.token_hex(32)
+        """What a front-end's hello must carry: handed to each one as it is spawned (through multiprocessing's pipe,
+        never its command line or environment), so no other process, the same user's included, can attach."""
         self.processes: dict[int, multiprocessing.process.BaseProcess] = {}
         self.stopping = False
         self._context = multiprocessing.get_context("spawn")
@@ -333,7 +389,7 @@ class Frontends:
     def _spawn(self, index: int) -> None:
         from server import frontend
 
-        args = (self.settings, self.sock, self.api_socket, self.backplane_socket, index)
+        args = (self.settings, self.sock, self.api_socket, self.backplane_socket, self.secret, index)
         process = self._context.Process(target=frontend.run, args=args, name=f"halfserve-http-{index}", daemon=False)
         process.start()
         self.processes[index] = process

@@ -73,7 +73,7 @@ class BackplaneClient(asyncio.Protocol):
         self.free = list(range(backplane.SLOTS - 1, -1, -1))
         self.table_seen = asyncio.Event()
 
-    async def connect(self, path: str, index: int, timeout: float = 60.0) -> None:
+    async def connect(self, path: str, index: int, secret: str, timeout: float = 60.0) -> None:
         loop = asyncio.get_running_loop()
         deadline = time.monotonic() + timeout
         while True:
@@ -86,7 +86,8 @@ class BackplaneClient(asyncio.Protocol):
                 if time.monotonic() > deadline:
                     raise
                 await asyncio.sleep(0.05)
-        hello = {"index": index, "pid": os.getpid(), "slots": backplane.SLOTS, "slot_bytes": self.segment.slot_bytes}
+        hello = {"index": index, "pid": os.getpid(), "secret": secret}
+        hello |= {"slots": backplane.SLOTS, "slot_bytes": self.segment.slot_bytes}
         socket.send_fds(sock, [orjson.dumps(hello)], [self._fd])
         os.close(self._fd)
         sock.setblocking(False)
@@ -245,10 +246,11 @@ class RemoteMetrics:
 class FrontendApp:
     """The front-end's ASGI app: inference routes here, everything else relayed to the engine process."""
 
-    def __init__(self, settings: Settings, api_socket: str, backplane_socket: str, index: int) -> None:
+    def __init__(self, settings: Settings, api_socket: str, backplane_socket: str, secret: str, index: int) -> None:
         self.settings = settings
         self.api_socket = api_socket
         self.backplane_socket = backplane_socket
+        self.secret = secret
         self.index = index
         self.state = State()
         self.state.settings = settings
@@ -301,7 +303,7 @@ class FrontendApp:
         self.client = BackplaneClient(self.repository.update, self.shm.sync)
         self.repository.client = self.client
         self.state.metrics = RemoteMetrics(self.client)
-        await self.client.connect(self.backplane_socket, self.index)
+        await self.client.connect(self.backplane_socket, self.index, self.secret)
         self.http = httpx.AsyncClient(
             transport=httpx.AsyncHTTPTransport(uds=self.api_socket), base_url="http://halfserve", timeout=None
         )
@@ -412,11 +414,13 @@ async def _send_json(send: Send, status: int, body: dict[str, Any]) -> None:
     await send({"type": "http.response.body", "body": data})
 
 
-def run(settings: Settings, sock: socket.socket, api_socket: str, backplane_socket: str, index: int) -> None:
+def run(
+    settings: Settings, sock: socket.socket, api_socket: str, backplane_socket: str, secret: str, index: int
+) -> None:
     """A front-end process's main: serve ``sock`` (the listening socket every front-end shares) until told to stop."""
     from server.app import DrainingServer, uvicorn_config
 
     log_config = logs.configure(settings.log_format, settings.log_level, settings.access_log)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per relayed request otherwise
-    app = FrontendApp(settings, api_socket, backplane_socket, index)
+    app = FrontendApp(settings, api_socket, backplane_socket, secret, index)
     DrainingServer(uvicorn_config(app, settings, log_config), app.begin_drain).run(sockets=[sock])
