@@ -49,16 +49,27 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="override every model's request_timeout_ms: a request not started by then is answered 504",
     )
     p.add_argument("--max-body-bytes", type=int, help="largest request body accepted, else 413 (default: 64 MiB)")
-    p.add_argument("--max-request-rows", type=int, help="most rows per inference request (default: max_queue_rows)")
+    p.add_argument(
+        "--max-request-rows", type=int, help="most rows per inference request (default: the model's max_batch_size)"
+    )
     p.add_argument("--max-request-elements", type=int, help="most input values per inference request (default: 2^24)")
     p.add_argument(
         "--max-json-values", type=int, help="most values and containers in a JSON request body (default: 2^19)"
+    )
+    p.add_argument(
+        "--max-compression-ratio",
+        type=float,
+        help="how many times its size a gzip/deflate body may inflate to past its first MiB, else 413 (default: 100)",
     )
     p.add_argument("--header-timeout", type=float, help="seconds to send a request's headers, else 408 (default: 10)")
     p.add_argument("--body-timeout", type=float, help="seconds a body may stall between bytes, else 408 (default: 30)")
     p.add_argument("--max-url-bytes", type=int, help="longest request target, else 414 (default: 8192)")
     p.add_argument("--max-header-bytes", type=int, help="most header bytes per request, else 431 (default: 65536)")
     p.add_argument("--max-connections", type=int, help="open connections per process, else 503 (default: 1024)")
+    p.add_argument(
+        "--allowed-hosts",
+        help="comma-separated names the Host header may carry, *.example.com for subdomains, else 400 (default: any)",
+    )
     p.add_argument(
         "--drain-timeout",
         type=float,

@@ -29,6 +29,7 @@ from starlette.routing import Match
 from starlette.types import Receive, Scope, Send
 
 from server import api, backplane, logs
+from server.api import guard
 from server.api.errors import APIError
 from server.api.limits import scope_header
 from server.api.shm import Regions
@@ -272,6 +273,8 @@ class FrontendApp:
             await self._lifespan(receive, send)
             return
         if scope["type"] != "http":
+            return
+        if not await guard.admitted(scope, receive, send, self.settings.allowed_hosts):
             return
         if scope["method"] == "POST":
             for route in api.HOT_PATHS:

@@ -47,9 +47,13 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(default=64 * 2**20, ge=1024)
     """Largest request body accepted; a larger one gets 413 before it is read."""
     max_request_rows: int | None = Field(default=None, ge=1)
-    """Most rows (samples) one inference request may carry; unset: a model's ``max_queue_rows``."""
+    """Most rows (samples) one inference request may carry (never more than a model's ``max_queue_rows``); unset: a
+    model's ``max_batch_size``, as Triton holds a request's batch to it, so no request costs more than one batch."""
     max_request_elements: int = Field(default=2**24, ge=1)
     """Most input values one inference request may carry (rows times the per-sample size)."""
+    max_compression_ratio: float = Field(default=100.0, ge=1.0)
+    """How many times its own size a gzip or deflate body may inflate to (past the first MiB, which any body may
+    fill): tensors of zeros compress a thousandfold, and would cost that much more compute than their bytes."""
     max_json_values: int = Field(default=2**19, ge=1024)
     """Most values and containers a JSON body may hold (its commas, ``[`` and ``{``), counted before it is parsed:
     parsing builds a Python object per value, so a small body of ``[],[],...`` costs seconds and gigabytes. Larger
@@ -65,6 +69,10 @@ class Settings(BaseSettings):
     """Most bytes of header names and values in one request; more gets 431 before they are read whole."""
     max_connections: int = Field(default=1024, ge=1)
     """Open HTTP connections per process; one more is answered 503 and closed at once."""
+    allowed_hosts: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    """Names the ``Host`` header may carry (``api.example.com``, ``*.example.com``; comma-separated in the
+    environment); anything else is a 400, so a name rebound to this server's address reads nothing. Empty (the
+    default): any. Health and readiness probes answer whatever the Host."""
     drain_timeout: float = Field(default=30.0, ge=0.0, le=3600.0)
     """Seconds from a shutdown signal to exit: requests in flight get this long, then are cancelled (503)."""
     tf32: bool = False
@@ -93,7 +101,7 @@ class Settings(BaseSettings):
     access_log: bool = False
     """Log every request; inference requests with their request id, model, precision, status and duration."""
 
-    @field_validator("models", mode="before")
+    @field_validator("models", "allowed_hosts", mode="before")
     @classmethod
     def _split(cls, value: object) -> object:
         if isinstance(value, str):

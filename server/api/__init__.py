@@ -7,7 +7,19 @@ from starlette.requests import Request
 from starlette.routing import Match, Route
 from starlette.types import Receive, Scope, Send
 
-from server.api import errors, management, models, monitoring, predict, shm, telemetry, v2, v2_repository, v2_triton
+from server.api import (
+    errors,
+    guard,
+    management,
+    models,
+    monitoring,
+    predict,
+    shm,
+    telemetry,
+    v2,
+    v2_repository,
+    v2_triton,
+)
 
 HOT_PATHS: list[Route] = [
     Route("/predict", predict.predict, methods=["POST"], include_in_schema=False),
@@ -34,14 +46,17 @@ class App(FastAPI):
     """
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["method"] == "POST":
-            for route in HOT_PATHS:
-                match, child = route.matches(scope)
-                if match is Match.FULL:
-                    scope["app"] = self
-                    scope.update(child)
-                    await _answer(route.endpoint, scope, receive, send)
-                    return
+        if scope["type"] == "http":
+            if not await guard.admitted(scope, receive, send, self.state.settings.allowed_hosts):
+                return
+            if scope["method"] == "POST":
+                for route in HOT_PATHS:
+                    match, child = route.matches(scope)
+                    if match is Match.FULL:
+                        scope["app"] = self
+                        scope.update(child)
+                        await _answer(route.endpoint, scope, receive, send)
+                        return
         await super().__call__(scope, receive, send)
 
 

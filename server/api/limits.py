@@ -1,7 +1,8 @@
 """What one request may ask of the server: body size, rows and values, how long it may wait, non-finite inputs.
 
 Every refusal is a 4xx JSON error naming the field and the setting that decides it: 413 for a body, a row count or a
-value count over its limit (``max_body_bytes``, ``max_request_rows`` / the model's ``max_queue_rows``,
+value count over its limit (``max_body_bytes`` and ``max_compression_ratio``, ``max_request_rows`` (by default the
+model's ``max_batch_size``; never past its ``max_queue_rows``),
 ``max_request_elements``, and ``max_json_values`` for a JSON body, counted before it is parsed; a gzip or deflate
 body counts decompressed), 400 for a malformed timeout header, a
 compressed body that is not one whole stream, or a NaN / infinite input the model does not accept
@@ -79,6 +80,9 @@ async def read_body(request: Request, limit: int, setting: str = "max_body_bytes
     if codec is None:
         return body
     assert encoding is not None
+    ratio = settings(request).max_compression_ratio
+    if limit > (allowed := max(_FREE_INFLATE_BYTES, int(ratio * len(body)))):
+        limit, setting = allowed, f"max_compression_ratio: {ratio:g} times its {len(body)} compressed bytes"
     if len(body) <= _INLINE_BYTES // 16:  # a small body inflates to little: not worth a thread hop
         return _decompress(body, codec, encoding.decode("latin-1"), limit, setting)
     # zlib lets go of the GIL while it inflates: in a worker thread, a body that inflates to max_body_bytes costs the
@@ -87,6 +91,9 @@ async def read_body(request: Request, limit: int, setting: str = "max_body_bytes
 
 
 _INLINE_BYTES = 1 << 20
+"""Bodies up to this size are checked and parsed on the event loop; larger ones in a worker thread."""
+_FREE_INFLATE_BYTES = 1 << 20
+"""What any compressed body may inflate to, whatever its ratio (a small JSON request compresses well)."""
 """Bodies up to this size are checked and parsed on the event loop; larger ones in a worker thread."""
 
 
@@ -169,10 +176,14 @@ def _decompress(body: bytes, wbits: int, encoding: str, limit: int, setting: str
 
 def check_size(s: Settings, served: ServedModel, rows: int, field: str) -> None:
     """Fail with a 413 naming ``field`` when ``rows`` samples are more than one request may carry."""
-    queue = served.batching.max_queue_rows
-    max_rows = queue if s.max_request_rows is None else min(s.max_request_rows, queue)
+    batching = served.batching
+    if s.max_request_rows is None:
+        max_rows, setting = batching.max_batch_size, "the model's max_batch_size; max_request_rows"
+    elif s.max_request_rows <= batching.max_queue_rows:
+        max_rows, setting = s.max_request_rows, "max_request_rows"
+    else:
+        max_rows, setting = batching.max_queue_rows, "the model's max_queue_rows"
     if rows > max_rows:
-        setting = "max_request_rows" if max_rows == s.max_request_rows else "the model's max_queue_rows"
         raise APIError(413, f"{field}: {rows} rows exceed the limit of {max_rows} per request ({setting})")
     elements = rows * served.sample_size
     if elements > s.max_request_elements:

@@ -10,6 +10,7 @@ import orjson
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
+from server.api import guard
 from server.api.codec import decode_samples
 from server.api.errors import APIError, cut_off_by_shutdown, error_responses, from_exception
 from server.api.limits import TIMEOUT_HEADER, check_size, client_timeout, parse_json, read_body
@@ -98,6 +99,7 @@ def repository(request: Request) -> ModelRepository:
 @metered(Protocol.PREDICT)
 async def predict(request: Request) -> Response:
     """Run a list of samples through a model; concurrent calls are batched together."""
+    guard.content_type(request.scope, guard.JSON)
     repo = repository(request)
     limits = repo.settings
     timeout = client_timeout(request)

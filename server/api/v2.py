@@ -30,6 +30,7 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from server import __version__
+from server.api import guard
 from server.api.binary import (
     HEADER_LENGTH,
     JSON_UNSUPPORTED,
@@ -482,6 +483,7 @@ def encode_response(served: ServedModel, req: Inference, result: Prediction) -> 
 @metered(Protocol.V2)
 async def infer(request: Request) -> Response:
     """``POST /v2/models/{model_name}[/versions/{model_version}]/infer``, as a plain Starlette endpoint."""
+    guard.content_type(request.scope, guard.JSON_OR_BINARY)
     name: str = request.path_params["model_name"]
     version: str | None = request.path_params.get("model_version")
     served = served_model(request, name, version)

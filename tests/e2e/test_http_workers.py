@@ -73,6 +73,8 @@ def workers_server(server_factory: StartServer) -> ServerProcess:
         "fp32",
         "--max-delay-ms",
         "20",
+        "--max-request-rows",  # one request larger than a backplane slot
+        "4096",
         "--admin-token",
         TOKEN,
     )

@@ -294,7 +294,9 @@ def test_sigterm_under_load_answers_every_accepted_request_then_exits(
 def test_a_request_outlasting_the_drain_timeout_is_cut_off_and_the_server_still_exits_on_time(
     server_factory: StartServer, slow_store: Path
 ) -> None:
-    server = server_factory(slow_store, "--threads", "1", "--max-batch-size", "1", "--drain-timeout", "1")
+    server = server_factory(
+        slow_store, "--threads", "1", "--max-batch-size", "1", "--max-request-rows", "1000", "--drain-timeout", "1"
+    )
     # 1000 rows one at a time: seconds of work, far past the drain timeout.
     body = orjson.dumps({"inputs": [[0.0] * IN_FEATURES] * 1000})
 

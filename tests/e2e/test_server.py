@@ -45,13 +45,17 @@ async def predict_concurrently(url: str, x: np.ndarray) -> tuple[list[dict[str, 
 @pytest.fixture(scope="module")
 def default_server(server_factory: StartServer) -> ServerProcess:
     # bf16 named explicitly: ``auto`` picks fp32 on a CPU without native bf16, and these tests are about half precision.
-    return server_factory(SHIPPED_STORE, "--models", MODEL, "--precision", "bf16", "--max-delay-ms", "20")
+    return server_factory(
+        SHIPPED_STORE, "--models", MODEL, "--precision", "bf16", "--max-delay-ms", "20", "--max-request-rows", "256"
+    )
 
 
 @pytest.fixture(scope="module")
 def fp32_server(server_factory: StartServer) -> ServerProcess:
     # The fallback switch through its environment variable.
-    return server_factory(SHIPPED_STORE, "--models", MODEL, env={"HALFSERVE_PRECISION": "fp32"})
+    return server_factory(
+        SHIPPED_STORE, "--models", MODEL, env={"HALFSERVE_PRECISION": "fp32", "HALFSERVE_MAX_REQUEST_ROWS": "256"}
+    )
 
 
 def test_64_concurrent_requests_are_answered_correctly_in_batches(default_server: ServerProcess) -> None:
@@ -92,7 +96,8 @@ def test_half_precision_agrees_with_the_fp32_switch(default_server: ServerProces
 
 
 def test_fp16_serves_and_agrees_with_fp32(server_factory: StartServer, fp32_server: ServerProcess) -> None:
-    fp16 = server_factory(SHIPPED_STORE, "--models", MODEL, "--precision", "fp16", "--max-batch-size", "8")
+    rows = ["--max-batch-size", "8", "--max-request-rows", "16"]
+    fp16 = server_factory(SHIPPED_STORE, "--models", MODEL, "--precision", "fp16", *rows)
     listing = httpx.get(f"{fp16.url}/models").json()["models"][0]
     assert listing["weight_dtype"] == "float16"
     x = samples(16, seed=3)

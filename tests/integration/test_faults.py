@@ -68,7 +68,14 @@ def v2_json(x: np.ndarray, **fields: object) -> dict[str, object]:
 
 
 async def test_a_full_queue_answers_503_with_retry_after_at_once_on_both_apis(tiny_store: Path) -> None:
-    settings = Settings(store=tiny_store, precision="fp32", max_batch_size=2, max_queue_rows=4, max_delay_ms=0)
+    settings = Settings(
+        store=tiny_store,
+        precision="fp32",
+        max_batch_size=2,
+        max_queue_rows=4,
+        max_delay_ms=0,
+        max_request_rows=4,
+    )
     async with gated(settings) as (client, gate):
         running = asyncio.ensure_future(client.post("/predict", json={"inputs": [ROW, ROW]}))
         await gate.entered.wait()
@@ -92,7 +99,7 @@ async def test_a_full_queue_answers_503_with_retry_after_at_once_on_both_apis(ti
 
 
 async def test_a_request_larger_than_the_queue_is_413_not_503(tiny_store: Path) -> None:
-    async with serving(Settings(store=tiny_store, max_queue_rows=8)) as client:
+    async with serving(Settings(store=tiny_store, max_queue_rows=8, max_request_rows=100)) as client:
         r = await client.post("/predict", json={"inputs": [ROW] * 9})
     assert r.status_code == 413, r.text
     assert r.json()["error"] == "inputs: 9 rows exceed the limit of 8 per request (the model's max_queue_rows)"
@@ -231,7 +238,7 @@ async def test_overflow_rerun_fp32_serves_fp32_outputs_says_so_and_counts_it(tmp
 
 async def test_a_request_spanning_batches_reports_each_precision_that_served_it(tmp_path: Path) -> None:
     save_overflowing_linear(tmp_path, "hot", OverflowPolicy.RERUN_FP32)
-    async with serving(Settings(store=tmp_path, max_batch_size=2)) as client:
+    async with serving(Settings(store=tmp_path, max_batch_size=2, max_request_rows=3)) as client:
         r = await client.post("/predict", json={"inputs": [SMALL, SMALL, BIG]})
     assert r.status_code == 200, r.text
     assert r.json()["precision"] == "fp16+fp32"

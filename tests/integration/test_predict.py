@@ -53,7 +53,7 @@ async def test_fp32_switch_serves_fp32_weights(tiny_store: Path) -> None:
 async def test_half_precision_agrees_with_fp32(tiny_store: Path, mode: str, dtype: str) -> None:
     """Half-precision logits stay within 2% of the logits' scale of fp32 and pick the same top class."""
     x = np.random.default_rng(1).standard_normal((64, 16)).astype(np.float32)
-    async with serving(Settings(store=tiny_store, precision=mode)) as client:
+    async with serving(Settings(store=tiny_store, precision=mode, max_request_rows=64)) as client:
         listing = (await client.get("/models")).json()["models"][0]
         body = (await client.post("/predict", json={"inputs": x.tolist()})).json()
     assert listing["weight_dtype"] == dtype
@@ -99,7 +99,7 @@ async def test_concurrent_requests_are_batched(tiny_store: Path) -> None:
 
 async def test_request_larger_than_a_batch_spans_batches(tiny_store: Path) -> None:
     x = np.random.default_rng(3).standard_normal((20, 16)).astype(np.float32)  # max_batch_size is 8
-    async with serving(Settings(store=tiny_store, precision="fp32")) as client:
+    async with serving(Settings(store=tiny_store, precision="fp32", max_request_rows=20)) as client:
         body = (await client.post("/predict", json={"inputs": x.tolist()})).json()
         stats = (await client.get("/models/tiny/stats")).json()
     np.testing.assert_allclose(np.array(body["outputs"]), reference(tiny_store, "tiny", x), rtol=1e-5, atol=1e-5)

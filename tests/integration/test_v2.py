@@ -473,7 +473,7 @@ async def test_v2_and_predict_share_a_batch(tiny_store: Path) -> None:
 async def test_statistics_add_up(tiny_store: Path) -> None:
     rows = [1, 3, 2, 5, 1, 12]  # 12 spans two batches of at most 8
     before = time.time()
-    async with serving(Settings(store=tiny_store, precision="fp32", max_delay_ms=0)) as client:
+    async with serving(Settings(store=tiny_store, precision="fp32", max_delay_ms=0, max_request_rows=12)) as client:
         for i, n in enumerate(rows):
             assert (await client.post(INFER, json=json_request(samples(n, seed=i)))).status_code == 200
         await client.post(INFER, json={"inputs": []})  # a 400 never reaches the batcher

@@ -38,7 +38,7 @@ async def test_a_management_body_over_64_kib_is_a_413_and_unauthenticated_ones_a
 async def test_json_values_are_counted_against_the_setting_on_both_apis(tiny_store: Path) -> None:
     rows = [[0.25] * 16] * 70  # 70 lists + 70 x 15 commas + 69 commas + the envelope: about 1,190
     v2 = {"inputs": [{"name": "features", "datatype": "FP32", "shape": [70, 16], "data": rows}]}
-    async with serving(Settings(store=tiny_store, max_json_values=1024)) as client:
+    async with serving(Settings(store=tiny_store, max_json_values=1024, max_request_rows=70)) as client:
         over = await client.post("/predict", json={"inputs": rows})
         over_v2 = await client.post("/v2/models/tiny/infer", json=v2)
         under = await client.post("/predict", json={"inputs": rows[:60]})
