@@ -98,3 +98,16 @@ async def test_a_client_gone_mid_relayed_body_leaves_the_front_end_serving(serve
     async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
         for _ in range(4):
             assert (await client.get("/v2/health/ready")).status_code == 200
+
+
+async def test_front_ends_refuse_browsers_cross_site_requests_and_non_json_bodies(server: ServerProcess) -> None:
+    cross = {"Sec-Fetch-Site": "cross-site"}
+    body = {"inputs": [[0.5] * 16]}
+    async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
+        answered = await client.post("/predict", json=body, headers=cross)  # answered by the front-end itself
+        relayed = await client.post("/v2/repository/index", headers={**cross, "Authorization": f"Bearer {TOKEN}"})
+        plain = await client.post("/predict", content=b'{"inputs": [[0.5]]}', headers={"Content-Type": "text/plain"})
+        fine = await client.post("/predict", json=body)
+    assert answered.status_code == relayed.status_code == 403
+    assert plain.status_code == 415
+    assert fine.status_code == 200
