@@ -186,6 +186,8 @@ def create_app(settings: Settings | None = None, frontends: Frontends | None = N
         version=__version__,
         description="Half-precision PyTorch inference with dynamic batching.",
         lifespan=lifespan,
+        docs_url=None,  # server.api.docs: a pinned Swagger UI, or none
+        redoc_url=None,
     )
     app.state.settings = settings
     app.state.shm = Regions()

@@ -98,6 +98,7 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     p.add_argument("--admin-token-file", type=Path, help="file holding the admin token (a mounted secret)")
     p.add_argument("--no-warmup", dest="warmup", action="store_false", default=None, help="skip warm-up at load")
+    p.add_argument("--no-docs", dest="docs", action="store_false", default=None, help="serve no Swagger UI at /docs")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     p.add_argument("--log-format", choices=[f.value for f in LogFormat], help="text (default) or json, one per line")
     p.add_argument("--access-log", action="store_true", default=None, help="log every request (slower)")

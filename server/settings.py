@@ -96,6 +96,9 @@ class Settings(BaseSettings):
     admin_token_file: Path | None = None
     """A file holding the admin token (a Kubernetes or Docker secret), read once at start; surrounding whitespace is
     dropped."""
+    docs: bool = True
+    """Serve Swagger UI at ``/docs`` (a pinned release with subresource integrity, loaded by the browser from
+    jsDelivr). ``/openapi.json`` is served either way."""
     log_level: str = "info"
     log_format: LogFormat = LogFormat.TEXT
     access_log: bool = False

@@ -8,6 +8,7 @@ from starlette.routing import Match, Route
 from starlette.types import Receive, Scope, Send
 
 from server.api import (
+    docs,
     errors,
     guard,
     management,
@@ -76,7 +77,9 @@ def install(app: FastAPI) -> None:
     errors.install(app)
     app.add_middleware(telemetry.RequestIdMiddleware)
     # v2_triton ahead of v2: its /v2/models/stats must match before v2's /v2/models/{model_name}.
-    routers = (predict.router, models.router, management.router, monitoring.router, v2_triton.router, shm.router)
+    routers = [predict.router, models.router, management.router, monitoring.router, v2_triton.router, shm.router]
+    if app.state.settings.docs:
+        routers.append(docs.router)
     for router in (*routers, v2_repository.router, v2.router):
         # Added flat rather than with include_router, which matches through an extra router layer per request.
         app.router.routes.extend(router.routes)
