@@ -1,5 +1,3 @@
-# syntax=docker/dockerfile:1
-#
 # halfserve for NVIDIA T4 (Turing, sm_75) and A10/A10G (Ampere, sm_86) GPUs; the same image serves on a CPU.
 #
 #   docker build -t halfserve .
@@ -16,7 +14,11 @@
 # lists sm_50, 60, 70, 75, 80, 86 and 90 for CUDA 12.6, so T4 (sm_75) and A10 (sm_86) run precompiled kernels, no
 # PTX JIT at start-up. The CUDA 13.x builds also cover both cards but need an R580 or newer driver; 12.6 runs on R525+.
 
-ARG PYTHON_IMAGE=python:3.11-slim-bookworm
+# The base by digest: python:3.11-slim-bookworm (Python 3.11.16, built 2026-08-25), the multi-platform index that
+# Docker's docker-library/repo-info records, so a rebuild gets the same bytes wherever the tag has moved since. To move
+# it: `docker buildx imagetools inspect python:3.11-slim-bookworm`, and paste the index digest here. No `# syntax=`
+# line: BuildKit's built-in Dockerfile frontend, not one pulled by a floating tag at build time.
+ARG PYTHON_IMAGE=python:3.11-slim-bookworm@sha256:0bee7276f83efd4a1ee05bbbf4281d95ed28e079220a9457f25a93e3f1e3c31b
 
 FROM ${PYTHON_IMAGE} AS builder
 
@@ -68,7 +70,9 @@ COPY model_store /models
 VOLUME ["/models"]
 
 # Runtime configuration is HALFSERVE_* variables only (server/settings.py); everything else here is for Python, the
-# allocator and the NVIDIA Container Toolkit.
+# allocator and the NVIDIA Container Toolkit, and puts every cache (TorchInductor's, Triton's, CUDA's JIT, matplotlib's)
+# under /tmp, so the image runs with a read-only root file system and one writable /tmp (compose's read_only + tmpfs,
+# Kubernetes' readOnlyRootFilesystem + an emptyDir).
 # background_thread: jemalloc purges unused pages from its own thread rather than on the request path.
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \
@@ -76,6 +80,12 @@ ENV PATH=/opt/venv/bin:$PATH \
     LD_PRELOAD=/usr/local/lib/libjemalloc.so.2 \
     MALLOC_CONF=background_thread:true \
     NVIDIA_DRIVER_CAPABILITIES=compute,utility \
+    TMPDIR=/tmp \
+    XDG_CACHE_HOME=/tmp/.cache \
+    TORCHINDUCTOR_CACHE_DIR=/tmp/.cache/torchinductor \
+    TRITON_CACHE_DIR=/tmp/.cache/triton \
+    CUDA_CACHE_PATH=/tmp/.cache/nv \
+    MPLCONFIGDIR=/tmp/.cache/matplotlib \
     HALFSERVE_STORE=/models \
     HALFSERVE_HOST=0.0.0.0 \
     HALFSERVE_PORT=8000 \

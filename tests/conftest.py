@@ -80,9 +80,13 @@ class ServerProcess:
                 self.proc.wait()
 
 
-def start_server(store_dir: Path, log: Path, *args: str, env: dict[str, str] | None = None) -> ServerProcess:
+def start_server(
+    store_dir: Path, log: Path, *args: str, env: dict[str, str] | None = None, wrapper: list[str] | None = None
+) -> ServerProcess:
+    """``halfserve serve`` on a free port, once ready; ``wrapper``: a command that runs it (given as arguments)."""
     port = free_port()
     cmd = [sys.executable, "-m", "server", "serve", "--store", str(store_dir), "--port", str(port), *args]
+    cmd = [*(wrapper or []), *cmd]
     full_env = {**os.environ, **(env or {})}
     with log.open("wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=full_env)
