@@ -168,8 +168,11 @@ class Runner:
         assert cfg.model is not None
         log = cfg.out / f"server-{precision}.log"
         self.progress.note(f"starting halfserve serve --models {cfg.model} --precision {precision} (log: {log})")
+        # The rows each request will carry, unless the load test's own server arguments say otherwise (the last wins):
+        # by default a request may carry no more than one of the model's batches.
+        rows = ("--max-request-rows", str(cfg.rows_per_request)) if cfg.rows_per_request > 1 else ()
         with ManagedServer(
-            cfg.store, cfg.model, precision, log, device=cfg.device, extra_args=cfg.server_args
+            cfg.store, cfg.model, precision, log, device=cfg.device, extra_args=(*rows, *cfg.server_args)
         ) as server:
             ready = server.wait_ready()
             run = ServerRun(
