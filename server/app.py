@@ -9,6 +9,7 @@ import logging
 import os
 import signal
 import socket
+import sys
 import time
 from collections.abc import AsyncIterator, Callable
 from types import FrameType
@@ -23,7 +24,7 @@ from server import __version__, api, precision
 from server.api.shm import Regions
 from server.backplane import Backplane, Frontends
 from server.metrics import Metrics
-from server.repository import ModelRepository
+from server.repository import ModelRepository, gil_switch_interval_ms
 from server.settings import Settings
 from server.transport import HttpLimits, LimitedHttpProtocol
 
@@ -146,6 +147,9 @@ def create_app(settings: Settings | None = None, frontends: Frontends | None = N
         precision.set_tf32(settings.tf32)
         metrics = Metrics()
         repo = ModelRepository(settings, observe=metrics.batch_observer)
+        interval = gil_switch_interval_ms(settings, repo.device.type)
+        if interval is not None:
+            sys.setswitchinterval(interval / 1000.0)
         repo.discover()
         metrics.watch(lambda: repo.models.values())
         app.state.repository = repo

@@ -25,7 +25,6 @@ import httpx
 import numpy as np
 import orjson
 from starlette.datastructures import State
-from starlette.routing import Match
 from starlette.types import Receive, Scope, Send
 
 from server import api, backplane, logs
@@ -276,15 +275,8 @@ class FrontendApp:
             return
         if not await guard.admitted(scope, receive, send, self.settings.allowed_hosts):
             return
-        if scope["method"] == "POST":
-            for route in api.HOT_PATHS:
-                match, child = route.matches(scope)
-                if match is Match.FULL:
-                    scope["app"] = self
-                    scope.update(child)
-                    await api._answer(route.endpoint, scope, receive, send)
-                    return
-        await self._relay(scope, receive, send)
+        if not await api.answer_inference(self, scope, receive, send):
+            await self._relay(scope, receive, send)
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         while True:

@@ -6,7 +6,6 @@ import asyncio
 import functools
 import logging
 import math
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -195,6 +194,14 @@ def _execution(info: EngineInfo) -> dict[str, object]:
     }
 
 
+def gil_switch_interval_ms(settings: Settings, device_type: str) -> float | None:
+    """The interpreter's switch interval to serve with: the setting, else :data:`CUDA_GIL_SWITCH_INTERVAL_MS` on a
+    CUDA device; None leaves Python's default. Applied once, by the server's lifespan (it is process-wide)."""
+    if settings.gil_switch_interval_ms is not None:
+        return settings.gil_switch_interval_ms
+    return CUDA_GIL_SWITCH_INTERVAL_MS if device_type == "cuda" else None
+
+
 class ModelRepository:
     """Loads the store's models and owns their engines and batchers."""
 
@@ -202,11 +209,6 @@ class ModelRepository:
         self.settings = settings
         self.device = resolve_device(settings.device)
         self.models: dict[str, ServedModel] = {}
-        interval = settings.gil_switch_interval_ms
-        if interval is None and self.device.type == "cuda":
-            interval = CUDA_GIL_SWITCH_INTERVAL_MS
-        if interval is not None:
-            sys.setswitchinterval(interval / 1000.0)
         self.observe = observe
         self.precisions: dict[str, Precision] = {}
         """Precisions set at run time, per model; they outrank the settings and the manifest, across reloads."""

@@ -50,15 +50,28 @@ class App(FastAPI):
         if scope["type"] == "http":
             if not await guard.admitted(scope, receive, send, self.state.settings.allowed_hosts):
                 return
-            if scope["method"] == "POST":
-                for route in HOT_PATHS:
-                    match, child = route.matches(scope)
-                    if match is Match.FULL:
-                        scope["app"] = self
-                        scope.update(child)
-                        await _answer(route.endpoint, scope, receive, send)
-                        return
+            if await answer_inference(self, scope, receive, send):
+                return
         await super().__call__(scope, receive, send)
+
+
+async def answer_inference(app: object, scope: Scope, receive: Receive, send: Send) -> bool:
+    """Answer ``scope`` when it is an inference request (:data:`HOT_PATHS`), as ``app``; False when it is not one.
+
+    The one way in for anything that serves the inference routes outside FastAPI's routing: :class:`App` itself and
+    the ``--http-workers`` front-ends. ``app`` must carry the ``state`` the endpoints read (settings, repository,
+    metrics).
+    """
+    if scope["method"] != "POST":
+        return False
+    for route in HOT_PATHS:
+        match, child = route.matches(scope)
+        if match is Match.FULL:
+            scope["app"] = app
+            scope.update(child)
+            await _answer(route.endpoint, scope, receive, send)
+            return True
+    return False
 
 
 async def _answer(endpoint: telemetry.Endpoint, scope: Scope, receive: Receive, send: Send) -> None:
@@ -86,4 +99,4 @@ def install(app: FastAPI) -> None:
     app.router.routes[:0] = HOT_PATHS
 
 
-__all__ = ["App", "install"]
+__all__ = ["App", "answer_inference", "install"]
