@@ -353,9 +353,10 @@ class Backplane:
             self.metrics.request(model, precision, Protocol(protocol), status, rows, seconds)
 
     async def close(self) -> None:
-        for t in [*self._tasks, *self._hellos]:
+        tasks = [*self._tasks, *self._hellos]
+        for t in tasks:
             t.cancel()
-        for t in [*self._tasks, *self._hellos]:
+        for t in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await t
         for c in list(self.connections):

@@ -28,11 +28,10 @@ from starlette.datastructures import State
 from starlette.types import Receive, Scope, Send
 
 from server import api, backplane, logs
-from server.api import guard
-from server.api.errors import APIError
+from server.api.errors import APIError, error_response
 from server.api.limits import scope_header
 from server.api.shm import Regions
-from server.api.v2_repository import MANAGEMENT_BODY_BYTES, RELAYED_CLIENT
+from server.api.v2_repository import MANAGEMENT_BODY_BYTES, MANAGEMENT_LIMIT, RELAYED_CLIENT
 from server.metrics import Protocol
 from server.precision import Precision
 from server.repository import ModelNotReadyError, ModelState, Prediction, ServedModel, find
@@ -273,9 +272,7 @@ class FrontendApp:
             return
         if scope["type"] != "http":
             return
-        if not await guard.admitted(scope, receive, send, self.settings.allowed_hosts):
-            return
-        if not await api.answer_inference(self, scope, receive, send):
+        if not await api.answer_first(self, scope, receive, send):
             await self._relay(scope, receive, send)
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
@@ -333,7 +330,8 @@ class FrontendApp:
         assert self.client is not None
         declared = scope_header(scope, b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > RELAY_BODY_BYTES:
-            await _send_json(send, 413, {"error": f"body: {declared.decode()} bytes exceed {_RELAY_LIMIT}"})
+            message = f"body: {declared.decode()} bytes exceed {MANAGEMENT_LIMIT}"
+            await error_response(413, message)(scope, receive, send)
             return
         target = scope.get("raw_path") or scope["path"].encode()
         if scope.get("query_string"):
@@ -353,10 +351,12 @@ class FrontendApp:
         except _ClientGone:
             return  # nobody to answer
         except _TooLarge:
-            await _send_json(send, 413, {"error": f"body: more than {RELAY_BODY_BYTES} bytes ({_RELAY_LIMIT})"})
+            message = f"body: more than {RELAY_BODY_BYTES} bytes ({MANAGEMENT_LIMIT})"
+            await error_response(413, message)(scope, receive, send)
             return
         except httpx.TransportError as e:
-            await _send_json(send, 503, {"error": f"the engine process is not answering ({type(e).__name__})"})
+            message = f"the engine process is not answering ({type(e).__name__})"
+            await error_response(503, message)(scope, receive, send)
             return
         try:
             out_headers = [(k, v) for k, v in response.headers.raw if k.lower() not in HOP_BY_HOP]
@@ -374,7 +374,6 @@ class FrontendApp:
 
 RELAY_BODY_BYTES = MANAGEMENT_BODY_BYTES
 """Largest body a front-end relays: every route it relays is a listing or a management call."""
-_RELAY_LIMIT = "a management call's limit"
 
 
 class _ClientGone(Exception):
@@ -400,13 +399,6 @@ async def _body(receive: Receive) -> AsyncIterator[bytes]:
             yield chunk
         if not message.get("more_body"):
             return
-
-
-async def _send_json(send: Send, status: int, body: dict[str, Any]) -> None:
-    data = orjson.dumps(body)
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": data})
 
 
 def run(

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from typing import Protocol
+
 from fastapi import FastAPI
+from starlette.datastructures import State
 from starlette.requests import Request
 from starlette.routing import Match, Route
 from starlette.types import Receive, Scope, Send
@@ -47,21 +50,24 @@ class App(FastAPI):
     """
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
-            if not await guard.admitted(scope, receive, send, self.state.settings.allowed_hosts):
-                return
-            if await answer_inference(self, scope, receive, send):
-                return
+        if scope["type"] == "http" and await answer_first(self, scope, receive, send):
+            return
         await super().__call__(scope, receive, send)
 
 
-async def answer_inference(app: object, scope: Scope, receive: Receive, send: Send) -> bool:
-    """Answer ``scope`` when it is an inference request (:data:`HOT_PATHS`), as ``app``; False when it is not one.
+class _HasState(Protocol):
+    state: State
 
-    The one way in for anything that serves the inference routes outside FastAPI's routing: :class:`App` itself and
-    the ``--http-workers`` front-ends. ``app`` must carry the ``state`` the endpoints read (settings, repository,
-    metrics).
+
+async def answer_first(app: _HasState, scope: Scope, receive: Receive, send: Send) -> bool:
+    """Answer an HTTP request ahead of any other routing, as ``app``, when it is refused by :mod:`guard` or is an
+    inference request (:data:`HOT_PATHS`); False when it is neither, for the caller's own routing to answer.
+
+    The one way in for everything that serves HTTP: :class:`App` itself and the ``--http-workers`` front-ends.
+    ``app.state`` holds what the endpoints read (settings, repository, metrics).
     """
+    if not await guard.admitted(scope, receive, send, app.state.settings.allowed_hosts):
+        return True
     if scope["method"] != "POST":
         return False
     for route in HOT_PATHS:
@@ -99,4 +105,4 @@ def install(app: FastAPI) -> None:
     app.router.routes[:0] = HOT_PATHS
 
 
-__all__ = ["App", "answer_inference", "install"]
+__all__ = ["App", "answer_first", "install"]

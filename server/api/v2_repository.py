@@ -136,12 +136,14 @@ def index_entry(served: ServedModel) -> dict[str, object]:
 
 MANAGEMENT_BODY_BYTES = 64 * 2**10
 """Largest body of a management call (a load's parameters, a region's key): they are a few hundred bytes."""
+MANAGEMENT_LIMIT = "a management call's limit"
+"""How a refusal names :data:`MANAGEMENT_BODY_BYTES`."""
 
 
 async def json_object(request: Request) -> dict[str, object]:
     """The request's JSON object body; an empty body is ``{}``, anything but an object a 400, one over
     ``MANAGEMENT_BODY_BYTES`` a 413."""
-    raw = await read_body(request, MANAGEMENT_BODY_BYTES, "a management call's limit")
+    raw = await read_body(request, MANAGEMENT_BODY_BYTES, MANAGEMENT_LIMIT)
     if not raw.strip():
         return {}
     payload = await parse_json(raw, MANAGEMENT_BODY_BYTES)
