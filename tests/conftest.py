@@ -9,7 +9,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from multiprocessing import shared_memory
 from pathlib import Path
@@ -103,6 +103,18 @@ def start_server(
         time.sleep(0.1)
     server.stop()
     raise RuntimeError(f"server not ready within 120 s:\n{log.read_text()}")
+
+
+StartServer = Callable[..., ServerProcess]
+"""The type of :func:`server_factory`."""
+
+
+@pytest.fixture(scope="session")
+def served_tiny_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One store with the tiny MLP for the servers of a whole session: a server only reads its store."""
+    root = tmp_path_factory.mktemp("served-tiny-store")
+    save_tiny_mlp(root)
+    return root
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,7 @@ import os
 import signal
 import socket
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -16,20 +16,18 @@ import orjson
 import pytest
 
 from server.backplane import HELLO_TIMEOUT_S, SLOT_BYTES, SLOTS, FrameReader
-from tests.conftest import ServerProcess, save_tiny_mlp
+from tests.conftest import ServerProcess, StartServer
 from tests.e2e.test_http_workers import frontends
 
 pytestmark = pytest.mark.slow
 
-StartServer = Callable[..., ServerProcess]
-
 
 @pytest.fixture(scope="module")
-def server(server_factory: StartServer, tmp_path_factory: pytest.TempPathFactory) -> ServerProcess:
-    root = tmp_path_factory.mktemp("backplane-store")
-    save_tiny_mlp(root)
+def server(
+    server_factory: StartServer, served_tiny_store: Path, tmp_path_factory: pytest.TempPathFactory
+) -> ServerProcess:
     temp = tmp_path_factory.mktemp("backplane-tmp")
-    return server_factory(root, "--http-workers", "2", env={"TMPDIR": str(temp)})
+    return server_factory(served_tiny_store, "--http-workers", "2", env={"TMPDIR": str(temp)})
 
 
 def backplane_socket(server: ServerProcess) -> str:

@@ -6,25 +6,22 @@ from __future__ import annotations
 import contextlib
 import socket
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.conftest import ServerProcess, save_tiny_mlp
+from tests.conftest import ServerProcess, StartServer
 
 pytestmark = pytest.mark.slow
 
-StartServer = Callable[..., ServerProcess]
-
 
 @pytest.fixture(scope="module")
-def server(server_factory: StartServer, tmp_path_factory: pytest.TempPathFactory) -> ServerProcess:
-    root = tmp_path_factory.mktemp("http-limits-store")
-    save_tiny_mlp(root)
+def server(server_factory: StartServer, served_tiny_store: Path) -> ServerProcess:
     limits = ["--header-timeout", "1", "--body-timeout", "1", "--max-url-bytes", "1024", "--max-header-bytes", "4096"]
-    return server_factory(root, *limits, "--max-connections", "16")
+    return server_factory(served_tiny_store, *limits, "--max-connections", "16")
 
 
 @contextmanager

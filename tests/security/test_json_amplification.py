@@ -7,13 +7,12 @@ from __future__ import annotations
 import gzip
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.conftest import ServerProcess, save_tiny_mlp
+from tests.conftest import ServerProcess, StartServer
 
 pytestmark = pytest.mark.slow
 
@@ -22,13 +21,11 @@ STALL_S = 1.0
 
 
 @pytest.fixture(scope="module")
-def server(server_factory: Callable[..., ServerProcess], tmp_path_factory: pytest.TempPathFactory) -> ServerProcess:
-    root = tmp_path_factory.mktemp("json-amplification-store")
-    save_tiny_mlp(root)
+def server(server_factory: StartServer, served_tiny_store: Path) -> ServerProcess:
     # Room for the within-budget request's rows; a compression ratio that lets every body here inflate whole, so that
     # the count, not the ratio (tests/security/test_cost_amplification.py), is what refuses them.
     rows = ["--max-queue-rows", "32768", "--max-request-rows", "32768"]
-    return server_factory(root, *rows, "--max-compression-ratio", "100000")
+    return server_factory(served_tiny_store, *rows, "--max-compression-ratio", "100000")
 
 
 def bomb(prefix: bytes, item: bytes, suffix: bytes, size: int) -> bytes:

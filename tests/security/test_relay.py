@@ -4,27 +4,24 @@ process holds each client to its own address for wrong admin tokens. Over a real
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.conftest import ServerProcess, save_tiny_mlp
+from tests.conftest import ServerProcess, StartServer
 from tests.e2e.test_http_workers import frontends
 
 pytestmark = pytest.mark.slow
 
-StartServer = Callable[..., ServerProcess]
 TOKEN = "relay-admin-token-0123"
 MIB = 2**20
 
 
 @pytest.fixture(scope="module")
-def server(server_factory: StartServer, tmp_path_factory: pytest.TempPathFactory) -> ServerProcess:
-    root = tmp_path_factory.mktemp("relay-store")
-    save_tiny_mlp(root)
-    return server_factory(root, "--http-workers", "2", env={"HALFSERVE_ADMIN_TOKEN": TOKEN})
+def server(server_factory: StartServer, served_tiny_store: Path) -> ServerProcess:
+    return server_factory(served_tiny_store, "--http-workers", "2", env={"HALFSERVE_ADMIN_TOKEN": TOKEN})
 
 
 def rss_mib(pid: int) -> float:
