@@ -3,9 +3,9 @@
 Pure asyncio and numpy; no torch, no HTTP. A request carries an array whose first dimension is rows (samples).
 A batch is cut when ``max_batch_size`` rows are queued or ``max_delay`` has passed since the oldest queued request
 arrived; only rows of the same sample shape and dtype are batched together; a request's rows may span batches. The
-runner receives a list of chunks (row slices of requests) and returns one outcome per chunk: its output rows (an
-array, or an :class:`Output` tagged with how they were computed), or an exception that fails that chunk's request
-alone.
+runner (the contract is :data:`server.serving.Runner`) receives a list of chunks (row slices of requests) and
+returns one outcome per chunk: its output rows (an array, or an :class:`~server.serving.Output` with the precision
+that computed them), or an exception that fails that chunk's request alone.
 
 Faults stay with the requests that cause them. A batch whose runner raises is bisected: its chunks are rerun as two
 smaller batches, recursively, until the failing chunks stand alone, so only their requests fail. A runner that raises
@@ -25,29 +25,44 @@ import contextlib
 import functools
 import time
 from collections import Counter, deque
-from collections.abc import Awaitable, Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol, TypeVar, overload
 
 import numpy as np
 
+from server.serving import (
+    BatchFailedError,
+    BatchingError,
+    BatchTooLargeError,
+    DeadlineExceededError,
+    Outcome,
+    Output,
+    QueueFullError,
+    RequestTooLargeError,
+    Runner,
+    ShuttingDownError,
+)
+
+__all__ = [
+    "BatchFailedError",
+    "BatchObserver",
+    "BatchStats",
+    "BatchTooLargeError",
+    "Batcher",
+    "BatchingError",
+    "DeadlineExceededError",
+    "Outcome",
+    "Output",
+    "QueueFullError",
+    "RequestTooLargeError",
+    "Result",
+    "Runner",
+    "ShuttingDownError",
+]
+
 Clock = Callable[[], float]
-
-# Output and Result are NamedTuples rather than frozen dataclasses: one of each is built per chunk and per request,
-# and a tuple builds several times faster.
-
-
-class Output(NamedTuple):
-    """One chunk's output rows, tagged by the runner (the engine tags the precision that computed them)."""
-
-    data: np.ndarray
-    tag: str | None = None
-
-
-Outcome = np.ndarray | Output | Exception
-"""What a runner gives back per chunk: its output rows, or the error that fails that chunk's request alone."""
-
-Runner = Callable[[list[np.ndarray]], Awaitable[Sequence[Outcome]]]
+T = TypeVar("T")
 
 
 class BatchObserver(Protocol):
@@ -62,42 +77,17 @@ class BatchObserver(Protocol):
 
 
 class Result(NamedTuple):
-    """A request's output rows and the distinct tags of the chunks that computed them, in row order."""
+    """A request's output rows and the distinct precisions of the chunks that computed them, in row order.
+
+    A NamedTuple rather than a frozen dataclass: one is built per request, and a tuple builds several times faster.
+    """
 
     data: np.ndarray
-    tags: tuple[str, ...] = ()
+    precisions: tuple[str, ...] = ()
 
 
-class BatchingError(Exception):
-    """Base class of the errors a submitted request can fail with."""
-
-
-class QueueFullError(BatchingError):
-    """The queue holds ``max_queue_rows`` rows; the request was not accepted."""
-
-
-class DeadlineExceededError(BatchingError):
-    """The request's deadline passed while it was queued; it was never run."""
-
-
-class ShuttingDownError(BatchingError):
-    """The batcher is draining and accepts no new requests."""
-
-
-class BatchFailedError(BatchingError):
-    """The runner failed on this request's rows (alone: other requests of the batch were rerun without it)."""
-
-
-class RequestTooLargeError(BatchingError):
-    """The request has more rows than the queue can ever hold; retrying cannot help."""
-
-
-class BatchTooLargeError(Exception):
-    """Raised by a runner that cannot run this many rows at once (the device is out of memory).
-
-    The batcher halves its batch size for good and reruns the rows in smaller batches; only a single row that still
-    does not fit fails its request.
-    """
+Finish = Callable[[np.ndarray, tuple[str, ...]], T]
+"""Makes a request's answer from its output rows and their precisions (:class:`Result` unless the caller says)."""
 
 
 @dataclass(eq=False)
@@ -105,9 +95,10 @@ class Pending:
     """A queued request: its rows, how many have been cut into batches so far, and its outputs as they arrive."""
 
     data: np.ndarray
-    future: asyncio.Future[Result]
+    future: asyncio.Future[Any]
     enqueued: float
     deadline: float | None = None
+    finish: Finish[Any] = Result
     taken: int = 0
     done_rows: int = 0
     parts: dict[int, tuple[np.ndarray, str | None]] = field(default_factory=dict)
@@ -313,15 +304,19 @@ class Batcher:
             await asyncio.gather(*self._inflight, return_exceptions=True)
 
     async def submit(self, data: np.ndarray, deadline: float | None = None) -> np.ndarray:
-        """Queue ``data`` (rows first) and wait for its output rows; see :meth:`submit_result`."""
-        return (await self.submit_result(data, deadline)).data
+        """Queue ``data`` (rows first) and wait for its output rows (:meth:`enqueue`, for callers that want only
+        them)."""
+        return (await self.enqueue(data, deadline)).data
 
-    async def submit_result(self, data: np.ndarray, deadline: float | None = None) -> Result:
-        """Queue ``data`` (rows first) and wait for its output rows and their tags; see :meth:`enqueue`."""
-        return await self.enqueue(data, deadline)
+    @overload
+    def enqueue(self, data: np.ndarray, deadline: float | None = None) -> asyncio.Future[Result]: ...
 
-    def enqueue(self, data: np.ndarray, deadline: float | None = None) -> asyncio.Future[Result]:
-        """Queue ``data`` (rows first); returns the future of its output rows and their tags.
+    @overload
+    def enqueue(self, data: np.ndarray, deadline: float | None, finish: Finish[T]) -> asyncio.Future[T]: ...
+
+    def enqueue(self, data: np.ndarray, deadline: float | None = None, finish: Finish[Any] = Result) -> Any:
+        """Queue ``data`` (rows first); returns the future of its answer: ``finish`` of its output rows and their
+        precisions, a :class:`Result` by default.
 
         ``deadline`` is a time on :attr:`clock`. Raises :class:`QueueFullError` at once when the rows do not fit in
         the queue now, :class:`RequestTooLargeError` when they never would; the future fails with
@@ -347,10 +342,10 @@ class Batcher:
                 f"queue full ({self._queued_rows} of {self.max_queue_rows} rows queued, request has {rows})"
             )
         loop = asyncio.get_running_loop()
-        future: asyncio.Future[Result] = loop.create_future()
+        future: asyncio.Future[Any] = loop.create_future()
         was_empty = not self._queue
         start = self.clock()
-        req = Pending(data, future, start, deadline)
+        req = Pending(data, future, start, deadline, finish=finish)
         self._queue.append(req)
         self._queued_rows += rows
         self.stats.requests += 1
@@ -362,7 +357,7 @@ class Batcher:
         future.add_done_callback(functools.partial(self._settled, start, timer))
         return future
 
-    def _settled(self, start: float, timer: asyncio.TimerHandle | None, future: asyncio.Future[Result]) -> None:
+    def _settled(self, start: float, timer: asyncio.TimerHandle | None, future: asyncio.Future[Any]) -> None:
         if timer is not None:
             timer.cancel()
         elapsed = self.clock() - start
@@ -502,14 +497,14 @@ class Batcher:
                 err = outcome if isinstance(outcome, BatchFailedError) else BatchFailedError(_describe(outcome))
                 self._fail(c.request, err)
                 continue
-            out, tag = outcome if isinstance(outcome, Output) else (outcome, None)
+            out, precision = outcome if isinstance(outcome, Output) else (outcome, None)
             if not isinstance(out, np.ndarray):
                 self._fail(c.request, BatchFailedError(f"runner returned {type(out).__name__}, expected an array"))
             elif out.shape[0] != c.rows:
                 msg = f"batch size mismatch: runner returned {out.shape[0]} rows for a chunk of {c.rows}"
                 self._fail(c.request, BatchFailedError(msg))
             else:
-                self._deliver(c, out, tag)
+                self._deliver(c, out, precision)
 
     def _fail(self, req: Pending, err: BaseException) -> None:
         if not req.future.done():
@@ -522,19 +517,19 @@ class Batcher:
                 req.taken = req.rows
 
     @staticmethod
-    def _deliver(chunk: Chunk, out: np.ndarray, tag: str | None) -> None:
+    def _deliver(chunk: Chunk, out: np.ndarray, precision: str | None) -> None:
         req = chunk.request
         if req.future.done():
             return
         if chunk.start == 0 and chunk.stop == req.rows:
-            req.future.set_result(Result(out, () if tag is None else (tag,)))
+            req.future.set_result(req.finish(out, () if precision is None else (precision,)))
             return
-        req.parts[chunk.start] = (out, tag)
+        req.parts[chunk.start] = (out, precision)
         req.done_rows += chunk.rows
         if req.done_rows == req.rows:
             parts = [req.parts[k] for k in sorted(req.parts)]
-            tags = tuple(dict.fromkeys(t for _, t in parts if t is not None))
-            req.future.set_result(Result(np.concatenate([o for o, _ in parts]), tags))
+            precisions = tuple(dict.fromkeys(p for _, p in parts if p is not None))
+            req.future.set_result(req.finish(np.concatenate([o for o, _ in parts]), precisions))
 
 
 def _describe(e: Exception) -> str:

@@ -21,7 +21,7 @@ from server.settings import LogFormat
 from server.training import cli as train_cli
 
 if TYPE_CHECKING:
-    from server.backplane import Frontends
+    from server.multiproc.supervisor import Frontends
 
 
 def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -107,10 +107,11 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 def serve(args: argparse.Namespace) -> int:
     from server import logs, store
-    from server.app import DrainingServer, begin_drain, create_app, uvicorn_config
-    from server.backplane import Frontends
+    from server.app import begin_drain, create_app
+    from server.multiproc.supervisor import Frontends
     from server.repository import ModelRepository
     from server.settings import Settings
+    from server.transport import DrainingServer, uvicorn_config
 
     fields = set(Settings.model_fields)
     given = {k: v for k, v in vars(args).items() if k in fields and v is not None}

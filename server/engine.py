@@ -6,7 +6,7 @@ work off the event loop (torch releases the GIL during kernels), so the next bat
 
 Two faults are the engine's to recognise, because they need torch to see:
 
-* Out of memory: the forward raises :class:`~server.batching.BatchTooLargeError` instead, and the batcher (which
+* Out of memory: the forward raises :class:`~server.serving.BatchTooLargeError` instead, and the batcher (which
   owns chunks and batch sizes) halves its batch size and reruns the rows in smaller batches.
 * Overflow: a half-precision forward whose output is not finite where the input was (fp16 tops out at 65504) is
   handled per the model's :class:`~server.store.OverflowPolicy`: rerun in fp32 on the host copy of the weights
@@ -27,9 +27,9 @@ import torch
 from torch import nn
 
 from server import precision as prec
-from server.batching import BatchTooLargeError, Outcome, Output
 from server.instance import Instance, bucket_for, torch_dtype
 from server.precision import Precision
+from server.serving import BatchTooLargeError, Outcome, Output
 from server.store import Compile, DataType, Execution, LoadedModel, Normalize, OverflowPolicy
 
 log = logging.getLogger(__name__)
@@ -201,7 +201,7 @@ class Engine:
         self._idle = list(reversed(self.instances))
         self._next = 0
         self._lock = threading.Lock()
-        self._run = torch.compile(self._run_eager, dynamic=False) if self.inductor else self._run_eager
+        self._forward = torch.compile(self._eager, dynamic=False) if self.inductor else self._eager
         self.compile_seconds = 0.0
         self._room_made = False
         if self.inductor and self.buckets:
@@ -244,16 +244,18 @@ class Engine:
             t = t.contiguous(memory_format=torch.channels_last)
         return t
 
-    def _run_eager(self, t: torch.Tensor) -> torch.Tensor:
+    def _eager(self, t: torch.Tensor) -> torch.Tensor:
         return self.model(self._prepare(t))  # type: ignore[no-any-return]
 
-    def forward_device(self, t: torch.Tensor) -> torch.Tensor:
+    def _on_device(self, t: torch.Tensor) -> torch.Tensor:
         """Cast and run a batch already on the device, under the precision's context (compiled with ``inductor``)."""
         with prec.inference(self.precision, self.device):
-            return self._run(t)
+            return self._forward(t)
 
-    def forward_chunks(self, chunks: list[np.ndarray], inst: Instance | None = None) -> np.ndarray:
-        """Run the chunks as one batch (padded to its bucket) on ``inst``; float32 outputs, one row per input row."""
+    def forward(self, x: np.ndarray | list[np.ndarray], inst: Instance | None = None) -> np.ndarray:
+        """Run rows synchronously as one batch (padded to its bucket) on ``inst`` (the first by default): one array,
+        or chunks of several requests; float32 outputs, one row per input row, no overflow check."""
+        chunks = x if isinstance(x, list) else [x]
         inst = inst or self.instances[0]
         rows = sum(len(c) for c in chunks)
         size = bucket_for(rows, self.buckets)
@@ -262,15 +264,11 @@ class Engine:
             if graph is not None and graph.model is self.model and graph.input.dtype == torch_dtype(chunks[0].dtype):
                 y = inst.replay(graph, chunks, size)
             else:
-                y = self.forward_device(inst.upload(chunks, size))
+                y = self._on_device(inst.upload(chunks, size))
             inst.forwards += 1
             return inst.fetch(_checked(y, size)[:rows])
 
-    def forward(self, x: np.ndarray) -> np.ndarray:
-        """Run one batch (rows first) synchronously; returns float32 outputs with one row per input row."""
-        return self.forward_chunks([x])
-
-    def forward_fp32(self, x: np.ndarray) -> np.ndarray:
+    def _rerun_fp32(self, x: np.ndarray) -> np.ndarray:
         """Run rows through the host's fp32 weights (the overflow fallback); returns float32 outputs."""
         if self._fp32 is None:
             raise EngineError("no fp32 weights are kept for reruns (the overflow policy is not rerun_fp32)")
@@ -282,13 +280,14 @@ class Engine:
             y = self._fp32(t)
         return _checked(y, len(x)).float().numpy()
 
-    def run_chunks(self, chunks: list[np.ndarray], inst: Instance | None = None) -> list[Outcome]:
-        """Run the chunks of one batch as a single forward; returns one outcome per chunk.
+    def run_batch(self, chunks: list[np.ndarray], inst: Instance | None = None) -> list[Outcome]:
+        """Run the chunks of one batch as a single forward, synchronously; returns one outcome per chunk, after the
+        overflow policy (:meth:`run` is the batcher's way in, on an instance's thread).
 
-        Raises :class:`~server.batching.BatchTooLargeError` when the device runs out of memory.
+        Raises :class:`~server.serving.BatchTooLargeError` when the device runs out of memory.
         """
         try:
-            out = self.forward_chunks(chunks, inst)
+            out = self.forward(chunks, inst)
         except Exception as e:
             if not is_out_of_memory(e):
                 raise
@@ -321,7 +320,7 @@ class Engine:
             )
         with self._lock:
             self.fp32_reruns += 1
-        return Output(self.forward_fp32(x), Precision.FP32.value)
+        return Output(self._rerun_fp32(x), Precision.FP32.value)
 
     async def run(self, chunks: list[np.ndarray]) -> list[Outcome]:
         """Run a batch on an idle instance's thread without blocking the event loop.
@@ -336,7 +335,7 @@ class Engine:
             self._next += 1
         try:
             loop = asyncio.get_running_loop()
-            return await loop.run_in_executor(inst.executor, self.run_chunks, chunks, inst)
+            return await loop.run_in_executor(inst.executor, self.run_batch, chunks, inst)
         finally:
             if inst not in self._idle:
                 self._idle.append(inst)
@@ -374,11 +373,11 @@ class Engine:
             if self.cuda_graphs:
                 with inst.on_stream():
                     sample = inst.upload([x], size)
-                graph = inst.capture(size, sample, self.forward_device, self.model)
+                graph = inst.capture(size, sample, self._on_device, self.model)
                 secs = graph.capture_seconds
                 log.info("%s[%d]: captured a CUDA graph of batch %d in %.3fs", self.name, inst.index, size, secs)
             start = time.perf_counter()
-            self.forward_chunks([x], inst)
+            self.forward(x, inst)
             if self.inductor and inst.index == 0:  # the first instance compiles; the others find it compiled
                 secs = time.perf_counter() - start
                 self.compile_seconds += secs
@@ -394,7 +393,7 @@ _compiled_shapes = 0
 
 
 def _allow_compiled_shapes(count: int) -> None:
-    """Let torch.compile keep ``count`` compiled shapes of :meth:`Engine._run_eager` on this thread.
+    """Let torch.compile keep ``count`` compiled shapes of :meth:`Engine._eager` on this thread.
 
     Every engine's compiled forward is the same code object to torch.compile, so its entries add up over models,
     precisions and reloads; past its recompile limit (8) it would run eager forwards and say so only in a log line.

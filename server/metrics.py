@@ -19,7 +19,6 @@ resolving ``.labels(...)`` on every request would cost several times more than t
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
-from enum import Enum
 from typing import TYPE_CHECKING
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
@@ -27,6 +26,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from server.batching import BatchObserver
+from server.serving import Interface
 
 if TYPE_CHECKING:
     from server.repository import ServedModel
@@ -38,15 +38,6 @@ LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5,
 tens of seconds a deadline allows."""
 BATCH_BUCKETS = tuple(float(2**i) for i in range(14))
 """Rows per batch: powers of two from 1 to 8192, the largest ``max_batch_size`` a manifest may set."""
-
-
-class Protocol(str, Enum):
-    """The interface an inference request came through."""
-
-    PREDICT = "predict"
-    """``POST /predict``, the simple JSON interface."""
-    V2 = "v2"
-    """``POST /v2/models/{m}/infer``, the KServe V2 protocol (JSON or binary tensors)."""
 
 
 _Children = tuple["Counter", "Counter", "Histogram | None"]
@@ -99,11 +90,11 @@ class Metrics:
         self.execution_count = Counter(
             "halfserve_execution_count", "Batches run (Triton's execution_count).", ["model", "version"], registry=r
         )
-        self._children: dict[tuple[str, str, Protocol, int], _Children] = {}
+        self._children: dict[tuple[str, str, Interface, int], _Children] = {}
 
-    def request(self, model: str, precision: str, protocol: Protocol, status: int, rows: int, seconds: float) -> None:
+    def request(self, model: str, precision: str, interface: Interface, status: int, rows: int, seconds: float) -> None:
         """Count one inference request; ``rows`` and ``seconds`` count only when it was answered with outputs."""
-        key = (model, precision, protocol, status)
+        key = (model, precision, interface, status)
         children = self._children.get(key)
         if children is None:
             children = self._children[key] = self._resolve(key)
@@ -113,14 +104,14 @@ class Metrics:
             rows_counter.inc(rows)
             latency.observe(seconds)
 
-    def _resolve(self, key: tuple[str, str, Protocol, int]) -> _Children:
-        model, precision, protocol, status = key
-        labels = (model, precision, protocol.value, str(status))
+    def _resolve(self, key: tuple[str, str, Interface, int]) -> _Children:
+        model, precision, interface, status = key
+        labels = (model, precision, interface.value, str(status))
         ok = 200 <= status < 300
         return (
             self.requests.labels(*labels),
             self.rows.labels(*labels),
-            self.latency.labels(model, precision, protocol.value) if ok else None,
+            self.latency.labels(model, precision, interface.value) if ok else None,
         )
 
     def batch_observer(self, model: str, version: int, precision: str) -> BatchObserver:

@@ -9,16 +9,22 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from enum import Enum
-from typing import NamedTuple, TypeVar
 
 import numpy as np
 
 from server import precision as prec
 from server import store
-from server.batching import Batcher, BatchObserver, BatchStats, Result
+from server.batching import Batcher, BatchObserver, BatchStats
 from server.engine import Engine, EngineInfo, module_bytes, resolve_device
 from server.precision import Precision
+from server.serving import (
+    InvalidInputError,
+    ModelNotReadyError,
+    ModelState,
+    Prediction,
+    Tensors,
+    find,
+)
 from server.settings import Settings
 from server.store import Batching, LoadedModel, Manifest, StoreError
 
@@ -30,34 +36,6 @@ between their copies and kernels (see ``Settings.gil_switch_interval_ms``)."""
 
 ObserverFactory = Callable[[str, int, str], BatchObserver]
 """Makes the batch observer of a model (name, version, precision served), e.g. :meth:`Metrics.batch_observer`."""
-
-
-class ModelState(str, Enum):
-    """Where a model is in its life."""
-
-    LOADING = "loading"
-    READY = "ready"
-    FAILED = "failed"
-    UNLOADED = "unloaded"
-
-
-class ModelNotFoundError(LookupError):
-    """No model of that name is known to the server."""
-
-
-class ModelNotReadyError(RuntimeError):
-    """The model is known but still loading, or failed to load."""
-
-
-class Prediction(NamedTuple):
-    """A request's output rows and the precision that computed them.
-
-    ``precision`` is the served precision, ``fp32`` where an overflowing half-precision output was rerun, and both
-    joined by ``+`` (``fp16+fp32``) for a request spanning batches of which only some were rerun.
-    """
-
-    outputs: np.ndarray
-    precision: str
 
 
 @dataclass
@@ -106,34 +84,35 @@ class ServedModel:
         """Input values per row (sample)."""
         return math.prod(self.manifest.inputs[0].shape)
 
-    async def infer(self, x: np.ndarray, timeout: float | None = None) -> Prediction:
-        """Queue ``x`` (rows first) for batching and return its output rows.
+    def submit(self, inputs: Tensors, timeout: float | None = None) -> asyncio.Future[Prediction]:
+        """Queue ``inputs`` for batching; see :meth:`server.serving.ModelHandle.submit`.
 
-        ``timeout`` (seconds, the client's) and the model's ``request_timeout_ms``, whichever is shorter, bound how
-        long its rows may wait to start: past it the request fails with ``DeadlineExceededError``.
-        """
-        return self.prediction(await self.submit(x, timeout))
-
-    def submit(self, x: np.ndarray, timeout: float | None = None) -> asyncio.Future[Result]:
-        """:meth:`infer` as a future of the batcher's result, for callers that answer from a callback; raises at
-        once what :meth:`infer` raises before queueing. :meth:`prediction` turns the result into the answer.
-
-        A read-only ``x`` (a binary request body decoded in place) is copied first: the engine hands a batch's rows to
+        A read-only input (a binary request body decoded in place) is copied first: the engine hands a batch's rows to
         torch without a copy where it can, and torch takes only writable memory."""
         batcher = self.batcher
         if batcher is None:
             state = "draining" if self.state is ModelState.READY else self.state.value  # released while ready
             raise ModelNotReadyError(f"model {self.name!r} is {state}" + (f": {self.error}" if self.error else ""))
+        x = self._input(inputs)
         configured = self.batching.request_timeout_ms
         if configured is not None:
             timeout = configured / 1000.0 if timeout is None else min(timeout, configured / 1000.0)
         if not x.flags.writeable:
             x = x.copy()
-        return batcher.enqueue(x, None if timeout is None else batcher.clock() + timeout)
+        return batcher.enqueue(x, None if timeout is None else batcher.clock() + timeout, self._prediction)
 
-    def prediction(self, result: Result) -> Prediction:
-        """A batcher's result as an answer: its rows, and the precision that computed them."""
-        return Prediction(result.data, "+".join(result.tags) if result.tags else str(self.precision))
+    def _input(self, inputs: Tensors) -> np.ndarray:
+        """The one input's rows, from ``inputs`` by name."""
+        name = self.manifest.inputs[0].name
+        x = inputs.get(name)
+        if x is None or len(inputs) != 1:
+            raise InvalidInputError(f"inputs: expected {name!r} alone, got {', '.join(map(repr, inputs)) or 'none'}")
+        return x
+
+    def _prediction(self, out: np.ndarray, precisions: tuple[str, ...]) -> Prediction:
+        """The batcher's output rows as the model's named outputs, with the precision that computed them."""
+        precision = "+".join(precisions) if precisions else str(self.precision)
+        return Prediction({self.manifest.outputs[0].name: out}, precision)
 
     def stats(self) -> dict[str, object] | None:
         """What the batcher and the engine have done since the model was loaded; ``None`` unless it is served."""
@@ -400,21 +379,6 @@ class ModelRepository:
         """Drain every batcher (queued requests are answered), then release the engines."""
         for served in self.models.values():
             await self._release(served)
-
-
-M = TypeVar("M", bound=ServedModel)
-
-
-def find(models: dict[str, M], name: str | None) -> M:
-    """The model called ``name`` in ``models``; ``None`` means the only model when there is exactly one."""
-    if name is None:
-        if len(models) == 1:
-            return next(iter(models.values()))
-        raise ModelNotFoundError(f"several models are served ({', '.join(models)}); name one")
-    try:
-        return models[name]
-    except KeyError:
-        raise ModelNotFoundError(f"unknown model {name!r} (served: {', '.join(models)})") from None
 
 
 def _restore(overrides: dict[str, Precision], name: str, value: Precision | None) -> None:

@@ -1,4 +1,5 @@
-"""Transports that write once per event-loop iteration, and the HTTP protocol the server runs over one.
+"""Transports that write once per event-loop iteration, the HTTP protocol the server runs over one, and the uvicorn
+server that runs an app over it (:class:`DrainingServer`, :func:`uvicorn_config`), for the server and its front-ends.
 
 The protocol also holds each connection to :class:`HttpLimits`: how long its request line and headers, and each gap
 in its body, may take (408), how long its request target (414) and headers (431) may be, and how many connections a
@@ -14,13 +15,20 @@ end, as one ``writev``.
 from __future__ import annotations
 
 import asyncio
+import signal
+import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 from http import HTTPStatus
+from types import FrameType
 from typing import Any, ClassVar
 
 import orjson
+import uvicorn
+from starlette.types import ASGIApp
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from server.settings import Settings
 
 LINGER_S = 2.0
 """How long a connection refused mid-head goes on being read (and dropped) before it is closed."""
@@ -231,3 +239,56 @@ class LimitedHttpProtocol(CoalescingHttpToolsProtocol):
         else:
             self.transport.close()
         self.logger.info("%s: %d %s", self.client or "client", status, message)
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server, telling the app the moment a shutdown signal arrives.
+
+    uvicorn's own sequence then runs: it stops listening, lets requests in flight finish (up to
+    ``timeout_graceful_shutdown``, then cancels them), and only then runs the lifespan's shutdown, where the batchers
+    drain what is still queued. The hook makes readiness answer 503 from the signal on, on connections still open.
+    """
+
+    def __init__(
+        self, config: uvicorn.Config, on_signal: Callable[[], None], on_shutdown: Callable[[], None] | None = None
+    ) -> None:
+        super().__init__(config)
+        self._on_signal = on_signal
+        self._on_shutdown = on_shutdown
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        self._on_signal()
+        super().handle_exit(sig, frame)
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        """uvicorn's shutdown, then ``on_shutdown``; a SIGTERM that was drained is not raised again.
+
+        uvicorn re-raises the signal it caught once it has shut down, so that the default handler ends the process:
+        no ``finally`` after :meth:`run` would then run (the front-ends' temporary directory was left behind), and
+        the exit status was -SIGTERM rather than the 0 a drained shutdown promises. SIGINT is still re-raised.
+        """
+        await super().shutdown(sockets)
+        if self._on_shutdown is not None:
+            self._on_shutdown()
+        captured: list[int] = getattr(self, "_captured_signals", [])
+        captured[:] = [sig for sig in captured if sig != signal.SIGTERM]
+
+
+def http_limits(settings: Settings) -> HttpLimits:
+    s = settings
+    return HttpLimits(s.header_timeout, s.body_timeout, s.max_url_bytes, s.max_header_bytes, s.max_connections)
+
+
+def uvicorn_config(app: ASGIApp, settings: Settings, log_config: dict[str, Any] | None, **where: Any) -> uvicorn.Config:
+    """uvicorn's configuration for ``app`` under ``settings``; ``where`` is where it listens (host and port, uds),
+    if not on sockets handed to ``run``."""
+    return uvicorn.Config(
+        app,
+        **where,
+        http=LimitedHttpProtocol.with_limits(http_limits(settings)),
+        log_level=settings.log_level,
+        log_config=log_config,
+        access_log=settings.access_log,
+        # uvicorn waits this long for requests in flight, then cancels them; float seconds work despite its hint.
+        timeout_graceful_shutdown=settings.drain_timeout,  # type: ignore[arg-type]
+    )

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from fastapi import FastAPI
+from fastapi.routing import APIRoute
 from starlette.datastructures import State
 from starlette.requests import Request
 from starlette.routing import Match, Route
@@ -14,8 +15,8 @@ from server.api import (
     docs,
     errors,
     guard,
+    health,
     management,
-    models,
     monitoring,
     predict,
     shm,
@@ -24,18 +25,23 @@ from server.api import (
     v2_repository,
     v2_triton,
 )
+from server.api.deps import MANAGEMENT_BODY_BYTES, MANAGEMENT_LIMIT, RELAYED_CLIENT
+from server.api.errors import error_response
+from server.api.limits import scope_header
+
+_ANSWERED_FIRST: dict[object, telemetry.Endpoint] = {predict.predict: predict.predict, v2.model_infer: v2.infer}
+"""The inference routes' FastAPI endpoints, and the plain endpoints that answer in their place."""
 
 HOT_PATHS: list[Route] = [
-    Route("/predict", predict.predict, methods=["POST"], include_in_schema=False),
-    *(
-        Route(path, v2.infer, methods=["POST"], include_in_schema=False)
-        for path in ("/v2/models/{model_name}/infer", "/v2/models/{model_name}/versions/{model_version}/infer")
-    ),
+    Route(r.path, _ANSWERED_FIRST[r.endpoint], methods=["POST"], include_in_schema=False)
+    for r in (*predict.router.routes, *v2.router.routes)
+    if isinstance(r, APIRoute) and r.endpoint in _ANSWERED_FIRST
 ]
-"""Inference endpoints also mounted as plain Starlette routes, ahead of their FastAPI twins.
+"""The inference routes, each declared once (in its route module, for the OpenAPI schema) and answered here as a
+plain Starlette route ahead of FastAPI.
 
 FastAPI's per-request dependency solving and nested-router matching cost about a third of the event loop's time
-on a small model (profiled); the FastAPI declarations stay for the OpenAPI schema and answer nothing in practice.
+on a small model (profiled); the FastAPI declarations give the schema and answer nothing in practice.
 """
 
 
@@ -57,6 +63,7 @@ class App(FastAPI):
 
 class _HasState(Protocol):
     state: State
+    """Holds the app's :class:`~server.serving.AppState` as ``serving``."""
 
 
 async def answer_first(app: _HasState, scope: Scope, receive: Receive, send: Send) -> bool:
@@ -64,9 +71,9 @@ async def answer_first(app: _HasState, scope: Scope, receive: Receive, send: Sen
     inference request (:data:`HOT_PATHS`); False when it is neither, for the caller's own routing to answer.
 
     The one way in for everything that serves HTTP: :class:`App` itself and the ``--http-workers`` front-ends.
-    ``app.state`` holds what the endpoints read (settings, repository, metrics).
+    ``app.state.serving`` is what the endpoints read (:class:`~server.serving.AppState`).
     """
-    if not await guard.admitted(scope, receive, send, app.state.settings.allowed_hosts):
+    if not await guard.admitted(scope, receive, send, app.state.serving.settings.allowed_hosts):
         return True
     if scope["method"] != "POST":
         return False
@@ -96,8 +103,8 @@ def install(app: FastAPI) -> None:
     errors.install(app)
     app.add_middleware(telemetry.RequestIdMiddleware)
     # v2_triton ahead of v2: its /v2/models/stats must match before v2's /v2/models/{model_name}.
-    routers = [predict.router, models.router, management.router, monitoring.router, v2_triton.router, shm.router]
-    if app.state.settings.docs:
+    routers = [predict.router, health.router, management.router, monitoring.router, v2_triton.router, shm.router]
+    if app.state.serving.settings.docs:
         routers.append(docs.router)
     for router in (*routers, v2_repository.router, v2.router):
         # Added flat rather than with include_router, which matches through an extra router layer per request.
@@ -105,4 +112,13 @@ def install(app: FastAPI) -> None:
     app.router.routes[:0] = HOT_PATHS
 
 
-__all__ = ["App", "answer_first", "install"]
+__all__ = [
+    "MANAGEMENT_BODY_BYTES",
+    "MANAGEMENT_LIMIT",
+    "RELAYED_CLIENT",
+    "App",
+    "answer_first",
+    "error_response",
+    "install",
+    "scope_header",
+]

@@ -10,14 +10,20 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
-from server.batching import (
+from server.serving import (
     BatchFailedError,
     DeadlineExceededError,
+    InternalError,
+    InvalidInputError,
+    ModelNotFoundError,
+    ModelNotReadyError,
     QueueFullError,
+    RegionError,
+    RegionFullError,
     RequestTooLargeError,
+    ServingError,
     ShuttingDownError,
 )
-from server.repository import ModelNotFoundError, ModelNotReadyError
 
 
 class APIError(Exception):
@@ -54,13 +60,21 @@ def cut_off_by_shutdown() -> APIError:
 
 
 def from_exception(e: Exception) -> APIError:
-    """Map an error raised below the routes onto its HTTP status."""
+    """Map an error raised below the routes (:mod:`server.serving`'s domain errors) onto its HTTP status."""
     if isinstance(e, APIError):
         return e
-    if isinstance(e, ModelNotFoundError):
+    if isinstance(e, ModelNotFoundError):  # ModelUnavailableError too: Triton's "no available versions"
         return APIError(404, str(e))
     if isinstance(e, ModelNotReadyError):
-        return APIError(503, str(e), {"Retry-After": "1"})
+        return APIError(503, str(e), {"Retry-After": "1"} if e.retry else None)
+    if isinstance(e, InvalidInputError):
+        return APIError(400, str(e))
+    if isinstance(e, RegionFullError):
+        return APIError(507, str(e))
+    if isinstance(e, RegionError):
+        return APIError(400, str(e))
+    if isinstance(e, InternalError):
+        return APIError(500, f"internal error: {e}")
     if isinstance(e, QueueFullError):
         return APIError(503, str(e), {"Retry-After": "1"})
     if isinstance(e, RequestTooLargeError):
@@ -126,9 +140,11 @@ def install(app: FastAPI) -> None:
         return error_response(400, "; ".join(parts))
 
     async def api_error(request: Request, exc: Exception) -> Response:
-        assert isinstance(exc, APIError)
-        return error_response(exc.status, exc.message, exc.headers)
+        assert isinstance(exc, (APIError, ServingError))
+        err = from_exception(exc)
+        return error_response(err.status, err.message, err.headers)
 
     app.add_exception_handler(StarletteHTTPException, http_error)
     app.add_exception_handler(RequestValidationError, validation_error)
     app.add_exception_handler(APIError, api_error)
+    app.add_exception_handler(ServingError, api_error)

@@ -23,7 +23,7 @@ from starlette.requests import Request
 from starlette.types import Scope
 
 from server.api.errors import APIError
-from server.repository import ServedModel
+from server.serving import AppState, ModelHandle
 from server.settings import Settings
 
 TIMEOUT_HEADER = "X-Request-Timeout-Ms"
@@ -31,11 +31,6 @@ TIMEOUT_HEADER = "X-Request-Timeout-Ms"
 
 _TIMEOUT_KEY = TIMEOUT_HEADER.lower().encode()
 MAX_TIMEOUT_MS = 3_600_000.0
-
-
-def settings(request: Request) -> Settings:
-    s: Settings = request.app.state.settings
-    return s
 
 
 def raw_header(request: Request, name: bytes) -> bytes | None:
@@ -80,7 +75,8 @@ async def read_body(request: Request, limit: int, setting: str = "max_body_bytes
     if codec is None:
         return body
     assert encoding is not None
-    ratio = settings(request).max_compression_ratio
+    app: AppState = request.app.state.serving
+    ratio = app.settings.max_compression_ratio
     if limit > (allowed := max(_FREE_INFLATE_BYTES, int(ratio * len(body)))):
         limit, setting = allowed, f"max_compression_ratio: {ratio:g} times its {len(body)} compressed bytes"
     if len(body) <= _INLINE_BYTES // 16:  # a small body inflates to little: not worth a thread hop
@@ -174,7 +170,7 @@ def _decompress(body: bytes, wbits: int, encoding: str, limit: int, setting: str
     return out
 
 
-def check_size(s: Settings, served: ServedModel, rows: int, field: str) -> None:
+def check_size(s: Settings, served: ModelHandle, rows: int, field: str) -> None:
     """Fail with a 413 naming ``field`` when ``rows`` samples are more than one request may carry."""
     batching = served.batching
     if s.max_request_rows is None:
@@ -185,7 +181,7 @@ def check_size(s: Settings, served: ServedModel, rows: int, field: str) -> None:
         max_rows, setting = batching.max_queue_rows, "the model's max_queue_rows"
     if rows > max_rows:
         raise APIError(413, f"{field}: {rows} rows exceed the limit of {max_rows} per request ({setting})")
-    elements = rows * served.sample_size
+    elements = rows * math.prod(served.manifest.inputs[0].shape)
     if elements > s.max_request_elements:
         raise APIError(
             413,
@@ -194,7 +190,7 @@ def check_size(s: Settings, served: ServedModel, rows: int, field: str) -> None:
         )
 
 
-def check_finite(x: np.ndarray, served: ServedModel, field: str) -> None:
+def check_finite(x: np.ndarray, served: ModelHandle, field: str) -> None:
     """Fail with a 400 naming ``field`` and the first bad row when ``x`` holds NaN or infinite values the model does
     not accept."""
     if x.dtype.kind != "f" or served.manifest.allow_nonfinite_inputs:

@@ -1,7 +1,7 @@
 """The management API: load, unload and reload a model or a version, and switch its precision, without a restart.
 
 ``GET /models`` lists what is served. The calls here change it, and like the V2 repository extension they answer only
-with ``Authorization: Bearer <admin token>`` (see :func:`~server.api.v2_repository.require_admin`). Each answers with
+with ``Authorization: Bearer <admin token>`` (see :func:`~server.api.deps.require_admin`). Each answers with
 the model's listing once the change is done: a load or reload returns when the new instance is warm and serving, a
 precision switch when the new engine serves and the old one has answered its last batch.
 """
@@ -13,12 +13,11 @@ from typing import Any
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
+from server.api.deps import AUTH_ERRORS, BEARER, json_object, json_response, repository, require_admin
 from server.api.errors import APIError, error_responses, from_exception, json_ok
-from server.api.models import json_response
-from server.api.predict import repository
-from server.api.v2_repository import AUTH_ERRORS, BEARER, json_object, load_from_store, require_admin
+from server.api.v2_repository import load_from_store
 from server.precision import Precision
-from server.repository import ModelNotFoundError, ModelNotReadyError
+from server.serving import ModelNotFoundError, ModelNotReadyError
 
 router = APIRouter()
 

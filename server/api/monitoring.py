@@ -11,6 +11,8 @@ from importlib import resources
 from fastapi import APIRouter, Request
 from starlette.responses import HTMLResponse, Response
 
+from server.api import deps
+from server.api.errors import APIError
 from server.metrics import CONTENT_TYPE, Metrics
 
 router = APIRouter()
@@ -26,7 +28,9 @@ STATUS_PAGE = resources.files("server.api").joinpath("static/status.html").read_
 async def metrics(request: Request) -> Response:
     """Counters, histograms and gauges in the Prometheus text format: requests and rows by model, precision,
     protocol and status; latency, queue and compute time; batch sizes; queue depth; weight bytes on the device."""
-    registry: Metrics = request.app.state.metrics
+    registry = deps.state(request).metrics
+    if not isinstance(registry, Metrics):
+        raise APIError(503, "this process keeps no metrics registry")
     return Response(registry.render(), media_type=CONTENT_TYPE)
 
 

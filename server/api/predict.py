@@ -10,13 +10,12 @@ import orjson
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from server.api import guard
+from server.api import deps, guard
 from server.api.codec import decode_samples
 from server.api.errors import APIError, cut_off_by_shutdown, error_responses, from_exception
 from server.api.limits import TIMEOUT_HEADER, check_size, client_timeout, parse_json, read_body
 from server.api.telemetry import answered, metered, note
-from server.metrics import Protocol
-from server.repository import ModelRepository
+from server.serving import Interface
 
 router = APIRouter()
 
@@ -90,18 +89,13 @@ PREDICT_SCHEMA: dict[str, Any] = {
 }
 
 
-def repository(request: Request) -> ModelRepository:
-    repo: ModelRepository = request.app.state.repository
-    return repo
-
-
 @router.post("/predict", openapi_extra=PREDICT_SCHEMA, response_class=Response)
-@metered(Protocol.PREDICT)
+@metered(Interface.PREDICT)
 async def predict(request: Request) -> Response:
     """Run a list of samples through a model; concurrent calls are batched together."""
     guard.content_type(request.scope, guard.JSON)
-    repo = repository(request)
-    limits = repo.settings
+    app = deps.state(request)
+    limits = app.settings
     timeout = client_timeout(request)
     payload = await parse_json(await read_body(request, limits.max_body_bytes), limits.max_json_values)
     if not isinstance(payload, dict):
@@ -113,21 +107,21 @@ async def predict(request: Request) -> Response:
         raise APIError(400, 'inputs: missing; send {"inputs": [sample, ...]}')
     samples = payload["inputs"]
     try:
-        served = repo.get(name)
+        served = app.service.get(name)
         note(request, served)
         if isinstance(samples, list):
             check_size(limits, served, len(samples), "inputs")
         # No finiteness check: JSON carries no NaN or infinity, and decoding refuses numbers the dtype cannot hold.
-        x = decode_samples(samples, served.manifest.inputs[0])
-        result = await served.infer(x, timeout)
+        spec = served.manifest.inputs[0]
+        result = await served.submit({spec.name: decode_samples(samples, spec)}, timeout)
         answered(request, result)
     except asyncio.CancelledError:
-        if not request.app.state.draining:
+        if not app.draining:
             raise
         raise cut_off_by_shutdown() from None
     except Exception as e:
         raise from_exception(e) from None
-    out = result.outputs
+    out = result.outputs[served.manifest.outputs[0].name]
     body: dict[str, Any] = {
         "model": served.name,
         "version": served.version,

@@ -15,20 +15,16 @@ import os
 import re
 import time
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING
 
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from server.api.errors import APIError, error_response
+from server.api.errors import APIError, error_response, from_exception
 from server.api.limits import raw_header
 from server.logs import ACCESS_LOGGER
-from server.metrics import Metrics, Protocol
+from server.serving import AppState, Interface, ModelHandle, Prediction, ServingError
 from server.transport import BODY_TIMED_OUT
-
-if TYPE_CHECKING:
-    from server.repository import Prediction, ServedModel
 
 log = logging.getLogger(ACCESS_LOGGER)
 """One line per inference request at INFO when access logging is on (see :func:`server.logs.configure`); failures
@@ -83,7 +79,7 @@ class RequestIdMiddleware:
         await self.app(scope, receive, send_with_id)
 
 
-def note(request: Request, served: ServedModel) -> None:
+def note(request: Request, served: ModelHandle) -> None:
     """Name the model a request is for, once known, so its metrics and log line carry it even if it fails."""
     request.scope[_SERVED] = served
 
@@ -93,7 +89,7 @@ def answered(request: Request, prediction: Prediction) -> None:
     request.scope[_ANSWERED] = prediction
 
 
-def metered(protocol: Protocol) -> Callable[[Endpoint], Endpoint]:
+def metered(interface: Interface) -> Callable[[Endpoint], Endpoint]:
     """Wrap an inference endpoint: request id in and out, errors answered as JSON, the request counted."""
 
     def wrap(endpoint: Endpoint) -> Endpoint:
@@ -105,6 +101,9 @@ def metered(protocol: Protocol) -> Callable[[Endpoint], Endpoint]:
                 response = await endpoint(request)
             except APIError as e:
                 response = error_response(e.status, e.message, e.headers)
+            except ServingError as e:  # a domain error from below the routes: the status it maps onto
+                err = from_exception(e)
+                response = error_response(err.status, err.message, err.headers)
             except ClientDisconnect:
                 # The client went away before its body arrived (499, nginx's "client closed request"), or let it
                 # stall past the body timeout (408, already answered by the protocol): nothing to answer now, and
@@ -117,7 +116,7 @@ def metered(protocol: Protocol) -> Callable[[Endpoint], Endpoint]:
                 log.exception("unhandled error in %s", request.url.path, extra={"request_id": rid.decode()})
                 response = error_response(500, f"internal error: {type(e).__name__}: {e}")
             response.raw_headers.append((_REQUEST_ID_KEY, rid))
-            _record(request, protocol, response.status_code, rid, time.perf_counter() - start)
+            _record(request, interface, response.status_code, rid, time.perf_counter() - start)
             return response
 
         return metered_endpoint
@@ -125,19 +124,20 @@ def metered(protocol: Protocol) -> Callable[[Endpoint], Endpoint]:
     return wrap
 
 
-def _record(request: Request, protocol: Protocol, status: int, rid: bytes, seconds: float) -> None:
+def _record(request: Request, interface: Interface, status: int, rid: bytes, seconds: float) -> None:
     scope = request.scope
-    served: ServedModel | None = scope.get(_SERVED)
+    served: ModelHandle | None = scope.get(_SERVED)
     prediction: Prediction | None = scope.get(_ANSWERED)
     model = served.name if served is not None else ""
     if prediction is not None:
-        precision, rows = prediction.precision, len(prediction.outputs)
+        precision, rows = prediction.precision, prediction.rows
     else:
         precision = served.precision.value if served is not None and served.precision is not None else ""
         rows = 0
-    metrics: Metrics | None = getattr(scope["app"].state, "metrics", None)
+    app: AppState = scope["app"].state.serving
+    metrics = app.metrics
     if metrics is not None:
-        metrics.request(model, precision, protocol, status, rows, seconds)
+        metrics.request(model, precision, interface, status, rows, seconds)
     level = logging.WARNING if status >= 500 else logging.INFO
     if log.isEnabledFor(level):
         log.log(
@@ -159,7 +159,7 @@ def _record(request: Request, protocol: Protocol, status: int, rid: bytes, secon
                 "duration_ms": round(seconds * 1000, 3),
                 "model": model,
                 "precision": precision,
-                "protocol": protocol.value,
+                "protocol": interface.value,
                 "rows": rows,
             },
         )

@@ -30,7 +30,7 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from server import __version__
-from server.api import guard
+from server.api import deps, guard
 from server.api.binary import (
     HEADER_LENGTH,
     JSON_UNSUPPORTED,
@@ -46,16 +46,14 @@ from server.api.binary import (
     wire_values,
 )
 from server.api.codec import NUMPY_DTYPES
+from server.api.deps import json_response, model_route, served_model, version_of
 from server.api.errors import APIError, count, cut_off_by_shutdown, error_responses, from_exception, json_ok
-from server.api.limits import check_finite, check_size, client_timeout, parse_json, read_body, settings
-from server.api.models import frontends_pending, json_response
-from server.api.predict import repository
+from server.api.limits import check_finite, check_size, client_timeout, parse_json, read_body
 from server.api.shm import RegionSource, Span, authorised_regions, span
 from server.api.telemetry import answered, metered, note
 from server.api.v2_schema import INFER_SCHEMA
-from server.metrics import Protocol
 from server.precision import Precision
-from server.repository import ModelNotFoundError, ModelState, Prediction, ServedModel
+from server.serving import Interface, ModelHandle, ModelState, Prediction, check_ready
 from server.settings import Settings
 from server.store import TensorSpec
 
@@ -71,37 +69,6 @@ EXTENSIONS = [
     "model_repository",
     "system_shared_memory",
 ]
-
-
-# Looking models up -----------------------------------------------------------------------------------------------
-
-
-def served_model(request: Request, name: str, version: str | None) -> ServedModel:
-    """The model ``name``, or a 404 when it is unknown or ``version`` is not the version it serves."""
-    try:
-        served = repository(request).get(name)
-    except ModelNotFoundError as e:
-        raise APIError(404, str(e)) from None
-    if version is not None and version != str(served.version):
-        raise APIError(404, f"model {name!r} has no version {version!r} (it serves version {served.version})")
-    return served
-
-
-def require_ready(served: ServedModel, version: str | None) -> None:
-    """Fail unless ``served`` can run inference now.
-
-    A model still loading is a 503 with ``Retry-After``. An unloaded or failed model answers as Triton does: 404
-    ("no available versions") when the URL names no version, 503 when it names the served version, which exists
-    but is not ready.
-    """
-    if served.serving:
-        return
-    if served.state is ModelState.LOADING:
-        raise APIError(503, f"model {served.name!r} is loading", {"Retry-After": "1"})
-    reason = served.error if served.state is ModelState.FAILED else served.state.value
-    if version is None:
-        raise APIError(404, f"model {served.name!r} has no available versions ({reason})")
-    raise APIError(503, f"model {served.name!r} version {version} is not ready ({reason})")
 
 
 def tensor_metadata(spec: TensorSpec) -> dict[str, object]:
@@ -141,20 +108,17 @@ async def server_live() -> Response:
 async def server_ready(request: Request) -> Response:
     """Readiness: 200 once every model is loaded and warmed up; 400 before and while draining (the protocol's 4xx
     means false)."""
-    repo = repository(request)
-    if request.app.state.draining:
-        raise APIError(400, "not ready: the server is shutting down")
-    if not repo.ready:
-        waiting = ", ".join(f"{n} ({m.state.value})" for n, m in repo.models.items() if m.state is not ModelState.READY)
-        raise APIError(400, f"not ready: {waiting or 'no model is served'}")
-    pending = frontends_pending(request)
-    if pending:
-        raise APIError(400, f"not ready: {pending}")
+    why = deps.not_ready(request)
+    if why:
+        raise APIError(400, f"not ready: {why}")
     return json_response({"ready": True})
 
 
-def _model_metadata(request: Request, name: str, version: str | None) -> Response:
-    served = served_model(request, name, version)
+@model_route(router, "GET", responses=_METADATA_RESPONSES)
+async def model_metadata(model_name: str, request: Request) -> Response:
+    """Model metadata: versions, platform, and each input and output with its datatype and shape (batch first,
+    as -1)."""
+    served = served_model(request, model_name, version_of(request))
     m = served.manifest
     return json_response(
         {
@@ -167,39 +131,14 @@ def _model_metadata(request: Request, name: str, version: str | None) -> Respons
     )
 
 
-@router.get("/v2/models/{model_name}", response_class=Response, responses=_METADATA_RESPONSES)
-async def model_metadata(model_name: str, request: Request) -> Response:
-    """Model metadata: versions, platform, and each input and output with its datatype and shape (batch first,
-    as -1)."""
-    return _model_metadata(request, model_name, None)
-
-
-@router.get("/v2/models/{model_name}/versions/{model_version}", response_class=Response, responses=_METADATA_RESPONSES)
-async def model_version_metadata(model_name: str, model_version: str, request: Request) -> Response:
-    """Model metadata for one version; any version but the served one is a 404."""
-    return _model_metadata(request, model_name, model_version)
-
-
-def _model_ready(request: Request, name: str, version: str | None) -> Response:
-    served = served_model(request, name, version)
-    if served.state is not ModelState.READY:
-        detail = f": {served.error}" if served.error else ""
-        raise APIError(400, f"model {name!r} is not ready: {served.state.value}{detail}")
-    return json_response({"name": served.name, "ready": True})
-
-
-@router.get("/v2/models/{model_name}/ready", response_class=Response, responses=_READY_RESPONSES)
+@model_route(router, "GET", "/ready", responses=_READY_RESPONSES)
 async def model_ready(model_name: str, request: Request) -> Response:
     """Model readiness: 200 when ready, 400 when known but not ready (loading, failed, unloaded), 404 when unknown."""
-    return _model_ready(request, model_name, None)
-
-
-@router.get(
-    "/v2/models/{model_name}/versions/{model_version}/ready", response_class=Response, responses=_READY_RESPONSES
-)
-async def model_version_ready(model_name: str, model_version: str, request: Request) -> Response:
-    """Readiness of one version of a model."""
-    return _model_ready(request, model_name, model_version)
+    served = served_model(request, model_name, version_of(request))
+    if served.state is not ModelState.READY:
+        detail = f": {served.error}" if served.error else ""
+        raise APIError(400, f"model {model_name!r} is not ready: {served.state.value}{detail}")
+    return json_response({"name": served.name, "ready": True})
 
 
 # Inference -------------------------------------------------------------------------------------------------------
@@ -270,7 +209,7 @@ def _decode_input(
     item: object,
     field: str,
     binary: memoryview | None,
-    served: ServedModel,
+    served: ModelHandle,
     limits: Settings | None,
     regions: RegionSource | None,
 ) -> tuple[np.ndarray, int]:
@@ -350,7 +289,7 @@ def _requested_output(
 def parse_request(
     payload: object,
     binary: memoryview | None,
-    served: ServedModel,
+    served: ModelHandle,
     limits: Settings | None = None,
     regions: RegionSource | None = None,
 ) -> Inference:
@@ -393,7 +332,7 @@ def parse_request(
     return Inference(x, request_id, binary_output, timeout, classes, region)
 
 
-def parse_raw(binary: memoryview, served: ServedModel, limits: Settings | None = None) -> Inference:
+def parse_raw(binary: memoryview, served: ModelHandle, limits: Settings | None = None) -> Inference:
     """A raw binary request (``Inference-Header-Content-Length: 0``): the whole body is the single input's data.
 
     Its datatype is the manifest's. Since every per-sample dimension is fixed, the batch size follows from the byte
@@ -439,14 +378,14 @@ def top_classes(out: np.ndarray, wire: WireType, count: int, labels: list[str] |
     return rows
 
 
-def encode_response(served: ServedModel, req: Inference, result: Prediction) -> Response:
+def encode_response(served: ModelHandle, req: Inference, result: Prediction) -> Response:
     """The V2 inference response: JSON, or JSON followed by the output's binary data.
 
     JSON cannot carry non-finite numbers: an infinite or NaN output (overflow policy ``allow``) is written as
     ``null`` in JSON ``data``; binary outputs carry it exactly.
     """
-    out = result.outputs
     spec = served.manifest.outputs[0]
+    out = result.outputs[spec.name]
     wire = wire_type(spec.datatype.value, spec.name)
     output: dict[str, Any] = {"name": spec.name, "datatype": wire.value, "shape": list(out.shape)}
     tail = b""
@@ -480,16 +419,16 @@ def encode_response(served: ServedModel, req: Inference, result: Prediction) -> 
     return Response(body + tail, media_type="application/octet-stream", headers={HEADER_LENGTH: str(len(body))})
 
 
-@metered(Protocol.V2)
+@metered(Interface.V2)
 async def infer(request: Request) -> Response:
     """``POST /v2/models/{model_name}[/versions/{model_version}]/infer``, as a plain Starlette endpoint."""
     guard.content_type(request.scope, guard.JSON_OR_BINARY)
-    name: str = request.path_params["model_name"]
-    version: str | None = request.path_params.get("model_version")
-    served = served_model(request, name, version)
+    app = deps.state(request)
+    version = version_of(request)
+    served = served_model(request, request.path_params["model_name"], version)
     note(request, served)
-    require_ready(served, version)
-    limits = settings(request)
+    check_ready(served, version)
+    limits = app.settings
     timeout = client_timeout(request)
     body = await read_body(request, limits.max_body_bytes)
     header, binary = split_body(body, request.headers.get(HEADER_LENGTH))
@@ -509,10 +448,10 @@ async def infer(request: Request) -> Response:
     if req.timeout_us:
         timeout = req.timeout_us / 1e6 if timeout is None else min(timeout, req.timeout_us / 1e6)
     try:
-        result = await served.infer(req.x, timeout)
+        result = await served.submit({served.manifest.inputs[0].name: req.x}, timeout)
         answered(request, result)
     except asyncio.CancelledError:
-        if not request.app.state.draining:
+        if not app.draining:
             raise
         raise cut_off_by_shutdown() from None
     except Exception as e:
@@ -520,15 +459,8 @@ async def infer(request: Request) -> Response:
     return encode_response(served, req, result)
 
 
-@router.post("/v2/models/{model_name}/infer", openapi_extra=INFER_SCHEMA, response_class=Response)
+@model_route(router, "POST", "/infer", openapi_extra=INFER_SCHEMA)
 async def model_infer(model_name: str, request: Request) -> Response:
-    """Run an inference request; concurrent requests (V2 and ``/predict``) are batched together."""
-    return await infer(request)
-
-
-@router.post(
-    "/v2/models/{model_name}/versions/{model_version}/infer", openapi_extra=INFER_SCHEMA, response_class=Response
-)
-async def model_version_infer(model_name: str, model_version: str, request: Request) -> Response:
-    """Run an inference request on one version of a model; any version but the served one is a 404."""
+    """Run an inference request; concurrent requests (V2 and ``/predict``) are batched together. (Answered by
+    :func:`infer` ahead of FastAPI: this declaration gives the schema.)"""
     return await infer(request)

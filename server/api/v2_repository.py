@@ -7,45 +7,31 @@ reconfigured over HTTP.
 
 from __future__ import annotations
 
-import math
-import secrets
-import time
-from collections import OrderedDict, deque
-from collections.abc import Callable
 from enum import Enum
 from typing import Any
 
-from fastapi import APIRouter, Depends, Request
-from fastapi.security import HTTPBearer
+from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from server import store
+from server.api.deps import (
+    AUTH_ERRORS,
+    BEARER,
+    OPTIONAL_JSON_BODY,
+    json_object,
+    json_response,
+    repository,
+    require_admin,
+)
 from server.api.errors import APIError, error_responses, from_exception, json_ok
-from server.api.limits import parse_json, raw_header, read_body
-from server.api.models import json_response
-from server.api.predict import repository
 from server.precision import Precision
-from server.repository import ModelRepository, ModelState, ServedModel
-from server.settings import Settings
+from server.repository import ModelRepository, ServedModel
+from server.serving import ModelState
 from server.store import StoreError
 
 router = APIRouter()
 
 _ENTRY: dict[str, Any] = {"type": "object", "required": ["name", "state"]}
-AUTH_ERRORS = error_responses(
-    {
-        400: "Malformed body.",
-        401: "The Authorization: Bearer token is missing or wrong.",
-        403: "The management API is off: the server has no admin token.",
-        413: "A body over 64 KiB.",
-        429: "Too many wrong tokens from this address lately (Retry-After).",
-    }
-)
-OPTIONAL_JSON_BODY: dict[str, Any] = {
-    "requestBody": {"required": False, "content": {"application/json": {"schema": {"type": "object"}}}},
-}
-# Declares the bearer scheme in the OpenAPI schema; the check itself is require_admin's (403 when no token is set).
-BEARER = [Depends(HTTPBearer(auto_error=False))]
 
 
 class RepositoryState(str, Enum):
@@ -54,73 +40,6 @@ class RepositoryState(str, Enum):
     READY = "READY"
     LOADING = "LOADING"
     UNAVAILABLE = "UNAVAILABLE"
-
-
-class FailedAttempts:
-    """Wrong admin tokens per client address. Past ``limit`` in ``window`` seconds an address is refused (429)
-    without its token being checked, until its oldest failure leaves the window: guessing costs minutes per ten tries.
-    At most ``addresses`` are remembered (the longest quiet ones are forgotten first), so the table stays small."""
-
-    def __init__(
-        self, limit: int = 10, window: float = 60.0, addresses: int = 4096, clock: Callable[[], float] = time.monotonic
-    ) -> None:
-        self.limit, self.window, self.addresses, self.clock = limit, window, addresses, clock
-        self.failures: OrderedDict[str, deque[float]] = OrderedDict()
-
-    def retry_after(self, who: str) -> float:
-        """Seconds until ``who`` may try again; 0 when it may now."""
-        times = self.failures.get(who)
-        if times is None:
-            return 0.0
-        now = self.clock()
-        while times and times[0] <= now - self.window:
-            times.popleft()
-        if not times:
-            del self.failures[who]
-            return 0.0
-        return times[0] + self.window - now if len(times) >= self.limit else 0.0
-
-    def failed(self, who: str) -> None:
-        times = self.failures.setdefault(who, deque())
-        times.append(self.clock())
-        self.failures.move_to_end(who)
-        if len(self.failures) > self.addresses:
-            self.failures.popitem(last=False)
-
-
-RELAYED_CLIENT = b"x-halfserve-relayed-client"
-"""The client's address on a request a front-end relays (``--http-workers``), which reaches this process over a Unix
-socket that has no client address; a front-end drops the header from what clients send."""
-
-
-def client_address(request: Request) -> str:
-    """The address a request came from: its connection's, or on a relayed request the one the front-end saw."""
-    if request.client is not None:
-        return request.client.host
-    return (raw_header(request, RELAYED_CLIENT) or b"").decode("latin-1")
-
-
-def require_admin(request: Request) -> None:
-    """Fail with 403 when no admin token is configured, 401 when the request does not carry it, 429 when its address
-    got the token wrong too often lately (:class:`FailedAttempts`)."""
-    settings: Settings = request.app.state.settings
-    if settings.admin_token is None:
-        raise APIError(403, "management API is disabled; set HALFSERVE_ADMIN_TOKEN")
-    attempts: FailedAttempts | None = getattr(request.app.state, "failed_admin_attempts", None)
-    if attempts is None:
-        attempts = request.app.state.failed_admin_attempts = FailedAttempts()
-    who = client_address(request)
-    wait = attempts.retry_after(who)
-    if wait > 0:
-        seconds = str(math.ceil(wait))
-        raise APIError(429, f"too many wrong admin tokens from {who}; retry in {seconds} s", {"Retry-After": seconds})
-    scheme, _, given = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not given.strip():
-        raise APIError(401, "management call needs Authorization: Bearer <admin token>", {"WWW-Authenticate": "Bearer"})
-    expected = settings.admin_token.get_secret_value().encode()
-    if not secrets.compare_digest(given.strip().encode(), expected):
-        attempts.failed(who)
-        raise APIError(401, "wrong admin token", {"WWW-Authenticate": 'Bearer error="invalid_token"'})
 
 
 def index_entry(served: ServedModel) -> dict[str, object]:
@@ -132,24 +51,6 @@ def index_entry(served: ServedModel) -> dict[str, object]:
     else:
         state, reason = RepositoryState.UNAVAILABLE, served.error or served.state.value
     return {"name": served.name, "version": str(served.version), "state": state.value, "reason": reason}
-
-
-MANAGEMENT_BODY_BYTES = 64 * 2**10
-"""Largest body of a management call (a load's parameters, a region's key): they are a few hundred bytes."""
-MANAGEMENT_LIMIT = "a management call's limit"
-"""How a refusal names :data:`MANAGEMENT_BODY_BYTES`."""
-
-
-async def json_object(request: Request) -> dict[str, object]:
-    """The request's JSON object body; an empty body is ``{}``, anything but an object a 400, one over
-    ``MANAGEMENT_BODY_BYTES`` a 413."""
-    raw = await read_body(request, MANAGEMENT_BODY_BYTES, MANAGEMENT_LIMIT)
-    if not raw.strip():
-        return {}
-    payload = await parse_json(raw, MANAGEMENT_BODY_BYTES)
-    if not isinstance(payload, dict):
-        raise APIError(400, f"body: expected a JSON object, got {type(payload).__name__}")
-    return payload
 
 
 async def load_from_store(

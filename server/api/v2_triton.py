@@ -13,12 +13,12 @@ from typing import Any
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
+from server.api.deps import json_response, local_model, model_route, repository, version_of
 from server.api.errors import APIError, Responses, error_responses, json_ok
-from server.api.models import json_response
-from server.api.predict import repository
-from server.api.v2 import PLATFORM, require_ready, served_model
+from server.api.v2 import PLATFORM
 from server.batching import BatchStats
 from server.repository import ServedModel
+from server.serving import check_ready
 from server.store import TensorSpec
 
 router = APIRouter()
@@ -79,24 +79,12 @@ def model_config(served: ServedModel, device_type: str, device_index: int | None
     }
 
 
-def _config(request: Request, name: str, version: str | None) -> Response:
-    served = served_model(request, name, version)
-    device = repository(request).device
-    return json_response(model_config(served, device.type, device.index))
-
-
-@router.get("/v2/models/{model_name}/config", response_class=Response, responses=_CONFIG_RESPONSES)
+@model_route(router, "GET", "/config", responses=_CONFIG_RESPONSES)
 async def config(model_name: str, request: Request) -> Response:
     """The model's configuration in Triton's ``ModelConfig`` JSON."""
-    return _config(request, model_name, None)
-
-
-@router.get(
-    "/v2/models/{model_name}/versions/{model_version}/config", response_class=Response, responses=_CONFIG_RESPONSES
-)
-async def version_config(model_name: str, model_version: str, request: Request) -> Response:
-    """The configuration of one version of a model."""
-    return _config(request, model_name, model_version)
+    served = local_model(request, model_name, version_of(request))
+    device = repository(request).device
+    return json_response(model_config(served, device.type, device.index))
 
 
 def _duration(count: int, seconds: float) -> dict[str, int]:
@@ -140,14 +128,6 @@ def model_stats(served: ServedModel, stats: BatchStats) -> dict[str, object]:
     }
 
 
-def _stats(request: Request, name: str, version: str | None) -> Response:
-    served = served_model(request, name, version)
-    require_ready(served, version)
-    if served.batcher is None:  # unloaded between the check and here
-        raise APIError(503, f"model {name!r} is {served.state.value}")
-    return json_response({"model_stats": [model_stats(served, served.batcher.stats)]})
-
-
 # Declared (and installed) ahead of /v2/models/{model_name}, which would otherwise take "stats" for a model name.
 @router.get("/v2/models/stats", response_class=Response, responses=json_ok("Every loaded model's statistics.", _STATS))
 async def all_stats(request: Request) -> Response:
@@ -156,15 +136,12 @@ async def all_stats(request: Request) -> Response:
     return json_response({"model_stats": [model_stats(m, m.batcher.stats) for m in models if m.batcher is not None]})
 
 
-@router.get("/v2/models/{model_name}/stats", response_class=Response, responses=_STATS_RESPONSES)
+@model_route(router, "GET", "/stats", responses=_STATS_RESPONSES)
 async def stats(model_name: str, request: Request) -> Response:
     """Statistics of one model: requests, rows, batches and time, with a breakdown per batch size."""
-    return _stats(request, model_name, None)
-
-
-@router.get(
-    "/v2/models/{model_name}/versions/{model_version}/stats", response_class=Response, responses=_STATS_RESPONSES
-)
-async def version_stats(model_name: str, model_version: str, request: Request) -> Response:
-    """Statistics of one version of a model."""
-    return _stats(request, model_name, model_version)
+    version = version_of(request)
+    served = local_model(request, model_name, version)
+    check_ready(served, version)
+    if served.batcher is None:  # unloaded between the check and here
+        raise APIError(503, f"model {model_name!r} is {served.state.value}")
+    return json_response({"model_stats": [model_stats(served, served.batcher.stats)]})

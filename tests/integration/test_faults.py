@@ -30,7 +30,7 @@ ROW = [0.5] * 16
 
 def served(client: httpx.AsyncClient, name: str = "tiny") -> ServedModel:
     app = client._transport.app  # type: ignore[attr-defined]
-    model: ServedModel = app.state.repository.models[name]
+    model: ServedModel = app.state.serving.repository.models[name]
     return model
 
 

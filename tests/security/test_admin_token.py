@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from server.api.v2_repository import FailedAttempts
+from server.serving import FailedAttempts
 from server.settings import Settings
 from tests.integration.conftest import serving
 

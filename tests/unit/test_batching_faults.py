@@ -1,4 +1,4 @@
-"""The batcher under faults: failures isolated by bisection, out-of-memory batches split, deadlines, tags.
+"""The batcher under faults: failures isolated by bisection, out-of-memory batches split, deadlines, precisions.
 
 Fake runners only: one that raises for a poisoned row, one that raises an out-of-memory-like error above N rows.
 """
@@ -133,10 +133,10 @@ async def test_per_chunk_errors_from_the_runner_fail_only_that_request() -> None
         return [RuntimeError("bad chunk") if (c == POISON).any() else Output(c + 1, "fp16") for c in chunks]
 
     batcher = await started(Batcher(runner, max_batch_size=8, max_delay=0.05, max_queue_rows=64))
-    good, bad = await asyncio.gather(batcher.submit_result(rows(2)), batcher.submit(poisoned()), return_exceptions=True)
+    good, bad = await asyncio.gather(batcher.enqueue(rows(2)), batcher.submit(poisoned()), return_exceptions=True)
     assert isinstance(bad, BatchFailedError)
     assert "RuntimeError: bad chunk" in str(bad)
-    assert good.tags == ("fp16",)  # type: ignore[union-attr]
+    assert good.precisions == ("fp16",)  # type: ignore[union-attr]
     np.testing.assert_array_equal(good.data, rows(2) + 1)  # type: ignore[union-attr]
     assert batcher.stats.split_retries == 0  # no rerun needed: the runner named the failing chunk itself
     await batcher.stop()
@@ -232,7 +232,7 @@ async def test_a_request_larger_than_the_queue_is_refused_as_too_large_not_as_fu
     await batcher.stop()
 
 
-async def test_tags_of_a_request_spanning_batches_are_distinct_and_in_row_order() -> None:
+async def test_precisions_of_a_request_spanning_batches_are_distinct_and_in_row_order() -> None:
     calls = 0
 
     async def runner(chunks: list[np.ndarray]) -> list[Outcome]:
@@ -241,10 +241,10 @@ async def test_tags_of_a_request_spanning_batches_are_distinct_and_in_row_order(
         return [Output(c, "fp32" if calls == 2 else "fp16") for c in chunks]
 
     batcher = await started(Batcher(runner, max_batch_size=2, max_delay=0.0, max_queue_rows=64))
-    result = await batcher.submit_result(rows(6))
-    assert result.tags == ("fp16", "fp32")
+    result = await batcher.enqueue(rows(6))
+    assert result.precisions == ("fp16", "fp32")
     np.testing.assert_array_equal(result.data, rows(6))
-    assert (await batcher.submit_result(rows(1))).tags == ("fp16",)
+    assert (await batcher.enqueue(rows(1))).precisions == ("fp16",)
     await batcher.stop()
 
 

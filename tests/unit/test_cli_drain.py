@@ -7,17 +7,18 @@ from pathlib import Path
 
 import uvicorn
 
-from server.app import DrainingServer, begin_drain, create_app
+from server.app import begin_drain, create_app
 from server.cli import build_parser
 from server.settings import Settings
+from server.transport import DrainingServer
 
 
 def test_the_signal_marks_the_app_draining_and_lets_uvicorn_shut_down(tmp_path: Path) -> None:
     app = create_app(Settings(store=tmp_path))
-    app.state.draining = False
+    app.state.serving.draining = False
     server = DrainingServer(uvicorn.Config(app), lambda: begin_drain(app))
     server.handle_exit(signal.SIGTERM, None)
-    assert app.state.draining is True
+    assert app.state.serving.draining is True
     assert server.should_exit
 
 

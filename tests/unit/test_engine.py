@@ -82,11 +82,11 @@ def test_fp32_weights_on_the_cpu_are_held_once(loaded: store.LoadedModel, mode: 
     engine.close()
 
 
-def test_run_chunks_returns_one_float32_output_per_chunk(loaded: store.LoadedModel) -> None:
+def test_run_batch_returns_one_float32_output_per_chunk(loaded: store.LoadedModel) -> None:
     engine = Engine(loaded, Precision.FP32, CPU)
     chunks = [np.random.default_rng(i).standard_normal((n, 16)).astype(np.float32) for i, n in enumerate((1, 3, 2))]
-    outcomes = engine.run_chunks(chunks)
-    assert all(isinstance(o, Output) and o.tag == "fp32" for o in outcomes)
+    outcomes = engine.run_batch(chunks)
+    assert all(isinstance(o, Output) and o.precision == "fp32" for o in outcomes)
     outs = [o.data for o in outcomes if isinstance(o, Output)]
     assert [o.shape for o in outs] == [(1, 4), (3, 4), (2, 4)]
     assert all(o.dtype == np.float32 for o in outs)

@@ -44,12 +44,12 @@ def test_the_test_model_really_overflows_fp16_and_not_fp32(tmp_path: Path) -> No
 def test_rerun_fp32_reruns_only_the_overflowing_chunk_in_fp32(tmp_path: Path) -> None:
     loaded = overflowing(tmp_path, OverflowPolicy.RERUN_FP32)
     engine = Engine(loaded, Precision.FP16, CPU)
-    big, small = engine.run_chunks([BIG, SMALL])
+    big, small = engine.run_batch([BIG, SMALL])
     assert isinstance(big, Output)
     assert isinstance(small, Output)
-    assert big.tag == "fp32"
+    assert big.precision == "fp32"
     np.testing.assert_array_equal(big.data, fp32_reference(loaded, BIG))
-    assert small.tag == "fp16"
+    assert small.precision == "fp16"
     np.testing.assert_allclose(small.data, fp32_reference(loaded, SMALL), rtol=1e-3)
     assert (engine.overflows, engine.fp32_reruns) == (1, 1)
     engine.close()
@@ -57,20 +57,20 @@ def test_rerun_fp32_reruns_only_the_overflowing_chunk_in_fp32(tmp_path: Path) ->
 
 def test_error_policy_fails_only_the_overflowing_chunk(tmp_path: Path) -> None:
     engine = Engine(overflowing(tmp_path, OverflowPolicy.ERROR), Precision.FP16, CPU)
-    small, big = engine.run_chunks([SMALL, BIG])
+    small, big = engine.run_batch([SMALL, BIG])
     assert isinstance(big, PrecisionOverflowError)
     assert "fp16 overflow" in str(big)
     assert isinstance(small, Output)
-    assert small.tag == "fp16"
+    assert small.precision == "fp16"
     assert (engine.overflows, engine.fp32_reruns) == (1, 0)
     engine.close()
 
 
 def test_allow_policy_passes_infinity_through(tmp_path: Path) -> None:
     engine = Engine(overflowing(tmp_path, OverflowPolicy.ALLOW), Precision.FP16, CPU)
-    (out,) = engine.run_chunks([BIG])
+    (out,) = engine.run_batch([BIG])
     assert isinstance(out, Output)
-    assert out.tag == "fp16"
+    assert out.precision == "fp16"
     assert np.isinf(out.data[0, 0])
     assert engine.overflows == 1
     engine.close()
@@ -79,7 +79,7 @@ def test_allow_policy_passes_infinity_through(tmp_path: Path) -> None:
 def test_non_finite_input_is_not_an_overflow(tmp_path: Path) -> None:
     engine = Engine(overflowing(tmp_path, OverflowPolicy.ERROR), Precision.FP16, CPU)
     x = np.array([[np.nan, 1, 1, 1]], np.float32)
-    (out,) = engine.run_chunks([x])
+    (out,) = engine.run_batch([x])
     assert isinstance(out, Output)
     assert np.isnan(out.data).all()
     assert engine.overflows == 0
@@ -89,9 +89,9 @@ def test_non_finite_input_is_not_an_overflow(tmp_path: Path) -> None:
 def test_bf16_has_fp32s_range_and_fp32_keeps_no_fallback_copy(tmp_path: Path) -> None:
     loaded = overflowing(tmp_path, OverflowPolicy.RERUN_FP32)
     bf16 = Engine(loaded, Precision.BF16, CPU)
-    (out,) = bf16.run_chunks([BIG])
+    (out,) = bf16.run_batch([BIG])
     assert isinstance(out, Output)
-    assert out.tag == "bf16"
+    assert out.precision == "bf16"
     assert np.isfinite(out.data).all()
     fp32 = Engine(loaded, Precision.FP32, CPU)
     assert not fp32.guarded
@@ -105,8 +105,8 @@ def test_out_of_memory_is_reported_as_a_batch_too_large(tmp_path: Path) -> None:
     engine = Engine(store.load(tmp_path, "tiny"), Precision.FP32, CPU)
     engine.model = Poisonable(engine.model, oom_above=2)
     with pytest.raises(BatchTooLargeError, match="out of memory on cpu running 3 rows"):
-        engine.run_chunks([np.zeros((3, 16), np.float32)])
-    assert len(engine.run_chunks([np.zeros((2, 16), np.float32)])) == 1
+        engine.run_batch([np.zeros((3, 16), np.float32)])
+    assert len(engine.run_batch([np.zeros((2, 16), np.float32)])) == 1
     assert is_out_of_memory(RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 1 bytes"))
     assert not is_out_of_memory(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
     engine.close()
@@ -154,8 +154,8 @@ def test_a_real_cuda_out_of_memory_becomes_a_batch_too_large(tmp_path: Path) -> 
     engine = Engine(store.load(tmp_path, "tiny"), Precision.FP16, torch.device("cuda"))
     engine.model = Greedy(engine.model, rows=2)
     with pytest.raises(BatchTooLargeError, match="out of memory on cuda"):
-        engine.run_chunks([np.zeros((3, 16), np.float32)])
-    (out,) = engine.run_chunks([np.zeros((2, 16), np.float32)])
+        engine.run_batch([np.zeros((3, 16), np.float32)])
+    (out,) = engine.run_batch([np.zeros((2, 16), np.float32)])
     assert isinstance(out, Output)
     engine.close()
 
@@ -165,9 +165,9 @@ def test_a_real_cuda_out_of_memory_becomes_a_batch_too_large(tmp_path: Path) -> 
 def test_cuda_fp16_overflow_is_rerun_in_fp32_on_the_host(tmp_path: Path) -> None:
     loaded = overflowing(tmp_path, OverflowPolicy.RERUN_FP32)
     engine = Engine(loaded, Precision.FP16, torch.device("cuda"))
-    big, small = engine.run_chunks([BIG, SMALL])
+    big, small = engine.run_batch([BIG, SMALL])
     assert isinstance(big, Output)
     assert isinstance(small, Output)
-    assert (big.tag, small.tag) == ("fp32", "fp16")
+    assert (big.precision, small.precision) == ("fp32", "fp16")
     np.testing.assert_array_equal(big.data, fp32_reference(loaded, BIG))
     engine.close()

@@ -107,7 +107,7 @@ def test_padded_batches_run_the_bucket_size_and_return_only_their_rows(tmp_path:
     assert engine.buckets == [1, 2, 4, 8]
     seen = forward_batch_sizes(engine)
     chunks = [rows(2, seed=1), rows(1, seed=2), rows(2, seed=3)]
-    outcomes = engine.run_chunks(chunks)
+    outcomes = engine.run_batch(chunks)
     assert seen == [8]  # 5 rows padded up to the bucket of 8
     outs = [o.data for o in outcomes if isinstance(o, Output)]
     assert [o.shape for o in outs] == [(2, 4), (1, 4), (2, 4)]
@@ -214,8 +214,9 @@ async def test_the_repository_gives_the_batcher_one_slot_per_instance(tmp_path: 
         "inductor": False,
         "inductor_compile_seconds": 0.0,
     }
-    outs = await asyncio.gather(*(served.infer(rows(1, seed=i)) for i in range(12)))
-    assert all(p.outputs.shape == (1, 4) for p in outs)
+    name, out = served.manifest.inputs[0].name, served.manifest.outputs[0].name
+    outs = await asyncio.gather(*(served.submit({name: rows(1, seed=i)}) for i in range(12)))
+    assert all(p.outputs[out].shape == (1, 4) for p in outs)
     stats = served.stats()
     assert stats is not None
     assert len(stats["instance_forwards"]) == 3
@@ -242,7 +243,7 @@ def test_cuda_staging_is_pinned_reused_and_each_instance_has_its_own_stream(tmp_
     assert torch.equal(staged[3], torch.zeros(16))
     assert a.stage([rows(2, seed=5)], 4).data_ptr() == staged.data_ptr()  # one buffer per bucket, reused
     x = rows(5, seed=1)
-    got = engine.forward_chunks([x[:2], x[2:]], b)
+    got = engine.forward([x[:2], x[2:]], b)
     want = reference(loaded, x)
     np.testing.assert_allclose(got, want, atol=0.02 * np.abs(want).max(), rtol=0)
     assert got.shape == (5, 4)
@@ -336,15 +337,15 @@ def test_cuda_chunks_in_pinned_shared_memory_go_to_the_device_without_host_stagi
     assert pinned([first, rest])
     assert not pinned([first, x[2:]])  # one pageable chunk: the batch is staged
     inst._staging.clear()
-    got = engine.forward_chunks([first, rest], inst)
+    got = engine.forward([first, rest], inst)
     assert not inst._staging  # no host staging buffer was needed
     want = reference(loaded, x)
     np.testing.assert_allclose(got, want, atol=0.02 * np.abs(want).max(), rtol=0)
     # The padding rows of the bucket of 8 are zeros, not the rows of an earlier full batch.
     ones = np.frombuffer(memory, np.float32, 8 * 768, 1 << 19).reshape(8, 3, 16, 16)
     ones[:] = 1.0
-    engine.forward_chunks([ones], inst)
-    got = engine.forward_chunks([first, rest], inst)
+    engine.forward([ones], inst)
+    got = engine.forward([first, rest], inst)
     np.testing.assert_allclose(got, want, atol=0.02 * np.abs(want).max(), rtol=0)
     batch = inst.graphs[8].input if compile_ == "cuda_graphs" else inst._device_staging[(8, torch.float32)]
     assert torch.equal(batch[:5].cpu(), torch.from_numpy(x))

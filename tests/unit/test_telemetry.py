@@ -13,7 +13,8 @@ from starlette.requests import Request
 
 from server.api.telemetry import request_id
 from server.logs import JsonFormatter, SkipInference
-from server.metrics import Metrics, Protocol
+from server.metrics import Metrics
+from server.serving import Interface
 
 
 def samples(m: Metrics) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
@@ -26,9 +27,9 @@ def samples(m: Metrics) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
 
 def test_a_request_counts_rows_and_latency_only_when_answered() -> None:
     m = Metrics()
-    m.request("a", "fp16", Protocol.V2, 200, 3, 0.004)
-    m.request("a", "fp16", Protocol.V2, 200, 2, 0.030)
-    m.request("a", "fp16", Protocol.V2, 504, 7, 1.0)
+    m.request("a", "fp16", Interface.V2, 200, 3, 0.004)
+    m.request("a", "fp16", Interface.V2, 200, 2, 0.030)
+    m.request("a", "fp16", Interface.V2, 504, 7, 1.0)
     got = samples(m)
     ok = frozenset({"model": "a", "precision": "fp16", "protocol": "v2", "status": "200"}.items())
     late = frozenset({"model": "a", "precision": "fp16", "protocol": "v2", "status": "504"}.items())
@@ -62,16 +63,16 @@ def test_batch_observer_feeds_sizes_times_and_tritons_counts() -> None:
 
 def test_two_apps_keep_separate_registries() -> None:
     one, two = Metrics(), Metrics()
-    one.request("a", "fp32", Protocol.PREDICT, 200, 1, 0.001)
+    one.request("a", "fp32", Interface.PREDICT, 200, 1, 0.001)
     assert b'halfserve_requests_total{model="a"' in one.render()
     assert b'halfserve_requests_total{model="a"' not in two.render()
 
 
 def test_recording_a_request_costs_a_few_microseconds() -> None:
     m = Metrics()
-    m.request("a", "fp16", Protocol.PREDICT, 200, 1, 0.001)
+    m.request("a", "fp16", Interface.PREDICT, 200, 1, 0.001)
     n = 20_000
-    seconds = min(timeit.repeat(lambda: m.request("a", "fp16", Protocol.PREDICT, 200, 1, 0.001), number=n, repeat=3))
+    seconds = min(timeit.repeat(lambda: m.request("a", "fp16", Interface.PREDICT, 200, 1, 0.001), number=n, repeat=3))
     assert seconds / n < 20e-6  # measured ~2 us; the bound only catches a per-call label resolution or worse
 
 

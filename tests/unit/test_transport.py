@@ -5,10 +5,15 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from server.app import uvicorn_config
-from server.backplane import FrameReader, frame
+from server.multiproc.wire import FrameReader, frame
 from server.settings import Settings
-from server.transport import CoalescedWrites, CoalescingHttpToolsProtocol, HttpLimits, LimitedHttpProtocol
+from server.transport import (
+    CoalescedWrites,
+    CoalescingHttpToolsProtocol,
+    HttpLimits,
+    LimitedHttpProtocol,
+    uvicorn_config,
+)
 
 
 class RecordingTransport(asyncio.Transport):

@@ -1,23 +1,4 @@
-"""The backplane: how HTTP front-end processes hand inference requests to the process that owns the engines.
-
-With ``--http-workers N`` (N > 1) the server runs N front-end processes that accept the clients' connections, parse
-and validate requests and encode the answers, and one engine process that owns the models, batches every front-end's
-requests together and runs them on the device. One Python process parses HTTP at a few thousand requests per second
-(profiled: about 250 us of event-loop time per 150 KB image request on a 16-core host); a GPU forward at batch 64
-takes a fraction of that per row, so on a GPU host the event loop, not the device, is the limit without this.
-
-Each front-end holds one Unix-socket connection to the engine process and one shared-memory segment (a ``memfd``,
-sent over that socket with ``SCM_RIGHTS``, so it needs no ``/dev/shm`` space and leaves no file behind), cut into
-slots. A request's input is copied once into a free slot; the engine process batches a numpy view of it (no copy),
-writes the output rows into the same slot and answers with their dtype and shape. Inputs or outputs larger than a slot
-travel inline on the socket instead. Frames are ``<II`` (header length, payload length), an orjson header, then the
-payload; a connection's requests are answered out of order, by id.
-
-The engine process stays authoritative: it checks the model, version and readiness of every request itself, so a
-front-end's copy of the model table (pushed to it within :data:`TABLE_POLL_S` of any change) only has to be recent
-enough to decode requests. Front-ends send the per-request metrics (status, rows, latency) here in batches, so
-``/metrics`` counts every front-end's requests.
-"""
+"""The engine process's end of the backplane: front-ends connect, say hello, and send requests to its models."""
 
 from __future__ import annotations
 
@@ -25,80 +6,36 @@ import asyncio
 import contextlib
 import functools
 import logging
-import math
 import mmap
-import multiprocessing
-import multiprocessing.process
 import os
 import secrets
-import signal
 import socket
-import struct
-import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, cast
 
-import numpy as np
 import orjson
 
-from server.api.errors import APIError, from_exception
-from server.api.shm import Regions
-from server.api.v2 import require_ready
-from server.batching import Result
 from server.instance import pin_host
-from server.metrics import Metrics, Protocol
-from server.repository import ModelRepository, ServedModel
-from server.settings import Settings
+from server.metrics import Metrics
+from server.multiproc.wire import (
+    HELLO_BYTES,
+    HELLO_TIMEOUT_S,
+    FrameReader,
+    Segment,
+    frame,
+    from_payload,
+    inline,
+    nbytes,
+)
+from server.regions import Regions
+from server.repository import ModelRepository
+from server.serving import Interface, ModelNotReadyError, Prediction, Tensors, check_ready, error_to_wire
 from server.transport import CoalescedWrites
 
 log = logging.getLogger(__name__)
 
-FRAME = struct.Struct("<II")
-"""A frame's prefix: header length, payload length (bytes)."""
-SLOTS = 128
-"""Shared-memory slots per front-end: as many of its requests as can be in flight without inline copies."""
-SLOT_BYTES = 2 * 2**20
-"""Bytes per slot, enough for a 224x224 RGB image in fp32 (602 KB) with room to spare; memory is committed only
-for the slots a front-end has used."""
 TABLE_POLL_S = 0.05
 """How often the engine process looks for model changes (loads, unloads, precision switches) to push."""
-HELLO_BYTES = 4096
-HELLO_TIMEOUT_S = 5.0
-"""How long a new connection has to send its hello before it is dropped."""
-
-
-def frame(header: dict[str, Any], payload: bytes | memoryview = b"") -> list[bytes | memoryview]:
-    """The buffers of one frame, for ``transport.writelines``."""
-    head = orjson.dumps(header)
-    parts: list[bytes | memoryview] = [FRAME.pack(len(head), len(payload)), head]
-    if payload:
-        parts.append(payload)
-    return parts
-
-
-class FrameReader:
-    """Cuts a byte stream into (header, payload) frames."""
-
-    def __init__(self) -> None:
-        self._buf = bytearray()
-
-    def feed(self, data: bytes) -> list[tuple[dict[str, Any], bytearray]]:
-        self._buf += data
-        out: list[tuple[dict[str, Any], bytearray]] = []
-        buf, pos = self._buf, 0
-        while len(buf) - pos >= FRAME.size:
-            head_len, payload_len = FRAME.unpack_from(buf, pos)
-            end = pos + FRAME.size + head_len + payload_len
-            if len(buf) < end:
-                break
-            start = pos + FRAME.size
-            header = orjson.loads(memoryview(buf)[start : start + head_len])
-            out.append((header, buf[start + head_len : end]))
-            pos = end
-        if pos:
-            del buf[:pos]
-        return out
 
 
 def table(repo: ModelRepository) -> list[dict[str, Any]]:
@@ -124,19 +61,6 @@ def _signature(repo: ModelRepository, regions: Regions) -> tuple[object, ...]:
     return models, regions.generation
 
 
-@dataclass
-class Segment:
-    """A front-end's shared memory, cut into slots of ``slot_bytes``; mapped by it and by the engine process."""
-
-    memory: mmap.mmap
-    slot_bytes: int
-
-    def view(self, slot: int, dtype: np.dtype[Any], shape: list[int] | tuple[int, ...]) -> np.ndarray:
-        """The array of ``dtype`` and ``shape`` at the start of ``slot``."""
-        count = math.prod(shape)  # numpy.prod costs ~10 us of Python per call, here twice per request
-        return np.frombuffer(self.memory, dtype, count, slot * self.slot_bytes).reshape(shape)
-
-
 class HelloRefused(Exception):
     """A connection's hello was late, malformed or not from one of this run's front-ends."""
 
@@ -150,7 +74,7 @@ class _Connection(asyncio.Protocol):
         self.unpin = unpin
         self.reader = FrameReader()
         self.transport: asyncio.Transport | None = None
-        self.pending: set[asyncio.Future[Result]] = set()
+        self.pending: set[asyncio.Future[Prediction]] = set()
         """Requests queued or running, answered from a callback when done (no task per request)."""
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -172,9 +96,9 @@ class _Connection(asyncio.Protocol):
             self.unpin()
             self.unpin = None
 
-    def send(self, header: dict[str, Any], payload: bytes | memoryview = b"") -> None:
+    def send(self, header: dict[str, Any], *payload: bytes | memoryview) -> None:
         if self.transport is not None and not self.transport.is_closing():
-            self.transport.writelines(frame(header, payload))
+            self.transport.writelines(frame(header, *payload))
 
     def data_received(self, data: bytes) -> None:
         for header, payload in self.reader.feed(data):
@@ -189,14 +113,17 @@ class _Connection(asyncio.Protocol):
     def _infer(self, head: dict[str, Any], payload: bytearray) -> None:
         try:
             served = self.backplane.repo.get(head["model"])
-            future = served.submit(self._input(served, head, payload), head.get("timeout"))
+            if head["version"] != served.version:
+                raise ModelNotReadyError(f"model {served.name!r} was reloaded as version {served.version}; retry")
+            check_ready(served, None)
+            future = served.submit(self._inputs(served.manifest.inputs, head, payload), head.get("timeout"))
         except Exception as e:
             self._fail(head["id"], e)
             return
         self.pending.add(future)
-        future.add_done_callback(functools.partial(self._answer, head["id"], head["slot"], served))
+        future.add_done_callback(functools.partial(self._answer, head["id"], head["slot"]))
 
-    def _answer(self, rid: int, slot: int, served: ServedModel, future: asyncio.Future[Result]) -> None:
+    def _answer(self, rid: int, slot: int, future: asyncio.Future[Prediction]) -> None:
         self.pending.discard(future)
         if future.cancelled():  # the front-end is gone
             return
@@ -204,29 +131,27 @@ class _Connection(asyncio.Protocol):
         if error is not None:
             self._fail(rid, error)
             return
-        result = served.prediction(future.result())
-        out = result.outputs
-        reply = {"id": rid, "status": 200, "dtype": out.dtype.str, "shape": out.shape, "precision": result.precision}
-        if slot >= 0 and out.nbytes <= self.segment.slot_bytes:
-            np.copyto(self.segment.view(slot, out.dtype, list(out.shape)), out)
-            self.send(reply)
+        result = future.result()
+        reply: dict[str, Any] = {"id": rid, "precision": result.precision}
+        if slot >= 0 and nbytes(result.outputs) <= self.segment.slot_bytes:
+            self.send({**reply, "slot": slot, "outputs": self.segment.put(slot, result.outputs)})
         else:
-            self.send({**reply, "slot": -1}, np.ascontiguousarray(out).data.cast("B"))
+            places, parts = inline(result.outputs)
+            self.send({**reply, "slot": -1, "outputs": places}, *parts)
 
     def _fail(self, rid: int, e: BaseException) -> None:
-        err = from_exception(e if isinstance(e, Exception) else RuntimeError(repr(e)))
-        self.send({"id": rid, "status": err.status, "error": err.message, "headers": err.headers})
+        self.send({"id": rid, "error": error_to_wire(e)})
 
-    def _input(self, served: ServedModel, head: dict[str, Any], payload: bytearray) -> np.ndarray:
-        if head["version"] != served.version:
-            raise APIError(503, f"model {served.name!r} was reloaded as version {served.version}; retry", {})
-        require_ready(served, None)
-        dtype, shape = np.dtype(head["dtype"]), head["shape"]
-        if shape[1:] != served.manifest.inputs[0].shape:
-            raise APIError(503, f"model {served.name!r} changed its input while this request was decoded; retry")
-        if head["slot"] >= 0:
-            return self.segment.view(head["slot"], dtype, shape)
-        return np.frombuffer(payload, dtype).reshape(shape)
+    def _inputs(self, specs: list[Any], head: dict[str, Any], payload: bytearray) -> Tensors:
+        """The request's named inputs: views of its slot (or of the payload), checked against the model's signature
+        as it is now."""
+        places = head["inputs"]
+        tensors = self.segment.take(head["slot"], places) if head["slot"] >= 0 else from_payload(payload, places)
+        shapes = {s.name: s.shape for s in specs}
+        for name, x in tensors.items():
+            if shapes.get(name) != list(x.shape[1:]):
+                raise ModelNotReadyError(f"model {head['model']!r} changed its inputs while this request was decoded")
+        return tensors
 
 
 class Backplane:
@@ -348,9 +273,15 @@ class Backplane:
                     c.send(message)
 
     def record(self, records: list[list[Any]]) -> None:
-        """Count front-ends' requests: ``[model, precision, protocol, status, rows, seconds]`` each."""
-        for model, precision, protocol, status, rows, seconds in records:
-            self.metrics.request(model, precision, Protocol(protocol), status, rows, seconds)
+        """Count front-ends' requests: ``[model, precision, interface, status, rows, seconds]`` each."""
+        for model, precision, interface, status, rows, seconds in records:
+            self.metrics.request(model, precision, Interface(interface), status, rows, seconds)
+
+    def missing(self) -> str | None:
+        """What readiness waits for until every front-end is connected; None once they all are."""
+        if len(self.connections) >= self.expected:
+            return None
+        return f"HTTP front-ends ({len(self.connections)} of {self.expected} connected)"
 
     async def close(self) -> None:
         tasks = [*self._tasks, *self._hellos]
@@ -366,63 +297,3 @@ class Backplane:
             self._listener.close()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
-
-
-class Frontends:
-    """The front-end processes: spawned with the listening socket, restarted if one dies, stopped on a drain."""
-
-    def __init__(self, settings: Settings, sock: socket.socket, folder: str) -> None:
-        self.settings = settings
-        self.sock = sock
-        self.api_socket = os.path.join(folder, "api.sock")
-        self.backplane_socket = os.path.join(folder, "backplane.sock")
-        self.secret = secrets.token_hex(32)
-        """What a front-end's hello must carry: handed to each one as it is spawned (through multiprocessing's pipe,
-        never its command line or environment), so no other process, the same user's included, can attach."""
-        self.processes: dict[int, multiprocessing.process.BaseProcess] = {}
-        self.stopping = False
-        self._context = multiprocessing.get_context("spawn")
-
-    def start(self) -> None:
-        for i in range(self.settings.http_workers):
-            self._spawn(i)
-
-    def _spawn(self, index: int) -> None:
-        from server import frontend
-
-        args = (self.settings, self.sock, self.api_socket, self.backplane_socket, self.secret, index)
-        process = self._context.Process(target=frontend.run, args=args, name=f"halfserve-http-{index}", daemon=False)
-        process.start()
-        self.processes[index] = process
-
-    async def watch(self) -> None:
-        """Restart a front-end that exits while the server is not stopping."""
-        while not self.stopping:
-            await asyncio.sleep(0.5)
-            for index, process in list(self.processes.items()):
-                if not process.is_alive() and not self.stopping:
-                    code = process.exitcode
-                    log.error("front-end %d (pid %s) exited with %s; restarting it", index, process.pid, code)
-                    self._spawn(index)
-
-    def stop(self) -> None:
-        """Tell every front-end to drain: it stops accepting, answers what it holds, and exits."""
-        if self.stopping:
-            return
-        self.stopping = True
-        for process in self.processes.values():
-            if process.pid is not None and process.is_alive():
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(process.pid, signal.SIGTERM)
-
-    async def join(self, timeout: float) -> None:
-        """Wait up to ``timeout`` for the front-ends to exit, then kill what is left."""
-        self.stop()
-        deadline = time.monotonic() + timeout
-        for process in self.processes.values():
-            await asyncio.to_thread(process.join, max(0.0, deadline - time.monotonic()))
-            if process.is_alive():
-                log.error("front-end (pid %s) did not drain in time; killing it", process.pid)
-                process.kill()
-                await asyncio.to_thread(process.join, 5.0)
-        self.sock.close()

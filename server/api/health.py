@@ -1,26 +1,18 @@
-"""Health, readiness, model listings and per-model batching statistics."""
+"""Health, readiness, model listings and per-model batching statistics (the server's own routes; V2's are in
+:mod:`server.api.v2`)."""
 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
 
-import orjson
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from server.api.errors import APIError, error_response, error_responses, from_exception, json_ok
-from server.api.predict import repository
-
-if TYPE_CHECKING:
-    from server.backplane import Backplane
+from server.api import deps
+from server.api.deps import json_response, repository
+from server.api.errors import APIError, error_response, error_responses, json_ok
 
 router = APIRouter()
-
-
-def json_response(obj: object, status: int = 200) -> Response:
-    return Response(orjson.dumps(obj), status_code=status, media_type="application/json")
-
 
 _OBJECT = {"type": "object"}
 
@@ -45,25 +37,14 @@ async def health() -> Response:
 )
 async def ready(request: Request) -> Response:
     """Readiness: 200 once every model is loaded and warmed up, 503 before (and while draining)."""
-    repo = repository(request)
-    states = {name: m.state.value for name, m in repo.models.items()}
-    if request.app.state.draining:
+    app = deps.state(request)
+    if app.draining:
         return error_response(503, "draining: the server is shutting down")
-    if not repo.ready:
-        waiting = ", ".join(f"{n} ({s})" for n, s in states.items() if s != "ready")
-        return error_response(503, f"not ready: {waiting}", {"Retry-After": "1"})
-    pending = frontends_pending(request)
-    if pending:
-        return error_response(503, f"not ready: {pending}", {"Retry-After": "1"})
+    why = deps.not_ready(request)
+    if why:
+        return error_response(503, f"not ready: {why}", {"Retry-After": "1"})
+    states = {name: m.state.value for name, m in app.service.models.items()}
     return json_response({"status": "ready", "models": states})
-
-
-def frontends_pending(request: Request) -> str | None:
-    """With ``--http-workers``, what is missing while not every front-end is connected to the backplane."""
-    backplane: Backplane | None = getattr(request.app.state, "backplane", None)
-    if backplane is None or len(backplane.connections) >= backplane.expected:
-        return None
-    return f"HTTP front-ends ({len(backplane.connections)} of {backplane.expected} connected)"
 
 
 @router.get(
@@ -90,10 +71,7 @@ async def model_stats(name: str, request: Request) -> Response:
     """Requests, rows, batches and the histogram of batch sizes the batcher has cut; failures isolated by splitting
     batches, the batch size in force (halved after an out-of-memory error) and half-precision overflows rerun in
     fp32."""
-    try:
-        served = repository(request).get(name)
-    except Exception as e:
-        raise from_exception(e) from None
+    served = repository(request).get(name)
     stats = served.stats()
     if stats is None:
         raise APIError(503, f"model {name!r} is {served.state.value}")

@@ -1,0 +1,369 @@
+"""The contract between the routes and the models: what a route may ask of a model, and what it gets back.
+
+Routes (:mod:`server.api`) talk to a :class:`ModelService` and its :class:`ModelHandle` objects and to nothing below
+them. Two implementations answer: the local repository (:mod:`server.repository`: engines and batchers in this
+process) and, with ``--http-workers``, the front-ends' client of the engine process (:mod:`server.multiproc.client`).
+Neither inherits from the other; both are checked against these protocols.
+
+Tensors cross as **named numpy arrays**: a request is a mapping of input name to an array with rows (samples) on the
+first dimension, a :class:`Prediction` a mapping of output name to its rows. Today's models take one input and give
+one output: the one-entry case.
+
+Also here, below both sides: the domain errors (a route maps them onto HTTP statuses; the multi-process wire carries
+them by name), the readiness rule, the runner contract the batcher calls (implemented by the engine), and the typed
+state an app holds. Neutral: no HTTP, no torch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import OrderedDict, deque
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import TYPE_CHECKING, NamedTuple, Protocol, TypeVar
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from server.precision import Precision
+    from server.regions import Regions
+    from server.repository import ModelRepository
+    from server.settings import Settings
+    from server.store import Batching, Manifest
+
+Tensors = Mapping[str, np.ndarray]
+"""Named tensors, rows first: a request's inputs by input name, or a prediction's outputs by output name."""
+
+
+class ModelState(str, Enum):
+    """Where a model is in its life."""
+
+    LOADING = "loading"
+    READY = "ready"
+    FAILED = "failed"
+    UNLOADED = "unloaded"
+
+
+# Domain errors -------------------------------------------------------------------------------------------------------
+
+
+class ServingError(Exception):
+    """Base of the errors a request can fail with below the routes; each maps onto one HTTP status."""
+
+
+class ModelNotFoundError(ServingError, LookupError):
+    """No model of that name is known to the server."""
+
+
+class ModelUnavailableError(ModelNotFoundError):
+    """The model is known, but no version of it can serve: it failed to load, or was unloaded."""
+
+
+class ModelNotReadyError(ServingError, RuntimeError):
+    """The model is known but cannot take requests now (loading, draining, or reloaded under the request).
+
+    ``retry`` says whether the same request may succeed if sent again in a moment (a ``Retry-After``).
+    """
+
+    def __init__(self, message: str, retry: bool = True) -> None:
+        super().__init__(message)
+        self.retry = retry
+
+
+class InvalidInputError(ServingError, ValueError):
+    """The named inputs do not match the model's: a missing, unexpected or misshapen tensor."""
+
+
+class BatchingError(ServingError):
+    """Base class of the errors a queued request can fail with."""
+
+
+class QueueFullError(BatchingError):
+    """The queue holds ``max_queue_rows`` rows; the request was not accepted."""
+
+
+class DeadlineExceededError(BatchingError):
+    """The request's deadline passed while it was queued; it was never run."""
+
+
+class ShuttingDownError(BatchingError):
+    """The batcher is draining and accepts no new requests."""
+
+
+class BatchFailedError(BatchingError):
+    """The runner failed on this request's rows (alone: other requests of the batch were rerun without it)."""
+
+
+class RequestTooLargeError(BatchingError):
+    """The request has more rows than the queue can ever hold; retrying cannot help."""
+
+
+class RegionError(ServingError, ValueError):
+    """A shared memory region cannot be opened, read or written as asked (a client's mistake, or its object shrank)."""
+
+
+class RegionFullError(RegionError):
+    """The file system holding a shared memory object has no room for an output written into it."""
+
+
+_WIRE_ERRORS: dict[str, type[ServingError]] = {
+    cls.__name__: cls
+    for cls in (
+        ServingError,
+        ModelNotFoundError,
+        ModelUnavailableError,
+        ModelNotReadyError,
+        InvalidInputError,
+        QueueFullError,
+        DeadlineExceededError,
+        ShuttingDownError,
+        BatchFailedError,
+        RequestTooLargeError,
+        RegionError,
+        RegionFullError,
+    )
+}
+
+
+def error_to_wire(e: BaseException) -> dict[str, object]:
+    """``e`` as another process can raise it again (:func:`error_from_wire`): its kind and message."""
+    if isinstance(e, ServingError) and type(e).__name__ in _WIRE_ERRORS:
+        wire: dict[str, object] = {"kind": type(e).__name__, "message": str(e)}
+        if isinstance(e, ModelNotReadyError):
+            wire["retry"] = e.retry
+        return wire
+    # Anything else failed inside the server: it answers as an internal error, under its own type's name.
+    return {"kind": "internal", "message": f"{type(e).__name__}: {e}"}
+
+
+def error_from_wire(wire: Mapping[str, object]) -> Exception:
+    """The exception :func:`error_to_wire` described."""
+    kind, message = wire.get("kind"), str(wire.get("message"))
+    cls = _WIRE_ERRORS.get(kind) if isinstance(kind, str) else None
+    if cls is ModelNotReadyError:
+        return ModelNotReadyError(message, retry=bool(wire.get("retry", True)))
+    if cls is not None:
+        return cls(message)
+    return InternalError(message)
+
+
+class InternalError(RuntimeError):
+    """An unexpected failure in another process, carried as its ``"<type>: <message>"``."""
+
+
+# Results -------------------------------------------------------------------------------------------------------------
+
+
+class Prediction(NamedTuple):
+    """A request's outputs by name, and the precision that computed them.
+
+    ``precision`` is the served precision, ``fp32`` where an overflowing half-precision output was rerun, and both
+    joined by ``+`` (``fp16+fp32``) for a request spanning batches of which only some were rerun.
+    """
+
+    outputs: dict[str, np.ndarray]
+    precision: str
+
+    @property
+    def rows(self) -> int:
+        """Rows (samples) answered."""
+        return len(next(iter(self.outputs.values()))) if self.outputs else 0
+
+
+# The runner contract: what the batcher calls, and the engine implements -----------------------------------------------
+# Output is a NamedTuple rather than a frozen dataclass: one is built per chunk, and a tuple builds several times
+# faster.
+
+
+class Output(NamedTuple):
+    """One chunk's output rows and the precision that computed them (None: the runner does not say)."""
+
+    data: np.ndarray
+    precision: str | None = None
+
+
+Outcome = np.ndarray | Output | Exception
+"""What a runner gives back per chunk: its output rows, or the error that fails that chunk's request alone."""
+
+Runner = Callable[[list[np.ndarray]], Awaitable[Sequence[Outcome]]]
+"""Runs one batch, given as the chunks (row slices of requests) it is made of; one outcome per chunk."""
+
+
+class BatchTooLargeError(Exception):
+    """Raised by a runner that cannot run this many rows at once (the device is out of memory).
+
+    The batcher halves its batch size for good and reruns the rows in smaller batches; only a single row that still
+    does not fit fails its request.
+    """
+
+
+# The service ---------------------------------------------------------------------------------------------------------
+
+
+class ModelHandle(Protocol):
+    """A model as a route sees it: its signature and state, and a way to run requests through it."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def version(self) -> int: ...
+
+    @property
+    def manifest(self) -> Manifest: ...
+
+    @property
+    def batching(self) -> Batching: ...
+
+    @property
+    def state(self) -> ModelState: ...
+
+    @property
+    def error(self) -> str | None: ...
+
+    @property
+    def precision(self) -> Precision | None:
+        """The precision it is served in, once loaded."""
+
+    @property
+    def serving(self) -> bool:
+        """Whether a request sent now is taken (the state may lag: the side that runs it decides)."""
+
+    def submit(self, inputs: Tensors, timeout: float | None = None) -> asyncio.Future[Prediction]:
+        """Queue ``inputs`` for batching; the future's result is their prediction.
+
+        ``timeout`` (seconds, the client's) and the model's ``request_timeout_ms``, whichever is shorter, bound how
+        long the rows may wait to start: past it the future fails with :class:`DeadlineExceededError`. Raises at once
+        what refuses the request before queueing (:class:`ModelNotReadyError`, :class:`QueueFullError`, ...);
+        cancelling the future withdraws the rows not yet running.
+        """
+
+
+class ModelService(Protocol):
+    """The served models, as the routes reach them."""
+
+    @property
+    def models(self) -> Mapping[str, ModelHandle]: ...
+
+    @property
+    def ready(self) -> bool:
+        """True when every model that is not unloaded is loaded and warmed up."""
+
+    def get(self, name: str | None) -> ModelHandle:
+        """The model called ``name`` (None: the only one, when exactly one is served); :class:`ModelNotFoundError`
+        otherwise."""
+
+
+M = TypeVar("M")
+
+
+class NoModels:
+    """The service of an app whose models are not discovered yet: none is known, so none is ready."""
+
+    models: Mapping[str, ModelHandle] = {}
+    ready = False
+
+    def get(self, name: str | None) -> ModelHandle:
+        raise ModelNotFoundError("no model is served yet: the server is starting")
+
+
+def find(models: Mapping[str, M], name: str | None) -> M:
+    """The model called ``name`` in ``models``; ``None`` means the only model when there is exactly one."""
+    if name is None:
+        if len(models) == 1:
+            return next(iter(models.values()))
+        raise ModelNotFoundError(f"several models are served ({', '.join(models)}); name one")
+    try:
+        return models[name]
+    except KeyError:
+        raise ModelNotFoundError(f"unknown model {name!r} (served: {', '.join(models)})") from None
+
+
+def check_ready(model: ModelHandle, version: str | None) -> None:
+    """The readiness rule: return when ``model`` takes requests now, else raise why not.
+
+    A model still loading is :class:`ModelNotReadyError` (retry). An unloaded or failed model answers as Triton does:
+    :class:`ModelUnavailableError` ("no available versions") when the request names no version, and
+    :class:`ModelNotReadyError` without retry when it names the served version, which exists but is not ready.
+    """
+    if model.serving:
+        return
+    if model.state is ModelState.LOADING:
+        raise ModelNotReadyError(f"model {model.name!r} is loading")
+    if model.state is ModelState.READY:  # released under the request: the server is draining
+        raise ModelNotReadyError(f"model {model.name!r} is draining")
+    reason = model.error if model.state is ModelState.FAILED else model.state.value
+    if version is None:
+        raise ModelUnavailableError(f"model {model.name!r} has no available versions ({reason})")
+    raise ModelNotReadyError(f"model {model.name!r} version {version} is not ready ({reason})", retry=False)
+
+
+class Interface(str, Enum):
+    """The interface an inference request came through."""
+
+    PREDICT = "predict"
+    """``POST /predict``, the simple JSON interface."""
+    V2 = "v2"
+    """``POST /v2/models/{m}/infer``, the KServe V2 protocol (JSON or binary tensors)."""
+
+
+class RequestRecorder(Protocol):
+    """Counts answered requests (:class:`server.metrics.Metrics` in the engine process; a front-end forwards them)."""
+
+    def request(
+        self, model: str, precision: str, interface: Interface, status: int, rows: int, seconds: float
+    ) -> None: ...
+
+
+class FailedAttempts:
+    """Wrong admin tokens per client address. Past ``limit`` in ``window`` seconds an address is refused (429)
+    without its token being checked, until its oldest failure leaves the window: guessing costs minutes per ten tries.
+    At most ``addresses`` are remembered (the longest quiet ones are forgotten first), so the table stays small."""
+
+    def __init__(
+        self, limit: int = 10, window: float = 60.0, addresses: int = 4096, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.limit, self.window, self.addresses, self.clock = limit, window, addresses, clock
+        self.failures: OrderedDict[str, deque[float]] = OrderedDict()
+
+    def retry_after(self, who: str) -> float:
+        """Seconds until ``who`` may try again; 0 when it may now."""
+        times = self.failures.get(who)
+        if times is None:
+            return 0.0
+        now = self.clock()
+        while times and times[0] <= now - self.window:
+            times.popleft()
+        if not times:
+            del self.failures[who]
+            return 0.0
+        return times[0] + self.window - now if len(times) >= self.limit else 0.0
+
+    def failed(self, who: str) -> None:
+        times = self.failures.setdefault(who, deque())
+        times.append(self.clock())
+        self.failures.move_to_end(who)
+        if len(self.failures) > self.addresses:
+            self.failures.popitem(last=False)
+
+
+@dataclass
+class AppState:
+    """What an app's routes read: one typed object, filled once, by the app that serves them."""
+
+    settings: Settings
+    service: ModelService
+    regions: Regions
+    """The registered shared memory regions (a front-end's mirror of the engine process's)."""
+    metrics: RequestRecorder | None = None
+    repository: ModelRepository | None = None
+    """The local repository, for the management and listing routes: only in the process that owns the models
+    (a front-end relays those routes to it)."""
+    draining: bool = False
+    drain_started: float | None = None
+    pending: list[Callable[[], str | None]] = field(default_factory=list)
+    """Checks readiness also waits on (e.g. front-ends not yet connected): each names what is missing, or None."""
+    admin_attempts: FailedAttempts = field(default_factory=lambda: FailedAttempts())
+    """Wrong admin tokens per client address, for the management routes' lockout."""
