@@ -20,6 +20,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from safetensors.torch import load_file, save_file
 from torch import nn
@@ -47,6 +48,23 @@ class DataType(str, Enum):
     INT64 = "INT64"
     INT32 = "INT32"
     UINT8 = "UINT8"
+
+    @property
+    def numpy(self) -> np.dtype[Any]:
+        """The host dtype an input of this type is batched as, the same for requests and warm-up: its own, but BF16
+        (no numpy dtype), which travels as float32 and is cast on the device."""
+        return _NUMPY[self]
+
+
+_NUMPY: dict[DataType, np.dtype[Any]] = {
+    DataType.FP32: np.dtype(np.float32),
+    DataType.FP16: np.dtype(np.float16),
+    DataType.BF16: np.dtype(np.float32),
+    DataType.FP64: np.dtype(np.float64),
+    DataType.INT64: np.dtype(np.int64),
+    DataType.INT32: np.dtype(np.int32),
+    DataType.UINT8: np.dtype(np.uint8),
+}
 
 
 class OverflowPolicy(str, Enum):

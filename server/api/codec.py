@@ -1,25 +1,211 @@
-"""Decoding request tensors into numpy arrays and checking them against a model's input signature."""
+"""Tensors on the wire, as numpy arrays: ``/predict``'s JSON samples and KServe V2's datatype names, JSON ``data``
+and binary tensor data extension. A manifest's datatype maps onto the arrays the batcher takes by
+:attr:`server.store.DataType.numpy`, the one such map.
+
+Binary tensor data is little-endian, row-major and unpadded, in the datatype's native size; it follows the JSON
+header in the body, whose length the ``Inference-Header-Content-Length`` header gives. Everything here is numpy:
+bytes become arrays through ``np.frombuffer``, never a per-element Python loop.
+"""
 
 from __future__ import annotations
 
+import math
+from enum import Enum
 from typing import Any
 
 import numpy as np
 
-from server.api.binary import check_range
 from server.api.errors import APIError
-from server.store import DataType, TensorSpec
+from server.store import TensorSpec
 
-# BF16 has no numpy dtype: it is decoded as float32 and the engine casts it.
-NUMPY_DTYPES: dict[DataType, np.dtype[Any]] = {
-    DataType.FP32: np.dtype(np.float32),
-    DataType.FP16: np.dtype(np.float16),
-    DataType.BF16: np.dtype(np.float32),
-    DataType.FP64: np.dtype(np.float64),
-    DataType.INT64: np.dtype(np.int64),
-    DataType.INT32: np.dtype(np.int32),
-    DataType.UINT8: np.dtype(np.uint8),
+HEADER_LENGTH = "Inference-Header-Content-Length"
+"""The binary tensor extension's header: the byte length of the JSON object at the start of the body."""
+
+
+class WireType(str, Enum):
+    """The V2 protocol's tensor datatypes that can carry numbers (``BYTES`` strings feed no input; they leave only as
+    the classification extension's answer, :func:`encode_bytes`)."""
+
+    BOOL = "BOOL"
+    UINT8 = "UINT8"
+    UINT16 = "UINT16"
+    UINT32 = "UINT32"
+    UINT64 = "UINT64"
+    INT8 = "INT8"
+    INT16 = "INT16"
+    INT32 = "INT32"
+    INT64 = "INT64"
+    FP16 = "FP16"
+    FP32 = "FP32"
+    FP64 = "FP64"
+    BF16 = "BF16"
+
+    @property
+    def dtype(self) -> np.dtype[Any]:
+        """The little-endian numpy dtype of one element on the wire (BF16 travels as its 16 raw bits)."""
+        return _WIRE_DTYPES[self]
+
+    @property
+    def is_float(self) -> bool:
+        return self in (WireType.FP16, WireType.FP32, WireType.FP64, WireType.BF16)
+
+    @property
+    def is_integer(self) -> bool:
+        return self.dtype.kind in "iu" and self is not WireType.BF16
+
+
+_WIRE_DTYPES: dict[WireType, np.dtype[Any]] = {
+    WireType.BOOL: np.dtype("?"),
+    WireType.UINT8: np.dtype("<u1"),
+    WireType.UINT16: np.dtype("<u2"),
+    WireType.UINT32: np.dtype("<u4"),
+    WireType.UINT64: np.dtype("<u8"),
+    WireType.INT8: np.dtype("<i1"),
+    WireType.INT16: np.dtype("<i2"),
+    WireType.INT32: np.dtype("<i4"),
+    WireType.INT64: np.dtype("<i8"),
+    WireType.FP16: np.dtype("<f2"),
+    WireType.FP32: np.dtype("<f4"),
+    WireType.FP64: np.dtype("<f8"),
+    WireType.BF16: np.dtype("<u2"),
 }
+
+_BY_NAME: dict[str, WireType] = {t.value: t for t in WireType}
+
+JSON_UNSUPPORTED = frozenset({WireType.FP16, WireType.BF16})
+"""Datatypes JSON cannot carry faithfully: the protocol sends them only as binary data."""
+
+
+def wire_type(name: object, field: str) -> WireType:
+    """The datatype called ``name``, or a 400 naming ``field`` and the datatypes known."""
+    if not isinstance(name, str):
+        raise APIError(400, f"{field}: expected a datatype string, got {type(name).__name__}")
+    wire = _BY_NAME.get(name)
+    if wire is None:
+        known = ", ".join(_BY_NAME)
+        hint = " (string tensors are not served)" if name == "BYTES" else ""
+        raise APIError(400, f"{field}: unknown datatype {name!r}{hint}; known: {known}")
+    return wire
+
+
+def split_body(body: bytes, header_length: str | None) -> tuple[bytes | None, memoryview | None]:
+    """Split a request body into its JSON header and the binary tensor data after it.
+
+    Without the header the whole body is JSON (binary ``None``). A header of 0 means a raw binary request: no JSON
+    at all (``None``), the whole body is the binary data of the model's single input.
+    """
+    if header_length is None:
+        return body, None
+    text = header_length.strip()
+    # Past 18 digits no length can be right, and int() of over 4,300 digits raises (CPython's conversion limit).
+    if not (text.isascii() and text.isdigit() and len(text) <= 18):
+        raise APIError(400, f"{HEADER_LENGTH}: expected a non-negative integer, got {header_length!r}")
+    n = int(text)
+    if n == 0:
+        return None, memoryview(body)
+    if n > len(body):
+        raise APIError(400, f"{HEADER_LENGTH}: {n} exceeds the body's {len(body)} bytes")
+    view = memoryview(body)
+    return bytes(view[:n]), view[n:]
+
+
+def element_count(shape: list[int]) -> int:
+    return math.prod(shape)
+
+
+def decode_binary(buf: memoryview | bytes | bytearray, wire: WireType, shape: list[int], field: str) -> np.ndarray:
+    """``buf`` as an array of ``shape``; BF16 is widened to float32 exactly (its bits are float32's top half).
+
+    The result may be a read-only view of ``buf``.
+    """
+    want = element_count(shape) * wire.dtype.itemsize
+    if len(buf) != want:
+        raise APIError(
+            400,
+            f"{field}: {len(buf)} bytes of binary data, but shape {shape} of {wire.value} takes {want} bytes",
+        )
+    arr = np.frombuffer(buf, dtype=wire.dtype)
+    if wire is WireType.BF16:
+        arr = (arr.astype(np.uint32) << 16).view(np.float32)
+    return arr.reshape(shape)
+
+
+def decode_json(data: object, wire: WireType, shape: list[int], field: str) -> np.ndarray:
+    """JSON ``data`` (flat, row-major, or nested exactly as ``shape``) as an array of ``wire``'s dtype."""
+    if wire in JSON_UNSUPPORTED:
+        raise APIError(
+            400,
+            f"{field}: {wire.value} data cannot travel as JSON (JSON has no 16-bit floats); "
+            "send it as binary data (binary tensor extension: parameters.binary_data_size)",
+        )
+    if not isinstance(data, list):
+        raise APIError(400, f"{field}: expected a list, got {type(data).__name__}")
+    try:
+        # Without a dtype numpy keeps strings and None as such, so they are caught below instead of coerced.
+        arr = np.asarray(data)
+    except ValueError:
+        raise APIError(400, f"{field}: nested lists of unequal length") from None
+    if wire is WireType.BOOL:
+        if arr.dtype.kind != "b" and arr.size:
+            raise APIError(400, f"{field}: BOOL data must be true/false")
+    elif arr.dtype.kind not in "iuf" and arr.size:
+        raise APIError(400, f"{field}: values must be numbers, got {_kind_name(arr)}")
+    elif wire.is_integer and arr.dtype.kind == "f":
+        raise APIError(400, f"{field}: {wire.value} data must be integers")
+    if arr.size != element_count(shape):
+        raise APIError(400, f"{field}: {arr.size} values, but shape {shape} holds {element_count(shape)}")
+    if arr.ndim > 1 and list(arr.shape) != shape:
+        raise APIError(400, f"{field}: nested as {list(arr.shape)}, but shape is {shape}; nest as shape or send flat")
+    if wire.is_integer:
+        check_range(arr, wire.dtype, field)
+    try:
+        # JSON numbers are finite: the cast is where one could overflow (1e39 as FP32).
+        with np.errstate(over="raise", invalid="raise"):
+            return arr.astype(wire.dtype).reshape(shape)
+    except FloatingPointError:
+        raise APIError(400, f"{field}: values beyond the range of {wire.value}") from None
+
+
+def check_range(arr: np.ndarray, dtype: np.dtype[Any], field: str) -> None:
+    """Fail with a 400 when integers in ``arr`` do not fit ``dtype``."""
+    if not arr.size or arr.dtype.kind not in "iu" or np.can_cast(arr.dtype, dtype, "safe"):
+        return  # nothing to check, or every value of its dtype fits (UINT8 bytes for a UINT8 input: no pass over them)
+    info = np.iinfo(dtype)
+    lo, hi = int(arr.min()), int(arr.max())
+    if lo < info.min or hi > info.max:
+        raise APIError(400, f"{field}: values in [{lo}, {hi}] do not fit {dtype.name}")
+
+
+def to_bf16_bits(x: np.ndarray) -> np.ndarray:
+    """float32 values as bfloat16 bit patterns (uint16), rounded to nearest even; NaN stays a quiet NaN."""
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    bits = ((u + (0x7FFF + ((u >> 16) & 1))) >> 16).astype("<u2")
+    nan = np.isnan(x)
+    if nan.any():
+        bits[nan] = 0x7FC0
+    return bits
+
+
+def wire_values(arr: np.ndarray, wire: WireType) -> np.ndarray:
+    """Output values (float32 from the engine) in ``wire``'s dtype: integers are rounded, BF16 gives its bits."""
+    if wire is WireType.BF16:
+        return to_bf16_bits(arr)
+    # An output beyond the datatype's range (an FP16 output over 65504, an infinite one as an integer) is cast as
+    # numpy casts it, without a warning per response.
+    with np.errstate(over="ignore", invalid="ignore"):
+        if wire.is_integer and arr.dtype.kind == "f":
+            arr = np.rint(arr)
+        return np.ascontiguousarray(arr, dtype=wire.dtype)
+
+
+def encode_binary(arr: np.ndarray, wire: WireType) -> bytes:
+    """``arr`` as the binary tensor data of ``wire``."""
+    return wire_values(arr, wire).tobytes()
+
+
+def encode_bytes(items: list[bytes]) -> bytes:
+    """``BYTES`` elements as binary tensor data: each one's length (4 bytes, little-endian), then the element."""
+    return b"".join(len(b).to_bytes(4, "little") + b for b in items)
 
 
 def decode_samples(samples: Any, spec: TensorSpec, field: str = "inputs") -> np.ndarray:
@@ -42,7 +228,7 @@ def decode_samples(samples: Any, spec: TensorSpec, field: str = "inputs") -> np.
     if arr.shape[1:] != want:
         got = list(arr.shape[1:]) if arr.ndim > 1 else "a scalar"
         raise APIError(400, f"{field}: each sample must have shape {list(want)}, got {got}")
-    return cast_json_numbers(arr, NUMPY_DTYPES[spec.datatype], field)
+    return cast_json_numbers(arr, spec.datatype.numpy, field)
 
 
 def cast_json_numbers(arr: np.ndarray, dtype: np.dtype[Any], field: str) -> np.ndarray:

@@ -2,7 +2,7 @@
 
 Inference goes through the same batcher as ``/predict``, so V2 and ``/predict`` requests of the same dtype share
 batches. Tensors arrive as JSON ``data`` or as binary data after the JSON header (the binary tensor extension, see
-:mod:`server.api.binary`), and outputs leave either way, per output.
+:mod:`server.api.codec`), and outputs leave either way, per output.
 
 Datatypes. A request's input datatype need not equal the manifest's; it must be able to feed it:
 
@@ -31,7 +31,7 @@ from starlette.responses import Response
 
 from server import __version__
 from server.api import deps, guard
-from server.api.binary import (
+from server.api.codec import (
     HEADER_LENGTH,
     JSON_UNSUPPORTED,
     WireType,
@@ -45,7 +45,6 @@ from server.api.binary import (
     wire_type,
     wire_values,
 )
-from server.api.codec import NUMPY_DTYPES
 from server.api.deps import json_response, model_route, served_model, version_of
 from server.api.errors import APIError, count, cut_off_by_shutdown, error_responses, from_exception, json_ok
 from server.api.limits import check_finite, check_size, client_timeout, parse_json, read_body
@@ -162,7 +161,7 @@ def to_input_dtype(arr: np.ndarray, wire: WireType, spec: TensorSpec, fp16_weigh
     """``arr`` (of datatype ``wire``) as the array the batcher takes for ``spec``; the rules are in the module's
     docstring. A binary body's rows stay a read-only view of the body when their dtype is already the target's:
     :meth:`~server.repository.ServedModel.submit` copies them for the engine, a front-end into its shared slot."""
-    target = NUMPY_DTYPES[spec.datatype]
+    target = spec.datatype.numpy
     if target.kind == "f":
         if not (wire.is_float or wire.is_integer):
             raise APIError(400, f"{field}: {wire.value} data cannot feed the {spec.datatype.value} input {spec.name!r}")

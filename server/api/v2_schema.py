@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from server.api.binary import WireType
+from server.api.codec import WireType
 from server.api.errors import error_responses
 
 _PARAMETERS: dict[str, Any] = {"type": "object", "additionalProperties": True}

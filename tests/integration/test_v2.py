@@ -15,7 +15,7 @@ import orjson
 import pytest
 
 from server import __version__
-from server.api.binary import WireType
+from server.api.codec import WireType
 from server.api.errors import APIError
 from server.api.v2 import to_input_dtype
 from server.settings import Settings

@@ -153,3 +153,28 @@ def test_cuda_engine_agrees_with_fp32(loaded: store.LoadedModel, mode: str) -> N
     np.testing.assert_allclose(got, want, atol=0.02 * np.abs(want).max(), rtol=0)
     assert next(engine.model.parameters()).is_cuda
     engine.close()
+
+
+@pytest.mark.parametrize("datatype", [store.DataType.FP64, store.DataType.FP32, store.DataType.FP16])
+def test_warm_up_batches_take_the_dtype_requests_arrive_as(tmp_path: Path, datatype: store.DataType) -> None:
+    """One map from a manifest's datatype to the batcher's arrays: warm-up (and the graphs it captures) must run the
+    dtype a request decodes to, or the first real batches meet a shape the warm-up never ran."""
+    from server.api.codec import decode_samples
+
+    save_tiny_mlp(tmp_path, inputs=[store.TensorSpec(name="features", shape=[16], datatype=datatype)])
+    loaded = store.load(tmp_path, "tiny")
+    request = decode_samples([[0.5] * 16], loaded.manifest.inputs[0])
+    engine = Engine(loaded, Precision.FP32, CPU)
+    seen: list[torch.dtype] = []
+    upload = engine.instances[0].upload
+
+    def spy(chunks: list[np.ndarray], size: int) -> torch.Tensor:
+        seen.append(torch.from_numpy(chunks[0]).dtype)
+        return upload(chunks, size)
+
+    engine.instances[0].upload = spy  # type: ignore[method-assign]
+    engine.warmup(2)
+    engine.forward(request)
+    assert request.dtype == datatype.numpy
+    assert seen == [torch.from_numpy(request).dtype] * 3
+    engine.close()
