@@ -61,8 +61,33 @@ __all__ = [
     "ShuttingDownError",
 ]
 
-Clock = Callable[[], float]
 T = TypeVar("T")
+
+
+class Timer(Protocol):
+    def cancel(self) -> None: ...
+
+
+class Clock(Protocol):
+    """The batcher's time: what it measures waits and deadlines with, and how it is woken later."""
+
+    def now(self) -> float:
+        """Seconds, on a clock that only moves forward."""
+
+    def call_later(self, delay: float, callback: Callable[[], object]) -> Timer:
+        """Call ``callback`` on the event loop once ``delay`` seconds have passed on this clock."""
+
+
+class LoopClock:
+    """``time.monotonic`` and the running event loop's timers (asyncio's loop time is ``time.monotonic``)."""
+
+    @staticmethod
+    def now() -> float:
+        return time.monotonic()
+
+    @staticmethod
+    def call_later(delay: float, callback: Callable[[], object]) -> Timer:
+        return asyncio.get_running_loop().call_later(delay, callback)
 
 
 class BatchObserver(Protocol):
@@ -264,7 +289,7 @@ class Batcher:
         max_delay: float,
         max_queue_rows: int,
         concurrency: int = 1,
-        clock: Clock = time.monotonic,
+        clock: Clock | None = None,
         observer: BatchObserver | None = None,
     ) -> None:
         if max_batch_size < 1 or max_queue_rows < 1 or max_delay < 0 or concurrency < 1:
@@ -274,7 +299,8 @@ class Batcher:
         self.max_batch_size = max_batch_size
         self.max_delay = max_delay
         self.max_queue_rows = max_queue_rows
-        self.clock = clock
+        self.clock: Clock = clock or LoopClock()
+        """Injected by tests, whose waits and deadlines then pass without sleeping."""
         self.observer = observer
         self.stats = BatchStats()
         self._queue: deque[Pending] = deque()
@@ -344,7 +370,7 @@ class Batcher:
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Any] = loop.create_future()
         was_empty = not self._queue
-        start = self.clock()
+        start = self.clock.now()
         req = Pending(data, future, start, deadline, finish=finish)
         self._queue.append(req)
         self._queued_rows += rows
@@ -352,15 +378,16 @@ class Batcher:
         # Wake the loop only when its wait could change: a first request starts the delay timer, a full batch ends it.
         if was_empty or self._queued_rows >= self.max_batch_size:
             self._wakeup.set()
-        timer = loop.call_later(max(0.0, deadline - start), self._expire, req) if deadline is not None else None
+        expire = functools.partial(self._expire, req)
+        timer = self.clock.call_later(max(0.0, deadline - start), expire) if deadline is not None else None
         # Registered before any caller awaits the future, so the counts are updated before the caller resumes.
         future.add_done_callback(functools.partial(self._settled, start, timer))
         return future
 
-    def _settled(self, start: float, timer: asyncio.TimerHandle | None, future: asyncio.Future[Any]) -> None:
+    def _settled(self, start: float, timer: Timer | None, future: asyncio.Future[Any]) -> None:
         if timer is not None:
             timer.cancel()
-        elapsed = self.clock() - start
+        elapsed = self.clock.now() - start
         if future.cancelled() or future.exception() is not None:
             self.stats.failed += 1
             self.stats.fail_seconds += elapsed
@@ -386,7 +413,7 @@ class Batcher:
         while True:
             await self._slots.acquire()
             try:
-                chunks = await self._next_batch(loop)
+                chunks = await self._next_batch()
             except BaseException:
                 self._slots.release()
                 raise
@@ -397,7 +424,7 @@ class Batcher:
             self._inflight.add(task)
             task.add_done_callback(self._inflight.discard)
 
-    async def _next_batch(self, loop: asyncio.AbstractEventLoop) -> list[Chunk] | None:
+    async def _next_batch(self) -> list[Chunk] | None:
         while True:
             if not self._queue:
                 if self._closing:
@@ -405,12 +432,12 @@ class Batcher:
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
-            now = self.clock()
+            now = self.clock.now()
             delay = 0.0 if self._closing else self.max_delay
             wait = seconds_until_cut(self._queued_rows, self._queue[0].enqueued, now, self.max_batch_size, delay)
             if wait > 0:
                 self._wakeup.clear()
-                timer = loop.call_later(wait, self._wakeup.set)
+                timer = self.clock.call_later(wait, self._wakeup.set)
                 try:
                     await self._wakeup.wait()
                 finally:
@@ -452,14 +479,14 @@ class Batcher:
         if not chunks:
             return
         rows = sum(c.rows for c in chunks)
-        start = self.clock()
+        start = self.clock.now()
         try:
             outcomes = await self.runner([c.data for c in chunks])
             if len(outcomes) != len(chunks):
                 n = len(outcomes)
                 raise BatchFailedError(f"batch size mismatch: runner returned {n} outputs for {len(chunks)}")
         except BatchTooLargeError as e:
-            self.stats.compute_seconds += self.clock() - start
+            self.stats.compute_seconds += self.clock.now() - start
             self.stats.failed_batches += 1
             if rows == 1:
                 self._fail(chunks[0].request, BatchFailedError(f"{e} (even a single row does not fit)"))
@@ -472,7 +499,7 @@ class Batcher:
                 await self._run(part)
             return
         except Exception as e:  # a failing batch fails its own requests, never the loop
-            self.stats.compute_seconds += self.clock() - start
+            self.stats.compute_seconds += self.clock.now() - start
             self.stats.failed_batches += 1
             if len(chunks) == 1:
                 err = e if isinstance(e, BatchFailedError) else BatchFailedError(_describe(e))
@@ -483,7 +510,7 @@ class Batcher:
             await self._run(chunks[:half])
             await self._run(chunks[half:])
             return
-        elapsed = self.clock() - start
+        elapsed = self.clock.now() - start
         self.stats.compute_seconds += elapsed
         self.stats.batches += 1
         self.stats.rows += rows

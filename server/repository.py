@@ -99,7 +99,7 @@ class ServedModel:
             timeout = configured / 1000.0 if timeout is None else min(timeout, configured / 1000.0)
         if not x.flags.writeable:
             x = x.copy()
-        return batcher.enqueue(x, None if timeout is None else batcher.clock() + timeout, self._prediction)
+        return batcher.enqueue(x, None if timeout is None else batcher.clock.now() + timeout, self._prediction)
 
     def _input(self, inputs: Tensors) -> np.ndarray:
         """The one input's rows, from ``inputs`` by name."""

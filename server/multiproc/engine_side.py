@@ -147,10 +147,12 @@ class _Connection(asyncio.Protocol):
         as it is now."""
         places = head["inputs"]
         tensors = self.segment.take(head["slot"], places) if head["slot"] >= 0 else from_payload(payload, places)
-        shapes = {s.name: s.shape for s in specs}
-        for name, x in tensors.items():
-            if shapes.get(name) != list(x.shape[1:]):
-                raise ModelNotReadyError(f"model {head['model']!r} changed its inputs while this request was decoded")
+        changed = len(tensors) != len(specs)
+        for spec in specs:
+            x = tensors.get(spec.name)
+            changed = changed or x is None or list(x.shape[1:]) != spec.shape
+        if changed:
+            raise ModelNotReadyError(f"model {head['model']!r} changed its inputs while this request was decoded")
         return tensors
 
 

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import heapq
 import time
 from collections import deque
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -39,6 +41,49 @@ class FakeRunner:
     @property
     def sizes(self) -> list[int]:
         return [sum(len(c) for c in b) for b in self.batches]
+
+
+class FakeClock:
+    """The batcher's clock, moved by the test: waits and deadlines pass without sleeping."""
+
+    def __init__(self) -> None:
+        self.time = 1000.0
+        self.timers: list[tuple[float, int, Callable[[], object], asyncio.Event]] = []
+        self._seq = 0
+
+    def now(self) -> float:
+        return self.time
+
+    def call_later(self, delay: float, callback: Callable[[], object]) -> FakeTimer:
+        self._seq += 1
+        timer = FakeTimer()
+        heapq.heappush(self.timers, (self.time + delay, self._seq, callback, timer.cancelled))
+        return timer
+
+    async def advance(self, seconds: float) -> None:
+        """Move the clock on, firing every timer due by then in order, and let the event loop run what they woke."""
+        until = self.time + seconds
+        while self.timers and self.timers[0][0] <= until:
+            when, _, callback, cancelled = heapq.heappop(self.timers)
+            self.time = when
+            if not cancelled.is_set():
+                callback()
+            await settle()
+        self.time = until
+        await settle()
+
+
+class FakeTimer:
+    def __init__(self) -> None:
+        self.cancelled = asyncio.Event()
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+
+async def settle() -> None:
+    for _ in range(10):
+        await asyncio.sleep(0)
 
 
 def rows(n: int, start: float = 0.0, width: int = 3) -> np.ndarray:
@@ -107,14 +152,33 @@ async def test_cuts_on_size_without_waiting_for_the_delay() -> None:
 
 
 async def test_cuts_on_delay_when_the_batch_is_not_full() -> None:
-    runner = FakeRunner()
-    batcher = Batcher(runner, max_batch_size=100, max_delay=0.05, max_queue_rows=1000)
+    runner, clock = FakeRunner(), FakeClock()
+    batcher = Batcher(runner, max_batch_size=100, max_delay=30.0, max_queue_rows=1000, clock=clock)
     batcher.start()
-    start = time.monotonic()
-    await asyncio.gather(*(batcher.submit(rows(1, i)) for i in range(3)))
-    assert time.monotonic() - start >= 0.05
+    futures = [batcher.enqueue(rows(1, i)) for i in range(3)]
+    await clock.advance(29.999)  # half a minute on the batcher's clock, none on the wall's
+    assert runner.sizes == []
+    await clock.advance(0.001)
     assert runner.sizes == [3]
+    assert all(f.done() for f in futures)
     assert batcher.stats.batch_sizes == {3: 1}
+    assert batcher.stats.queue_seconds == pytest.approx(3 * 30.0)  # measured on the same clock
+    await batcher.stop()
+
+
+async def test_the_delay_counts_from_the_oldest_request() -> None:
+    runner, clock = FakeRunner(), FakeClock()
+    batcher = Batcher(runner, max_batch_size=100, max_delay=10.0, max_queue_rows=1000, clock=clock)
+    batcher.start()
+    first = batcher.enqueue(rows(1))
+    await clock.advance(6.0)
+    second = batcher.enqueue(rows(1, 5))
+    await clock.advance(3.9)
+    assert runner.sizes == []
+    await clock.advance(0.1)  # 10 s after the first, 4 after the second
+    assert runner.sizes == [2]
+    assert first.done()
+    assert second.done()
     await batcher.stop()
 
 
@@ -185,6 +249,23 @@ async def test_expired_request_is_answered_and_never_run() -> None:
         await batcher.submit(rows(1), deadline=time.monotonic() - 1)
     assert runner.batches == []
     assert batcher.stats.expired == 1
+    await batcher.stop()
+
+
+async def test_a_deadline_passing_while_queued_answers_at_that_moment() -> None:
+    runner, clock = FakeRunner(), FakeClock()
+    batcher = Batcher(runner, max_batch_size=100, max_delay=60.0, max_queue_rows=64, clock=clock)
+    batcher.start()
+    late = batcher.enqueue(rows(1), deadline=clock.now() + 5.0)
+    kept = batcher.enqueue(rows(1, 3))
+    await clock.advance(4.999)
+    assert not late.done()
+    await clock.advance(0.001)
+    assert isinstance(late.exception(), DeadlineExceededError)
+    assert not kept.done()
+    await clock.advance(55.0)  # the delay ends: the batch holds the other request only
+    assert runner.sizes == [1]
+    np.testing.assert_array_equal(kept.result().data, rows(1, 3) * 2)
     await batcher.stop()
 
 
