@@ -147,7 +147,7 @@ def ceiling(
         engine_rate[str(b)] = rate(lambda x=x: engine.forward(x), b, seconds, device)
         if device_only:
             xd = torch.from_numpy(x).to(device)
-            device_rate[str(b)] = rate(lambda xd=xd: engine.forward_device(xd), b, seconds, device)
+            device_rate[str(b)] = rate(lambda xd=xd: engine._on_device(xd), b, seconds, device)
     info = engine.info
     engine.close()
     if device.type == "cuda":
@@ -192,7 +192,7 @@ def instances_rate(
         ) -> None:
             inst = engine.instances[i]
             while not stop.is_set():  # on the instance's own thread, where it warmed up, as the server runs it
-                inst.executor.submit(engine.run_chunks, [x], inst).result()
+                inst.executor.submit(engine.run_batch, [x], inst).result()
                 done[i] += 1
 
         threads = [threading.Thread(target=drive, args=(i,)) for i in range(n)]

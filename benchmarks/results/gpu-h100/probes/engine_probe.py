@@ -108,7 +108,7 @@ for n in (1, 2):
         ) -> None:
             inst = engine.instances[i]
             while not stop.is_set():
-                inst.executor.submit(engine.run_chunks, [x], inst).result()
+                inst.executor.submit(engine.run_batch, [x], inst).result()
                 done[i] += 1
 
         threads = [threading.Thread(target=drive, args=(i,)) for i in range(n)]

@@ -22,7 +22,7 @@ if os.environ.get("PROF_OUT"):
     lock = threading.Lock()
     stats: dict = {}
     orig_stage, orig_replay, orig_fetch = ins.Instance.stage, ins.Instance.replay, ins.Instance.fetch
-    orig_fc = eng.Engine.forward_chunks
+    orig_fc = eng.Engine.forward
 
     def add(inst, key, dt):
         with lock:
@@ -61,7 +61,8 @@ if os.environ.get("PROF_OUT"):
 
     last_end: dict = {}
 
-    def forward_chunks(self, chunks, inst=None):
+    def forward(self, chunks, inst=None):
+        chunks = chunks if isinstance(chunks, list) else [chunks]
         inst = inst or self.instances[0]
         t = time.perf_counter()
         if inst.index in last_end:
@@ -83,9 +84,9 @@ if os.environ.get("PROF_OUT"):
 
     ins.Instance.stage, ins.Instance.replay, ins.Instance.fetch = stage, replay, fetch
     ins.Instance.upload = upload
-    eng.Engine.forward_chunks = forward_chunks
+    eng.Engine.forward = forward
 
 if os.environ.get("NOPIN"):
-    import server.backplane as bp
+    import server.multiproc.engine_side as bp
 
     bp.pin_host = lambda memory: None
