@@ -21,14 +21,12 @@ import threading
 import time
 from pathlib import Path
 
+import common  # noqa: F401  (the repository root on sys.path, for server)
 import numpy as np
 import orjson
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from server import hostinfo  # noqa: E402
+from server import hostinfo
 
 CALLS_PER_SAMPLE = 20
 

@@ -29,7 +29,6 @@ import argparse
 import json
 import os
 import shutil
-import sys
 import tempfile
 import threading
 import time
@@ -37,28 +36,18 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import common
 import numpy as np
 import torch
+from common import IMAGENET, ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from server import hostinfo, models, store  # noqa: E402
-from server.engine import Engine  # noqa: E402
-from server.loadtest.config import LoadtestConfig  # noqa: E402
-from server.loadtest.make_bench_model import calibrate  # noqa: E402
-from server.loadtest.payload import Protocol  # noqa: E402
-from server.precision import Precision, set_tf32  # noqa: E402
-from server.store import (  # noqa: E402
-    Batching,
-    Compile,
-    DataType,
-    Execution,
-    LoadedModel,
-    Manifest,
-    Normalize,
-    TensorSpec,
-)
+from server import hostinfo, models, store
+from server.engine import Engine
+from server.loadtest.config import LoadtestConfig
+from server.loadtest.make_bench_model import calibrate
+from server.loadtest.payload import Protocol
+from server.precision import Precision, set_tf32
+from server.store import Batching, Compile, DataType, Execution, LoadedModel, Manifest, TensorSpec
 
 MODEL = "resnet50"
 
@@ -103,9 +92,6 @@ def build_store(root: Path, image_size: int, max_batch_size: int, execution: Exe
     calibrate(module, shape, seed=0)
     store.save(root, manifest, module, version=1)
     return store.load(root, MODEL)
-
-
-IMAGENET = Normalize(scale=1 / 255, mean=[0.485, 0.456, 0.406], std=[0.229, 0.224, 0.225])
 
 
 def with_wire(manifest: Manifest, wire: str) -> Manifest:
@@ -251,8 +237,6 @@ def wrk_sweep(
     Same result shape as :func:`serve_sweep`; the mean batch comes from the server's ``/models/{model}/stats``
     before and after each level, the server's CPU from ``/proc`` (the engine process and its front-ends).
     """
-    import serve_bench
-
     out.mkdir(parents=True, exist_ok=True)
     spec = store.load_manifest(root / MODEL).inputs[0]
     dtype = {"uint8": np.uint8, "fp16": np.float16, "fp32": np.float32}[wire]
@@ -266,22 +250,22 @@ def wrk_sweep(
     body, script = out / "request.body", out / "request.lua"
     body.write_bytes(header + raw)
     script.write_text(
-        serve_bench.LUA.format(
+        common.LUA.format(
             content_type="application/octet-stream",
-            extra_headers=f'wrk.headers["{serve_bench.HEADER_LENGTH}"] = "{len(header)}"\n',
+            extra_headers=f'wrk.headers["{common.HEADER_LENGTH}"] = "{len(header)}"\n',
         )
     )
     port, results = 8470, []
     for prec in precisions:
-        server = serve_bench.start_server(root, MODEL, port, "--precision", prec, "--no-tf32", *extra)
+        server = common.start_server(root, MODEL, port, "--precision", prec, "--no-tf32", *extra)
         url = f"http://127.0.0.1:{port}/v2/models/{MODEL}/infer"
         try:
-            serve_bench.wrk(url, 64, args.warmup, script, body, threads=args.wrk_threads)
+            common.wrk(url, 64, args.warmup, script, body, threads=args.wrk_threads)
             for c in args.concurrency:
-                before, cpu0, t0 = serve_bench.stats(port, MODEL), process_cpu(server.pid), time.perf_counter()
-                r = serve_bench.wrk(url, c, args.duration, script, body, threads=min(args.wrk_threads, c))
+                before, cpu0, t0 = common.stats(port, MODEL), process_cpu(server.pid), time.perf_counter()
+                r = common.wrk(url, c, args.duration, script, body, threads=min(args.wrk_threads, c))
                 cpu = (process_cpu(server.pid) - cpu0) / (time.perf_counter() - t0) * 100
-                after = serve_bench.stats(port, MODEL)
+                after = common.stats(port, MODEL)
                 batches = after["batches"] - before["batches"]
                 row = {
                     "precision": prec,

@@ -20,9 +20,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import serve_bench
 import torch
-from serve_bench import ROOT
+from common import ROOT, write_results
 
 from server import hostinfo, store
 from server.engine import Engine
@@ -122,7 +121,7 @@ def main() -> None:
     md = markdown(result)
     print(md)
     if args.out is not None:
-        serve_bench.write_results(args.out, result, md)
+        write_results(args.out, result, md)
 
 
 if __name__ == "__main__":

@@ -46,12 +46,11 @@ from multiprocessing import shared_memory
 from pathlib import Path
 from typing import Any
 
+import common
 import httpx
 import numpy as np
-import serve_bench
 import torch
-from gpu_bench import IMAGENET
-from serve_bench import ROOT
+from common import IMAGENET, ROOT
 
 from server import hostinfo, models, store
 from server.store import Batching, DataType, Manifest, TensorSpec
@@ -114,7 +113,7 @@ def children_cpu() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def measure(args: argparse.Namespace, source: Path, variant: str, proto: serve_bench.Protocol) -> dict[str, Any]:
+def measure(args: argparse.Namespace, source: Path, variant: str, proto: common.Protocol) -> dict[str, Any]:
     """One server of the tree at ``source`` with the options ``variant`` adds: warm up, then one wrk run with every
     part's CPU time around it."""
     server_args = ["--http-workers", str(args.http_workers), "--precision", args.precision, "--log-level", "warning"]
@@ -123,19 +122,19 @@ def measure(args: argparse.Namespace, source: Path, variant: str, proto: serve_b
     server_args += [w for w in words if "=" not in w or w.startswith("-")]
     if proto.name == "v2-shm":
         server_args += ["--admin-token", SHM_TOKEN]
-    proc = serve_bench.start_server(args.store, args.model, args.port, *server_args, source=source, env=env)
+    proc = common.start_server(args.store, args.model, args.port, *server_args, source=source, env=env)
     url = f"http://127.0.0.1:{args.port}{proto.path}"
     try:
         if proto.name == "v2-shm":
             register_region(args.port, args.region)
-        serve_bench.wrk(url, args.concurrency, 2, proto.script, proto.body)
+        common.wrk(url, args.concurrency, 2, proto.script, proto.body)
         before, wrk_before, batches_before = (
             server_cpu(proc.pid),
             children_cpu(),
-            serve_bench.stats(args.port, args.model),
+            common.stats(args.port, args.model),
         )
-        result = serve_bench.wrk(url, args.concurrency, args.duration, proto.script, proto.body)
-        after, wrk_after, batches_after = server_cpu(proc.pid), children_cpu(), serve_bench.stats(args.port, args.model)
+        result = common.wrk(url, args.concurrency, args.duration, proto.script, proto.body)
+        after, wrk_after, batches_after = server_cpu(proc.pid), children_cpu(), common.stats(args.port, args.model)
     finally:
         proc.terminate()
         proc.wait(timeout=60)
@@ -153,9 +152,9 @@ SHM_REGION = "image"
 
 def shm_protocol(
     model: str, input_name: str, sample: np.ndarray, datatype: str, folder: Path
-) -> tuple[serve_bench.Protocol, shared_memory.SharedMemory]:
+) -> tuple[common.Protocol, shared_memory.SharedMemory]:
     """A V2 request naming ``sample`` in a shared memory object (written here) instead of carrying it."""
-    raw = sample.astype(serve_bench.WIRE_DTYPES[datatype]).tobytes()
+    raw = sample.astype(common.WIRE_DTYPES[datatype]).tobytes()
     region = shared_memory.SharedMemory(create=True, size=len(raw))
     region.buf[: len(raw)] = raw
     params = {"shared_memory_region": SHM_REGION, "shared_memory_byte_size": len(raw)}
@@ -163,7 +162,7 @@ def shm_protocol(
     body = json.dumps({"inputs": [tensor], "parameters": {"binary_data_output": True}}).encode()
     # Naming a region needs the admin token, as registering it does.
     auth = f'wrk.headers["Authorization"] = "Bearer {SHM_TOKEN}"\n'
-    proto = serve_bench.write_protocol("v2-shm", f"/v2/models/{model}/infer", body, "application/json", folder, auth)
+    proto = common.write_protocol("v2-shm", f"/v2/models/{model}/infer", body, "application/json", folder, auth)
     return proto, region
 
 
@@ -216,7 +215,7 @@ def main() -> None:
         "--protocols",
         default=["v2-binary"],
         type=lambda s: s.split(","),
-        help=f"comma-separated, of {', '.join([*serve_bench.PROTOCOLS, 'v2-shm'])} (default: v2-binary)",
+        help=f"comma-separated, of {', '.join([*common.PROTOCOLS, 'v2-shm'])} (default: v2-binary)",
     )
     p.add_argument("--http-workers", type=int, default=2)
     p.add_argument("--precision", default="fp32")
@@ -234,12 +233,12 @@ def main() -> None:
     rng = np.random.default_rng(0)
     sample = rng.integers(0, 256, spec.shape) if spec.datatype is DataType.UINT8 else rng.uniform(0, 1, spec.shape)
     args.region = None
-    protos: dict[str, serve_bench.Protocol] = {}
+    protos: dict[str, common.Protocol] = {}
     for name in args.protocols:
         if name == "v2-shm":
             protos[name], args.region = shm_protocol(args.model, spec.name, sample, spec.datatype.value, tmp)
         else:
-            protos[name] = serve_bench.make_protocol(name, args.model, spec.name, sample, tmp, spec.datatype.value)
+            protos[name] = common.make_protocol(name, args.model, spec.name, sample, tmp, spec.datatype.value)
     trees: dict[str, Path] = {}
     result: dict[str, Any] = {
         "workload": {"model": args.model, "input": spec.model_dump(mode="json")},
@@ -270,7 +269,7 @@ def main() -> None:
     md = summary(result)
     print(md)
     if args.out is not None:
-        serve_bench.write_results(args.out, result, md)
+        common.write_results(args.out, result, md)
 
 
 if __name__ == "__main__":

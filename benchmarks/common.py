@@ -1,0 +1,170 @@
+"""What the benchmarks share: the repository root on ``sys.path``, ImageNet's normalisation, wrk and its request
+scripts, the server under test, and result files.
+
+Imported as ``import common`` by every script in this folder (a script's own folder is on ``sys.path`` when it runs),
+before anything from ``server``: importing it puts the repository root first on ``sys.path``, so the scripts run the
+``server`` of this tree whether or not the project is installed. It is the only module here that changes
+``sys.path``. The tools in ``tools/`` run with this folder on ``PYTHONPATH`` (see README.md).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+"""The repository root."""
+sys.path.insert(0, str(ROOT))
+
+import httpx  # noqa: E402
+import numpy as np  # noqa: E402
+
+from server.store import Normalize  # noqa: E402
+
+RESULTS = ROOT / "benchmarks" / "results"
+"""Where committed results live."""
+
+IMAGENET = Normalize(scale=1 / 255, mean=[0.485, 0.456, 0.406], std=[0.229, 0.224, 0.225])
+"""ImageNet's normalisation of UINT8 RGB images, done by the server on the device."""
+
+LUA = """
+wrk.method = "POST"
+wrk.headers["Content-Type"] = "{content_type}"
+{extra_headers}local f = io.open(os.getenv("HALFSERVE_BODY"), "rb")
+wrk.body = f:read("*a")
+f:close()
+"""
+
+PROTOCOLS = ("predict", "v2-json", "v2-binary")
+HEADER_LENGTH = "Inference-Header-Content-Length"
+
+
+@dataclass(frozen=True)
+class Protocol:
+    """One way of asking for an inference: the URL path, the request body and the wrk script that posts it."""
+
+    name: str
+    path: str
+    body: Path
+    script: Path
+
+
+WIRE_DTYPES = {"FP32": "<f4", "FP16": "<f2", "UINT8": "u1"}
+"""numpy dtypes of the V2 datatypes a binary body may carry."""
+
+
+def make_protocol(
+    name: str, model: str, input_name: str, sample: np.ndarray, folder: Path, datatype: str = "FP32"
+) -> Protocol:
+    """Write the body and wrk script of protocol ``name`` for one sample into ``folder``.
+
+    JSON bodies carry ``sample``'s (float64, rounded) values as written, V2 JSON declaring them ``datatype`` (FP32
+    for the 16-bit floats JSON cannot carry); the binary body carries them as ``datatype``.
+    """
+    batch = [1, *sample.shape]
+    extra = ""
+    if name == "predict":
+        path, content_type = "/predict", "application/json"
+        body = json.dumps({"model": model, "inputs": [sample.tolist()]}).encode()
+    elif name == "v2-json":
+        path, content_type = f"/v2/models/{model}/infer", "application/json"
+        declared = "FP32" if datatype in ("FP16", "BF16") else datatype  # an integer input takes no FP32 data
+        tensor = {"name": input_name, "shape": batch, "datatype": declared, "data": sample.ravel().tolist()}
+        body = json.dumps({"inputs": [tensor]}).encode()
+    elif name == "v2-binary":
+        path, content_type = f"/v2/models/{model}/infer", "application/octet-stream"
+        raw = sample.astype(WIRE_DTYPES[datatype]).tobytes()
+        tensor = {
+            "name": input_name,
+            "shape": batch,
+            "datatype": datatype,
+            "parameters": {"binary_data_size": len(raw)},
+        }
+        header = json.dumps({"inputs": [tensor], "parameters": {"binary_data_output": True}}).encode()
+        body = header + raw
+        extra = f'wrk.headers["{HEADER_LENGTH}"] = "{len(header)}"\n'
+    else:
+        raise ValueError(f"unknown protocol {name!r} (known: {', '.join(PROTOCOLS)})")
+    return write_protocol(name, path, body, content_type, folder, extra)
+
+
+def write_protocol(name: str, path: str, body: bytes, content_type: str, folder: Path, extra: str = "") -> Protocol:
+    """``body`` and the wrk script that posts it to ``path``, written into ``folder``."""
+    body_path = folder / f"{name}.body"
+    body_path.write_bytes(body)
+    script = folder / f"{name}.lua"
+    script.write_text(LUA.format(content_type=content_type, extra_headers=extra))
+    return Protocol(name, path, body_path, script)
+
+
+def parse_wrk(text: str) -> dict[str, float]:
+    def ms(token: str) -> float:
+        m = re.match(r"([\d.]+)(us|ms|s)", token)
+        assert m, token
+        v = float(m.group(1))
+        return v / 1000 if m.group(2) == "us" else v if m.group(2) == "ms" else v * 1000
+
+    lat = dict(re.findall(r"^\s+(50|75|90|99)%\s+(\S+)", text, re.M))
+    rps = float(re.search(r"Requests/sec:\s+([\d.]+)", text).group(1))  # type: ignore[union-attr]
+    total = int(re.search(r"(\d+) requests in", text).group(1))  # type: ignore[union-attr]
+    errors = re.search(r"Non-2xx or 3xx responses: (\d+)", text)
+    socket_errors = re.search(r"Socket errors: (.*)", text)
+    return {
+        "rps": rps,
+        "requests": total,
+        "non_2xx": int(errors.group(1)) if errors else 0,
+        "socket_errors": socket_errors.group(1) if socket_errors else "",  # type: ignore[dict-item]
+        "p50_ms": ms(lat["50"]),
+        "p90_ms": ms(lat["90"]),
+        "p99_ms": ms(lat["99"]),
+    }
+
+
+def wrk(
+    url: str, connections: int, seconds: float, script: Path | None, body: Path | None, threads: int = 1
+) -> dict[str, float]:
+    cmd = [os.environ.get("WRK", "wrk"), f"-t{threads}", f"-c{connections}", f"-d{seconds:g}s", "--latency"]
+    cmd += ["--timeout", "10s"]
+    if script is not None:
+        cmd += ["-s", str(script)]
+    env = {**os.environ, "HALFSERVE_BODY": str(body or "")}
+    text = subprocess.run([*cmd, url], capture_output=True, text=True, check=True, env=env).stdout
+    return parse_wrk(text)
+
+
+def start_server(
+    store_dir: Path, model: str, port: int, *args: str, source: Path = ROOT, env: dict[str, str] | None = None
+) -> subprocess.Popen[bytes]:
+    """``halfserve serve`` of the tree at ``source`` (python -m puts it first on the path), with ``env`` added to
+    this process's environment, once it answers ready."""
+    cmd = [sys.executable, "-m", "server", "serve", "--store", str(store_dir), "--models", model, "--port", str(port)]
+    full_env = {**os.environ, **(env or {})}
+    quiet = subprocess.DEVNULL
+    proc = subprocess.Popen([*cmd, *args], stdout=quiet, stderr=quiet, cwd=source, env=full_env)
+    for _ in range(600):
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/ready", timeout=1).status_code == 200:
+                return proc
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError("server did not become ready")
+
+
+def stats(port: int, model: str) -> dict[str, float]:
+    s = httpx.get(f"http://127.0.0.1:{port}/models/{model}/stats").json()
+    return {"rows": s["rows"], "batches": s["batches"]}
+
+
+def write_results(prefix: Path, result: object, md: str) -> None:
+    """``result`` as ``<prefix>.json`` and its table as ``<prefix>.md``."""
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    prefix.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
+    prefix.with_suffix(".md").write_text(md + "\n")
