@@ -17,10 +17,11 @@ TF32 is off for fp32 (the server's default, ``--no-tf32``), so fp32 is IEEE fp32
 TF32 on in-process, for reference. Writes ``gpu_bench.json``, ``gpu_bench.md`` and ``gpu_bench.png`` into --out,
 and the load test's own report into ``--out/loadtest``.
 
-Usage:
-    python benchmarks/gpu_bench.py --out benchmarks/results/gpu-h100                 # on a CUDA machine
-    python benchmarks/gpu_bench.py --image-size 64 --batch-sizes 1,4,16 --concurrency 1,4,16 --duration 2 \\
-        --out benchmarks/results/gpu-bench-cpu                                        # the same paths on a CPU
+Usage (the commands of the committed runs are in benchmarks/README.md):
+    python benchmarks/gpu_bench.py --out /tmp/gpu_bench                                # on a CUDA machine
+    python benchmarks/gpu_bench.py --image-size 64 --batch-sizes 1,4,16 --concurrency 1,4,16 --duration 3 \\
+        --instances 1 --instance-counts 1,2 --client-processes 1 \\
+        --out benchmarks/results/gpu-bench-cpu                                         # the same paths on a CPU
 """
 
 from __future__ import annotations

@@ -10,9 +10,10 @@ For each precision it measures, in one run:
     ``predict`` (POST /predict, JSON), ``v2-json`` (KServe V2 inference, JSON tensor data) and ``v2-binary`` (KServe
     V2 with the binary tensor extension: JSON header plus raw float32 input, binary output).
 
-Usage (wrk from Debian's package):
-    python benchmarks/serve_bench.py --model digits_mlp --precisions bf16,fp32 --out benchmarks/results/cpu
-    python benchmarks/serve_bench.py --protocols predict,v2-json,v2-binary --out benchmarks/results/cpu-protocols
+Usage (wrk from Debian's package), from the repository root:
+    python benchmarks/serve_bench.py --model digits_mlp --precisions bf16,fp32 --out /tmp/serve_bench
+    python benchmarks/serve_bench.py --model digits_mlp --precisions fp32,bf16 --protocols predict,v2-json,v2-binary \\
+        --duration 5 --out benchmarks/results/cpu_serve_digits_mlp                 # the committed run
 """
 
 from __future__ import annotations

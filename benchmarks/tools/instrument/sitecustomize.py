@@ -1,5 +1,9 @@
 """Probe instrumentation, loaded by putting this folder first on PYTHONPATH (every process then imports it).
 
+From the repository root: ``PYTHONPATH=benchmarks/tools/instrument:benchmarks:. ... python benchmarks/tools/probe.py``
+(``.`` so that this tree's ``server`` is the one patched: site-customisation runs before a script's own folder, or
+``-m``'s working directory, is on ``sys.path``).
+
 Env: ``SWI`` sets ``sys.setswitchinterval``; ``PROF_OUT`` (a folder) times each instance's upload, graph replay,
 fetch (the device wait included) and whole batch on its thread, summed, written every 200 batches of instance 0 as
 ``prof-<pid>.json``; ``NOPIN`` keeps the engine process from page-locking the front-ends' shared memory.

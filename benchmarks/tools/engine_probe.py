@@ -4,30 +4,27 @@
 2. a closed loop of C in-process clients, one image each, through the server's Batcher and Engine (what the
    batching schedule gives without HTTP), with the mean batch and the mean runner time per batch.
 
-Run from the repository root: ``python benchmarks/results/gpu-h100/probes/engine_probe.py``; env ``OUT``.
+Run from the repository root with ``benchmarks`` on ``PYTHONPATH`` (for ``common`` and ``gpu_bench``):
+``PYTHONPATH=benchmarks python benchmarks/tools/engine_probe.py``. Env: ``OUT`` (default /tmp/out; writes
+``engine_probe.json`` there), ``STORE``, ``IMAGE``, ``MAX_BATCH``, ``SECONDS``, ``DEVICE``, ``PRECISION``.
 """
 
 import asyncio
 import json
 import os
-import sys
 import threading
 import time
 from pathlib import Path
 
+import gpu_bench
 import numpy as np
 import torch
 
-ROOT = Path.cwd()
-sys.path.insert(0, str(ROOT / "benchmarks"))
-sys.path.insert(0, str(ROOT))
-import gpu_bench  # noqa: E402
-
-from server import store  # noqa: E402
-from server.batching import Batcher  # noqa: E402
-from server.engine import Engine  # noqa: E402
-from server.precision import Precision  # noqa: E402
-from server.store import Compile, Execution  # noqa: E402
+from server import store
+from server.batching import Batcher
+from server.engine import Engine
+from server.precision import Precision
+from server.store import Compile, Execution
 
 OUT = Path(os.environ.get("OUT", "/tmp/out"))
 OUT.mkdir(parents=True, exist_ok=True)

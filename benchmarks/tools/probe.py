@@ -1,4 +1,10 @@
-"""Probe: server with UINT8 ResNet-50 images under wrk, per precision, with server CPU and a py-spy profile."""
+"""Probe: server with UINT8 ResNet-50 images under wrk, per precision, with server CPU and a py-spy profile.
+
+Run from the repository root with ``benchmarks`` on ``PYTHONPATH`` (for ``common`` and ``gpu_bench``) and wrk at
+``.gpu/bin/wrk``: ``PYTHONPATH=benchmarks python benchmarks/tools/probe.py``. Env: ``OUT`` (default /tmp/out),
+``PRECS``, ``CONC``, ``INSTANCES``, ``WIRE``, ``WRK_THREADS``, ``BUCKETS``, ``SERVER_ARGS``, ``PYSPY``, ``TAG``;
+writes ``probe-<wire>-<TAG>.json`` and the servers' logs into ``OUT``.
+"""
 
 import contextlib
 import json
@@ -9,15 +15,13 @@ import sys
 import time
 from pathlib import Path
 
+import common
+import gpu_bench
 import httpx
 import numpy as np
+from common import ROOT
 
-ROOT = Path.cwd()  # run from the repository root
-sys.path.insert(0, str(ROOT / "benchmarks"))
-sys.path.insert(0, str(ROOT))
-import gpu_bench  # noqa: E402
-
-from server.store import Compile, Execution  # noqa: E402
+from server.store import Compile, Execution
 
 OUT = Path(os.environ.get("OUT", "/tmp/out"))
 OUT.mkdir(parents=True, exist_ok=True)
@@ -160,7 +164,7 @@ for prec in precs:
         comp = metric(port, "halfserve_compute_duration_seconds_sum") - comp0
         q = metric(port, "halfserve_queue_duration_seconds_sum") - q0
         qn = metric(port, "halfserve_queue_duration_seconds_count") - qn0
-        parsed = gpu_bench_parse = __import__("serve_bench").parse_wrk(w)
+        parsed = common.parse_wrk(w)
         r = {
             "precision": prec,
             "concurrency": c,
