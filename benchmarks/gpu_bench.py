@@ -43,7 +43,7 @@ import torch
 from common import IMAGENET, ROOT
 
 from server import hostinfo, models, store
-from server.engine import Engine
+from server.engine import Engine, tune_cudnn
 from server.loadtest.config import LoadtestConfig
 from server.loadtest.make_bench_model import calibrate
 from server.loadtest.payload import Protocol
@@ -518,6 +518,7 @@ def main() -> None:
     precisions = args.precisions.split(",") if args.precisions else [half, "fp32"]
     sizes = args.batch_sizes or ([1, 2, 4, 8, 16, 32, 64, 128, 256] if cuda else [1, 2, 4, 8, 16])
     set_tf32(False)
+    tune_cudnn(device, fixed_shapes=True)  # its engines pad to buckets, as the server's lifespan would set
     args.out.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix="gpu_bench_"))
     try:

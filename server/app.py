@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 import torch
 from fastapi import FastAPI
 
-from server import __version__, api, precision
+from server import __version__, api, engine, precision
 from server.metrics import Metrics
 from server.multiproc.engine_side import Backplane
 from server.multiproc.supervisor import Frontends
@@ -96,6 +96,7 @@ def create_app(settings: Settings | None = None, frontends: Frontends | None = N
         if interval is not None:
             sys.setswitchinterval(interval / 1000.0)
         repo.discover()
+        engine.tune_cudnn(repo.device, repo.fixed_shapes())
         metrics.watch(lambda: repo.models.values())
         state = AppState(settings, repo, regions, metrics, repository=repo)
         app.state.serving = state

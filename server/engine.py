@@ -20,6 +20,8 @@ import copy
 import logging
 import threading
 import time
+import types
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -163,8 +165,7 @@ class Engine:
         )
         self.out_shape = tuple(loaded.manifest.outputs[0].shape)
         self.inductor = ex.compile is Compile.INDUCTOR
-        # A compiled forward runs fixed shapes, so it pads to buckets wherever it runs.
-        self.pad = (cuda or self.inductor) if ex.pad_to_bucket is None else ex.pad_to_bucket
+        self.pad = pads_to_buckets(ex, device)
         # Graphs replay fixed shapes and fixed casts: autocast's weight cache cannot be captured, so it runs eagerly.
         self.cuda_graphs = ex.compile is Compile.CUDA_GRAPHS and cuda and self.precision is not Precision.AUTOCAST
         images = len(self.sample_shape) == 3
@@ -184,9 +185,6 @@ class Engine:
         if self.channels_last:
             model = model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
         self.model: nn.Module = model
-        if cuda and self.pad:
-            # A few fixed shapes, each seen at warm-up: let cuDNN time its algorithms once per shape and keep the best.
-            torch.backends.cudnn.benchmark = True
 
         self.guarded = self.precision is not Precision.FP32
         """Whether outputs are checked for overflow: only a reduced precision can overflow where fp32 would not."""
@@ -198,7 +196,7 @@ class Engine:
         self._idle = list(reversed(self.instances))
         self._next = 0
         self._lock = threading.Lock()
-        self._forward = torch.compile(self._eager, dynamic=False) if self.inductor else self._eager
+        self._forward = torch.compile(_own_code(self._eager), dynamic=False) if self.inductor else self._eager
         self.compile_seconds = 0.0
         self._room_made = False
         if self.inductor and self.buckets:
@@ -356,11 +354,9 @@ class Engine:
         return time.perf_counter() - start
 
     def _make_room_for_compiles(self, sizes: list[int]) -> None:
-        """Count this engine's shapes in, and let each instance's thread keep every shape compiled so far."""
-        global _compiled_shapes
-        _compiled_shapes += len(sizes)
+        """Let each instance's thread keep every one of this engine's compiled shapes."""
         for inst in self.instances:
-            inst.executor.submit(_allow_compiled_shapes, _compiled_shapes).result()
+            inst.executor.submit(_allow_compiled_shapes, len(sizes)).result()
         self._room_made = True
 
     def _warm_instance(self, inst: Instance, sizes: list[int]) -> None:
@@ -385,20 +381,40 @@ class Engine:
             inst.close()
 
 
-_compiled_shapes = 0
-"""Shapes compiled with TorchInductor so far in this process, every engine's together."""
+def pads_to_buckets(execution: Execution, device: torch.device) -> bool:
+    """Whether an engine pads batches to bucket sizes: as the manifest says, else on CUDA (fixed shapes for cuDNN and
+    CUDA graphs) and wherever the forward is compiled (a compiled forward runs fixed shapes)."""
+    if execution.pad_to_bucket is not None:
+        return execution.pad_to_bucket
+    return device.type == "cuda" or execution.compile is Compile.INDUCTOR
+
+
+def tune_cudnn(device: torch.device, fixed_shapes: bool) -> None:
+    """Process-wide: let cuDNN time its algorithms once per input shape and keep the fastest, on a CUDA device whose
+    engines run a few fixed shapes (padded to buckets, each seen at warm-up). With shapes that vary, every new one
+    would pay that timing (about a second per shape for ResNet-50) under load, so it stays off."""
+    torch.backends.cudnn.benchmark = device.type == "cuda" and fixed_shapes
+
+
+def _own_code(method: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``method`` bound to a copy of its function's code object.
+
+    torch.compile keeps compiled shapes per code object, and every engine's ``_eager`` is one code object: their
+    entries would add up over models, precisions and reloads, none freed, each checked in turn on every call, and past
+    its recompile limit (8) it would run eager forwards and say so only in a log line. With a code object of its own,
+    an engine's compiled shapes are its own and go with it.
+    """
+    fn = method.__func__  # type: ignore[attr-defined]
+    code = fn.__code__.replace()  # an equal code object, not the same one
+    own = types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    return types.MethodType(own, method.__self__)  # type: ignore[attr-defined]
 
 
 def _allow_compiled_shapes(count: int) -> None:
-    """Let torch.compile keep ``count`` compiled shapes of :meth:`Engine._eager` on this thread.
-
-    Every engine's compiled forward is the same code object to torch.compile, so its entries add up over models,
-    precisions and reloads; past its recompile limit (8) it would run eager forwards and say so only in a log line.
-    Its limits are read on the compiling thread, so an instance sets them on its own.
-    """
+    """Let torch.compile keep ``count`` compiled shapes of one code object on this thread (its default is 8; an
+    engine can have more buckets). Its limits are read on the compiling thread, so an instance sets them on its own."""
     config = torch._dynamo.config
     config.cache_size_limit = max(config.cache_size_limit, count)
-    config.accumulated_cache_size_limit = max(config.accumulated_cache_size_limit, count)
 
 
 def module_bytes(module: nn.Module) -> int:

@@ -15,7 +15,7 @@ import numpy as np
 from server import precision as prec
 from server import store
 from server.batching import Batcher, BatchObserver, BatchStats
-from server.engine import Engine, EngineInfo, module_bytes, resolve_device
+from server.engine import Engine, EngineInfo, module_bytes, pads_to_buckets, resolve_device
 from server.precision import Precision
 from server.serving import (
     InvalidInputError,
@@ -205,6 +205,10 @@ class ModelRepository:
             raise StoreError(f"{root}: no model folder with a {store.MANIFEST}")
         for name in names:
             self.models[name] = self._register(name)
+
+    def fixed_shapes(self) -> bool:
+        """Whether every registered model's engine pads batches to bucket sizes on this device."""
+        return all(pads_to_buckets(m.manifest.execution, self.device) for m in self.models.values())
 
     def _register(self, name: str, version: int | None = None) -> ServedModel:
         model_dir = self.settings.store / store.check_name(name)

@@ -17,7 +17,7 @@ from pydantic import ValidationError
 
 from server import models, store
 from server.batching import Batcher, Output
-from server.engine import Engine
+from server.engine import Engine, pads_to_buckets, tune_cudnn
 from server.instance import bucket_for, pin_host, pinned
 from server.precision import Precision
 from server.store import Batching, Compile, DataType, Execution, Manifest, Normalize, TensorSpec
@@ -420,9 +420,9 @@ def test_inductor_compiles_the_input_preparation_of_uint8_images_with_channels_l
 
 @needs_cxx
 def test_inductor_keeps_compiling_past_torch_compiles_recompile_limit(tmp_path: Path) -> None:
-    # Every engine's compiled forward is one code object to torch.compile: three precisions of four buckets each are
-    # twelve shapes, past its default limit of eight, after which it would quietly run eager forwards. The MLP's
-    # widths are its own, so no other test has compiled these shapes in this process.
+    # torch.compile keeps compiled shapes per code object, up to its limit of eight, after which it quietly runs eager
+    # forwards. Three precisions of four buckets each are twelve shapes: each engine's forward has a code object of its
+    # own, so none of them runs past the limit. The MLP's widths are its own, so no other test has compiled them.
     kwargs = {"in_features": 16, "hidden": [24], "out_features": 4}
     torch.manual_seed(0)
     manifest = Manifest(
@@ -454,3 +454,30 @@ def test_inductor_keeps_compiling_past_torch_compiles_recompile_limit(tmp_path: 
             np.testing.assert_allclose(got, want, atol=tolerance * np.abs(want).max(), rtol=0)
         assert graphs["unique_graphs"] - before == 4, mode  # each bucket compiled, none left to eager forwards
         engine.close()
+
+
+@pytest.mark.parametrize(
+    ("execution", "device", "pads"),
+    [
+        (Execution(), CPU, False),
+        (Execution(), CUDA, True),
+        (Execution(compile=Compile.INDUCTOR), CPU, True),
+        (Execution(pad_to_bucket=False), CUDA, False),
+        (Execution(pad_to_bucket=True), CPU, True),
+    ],
+)
+def test_pads_to_buckets_follows_the_manifest_else_the_device_and_compiler(
+    execution: Execution, device: torch.device, pads: bool
+) -> None:
+    assert pads_to_buckets(execution, device) is pads
+
+
+def test_cudnn_autotuning_is_on_only_for_cuda_with_fixed_shapes() -> None:
+    before = torch.backends.cudnn.benchmark
+    try:
+        for device, fixed, want in ((CUDA, True, True), (CUDA, False, False), (CPU, True, False)):
+            torch.backends.cudnn.benchmark = not want
+            tune_cudnn(device, fixed)
+            assert torch.backends.cudnn.benchmark is want, (device, fixed)
+    finally:
+        torch.backends.cudnn.benchmark = before
