@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import inspect
 import logging
 import threading
 import time
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,6 +30,7 @@ import torch
 from torch import nn
 
 from server import precision as prec
+from server import store
 from server.instance import Instance, bucket_for, torch_dtype
 from server.precision import Precision
 from server.serving import BatchTooLargeError, Outcome, Output
@@ -54,11 +56,45 @@ def is_out_of_memory(e: BaseException) -> bool:
 
 
 def _rows_finite(a: np.ndarray) -> np.ndarray:
-    """Per row: True when every value of the row is finite (integers always are)."""
+    """Per row: True when every value of the row is finite (integers always are), every field's of a record."""
+    if a.dtype.names is not None:
+        rows = np.ones(a.shape[0], dtype=bool)
+        for name in a.dtype.names:
+            rows &= _rows_finite(a[name])
+        return rows
     if a.dtype.kind not in "fc":
         return np.ones(a.shape[0], dtype=bool)
     finite: np.ndarray = np.isfinite(a.reshape(a.shape[0], -1)).all(axis=1)
     return finite
+
+
+def _all_finite(a: np.ndarray) -> bool:
+    """Whether every value is finite, every field's of a record: one vectorised check per field."""
+    if a.dtype.names is not None:
+        return all(_all_finite(a[name]) for name in a.dtype.names)
+    return a.dtype.kind not in "fc" or bool(np.isfinite(a).all())
+
+
+def takes_positionally(module: nn.Module, names: list[str]) -> bool:
+    """How ``module``'s forward takes a model's inputs: by keyword (False) when it has parameters of those names (or
+    ``**kwargs``), in the manifest's order (True) when it takes ``*args`` instead. Anything else cannot take them."""
+    try:
+        params = inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):  # a forward without a signature to read (a builtin): trust the manifest's order
+        return True
+    named = [n for n in names if n in params and params[n].kind is not inspect.Parameter.POSITIONAL_ONLY]
+    if len(named) == len(names):
+        return False
+    kinds = {p.kind for p in params.values()}
+    if inspect.Parameter.VAR_POSITIONAL in kinds and not named:
+        return True
+    if inspect.Parameter.VAR_KEYWORD in kinds:
+        return False
+    missing = [n for n in names if n not in named]
+    raise EngineError(
+        f"inputs: forward({', '.join(params)}) has no parameter named {missing[0]!r}; with several inputs, forward "
+        "takes them by keyword, named as in the manifest (or all positionally through *args)"
+    )
 
 
 @dataclass(frozen=True)
@@ -151,7 +187,6 @@ class Engine:
         cuda = device.type == "cuda"
         spec = loaded.manifest.inputs[0]
         self.sample_shape = tuple(spec.shape)
-        # What requests' rows arrive as: an FP16 input stays float16 up to the device copy (half the bytes to move).
         # Requests' rows arrive as this (FP16 stays float16 and UINT8 bytes up to the device copy: half and a quarter
         # of the bytes to move; they are widened on the device), so warm-up batches and captured graphs use it too.
         self.input_dtype = spec.datatype.numpy
@@ -164,11 +199,25 @@ class Engine:
             else self._normalize
         )
         self.out_shape = tuple(loaded.manifest.outputs[0].shape)
+        self.input_names = [t.name for t in loaded.manifest.inputs]
+        self.output_names = [t.name for t in loaded.manifest.outputs]
+        self.out_float = loaded.manifest.outputs[0].datatype.numpy.kind == "f"
+        """Whether the (first) output is floating, returned as float32; integer and bool outputs keep their type."""
+        self.named = store.has_several(loaded.manifest)
+        """Rows travel as records (:func:`server.store.records`): several inputs or outputs. Such a batch runs eagerly
+        (no CUDA graph), each input copied to the device on its own."""
+        self.positional = len(self.input_names) == 1 or takes_positionally(loaded.module, self.input_names)
+        self.output_records = store.records(loaded.manifest.outputs, outputs=True)
+        if self.named:
+            self.input_dtype = store.records(loaded.manifest.inputs)
+            self.sample_shape = ()  # a record holds each input's sample
         self.inductor = ex.compile is Compile.INDUCTOR
         self.pad = pads_to_buckets(ex, device)
         # Graphs replay fixed shapes and fixed casts: autocast's weight cache cannot be captured, so it runs eagerly.
-        self.cuda_graphs = ex.compile is Compile.CUDA_GRAPHS and cuda and self.precision is not Precision.AUTOCAST
-        images = len(self.sample_shape) == 3
+        self.cuda_graphs = (
+            ex.compile is Compile.CUDA_GRAPHS and cuda and self.precision is not Precision.AUTOCAST and not self.named
+        )
+        images = len(self.sample_shape) == 3 and not self.named
         wants_nhwc = cuda if ex.channels_last is None else ex.channels_last
         self.channels_last = wants_nhwc and images and has_conv2d(loaded.module)
         self._bucket_sizes = ex.batch_buckets
@@ -240,7 +289,64 @@ class Engine:
         return t
 
     def _eager(self, t: torch.Tensor) -> torch.Tensor:
-        return self.model(self._prepare(t))  # type: ignore[no-any-return]
+        return self._one(self.model(self._prepare(t)))
+
+    def _outputs(self, y: object) -> dict[str, torch.Tensor]:
+        """The model's outputs by name, from what its forward returned: a tensor (one output), a tuple or list (in the
+        manifest's order), or a mapping such as a Hugging Face ``ModelOutput`` (by name)."""
+        names = self.output_names
+        if isinstance(y, torch.Tensor):
+            if len(names) > 1:
+                raise EngineError(f"model returned one tensor; the manifest declares {len(names)} outputs {names}")
+            return {names[0]: y}
+        if isinstance(y, Mapping):
+            missing = [n for n in names if n not in y]
+            if missing:
+                raise EngineError(f"model returned no output named {missing[0]!r} (it returned {list(y)})")
+            outs = {n: y[n] for n in names}
+        elif isinstance(y, tuple | list):
+            if len(y) < len(names):
+                raise EngineError(f"model returned {len(y)} values; the manifest declares {len(names)} outputs {names}")
+            outs = dict(zip(names, y, strict=False))
+        else:
+            raise EngineError(f"model returned {type(y).__name__}, expected a tensor, a tuple or a mapping")
+        for name, t in outs.items():
+            if not isinstance(t, torch.Tensor):
+                raise EngineError(f"model's output {name!r} is {type(t).__name__}, not a tensor")
+        return outs
+
+    def _one(self, y: object) -> torch.Tensor:
+        """The output of a model with one (a tensor, most often, as it is)."""
+        return y if isinstance(y, torch.Tensor) else self._outputs(y)[self.output_names[0]]
+
+    def _run_records(
+        self, model: nn.Module, batch: np.ndarray, size: int, device: torch.device, precision: Precision
+    ) -> dict[str, torch.Tensor]:
+        """Run a batch of records (padded to ``size`` rows) through ``model``: each input copied to ``device`` and,
+        when floating, cast to ``precision``'s dtype (integer and bool inputs keep theirs)."""
+        rows = len(batch)
+        args = []
+        for name in self.input_names:
+            t = torch.from_numpy(np.ascontiguousarray(batch[name])).to(device, non_blocking=True)
+            if size > rows:  # padding rows made from the batch's own tensor: its dtype and device
+                t = torch.cat([t, t.new_zeros((size - rows, *t.shape[1:]))])
+            args.append(prec.cast_input(t, precision))
+        with prec.inference(precision, device):
+            y = model(*args) if self.positional else model(**dict(zip(self.input_names, args, strict=True)))
+        outs = self._outputs(y)
+        for name, t in outs.items():
+            if t.ndim == 0 or t.shape[0] != size:
+                got = "a scalar" if t.ndim == 0 else f"{t.shape[0]} rows"
+                raise EngineError(f"batch size mismatch: output {name!r} has {got} for {size} inputs")
+        return outs
+
+    def _records(self, outs: dict[str, torch.Tensor], rows: int) -> np.ndarray:
+        """The first ``rows`` rows of named device outputs as host records (floating outputs as float32)."""
+        records = np.empty(rows, dtype=self.output_records)
+        for name, t in outs.items():
+            t = t[:rows]
+            records[name] = (t.float() if t.is_floating_point() else t).cpu().numpy()
+        return records
 
     def _on_device(self, t: torch.Tensor) -> torch.Tensor:
         """Cast and run a batch already on the device, under the precision's context (compiled with ``inductor``)."""
@@ -254,6 +360,12 @@ class Engine:
         inst = inst or self.instances[0]
         rows = sum(len(c) for c in chunks)
         size = bucket_for(rows, self.buckets)
+        if self.named:
+            batch = chunks[0] if len(chunks) == 1 else np.concatenate(chunks)
+            with inst.on_stream():
+                outs = self._run_records(self.model, batch, size, self.device, self.precision)
+                inst.forwards += 1
+                return self._records(outs, rows)
         with inst.on_stream():
             graph = inst.graphs.get(size)
             if graph is not None and graph.model is self.model and graph.input.dtype == torch_dtype(chunks[0].dtype):
@@ -261,18 +373,22 @@ class Engine:
             else:
                 y = self._on_device(inst.upload(chunks, size))
             inst.forwards += 1
-            return inst.fetch(_checked(y, size)[:rows])
+            return inst.fetch(_checked(y, size)[:rows], widen=self.out_float)
 
     def _rerun_fp32(self, x: np.ndarray) -> np.ndarray:
         """Run rows through the host's fp32 weights (the overflow fallback); returns float32 outputs."""
         if self._fp32 is None:
             raise EngineError("no fp32 weights are kept for reruns (the overflow policy is not rerun_fp32)")
+        if self.named:
+            with torch.inference_mode():
+                outs = self._run_records(self._fp32, x, len(x), torch.device("cpu"), Precision.FP32)
+            return self._records(outs, len(x))
         t = torch.from_numpy(x)
         if self._normalize_host is not None:
             t = self._normalize_host(t)
         t = prec.cast_input(t, Precision.FP32)
         with torch.inference_mode():
-            y = self._fp32(t)
+            y = self._one(self._fp32(t))
         return _checked(y, len(x)).float().numpy()
 
     def run_batch(self, chunks: list[np.ndarray], inst: Instance | None = None) -> list[Outcome]:
@@ -293,7 +409,7 @@ class Engine:
         outs = [out] if len(chunks) == 1 else np.split(out, np.cumsum([len(c) for c in chunks])[:-1])
         tag = self.precision.value
         # One vectorised check over the whole batch: the per-chunk work below only runs when something is wrong.
-        if self.guarded and not np.isfinite(out).all():
+        if self.guarded and not _all_finite(out):
             return [self._guard(c, o) for c, o in zip(chunks, outs, strict=True)]
         return [Output(o, tag) for o in outs]
 

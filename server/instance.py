@@ -111,7 +111,7 @@ class Instance:
         self._pool: Any = None
         self._staging: dict[tuple[int, torch.dtype], torch.Tensor] = {}
         self._device_staging: dict[tuple[int, torch.dtype], torch.Tensor] = {}
-        self._outputs: dict[tuple[int, ...], torch.Tensor] = {}
+        self._outputs: dict[tuple[tuple[int, ...], torch.dtype], torch.Tensor] = {}
         self.forwards = 0
 
     @contextlib.contextmanager
@@ -180,15 +180,18 @@ class Instance:
             return host
         return host.to(self.device, non_blocking=True)
 
-    def fetch(self, y: torch.Tensor) -> np.ndarray:
-        """The float32 host copy of a device output (a fresh array the caller may keep)."""
-        y = y.float()
+    def fetch(self, y: torch.Tensor, widen: bool = True) -> np.ndarray:
+        """The host copy of a device output (a fresh array the caller may keep): float32, or its own dtype when not
+        ``widen`` (integer and bool outputs)."""
+        if widen:
+            y = y.float()
         if not self.cuda:
             return y.numpy()
-        out = self._outputs.get(tuple(y.shape))
+        key = (tuple(y.shape), y.dtype)
+        out = self._outputs.get(key)
         if out is None:
-            out = torch.empty(y.shape, dtype=torch.float32, pin_memory=True)
-            self._outputs[tuple(y.shape)] = out
+            out = torch.empty(y.shape, dtype=y.dtype, pin_memory=True)
+            self._outputs[key] = out
         out.copy_(y, non_blocking=True)
         assert self.stream is not None
         self.stream.synchronize()  # CPU-GPU sync point: the only one per batch
@@ -210,7 +213,8 @@ class Instance:
         graph = torch.cuda.CUDAGraph()
         # thread_local: another model's engine may be serving from its own thread while this one loads.
         with torch.cuda.graph(graph, pool=self._pool, stream=self.stream, capture_error_mode="thread_local"):
-            static_out = forward(static_in).float()
+            y = forward(static_in)
+            static_out = y.float() if y.is_floating_point() else y
         self.stream.synchronize()
         captured = Graph(graph, static_in, static_out, model, time.perf_counter() - start)
         self.graphs[size] = captured

@@ -81,8 +81,8 @@ class ServedModel:
 
     @functools.cached_property
     def sample_size(self) -> int:
-        """Input values per row (sample)."""
-        return math.prod(self.manifest.inputs[0].shape)
+        """Input values per row (sample), every input's together."""
+        return sum(math.prod(t.shape) for t in self.manifest.inputs)
 
     def submit(self, inputs: Tensors, timeout: float | None = None) -> asyncio.Future[Prediction]:
         """Queue ``inputs`` for batching; see :meth:`server.serving.ModelHandle.submit`.
@@ -102,17 +102,44 @@ class ServedModel:
         return batcher.enqueue(x, None if timeout is None else batcher.clock.now() + timeout, self._prediction)
 
     def _input(self, inputs: Tensors) -> np.ndarray:
-        """The one input's rows, from ``inputs`` by name."""
-        name = self.manifest.inputs[0].name
-        x = inputs.get(name)
-        if x is None or len(inputs) != 1:
-            raise InvalidInputError(f"inputs: expected {name!r} alone, got {', '.join(map(repr, inputs)) or 'none'}")
-        return x
+        """The request's rows as the batcher takes them: the one input's array, or a model's several inputs packed
+        into records (:func:`server.store.records`), one per row."""
+        specs = self.manifest.inputs
+        if not store.has_several(self.manifest):
+            name = specs[0].name
+            x = inputs.get(name)
+            if x is None or len(inputs) != 1:
+                got = ", ".join(map(repr, inputs)) or "none"
+                raise InvalidInputError(f"inputs: expected {name!r} alone, got {got}")
+            return x
+        names = [t.name for t in specs]
+        unknown = [n for n in inputs if n not in names]
+        if unknown:
+            raise InvalidInputError(f"inputs: unexpected input {unknown[0]!r}; the model takes {names}")
+        missing = [n for n in names if n not in inputs]
+        if missing:
+            raise InvalidInputError(f"inputs: input {missing[0]!r} is missing; the model takes {names}")
+        rows = len(inputs[names[0]])
+        for name in names[1:]:
+            if len(inputs[name]) != rows:
+                raise InvalidInputError(
+                    f"inputs: input {name!r} has {len(inputs[name])} rows but {names[0]!r} has {rows}; "
+                    "a request's inputs must have the same number of rows"
+                )
+        packed = np.empty(rows, dtype=store.records(specs))
+        for spec in specs:
+            try:
+                packed[spec.name] = inputs[spec.name]
+            except (ValueError, TypeError) as e:
+                raise InvalidInputError(f"inputs: input {spec.name!r} does not fit {spec.shape} per row: {e}") from None
+        return packed
 
     def _prediction(self, out: np.ndarray, precisions: tuple[str, ...]) -> Prediction:
         """The batcher's output rows as the model's named outputs, with the precision that computed them."""
         precision = "+".join(precisions) if precisions else str(self.precision)
-        return Prediction({self.manifest.outputs[0].name: out}, precision)
+        if out.dtype.names is None:
+            return Prediction({self.manifest.outputs[0].name: out}, precision)
+        return Prediction({name: np.ascontiguousarray(out[name]) for name in out.dtype.names}, precision)
 
     def stats(self) -> dict[str, object] | None:
         """What the batcher and the engine have done since the model was loaded; ``None`` unless it is served."""

@@ -32,6 +32,8 @@ MANIFEST = "config.json"
 WEIGHTS = "model.safetensors"
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
 _NAME_RE = re.compile(NAME_PATTERN)
+MAX_TENSORS = 16
+"""Inputs or outputs a model may declare."""
 
 
 class StoreError(Exception):
@@ -48,6 +50,7 @@ class DataType(str, Enum):
     INT64 = "INT64"
     INT32 = "INT32"
     UINT8 = "UINT8"
+    BOOL = "BOOL"
 
     @property
     def numpy(self) -> np.dtype[Any]:
@@ -64,6 +67,7 @@ _NUMPY: dict[DataType, np.dtype[Any]] = {
     DataType.INT64: np.dtype(np.int64),
     DataType.INT32: np.dtype(np.int32),
     DataType.UINT8: np.dtype(np.uint8),
+    DataType.BOOL: np.dtype(np.bool_),
 }
 
 
@@ -205,9 +209,14 @@ class Manifest(BaseModel):
     (``weights_only=False``) when the safe load fails, so a crafted archive could run code.
     """
     arch_kwargs: dict[str, Any] = Field(default_factory=dict)
-    inputs: list[TensorSpec] = Field(min_length=1, max_length=1)
-    outputs: list[TensorSpec] = Field(min_length=1, max_length=1)
+    inputs: list[TensorSpec] = Field(min_length=1, max_length=MAX_TENSORS)
+    """The forward's inputs. With one, it is passed positionally; with several, as keyword arguments named as here,
+    or positionally in this order where ``forward`` takes ``*args`` and names none of them."""
+    outputs: list[TensorSpec] = Field(min_length=1, max_length=MAX_TENSORS)
+    """What the forward returns: a tensor (one output), a tuple or list (in this order), or a mapping such as a
+    Hugging Face ``ModelOutput`` (by name)."""
     labels: list[str] | None = None
+    """Class names for the first output's last dimension."""
     precision: Precision = Precision.AUTO
     overflow: OverflowPolicy = OverflowPolicy.RERUN_FP32
     allow_nonfinite_inputs: bool = False
@@ -249,6 +258,14 @@ class Manifest(BaseModel):
 
     @model_validator(mode="after")
     def _consistent(self) -> Manifest:
+        for field, specs in (("inputs", self.inputs), ("outputs", self.outputs)):
+            names = [t.name for t in specs]
+            if len(set(names)) != len(names):
+                raise ValueError(f"{field}: names must be distinct, got {names}")
+        if self.normalize is not None and len(self.inputs) > 1:
+            raise ValueError("normalize applies to a model with one input")
+        if self.execution.compile is Compile.INDUCTOR and (len(self.inputs) > 1 or len(self.outputs) > 1):
+            raise ValueError("execution.compile 'inductor' takes models with one input and one output")
         if self.labels is not None and len(self.labels) != self.outputs[0].shape[-1]:
             raise ValueError(
                 f"labels has {len(self.labels)} entries but the output's last dimension is {self.outputs[0].shape[-1]}"
@@ -262,6 +279,24 @@ class Manifest(BaseModel):
                         "(its first dimension)"
                     )
         return self
+
+
+def records(specs: list[TensorSpec], *, outputs: bool = False) -> np.dtype[Any]:
+    """The numpy record type that carries one row of several named tensors, one field per spec (its per-sample shape
+    and host dtype): how a model with several inputs or outputs batches its rows as one array. Floating outputs are
+    float32, as the engine returns them."""
+    fields = []
+    for spec in specs:
+        dtype = spec.datatype.numpy
+        if outputs and dtype.kind == "f":
+            dtype = np.dtype(np.float32)
+        fields.append((spec.name, dtype, tuple(spec.shape)))
+    return np.dtype(fields)
+
+
+def has_several(manifest: Manifest) -> bool:
+    """Whether a model's rows travel as records (:func:`records`): it has several inputs or several outputs."""
+    return len(manifest.inputs) > 1 or len(manifest.outputs) > 1
 
 
 @dataclass(frozen=True)

@@ -222,12 +222,17 @@ def decode_samples(samples: Any, spec: TensorSpec, field: str = "inputs") -> np.
         arr = np.asarray(samples)
     except ValueError:
         raise APIError(400, f"{field}: samples are ragged (nested lists of unequal length)") from None
-    if arr.dtype.kind not in "iuf":
+    if spec.datatype.numpy.kind == "b":
+        if arr.dtype.kind != "b":
+            raise APIError(400, f"{field}: the {spec.name!r} input takes true or false, got {_kind_name(arr)}")
+    elif arr.dtype.kind not in "iuf":
         raise APIError(400, f"{field}: values must be numbers, got {_kind_name(arr)}")
     want = tuple(spec.shape)
     if arr.shape[1:] != want:
         got = list(arr.shape[1:]) if arr.ndim > 1 else "a scalar"
         raise APIError(400, f"{field}: each sample must have shape {list(want)}, got {got}")
+    if arr.dtype.kind == "b":
+        return arr
     return cast_json_numbers(arr, spec.datatype.numpy, field)
 
 

@@ -15,7 +15,8 @@ from server.api.codec import decode_samples
 from server.api.errors import APIError, cut_off_by_shutdown, error_responses, from_exception
 from server.api.limits import TIMEOUT_HEADER, check_size, client_timeout, parse_json, read_body
 from server.api.telemetry import answered, metered, note
-from server.serving import Interface
+from server.serving import Interface, ModelHandle
+from server.settings import Settings
 
 router = APIRouter()
 
@@ -39,10 +40,9 @@ PREDICT_SCHEMA: dict[str, Any] = {
                     "properties": {
                         "model": {"type": "string", "description": "Optional when one model is served."},
                         "inputs": {
-                            "type": "array",
-                            "minItems": 1,
-                            "description": "Samples, each a nested list of the model's per-sample input shape.",
-                            "items": {},
+                            "anyOf": [{"type": "array", "minItems": 1, "items": {}}, {"type": "object"}],
+                            "description": "Samples, each a nested list of the model's per-sample input shape; for "
+                            "a model with several inputs, an object of input name to its samples.",
                         },
                     },
                 }
@@ -66,8 +66,10 @@ PREDICT_SCHEMA: dict[str, Any] = {
                                 "where a half-precision overflow was rerun (fp16+fp32 when only part of the rows).",
                             },
                             "outputs": {
-                                "type": "array",
-                                "description": "Non-finite values (overflow policy allow) are written as null.",
+                                "anyOf": [{"type": "array"}, {"type": "object"}],
+                                "description": "One output per sample (non-finite values, overflow policy allow, are "
+                                "written as null); for a model with several outputs, an object of output name to its "
+                                "rows.",
                             },
                             "labels": {"type": "array"},
                         },
@@ -87,6 +89,38 @@ PREDICT_SCHEMA: dict[str, Any] = {
         ),
     },
 }
+
+
+def decode_inputs(samples: object, served: ModelHandle, limits: Settings) -> dict[str, np.ndarray]:
+    """``inputs`` as the model's named inputs: a list of samples for a model with one input, else a mapping of input
+    name to its samples (every input, the same number of samples each)."""
+    specs = served.manifest.inputs
+    if len(specs) == 1:
+        if isinstance(samples, list):
+            check_size(limits, served, len(samples), "inputs")
+        return {specs[0].name: decode_samples(samples, specs[0])}
+    names = [t.name for t in specs]
+    if not isinstance(samples, dict):
+        example = ", ".join(f'"{n}": [sample, ...]' for n in names)
+        raise APIError(400, f"inputs: model {served.name!r} takes several inputs; send {{{example}}}")
+    for name in samples:
+        if name not in names:
+            raise APIError(400, f"inputs.{name}: unexpected input; the model takes {names}")
+    for name in names:
+        if name not in samples:
+            raise APIError(400, f"inputs.{name}: missing; the model takes {names}")
+        if not isinstance(samples[name], list):
+            raise APIError(400, f"inputs.{name}: expected a list of samples, got {type(samples[name]).__name__}")
+    rows = len(samples[names[0]])
+    for name in names[1:]:
+        if len(samples[name]) != rows:
+            raise APIError(
+                400,
+                f"inputs.{name}: {len(samples[name])} samples, but {names[0]!r} has {rows}; every input needs one "
+                "per row",
+            )
+    check_size(limits, served, rows, "inputs")
+    return {t.name: decode_samples(samples[t.name], t, f"inputs.{t.name}") for t in specs}
 
 
 @router.post("/predict", openapi_extra=PREDICT_SCHEMA, response_class=Response)
@@ -109,11 +143,8 @@ async def predict(request: Request) -> Response:
     try:
         served = app.service.get(name)
         note(request, served)
-        if isinstance(samples, list):
-            check_size(limits, served, len(samples), "inputs")
         # No finiteness check: JSON carries no NaN or infinity, and decoding refuses numbers the dtype cannot hold.
-        spec = served.manifest.inputs[0]
-        result = await served.submit({spec.name: decode_samples(samples, spec)}, timeout)
+        result = await served.submit(decode_inputs(samples, served, limits), timeout)
         answered(request, result)
     except asyncio.CancelledError:
         if not app.draining:
@@ -121,12 +152,13 @@ async def predict(request: Request) -> Response:
         raise cut_off_by_shutdown() from None
     except Exception as e:
         raise from_exception(e) from None
-    out = result.outputs[served.manifest.outputs[0].name]
+    specs = served.manifest.outputs
+    out = result.outputs[specs[0].name]
     body: dict[str, Any] = {
         "model": served.name,
         "version": served.version,
         "precision": result.precision,
-        "outputs": out,
+        "outputs": out if len(specs) == 1 else {t.name: result.outputs[t.name] for t in specs},
     }
     labels = served.manifest.labels
     if labels is not None:

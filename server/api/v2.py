@@ -147,7 +147,7 @@ async def model_ready(model_name: str, request: Request) -> Response:
 class Inference:
     """A decoded inference request, ready for the batcher."""
 
-    x: np.ndarray
+    inputs: dict[str, np.ndarray]
     request_id: str | None
     binary_output: bool
     timeout_us: int = 0
@@ -155,6 +155,22 @@ class Inference:
     """The top classes to return per row instead of the output (the classification extension); 0: the output."""
     output_span: Span | None = None
     """Where in shared memory the output goes (the shared memory extension); None: in the body."""
+    outputs: dict[str, OutputRequest] | None = None
+    """For a model with several outputs, the ones to return and how (None: the only output, as above)."""
+
+    @property
+    def x(self) -> np.ndarray:
+        """The first input's rows (a model with one input: its only one)."""
+        return next(iter(self.inputs.values()))
+
+
+@dataclass
+class OutputRequest:
+    """How one output goes back: as binary data or JSON, as its top classes, or into shared memory."""
+
+    binary: bool
+    classes: int = 0
+    span: Span | None = None
 
 
 def to_input_dtype(arr: np.ndarray, wire: WireType, spec: TensorSpec, fp16_weights: bool, field: str) -> np.ndarray:
@@ -162,6 +178,10 @@ def to_input_dtype(arr: np.ndarray, wire: WireType, spec: TensorSpec, fp16_weigh
     docstring. A binary body's rows stay a read-only view of the body when their dtype is already the target's:
     :meth:`~server.repository.ServedModel.submit` copies them for the engine, a front-end into its shared slot."""
     target = spec.datatype.numpy
+    if target.kind == "b" or wire is WireType.BOOL:
+        if not (target.kind == "b" and wire is WireType.BOOL):
+            raise APIError(400, f"{field}: {wire.value} data cannot feed the {spec.datatype.value} input {spec.name!r}")
+        return arr
     if target.kind == "f":
         if not (wire.is_float or wire.is_integer):
             raise APIError(400, f"{field}: {wire.value} data cannot feed the {spec.datatype.value} input {spec.name!r}")
@@ -211,13 +231,16 @@ def _decode_input(
     served: ModelHandle,
     limits: Settings | None,
     regions: RegionSource | None,
-) -> tuple[np.ndarray, int]:
-    """An entry of ``inputs`` as the batcher's array, and how many bytes of ``binary`` it took (from the start)."""
-    spec = served.manifest.inputs[0]
+) -> tuple[np.ndarray, TensorSpec, int]:
+    """An entry of ``inputs`` as the batcher's array, its input's spec, and how many bytes of ``binary`` it took
+    (from the start)."""
     if not isinstance(item, dict):
         raise APIError(400, f"{field}: expected an object, got {type(item).__name__}")
-    if item.get("name") != spec.name:
-        raise APIError(400, f"{field}.name: unexpected input {item.get('name')!r}; the model takes {spec.name!r}")
+    specs = served.manifest.inputs
+    spec = next((t for t in specs if t.name == item.get("name")), None)
+    if spec is None:
+        takes = repr(specs[0].name) if len(specs) == 1 else str([t.name for t in specs])
+        raise APIError(400, f"{field}.name: unexpected input {item.get('name')!r}; the model takes {takes}")
     wire = wire_type(item.get("datatype"), f"{field}.datatype")
     shape = _input_shape(item.get("shape"), spec, f"{field}.shape")
     if limits is not None:
@@ -251,7 +274,7 @@ def _decode_input(
         raise APIError(400, f"{field}: no tensor data; give data or parameters.binary_data_size")
     x = to_input_dtype(arr, wire, spec, served.precision is Precision.FP16, f"{field}.datatype")
     check_finite(x, served, f"{field}.data" if size == 0 else f"{field} (binary data)")
-    return x, size
+    return x, spec, size
 
 
 def _requested_output(
@@ -285,6 +308,45 @@ def _requested_output(
     return binary, classes, region
 
 
+def _requested_outputs(
+    payload: dict[str, Any], default: bool, specs: list[TensorSpec], regions: RegionSource | None
+) -> dict[str, OutputRequest]:
+    """For a model with several outputs: the outputs to return (those ``outputs`` names, else all), each as binary
+    data or not (its own ``binary_data``, else the request's ``binary_data_output``), as its top classes
+    (``classification``) or into shared memory (``shared_memory_region``)."""
+    requested = payload.get("outputs")
+    if requested is None:
+        wanted: dict[str, OutputRequest] = {t.name: OutputRequest(default) for t in specs}
+    else:
+        if not isinstance(requested, list):
+            raise APIError(400, f"outputs: expected a list, got {type(requested).__name__}")
+        names = [t.name for t in specs]
+        wanted = {}
+        for i, item in enumerate(requested):
+            field = f"outputs[{i}]"
+            got = item.get("name") if isinstance(item, dict) else item
+            if not isinstance(item, dict) or got not in names:
+                raise APIError(400, f"{field}.name: unknown output {got!r}; the model has {names}")
+            if got in wanted:
+                raise APIError(400, f"{field}.name: output {got!r} is requested twice")
+            params = _params(item, f"{field}.parameters")
+            classes = count(params.get("classification", 0), f"{field}.parameters.classification", "a class count")
+            out = OutputRequest(_flag(params, "binary_data", f"{field}.parameters", default), classes)
+            if "shared_memory_region" in params:
+                if classes:
+                    raise APIError(400, f"{field}.parameters: classification answers in the body, not shared memory")
+                out.span = span(regions, params, f"{field}.parameters")
+            wanted[got] = out
+    for spec in specs:
+        how = wanted.get(spec.name)
+        if how is None or how.span is not None or how.classes or how.binary:
+            continue
+        if wire_type(spec.datatype.value, spec.name) in JSON_UNSUPPORTED:
+            kind = spec.datatype.value
+            raise APIError(400, f"outputs: {spec.name!r} is {kind}; JSON has no 16-bit floats, request binary_data")
+    return wanted
+
+
 def parse_request(
     payload: object,
     binary: memoryview | None,
@@ -297,7 +359,7 @@ def parse_request(
     ``regions`` gives the shared memory regions it may name, asked only when it names one."""
     if not isinstance(payload, dict):
         raise APIError(400, f"body: expected a JSON object, got {type(payload).__name__}")
-    spec = served.manifest.inputs[0]
+    specs = served.manifest.inputs
     request_id = payload.get("id")
     if request_id is not None and not isinstance(request_id, str):
         raise APIError(400, f"id: expected a string, got {type(request_id).__name__}")
@@ -305,30 +367,59 @@ def parse_request(
     binary_output = _flag(params, "binary_data_output", "parameters", False)
     timeout = count(params.get("timeout", 0), "parameters.timeout", "non-negative microseconds")
     inputs = payload.get("inputs")
+    takes = f"input {specs[0].name!r}" if len(specs) == 1 else f"inputs {[t.name for t in specs]}"
     if not isinstance(inputs, list) or not inputs:
-        raise APIError(400, f"inputs: expected a non-empty list; the model takes input {spec.name!r}")
-    if len(inputs) > 1:
-        raise APIError(400, f"inputs: {len(inputs)} given; the model takes one, {spec.name!r}")
-    x, declared = _decode_input(inputs[0], "inputs[0]", binary, served, limits, regions)
+        raise APIError(400, f"inputs: expected a non-empty list; the model takes {takes}")
+    if len(inputs) > len(specs):
+        raise APIError(400, f"inputs: {len(inputs)} given; the model takes {len(specs)}: {takes}")
+    tensors: dict[str, np.ndarray] = {}
+    declared = 0
+    for i, item in enumerate(inputs):
+        field = f"inputs[{i}]"
+        rest = None if binary is None else binary[declared:]
+        x, spec, size = _decode_input(item, field, rest, served, limits, regions)
+        if spec.name in tensors:
+            raise APIError(400, f"{field}.name: input {spec.name!r} is given twice")
+        first = next(iter(tensors.items()), None)
+        if first is not None and len(x) != len(first[1]):
+            raise APIError(
+                400, f"{field}.shape: input {spec.name!r} has {len(x)} rows but {first[0]!r} has {len(first[1])}"
+            )
+        tensors[spec.name] = x
+        declared += size
+    missing = [t.name for t in specs if t.name not in tensors]
+    if missing:
+        raise APIError(400, f"inputs: input {missing[0]!r} is missing; the model takes {takes}")
     if binary is not None and len(binary) != declared:
         raise APIError(
             400,
             f"body: {len(binary)} bytes follow the {HEADER_LENGTH} bytes of JSON, "
             f"but the inputs' binary_data_size declare {declared}",
         )
+    rows = len(next(iter(tensors.values())))
+    if len(served.manifest.outputs) > 1:
+        wanted = _requested_outputs(payload, binary_output, served.manifest.outputs, regions)
+        for spec in served.manifest.outputs:
+            out = wanted.get(spec.name)
+            if out is not None and out.span is not None:
+                _check_room(out.span, spec, rows)
+        return Inference(tensors, request_id, binary_output, timeout, outputs=wanted)
     out_spec = served.manifest.outputs[0]
     binary_output, classes, region = _requested_output(payload, binary_output, out_spec, regions)
     if region is not None:
-        # Checked before the forward: the output's size is known from the rows.
-        wire = wire_type(out_spec.datatype.value, out_spec.name)
-        need = len(x) * element_count(out_spec.shape) * wire.dtype.itemsize
-        if need > region.size:
-            raise APIError(
-                400,
-                f"outputs[0].parameters.shared_memory_byte_size: {region.size} bytes cannot hold the output "
-                f"{out_spec.name!r} ({need} bytes for {len(x)} rows)",
-            )
-    return Inference(x, request_id, binary_output, timeout, classes, region)
+        _check_room(region, out_spec, rows)  # checked before the forward: the output's size is known from the rows
+    return Inference(tensors, request_id, binary_output, timeout, classes, region)
+
+
+def _check_room(region: Span, spec: TensorSpec, rows: int) -> None:
+    wire = wire_type(spec.datatype.value, spec.name)
+    need = rows * element_count(spec.shape) * wire.dtype.itemsize
+    if need > region.size:
+        raise APIError(
+            400,
+            f"outputs[0].parameters.shared_memory_byte_size: {region.size} bytes cannot hold the output "
+            f"{spec.name!r} ({need} bytes for {rows} rows)",
+        )
 
 
 def parse_raw(binary: memoryview, served: ModelHandle, limits: Settings | None = None) -> Inference:
@@ -337,6 +428,11 @@ def parse_raw(binary: memoryview, served: ModelHandle, limits: Settings | None =
     Its datatype is the manifest's. Since every per-sample dimension is fixed, the batch size follows from the byte
     count: any whole number of samples is accepted (Triton takes exactly one). Outputs are returned as binary.
     """
+    if len(served.manifest.inputs) > 1:
+        names = [t.name for t in served.manifest.inputs]
+        raise APIError(
+            400, f"body: a raw binary request ({HEADER_LENGTH}: 0) feeds a model's only input; this one takes {names}"
+        )
     spec = served.manifest.inputs[0]
     wire = wire_type(spec.datatype.value, spec.name)
     sample = element_count(spec.shape) * wire.dtype.itemsize
@@ -353,7 +449,7 @@ def parse_raw(binary: memoryview, served: ModelHandle, limits: Settings | None =
     fp16_weights = served.precision is Precision.FP16
     x = to_input_dtype(arr, wire, spec, fp16_weights, "body")
     check_finite(x, served, "body")
-    return Inference(x, None, True)
+    return Inference({spec.name: x}, None, True)
 
 
 def top_classes(out: np.ndarray, wire: WireType, count: int, labels: list[str] | None) -> list[list[str]]:
@@ -383,39 +479,58 @@ def encode_response(served: ModelHandle, req: Inference, result: Prediction) -> 
     JSON cannot carry non-finite numbers: an infinite or NaN output (overflow policy ``allow``) is written as
     ``null`` in JSON ``data``; binary outputs carry it exactly.
     """
-    spec = served.manifest.outputs[0]
-    out = result.outputs[spec.name]
-    wire = wire_type(spec.datatype.value, spec.name)
-    output: dict[str, Any] = {"name": spec.name, "datatype": wire.value, "shape": list(out.shape)}
-    tail = b""
-    if req.output_span is not None:
-        data = wire_values(out, wire).reshape(-1).view(np.uint8)
-        req.output_span.write(data.data)
-        name = req.output_span.region.name
-        output["parameters"] = {"shared_memory_region": name, "shared_memory_byte_size": len(data)}
-    elif req.classes:
-        classes = top_classes(out, wire, req.classes, served.manifest.labels)
-        output |= {"datatype": "BYTES", "shape": [len(classes), len(classes[0])]}
-        flat = [c for row in classes for c in row]
-        if req.binary_output:
-            tail = encode_bytes([c.encode() for c in flat])
-            output["parameters"] = {"binary_data_size": len(tail)}
-        else:
-            output["data"] = flat
-    elif req.binary_output:
-        tail = encode_binary(out, wire)
-        output["parameters"] = {"binary_data_size": len(tail)}
+    if req.outputs is None:
+        spec = served.manifest.outputs[0]
+        wanted = {spec.name: OutputRequest(req.binary_output, req.classes, req.output_span)}
     else:
-        output["data"] = wire_values(out, wire).reshape(-1)
+        wanted = req.outputs
+    outputs, tails = [], []
+    for spec in served.manifest.outputs:
+        how = wanted.get(spec.name)
+        if how is not None:
+            output, tail = _encode_output(served, spec, result.outputs[spec.name], how)
+            outputs.append(output)
+            tails.append(tail)
     header: dict[str, Any] = {"model_name": served.name, "model_version": str(served.version)}
     if req.request_id is not None:
         header["id"] = req.request_id
     header["parameters"] = {"precision": result.precision}
-    header["outputs"] = [output]
+    header["outputs"] = outputs
     body = orjson.dumps(header, option=orjson.OPT_SERIALIZE_NUMPY)
+    tail = b"".join(tails)
     if not tail:
         return Response(body, media_type="application/json")
     return Response(body + tail, media_type="application/octet-stream", headers={HEADER_LENGTH: str(len(body))})
+
+
+def _encode_output(
+    served: ModelHandle, spec: TensorSpec, out: np.ndarray, how: OutputRequest
+) -> tuple[dict[str, Any], bytes]:
+    """One output's entry in the response, and its binary data (empty when it goes as JSON or to shared memory)."""
+    wire = wire_type(spec.datatype.value, spec.name)
+    output: dict[str, Any] = {"name": spec.name, "datatype": wire.value, "shape": list(out.shape)}
+    tail = b""
+    if how.span is not None:
+        data = wire_values(out, wire).reshape(-1).view(np.uint8)
+        how.span.write(data.data)
+        name = how.span.region.name
+        output["parameters"] = {"shared_memory_region": name, "shared_memory_byte_size": len(data)}
+    elif how.classes:
+        labels = served.manifest.labels if spec is served.manifest.outputs[0] else None
+        classes = top_classes(out, wire, how.classes, labels)
+        output |= {"datatype": "BYTES", "shape": [len(classes), len(classes[0])]}
+        flat = [c for row in classes for c in row]
+        if how.binary:
+            tail = encode_bytes([c.encode() for c in flat])
+            output["parameters"] = {"binary_data_size": len(tail)}
+        else:
+            output["data"] = flat
+    elif how.binary:
+        tail = encode_binary(out, wire)
+        output["parameters"] = {"binary_data_size": len(tail)}
+    else:
+        output["data"] = wire_values(out, wire).reshape(-1)
+    return output, tail
 
 
 @metered(Interface.V2)
@@ -447,7 +562,7 @@ async def infer(request: Request) -> Response:
     if req.timeout_us:
         timeout = req.timeout_us / 1e6 if timeout is None else min(timeout, req.timeout_us / 1e6)
     try:
-        result = await served.submit({served.manifest.inputs[0].name: req.x}, timeout)
+        result = await served.submit(req.inputs, timeout)
         answered(request, result)
     except asyncio.CancelledError:
         if not app.draining:
