@@ -189,6 +189,11 @@ class _ModelsCollector(Collector):
             "Batch chunks rerun in fp32 because their half-precision output overflowed, since the model was loaded.",
             labels=["model"],
         )
+        fallback = GaugeMetricFamily(
+            "halfserve_model_fp32_fallback",
+            "1 for a model served in fp32 because its half precision fell short of its min_agreement at load.",
+            labels=["model", "version"],
+        )
         ready = 0
         for served in list(self._models()):
             version = str(served.version)
@@ -204,5 +209,6 @@ class _ModelsCollector(Collector):
             queue.add_metric([served.name], batcher.queued_rows)
             overflows.add_metric([served.name], served.overflows)
             reruns.add_metric([served.name], served.fp32_reruns)
+            fallback.add_metric([served.name, version], 1 if served.fp32_fallback else 0)
         loaded.add_metric([], ready)
-        yield from (loaded, state, weights, fp32_host, queue, overflows, reruns)
+        yield from (loaded, state, weights, fp32_host, queue, overflows, reruns, fallback)

@@ -12,10 +12,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from server import fidelity, store
 from server import precision as prec
-from server import store
 from server.batching import Batcher, BatchObserver, BatchStats
 from server.engine import Engine, EngineInfo, module_bytes, pads_to_buckets, resolve_device
+from server.fidelity import Fidelity
 from server.precision import Precision
 from server.serving import (
     InvalidInputError,
@@ -53,6 +54,10 @@ class ServedModel:
     """The resolved precision the engine serves in, once loaded."""
     batcher: Batcher | None = None
     warmup_seconds: float = 0.0
+    fidelity: Fidelity | None = None
+    """Half precision against fp32 on the version's calibration samples, measured at load (None: not measured)."""
+    fp32_fallback: str | None = None
+    """Why the model is served in fp32 although its precision is a half one (its min_agreement was not met)."""
     loaded_at: float = field(default_factory=time.time)
     final_stats: BatchStats | None = None
     """The statistics of the last batcher, kept once it is released (for the drain report)."""
@@ -180,6 +185,9 @@ class ServedModel:
             "allow_nonfinite_inputs": m.allow_nonfinite_inputs,
             "description": m.description,
             "evaluation": m.evaluation,
+            "fidelity": self.fidelity.as_dict() if self.fidelity is not None else None,
+            "min_agreement": m.min_agreement,
+            "fp32_fallback": self.fp32_fallback,
             "warmup_seconds": round(self.warmup_seconds, 4),
             "execution": _execution(info) if info else m.execution.model_dump(mode="json"),
             "loaded_at": self.loaded_at,
@@ -281,10 +289,41 @@ class ModelRepository:
                 raise
         return engine
 
+    async def _check_fidelity(self, served: ServedModel, loaded: LoadedModel, engine: Engine) -> Engine:
+        """Measure a half-precision engine against fp32 on the version's calibration samples, if it has any; returns
+        the engine to serve: this one, or an fp32 one where the manifest's min_agreement is not met."""
+        samples = await asyncio.to_thread(fidelity.read_samples, loaded.path.parent, loaded.manifest)
+        if samples is None:
+            return engine
+        measured = await asyncio.to_thread(fidelity.measure, engine, loaded, samples, served.batching.max_batch_size)
+        served.fidelity = measured
+        log.info(
+            "model %s: %s vs fp32 on %d calibration samples: top-1 agreement %s, max abs/rel error %.3g/%.3g",
+            served.name,
+            measured.precision,
+            measured.samples,
+            "n/a" if measured.top1_agreement is None else f"{measured.top1_agreement:.4f}",
+            measured.max_abs_error,
+            measured.max_rel_error,
+        )
+        reason = fidelity.shortfall(measured, loaded.manifest.min_agreement)
+        if reason is None:
+            return engine
+        log.warning("model %s is served in fp32: %s", served.name, reason)
+        served.fp32_fallback = reason
+        engine.close()
+        return await self._engine(served, loaded, Precision.FP32)
+
     async def _load(self, served: ServedModel) -> None:
         precision = self.precisions.get(served.name) or self.settings.precision or served.manifest.precision
         loaded = await asyncio.to_thread(store.load, self.settings.store, served.name, served.version)
         engine = await self._engine(served, loaded, precision)
+        if engine.precision is not Precision.FP32:
+            try:
+                engine = await self._check_fidelity(served, loaded, engine)
+            except BaseException:
+                engine.close()
+                raise
         batcher = Batcher(
             engine.run,
             max_batch_size=served.batching.max_batch_size,

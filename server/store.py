@@ -12,6 +12,7 @@ weights come from safetensors, and architectures are looked up by name in :mod:`
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import tempfile
@@ -219,6 +220,9 @@ class Manifest(BaseModel):
     """Class names for the first output's last dimension."""
     precision: Precision = Precision.AUTO
     overflow: OverflowPolicy = OverflowPolicy.RERUN_FP32
+    min_agreement: float | None = Field(default=None, gt=0.0, le=1.0)
+    """Serve in fp32 instead when the half precision's top-1 agreement with fp32 on the version's calibration samples
+    (:mod:`server.fidelity`) is below this."""
     allow_nonfinite_inputs: bool = False
     """Accept NaN and infinite input values (only binary tensors can carry them); refused with a 400 otherwise."""
     normalize: Normalize | None = None
@@ -262,6 +266,10 @@ class Manifest(BaseModel):
             names = [t.name for t in specs]
             if len(set(names)) != len(names):
                 raise ValueError(f"{field}: names must be distinct, got {names}")
+        if self.min_agreement is not None and not any(
+            t.datatype.numpy.kind == "f" and math.prod(t.shape) > 1 for t in self.outputs
+        ):
+            raise ValueError("min_agreement needs a floating output with more than one value per row to rank")
         if self.normalize is not None and len(self.inputs) > 1:
             raise ValueError("normalize applies to a model with one input")
         if self.execution.compile is Compile.INDUCTOR and (len(self.inputs) > 1 or len(self.outputs) > 1):

@@ -1,0 +1,120 @@
+"""Fidelity at load: calibration samples stored with a version run in fp32 and in the half precision before the model
+serves; the figures show in /models, and a model below its manifest's min_agreement is served in fp32 instead."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.numpy import save_file
+
+from server import models, store
+from server.fidelity import CALIBRATION
+from server.settings import Settings
+from server.store import Batching, Manifest, TensorSpec
+from tests.integration.conftest import serving
+
+
+def save_linear(root: Path, bias: float, min_agreement: float | None, samples: np.ndarray | None) -> Path:
+    """Linear(4 -> 2) with equal weight rows and output 1 ahead by ``bias``: for inputs near 100 both outputs are
+    near 400, where bf16's step is 2, so a small ``bias`` is lost in bf16 (a tie, argmax 0) and kept in fp32."""
+    kwargs = {"in_features": 4, "hidden": [], "out_features": 2}
+    module = models.build("mlp", **kwargs)
+    with torch.no_grad():
+        module.net[0].weight.fill_(1.0)
+        module.net[0].bias.copy_(torch.tensor([0.0, bias]))
+    manifest = Manifest(
+        name="lin",
+        architecture="mlp",
+        arch_kwargs=kwargs,
+        inputs=[TensorSpec(name="x", shape=[4])],
+        outputs=[TensorSpec(name="y", shape=[2])],
+        precision="bf16",
+        min_agreement=min_agreement,
+        batching=Batching(max_batch_size=16),
+    )
+    vdir = store.save(root, manifest, module)
+    if samples is not None:
+        save_file({"x": samples}, str(vdir / CALIBRATION))
+    return root
+
+
+def near_100(rows: int) -> np.ndarray:
+    return np.random.default_rng(0).uniform(99.0, 101.0, (rows, 4)).astype(np.float32)
+
+
+async def listing(client: object) -> dict[str, object]:
+    body = (await client.get("/models")).json()  # type: ignore[attr-defined]
+    return body["models"][0] if isinstance(body, dict) else body[0]
+
+
+async def test_agreement_is_measured_at_load_and_reported(tmp_path: Path) -> None:
+    async with serving(Settings(store=save_linear(tmp_path, 50.0, 0.99, near_100(40)))) as client:
+        entry = await listing(client)
+        f = entry["fidelity"]
+        assert f["samples"] == 40
+        assert f["precision"] == "bf16"
+        assert f["top1_agreement"] == 1.0  # a bias of 50 survives bf16's rounding
+        assert 0 < f["max_abs_error"] <= 4.0  # bf16 rounds values near 400 to steps of 2
+        assert f["max_rel_error"] == pytest.approx(f["max_abs_error"] / 454.0, rel=0.05)
+        assert entry["precision"] == "bf16"
+        assert entry["fp32_fallback"] is None
+        metrics = (await client.get("/metrics")).text
+        assert 'halfserve_model_fp32_fallback{model="lin",version="1"} 0.0' in metrics
+
+
+async def test_a_model_below_its_min_agreement_is_served_in_fp32_with_the_reason(tmp_path: Path) -> None:
+    async with serving(Settings(store=save_linear(tmp_path, 0.001, 0.99, near_100(40)))) as client:
+        entry = await listing(client)
+        assert entry["fidelity"]["top1_agreement"] < 0.5  # bf16 ties most rows (argmax 0); fp32 picks output 1
+        assert entry["precision"] == "fp32"
+        assert "below the manifest's min_agreement 0.99" in entry["fp32_fallback"]
+        metrics = (await client.get("/metrics")).text
+        assert 'halfserve_model_fp32_fallback{model="lin",version="1"} 1.0' in metrics
+        r = await client.post("/predict", json={"inputs": near_100(2).tolist()})
+        assert r.json()["precision"] == "fp32"
+        assert r.json()["outputs"][0][1] > r.json()["outputs"][0][0]
+
+
+async def test_without_min_agreement_a_disagreeing_model_keeps_its_half_precision(tmp_path: Path) -> None:
+    async with serving(Settings(store=save_linear(tmp_path, 0.001, None, near_100(8)))) as client:
+        entry = await listing(client)
+        assert entry["fidelity"]["top1_agreement"] < 0.5
+        assert entry["precision"] == "bf16"
+
+
+async def test_no_calibration_samples_no_measurement(tmp_path: Path) -> None:
+    async with serving(Settings(store=save_linear(tmp_path, 0.001, 0.99, None))) as client:
+        entry = await listing(client)
+        assert entry["fidelity"] is None
+        assert entry["precision"] == "bf16"
+
+
+def test_samples_that_do_not_fit_fail_the_load_naming_the_file(tmp_path: Path) -> None:
+    from server.fidelity import read_samples
+
+    save_linear(tmp_path, 1.0, None, None)
+    vdir = tmp_path / "lin" / "1"
+    manifest = store.load_manifest(tmp_path / "lin")
+    save_file({"pixels": near_100(2)}, str(vdir / CALIBRATION))
+    with pytest.raises(store.StoreError, match=r"calibration.safetensors: holds \['pixels'\]"):
+        read_samples(vdir, manifest)
+    save_file({"x": np.zeros((2, 5), np.float32)}, str(vdir / CALIBRATION))
+    with pytest.raises(store.StoreError, match=r"'x' has samples of shape \[5\], not \[4\]"):
+        read_samples(vdir, manifest)
+    (vdir / CALIBRATION).write_bytes(b"\xff" * 64)
+    with pytest.raises(store.StoreError, match="cannot read calibration samples"):
+        read_samples(vdir, manifest)
+
+
+def test_min_agreement_needs_an_output_to_rank() -> None:
+    with pytest.raises(ValueError, match="min_agreement needs a floating output"):
+        Manifest(
+            name="m",
+            architecture="mlp",
+            inputs=[TensorSpec(name="x", shape=[4])],
+            outputs=[TensorSpec(name="y", shape=[1])],
+            min_agreement=0.9,
+        )
