@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 import torch
 from fastapi import FastAPI
 
-from server import __version__, api, engine, precision
+from server import __version__, api, engine, models, precision
 from server.metrics import Metrics
 from server.multiproc.engine_side import Backplane
 from server.multiproc.supervisor import Frontends
@@ -89,6 +89,7 @@ def create_app(settings: Settings | None = None, frontends: Frontends | None = N
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         # Process-wide settings, applied here once (never by a constructor).
         torch.set_num_threads(settings.threads or serving_threads())
+        models.add_code_path(settings.code_path)
         precision.set_tf32(settings.tf32)
         metrics = Metrics()
         repo = ModelRepository(settings, observe=metrics.batch_observer)

@@ -31,6 +31,13 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         description="Serve a model store. Every flag has a HALFSERVE_<FLAG> environment variable; flags win.",
     )
     p.add_argument("--store", help="model store folder (default: model_store)")
+    p.add_argument(
+        "--code-path",
+        type=Path,
+        action="append",
+        metavar="DIR",
+        help="a folder put on the import path for 'module:factory' architectures (repeatable)",
+    )
     p.add_argument("--models", help="comma-separated subset of the store's models to serve")
     p.add_argument("--host", help="address to bind (default: 127.0.0.1)")
     p.add_argument("--port", type=int, help="port (default: 8000)")
@@ -106,7 +113,7 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 
 def serve(args: argparse.Namespace) -> int:
-    from server import logs, store
+    from server import logs, models, store
     from server.app import begin_drain, create_app
     from server.multiproc.supervisor import Frontends
     from server.repository import ModelRepository
@@ -117,9 +124,11 @@ def serve(args: argparse.Namespace) -> int:
     given = {k: v for k, v in vars(args).items() if k in fields and v is not None}
     try:
         settings = Settings(**given)
-        # Validate every manifest before binding the port, so a bad store fails with the file and field named.
+        models.add_code_path(settings.code_path)
+        # Validate every manifest and architecture before binding the port, so a bad store fails with the file and
+        # field named.
         ModelRepository(settings).discover()
-    except (ValidationError, store.StoreError, ValueError) as e:
+    except (ValidationError, store.StoreError, ValueError, models.UnknownArchitectureError) as e:
         print(f"halfserve serve: {e}", file=sys.stderr)
         return 2
     log_config = logs.configure(settings.log_format, settings.log_level, settings.access_log)

@@ -233,13 +233,16 @@ class ModelRepository:
         return self._locks.setdefault(name, asyncio.Lock())
 
     def discover(self) -> None:
-        """Validate the manifests of the models to serve (fails fast, naming file and field) and register them."""
+        """Validate the manifests of the models to serve and what their architectures build against their checkpoints
+        (fails fast, naming file and field), and register them."""
         root = self.settings.store
         names = self.settings.models or store.model_names(root)
         if not names:
             raise StoreError(f"{root}: no model folder with a {store.MANIFEST}")
         for name in names:
-            self.models[name] = self._register(name)
+            served = self._register(name)
+            store.check_architecture(self.settings.store / name, served.manifest, served.version)
+            self.models[name] = served
 
     def fixed_shapes(self) -> bool:
         """Whether every registered model's engine pads batches to bucket sizes on this device."""

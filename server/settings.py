@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from enum import Enum
 from pathlib import Path
 from typing import Annotated
@@ -31,6 +32,9 @@ class Settings(BaseSettings):
 
     store: Path = Path("model_store")
     """The model store folder."""
+    code_path: Annotated[list[Path], NoDecode] = Field(default_factory=list)
+    """Folders put first on the import path at start-up, for ``package.module:factory`` architectures
+    (``os.pathsep``-separated in the environment, like ``PYTHONPATH``)."""
     models: Annotated[list[str], NoDecode] = Field(default_factory=list)
     """Serve only these models (comma-separated in the environment); empty serves every model in the store."""
     host: str = "127.0.0.1"
@@ -103,6 +107,13 @@ class Settings(BaseSettings):
     log_format: LogFormat = LogFormat.TEXT
     access_log: bool = False
     """Log every request; inference requests with their request id, model, precision, status and duration."""
+
+    @field_validator("code_path", mode="before")
+    @classmethod
+    def _paths(cls, value: object) -> object:
+        if isinstance(value, str):
+            return [p for p in value.split(os.pathsep) if p.strip()]
+        return value
 
     @field_validator("models", "allowed_hosts", mode="before")
     @classmethod

@@ -22,7 +22,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -204,7 +206,8 @@ class Manifest(BaseModel):
 
     name: str = Field(pattern=NAME_PATTERN)
     architecture: str
-    """A name registered in :mod:`server.models`; its keyword arguments are ``arch_kwargs``.
+    """A registered name, ``package.module:factory``, ``torchvision:<builder>`` or ``transformers:<AutoClass>`` (see
+    :mod:`server.models`); its keyword arguments are ``arch_kwargs``.
 
     ``torch.export`` programs are not accepted: ``torch.export.load`` falls back to full unpickling
     (``weights_only=False``) when the safe load fails, so a crafted archive could run code.
@@ -255,10 +258,8 @@ class Manifest(BaseModel):
 
     @field_validator("architecture")
     @classmethod
-    def _registered(cls, name: str) -> str:
-        if name not in models.names():
-            raise ValueError(f"unknown architecture {name!r} (registered: {', '.join(models.names())})")
-        return name
+    def _architecture(cls, name: str) -> str:
+        return models.check_name(name)  # its form only: what it names is imported when the model is built
 
     @model_validator(mode="after")
     def _consistent(self) -> Manifest:
@@ -383,21 +384,143 @@ def load(root: Path, name: str, version: int | None = None) -> LoadedModel:
     v = resolve_version(model_dir, manifest, version)
     vdir = model_dir / str(v)
     path = vdir / WEIGHTS
+    module = build(model_dir, manifest, vdir)
     if not path.is_file():
         raise StoreError(f"{path}: checkpoint not found")
-    try:
-        module = models.build(manifest.architecture, **manifest.arch_kwargs)
-    except TypeError as e:
-        raise StoreError(f"{model_dir / MANIFEST}: arch_kwargs: {e}") from None
     try:
         state = load_file(str(path), device="cpu")
     except Exception as e:  # safetensors raises its own error types for corrupt headers
         raise StoreError(f"{path}: cannot read safetensors checkpoint ({e})") from None
-    try:
-        module.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()})
-    except RuntimeError as e:
-        raise StoreError(f"{path}: checkpoint does not fit architecture {manifest.architecture!r}: {e}") from None
+    load_weights(module, state, path, manifest.architecture)
     return LoadedModel(manifest=manifest, version=v, module=module.float().eval(), path=path)
+
+
+HF_REMOTE_CODE = ("auto_map",)
+"""config.json keys by which a Hugging Face model asks for code from its folder or the hub: refused."""
+
+
+def build(model_dir: Path, manifest: Manifest, version_dir: Path) -> nn.Module:
+    """A fresh ``nn.Module`` of the manifest's architecture (random weights); errors name the manifest's field."""
+    where = model_dir / MANIFEST
+    if manifest.architecture.startswith(models.TRANSFORMERS):
+        return _hugging_face(where, manifest, version_dir)
+    try:
+        factory = models.resolve(manifest.architecture)
+    except models.UnknownArchitectureError as e:
+        raise StoreError(f"{where}: architecture: {e}") from None
+    try:
+        module = factory(**manifest.arch_kwargs)
+    except TypeError as e:
+        raise StoreError(f"{where}: arch_kwargs: {e}") from None
+    try:
+        return models.check_module(module, manifest.architecture)
+    except models.UnknownArchitectureError as e:
+        raise StoreError(f"{where}: architecture: {e}") from None
+
+
+def _hugging_face(where: Path, manifest: Manifest, version_dir: Path) -> nn.Module:
+    """A Hugging Face model from its folder's config.json: local files only, no remote code, weights (loaded after)
+    from model.safetensors only."""
+    auto_class = manifest.architecture.removeprefix(models.TRANSFORMERS)
+    if "trust_remote_code" in manifest.arch_kwargs:
+        raise StoreError(
+            f"{where}: arch_kwargs: trust_remote_code is refused: it runs Python code shipped with the model folder"
+        )
+    config_path = version_dir / "config.json"
+    if not (version_dir / WEIGHTS).is_file():
+        pickles = sorted(p.name for p in version_dir.glob("*.bin")) if version_dir.is_dir() else []
+        if pickles:
+            raise StoreError(
+                f"{version_dir / pickles[0]}: PyTorch pickle weights are refused (unpickling can run code); save the "
+                f"model with save_pretrained(folder, safe_serialization=True) to get {WEIGHTS}"
+            )
+    try:
+        config_json = json.loads(config_path.read_text())
+    except FileNotFoundError:
+        raise StoreError(
+            f"{config_path}: a {manifest.architecture!r} version folder needs the model's config.json"
+        ) from None
+    except json.JSONDecodeError as e:
+        raise StoreError(f"{config_path}: not valid JSON ({e})") from None
+    remote = [k for k in HF_REMOTE_CODE if k in config_json]
+    if remote:
+        raise StoreError(
+            f"{config_path}: {remote[0]}: the model asks for custom code (trust_remote_code), which is refused; "
+            "serve it as a 'package.module:factory' architecture from --code-path instead"
+        )
+    try:
+        import transformers  # noqa: PLC0415
+    except ImportError:
+        raise StoreError(
+            f"{where}: architecture: transformers is not installed (pip install 'halfserve[hf]')"
+        ) from None
+    cls = getattr(transformers, auto_class, None)
+    if cls is None or not hasattr(cls, "from_config"):
+        raise StoreError(f"{where}: architecture: transformers has no auto class {auto_class!r} with from_config")
+    try:
+        config = transformers.AutoConfig.from_pretrained(str(version_dir), local_files_only=True)
+        module = cls.from_config(config, **manifest.arch_kwargs)
+    except (ValueError, TypeError, OSError, KeyError) as e:
+        raise StoreError(f"{config_path}: {auto_class} cannot build this model: {e}") from None
+    return models.check_module(module, manifest.architecture)
+
+
+def _listed(keys: list[str]) -> str:
+    shown = ", ".join(keys[:5])
+    return shown + (f" (+{len(keys) - 5} more)" if len(keys) > 5 else "")
+
+
+def key_mismatch(expected: dict[str, Any], found: set[str]) -> str | None:
+    """What a checkpoint's tensor names lack or have beyond a module's state dict (``expected``, name to tensor), or
+    ``None`` when they fit. ``expected`` holds the module's parameters themselves (``state_dict(keep_vars=True)``):
+    a name the checkpoint lacks is fine when its parameter is one the checkpoint has under another name (tied weights,
+    such as an output layer sharing the embedding's, which Hugging Face saves once)."""
+    missing = sorted(k for k in expected if k not in found)
+    if missing:
+        present = {id(expected[k]) for k in expected if k in found}  # tied: one Parameter under two names
+        missing = [k for k in missing if id(expected[k]) not in present]
+    unexpected = sorted(found - set(expected))
+    if not missing and not unexpected:
+        return None
+    parts = []
+    if missing:
+        parts.append(f"missing: {_listed(missing)}")
+    if unexpected:
+        parts.append(f"unexpected: {_listed(unexpected)}")
+    return "; ".join(parts)
+
+
+def load_weights(module: nn.Module, state: dict[str, Any], path: Path, architecture: str) -> None:
+    """Load ``state`` into ``module`` strictly, naming the first missing and unexpected tensors when they differ."""
+    mismatch = key_mismatch(module.state_dict(keep_vars=True), set(state))
+    if mismatch:
+        raise StoreError(f"{path}: checkpoint does not fit architecture {architecture!r}: {mismatch}")
+    try:
+        module.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()}, strict=False)
+    except RuntimeError as e:  # the names fit; a shape does not
+        raise StoreError(f"{path}: checkpoint does not fit architecture {architecture!r}: {e}") from None
+    tie = getattr(module, "tie_weights", None)
+    if callable(tie):
+        tie()
+
+
+def check_architecture(model_dir: Path, manifest: Manifest, version: int) -> None:
+    """Before serving: build the architecture on the meta device (no memory, no weights) and compare its tensor names
+    with the checkpoint's (read from its header alone), so a missing module, a factory that builds no model or a
+    checkpoint that does not fit is named at start-up, before the port binds. A checkpoint that is missing or cannot
+    be read fails that model's load alone, later, as a damaged file on a running server would."""
+    vdir = model_dir / str(version)
+    path = vdir / WEIGHTS
+    with torch.device("meta"):
+        module = build(model_dir, manifest, vdir)
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            found = set(f.keys())
+    except Exception:  # a missing or unreadable checkpoint fails that model's load alone, as it always has
+        return
+    mismatch = key_mismatch(module.state_dict(keep_vars=True), found)
+    if mismatch:
+        raise StoreError(f"{path}: checkpoint does not fit architecture {manifest.architecture!r}: {mismatch}")
 
 
 def _atomic_write(path: Path, data: bytes) -> None:

@@ -1,12 +1,28 @@
-"""Architecture registry: the server and the training module build the same ``nn.Module`` from a name.
+"""Architectures: the server, the training module and ``halfserve import`` build the same ``nn.Module`` from a name.
 
-A manifest names an architecture and its keyword arguments; :func:`build` looks the name up here. Nothing is ever
-unpickled to obtain a model's code.
+A manifest's ``architecture`` is one of:
+
+* a name registered here (``@register``: the shipped models) or by an installed package through the entry-point
+  group ``halfserve.architectures`` (``name = "package.module:factory"`` in its metadata);
+* ``"package.module:factory"``: any importable callable returning an ``nn.Module``, called with ``arch_kwargs``; the
+  operator's folders join the import path with ``--code-path`` (:func:`add_code_path`);
+* ``"torchvision:<builder>"`` (``torchvision:resnet50``): torchvision's builder with ``weights=None`` (the extra
+  ``halfserve[vision]``);
+* ``"transformers:<AutoClass>"``: a Hugging Face model folder, built by :mod:`server.store` from its config.
+
+The code is the operator's, named in the operator's configuration (as with a TorchServe handler); weights come only
+from safetensors, so nothing is ever unpickled to obtain a model.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
+import importlib
+import re
+import sys
+from collections.abc import Callable, Iterable
+from importlib.metadata import entry_points
+from pathlib import Path
 from typing import Any, TypeVar
 
 from torch import nn
@@ -17,8 +33,17 @@ F = TypeVar("F", bound=ModelFactory)
 _REGISTRY: dict[str, ModelFactory] = {}
 
 
+ENTRY_POINTS = "halfserve.architectures"
+TORCHVISION = "torchvision:"
+TRANSFORMERS = "transformers:"
+_PLAIN = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]{0,127}")
+_DOTTED = r"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*"
+_IMPORT = re.compile(rf"({_DOTTED}):({_DOTTED})")
+_LIBRARY = re.compile(r"(torchvision|transformers):([A-Za-z_][A-Za-z0-9_]*)")
+
+
 class UnknownArchitectureError(KeyError):
-    """The manifest names an architecture that is not registered."""
+    """The manifest names an architecture that cannot be found or does not build a model."""
 
     def __str__(self) -> str:
         return str(self.args[0])
@@ -36,22 +61,144 @@ def register(name: str) -> Callable[[F], F]:
     return decorator
 
 
-def build(name: str, **kwargs: Any) -> nn.Module:
-    """Build a fresh (randomly initialised) model of architecture ``name``."""
+def _installed() -> dict[str, Any]:
+    """Architectures installed packages register (entry points, not loaded)."""
+    return {ep.name: ep for ep in entry_points(group=ENTRY_POINTS)}
+
+
+def _forms() -> str:
+    known = ", ".join(names())
+    return (
+        f"a registered name ({known}), 'package.module:factory', 'torchvision:<builder>' or 'transformers:<AutoClass>'"
+    )
+
+
+def check_name(name: str) -> str:
+    """``name`` if it has one of the architecture forms (registered names must be known); nothing is imported."""
+    if name in _REGISTRY or _LIBRARY.fullmatch(name) or _IMPORT.fullmatch(name) or name in _installed():
+        return name
+    if _PLAIN.fullmatch(name):
+        raise ValueError(f"unknown architecture {name!r}; expected {_forms()}")
+    raise ValueError(f"{name!r} is not an architecture; expected {_forms()}")
+
+
+def _attribute(module: object, path: str, where: str) -> Any:
+    obj = module
+    for part in path.split("."):
+        if not hasattr(obj, part):
+            raise UnknownArchitectureError(f"{where}: module has no attribute {part!r}")
+        obj = getattr(obj, part)
+    return obj
+
+
+def _imported(module_name: str, attribute: str, name: str) -> Any:
     try:
-        factory = _REGISTRY[name]
-    except KeyError:
-        known = ", ".join(sorted(_REGISTRY))
-        raise UnknownArchitectureError(f"unknown architecture {name!r} (registered: {known})") from None
-    return factory(**kwargs)
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        hint = " (is its folder given with --code-path?)" if e.name == module_name.split(".")[0] else ""
+        raise UnknownArchitectureError(f"architecture {name!r}: module {e.name!r} not found{hint}") from None
+    except Exception as e:  # the operator's module failed while it was imported
+        raise UnknownArchitectureError(
+            f"architecture {name!r}: importing {module_name!r} failed: {type(e).__name__}: {e}"
+        ) from None
+    return _attribute(module, attribute, f"architecture {name!r}")
+
+
+def _torchvision(builder: str, name: str) -> ModelFactory:
+    try:
+        # An optional extra, imported where asked for.
+        import torchvision.models
+    except ImportError as e:
+        raise UnknownArchitectureError(
+            f"architecture {name!r}: torchvision is not installed (pip install 'halfserve[vision]')"
+            + ("" if isinstance(e, ModuleNotFoundError) else f": {e}")
+        ) from None
+    except Exception as e:  # a torchvision built for another torch (its C++ operators do not load)
+        raise UnknownArchitectureError(
+            f"architecture {name!r}: torchvision does not import with this torch: {type(e).__name__}: {e}"
+        ) from None
+    try:
+        factory = torchvision.models.get_model_builder(builder)
+    except ValueError:
+        raise UnknownArchitectureError(
+            f"architecture {name!r}: torchvision has no model builder {builder!r} "
+            "(torchvision.models.list_models() lists them)"
+        ) from None
+    return functools.partial(factory, weights=None)
+
+
+def resolve(name: str) -> ModelFactory:
+    """The factory ``name`` stands for, importing what it names; :class:`UnknownArchitectureError` says why not.
+
+    ``transformers:`` architectures are built from their model folder by :mod:`server.store`, not here.
+    """
+    factory = _REGISTRY.get(name)
+    if factory is not None:
+        return factory
+    library = _LIBRARY.fullmatch(name)
+    if library and library[1] == "torchvision":
+        return _torchvision(library[2], name)
+    if library:
+        raise UnknownArchitectureError(f"architecture {name!r} is built from its model folder (server.store.load)")
+    dotted = _IMPORT.fullmatch(name)
+    installed = _installed().get(name) if dotted is None else None
+    if installed is not None:
+        try:
+            factory = installed.load()
+        except Exception as e:
+            raise UnknownArchitectureError(
+                f"architecture {name!r} (entry point {installed.value!r}): {type(e).__name__}: {e}"
+            ) from None
+    elif dotted is not None:
+        factory = _imported(dotted[1], dotted[2], name)
+    else:
+        known = ", ".join(names())
+        raise UnknownArchitectureError(f"unknown architecture {name!r} (registered: {known})")
+    if not callable(factory):
+        raise UnknownArchitectureError(f"architecture {name!r}: {type(factory).__name__} object is not callable")
+    return factory  # type: ignore[no-any-return]
+
+
+def check_module(module: object, name: str) -> nn.Module:
+    """``module`` as an ``nn.Module``, or the error saying what ``name``'s factory returned instead."""
+    if not isinstance(module, nn.Module):
+        raise UnknownArchitectureError(f"architecture {name!r} returned {type(module).__name__}, not a torch.nn.Module")
+    return module
+
+
+def build(name: str, **kwargs: Any) -> nn.Module:
+    """Build a fresh (randomly initialised) model of architecture ``name``. A ``TypeError`` means ``kwargs`` do not
+    fit the factory."""
+    return check_module(resolve(name)(**kwargs), name)
 
 
 def names() -> list[str]:
-    """Registered architecture names."""
-    return sorted(_REGISTRY)
+    """Registered architecture names, installed packages' included."""
+    return sorted({*_REGISTRY, *_installed()})
+
+
+def add_code_path(paths: Iterable[Path]) -> None:
+    """Put the operator's folders first on the import path (once each), so ``module:factory`` architectures in them
+    import. Process-wide: called once at start-up, before manifests are resolved."""
+    for path in reversed(list(paths)):
+        folder = Path(path).resolve()
+        if not folder.is_dir():
+            raise UnknownArchitectureError(f"code path {str(path)!r} is not a folder")
+        if str(folder) not in sys.path:
+            sys.path.insert(0, str(folder))
+    importlib.invalidate_caches()
 
 
 # Importing the modules registers their architectures.
 from server.models import cnn, mlp, resnet  # noqa: E402, F401
 
-__all__ = ["build", "names", "register", "UnknownArchitectureError"]
+__all__ = [
+    "UnknownArchitectureError",
+    "add_code_path",
+    "build",
+    "check_module",
+    "check_name",
+    "names",
+    "register",
+    "resolve",
+]
