@@ -1,0 +1,193 @@
+"""Architectures from outside the package: ``module:factory`` from the operator's folder, entry points, torchvision and
+Hugging Face folders; every failure named with the manifest's file and field."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+from server import models, store
+from server.engine import Engine
+from server.precision import Precision
+from server.repository import ModelRepository
+from server.settings import Settings
+from server.store import Manifest, StoreError, TensorSpec
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture
+def code_dir(tmp_path: Path) -> Iterator[Path]:
+    """A folder of the operator's code, on the import path for the test only."""
+    folder = tmp_path / "code"
+    folder.mkdir()
+    before = list(sys.path)
+    yield folder
+    sys.path[:] = before
+    for name in [m for m in sys.modules if m.startswith("opcode_")]:
+        del sys.modules[name]
+
+
+def write_module(folder: Path, name: str, body: str) -> None:
+    (folder / f"{name}.py").write_text(textwrap.dedent(body))
+    importlib.invalidate_caches()
+
+
+NET = """
+    import torch
+    from torch import nn
+
+    class Net(nn.Module):
+        def __init__(self, width: int = 4, classes: int = 3) -> None:
+            super().__init__()
+            self.body = nn.Linear(width, 8)
+            self.head = nn.Linear(8, classes)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(torch.relu(self.body(x)))
+
+    def build(width: int = 4, classes: int = 3) -> nn.Module:
+        return Net(width, classes)
+
+    NOT_CALLABLE = 3
+
+    def not_a_module() -> int:
+        return 7
+"""
+
+
+def manifest(architecture: str, **fields: object) -> Manifest:
+    return Manifest.model_validate(
+        {
+            "name": "net",
+            "architecture": architecture,
+            "arch_kwargs": {"width": 4, "classes": 3},
+            "inputs": [TensorSpec(name="x", shape=[4])],
+            "outputs": [TensorSpec(name="y", shape=[3])],
+            **fields,
+        }
+    )
+
+
+def test_a_factory_from_the_operators_folder_saves_loads_and_serves(code_dir: Path, tmp_path: Path) -> None:
+    write_module(code_dir, "opcode_net", NET)
+    models.add_code_path([code_dir])
+    module = models.build("opcode_net:build", width=4, classes=3)
+    store.save(tmp_path / "store", manifest("opcode_net:build"), module)
+    loaded = store.load(tmp_path / "store", "net")
+    x = np.random.default_rng(0).standard_normal((5, 4)).astype(np.float32)
+    with torch.inference_mode():
+        want = module(torch.from_numpy(x)).numpy()
+    np.testing.assert_allclose(loaded.module(torch.from_numpy(x)).detach().numpy(), want, rtol=1e-6)
+    engine = Engine(loaded, Precision.BF16, CPU)
+    np.testing.assert_allclose(engine.forward(x), want, atol=0.05 * np.abs(want).max())
+    engine.close()
+
+
+@pytest.mark.parametrize(
+    ("architecture", "message"),
+    [
+        ("opcode_absent:build", "module 'opcode_absent' not found (is its folder given with --code-path?)"),
+        ("opcode_net:missing", "module has no attribute 'missing'"),
+        ("opcode_net:NOT_CALLABLE", "int object is not callable"),
+        ("opcode_net:not_a_module", "returned int, not a torch.nn.Module"),
+    ],
+)
+def test_each_architecture_failure_is_named_before_serving(
+    code_dir: Path, tmp_path: Path, architecture: str, message: str
+) -> None:
+    write_module(code_dir, "opcode_net", NET)
+    models.add_code_path([code_dir])
+    root = tmp_path / "store"
+    store.save(root, manifest("opcode_net:build"), models.build("opcode_net:build"))
+    broken = manifest(architecture, arch_kwargs={})
+    store.write_manifest(root, broken)
+    with pytest.raises(StoreError) as caught:
+        ModelRepository(Settings(store=root)).discover()  # what `halfserve serve` runs before it binds the port
+    assert str(root / "net" / "config.json") in str(caught.value)
+    assert "architecture: " in str(caught.value)
+    assert message in str(caught.value)
+
+
+def test_a_checkpoint_that_does_not_fit_names_missing_and_unexpected_tensors(code_dir: Path, tmp_path: Path) -> None:
+    write_module(code_dir, "opcode_net", NET)
+    models.add_code_path([code_dir])
+    root = tmp_path / "store"
+    vdir = store.save(root, manifest("opcode_net:build"), models.build("opcode_net:build"))
+    other = {"body.weight": torch.zeros(8, 4), "body.bias": torch.zeros(8), "extra.weight": torch.zeros(1)}
+    save_file(other, str(vdir / store.WEIGHTS))
+    expected = "missing: head.bias, head.weight; unexpected: extra.weight"
+    with pytest.raises(StoreError, match=expected):
+        ModelRepository(Settings(store=root)).discover()
+    with pytest.raises(StoreError, match=expected):
+        store.load(root, "net")
+
+
+def test_arch_kwargs_that_do_not_fit_are_named(code_dir: Path, tmp_path: Path) -> None:
+    write_module(code_dir, "opcode_net", NET)
+    models.add_code_path([code_dir])
+    root = tmp_path / "store"
+    store.save(root, manifest("opcode_net:build"), models.build("opcode_net:build"))
+    store.write_manifest(root, manifest("opcode_net:build", arch_kwargs={"depth": 3}))
+    with pytest.raises(StoreError, match=r"config.json: arch_kwargs: .*depth"):
+        ModelRepository(Settings(store=root)).discover()
+
+
+@pytest.mark.parametrize("name", ["not a name", "x:", ":y", "torchvision:", "pkg.mod:fn()", "nosuchregistered"])
+def test_names_of_no_architecture_form_are_refused_at_validation(name: str) -> None:
+    with pytest.raises(ValueError, match="architecture"):
+        manifest(name)
+
+
+def test_a_code_path_that_is_no_folder_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(models.UnknownArchitectureError, match="is not a folder"):
+        models.add_code_path([tmp_path / "absent"])
+
+
+def test_settings_take_several_code_paths_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HALFSERVE_CODE_PATH", "/a/b:/c")
+    assert Settings().code_path == [Path("/a/b"), Path("/c")]
+
+
+def test_installed_packages_register_architectures_by_entry_point(code_dir: Path) -> None:
+    write_module(code_dir, "opcode_plugin", NET)
+    info = code_dir / "opcode_plugin-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: opcode-plugin\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text("[halfserve.architectures]\nplugnet = opcode_plugin:build\n")
+    sys.path.insert(0, str(code_dir))
+    importlib.invalidate_caches()
+    assert "plugnet" in models.names()
+    assert manifest("plugnet").architecture == "plugnet"
+    built = models.build("plugnet", width=4, classes=3)
+    assert isinstance(built, nn.Module)
+    assert built.head.out_features == 3
+
+
+def torchvision_importable() -> str | None:
+    try:
+        import torchvision.models  # noqa: F401
+    except Exception as e:  # the PyPI wheel needs CUDA torch's libraries: it does not import with a CPU build
+        return f"torchvision does not import here ({type(e).__name__}: {e})"
+    return None
+
+
+def test_torchvision_builders_build_with_random_weights() -> None:
+    reason = torchvision_importable()
+    if reason is not None:
+        with pytest.raises(models.UnknownArchitectureError, match="torchvision"):
+            models.build("torchvision:resnet18", num_classes=10)
+        pytest.skip(reason + "; its refusal is named, as checked")
+    module = models.build("torchvision:resnet18", num_classes=10)
+    assert module.fc.out_features == 10
+    with pytest.raises(models.UnknownArchitectureError, match="no model builder 'resnet_nope'"):
+        models.resolve("torchvision:resnet_nope")

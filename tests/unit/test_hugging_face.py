@@ -1,0 +1,93 @@
+"""Hugging Face model folders as ``transformers:<AutoClass>`` architectures: built from config.json, weights from
+model.safetensors, served in half precision; remote code and pickled weights refused."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from server import store
+from server.engine import Engine
+from server.precision import Precision
+from server.repository import ModelRepository
+from server.settings import Settings
+from server.store import DataType, Manifest, StoreError, TensorSpec
+
+CPU = torch.device("cpu")
+
+transformers = pytest.importorskip("transformers")
+HF = "transformers:AutoModelForSequenceClassification"
+
+
+def floating_bytes(module: nn.Module) -> int:
+    tensors = (*module.parameters(), *module.buffers())
+    return sum(t.numel() * t.element_size() for t in tensors if t.is_floating_point())
+
+
+def tiny_bert(folder: Path) -> nn.Module:
+    """A randomly initialised 2-layer BERT classifier (no hub download), saved as a Hugging Face folder."""
+    config = transformers.BertConfig(
+        vocab_size=100,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=32,
+        num_labels=3,
+    )
+    torch.manual_seed(0)
+    model = transformers.AutoModelForSequenceClassification.from_config(config).eval()
+    model.save_pretrained(str(folder), safe_serialization=True)
+    return model
+
+
+def hf_store(root: Path) -> tuple[Path, nn.Module]:
+    m = Manifest(
+        name="bert",
+        architecture=HF,
+        inputs=[TensorSpec(name="input_ids", datatype=DataType.INT64, shape=[8])],
+        outputs=[TensorSpec(name="logits", shape=[3])],
+    )
+    store.write_manifest(root, m)
+    vdir = root / "bert" / "1"
+    return vdir, tiny_bert(vdir)
+
+
+def test_a_hugging_face_folder_loads_and_serves_in_half_precision(tmp_path: Path) -> None:
+    vdir, original = hf_store(tmp_path)
+    assert (vdir / "model.safetensors").is_file()
+    ModelRepository(Settings(store=tmp_path)).discover()
+    loaded = store.load(tmp_path, "bert")
+    ids = np.random.default_rng(0).integers(0, 100, (4, 8)).astype(np.int64)
+    with torch.inference_mode():
+        want = original(input_ids=torch.from_numpy(ids)).logits.numpy()
+    engine = Engine(loaded, Precision.FP32, CPU)
+    np.testing.assert_allclose(engine.forward(ids), want, rtol=1e-5, atol=1e-5)
+    engine.close()
+    fp32_bytes = floating_bytes(engine.model)
+    half = Engine(loaded, Precision.BF16, CPU)
+    assert next(half.model.parameters()).dtype == torch.bfloat16
+    assert floating_bytes(half.model) * 2 == fp32_bytes  # integer buffers (position ids) keep their type
+    np.testing.assert_allclose(half.forward(ids), want, atol=0.1)
+    half.close()
+
+
+def test_hugging_face_remote_code_and_pickles_are_refused(tmp_path: Path) -> None:
+    vdir, _ = hf_store(tmp_path)
+    config = json.loads((vdir / "config.json").read_text())
+    (vdir / "config.json").write_text(json.dumps({**config, "auto_map": {"AutoModel": "modeling.Net"}}))
+    with pytest.raises(StoreError, match="auto_map: the model asks for custom code"):
+        store.load(tmp_path, "bert")
+    (vdir / "config.json").write_text(json.dumps(config))
+    (vdir / "model.safetensors").rename(vdir / "pytorch_model.bin")
+    with pytest.raises(StoreError, match="pytorch_model.bin: PyTorch pickle weights are refused"):
+        store.load(tmp_path, "bert")
+    m = store.load_manifest(tmp_path / "bert").model_copy(update={"arch_kwargs": {"trust_remote_code": True}})
+    store.write_manifest(tmp_path, m)
+    with pytest.raises(StoreError, match="trust_remote_code is refused"):
+        store.load(tmp_path, "bert")
