@@ -166,10 +166,69 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _add_import(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "import",
+        help="turn a state dict, a safetensors file or a Hugging Face folder into a model store entry",
+        description="Build the architecture, load SOURCE's weights strictly, derive the outputs (unless given), store "
+        "calibration samples and measure half precision against fp32 on them, and write the next version of NAME.",
+    )
+    p.add_argument("source", type=Path, help=".pt/.pth state dict, .safetensors file, or Hugging Face model folder")
+    p.add_argument("--name", required=True, help="the model's name in the store")
+    p.add_argument(
+        "--architecture",
+        required=True,
+        help="registered name, package.module:factory, torchvision:<builder> or transformers:<AutoClass>",
+    )
+    p.add_argument("--arch-kwargs", help="JSON object of the factory's keyword arguments")
+    p.add_argument(
+        "--input", action="append", required=True, metavar="NAME:DTYPE:SHAPE", help="e.g. image:FP32:3x224x224"
+    )
+    p.add_argument("--output", action="append", metavar="NAME:DTYPE:SHAPE", help="default: from one forward")
+    p.add_argument("--labels", type=Path, help="text file with one class name per line (the first output's)")
+    p.add_argument("--calibration", type=Path, help=".npy (one input), .npz or .safetensors samples by input name")
+    p.add_argument("--samples", type=int, default=64, help="random calibration samples without --calibration")
+    p.add_argument("--min-agreement", type=float, help="serve in fp32 below this top-1 agreement (the manifest's)")
+    p.add_argument("--store", type=Path, default=Path("model_store"), help="model store folder (default: model_store)")
+    p.add_argument("--code-path", type=Path, action="append", metavar="DIR", help="folder for module:factory code")
+    p.add_argument("--device", default="auto", help="where the half-precision agreement is measured")
+    p.set_defaults(func=import_)
+
+
+def import_(args: argparse.Namespace) -> int:
+    from server import importer, models, store
+    from server.engine import resolve_device
+
+    try:
+        models.add_code_path(args.code_path or [])
+        labels = args.labels.read_text().split() if args.labels else None
+        fields = {"min_agreement": args.min_agreement} if args.min_agreement is not None else {}
+        result = importer.import_model(
+            args.source,
+            args.store,
+            args.name,
+            args.architecture,
+            [importer.parse_tensor(t, "--input") for t in args.input],
+            [importer.parse_tensor(t, "--output") for t in args.output] if args.output else None,
+            importer.parse_json_object(args.arch_kwargs, "--arch-kwargs"),
+            labels,
+            args.calibration,
+            args.samples,
+            resolve_device(args.device),
+            **fields,
+        )
+    except (store.StoreError, models.UnknownArchitectureError, ValidationError, ValueError, OSError) as e:
+        print(f"halfserve import: {e}", file=sys.stderr)
+        return 2
+    print(importer.describe(result))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="halfserve", description="Half-precision PyTorch inference server.")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_serve(sub)
+    _add_import(sub)
     train_cli.add_parser(sub)
     loadtest_cli.add_parser(sub)
     return parser

@@ -1,0 +1,294 @@
+"""``halfserve import``: turn the weights a team has into a model store entry.
+
+Sources: a ``.pt``/``.pth`` state dict (read with ``torch.load(weights_only=True)``: tensors and plain containers only,
+never code; ``{"state_dict": ...}`` and ``{"model": ...}`` wrappers are unwrapped and DataParallel's ``module.``
+prefixes stripped), a ``.safetensors`` file, or a Hugging Face model folder (``config.json`` + ``model.safetensors``).
+
+The architecture is built and the weights loaded strictly; the output signature comes from one fp32 forward on the
+declared input shape unless given; calibration samples (given, else random inputs of the declared shape) are stored
+with the version and run in fp32 and in the half precision, and the agreement is printed and recorded in the
+manifest's ``evaluation``. The version is written as the next one, with its manifest.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.numpy import load_file as load_numpy
+from safetensors.numpy import save_file as save_numpy
+from safetensors.torch import load_file
+from torch import nn
+
+from server import fidelity, models, precision, store
+from server.engine import Engine, takes_positionally
+from server.store import DataType, Manifest, StoreError, TensorSpec
+
+RANDOM_SAMPLES = 64
+INT_RANGE = 100
+"""Random integer inputs are drawn from ``[0, INT_RANGE)`` (token ids of a small vocabulary, class indices)."""
+_DTYPES = {
+    torch.float32: DataType.FP32,
+    torch.float16: DataType.FP32,
+    torch.bfloat16: DataType.FP32,
+    torch.float64: DataType.FP64,
+    torch.int64: DataType.INT64,
+    torch.int32: DataType.INT32,
+    torch.uint8: DataType.UINT8,
+    torch.bool: DataType.BOOL,
+}
+FULL_MODEL = (
+    "{path}: holds a pickled model object, not a state dict. Unpickling it could run any code, so it is refused. "
+    "Where the model is defined, save its weights instead: torch.save(model.state_dict(), 'weights.pth'), and import "
+    "that file with --architecture naming the code that builds the model."
+)
+
+
+class ImportFailure(StoreError):
+    """A source that cannot become a store entry; the message names the file or option and the reason."""
+
+
+def parse_tensor(text: str, option: str) -> TensorSpec:
+    """``NAME:DTYPE:SHAPE`` (``image:FP32:3x224x224``; DTYPE may be left out for FP32: ``features:64``)."""
+    parts = text.split(":")
+    if len(parts) == 2:
+        parts = [parts[0], "FP32", parts[1]]
+    if len(parts) != 3:
+        raise ImportFailure(f"{option} {text!r}: expected NAME:DTYPE:SHAPE, e.g. image:FP32:3x224x224")
+    name, dtype, shape = parts
+    try:
+        dims = [int(d) for d in shape.lower().split("x")]
+        return TensorSpec(name=name, datatype=DataType(dtype.upper()), shape=dims)
+    except ValueError as e:
+        raise ImportFailure(f"{option} {text!r}: {e}") from None
+
+
+def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    """A state dict from a ``.pt``/``.pth`` file (safely) or a ``.safetensors`` file, unwrapped and unprefixed."""
+    if path.suffix == ".safetensors":
+        try:
+            return load_file(str(path), device="cpu")
+        except Exception as e:  # safetensors raises its own error types for corrupt headers
+            raise ImportFailure(f"{path}: cannot read safetensors file ({e})") from None
+    try:
+        obj = torch.load(str(path), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        if "weights_only" in str(e) or "Weights only load failed" in str(e):
+            raise ImportFailure(FULL_MODEL.format(path=path)) from None
+        raise ImportFailure(f"{path}: not a PyTorch state dict ({e})") from None
+    except (RuntimeError, EOFError, OSError) as e:
+        raise ImportFailure(f"{path}: cannot read it as a PyTorch file ({e})") from None
+    for key in ("state_dict", "model"):
+        if isinstance(obj, dict) and isinstance(obj.get(key), dict):
+            obj = obj[key]
+    if not isinstance(obj, dict) or not obj or not all(isinstance(v, torch.Tensor) for v in obj.values()):
+        raise ImportFailure(f"{path}: expected a state dict (names to tensors), found {type(obj).__name__}")
+    if all(k.startswith("module.") for k in obj):  # saved from DataParallel / DistributedDataParallel
+        obj = {k.removeprefix("module."): v for k, v in obj.items()}
+    return obj
+
+
+def _call(module: nn.Module, specs: list[TensorSpec], tensors: list[torch.Tensor]) -> Any:
+    """The forward as the server runs it: one input positionally, several by keyword (or ``*args``)."""
+    names = [t.name for t in specs]
+    if len(names) == 1 or takes_positionally(module, names):
+        return module(*tensors)
+    return module(**dict(zip(names, tensors, strict=True)))
+
+
+def derive_outputs(module: nn.Module, inputs: list[TensorSpec]) -> list[TensorSpec]:
+    """The output signature from one fp32 forward of two rows of zeros: a tensor is ``output``; a tuple's entries are
+    ``output0``, ``output1``...; a mapping's (a Hugging Face ``ModelOutput``) keep their names."""
+    x = [torch.zeros((2, *t.shape), dtype=_torch_dtype(t.datatype)) for t in inputs]
+    with torch.inference_mode():
+        y = _call(module, inputs, x)
+    if isinstance(y, torch.Tensor):
+        named = {"output": y}
+    elif isinstance(y, dict):  # ModelOutput is an OrderedDict
+        named = {k: v for k, v in y.items() if isinstance(v, torch.Tensor)}
+    elif isinstance(y, tuple | list):
+        named = {f"output{i}": v for i, v in enumerate(y) if isinstance(v, torch.Tensor)}
+    else:
+        raise ImportFailure(f"the model returned {type(y).__name__}; give its outputs with --output")
+    specs = []
+    for name, t in named.items():
+        if t.ndim < 2 or t.shape[0] != 2:
+            continue  # not one row per input row (a loss, a scalar): not an output the server can batch
+        specs.append(TensorSpec(name=name, datatype=_DTYPES.get(t.dtype, DataType.FP32), shape=list(t.shape[1:])))
+    if not specs:
+        raise ImportFailure("the model returned no tensor with one row per input row; give its outputs with --output")
+    return specs
+
+
+def _torch_dtype(datatype: DataType) -> torch.dtype:
+    return torch.from_numpy(np.empty(0, dtype=datatype.numpy)).dtype
+
+
+def calibration_samples(path: Path | None, inputs: list[TensorSpec], count: int) -> tuple[dict[str, np.ndarray], str]:
+    """Samples by input name, and where they came from: ``path`` (``.npy`` for a model with one input; ``.npz`` or
+    ``.safetensors`` by input name), else ``count`` random rows of the declared shapes."""
+    if path is None:
+        rng = np.random.default_rng(0)
+        samples = {}
+        for t in inputs:
+            shape = (count, *t.shape)
+            kind = t.datatype.numpy.kind
+            if kind == "f":
+                samples[t.name] = rng.standard_normal(shape).astype(t.datatype.numpy)
+            elif kind == "b":
+                samples[t.name] = rng.integers(0, 2, shape).astype(bool)
+            else:
+                samples[t.name] = rng.integers(0, INT_RANGE, shape).astype(t.datatype.numpy)
+        return samples, f"{count} random samples of the declared shapes (normal floats, integers in [0, {INT_RANGE}))"
+    try:
+        if path.suffix == ".npy":
+            if len(inputs) != 1:
+                raise ImportFailure(f"--calibration {path}: a .npy file feeds one input; use .npz or .safetensors")
+            samples = {inputs[0].name: np.load(path, allow_pickle=False)}
+        elif path.suffix == ".npz":
+            with np.load(path, allow_pickle=False) as f:
+                samples = {k: f[k] for k in f.files}
+        elif path.suffix == ".safetensors":
+            samples = load_numpy(str(path))
+        else:
+            raise ImportFailure(f"--calibration {path}: expected a .npy, .npz or .safetensors file")
+    except (OSError, ValueError) as e:
+        raise ImportFailure(f"--calibration {path}: cannot read it ({e})") from None
+    for t in inputs:
+        a = samples.get(t.name)
+        if a is None:
+            raise ImportFailure(f"--calibration {path}: no samples for input {t.name!r} (it has {sorted(samples)})")
+        if list(a.shape[1:]) != t.shape:
+            raise ImportFailure(f"--calibration {path}: {t.name!r} samples are {list(a.shape[1:])}, not {t.shape}")
+        samples[t.name] = a.astype(t.datatype.numpy)
+    return {t.name: samples[t.name] for t in inputs}, f"{len(samples[inputs[0].name])} samples from {path}"
+
+
+@dataclass
+class Imported:
+    version_dir: Path
+    manifest: Manifest
+    samples_from: str
+    fidelity: fidelity.Fidelity | None
+
+
+def import_model(
+    source: Path,
+    root: Path,
+    name: str,
+    architecture: str,
+    inputs: list[TensorSpec],
+    outputs: list[TensorSpec] | None = None,
+    arch_kwargs: dict[str, Any] | None = None,
+    labels: list[str] | None = None,
+    calibration: Path | None = None,
+    samples: int = RANDOM_SAMPLES,
+    device: torch.device | None = None,
+    **manifest_fields: Any,
+) -> Imported:
+    """Write ``source``'s weights as the next version of ``name`` in the store at ``root`` (see the module)."""
+    arch_kwargs = arch_kwargs or {}
+    hugging_face = architecture.startswith(models.TRANSFORMERS)
+    if hugging_face != source.is_dir():
+        want = "a Hugging Face model folder" if hugging_face else "a .pt, .pth or .safetensors file"
+        raise ImportFailure(f"{source}: architecture {architecture!r} imports from {want}")
+    # The manifest's fields are checked before anything is built or written.
+    draft = Manifest.model_validate(
+        {
+            "name": name,
+            "architecture": architecture,
+            "arch_kwargs": arch_kwargs,
+            "inputs": inputs,
+            "outputs": outputs or [TensorSpec(name="output", shape=[2])],  # a stand-in until derived
+            **manifest_fields,
+        }
+    )
+    model_dir = root / store.check_name(name)
+    if hugging_face:
+        module = store.build(model_dir, draft, source)
+        state = read_state_dict(source / store.WEIGHTS) if (source / store.WEIGHTS).is_file() else {}
+        store.load_weights(module, state, source / store.WEIGHTS, architecture)
+    else:
+        module = store.build(model_dir, draft, source.parent)
+        store.load_weights(module, read_state_dict(source), source, architecture)
+    module = module.float().eval()
+    outputs = outputs or derive_outputs(module, inputs)
+    manifest = Manifest.model_validate({**draft.model_dump(exclude_none=True), "outputs": outputs, "labels": labels})
+    given, samples_from = calibration_samples(calibration, inputs, samples)
+    vdir = _copy_folder(source, root, manifest) if hugging_face else store.save(root, manifest, module)
+    save_numpy(given, str(vdir / fidelity.CALIBRATION))
+    measured = _measure(root, name, int(vdir.name), device or precision.default_device())
+    if measured is not None:
+        half = measured.precision
+        evaluation = {
+            "calibration_samples": measured.samples,
+            f"{half}_top1_agreement": measured.top1_agreement,
+            f"{half}_max_abs_error": measured.max_abs_error,
+            f"{half}_max_rel_error": measured.max_rel_error,
+        }
+        manifest = manifest.model_copy(update={"evaluation": evaluation})
+        store.write_manifest(root, manifest)
+    return Imported(vdir, manifest, samples_from, measured)
+
+
+def _copy_folder(source: Path, root: Path, manifest: Manifest) -> Path:
+    """A Hugging Face folder's config and weights as the next version of ``manifest.name``, with the manifest."""
+    model_dir = root / manifest.name
+    model_dir.mkdir(parents=True, exist_ok=True)
+    present = store.versions(model_dir)
+    vdir = model_dir / str(present[-1] + 1 if present else 1)
+    vdir.mkdir()
+    for file in ("config.json", store.WEIGHTS):
+        shutil.copyfile(source / file, vdir / file)
+    store.write_manifest(root, manifest)
+    return vdir
+
+
+def _measure(root: Path, name: str, version: int, device: torch.device) -> fidelity.Fidelity | None:
+    loaded = store.load(root, name, version)
+    samples = fidelity.read_samples(loaded.path.parent, loaded.manifest)
+    if samples is None:
+        return None
+    half = precision.Precision.FP16 if device.type == "cuda" else precision.Precision.BF16
+    engine = Engine(loaded, half, device)
+    try:
+        return fidelity.measure(engine, loaded, samples, batch=min(64, len(samples)))
+    finally:
+        engine.close()
+
+
+def describe(result: Imported) -> str:
+    m = result.manifest
+    lines = [
+        f"imported {m.name} v{result.version_dir.name} into {result.version_dir}",
+        f"  architecture {m.architecture}",
+        "  inputs  " + ", ".join(f"{t.name} {t.datatype.value} {t.shape}" for t in m.inputs),
+        "  outputs " + ", ".join(f"{t.name} {t.datatype.value} {t.shape}" for t in m.outputs),
+        f"  calibration: {result.samples_from}, stored as {fidelity.CALIBRATION}",
+    ]
+    f = result.fidelity
+    if f is not None:
+        top1 = "n/a" if f.top1_agreement is None else f"{f.top1_agreement:.4f}"
+        lines.append(
+            f"  {f.precision} vs fp32: top-1 agreement {top1}, max abs error {f.max_abs_error:.4g}, "
+            f"max rel error {f.max_rel_error:.4g}"
+        )
+    return "\n".join(lines)
+
+
+def parse_json_object(text: str | None, option: str) -> dict[str, Any]:
+    if not text:
+        return {}
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ImportFailure(f"{option}: not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise ImportFailure(f"{option}: expected a JSON object, got {type(value).__name__}")
+    return value

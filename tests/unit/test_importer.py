@@ -1,0 +1,135 @@
+"""``halfserve import``: state dicts (wrapped, DataParallel-prefixed), safetensors files; pickled models refused; the
+output signature derived; calibration samples stored and the agreement recorded."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+from server import cli, fidelity, models, store
+from server.importer import ImportFailure, derive_outputs, import_model, parse_tensor, read_state_dict
+from server.store import DataType, TensorSpec
+
+MLP = {"in_features": 6, "hidden": [8], "out_features": 4}
+FEATURES = [TensorSpec(name="features", shape=[6])]
+CPU = torch.device("cpu")
+
+
+def mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return models.build("mlp", **MLP)
+
+
+def same_weights(a: nn.Module, b: nn.Module) -> None:
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    for k in sa:
+        torch.testing.assert_close(sa[k], sb[k], rtol=0, atol=0)
+
+
+def test_a_wrapped_data_parallel_state_dict_imports_as_the_next_version(tmp_path: Path) -> None:
+    source = mlp()
+    path = tmp_path / "weights.pth"
+    torch.save({"state_dict": {f"module.{k}": v for k, v in source.state_dict().items()}, "epoch": 3}, path)
+    for version in (1, 2):
+        result = import_model(path, tmp_path / "store", "net", "mlp", FEATURES, arch_kwargs=MLP, device=CPU)
+        assert result.version_dir == tmp_path / "store" / "net" / str(version)
+    loaded = store.load(tmp_path / "store", "net")
+    same_weights(loaded.module, source)
+    assert [(t.name, t.datatype, t.shape) for t in loaded.manifest.outputs] == [("output", DataType.FP32, [4])]
+    samples = fidelity.read_samples(result.version_dir, loaded.manifest)
+    assert samples is not None
+    assert samples.shape == (64, 6)
+    evaluation = loaded.manifest.evaluation
+    assert evaluation is not None
+    assert evaluation["calibration_samples"] == 64
+    assert 0.0 <= evaluation["bf16_top1_agreement"] <= 1.0
+    assert evaluation["bf16_max_abs_error"] > 0  # bf16 is not fp32
+
+
+def test_a_safetensors_file_and_given_calibration_samples(tmp_path: Path) -> None:
+    source = mlp()
+    save_file(source.state_dict(), str(tmp_path / "w.safetensors"))
+    calibration = np.random.default_rng(1).standard_normal((10, 6)).astype(np.float32)
+    np.save(tmp_path / "cal.npy", calibration)
+    result = import_model(
+        tmp_path / "w.safetensors",
+        tmp_path / "store",
+        "net",
+        "mlp",
+        FEATURES,
+        [TensorSpec(name="logits", shape=[4])],
+        arch_kwargs=MLP,
+        calibration=tmp_path / "cal.npy",
+        device=CPU,
+    )
+    assert result.fidelity is not None
+    assert result.fidelity.samples == 10
+    assert "10 samples from" in result.samples_from
+    stored = fidelity.read_samples(result.version_dir, result.manifest)
+    np.testing.assert_array_equal(stored, calibration)
+    same_weights(store.load(tmp_path / "store", "net").module, source)
+
+
+def test_a_pickled_model_is_refused_with_how_to_save_a_state_dict(tmp_path: Path) -> None:
+    torch.save(mlp(), tmp_path / "model.pt")
+    with pytest.raises(ImportFailure, match=r"pickled model object.*torch\.save\(model\.state_dict\(\)"):
+        read_state_dict(tmp_path / "model.pt")
+    code = cli.main(
+        ["import", str(tmp_path / "model.pt"), "--store", str(tmp_path / "s"), "--name", "n", "--architecture", "mlp"]
+        + ["--input", "features:FP32:6"]
+    )
+    assert code == 2
+    assert not (tmp_path / "s" / "n").exists(), "nothing written"
+
+
+def test_weights_that_do_not_fit_name_the_tensors(tmp_path: Path) -> None:
+    torch.save({"net.0.weight": torch.zeros(8, 6)}, tmp_path / "w.pth")
+    with pytest.raises(store.StoreError, match="missing: net.0.bias"):
+        import_model(tmp_path / "w.pth", tmp_path / "store", "net", "mlp", FEATURES, arch_kwargs=MLP, device=CPU)
+
+
+class Heads(nn.Module):
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> dict[str, torch.Tensor | None]:
+        return {"sum": a + b, "argmax": (a - b).argmax(-1, keepdim=True), "loss": None}
+
+
+def test_outputs_are_derived_from_one_forward_by_name_and_dtype() -> None:
+    specs = [TensorSpec(name="a", shape=[3]), TensorSpec(name="b", shape=[3])]
+    derived = derive_outputs(Heads(), specs)
+    assert [(t.name, t.datatype, t.shape) for t in derived] == [
+        ("sum", DataType.FP32, [3]),
+        ("argmax", DataType.INT64, [1]),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("text", "want"),
+    [
+        ("image:FP32:3x224x224", ("image", DataType.FP32, [3, 224, 224])),
+        ("features:64", ("features", DataType.FP32, [64])),
+        ("input_ids:int64:128", ("input_ids", DataType.INT64, [128])),
+    ],
+)
+def test_tensor_options_parse(text: str, want: tuple[str, DataType, list[int]]) -> None:
+    t = parse_tensor(text, "--input")
+    assert (t.name, t.datatype, t.shape) == want
+
+
+@pytest.mark.parametrize("text", ["image", "image:FP99:3", "image:FP32:3xa", "a:b:c:d", "image:FP32:0"])
+def test_bad_tensor_options_are_named(text: str) -> None:
+    with pytest.raises(ImportFailure, match=f"--input {text!r}"):
+        parse_tensor(text, "--input")
+
+
+def test_a_folder_needs_a_hugging_face_architecture_and_a_file_needs_another(tmp_path: Path) -> None:
+    with pytest.raises(ImportFailure, match="imports from a .pt, .pth or .safetensors file"):
+        import_model(tmp_path, tmp_path / "store", "net", "mlp", FEATURES, arch_kwargs=MLP)
+    (tmp_path / "w.pth").write_bytes(b"")
+    with pytest.raises(ImportFailure, match="imports from a Hugging Face model folder"):
+        import_model(tmp_path / "w.pth", tmp_path / "store", "net", "transformers:AutoModel", FEATURES)
