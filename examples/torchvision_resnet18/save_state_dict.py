@@ -1,0 +1,26 @@
+"""A torchvision ResNet-18 as a team would have it after fine-tuning on 10 classes: a ``.pth`` state dict. (Random
+weights here: nothing is downloaded.) Needs torchvision built for the installed torch (``pip install
+'halfserve[vision]'``, or torch's own index on a GPU host).
+
+    python examples/torchvision_resnet18/save_state_dict.py OUT_DIR
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+import torchvision
+
+
+def main(out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18(weights=None, num_classes=10)
+    torch.save(model.state_dict(), out / "resnet18.pth")
+    print(f"wrote {out / 'resnet18.pth'}")
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1] if len(sys.argv) > 1 else "resnet18_out"))
