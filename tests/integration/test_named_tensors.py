@@ -321,3 +321,16 @@ def test_a_half_precision_overflow_in_one_output_reruns_the_rows_in_fp32(tmp_pat
     assert large.data["big"][0, 0] == pytest.approx(80000.0)  # type: ignore[union-attr]
     assert engine.fp32_reruns == 1
     engine.close()
+
+
+async def test_a_request_with_thousands_of_input_entries_is_refused_before_any_is_decoded(tmp_path: Path) -> None:
+    entry = {"name": "INPUT0", "datatype": "INT32", "shape": [1, 16], "data": [1] * 16}
+    async with serving(Settings(store=save_simple(tmp_path))) as client:
+        r = await client.post(INFER, json={"inputs": [entry] * 5000})
+        assert r.status_code == 400, r.text
+        assert "inputs: 5000 given; the model takes 2" in r.json()["error"]
+        r = await client.post("/predict", json={"inputs": {f"X{i}": [[1]] for i in range(5000)}})
+        assert r.status_code == 400, r.text
+        assert "unexpected input" in r.json()["error"]
+        a, b = pair(1)
+        assert (await client.post(INFER, json=v2_json(a, b))).status_code == 200, "serving goes on"
