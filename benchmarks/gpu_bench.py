@@ -75,12 +75,15 @@ def rate(fn: Callable[[], object], rows: int, seconds: float, device: torch.devi
     return rows * n / (time.perf_counter() - start)
 
 
-def build_store(root: Path, image_size: int, max_batch_size: int, execution: Execution) -> LoadedModel:
-    """ResNet-50 with random weights and calibrated BatchNorm, saved through the real store code."""
+def build_store(
+    root: Path, image_size: int, max_batch_size: int, execution: Execution, architecture: str = "resnet50"
+) -> LoadedModel:
+    """ResNet-50 with random weights and calibrated BatchNorm, saved through the real store code: the registered
+    ``resnet50`` (torchvision's layer for layer, no torchvision needed) or ``torchvision:resnet50``."""
     shape = [3, image_size, image_size]
     manifest = Manifest(
         name=MODEL,
-        architecture="resnet50",
+        architecture=architecture,
         arch_kwargs={"num_classes": 1000},
         inputs=[TensorSpec(name="image", shape=shape)],
         outputs=[TensorSpec(name="logits", shape=[1000])],
@@ -89,7 +92,7 @@ def build_store(root: Path, image_size: int, max_batch_size: int, execution: Exe
         description="ResNet-50 with random weights (seed 0), BatchNorm calibrated on random images: benchmark only.",
     )
     torch.manual_seed(0)
-    module = models.build("resnet50", num_classes=1000)
+    module = models.build(architecture, num_classes=1000)
     calibrate(module, shape, seed=0)
     store.save(root, manifest, module, version=1)
     return store.load(root, MODEL)
@@ -504,6 +507,11 @@ def main() -> None:
         action="store_true",
         help="also measure forwards compiled by TorchInductor in-process (execution.compile inductor)",
     )
+    p.add_argument(
+        "--architecture",
+        default="resnet50",
+        help="resnet50 (registered, torchvision's layers; default) or torchvision:resnet50 (needs torchvision)",
+    )
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "gpu")
     args = p.parse_args()
 
@@ -525,7 +533,7 @@ def main() -> None:
         t0 = time.perf_counter()
         eager = Execution(instances=1, compile=Compile.NONE, pad_to_bucket=True)
         graphs = eager.model_copy(update={"compile": Compile.CUDA_GRAPHS})
-        loaded = build_store(tmp, args.image_size, max(sizes), eager)
+        loaded = build_store(tmp, args.image_size, max(sizes), eager, args.architecture)
         print(f"built {MODEL} in {time.perf_counter() - t0:.1f}s", flush=True)
         result: dict[str, Any] = {
             "model": MODEL,
@@ -557,7 +565,7 @@ def main() -> None:
             if args.inductor:
                 inductor = eager.model_copy(update={"compile": Compile.INDUCTOR})
                 runs[f"{prec} inductor"] = ceiling(loaded, prec, device, sizes, args.seconds, inductor)
-        if cuda:
+        if cuda and args.architecture == "resnet50":
             set_tf32(True)
             runs["fp32 eager, TF32 on"] = ceiling(loaded, "fp32", device, sizes, args.seconds, eager)
             set_tf32(False)
