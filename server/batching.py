@@ -124,6 +124,8 @@ class Pending:
     enqueued: float
     deadline: float | None = None
     finish: Finish[Any] = Result
+    group: Hashable = None
+    """What requests share a batch with, beyond their rows' shape and dtype (a length bucket)."""
     taken: int = 0
     done_rows: int = 0
     parts: dict[int, tuple[np.ndarray, str | None]] = field(default_factory=dict)
@@ -134,7 +136,7 @@ class Pending:
 
     @property
     def key(self) -> Hashable:
-        return (self.data.shape[1:], self.data.dtype.str)
+        return (self.data.shape[1:], self.data.dtype.str, self.group)
 
     @property
     def remaining(self) -> int:
@@ -338,11 +340,15 @@ class Batcher:
     def enqueue(self, data: np.ndarray, deadline: float | None = None) -> asyncio.Future[Result]: ...
 
     @overload
-    def enqueue(self, data: np.ndarray, deadline: float | None, finish: Finish[T]) -> asyncio.Future[T]: ...
+    def enqueue(
+        self, data: np.ndarray, deadline: float | None, finish: Finish[T], group: Hashable = None
+    ) -> asyncio.Future[T]: ...
 
-    def enqueue(self, data: np.ndarray, deadline: float | None = None, finish: Finish[Any] = Result) -> Any:
+    def enqueue(
+        self, data: np.ndarray, deadline: float | None = None, finish: Finish[Any] = Result, group: Hashable = None
+    ) -> Any:
         """Queue ``data`` (rows first); returns the future of its answer: ``finish`` of its output rows and their
-        precisions, a :class:`Result` by default.
+        precisions, a :class:`Result` by default. Only requests of one ``group`` (and row shape) share a batch.
 
         ``deadline`` is a time on :attr:`clock`. Raises :class:`QueueFullError` at once when the rows do not fit in
         the queue now, :class:`RequestTooLargeError` when they never would; the future fails with
@@ -371,7 +377,7 @@ class Batcher:
         future: asyncio.Future[Any] = loop.create_future()
         was_empty = not self._queue
         start = self.clock.now()
-        req = Pending(data, future, start, deadline, finish=finish)
+        req = Pending(data, future, start, deadline, finish=finish, group=group)
         self._queue.append(req)
         self._queued_rows += rows
         self.stats.requests += 1

@@ -203,13 +203,18 @@ class Engine:
         self.output_names = [t.name for t in loaded.manifest.outputs]
         self.out_float = loaded.manifest.outputs[0].datatype.numpy.kind == "f"
         """Whether the (first) output is floating, returned as float32; integer and bool outputs keep their type."""
-        self.named = store.has_several(loaded.manifest)
-        """Rows travel as records (:func:`server.store.records`): several inputs or outputs. Such a batch runs eagerly
-        (no CUDA graph), each input copied to the device on its own."""
+        self.manifest = loaded.manifest
+        self.named = store.packs_records(loaded.manifest)
+        """Rows travel as records (:func:`server.store.input_records`): several inputs or outputs, or variable ones.
+        Such a batch runs eagerly (no CUDA graph), each input copied to the device on its own."""
         self.positional = len(self.input_names) == 1 or takes_positionally(loaded.module, self.input_names)
-        self.output_records = store.records(loaded.manifest.outputs, outputs=True)
+        self.output_records = store.output_records(loaded.manifest)
+        self.real_elements = 0
+        """Values of variable inputs run so far that requests sent (the first variable input's)."""
+        self.padded_elements = 0
+        """Values run so far that were padding: up to each batch's length, and whole rows up to its bucket."""
         if self.named:
-            self.input_dtype = store.records(loaded.manifest.inputs)
+            self.input_dtype = store.input_records(loaded.manifest)
             self.sample_shape = ()  # a record holds each input's sample
         self.inductor = ex.compile is Compile.INDUCTOR
         self.pad = pads_to_buckets(ex, device)
@@ -325,12 +330,40 @@ class Engine:
         """Run a batch of records (padded to ``size`` rows) through ``model``: each input copied to ``device`` and,
         when floating, cast to ``precision``'s dtype (integer and bool inputs keep theirs)."""
         rows = len(batch)
-        args = []
-        for name in self.input_names:
-            t = torch.from_numpy(np.ascontiguousarray(batch[name])).to(device, non_blocking=True)
+        tensors: dict[str, torch.Tensor] = {}
+        lengths: dict[str, torch.Tensor] = {}
+        for spec in self.manifest.inputs:
+            if spec.mask_for is not None:
+                continue
+            a = batch[spec.name]
+            if spec.variable:
+                lens = batch[spec.name + store.LENGTH]
+                longest = int(lens.max())
+                limit = spec.max_length or longest
+                length = store.length_bucket(longest, limit) if self.manifest.batching.group_lengths else longest
+                a = a[:, :length]  # beyond each row's own length it holds the input's pad value (store.pack)
+                lengths[spec.name] = torch.from_numpy(lens.astype(np.int64)).to(device)
+                if len(lengths) == 1:
+                    real = int(lens.sum())
+                    with self._lock:
+                        self.real_elements += real
+                        self.padded_elements += size * length - real
+            # A copy: a record field is a strided view, which torch takes only with whole-element strides.
+            t = torch.from_numpy(a.copy()).to(device, non_blocking=True)
             if size > rows:  # padding rows made from the batch's own tensor: its dtype and device
-                t = torch.cat([t, t.new_zeros((size - rows, *t.shape[1:]))])
-            args.append(prec.cast_input(t, precision))
+                t = torch.cat([t, t.new_full((size - rows, *t.shape[1:]), spec.pad)])
+                if spec.name in lengths:
+                    lens_t = lengths[spec.name]
+                    lengths[spec.name] = torch.cat([lens_t, lens_t.new_zeros(size - rows)])
+            tensors[spec.name] = t
+        for spec in self.manifest.inputs:
+            if spec.mask_for is not None:
+                # 1 where the input has a value, 0 where it was padded, in the mask's own datatype.
+                target = tensors[spec.mask_for]
+                positions = torch.arange(target.shape[1], device=target.device)
+                mask = positions.unsqueeze(0) < lengths[spec.mask_for].unsqueeze(1)
+                tensors[spec.name] = mask.to(torch.from_numpy(np.empty(0, spec.datatype.numpy)).dtype)
+        args = [prec.cast_input(tensors[name], precision) for name in self.input_names]
         with prec.inference(precision, device):
             y = model(*args) if self.positional else model(**dict(zip(self.input_names, args, strict=True)))
         outs = self._outputs(y)
@@ -341,11 +374,22 @@ class Engine:
         return outs
 
     def _records(self, outs: dict[str, torch.Tensor], rows: int) -> np.ndarray:
-        """The first ``rows`` rows of named device outputs as host records (floating outputs as float32)."""
+        """The first ``rows`` rows of named device outputs as host records (floating outputs as float32; a variable
+        output's length, the batch's, written from the start of its field)."""
         records = np.empty(rows, dtype=self.output_records)
         for name, t in outs.items():
             t = t[:rows]
-            records[name] = (t.float() if t.is_floating_point() else t).cpu().numpy()
+            host = (t.float() if t.is_floating_point() else t).cpu().numpy()
+            field = records[name]
+            if host.shape == field.shape:
+                field[...] = host
+                continue
+            if host.ndim != field.ndim or host.shape[2:] != field.shape[2:] or host.shape[1] > field.shape[1]:
+                raise EngineError(
+                    f"output {name!r} has rows of shape {list(host.shape[1:])}, not {list(field.shape[1:])}"
+                )
+            field[:, : host.shape[1]] = host
+            field[:, host.shape[1] :] = 0
         return records
 
     def _on_device(self, t: torch.Tensor) -> torch.Tensor:
@@ -467,6 +511,7 @@ class Engine:
             self._make_room_for_compiles(sizes)
         for inst in self.instances:
             inst.executor.submit(self._warm_instance, inst, sizes).result()
+        self.real_elements = self.padded_elements = 0  # the padding of requests, not of warm-up batches
         return time.perf_counter() - start
 
     def _make_room_for_compiles(self, sizes: list[int]) -> None:
@@ -479,6 +524,9 @@ class Engine:
         for size in sorted(sizes, reverse=self.cuda_graphs):
             # Warm-up batches enter as host rows of the input's dtype, like real requests (graphs are per dtype).
             x = np.zeros((size, *self.sample_shape), dtype=self.input_dtype)
+            for name in x.dtype.names or ():
+                if name.endswith(store.LENGTH):
+                    x[name] = 1  # one value per variable input: every row has something to attend to
             if self.cuda_graphs:
                 with inst.on_stream():
                     sample = inst.upload([x], size)

@@ -59,24 +59,25 @@ def read_samples(version_dir: Path, manifest: Manifest) -> np.ndarray | None:
         tensors = load_file(str(path))
     except Exception as e:  # safetensors raises its own error types for corrupt headers
         raise StoreError(f"{path}: cannot read calibration samples ({e})") from None
-    names = [t.name for t in manifest.inputs]
+    names = [t.name for t in store.sent_inputs(manifest)]
     if sorted(tensors) != sorted(names):
         raise StoreError(f"{path}: holds {sorted(tensors)}; calibration samples need one tensor per input, {names}")
     rows = {len(a) for a in tensors.values()}
     if len(rows) != 1 or 0 in rows:
         raise StoreError(f"{path}: every input needs the same number of rows (at least one), got {sorted(rows)}")
     arrays = {}
-    for spec in manifest.inputs:
+    for spec in store.sent_inputs(manifest):
         a = tensors[spec.name][:MAX_SAMPLES]
-        if list(a.shape[1:]) != spec.shape:
+        fits = a.ndim == len(spec.shape) + 1 and list(a.shape[2:]) == spec.shape[1:]
+        if not fits or (not spec.variable and list(a.shape[1:]) != spec.shape):
             raise StoreError(f"{path}: {spec.name!r} has samples of shape {list(a.shape[1:])}, not {spec.shape}")
         arrays[spec.name] = a.astype(spec.datatype.numpy, copy=False)
-    if not store.has_several(manifest):
+    if not store.packs_records(manifest):
         return np.ascontiguousarray(arrays[names[0]])
-    packed = np.empty(len(arrays[names[0]]), dtype=store.records(manifest.inputs))
-    for name, a in arrays.items():
-        packed[name] = a
-    return packed
+    try:
+        return store.pack(manifest, arrays)
+    except store.PackError as e:
+        raise StoreError(f"{path}: {e}") from None
 
 
 def _run(engine: Engine, x: np.ndarray, batch: int) -> np.ndarray:

@@ -189,6 +189,17 @@ class _ModelsCollector(Collector):
             "Batch chunks rerun in fp32 because their half-precision output overflowed, since the model was loaded.",
             labels=["model"],
         )
+        padding = CounterMetricFamily(
+            "halfserve_padded_elements",
+            "Values run as padding of variable-length inputs (to each batch's length and bucket), since the model was "
+            "loaded; padding waste is this over halfserve_real_elements.",
+            labels=["model"],
+        )
+        real = CounterMetricFamily(
+            "halfserve_real_elements",
+            "Values of variable-length inputs that requests sent, run since load.",
+            labels=["model"],
+        )
         fallback = GaugeMetricFamily(
             "halfserve_model_fp32_fallback",
             "1 for a model served in fp32 because its half precision fell short of its min_agreement at load.",
@@ -210,5 +221,8 @@ class _ModelsCollector(Collector):
             overflows.add_metric([served.name], served.overflows)
             reruns.add_metric([served.name], served.fp32_reruns)
             fallback.add_metric([served.name, version], 1 if served.fp32_fallback else 0)
+            if engine.real_elements:
+                padding.add_metric([served.name], engine.padded_elements)
+                real.add_metric([served.name], engine.real_elements)
         loaded.add_metric([], ready)
-        yield from (loaded, state, weights, fp32_host, queue, overflows, reruns, fallback)
+        yield from (loaded, state, weights, fp32_host, queue, overflows, reruns, fallback, padding, real)

@@ -7,7 +7,7 @@ import functools
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -87,7 +87,7 @@ class ServedModel:
     @functools.cached_property
     def sample_size(self) -> int:
         """Input values per row (sample), every input's together."""
-        return sum(math.prod(t.shape) for t in self.manifest.inputs)
+        return sum(math.prod(t.bounded()) for t in self.manifest.inputs)
 
     def submit(self, inputs: Tensors, timeout: float | None = None) -> asyncio.Future[Prediction]:
         """Queue ``inputs`` for batching; see :meth:`server.serving.ModelHandle.submit`.
@@ -104,47 +104,50 @@ class ServedModel:
             timeout = configured / 1000.0 if timeout is None else min(timeout, configured / 1000.0)
         if not x.flags.writeable:
             x = x.copy()
-        return batcher.enqueue(x, None if timeout is None else batcher.clock.now() + timeout, self._prediction)
+        deadline = None if timeout is None else batcher.clock.now() + timeout
+        if x.dtype.names is None:
+            return batcher.enqueue(x, deadline, self._prediction)
+        group, length = self._group(x)
+        finish = self._prediction if length is None else functools.partial(self._prediction, length=length)
+        return batcher.enqueue(x, deadline, finish, group)
 
     def _input(self, inputs: Tensors) -> np.ndarray:
-        """The request's rows as the batcher takes them: the one input's array, or a model's several inputs packed
-        into records (:func:`server.store.records`), one per row."""
-        specs = self.manifest.inputs
-        if not store.has_several(self.manifest):
-            name = specs[0].name
+        """The request's rows as the batcher takes them: the one input's array, or the model's inputs packed into
+        records (:func:`server.store.pack`), one per row."""
+        if not store.packs_records(self.manifest):
+            name = self.manifest.inputs[0].name
             x = inputs.get(name)
             if x is None or len(inputs) != 1:
                 got = ", ".join(map(repr, inputs)) or "none"
                 raise InvalidInputError(f"inputs: expected {name!r} alone, got {got}")
             return x
-        names = [t.name for t in specs]
-        unknown = [n for n in inputs if n not in names]
-        if unknown:
-            raise InvalidInputError(f"inputs: unexpected input {unknown[0]!r}; the model takes {names}")
-        missing = [n for n in names if n not in inputs]
-        if missing:
-            raise InvalidInputError(f"inputs: input {missing[0]!r} is missing; the model takes {names}")
-        rows = len(inputs[names[0]])
-        for name in names[1:]:
-            if len(inputs[name]) != rows:
-                raise InvalidInputError(
-                    f"inputs: input {name!r} has {len(inputs[name])} rows but {names[0]!r} has {rows}; "
-                    "a request's inputs must have the same number of rows"
-                )
-        packed = np.empty(rows, dtype=store.records(specs))
-        for spec in specs:
-            try:
-                packed[spec.name] = inputs[spec.name]
-            except (ValueError, TypeError) as e:
-                raise InvalidInputError(f"inputs: input {spec.name!r} does not fit {spec.shape} per row: {e}") from None
-        return packed
+        try:
+            return store.pack(self.manifest, inputs)
+        except store.PackError as e:
+            raise InvalidInputError(str(e)) from None
 
-    def _prediction(self, out: np.ndarray, precisions: tuple[str, ...]) -> Prediction:
-        """The batcher's output rows as the model's named outputs, with the precision that computed them."""
+    def _group(self, packed: np.ndarray) -> tuple[Hashable, int | None]:
+        """The batching group of a packed request (its length bucket; one group when lengths are not grouped), and the
+        length its variable outputs are cut to (``None``: none are)."""
+        spec = next((t for t in self.manifest.inputs if t.variable and t.mask_for is None), None)
+        if spec is None:
+            return None, None
+        length = int(packed[spec.name + store.LENGTH].max())
+        if not self.manifest.batching.group_lengths:
+            return None, length
+        return store.length_bucket(length, spec.max_length or length), length
+
+    def _prediction(self, out: np.ndarray, precisions: tuple[str, ...], length: int | None = None) -> Prediction:
+        """The batcher's output rows as the model's named outputs, with the precision that computed them; variable
+        outputs cut to the request's ``length``."""
         precision = "+".join(precisions) if precisions else str(self.precision)
         if out.dtype.names is None:
             return Prediction({self.manifest.outputs[0].name: out}, precision)
-        return Prediction({name: np.ascontiguousarray(out[name]) for name in out.dtype.names}, precision)
+        outputs = {}
+        for spec in self.manifest.outputs:
+            field = out[spec.name]
+            outputs[spec.name] = np.ascontiguousarray(field[:, :length] if spec.variable else field)
+        return Prediction(outputs, precision)
 
     def stats(self) -> dict[str, object] | None:
         """What the batcher and the engine have done since the model was loaded; ``None`` unless it is served."""
@@ -160,6 +163,10 @@ class ServedModel:
             stats["overflows"] = self.overflows
             stats["fp32_reruns"] = self.fp32_reruns
             stats["instance_forwards"] = [i.forwards for i in engine.instances]
+            if engine.real_elements:
+                stats["real_elements"] = engine.real_elements
+                stats["padded_elements"] = engine.padded_elements
+                stats["padding_waste"] = round(engine.padded_elements / engine.real_elements, 4)
         return stats
 
     def describe(self) -> dict[str, object]:

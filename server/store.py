@@ -16,6 +16,7 @@ import math
 import os
 import re
 import tempfile
+from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
@@ -23,7 +24,16 @@ from typing import Any
 
 import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationError,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
@@ -93,13 +103,43 @@ class TensorSpec(BaseModel):
     name: str = Field(pattern=r"^[A-Za-z_][A-Za-z0-9_.-]*$")
     datatype: DataType = DataType.FP32
     shape: list[int] = Field(min_length=1)
+    """Per sample. A first dimension of -1 is variable (a sequence length): requests of different lengths share a
+    batch, padded to its longest with ``pad``."""
+    max_length: int | None = Field(default=None, ge=1, le=65536)
+    """An input's longest variable dimension; longer requests are a 400, or cut to it with ``truncate``."""
+    truncate: bool = False
+    pad: float = 0.0
+    """The value a variable input is padded with."""
+    mask_for: str | None = None
+    """This input is the attention mask of the named variable input: built by the server (1 where that input has a
+    value, 0 where it was padded) in this input's datatype, never sent by clients."""
 
     @field_validator("shape")
     @classmethod
     def _positive(cls, shape: list[int]) -> list[int]:
-        if any(d <= 0 for d in shape):
-            raise ValueError(f"every dimension must be a positive integer, got {shape}")
+        if any(d <= 0 for d in shape[1:]) or shape[0] == 0 or shape[0] < -1:
+            raise ValueError(f"every dimension must be a positive integer (the first may be -1, variable), got {shape}")
         return shape
+
+    @model_serializer(mode="wrap")
+    def _compact(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """Written without the variable-length fields left at their defaults: a fixed tensor reads as before."""
+        data: dict[str, Any] = handler(self)
+        for key, default in (("max_length", None), ("truncate", False), ("pad", 0.0), ("mask_for", None)):
+            if key in data and data[key] == default:
+                del data[key]
+        return data
+
+    @property
+    def variable(self) -> bool:
+        """Whether its first per-sample dimension is variable."""
+        return self.shape[0] == -1
+
+    def bounded(self, length: int | None = None) -> list[int]:
+        """The shape with the variable dimension at ``length`` (default: its ``max_length``)."""
+        if not self.variable:
+            return self.shape
+        return [length or self.max_length or 1, *self.shape[1:]]
 
 
 class Batching(BaseModel):
@@ -112,6 +152,9 @@ class Batching(BaseModel):
     max_queue_rows: int = Field(default=4096, ge=1)
     request_timeout_ms: float | None = Field(default=None, gt=0.0, le=3_600_000.0)
     """Answer a request 504 when its rows have not all started within this time; a client may ask for less."""
+    group_lengths: bool = True
+    """For variable inputs: batch requests of similar lengths together (the same power-of-two length bucket) and pad
+    to the bucket; off, any lengths share a batch, padded to its longest."""
 
     @model_validator(mode="after")
     def _queue_holds_a_batch(self) -> Batching:
@@ -271,6 +314,20 @@ class Manifest(BaseModel):
             t.datatype.numpy.kind == "f" and math.prod(t.shape) > 1 for t in self.outputs
         ):
             raise ValueError("min_agreement needs a floating output with more than one value per row to rank")
+        variable = [t for t in self.inputs if t.variable and t.mask_for is None]
+        for t in self.inputs:
+            if t.variable and t.mask_for is None and t.max_length is None:
+                raise ValueError(f"inputs: {t.name!r} has a variable dimension (-1) and needs a max_length")
+            if t.mask_for is not None:
+                target = next((v for v in variable if v.name == t.mask_for), None)
+                if target is None:
+                    raise ValueError(f"inputs: {t.name!r}: mask_for {t.mask_for!r} names no variable input")
+                if t.shape != [-1] or t.datatype.numpy.kind not in "iub":
+                    raise ValueError(f"inputs: {t.name!r}: a mask has shape [-1] and an integer or BOOL datatype")
+        if any(t.variable for t in self.outputs) and not variable:
+            raise ValueError("outputs: a variable dimension (-1) needs an input with one")
+        if variable and (self.normalize is not None or self.execution.compile is not Compile.NONE):
+            raise ValueError("a model with variable dimensions runs eagerly: no normalize, execution.compile 'none'")
         if self.normalize is not None and len(self.inputs) > 1:
             raise ValueError("normalize applies to a model with one input")
         if self.execution.compile is Compile.INDUCTOR and (len(self.inputs) > 1 or len(self.outputs) > 1):
@@ -290,22 +347,117 @@ class Manifest(BaseModel):
         return self
 
 
-def records(specs: list[TensorSpec], *, outputs: bool = False) -> np.dtype[Any]:
-    """The numpy record type that carries one row of several named tensors, one field per spec (its per-sample shape
-    and host dtype): how a model with several inputs or outputs batches its rows as one array. Floating outputs are
-    float32, as the engine returns them."""
-    fields = []
-    for spec in specs:
-        dtype = spec.datatype.numpy
-        if outputs and dtype.kind == "f":
-            dtype = np.dtype(np.float32)
-        fields.append((spec.name, dtype, tuple(spec.shape)))
+LENGTH = "#length"
+"""Suffix of the record field holding each row's length of a variable input (``#`` is in no tensor's name)."""
+
+
+def input_records(manifest: Manifest) -> np.dtype[Any]:
+    """The numpy record type that carries one request row of a model's inputs, one field per input (its per-sample
+    shape, a variable one at its ``max_length``, and host dtype), plus each variable input's length in that row:
+    how a model with several inputs, several outputs or variable dimensions batches its rows as one array. Masks are
+    left out: the engine builds them."""
+    fields: list[tuple[str, Any, tuple[int, ...]]] = []
+    for spec in manifest.inputs:
+        if spec.mask_for is not None:
+            continue
+        fields.append((spec.name, spec.datatype.numpy, tuple(spec.bounded())))
+        if spec.variable:
+            fields.append((spec.name + LENGTH, np.int32, ()))
     return np.dtype(fields)
 
 
-def has_several(manifest: Manifest) -> bool:
-    """Whether a model's rows travel as records (:func:`records`): it has several inputs or several outputs."""
-    return len(manifest.inputs) > 1 or len(manifest.outputs) > 1
+def output_records(manifest: Manifest) -> np.dtype[Any]:
+    """The record type of one row of a model's outputs (floating ones as float32, as the engine returns them; a
+    variable one at the first variable input's ``max_length``)."""
+    length = max_length(manifest)
+    fields = []
+    for spec in manifest.outputs:
+        dtype = spec.datatype.numpy
+        if dtype.kind == "f":
+            dtype = np.dtype(np.float32)
+        fields.append((spec.name, dtype, tuple(spec.bounded(length))))
+    return np.dtype(fields)
+
+
+def max_length(manifest: Manifest) -> int | None:
+    """The first variable input's ``max_length``: the length a variable output follows."""
+    return next((t.max_length for t in manifest.inputs if t.variable and t.mask_for is None), None)
+
+
+def packs_records(manifest: Manifest) -> bool:
+    """Whether a model's rows travel as records: several inputs or outputs, or a variable dimension."""
+    return len(manifest.inputs) > 1 or len(manifest.outputs) > 1 or any(t.variable for t in manifest.inputs)
+
+
+class PackError(ValueError):
+    """A request's inputs do not fit the model's (missing, unexpected, rows or lengths); the message names the input."""
+
+
+def length_bucket(length: int, limit: int) -> int:
+    """The padded length of a batch whose longest row is ``length``: the next power of two from 8, at most ``limit``
+    (a few fixed shapes, and requests of similar lengths grouped into one batch)."""
+    bucket = 8
+    while bucket < length:
+        bucket *= 2
+    return min(bucket, limit)
+
+
+def pack(manifest: Manifest, arrays: Mapping[str, np.ndarray]) -> np.ndarray:
+    """A request's named inputs (rows first, each a rectangle) as records (:func:`input_records`): each variable
+    input padded to its ``max_length`` with its ``pad`` value and its length kept per row (longer ones refused, or cut
+    with ``truncate``). Raises :class:`PackError` naming the input."""
+    specs = sent_inputs(manifest)
+    names = [t.name for t in specs]
+    unknown = [n for n in arrays if n not in names]
+    if unknown:
+        raise PackError(f"inputs: unexpected input {unknown[0]!r}; the model takes {names}")
+    missing = [n for n in names if n not in arrays]
+    if missing:
+        raise PackError(f"inputs: input {missing[0]!r} is missing; the model takes {names}")
+    rows = len(arrays[names[0]])
+    for name in names[1:]:
+        if len(arrays[name]) != rows:
+            raise PackError(
+                f"inputs: input {name!r} has {len(arrays[name])} rows but {names[0]!r} has {rows}; "
+                "a request's inputs must have the same number of rows"
+            )
+    packed = np.empty(rows, dtype=input_records(manifest))
+    for spec in specs:
+        a = arrays[spec.name]
+        try:
+            if spec.variable:
+                if a.ndim != len(spec.shape) + 1 or list(a.shape[2:]) != spec.shape[1:] or a.shape[1] < 1:
+                    raise PackError(
+                        f"inputs: input {spec.name!r} has samples of shape {list(a.shape[1:])}, not {spec.shape}"
+                    )
+                length = check_length(spec, a.shape[1], f"inputs: input {spec.name!r}")
+                field = packed[spec.name]
+                field[:, :length] = a[:, :length]
+                field[:, length:] = spec.pad
+                packed[spec.name + LENGTH] = length
+            else:
+                packed[spec.name] = a
+        except (ValueError, TypeError) as e:
+            if isinstance(e, PackError):
+                raise
+            raise PackError(f"inputs: input {spec.name!r} does not fit {spec.shape} per row: {e}") from None
+    return packed
+
+
+def check_length(spec: TensorSpec, length: int, where: str) -> int:
+    """The length a variable input of ``length`` is served at: itself, cut to ``max_length`` with ``truncate``; a
+    :class:`PackError` naming ``where`` and the limit when it is longer and not cut."""
+    limit = spec.max_length or length
+    if length <= limit:
+        return length
+    if spec.truncate:
+        return limit
+    raise PackError(f"{where}: length {length} is longer than its max_length {limit} (or set truncate)")
+
+
+def sent_inputs(manifest: Manifest) -> list[TensorSpec]:
+    """The inputs clients send: all but the masks the server builds."""
+    return [t for t in manifest.inputs if t.mask_for is None]
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from server.api.errors import APIError
-from server.store import TensorSpec
+from server.store import PackError, TensorSpec, check_length
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
 """The binary tensor extension's header: the byte length of the JSON object at the start of the body."""
@@ -221,13 +221,21 @@ def decode_samples(samples: Any, spec: TensorSpec, field: str = "inputs") -> np.
         # Without a dtype numpy keeps strings and None as such, so they are caught below instead of coerced.
         arr = np.asarray(samples)
     except ValueError:
-        raise APIError(400, f"{field}: samples are ragged (nested lists of unequal length)") from None
+        also = "; the samples of one request share a length (send others in another request)" if spec.variable else ""
+        raise APIError(400, f"{field}: samples are ragged (nested lists of unequal length){also}") from None
     if spec.datatype.numpy.kind == "b":
         if arr.dtype.kind != "b":
             raise APIError(400, f"{field}: the {spec.name!r} input takes true or false, got {_kind_name(arr)}")
     elif arr.dtype.kind not in "iuf":
         raise APIError(400, f"{field}: values must be numbers, got {_kind_name(arr)}")
-    want = tuple(spec.shape)
+    if spec.variable and arr.ndim == len(spec.shape) + 1 and arr.shape[2:] == tuple(spec.shape[1:]):
+        try:
+            check_length(spec, arr.shape[1], f"{field}: input {spec.name!r}")
+        except PackError as e:
+            raise APIError(400, str(e)) from None
+        want = arr.shape[1:]
+    else:
+        want = tuple(spec.shape)
     if arr.shape[1:] != want:
         got = list(arr.shape[1:]) if arr.ndim > 1 else "a scalar"
         raise APIError(400, f"{field}: each sample must have shape {list(want)}, got {got}")

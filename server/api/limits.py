@@ -181,7 +181,7 @@ def check_size(s: Settings, served: ModelHandle, rows: int, field: str) -> None:
         max_rows, setting = batching.max_queue_rows, "the model's max_queue_rows"
     if rows > max_rows:
         raise APIError(413, f"{field}: {rows} rows exceed the limit of {max_rows} per request ({setting})")
-    elements = rows * sum(math.prod(t.shape) for t in served.manifest.inputs)
+    elements = rows * sum(math.prod(t.bounded()) for t in served.manifest.inputs)
     if elements > s.max_request_elements:
         raise APIError(
             413,

@@ -17,6 +17,7 @@ from server.api.limits import TIMEOUT_HEADER, check_size, client_timeout, parse_
 from server.api.telemetry import answered, metered, note
 from server.serving import Interface, ModelHandle
 from server.settings import Settings
+from server.store import sent_inputs
 
 router = APIRouter()
 
@@ -94,7 +95,7 @@ PREDICT_SCHEMA: dict[str, Any] = {
 def decode_inputs(samples: object, served: ModelHandle, limits: Settings) -> dict[str, np.ndarray]:
     """``inputs`` as the model's named inputs: a list of samples for a model with one input, else a mapping of input
     name to its samples (every input, the same number of samples each)."""
-    specs = served.manifest.inputs
+    specs = sent_inputs(served.manifest)
     if len(specs) == 1:
         if isinstance(samples, list):
             check_size(limits, served, len(samples), "inputs")

@@ -54,7 +54,7 @@ from server.api.v2_schema import INFER_SCHEMA
 from server.precision import Precision
 from server.serving import Interface, ModelHandle, ModelState, Prediction, check_ready
 from server.settings import Settings
-from server.store import TensorSpec
+from server.store import PackError, TensorSpec, check_length, sent_inputs
 
 router = APIRouter()
 
@@ -124,7 +124,7 @@ async def model_metadata(model_name: str, request: Request) -> Response:
             "name": served.name,
             "versions": [str(served.version)],
             "platform": PLATFORM,
-            "inputs": [tensor_metadata(s) for s in m.inputs],
+            "inputs": [tensor_metadata(s) for s in sent_inputs(m)],
             "outputs": [tensor_metadata(s) for s in m.outputs],
         }
     )
@@ -203,8 +203,17 @@ def _input_shape(shape: object, spec: TensorSpec, field: str) -> list[int]:
         return shape  # the common case, checked first: it runs on every request
     if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) for d in shape):
         raise APIError(400, f"{field}: expected a list of integers")
+    if spec.variable and len(shape) == len(spec.shape) + 1 and shape[2:] == spec.shape[1:]:
+        if shape[0] < 1 or shape[1] < 1:
+            raise APIError(400, f"{field}: the batch and length dimensions must be at least 1, got {shape}")
+        try:
+            check_length(spec, shape[1], f"{field}: input {spec.name!r}")
+        except PackError as e:
+            raise APIError(400, str(e)) from None
+        return shape
     if len(shape) != len(spec.shape) + 1 or shape[1:] != spec.shape:
-        raise APIError(400, f"{field}: expected [N, {', '.join(map(str, spec.shape))}] (batch first), got {shape}")
+        dims = ", ".join("L" if d == -1 else str(d) for d in spec.shape)
+        raise APIError(400, f"{field}: expected [N, {dims}] (batch first), got {shape}")
     if shape[0] < 1:
         raise APIError(400, f"{field}: the batch dimension must be at least 1, got {shape[0]}")
     return shape
@@ -236,7 +245,7 @@ def _decode_input(
     (from the start)."""
     if not isinstance(item, dict):
         raise APIError(400, f"{field}: expected an object, got {type(item).__name__}")
-    specs = served.manifest.inputs
+    specs = sent_inputs(served.manifest)
     spec = next((t for t in specs if t.name == item.get("name")), None)
     if spec is None:
         takes = repr(specs[0].name) if len(specs) == 1 else str([t.name for t in specs])
@@ -359,7 +368,7 @@ def parse_request(
     ``regions`` gives the shared memory regions it may name, asked only when it names one."""
     if not isinstance(payload, dict):
         raise APIError(400, f"body: expected a JSON object, got {type(payload).__name__}")
-    specs = served.manifest.inputs
+    specs = sent_inputs(served.manifest)
     request_id = payload.get("id")
     if request_id is not None and not isinstance(request_id, str):
         raise APIError(400, f"id: expected a string, got {type(request_id).__name__}")
@@ -428,10 +437,12 @@ def parse_raw(binary: memoryview, served: ModelHandle, limits: Settings | None =
     Its datatype is the manifest's. Since every per-sample dimension is fixed, the batch size follows from the byte
     count: any whole number of samples is accepted (Triton takes exactly one). Outputs are returned as binary.
     """
-    if len(served.manifest.inputs) > 1:
+    if len(served.manifest.inputs) > 1 or served.manifest.inputs[0].variable:
         names = [t.name for t in served.manifest.inputs]
         raise APIError(
-            400, f"body: a raw binary request ({HEADER_LENGTH}: 0) feeds a model's only input; this one takes {names}"
+            400,
+            f"body: a raw binary request ({HEADER_LENGTH}: 0) feeds a model with one fixed-shape input; this one "
+            f"takes {names}",
         )
     spec = served.manifest.inputs[0]
     wire = wire_type(spec.datatype.value, spec.name)

@@ -19,7 +19,7 @@ from server.api.v2 import PLATFORM
 from server.batching import BatchStats
 from server.repository import ServedModel
 from server.serving import check_ready
-from server.store import TensorSpec
+from server.store import TensorSpec, sent_inputs
 
 router = APIRouter()
 
@@ -71,7 +71,7 @@ def model_config(served: ServedModel, device_type: str, device_index: int | None
         "backend": BACKEND,
         "version_policy": {"specific": {"versions": [served.version]}},
         "max_batch_size": b.max_batch_size,
-        "input": [_tensor_config(s) for s in served.manifest.inputs],
+        "input": [_tensor_config(s) for s in sent_inputs(served.manifest)],
         "output": [_tensor_config(s) for s in served.manifest.outputs],
         "dynamic_batching": dynamic_batching,
         "instance_group": [instance],

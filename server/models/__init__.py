@@ -190,7 +190,7 @@ def add_code_path(paths: Iterable[Path]) -> None:
 
 
 # Importing the modules registers their architectures.
-from server.models import cnn, mlp, resnet  # noqa: E402, F401
+from server.models import cnn, mlp, resnet, transformer  # noqa: E402, F401
 
 __all__ = [
     "UnknownArchitectureError",
