@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file
 from torch import nn
 
 from server import store
@@ -91,3 +92,30 @@ def test_hugging_face_remote_code_and_pickles_are_refused(tmp_path: Path) -> Non
     store.write_manifest(tmp_path, m)
     with pytest.raises(StoreError, match="trust_remote_code is refused"):
         store.load(tmp_path, "bert")
+
+
+def test_tied_weights_saved_once_load_strictly(tmp_path: Path) -> None:
+    """A masked LM's output layer shares the embedding; save_pretrained writes it once, under the embedding's name."""
+    config = transformers.BertConfig(
+        vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64
+    )
+    torch.manual_seed(0)
+    original = transformers.AutoModelForMaskedLM.from_config(config).eval()
+    m = Manifest(
+        name="mlm",
+        architecture="transformers:AutoModelForMaskedLM",
+        inputs=[TensorSpec(name="input_ids", datatype=DataType.INT64, shape=[8])],
+        outputs=[TensorSpec(name="logits", shape=[8, 100])],
+    )
+    store.write_manifest(tmp_path, m)
+    vdir = tmp_path / "mlm" / "1"
+    original.save_pretrained(str(vdir), safe_serialization=True)
+    saved = set(load_file(str(vdir / "model.safetensors")))
+    assert "cls.predictions.decoder.weight" in original.state_dict()
+    assert "cls.predictions.decoder.weight" not in saved  # the tie is what this test exercises
+    ModelRepository(Settings(store=tmp_path)).discover()
+    loaded = store.load(tmp_path, "mlm").module
+    assert loaded.cls.predictions.decoder.weight is loaded.bert.embeddings.word_embeddings.weight
+    ids = torch.randint(0, 100, (3, 8), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        torch.testing.assert_close(loaded(input_ids=ids).logits, original(input_ids=ids).logits, rtol=0, atol=0)
