@@ -69,7 +69,10 @@ class TransformerClassifier(nn.Module):
         self.norm = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, classes)
 
-    def forward(self, tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits for ``tokens``; without a ``mask`` (training on padded data), token 0 is padding."""
+        if mask is None:
+            mask = tokens != 0
         positions = torch.arange(tokens.shape[1], device=tokens.device)
         x = self.embed(tokens) + self.position(positions)
         bias = attention_bias(mask, x)

@@ -55,7 +55,15 @@ class Dataset:
         }
 
 
-def _split(name: str, source: str, preprocessing: str, labels: tuple[str, ...], x: Any, y: Any) -> Dataset:
+def _split(
+    name: str,
+    source: str,
+    preprocessing: str,
+    labels: tuple[str, ...],
+    x: Any,
+    y: Any,
+    x_dtype: torch.dtype = torch.float32,
+) -> Dataset:
     from sklearn.model_selection import train_test_split
 
     x_train, x_test, y_train, y_test = train_test_split(
@@ -66,9 +74,9 @@ def _split(name: str, source: str, preprocessing: str, labels: tuple[str, ...], 
         source=source,
         preprocessing=preprocessing,
         labels=labels,
-        x_train=torch.as_tensor(np.ascontiguousarray(x_train), dtype=torch.float32),
+        x_train=torch.as_tensor(np.ascontiguousarray(x_train), dtype=x_dtype),
         y_train=torch.as_tensor(np.asarray(y_train), dtype=torch.long),
-        x_test=torch.as_tensor(np.ascontiguousarray(x_test), dtype=torch.float32),
+        x_test=torch.as_tensor(np.ascontiguousarray(x_test), dtype=x_dtype),
         y_test=torch.as_tensor(np.asarray(y_test), dtype=torch.long),
     )
 
@@ -106,6 +114,33 @@ def digits_16x16_flat() -> Dataset:
         labels,
         upsampled.flatten(1).numpy(),
         target,
+    )
+
+
+SEQUENCE_PAD = 0
+"""The token that pads a digit sequence (pixel tokens are 1..17)."""
+
+
+def digits_sequence() -> Dataset:
+    """The digits read row by row as a token sequence: each pixel value 0..16 becomes token 1..17, and each image is
+    cropped to its first 6 to 8 rows (seeded per image), so lengths run 48..64; padded with token 0 to 64 for
+    training only (the server pads what it batches and builds the mask)."""
+    from sklearn.datasets import load_digits
+
+    bunch = load_digits()
+    tokens = bunch.data.astype(np.int64) + 1  # [n, 64], row by row
+    rows = np.random.default_rng(SPLIT_SEED).integers(6, 9, len(tokens))
+    positions = np.arange(64)[None, :]
+    tokens = np.where(positions < rows[:, None] * 8, tokens, SEQUENCE_PAD)
+    return _split(
+        "digits",
+        "sklearn.datasets.load_digits",
+        "each 8x8 image read row by row, pixel value v (0..16) as token v + 1, cropped to its first 6..8 rows "
+        "(numpy default_rng(0) per image): send the tokens, 48..64 of them, unpadded",
+        tuple(str(int(t)) for t in bunch.target_names),
+        tokens,
+        bunch.target,
+        x_dtype=torch.int64,
     )
 
 

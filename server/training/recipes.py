@@ -16,7 +16,7 @@ from torch import nn
 
 from server import models
 from server.precision import Precision
-from server.store import Batching, Manifest, TensorSpec
+from server.store import Batching, DataType, Manifest, TensorSpec
 from server.training import datasets
 from server.training.datasets import Dataset
 from server.training.errors import UnknownRecipeError
@@ -42,6 +42,8 @@ class Recipe:
     """Train on standardized features and fold the statistics into the first Linear at export (see
     :mod:`server.training.standardization`), so the served model takes raw features."""
     batching: Batching = field(default_factory=lambda: Batching(max_batch_size=64, max_delay_ms=2.0))
+    inputs: tuple[TensorSpec, ...] | None = None
+    """The served inputs, when they are not one input of the data's sample shape (sequences and their masks)."""
 
     def build(self) -> nn.Module:
         """A freshly initialised model of the recipe's architecture."""
@@ -57,7 +59,7 @@ class Recipe:
             name=self.name,
             architecture=self.architecture,
             arch_kwargs=_plain(self.arch_kwargs),
-            inputs=[TensorSpec(name=self.input_name, shape=data.sample_shape)],
+            inputs=list(self.inputs or [TensorSpec(name=self.input_name, shape=data.sample_shape)]),
             outputs=[TensorSpec(name="logits", shape=[data.num_classes])],
             labels=list(data.labels),
             precision=Precision.AUTO,
@@ -114,6 +116,26 @@ RECIPES: Mapping[str, Recipe] = MappingProxyType(
                 batch_size=64,
                 lr=2e-3,
                 weight_decay=1e-4,
+            ),
+            Recipe(
+                name="digits_transformer",
+                description=(
+                    "Handwritten digit classifier (transformer_classifier, 2 layers, width 64) over a variable-length "
+                    "token sequence: each 8x8 image read row by row, pixel value v as token v + 1, 48..64 tokens "
+                    "(the first 6..8 rows); the server batches lengths together and builds the attention mask."
+                ),
+                load_data=datasets.digits_sequence,
+                architecture="transformer_classifier",
+                arch_kwargs=_frozen(vocab=18, classes=10, dim=64, heads=4, layers=2, hidden=128, max_length=64),
+                input_name="tokens",
+                epochs=20,
+                batch_size=32,
+                lr=1e-3,
+                weight_decay=0.05,
+                inputs=(
+                    TensorSpec(name="tokens", datatype=DataType.INT64, shape=[-1], max_length=64),
+                    TensorSpec(name="mask", datatype=DataType.INT64, shape=[-1], mask_for="tokens"),
+                ),
             ),
             Recipe(
                 name="tabular",

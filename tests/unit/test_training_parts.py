@@ -48,7 +48,7 @@ def test_breast_cancer_features_stay_raw() -> None:
 
 
 def test_unknown_recipe_names_the_choices() -> None:
-    with pytest.raises(UnknownRecipeError, match="digits_cnn, digits_mlp, tabular"):
+    with pytest.raises(UnknownRecipeError, match="digits_cnn, digits_mlp, digits_transformer, tabular"):
         get("mnist")
     assert issubclass(UnknownRecipeError, TrainingError)
 
