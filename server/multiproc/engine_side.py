@@ -147,10 +147,16 @@ class _Connection(asyncio.Protocol):
         as it is now."""
         places = head["inputs"]
         tensors = self.segment.take(head["slot"], places) if head["slot"] >= 0 else from_payload(payload, places)
+        specs = [t for t in specs if t.mask_for is None]  # masks are built here, never sent
         changed = len(tensors) != len(specs)
         for spec in specs:
             x = tensors.get(spec.name)
-            changed = changed or x is None or list(x.shape[1:]) != spec.shape
+            if x is None:
+                changed = True
+            elif spec.variable:
+                changed = changed or x.ndim != len(spec.shape) + 1 or list(x.shape[2:]) != spec.shape[1:]
+            else:
+                changed = changed or list(x.shape[1:]) != spec.shape
         if changed:
             raise ModelNotReadyError(f"model {head['model']!r} changed its inputs while this request was decoded")
         return tensors

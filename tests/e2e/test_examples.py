@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -162,3 +163,21 @@ def test_a_torchvision_resnet18_state_dict_imports_and_serves(server_factory: St
     assert r.status_code == 200, r.text
     assert np.array(r.json()["outputs"]).shape == (2, 10)
     assert listing(server, "resnet18")["fidelity"]["samples"] == 16
+
+
+def test_several_and_variable_inputs_cross_the_front_end_processes(server_factory: StartServer, tmp_path: Path) -> None:
+    """With --http-workers the front-ends decode requests and hand named tensors to the engine process: several
+    inputs, and sequences whose mask the engine builds, get the answers a single process gives."""
+    store_dir = tmp_path / "store"
+    shutil.copytree(EXAMPLES.parent / "model_store" / "digits_transformer", store_dir / "digits_transformer")
+    shutil.copytree(EXAMPLES / "simple" / "model_store" / "simple", store_dir / "simple")
+    code = ("--code-path", str(EXAMPLES / "simple"), "--precision", "fp32")
+    single = server_factory(store_dir, *code)
+    workers = server_factory(store_dir, *code, "--http-workers", "2")
+    digits = load_digits()
+    sequences = [(digits.data[i].astype(int) + 1)[: 48 + 8 * (i % 3)].tolist() for i in range(6)]
+    pair = {"INPUT0": [list(range(16))], "INPUT1": [[3] * 16]}
+    for name, inputs in [("simple", pair), *[("digits_transformer", [s]) for s in sequences]]:
+        answers = [httpx.post(f"{s.url}/predict", json={"model": name, "inputs": inputs}) for s in (single, workers)]
+        assert all(r.status_code == 200 for r in answers), [r.text for r in answers]
+        assert answers[0].json()["outputs"] == answers[1].json()["outputs"]
