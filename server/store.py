@@ -238,6 +238,22 @@ class Normalize(BaseModel):
         return std
 
 
+class TextInput(BaseModel):
+    """Text clients may send instead of a sequence input's token ids: tokenized by the server with the version's
+    Hugging Face ``tokenizer.json`` (the ``tokenizers`` library: a JSON file, no code)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    input: str = Field(pattern=r"^[A-Za-z_][A-Za-z0-9_.-]*$")
+    """The ``BYTES`` input's name: one UTF-8 text per row (V2), or ``/predict`` ``{"inputs": ["text", ...]}``."""
+    feeds: str
+    """The variable integer input the token ids go to (its ``max_length`` and ``truncate`` apply)."""
+    tokenizer: str = Field(default="tokenizer.json", pattern=r"^[A-Za-z0-9_.-]+\.json$")
+    """The tokenizer file in the version folder."""
+    max_bytes: int = Field(default=65536, ge=1, le=2**24)
+    """Longest text accepted, in UTF-8 bytes; longer is a 400 before tokenizing."""
+
+
 _EVALUATION_KEY = re.compile(r"[a-z0-9_]{1,64}")
 _DEVICE = re.compile(r"[a-z0-9:_]{1,32}")
 
@@ -264,6 +280,7 @@ class Manifest(BaseModel):
     Hugging Face ``ModelOutput`` (by name)."""
     labels: list[str] | None = None
     """Class names for the first output's last dimension."""
+    text: TextInput | None = None
     precision: Precision = Precision.AUTO
     overflow: OverflowPolicy = OverflowPolicy.RERUN_FP32
     min_agreement: float | None = Field(default=None, gt=0.0, le=1.0)
@@ -324,6 +341,12 @@ class Manifest(BaseModel):
                     raise ValueError(f"inputs: {t.name!r}: mask_for {t.mask_for!r} names no variable input")
                 if t.shape != [-1] or t.datatype.numpy.kind not in "iub":
                     raise ValueError(f"inputs: {t.name!r}: a mask has shape [-1] and an integer or BOOL datatype")
+        if self.text is not None:
+            target = next((t for t in variable if t.name == self.text.feeds), None)
+            if target is None or target.datatype.numpy.kind not in "iu":
+                raise ValueError(f"text.feeds: {self.text.feeds!r} names no variable integer input")
+            if any(t.name == self.text.input for t in self.inputs):
+                raise ValueError(f"text.input: {self.text.input!r} is also the name of a tensor input")
         if any(t.variable for t in self.outputs) and not variable:
             raise ValueError("outputs: a variable dimension (-1) needs an input with one")
         if variable and (self.normalize is not None or self.execution.compile is not Compile.NONE):
@@ -408,7 +431,8 @@ def pack(manifest: Manifest, arrays: Mapping[str, np.ndarray]) -> np.ndarray:
     with ``truncate``). Raises :class:`PackError` naming the input."""
     specs = sent_inputs(manifest)
     names = [t.name for t in specs]
-    unknown = [n for n in arrays if n not in names]
+    companions = {t.name + LENGTH for t in specs if t.variable}
+    unknown = [n for n in arrays if n not in names and n not in companions]
     if unknown:
         raise PackError(f"inputs: unexpected input {unknown[0]!r}; the model takes {names}")
     missing = [n for n in names if n not in arrays]
@@ -434,7 +458,14 @@ def pack(manifest: Manifest, arrays: Mapping[str, np.ndarray]) -> np.ndarray:
                 field = packed[spec.name]
                 field[:, :length] = a[:, :length]
                 field[:, length:] = spec.pad
-                packed[spec.name + LENGTH] = length
+                given = arrays.get(spec.name + LENGTH)
+                if given is None:
+                    packed[spec.name + LENGTH] = length
+                else:  # each row's own length (tokenized texts of one request): the row is padded after it
+                    if given.shape != (rows,) or given.min() < 1 or given.max() > length:
+                        raise PackError(f"inputs: {spec.name + LENGTH!r}: row lengths must be 1..{length}, one per row")
+                    packed[spec.name + LENGTH] = given
+                    field[np.arange(spec.bounded()[0])[None, :] >= given[:, None]] = spec.pad
             else:
                 packed[spec.name] = a
         except (ValueError, TypeError) as e:

@@ -18,6 +18,8 @@ from server.api.telemetry import answered, metered, note
 from server.serving import Interface, ModelHandle
 from server.settings import Settings
 from server.store import sent_inputs
+from server.text import TextError
+from server.text import encoder as text_encoder
 
 router = APIRouter()
 
@@ -96,6 +98,26 @@ def decode_inputs(samples: object, served: ModelHandle, limits: Settings) -> dic
     """``inputs`` as the model's named inputs: a list of samples for a model with one input, else a mapping of input
     name to its samples (every input, the same number of samples each)."""
     specs = sent_inputs(served.manifest)
+    text = served.manifest.text
+    if text is not None:
+        if len(specs) == 1 and isinstance(samples, list) and samples and all(isinstance(t, str) for t in samples):
+            samples = {text.input: samples}
+        if isinstance(samples, dict) and text.input in samples:
+            texts = samples[text.input]
+            if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
+                raise APIError(400, f"inputs.{text.input}: expected a list of texts")
+            check_size(limits, served, len(texts), f"inputs.{text.input}")
+            try:
+                encoded = text_encoder(limits.store, served.name, served.version, served.manifest).encode(
+                    texts, f"inputs.{text.input}"
+                )
+            except TextError as e:
+                raise APIError(400, str(e)) from None
+            rest = {k: v for k, v in samples.items() if k != text.input}
+            if text.feeds in rest:
+                raise APIError(400, f"inputs: give {text.input!r} or {text.feeds!r}, not both")
+            others = [t for t in specs if t.name != text.feeds]
+            return encoded | {t.name: decode_samples(rest.get(t.name), t, f"inputs.{t.name}") for t in others}
     if len(specs) == 1:
         if isinstance(samples, list):
             check_size(limits, served, len(samples), "inputs")

@@ -20,6 +20,7 @@ FP16/BF16 output must be requested as binary.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -55,6 +56,8 @@ from server.precision import Precision
 from server.serving import Interface, ModelHandle, ModelState, Prediction, check_ready
 from server.settings import Settings
 from server.store import PackError, TensorSpec, check_length, sent_inputs
+from server.text import TextError
+from server.text import encoder as text_encoder
 
 router = APIRouter()
 
@@ -124,7 +127,8 @@ async def model_metadata(model_name: str, request: Request) -> Response:
             "name": served.name,
             "versions": [str(served.version)],
             "platform": PLATFORM,
-            "inputs": [tensor_metadata(s) for s in sent_inputs(m)],
+            "inputs": [tensor_metadata(s) for s in sent_inputs(m)]
+            + ([{"name": m.text.input, "datatype": "BYTES", "shape": [-1, 1]}] if m.text is not None else []),
             "outputs": [tensor_metadata(s) for s in m.outputs],
         }
     )
@@ -379,13 +383,21 @@ def parse_request(
     takes = f"input {specs[0].name!r}" if len(specs) == 1 else f"inputs {[t.name for t in specs]}"
     if not isinstance(inputs, list) or not inputs:
         raise APIError(400, f"inputs: expected a non-empty list; the model takes {takes}")
-    if len(inputs) > len(specs):
+    text = served.manifest.text
+    if len(inputs) > len(specs) + (text is not None):
         raise APIError(400, f"inputs: {len(inputs)} given; the model takes {len(specs)}: {takes}")
     tensors: dict[str, np.ndarray] = {}
     declared = 0
     for i, item in enumerate(inputs):
         field = f"inputs[{i}]"
         rest = None if binary is None else binary[declared:]
+        if text is not None and isinstance(item, dict) and item.get("name") == text.input:
+            texts, size = _decode_texts(item, field, rest, served, limits)
+            if text.feeds in tensors:
+                raise APIError(400, f"{field}.name: give {text.input!r} or {text.feeds!r}, not both")
+            tensors.update(_encode_texts(texts, field, served, limits))
+            declared += size
+            continue
         x, spec, size = _decode_input(item, field, rest, served, limits, regions)
         if spec.name in tensors:
             raise APIError(400, f"{field}.name: input {spec.name!r} is given twice")
@@ -418,6 +430,56 @@ def parse_request(
     if region is not None:
         _check_room(region, out_spec, rows)  # checked before the forward: the output's size is known from the rows
     return Inference(tensors, request_id, binary_output, timeout, classes, region)
+
+
+def _decode_texts(
+    item: dict[str, Any], field: str, binary: memoryview | None, served: ModelHandle, limits: Settings | None
+) -> tuple[Sequence[bytes | str], int]:
+    """A ``BYTES`` input of texts (shape ``[N]`` or ``[N, 1]``), from JSON strings or binary data, and the bytes of
+    ``binary`` it took."""
+    if item.get("datatype") != "BYTES":
+        raise APIError(400, f"{field}.datatype: text input {item.get('name')!r} is BYTES, got {item.get('datatype')!r}")
+    shape = item.get("shape")
+    if not (isinstance(shape, list) and shape and all(type(d) is int for d in shape) and shape[1:] in ([], [1])):
+        raise APIError(400, f"{field}.shape: expected [N] or [N, 1] (one text per row), got {shape!r}")
+    rows = shape[0]
+    if rows < 1:
+        raise APIError(400, f"{field}.shape: the batch dimension must be at least 1, got {rows}")
+    if limits is not None:
+        check_size(limits, served, rows, f"{field}.shape")
+    params = _params(item, f"{field}.parameters")
+    size = params.get("binary_data_size")
+    if size is None:
+        data = item.get("data")
+        if not isinstance(data, list) or len(data) != rows or not all(isinstance(t, str) for t in data):
+            raise APIError(400, f"{field}.data: expected {rows} strings, one text per row")
+        return data, 0
+    size = count(size, f"{field}.parameters.binary_data_size", "a byte count")
+    if binary is None or size > len(binary):
+        raise APIError(400, f"{field}.parameters.binary_data_size: {size} bytes declared, not in the body")
+    texts, at, raw = [], 0, bytes(binary[:size])
+    while at < size:
+        if at + 4 > size:
+            raise APIError(400, f"{field}: binary BYTES data ends inside an element's 4-byte length")
+        n = int.from_bytes(raw[at : at + 4], "little")
+        if at + 4 + n > size:
+            raise APIError(400, f"{field}: a BYTES element of {n} bytes runs past the input's binary_data_size")
+        texts.append(raw[at + 4 : at + 4 + n])
+        at += 4 + n
+    if len(texts) != rows:
+        raise APIError(400, f"{field}: {len(texts)} BYTES elements, but shape {shape} holds {rows}")
+    return texts, size
+
+
+def _encode_texts(
+    texts: Sequence[bytes | str], field: str, served: ModelHandle, limits: Settings | None
+) -> dict[str, np.ndarray]:
+    if limits is None:
+        raise APIError(400, f"{field}: text input is not served here")
+    try:
+        return text_encoder(limits.store, served.name, served.version, served.manifest).encode(texts, field)
+    except TextError as e:
+        raise APIError(400, str(e)) from None
 
 
 def _check_room(region: Span, spec: TensorSpec, rows: int) -> None:

@@ -30,6 +30,7 @@ from server.multiproc.wire import (
 from server.regions import Regions
 from server.repository import ModelRepository
 from server.serving import Interface, ModelNotReadyError, Prediction, Tensors, check_ready, error_to_wire
+from server.store import LENGTH
 from server.transport import CoalescedWrites
 
 log = logging.getLogger(__name__)
@@ -148,7 +149,8 @@ class _Connection(asyncio.Protocol):
         places = head["inputs"]
         tensors = self.segment.take(head["slot"], places) if head["slot"] >= 0 else from_payload(payload, places)
         specs = [t for t in specs if t.mask_for is None]  # masks are built here, never sent
-        changed = len(tensors) != len(specs)
+        # Each row's length of a variable input travels beside it (tokenized texts); the packing checks it.
+        changed = len([n for n in tensors if not n.endswith(LENGTH)]) != len(specs)
         for spec in specs:
             x = tensors.get(spec.name)
             if x is None:

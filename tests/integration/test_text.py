@@ -1,0 +1,147 @@
+"""Text in: texts tokenized by the server with the version's tokenizer.json, over /predict and V2 BYTES (JSON and
+binary); each text answered as if it came alone; not UTF-8, too many bytes and too many tokens refused by name."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import orjson
+import pytest
+import torch
+
+from server import models, store
+from server.api.codec import HEADER_LENGTH, encode_bytes
+from server.settings import Settings
+from server.store import DataType, Manifest, TensorSpec, TextInput
+from tests.integration.conftest import serving
+
+tokenizers = pytest.importorskip("tokenizers")
+
+CORPUS = [
+    "the server batches requests of different lengths",
+    "half precision halves the weights on the device",
+    "a short text",
+    "tokens are padded to the longest text in the batch and masked",
+    "the quick brown fox jumps over the lazy dog",
+] * 4
+MAX = 24
+INFER = "/v2/models/texty/infer"
+
+
+def wordpiece(path: Path) -> int:
+    """A WordPiece tokenizer trained here on a tiny corpus (as a team would train theirs), saved as tokenizer.json."""
+    tok = tokenizers.Tokenizer(tokenizers.models.WordPiece(unk_token="[UNK]"))
+    tok.normalizer = tokenizers.normalizers.BertNormalizer(lowercase=True)
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.BertPreTokenizer()
+    trainer = tokenizers.trainers.WordPieceTrainer(vocab_size=200, special_tokens=["[PAD]", "[UNK]"])
+    tok.train_from_iterator(CORPUS, trainer)
+    tok.save(str(path))
+    return int(tok.get_vocab_size())
+
+
+def save_texty(root: Path) -> Path:
+    vdir = root / "texty" / "1"
+    vdir.mkdir(parents=True)
+    vocab = wordpiece(vdir / "tokenizer.json")
+    kwargs = {"vocab": vocab, "classes": 3, "dim": 32, "heads": 2, "layers": 1, "hidden": 64, "max_length": MAX}
+    manifest = Manifest(
+        name="texty",
+        architecture="transformer_classifier",
+        arch_kwargs=kwargs,
+        inputs=[
+            TensorSpec(name="tokens", datatype=DataType.INT64, shape=[-1], max_length=MAX),
+            TensorSpec(name="mask", datatype=DataType.INT64, shape=[-1], mask_for="tokens"),
+        ],
+        outputs=[TensorSpec(name="logits", shape=[3])],
+        labels=["a", "b", "c"],
+        text=TextInput(input="text", feeds="tokens", max_bytes=400),
+    )
+    torch.manual_seed(0)
+    store.save(root, manifest, models.build("transformer_classifier", **kwargs), version=1)
+    return root
+
+
+TEXTS = ["a short text", "the quick brown fox jumps over the lazy dog and the server batches requests"]
+
+
+async def test_texts_over_predict_are_answered_as_if_each_came_alone(tmp_path: Path) -> None:
+    async with serving(Settings(store=save_texty(tmp_path), precision="fp32")) as client:
+        together = await client.post("/predict", json={"inputs": TEXTS})
+        assert together.status_code == 200, together.text
+        for text, row in zip(TEXTS, together.json()["outputs"], strict=True):
+            alone = (await client.post("/predict", json={"inputs": [text]})).json()["outputs"][0]
+            np.testing.assert_allclose(row, alone, rtol=1e-5, atol=1e-6)
+        assert len(together.json()["labels"]) == 2
+        meta = (await client.get("/v2/models/texty")).json()
+        assert {"name": "text", "datatype": "BYTES", "shape": [-1, 1]} in meta["inputs"]
+
+
+async def test_v2_bytes_as_json_and_as_binary_give_the_same_answer(tmp_path: Path) -> None:
+    async with serving(Settings(store=save_texty(tmp_path), precision="fp32")) as client:
+        as_json = await client.post(
+            INFER, json={"inputs": [{"name": "text", "datatype": "BYTES", "shape": [2, 1], "data": TEXTS}]}
+        )
+        assert as_json.status_code == 200, as_json.text
+        data = encode_bytes([t.encode() for t in TEXTS])
+        header = orjson.dumps(
+            {
+                "inputs": [
+                    {"name": "text", "datatype": "BYTES", "shape": [2], "parameters": {"binary_data_size": len(data)}}
+                ]
+            }
+        )
+        as_binary = await client.post(
+            INFER,
+            content=header + data,
+            headers={HEADER_LENGTH: str(len(header)), "content-type": "application/octet-stream"},
+        )
+        assert as_binary.status_code == 200, as_binary.text
+        assert as_binary.json()["outputs"] == as_json.json()["outputs"]
+
+
+@pytest.mark.parametrize(
+    ("what", "texts", "message"),
+    [
+        ("not UTF-8", [b"caf\xe9"], "inputs[0][0]: not UTF-8"),
+        ("too many bytes", [b"x" * 401], "401 bytes, more than the 400 a text may have"),
+        ("too many tokens", [" ".join(["fox"] * (MAX + 1)).encode()], f"longer than its max_length {MAX}"),
+        ("no tokens", [b"   "], "the text gives no tokens"),
+    ],
+)
+async def test_bad_texts_are_refused_by_name(tmp_path: Path, what: str, texts: list[bytes], message: str) -> None:
+    async with serving(Settings(store=save_texty(tmp_path), precision="fp32")) as client:
+        data = encode_bytes(texts)
+        header = orjson.dumps(
+            {
+                "inputs": [
+                    {"name": "text", "datatype": "BYTES", "shape": [1], "parameters": {"binary_data_size": len(data)}}
+                ]
+            }
+        )
+        r = await client.post(
+            INFER,
+            content=header + data,
+            headers={HEADER_LENGTH: str(len(header)), "content-type": "application/octet-stream"},
+        )
+        assert r.status_code == 400, (what, r.text)
+        assert message in r.json()["error"], (what, r.text)
+        truncated = header + data[:3]  # a length prefix cut short
+        r = await client.post(
+            INFER,
+            content=truncated,
+            headers={HEADER_LENGTH: str(len(header)), "content-type": "application/octet-stream"},
+        )
+        assert r.status_code == 400, r.text
+        assert (await client.post("/predict", json={"inputs": ["a short text"]})).status_code == 200, "serving goes on"
+
+
+def test_a_text_block_must_feed_a_variable_integer_input() -> None:
+    with pytest.raises(ValueError, match="text.feeds: 'x' names no variable integer input"):
+        Manifest(
+            name="m",
+            architecture="transformer_classifier",
+            inputs=[TensorSpec(name="tokens", datatype=DataType.INT64, shape=[-1], max_length=8)],
+            outputs=[TensorSpec(name="y", shape=[2])],
+            text=TextInput(input="text", feeds="x"),
+        )
