@@ -181,3 +181,30 @@ def test_several_and_variable_inputs_cross_the_front_end_processes(server_factor
         answers = [httpx.post(f"{s.url}/predict", json={"model": name, "inputs": inputs}) for s in (single, workers)]
         assert all(r.status_code == 200 for r in answers), [r.text for r in answers]
         assert answers[0].json()["outputs"] == answers[1].json()["outputs"]
+
+
+def test_texts_over_tritonclient_bytes_in_one_process_and_through_front_ends(
+    server_factory: StartServer, tmp_path: Path
+) -> None:
+    from tests.integration.test_text import TEXTS, save_texty
+
+    store_dir = save_texty(tmp_path / "store")
+    answers = []
+    for extra in ((), ("--http-workers", "2")):
+        server = server_factory(store_dir, "--precision", "fp32", *extra)
+        client = triton.InferenceServerClient(url=server.url.removeprefix("http://"))
+        try:
+            for binary in (False, True):
+                text = triton.InferInput("text", [len(TEXTS), 1], "BYTES")
+                text.set_data_from_numpy(np.array([[t.encode()] for t in TEXTS], dtype=object), binary_data=binary)
+                result = client.infer("texty", [text])
+                answers.append(result.as_numpy("logits"))
+            bad = triton.InferInput("text", [1, 1], "BYTES")
+            bad.set_data_from_numpy(np.array([[b"caf\xe9"]], dtype=object), binary_data=True)
+            with pytest.raises(InferenceServerException, match="not UTF-8"):
+                client.infer("texty", [bad])
+        finally:
+            client.close()
+    assert answers[0].shape == (2, 3)
+    for other in answers[1:]:
+        np.testing.assert_allclose(other, answers[0], rtol=1e-5, atol=1e-6)
