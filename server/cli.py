@@ -185,6 +185,9 @@ def _add_import(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         "--input", action="append", required=True, metavar="NAME:DTYPE:SHAPE", help="e.g. image:FP32:3x224x224"
     )
     p.add_argument("--output", action="append", metavar="NAME:DTYPE:SHAPE", help="default: from one forward")
+    p.add_argument("--max-length", type=int, help="the longest length of variable (-1) inputs")
+    p.add_argument("--mask", metavar="NAME", help="an attention mask input the server builds for the variable input")
+    p.add_argument("--text", metavar="NAME", help="a text input tokenized with the folder's tokenizer.json")
     p.add_argument("--labels", type=Path, help="text file with one class name per line (the first output's)")
     p.add_argument("--calibration", type=Path, help=".npy (one input), .npz or .safetensors samples by input name")
     p.add_argument("--samples", type=int, default=64, help="random calibration samples without --calibration")
@@ -202,13 +205,19 @@ def import_(args: argparse.Namespace) -> int:
     try:
         models.add_code_path(args.code_path or [])
         labels = args.labels.read_text().split() if args.labels else None
-        fields = {"min_agreement": args.min_agreement} if args.min_agreement is not None else {}
+        fields: dict[str, object] = {"min_agreement": args.min_agreement} if args.min_agreement is not None else {}
+        inputs = importer.sequence_inputs(
+            [importer.parse_tensor(t, "--input") for t in args.input], args.max_length, args.mask
+        )
+        if args.text:
+            feeds = next((t.name for t in inputs if t.variable), None)
+            fields["text"] = {"input": args.text, "feeds": feeds}
         result = importer.import_model(
             args.source,
             args.store,
             args.name,
             args.architecture,
-            [importer.parse_tensor(t, "--input") for t in args.input],
+            inputs,
             [importer.parse_tensor(t, "--output") for t in args.output] if args.output else None,
             importer.parse_json_object(args.arch_kwargs, "--arch-kwargs"),
             labels,

@@ -31,6 +31,8 @@ from server.engine import Engine, takes_positionally
 from server.store import DataType, Manifest, StoreError, TensorSpec
 
 RANDOM_SAMPLES = 64
+SAMPLE_LENGTH = 16
+"""The length of random samples (and of the forward that derives outputs) for a variable input."""
 INT_RANGE = 100
 """Random integer inputs are drawn from ``[0, INT_RANGE)`` (token ids of a small vocabulary, class indices)."""
 _DTYPES = {
@@ -63,10 +65,24 @@ def parse_tensor(text: str, option: str) -> TensorSpec:
         raise ImportFailure(f"{option} {text!r}: expected NAME:DTYPE:SHAPE, e.g. image:FP32:3x224x224")
     name, dtype, shape = parts
     try:
-        dims = [int(d) for d in shape.lower().split("x")]
+        dims = [int(d) for d in shape.lower().split("x")]  # -1 first: a variable length (give --max-length)
         return TensorSpec(name=name, datatype=DataType(dtype.upper()), shape=dims)
     except ValueError as e:
         raise ImportFailure(f"{option} {text!r}: {e}") from None
+
+
+def sequence_inputs(inputs: list[TensorSpec], max_length: int | None, mask: str | None) -> list[TensorSpec]:
+    """``inputs`` with ``max_length`` on the variable ones, and the attention mask input named ``mask`` (built by the
+    server for the first variable input) after them."""
+    variable = [t for t in inputs if t.variable]
+    if variable and max_length is None:
+        raise ImportFailure(f"--input {variable[0].name!r} has a variable length (-1): give --max-length")
+    out = [t.model_copy(update={"max_length": max_length}) if t.variable else t for t in inputs]
+    if mask is not None:
+        if not variable:
+            raise ImportFailure("--mask needs an --input with a variable length (-1)")
+        out.append(TensorSpec(name=mask, datatype=DataType.INT64, shape=[-1], mask_for=variable[0].name))
+    return out
 
 
 def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
@@ -105,7 +121,10 @@ def _call(module: nn.Module, specs: list[TensorSpec], tensors: list[torch.Tensor
 def derive_outputs(module: nn.Module, inputs: list[TensorSpec]) -> list[TensorSpec]:
     """The output signature from one fp32 forward of two rows of zeros: a tensor is ``output``; a tuple's entries are
     ``output0``, ``output1``...; a mapping's (a Hugging Face ``ModelOutput``) keep their names."""
-    x = [torch.zeros((2, *t.shape), dtype=_torch_dtype(t.datatype)) for t in inputs]
+    x = [
+        (torch.ones if t.mask_for else torch.zeros)((2, *t.bounded(SAMPLE_LENGTH)), dtype=_torch_dtype(t.datatype))
+        for t in inputs
+    ]
     with torch.inference_mode():
         y = _call(module, inputs, x)
     if isinstance(y, torch.Tensor):
@@ -133,11 +152,12 @@ def _torch_dtype(datatype: DataType) -> torch.dtype:
 def calibration_samples(path: Path | None, inputs: list[TensorSpec], count: int) -> tuple[dict[str, np.ndarray], str]:
     """Samples by input name, and where they came from: ``path`` (``.npy`` for a model with one input; ``.npz`` or
     ``.safetensors`` by input name), else ``count`` random rows of the declared shapes."""
+    inputs = [t for t in inputs if t.mask_for is None]  # masks are built by the server
     if path is None:
         rng = np.random.default_rng(0)
         samples = {}
         for t in inputs:
-            shape = (count, *t.shape)
+            shape = (count, *t.bounded(min(SAMPLE_LENGTH, t.max_length or SAMPLE_LENGTH)))
             kind = t.datatype.numpy.kind
             if kind == "f":
                 samples[t.name] = rng.standard_normal(shape).astype(t.datatype.numpy)
@@ -244,7 +264,12 @@ def _copy_folder(source: Path, root: Path, manifest: Manifest) -> Path:
     present = store.versions(model_dir)
     vdir = model_dir / str(present[-1] + 1 if present else 1)
     vdir.mkdir()
-    for file in ("config.json", store.WEIGHTS):
+    files = ["config.json", store.WEIGHTS]
+    if manifest.text is not None:
+        files.append(manifest.text.tokenizer)
+    for file in files:
+        if not (source / file).is_file():
+            raise ImportFailure(f"{source / file}: not found (the model folder needs it)")
         shutil.copyfile(source / file, vdir / file)
     store.write_manifest(root, manifest)
     return vdir

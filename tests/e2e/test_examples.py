@@ -208,3 +208,33 @@ def test_texts_over_tritonclient_bytes_in_one_process_and_through_front_ends(
     assert answers[0].shape == (2, 3)
     for other in answers[1:]:
         np.testing.assert_allclose(other, answers[0], rtol=1e-5, atol=1e-6)
+
+
+def test_a_hugging_face_text_classifier_with_its_tokenizer_takes_text(
+    server_factory: StartServer, tmp_path: Path
+) -> None:
+    folder, store_dir = tmp_path / "model", tmp_path / "store"
+    run(str(EXAMPLES / "hf_text_classifier" / "make_model.py"), str(folder))
+    labels = tmp_path / "labels.txt"
+    labels.write_text("negative\nneutral\npositive\n")
+    printed = run(
+        "-m", "server", "import", str(folder), "--store", str(store_dir), "--name", "reviews",
+        "--architecture", "transformers:AutoModelForSequenceClassification",
+        "--input", "input_ids:INT64:-1", "--max-length", "64", "--mask", "attention_mask", "--text", "text",
+        "--labels", str(labels),
+    )  # fmt: skip
+    assert "inputs  input_ids INT64 [-1], attention_mask INT64 [-1]" in printed
+    texts = ["This review is positive: fast and cheap.", "A short reply."]
+    answers = {}
+    for precision in ("bf16", "fp32"):
+        server = server_factory(store_dir, "--precision", precision)
+        together = httpx.post(f"{server.url}/predict", json={"inputs": texts}).json()
+        assert together["precision"] == precision
+        assert set(together["labels"]) <= {"negative", "neutral", "positive"}
+        alone = [httpx.post(f"{server.url}/predict", json={"inputs": [t]}).json()["outputs"][0] for t in texts]
+        np.testing.assert_allclose(together["outputs"], alone, atol=1e-5 if precision == "fp32" else 0.02)
+        answers[precision] = np.array(together["outputs"])
+        too_long = httpx.post(f"{server.url}/predict", json={"inputs": [" ".join(["review"] * 80)]})
+        assert too_long.status_code == 400
+        assert "longer than its max_length 64" in too_long.json()["error"]
+    np.testing.assert_allclose(answers["bf16"], answers["fp32"], atol=0.05)

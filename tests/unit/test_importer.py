@@ -133,3 +133,18 @@ def test_a_folder_needs_a_hugging_face_architecture_and_a_file_needs_another(tmp
     (tmp_path / "w.pth").write_bytes(b"")
     with pytest.raises(ImportFailure, match="imports from a Hugging Face model folder"):
         import_model(tmp_path / "w.pth", tmp_path / "store", "net", "transformers:AutoModel", FEATURES)
+
+
+def test_variable_inputs_need_a_max_length_and_get_their_mask() -> None:
+    from server.importer import sequence_inputs
+
+    ids = parse_tensor("input_ids:INT64:-1", "--input")
+    with pytest.raises(ImportFailure, match="give --max-length"):
+        sequence_inputs([ids], None, None)
+    with pytest.raises(ImportFailure, match="--mask needs an --input with a variable length"):
+        sequence_inputs(FEATURES, None, "attention_mask")
+    out = sequence_inputs([ids], 64, "attention_mask")
+    assert [(t.name, t.shape, t.max_length, t.mask_for) for t in out] == [
+        ("input_ids", [-1], 64, None),
+        ("attention_mask", [-1], None, "input_ids"),
+    ]
