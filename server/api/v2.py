@@ -466,6 +466,8 @@ def _decode_texts(
             raise APIError(400, f"{field}: a BYTES element of {n} bytes runs past the input's binary_data_size")
         texts.append(raw[at + 4 : at + 4 + n])
         at += 4 + n
+        if len(texts) > rows:  # stop at once: a body of empty elements would otherwise be parsed to its end
+            break
     if len(texts) != rows:
         raise APIError(400, f"{field}: {len(texts)} BYTES elements, but shape {shape} holds {rows}")
     return texts, size

@@ -145,3 +145,18 @@ def test_a_text_block_must_feed_a_variable_integer_input() -> None:
             outputs=[TensorSpec(name="y", shape=[2])],
             text=TextInput(input="text", feeds="x"),
         )
+
+
+async def test_a_body_of_many_empty_bytes_elements_stops_at_the_declared_rows(tmp_path: Path) -> None:
+    data = b"\0\0\0\0" * 1_000_000  # a million empty texts for a shape of one
+    header = orjson.dumps(
+        {"inputs": [{"name": "text", "datatype": "BYTES", "shape": [1], "parameters": {"binary_data_size": len(data)}}]}
+    )
+    async with serving(Settings(store=save_texty(tmp_path), precision="fp32")) as client:
+        r = await client.post(
+            INFER,
+            content=header + data,
+            headers={HEADER_LENGTH: str(len(header)), "content-type": "application/octet-stream"},
+        )
+        assert r.status_code == 400, r.text
+        assert "BYTES elements, but shape [1] holds 1" in r.json()["error"]
