@@ -524,9 +524,14 @@ class Engine:
         for size in sorted(sizes, reverse=self.cuda_graphs):
             # Warm-up batches enter as host rows of the input's dtype, like real requests (graphs are per dtype).
             x = np.zeros((size, *self.sample_shape), dtype=self.input_dtype)
-            for name in x.dtype.names or ():
-                if name.endswith(store.LENGTH):
-                    x[name] = 1  # one value per variable input: every row has something to attend to
+            for length in self._warm_lengths():
+                # Each length bucket a batch can be padded to: its kernels are chosen (oneDNN builds them per shape)
+                # before requests of that length arrive.
+                for name in x.dtype.names or ():
+                    if name.endswith(store.LENGTH):
+                        x[name] = length
+                if length > 1:
+                    self.forward(x, inst)
             if self.cuda_graphs:
                 with inst.on_stream():
                     sample = inst.upload([x], size)
@@ -539,6 +544,15 @@ class Engine:
                 secs = time.perf_counter() - start
                 self.compile_seconds += secs
                 log.info("%s: compiled batch %d with TorchInductor in %.2fs", self.name, size, secs)
+
+    def _warm_lengths(self) -> list[int]:
+        """The lengths a variable model's batches are padded to (its length buckets, when lengths are grouped), after
+        which the batch of length 1 runs as the common warm-up; ``[1]`` for other models."""
+        spec = next((t for t in self.manifest.inputs if t.variable and t.mask_for is None), None)
+        if spec is None or spec.max_length is None or not self.manifest.batching.group_lengths:
+            return [1]
+        buckets = sorted({store.length_bucket(n, spec.max_length) for n in range(1, spec.max_length + 1)})
+        return [*buckets, 1]
 
     def close(self) -> None:
         for inst in self.instances:
