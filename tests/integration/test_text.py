@@ -62,6 +62,13 @@ def save_texty(root: Path) -> Path:
     return root
 
 
+def binary_texts(data: bytes, rows: int) -> tuple[bytes, dict[str, str]]:
+    """A V2 request whose text input is ``data`` as binary BYTES for a shape of ``rows``: body and headers."""
+    item = {"name": "text", "datatype": "BYTES", "shape": [rows], "parameters": {"binary_data_size": len(data)}}
+    header = orjson.dumps({"inputs": [item]})
+    return header + data, {HEADER_LENGTH: str(len(header)), "content-type": "application/octet-stream"}
+
+
 TEXTS = ["a short text", "the quick brown fox jumps over the lazy dog and the server batches requests"]
 
 
@@ -83,19 +90,8 @@ async def test_v2_bytes_as_json_and_as_binary_give_the_same_answer(tmp_path: Pat
             INFER, json={"inputs": [{"name": "text", "datatype": "BYTES", "shape": [2, 1], "data": TEXTS}]}
         )
         assert as_json.status_code == 200, as_json.text
-        data = encode_bytes([t.encode() for t in TEXTS])
-        header = orjson.dumps(
-            {
-                "inputs": [
-                    {"name": "text", "datatype": "BYTES", "shape": [2], "parameters": {"binary_data_size": len(data)}}
-                ]
-            }
-        )
-        as_binary = await client.post(
-            INFER,
-            content=header + data,
-            headers={HEADER_LENGTH: str(len(header)), "content-type": "application/octet-stream"},
-        )
+        body, headers = binary_texts(encode_bytes([t.encode() for t in TEXTS]), 2)
+        as_binary = await client.post(INFER, content=body, headers=headers)
         assert as_binary.status_code == 200, as_binary.text
         assert as_binary.json()["outputs"] == as_json.json()["outputs"]
 
@@ -112,26 +108,12 @@ async def test_v2_bytes_as_json_and_as_binary_give_the_same_answer(tmp_path: Pat
 async def test_bad_texts_are_refused_by_name(tmp_path: Path, what: str, texts: list[bytes], message: str) -> None:
     async with serving(Settings(store=save_texty(tmp_path), precision="fp32")) as client:
         data = encode_bytes(texts)
-        header = orjson.dumps(
-            {
-                "inputs": [
-                    {"name": "text", "datatype": "BYTES", "shape": [1], "parameters": {"binary_data_size": len(data)}}
-                ]
-            }
-        )
-        r = await client.post(
-            INFER,
-            content=header + data,
-            headers={HEADER_LENGTH: str(len(header)), "content-type": "application/octet-stream"},
-        )
+        body, headers = binary_texts(data, 1)
+        r = await client.post(INFER, content=body, headers=headers)
         assert r.status_code == 400, (what, r.text)
         assert message in r.json()["error"], (what, r.text)
-        truncated = header + data[:3]  # a length prefix cut short
-        r = await client.post(
-            INFER,
-            content=truncated,
-            headers={HEADER_LENGTH: str(len(header)), "content-type": "application/octet-stream"},
-        )
+        body, headers = binary_texts(data[:3], 1)  # a length prefix cut short
+        r = await client.post(INFER, content=body, headers=headers)
         assert r.status_code == 400, r.text
         assert (await client.post("/predict", json={"inputs": ["a short text"]})).status_code == 200, "serving goes on"
 
@@ -148,15 +130,8 @@ def test_a_text_block_must_feed_a_variable_integer_input() -> None:
 
 
 async def test_a_body_of_many_empty_bytes_elements_stops_at_the_declared_rows(tmp_path: Path) -> None:
-    data = b"\0\0\0\0" * 1_000_000  # a million empty texts for a shape of one
-    header = orjson.dumps(
-        {"inputs": [{"name": "text", "datatype": "BYTES", "shape": [1], "parameters": {"binary_data_size": len(data)}}]}
-    )
+    body, headers = binary_texts(b"\0\0\0\0" * 1_000_000, 1)  # a million empty texts for a shape of one
     async with serving(Settings(store=save_texty(tmp_path), precision="fp32")) as client:
-        r = await client.post(
-            INFER,
-            content=header + data,
-            headers={HEADER_LENGTH: str(len(header)), "content-type": "application/octet-stream"},
-        )
+        r = await client.post(INFER, content=body, headers=headers)
         assert r.status_code == 400, r.text
         assert "BYTES elements, but shape [1] holds 1" in r.json()["error"]
