@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from server import fidelity, store
+from server import fidelity, store, text
 from server import precision as prec
 from server.batching import Batcher, BatchObserver, BatchStats
 from server.engine import Engine, EngineInfo, module_bytes, pads_to_buckets, resolve_device
@@ -327,6 +327,12 @@ class ModelRepository:
     async def _load(self, served: ServedModel) -> None:
         precision = self.precisions.get(served.name) or self.settings.precision or served.manifest.precision
         loaded = await asyncio.to_thread(store.load, self.settings.store, served.name, served.version)
+        if loaded.manifest.text is not None:
+            # A text model's tokenizer is read here too, so a missing or unreadable one fails the load, not requests.
+            try:
+                await asyncio.to_thread(text.encoder, self.settings.store, served.name, served.version, loaded.manifest)
+            except text.TextError as e:
+                raise StoreError(str(e)) from None
         engine = await self._engine(served, loaded, precision)
         if engine.precision is not Precision.FP32:
             try:

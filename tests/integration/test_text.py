@@ -3,6 +3,7 @@ binary); each text answered as if it came alone; not UTF-8, too many bytes and t
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import numpy as np
@@ -135,3 +136,18 @@ async def test_a_body_of_many_empty_bytes_elements_stops_at_the_declared_rows(tm
         r = await client.post(INFER, content=body, headers=headers)
         assert r.status_code == 400, r.text
         assert "BYTES elements, but shape [1] holds 1" in r.json()["error"]
+
+
+async def test_a_missing_tokenizer_fails_the_models_load_not_its_requests(tmp_path: Path) -> None:
+    (save_texty(tmp_path) / "texty" / "1" / "tokenizer.json").write_text("{not json")
+    from server.app import create_app
+
+    app = create_app(Settings(store=tmp_path, precision="fp32"))
+    async with app.router.lifespan_context(app):
+        repo = app.state.serving.repository
+        for _ in range(200):
+            if repo.models["texty"].state.value == "failed":
+                break
+            await asyncio.sleep(0.05)
+        assert repo.models["texty"].state.value == "failed"
+        assert "cannot read the tokenizer" in repo.models["texty"].error
