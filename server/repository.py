@@ -307,6 +307,7 @@ class ModelRepository:
             return engine
         measured = await asyncio.to_thread(fidelity.measure, engine, loaded, samples, served.batching.max_batch_size)
         served.fidelity = measured
+        engine.real_elements = engine.padded_elements = 0  # padding waste counts requests, not calibration batches
         log.info(
             "model %s: %s vs fp32 on %d calibration samples: top-1 agreement %s, max abs/rel error %.3g/%.3g",
             served.name,

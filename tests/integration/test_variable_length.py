@@ -207,3 +207,19 @@ def test_manifests_with_variable_dimensions_are_checked() -> None:
         )
     with pytest.raises(ValueError, match="the first may be -1"):
         TensorSpec(name="t", shape=[4, -1])
+
+
+async def test_padding_waste_counts_requests_not_warm_up_or_calibration(tmp_path: Path) -> None:
+    from safetensors.numpy import save_file
+
+    save_seq(tmp_path)
+    save_file({"tokens": tokens(5, seed=9, rows=8)}, str(tmp_path / "seq" / "1" / "calibration.safetensors"))
+    async with serving(Settings(store=tmp_path, precision="bf16")) as client:
+        stats = (await client.get("/models/seq/stats")).json()
+        assert "padded_elements" not in stats, "nothing counted before the first request"
+        listing = (await client.get("/models")).json()
+        models_ = listing["models"] if isinstance(listing, dict) else listing
+        assert models_[0]["fidelity"]["samples"] == 8
+        assert (await client.post(INFER, json=v2(tokens(5, seed=1)))).status_code == 200
+        stats = (await client.get("/models/seq/stats")).json()
+        assert (stats["real_elements"], stats["padded_elements"]) == (5, 3)  # 5 tokens, padded to the bucket of 8
