@@ -10,12 +10,16 @@ bytes become arrays through ``np.frombuffer``, never a per-element Python loop.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from enum import Enum
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from server import text
 from server.api.errors import APIError
+from server.serving import ModelHandle
 from server.store import PackError, TensorSpec, check_length
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
@@ -208,6 +212,24 @@ def encode_bytes(items: list[bytes]) -> bytes:
     return b"".join(len(b).to_bytes(4, "little") + b for b in items)
 
 
+def checked_length(spec: TensorSpec, length: int, field: str) -> None:
+    """A 400 naming ``field``, the input and its ``max_length`` when a variable input of ``length`` is too long (and
+    not cut with ``truncate``)."""
+    try:
+        check_length(spec, length, f"{field}: input {spec.name!r}")
+    except PackError as e:
+        raise APIError(400, str(e)) from None
+
+
+def encode_texts(texts: Sequence[bytes | str], field: str, served: ModelHandle, store: Path) -> dict[str, np.ndarray]:
+    """A request's texts as the named inputs the model takes (token ids and each row's length), tokenized with the
+    version's tokenizer; a 400 naming ``field`` and the row for a text it cannot take."""
+    try:
+        return text.encoder(store, served.name, served.version, served.manifest).encode(texts, field)
+    except text.TextError as e:
+        raise APIError(400, str(e)) from None
+
+
 def decode_samples(samples: Any, spec: TensorSpec, field: str = "inputs") -> np.ndarray:
     """A JSON list of samples (each a nested list of the per-sample shape) as one array, rows first.
 
@@ -229,10 +251,7 @@ def decode_samples(samples: Any, spec: TensorSpec, field: str = "inputs") -> np.
     elif arr.dtype.kind not in "iuf":
         raise APIError(400, f"{field}: values must be numbers, got {_kind_name(arr)}")
     if spec.variable and arr.ndim == len(spec.shape) + 1 and arr.shape[2:] == tuple(spec.shape[1:]):
-        try:
-            check_length(spec, arr.shape[1], f"{field}: input {spec.name!r}")
-        except PackError as e:
-            raise APIError(400, str(e)) from None
+        checked_length(spec, arr.shape[1], field)
         want = arr.shape[1:]
     else:
         want = tuple(spec.shape)

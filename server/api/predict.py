@@ -11,15 +11,13 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from server.api import deps, guard
-from server.api.codec import decode_samples
+from server.api.codec import decode_samples, encode_texts
 from server.api.errors import APIError, cut_off_by_shutdown, error_responses, from_exception
 from server.api.limits import TIMEOUT_HEADER, check_size, client_timeout, parse_json, read_body
 from server.api.telemetry import answered, metered, note
 from server.serving import Interface, ModelHandle
 from server.settings import Settings
 from server.store import sent_inputs
-from server.text import TextError
-from server.text import encoder as text_encoder
 
 router = APIRouter()
 
@@ -107,12 +105,7 @@ def decode_inputs(samples: object, served: ModelHandle, limits: Settings) -> dic
             if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
                 raise APIError(400, f"inputs.{text.input}: expected a list of texts")
             check_size(limits, served, len(texts), f"inputs.{text.input}")
-            try:
-                encoded = text_encoder(limits.store, served.name, served.version, served.manifest).encode(
-                    texts, f"inputs.{text.input}"
-                )
-            except TextError as e:
-                raise APIError(400, str(e)) from None
+            encoded = encode_texts(texts, f"inputs.{text.input}", served, limits.store)
             rest = {k: v for k, v in samples.items() if k != text.input}
             if text.feeds in rest:
                 raise APIError(400, f"inputs: give {text.input!r} or {text.feeds!r}, not both")

@@ -37,11 +37,13 @@ from server.api.codec import (
     JSON_UNSUPPORTED,
     WireType,
     check_range,
+    checked_length,
     decode_binary,
     decode_json,
     element_count,
     encode_binary,
     encode_bytes,
+    encode_texts,
     split_body,
     wire_type,
     wire_values,
@@ -55,9 +57,7 @@ from server.api.v2_schema import INFER_SCHEMA
 from server.precision import Precision
 from server.serving import Interface, ModelHandle, ModelState, Prediction, check_ready
 from server.settings import Settings
-from server.store import PackError, TensorSpec, check_length, sent_inputs
-from server.text import TextError
-from server.text import encoder as text_encoder
+from server.store import TensorSpec, sent_inputs
 
 router = APIRouter()
 
@@ -210,10 +210,7 @@ def _input_shape(shape: object, spec: TensorSpec, field: str) -> list[int]:
     if spec.variable and len(shape) == len(spec.shape) + 1 and shape[2:] == spec.shape[1:]:
         if shape[0] < 1 or shape[1] < 1:
             raise APIError(400, f"{field}: the batch and length dimensions must be at least 1, got {shape}")
-        try:
-            check_length(spec, shape[1], f"{field}: input {spec.name!r}")
-        except PackError as e:
-            raise APIError(400, str(e)) from None
+        checked_length(spec, shape[1], field)
         return shape
     if len(shape) != len(spec.shape) + 1 or shape[1:] != spec.shape:
         dims = ", ".join("L" if d == -1 else str(d) for d in spec.shape)
@@ -395,7 +392,9 @@ def parse_request(
             texts, size = _decode_texts(item, field, rest, served, limits)
             if text.feeds in tensors:
                 raise APIError(400, f"{field}.name: give {text.input!r} or {text.feeds!r}, not both")
-            tensors.update(_encode_texts(texts, field, served, limits))
+            if limits is None:
+                raise APIError(400, f"{field}: text input is not served here")
+            tensors.update(encode_texts(texts, field, served, limits.store))
             declared += size
             continue
         x, spec, size = _decode_input(item, field, rest, served, limits, regions)
@@ -471,17 +470,6 @@ def _decode_texts(
     if len(texts) != rows:
         raise APIError(400, f"{field}: {len(texts)} BYTES elements, but shape {shape} holds {rows}")
     return texts, size
-
-
-def _encode_texts(
-    texts: Sequence[bytes | str], field: str, served: ModelHandle, limits: Settings | None
-) -> dict[str, np.ndarray]:
-    if limits is None:
-        raise APIError(400, f"{field}: text input is not served here")
-    try:
-        return text_encoder(limits.store, served.name, served.version, served.manifest).encode(texts, field)
-    except TextError as e:
-        raise APIError(400, str(e)) from None
 
 
 def _check_room(region: Span, spec: TensorSpec, rows: int) -> None:
