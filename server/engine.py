@@ -338,9 +338,7 @@ class Engine:
             a = batch[spec.name]
             if spec.variable:
                 lens = batch[spec.name + store.LENGTH]
-                longest = int(lens.max())
-                limit = spec.max_length or longest
-                length = store.length_bucket(longest, limit) if self.manifest.batching.group_lengths else longest
+                length = store.padded_length(self.manifest, spec, int(lens.max()))
                 a = a[:, :length]  # beyond each row's own length it holds the input's pad value (store.pack)
                 lengths[spec.name] = torch.from_numpy(lens.astype(np.int64)).to(device)
                 if len(lengths) == 1:
@@ -362,7 +360,7 @@ class Engine:
                 target = tensors[spec.mask_for]
                 positions = torch.arange(target.shape[1], device=target.device)
                 mask = positions.unsqueeze(0) < lengths[spec.mask_for].unsqueeze(1)
-                tensors[spec.name] = mask.to(torch.from_numpy(np.empty(0, spec.datatype.numpy)).dtype)
+                tensors[spec.name] = mask.to(torch_dtype(spec.datatype.numpy))
         args = [prec.cast_input(tensors[name], precision) for name in self.input_names]
         with prec.inference(precision, device):
             y = model(*args) if self.positional else model(**dict(zip(self.input_names, args, strict=True)))
@@ -548,10 +546,10 @@ class Engine:
     def _warm_lengths(self) -> list[int]:
         """The lengths a variable model's batches are padded to (its length buckets, when lengths are grouped), after
         which the batch of length 1 runs as the common warm-up; ``[1]`` for other models."""
-        spec = next((t for t in self.manifest.inputs if t.variable and t.mask_for is None), None)
+        spec = store.sequence_input(self.manifest)
         if spec is None or spec.max_length is None or not self.manifest.batching.group_lengths:
             return [1]
-        buckets = sorted({store.length_bucket(n, spec.max_length) for n in range(1, spec.max_length + 1)})
+        buckets = sorted({store.padded_length(self.manifest, spec, n) for n in range(1, spec.max_length + 1)})
         return [*buckets, 1]
 
     def close(self) -> None:

@@ -28,6 +28,7 @@ from torch import nn
 
 from server import fidelity, models, precision, store
 from server.engine import Engine, takes_positionally
+from server.instance import torch_dtype
 from server.store import DataType, Manifest, StoreError, TensorSpec
 
 RANDOM_SAMPLES = 64
@@ -122,7 +123,7 @@ def derive_outputs(module: nn.Module, inputs: list[TensorSpec]) -> list[TensorSp
     """The output signature from one fp32 forward of two rows of zeros: a tensor is ``output``; a tuple's entries are
     ``output0``, ``output1``...; a mapping's (a Hugging Face ``ModelOutput``) keep their names."""
     x = [
-        (torch.ones if t.mask_for else torch.zeros)((2, *t.bounded(SAMPLE_LENGTH)), dtype=_torch_dtype(t.datatype))
+        (torch.ones if t.mask_for else torch.zeros)((2, *t.bounded(SAMPLE_LENGTH)), dtype=torch_dtype(t.datatype.numpy))
         for t in inputs
     ]
     with torch.inference_mode():
@@ -143,10 +144,6 @@ def derive_outputs(module: nn.Module, inputs: list[TensorSpec]) -> list[TensorSp
     if not specs:
         raise ImportFailure("the model returned no tensor with one row per input row; give its outputs with --output")
     return specs
-
-
-def _torch_dtype(datatype: DataType) -> torch.dtype:
-    return torch.from_numpy(np.empty(0, dtype=datatype.numpy)).dtype
 
 
 def calibration_samples(path: Path | None, inputs: list[TensorSpec], count: int) -> tuple[dict[str, np.ndarray], str]:

@@ -129,13 +129,12 @@ class ServedModel:
     def _group(self, packed: np.ndarray) -> tuple[Hashable, int | None]:
         """The batching group of a packed request (its length bucket; one group when lengths are not grouped), and the
         length its variable outputs are cut to (``None``: none are)."""
-        spec = next((t for t in self.manifest.inputs if t.variable and t.mask_for is None), None)
+        spec = store.sequence_input(self.manifest)
         if spec is None:
             return None, None
         length = int(packed[spec.name + store.LENGTH].max())
-        if not self.manifest.batching.group_lengths:
-            return None, length
-        return store.length_bucket(length, spec.max_length or length), length
+        grouped = self.manifest.batching.group_lengths
+        return (store.padded_length(self.manifest, spec, length) if grouped else None), length
 
     def _prediction(self, out: np.ndarray, precisions: tuple[str, ...], length: int | None = None) -> Prediction:
         """The batcher's output rows as the model's named outputs, with the precision that computed them; variable

@@ -380,9 +380,7 @@ def input_records(manifest: Manifest) -> np.dtype[Any]:
     how a model with several inputs, several outputs or variable dimensions batches its rows as one array. Masks are
     left out: the engine builds them."""
     fields: list[tuple[str, Any, tuple[int, ...]]] = []
-    for spec in manifest.inputs:
-        if spec.mask_for is not None:
-            continue
+    for spec in sent_inputs(manifest):
         fields.append((spec.name, spec.datatype.numpy, tuple(spec.bounded())))
         if spec.variable:
             fields.append((spec.name + LENGTH, np.int32, ()))
@@ -392,7 +390,8 @@ def input_records(manifest: Manifest) -> np.dtype[Any]:
 def output_records(manifest: Manifest) -> np.dtype[Any]:
     """The record type of one row of a model's outputs (floating ones as float32, as the engine returns them; a
     variable one at the first variable input's ``max_length``)."""
-    length = max_length(manifest)
+    sequence = sequence_input(manifest)
+    length = sequence.max_length if sequence is not None else None
     fields = []
     for spec in manifest.outputs:
         dtype = spec.datatype.numpy
@@ -402,9 +401,9 @@ def output_records(manifest: Manifest) -> np.dtype[Any]:
     return np.dtype(fields)
 
 
-def max_length(manifest: Manifest) -> int | None:
-    """The first variable input's ``max_length``: the length a variable output follows."""
-    return next((t.max_length for t in manifest.inputs if t.variable and t.mask_for is None), None)
+def sequence_input(manifest: Manifest) -> TensorSpec | None:
+    """The first variable input clients send: the length variable outputs follow and requests are grouped by."""
+    return next((t for t in sent_inputs(manifest) if t.variable), None)
 
 
 def packs_records(manifest: Manifest) -> bool:
@@ -423,6 +422,14 @@ def length_bucket(length: int, limit: int) -> int:
     while bucket < length:
         bucket *= 2
     return min(bucket, limit)
+
+
+def padded_length(manifest: Manifest, spec: TensorSpec, longest: int) -> int:
+    """The length a batch of variable input ``spec`` whose longest row is ``longest`` is padded to: its length bucket
+    when the model groups lengths (``batching.group_lengths``), else that longest row."""
+    if not manifest.batching.group_lengths:
+        return longest
+    return length_bucket(longest, spec.max_length or longest)
 
 
 def pack(manifest: Manifest, arrays: Mapping[str, np.ndarray]) -> np.ndarray:
@@ -468,9 +475,9 @@ def pack(manifest: Manifest, arrays: Mapping[str, np.ndarray]) -> np.ndarray:
                     field[np.arange(spec.bounded()[0])[None, :] >= given[:, None]] = spec.pad
             else:
                 packed[spec.name] = a
+        except PackError:
+            raise
         except (ValueError, TypeError) as e:
-            if isinstance(e, PackError):
-                raise
             raise PackError(f"inputs: input {spec.name!r} does not fit {spec.shape} per row: {e}") from None
     return packed
 

@@ -15,6 +15,7 @@ from typing import Any, cast
 
 import orjson
 
+from server import store
 from server.instance import pin_host
 from server.metrics import Metrics
 from server.multiproc.wire import (
@@ -117,7 +118,7 @@ class _Connection(asyncio.Protocol):
             if head["version"] != served.version:
                 raise ModelNotReadyError(f"model {served.name!r} was reloaded as version {served.version}; retry")
             check_ready(served, None)
-            future = served.submit(self._inputs(served.manifest.inputs, head, payload), head.get("timeout"))
+            future = served.submit(self._inputs(store.sent_inputs(served.manifest), head, payload), head.get("timeout"))
         except Exception as e:
             self._fail(head["id"], e)
             return
@@ -148,7 +149,6 @@ class _Connection(asyncio.Protocol):
         as it is now."""
         places = head["inputs"]
         tensors = self.segment.take(head["slot"], places) if head["slot"] >= 0 else from_payload(payload, places)
-        specs = [t for t in specs if t.mask_for is None]  # masks are built here, never sent
         # Each row's length of a variable input travels beside it (tokenized texts); the packing checks it.
         changed = len([n for n in tensors if not n.endswith(LENGTH)]) != len(specs)
         for spec in specs:
