@@ -12,6 +12,7 @@ import functools
 import threading
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -23,23 +24,15 @@ class TextError(ValueError):
 
 
 class Encoder:
-    """One version's tokenizer, bound to the input it feeds."""
+    """One version's tokenizer, bound to the input it feeds (cheap to make: the tokenizer is read once, by
+    :func:`encoder`)."""
 
-    def __init__(self, path: Path, manifest: Manifest) -> None:
-        try:
-            from tokenizers import Tokenizer
-        except ImportError:  # an optional extra: halfserve[hf]
-            raise TextError(f"{path}: text input needs the tokenizers library (pip install 'halfserve[hf]')") from None
+    def __init__(self, tokenizer: Any, lock: threading.Lock, manifest: Manifest) -> None:
         assert manifest.text is not None
         self.text = manifest.text
         self.spec = next(t for t in manifest.inputs if t.name == manifest.text.feeds)
-        try:
-            self.tokenizer = Tokenizer.from_file(str(path))
-        except Exception as e:  # the Rust library raises its own exception type
-            raise TextError(f"{path}: cannot read the tokenizer ({e})") from None
-        self.tokenizer.no_padding()
-        self.tokenizer.no_truncation()
-        self._lock = threading.Lock()
+        self.tokenizer = tokenizer
+        self._lock = lock
 
     def encode(self, texts: Sequence[bytes | str], field: str) -> dict[str, np.ndarray]:
         """The token ids of ``texts`` (one per row) and each row's length, as the named inputs the model takes."""
@@ -72,16 +65,28 @@ class Encoder:
 
 
 @functools.lru_cache(maxsize=64)
-def _encoder(path: Path, mtime: float, manifest_json: str) -> Encoder:
-    return Encoder(path, Manifest.model_validate_json(manifest_json))
+def _tokenizer(path: Path, mtime: float) -> tuple[Any, threading.Lock]:
+    """The tokenizer in ``path`` (as it was at ``mtime``), with the lock its calls take."""
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:  # an optional extra: halfserve[hf]
+        raise TextError(f"{path}: text input needs the tokenizers library (pip install 'halfserve[hf]')") from None
+    try:
+        tokenizer = Tokenizer.from_file(str(path))
+    except Exception as e:  # the Rust library raises its own exception type
+        raise TextError(f"{path}: cannot read the tokenizer ({e})") from None
+    tokenizer.no_padding()
+    tokenizer.no_truncation()
+    return tokenizer, threading.Lock()
 
 
 def encoder(store: Path, name: str, version: int, manifest: Manifest) -> Encoder:
-    """The encoder of model ``name`` at ``version`` in ``store``, read once (again when its file changes)."""
+    """The encoder of model ``name`` at ``version`` in ``store``; its tokenizer is read once (again when the file
+    changes)."""
     assert manifest.text is not None
     path = store / name / str(version) / manifest.text.tokenizer
     try:
         mtime = path.stat().st_mtime
     except FileNotFoundError:
         raise TextError(f"{path}: the model's tokenizer is missing") from None
-    return _encoder(path, mtime, manifest.model_dump_json())
+    return Encoder(*_tokenizer(path, mtime), manifest)
