@@ -15,6 +15,7 @@ import torch
 from fastapi import FastAPI
 
 from server import __version__, api, engine, models, precision
+from server.api.grpc_service import GrpcServer
 from server.metrics import Metrics
 from server.multiproc.engine_side import Backplane
 from server.multiproc.supervisor import Frontends
@@ -46,6 +47,9 @@ def begin_drain(app: FastAPI) -> None:
     frontends: Frontends | None = getattr(app.state, "frontends", None)
     if frontends is not None:
         frontends.stop()
+    grpc_server: GrpcServer | None = getattr(app.state, "grpc", None)
+    if grpc_server is not None:
+        grpc_server.begin_stop(state.settings.drain_timeout)
 
 
 async def _drain(repo: ModelRepository, timeout: float) -> None:
@@ -112,6 +116,10 @@ def create_app(settings: Settings | None = None, frontends: Frontends | None = N
             frontends.start()
             watching = asyncio.create_task(frontends.watch(), name="watch-frontends")
         app.state.frontends = frontends
+        if settings.grpc:
+            # After the front-ends are spawned: nothing of gRPC's runtime is in a process that starts them.
+            app.state.grpc = GrpcServer(state)
+            await app.state.grpc.start()
         try:
             yield
         finally:
@@ -123,6 +131,10 @@ def create_app(settings: Settings | None = None, frontends: Frontends | None = N
                 watching.cancel()
                 await frontends.join(settings.drain_timeout)
                 await backplane.close()
+            grpc_server: GrpcServer | None = getattr(app.state, "grpc", None)
+            if grpc_server is not None:
+                # Begun with the drain: its calls in flight are answered (or cut off at the drain timeout) first.
+                await grpc_server.stopped(settings.drain_timeout)
             loading.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await loading

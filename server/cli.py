@@ -41,6 +41,10 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--models", help="comma-separated subset of the store's models to serve")
     p.add_argument("--host", help="address to bind (default: 127.0.0.1)")
     p.add_argument("--port", type=int, help="port (default: 8000)")
+    p.add_argument("--grpc-port", type=int, help="port of the KServe V2 gRPC service (default: 8001)")
+    p.add_argument(
+        "--grpc", action=argparse.BooleanOptionalAction, default=None, help="serve KServe V2 over gRPC (default: on)"
+    )
     p.add_argument("--device", help="auto, cpu, cuda or cuda:N (default: auto)")
     p.add_argument(
         "--precision",

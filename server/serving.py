@@ -307,6 +307,8 @@ class Interface(str, Enum):
     """``POST /predict``, the simple JSON interface."""
     V2 = "v2"
     """``POST /v2/models/{m}/infer``, the KServe V2 protocol (JSON or binary tensors)."""
+    GRPC = "grpc"
+    """``inference.GRPCInferenceService/ModelInfer`` (and its stream), the KServe V2 protocol over gRPC."""
 
 
 class RequestRecorder(Protocol):

@@ -39,6 +39,11 @@ class Settings(BaseSettings):
     """Serve only these models (comma-separated in the environment); empty serves every model in the store."""
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)
+    grpc: bool = True
+    """Serve the KServe V2 protocol over gRPC too (``inference.GRPCInferenceService`` and ``grpc.health.v1``), on
+    ``host``:``grpc_port``."""
+    grpc_port: int = Field(default=8001, ge=0, le=65535)
+    """The gRPC port (Triton's default, 8001)."""
     device: str = "auto"
     """``auto`` (CUDA when present), ``cpu``, ``cuda`` or ``cuda:N``."""
     precision: Precision | None = None

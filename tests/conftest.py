@@ -22,6 +22,10 @@ from server import models, store
 from server.store import Batching, Manifest, TensorSpec
 
 ROOT = Path(__file__).resolve().parent.parent
+
+# The servers tests start (in-process apps and subprocesses alike, which inherit this) serve no gRPC unless a test
+# asks for it with --grpc and a port of its own: several run side by side, and each would bind the default 8001.
+os.environ["HALFSERVE_GRPC"] = "false"
 SHIPPED_STORE = ROOT / "model_store"
 
 

@@ -68,7 +68,11 @@ def local_model(request: Request, name: str, version: str | None) -> ServedModel
 def not_ready(request: Request) -> str | None:
     """Why the server is not ready to take requests (draining, a model not ready, a front-end missing); None when it
     is."""
-    s = state(request)
+    return why_not_ready(state(request))
+
+
+def why_not_ready(s: AppState) -> str | None:
+    """:func:`not_ready` for an app's state, whichever protocol asks."""
     if s.draining:
         return "the server is shutting down"
     if not s.service.ready:
@@ -154,17 +158,21 @@ def client_address(request: Request) -> str:
 def require_admin(request: Request) -> None:
     """Fail with 403 when no admin token is configured, 401 when the request does not carry it, 429 when its address
     got the token wrong too often lately (:class:`FailedAttempts`)."""
-    app = state(request)
+    check_admin(state(request), client_address(request), request.headers.get("authorization", ""))
+
+
+def check_admin(app: AppState, who: str, authorization: str) -> None:
+    """:func:`require_admin` for a call from address ``who`` carrying ``authorization`` (``Bearer <token>``), over
+    whichever protocol."""
     settings = app.settings
     if settings.admin_token is None:
         raise APIError(403, "management API is disabled; set HALFSERVE_ADMIN_TOKEN")
     attempts = app.admin_attempts
-    who = client_address(request)
     wait = attempts.retry_after(who)
     if wait > 0:
         seconds = str(math.ceil(wait))
         raise APIError(429, f"too many wrong admin tokens from {who}; retry in {seconds} s", {"Retry-After": seconds})
-    scheme, _, given = request.headers.get("authorization", "").partition(" ")
+    scheme, _, given = authorization.partition(" ")
     if scheme.lower() != "bearer" or not given.strip():
         raise APIError(401, "management call needs Authorization: Bearer <admin token>", {"WWW-Authenticate": "Bearer"})
     expected = settings.admin_token.get_secret_value().encode()

@@ -25,9 +25,18 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from server.api import deps
-from server.api.deps import AUTH_ERRORS, BEARER, OPTIONAL_JSON_BODY, json_object, json_response, require_admin
+from server.api.deps import (
+    AUTH_ERRORS,
+    BEARER,
+    OPTIONAL_JSON_BODY,
+    check_admin,
+    json_object,
+    json_response,
+    require_admin,
+)
 from server.api.errors import APIError, count, error_responses, json_ok
 from server.regions import Region, Regions
+from server.serving import AppState
 
 
 @dataclass(frozen=True)
@@ -71,15 +80,20 @@ def regions_of(request: Request) -> Regions:
 def authorised_regions(request: Request) -> Regions:
     """The registered regions, for a request that carries the admin token: a region is another client's memory, so
     reading it (as an input) or writing it (as an output) is for holders of the token that registered it."""
+    return admitted_regions(deps.state(request), deps.client_address(request), request.headers.get("authorization", ""))
+
+
+def admitted_regions(app: AppState, who: str, authorization: str) -> Regions:
+    """:func:`authorised_regions` for a call from ``who`` carrying ``authorization``, over whichever protocol."""
     try:
-        require_admin(request)
+        check_admin(app, who, authorization)
     except APIError as e:
         raise APIError(
             e.status,
             f"shared_memory_region: using a shared memory region needs the admin token: {e.message}",
             e.headers,
         ) from None
-    return regions_of(request)
+    return app.regions
 
 
 # Endpoints ---------------------------------------------------------------------------------------------------------

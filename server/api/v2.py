@@ -120,18 +120,20 @@ async def server_ready(request: Request) -> Response:
 async def model_metadata(model_name: str, request: Request) -> Response:
     """Model metadata: versions, platform, and each input and output with its datatype and shape (batch first,
     as -1)."""
-    served = served_model(request, model_name, version_of(request))
+    return json_response(metadata(served_model(request, model_name, version_of(request))))
+
+
+def metadata(served: ModelHandle) -> dict[str, Any]:
+    """The protocol's model metadata of ``served`` (HTTP and gRPC alike)."""
     m = served.manifest
-    return json_response(
-        {
-            "name": served.name,
-            "versions": [str(served.version)],
-            "platform": PLATFORM,
-            "inputs": [tensor_metadata(s) for s in sent_inputs(m)]
-            + ([{"name": m.text.input, "datatype": "BYTES", "shape": [-1, 1]}] if m.text is not None else []),
-            "outputs": [tensor_metadata(s) for s in m.outputs],
-        }
-    )
+    return {
+        "name": served.name,
+        "versions": [str(served.version)],
+        "platform": PLATFORM,
+        "inputs": [tensor_metadata(s) for s in sent_inputs(m)]
+        + ([{"name": m.text.input, "datatype": "BYTES", "shape": [-1, 1]}] if m.text is not None else []),
+        "outputs": [tensor_metadata(s) for s in m.outputs],
+    }
 
 
 @model_route(router, "GET", "/ready", responses=_READY_RESPONSES)
@@ -542,18 +544,10 @@ def encode_response(served: ModelHandle, req: Inference, result: Prediction) -> 
     JSON cannot carry non-finite numbers: an infinite or NaN output (overflow policy ``allow``) is written as
     ``null`` in JSON ``data``; binary outputs carry it exactly.
     """
-    if req.outputs is None:
-        spec = served.manifest.outputs[0]
-        wanted = {spec.name: OutputRequest(req.binary_output, req.classes, req.output_span)}
-    else:
-        wanted = req.outputs
     outputs, tails = [], []
-    for spec in served.manifest.outputs:
-        how = wanted.get(spec.name)
-        if how is not None:
-            output, tail = _encode_output(served, spec, result.outputs[spec.name], how)
-            outputs.append(output)
-            tails.append(tail)
+    for output, tail in encode_outputs(served, req, result):
+        outputs.append(output)
+        tails.append(tail)
     header: dict[str, Any] = {"model_name": served.name, "model_version": str(served.version)}
     if req.request_id is not None:
         header["id"] = req.request_id
@@ -564,6 +558,21 @@ def encode_response(served: ModelHandle, req: Inference, result: Prediction) -> 
     if not tail:
         return Response(body, media_type="application/json")
     return Response(body + tail, media_type="application/octet-stream", headers={HEADER_LENGTH: str(len(body))})
+
+
+def encode_outputs(served: ModelHandle, req: Inference, result: Prediction) -> list[tuple[dict[str, Any], bytes]]:
+    """The outputs ``req`` asks for, in the manifest's order: each one's entry in the response and its binary data
+    (empty when it goes as JSON or to shared memory)."""
+    if req.outputs is None:
+        spec = served.manifest.outputs[0]
+        wanted = {spec.name: OutputRequest(req.binary_output, req.classes, req.output_span)}
+    else:
+        wanted = req.outputs
+    return [
+        _encode_output(served, spec, result.outputs[spec.name], how)
+        for spec in served.manifest.outputs
+        if (how := wanted.get(spec.name)) is not None
+    ]
 
 
 def _encode_output(

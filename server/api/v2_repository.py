@@ -89,7 +89,11 @@ async def repository_index(request: Request) -> Response:
     ready_only = (await json_object(request)).get("ready", False)
     if not isinstance(ready_only, bool):
         raise APIError(400, f"ready: expected true or false, got {ready_only!r}")
-    repo = repository(request)
+    return json_response(index_entries(repository(request), ready_only))
+
+
+def index_entries(repo: ModelRepository, ready_only: bool) -> list[dict[str, object]]:
+    """The repository index, by name: the served models, then the store's others as not loaded."""
     entries = [index_entry(m) for m in repo.models.values()]
     try:
         others = [n for n in store.model_names(repo.settings.store) if n not in repo.models]
@@ -98,7 +102,7 @@ async def repository_index(request: Request) -> Response:
     entries += [{"name": n, "state": RepositoryState.UNAVAILABLE.value, "reason": "not loaded"} for n in others]
     if ready_only:
         entries = [e for e in entries if e["state"] == RepositoryState.READY.value]
-    return json_response(sorted(entries, key=lambda e: str(e["name"])))
+    return sorted(entries, key=lambda e: str(e["name"]))
 
 
 @router.post(

@@ -1,0 +1,426 @@
+"""The KServe V2 protocol over gRPC: ``inference.GRPCInferenceService`` and ``grpc.health.v1.Health``.
+
+It runs on the app's event loop (grpcio's asyncio server), in the process that owns the models, and reaches them
+through the same :class:`~server.serving.ModelService` as the HTTP routes: a gRPC inference is queued on the same
+batcher, so gRPC and HTTP requests share batches. Requests are decoded by the HTTP route's own rules
+(:mod:`server.api.grpc_codec`), so limits and messages are the same; an error's HTTP status maps onto a gRPC status
+code (:data:`STATUS_CODES`), its message unchanged.
+
+Management calls (repository load and unload and index, shared memory registration) need the admin token as the
+``authorization: Bearer <token>`` metadata, as the HTTP routes need the header.
+
+Limits of the transport itself: a message over ``max_body_bytes`` is refused (``RESOURCE_EXHAUSTED``) before it is
+parsed, metadata over ``max_header_bytes`` too; a connection that has not finished its HTTP/2 handshake within
+``header_timeout`` is closed; at most ``max_connections`` calls run at once (one more is ``RESOURCE_EXHAUSTED``), and
+a stream has at most :data:`STREAM_IN_FLIGHT` requests in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from functools import partial
+from typing import Any
+
+import grpc
+from google.protobuf import json_format
+
+from server import __version__
+from server.api import grpc_messages as pb
+from server.api.deps import check_admin, why_not_ready
+from server.api.errors import APIError, cut_off_by_shutdown, from_exception
+from server.api.grpc_codec import infer_payload, infer_response
+from server.api.shm import admitted_regions
+from server.api.v2 import EXTENSIONS, SERVER_NAME, metadata, parse_request
+from server.api.v2_repository import index_entries, load_from_store
+from server.api.v2_triton import model_config, model_stats
+from server.repository import ModelRepository, ServedModel
+from server.serving import AppState, Interface, ModelHandle, ModelState, Prediction, check_ready
+
+log = logging.getLogger(__name__)
+
+STATUS_CODES: dict[int, grpc.StatusCode] = {
+    400: grpc.StatusCode.INVALID_ARGUMENT,
+    401: grpc.StatusCode.UNAUTHENTICATED,
+    403: grpc.StatusCode.PERMISSION_DENIED,
+    404: grpc.StatusCode.NOT_FOUND,
+    408: grpc.StatusCode.DEADLINE_EXCEEDED,
+    413: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    429: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    499: grpc.StatusCode.CANCELLED,
+    500: grpc.StatusCode.INTERNAL,
+    503: grpc.StatusCode.UNAVAILABLE,
+    504: grpc.StatusCode.DEADLINE_EXCEEDED,
+    507: grpc.StatusCode.RESOURCE_EXHAUSTED,
+}
+"""The gRPC status code of each HTTP status an error has on the HTTP routes."""
+
+STREAM_IN_FLIGHT = 256
+"""Most requests of one ``ModelStreamInfer`` stream queued at once; the stream is read no further until one is
+answered (HTTP/2 flow control then holds the client back)."""
+
+Handler = Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]
+
+
+def status_code(status: int) -> grpc.StatusCode:
+    return STATUS_CODES.get(status, grpc.StatusCode.UNKNOWN)
+
+
+def _client(context: grpc.aio.ServicerContext) -> str:
+    """The caller's address without its port (``ipv4:127.0.0.1:5000`` -> ``127.0.0.1``), for the admin lockout."""
+    peer = context.peer() or ""
+    kind, _, rest = peer.partition(":")
+    if kind == "ipv4":
+        return rest.rpartition(":")[0]
+    if kind == "ipv6":
+        return rest.rpartition("]")[0].lstrip("[")
+    return peer
+
+
+def _authorization(context: grpc.aio.ServicerContext) -> str:
+    for key, value in context.invocation_metadata() or ():
+        if key == "authorization":
+            return value if isinstance(value, str) else value.decode("latin-1")
+    return ""
+
+
+class InferenceService:
+    """The RPCs of ``inference.GRPCInferenceService`` and ``grpc.health.v1.Health`` over an app's state."""
+
+    def __init__(self, state: AppState) -> None:
+        self.state = state
+
+    # Helpers ---------------------------------------------------------------------------------------------------
+
+    def _admin(self, context: grpc.aio.ServicerContext) -> None:
+        check_admin(self.state, _client(context), _authorization(context))
+
+    def _model(self, name: str, version: str) -> ModelHandle:
+        served = self.state.service.get(name or None)
+        if version and version != str(served.version):
+            raise APIError(404, f"model {name!r} has no version {version!r} (it serves version {served.version})")
+        return served
+
+    def _repository(self) -> ModelRepository:
+        repo = self.state.repository
+        if repo is None:
+            raise APIError(503, "this process serves no model repository")
+        return repo
+
+    def _local(self, name: str, version: str) -> ServedModel:
+        served = self._repository().get(name)
+        if version and version != str(served.version):
+            raise APIError(404, f"model {name!r} has no version {version!r} (it serves version {served.version})")
+        return served
+
+    # Health and metadata ---------------------------------------------------------------------------------------
+
+    async def server_live(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        return pb.message("inference.ServerLiveResponse")(live=True)
+
+    async def server_ready(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        return pb.message("inference.ServerReadyResponse")(ready=why_not_ready(self.state) is None)
+
+    async def model_ready(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        served = self._model(request.name, request.version)
+        return pb.message("inference.ModelReadyResponse")(ready=served.state is ModelState.READY)
+
+    async def server_metadata(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        message = pb.message("inference.ServerMetadataResponse")
+        return message(name=SERVER_NAME, version=__version__, extensions=EXTENSIONS)
+
+    async def model_metadata(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        served = self._model(request.name, request.version)
+        return json_format.ParseDict(metadata(served), pb.message("inference.ModelMetadataResponse")())
+
+    async def model_config(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        served = self._local(request.name, request.version)
+        device = self._repository().device
+        config = json_format.ParseDict(model_config(served, device.type, device.index), pb.ModelConfig())
+        return pb.message("inference.ModelConfigResponse")(config=config)
+
+    async def model_statistics(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        if request.name:
+            served = self._local(request.name, request.version)
+            check_ready(served, request.version or None)
+            if served.batcher is None:  # unloaded between the check and here
+                raise APIError(503, f"model {request.name!r} is {served.state.value}")
+            models = [served]
+        else:
+            models = [m for m in self._repository().models.values() if m.batcher is not None]
+        response = pb.message("inference.ModelStatisticsResponse")()
+        for m in models:
+            assert m.batcher is not None
+            json_format.ParseDict(model_stats(m, m.batcher.stats), response.model_stats.add())
+        return response
+
+    async def health_check(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        """``""`` (the server): SERVING while it answers, a liveness probe; ``inference.GRPCInferenceService``:
+        SERVING once every model is loaded and warm and until a drain starts, a readiness probe."""
+        status = pb.HealthCheckResponse.ServingStatus
+        if request.service == "":
+            return pb.HealthCheckResponse(status=status.Value("SERVING"))
+        if request.service != pb.SERVICE:
+            raise APIError(404, f"service: unknown service {request.service!r}; known: '', {pb.SERVICE!r}")
+        ready = why_not_ready(self.state) is None
+        return pb.HealthCheckResponse(status=status.Value("SERVING" if ready else "NOT_SERVING"))
+
+    # Inference -------------------------------------------------------------------------------------------------
+
+    async def _infer(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        """One inference, answered or raised; counted in the metrics under ``protocol="grpc"``."""
+        start = time.perf_counter()
+        served: ModelHandle | None = None
+        result: Prediction | None = None
+        status = 200
+        try:
+            served = self._model(request.model_name, request.model_version)
+            check_ready(served, request.model_version or None)
+            settings = self.state.settings
+            payload, binary = infer_payload(request)
+            regions = partial(admitted_regions, self.state, _client(context), _authorization(context))
+            req = parse_request(payload, binary, served, settings, regions)
+            timeout = context.time_remaining()
+            if req.timeout_us:
+                timeout = req.timeout_us / 1e6 if timeout is None else min(timeout, req.timeout_us / 1e6)
+            try:
+                result = await served.submit(req.inputs, timeout)
+            except asyncio.CancelledError:
+                if not self.state.draining:
+                    status = 499
+                    raise
+                raise cut_off_by_shutdown() from None
+            return infer_response(served, req, result)
+        except Exception as e:
+            err = from_exception(e)
+            status = err.status
+            if status >= 500:
+                log.warning("gRPC ModelInfer failed: %s", err.message)
+            raise err from None
+        finally:
+            self._record(served, result, status, time.perf_counter() - start)
+
+    def _record(self, served: ModelHandle | None, result: Prediction | None, status: int, seconds: float) -> None:
+        metrics = self.state.metrics
+        if metrics is None:
+            return
+        model = served.name if served is not None else ""
+        if result is not None:
+            precision, rows = result.precision, result.rows
+        else:
+            precision = served.precision.value if served is not None and served.precision is not None else ""
+            rows = 0
+        metrics.request(model, precision, Interface.GRPC, status, rows, seconds)
+
+    async def model_infer(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        return await self._infer(request, context)
+
+    async def model_stream_infer(
+        self, requests: AsyncIterator[Any], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[Any]:
+        """Requests in, responses out as each is answered (not in order: a client matches them by ``id``); an error
+        answers its request with ``error_message`` and the stream goes on."""
+        answers: asyncio.Queue[Any | None] = asyncio.Queue()
+        room = asyncio.Semaphore(STREAM_IN_FLIGHT)
+        running: set[asyncio.Task[None]] = set()
+
+        async def answer(request: Any) -> None:
+            try:
+                response = pb.ModelStreamInferResponse(infer_response=await self._infer(request, context))
+            except APIError as e:
+                response = pb.ModelStreamInferResponse(error_message=e.message)
+                response.infer_response.id = request.id
+                response.infer_response.model_name = request.model_name
+            finally:
+                room.release()
+            await answers.put(response)
+
+        async def read() -> None:
+            try:
+                async for request in requests:
+                    await room.acquire()
+                    task = asyncio.create_task(answer(request))
+                    running.add(task)
+                    task.add_done_callback(running.discard)
+                await asyncio.gather(*running)
+            finally:
+                answers.put_nowait(None)  # the end of the stream, however the reading ended
+
+        reader = asyncio.create_task(read())
+        try:
+            while (response := await answers.get()) is not None:
+                yield response
+            await reader  # a failure to read the stream fails the call
+        finally:
+            reader.cancel()
+            for task in list(running):
+                task.cancel()
+
+    # Repository and shared memory (management: the admin token) -------------------------------------------------
+
+    async def repository_index(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        self._admin(context)
+        response = pb.message("inference.RepositoryIndexResponse")()
+        for entry in index_entries(self._repository(), request.ready):
+            response.models.add(**{k: str(v) for k, v in entry.items()})
+        return response
+
+    async def repository_model_load(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        self._admin(context)
+        overrides = sorted(k for k in request.parameters if k == "config" or k.startswith("file:"))
+        if overrides:
+            names = ", ".join(overrides)
+            raise APIError(400, f"parameters: {names}: overriding a model's configuration is not supported")
+        await load_from_store(self._repository(), request.model_name)
+        return pb.message("inference.RepositoryModelLoadResponse")()
+
+    async def repository_model_unload(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        self._admin(context)
+        await self._repository().unload(request.model_name)
+        return pb.message("inference.RepositoryModelUnloadResponse")()
+
+    async def shm_status(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        self._admin(context)
+        regions = self.state.regions.regions
+        if request.name and request.name not in regions:
+            raise APIError(404, f"no shared memory region {request.name!r} is registered")
+        response = pb.message("inference.SystemSharedMemoryStatusResponse")()
+        for name, region in regions.items():
+            if not request.name or name == request.name:
+                response.regions[name].CopyFrom(
+                    json_format.ParseDict(
+                        region.status(), pb.message("inference.SystemSharedMemoryStatusResponse.RegionStatus")()
+                    )
+                )
+        return response
+
+    async def shm_register(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        self._admin(context)
+        self.state.regions.register(request.name, request.key, request.offset, request.byte_size)
+        return pb.message("inference.SystemSharedMemoryRegisterResponse")()
+
+    async def shm_unregister(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        self._admin(context)
+        self.state.regions.unregister(request.name or None)
+        return pb.message("inference.SystemSharedMemoryUnregisterResponse")()
+
+    async def cuda_shm_status(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        return pb.message("inference.CudaSharedMemoryStatusResponse")()
+
+    async def cuda_shm_register(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        raise APIError(400, "CUDA shared memory is not supported; register system shared memory instead")
+
+    async def cuda_shm_unregister(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        return pb.message("inference.CudaSharedMemoryUnregisterResponse")()
+
+    # Registration ------------------------------------------------------------------------------------------------
+
+    def handlers(self) -> list[grpc.GenericRpcHandler]:
+        """The generic handlers of both services (a method not listed here answers ``UNIMPLEMENTED``)."""
+        implemented = {
+            "ServerLive": self.server_live,
+            "ServerReady": self.server_ready,
+            "ModelReady": self.model_ready,
+            "ServerMetadata": self.server_metadata,
+            "ModelMetadata": self.model_metadata,
+            "ModelInfer": self.model_infer,
+            "ModelStreamInfer": self.model_stream_infer,
+            "ModelConfig": self.model_config,
+            "ModelStatistics": self.model_statistics,
+            "RepositoryIndex": self.repository_index,
+            "RepositoryModelLoad": self.repository_model_load,
+            "RepositoryModelUnload": self.repository_model_unload,
+            "SystemSharedMemoryStatus": self.shm_status,
+            "SystemSharedMemoryRegister": self.shm_register,
+            "SystemSharedMemoryUnregister": self.shm_unregister,
+            "CudaSharedMemoryStatus": self.cuda_shm_status,
+            "CudaSharedMemoryRegister": self.cuda_shm_register,
+            "CudaSharedMemoryUnregister": self.cuda_shm_unregister,
+        }
+        return [
+            _generic(pb.SERVICE, implemented),
+            _generic(pb.HEALTH_SERVICE, {"Check": self.health_check}),
+        ]
+
+
+def _unary(handler: Handler) -> Handler:
+    """``handler`` with its :class:`APIError` (and the domain errors) answered as their gRPC status."""
+
+    async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            return await handler(request, context)
+        except Exception as e:
+            err = from_exception(e)
+        await context.abort(status_code(err.status), err.message)
+
+    return call
+
+
+def _generic(service: str, implemented: dict[str, Any]) -> grpc.GenericRpcHandler:
+    methods = pb.methods(service)
+    handlers: dict[str, grpc.RpcMethodHandler] = {}
+    for name, fn in implemented.items():
+        request, response, client_streaming, server_streaming = methods[name]
+        if client_streaming and server_streaming:
+            handlers[name] = grpc.stream_stream_rpc_method_handler(
+                fn, request_deserializer=request.FromString, response_serializer=response.SerializeToString
+            )
+        else:
+            handlers[name] = grpc.unary_unary_rpc_method_handler(
+                _unary(fn), request_deserializer=request.FromString, response_serializer=response.SerializeToString
+            )
+    return grpc.method_handlers_generic_handler(service, handlers)
+
+
+class GrpcServer:
+    """The gRPC server of an app: started by its lifespan, stopped when a drain begins."""
+
+    def __init__(self, state: AppState) -> None:
+        settings = state.settings
+        options = [
+            ("grpc.max_receive_message_length", settings.max_body_bytes),
+            ("grpc.max_metadata_size", settings.max_header_bytes),
+            ("grpc.server_handshake_timeout_ms", round(settings.header_timeout * 1000)),
+            ("grpc.so_reuseport", 0),
+        ]
+        self.server = grpc.aio.server(options=options, maximum_concurrent_rpcs=settings.max_connections)
+        self.server.add_generic_rpc_handlers(InferenceService(state).handlers())
+        host = settings.host
+        self.address = f"[{host}]:{settings.grpc_port}" if ":" in host else f"{host}:{settings.grpc_port}"
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stopping: asyncio.Task[None] | None = None
+
+    async def start(self) -> int:
+        """Bind and serve; the bound port (the one asked for, or the one chosen for port 0)."""
+        try:
+            port: int = self.server.add_insecure_port(self.address)
+        except RuntimeError as e:
+            raise OSError(f"gRPC: cannot listen on {self.address}: {e}") from None
+        if port == 0:
+            raise OSError(f"gRPC: cannot listen on {self.address}")
+        await self.server.start()
+        self._loop = asyncio.get_running_loop()
+        log.info("gRPC (KServe V2) on %s", self.address.rsplit(":", 1)[0] + f":{port}")
+        return port
+
+    def begin_stop(self, grace: float) -> None:
+        """Stop taking calls now; those in progress get ``grace`` seconds to finish, then are cancelled. Safe from a
+        signal handler: the stop itself is scheduled on the server's loop."""
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._stop, grace)
+
+    def _stop(self, grace: float) -> None:
+        if self._stopping is None:
+            self._stopping = asyncio.get_running_loop().create_task(self.server.stop(grace))
+
+    async def stopped(self, grace: float) -> None:
+        """Stop (if not begun already) and return once every call has ended."""
+        if self._loop is None:
+            return
+        self._stop(grace)
+        assert self._stopping is not None
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._stopping
