@@ -14,16 +14,30 @@
 # lists sm_50, 60, 70, 75, 80, 86 and 90 for CUDA 12.6, so T4 (sm_75) and A10 (sm_86) run precompiled kernels, no
 # PTX JIT at start-up. The CUDA 13.x builds also cover both cards but need an R580 or newer driver; 12.6 runs on R525+.
 
+# Behind a mirror or a TLS-intercepting proxy (docs/deploy.md, "Building behind a mirror or proxy"), package sources
+# come in at build time only. Index URLs are build args (PIP_INDEX_URL, PIP_EXTRA_INDEX_URL, TORCH_INDEX_URL); a
+# pip.conf (an index with credentials), a CA bundle and an apt.conf are optional build secrets (ids pip_conf,
+# ca_bundle, apt_conf): each is mounted under /run/secrets for the RUN step that uses it and never written to a layer,
+# and the variables that point pip and apt at them live in that step's shell only. Given none, the build is the plain
+# `docker build -t halfserve .`.
+
 # The base by digest: python:3.11-slim-bookworm (Python 3.11.16, built 2026-08-25), the multi-platform index that
 # Docker's docker-library/repo-info records, so a rebuild gets the same bytes wherever the tag has moved since. To move
 # it: `docker buildx imagetools inspect python:3.11-slim-bookworm`, and paste the index digest here. No `# syntax=`
-# line: BuildKit's built-in Dockerfile frontend, not one pulled by a floating tag at build time.
+# line: BuildKit's built-in Dockerfile frontend, not one pulled by a floating tag at build time. The `RUN --mount`
+# secret mounts below need that built-in frontend in Docker 23 or newer (BuildKit is its default builder), or podman
+# build / buildah; the legacy builder (DOCKER_BUILDKIT=0) refuses them.
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm@sha256:0bee7276f83efd4a1ee05bbbf4281d95ed28e079220a9457f25a93e3f1e3c31b
 
 FROM ${PYTHON_IMAGE} AS builder
 
+# The lock's torch version (tests/unit/test_deploy_manifests.py checks they agree). TORCH_INDEX_URL set empty takes
+# torch from the index pip is otherwise given (PIP_INDEX_URL, or the pip_conf secret for one with credentials).
 ARG TORCH_VERSION=2.13.0
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cu126
+# No defaults: unset, pip uses PyPI. Builder stage only, so they are not in the runtime image's history.
+ARG PIP_INDEX_URL
+ARG PIP_EXTRA_INDEX_URL
 
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
@@ -31,8 +45,14 @@ ENV PIP_NO_CACHE_DIR=1 \
 
 # torch first, in a layer of its own: it is most of the image and changes least. With it in place the project's
 # torch>=2.3 requirement is met, so installing the project cannot pull a different torch build from PyPI.
-RUN python -m venv /opt/venv \
-    && pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}"
+# --no-deps: the torch index serves torch alone here; its dependencies (sympy, networkx, ..., and on CUDA the nvidia-*
+# wheels and triton, which torch pins exactly) come with the project below, at the lock's versions.
+RUN --mount=type=secret,id=pip_conf --mount=type=secret,id=ca_bundle \
+    if [ -f /run/secrets/pip_conf ]; then export PIP_CONFIG_FILE=/run/secrets/pip_conf; fi \
+    && if [ -f /run/secrets/ca_bundle ]; then export PIP_CERT=/run/secrets/ca_bundle; fi \
+    && if [ -n "${TORCH_INDEX_URL}" ]; then export PIP_INDEX_URL="${TORCH_INDEX_URL}"; fi \
+    && python -m venv /opt/venv \
+    && pip install --no-deps "torch==${TORCH_VERSION}"
 
 WORKDIR /src
 COPY pyproject.toml README.md constraints.txt ./
@@ -40,9 +60,15 @@ COPY server ./server
 # A regular (not editable) install: the venv is all the runtime stage takes; the source and build tree stay here.
 # The train extra (rich, matplotlib, scikit-learn) makes every subcommand work in the image: serve, and also
 # loadtest (compose's loadtest service) and train, for a few percent of the image's size.
-# -c constraints.txt: the versions CI tested (the lock). It pins torch's version, which the CUDA build above meets
-# (2.13.0+cu126 is 2.13.0), and re-pins torch's own dependencies (sympy, networkx, ...) that the torch index chose.
-RUN pip install -c constraints.txt "./[train]" && halfserve --help >/dev/null
+# -c constraints.txt: the versions CI tested (the lock), torch's own dependencies included. It pins torch's version,
+# which the CUDA build above meets (2.13.0+cu126 is 2.13.0). pip check: torch, installed without its dependencies,
+# has them all now.
+RUN --mount=type=secret,id=pip_conf --mount=type=secret,id=ca_bundle \
+    if [ -f /run/secrets/pip_conf ]; then export PIP_CONFIG_FILE=/run/secrets/pip_conf; fi \
+    && if [ -f /run/secrets/ca_bundle ]; then export PIP_CERT=/run/secrets/ca_bundle; fi \
+    && pip install -c constraints.txt "./[train]" \
+    && pip check \
+    && halfserve --help >/dev/null
 
 
 FROM ${PYTHON_IMAGE} AS runtime
@@ -51,9 +77,15 @@ FROM ${PYTHON_IMAGE} AS runtime
 # every large activation of every forward page-faults fresh pages in; jemalloc keeps freed pages mapped for reuse.
 # Measured on this project: fp32 CNN forwards on a CPU ran 1.8-2.4x faster with jemalloc or tcmalloc than with glibc
 # malloc. On a GPU it still serves the host side (request decoding, numpy buffers, staging tensors).
-# The symlink gives one LD_PRELOAD path on both x86_64 and aarch64.
-RUN apt-get update \
-    && apt-get install -y --no-install-recommends libjemalloc2=5.3.0-1 \
+# The symlink gives one LD_PRELOAD path on both x86_64 and aarch64. For this step only: the apt_conf secret, if
+# given, is apt's configuration too (APT_CONFIG: a proxy, a mirror's credentials), and the ca_bundle secret the CAs
+# it verifies an HTTPS mirror with.
+RUN --mount=type=secret,id=apt_conf --mount=type=secret,id=ca_bundle \
+    if [ -f /run/secrets/apt_conf ]; then export APT_CONFIG=/run/secrets/apt_conf; fi \
+    && cainfo=/etc/ssl/certs/ca-certificates.crt \
+    && if [ -f /run/secrets/ca_bundle ]; then cainfo=/run/secrets/ca_bundle; fi \
+    && apt-get -o "Acquire::https::CAInfo=${cainfo}" update \
+    && apt-get -o "Acquire::https::CAInfo=${cainfo}" install -y --no-install-recommends libjemalloc2=5.3.0-1 \
     && rm -rf /var/lib/apt/lists/* \
     && ln -s "/usr/lib/$(uname -m)-linux-gnu/libjemalloc.so.2" /usr/local/lib/libjemalloc.so.2 \
     && test -e /usr/local/lib/libjemalloc.so.2

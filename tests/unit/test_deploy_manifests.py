@@ -40,6 +40,23 @@ URL_PATH = re.compile(r"https?://[^/'\"\s]+(/[^'\"\s]*)")
 COMPOSE_DEFAULT = re.compile(r"^\$\{(\w+):-(.*)\}$")
 
 
+def dockerfile_instructions(path: Path = DOCKERFILE) -> list[tuple[str, str]]:
+    """Every instruction of a Dockerfile, all stages, continued lines joined: (INSTRUCTION, arguments)."""
+    logical: list[str] = []
+    current = ""
+    for raw in path.read_text().splitlines():
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        if line.endswith("\\"):
+            current += line[:-1] + " "
+            continue
+        logical.append(current + line)
+        current = ""
+    assert not current, "Dockerfile ends inside a continued line"
+    return [(ins.upper(), args.strip()) for ins, _, args in (line.partition(" ") for line in logical)]
+
+
 @dataclass
 class Dockerfile:
     """The instructions of a Dockerfile's last (runtime) stage, enough to run what the image runs."""
@@ -49,19 +66,7 @@ class Dockerfile:
 
     @classmethod
     def parse(cls, path: Path = DOCKERFILE) -> Dockerfile:
-        logical: list[str] = []
-        current = ""
-        for raw in path.read_text().splitlines():
-            line = raw.strip()
-            if not line or line.startswith("#"):
-                continue
-            if line.endswith("\\"):
-                current += line[:-1] + " "
-                continue
-            logical.append(current + line)
-            current = ""
-        assert not current, "Dockerfile ends inside a continued line"
-        instructions = [(ins.upper(), args.strip()) for ins, _, args in (line.partition(" ") for line in logical)]
+        instructions = dockerfile_instructions(path)
         last_from = max(i for i, (ins, _) in enumerate(instructions) if ins == "FROM")
         stage = cls(instructions[last_from:])
         for args in stage.args("ENV"):
@@ -291,6 +296,38 @@ def test_dockerfile_pins_a_cuda_build_of_torch_for_t4_and_a10() -> None:
     locked = re.search(r"^torch==([\w.]+)", (ROOT / "constraints.txt").read_text(), re.M)
     assert locked, "constraints.txt pins torch"
     assert ".".join(version.groups()) == locked[1], "the image's torch differs from the lock's, which CI tests with"
+
+
+BUILD_SECRETS = {"pip_conf", "ca_bundle", "apt_conf"}
+PACKAGE_SOURCE_VARIABLES = {"PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL", "PIP_CONFIG_FILE", "PIP_CERT", "APT_CONFIG"}
+
+
+def test_build_time_package_sources_stay_out_of_the_image(dockerfile: Dockerfile) -> None:
+    """Mirrors, pip.conf and CA bundles are build args of the builder stage or optional build secrets."""
+    instructions = dockerfile_instructions()
+    mounted: set[str] = set()
+    for ins, args in instructions:
+        if ins != "RUN":
+            continue
+        for mount in re.findall(r"--mount=(\S+)", args):
+            options = dict(o.partition("=")[::2] for o in mount.split(","))
+            # Optional (a plain `docker build` gives none) and at the default /run/secrets/<id>, which is never
+            # part of a layer.
+            assert options.get("type") == "secret", f"RUN --mount={mount}: only build secrets are mounted"
+            assert options.get("id") in BUILD_SECRETS, f"RUN --mount={mount}: an id documented in docs/deploy.md"
+            assert options.keys() == {"type", "id"}, f"RUN --mount={mount}: not required, no target of its own"
+            mounted.add(options["id"])
+            assert f"/run/secrets/{options['id']}" in args, f"RUN --mount={mount} is mounted but not used"
+    assert mounted == BUILD_SECRETS
+    # Index URLs are build args of the builder stage only; nothing in the runtime stage points pip or apt anywhere.
+    runtime_from = max(i for i, (ins, _) in enumerate(instructions) if ins == "FROM")
+    args_in = {ins_args.split("=")[0] for ins, ins_args in instructions[runtime_from:] if ins == "ARG"}
+    assert not args_in & PACKAGE_SOURCE_VARIABLES
+    assert {"PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL"} <= {a.split("=")[0] for i, a in instructions if i == "ARG"}
+    assert not set(dockerfile.env) & PACKAGE_SOURCE_VARIABLES
+    guide = GUIDE.read_text()
+    for name in BUILD_SECRETS | {"PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL", "TORCH_INDEX_URL"}:
+        assert name in guide, f"docs/deploy.md does not say how to give {name}"
 
 
 def test_the_model_store_is_the_same_path_everywhere(dockerfile: Dockerfile, compose: dict[str, Any]) -> None:
