@@ -17,7 +17,7 @@ import numpy as np
 from server.api import grpc_messages as pb
 from server.api.codec import WireType, check_range, encode_bytes
 from server.api.errors import APIError
-from server.api.v2 import Inference, encode_outputs
+from server.api.v2 import Inference, check_input_count, encode_outputs
 from server.serving import ModelHandle, Prediction
 
 _TYPED_FIELDS: dict[str, tuple[str, np.dtype[Any]]] = {
@@ -60,8 +60,10 @@ def set_parameters(target: Any, params: dict[str, Any]) -> None:
             p.string_param = str(value)
 
 
-def infer_payload(request: Any) -> tuple[dict[str, Any], memoryview | None]:
-    """``request`` as :func:`~server.api.v2.parse_request` takes it: the header and the binary data it declares."""
+def infer_payload(request: Any, served: ModelHandle) -> tuple[dict[str, Any], memoryview | None]:
+    """``request`` as :func:`~server.api.v2.parse_request` takes it for ``served``: the header and the binary data
+    it declares."""
+    check_input_count(len(request.inputs), served)
     raw = list(request.raw_input_contents)
     inputs: list[dict[str, Any]] = []
     chunks: list[bytes] = []

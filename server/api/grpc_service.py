@@ -180,7 +180,7 @@ class InferenceService:
             served = self._model(request.model_name, request.model_version)
             check_ready(served, request.model_version or None)
             settings = self.state.settings
-            payload, binary = infer_payload(request)
+            payload, binary = infer_payload(request, served)
             regions = partial(admitted_regions, self.state, _client(context), _authorization(context))
             req = parse_request(payload, binary, served, settings, regions)
             timeout = context.time_remaining()

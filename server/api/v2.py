@@ -359,6 +359,17 @@ def _requested_outputs(
     return wanted
 
 
+def _takes(specs: list[TensorSpec]) -> str:
+    return f"input {specs[0].name!r}" if len(specs) == 1 else f"inputs {[t.name for t in specs]}"
+
+
+def check_input_count(given: int, served: ModelHandle) -> None:
+    """A 400 when a request has more input entries than ``served`` takes: checked before any is decoded."""
+    specs = sent_inputs(served.manifest)
+    if given > len(specs) + (served.manifest.text is not None):
+        raise APIError(400, f"inputs: {given} given; the model takes {len(specs)}: {_takes(specs)}")
+
+
 def parse_request(
     payload: object,
     binary: memoryview | None,
@@ -379,12 +390,10 @@ def parse_request(
     binary_output = _flag(params, "binary_data_output", "parameters", False)
     timeout = count(params.get("timeout", 0), "parameters.timeout", "non-negative microseconds")
     inputs = payload.get("inputs")
-    takes = f"input {specs[0].name!r}" if len(specs) == 1 else f"inputs {[t.name for t in specs]}"
     if not isinstance(inputs, list) or not inputs:
-        raise APIError(400, f"inputs: expected a non-empty list; the model takes {takes}")
+        raise APIError(400, f"inputs: expected a non-empty list; the model takes {_takes(specs)}")
+    check_input_count(len(inputs), served)
     text = served.manifest.text
-    if len(inputs) > len(specs) + (text is not None):
-        raise APIError(400, f"inputs: {len(inputs)} given; the model takes {len(specs)}: {takes}")
     tensors: dict[str, np.ndarray] = {}
     declared = 0
     for i, item in enumerate(inputs):
@@ -411,7 +420,7 @@ def parse_request(
         declared += size
     missing = [t.name for t in specs if t.name not in tensors]
     if missing:
-        raise APIError(400, f"inputs: input {missing[0]!r} is missing; the model takes {takes}")
+        raise APIError(400, f"inputs: input {missing[0]!r} is missing; the model takes {_takes(specs)}")
     if binary is not None and len(binary) != declared:
         raise APIError(
             400,
