@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from server.api import grpc_messages as pb
+from server import grpc_messages as pb
 from server.api.codec import WireType, check_range, encode_bytes
 from server.api.errors import APIError
 from server.api.v2 import Inference, check_input_count, encode_outputs

@@ -29,7 +29,7 @@ import grpc
 from google.protobuf import json_format
 
 from server import __version__
-from server.api import grpc_messages as pb
+from server import grpc_messages as pb
 from server.api.deps import check_admin, why_not_ready
 from server.api.errors import APIError, cut_off_by_shutdown, from_exception
 from server.api.grpc_codec import infer_payload, infer_response

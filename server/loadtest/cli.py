@@ -117,7 +117,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=Protocol,
         choices=list(Protocol),
         default=Protocol.PREDICT,
-        help="predict (POST /predict), v2-json or v2-binary (POST /v2/models/MODEL/infer) (default: predict)",
+        help="predict (POST /predict), v2-json or v2-binary (POST /v2/models/MODEL/infer), grpc (ModelInfer with "
+        "raw tensors) (default: predict)",
+    )
+    load.add_argument(
+        "--grpc-url",
+        metavar="HOST:PORT",
+        help="a --url server's gRPC address for --protocol grpc (default: its host, port 8001)",
     )
     load.add_argument("--input", type=Path, metavar="FILE", help="JSON list of samples (default: random data)")
     load.add_argument("--rows-per-request", type=int, default=1, metavar="N", help="samples per request (default: 1)")
@@ -177,6 +183,7 @@ def config_from_args(args: argparse.Namespace) -> LoadtestConfig:
         requests=args.requests,
         warmup=args.warmup,
         protocol=args.protocol,
+        grpc_url=args.grpc_url,
         input_file=args.input,
         rows_per_request=args.rows_per_request,
         out=args.out,

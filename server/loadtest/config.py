@@ -26,6 +26,9 @@ class LoadtestConfig:
     requests: int | None = None
     warmup: float = 1.0
     protocol: Protocol = Protocol.PREDICT
+    grpc_url: str | None = None
+    """``host:port`` of a running server's gRPC service for ``--protocol grpc`` (default: ``url``'s host, port
+    8001)."""
     input_file: Path | None = None
     rows_per_request: int = 1
     out: Path = Path("loadtest_results")

@@ -15,7 +15,9 @@ from typing import Any
 
 import numpy as np
 import orjson
+from google.protobuf.message import DecodeError
 
+from server import grpc_messages
 from server.loadtest import LoadtestError
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
@@ -37,6 +39,9 @@ class Protocol(str, Enum):
     """``POST /v2/models/{model}/infer`` with the tensor as JSON ``data``."""
     V2_BINARY = "v2-binary"
     """``POST /v2/models/{model}/infer`` with the binary tensor extension, inputs and outputs as raw bytes."""
+    GRPC = "grpc"
+    """``inference.GRPCInferenceService/ModelInfer`` over gRPC, inputs and outputs as raw bytes
+    (``raw_input_contents``)."""
 
     def __str__(self) -> str:
         return self.value
@@ -70,6 +75,9 @@ class RequestTemplate:
     headers: dict[str, str] = field(default_factory=dict)
     bodies: tuple[bytes, ...] = (b"",)
     rows_per_request: int = 1
+    grpc_target: str | None = None
+    """``host:port`` of the gRPC server a ``GRPC`` template's calls go to (``path`` is the method's); None: HTTP to
+    the base URL."""
 
     def to_message(self) -> dict[str, Any]:
         """A JSON-safe form for the client process (bodies as latin-1 text, which maps bytes 1:1)."""
@@ -79,6 +87,7 @@ class RequestTemplate:
             "headers": self.headers,
             "bodies": [b.decode("latin-1") for b in self.bodies],
             "rows_per_request": self.rows_per_request,
+            "grpc_target": self.grpc_target,
         }
 
     @classmethod
@@ -89,6 +98,7 @@ class RequestTemplate:
             headers=dict(msg["headers"]),
             bodies=tuple(b.encode("latin-1") for b in msg["bodies"]),
             rows_per_request=int(msg["rows_per_request"]),
+            grpc_target=msg.get("grpc_target"),
         )
 
 
@@ -168,13 +178,23 @@ def encode_body(protocol: Protocol, model: str, sig: Signature, batch: np.ndarra
         tensor["data"] = np.ascontiguousarray(batch).reshape(-1)
         return orjson.dumps({"inputs": [tensor]}, option=opt), {"content-type": "application/json"}
     raw = np.ascontiguousarray(batch, dtype=dtype).tobytes()
+    if protocol is Protocol.GRPC:
+        request = grpc_messages.ModelInferRequest(model_name=model, raw_input_contents=[raw])
+        request.inputs.add(name=sig.name, datatype=datatype, shape=shape)
+        return request.SerializeToString(), {}
     tensor["parameters"] = {"binary_data_size": len(raw)}
     header = orjson.dumps({"inputs": [tensor], "parameters": {"binary_data_output": True}})
     headers = {"content-type": "application/octet-stream", HEADER_LENGTH.lower(): str(len(header))}
     return header + raw, headers
 
 
+GRPC_INFER = f"/{grpc_messages.SERVICE}/ModelInfer"
+"""The gRPC method an inference calls."""
+
+
 def infer_path(protocol: Protocol, model: str) -> str:
+    if protocol is Protocol.GRPC:
+        return GRPC_INFER
     return "/predict" if protocol is Protocol.PREDICT else f"/v2/models/{model}/infer"
 
 
@@ -185,6 +205,7 @@ def build_template(
     samples: np.ndarray,
     rows_per_request: int,
     max_bodies: int = MAX_BODIES,
+    grpc_target: str | None = None,
 ) -> RequestTemplate:
     """Encode up to ``max_bodies`` distinct bodies of ``rows_per_request`` samples each, taking ``samples`` in order
     and wrapping around (so a file with fewer samples than a request needs still fills it)."""
@@ -199,11 +220,21 @@ def build_template(
         idx = np.arange(i * rows_per_request, (i + 1) * rows_per_request) % len(samples)
         body, headers = encode_body(protocol, model, sig, samples[idx])
         bodies.append(body)
+    if protocol is Protocol.GRPC:
+        if grpc_target is None:
+            raise LoadtestError("--protocol grpc needs the server's gRPC address")
+        return RequestTemplate("GRPC", GRPC_INFER, {}, tuple(bodies), rows_per_request, grpc_target)
     return RequestTemplate("POST", infer_path(protocol, model), headers, tuple(bodies), rows_per_request)
 
 
 def served_precision(protocol: Protocol, body: bytes, headers: dict[str, str]) -> str | None:
     """The precision an inference response says served it (``None`` if it does not say)."""
+    if protocol is Protocol.GRPC:
+        try:
+            response = grpc_messages.ModelInferResponse.FromString(body)
+        except DecodeError:
+            return None
+        return str(response.parameters["precision"].string_param) or None
     try:
         if protocol is Protocol.PREDICT:
             value = orjson.loads(body).get("precision")

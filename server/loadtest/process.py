@@ -59,12 +59,20 @@ class ManagedServer:
         *,
         device: str | None = None,
         extra_args: tuple[str, ...] = (),
+        grpc: bool = False,
     ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
         cmd = [sys.executable, "-m", "server", "serve", "--store", str(store), "--models", model]
         cmd += ["--host", "127.0.0.1", "--port", str(self.port), "--precision", precision]
+        self.grpc_target: str | None = None
+        if grpc:
+            grpc_port = free_port()
+            self.grpc_target = f"127.0.0.1:{grpc_port}"
+            cmd += ["--grpc", "--grpc-port", str(grpc_port)]
+        else:
+            cmd += ["--no-grpc"]
         if device is not None:
             cmd += ["--device", device]
         self.command = [*cmd, *extra_args]

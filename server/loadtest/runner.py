@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
+import grpc
 import httpx
 import numpy as np
 
@@ -33,7 +34,7 @@ from server.loadtest.payload import (
 )
 from server.loadtest.process import ManagedServer, process_cpu_seconds
 from server.loadtest.stats import LevelResult, ServerDelta, summarize, throughput_ratios
-from server.loadtest.target import check_url
+from server.loadtest.target import check_url, grpc_target
 
 if TYPE_CHECKING:
     from server.loadtest.progress import SweepProgress
@@ -52,6 +53,8 @@ class ServerRun:
     warmup_seconds: float | None = None
     log: str | None = None
     command: list[str] | None = None
+    grpc_target: str | None = None
+    """``host:port`` of its gRPC service, for ``--protocol grpc``."""
 
 
 @dataclass
@@ -124,6 +127,8 @@ def _stats(http: httpx.Client, model: str) -> tuple[int, int]:
 
 def _probe(http: httpx.Client, template: RequestTemplate, protocol: Protocol) -> str | None:
     """Send one request before the load: a wrong input or a missing route fails here, with the server's answer."""
+    if template.grpc_target is not None:
+        return _probe_grpc(template)
     try:
         response = http.request(template.method, template.path, content=template.bodies[0], headers=template.headers)
     except httpx.TransportError as e:
@@ -140,6 +145,19 @@ def _probe(http: httpx.Client, template: RequestTemplate, protocol: Protocol) ->
     return served_precision(protocol, response.content, dict(response.headers))
 
 
+def _probe_grpc(template: RequestTemplate) -> str | None:
+    assert template.grpc_target is not None
+    with grpc.insecure_channel(template.grpc_target) as channel:
+        try:
+            answer = channel.unary_unary(template.path)(template.bodies[0], timeout=30)
+        except grpc.RpcError as e:
+            code, details = e.code(), e.details()
+            raise LoadtestError(
+                f"a first gRPC ModelInfer to {template.grpc_target} answered {code}: {details}"
+            ) from None
+    return served_precision(Protocol.GRPC, answer, {})
+
+
 class Runner:
     """Runs a :class:`LoadtestConfig` and collects a :class:`Sweep`."""
 
@@ -153,7 +171,10 @@ class Runner:
         cfg = self.config
         if cfg.url is not None:
             base = check_url(cfg.url, allow_remote=cfg.allow_remote)
-            self._sweep_server(ServerRun(precision="", served_precision=None, url=base, device=None, started=False))
+            run = ServerRun(precision="", served_precision=None, url=base, device=None, started=False)
+            if cfg.protocol is Protocol.GRPC:
+                run.grpc_target = grpc_target(cfg.grpc_url, base, cfg.allow_remote)
+            self._sweep_server(run)
         else:
             if not (cfg.store / str(cfg.model) / "config.json").is_file():
                 raise LoadtestError(f"--store {cfg.store}: no model {cfg.model!r} (no {cfg.model}/config.json there)")
@@ -171,8 +192,9 @@ class Runner:
         # The rows each request will carry, unless the load test's own server arguments say otherwise (the last wins):
         # by default a request may carry no more than one of the model's batches.
         rows = ("--max-request-rows", str(cfg.rows_per_request)) if cfg.rows_per_request > 1 else ()
+        grpc_on = cfg.protocol is Protocol.GRPC
         with ManagedServer(
-            cfg.store, cfg.model, precision, log, device=cfg.device, extra_args=(*rows, *cfg.server_args)
+            cfg.store, cfg.model, precision, log, device=cfg.device, extra_args=(*rows, *cfg.server_args), grpc=grpc_on
         ) as server:
             ready = server.wait_ready()
             run = ServerRun(
@@ -184,6 +206,7 @@ class Runner:
                 ready_seconds=round(ready, 2),
                 log=str(log),
                 command=server.command,
+                grpc_target=server.grpc_target,
             )
             self._sweep_server(run, pid=server.pid)
 
@@ -210,7 +233,10 @@ class Runner:
             if self.sweep.signature is not None and sig != self.sweep.signature:
                 raise LoadtestError(f"model {model!r} changed its input signature between servers")
             self.sweep.model, self.sweep.signature = model, sig
-            template = build_template(cfg.protocol, model, sig, self._samples_for(sig), cfg.rows_per_request)
+            samples = self._samples_for(sig)
+            template = build_template(
+                cfg.protocol, model, sig, samples, cfg.rows_per_request, grpc_target=run.grpc_target
+            )
             served = _probe(http, template, cfg.protocol) or entry.get("precision")
             run.served_precision = str(served) if served is not None else None
             run.precision = run.precision or run.served_precision or "unknown"

@@ -48,3 +48,24 @@ def check_url(url: str, *, allow_remote: bool = False) -> str:
     if port is not None:
         netloc += f":{port}"
     return f"{parts.scheme}://{netloc}"
+
+
+GRPC_PORT = 8001
+"""The server's default gRPC port."""
+
+
+def grpc_target(grpc_url: str | None, base_url: str, allow_remote: bool = False) -> str:
+    """``host:port`` of the gRPC service to load: ``grpc_url`` (``HOST:PORT``), else the HTTP base URL's host on
+    port 8001; held to this machine like :func:`check_url`."""
+    if grpc_url is None:
+        host = urlsplit(base_url).hostname or "127.0.0.1"
+        grpc_url = f"[{host}]:{GRPC_PORT}" if ":" in host else f"{host}:{GRPC_PORT}"
+    parts = urlsplit(f"http://{grpc_url.strip()}")
+    try:
+        port = parts.port
+    except ValueError as e:
+        raise LoadtestError(f"--grpc-url {grpc_url!r}: {e}") from None
+    if not parts.hostname or port is None or parts.path or parts.query or parts.fragment:
+        raise LoadtestError(f"--grpc-url {grpc_url!r}: expected HOST:PORT")
+    base = check_url(f"http://{parts.netloc}", allow_remote=allow_remote)
+    return base.removeprefix("http://")

@@ -30,6 +30,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import grpc
 import httpx
 import numpy as np
 import orjson
@@ -59,9 +60,14 @@ class Users:
         self._transport = transport
         self.clients: list[httpx.AsyncClient] = []
         self.templates: dict[str, list[httpx.Request]] = {}
+        self.grpc_templates: dict[str, RequestTemplate] = {}
+        self.channels: dict[str, list[grpc.aio.Channel]] = {}
         self.done = 0
 
     def add_template(self, name: str, template: RequestTemplate) -> None:
+        if template.grpc_target is not None:
+            self.grpc_templates[name] = template
+            return
         url = self.base_url + template.path
         ext = {"timeout": self.timeout.as_dict()}
         self.templates[name] = [
@@ -81,6 +87,8 @@ class Users:
         """Drive ``concurrency`` users until ``duration`` seconds have passed or ``requests`` have been sent."""
         if (duration is None) == (requests is None):
             raise ValueError("give exactly one of duration and requests")
+        if name in self.grpc_templates:
+            return await self._run_grpc(self.grpc_templates[name], concurrency, duration, requests, first_user)
         reqs = self.templates[name]
         self._grow(concurrency)
         latencies = array("d")
@@ -123,9 +131,63 @@ class Users:
             client_cpu_s=time.process_time() - cpu,
         )
 
+    async def _run_grpc(
+        self, template: RequestTemplate, concurrency: int, duration: float | None, requests: int | None, first_user: int
+    ) -> LevelSample:
+        """:meth:`run` over gRPC: a channel (one HTTP/2 connection) per user, bodies sent as the serialized messages
+        they are, answers left unparsed."""
+        assert template.grpc_target is not None
+        channels = self.channels.setdefault(template.grpc_target, [])
+        while len(channels) < concurrency:
+            # A subchannel pool of its own per channel, or channels to one target share one connection.
+            options = [("grpc.use_local_subchannel_pool", 1), ("grpc.max_receive_message_length", -1)]
+            channels.append(grpc.aio.insecure_channel(template.grpc_target, options=options))
+        calls = [c.unary_unary(template.path) for c in channels[:concurrency]]
+        bodies = template.bodies
+        timeout = self.timeout.read
+        latencies = array("d")
+        status: Counter[str] = Counter()
+        exceptions: Counter[str] = Counter()
+        self.done = 0
+        issued = 0
+        start = time.perf_counter()
+        deadline = start + duration if duration is not None else float("inf")
+        limit = requests if requests is not None else sys.maxsize
+
+        async def user(index: int) -> None:
+            nonlocal issued
+            call = calls[index]
+            k = first_user + index
+            clock = time.perf_counter
+            while issued < limit and clock() < deadline:
+                issued += 1
+                body = bodies[k % len(bodies)]
+                k += 1
+                t0 = clock()
+                try:
+                    await call(body, timeout=timeout)
+                except grpc.aio.AioRpcError as e:
+                    status[e.code().name] += 1
+                else:
+                    latencies.append(clock() - t0)
+                self.done += 1
+
+        cpu = time.process_time()
+        await asyncio.gather(*(user(i) for i in range(concurrency)))
+        return LevelSample(
+            latencies=_to_numpy(latencies),
+            errors_by_status=dict(status),
+            errors_by_exception=dict(exceptions),
+            elapsed_s=time.perf_counter() - start,
+            client_cpu_s=time.process_time() - cpu,
+        )
+
     async def close(self) -> None:
         for client in self.clients:
             await client.aclose()
+        for channels in self.channels.values():
+            for channel in channels:
+                await channel.close()
 
 
 def _to_numpy(values: array[float]) -> np.ndarray:

@@ -17,7 +17,7 @@ import tritonclient.grpc as tg
 from tritonclient.grpc import service_pb2
 from tritonclient.utils import InferenceServerException
 
-from server.api import grpc_messages
+from server import grpc_messages
 from tests.conftest import ServerProcess, free_port, save_tiny_mlp
 
 pytestmark = pytest.mark.slow

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from server.loadtest.cli import main as loadtest_main
-from tests.conftest import ROOT, SHIPPED_STORE, ServerProcess
+from tests.conftest import ROOT, SHIPPED_STORE, ServerProcess, free_port
 
 MODEL = "tabular"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -68,9 +68,26 @@ def test_self_contained_sweep_over_two_precisions(tmp_path: Path) -> None:
     assert (out / "server-fp32.log").is_file()
 
 
+GRPC_PORT = free_port()
+
+
+def test_self_contained_sweep_over_grpc(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "server", "loadtest", "--store", str(SHIPPED_STORE), "--model", MODEL]
+    cmd += ["--precisions", "fp32", "--concurrency", "2", "--requests", "30", "--warmup", "0", "--protocol", "grpc"]
+    cmd += ["--client-ceiling", "0", "--out", str(out), "--no-progress"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    data = check_report(out, ["fp32"], [2], requests=30, rows=1)
+    assert data["protocol"] == "grpc"
+    assert data["results"][0]["served_precision"] == "fp32"
+    assert "--grpc-port" in data["servers"][0]["command"]
+
+
 @pytest.fixture(scope="module")
 def running_server(server_factory: StartServer) -> ServerProcess:
-    return server_factory(SHIPPED_STORE, "--models", MODEL, "--precision", "fp32")
+    grpc = ("--grpc", "--grpc-port", str(GRPC_PORT))
+    return server_factory(SHIPPED_STORE, "--models", MODEL, "--precision", "fp32", *grpc)
 
 
 @pytest.mark.parametrize(
@@ -84,12 +101,15 @@ def running_server(server_factory: StartServer) -> ServerProcess:
             "v2-binary",
             marks=pytest.mark.skipif(not HAS_V2, reason="no POST /v2/models/{m}/infer (server/api/v2.py)"),
         ),
+        "grpc",
     ],
 )
 def test_against_a_running_server(running_server: ServerProcess, tmp_path: Path, protocol: str) -> None:
     url = running_server.url.replace("127.0.0.1", "localhost")
     argv = ["--url", url, "--concurrency", "2,8", "--requests", "40", "--rows-per-request", "3"]
     argv += ["--protocol", protocol, "--warmup", "0", "--client-ceiling", "0", "--out", str(tmp_path), "--no-progress"]
+    if protocol == "grpc":
+        argv += ["--grpc-url", f"localhost:{GRPC_PORT}"]
     assert loadtest_main(argv) == 0
     data = check_report(tmp_path, ["fp32"], [2, 8], requests=40, rows=3)
     assert data["mode"] == "url"

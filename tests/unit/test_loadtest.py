@@ -9,6 +9,7 @@ import numpy as np
 import orjson
 import pytest
 
+from server import grpc_messages
 from server.cli import build_parser
 from server.cli import main as cli_main
 from server.loadtest import LoadtestError
@@ -36,7 +37,7 @@ from server.loadtest.stats import (
     summarize,
     throughput_ratios,
 )
-from server.loadtest.target import check_url, is_local_host
+from server.loadtest.target import check_url, grpc_target, is_local_host
 
 SIG = Signature(name="features", datatype="FP32", shape=(3,))
 
@@ -263,7 +264,7 @@ def test_random_sample_count_is_bounded() -> None:
     assert random_sample_count(big, 64) == 64  # never less than one request
 
 
-@pytest.mark.parametrize("protocol", list(Protocol))
+@pytest.mark.parametrize("protocol", [p for p in Protocol if p is not Protocol.GRPC])
 def test_template_cycles_samples_into_bodies(protocol: Protocol) -> None:
     samples = np.arange(15.0).reshape(5, 3)
     t = build_template(protocol, "m", SIG, samples, rows_per_request=2)
@@ -275,6 +276,42 @@ def test_template_cycles_samples_into_bodies(protocol: Protocol) -> None:
         last = orjson.loads(t.bodies[2])["inputs"]
         assert last == [samples[4].tolist(), samples[0].tolist()]  # wraps around
     assert RequestTemplate.from_message(orjson.loads(orjson.dumps(t.to_message()))) == t
+
+
+def test_grpc_template_holds_serialized_infer_requests_for_its_target() -> None:
+    samples = np.arange(15.0).reshape(5, 3)
+    with pytest.raises(LoadtestError, match="gRPC address"):
+        build_template(Protocol.GRPC, "m", SIG, samples, rows_per_request=2)
+    t = build_template(Protocol.GRPC, "m", SIG, samples, rows_per_request=2, grpc_target="127.0.0.1:9001")
+    assert (t.method, t.path, t.grpc_target) == ("GRPC", "/inference.GRPCInferenceService/ModelInfer", "127.0.0.1:9001")
+    last = grpc_messages.ModelInferRequest.FromString(t.bodies[2])
+    assert last.model_name == "m"
+    assert [(i.name, i.datatype, list(i.shape)) for i in last.inputs] == [(SIG.name, "FP32", [2, 3])]
+    rows = np.frombuffer(last.raw_input_contents[0], dtype=np.float32).reshape(2, 3)
+    np.testing.assert_array_equal(rows, samples[[4, 0]])  # wraps around
+    assert RequestTemplate.from_message(orjson.loads(orjson.dumps(t.to_message()))) == t
+    response = grpc_messages.ModelInferResponse(model_name="m")
+    response.parameters["precision"].string_param = "bf16"
+    assert served_precision(Protocol.GRPC, response.SerializeToString(), {}) == "bf16"
+    assert served_precision(Protocol.GRPC, b"\xff\xff", {}) is None
+
+
+@pytest.mark.parametrize(
+    ("given", "base", "target"),
+    [
+        (None, "http://127.0.0.1:8000", "127.0.0.1:8001"),
+        ("localhost:9001", "http://127.0.0.1:8000", "localhost:9001"),
+        (None, "http://[::1]:8000", "[::1]:8001"),
+    ],
+)
+def test_grpc_target_defaults_to_port_8001_of_the_url(given: str | None, base: str, target: str) -> None:
+    assert grpc_target(given, base) == target
+
+
+@pytest.mark.parametrize("given", ["10.1.2.3:8001", "127.0.0.1", "127.0.0.1:8001/path", "127.0.0.1:http"])
+def test_grpc_target_refuses_remote_or_malformed_addresses(given: str) -> None:
+    with pytest.raises(LoadtestError, match="--grpc-url|not this machine"):
+        grpc_target(given, "http://127.0.0.1:8000")
 
 
 def test_template_caps_bodies_and_checks_rows() -> None:
@@ -423,7 +460,7 @@ def test_options_parse() -> None:
         ["--concurrency", "0,2"],
         ["--concurrency", "a"],
         ["--duration", "1", "--requests", "5"],
-        ["--protocol", "grpc"],
+        ["--protocol", "thrift"],
     ],
 )
 def test_bad_options_are_usage_errors(argv: list[str]) -> None:
