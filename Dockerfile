@@ -1,7 +1,7 @@
 # halfserve for NVIDIA T4 (Turing, sm_75) and A10/A10G (Ampere, sm_86) GPUs; the same image serves on a CPU.
 #
 #   docker build -t halfserve .
-#   docker run --gpus 1 -p 8000:8000 --stop-timeout 45 halfserve
+#   docker run --gpus 1 -p 8000:8000 -p 8001:8001 --stop-timeout 45 halfserve
 #
 # Base image: python:3.11-slim-bookworm, not nvidia/cuda:*-cudnn-runtime. The CUDA build of torch ships its own
 # CUDA runtime, cuBLAS, cuDNN and NCCL as nvidia-* wheels and loads those, so a CUDA base image would only add a
@@ -121,12 +121,14 @@ ENV PATH=/opt/venv/bin:$PATH \
     HALFSERVE_STORE=/models \
     HALFSERVE_HOST=0.0.0.0 \
     HALFSERVE_PORT=8000 \
+    HALFSERVE_GRPC_PORT=8001 \
     HALFSERVE_DEVICE=auto \
     HALFSERVE_LOG_LEVEL=info
 
 USER 10001:10001
 WORKDIR /home/halfserve
-EXPOSE 8000
+# HTTP (/predict, KServe V2 REST) and gRPC (KServe V2, grpc.health.v1).
+EXPOSE 8000 8001
 
 # Ready, not just alive: /ready answers 503 until every model is loaded and warmed up, and again while draining.
 # start-period covers CUDA initialisation, loading and warm-up.

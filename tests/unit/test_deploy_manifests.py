@@ -277,7 +277,7 @@ def test_dockerfile_runs_halfserve_serve_as_a_non_root_user_with_jemalloc(docker
     user = dockerfile.one("USER").split(":")
     assert all(part.isdigit() and int(part) > 0 for part in user), "USER must be a numeric, non-root UID[:GID]"
     assert "jemalloc" in dockerfile.env["LD_PRELOAD"]
-    assert dockerfile.one("EXPOSE") == dockerfile.env["HALFSERVE_PORT"]
+    assert dockerfile.one("EXPOSE") == f"{dockerfile.env['HALFSERVE_PORT']} {dockerfile.env['HALFSERVE_GRPC_PORT']}"
     assert dockerfile.healthcheck[0] == "python"
     options = dockerfile.healthcheck_options
     assert duration_s(options["start-period"]) >= 60, "loading and warm-up on a GPU need time before checks count"
@@ -342,18 +342,27 @@ def test_the_model_store_is_the_same_path_everywhere(dockerfile: Dockerfile, com
 
 def test_ports_agree(dockerfile: Dockerfile, compose: dict[str, Any], k8s: dict[str, dict[str, Any]]) -> None:
     port = int(dockerfile.env["HALFSERVE_PORT"])
+    grpc_port = int(dockerfile.env["HALFSERVE_GRPC_PORT"])
+    assert grpc_port == Settings.model_fields["grpc_port"].default
     service = compose["services"]["halfserve"]
     assert int(compose_value(service["environment"]["HALFSERVE_PORT"]) or 0) == port
-    assert any(str(p).endswith(f":{port}") for p in service["ports"])
+    assert int(compose_value(service["environment"]["HALFSERVE_GRPC_PORT"]) or 0) == grpc_port
+    for published in (port, grpc_port):
+        assert any(str(p).endswith(f":{published}") for p in service["ports"])
     for name in ("deployment", "inferenceservice"):
         (container,) = k8s_containers(k8s[name])
-        (container_port,) = container["ports"]
+        container_port = container["ports"][0]
         assert container_port["containerPort"] == port
         assert int(k8s_env(container)["HALFSERVE_PORT"]) == port
+        assert int(k8s_env(container)["HALFSERVE_GRPC_PORT"]) == grpc_port
         for _, get in probes(container):
             assert get["port"] in (port, container_port.get("name")), f"{name}: probe on another port"
-    (service_port,) = k8s["service"]["spec"]["ports"]
-    assert service_port["targetPort"] == k8s_containers(k8s["deployment"])[0]["ports"][0]["name"]
+    # Knative gives a container one port (the InferenceService's); a Deployment has both, and its Service routes both.
+    (_,) = k8s_containers(k8s["inferenceservice"])[0]["ports"]
+    named = {p["name"]: p["containerPort"] for p in k8s_containers(k8s["deployment"])[0]["ports"]}
+    assert named == {"http": port, "grpc": grpc_port}
+    routes = {p["name"]: (p["port"], p["targetPort"]) for p in k8s["service"]["spec"]["ports"]}
+    assert routes == {"http": (80, "http"), "grpc": (grpc_port, "grpc")}
 
 
 def test_drain_periods_outlast_the_servers_drain(
