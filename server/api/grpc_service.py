@@ -34,6 +34,7 @@ from server.api.deps import check_admin, why_not_ready
 from server.api.errors import APIError, cut_off_by_shutdown, from_exception
 from server.api.grpc_codec import infer_payload, infer_response
 from server.api.shm import admitted_regions
+from server.api.telemetry import request_labels
 from server.api.v2 import EXTENSIONS, SERVER_NAME, metadata, parse_request
 from server.api.v2_repository import index_entries, load_from_store
 from server.api.v2_triton import model_config, model_stats
@@ -205,15 +206,9 @@ class InferenceService:
 
     def _record(self, served: ModelHandle | None, result: Prediction | None, status: int, seconds: float) -> None:
         metrics = self.state.metrics
-        if metrics is None:
-            return
-        model = served.name if served is not None else ""
-        if result is not None:
-            precision, rows = result.precision, result.rows
-        else:
-            precision = served.precision.value if served is not None and served.precision is not None else ""
-            rows = 0
-        metrics.request(model, precision, Interface.GRPC, status, rows, seconds)
+        if metrics is not None:
+            model, precision, rows = request_labels(served, result)
+            metrics.request(model, precision, Interface.GRPC, status, rows, seconds)
 
     async def model_infer(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         return await self._infer(request, context)

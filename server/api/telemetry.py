@@ -124,16 +124,19 @@ def metered(interface: Interface) -> Callable[[Endpoint], Endpoint]:
     return wrap
 
 
-def _record(request: Request, interface: Interface, status: int, rid: bytes, seconds: float) -> None:
-    scope = request.scope
-    served: ModelHandle | None = scope.get(_SERVED)
-    prediction: Prediction | None = scope.get(_ANSWERED)
+def request_labels(served: ModelHandle | None, prediction: Prediction | None) -> tuple[str, str, int]:
+    """What a request is counted and logged under: its model (empty before one is known), the precision that
+    answered it (else the model's), and the rows answered."""
     model = served.name if served is not None else ""
     if prediction is not None:
-        precision, rows = prediction.precision, prediction.rows
-    else:
-        precision = served.precision.value if served is not None and served.precision is not None else ""
-        rows = 0
+        return model, prediction.precision, prediction.rows
+    precision = served.precision.value if served is not None and served.precision is not None else ""
+    return model, precision, 0
+
+
+def _record(request: Request, interface: Interface, status: int, rid: bytes, seconds: float) -> None:
+    scope = request.scope
+    model, precision, rows = request_labels(scope.get(_SERVED), scope.get(_ANSWERED))
     app: AppState = scope["app"].state.serving
     metrics = app.metrics
     if metrics is not None:

@@ -27,7 +27,7 @@ import time
 import traceback
 from array import array
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import grpc
@@ -39,6 +39,9 @@ from server.loadtest.payload import RequestTemplate
 from server.loadtest.stats import LevelSample
 
 PROGRESS_INTERVAL_S = 0.25
+
+Sender = Callable[[int], Awaitable[str | None]]
+"""One virtual user's way to send its ``k``-th request: None when answered, else what failed it (a status)."""
 
 
 def send(msg: dict[str, Any]) -> None:
@@ -88,9 +91,9 @@ class Users:
         if (duration is None) == (requests is None):
             raise ValueError("give exactly one of duration and requests")
         if name in self.grpc_templates:
-            return await self._run_grpc(self.grpc_templates[name], concurrency, duration, requests, first_user)
-        reqs = self.templates[name]
-        self._grow(concurrency)
+            senders = self._grpc_senders(self.grpc_templates[name], concurrency)
+        else:
+            senders = self._http_senders(self.templates[name], concurrency)
         latencies = array("d")
         status: Counter[str] = Counter()
         exceptions: Counter[str] = Counter()
@@ -102,23 +105,22 @@ class Users:
 
         async def user(index: int) -> None:
             nonlocal issued
-            client = self.clients[index]
+            send = senders[index]
             k = first_user + index
             clock = time.perf_counter
             while issued < limit and clock() < deadline:
                 issued += 1
-                req = reqs[k % len(reqs)]
-                k += 1
                 t0 = clock()
                 try:
-                    response = await client.send(req)
+                    failure = await send(k)
                 except httpx.HTTPError as e:
                     exceptions[type(e).__name__] += 1
                 else:
-                    if response.status_code == 200:
+                    if failure is None:
                         latencies.append(clock() - t0)
                     else:
-                        status[str(response.status_code)] += 1
+                        status[failure] += 1
+                k += 1
                 self.done += 1
 
         cpu = time.process_time()
@@ -131,56 +133,43 @@ class Users:
             client_cpu_s=time.process_time() - cpu,
         )
 
-    async def _run_grpc(
-        self, template: RequestTemplate, concurrency: int, duration: float | None, requests: int | None, first_user: int
-    ) -> LevelSample:
-        """:meth:`run` over gRPC: a channel (one HTTP/2 connection) per user, bodies sent as the serialized messages
-        they are, answers left unparsed."""
+    def _http_senders(self, reqs: list[httpx.Request], concurrency: int) -> list[Sender]:
+        """Per user: send the k-th request on the user's own connection; the failure is the HTTP status."""
+        self._grow(concurrency)
+
+        def sender(client: httpx.AsyncClient) -> Sender:
+            async def send(k: int) -> str | None:
+                response = await client.send(reqs[k % len(reqs)])
+                return None if response.status_code == 200 else str(response.status_code)
+
+            return send
+
+        return [sender(c) for c in self.clients[:concurrency]]
+
+    def _grpc_senders(self, template: RequestTemplate, concurrency: int) -> list[Sender]:
+        """Per user: call the method with the k-th body, as the serialized message it is, on the user's own channel
+        (one HTTP/2 connection); the answer is left unparsed, the failure is the gRPC status code."""
         assert template.grpc_target is not None
         channels = self.channels.setdefault(template.grpc_target, [])
         while len(channels) < concurrency:
             # A subchannel pool of its own per channel, or channels to one target share one connection.
             options = [("grpc.use_local_subchannel_pool", 1), ("grpc.max_receive_message_length", -1)]
             channels.append(grpc.aio.insecure_channel(template.grpc_target, options=options))
-        calls = [c.unary_unary(template.path) for c in channels[:concurrency]]
-        bodies = template.bodies
-        timeout = self.timeout.read
-        latencies = array("d")
-        status: Counter[str] = Counter()
-        exceptions: Counter[str] = Counter()
-        self.done = 0
-        issued = 0
-        start = time.perf_counter()
-        deadline = start + duration if duration is not None else float("inf")
-        limit = requests if requests is not None else sys.maxsize
+        bodies, timeout = template.bodies, self.timeout.read
 
-        async def user(index: int) -> None:
-            nonlocal issued
-            call = calls[index]
-            k = first_user + index
-            clock = time.perf_counter
-            while issued < limit and clock() < deadline:
-                issued += 1
-                body = bodies[k % len(bodies)]
-                k += 1
-                t0 = clock()
+        def sender(channel: grpc.aio.Channel) -> Sender:
+            call = channel.unary_unary(template.path)
+
+            async def send(k: int) -> str | None:
                 try:
-                    await call(body, timeout=timeout)
+                    await call(bodies[k % len(bodies)], timeout=timeout)
                 except grpc.aio.AioRpcError as e:
-                    status[e.code().name] += 1
-                else:
-                    latencies.append(clock() - t0)
-                self.done += 1
+                    return str(e.code().name)
+                return None
 
-        cpu = time.process_time()
-        await asyncio.gather(*(user(i) for i in range(concurrency)))
-        return LevelSample(
-            latencies=_to_numpy(latencies),
-            errors_by_status=dict(status),
-            errors_by_exception=dict(exceptions),
-            elapsed_s=time.perf_counter() - start,
-            client_cpu_s=time.process_time() - cpu,
-        )
+            return send
+
+        return [sender(c) for c in channels[:concurrency]]
 
     async def close(self) -> None:
         for client in self.clients:
