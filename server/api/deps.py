@@ -51,17 +51,21 @@ def repository(request: Request) -> ModelRepository:
 
 def served_model(request: Request, name: str | None, version: str | None) -> ModelHandle:
     """The model ``name``, or a 404 when it is unknown or ``version`` is not the version it serves."""
-    served = service(request).get(name)
-    if version is not None and version != str(served.version):
-        raise APIError(404, f"model {name!r} has no version {version!r} (it serves version {served.version})")
-    return served
+    return of_version(service(request).get(name), version)
 
 
 def local_model(request: Request, name: str, version: str | None) -> ServedModel:
     """:func:`served_model`, as the local repository holds it (for the routes only its process answers)."""
-    served = repository(request).get(name)
-    if version is not None and version != str(served.version):
-        raise APIError(404, f"model {name!r} has no version {version!r} (it serves version {served.version})")
+    return of_version(repository(request).get(name), version)
+
+
+H = TypeVar("H", ModelHandle, ServedModel)
+
+
+def of_version(served: H, version: str | None) -> H:
+    """``served`` when ``version`` (None or empty: any) is the version it serves, else a 404."""
+    if version and version != str(served.version):
+        raise APIError(404, f"model {served.name!r} has no version {version!r} (it serves version {served.version})")
     return served
 
 

@@ -30,7 +30,7 @@ from google.protobuf import json_format
 
 from server import __version__
 from server import grpc_messages as pb
-from server.api.deps import check_admin, why_not_ready
+from server.api.deps import check_admin, of_version, why_not_ready
 from server.api.errors import APIError, cut_off_by_shutdown, from_exception
 from server.api.grpc_codec import infer_payload, infer_response
 from server.api.shm import admitted_regions
@@ -100,10 +100,7 @@ class InferenceService:
         check_admin(self.state, _client(context), _authorization(context))
 
     def _model(self, name: str, version: str) -> ModelHandle:
-        served = self.state.service.get(name or None)
-        if version and version != str(served.version):
-            raise APIError(404, f"model {name!r} has no version {version!r} (it serves version {served.version})")
-        return served
+        return of_version(self.state.service.get(name or None), version)
 
     def _repository(self) -> ModelRepository:
         repo = self.state.repository
@@ -112,10 +109,7 @@ class InferenceService:
         return repo
 
     def _local(self, name: str, version: str) -> ServedModel:
-        served = self._repository().get(name)
-        if version and version != str(served.version):
-            raise APIError(404, f"model {name!r} has no version {version!r} (it serves version {served.version})")
-        return served
+        return of_version(self._repository().get(name), version)
 
     # Health and metadata ---------------------------------------------------------------------------------------
 

@@ -30,7 +30,7 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 StartServer = Callable[..., ServerProcess]
 
 
-class GrpcServer:
+class GrpcEndpoint:
     """A server process and the address of its gRPC port."""
 
     def __init__(self, process: ServerProcess, port: int) -> None:
@@ -41,9 +41,9 @@ class GrpcServer:
         return self.process.url
 
 
-def serve_grpc(server_factory: StartServer, store: Path, *args: str) -> GrpcServer:
+def serve_grpc(server_factory: StartServer, store: Path, *args: str) -> GrpcEndpoint:
     port = free_port()
-    return GrpcServer(server_factory(store, "--grpc", "--grpc-port", str(port), *args), port)
+    return GrpcEndpoint(server_factory(store, "--grpc", "--grpc-port", str(port), *args), port)
 
 
 @pytest.fixture(scope="module")
@@ -54,12 +54,12 @@ def store_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def server(server_factory: StartServer, store_dir: Path) -> GrpcServer:
+def server(server_factory: StartServer, store_dir: Path) -> GrpcEndpoint:
     return serve_grpc(server_factory, store_dir, "--precision", "fp32", "--max-delay-ms", "20", "--admin-token", TOKEN)
 
 
 @pytest.fixture
-def client(server: GrpcServer) -> Iterator[tg.InferenceServerClient]:
+def client(server: GrpcEndpoint) -> Iterator[tg.InferenceServerClient]:
     c = tg.InferenceServerClient(server.address)
     try:
         yield c
@@ -127,7 +127,7 @@ def test_unknown_models_and_versions_are_not_found(client: tg.InferenceServerCli
     assert e.status() == "StatusCode.NOT_FOUND"
 
 
-def test_the_standard_health_service_answers_probes(server: GrpcServer) -> None:
+def test_the_standard_health_service_answers_probes(server: GrpcEndpoint) -> None:
     request, response = grpc_messages.message("grpc.health.v1.HealthCheckRequest"), grpc_messages.HealthCheckResponse
     serving = response.ServingStatus.Value("SERVING")
     with grpc.insecure_channel(server.address) as channel:
@@ -146,7 +146,7 @@ def test_the_standard_health_service_answers_probes(server: GrpcServer) -> None:
 # Inference ---------------------------------------------------------------------------------------------------------
 
 
-def test_raw_fp32_answers_as_http_does(server: GrpcServer, client: tg.InferenceServerClient) -> None:
+def test_raw_fp32_answers_as_http_does(server: GrpcEndpoint, client: tg.InferenceServerClient) -> None:
     x = features(5, seed=1)
     result = client.infer(MODEL, [grpc_input(x)], request_id="req-1")
     logits = result.as_numpy("logits")
@@ -159,7 +159,7 @@ def test_raw_fp32_answers_as_http_does(server: GrpcServer, client: tg.InferenceS
     assert response.parameters["precision"].string_param == "fp32"
 
 
-def test_fp16_travels_raw_and_is_served(server: GrpcServer, client: tg.InferenceServerClient) -> None:
+def test_fp16_travels_raw_and_is_served(server: GrpcEndpoint, client: tg.InferenceServerClient) -> None:
     x = features(3, seed=2)
     result = client.infer(MODEL, [grpc_input(x.astype(np.float16), datatype="FP16")])
     np.testing.assert_allclose(result.as_numpy("logits"), http_logits(server.url, x), rtol=1e-2, atol=1e-2)
@@ -370,7 +370,7 @@ def test_a_server_without_a_token_refuses_management(server_factory: StartServer
         assert c.is_model_ready(MODEL)
 
 
-def test_metrics_count_grpc_requests(server: GrpcServer, client: tg.InferenceServerClient) -> None:
+def test_metrics_count_grpc_requests(server: GrpcEndpoint, client: tg.InferenceServerClient) -> None:
     def grpc_ok() -> float:
         text = httpx.get(f"{server.url}/metrics", timeout=10).text
         line = f'halfserve_requests_total{{model="{MODEL}",precision="fp32",protocol="grpc",status="200"}}'
