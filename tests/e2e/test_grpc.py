@@ -404,3 +404,16 @@ def test_sigterm_answers_the_call_in_flight_then_exits_cleanly(server_factory: S
     assert answer.get("error") is None
     assert np.asarray(answer["logits"]).shape == (2, 4)
     assert draining.process.proc.wait(timeout=30) == 0
+
+
+def test_grpc_with_http_front_ends_is_served_by_the_engine_process(
+    server_factory: StartServer, store_dir: Path
+) -> None:
+    # With --http-workers the front-ends take HTTP; gRPC is answered in the engine process, by the same batcher.
+    workers = serve_grpc(server_factory, store_dir, "--http-workers", "2", "--precision", "fp32")
+    x = features(3, seed=7)
+    with tg.InferenceServerClient(workers.address) as c:
+        before = c.get_inference_statistics(MODEL).model_stats[0].inference_count
+        logits = c.infer(MODEL, [grpc_input(x)]).as_numpy("logits")
+        np.testing.assert_allclose(logits, http_logits(workers.url, x), rtol=1e-5, atol=1e-6)
+        assert c.get_inference_statistics(MODEL).model_stats[0].inference_count - before == 6
