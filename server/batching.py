@@ -2,7 +2,8 @@
 
 Pure asyncio and numpy; no torch, no HTTP. A request carries an array whose first dimension is rows (samples).
 A batch is cut when ``max_batch_size`` rows are queued or ``max_delay`` has passed since the oldest queued request
-arrived; only rows of the same sample shape and dtype are batched together; a request's rows may span batches. The
+arrived (with ``adaptive_delay``, no longer than recent batches took to run: see :class:`Batcher`); only rows of the
+same sample shape and dtype are batched together; a request's rows may span batches. The
 runner (the contract is :data:`server.serving.Runner`) receives a list of chunks (row slices of requests) and
 returns one outcome per chunk: its output rows (an array, or an :class:`~server.serving.Output` with the precision
 that computed them), or an exception that fails that chunk's request alone.
@@ -274,6 +275,10 @@ class BatchStats:
         }
 
 
+BATCH_SECONDS_WEIGHT = 0.25
+"""The weight of the latest batch in :attr:`Batcher.batch_seconds` (the rest is the batches before it)."""
+
+
 class Batcher:
     """Queue requests and run them in batches through ``runner``; up to ``concurrency`` batches in flight.
 
@@ -281,6 +286,12 @@ class Batcher:
     ``max_batch_size`` is the configured limit; :attr:`max_batch_size` can shrink below it when the runner reports
     a batch too large. :attr:`runner` and :attr:`observer` may be replaced while it runs: batches already running
     finish on the old runner, the next batch (or rerun part of a batch) uses the new one.
+
+    With ``adaptive_delay``, a free slot waits for more requests no longer than recent batches took to run
+    (:attr:`batch_seconds`), and never longer than ``max_delay``: where a forward is cheap beside the work of taking
+    requests, a lone request starts at once instead of waiting out the delay; where forwards take longer than
+    ``max_delay``, the delay still gathers batches. Without it (or before a first batch has run) the wait is
+    ``max_delay``, as in Triton's dynamic batcher.
     """
 
     def __init__(
@@ -293,6 +304,7 @@ class Batcher:
         concurrency: int = 1,
         clock: Clock | None = None,
         observer: BatchObserver | None = None,
+        adaptive_delay: bool = False,
     ) -> None:
         if max_batch_size < 1 or max_queue_rows < 1 or max_delay < 0 or concurrency < 1:
             raise ValueError("max_batch_size, max_queue_rows and concurrency must be >= 1 and max_delay >= 0")
@@ -301,6 +313,9 @@ class Batcher:
         self.max_batch_size = max_batch_size
         self.max_delay = max_delay
         self.max_queue_rows = max_queue_rows
+        self.adaptive_delay = adaptive_delay
+        self.batch_seconds: float | None = None
+        """How long recent batches took to run (a moving average; None before the first)."""
         self.clock: Clock = clock or LoopClock()
         """Injected by tests, whose waits and deadlines then pass without sleeping."""
         self.observer = observer
@@ -440,6 +455,11 @@ class Batcher:
                 continue
             now = self.clock.now()
             delay = 0.0 if self._closing else self.max_delay
+            if self.adaptive_delay and self.batch_seconds is not None:
+                # Waiting for companions costs every queued request the wait; running now costs one batch's time
+                # before the next can start. Waiting no longer than a batch takes keeps a lone request's latency
+                # within twice the best, and where batches take longer than max_delay the full delay still applies.
+                delay = min(delay, self.batch_seconds)
             wait = seconds_until_cut(self._queued_rows, self._queue[0].enqueued, now, self.max_batch_size, delay)
             if wait > 0:
                 self._wakeup.clear()
@@ -470,8 +490,12 @@ class Batcher:
                 req.future.set_exception(DeadlineExceededError("deadline passed while the request was queued"))
 
     async def _execute(self, chunks: list[Chunk]) -> None:
+        start = self.clock.now()
         try:
             await self._run(chunks)
+            took = self.clock.now() - start
+            last = self.batch_seconds
+            self.batch_seconds = took if last is None else last + BATCH_SECONDS_WEIGHT * (took - last)
         except Exception as e:  # a bug here must still answer every request the batch holds, never strand it
             for c in chunks:
                 self._fail(c.request, BatchFailedError(f"internal error: {_describe(e)}"))

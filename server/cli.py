@@ -55,6 +55,12 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--max-delay-ms", type=float, help="override every model's max_delay_ms")
     p.add_argument("--max-queue-rows", type=int, help="override every model's max_queue_rows")
     p.add_argument(
+        "--adaptive-delay",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="override every model's adaptive_delay: an idle model waits no longer than its recent batches took",
+    )
+    p.add_argument(
         "--request-timeout-ms",
         type=float,
         help="override every model's request_timeout_ms: a request not started by then is answered 504",

@@ -267,6 +267,8 @@ class ModelRepository:
             max_delay_ms=b.max_delay_ms if s.max_delay_ms is None else s.max_delay_ms,
             max_queue_rows=max(s.max_queue_rows or b.max_queue_rows, s.max_batch_size or b.max_batch_size),
             request_timeout_ms=s.request_timeout_ms or b.request_timeout_ms,
+            adaptive_delay=b.adaptive_delay if s.adaptive_delay is None else s.adaptive_delay,
+            group_lengths=b.group_lengths,
         )
 
     async def load_all(self) -> None:
@@ -345,6 +347,7 @@ class ModelRepository:
             max_batch_size=served.batching.max_batch_size,
             max_delay=served.batching.max_delay_ms / 1000.0,
             max_queue_rows=served.batching.max_queue_rows,
+            adaptive_delay=served.batching.adaptive_delay,
             # One batch in flight per instance: each instance takes the next batch when it is idle.
             concurrency=len(engine.instances),
             observer=self._observer(served, engine),

@@ -51,6 +51,8 @@ class Settings(BaseSettings):
     max_batch_size: int | None = Field(default=None, ge=1, le=8192)
     max_delay_ms: float | None = Field(default=None, ge=0.0, le=10_000.0)
     max_queue_rows: int | None = Field(default=None, ge=1)
+    adaptive_delay: bool | None = None
+    """Override every manifest's ``batching.adaptive_delay``."""
     request_timeout_ms: float | None = Field(default=None, gt=0.0, le=3_600_000.0)
     """Override every manifest's ``request_timeout_ms``: a request whose rows have not all started by then gets 504."""
     max_body_bytes: int = Field(default=64 * 2**20, ge=1024)

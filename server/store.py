@@ -152,6 +152,10 @@ class Batching(BaseModel):
     max_queue_rows: int = Field(default=4096, ge=1)
     request_timeout_ms: float | None = Field(default=None, gt=0.0, le=3_600_000.0)
     """Answer a request 504 when its rows have not all started within this time; a client may ask for less."""
+    adaptive_delay: bool = True
+    """An idle model waits for more requests no longer than its recent batches took to run (and never longer than
+    ``max_delay_ms``): a lone request to a model whose forward is cheap starts at once, while a model whose forward
+    takes longer than the delay still waits it out to gather batches. Off: always ``max_delay_ms``."""
     group_lengths: bool = True
     """For variable inputs: batch requests of similar lengths together (the same power-of-two length bucket) and pad
     to the bucket; off, any lengths share a batch, padded to its longest."""

@@ -48,13 +48,17 @@ def _tensor_config(spec: TensorSpec) -> dict[str, object]:
 def model_config(served: ServedModel, device_type: str, device_index: int | None) -> dict[str, object]:
     """``served`` as a Triton ``ModelConfig``: per-sample ``dims`` (the batch dimension is implied by
     ``max_batch_size``), the dynamic batcher's delay, one instance on the serving device. Settings Triton has no
-    field for (precision, the queue bound in rows) are string ``parameters``."""
+    field for (precision, the queue bound in rows, the adaptive delay) are string ``parameters``."""
     b = served.batching
     gpu = device_type == "cuda"
     instance: dict[str, object] = {"name": f"{served.name}_0", "kind": "KIND_GPU" if gpu else "KIND_CPU", "count": 1}
     if gpu:
         instance["gpus"] = [device_index or 0]
-    parameters = {"max_queue_rows": {"string_value": str(b.max_queue_rows)}}
+    parameters = {
+        "max_queue_rows": {"string_value": str(b.max_queue_rows)},
+        # Triton has no field for it: max_queue_delay_microseconds is then the longest wait, not every wait.
+        "adaptive_delay": {"string_value": str(b.adaptive_delay).lower()},
+    }
     if served.precision is not None:
         parameters["precision"] = {"string_value": served.precision.value}
     dynamic_batching: dict[str, object] = {"max_queue_delay_microseconds": round(b.max_delay_ms * 1000)}

@@ -114,6 +114,7 @@ def test_model_metadata_and_config_match_the_manifest(client: tg.InferenceServer
     assert config.input[0].data_type == service_pb2.model__config__pb2.TYPE_FP32
     assert config.dynamic_batching.max_queue_delay_microseconds == 20_000
     assert config.parameters["precision"].string_value == "fp32"
+    assert config.parameters["adaptive_delay"].string_value == "true"
 
 
 def test_unknown_models_and_versions_are_not_found(client: tg.InferenceServerClient) -> None:
@@ -233,7 +234,7 @@ def test_malformed_requests_are_refused_naming_the_field(client: tg.InferenceSer
 
 
 def test_a_queue_timeout_answers_deadline_exceeded(server_factory: StartServer, store_dir: Path) -> None:
-    slow = serve_grpc(server_factory, store_dir, "--max-delay-ms", "2000", "--precision", "fp32")
+    slow = serve_grpc(server_factory, store_dir, "--max-delay-ms", "2000", "--no-adaptive-delay", "--precision", "fp32")
     with tg.InferenceServerClient(slow.address) as c:
         start = time.monotonic()
         e = refusal(lambda: c.infer(MODEL, [grpc_input(features(1))], timeout=100_000))  # 100 ms, in microseconds
@@ -270,9 +271,11 @@ def test_int32_inputs_of_the_simple_model(server_factory: StartServer) -> None:
 
 
 def test_grpc_and_http_requests_share_a_batch(server_factory: StartServer, store_dir: Path) -> None:
-    # A batch is cut when 8 rows are queued or after 5 s: 4 rows over HTTP and 4 over gRPC make exactly one batch of
-    # 8 only if both protocols feed the same batcher.
-    shared = serve_grpc(server_factory, store_dir, "--max-delay-ms", "5000", "--precision", "fp32")
+    # A batch is cut when 8 rows are queued or after 5 s (the whole delay: not adaptive): 4 rows over HTTP and 4 over
+    # gRPC make exactly one batch of 8 only if both protocols feed the same batcher.
+    shared = serve_grpc(
+        server_factory, store_dir, "--max-delay-ms", "5000", "--no-adaptive-delay", "--precision", "fp32"
+    )
     x = features(4, seed=5)
     answers: dict[str, np.ndarray] = {}
 
@@ -386,7 +389,9 @@ def test_metrics_count_grpc_requests(server: GrpcEndpoint, client: tg.InferenceS
 
 
 def test_sigterm_answers_the_call_in_flight_then_exits_cleanly(server_factory: StartServer, store_dir: Path) -> None:
-    draining = serve_grpc(server_factory, store_dir, "--max-delay-ms", "1500", "--precision", "fp32")
+    draining = serve_grpc(
+        server_factory, store_dir, "--max-delay-ms", "1500", "--no-adaptive-delay", "--precision", "fp32"
+    )
     answer: dict[str, object] = {}
 
     def call() -> None:

@@ -11,6 +11,7 @@ import torch
 
 from server import precision, store
 from server.settings import Settings
+from server.store import Batching
 from tests.conftest import needs_cxx, save_tiny_mlp
 from tests.integration.conftest import serving
 
@@ -148,7 +149,16 @@ async def test_listing_shows_signature_batching_and_device(tiny_store: Path) -> 
     assert m["inputs"] == [{"name": "features", "datatype": "FP32", "shape": [16]}]
     assert m["outputs"] == [{"name": "logits", "datatype": "FP32", "shape": [4]}]
     assert m["batching"]["max_batch_size"] == 16  # the global override wins over the manifest's 8
+    assert m["batching"]["adaptive_delay"] is True  # the manifest's default
     assert m["weight_bytes"] == (16 * 32 + 32 + 32 * 4 + 4) * 4
+
+
+async def test_adaptive_delay_is_a_manifest_field_with_a_global_override(tmp_path: Path) -> None:
+    save_tiny_mlp(tmp_path, batching=Batching(max_batch_size=8, max_delay_ms=5, adaptive_delay=False))
+    async with serving(Settings(store=tmp_path)) as client:
+        assert (await client.get("/models")).json()["models"][0]["batching"]["adaptive_delay"] is False
+    async with serving(Settings(store=tmp_path, adaptive_delay=True)) as client:
+        assert (await client.get("/models")).json()["models"][0]["batching"]["adaptive_delay"] is True
 
 
 async def test_highest_version_is_served_unless_pinned(tmp_path: Path) -> None:

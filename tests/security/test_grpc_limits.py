@@ -132,7 +132,9 @@ def test_a_silent_connection_is_closed_after_the_header_timeout(address: str) ->
 def test_calls_past_max_connections_are_refused_not_queued(server_factory: StartServer, store_dir: Path) -> None:
     # Three calls at a time; a batch is cut only after 3 s (8 rows never arrive), so the first three hold their
     # slots and the rest are refused at once.
-    address = serve(server_factory, store_dir, "--max-connections", "3", "--max-delay-ms", "3000")
+    address = serve(
+        server_factory, store_dir, "--max-connections", "3", "--max-delay-ms", "3000", "--no-adaptive-delay"
+    )
     outcomes: list[str] = []
     lock = threading.Lock()
 

@@ -182,6 +182,52 @@ async def test_the_delay_counts_from_the_oldest_request() -> None:
     await batcher.stop()
 
 
+async def batch_taking(runner: FakeRunner, clock: FakeClock, batcher: Batcher, wait: float, took: float) -> None:
+    """One lone request: cut after ``wait`` seconds (not a moment before), its batch running ``took`` seconds."""
+    runner.gate.clear()
+    batches = len(runner.batches)
+    future = batcher.enqueue(rows(1))
+    await clock.advance(wait - 1e-6)
+    assert len(runner.batches) == batches, "cut before its wait was over"
+    await clock.advance(2e-6)
+    assert len(runner.batches) == batches + 1, "not cut when its wait was over"
+    await clock.advance(took)
+    runner.gate.set()
+    await settle()
+    assert future.done()
+
+
+async def test_adaptive_delay_waits_no_longer_than_recent_batches_took() -> None:
+    runner, clock = FakeRunner(), FakeClock()
+    batcher = Batcher(runner, max_batch_size=100, max_delay=30.0, max_queue_rows=1000, clock=clock, adaptive_delay=True)
+    batcher.start()
+    await batch_taking(runner, clock, batcher, wait=30.0, took=0.5)  # no batch has run yet: the whole delay
+    assert batcher.batch_seconds == pytest.approx(0.5, abs=1e-5)
+    await batch_taking(runner, clock, batcher, wait=0.5, took=0.1)
+    # A moving average: the latest batch moves it a quarter of the way.
+    assert batcher.batch_seconds == pytest.approx(0.5 + 0.25 * (0.1 - 0.5), abs=1e-5)
+    await batch_taking(runner, clock, batcher, wait=0.4, took=0.0)
+    await batcher.stop()
+
+
+async def test_adaptive_delay_keeps_the_whole_delay_for_batches_slower_than_it() -> None:
+    runner, clock = FakeRunner(), FakeClock()
+    batcher = Batcher(runner, max_batch_size=100, max_delay=30.0, max_queue_rows=1000, clock=clock, adaptive_delay=True)
+    batcher.start()
+    await batch_taking(runner, clock, batcher, wait=30.0, took=60.0)
+    await batch_taking(runner, clock, batcher, wait=30.0, took=60.0)
+    await batcher.stop()
+
+
+async def test_without_adaptive_delay_a_lone_request_waits_the_whole_delay_after_fast_batches() -> None:
+    runner, clock = FakeRunner(), FakeClock()
+    batcher = Batcher(runner, max_batch_size=100, max_delay=30.0, max_queue_rows=1000, clock=clock)
+    batcher.start()
+    await batch_taking(runner, clock, batcher, wait=30.0, took=0.5)
+    await batch_taking(runner, clock, batcher, wait=30.0, took=0.5)
+    await batcher.stop()
+
+
 async def test_full_queue_rejects_at_once() -> None:
     runner = FakeRunner()
     runner.gate.clear()  # hold the first batch in the runner so the queue fills up behind it
