@@ -160,3 +160,22 @@ def test_calls_past_max_connections_are_refused_not_queued(server_factory: Start
     assert outcomes.count("StatusCode.RESOURCE_EXHAUSTED") >= 1
     assert set(outcomes) <= {"ok", "StatusCode.RESOURCE_EXHAUSTED"}
     one_row(address)
+
+
+def test_a_stream_of_a_thousand_bad_requests_is_answered_and_serving_goes_on(address: str) -> None:
+    # At most 256 of a stream's requests are in flight; each bad one is answered with its error, in order of answer.
+    bad = service_pb2.ModelInferRequest(model_name=MODEL)
+    bad.inputs.add(name="features", datatype="FP32", shape=[1, 5])
+    bad.raw_input_contents.append(np.zeros(5, np.float32).tobytes())
+    with grpc.insecure_channel(address) as channel:
+        stream = channel.stream_stream(
+            "/inference.GRPCInferenceService/ModelStreamInfer",
+            request_serializer=service_pb2.ModelInferRequest.SerializeToString,
+            response_deserializer=service_pb2.ModelStreamInferResponse.FromString,
+        )
+        start = time.monotonic()
+        answers = list(stream(iter([bad] * 1000), timeout=60))
+    assert len(answers) == 1000
+    assert all("inputs[0].shape: expected [N, 16]" in a.error_message for a in answers)
+    assert time.monotonic() - start < 30
+    one_row(address)
