@@ -36,7 +36,7 @@ from server.api.grpc_codec import infer_payload, infer_response
 from server.api.shm import admitted_regions
 from server.api.telemetry import request_labels
 from server.api.v2 import EXTENSIONS, SERVER_NAME, metadata, parse_request
-from server.api.v2_repository import index_entries, load_from_store
+from server.api.v2_repository import index_entries, load_from_store, refuse_overrides
 from server.api.v2_triton import model_config, model_stats
 from server.repository import ModelRepository, ServedModel
 from server.serving import AppState, Interface, ModelHandle, ModelState, Prediction, check_ready
@@ -178,11 +178,8 @@ class InferenceService:
             payload, binary = infer_payload(request, served)
             regions = partial(admitted_regions, self.state, _client(context), _authorization(context))
             req = parse_request(payload, binary, served, settings, regions)
-            timeout = context.time_remaining()
-            if req.timeout_us:
-                timeout = req.timeout_us / 1e6 if timeout is None else min(timeout, req.timeout_us / 1e6)
             try:
-                result = await served.submit(req.inputs, timeout)
+                result = await served.submit(req.inputs, req.timeout(context.time_remaining()))
             except asyncio.CancelledError:
                 if not self.state.draining:
                     status = 499
@@ -259,10 +256,7 @@ class InferenceService:
 
     async def repository_model_load(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         self._admin(context)
-        overrides = sorted(k for k in request.parameters if k == "config" or k.startswith("file:"))
-        if overrides:
-            names = ", ".join(overrides)
-            raise APIError(400, f"parameters: {names}: overriding a model's configuration is not supported")
+        refuse_overrides(request.parameters)
         await load_from_store(self._repository(), request.model_name)
         return pb.message("inference.RepositoryModelLoadResponse")()
 
@@ -279,11 +273,7 @@ class InferenceService:
         response = pb.message("inference.SystemSharedMemoryStatusResponse")()
         for name, region in regions.items():
             if not request.name or name == request.name:
-                response.regions[name].CopyFrom(
-                    json_format.ParseDict(
-                        region.status(), pb.message("inference.SystemSharedMemoryStatusResponse.RegionStatus")()
-                    )
-                )
+                json_format.ParseDict(region.status(), response.regions[name])
         return response
 
     async def shm_register(self, request: Any, context: grpc.aio.ServicerContext) -> Any:

@@ -157,12 +157,21 @@ class Inference:
     request_id: str | None
     binary_output: bool
     timeout_us: int = 0
+    """The request's own ``parameters.timeout`` in microseconds; 0: none."""
     classes: int = 0
     """The top classes to return per row instead of the output (the classification extension); 0: the output."""
     output_span: Span | None = None
     """Where in shared memory the output goes (the shared memory extension); None: in the body."""
     outputs: dict[str, OutputRequest] | None = None
     """For a model with several outputs, the ones to return and how (None: the only output, as above)."""
+
+    def timeout(self, client: float | None) -> float | None:
+        """Seconds the request may wait in the queue: the shorter of ``client`` (the transport's: a header, a gRPC
+        deadline) and ``parameters.timeout``; None for neither."""
+        if not self.timeout_us:
+            return client
+        own = self.timeout_us / 1e6
+        return own if client is None else min(client, own)
 
     @property
     def x(self) -> np.ndarray:
@@ -640,10 +649,8 @@ async def infer(request: Request) -> Response:
                 "send raw tensor data as application/octet-stream",
             )
         req = parse_raw(binary, served, limits)
-    if req.timeout_us:
-        timeout = req.timeout_us / 1e6 if timeout is None else min(timeout, req.timeout_us / 1e6)
     try:
-        result = await served.submit(req.inputs, timeout)
+        result = await served.submit(req.inputs, req.timeout(timeout))
         answered(request, result)
     except asyncio.CancelledError:
         if not app.draining:

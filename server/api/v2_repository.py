@@ -7,6 +7,7 @@ reconfigured over HTTP.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from enum import Enum
 from typing import Any
 
@@ -51,6 +52,14 @@ def index_entry(served: ServedModel) -> dict[str, object]:
     else:
         state, reason = RepositoryState.UNAVAILABLE, served.error or served.state.value
     return {"name": served.name, "version": str(served.version), "state": state.value, "reason": reason}
+
+
+def refuse_overrides(parameters: Iterable[str]) -> None:
+    """A 400 naming a load's parameters that would override the model's configuration (``config``, ``file:...``),
+    which is not supported."""
+    overrides = sorted(k for k in parameters if k == "config" or k.startswith("file:"))
+    if overrides:
+        raise APIError(400, f"parameters: {', '.join(overrides)}: overriding a model's configuration is not supported")
 
 
 async def load_from_store(
@@ -128,9 +137,7 @@ async def load_model(model_name: str, request: Request) -> Response:
     params = (await json_object(request)).get("parameters") or {}
     if not isinstance(params, dict):
         raise APIError(400, f"parameters: expected an object, got {type(params).__name__}")
-    overrides = sorted(k for k in params if k == "config" or k.startswith("file:"))
-    if overrides:
-        raise APIError(400, f"parameters: {', '.join(overrides)}: overriding a model's configuration is not supported")
+    refuse_overrides(params)
     served = await load_from_store(repository(request), model_name)
     return json_response(index_entry(served))
 

@@ -6,6 +6,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
+from multiprocessing import shared_memory
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,7 @@ from tritonclient.grpc import service_pb2
 from tritonclient.utils import InferenceServerException
 
 from server import grpc_messages
-from tests.conftest import ServerProcess, free_port, save_tiny_mlp
+from tests.conftest import ServerProcess, free_port, save_tiny_mlp, shm_key
 
 pytestmark = pytest.mark.slow
 
@@ -422,3 +423,20 @@ def test_grpc_with_http_front_ends_is_served_by_the_engine_process(
         logits = c.infer(MODEL, [grpc_input(x)]).as_numpy("logits")
         np.testing.assert_allclose(logits, http_logits(workers.url, x), rtol=1e-5, atol=1e-6)
         assert c.get_inference_statistics(MODEL).model_stats[0].inference_count - before == 6
+
+
+def test_system_shared_memory_regions_over_grpc_need_the_token(
+    client: tg.InferenceServerClient, segment: shared_memory.SharedMemory
+) -> None:
+    key = shm_key(segment)
+    e = refusal(lambda: client.register_system_shared_memory("grpc-region", key, 1024))
+    assert e.status() == "StatusCode.UNAUTHENTICATED"
+    client.register_system_shared_memory("grpc-region", key, 1024, offset=64, headers=AUTH)
+    try:
+        status = client.get_system_shared_memory_status(headers=AUTH, as_json=True)["regions"]
+        assert status["grpc-region"] == {"name": "grpc-region", "key": key, "offset": "64", "byte_size": "1024"}
+        e = refusal(lambda: client.get_system_shared_memory_status("absent", headers=AUTH))
+        assert e.status() == "StatusCode.NOT_FOUND"
+    finally:
+        client.unregister_system_shared_memory("grpc-region", headers=AUTH)
+    assert client.get_system_shared_memory_status(headers=AUTH, as_json=True) == {}
