@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from server import grpc_messages as pb
-from server.api.codec import WireType, check_range, encode_bytes
+from server.api.codec import WireType, check_range, element_count, encode_bytes
 from server.api.errors import APIError
 from server.api.v2 import Inference, check_input_count, encode_outputs
 from server.serving import ModelHandle, Prediction
@@ -122,7 +122,8 @@ def _typed_bytes(tensor: Any, field: str) -> bytes:
         return b""  # an unknown datatype: parse_request names it
     name, dtype = typed
     values = getattr(contents, name)
-    want = int(np.prod(tensor.shape)) if len(tensor.shape) else 0
+    # Python's integers, not numpy's: a shape of huge dimensions must not wrap around to a small count.
+    want = element_count(list(tensor.shape)) if len(tensor.shape) else 0
     if len(values) != want:
         shape = list(tensor.shape)
         raise APIError(400, f"{field}.contents.{name}: {len(values)} values, but shape {shape} holds {want}")
