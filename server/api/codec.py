@@ -194,6 +194,8 @@ def wire_values(arr: np.ndarray, wire: WireType) -> np.ndarray:
     """Output values (float32 from the engine) in ``wire``'s dtype: integers are rounded, BF16 gives its bits."""
     if wire is WireType.BF16:
         return to_bf16_bits(arr)
+    if arr.dtype == wire.dtype and arr.flags.c_contiguous:
+        return arr
     # An output beyond the datatype's range (an FP16 output over 65504, an infinite one as an integer) is cast as
     # numpy casts it, without a warning per response.
     with np.errstate(over="ignore", invalid="ignore"):

@@ -50,7 +50,7 @@ from server.api.codec import (
 )
 from server.api.deps import json_response, model_route, served_model, version_of
 from server.api.errors import APIError, count, cut_off_by_shutdown, error_responses, from_exception, json_ok
-from server.api.limits import check_finite, check_size, client_timeout, parse_json, read_body
+from server.api.limits import check_finite, check_size, client_timeout, parse_json, raw_header, read_body
 from server.api.shm import RegionSource, Span, authorised_regions, span
 from server.api.telemetry import answered, metered, note
 from server.api.v2_schema import INFER_SCHEMA
@@ -208,6 +208,8 @@ def to_input_dtype(arr: np.ndarray, wire: WireType, spec: TensorSpec, fp16_weigh
                 400, f"{field}: the {spec.datatype.value} input {spec.name!r} takes integer datatypes, got {wire.value}"
             )
         check_range(arr, target, field)
+    if arr.dtype == target:
+        return arr
     # Floats beyond the target's range become infinite here, silently: the finiteness check that follows names them.
     with np.errstate(over="ignore", invalid="ignore"):
         return arr.astype(target, copy=False)
@@ -623,6 +625,9 @@ def _encode_output(
     return output, tail
 
 
+_HEADER_LENGTH_KEY = HEADER_LENGTH.lower().encode()
+
+
 @metered(Interface.V2)
 async def infer(request: Request) -> Response:
     """``POST /v2/models/{model_name}[/versions/{model_version}]/infer``, as a plain Starlette endpoint."""
@@ -635,13 +640,14 @@ async def infer(request: Request) -> Response:
     limits = app.settings
     timeout = client_timeout(request)
     body = await read_body(request, limits.max_body_bytes)
-    header, binary = split_body(body, request.headers.get(HEADER_LENGTH))
+    length = raw_header(request, _HEADER_LENGTH_KEY)
+    header, binary = split_body(body, None if length is None else length.decode("latin-1"))
     if header is not None:
         payload = await parse_json(header, limits.max_json_values)
         req = parse_request(payload, binary, served, limits, partial(authorised_regions, request))
     else:
         assert binary is not None
-        if request.headers.get("content-type", "").startswith("application/json"):
+        if (raw_header(request, b"content-type") or b"").startswith(b"application/json"):
             # Read as raw tensor bytes, a JSON body whose length happens to be whole samples would be served garbage.
             raise APIError(
                 400,
