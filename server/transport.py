@@ -96,8 +96,12 @@ class LimitedHttpProtocol(CoalescingHttpToolsProtocol):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._timer: asyncio.TimerHandle | None = None
+        self._timing_head = False
+        """The timer is the head's (its deadline stands however many reads the head takes)."""
         self._in_head = False
         """Inside a request's line and headers: from its first byte until its headers are complete."""
+        self._in_body = False
+        """Inside a request's body: from the end of its headers until the request is complete."""
         self._head_bytes = 0
         self._header_bytes = 0
         self._refused = False
@@ -114,7 +118,7 @@ class LimitedHttpProtocol(CoalescingHttpToolsProtocol):
         if len(self.connections) > self.limits.max_connections:
             self._refuse(503, f"server busy: {self.limits.max_connections} connections are open (max_connections)")
             return
-        self._arm(self.limits.header_timeout, self._head_timed_out)
+        self._arm_head()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
@@ -134,6 +138,15 @@ class LimitedHttpProtocol(CoalescingHttpToolsProtocol):
             if self._head_bytes > limit:
                 what = f"request line and headers: more than {limit} bytes (max_url_bytes + max_header_bytes)"
                 self._refuse(431, what, linger=True)
+        # Timers are armed for a request still incomplete when a read has been parsed, not at each parser event: a
+        # request that arrives whole in one read (nearly all of them) costs no timer at all.
+        if self._refused:
+            return
+        if self._in_head:
+            if not self._timing_head:
+                self._arm_head()
+        elif self._in_body:
+            self._arm(self.limits.body_timeout, self._body_timed_out)  # bytes arrived: the gap starts again
 
     def send_400_response(self, msg: str) -> None:
         if not self._refused:
@@ -145,7 +158,6 @@ class LimitedHttpProtocol(CoalescingHttpToolsProtocol):
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self._in_head, self._head_bytes, self._header_bytes = True, 0, 0
-        self._arm(self.limits.header_timeout, self._head_timed_out)
 
     def on_url(self, url: bytes) -> None:
         super().on_url(url)
@@ -161,15 +173,11 @@ class LimitedHttpProtocol(CoalescingHttpToolsProtocol):
         super().on_header(name, value)
 
     def on_headers_complete(self) -> None:
-        self._in_head = False
+        self._in_head, self._in_body = False, True
         super().on_headers_complete()
-        self._arm(self.limits.body_timeout, self._body_timed_out)  # disarmed at once when there is no body
-
-    def on_body(self, body: bytes) -> None:
-        super().on_body(body)
-        self._arm(self.limits.body_timeout, self._body_timed_out)
 
     def on_message_complete(self) -> None:
+        self._in_body = False
         self._disarm()
         super().on_message_complete()
 
@@ -179,14 +187,20 @@ class LimitedHttpProtocol(CoalescingHttpToolsProtocol):
         if self._timer is not None:
             self._timer.cancel()
         self._timer = self.loop.call_later(seconds, then)
+        self._timing_head = False
+
+    def _arm_head(self) -> None:
+        self._arm(self.limits.header_timeout, self._head_timed_out)
+        self._timing_head = True
 
     def _disarm(self) -> None:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+        self._timing_head = False
 
     def _head_timed_out(self) -> None:
-        self._timer = None
+        self._timer, self._timing_head = None, False
         if self.cycle is not None and not self.cycle.response_complete:
             return  # a request is being answered; the next one's head has not begun
         self._refuse(

@@ -94,6 +94,50 @@ def test_headers_trickled_a_byte_at_a_time_are_cut_off(server: ServerProcess) ->
     still_serving(server)
 
 
+def read_one_answer(sock: socket.socket) -> bytes:
+    """One whole answer on a connection kept open: its head, then its Content-Length of body."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += sock.recv(65536)
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = next(
+        int(v) for k, v in (h.split(b": ", 1) for h in head.split(b"\r\n")[1:]) if k.lower() == b"content-length"
+    )
+    while len(body) < length:
+        body += sock.recv(65536)
+    return head
+
+
+def test_the_next_request_on_a_kept_connection_is_held_to_the_header_timeout(server: ServerProcess) -> None:
+    """A request that arrived whole leaves no timer behind; the next one's head, trickled, still gets one."""
+    with connection(server) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert read_one_answer(sock).startswith(b"HTTP/1.1 200")
+        start = time.monotonic()
+        send_slowly(sock, b"GET /health HTTP/1.1\r\nHost: x\r\nx-padding: " + b"a" * 200, every=0.05)
+        status, data, _ = answer(sock)
+    assert status == 408
+    assert b"(header_timeout)" in data
+    assert time.monotonic() - start < 5
+    still_serving(server)
+
+
+def test_a_body_trickled_within_the_gap_is_read_until_it_stalls(server: ServerProcess) -> None:
+    """Each read of the body starts the gap again: 2.5 s of bytes 0.25 s apart outlast a 1 s body timeout, and
+    the stall after them does not."""
+    with connection(server) as sock:
+        send_part_of_a_body(sock, b"")
+        start = time.monotonic()
+        for _ in range(10):
+            sock.sendall(b" ")
+            time.sleep(0.25)
+        status, data, _ = answer(sock)
+    assert status == 408
+    assert b"(body_timeout)" in data
+    assert time.monotonic() - start > 2.5
+    still_serving(server)
+
+
 def test_a_stalled_body_is_a_408_counted_as_one(server: ServerProcess) -> None:
     before = metric(server, 408)
     with connection(server) as sock:
