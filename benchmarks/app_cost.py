@@ -182,7 +182,11 @@ def main() -> None:
     runs: dict[str, list[dict[str, Any]]] = {rev: [] for rev in revs}
     try:
         trees = {rev: worktree(rev, keep) for rev in revs}
-        child = [a for a in sys.argv[1:] if not a.startswith("--revs") and not a.startswith("--out")]
+        child = [
+            *("--routes", ",".join(args.routes), "--model", args.model, "--features", str(args.features)),
+            *("--store", args.store, "--precision", args.precision, "--clients", str(args.clients)),
+            *("--seconds", str(args.seconds), "--warmup", str(args.warmup)),
+        ]
         for r in range(args.rounds):
             for rev in revs:
                 script = trees[rev] / "benchmarks" / "app_cost.py"
