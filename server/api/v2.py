@@ -79,6 +79,8 @@ def tensor_metadata(spec: TensorSpec) -> dict[str, object]:
 
 # Health and metadata --------------------------------------------------------------------------------------------
 
+_HEADER_LENGTH_KEY = HEADER_LENGTH.lower().encode()
+"""The binary extension's header as the ASGI scope names it, and as a response carries it."""
 _OBJECT: dict[str, Any] = {"type": "object"}
 _METADATA_RESPONSES = {
     **json_ok("The model's metadata.", _OBJECT),
@@ -254,12 +256,12 @@ def _decode_input(
     served: ModelHandle,
     limits: Settings | None,
     regions: RegionSource | None,
+    specs: list[TensorSpec],
 ) -> tuple[np.ndarray, TensorSpec, int]:
-    """An entry of ``inputs`` as the batcher's array, its input's spec, and how many bytes of ``binary`` it took
-    (from the start)."""
+    """An entry of ``inputs`` (one of ``specs``, the inputs clients send) as the batcher's array, its input's spec,
+    and how many bytes of ``binary`` it took (from the start)."""
     if not isinstance(item, dict):
         raise APIError(400, f"{field}: expected an object, got {type(item).__name__}")
-    specs = sent_inputs(served.manifest)
     spec = next((t for t in specs if t.name == item.get("name")), None)
     if spec is None:
         takes = repr(specs[0].name) if len(specs) == 1 else str([t.name for t in specs])
@@ -325,7 +327,7 @@ def _requested_output(
                 region = span(regions, params, f"{field}.parameters")
     if region is not None:
         return False, 0, region
-    if not classes and wire_type(out_spec.datatype.value, out_spec.name) in JSON_UNSUPPORTED and not binary:
+    if not (binary or classes) and wire_type(out_spec.datatype.value, out_spec.name) in JSON_UNSUPPORTED:
         kind = out_spec.datatype.value
         raise APIError(400, f"outputs: {out_spec.name!r} is {kind}; JSON has no 16-bit floats, request binary_data")
     return binary, classes, region
@@ -374,9 +376,10 @@ def _takes(specs: list[TensorSpec]) -> str:
     return f"input {specs[0].name!r}" if len(specs) == 1 else f"inputs {[t.name for t in specs]}"
 
 
-def check_input_count(given: int, served: ModelHandle) -> None:
-    """A 400 when a request has more input entries than ``served`` takes: checked before any is decoded."""
-    specs = sent_inputs(served.manifest)
+def check_input_count(given: int, served: ModelHandle, specs: list[TensorSpec] | None = None) -> None:
+    """A 400 when a request has more input entries than ``served`` takes (``specs``: its inputs clients send, when
+    the caller has them): checked before any is decoded."""
+    specs = sent_inputs(served.manifest) if specs is None else specs
     if given > len(specs) + (served.manifest.text is not None):
         raise APIError(400, f"inputs: {given} given; the model takes {len(specs)}: {_takes(specs)}")
 
@@ -403,7 +406,7 @@ def parse_request(
     inputs = payload.get("inputs")
     if not isinstance(inputs, list) or not inputs:
         raise APIError(400, f"inputs: expected a non-empty list; the model takes {_takes(specs)}")
-    check_input_count(len(inputs), served)
+    check_input_count(len(inputs), served, specs)
     text = served.manifest.text
     tensors: dict[str, np.ndarray] = {}
     declared = 0
@@ -419,7 +422,7 @@ def parse_request(
             tensors.update(encode_texts(texts, field, served, limits.store))
             declared += size
             continue
-        x, spec, size = _decode_input(item, field, rest, served, limits, regions)
+        x, spec, size = _decode_input(item, field, rest, served, limits, regions, specs)
         if spec.name in tensors:
             raise APIError(400, f"{field}.name: input {spec.name!r} is given twice")
         first = next(iter(tensors.items()), None)
@@ -577,7 +580,9 @@ def encode_response(served: ModelHandle, req: Inference, result: Prediction) -> 
     tail = b"".join(tails)
     if not tail:
         return Response(body, media_type="application/json")
-    return Response(body + tail, media_type="application/octet-stream", headers={HEADER_LENGTH: str(len(body))})
+    response = Response(body + tail, media_type="application/octet-stream")
+    response.raw_headers.append((_HEADER_LENGTH_KEY, b"%d" % len(body)))
+    return response
 
 
 def encode_outputs(served: ModelHandle, req: Inference, result: Prediction) -> list[tuple[dict[str, Any], bytes]]:
@@ -623,9 +628,6 @@ def _encode_output(
     else:
         output["data"] = wire_values(out, wire).reshape(-1)
     return output, tail
-
-
-_HEADER_LENGTH_KEY = HEADER_LENGTH.lower().encode()
 
 
 @metered(Interface.V2)
