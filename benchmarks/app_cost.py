@@ -29,11 +29,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-import common
 import numpy as np
-from common import ROOT
 
-from server import hostinfo
+ROOT = Path(__file__).resolve().parent.parent
+"""The repository root. Not put on ``sys.path``: a run measures the ``server`` of the tree it runs in (its working
+directory and ``PYTHONPATH``), whichever tree this script comes from."""
 
 ROUTES = ("health", "predict", "v2-binary")
 
@@ -212,6 +212,9 @@ def main() -> None:
 
 
 def report(args: argparse.Namespace, revs: list[str], runs: dict[str, list[dict[str, Any]]]) -> None:
+    sys.path.insert(0, str(ROOT))
+    from server import hostinfo
+
     host = hostinfo.describe()
     where = (
         f"{host['cpu']} ({host['cores']} cores, {host['cpu_capability']}, native bf16 {host['native_bf16']}), "
@@ -241,5 +244,4 @@ def report(args: argparse.Namespace, revs: list[str], runs: dict[str, list[dict[
 
 
 if __name__ == "__main__":
-    common.__name__  # noqa: B018  (imported for sys.path)
     main()
