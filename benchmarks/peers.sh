@@ -9,8 +9,9 @@
 # Needs the kit set up (../shared/peers/setup.sh, with PEERS_WORK) and wrk. Environment: PEERS (the kit's folder,
 # default ../shared/peers beside the repository), PEERS_WORK (default /tmp/peers-work), ROUNDS (2), SYSTEMS (the
 # peers, default all four), CONCURRENCY ("1 8 32 64"), WARMUP (3 s), DURATION (10 s), VARIANTS (halfserve options per
-# variant, separated by "|"; default: the peers' batching, max batch 32 and a fixed 5 ms delay, then halfserve's own
-# defaults, whose adaptive delay --adaptive-delay names).
+# variant, separated by "|", after --precision fp32; default: the peers' batching, max batch 32 and a fixed 5 ms
+# delay; then halfserve's own defaults, whose adaptive delay --adaptive-delay names; then those defaults with the
+# default precision too, --precision auto: bf16 on a CPU with native bf16, fp32 on others, fp16 on CUDA).
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 OUT="$(mkdir -p "${1:?usage: benchmarks/peers.sh OUT_DIR}" && cd "$1" && pwd)"
@@ -19,7 +20,7 @@ export PEERS_WORK="${PEERS_WORK:-/tmp/peers-work}"
 export CONCURRENCY="${CONCURRENCY:-1 8 32 64}" WARMUP="${WARMUP:-3}" DURATION="${DURATION:-10}"
 ROUNDS="${ROUNDS:-2}"
 SYSTEMS_ALL="${SYSTEMS-fastapi litserve mlserver torchserve}"
-VARIANTS="${VARIANTS:---max-batch-size 32 --max-delay-ms 5 --no-adaptive-delay|--adaptive-delay}"
+VARIANTS="${VARIANTS:---max-batch-size 32 --max-delay-ms 5 --no-adaptive-delay|--adaptive-delay|--adaptive-delay --precision auto}"
 PORT=8090
 
 body="$(mktemp)"
