@@ -49,6 +49,28 @@ async def test_a_body_over_max_body_bytes_is_a_413_naming_the_setting(tiny_store
     assert ok.status_code == 200
 
 
+async def test_a_body_in_several_parts_is_read_whole(tiny_store: Path) -> None:
+    """A chunked body (no Content-Length) arrives as several messages; JSON and V2 binary are joined before parsing."""
+    x = np.linspace(-1, 1, 3 * 16, dtype=np.float32).reshape(3, 16)
+    body = orjson.dumps({"inputs": x.tolist()})
+    raw, headers = binary_body(x)
+
+    def parts(data: bytes) -> AsyncIterator[bytes]:
+        async def gen() -> AsyncIterator[bytes]:
+            for i in range(0, len(data), 7):
+                yield data[i : i + 7]
+
+        return gen()
+
+    async with serving(Settings(store=tiny_store)) as client:
+        whole = await client.post("/predict", content=body, headers={"content-type": "application/json"})
+        split = await client.post("/predict", content=parts(body), headers={"content-type": "application/json"})
+        v2 = await client.post(INFER, content=parts(raw), headers=headers)
+    assert whole.status_code == split.status_code == v2.status_code == 200
+    assert split.json()["outputs"] == whole.json()["outputs"]
+    assert len(v2.json()["outputs"][0]["data"]) == len(whole.json()["outputs"]) * len(whole.json()["outputs"][0])
+
+
 async def test_a_compressed_body_is_held_to_max_body_bytes_as_it_inflates(tiny_store: Path) -> None:
     """A 65 KB gzip body that would inflate to 64 MB is refused after the first 100 KB + 1 of output, not inflated."""
     bomb = gzip.compress(b"[" + b" " * (64 << 20) + b"]", compresslevel=9)
