@@ -21,6 +21,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -38,25 +39,18 @@ directory and ``PYTHONPATH``), whichever tree this script comes from."""
 ROUTES = ("health", "predict", "v2-binary")
 
 
-def bodies(model: str, features: int) -> dict[str, tuple[str, str, list[tuple[bytes, bytes]], bytes]]:
-    """Each route's method, path, headers and body: one seeded sample of ``features`` floats."""
-    sample = np.random.default_rng(42).standard_normal(features).round(6).astype(np.float32)
-    predict = json.dumps({"model": model, "inputs": [sample.tolist()]}).encode()
-    raw = sample.tobytes()
-    header = {
-        "inputs": [
-            {"name": "pixels", "shape": [1, features], "datatype": "FP32", "parameters": {"binary_data_size": len(raw)}}
-        ],
-        "outputs": [{"name": "logits", "parameters": {"binary_data": True}}],
-    }
-    head = json.dumps(header, separators=(",", ":")).encode()
-    json_type = [(b"content-type", b"application/json")]
-    binary = [(b"content-type", b"application/octet-stream"), (b"inference-header-content-length", b"%d" % len(head))]
-    return {
-        "health": ("GET", "/health", [], b""),
-        "predict": ("POST", "/predict", json_type, predict),
-        "v2-binary": ("POST", f"/v2/models/{model}/infer", binary, head + raw),
-    }
+def requests(model: str, store: Path, folder: Path) -> dict[str, dict[str, Any]]:
+    """Each route's method, path, headers and body file (written into ``folder``): one seeded sample of the model's
+    first input, as :func:`common.make_protocol` writes it for wrk."""
+    import common  # here, not at the top: it puts this tree's server on sys.path, which a measured run must not
+
+    spec = json.loads((store / model / "config.json").read_text())["inputs"][0]
+    sample = np.random.default_rng(42).standard_normal(spec["shape"]).round(6).astype(np.float32)
+    routes: dict[str, dict[str, Any]] = {"health": {"method": "GET", "path": "/health", "headers": {}, "body": None}}
+    for name in ("predict", "v2-binary"):
+        proto = common.make_protocol(name, model, spec["name"], sample, folder, spec["datatype"])
+        routes[name] = {"method": "POST", "path": proto.path, "headers": proto.headers, "body": str(proto.body)}
+    return routes
 
 
 async def _call(app: Any, method: str, path: str, headers: list[tuple[bytes, bytes]], body: bytes) -> int:
@@ -126,7 +120,7 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
         store=Path(args.store), models=[args.model], precision=args.precision, grpc=False, access_log=False
     )
     app = create_app(settings)
-    routes = bodies(args.model, args.features)
+    routes = json.loads(Path(args.requests).read_text())
     results: dict[str, Any] = {}
     async with app.router.lifespan_context(app):
         for _ in range(600):
@@ -136,7 +130,10 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
         else:
             raise SystemExit("the model did not become ready")
         for route in args.routes:
-            load = _Load(app, *routes[route])
+            r = routes[route]
+            headers = [(k.lower().encode(), v.encode()) for k, v in r["headers"].items()]
+            body = Path(r["body"]).read_bytes() if r["body"] else b""
+            load = _Load(app, r["method"], r["path"], headers, body)
             tasks = [asyncio.create_task(load.client()) for _ in range(args.clients)]
             await load.timed(args.warmup)
             n, cpu, wall = await load.timed(args.seconds)
@@ -148,23 +145,12 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
     return results
 
 
-def worktree(rev: str, keep: list[Path]) -> Path:
-    if rev == ".":
-        return ROOT
-    path = Path(tempfile.mkdtemp(prefix="app-cost-"))
-    add = ["git", "-C", str(ROOT), "worktree", "add", "--detach", str(path), rev]
-    subprocess.run(add, check=True, capture_output=True)
-    keep.append(path)
-    return path
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--revs", default=".", help="comma-separated source trees, interleaved (default: this one)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--routes", default=",".join(ROUTES))
     p.add_argument("--model", default="digits_mlp")
-    p.add_argument("--features", type=int, default=256)
     p.add_argument("--store", default=str(ROOT / "model_store"))
     p.add_argument("--precision", default="fp32")
     p.add_argument("--clients", type=int, default=64)
@@ -172,31 +158,36 @@ def main() -> None:
     p.add_argument("--warmup", type=float, default=1.0)
     p.add_argument("--out", help="folder for app_cost.json and app_cost.md")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--requests", help=argparse.SUPPRESS)  # the child's: the routes' requests, as requests() writes
     args = p.parse_args()
     args.routes = args.routes.split(",")
     if args.child:
         print(json.dumps(asyncio.run(measure(args))))
         return
-    keep: list[Path] = []
+    import common  # the parent's only: a measured run imports its own tree's server
+
     revs = args.revs.split(",")
     runs: dict[str, list[dict[str, Any]]] = {rev: [] for rev in revs}
+    tmp = Path(tempfile.mkdtemp(prefix="app-cost-"))
+    trees: dict[str, Path] = {}
     try:
-        trees = {rev: worktree(rev, keep) for rev in revs}
+        routes = tmp / "requests.json"
+        routes.write_text(json.dumps(requests(args.model, Path(args.store), tmp)))
+        for i, rev in enumerate(revs):
+            trees[rev], _ = common.checkout(rev, tmp / f"tree-{i}")
         child = [
-            *("--routes", ",".join(args.routes), "--model", args.model, "--features", str(args.features)),
-            *("--store", args.store, "--precision", args.precision, "--clients", str(args.clients)),
-            *("--seconds", str(args.seconds), "--warmup", str(args.warmup)),
+            *("--routes", ",".join(args.routes), "--model", args.model, "--store", args.store),
+            *("--precision", args.precision, "--clients", str(args.clients)),
+            *("--seconds", str(args.seconds), "--warmup", str(args.warmup), "--requests", str(routes)),
         ]
         for r in range(args.rounds):
             for rev in revs:
-                script = trees[rev] / "benchmarks" / "app_cost.py"
-                if not script.exists():  # a rev from before this script: measured by this one, on its server
-                    script = Path(__file__).resolve()
-                env = {**os.environ, "PYTHONPATH": str(trees[rev])}
+                # This script in every run, so every rev is measured alike; the server is the rev's own (its tree is
+                # the working directory and PYTHONPATH, and this script puts nothing ahead of them).
                 out = subprocess.run(
-                    [sys.executable, str(script), *child, "--child"],
+                    [sys.executable, str(Path(__file__).resolve()), *child, "--child"],
                     cwd=trees[rev],
-                    env=env,
+                    env={**os.environ, "PYTHONPATH": str(trees[rev])},
                     check=True,
                     capture_output=True,
                     text=True,
@@ -206,14 +197,14 @@ def main() -> None:
                 line = "  ".join(f"{k} {v['loop_cpu_us']:.1f} us ({v['req_per_s']:,.0f}/s)" for k, v in result.items())
                 print(f"round {r + 1} {rev}: {line}", flush=True)
     finally:
-        for path in keep:
-            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(path)], check=False)
+        for tree in trees.values():
+            common.remove_checkout(tree)
+        shutil.rmtree(tmp, ignore_errors=True)
     report(args, revs, runs)
 
 
 def report(args: argparse.Namespace, revs: list[str], runs: dict[str, list[dict[str, Any]]]) -> None:
-    sys.path.insert(0, str(ROOT))
-    from server import hostinfo
+    from server import hostinfo  # this tree's: main() imported common, which put it on sys.path
 
     host = hostinfo.describe()
     where = (

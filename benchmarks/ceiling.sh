@@ -6,56 +6,37 @@
 #
 #   benchmarks/ceiling.sh OUT_DIR [server options...]
 #
-# Environment: MODEL (digits_mlp), FEATURES (its input's length, 256), ROUNDS (3), CONNECTIONS (64), DURATION (8 s),
-# WARMUP (2 s), PORT (8095). Server options default to "--precision fp32" (what peers.sh compares with the peers).
+# Environment: MODEL (digits_mlp; the sample has its first input's shape), ROUNDS (3), CONNECTIONS (64), DURATION
+# (8 s), WARMUP (2 s), PORT (8095). Server options default to "--precision fp32" (what peers.sh compares with the peers).
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 OUT="$(mkdir -p "${1:?usage: benchmarks/ceiling.sh OUT_DIR [server options...]}" && cd "$1" && pwd)"
 shift
 OPTIONS=("$@")
 [[ ${#OPTIONS[@]} -gt 0 ]] || OPTIONS=(--precision fp32)
-MODEL="${MODEL:-digits_mlp}" FEATURES="${FEATURES:-256}" ROUNDS="${ROUNDS:-3}" CONNECTIONS="${CONNECTIONS:-64}"
+MODEL="${MODEL:-digits_mlp}" ROUNDS="${ROUNDS:-3}" CONNECTIONS="${CONNECTIONS:-64}"
 DURATION="${DURATION:-8}" WARMUP="${WARMUP:-2}" PORT="${PORT:-8095}"
 URL="http://127.0.0.1:$PORT"
 
 work="$(mktemp -d)"
 trap 'rm -rf "$work"; [[ -z "${pid:-}" ]] || kill "$pid" 2>/dev/null || true' EXIT
-python - "$work" "$MODEL" "$FEATURES" <<'PY'
+# The bodies and wrk scripts the other benchmarks post (common.make_protocol), for one seeded sample of the model's
+# first input.
+python - "$ROOT" "$work" "$MODEL" <<'PY'
 import json
 import sys
+from pathlib import Path
 
-import numpy as np
+sys.path.insert(0, f"{sys.argv[1]}/benchmarks")
+import common  # noqa: E402
+import numpy as np  # noqa: E402
 
-work, model, features = sys.argv[1], sys.argv[2], int(sys.argv[3])
-sample = np.random.default_rng(42).standard_normal(features).round(6).astype(np.float32)
-with open(f"{work}/predict.json", "w") as f:
-    json.dump({"model": model, "inputs": [sample.tolist()]}, f)
-raw = sample.tobytes()
-header = {
-    "inputs": [{"name": "pixels", "shape": [1, features], "datatype": "FP32", "parameters": {"binary_data_size": len(raw)}}],
-    "outputs": [{"name": "logits", "parameters": {"binary_data": True}}],
-}
-head = json.dumps(header, separators=(",", ":")).encode()
-with open(f"{work}/v2.bin", "wb") as f:
-    f.write(head + raw)
-with open(f"{work}/v2.len", "w") as f:
-    f.write(str(len(head)))
+root, work, model = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
+spec = json.loads((root / "model_store" / model / "config.json").read_text())["inputs"][0]
+sample = np.random.default_rng(42).standard_normal(spec["shape"]).round(6).astype(np.float32)
+for name in ("predict", "v2-binary"):
+    common.make_protocol(name, model, spec["name"], sample, work, spec["datatype"])
 PY
-cat >"$work/predict.lua" <<EOF
-wrk.method = "POST"
-wrk.headers["Content-Type"] = "application/json"
-local f = assert(io.open("$work/predict.json", "rb"))
-wrk.body = f:read("*a")
-f:close()
-EOF
-cat >"$work/v2.lua" <<EOF
-wrk.method = "POST"
-wrk.headers["Content-Type"] = "application/octet-stream"
-wrk.headers["Inference-Header-Content-Length"] = "$(cat "$work/v2.len")"
-local f = assert(io.open("$work/v2.bin", "rb"))
-wrk.body = f:read("*a")
-f:close()
-EOF
 
 python -m server serve --store "$ROOT/model_store" --models "$MODEL" --port "$PORT" --no-grpc "${OPTIONS[@]}" \
   >"$OUT/server.log" 2>&1 &
@@ -69,13 +50,13 @@ curl -sf "$URL/ready" >/dev/null
 run() {  # route name, then wrk's arguments after the URL's options
   local name=$1 seconds=$2
   shift 2
-  wrk -t1 -c"$CONNECTIONS" -d"${seconds}s" --latency "$@" >"$work/$name.txt"
+  HALFSERVE_BODY="$work/$name.body" wrk -t1 -c"$CONNECTIONS" -d"${seconds}s" --latency "$@" >"$work/$name.txt"
   awk -v name="$name" '/Requests\/sec/{r=$2} /^ +99%/{p=$2} END{printf "%s %s %s\n", name, r, p}' "$work/$name.txt"
 }
 routes=(health predict v2-binary)
 args_health=("$URL/health")
 args_predict=(-s "$work/predict.lua" "$URL/predict")
-args_v2_binary=(-s "$work/v2.lua" "$URL/v2/models/$MODEL/infer")
+args_v2_binary=(-s "$work/v2-binary.lua" "$URL/v2/models/$MODEL/infer")
 for name in "${routes[@]}"; do
   var="args_${name//-/_}[@]"
   run "$name" "$WARMUP" "${!var}" >/dev/null

@@ -35,8 +35,7 @@ IMAGENET = Normalize(scale=1 / 255, mean=[0.485, 0.456, 0.406], std=[0.229, 0.22
 
 LUA = """
 wrk.method = "POST"
-wrk.headers["Content-Type"] = "{content_type}"
-{extra_headers}local f = io.open(os.getenv("HALFSERVE_BODY"), "rb")
+{headers}local f = io.open(os.getenv("HALFSERVE_BODY"), "rb")
 wrk.body = f:read("*a")
 f:close()
 """
@@ -53,6 +52,8 @@ class Protocol:
     path: str
     body: Path
     script: Path
+    headers: dict[str, str]
+    """What the request sends beside Host and Content-Length: its Content-Type and any other header."""
 
 
 WIRE_DTYPES = {"FP32": "<f4", "FP16": "<f2", "UINT8": "u1"}
@@ -68,7 +69,7 @@ def make_protocol(
     for the 16-bit floats JSON cannot carry); the binary body carries them as ``datatype``.
     """
     batch = [1, *sample.shape]
-    extra = ""
+    extra: dict[str, str] = {}
     if name == "predict":
         path, content_type = "/predict", "application/json"
         body = json.dumps({"model": model, "inputs": [sample.tolist()]}).encode()
@@ -88,19 +89,38 @@ def make_protocol(
         }
         header = json.dumps({"inputs": [tensor], "parameters": {"binary_data_output": True}}).encode()
         body = header + raw
-        extra = f'wrk.headers["{HEADER_LENGTH}"] = "{len(header)}"\n'
+        extra = {HEADER_LENGTH: str(len(header))}
     else:
         raise ValueError(f"unknown protocol {name!r} (known: {', '.join(PROTOCOLS)})")
-    return write_protocol(name, path, body, content_type, folder, extra)
+    return write_protocol(name, path, body, {"Content-Type": content_type, **extra}, folder)
 
 
-def write_protocol(name: str, path: str, body: bytes, content_type: str, folder: Path, extra: str = "") -> Protocol:
-    """``body`` and the wrk script that posts it to ``path``, written into ``folder``."""
+def write_protocol(name: str, path: str, body: bytes, headers: dict[str, str], folder: Path) -> Protocol:
+    """``body`` and the wrk script that posts it to ``path`` with ``headers``, written into ``folder``."""
     body_path = folder / f"{name}.body"
     body_path.write_bytes(body)
     script = folder / f"{name}.lua"
-    script.write_text(LUA.format(content_type=content_type, extra_headers=extra))
-    return Protocol(name, path, body_path, script)
+    lines = "".join(f'wrk.headers["{k}"] = "{v}"\n' for k, v in headers.items())
+    script.write_text(LUA.format(headers=lines))
+    return Protocol(name, path, body_path, script, headers)
+
+
+def checkout(rev: str, folder: Path) -> tuple[Path, str]:
+    """The source tree of ``rev`` (``.``: this one), in a git worktree at ``folder``, and its commit (with
+    ``+changes`` for this tree when ``server/`` has uncommitted changes); :func:`remove_checkout` takes it away."""
+    if rev == ".":
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "server"], cwd=ROOT, capture_output=True, text=True)
+        return ROOT, head.stdout.strip() + ("+changes" if dirty.stdout.strip() else "")
+    subprocess.run(["git", "worktree", "add", "--detach", "--quiet", str(folder), rev], cwd=ROOT, check=True)
+    commit = subprocess.run(["git", "rev-parse", "--short", rev], cwd=ROOT, capture_output=True, text=True, check=True)
+    return folder, commit.stdout.strip()
+
+
+def remove_checkout(tree: Path) -> None:
+    """Remove a worktree :func:`checkout` made (this tree stays)."""
+    if tree != ROOT:
+        subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=ROOT, check=False)
 
 
 def parse_wrk(text: str) -> dict[str, float]:

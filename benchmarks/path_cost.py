@@ -40,7 +40,6 @@ import json
 import os
 import resource
 import statistics
-import subprocess
 import tempfile
 from multiprocessing import shared_memory
 from pathlib import Path
@@ -50,7 +49,7 @@ import common
 import httpx
 import numpy as np
 import torch
-from common import IMAGENET, ROOT
+from common import IMAGENET
 
 from server import hostinfo, models, store
 from server.store import Batching, DataType, Manifest, TensorSpec
@@ -161,8 +160,8 @@ def shm_protocol(
     tensor = {"name": input_name, "shape": [1, *sample.shape], "datatype": datatype, "parameters": params}
     body = json.dumps({"inputs": [tensor], "parameters": {"binary_data_output": True}}).encode()
     # Naming a region needs the admin token, as registering it does.
-    auth = f'wrk.headers["Authorization"] = "Bearer {SHM_TOKEN}"\n'
-    proto = common.write_protocol("v2-shm", f"/v2/models/{model}/infer", body, "application/json", folder, auth)
+    headers = {"Content-Type": "application/json", "Authorization": f"Bearer {SHM_TOKEN}"}
+    proto = common.write_protocol("v2-shm", f"/v2/models/{model}/infer", body, headers, folder)
     return proto, region
 
 
@@ -173,17 +172,6 @@ def register_region(port: int, region: shared_memory.SharedMemory) -> None:
         headers={"Authorization": f"Bearer {SHM_TOKEN}"},
     )
     r.raise_for_status()
-
-
-def checkout(rev: str, folder: Path) -> tuple[Path, str]:
-    """The source tree of ``rev`` (``.``: this one) and its commit."""
-    if rev == ".":
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "server"], cwd=ROOT, capture_output=True, text=True)
-        return ROOT, head.stdout.strip() + ("+changes" if dirty.stdout.strip() else "")
-    subprocess.run(["git", "worktree", "add", "--detach", "--quiet", str(folder), rev], cwd=ROOT, check=True)
-    commit = subprocess.run(["git", "rev-parse", "--short", rev], cwd=ROOT, capture_output=True, text=True, check=True)
-    return folder, commit.stdout.strip()
 
 
 def summary(result: dict[str, Any]) -> str:
@@ -252,7 +240,7 @@ def main() -> None:
     }
     try:
         for i, rev in enumerate(args.revs):
-            trees[rev], result["revs"][rev] = checkout(rev, tmp / f"tree-{i}")
+            trees[rev], result["revs"][rev] = common.checkout(rev, tmp / f"tree-{i}")
         for r in range(args.rounds):
             for rev, variant, protocol in itertools.product(args.revs, result["variants"], args.protocols):
                 run = {"rev": rev, "variant": variant, "protocol": protocol, "round": r}
@@ -264,8 +252,7 @@ def main() -> None:
             args.region.close()
             args.region.unlink()
         for tree in trees.values():
-            if tree != ROOT:
-                subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=ROOT, check=False)
+            common.remove_checkout(tree)
     md = summary(result)
     print(md)
     if args.out is not None:
