@@ -79,7 +79,7 @@ def serving_threads() -> int:
     return len(os.sched_getaffinity(0))
 
 
-def create_app(settings: Settings | None = None, frontends: Frontends | None = None) -> FastAPI:
+def create_app(settings: Settings | None = None, frontends: Frontends | None = None) -> api.App:
     """Build the FastAPI app for ``settings``. Manifests are validated when the lifespan starts (fail fast);
     weights load and warm up in the background while ``/ready`` answers 503.
 

@@ -153,7 +153,7 @@ def serve(args: argparse.Namespace) -> int:
         frontends = Frontends(settings, listen(settings.host, settings.port), tempfile.mkdtemp(prefix="halfserve-"))
         where = {"uds": frontends.api_socket}
     app = create_app(settings, frontends)
-    config = uvicorn_config(app, settings, log_config, **where)
+    config = uvicorn_config(app, settings, log_config, app.direct_routes(), **where)
 
     def remove_temporary_files() -> None:
         if frontends is not None:

@@ -17,16 +17,18 @@ from __future__ import annotations
 import asyncio
 import signal
 import socket
-from collections.abc import Callable
+import urllib.parse
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from http import HTTPStatus
 from types import FrameType
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import orjson
 import uvicorn
-from starlette.types import ASGIApp
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from starlette.types import ASGIApp, Receive, Scope
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol, RequestResponseCycle
+from uvicorn.protocols.utils import get_client_addr
 
 from server.settings import Settings
 
@@ -73,6 +75,81 @@ class CoalescingHttpToolsProtocol(HttpToolsProtocol):
         super().connection_made(CoalescedWrites(transport))  # type: ignore[arg-type]
 
 
+class Answer(Protocol):
+    """A whole response, as a Starlette ``Response`` holds it once built."""
+
+    status_code: int
+    raw_headers: list[tuple[bytes, bytes]]
+    body: bytes | memoryview
+
+
+DirectHandler = Callable[[Scope, Receive], Awaitable[Answer]]
+Direct = Callable[[str], DirectHandler | None]
+"""The app's routes answered straight from the protocol: for a POST's path, the handler that answers it (called with
+the request's scope and the ASGI ``receive`` for its body), or None for a request the app answers as usual."""
+
+
+class DirectCycle(RequestResponseCycle):
+    """uvicorn's request/response cycle for a request a :data:`Direct` handler answers: no ASGI app in between and
+    no response messages, the handler's whole response written at once.
+
+    Everything else is uvicorn's: the body arrives through ``receive`` as it would to the app (flow control, the
+    body timeout and disconnects included), pipelined requests wait their turn, and the task it runs in is one of
+    the server's, which a graceful shutdown waits for and, past its timeout, cancels.
+    """
+
+    async def run_asgi(self, app: Any) -> None:
+        handler: DirectHandler = app
+        scope: Any = self.scope
+        receive: Any = self.receive
+        try:
+            answer = await handler(scope, receive)
+        except BaseException as exc:
+            self.logger.error("Exception in direct route %s", self.scope["path"], exc_info=exc)
+            if not self.response_started:
+                body = orjson.dumps({"error": "internal error"})
+                self.keep_alive = False
+                self.respond(
+                    500, [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))], body
+                )
+            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                raise
+        else:
+            self.respond(answer.status_code, answer.raw_headers, answer.body)
+        finally:
+            self.on_response = lambda: None
+
+    def respond(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes | memoryview) -> None:
+        """Write the response (the headers carry its ``content-length``) and complete the cycle."""
+        if self.disconnected or self.response_started:
+            return
+        self.response_started = True
+        self.waiting_for_100_continue = False
+        if self.access_log:
+            self.access_logger.info(
+                '%s - "%s %s HTTP/%s" %d',
+                get_client_addr(self.scope),
+                self.scope["method"],
+                self.scope["path"],
+                self.scope["http_version"],
+                status,
+            )
+        content: list[bytes | memoryview] = [STATUS_LINE[status]]
+        for name, value in self.default_headers:
+            content += (name, b": ", value, b"\r\n")
+        for name, value in headers:
+            content += (name, b": ", value, b"\r\n")
+        if not self.keep_alive:
+            content.append(b"connection: close\r\n")
+        content += (b"\r\n", body)
+        self.transport.write(b"".join(content))
+        self.response_complete = True
+        self.message_event.set()
+        if not self.keep_alive:
+            self.transport.close()
+        self.on_response()
+
+
 @dataclass(frozen=True)
 class HttpLimits:
     """What one connection may take of a process (settings of the same names)."""
@@ -92,6 +169,8 @@ class LimitedHttpProtocol(CoalescingHttpToolsProtocol):
     """The server's HTTP protocol: coalesced writes, and every connection held to :attr:`limits`."""
 
     limits: ClassVar[HttpLimits] = HttpLimits()
+    direct: ClassVar[Direct | None] = None
+    """The app's routes answered without going through the ASGI app (:class:`DirectCycle`)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -106,10 +185,15 @@ class LimitedHttpProtocol(CoalescingHttpToolsProtocol):
         self._header_bytes = 0
         self._refused = False
         """Answered with a refusal: what still arrives is dropped."""
+        self._idle_since: float | None = None
+        """When the connection's last response went out with no request after it; None while one is arriving."""
 
     @classmethod
-    def with_limits(cls, limits: HttpLimits) -> type[LimitedHttpProtocol]:
-        return type(cls.__name__, (cls,), {"limits": limits})
+    def with_limits(cls, limits: HttpLimits, direct: Direct | None = None) -> type[LimitedHttpProtocol]:
+        # A staticmethod: a function stored on the class is not bound to the protocol instance.
+        return type(
+            cls.__name__, (cls,), {"limits": limits, "direct": None if direct is None else staticmethod(direct)}
+        )
 
     # Connection ----------------------------------------------------------------------------------------------------
 
@@ -123,6 +207,9 @@ class LimitedHttpProtocol(CoalescingHttpToolsProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
         super().connection_lost(exc)
+        if self.timeout_keep_alive_task is not None:
+            self.timeout_keep_alive_task.cancel()
+            self.timeout_keep_alive_task = None
 
     def data_received(self, data: bytes) -> None:
         if self._refused:
@@ -153,6 +240,38 @@ class LimitedHttpProtocol(CoalescingHttpToolsProtocol):
             super().send_400_response(msg)
         # else: a callback refused the request (and answered it); the parser error is that refusal
 
+    # Keep-alive ----------------------------------------------------------------------------------------------------
+    # uvicorn arms a keep-alive timer after every response and cancels it when the next request's bytes arrive: a
+    # call_later and a cancel per request. Here one timer covers a connection's idle stretches: when it fires it
+    # closes the connection if it has been idle for the whole keep-alive timeout, and otherwise waits for the rest.
+
+    def on_response_complete(self) -> None:
+        """uvicorn's: count the request, start a pipelined one or wait idle for the next; without a timer each."""
+        self.server_state.total_requests += 1
+        if self.transport.is_closing():
+            return
+        self.flow.resume_reading()
+        if self.pipeline:
+            cycle, app = self.pipeline.pop()
+            self._start_asgi_task(cycle, app)
+            return
+        self._idle_since = self.loop.time()
+        if self.timeout_keep_alive_task is None:
+            self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive, self._keep_alive_expired)
+
+    def _unset_keepalive_if_required(self) -> None:
+        self._idle_since = None  # bytes arrived: the connection is busy until its next response
+
+    def _keep_alive_expired(self) -> None:
+        self.timeout_keep_alive_task = None
+        if self._idle_since is None:
+            return  # busy: its next response waits again
+        left = self._idle_since + self.timeout_keep_alive - self.loop.time()
+        if left > 0:
+            self.timeout_keep_alive_task = self.loop.call_later(left, self._keep_alive_expired)
+        else:
+            self.timeout_keep_alive_handler()
+
     # Parser callbacks ----------------------------------------------------------------------------------------------
 
     def on_message_begin(self) -> None:
@@ -174,7 +293,54 @@ class LimitedHttpProtocol(CoalescingHttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         self._in_head, self._in_body = False, True
-        super().on_headers_complete()
+        handler = self._direct_handler()
+        if handler is None:
+            super().on_headers_complete()
+            return
+        # What uvicorn's on_headers_complete does for a plain request on an idle connection, with a DirectCycle.
+        scope: Any = self.scope
+        http_version = self.parser.get_http_version()
+        if http_version != "1.1":
+            scope["http_version"] = http_version
+        self.cycle = DirectCycle(
+            scope=scope,
+            transport=self.transport,
+            flow=self.flow,
+            logger=self.logger,
+            access_logger=self.access_logger,
+            access_log=self.access_log,
+            default_headers=self.server_state.default_headers,
+            message_event=asyncio.Event(),
+            expect_100_continue=self.expect_100_continue,
+            keep_alive=http_version != "1.0" and self.parser.should_keep_alive(),
+            on_response=self.on_response_complete,
+        )
+        self._start_asgi_task(self.cycle, handler)  # type: ignore[arg-type]
+
+    def _direct_handler(self) -> DirectHandler | None:
+        """The :attr:`direct` handler for the request whose headers just ended, with its scope's method and path set;
+        None for one uvicorn starts as usual (not a direct route, an upgrade, a connection still answering the
+        request before, or a server refusing past its concurrency limit)."""
+        direct = type(self).direct
+        if direct is None or self.parser.get_method() != b"POST" or self.parser.should_upgrade():
+            return None
+        if self.limit_concurrency is not None or (self.cycle is not None and not self.cycle.response_complete):
+            return None
+        url = self.url.partition(b"#")[0]
+        if not url.startswith(b"/") or not url.isascii():  # absolute-form, or bytes uvicorn refuses: its parsing
+            return None
+        raw_path, _, query = url.partition(b"?")
+        path = raw_path.decode("ascii")
+        if "%" in path:
+            path = urllib.parse.unquote(path)
+        handler = direct(self.root_path + path)
+        if handler is not None:
+            scope: Any = self.scope
+            scope["method"] = "POST"
+            scope["path"] = self.root_path + path
+            scope["raw_path"] = self.root_path.encode("ascii") + raw_path
+            scope["query_string"] = query
+        return handler
 
     def on_message_complete(self) -> None:
         self._in_body = False
@@ -293,13 +459,15 @@ def http_limits(settings: Settings) -> HttpLimits:
     return HttpLimits(s.header_timeout, s.body_timeout, s.max_url_bytes, s.max_header_bytes, s.max_connections)
 
 
-def uvicorn_config(app: ASGIApp, settings: Settings, log_config: dict[str, Any] | None, **where: Any) -> uvicorn.Config:
-    """uvicorn's configuration for ``app`` under ``settings``; ``where`` is where it listens (host and port, uds),
-    if not on sockets handed to ``run``."""
+def uvicorn_config(
+    app: ASGIApp, settings: Settings, log_config: dict[str, Any] | None, direct: Direct | None = None, **where: Any
+) -> uvicorn.Config:
+    """uvicorn's configuration for ``app`` under ``settings``, with ``direct`` the routes answered straight from the
+    protocol; ``where`` is where it listens (host and port, uds), if not on sockets handed to ``run``."""
     return uvicorn.Config(
         app,
         **where,
-        http=LimitedHttpProtocol.with_limits(http_limits(settings)),
+        http=LimitedHttpProtocol.with_limits(http_limits(settings), direct),
         log_level=settings.log_level,
         log_config=log_config,
         access_log=settings.access_log,

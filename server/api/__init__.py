@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Protocol
+import functools
+from collections.abc import Callable
+from typing import Any, Protocol
 
 from fastapi import FastAPI
 from fastapi.routing import APIRoute
@@ -26,8 +28,9 @@ from server.api import (
     v2_triton,
 )
 from server.api.deps import MANAGEMENT_BODY_BYTES, MANAGEMENT_LIMIT, RELAYED_CLIENT
-from server.api.errors import error_response
+from server.api.errors import APIError, error_response
 from server.api.limits import scope_header
+from server.transport import Answer, DirectHandler
 
 _ANSWERED_FIRST: dict[object, telemetry.Endpoint] = {predict.predict: predict.predict, v2.model_infer: v2.infer}
 """The inference routes' FastAPI endpoints, and the plain endpoints that answer in their place."""
@@ -60,10 +63,55 @@ class App(FastAPI):
             return
         await super().__call__(scope, receive, send)
 
+    def direct_routes(self) -> Callable[[str], DirectHandler | None]:
+        """This app's inference routes as the HTTP protocol answers them itself (:func:`direct_routes`)."""
+        return direct_routes(self)
+
 
 class _HasState(Protocol):
     state: State
     """Holds the app's :class:`~server.serving.AppState` as ``serving``."""
+
+
+def hot_route(path: str) -> tuple[telemetry.Endpoint, dict[str, Any]] | None:
+    """The inference endpoint that answers a POST to ``path``, and its path parameters; None for any other path."""
+    for route in HOT_PATHS:
+        matched = route.path_regex.match(path)
+        if matched is not None:
+            convert = route.param_convertors
+            return route.endpoint, {k: convert[k].convert(v) for k, v in matched.groupdict().items()}
+    return None
+
+
+def direct_routes(app: _HasState) -> Callable[[str], DirectHandler | None]:
+    """The inference routes as the HTTP protocol answers them itself (:class:`server.transport.DirectCycle`), for
+    ``app``: for a POST's path, its handler, None for every other path.
+
+    What the protocol saves beside :func:`answer_first`: the ASGI app's layers (uvicorn's proxy-headers middleware,
+    which touches only the client address and scheme, neither of which the inference routes read), the response's
+    ASGI messages and uvicorn's checks of each header it sends (the inference routes write only their own).
+    """
+
+    def route(path: str) -> DirectHandler | None:
+        found = hot_route(path)
+        if found is None:
+            return None
+        return functools.partial(_answer_direct, app, *found)
+
+    return route
+
+
+async def _answer_direct(
+    app: _HasState, endpoint: telemetry.Endpoint, params: dict[str, Any], scope: Scope, receive: Receive
+) -> Answer:
+    try:
+        guard.check(scope, app.state.serving.settings.allowed_hosts)
+    except APIError as e:
+        return error_response(e.status, e.message, e.headers)
+    scope["app"] = app
+    scope["path_params"] = params
+    scope["endpoint"] = endpoint
+    return await endpoint(Request(scope, receive))
 
 
 async def answer_first(app: _HasState, scope: Scope, receive: Receive, send: Send) -> bool:
@@ -118,6 +166,7 @@ __all__ = [
     "RELAYED_CLIENT",
     "App",
     "answer_first",
+    "direct_routes",
     "error_response",
     "install",
     "scope_header",

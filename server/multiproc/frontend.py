@@ -200,4 +200,6 @@ def run(
     log_config = logs.configure(settings.log_format, settings.log_level, settings.access_log)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per relayed request otherwise
     app = FrontendApp(settings, api_socket, backplane_socket, secret, index)
-    DrainingServer(uvicorn_config(app, settings, log_config), app.begin_drain).run(sockets=[sock])
+    DrainingServer(uvicorn_config(app, settings, log_config, api.direct_routes(app)), app.begin_drain).run(
+        sockets=[sock]
+    )
