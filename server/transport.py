@@ -48,6 +48,13 @@ class CoalescedWrites:
     def write(self, data: bytes | memoryview) -> None:
         self.writelines([data])
 
+    def write_whole(self, data: bytes) -> None:
+        """Write a whole message now (after what this iteration already holds): nothing to coalesce it with."""
+        if self._parts:
+            self.writelines([data])
+        elif not self._transport.is_closing():
+            self._transport.write(data)
+
     def writelines(self, parts: list[bytes | memoryview]) -> None:
         if not self._parts:
             asyncio.get_running_loop().call_soon(self.flush)
@@ -142,7 +149,11 @@ class DirectCycle(RequestResponseCycle):
         if not self.keep_alive:
             content.append(b"connection: close\r\n")
         content += (b"\r\n", body)
-        self.transport.write(b"".join(content))
+        writes: Any = self.transport
+        if isinstance(writes, CoalescedWrites):
+            writes.write_whole(b"".join(content))  # one response, one write: no need to wait for the iteration's end
+        else:
+            writes.write(b"".join(content))
         self.response_complete = True
         self.message_event.set()
         if not self.keep_alive:
