@@ -26,7 +26,7 @@ import contextlib
 import functools
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Hashable
+from collections.abc import Awaitable, Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol, TypeVar, overload
 
@@ -441,7 +441,10 @@ class Batcher:
             if chunks is None:
                 self._slots.release()
                 return
-            task = loop.create_task(self._execute(chunks))
+            # The batch goes to the runner here, not when its task first runs: an engine's run hands it to the
+            # instance's thread at once, while the task's first step would wait behind every callback the event loop
+            # has queued (the requests of the batch before, answering).
+            task = loop.create_task(self._execute(self._launch(chunks)))
             self._inflight.add(task)
             task.add_done_callback(self._inflight.discard)
 
@@ -489,29 +492,59 @@ class Batcher:
                 self.stats.expired += 1
                 req.future.set_exception(DeadlineExceededError("deadline passed while the request was queued"))
 
-    async def _execute(self, chunks: list[Chunk]) -> None:
+    def _launch(self, chunks: list[Chunk]) -> _Launched:
+        """Hand ``chunks`` to the runner, leaving out requests already answered (failed in an earlier part, expired,
+        abandoned by the caller)."""
+        chunks = [c for c in chunks if not c.request.future.done()]
         start = self.clock.now()
+        if not chunks:
+            return _Launched(chunks, None, start)
         try:
-            await self._run(chunks)
-            took = self.clock.now() - start
-            last = self.batch_seconds
-            self.batch_seconds = took if last is None else last + BATCH_SECONDS_WEIGHT * (took - last)
-        except Exception as e:  # a bug here must still answer every request the batch holds, never strand it
-            for c in chunks:
-                self._fail(c.request, BatchFailedError(f"internal error: {_describe(e)}"))
-        finally:
+            outcomes = self.runner([c.data for c in chunks])
+        except Exception as e:  # raised before the runner's first await: the batch failed, as if it had run
+            failed: asyncio.Future[Sequence[Outcome]] = asyncio.get_running_loop().create_future()
+            failed.set_exception(e)
+            outcomes = failed
+        return _Launched(chunks, outcomes, start)
+
+    async def _execute(self, launched: _Launched) -> None:
+        start = launched.start
+        freed = False
+
+        def free(ran: bool) -> None:
+            """Let the next batch start: once the runner is done with this one, before its requests are answered."""
+            nonlocal freed
+            if freed:
+                return
+            freed = True
+            if ran:
+                took = self.clock.now() - start
+                last = self.batch_seconds
+                self.batch_seconds = took if last is None else last + BATCH_SECONDS_WEIGHT * (took - last)
             self._slots.release()
 
-    async def _run(self, chunks: list[Chunk]) -> None:
-        """Run one batch; on failure, rerun its chunks in smaller batches until the failure is isolated."""
-        # Requests already answered (failed in an earlier part, expired, abandoned by the caller) are not run again.
-        chunks = [c for c in chunks if not c.request.future.done()]
-        if not chunks:
+        try:
+            await self._run(launched.chunks, launched, free)
+            free(True)
+        except Exception as e:  # a bug here must still answer every request the batch holds, never strand it
+            for c in launched.chunks:
+                self._fail(c.request, BatchFailedError(f"internal error: {_describe(e)}"))
+        finally:
+            free(False)
+
+    async def _run(
+        self, chunks: list[Chunk], launched: _Launched | None = None, free: Callable[[bool], None] | None = None
+    ) -> None:
+        """Run one batch (``launched``: already handed to the runner); on failure, rerun its chunks in smaller batches
+        until the failure is isolated. ``free`` is called once the runner has answered the whole batch."""
+        launched = launched or self._launch(chunks)
+        chunks = launched.chunks
+        if launched.outcomes is None:
             return
         rows = sum(c.rows for c in chunks)
-        start = self.clock.now()
+        start = launched.start
         try:
-            outcomes = await self.runner([c.data for c in chunks])
+            outcomes = await launched.outcomes
             if len(outcomes) != len(chunks):
                 n = len(outcomes)
                 raise BatchFailedError(f"batch size mismatch: runner returned {n} outputs for {len(chunks)}")
@@ -549,6 +582,8 @@ class Batcher:
         self.stats.last_inference = time.time()
         if self.observer is not None:
             self.observer.ran(rows, elapsed)
+        if free is not None:
+            free(True)
         for c, outcome in zip(chunks, outcomes, strict=True):
             if isinstance(outcome, Exception):
                 err = outcome if isinstance(outcome, BatchFailedError) else BatchFailedError(_describe(outcome))
@@ -587,6 +622,14 @@ class Batcher:
             parts = [req.parts[k] for k in sorted(req.parts)]
             precisions = tuple(dict.fromkeys(p for _, p in parts if p is not None))
             req.future.set_result(req.finish(np.concatenate([o for o, _ in parts]), precisions))
+
+
+class _Launched(NamedTuple):
+    """A batch handed to the runner: its chunks, the outcomes to await (None: no chunk was left to run), and when."""
+
+    chunks: list[Chunk]
+    outcomes: Awaitable[Sequence[Outcome]] | None
+    start: float
 
 
 def _describe(e: Exception) -> str:

@@ -475,11 +475,13 @@ class Engine:
             self.fp32_reruns += 1
         return Output(self._rerun_fp32(x), Precision.FP32.value)
 
-    async def run(self, chunks: list[np.ndarray]) -> list[Outcome]:
-        """Run a batch on an idle instance's thread without blocking the event loop.
+    def run(self, chunks: list[np.ndarray]) -> asyncio.Future[list[Outcome]]:
+        """Run a batch on an idle instance's thread without blocking the event loop: the future of its outcomes.
 
-        The batcher keeps at most one batch in flight per instance, so an idle one is normally at hand; past that
-        (a caller running more at once) batches queue on the instances in turn.
+        The batch is on the instance's thread when this returns (a coroutine would hand it over only when its task
+        first ran, behind whatever the event loop has queued). The batcher keeps at most one batch in flight per
+        instance, so an idle one is normally at hand; past that (a caller running more at once) batches queue on the
+        instances in turn.
         """
         if self._idle:
             inst = self._idle.pop()
@@ -487,11 +489,17 @@ class Engine:
             inst = self.instances[self._next % len(self.instances)]
             self._next += 1
         try:
-            loop = asyncio.get_running_loop()
-            return await loop.run_in_executor(inst.executor, self.run_batch, chunks, inst)
-        finally:
-            if inst not in self._idle:
-                self._idle.append(inst)
+            future = asyncio.get_running_loop().run_in_executor(inst.executor, self.run_batch, chunks, inst)
+        except BaseException:
+            self._idle_again(inst)
+            raise
+        # Registered before any caller awaits the future, so the instance is idle again before the caller resumes.
+        future.add_done_callback(lambda _: self._idle_again(inst))
+        return future
+
+    def _idle_again(self, inst: Instance) -> None:
+        if inst not in self._idle:
+            self._idle.append(inst)
 
     def warmup(self, max_batch_size: int) -> float:
         """Run every batch-size bucket on every instance so first requests pay no allocation or kernel-selection cost;
