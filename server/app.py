@@ -6,7 +6,6 @@ import asyncio
 import contextlib
 import gc
 import logging
-import os
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -23,6 +22,7 @@ from server.regions import Regions
 from server.repository import ModelRepository, gil_switch_interval_ms
 from server.serving import AppState, NoModels
 from server.settings import Settings
+from server.threads import available_cores
 
 log = logging.getLogger(__name__)
 
@@ -73,12 +73,6 @@ async def _drain(repo: ModelRepository, timeout: float) -> None:
             )
 
 
-def serving_threads() -> int:
-    """torch intra-op threads when none are set: every core this process may run on (its affinity, which a
-    container's CPU set narrows)."""
-    return len(os.sched_getaffinity(0))
-
-
 def create_app(settings: Settings | None = None, frontends: Frontends | None = None) -> api.App:
     """Build the FastAPI app for ``settings``. Manifests are validated when the lifespan starts (fail fast);
     weights load and warm up in the background while ``/ready`` answers 503.
@@ -92,7 +86,7 @@ def create_app(settings: Settings | None = None, frontends: Frontends | None = N
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         # Process-wide settings, applied here once (never by a constructor).
-        torch.set_num_threads(settings.threads or serving_threads())
+        torch.set_num_threads(settings.threads or available_cores())
         models.add_code_path(settings.code_path)
         precision.set_tf32(settings.tf32)
         metrics = Metrics()

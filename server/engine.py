@@ -19,6 +19,7 @@ import asyncio
 import copy
 import inspect
 import logging
+import math
 import threading
 import time
 import types
@@ -247,6 +248,8 @@ class Engine:
             loaded.module if self.guarded and self.overflow is OverflowPolicy.RERUN_FP32 else None
         )
         self.instances = [Instance(self.name, i, device) for i in range(ex.instances)]
+        self.threads: int | None = None
+        """Intra-op threads chosen by :meth:`settle_threads` (None: the process's setting)."""
         self._idle = list(reversed(self.instances))
         self._next = 0
         self._lock = threading.Lock()
@@ -551,6 +554,43 @@ class Engine:
                 self.compile_seconds += secs
                 log.info("%s: compiled batch %d with TorchInductor in %.2fs", self.name, size, secs)
 
+    def settle_threads(self, max_batch_size: int, cores: int) -> int:
+        """Set each instance's torch intra-op threads to :func:`intra_op_threads` of a timed forward of a full batch
+        on all ``cores`` (on a CPU; run after warm-up), and return the count chosen.
+
+        Set on the instance's own thread, the only one that runs its forwards: OpenMP's thread count is a setting of
+        the thread that starts a parallel region, so other threads (and other models' instances) keep theirs.
+        """
+        x = np.zeros((max_batch_size, *self.sample_shape), dtype=self.input_dtype)
+        for name in x.dtype.names or ():
+            if name.endswith(store.LENGTH):
+                x[name] = 1
+
+        def settle(inst: Instance) -> int:
+            torch.set_num_threads(cores)
+            self.forward(x, inst)
+            seconds = math.inf
+            for _ in range(3):
+                start = time.perf_counter()
+                self.forward(x, inst)
+                seconds = min(seconds, time.perf_counter() - start)
+            threads = intra_op_threads(seconds, max_batch_size, cores)
+            torch.set_num_threads(threads)
+            log.info(
+                "%s[%d]: a forward of %d rows took %.2f ms on %d threads: %d intra-op threads",
+                self.name,
+                inst.index,
+                max_batch_size,
+                seconds * 1000,
+                cores,
+                threads,
+            )
+            return threads
+
+        self.threads = min(inst.executor.submit(settle, inst).result() for inst in self.instances)
+        self.real_elements = self.padded_elements = 0  # the padding of requests, not of these batches
+        return self.threads
+
     def _warm_lengths(self) -> list[int]:
         """The lengths a variable model's batches are padded to (its length buckets, when lengths are grouped), after
         which the batch of length 1 runs as the common warm-up; ``[1]`` for other models."""
@@ -563,6 +603,26 @@ class Engine:
     def close(self) -> None:
         for inst in self.instances:
             inst.close()
+
+
+LOOP_SECONDS_PER_ROW = 50e-6
+"""About what the event loop spends taking and answering a one-row request: 55-60 us measured on a 2-core AMD EPYC
+(``benchmarks/results/peers-cpu/``), less on faster cores."""
+
+
+def intra_op_threads(batch_seconds: float, rows: int, cores: int) -> int:
+    """torch intra-op threads for an engine on ``cores`` whose forward of ``rows`` takes ``batch_seconds`` on all of
+    them: every core but one when the forward takes less than the event loop spends on those rows, every core
+    otherwise.
+
+    Where the forward is the shorter, the event loop bounds throughput, and a forward spread over every core takes
+    the loop's own core from it: on 2 cores the benchmark MLP (a forward of 64 rows in 0.3 ms in bf16, 1 ms in fp32)
+    answered 13-15% more requests on one thread. Where the forward is the longer (a convolutional model: tens of
+    milliseconds), it bounds throughput, and one thread fewer cost it a third.
+    """
+    if cores > 1 and batch_seconds < rows * LOOP_SECONDS_PER_ROW:
+        return cores - 1
+    return cores
 
 
 def pads_to_buckets(execution: Execution, device: torch.device) -> bool:

@@ -93,9 +93,10 @@ class Settings(BaseSettings):
     """HTTP front-end processes. Above 1, that many processes accept connections and decode and encode requests,
     and this one runs the engines and batches their requests together (see :mod:`server.backplane`)."""
     threads: int | None = Field(default=None, ge=1)
-    """torch intra-op threads. Unset: one per core this process may run on. Keeping a core back for the event loop
-    cost a convolutional model a third of its throughput on 2 cores and gained a loop-bound MLP nothing measurable
-    (``benchmarks/results/threads-cpu/``)."""
+    """torch intra-op threads. Unset: on a CPU, each model's engine times a forward of a full batch at warm-up and
+    takes every core this process may run on, or every core but one where that forward is shorter than the event
+    loop's work on the batch's requests (:func:`server.engine.intra_op_threads`): on 2 cores the benchmark MLP answered
+    13-15% more requests on one thread, while a convolutional model lost a third of its throughput on one."""
     gil_switch_interval_ms: float | None = Field(default=None, gt=0.0, le=100.0)
     """The interpreter's thread switch interval. Unset: 0.5 ms when serving on CUDA (Python's 5 ms default otherwise).
     The event loop decodes request bodies holding the GIL; an engine thread that let go of it for a copy or a kernel

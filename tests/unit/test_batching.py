@@ -398,3 +398,33 @@ async def test_enqueue_returns_a_future_whose_cancel_withdraws_its_rows() -> Non
     assert b.stats.succeeded == 2
     assert b.stats.failed == 1  # counted by the future's own callback, before the awaiting caller resumed
     await b.stop()
+
+
+async def test_the_next_batch_reaches_the_runner_before_the_batch_before_is_answered() -> None:
+    """A runner that takes a batch when called (as the engine's does, handing it to its thread) gets the next batch
+    as soon as it has answered the one before: before that batch's callers resume, behind whom it would otherwise
+    wait on a busy event loop."""
+    events: list[str] = []
+    answers: list[asyncio.Future[list[np.ndarray]]] = []
+
+    def runner(chunks: list[np.ndarray]) -> asyncio.Future[list[np.ndarray]]:
+        events.append(f"batch of {sum(len(c) for c in chunks)} taken")
+        answers.append(asyncio.get_running_loop().create_future())
+        return answers[-1]
+
+    async def caller(i: int) -> None:
+        await batcher.enqueue(rows(1, i))
+        events.append(f"caller {i} answered")
+
+    batcher = Batcher(runner, max_batch_size=2, max_delay=0.0, max_queue_rows=64)
+    batcher.start()
+    callers = [asyncio.create_task(caller(i)) for i in range(4)]
+    await settle()
+    assert events == ["batch of 2 taken"]  # one batch at a time: the second waits for the first
+    answers[0].set_result([rows(1, 0) * 2, rows(1, 1) * 2])
+    await settle()
+    assert events[:2] == ["batch of 2 taken", "batch of 2 taken"]
+    assert sorted(events[2:]) == ["caller 0 answered", "caller 1 answered"]
+    answers[1].set_result([rows(1, 2) * 2, rows(1, 3) * 2])
+    await asyncio.gather(*callers)
+    await batcher.stop()
