@@ -616,9 +616,9 @@ def intra_op_threads(batch_seconds: float, rows: int, cores: int) -> int:
     otherwise.
 
     Where the forward is the shorter, the event loop bounds throughput, and a forward spread over every core takes
-    the loop's own core from it: on 2 cores the benchmark MLP (a forward of 64 rows in 0.3 ms in bf16, 1 ms in fp32)
-    answered 13-15% more requests on one thread. Where the forward is the longer (a convolutional model: tens of
-    milliseconds), it bounds throughput, and one thread fewer cost it a third.
+    the loop's own core from it: on 2 cores the benchmark MLP (a forward of 64 rows in 0.3-0.7 ms in bf16, 1-1.4 ms
+    in fp32) answered 8-15% more requests on one thread. Where the forward is the longer (a convolutional model: tens
+    of milliseconds), it bounds throughput, and one thread fewer cost it a third.
     """
     if cores > 1 and batch_seconds < rows * LOOP_SECONDS_PER_ROW:
         return cores - 1

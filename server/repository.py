@@ -28,7 +28,7 @@ from server.serving import (
 )
 from server.settings import Settings
 from server.store import Batching, LoadedModel, Manifest, StoreError
-from server.threads import available_cores, in_passing_thread
+from server.threads import available_cores
 
 log = logging.getLogger(__name__)
 
@@ -287,7 +287,7 @@ class ModelRepository:
 
     async def _engine(self, served: ServedModel, loaded: LoadedModel, precision: Precision) -> Engine:
         """A new engine for ``served`` cast from ``loaded``'s host weights, warmed up unless warm-up is off."""
-        engine = await in_passing_thread(
+        engine = await asyncio.to_thread(
             functools.partial(Engine, max_batch_size=served.batching.max_batch_size),
             loaded,
             precision,
@@ -295,9 +295,9 @@ class ModelRepository:
         )
         if self.settings.warmup:
             try:
-                served.warmup_seconds = await in_passing_thread(engine.warmup, served.batching.max_batch_size)
+                served.warmup_seconds = await asyncio.to_thread(engine.warmup, served.batching.max_batch_size)
                 if self.settings.threads is None and self.device.type == "cpu":
-                    await in_passing_thread(engine.settle_threads, served.batching.max_batch_size, available_cores())
+                    await asyncio.to_thread(engine.settle_threads, served.batching.max_batch_size, available_cores())
             except BaseException:
                 engine.close()
                 raise
@@ -309,7 +309,7 @@ class ModelRepository:
         samples = await asyncio.to_thread(fidelity.read_samples, loaded.path.parent, loaded.manifest)
         if samples is None:
             return engine
-        measured = await in_passing_thread(fidelity.measure, engine, loaded, samples, served.batching.max_batch_size)
+        measured = await asyncio.to_thread(fidelity.measure, engine, loaded, samples, served.batching.max_batch_size)
         served.fidelity = measured
         engine.real_elements = engine.padded_elements = 0  # padding waste counts requests, not calibration batches
         log.info(
@@ -331,7 +331,7 @@ class ModelRepository:
 
     async def _load(self, served: ServedModel) -> None:
         precision = self.precisions.get(served.name) or self.settings.precision or served.manifest.precision
-        loaded = await in_passing_thread(store.load, self.settings.store, served.name, served.version)
+        loaded = await asyncio.to_thread(store.load, self.settings.store, served.name, served.version)
         if loaded.manifest.text is not None:
             # A text model's tokenizer is read here too, so a missing or unreadable one fails the load, not requests.
             try:
