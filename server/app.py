@@ -22,7 +22,6 @@ from server.regions import Regions
 from server.repository import ModelRepository, gil_switch_interval_ms
 from server.serving import AppState, NoModels
 from server.settings import Settings
-from server.threads import available_cores
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +85,7 @@ def create_app(settings: Settings | None = None, frontends: Frontends | None = N
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         # Process-wide settings, applied here once (never by a constructor).
-        torch.set_num_threads(settings.threads or available_cores())
+        torch.set_num_threads(settings.threads or engine.available_cores())
         models.add_code_path(settings.code_path)
         precision.set_tf32(settings.tf32)
         metrics = Metrics()

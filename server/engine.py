@@ -20,6 +20,7 @@ import copy
 import inspect
 import logging
 import math
+import os
 import threading
 import time
 import types
@@ -531,14 +532,10 @@ class Engine:
 
     def _warm_instance(self, inst: Instance, sizes: list[int]) -> None:
         for size in sorted(sizes, reverse=self.cuda_graphs):
-            # Warm-up batches enter as host rows of the input's dtype, like real requests (graphs are per dtype).
-            x = np.zeros((size, *self.sample_shape), dtype=self.input_dtype)
-            for length in self._warm_lengths():
+            for length in self._warm_lengths():  # ends with 1: the batch the rest of the warm-up runs
                 # Each length bucket a batch can be padded to: its kernels are chosen (oneDNN builds them per shape)
                 # before requests of that length arrive.
-                for name in x.dtype.names or ():
-                    if name.endswith(store.LENGTH):
-                        x[name] = length
+                x = self._warm_batch(size, length)
                 if length > 1:
                     self.forward(x, inst)
             if self.cuda_graphs:
@@ -554,6 +551,15 @@ class Engine:
                 self.compile_seconds += secs
                 log.info("%s: compiled batch %d with TorchInductor in %.2fs", self.name, size, secs)
 
+    def _warm_batch(self, size: int, length: int = 1) -> np.ndarray:
+        """``size`` rows of zeros as requests bring them, host rows of the input's dtype (graphs are per dtype), each
+        variable input ``length`` long."""
+        x = np.zeros((size, *self.sample_shape), dtype=self.input_dtype)
+        for name in x.dtype.names or ():
+            if name.endswith(store.LENGTH):
+                x[name] = length
+        return x
+
     def settle_threads(self, max_batch_size: int, cores: int) -> int:
         """Set each instance's torch intra-op threads to :func:`intra_op_threads` of a timed forward of a full batch
         on all ``cores`` (on a CPU; run after warm-up), and return the count chosen.
@@ -561,10 +567,7 @@ class Engine:
         Set on the instance's own thread, the only one that runs its forwards: OpenMP's thread count is a setting of
         the thread that starts a parallel region, so other threads (and other models' instances) keep theirs.
         """
-        x = np.zeros((max_batch_size, *self.sample_shape), dtype=self.input_dtype)
-        for name in x.dtype.names or ():
-            if name.endswith(store.LENGTH):
-                x[name] = 1
+        x = self._warm_batch(max_batch_size)
 
         def settle(inst: Instance) -> int:
             torch.set_num_threads(cores)
@@ -603,6 +606,12 @@ class Engine:
     def close(self) -> None:
         for inst in self.instances:
             inst.close()
+
+
+def available_cores() -> int:
+    """Every core this process may run on (its affinity, which a container's CPU set narrows): torch's intra-op
+    threads when none are set, before each engine settles its own (:meth:`Engine.settle_threads`)."""
+    return len(os.sched_getaffinity(0))
 
 
 LOOP_SECONDS_PER_ROW = 50e-6

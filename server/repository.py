@@ -15,7 +15,7 @@ import numpy as np
 from server import fidelity, store, text
 from server import precision as prec
 from server.batching import Batcher, BatchObserver, BatchStats
-from server.engine import Engine, EngineInfo, module_bytes, pads_to_buckets, resolve_device
+from server.engine import Engine, EngineInfo, available_cores, module_bytes, pads_to_buckets, resolve_device
 from server.fidelity import Fidelity
 from server.precision import Precision
 from server.serving import (
@@ -28,7 +28,6 @@ from server.serving import (
 )
 from server.settings import Settings
 from server.store import Batching, LoadedModel, Manifest, StoreError
-from server.threads import available_cores
 
 log = logging.getLogger(__name__)
 

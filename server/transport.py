@@ -91,9 +91,10 @@ class Answer(Protocol):
 
 
 DirectHandler = Callable[[Scope, Receive], Awaitable[Answer]]
-Direct = Callable[[str], DirectHandler | None]
-"""The app's routes answered straight from the protocol: for a POST's path, the handler that answers it (called with
-the request's scope and the ASGI ``receive`` for its body), or None for a request the app answers as usual."""
+Direct = Callable[[Scope], DirectHandler | None]
+"""The app's routes answered straight from the protocol: for a POST's scope (its method, path and query set), the
+handler that answers it (called with that scope and the ASGI ``receive`` for its body), or None for a request the app
+answers as usual."""
 
 
 class DirectCycle(RequestResponseCycle):
@@ -344,14 +345,12 @@ class LimitedHttpProtocol(CoalescingHttpToolsProtocol):
         path = raw_path.decode("ascii")
         if "%" in path:
             path = urllib.parse.unquote(path)
-        handler = direct(self.root_path + path)
-        if handler is not None:
-            scope: Any = self.scope
-            scope["method"] = "POST"
-            scope["path"] = self.root_path + path
-            scope["raw_path"] = self.root_path.encode("ascii") + raw_path
-            scope["query_string"] = query
-        return handler
+        scope: Any = self.scope  # as uvicorn sets it (and sets it again for a request that is not direct)
+        scope["method"] = "POST"
+        scope["path"] = self.root_path + path
+        scope["raw_path"] = self.root_path.encode("ascii") + raw_path
+        scope["query_string"] = query
+        return direct(scope)
 
     def on_message_complete(self) -> None:
         self._in_body = False

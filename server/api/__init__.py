@@ -10,6 +10,7 @@ from fastapi import FastAPI
 from fastapi.routing import APIRoute
 from starlette.datastructures import State
 from starlette.requests import Request
+from starlette.responses import Response
 from starlette.routing import Match, Route
 from starlette.types import Receive, Scope, Send
 
@@ -63,7 +64,7 @@ class App(FastAPI):
             return
         await super().__call__(scope, receive, send)
 
-    def direct_routes(self) -> Callable[[str], DirectHandler | None]:
+    def direct_routes(self) -> Callable[[Scope], DirectHandler | None]:
         """This app's inference routes as the HTTP protocol answers them itself (:func:`direct_routes`)."""
         return direct_routes(self)
 
@@ -73,27 +74,27 @@ class _HasState(Protocol):
     """Holds the app's :class:`~server.serving.AppState` as ``serving``."""
 
 
-def hot_route(path: str) -> tuple[telemetry.Endpoint, dict[str, Any]] | None:
-    """The inference endpoint that answers a POST to ``path``, and its path parameters; None for any other path."""
+def hot_route(scope: Scope) -> tuple[telemetry.Endpoint, dict[str, Any]] | None:
+    """The inference endpoint that answers a POST with this ``scope`` (:data:`HOT_PATHS`, matched as Starlette
+    matches them), and its path parameters; None for any other path."""
     for route in HOT_PATHS:
-        matched = route.path_regex.match(path)
-        if matched is not None:
-            convert = route.param_convertors
-            return route.endpoint, {k: convert[k].convert(v) for k, v in matched.groupdict().items()}
+        match, child = route.matches(scope)
+        if match is Match.FULL:
+            return route.endpoint, child["path_params"]
     return None
 
 
-def direct_routes(app: _HasState) -> Callable[[str], DirectHandler | None]:
+def direct_routes(app: _HasState) -> Callable[[Scope], DirectHandler | None]:
     """The inference routes as the HTTP protocol answers them itself (:class:`server.transport.DirectCycle`), for
-    ``app``: for a POST's path, its handler, None for every other path.
+    ``app``: for a POST's scope, its handler, None for every other path.
 
     What the protocol saves beside :func:`answer_first`: the ASGI app's layers (uvicorn's proxy-headers middleware,
     which touches only the client address and scheme, neither of which the inference routes read), the response's
     ASGI messages and uvicorn's checks of each header it sends (the inference routes write only their own).
     """
 
-    def route(path: str) -> DirectHandler | None:
-        found = hot_route(path)
+    def route(scope: Scope) -> DirectHandler | None:
+        found = hot_route(scope)
         if found is None:
             return None
         return functools.partial(_answer_direct, app, *found)
@@ -108,10 +109,7 @@ async def _answer_direct(
         guard.check(scope, app.state.serving.settings.allowed_hosts)
     except APIError as e:
         return error_response(e.status, e.message, e.headers)
-    scope["app"] = app
-    scope["path_params"] = params
-    scope["endpoint"] = endpoint
-    return await endpoint(Request(scope, receive))
+    return await _run(app, endpoint, params, scope, receive)
 
 
 async def answer_first(app: _HasState, scope: Scope, receive: Receive, send: Send) -> bool:
@@ -123,27 +121,27 @@ async def answer_first(app: _HasState, scope: Scope, receive: Receive, send: Sen
     """
     if not await guard.admitted(scope, receive, send, app.state.serving.settings.allowed_hosts):
         return True
-    if scope["method"] != "POST":
+    found = hot_route(scope) if scope["method"] == "POST" else None
+    if found is None:
         return False
-    for route in HOT_PATHS:
-        match, child = route.matches(scope)
-        if match is Match.FULL:
-            scope["app"] = app
-            scope.update(child)
-            await _answer(route.endpoint, scope, receive, send)
-            return True
-    return False
+    response = await _run(app, *found, scope, receive)
+    await response(scope, receive, send)
+    return True
 
 
-async def _answer(endpoint: telemetry.Endpoint, scope: Scope, receive: Receive, send: Send) -> None:
-    """Run an inference endpoint and send its response.
+async def _run(
+    app: _HasState, endpoint: telemetry.Endpoint, params: dict[str, Any], scope: Scope, receive: Receive
+) -> Response:
+    """Run an inference endpoint as ``app``, with its path parameters, and return its response.
 
     The endpoint is called directly rather than through ``Route.handle``, whose request/response wrapper and
     exception-handler lookup cost about a tenth of the event loop's time per request on a small model (profiled).
     Its errors need no handler here: :func:`telemetry.metered` answers them as the API's JSON, with the request id.
     """
-    response = await endpoint(Request(scope, receive, send))
-    await response(scope, receive, send)
+    scope["app"] = app
+    scope["path_params"] = params
+    scope["endpoint"] = endpoint
+    return await endpoint(Request(scope, receive))
 
 
 def install(app: FastAPI) -> None:

@@ -154,7 +154,11 @@ def direct_server(direct: dict[str, DirectHandler], keep_alive: float = 5.0) -> 
         await send({"type": "http.response.body", "body": b""})  # type: ignore[operator]
 
     port = free_port()
-    config = uvicorn_config(app, Settings(), None, direct.get, host="127.0.0.1", port=port)  # type: ignore[arg-type]
+
+    def route(scope: dict[str, object]) -> DirectHandler | None:
+        return direct.get(str(scope["path"]))
+
+    config = uvicorn_config(app, Settings(), None, route, host="127.0.0.1", port=port)  # type: ignore[arg-type]
     config.lifespan, config.timeout_keep_alive = "off", keep_alive  # type: ignore[assignment]
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)

@@ -10,9 +10,8 @@ import pytest
 import torch
 
 from server import store
-from server.engine import LOOP_SECONDS_PER_ROW, Engine, intra_op_threads
+from server.engine import LOOP_SECONDS_PER_ROW, Engine, available_cores, intra_op_threads
 from server.precision import Precision
-from server.threads import available_cores
 from tests.conftest import save_tiny_mlp
 
 several_cores = pytest.mark.skipif(available_cores() < 2, reason="needs 2 cores to keep one back")
