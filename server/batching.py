@@ -95,8 +95,9 @@ class BatchObserver(Protocol):
     """Told of each chunk cut into a batch and each batch run; metrics hang here. Called on the event loop, so it
     must be cheap and must not raise."""
 
-    def queued(self, seconds: float) -> None:
-        """A chunk waited ``seconds`` in the queue before it was cut into a batch."""
+    def queued(self, waits: list[float]) -> None:
+        """The chunks of a batch just cut waited these seconds in the queue, one figure each. Told once per batch
+        rather than per chunk: the observer can record a batch's waits together."""
 
     def ran(self, rows: int, seconds: float) -> None:
         """A batch of ``rows`` rows ran successfully in ``seconds``."""
@@ -116,7 +117,7 @@ Finish = Callable[[np.ndarray, tuple[str, ...]], T]
 """Makes a request's answer from its output rows and their precisions (:class:`Result` unless the caller says)."""
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Pending:
     """A queued request: its rows, how many have been cut into batches so far, and its outputs as they arrive."""
 
@@ -129,24 +130,25 @@ class Pending:
     """What requests share a batch with, beyond their rows' shape and dtype (a length bucket)."""
     taken: int = 0
     done_rows: int = 0
-    parts: dict[int, tuple[np.ndarray, str | None]] = field(default_factory=dict)
+    parts: dict[int, tuple[np.ndarray, str | None]] | None = None
+    """Outputs of the request's chunks by first row, while they arrive (a request that spans batches)."""
+    rows: int = field(init=False)
+    key: Hashable = field(init=False)
+    """What a batch's requests share: their rows' shape and dtype, and their group."""
 
-    @property
-    def rows(self) -> int:
-        return int(self.data.shape[0])
-
-    @property
-    def key(self) -> Hashable:
-        return (self.data.shape[1:], self.data.dtype.str, self.group)
+    def __post_init__(self) -> None:
+        # Worked out once here: cutting a batch reads them for every request it takes.
+        self.rows = int(self.data.shape[0])
+        self.key = (self.data.shape[1:], self.data.dtype.str, self.group)
 
     @property
     def remaining(self) -> int:
         return self.rows - self.taken
 
 
-@dataclass(frozen=True)
-class Chunk:
-    """Rows ``[start, stop)`` of a pending request, as placed into one batch."""
+class Chunk(NamedTuple):
+    """Rows ``[start, stop)`` of a pending request, as placed into one batch. A NamedTuple: one is built per request
+    a batch takes, and a tuple builds several times faster than a frozen dataclass."""
 
     request: Pending
     start: int
@@ -192,11 +194,12 @@ def cut_batch(queue: deque[Pending], max_batch_size: int, now: float) -> tuple[l
         elif req.key != key:
             kept.append(req)
             continue
-        n = min(room, req.remaining)
-        chunks.append(Chunk(req, req.taken, req.taken + n))
-        req.taken += n
+        start = req.taken
+        n = min(room, req.rows - start)
+        chunks.append(Chunk(req, start, start + n))
+        req.taken = start + n
         room -= n
-        if req.remaining:
+        if req.taken < req.rows:
             kept.append(req)
     kept.extend(queue)
     queue.clear()
@@ -399,8 +402,9 @@ class Batcher:
         # Wake the loop only when its wait could change: a first request starts the delay timer, a full batch ends it.
         if was_empty or self._queued_rows >= self.max_batch_size:
             self._wakeup.set()
-        expire = functools.partial(self._expire, req)
-        timer = self.clock.call_later(max(0.0, deadline - start), expire) if deadline is not None else None
+        timer = None
+        if deadline is not None:
+            timer = self.clock.call_later(max(0.0, deadline - start), functools.partial(self._expire, req))
         # Registered before any caller awaits the future, so the counts are updated before the caller resumes.
         future.add_done_callback(functools.partial(self._settled, start, timer))
         return future
@@ -475,13 +479,12 @@ class Batcher:
             chunks, dropped = cut_batch(self._queue, self.max_batch_size, now)
             self._drop(dropped)
             if chunks:
-                self._queued_rows -= sum(c.rows for c in chunks)
+                self._queued_rows -= sum(c.stop - c.start for c in chunks)
                 waits = [now - c.request.enqueued for c in chunks]
                 self.stats.queue_seconds += sum(waits)
                 self.stats.queued_chunks += len(chunks)
                 if self.observer is not None:
-                    for wait in waits:
-                        self.observer.queued(wait)
+                    self.observer.queued(waits)
                 return chunks
 
     def _drop(self, dropped: list[Pending]) -> None:
@@ -616,6 +619,8 @@ class Batcher:
         if chunk.start == 0 and chunk.stop == req.rows:
             req.future.set_result(req.finish(out, () if precision is None else (precision,)))
             return
+        if req.parts is None:
+            req.parts = {}
         req.parts[chunk.start] = (out, precision)
         req.done_rows += chunk.rows
         if req.done_rows == req.rows:

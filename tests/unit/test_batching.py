@@ -339,10 +339,12 @@ async def test_batcher_module_does_not_import_torch_or_fastapi() -> None:
 class RecordingObserver:
     def __init__(self) -> None:
         self.waits: list[float] = []
+        self.batches_cut: list[int] = []
         self.runs: list[tuple[int, float]] = []
 
-    def queued(self, seconds: float) -> None:
-        self.waits.append(seconds)
+    def queued(self, waits: list[float]) -> None:
+        self.waits.extend(waits)
+        self.batches_cut.append(len(waits))
 
     def ran(self, rows: int, seconds: float) -> None:
         self.runs.append((rows, seconds))
@@ -358,6 +360,7 @@ async def test_observer_hears_every_chunk_queued_and_every_batch_run() -> None:
     assert [r for r, _ in observer.runs] == runner.sizes
     assert sum(r for r, _ in observer.runs) == 11 == b.stats.rows
     assert len(observer.waits) == b.stats.queued_chunks > 4
+    assert len(observer.batches_cut) == len(runner.sizes)  # told once per batch, of all its chunks
     assert sum(observer.waits) == pytest.approx(b.stats.queue_seconds)
     assert sum(s for _, s in observer.runs) == pytest.approx(b.stats.compute_seconds)
 

@@ -13,7 +13,7 @@ from starlette.requests import Request
 
 from server.api.telemetry import request_id
 from server.logs import JsonFormatter, SkipInference
-from server.metrics import Metrics
+from server.metrics import Metrics, observe_all
 from server.serving import Interface
 
 
@@ -47,7 +47,7 @@ def test_batch_observer_feeds_sizes_times_and_tritons_counts() -> None:
     m = Metrics()
     observer = m.batch_observer("a", 2, "bf16")
     for rows in (1, 3, 8):
-        observer.queued(0.001)
+        observer.queued([0.001] * rows)
         observer.ran(rows, 0.002)
     got = samples(m)
     a = frozenset({("model", "a")})
@@ -58,7 +58,29 @@ def test_batch_observer_feeds_sizes_times_and_tritons_counts() -> None:
     assert got[("halfserve_inference_count_total", a | {("version", "2")})] == 12
     assert got[("halfserve_execution_count_total", a | {("version", "2")})] == 3
     assert got[("halfserve_compute_duration_seconds_count", a | {("precision", "bf16")})] == 3
-    assert got[("halfserve_queue_duration_seconds_count", a)] == 3
+    assert got[("halfserve_queue_duration_seconds_count", a)] == 12
+    assert got[("halfserve_queue_duration_seconds_sum", a)] == pytest.approx(0.012)
+    assert got[("halfserve_queue_duration_seconds_bucket", a | {("le", "0.001")})] == 12
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        [],
+        [0.0007],
+        [0.0, 0.0005, 0.001, 0.0011, 30.0, 31.0, 1e9, -1.0],  # on, just past and beyond the bounds; below zero
+        [i / 997 for i in range(300)],
+    ],
+)
+def test_observing_values_together_matches_observing_each(values: list[float]) -> None:
+    one, together = Metrics(), Metrics()
+    each = one.queue_time.labels("a")
+    for v in values:
+        each.observe(v)
+    observe_all(together.queue_time.labels("a"), values)
+    made = {k: v for k, v in samples(together).items() if not k[0].endswith("_created")}
+    assert made == pytest.approx({k: v for k, v in samples(one).items() if not k[0].endswith("_created")})
+    assert made[("halfserve_queue_duration_seconds_count", frozenset({("model", "a")}))] == len(values)
 
 
 def test_two_apps_keep_separate_registries() -> None:
