@@ -2,7 +2,8 @@
 
 Pure asyncio and numpy; no torch, no HTTP. A request carries an array whose first dimension is rows (samples).
 A batch is cut when ``max_batch_size`` rows are queued or ``max_delay`` has passed since the oldest queued request
-arrived (with ``adaptive_delay``, no longer than recent batches took to run: see :class:`Batcher`); only rows of the
+arrived (with ``adaptive_delay``, no longer than recent batches took to run, nor once as many rows are queued as
+were answered since the last cut: see :class:`Batcher`); only rows of the
 same sample shape and dtype are batched together; a request's rows may span batches. The
 runner (the contract is :data:`server.serving.Runner`) receives a list of chunks (row slices of requests) and
 returns one outcome per chunk: its output rows (an array, or an :class:`~server.serving.Output` with the precision
@@ -293,7 +294,10 @@ class Batcher:
     With ``adaptive_delay``, a free slot waits for more requests no longer than recent batches took to run
     (:attr:`batch_seconds`), and never longer than ``max_delay``: where a forward is cheap beside the work of taking
     requests, a lone request starts at once instead of waiting out the delay; where forwards take longer than
-    ``max_delay``, the delay still gathers batches. Without it (or before a first batch has run) the wait is
+    ``max_delay``, the delay still gathers batches. The wait also ends once as many rows are queued as were answered
+    since the last batch was cut: clients that send their next request when answered (a load generator's connections,
+    a pipeline's workers) have then all come back, and with fewer of them than ``max_batch_size`` waiting on would
+    only idle the model while the queue stays as it is. Without it (or before a first batch has run) the wait is
     ``max_delay``, as in Triton's dynamic batcher.
     """
 
@@ -330,6 +334,8 @@ class Batcher:
         self._inflight: set[asyncio.Task[None]] = set()
         self._closing = False
         self._task: asyncio.Task[None] | None = None
+        self._answered_rows = 0
+        """Rows answered since the last batch was cut: with ``adaptive_delay``, as many queued again end the wait."""
 
     @property
     def queued_rows(self) -> int:
@@ -399,8 +405,10 @@ class Batcher:
         self._queue.append(req)
         self._queued_rows += rows
         self.stats.requests += 1
-        # Wake the loop only when its wait could change: a first request starts the delay timer, a full batch ends it.
-        if was_empty or self._queued_rows >= self.max_batch_size:
+        # Wake the loop only when its wait could change: a first request starts the delay timer, a full batch ends it,
+        # and so do as many rows as were answered since the last cut (adaptive delay).
+        queued = self._queued_rows
+        if was_empty or queued >= self.max_batch_size or queued - rows < self._answered_rows <= queued:
             self._wakeup.set()
         timer = None
         if deadline is not None:
@@ -468,6 +476,10 @@ class Batcher:
                 # within twice the best, and where batches take longer than max_delay the full delay still applies.
                 delay = min(delay, self.batch_seconds)
             wait = seconds_until_cut(self._queued_rows, self._queue[0].enqueued, now, self.max_batch_size, delay)
+            if self.adaptive_delay and 0 < self._answered_rows <= self._queued_rows:
+                # As many rows are back as were answered since the last cut: clients that send their next request on
+                # their answer have all come back, and waiting longer would only idle the model.
+                wait = 0.0
             if wait > 0:
                 self._wakeup.clear()
                 timer = self.clock.call_later(wait, self._wakeup.set)
@@ -479,6 +491,7 @@ class Batcher:
             chunks, dropped = cut_batch(self._queue, self.max_batch_size, now)
             self._drop(dropped)
             if chunks:
+                self._answered_rows = 0
                 self._queued_rows -= sum(c.stop - c.start for c in chunks)
                 waits = [now - c.request.enqueued for c in chunks]
                 self.stats.queue_seconds += sum(waits)
@@ -587,6 +600,9 @@ class Batcher:
             self.observer.ran(rows, elapsed)
         if free is not None:
             free(True)
+        self._answered_rows += rows
+        if self._queue and self._queued_rows >= self._answered_rows:
+            self._wakeup.set()  # as many already queued again: the adaptive delay's wait is over
         for c, outcome in zip(chunks, outcomes, strict=True):
             if isinstance(outcome, Exception):
                 err = outcome if isinstance(outcome, BatchFailedError) else BatchFailedError(_describe(outcome))

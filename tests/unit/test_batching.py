@@ -182,31 +182,38 @@ async def test_the_delay_counts_from_the_oldest_request() -> None:
     await batcher.stop()
 
 
-async def batch_taking(runner: FakeRunner, clock: FakeClock, batcher: Batcher, wait: float, took: float) -> None:
-    """One lone request: cut after ``wait`` seconds (not a moment before), its batch running ``took`` seconds."""
+async def batch_taking(
+    runner: FakeRunner, clock: FakeClock, batcher: Batcher, wait: float, took: float, requests: int = 1
+) -> None:
+    """``requests`` one-row requests queued at once: cut after ``wait`` seconds (not a moment before), their batch
+    running ``took`` seconds."""
     runner.gate.clear()
     batches = len(runner.batches)
-    future = batcher.enqueue(rows(1))
-    await clock.advance(wait - 1e-6)
-    assert len(runner.batches) == batches, "cut before its wait was over"
-    await clock.advance(2e-6)
+    futures = [batcher.enqueue(rows(1, i)) for i in range(requests)]
+    await settle()
+    if wait:
+        await clock.advance(wait - 1e-6)
+        assert len(runner.batches) == batches, "cut before its wait was over"
+        await clock.advance(2e-6)
     assert len(runner.batches) == batches + 1, "not cut when its wait was over"
+    assert runner.sizes[-1] == requests
     await clock.advance(took)
     runner.gate.set()
     await settle()
-    assert future.done()
+    assert all(f.done() for f in futures)
 
 
 async def test_adaptive_delay_waits_no_longer_than_recent_batches_took() -> None:
     runner, clock = FakeRunner(), FakeClock()
     batcher = Batcher(runner, max_batch_size=100, max_delay=30.0, max_queue_rows=1000, clock=clock, adaptive_delay=True)
     batcher.start()
-    await batch_taking(runner, clock, batcher, wait=30.0, took=0.5)  # no batch has run yet: the whole delay
+    # No batch has run yet: the whole delay. Fewer rows come back than the 3 answered: as long as the batch took.
+    await batch_taking(runner, clock, batcher, wait=30.0, took=0.5, requests=3)
     assert batcher.batch_seconds == pytest.approx(0.5, abs=1e-5)
-    await batch_taking(runner, clock, batcher, wait=0.5, took=0.1)
+    await batch_taking(runner, clock, batcher, wait=0.5, took=0.1, requests=2)
     # A moving average: the latest batch moves it a quarter of the way.
     assert batcher.batch_seconds == pytest.approx(0.5 + 0.25 * (0.1 - 0.5), abs=1e-5)
-    await batch_taking(runner, clock, batcher, wait=0.4, took=0.0)
+    await batch_taking(runner, clock, batcher, wait=0.4, took=0.0, requests=1)
     await batcher.stop()
 
 
@@ -214,8 +221,63 @@ async def test_adaptive_delay_keeps_the_whole_delay_for_batches_slower_than_it()
     runner, clock = FakeRunner(), FakeClock()
     batcher = Batcher(runner, max_batch_size=100, max_delay=30.0, max_queue_rows=1000, clock=clock, adaptive_delay=True)
     batcher.start()
-    await batch_taking(runner, clock, batcher, wait=30.0, took=60.0)
-    await batch_taking(runner, clock, batcher, wait=30.0, took=60.0)
+    await batch_taking(runner, clock, batcher, wait=30.0, took=60.0, requests=3)
+    await batch_taking(runner, clock, batcher, wait=30.0, took=60.0, requests=2)
+    await batcher.stop()
+
+
+@pytest.mark.parametrize("adaptive", [True, False])
+async def test_a_batch_is_cut_once_as_many_rows_are_back_as_were_answered(adaptive: bool) -> None:
+    runner, clock = FakeRunner(), FakeClock()
+    batcher = Batcher(
+        runner, max_batch_size=100, max_delay=30.0, max_queue_rows=1000, clock=clock, adaptive_delay=adaptive
+    )
+    batcher.start()
+    await batch_taking(runner, clock, batcher, wait=30.0, took=20.0, requests=3)
+    # Three clients answered. Two are back: the batch waits (20 s adaptive, as long as the batch took; 30 s fixed).
+    back = [batcher.enqueue(rows(1, i)) for i in range(2)]
+    await clock.advance(5.0)
+    assert runner.sizes == [3]
+    # The third: all three are back, so the adaptive delay stops waiting; the fixed delay waits on.
+    back.append(batcher.enqueue(rows(1, 2)))
+    await settle()
+    assert runner.sizes == ([3, 3] if adaptive else [3])
+    await clock.advance(25.0)
+    assert runner.sizes == [3, 3]
+    assert all(f.done() for f in back)
+    await batcher.stop()
+
+
+@pytest.mark.parametrize("adaptive", [True, False])
+async def test_a_lone_clients_next_request_starts_at_once_with_the_adaptive_delay(adaptive: bool) -> None:
+    runner, clock = FakeRunner(), FakeClock()
+    batcher = Batcher(
+        runner, max_batch_size=100, max_delay=30.0, max_queue_rows=1000, clock=clock, adaptive_delay=adaptive
+    )
+    batcher.start()
+    await batch_taking(runner, clock, batcher, wait=30.0, took=20.0)
+    await batch_taking(runner, clock, batcher, wait=0.0 if adaptive else 30.0, took=20.0)
+    await batcher.stop()
+
+
+async def test_rows_answered_while_they_queue_end_the_wait_too() -> None:
+    runner, clock = FakeRunner(), FakeClock()
+    batcher = Batcher(runner, max_batch_size=100, max_delay=30.0, max_queue_rows=1000, clock=clock, adaptive_delay=True)
+    batcher.start()
+    await batch_taking(runner, clock, batcher, wait=30.0, took=20.0, requests=2)
+    # A batch of 2 runs; 2 rows queue behind it (one request of 2 rows), then it is answered: 2 back, cut at once.
+    runner.gate.clear()
+    running = [batcher.enqueue(rows(1, i)) for i in range(2)]
+    await clock.advance(20.0)
+    assert runner.sizes == [2, 2]
+    behind = batcher.enqueue(rows(2))
+    await clock.advance(1.0)
+    assert runner.sizes == [2, 2]  # the batch before is still running
+    runner.gate.set()
+    await settle()
+    assert all(f.done() for f in running)
+    assert runner.sizes == [2, 2, 2]
+    assert behind.done()
     await batcher.stop()
 
 
