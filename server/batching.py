@@ -336,6 +336,7 @@ class Batcher:
         self._task: asyncio.Task[None] | None = None
         self._answered_rows = 0
         """Rows answered since the last batch was cut: with ``adaptive_delay``, as many queued again end the wait."""
+        self._answered_at = 0.0
 
     @property
     def queued_rows(self) -> int:
@@ -401,6 +402,9 @@ class Batcher:
         future: asyncio.Future[Any] = loop.create_future()
         was_empty = not self._queue
         start = self.clock.now()
+        if was_empty and start - self._answered_at > self.max_delay:
+            # Clients answered longer ago than the delay are not coming straight back: a new burst, not a return.
+            self._answered_rows = 0
         req = Pending(data, future, start, deadline, finish=finish, group=group)
         self._queue.append(req)
         self._queued_rows += rows
@@ -601,6 +605,7 @@ class Batcher:
         if free is not None:
             free(True)
         self._answered_rows += rows
+        self._answered_at = self.clock.now()
         if self._queue and self._queued_rows >= self._answered_rows:
             self._wakeup.set()  # as many already queued again: the adaptive delay's wait is over
         for c, outcome in zip(chunks, outcomes, strict=True):

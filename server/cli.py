@@ -58,7 +58,8 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "--adaptive-delay",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="override every model's adaptive_delay: an idle model waits no longer than its recent batches took",
+        help="override every model's adaptive_delay: an idle model waits no longer than its recent batches took, "
+        "nor once its clients are back",
     )
     p.add_argument(
         "--request-timeout-ms",

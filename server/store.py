@@ -154,8 +154,9 @@ class Batching(BaseModel):
     """Answer a request 504 when its rows have not all started within this time; a client may ask for less."""
     adaptive_delay: bool = True
     """An idle model waits for more requests no longer than its recent batches took to run (and never longer than
-    ``max_delay_ms``): a lone request to a model whose forward is cheap starts at once, while a model whose forward
-    takes longer than the delay still waits it out to gather batches. Off: always ``max_delay_ms``."""
+    ``max_delay_ms``), and no longer once as many rows are queued as it answered since its last batch (its clients
+    are back): a lone request to a model whose forward is cheap starts at once, while a model whose forward takes
+    longer than the delay still waits it out to gather batches. Off: always ``max_delay_ms``."""
     group_lengths: bool = True
     """For variable inputs: batch requests of similar lengths together (the same power-of-two length bucket) and pad
     to the bucket; off, any lengths share a batch, padded to its longest."""

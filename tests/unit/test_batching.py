@@ -260,6 +260,19 @@ async def test_a_lone_clients_next_request_starts_at_once_with_the_adaptive_dela
     await batcher.stop()
 
 
+async def test_clients_answered_longer_ago_than_the_delay_are_not_waited_for_nor_counted_back() -> None:
+    runner, clock = FakeRunner(), FakeClock()
+    batcher = Batcher(runner, max_batch_size=100, max_delay=30.0, max_queue_rows=1000, clock=clock, adaptive_delay=True)
+    batcher.start()
+    await batch_taking(runner, clock, batcher, wait=30.0, took=20.0)
+    # The lone client comes back only after more than the delay: a new burst, which waits as long as batches take.
+    await clock.advance(31.0)
+    await batch_taking(runner, clock, batcher, wait=20.0, took=20.0)
+    # Straight back this time: at once.
+    await batch_taking(runner, clock, batcher, wait=0.0, took=20.0)
+    await batcher.stop()
+
+
 async def test_rows_answered_while_they_queue_end_the_wait_too() -> None:
     runner, clock = FakeRunner(), FakeClock()
     batcher = Batcher(runner, max_batch_size=100, max_delay=30.0, max_queue_rows=1000, clock=clock, adaptive_delay=True)
