@@ -182,6 +182,16 @@ async def test_the_delay_counts_from_the_oldest_request() -> None:
     await batcher.stop()
 
 
+def delayed(adaptive: bool) -> tuple[FakeRunner, FakeClock, Batcher]:
+    """A started batcher with a 30 s delay on a fake clock, batches of up to 100 rows: what the delay tests share."""
+    runner, clock = FakeRunner(), FakeClock()
+    batcher = Batcher(
+        runner, max_batch_size=100, max_delay=30.0, max_queue_rows=1000, clock=clock, adaptive_delay=adaptive
+    )
+    batcher.start()
+    return runner, clock, batcher
+
+
 async def batch_taking(
     runner: FakeRunner, clock: FakeClock, batcher: Batcher, wait: float, took: float, requests: int = 1
 ) -> None:
@@ -204,9 +214,7 @@ async def batch_taking(
 
 
 async def test_adaptive_delay_waits_no_longer_than_recent_batches_took() -> None:
-    runner, clock = FakeRunner(), FakeClock()
-    batcher = Batcher(runner, max_batch_size=100, max_delay=30.0, max_queue_rows=1000, clock=clock, adaptive_delay=True)
-    batcher.start()
+    runner, clock, batcher = delayed(adaptive=True)
     # No batch has run yet: the whole delay. Fewer rows come back than the 3 answered: as long as the batch took.
     await batch_taking(runner, clock, batcher, wait=30.0, took=0.5, requests=3)
     assert batcher.batch_seconds == pytest.approx(0.5, abs=1e-5)
@@ -218,9 +226,7 @@ async def test_adaptive_delay_waits_no_longer_than_recent_batches_took() -> None
 
 
 async def test_adaptive_delay_keeps_the_whole_delay_for_batches_slower_than_it() -> None:
-    runner, clock = FakeRunner(), FakeClock()
-    batcher = Batcher(runner, max_batch_size=100, max_delay=30.0, max_queue_rows=1000, clock=clock, adaptive_delay=True)
-    batcher.start()
+    runner, clock, batcher = delayed(adaptive=True)
     await batch_taking(runner, clock, batcher, wait=30.0, took=60.0, requests=3)
     await batch_taking(runner, clock, batcher, wait=30.0, took=60.0, requests=2)
     await batcher.stop()
@@ -228,11 +234,7 @@ async def test_adaptive_delay_keeps_the_whole_delay_for_batches_slower_than_it()
 
 @pytest.mark.parametrize("adaptive", [True, False])
 async def test_a_batch_is_cut_once_as_many_rows_are_back_as_were_answered(adaptive: bool) -> None:
-    runner, clock = FakeRunner(), FakeClock()
-    batcher = Batcher(
-        runner, max_batch_size=100, max_delay=30.0, max_queue_rows=1000, clock=clock, adaptive_delay=adaptive
-    )
-    batcher.start()
+    runner, clock, batcher = delayed(adaptive)
     await batch_taking(runner, clock, batcher, wait=30.0, took=20.0, requests=3)
     # Three clients answered. Two are back: the batch waits (20 s adaptive, as long as the batch took; 30 s fixed).
     back = [batcher.enqueue(rows(1, i)) for i in range(2)]
@@ -250,20 +252,14 @@ async def test_a_batch_is_cut_once_as_many_rows_are_back_as_were_answered(adapti
 
 @pytest.mark.parametrize("adaptive", [True, False])
 async def test_a_lone_clients_next_request_starts_at_once_with_the_adaptive_delay(adaptive: bool) -> None:
-    runner, clock = FakeRunner(), FakeClock()
-    batcher = Batcher(
-        runner, max_batch_size=100, max_delay=30.0, max_queue_rows=1000, clock=clock, adaptive_delay=adaptive
-    )
-    batcher.start()
+    runner, clock, batcher = delayed(adaptive)
     await batch_taking(runner, clock, batcher, wait=30.0, took=20.0)
     await batch_taking(runner, clock, batcher, wait=0.0 if adaptive else 30.0, took=20.0)
     await batcher.stop()
 
 
 async def test_clients_answered_longer_ago_than_the_delay_are_not_waited_for_nor_counted_back() -> None:
-    runner, clock = FakeRunner(), FakeClock()
-    batcher = Batcher(runner, max_batch_size=100, max_delay=30.0, max_queue_rows=1000, clock=clock, adaptive_delay=True)
-    batcher.start()
+    runner, clock, batcher = delayed(adaptive=True)
     await batch_taking(runner, clock, batcher, wait=30.0, took=20.0)
     # The lone client comes back only after more than the delay: a new burst, which waits as long as batches take.
     await clock.advance(31.0)
@@ -274,9 +270,7 @@ async def test_clients_answered_longer_ago_than_the_delay_are_not_waited_for_nor
 
 
 async def test_rows_answered_while_they_queue_end_the_wait_too() -> None:
-    runner, clock = FakeRunner(), FakeClock()
-    batcher = Batcher(runner, max_batch_size=100, max_delay=30.0, max_queue_rows=1000, clock=clock, adaptive_delay=True)
-    batcher.start()
+    runner, clock, batcher = delayed(adaptive=True)
     await batch_taking(runner, clock, batcher, wait=30.0, took=20.0, requests=2)
     # A batch of 2 runs; 2 rows queue behind it (one request of 2 rows), then it is answered: 2 back, cut at once.
     runner.gate.clear()
@@ -295,9 +289,7 @@ async def test_rows_answered_while_they_queue_end_the_wait_too() -> None:
 
 
 async def test_without_adaptive_delay_a_lone_request_waits_the_whole_delay_after_fast_batches() -> None:
-    runner, clock = FakeRunner(), FakeClock()
-    batcher = Batcher(runner, max_batch_size=100, max_delay=30.0, max_queue_rows=1000, clock=clock)
-    batcher.start()
+    runner, clock, batcher = delayed(adaptive=False)
     await batch_taking(runner, clock, batcher, wait=30.0, took=0.5)
     await batch_taking(runner, clock, batcher, wait=30.0, took=0.5)
     await batcher.stop()
