@@ -412,7 +412,8 @@ class Batcher:
         # Wake the loop only when its wait could change: a first request starts the delay timer, a full batch ends it,
         # and so do as many rows as were answered since the last cut (adaptive delay).
         queued = self._queued_rows
-        if was_empty or queued >= self.max_batch_size or queued - rows < self._answered_rows <= queued:
+        back = self.adaptive_delay and queued - rows < self._answered_rows <= queued
+        if was_empty or queued >= self.max_batch_size or back:
             self._wakeup.set()
         timer = None
         if deadline is not None:
@@ -606,7 +607,7 @@ class Batcher:
             free(True)
         self._answered_rows += rows
         self._answered_at = self.clock.now()
-        if self._queue and self._queued_rows >= self._answered_rows:
+        if self.adaptive_delay and self._queue and self._queued_rows >= self._answered_rows:
             self._wakeup.set()  # as many already queued again: the adaptive delay's wait is over
         for c, outcome in zip(chunks, outcomes, strict=True):
             if isinstance(outcome, Exception):
