@@ -410,10 +410,8 @@ class Batcher:
         self._queued_rows += rows
         self.stats.requests += 1
         # Wake the loop only when its wait could change: a first request starts the delay timer, a full batch ends it,
-        # and so do as many rows as were answered since the last cut (adaptive delay).
-        queued = self._queued_rows
-        back = self.adaptive_delay and queued - rows < self._answered_rows <= queued
-        if was_empty or queued >= self.max_batch_size or back:
+        # and so do its clients all being back (adaptive delay).
+        if was_empty or self._queued_rows >= self.max_batch_size or self._clients_back():
             self._wakeup.set()
         timer = None
         if deadline is not None:
@@ -421,6 +419,11 @@ class Batcher:
         # Registered before any caller awaits the future, so the counts are updated before the caller resumes.
         future.add_done_callback(functools.partial(self._settled, start, timer))
         return future
+
+    def _clients_back(self) -> bool:
+        """With ``adaptive_delay``: as many rows are queued as were answered since the last cut. Clients that send
+        their next request on their answer have then all come back, and waiting longer would only idle the model."""
+        return self.adaptive_delay and 0 < self._answered_rows <= self._queued_rows
 
     def _settled(self, start: float, timer: Timer | None, future: asyncio.Future[Any]) -> None:
         if timer is not None:
@@ -481,9 +484,7 @@ class Batcher:
                 # within twice the best, and where batches take longer than max_delay the full delay still applies.
                 delay = min(delay, self.batch_seconds)
             wait = seconds_until_cut(self._queued_rows, self._queue[0].enqueued, now, self.max_batch_size, delay)
-            if self.adaptive_delay and 0 < self._answered_rows <= self._queued_rows:
-                # As many rows are back as were answered since the last cut: clients that send their next request on
-                # their answer have all come back, and waiting longer would only idle the model.
+            if self._clients_back():
                 wait = 0.0
             if wait > 0:
                 self._wakeup.clear()
@@ -606,8 +607,8 @@ class Batcher:
         if free is not None:
             free(True)
         self._answered_rows += rows
-        self._answered_at = self.clock.now()
-        if self.adaptive_delay and self._queue and self._queued_rows >= self._answered_rows:
+        self._answered_at = start + elapsed
+        if self._clients_back():
             self._wakeup.set()  # as many already queued again: the adaptive delay's wait is over
         for c, outcome in zip(chunks, outcomes, strict=True):
             if isinstance(outcome, Exception):
