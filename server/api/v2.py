@@ -57,7 +57,7 @@ from server.api.v2_schema import INFER_SCHEMA
 from server.precision import Precision
 from server.serving import Interface, ModelHandle, ModelState, Prediction, check_ready
 from server.settings import Settings
-from server.store import TensorSpec, sent_inputs
+from server.store import Manifest, TensorSpec, sent_inputs
 
 router = APIRouter()
 
@@ -166,6 +166,8 @@ class Inference:
     """Where in shared memory the output goes (the shared memory extension); None: in the body."""
     outputs: dict[str, OutputRequest] | None = None
     """For a model with several outputs, the ones to return and how (None: the only output, as above)."""
+    plan: RequestPlan | None = None
+    """What its JSON header decided, when the header is one the route keeps (:class:`RequestPlan`)."""
 
     def timeout(self, client: float | None) -> float | None:
         """Seconds the request may wait in the queue: the shorter of ``client`` (the transport's: a header, a gRPC
@@ -297,9 +299,16 @@ def _decode_input(
         arr, size = decode_json(item["data"], wire, shape, f"{field}.data"), 0
     else:
         raise APIError(400, f"{field}: no tensor data; give data or parameters.binary_data_size")
+    return _checked_input(arr, wire, spec, served, field, json=size == 0), spec, size
+
+
+def _checked_input(
+    arr: np.ndarray, wire: WireType, spec: TensorSpec, served: ModelHandle, field: str, json: bool
+) -> np.ndarray:
+    """A decoded input entry as the batcher's array for ``spec``: converted to its dtype, checked to be finite."""
     x = to_input_dtype(arr, wire, spec, served.precision is Precision.FP16, f"{field}.datatype")
-    check_finite(x, served, f"{field}.data" if size == 0 else f"{field} (binary data)")
-    return x, spec, size
+    check_finite(x, served, f"{field}.data" if json else f"{field} (binary data)")
+    return x
 
 
 def _requested_output(
@@ -456,6 +465,139 @@ def parse_request(
     return Inference(tensors, request_id, binary_output, timeout, classes, region)
 
 
+PLANS = 256
+"""Request headers kept decoded (:class:`RequestPlan`), all models together: past it the oldest goes."""
+PLAN_HEADER_BYTES = 4096
+"""The longest JSON header kept decoded: a header carrying its tensors as JSON ``data`` is not worth keeping."""
+PLAN_RESPONSES = 8
+"""Response headers a plan keeps: one per precision and output shape its answers have had."""
+
+
+@dataclass(frozen=True)
+class _BinaryInput:
+    spec: TensorSpec
+    wire: WireType
+    shape: list[int]
+    start: int
+    """Where its bytes start in the binary data."""
+    size: int
+    field: str
+
+
+@dataclass
+class RequestPlan:
+    """What a V2 request's JSON header decides for a model, when every input comes as binary data: each input's
+    spec, datatype, shape and bytes, and how the outputs go back; and the response's JSON header for each precision
+    and output shape seen, when every output goes back as binary data.
+
+    A client sends the same header with every request of a shape (only the binary data changes), so the inference
+    route keeps plans by header (:func:`decode_request`) and a header it has seen is neither parsed nor checked again:
+    only the data is (its size, dtype and values), and whatever the model's settings decide now (the request's size
+    limit, the precision's input dtype). A plan holds for the manifest and settings it was made with, by identity.
+    """
+
+    manifest: Manifest
+    limits: Settings
+    inputs: tuple[_BinaryInput, ...]
+    declared: int
+    """The bytes of binary data the header declares."""
+    request_id: str | None
+    binary_output: bool
+    timeout_us: int
+    classes: int
+    outputs: dict[str, OutputRequest] | None
+    binary_outputs: tuple[tuple[str, WireType], ...]
+    """Each output the request wants with its datatype, when all go back as binary data (else empty)."""
+    responses: dict[tuple[object, ...], bytes]
+
+    def holds(self, served: ModelHandle, limits: Settings, binary: memoryview | None) -> bool:
+        return (
+            self.manifest is served.manifest
+            and self.limits is limits
+            and binary is not None
+            and len(binary) == self.declared
+        )
+
+    def request(self, binary: memoryview, served: ModelHandle) -> Inference:
+        """The request of this header with ``binary``'s data (:meth:`holds` for them)."""
+        tensors: dict[str, np.ndarray] = {}
+        for i in self.inputs:
+            check_size(self.limits, served, i.shape[0], f"{i.field}.shape")
+            data = binary[i.start : i.start + i.size]
+            arr = decode_binary(data, i.wire, i.shape, f"{i.field}.parameters.binary_data_size")
+            tensors[i.spec.name] = _checked_input(arr, i.wire, i.spec, served, i.field, json=False)
+        return Inference(
+            tensors, self.request_id, self.binary_output, self.timeout_us, self.classes, None, self.outputs, self
+        )
+
+
+_plans: dict[tuple[str, int, bytes], RequestPlan] = {}
+
+
+def _plan(payload: dict[str, Any], req: Inference, served: ModelHandle, limits: Settings) -> RequestPlan | None:
+    """The plan of a header ``parse_request`` has accepted as ``req``; None when an input comes as JSON data, as
+    text or from shared memory, or an output goes to shared memory."""
+    outputs = req.outputs
+    if req.output_span is not None or (outputs is not None and any(o.span is not None for o in outputs.values())):
+        return None
+    text = served.manifest.text
+    specs = sent_inputs(served.manifest)
+    inputs, start = [], 0
+    for i, item in enumerate(payload["inputs"]):
+        params = item.get("parameters", {})
+        size = params.get("binary_data_size")
+        if size is None or "shared_memory_region" in params or (text is not None and item["name"] == text.input):
+            return None
+        spec = next(t for t in specs if t.name == item["name"])
+        wire = wire_type(item["datatype"], "")
+        inputs.append(_BinaryInput(spec, wire, item["shape"], start, size, f"inputs[{i}]"))
+        start += size
+    m = served.manifest
+    if outputs is None:
+        wanted = [(m.outputs[0], OutputRequest(req.binary_output, req.classes))]
+    else:
+        wanted = [(spec, how) for spec in m.outputs if (how := outputs.get(spec.name)) is not None]
+    binary_outputs: tuple[tuple[str, WireType], ...] = ()
+    if all(how.binary and not how.classes for _, how in wanted):
+        binary_outputs = tuple((spec.name, wire_type(spec.datatype.value, spec.name)) for spec, _ in wanted)
+    return RequestPlan(
+        m,
+        limits,
+        tuple(inputs),
+        start,
+        req.request_id,
+        req.binary_output,
+        req.timeout_us,
+        req.classes,
+        outputs,
+        binary_outputs,
+        {},
+    )
+
+
+async def decode_request(
+    header: bytes, binary: memoryview | None, served: ModelHandle, limits: Settings, regions: RegionSource
+) -> Inference:
+    """The V2 inference request of ``header`` (its JSON) and ``binary``, from the plan kept for the header when there
+    is one (:class:`RequestPlan`), else parsed and checked (:func:`parse_request`) and its plan kept."""
+    key = (served.name, served.version, header)
+    plan = _plans.get(key)
+    if plan is not None and plan.holds(served, limits, binary):
+        assert binary is not None
+        return plan.request(binary, served)
+    payload = await parse_json(header, limits.max_json_values)
+    req = parse_request(payload, binary, served, limits, regions)
+    if len(header) <= PLAN_HEADER_BYTES:
+        plan = _plan(payload, req, served, limits)
+        if plan is not None:
+            req.plan = plan
+            _plans.pop(key, None)
+            if len(_plans) >= PLANS:
+                del _plans[next(iter(_plans))]
+            _plans[key] = plan
+    return req
+
+
 def _decode_texts(
     item: dict[str, Any], field: str, binary: memoryview | None, served: ModelHandle, limits: Settings | None
 ) -> tuple[Sequence[bytes | str], int]:
@@ -567,6 +709,14 @@ def encode_response(served: ModelHandle, req: Inference, result: Prediction) -> 
     JSON cannot carry non-finite numbers: an infinite or NaN output (overflow policy ``allow``) is written as
     ``null`` in JSON ``data``; binary outputs carry it exactly.
     """
+    plan = req.plan
+    key: tuple[object, ...] = ()
+    if plan is not None and plan.binary_outputs:
+        key = (result.precision, *(result.outputs[name].shape for name, _ in plan.binary_outputs))
+        body = plan.responses.get(key)
+        if body is not None:
+            tail = b"".join(encode_binary(result.outputs[name], wire) for name, wire in plan.binary_outputs)
+            return _binary_response(body, tail)
     outputs, tails = [], []
     for output, tail in encode_outputs(served, req, result):
         outputs.append(output)
@@ -580,8 +730,14 @@ def encode_response(served: ModelHandle, req: Inference, result: Prediction) -> 
     tail = b"".join(tails)
     if not tail:
         return Response(body, media_type="application/json")
-    response = Response(body + tail, media_type="application/octet-stream")
-    response.raw_headers.append((_HEADER_LENGTH_KEY, b"%d" % len(body)))
+    if plan is not None and key and len(plan.responses) < PLAN_RESPONSES:
+        plan.responses[key] = body
+    return _binary_response(body, tail)
+
+
+def _binary_response(header: bytes, tail: bytes) -> Response:
+    response = Response(header + tail, media_type="application/octet-stream")
+    response.raw_headers.append((_HEADER_LENGTH_KEY, b"%d" % len(header)))
     return response
 
 
@@ -645,8 +801,7 @@ async def infer(request: Request) -> Response:
     length = raw_header(request, _HEADER_LENGTH_KEY)
     header, binary = split_body(body, None if length is None else length.decode("latin-1"))
     if header is not None:
-        payload = await parse_json(header, limits.max_json_values)
-        req = parse_request(payload, binary, served, limits, partial(authorised_regions, request))
+        req = await decode_request(header, binary, served, limits, partial(authorised_regions, request))
     else:
         assert binary is not None
         if (raw_header(request, b"content-type") or b"").startswith(b"application/json"):

@@ -156,6 +156,44 @@ async def test_v2_mixed_json_and_binary_inputs_and_outputs_as_asked(tmp_path: Pa
         np.testing.assert_array_equal(np.frombuffer(r.content[length:], np.int32).reshape(2, 16), a + b)
 
 
+async def test_v2_binary_header_sent_again_answers_each_output_and_checks_each_inputs_range(tmp_path: Path) -> None:
+    """The same header twice, with other data (the route answers the second from what it kept of the first): each
+    output carries the second request's values, and an INT64 input is still range-checked for the INT32 model."""
+    a1, b1 = pair(2, seed=3)
+    a2, b2 = pair(2, seed=4)
+    header = orjson.dumps(
+        {
+            "inputs": [
+                {"name": "INPUT0", "datatype": "INT32", "shape": [2, 16], "parameters": {"binary_data_size": 128}},
+                {"name": "INPUT1", "datatype": "INT64", "shape": [2, 16], "parameters": {"binary_data_size": 256}},
+            ],
+            "outputs": [{"name": "OUTPUT0"}, {"name": "OUTPUT1"}],
+            "parameters": {"binary_data_output": True},
+        }
+    )
+    headers = {HEADER_LENGTH: str(len(header)), "content-type": "application/octet-stream"}
+    too_big = b2.astype(np.int64)
+    too_big[1, 5] = 2**40
+    async with serving(Settings(store=save_simple(tmp_path))) as client:
+        answers = [
+            await client.post(INFER, content=header + a.tobytes() + b.astype(np.int64).tobytes(), headers=headers)
+            for a, b in ((a1, b1), (a2, b2), (a2, too_big))
+        ]
+    for r, (a, b) in zip(answers[:2], ((a1, b1), (a2, b2)), strict=True):
+        assert r.status_code == 200, r.text
+        length = int(r.headers[HEADER_LENGTH])
+        outs = orjson.loads(r.content[:length])["outputs"]
+        assert [(o["name"], o["shape"], o["parameters"]["binary_data_size"]) for o in outs] == [
+            ("OUTPUT0", [2, 16], a.nbytes),
+            ("OUTPUT1", [2, 16], a.nbytes),
+        ]
+        data = np.frombuffer(r.content[length:], np.int32).reshape(2, 2, 16)
+        np.testing.assert_array_equal(data[0], a + b)
+        np.testing.assert_array_equal(data[1], a - b)
+    assert answers[2].status_code == 400, answers[2].text
+    assert answers[2].json()["error"] == f"inputs[1].datatype: values in [{too_big.min()}, {2**40}] do not fit int32"
+
+
 async def test_predict_takes_and_answers_a_mapping_of_names(tmp_path: Path) -> None:
     a, b = pair(2, seed=2)
     async with serving(Settings(store=save_simple(tmp_path))) as client:

@@ -15,6 +15,7 @@ import orjson
 import pytest
 
 from server import __version__
+from server.api import v2
 from server.api.codec import WireType
 from server.api.errors import APIError
 from server.api.v2 import to_input_dtype
@@ -328,6 +329,88 @@ async def test_fp16_input_reaches_an_fp16_model_as_float16(tiny_store: Path) -> 
             assert r1.status_code == r2.status_code == 200, (r1.text, r2.text)
             histograms[mode] = (await client.get("/models/tiny/stats")).json()["batch_size_histogram"]
     assert histograms == {"fp16": {"1": 2}, "fp32": {"2": 1}}
+
+
+def kept_headers() -> list[bytes]:
+    return [key[2] for key in v2._plans]
+
+
+async def test_a_header_sent_again_is_answered_from_its_plan_with_the_data_still_checked(tiny_store: Path) -> None:
+    """A client's next request of the same shape sends the same JSON header: the route keeps what the header decided
+    and answers the next one from it; each request's data is still read and checked, and the response's header
+    follows the precision the answer ran in."""
+    x1, x2 = samples(2, seed=11), samples(2, seed=12)
+    fields = {"parameters": {"binary_data_output": True}}
+    first, headers = binary_request(x1.tobytes(), [2, 16], **fields)
+    second, _ = binary_request(x2.tobytes(), [2, 16], **fields)
+    header = first[: int(headers[HEADER])]
+    bad = x2.copy()
+    bad[1, 3] = np.nan
+    nan_body, _ = binary_request(bad.tobytes(), [2, 16], **fields)
+    settings = Settings(store=tiny_store, precision="fp32", admin_token=TOKEN)
+    async with serving(settings) as client:
+        want1, want2 = await predict(client, x1), await predict(client, x2)
+        r1 = await client.post(INFER, content=first, headers=headers)
+        assert header in kept_headers()
+        r2 = await client.post(INFER, content=second, headers=headers)
+        nan = await client.post(INFER, content=nan_body, headers=headers)
+        short = await client.post(INFER, content=second[:-4], headers=headers)
+        switched = await client.post("/models/tiny/precision", json={"precision": "fp16"}, headers=AUTH)
+        assert switched.status_code == 200, switched.text
+        r3 = await client.post(INFER, content=second, headers=headers)
+        r4 = await client.post(INFER, content=second, headers=headers)
+    body1, got1 = read_response(r1)
+    body2, got2 = read_response(r2)
+    np.testing.assert_allclose(got1, want1, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(got2, want2, rtol=1e-6, atol=1e-6)
+    assert (
+        body1
+        == body2
+        == {
+            "model_name": "tiny",
+            "model_version": "1",
+            "parameters": {"precision": "fp32"},
+            "outputs": [
+                {"name": "logits", "datatype": "FP32", "shape": [2, 4], "parameters": {"binary_data_size": 32}}
+            ],
+        }
+    )
+    assert nan.status_code == 400, nan.text
+    assert "inputs[0] (binary data): row 1 holds a NaN" in nan.json()["error"]
+    assert short.status_code == 400, short.text
+    assert "binary_data_size" in short.json()["error"]
+    for r in (r3, r4):
+        body, got = read_response(r)
+        assert body["parameters"] == {"precision": "fp16"}
+        np.testing.assert_allclose(got, want2, rtol=2e-2, atol=2e-2)
+
+
+async def test_kept_headers_are_bounded_and_long_ones_are_not_kept(
+    tiny_store: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Headers that differ every time (a new ``id`` per request) replace the oldest kept; a header longer than
+    PLAN_HEADER_BYTES is never kept. Every request is answered either way."""
+    monkeypatch.setattr(v2, "_plans", {})
+    monkeypatch.setattr(v2, "PLANS", 8)
+    x = samples(1, seed=13)
+    async with serving(Settings(store=tiny_store, precision="fp32")) as client:
+        want = await predict(client, x)
+        sent = []
+        for i in range(20):
+            content, headers = binary_request(x.tobytes(), [1, 16], id=f"request-{i}")
+            sent.append(content[: int(headers[HEADER])])
+            r = await client.post(INFER, content=content, headers=headers)
+            body, got = read_response(r)
+            assert body["id"] == f"request-{i}"
+            np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+        assert kept_headers() == sent[-8:]
+        long_id = "x" * v2.PLAN_HEADER_BYTES
+        content, headers = binary_request(x.tobytes(), [1, 16], id=long_id)
+        for _ in range(2):
+            body, got = read_response(await client.post(INFER, content=content, headers=headers))
+            assert body["id"] == long_id
+            np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+        assert kept_headers() == sent[-8:]
 
 
 def test_input_dtype_rules() -> None:
