@@ -536,9 +536,14 @@ _plans: dict[tuple[str, int, bytes], RequestPlan] = {}
 
 def _plan(payload: dict[str, Any], req: Inference, served: ModelHandle, limits: Settings) -> RequestPlan | None:
     """The plan of a header ``parse_request`` has accepted as ``req``; None when an input comes as JSON data, as
-    text or from shared memory, or an output goes to shared memory."""
+    text or from shared memory, or an output goes to shared memory, and for a header with an ``id`` (clients that
+    send one send a new one with each request: a plan would cost each of them 3 us to make and never be used)."""
     outputs = req.outputs
-    if req.output_span is not None or (outputs is not None and any(o.span is not None for o in outputs.values())):
+    if (
+        req.request_id is not None
+        or req.output_span is not None
+        or (outputs is not None and any(o.span is not None for o in outputs.values()))
+    ):
         return None
     text = served.manifest.text
     specs = sent_inputs(served.manifest)

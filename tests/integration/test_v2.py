@@ -388,8 +388,8 @@ async def test_a_header_sent_again_is_answered_from_its_plan_with_the_data_still
 async def test_kept_headers_are_bounded_and_long_ones_are_not_kept(
     tiny_store: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Headers that differ every time (a new ``id`` per request) replace the oldest kept; a header longer than
-    PLAN_HEADER_BYTES is never kept. Every request is answered either way."""
+    """Headers that differ every time replace the oldest kept; a header longer than PLAN_HEADER_BYTES, or with an
+    ``id`` (new with each request, where clients send one), is never kept. Every request is answered either way."""
     monkeypatch.setattr(v2, "_plans", {})
     monkeypatch.setattr(v2, "PLANS", 8)
     x = samples(1, seed=13)
@@ -397,19 +397,19 @@ async def test_kept_headers_are_bounded_and_long_ones_are_not_kept(
         want = await predict(client, x)
         sent = []
         for i in range(20):
-            content, headers = binary_request(x.tobytes(), [1, 16], id=f"request-{i}")
+            content, headers = binary_request(x.tobytes(), [1, 16], parameters={"timeout": 10**7 + i})
             sent.append(content[: int(headers[HEADER])])
-            r = await client.post(INFER, content=content, headers=headers)
-            body, got = read_response(r)
-            assert body["id"] == f"request-{i}"
-            np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+            np.testing.assert_allclose(
+                read_response(await client.post(INFER, content=content, headers=headers))[1], want
+            )
         assert kept_headers() == sent[-8:]
-        long_id = "x" * v2.PLAN_HEADER_BYTES
-        content, headers = binary_request(x.tobytes(), [1, 16], id=long_id)
-        for _ in range(2):
-            body, got = read_response(await client.post(INFER, content=content, headers=headers))
-            assert body["id"] == long_id
-            np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+        long = {"timeout": 10**7, "note": "x" * v2.PLAN_HEADER_BYTES}
+        for fields in ({"parameters": long}, {"id": "request-1"}):
+            content, headers = binary_request(x.tobytes(), [1, 16], **fields)
+            for _ in range(2):
+                body, got = read_response(await client.post(INFER, content=content, headers=headers))
+                assert body.get("id") == fields.get("id")
+                np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
         assert kept_headers() == sent[-8:]
 
 
