@@ -105,6 +105,13 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="the interpreter's thread switch interval (default: 0.5 on CUDA, Python's 5 elsewhere)",
     )
     p.add_argument(
+        "--forward-on-event-loop",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="run CPU batches on the event loop's thread (default: where a full batch's forward is shorter than the "
+        "loop's work on its requests, on one thread)",
+    )
+    p.add_argument(
         "--tf32",
         action=argparse.BooleanOptionalAction,
         default=None,

@@ -132,6 +132,8 @@ class EngineInfo:
     inductor: bool = False
     inductor_compile_seconds: float = 0.0
     """Time spent compiling with TorchInductor at warm-up (each bucket's first forward), all buckets together."""
+    on_event_loop: bool = False
+    """Whether batches run on the event loop's own thread (:attr:`Engine.on_event_loop`), not an instance's."""
 
 
 def batch_buckets(max_batch_size: int, sizes: list[int] | None = None) -> list[int]:
@@ -264,6 +266,14 @@ class Engine:
         self.instances = [Instance(self.name, i, device) for i in range(ex.instances)]
         self.threads: int | None = None
         """Intra-op threads chosen by :meth:`settle_threads` (None: the process's setting)."""
+        self.loop_bound: bool | None = None
+        """Whether a full batch's forward, timed by :meth:`settle_threads`, is shorter than the event loop's work on
+        its requests (:func:`loop_bound`); None until timed."""
+        self.on_event_loop = False
+        """Run each batch on the event loop's own thread, in :meth:`run` (a CPU engine with one instance; the caller
+        decides, as :func:`runs_on_event_loop`). For a forward shorter than the loop's work on its requests: the loop
+        would only wait for it, and handing it to a thread and back costs more than it runs (the thread waits for the
+        GIL to start, the loop for the answer to be posted back)."""
         self._idle = list(reversed(self.instances))
         self._next = 0
         self._lock = threading.Lock()
@@ -297,6 +307,7 @@ class Engine:
             graph_capture_seconds=sum(g.capture_seconds for i in self.instances for g in i.graphs.values()),
             inductor=self.inductor,
             inductor_compile_seconds=self.compile_seconds,
+            on_event_loop=self.on_event_loop,
         )
 
     def _prepare(self, t: torch.Tensor) -> torch.Tensor:
@@ -500,6 +511,8 @@ class Engine:
         instance, so an idle one is normally at hand; past that (a caller running more at once) batches queue on the
         instances in turn.
         """
+        if self.on_event_loop:
+            return self._run_here(chunks)
         if self._idle:
             inst = self._idle.pop()
         else:
@@ -512,6 +525,18 @@ class Engine:
             raise
         # Registered before any caller awaits the future, so the instance is idle again before the caller resumes.
         future.add_done_callback(lambda _: self._idle_again(inst))
+        return future
+
+    def _run_here(self, chunks: list[np.ndarray]) -> asyncio.Future[list[Outcome]]:
+        """Run a batch on this thread (the event loop's), on the first instance: its outcomes as a done future."""
+        # OpenMP's thread count is the calling thread's setting: the loop's thread takes the instance's.
+        if self.threads is not None and torch.get_num_threads() != self.threads:
+            torch.set_num_threads(self.threads)
+        future: asyncio.Future[list[Outcome]] = asyncio.get_running_loop().create_future()
+        try:
+            future.set_result(self.run_batch(chunks, self.instances[0]))
+        except Exception as e:
+            future.set_exception(e)
         return future
 
     def _idle_again(self, inst: Instance) -> None:
@@ -590,6 +615,7 @@ class Engine:
                 start = time.perf_counter()
                 self.forward(x, inst)
                 seconds = min(seconds, time.perf_counter() - start)
+            self.loop_bound = loop_bound(seconds, max_batch_size)
             threads = intra_op_threads(seconds, max_batch_size, cores)
             torch.set_num_threads(threads)
             log.info(
@@ -632,6 +658,28 @@ LOOP_SECONDS_PER_ROW = 50e-6
 (``benchmarks/results/peers-cpu/``), less on faster cores."""
 
 
+def loop_bound(batch_seconds: float, rows: int) -> bool:
+    """Whether a forward of ``rows`` one-row requests taking ``batch_seconds`` is shorter than the event loop's work
+    on those requests (:data:`LOOP_SECONDS_PER_ROW` each): then the loop, not the forward, bounds throughput."""
+    return batch_seconds < rows * LOOP_SECONDS_PER_ROW
+
+
+def runs_on_event_loop(engine: Engine, setting: bool | None) -> bool:
+    """Whether ``engine`` should run its batches on the event loop's thread (:attr:`Engine.on_event_loop`): as
+    ``setting`` says, else where its forward is :func:`loop_bound` and settled on one intra-op thread; only on a CPU,
+    with one instance.
+
+    One thread: a forward on more would make the loop's thread an OpenMP master with its own pool of workers beside
+    the instance's, and GNU OpenMP stops spinning once the pools outnumber the cores (measured only on 2 cores, where
+    a loop-bound forward gets one thread).
+    """
+    if engine.device.type != "cpu" or len(engine.instances) != 1:
+        return False
+    if setting is None:
+        return bool(engine.loop_bound) and engine.threads == 1
+    return setting
+
+
 def intra_op_threads(batch_seconds: float, rows: int, cores: int) -> int:
     """torch intra-op threads for an engine on ``cores`` whose forward of ``rows`` takes ``batch_seconds`` on all of
     them: every core but one when the forward takes less than the event loop spends on those rows, every core
@@ -642,7 +690,7 @@ def intra_op_threads(batch_seconds: float, rows: int, cores: int) -> int:
     in fp32) answered 8-15% more requests on one thread. Where the forward is the longer (a convolutional model: tens
     of milliseconds), it bounds throughput, and one thread fewer cost it a third.
     """
-    if cores > 1 and batch_seconds < rows * LOOP_SECONDS_PER_ROW:
+    if cores > 1 and loop_bound(batch_seconds, rows):
         return cores - 1
     return cores
 

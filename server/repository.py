@@ -15,7 +15,15 @@ import numpy as np
 from server import fidelity, store, text
 from server import precision as prec
 from server.batching import Batcher, BatchObserver, BatchStats
-from server.engine import Engine, EngineInfo, available_cores, module_bytes, pads_to_buckets, resolve_device
+from server.engine import (
+    Engine,
+    EngineInfo,
+    available_cores,
+    module_bytes,
+    pads_to_buckets,
+    resolve_device,
+    runs_on_event_loop,
+)
 from server.fidelity import Fidelity
 from server.precision import Precision
 from server.serving import (
@@ -211,6 +219,7 @@ def _execution(info: EngineInfo) -> dict[str, object]:
         "graph_capture_seconds": round(info.graph_capture_seconds, 4),
         "inductor": info.inductor,
         "inductor_compile_seconds": round(info.inductor_compile_seconds, 4),
+        "on_event_loop": info.on_event_loop,
     }
 
 
@@ -300,6 +309,7 @@ class ModelRepository:
             except BaseException:
                 engine.close()
                 raise
+        engine.on_event_loop = runs_on_event_loop(engine, self.settings.forward_on_event_loop)
         return engine
 
     async def _check_fidelity(self, served: ServedModel, loaded: LoadedModel, engine: Engine) -> Engine:
@@ -360,13 +370,14 @@ class ModelRepository:
         served.state = ModelState.READY
         info = engine.info
         log.info(
-            "model %s v%d ready on %s in %s (warm-up %.2fs; %d instance(s), buckets %s, CUDA graphs %s, inductor %s)",
+            "model %s v%d ready on %s in %s (warm-up %.2fs; %d instance(s)%s, buckets %s, CUDA graphs %s, inductor %s)",
             served.name,
             served.version,
             engine.device,
             engine.precision.value,
             served.warmup_seconds,
             info.instances,
+            " on the event loop's thread" if info.on_event_loop else "",
             list(info.buckets) or "off",
             f"captured in {info.graph_capture_seconds:.2f}s" if info.cuda_graphs else "off",
             f"compiled in {info.inductor_compile_seconds:.2f}s" if info.inductor else "off",

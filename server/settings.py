@@ -97,6 +97,12 @@ class Settings(BaseSettings):
     takes every core this process may run on, or every core but one where that forward is shorter than the event
     loop's work on the batch's requests (:func:`server.engine.intra_op_threads`): on 2 cores the benchmark MLP answered
     13-15% more requests on one thread, while a convolutional model lost a third of its throughput on one."""
+    forward_on_event_loop: bool | None = None
+    """Run a CPU model's batches on the event loop's own thread rather than an instance thread (never for a model with
+    several instances, nor on a GPU). Unset: where the forward of a full batch, timed at warm-up, is shorter than the
+    event loop's work on the batch's requests and settles on one intra-op thread (see ``threads``: on 2 cores). The
+    loop only waits for such a forward, and handing it to a thread and back costs more than it runs. A longer forward
+    keeps its thread, so the loop goes on reading requests while it runs (:func:`server.engine.runs_on_event_loop`)."""
     gil_switch_interval_ms: float | None = Field(default=None, gt=0.0, le=100.0)
     """The interpreter's thread switch interval. Unset: 0.5 ms when serving on CUDA (Python's 5 ms default otherwise).
     The event loop decodes request bodies holding the GIL; an engine thread that let go of it for a copy or a kernel

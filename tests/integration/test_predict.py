@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from server import precision, store
+from server.engine import available_cores
 from server.settings import Settings
 from server.store import Batching
 from tests.conftest import needs_cxx, save_tiny_mlp
@@ -189,3 +190,24 @@ async def test_a_model_compiled_with_inductor_serves_in_bf16_and_reports_its_com
     assert entry["execution"]["buckets"] == [1, 2]
     assert entry["execution"]["inductor"] is True
     assert entry["execution"]["inductor_compile_seconds"] > 0
+
+
+async def test_a_cpu_model_whose_forward_is_shorter_than_the_loops_work_runs_on_the_event_loop(tmp_path: Path) -> None:
+    save_tiny_mlp(tmp_path, batching=Batching(max_batch_size=8, max_delay_ms=50))
+    x = np.random.default_rng(0).standard_normal((8, 16)).astype(np.float32)
+    answers, placed = {}, {}
+    for setting in (None, False):
+        async with serving(Settings(store=tmp_path, precision="fp32", forward_on_event_loop=setting)) as client:
+            got = await asyncio.gather(
+                *(client.post("/predict", json={"inputs": x[i : i + 1].tolist()}) for i in range(8))
+            )
+            assert [r.status_code for r in got] == [200] * 8
+            answers[setting] = np.concatenate([r.json()["outputs"] for r in got])
+            (entry,) = (await client.get("/models")).json()["models"]
+            placed[setting] = entry["execution"]["on_event_loop"]
+            histogram = (await client.get("/models/tiny/stats")).json()["batch_size_histogram"]
+            assert sum(int(k) * v for k, v in histogram.items()) >= 8
+    # By default where the forward settles on one thread: on up to 2 cores (on more it takes every core but one).
+    assert placed == {None: available_cores() <= 2, False: False}
+    np.testing.assert_array_equal(answers[None], answers[False])
+    np.testing.assert_allclose(answers[None], reference(tmp_path, "tiny", x), rtol=1e-5, atol=1e-5)

@@ -114,6 +114,40 @@ async def test_forward_runs_off_the_event_loop_thread(loaded: store.LoadedModel)
     engine.close()
 
 
+@pytest.mark.parametrize("threads", [None, 1])
+async def test_an_engine_on_the_event_loop_runs_each_batch_there_at_once(
+    loaded: store.LoadedModel, threads: int | None
+) -> None:
+    engine = Engine(loaded, Precision.FP32, CPU)
+    engine.on_event_loop, engine.threads = True, threads
+    seen: list[tuple[str, int]] = []
+    original = engine.model.forward
+
+    def spy(x: torch.Tensor) -> torch.Tensor:
+        seen.append((threading.current_thread().name, torch.get_num_threads()))
+        return original(x)
+
+    engine.model.forward = spy  # type: ignore[method-assign]
+    caller_threads = torch.get_num_threads()
+    chunks = [np.random.default_rng(i).standard_normal((n, 16)).astype(np.float32) for i, n in enumerate((1, 3))]
+    try:
+        future = engine.run(chunks)
+        assert future.done()  # ran before run returned: nothing was handed to another thread
+        outs = [o.data for o in future.result() if isinstance(o, Output)]
+        assert seen == [(threading.current_thread().name, threads or caller_threads)]
+        with torch.inference_mode():
+            want = loaded.module(torch.from_numpy(np.concatenate(chunks))).numpy()
+        np.testing.assert_allclose(np.concatenate(outs), want, rtol=1e-6, atol=1e-6)
+        engine.model.forward = lambda x: x[:1]  # type: ignore[assignment,method-assign]
+        failed = engine.run(chunks)
+        assert failed.done()
+        with pytest.raises(EngineError):
+            failed.result()
+    finally:
+        torch.set_num_threads(caller_threads)
+        engine.close()
+
+
 def test_a_model_that_drops_rows_is_caught(loaded: store.LoadedModel) -> None:
     engine = Engine(loaded, Precision.FP32, CPU)
 

@@ -10,8 +10,16 @@ import pytest
 import torch
 
 from server import store
-from server.engine import LOOP_SECONDS_PER_ROW, Engine, available_cores, intra_op_threads
+from server.engine import (
+    LOOP_SECONDS_PER_ROW,
+    Engine,
+    available_cores,
+    intra_op_threads,
+    loop_bound,
+    runs_on_event_loop,
+)
 from server.precision import Precision
+from server.store import Execution
 from tests.conftest import save_tiny_mlp
 
 several_cores = pytest.mark.skipif(available_cores() < 2, reason="needs 2 cores to keep one back")
@@ -45,3 +53,35 @@ def test_an_engine_settles_its_threads_on_its_instance_thread_only(tmp_path: Pat
         assert out.shape == (3, 4)
     finally:
         engine.close()
+
+
+def test_batches_run_on_the_event_loop_where_the_forward_is_loop_bound_on_a_cpu_with_one_instance(
+    tmp_path: Path,
+) -> None:
+    rows = 64
+    assert loop_bound(rows * LOOP_SECONDS_PER_ROW / 10, rows)
+    assert not loop_bound(rows * LOOP_SECONDS_PER_ROW * 1.01, rows)
+    save_tiny_mlp(tmp_path)
+    save_tiny_mlp(tmp_path, "pair", execution=Execution(instances=2))
+    cpu = torch.device("cpu")
+    one = Engine(store.load(tmp_path, "tiny"), Precision.FP32, cpu, max_batch_size=8)
+    two = Engine(store.load(tmp_path, "pair"), Precision.FP32, cpu, max_batch_size=8)
+    try:
+        assert not runs_on_event_loop(one, None)  # not timed yet
+        assert runs_on_event_loop(one, True)
+        one.settle_threads(8, 2)
+        two.settle_threads(8, 2)
+        assert one.loop_bound is two.loop_bound is True  # a tiny MLP's forward is far shorter than the loop's work
+        assert one.threads == 1
+        assert runs_on_event_loop(one, None)
+        assert not runs_on_event_loop(one, False)
+        assert not runs_on_event_loop(two, None)
+        assert not runs_on_event_loop(two, True)  # its instances run batches side by side, each on its thread
+        one.threads = 3  # where a loop-bound forward gets more than one thread (4 cores), only when asked
+        assert not runs_on_event_loop(one, None)
+        assert runs_on_event_loop(one, True)
+        one.threads, one.loop_bound = 1, False
+        assert not runs_on_event_loop(one, None)
+    finally:
+        one.close()
+        two.close()
