@@ -604,8 +604,12 @@ class Engine:
 
         Set on the instance's own thread, the only one that runs its forwards: OpenMP's thread count is a setting of
         the thread that starts a parallel region, so other threads (and other models' instances) keep theirs.
+
+        A model with a variable input is timed at its ``max_length``: the longest batch it can be sent, which is what
+        decides whether a batch may hold up the event loop (:attr:`loop_bound`).
         """
-        x = self._warm_batch(max_batch_size)
+        sequence = store.sequence_input(self.manifest)
+        x = self._warm_batch(max_batch_size, sequence.bounded()[0] if sequence is not None else 1)
 
         def settle(inst: Instance) -> int:
             torch.set_num_threads(cores)

@@ -91,6 +91,27 @@ def test_a_row_in_a_padded_mixed_length_batch_equals_it_alone(
     engine.close()
 
 
+def test_a_variable_length_model_is_timed_at_its_max_length(tmp_path: Path) -> None:
+    """The timed forward that decides its threads and whether it may run on the event loop is the longest it can be
+    sent, not the one-token warm-up batch."""
+    engine = Engine(save_seq(tmp_path), Precision.FP32, CPU, max_batch_size=4)
+    lengths: list[int] = []
+    original = engine.forward
+
+    def spy(x: np.ndarray | list[np.ndarray], inst: object = None) -> np.ndarray:
+        batch = x if isinstance(x, np.ndarray) else np.concatenate(x)
+        lengths.extend(batch["tokens" + store.LENGTH].tolist())
+        return original(x, inst)  # type: ignore[arg-type]
+
+    engine.forward = spy  # type: ignore[method-assign]
+    try:
+        engine.settle_threads(4, 2)
+    finally:
+        engine.close()
+    assert lengths == [MAX] * 4 * 4  # four forwards of four rows: one to start, three timed
+    assert engine.loop_bound is not None
+
+
 def test_fp16_stays_finite_where_a_literal_mask_constant_would_not(tmp_path: Path) -> None:
     loaded = save_seq(tmp_path, "transformer_classifier", group_lengths=False)
     engine = Engine(loaded, Precision.FP16, CPU, max_batch_size=16)
