@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import logging
 import sys
 import time
@@ -13,7 +12,7 @@ from collections.abc import AsyncIterator
 import torch
 from fastapi import FastAPI
 
-from server import __version__, api, engine, models, precision
+from server import __version__, api, collector, engine, models, precision
 from server.api.grpc_service import GrpcServer
 from server.metrics import Metrics
 from server.multiproc.engine_side import Backplane
@@ -30,11 +29,7 @@ _LAST_BATCH_GRACE_S = 1.0
 
 async def _load(repo: ModelRepository) -> None:
     await repo.load_all()
-    # Move everything alive after loading (torch's modules, the weights' Python objects: ~250k) out of the
-    # collector's reach. Without it, full collections over that heap stalled every request for tens of
-    # milliseconds: p99 103 ms -> 15 ms at 64 concurrent requests on the benchmark MLP.
-    gc.collect()
-    gc.freeze()
+    collector.settle()  # torch's modules and the weights' Python objects are in place now
 
 
 def begin_drain(app: FastAPI) -> None:

@@ -20,7 +20,7 @@ import httpx
 from starlette.datastructures import State
 from starlette.types import Receive, Scope, Send
 
-from server import api, logs
+from server import api, collector, logs
 from server.api import MANAGEMENT_BODY_BYTES, MANAGEMENT_LIMIT, RELAYED_CLIENT, error_response, scope_header
 from server.multiproc.client import BackplaneClient, RemoteMetrics, RemoteService
 from server.regions import Regions
@@ -91,6 +91,7 @@ class FrontendApp:
             transport=httpx.AsyncHTTPTransport(uds=self.api_socket), base_url="http://halfserve", timeout=None
         )
         self._flusher = asyncio.create_task(self._flush_records(), name="flush-records")
+        collector.settle()
 
     async def _flush_records(self) -> None:
         assert self.client is not None
