@@ -23,6 +23,7 @@ from server.engine import (
     pads_to_buckets,
     resolve_device,
     runs_on_event_loop,
+    runs_pipelined,
 )
 from server.fidelity import Fidelity
 from server.precision import Precision
@@ -36,6 +37,7 @@ from server.serving import (
 )
 from server.settings import Settings
 from server.store import Batching, LoadedModel, Manifest, StoreError
+from server.traced import TraceRefused
 
 log = logging.getLogger(__name__)
 
@@ -220,6 +222,7 @@ def _execution(info: EngineInfo) -> dict[str, object]:
         "inductor": info.inductor,
         "inductor_compile_seconds": round(info.inductor_compile_seconds, 4),
         "on_event_loop": info.on_event_loop,
+        "pipelined": info.pipelined,
     }
 
 
@@ -310,6 +313,13 @@ class ModelRepository:
                 engine.close()
                 raise
         engine.on_event_loop = runs_on_event_loop(engine, self.settings.forward_on_event_loop)
+        if runs_pipelined(engine, self.settings.pipeline_forward):
+            try:
+                await asyncio.to_thread(engine.pipeline, served.batching.max_batch_size)
+            except TraceRefused as e:
+                log.info(
+                    "model %s: batches run eagerly, not as a traced graph beside the event loop: %s", served.name, e
+                )
         return engine
 
     async def _check_fidelity(self, served: ServedModel, loaded: LoadedModel, engine: Engine) -> Engine:
@@ -354,14 +364,18 @@ class ModelRepository:
             except BaseException:
                 engine.close()
                 raise
+        # A pipelined engine has two batches in flight, each of up to half the rows: one is read and answered while
+        # the other runs (a whole batch would leave the loop nothing to do while it ran).
         batcher = Batcher(
             engine.run,
-            max_batch_size=served.batching.max_batch_size,
+            max_batch_size=max(1, served.batching.max_batch_size // 2)
+            if engine.pipelined
+            else served.batching.max_batch_size,
             max_delay=served.batching.max_delay_ms / 1000.0,
             max_queue_rows=served.batching.max_queue_rows,
             adaptive_delay=served.batching.adaptive_delay,
             # One batch in flight per instance: each instance takes the next batch when it is idle.
-            concurrency=len(engine.instances),
+            concurrency=2 if engine.pipelined else len(engine.instances),
             observer=self._observer(served, engine),
         )
         batcher.start()
@@ -377,7 +391,11 @@ class ModelRepository:
             engine.precision.value,
             served.warmup_seconds,
             info.instances,
-            " on the event loop's thread" if info.on_event_loop else "",
+            " on the event loop's thread"
+            if info.on_event_loop
+            else " traced, beside the event loop"
+            if info.pipelined
+            else "",
             list(info.buckets) or "off",
             f"captured in {info.graph_capture_seconds:.2f}s" if info.cuda_graphs else "off",
             f"compiled in {info.inductor_compile_seconds:.2f}s" if info.inductor else "off",

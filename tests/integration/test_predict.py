@@ -211,3 +211,26 @@ async def test_a_cpu_model_whose_forward_is_shorter_than_the_loops_work_runs_on_
     assert placed == {None: available_cores() <= 2, False: False}
     np.testing.assert_array_equal(answers[None], answers[False])
     np.testing.assert_allclose(answers[None], reference(tmp_path, "tiny", x), rtol=1e-5, atol=1e-5)
+
+
+async def test_a_pipelined_cpu_model_answers_as_an_eager_one(tmp_path: Path) -> None:
+    save_tiny_mlp(tmp_path, batching=Batching(max_batch_size=8, max_delay_ms=50))
+    x = np.random.default_rng(0).standard_normal((16, 16)).astype(np.float32)
+    answers, listed = {}, {}
+    for setting in (True, False):
+        async with serving(Settings(store=tmp_path, precision="fp32", pipeline_forward=setting)) as client:
+            got = await asyncio.gather(
+                *(client.post("/predict", json={"inputs": x[i : i + 1].tolist()}) for i in range(16)),
+                client.post("/predict", json={"inputs": x[:8].tolist()}),  # more rows than a pipelined batch takes
+            )
+            assert [r.status_code for r in got] == [200] * 17
+            answers[setting] = np.concatenate([r.json()["outputs"] for r in got])
+            (entry,) = (await client.get("/models")).json()["models"]
+            stats = (await client.get("/models/tiny/stats")).json()
+            listed[setting] = (entry["execution"]["pipelined"], stats["max_batch_size"])
+            assert max(int(k) for k in stats["batch_size_histogram"]) <= stats["max_batch_size"]
+    # Pipelined: two batches in flight, each of up to half the model's max_batch_size.
+    assert listed == {True: (True, 4), False: (False, 8)}
+    np.testing.assert_array_equal(answers[True], answers[False])
+    want = reference(tmp_path, "tiny", x)
+    np.testing.assert_allclose(answers[True], np.concatenate([want, want[:8]]), rtol=1e-5, atol=1e-5)

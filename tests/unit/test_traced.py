@@ -1,0 +1,155 @@
+"""A CPU forward traced and run beside the event loop (server.traced, Engine.pipeline, runs_pipelined)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from server import store
+from server.engine import LOOP_SECONDS_PER_ROW, PIPELINE_MIN_SHARE, Engine, runs_pipelined
+from server.precision import Precision
+from server.serving import Output
+from server.store import Execution
+from server.traced import TracedForward, TraceRefused
+from tests.conftest import save_tiny_mlp
+
+CPU = torch.device("cpu")
+
+
+class Branchy(nn.Module):
+    """Branches in Python on its input's values: a trace would keep one branch."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.sum() > 0:
+            return x * 2
+        return x * 3
+
+
+class Counting(nn.Module):
+    """Reads Python state that changes between calls: a trace would keep the value it saw."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return x + self.calls
+
+
+class Pair(nn.Module):
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x, x * 2
+
+
+def test_a_traced_forward_gives_the_models_outputs() -> None:
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)).eval()
+    batches = [torch.randn(8, 16), torch.randn(1, 16)]
+    traced = TracedForward.trace(model, model, batches)
+    x = torch.randn(5, 16)
+    future = traced.launch(x)
+    future.wait()
+    with torch.inference_mode():
+        want = model(x)
+    assert torch.equal(future.value(), want)
+
+
+def test_a_failing_graph_fails_its_future() -> None:
+    model = nn.Linear(16, 4).eval()
+    traced = TracedForward.trace(model, model, [torch.randn(2, 16)])
+    future = traced.launch(torch.randn(2, 15))
+    with pytest.raises(RuntimeError):
+        future.wait()
+
+
+@pytest.mark.parametrize(
+    ("model", "why"),
+    [
+        (Branchy(), "tracing warned"),
+        (Counting(), "differs"),
+        (Pair(), "differs"),  # a tuple of outputs, not a tensor
+    ],
+)
+def test_a_model_a_trace_would_get_wrong_is_refused(model: nn.Module, why: str) -> None:
+    batches = [torch.randn(4, 16), -torch.ones(1, 16)]
+    with pytest.raises(TraceRefused, match=why):
+        TracedForward.trace(model, model, batches)
+
+
+async def test_a_pipelined_engine_answers_as_it_runs_batches_eagerly(tmp_path: Path) -> None:
+    save_tiny_mlp(tmp_path)
+    engine = Engine(store.load(tmp_path, "tiny"), Precision.FP32, CPU, max_batch_size=8)
+    try:
+        engine.pipeline(8)
+        assert engine.pipelined
+        assert engine.info.pipelined
+        assert not engine.on_event_loop
+        rng = np.random.default_rng(0)
+        batches = [[rng.standard_normal((n, 16)).astype(np.float32) for n in sizes] for sizes in ((1, 3), (8,), (2,))]
+        futures = [engine.run(chunks) for chunks in batches]  # three in flight at once
+        assert not all(f.done() for f in futures)  # launched, not run before run returned
+        for chunks, future in zip(batches, futures, strict=True):
+            got = [o.data for o in await future if isinstance(o, Output)]
+            want = [o.data for o in engine.run_batch(chunks) if isinstance(o, Output)]
+            assert len(got) == len(want) == len(chunks)
+            for g, w in zip(got, want, strict=True):
+                np.testing.assert_array_equal(g, w)
+        assert engine.forwards >= 3
+        with pytest.raises(RuntimeError):  # a batch the graph cannot take fails its future, not the loop
+            await engine.run([np.zeros((2, 15), dtype=np.float32)])
+        assert (await engine.run([np.zeros((1, 16), dtype=np.float32)]))[0].data.shape == (1, 4)
+    finally:
+        engine.close()
+
+
+async def test_the_event_loop_runs_while_a_traced_forward_does() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(512, 512) for _ in range(8))).eval()
+    x = torch.randn(256, 512)
+    traced = TracedForward.trace(model, model, [x])
+    future = traced.launch(x)
+    iterations = 0
+    while not future.done():  # the loop's own Python runs: the graph holds no GIL
+        iterations += 1
+        await asyncio.sleep(0)
+    assert iterations > 10
+    with torch.inference_mode():
+        assert torch.equal(future.value(), model(x))
+
+
+def test_batches_are_pipelined_where_the_forward_is_a_large_enough_share_of_the_loops_work(tmp_path: Path) -> None:
+    save_tiny_mlp(tmp_path)
+    save_tiny_mlp(tmp_path, "pair", execution=Execution(instances=2))
+    one = Engine(store.load(tmp_path, "tiny"), Precision.FP32, CPU, max_batch_size=8)
+    two = Engine(store.load(tmp_path, "pair"), Precision.FP32, CPU, max_batch_size=8)
+    autocast = Engine(store.load(tmp_path, "tiny"), Precision.AUTOCAST, CPU, max_batch_size=8)
+    try:
+        assert not runs_pipelined(one, None)  # not timed yet
+        assert runs_pipelined(one, True)
+        one.settle_threads(8, 2)
+        assert one.loop_bound
+        assert one.threads == 1
+        assert one.batch_rows == 8
+        assert one.batch_seconds is not None
+        share = one.batch_seconds / (8 * LOOP_SECONDS_PER_ROW)
+        assert runs_pipelined(one, None) is (share >= PIPELINE_MIN_SHARE)  # a tiny MLP: far below
+        one.batch_seconds = PIPELINE_MIN_SHARE * 8 * LOOP_SECONDS_PER_ROW
+        assert runs_pipelined(one, None)
+        assert not runs_pipelined(one, False)
+        one.threads = 2  # a forward on more threads than the loop can spare runs where it would have
+        assert not runs_pipelined(one, None)
+        one.threads, one.loop_bound = 1, False  # longer than the loop's work: on its instance thread, all cores
+        assert not runs_pipelined(one, None)
+        assert not runs_pipelined(two, True)  # several instances run their batches side by side on their threads
+        assert not runs_pipelined(autocast, True)  # its casts follow a thread's autocast state; the pool has none
+        with pytest.raises(ValueError, match="autocast"):
+            autocast.pipeline(8)
+    finally:
+        one.close()
+        two.close()
+        autocast.close()
