@@ -281,6 +281,8 @@ class Engine:
         """A full batch's forward (:attr:`batch_rows`) on the settled intra-op threads, timed by :meth:`settle_threads`
         (None until)."""
         self.batch_rows = 0
+        self.cores = 0
+        """The cores :meth:`settle_threads` settled the intra-op threads for (0 until)."""
         self.pipelined = False
         """Run each batch as a traced graph in torch's inter-op pool, launched from the event loop's thread and
         collected there when done (:meth:`pipeline`; the caller decides, as :func:`runs_pipelined`). The loop goes on
@@ -735,7 +737,7 @@ class Engine:
             )
             torch.set_num_threads(threads)
             self.batch_seconds = seconds if threads == cores else timed(inst)
-            self.batch_rows = max_batch_size
+            self.batch_rows, self.cores = max_batch_size, cores
             return threads
 
         self.threads = min(inst.executor.submit(settle, inst).result() for inst in self.instances)
@@ -800,13 +802,15 @@ beside the loop as on it in bf16, and 30-40% more in fp32."""
 def runs_pipelined(engine: Engine, setting: bool | None) -> bool:
     """Whether ``engine`` should run its batches as a traced graph beside the event loop (:meth:`Engine.pipeline`): as
     ``setting`` says, else where its forward would run on the loop (:func:`runs_on_event_loop`) and takes at least
-    :data:`PIPELINE_MIN_SHARE` of the loop's work on a full batch; only an engine that can
-    (:attr:`Engine.pipelines`)."""
+    :data:`PIPELINE_MIN_SHARE` of the loop's work on a full batch, with another core for the graph; only an engine
+    that can (:attr:`Engine.pipelines`)."""
     if not engine.pipelines:
         return False
     if setting is not None:
         return setting
     if not (engine.loop_bound and engine.threads == 1) or engine.batch_seconds is None:
+        return False
+    if engine.cores < 2:  # no other core for the graph to run on: it would only add its launches to the loop's work
         return False
     return engine.batch_seconds >= PIPELINE_MIN_SHARE * engine.batch_rows * LOOP_SECONDS_PER_ROW
 

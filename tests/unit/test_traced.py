@@ -141,6 +141,9 @@ def test_batches_are_pipelined_where_the_forward_is_a_large_enough_share_of_the_
         one.batch_seconds = PIPELINE_MIN_SHARE * 8 * LOOP_SECONDS_PER_ROW
         assert runs_pipelined(one, None)
         assert not runs_pipelined(one, False)
+        one.cores = 1  # no core for the graph beside the loop's
+        assert not runs_pipelined(one, None)
+        one.cores = 2
         one.threads = 2  # a forward on more threads than the loop can spare runs where it would have
         assert not runs_pipelined(one, None)
         one.threads, one.loop_bound = 1, False  # longer than the loop's work: on its instance thread, all cores
