@@ -791,12 +791,12 @@ def runs_on_event_loop(engine: Engine, setting: bool | None) -> bool:
     return setting
 
 
-PIPELINE_MIN_SHARE = 0.3
+PIPELINE_MIN_SHARE = 0.1
 """The least share of the event loop's work on a batch's requests (:data:`LOOP_SECONDS_PER_ROW` each) that its
 forward must take to run beside the loop rather than on it (:func:`runs_pipelined`). Two batches in flight each cost
-the loop its own launch, collection and answering; a forward of a smaller share saves less than that: on 2 cores the
-benchmark MLP (64 rows: 0.5 ms in bf16, 15% of the loop's work, and 1.8 ms in fp32, 56%) answered as many requests
-beside the loop as on it in bf16, and 30-40% more in fp32."""
+the loop its own launch and collection, about what the forward of a few rows saves. On 2 cores the benchmark MLP
+(64 rows in 0.5 ms in bf16, 15% of the loop's work; 1.8 ms in fp32, 56%) answered 4-8% more requests beside the loop
+than on it in bf16 (4 interleaved pairs, every pair) and 30-40% more in fp32; no shorter forward was measured."""
 
 
 def runs_pipelined(engine: Engine, setting: bool | None) -> bool:
