@@ -553,15 +553,19 @@ class Engine:
 
     def _run_here(self, chunks: list[np.ndarray]) -> asyncio.Future[list[Outcome]]:
         """Run a batch on this thread (the event loop's), on the first instance: its outcomes as a done future."""
-        # OpenMP's thread count is the calling thread's setting: the loop's thread takes the instance's.
-        if self.threads is not None and torch.get_num_threads() != self.threads:
-            torch.set_num_threads(self.threads)
+        self._take_threads()  # the loop's thread takes the instance's count
         future: asyncio.Future[list[Outcome]] = asyncio.get_running_loop().create_future()
         try:
             future.set_result(self.run_batch(chunks, self.instances[0]))
         except Exception as e:
             future.set_exception(e)
         return future
+
+    def _take_threads(self) -> None:
+        """Give the calling thread the intra-op threads this engine settled on (OpenMP's count is each thread's own
+        setting, and threads torch starts take their starter's)."""
+        if self.threads is not None and torch.get_num_threads() != self.threads:
+            torch.set_num_threads(self.threads)
 
     @property
     def pipelines(self) -> bool:
@@ -586,11 +590,11 @@ class Engine:
             raise ValueError(
                 "only a CPU engine with one instance and one input, not padded, compiled or autocast, pipelines"
             )
-        if self.threads is not None and torch.get_num_threads() != self.threads:
-            torch.set_num_threads(self.threads)  # the inter-op pool's threads take the caller's count when they start
+        self._take_threads()  # the inter-op pool's threads take the caller's count when they start
         zeros = torch.from_numpy(self._warm_batch(max_batch_size))
-        drawn = torch.from_numpy(np.random.default_rng(0).standard_normal(zeros.shape).astype(zeros.numpy().dtype))
-        if not zeros.dtype.is_floating_point:
+        if zeros.dtype.is_floating_point:
+            drawn = torch.from_numpy(np.random.default_rng(0).standard_normal(zeros.shape).astype(zeros.numpy().dtype))
+        else:
             drawn = torch.randint(0, 2, zeros.shape, dtype=zeros.dtype, generator=torch.Generator().manual_seed(0))
         with prec.inference(self.precision, self.device):
             traced = TracedForward.trace(self.model, self._eager, [zeros, zeros[:1].clone(), drawn])
@@ -808,7 +812,7 @@ def runs_pipelined(engine: Engine, setting: bool | None) -> bool:
         return False
     if setting is not None:
         return setting
-    if not (engine.loop_bound and engine.threads == 1) or engine.batch_seconds is None:
+    if not runs_on_event_loop(engine, None) or engine.batch_seconds is None:
         return False
     if engine.cores < 2:  # no other core for the graph to run on: it would only add its launches to the loop's work
         return False
