@@ -116,7 +116,7 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         action=argparse.BooleanOptionalAction,
         default=None,
         help="run CPU batches as a traced graph beside the event loop, two in flight (default: where the forward would "
-        "run on the loop and takes 10%% or more of the loop's work on a full batch, if the model traces)",
+        "run on the loop and takes 10%% or more of the loop's work on a full batch of 32+ rows, if the model traces)",
     )
     p.add_argument(
         "--tf32",

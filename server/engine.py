@@ -803,11 +803,19 @@ the loop its own launch and collection, about what the forward of a few rows sav
 than on it in bf16 (4 interleaved pairs, every pair) and 30-40% more in fp32; no shorter forward was measured."""
 
 
+PIPELINE_MIN_ROWS = 32
+"""The smallest full batch (``max_batch_size``) run beside the loop by default (:func:`runs_pipelined`): its halves
+must still batch. Measured down to 32, halves of 16 (the peers' batching: 2.25-2.45x TorchServe at c=64). Smaller
+batches were not measured, and a tiny forward's fixed cost makes its share of a few rows' loop work look large and
+unsteady: the tests' 16-wide MLP with a maximum batch of 2 went beside the loop in one run of the suite and not in
+the others, halving its batches to single rows."""
+
+
 def runs_pipelined(engine: Engine, setting: bool | None) -> bool:
     """Whether ``engine`` should run its batches as a traced graph beside the event loop (:meth:`Engine.pipeline`): as
     ``setting`` says, else where its forward would run on the loop (:func:`runs_on_event_loop`) and takes at least
-    :data:`PIPELINE_MIN_SHARE` of the loop's work on a full batch, with another core for the graph; only an engine
-    that can (:attr:`Engine.pipelines`)."""
+    :data:`PIPELINE_MIN_SHARE` of the loop's work on a full batch of :data:`PIPELINE_MIN_ROWS` or more, with another
+    core for the graph; only an engine that can (:attr:`Engine.pipelines`)."""
     if not engine.pipelines:
         return False
     if setting is not None:
@@ -815,6 +823,8 @@ def runs_pipelined(engine: Engine, setting: bool | None) -> bool:
     if not runs_on_event_loop(engine, None) or engine.batch_seconds is None:
         return False
     if engine.cores < 2:  # no other core for the graph to run on: it would only add its launches to the loop's work
+        return False
+    if engine.batch_rows < PIPELINE_MIN_ROWS:
         return False
     return engine.batch_seconds >= PIPELINE_MIN_SHARE * engine.batch_rows * LOOP_SECONDS_PER_ROW
 

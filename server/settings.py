@@ -107,8 +107,8 @@ class Settings(BaseSettings):
     """Run a CPU model's batches as a traced TorchScript graph in torch's inter-op pool, launched from the event loop
     and run beside it without the GIL, two batches of up to half ``max_batch_size`` in flight (one CPU instance and one
     input; not with padding, ``inductor`` or autocast). Unset: where the forward would run on the event loop and takes
-    10% or more of the loop's work on a full batch (:func:`server.engine.runs_pipelined`), and the model traces to a
-    graph that gives its outputs exactly; a model that does not trace runs as it would have."""
+    10% or more of the loop's work on a full batch of 32 rows or more (:func:`server.engine.runs_pipelined`), and the
+    model traces to a graph that gives its outputs exactly; a model that does not trace runs as it would have."""
     gil_switch_interval_ms: float | None = Field(default=None, gt=0.0, le=100.0)
     """The interpreter's thread switch interval. Unset: 0.5 ms when serving on CUDA (Python's 5 ms default otherwise).
     The event loop decodes request bodies holding the GIL; an engine thread that let go of it for a copy or a kernel

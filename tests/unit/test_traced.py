@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from server import store
-from server.engine import LOOP_SECONDS_PER_ROW, PIPELINE_MIN_SHARE, Engine, runs_pipelined
+from server.engine import LOOP_SECONDS_PER_ROW, PIPELINE_MIN_ROWS, PIPELINE_MIN_SHARE, Engine, runs_pipelined
 from server.precision import Precision
 from server.serving import Output
 from server.store import Execution
@@ -136,9 +136,12 @@ def test_batches_are_pipelined_where_the_forward_is_a_large_enough_share_of_the_
         assert one.threads == 1
         assert one.batch_rows == 8
         assert one.batch_seconds is not None
-        share = one.batch_seconds / (8 * LOOP_SECONDS_PER_ROW)
-        assert runs_pipelined(one, None) is (share >= PIPELINE_MIN_SHARE)  # a tiny MLP: far below
         one.batch_seconds = PIPELINE_MIN_SHARE * 8 * LOOP_SECONDS_PER_ROW
+        assert not runs_pipelined(one, None)  # a full batch of 8 rows: its halves would hardly batch
+        rows = one.batch_rows = PIPELINE_MIN_ROWS
+        one.batch_seconds = PIPELINE_MIN_SHARE * rows * LOOP_SECONDS_PER_ROW * 0.99
+        assert not runs_pipelined(one, None)  # below the share
+        one.batch_seconds = PIPELINE_MIN_SHARE * rows * LOOP_SECONDS_PER_ROW
         assert runs_pipelined(one, None)
         assert not runs_pipelined(one, False)
         one.cores = 1  # no core for the graph beside the loop's
