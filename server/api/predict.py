@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 from typing import Any
 
 import numpy as np
@@ -139,6 +140,36 @@ def decode_inputs(samples: object, served: ModelHandle, limits: Settings) -> dic
     return {t.name: decode_samples(samples[t.name], t, f"inputs.{t.name}") for t in specs}
 
 
+PYTHON_ARGMAX_VALUES = 256
+"""Outputs of up to this many values find their top labels in Python; larger ones with numpy's ``argmax``.
+
+``argmax`` releases the GIL at any size (``max`` and most small numpy calls do not), and each release hands the GIL
+to any thread waiting for it, such as a forward's thread about to free its input, and leaves the event loop waiting
+to take it back. Once per request that measured 5-9% of ``/predict``'s throughput on the 256-1024-1024-10 MLP (fp32,
+c=64, 3 interleaved rounds); in Python a 1x10 output's top label costs 0.4 us against numpy's 0.7 us, and 4x10 1.4 us
+against 0.7 us.
+"""
+
+
+def top_labels(out: np.ndarray, labels: list[str]) -> list[Any]:
+    """The label of each sample's highest output (of each position's, for an output with positions between the rows
+    and the classes), picked as numpy's ``argmax`` picks: the first of equal maxima, and the first NaN of a row that
+    has one."""
+    scores = out.reshape(len(out), -1, out.shape[-1]) if out.ndim > 2 else out
+    flat = scores.reshape(-1, scores.shape[-1])
+    rows: list[list[float]] = flat.tolist() if flat.size <= PYTHON_ARGMAX_VALUES else []
+    # A row's sum is NaN when it holds a NaN (or infinities of both signs): those rows go to numpy.
+    if rows and not any(math.isnan(sum(row)) for row in rows):
+        top = [row.index(max(row)) for row in rows]
+    else:
+        top = flat.argmax(-1).tolist()
+    named = [labels[i] for i in top]
+    if scores.ndim == 2:
+        return named
+    width = scores.shape[1]
+    return [named[i : i + width] for i in range(0, len(named), width)]
+
+
 @router.post("/predict", openapi_extra=PREDICT_SCHEMA, response_class=Response)
 @metered(Interface.PREDICT)
 async def predict(request: Request) -> Response:
@@ -178,6 +209,5 @@ async def predict(request: Request) -> Response:
     }
     labels = served.manifest.labels
     if labels is not None:
-        top = out.reshape(out.shape[0], -1, out.shape[-1]).argmax(-1) if out.ndim > 2 else out.argmax(-1)
-        body["labels"] = np.asarray(labels, dtype=object)[top].tolist()
+        body["labels"] = top_labels(out, labels)
     return Response(orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY), media_type="application/json")
