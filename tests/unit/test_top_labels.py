@@ -99,7 +99,10 @@ def runs_beside(calls: list[tuple[Callable[[], object], int]]) -> list[int]:
 
 def test_small_outputs_keep_the_gil() -> None:
     small = np.random.default_rng(2).standard_normal((1, 10)).astype(np.float32)
-    labels, argmax = runs_beside([(lambda: top_labels(small, LABELS), 300), (lambda: small.argmax(-1), 3000)])
-    assert labels == 0
+    call = (lambda: top_labels(small, LABELS), 300)
+    *labels, argmax = runs_beside([call, call, call, (lambda: small.argmax(-1), 3000)])
+    # The least of three windows: another thread of the process that had waited out the old interval could take the
+    # GIL by force once; code that releases it lets the second thread in in every window.
+    assert min(labels) == 0
     # The reason: numpy's argmax lets the other thread in, on the same output (the caller then waits a second).
     assert argmax > 0
