@@ -579,6 +579,18 @@ class Engine:
             and self.precision is not Precision.AUTOCAST
         )
 
+    def batches(self, max_batch_size: int) -> tuple[int, int]:
+        """The batches this engine takes for a model's ``max_batch_size``: the most rows in one, and how many may be in
+        flight at once.
+
+        One in flight per instance, each taking the next batch when it is idle. A pipelined engine has two, each of up
+        to half the rows: one is read and answered while the other runs (a whole batch would leave the loop nothing to
+        do while it ran).
+        """
+        if self.pipelined:
+            return max(1, max_batch_size // 2), 2
+        return max_batch_size, len(self.instances)
+
     def pipeline(self, max_batch_size: int) -> None:
         """Trace the forward and run batches that way from now on (:attr:`pipelined`); raises
         :class:`~server.traced.TraceRefused` (and changes nothing) when the model cannot run as a traced graph.

@@ -364,18 +364,14 @@ class ModelRepository:
             except BaseException:
                 engine.close()
                 raise
-        # A pipelined engine has two batches in flight, each of up to half the rows: one is read and answered while
-        # the other runs (a whole batch would leave the loop nothing to do while it ran).
+        rows, in_flight = engine.batches(served.batching.max_batch_size)
         batcher = Batcher(
             engine.run,
-            max_batch_size=max(1, served.batching.max_batch_size // 2)
-            if engine.pipelined
-            else served.batching.max_batch_size,
+            max_batch_size=rows,
             max_delay=served.batching.max_delay_ms / 1000.0,
             max_queue_rows=served.batching.max_queue_rows,
             adaptive_delay=served.batching.adaptive_delay,
-            # One batch in flight per instance: each instance takes the next batch when it is idle.
-            concurrency=2 if engine.pipelined else len(engine.instances),
+            concurrency=in_flight,
             observer=self._observer(served, engine),
         )
         batcher.start()

@@ -85,8 +85,11 @@ async def test_a_pipelined_engine_answers_as_it_runs_batches_eagerly(tmp_path: P
     save_tiny_mlp(tmp_path)
     engine = Engine(store.load(tmp_path, "tiny"), Precision.FP32, CPU, max_batch_size=8)
     try:
+        assert engine.batches(8) == (8, 1)  # one batch in flight per instance, of up to max_batch_size
         engine.pipeline(8)
         assert engine.pipelined
+        assert engine.batches(8) == (4, 2)  # two in flight, each of up to half
+        assert engine.batches(1) == (1, 2)
         assert engine.info.pipelined
         assert not engine.on_event_loop
         rng = np.random.default_rng(0)
