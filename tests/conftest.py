@@ -19,7 +19,9 @@ import pytest
 import torch
 
 from server import models, store
-from server.store import Batching, Manifest, TensorSpec
+from server.engine import Engine
+from server.precision import Precision
+from server.store import Batching, Execution, Manifest, TensorSpec
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -52,6 +54,16 @@ def save_tiny_mlp(root: Path, name: str = "tiny", seed: int = 0, **manifest_fiel
     }
     fields.update(manifest_fields)
     return store.save(root, Manifest.model_validate(fields), module)
+
+
+def tiny_engines(root: Path) -> tuple[Engine, Engine]:
+    """The tiny MLP saved as ``tiny`` (one instance) and as ``pair`` (two), each on an fp32 CPU engine with a maximum
+    batch of 8, not warmed up; the caller closes them."""
+    save_tiny_mlp(root)
+    save_tiny_mlp(root, "pair", execution=Execution(instances=2))
+    cpu = torch.device("cpu")
+    one = Engine(store.load(root, "tiny"), Precision.FP32, cpu, max_batch_size=8)
+    return one, Engine(store.load(root, "pair"), Precision.FP32, cpu, max_batch_size=8)
 
 
 @pytest.fixture

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 import torch
@@ -192,17 +193,24 @@ async def test_a_model_compiled_with_inductor_serves_in_bf16_and_reports_its_com
     assert entry["execution"]["inductor_compile_seconds"] > 0
 
 
+async def post_each_row(client: httpx.AsyncClient, x: np.ndarray, *batches: np.ndarray) -> np.ndarray:
+    """Each row of ``x`` as a ``/predict`` request of its own and each of ``batches`` as one request, all at once:
+    every answer a 200, their outputs in that order."""
+    got = await asyncio.gather(
+        *(client.post("/predict", json={"inputs": x[i : i + 1].tolist()}) for i in range(len(x))),
+        *(client.post("/predict", json={"inputs": b.tolist()}) for b in batches),
+    )
+    assert [r.status_code for r in got] == [200] * (len(x) + len(batches))
+    return np.concatenate([r.json()["outputs"] for r in got])
+
+
 async def test_a_cpu_model_whose_forward_is_shorter_than_the_loops_work_runs_on_the_event_loop(tmp_path: Path) -> None:
     save_tiny_mlp(tmp_path, batching=Batching(max_batch_size=8, max_delay_ms=50))
     x = np.random.default_rng(0).standard_normal((8, 16)).astype(np.float32)
     answers, placed = {}, {}
     for setting in (None, False):
         async with serving(Settings(store=tmp_path, precision="fp32", forward_on_event_loop=setting)) as client:
-            got = await asyncio.gather(
-                *(client.post("/predict", json={"inputs": x[i : i + 1].tolist()}) for i in range(8))
-            )
-            assert [r.status_code for r in got] == [200] * 8
-            answers[setting] = np.concatenate([r.json()["outputs"] for r in got])
+            answers[setting] = await post_each_row(client, x)
             (entry,) = (await client.get("/models")).json()["models"]
             placed[setting] = entry["execution"]["on_event_loop"]
             histogram = (await client.get("/models/tiny/stats")).json()["batch_size_histogram"]
@@ -219,12 +227,7 @@ async def test_a_pipelined_cpu_model_answers_as_an_eager_one(tmp_path: Path) -> 
     answers, listed = {}, {}
     for setting in (True, False):
         async with serving(Settings(store=tmp_path, precision="fp32", pipeline_forward=setting)) as client:
-            got = await asyncio.gather(
-                *(client.post("/predict", json={"inputs": x[i : i + 1].tolist()}) for i in range(16)),
-                client.post("/predict", json={"inputs": x[:8].tolist()}),  # more rows than a pipelined batch takes
-            )
-            assert [r.status_code for r in got] == [200] * 17
-            answers[setting] = np.concatenate([r.json()["outputs"] for r in got])
+            answers[setting] = await post_each_row(client, x, x[:8])  # 8: more rows than a pipelined batch takes
             (entry,) = (await client.get("/models")).json()["models"]
             stats = (await client.get("/models/tiny/stats")).json()
             listed[setting] = (entry["execution"]["pipelined"], stats["max_batch_size"])

@@ -19,8 +19,7 @@ from server.engine import (
     runs_on_event_loop,
 )
 from server.precision import Precision
-from server.store import Execution
-from tests.conftest import save_tiny_mlp
+from tests.conftest import save_tiny_mlp, tiny_engines
 
 several_cores = pytest.mark.skipif(available_cores() < 2, reason="needs 2 cores to keep one back")
 
@@ -61,11 +60,7 @@ def test_batches_run_on_the_event_loop_where_the_forward_is_loop_bound_on_a_cpu_
     rows = 64
     assert loop_bound(rows * LOOP_SECONDS_PER_ROW / 10, rows)
     assert not loop_bound(rows * LOOP_SECONDS_PER_ROW * 1.01, rows)
-    save_tiny_mlp(tmp_path)
-    save_tiny_mlp(tmp_path, "pair", execution=Execution(instances=2))
-    cpu = torch.device("cpu")
-    one = Engine(store.load(tmp_path, "tiny"), Precision.FP32, cpu, max_batch_size=8)
-    two = Engine(store.load(tmp_path, "pair"), Precision.FP32, cpu, max_batch_size=8)
+    one, two = tiny_engines(tmp_path)
     try:
         assert not runs_on_event_loop(one, None)  # not timed yet
         assert runs_on_event_loop(one, True)

@@ -14,9 +14,8 @@ from server import store
 from server.engine import LOOP_SECONDS_PER_ROW, PIPELINE_MIN_ROWS, PIPELINE_MIN_SHARE, Engine, runs_pipelined
 from server.precision import Precision
 from server.serving import Output
-from server.store import Execution
 from server.traced import TracedForward, TraceRefused
-from tests.conftest import save_tiny_mlp
+from tests.conftest import save_tiny_mlp, tiny_engines
 
 CPU = torch.device("cpu")
 
@@ -126,10 +125,7 @@ async def test_the_event_loop_runs_while_a_traced_forward_does() -> None:
 
 
 def test_batches_are_pipelined_where_the_forward_is_a_large_enough_share_of_the_loops_work(tmp_path: Path) -> None:
-    save_tiny_mlp(tmp_path)
-    save_tiny_mlp(tmp_path, "pair", execution=Execution(instances=2))
-    one = Engine(store.load(tmp_path, "tiny"), Precision.FP32, CPU, max_batch_size=8)
-    two = Engine(store.load(tmp_path, "pair"), Precision.FP32, CPU, max_batch_size=8)
+    one, two = tiny_engines(tmp_path)
     autocast = Engine(store.load(tmp_path, "tiny"), Precision.AUTOCAST, CPU, max_batch_size=8)
     try:
         assert not runs_pipelined(one, None)  # not timed yet
