@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
 from collections.abc import Callable
 
 import numpy as np
@@ -63,13 +64,15 @@ def test_outputs_past_the_python_limit_use_numpy() -> None:
     assert top_labels(out, LABELS) == argmax_labels(out, LABELS)
 
 
-def runs_beside(calls: list[tuple[Callable[[], object], int]]) -> list[int]:
-    """Calls each function up to so many times and says, per function, how often a busy second thread ran meanwhile
-    (stopping at the first time it ran).
+def runs_beside(calls: list[tuple[Callable[[], object], float]]) -> list[int]:
+    """Calls each function over and over for up to so many seconds and says, per function, how often a busy second
+    thread ran meanwhile (stopping at the first time it ran).
 
     The second thread starts under a switch interval of a second, so the caller takes the GIL back from it only by
-    force, a second later, and keeps it for the next second unless it releases it: in a window far shorter than that,
-    the count is 0 for code that keeps the GIL throughout. The thread stops before anything is asserted."""
+    force, a second later, and keeps it for the next second unless it releases it: in windows adding up to far less
+    than that, the count is 0 for code that keeps the GIL throughout. Code that releases it lets the second thread in
+    once the system runs that thread, which on a loaded machine may take many releases. The thread stops before
+    anything is asserted."""
     ticks = [0]
     stop = threading.Event()
 
@@ -83,12 +86,11 @@ def runs_beside(calls: list[tuple[Callable[[], object], int]]) -> list[int]:
     counts = []
     try:
         thread.start()
-        for fn, times in calls:
+        for fn, seconds in calls:
             before = ticks[0]
-            for _ in range(times):
+            end = time.perf_counter() + seconds
+            while ticks[0] == before and time.perf_counter() < end:
                 fn()
-                if ticks[0] != before:
-                    break
             counts.append(ticks[0] - before)
     finally:
         stop.set()
@@ -99,10 +101,11 @@ def runs_beside(calls: list[tuple[Callable[[], object], int]]) -> list[int]:
 
 def test_small_outputs_keep_the_gil() -> None:
     small = np.random.default_rng(2).standard_normal((1, 10)).astype(np.float32)
-    call = (lambda: top_labels(small, LABELS), 300)
-    *labels, argmax = runs_beside([call, call, call, (lambda: small.argmax(-1), 3000)])
-    # The least of three windows: another thread of the process that had waited out the old interval could take the
-    # GIL by force once; code that releases it lets the second thread in in every window.
+    call = (lambda: top_labels(small, LABELS), 0.01)
+    *labels, argmax = runs_beside([call, call, call, (lambda: small.argmax(-1), 0.5)])
+    # The least of three windows: another thread of the process that had waited out the old interval (or that wakes
+    # now and then, like tqdm's monitor) could take the GIL by force once; code that releases it lets the second
+    # thread in in every window.
     assert min(labels) == 0
     # The reason: numpy's argmax lets the other thread in, on the same output (the caller then waits a second).
     assert argmax > 0
