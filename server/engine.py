@@ -294,7 +294,10 @@ class Engine:
         self._idle = list(reversed(self.instances))
         self._next = 0
         self._lock = threading.Lock()
-        self._forward = torch.compile(_own_code(self._eager), dynamic=False) if self.inductor else self._eager
+        own = _own_code(self._eager)
+        self._compiled_code = own.__func__.__code__ if self.inductor else None  # type: ignore[attr-defined]
+        """The code object whose compiled shapes are this engine's (:func:`_own_code`); None when not compiled."""
+        self._forward = torch.compile(own, dynamic=False) if self.inductor else self._eager
         self.compile_seconds = 0.0
         self._room_made = False
         if self.inductor and self.buckets:
@@ -723,7 +726,8 @@ class Engine:
         the thread that starts a parallel region, so other threads (and other models' instances) keep theirs.
 
         A model with a variable input is timed at its ``max_length``: the longest batch it can be sent, which is what
-        decides whether a batch may hold up the event loop (:attr:`loop_bound`).
+        decides whether a batch may hold up the event loop (:attr:`loop_bound`). An engine compiled with TorchInductor
+        then sets every instance to the count chosen and compiles its buckets again at it (:meth:`_compile_again`).
         """
         sequence = store.sequence_input(self.manifest)
         x = self._warm_batch(max_batch_size, sequence.bounded()[0] if sequence is not None else 1)
@@ -757,8 +761,29 @@ class Engine:
             return threads
 
         self.threads = min(inst.executor.submit(settle, inst).result() for inst in self.instances)
+        if self._compiled_code is not None:
+            self._compile_again(self._compiled_code, self.threads, max_batch_size)
         self.real_elements = self.padded_elements = 0  # the padding of requests, not of these batches
         return self.threads
+
+    def _compile_again(self, code: types.CodeType, threads: int, max_batch_size: int) -> None:
+        """Compile every bucket again, on each instance's thread at ``threads`` intra-op threads.
+
+        torch.compile guards each compiled shape on the intra-op thread count of the thread it runs on. Compiled at
+        the warm-up's count, every bucket would compile again at its first request once the count changed (seconds
+        each, under load), and the shapes of both counts together could pass the recompile limit, past which the
+        forward runs eagerly. The engine's own compiled shapes (those of ``code``, its own code object: no other
+        engine's) are dropped, then warmed up again.
+        """
+        torch._dynamo.eval_frame.remove_from_cache(code)
+        sizes = batch_buckets(max_batch_size, self._bucket_sizes)
+
+        def again(inst: Instance) -> None:
+            torch.set_num_threads(threads)
+            self._warm_instance(inst, sizes)
+
+        for inst in self.instances:
+            inst.executor.submit(again, inst).result()
 
     def _warm_lengths(self) -> list[int]:
         """The lengths a variable model's batches are padded to (its length buckets, when lengths are grouped), after
