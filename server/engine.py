@@ -568,7 +568,7 @@ class Engine:
         """Give the calling thread the intra-op threads this engine settled on (OpenMP's count is each thread's own
         setting, and threads torch starts take their starter's)."""
         if self.threads is not None and torch.get_num_threads() != self.threads:
-            torch.set_num_threads(self.threads)
+            set_intra_op_threads(self.threads)
 
     @property
     def pipelines(self) -> bool:
@@ -741,7 +741,7 @@ class Engine:
             return seconds
 
         def settle(inst: Instance) -> int:
-            torch.set_num_threads(cores)
+            set_intra_op_threads(cores)
             self.forward(x, inst)
             seconds = timed(inst)
             self.loop_bound = loop_bound(seconds, max_batch_size)
@@ -755,7 +755,7 @@ class Engine:
                 cores,
                 threads,
             )
-            torch.set_num_threads(threads)
+            set_intra_op_threads(threads)
             self.batch_seconds = seconds if threads == cores else timed(inst)
             self.batch_rows, self.cores = max_batch_size, cores
             return threads
@@ -779,7 +779,7 @@ class Engine:
         sizes = batch_buckets(max_batch_size, self._bucket_sizes)
 
         def again(inst: Instance) -> None:
-            torch.set_num_threads(threads)
+            set_intra_op_threads(threads)
             self._warm_instance(inst, sizes)
 
         for inst in self.instances:
@@ -797,6 +797,18 @@ class Engine:
     def close(self) -> None:
         for inst in self.instances:
             inst.close()
+
+
+def set_intra_op_threads(count: int) -> None:
+    """Set the calling thread's torch intra-op threads to ``count``, for good.
+
+    torch gives a thread its count from the process's last setting (any thread's) when the thread first asks for it
+    or starts parallel work, overwriting a count set on the thread before that: a fresh thread that set 3, while
+    another thread then set 1, had 1 when it next asked. Asking first spends that first time here, so the count set
+    is the thread's until it sets another.
+    """
+    torch.get_num_threads()
+    torch.set_num_threads(count)
 
 
 def available_cores() -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from server.engine import (
     intra_op_threads,
     loop_bound,
     runs_on_event_loop,
+    set_intra_op_threads,
 )
 from server.precision import Precision
 from tests.conftest import save_tiny_mlp, tiny_engines
@@ -80,3 +82,31 @@ def test_batches_run_on_the_event_loop_where_the_forward_is_loop_bound_on_a_cpu_
     finally:
         one.close()
         two.close()
+
+
+@pytest.mark.parametrize("helper", [True, False])
+def test_a_threads_count_set_before_its_first_use_stays_its_own_only_through_the_helper(helper: bool) -> None:
+    # torch gives a fresh thread the process's last setting when the thread first asks, over a count it set before.
+    set_first, changed = threading.Event(), threading.Event()
+    seen: list[int] = []
+
+    def fresh_thread() -> None:
+        if helper:
+            set_intra_op_threads(3)
+        else:
+            torch.set_num_threads(3)
+        set_first.set()
+        changed.wait(timeout=10)
+        seen.append(torch.get_num_threads())
+
+    before = torch.get_num_threads()
+    thread = threading.Thread(target=fresh_thread)
+    thread.start()
+    try:
+        assert set_first.wait(timeout=10)
+        torch.set_num_threads(1)  # another thread (another model's instance) sets its own count
+    finally:
+        changed.set()
+        thread.join(timeout=10)
+        torch.set_num_threads(before)
+    assert seen == ([3] if helper else [1])
