@@ -30,8 +30,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 ROOT = Path(__file__).resolve().parent.parent
 """The repository root. Not put on ``sys.path``: a run measures the ``server`` of the tree it runs in (its working
 directory and ``PYTHONPATH``), whichever tree this script comes from."""
@@ -41,14 +39,11 @@ ROUTES = ("health", "predict", "v2-binary")
 
 def requests(model: str, store: Path, folder: Path) -> dict[str, dict[str, Any]]:
     """Each route's method, path, headers and body file (written into ``folder``): one seeded sample of the model's
-    first input, as :func:`common.make_protocol` writes it for wrk."""
+    first input, as :func:`common.sample_protocols` writes it for wrk."""
     import common  # here, not at the top: it puts this tree's server on sys.path, which a measured run must not
 
-    spec = json.loads((store / model / "config.json").read_text())["inputs"][0]
-    sample = np.random.default_rng(42).standard_normal(spec["shape"]).round(6).astype(np.float32)
     routes: dict[str, dict[str, Any]] = {"health": {"method": "GET", "path": "/health", "headers": {}, "body": None}}
-    for name in ("predict", "v2-binary"):
-        proto = common.make_protocol(name, model, spec["name"], sample, folder, spec["datatype"])
+    for name, proto in common.sample_protocols(model, ["predict", "v2-binary"], folder, store).items():
         routes[name] = {"method": "POST", "path": proto.path, "headers": proto.headers, "body": str(proto.body)}
     return routes
 

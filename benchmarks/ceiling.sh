@@ -20,23 +20,8 @@ URL="http://127.0.0.1:$PORT"
 
 work="$(mktemp -d)"
 trap 'rm -rf "$work"; [[ -z "${pid:-}" ]] || kill "$pid" 2>/dev/null || true' EXIT
-# The bodies and wrk scripts the other benchmarks post (common.make_protocol), for one seeded sample of the model's
-# first input.
-python - "$ROOT" "$work" "$MODEL" <<'PY'
-import json
-import sys
-from pathlib import Path
-
-sys.path.insert(0, f"{sys.argv[1]}/benchmarks")
-import common  # noqa: E402
-import numpy as np  # noqa: E402
-
-root, work, model = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
-spec = json.loads((root / "model_store" / model / "config.json").read_text())["inputs"][0]
-sample = np.random.default_rng(42).standard_normal(spec["shape"]).round(6).astype(np.float32)
-for name in ("predict", "v2-binary"):
-    common.make_protocol(name, model, spec["name"], sample, work, spec["datatype"])
-PY
+# The bodies and wrk scripts the other benchmarks post, for one seeded sample of the model's first input.
+python "$ROOT/benchmarks/common.py" "$MODEL" "$work" predict v2-binary
 
 python -m server serve --store "$ROOT/model_store" --models "$MODEL" --port "$PORT" --no-grpc "${OPTIONS[@]}" \
   >"$OUT/server.log" 2>&1 &

@@ -95,6 +95,19 @@ def make_protocol(
     return write_protocol(name, path, body, {"Content-Type": content_type, **extra}, folder)
 
 
+def sample_protocols(
+    model: str, names: list[str], folder: Path, store: Path = ROOT / "model_store"
+) -> dict[str, Protocol]:
+    """The body and wrk script of each protocol in ``names`` (:func:`make_protocol`), written into ``folder``, for one
+    seeded sample of ``model``'s first input: what the ceiling, the probes and the in-process cost post.
+
+    Also run by the shell scripts, as ``python benchmarks/common.py MODEL FOLDER NAME...``.
+    """
+    spec = json.loads((store / model / "config.json").read_text())["inputs"][0]
+    sample = np.random.default_rng(42).standard_normal(spec["shape"]).round(6).astype(np.float32)
+    return {n: make_protocol(n, model, spec["name"], sample, folder, spec["datatype"]) for n in names}
+
+
 def write_protocol(name: str, path: str, body: bytes, headers: dict[str, str], folder: Path) -> Protocol:
     """``body`` and the wrk script that posts it to ``path`` with ``headers``, written into ``folder``."""
     body_path = folder / f"{name}.body"
@@ -188,3 +201,7 @@ def write_results(prefix: Path, result: object, md: str) -> None:
     prefix.parent.mkdir(parents=True, exist_ok=True)
     prefix.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
     prefix.with_suffix(".md").write_text(md + "\n")
+
+
+if __name__ == "__main__":
+    sample_protocols(sys.argv[1], sys.argv[3:], Path(sys.argv[2]))

@@ -20,20 +20,7 @@ export HALFSERVE_GRPC=false
 
 work="$(mktemp -d)"
 trap 'rm -rf "$work"; [[ -z "${pid:-}" ]] || kill "$pid" 2>/dev/null || true' EXIT
-python - "$ROOT" "$work" "$MODEL" <<'PY'
-import json
-import sys
-from pathlib import Path
-
-sys.path.insert(0, f"{sys.argv[1]}/benchmarks")
-import common  # noqa: E402
-import numpy as np  # noqa: E402
-
-root, work, model = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
-spec = json.loads((root / "model_store" / model / "config.json").read_text())["inputs"][0]
-sample = np.random.default_rng(42).standard_normal(spec["shape"]).round(6).astype(np.float32)
-common.make_protocol("predict", model, spec["name"], sample, work, spec["datatype"])
-PY
+python "$ROOT/benchmarks/common.py" "$MODEL" "$work" predict
 
 cpu_seconds() {  # utime + stime of a process, all its threads
   awk -v hz="$(getconf CLK_TCK)" '{sub(/.*\) /, ""); print ($12 + $13) / hz}' "/proc/$1/stat"
