@@ -727,7 +727,8 @@ class Engine:
 
         A model with a variable input is timed at its ``max_length``: the longest batch it can be sent, which is what
         decides whether a batch may hold up the event loop (:attr:`loop_bound`). An engine compiled with TorchInductor
-        then sets every instance to the count chosen and compiles its buckets again at it (:meth:`_compile_again`).
+        then sets every instance to the count chosen and compiles its buckets again at it (:meth:`_compile_again`),
+        unless it warmed up, was timed and settled at ``cores`` throughout.
         """
         sequence = store.sequence_input(self.manifest)
         x = self._warm_batch(max_batch_size, sequence.bounded()[0] if sequence is not None else 1)
@@ -740,7 +741,10 @@ class Engine:
                 seconds = min(seconds, time.perf_counter() - start)
             return seconds
 
+        warmed_at: list[int] = []  # each instance's count when it warmed up (and compiled)
+
         def settle(inst: Instance) -> int:
+            warmed_at.append(torch.get_num_threads())
             set_intra_op_threads(cores)
             self.forward(x, inst)
             seconds = timed(inst)
@@ -761,7 +765,7 @@ class Engine:
             return threads
 
         self.threads = min(inst.executor.submit(settle, inst).result() for inst in self.instances)
-        if self._compiled_code is not None:
+        if self._compiled_code is not None and {*warmed_at, self.threads} != {cores}:
             self._compile_again(self._compiled_code, self.threads, max_batch_size)
         self.real_elements = self.padded_elements = 0  # the padding of requests, not of these batches
         return self.threads

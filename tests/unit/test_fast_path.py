@@ -17,7 +17,7 @@ from pydantic import ValidationError
 
 from server import models, store
 from server.batching import Batcher, Output
-from server.engine import Engine, available_cores, pads_to_buckets, tune_cudnn
+from server.engine import Engine, available_cores, pads_to_buckets, set_intra_op_threads, tune_cudnn
 from server.instance import bucket_for, pin_host, pinned
 from server.precision import Precision
 from server.store import Batching, Compile, DataType, Execution, Manifest, Normalize, TensorSpec
@@ -422,9 +422,11 @@ async def test_inductor_compiles_again_at_the_settled_thread_count_before_servin
     engine = Engine(loaded, Precision.FP32, CPU)
     try:
         inst, cores = engine.instances[0], available_cores()
-        inst.executor.submit(torch.set_num_threads, cores).result()  # what a fresh process's threads start with
+        inst.executor.submit(set_intra_op_threads, cores).result()  # what a fresh process's threads start with
         engine.warmup(4)
+        compiled = engine.compile_seconds
         assert engine.settle_threads(4, cores) == cores - 1  # the tiny MLP's forward is far shorter than the loop's
+        assert engine.compile_seconds > compiled
         assert inst.executor.submit(torch.get_num_threads).result() == cores - 1
         assert compiled_graphs(engine) == 3  # the three buckets, compiled again at the settled count only
         settled = len(recompiles(engine))
@@ -436,6 +438,19 @@ async def test_inductor_compiles_again_at_the_settled_thread_count_before_servin
         again = recompiles(engine)[settled:]
         assert caused_by(again, "num_threads", "size mismatch", "stride mismatch") == [], again
         assert compiled_graphs(engine) == 3 + len(again), again
+    finally:
+        engine.close()
+
+
+@needs_cxx
+def test_inductor_keeps_its_compiled_shapes_when_the_thread_count_stays(tmp_path: Path) -> None:
+    engine = Engine(tiny(tmp_path, compile="inductor"), Precision.FP32, CPU)
+    try:
+        engine.instances[0].executor.submit(set_intra_op_threads, 1).result()
+        engine.warmup(4)
+        compiled, graphs = engine.compile_seconds, compiled_graphs(engine)
+        assert engine.settle_threads(4, cores=1) == 1  # one core: warmed up, timed and settled on one thread
+        assert (engine.compile_seconds, compiled_graphs(engine)) == (compiled, graphs) == (compiled, 3)
     finally:
         engine.close()
 
