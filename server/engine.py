@@ -294,10 +294,13 @@ class Engine:
         self._idle = list(reversed(self.instances))
         self._next = 0
         self._lock = threading.Lock()
-        own = _own_code(self._eager)
-        self._compiled_code = own.__func__.__code__ if self.inductor else None  # type: ignore[attr-defined]
+        self._compiled_code: types.CodeType | None = None
         """The code object whose compiled shapes are this engine's (:func:`_own_code`); None when not compiled."""
-        self._forward = torch.compile(own, dynamic=False) if self.inductor else self._eager
+        self._forward: Callable[[torch.Tensor], torch.Tensor] = self._eager
+        if self.inductor:
+            own = _own_code(self._eager)
+            self._compiled_code = own.__func__.__code__  # type: ignore[attr-defined]
+            self._forward = torch.compile(own, dynamic=False)
         self.compile_seconds = 0.0
         self._room_made = False
         if self.inductor and self.buckets:
@@ -780,14 +783,9 @@ class Engine:
         engine's) are dropped, then warmed up again.
         """
         torch._dynamo.eval_frame.remove_from_cache(code)
-        sizes = batch_buckets(max_batch_size, self._bucket_sizes)
-
-        def again(inst: Instance) -> None:
-            set_intra_op_threads(threads)
-            self._warm_instance(inst, sizes)
-
         for inst in self.instances:
-            inst.executor.submit(again, inst).result()
+            inst.executor.submit(set_intra_op_threads, threads).result()
+        self.warmup(max_batch_size)
 
     def _warm_lengths(self) -> list[int]:
         """The lengths a variable model's batches are padded to (its length buckets, when lengths are grouped), after
