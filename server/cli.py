@@ -100,6 +100,12 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     p.add_argument("--threads", type=int, help="torch intra-op threads (default: one per core)")
     p.add_argument(
+        "--instance-isolation",
+        choices=["thread", "process"],
+        help="run engine instances as threads of this process or as processes of their own (default: the manifest's "
+        "execution.isolation, else processes on CUDA and threads on a CPU)",
+    )
+    p.add_argument(
         "--gil-switch-interval-ms",
         type=float,
         help="the interpreter's thread switch interval (default: 0.5 on CUDA, Python's 5 elsewhere)",

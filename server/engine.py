@@ -36,7 +36,7 @@ from server import store
 from server.instance import Instance, bucket_for, torch_dtype
 from server.precision import Precision
 from server.serving import BatchTooLargeError, Outcome, Output
-from server.store import Compile, Execution, LoadedModel, Normalize, OverflowPolicy
+from server.store import Compile, Execution, Isolation, LoadedModel, Normalize, OverflowPolicy
 from server.traced import TracedForward
 
 log = logging.getLogger(__name__)
@@ -137,6 +137,8 @@ class EngineInfo:
     """Whether batches run on the event loop's own thread (:attr:`Engine.on_event_loop`), not an instance's."""
     pipelined: bool = False
     """Whether batches run as a traced graph beside the event loop, two at a time (:attr:`Engine.pipelined`)."""
+    processes: bool = False
+    """Whether each instance runs in a process of its own (:mod:`server.isolated`)."""
 
 
 def batch_buckets(max_batch_size: int, sizes: list[int] | None = None) -> list[int]:
@@ -468,6 +470,12 @@ class Engine:
                 y = self._on_device(inst.upload(chunks, size))
             inst.forwards += 1
             return inst.fetch(_checked(y, size)[:rows], widen=self.out_float)
+
+    def compute(self, x: np.ndarray) -> np.ndarray:
+        """The model's outputs for ``x`` as one batch on the first instance's own thread, without the overflow
+        policy (the fidelity check's forward); blocks, so call it off the event loop."""
+        inst = self.instances[0]
+        return inst.executor.submit(self.forward, x, inst).result()
 
     def _rerun_fp32(self, x: np.ndarray) -> np.ndarray:
         """Run rows through the host's fp32 weights (the overflow fallback); returns float32 outputs."""
@@ -901,6 +909,17 @@ def pads_to_buckets(execution: Execution, device: torch.device) -> bool:
     if execution.pad_to_bucket is not None:
         return execution.pad_to_bucket
     return device.type == "cuda" or execution.compile is Compile.INDUCTOR
+
+
+def isolation(execution: Execution, setting: Isolation | None, device: torch.device) -> Isolation:
+    """Where a model's instances run: the server's setting, else the manifest's, else processes on CUDA (where an
+    instance's many torch calls per batch would each wait for the GIL the event loop holds) and threads on a CPU
+    (where a process per instance costs a copy per batch and a copy of the weights, and the forward, not the GIL, is
+    what takes the time)."""
+    chosen = setting or execution.isolation
+    if chosen is not None:
+        return chosen
+    return Isolation.PROCESS if device.type == "cuda" else Isolation.THREAD
 
 
 def tune_cudnn(device: torch.device, fixed_shapes: bool) -> None:

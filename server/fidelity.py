@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -80,11 +81,19 @@ def read_samples(version_dir: Path, manifest: Manifest) -> np.ndarray | None:
         raise StoreError(f"{path}: {e}") from None
 
 
-def _run(engine: Engine, x: np.ndarray, batch: int) -> np.ndarray:
+class Computes(Protocol):
+    """An engine whose outputs can be asked for directly (:meth:`server.engine.Engine.compute`, or an engine whose
+    instances are processes)."""
+
+    @property
+    def precision(self) -> Precision: ...
+
+    def compute(self, x: np.ndarray) -> np.ndarray: ...
+
+
+def _run(engine: Computes, x: np.ndarray, batch: int) -> np.ndarray:
     """``engine``'s outputs for every row of ``x``, a batch at a time on its first instance's thread."""
-    inst = engine.instances[0]
-    parts = [inst.executor.submit(engine.forward, x[i : i + batch], inst).result() for i in range(0, len(x), batch)]
-    return np.concatenate(parts)
+    return np.concatenate([engine.compute(x[i : i + batch]) for i in range(0, len(x), batch)])
 
 
 def _floating(out: np.ndarray, names: list[str]) -> list[np.ndarray]:
@@ -93,7 +102,7 @@ def _floating(out: np.ndarray, names: list[str]) -> list[np.ndarray]:
     return [f.reshape(len(f), -1).astype(np.float64) for f in fields if f.dtype.kind == "f"]
 
 
-def measure(served: Engine, loaded: store.LoadedModel, x: np.ndarray, batch: int) -> Fidelity:
+def measure(served: Computes, loaded: store.LoadedModel, x: np.ndarray, batch: int) -> Fidelity:
     """Run ``x`` through ``served`` (a half-precision engine) and ``loaded``'s fp32 host weights, and compare."""
     reference = Engine(loaded, Precision.FP32, torch.device("cpu"))
     try:

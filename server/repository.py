@@ -19,6 +19,7 @@ from server.engine import (
     Engine,
     EngineInfo,
     available_cores,
+    isolation,
     module_bytes,
     pads_to_buckets,
     resolve_device,
@@ -26,6 +27,7 @@ from server.engine import (
     runs_pipelined,
 )
 from server.fidelity import Fidelity
+from server.isolated.engine import ProcessEngine
 from server.precision import Precision
 from server.serving import (
     InvalidInputError,
@@ -36,7 +38,7 @@ from server.serving import (
     find,
 )
 from server.settings import Settings
-from server.store import Batching, LoadedModel, Manifest, StoreError
+from server.store import Batching, Isolation, LoadedModel, Manifest, StoreError
 from server.traced import TraceRefused
 
 log = logging.getLogger(__name__)
@@ -44,6 +46,9 @@ log = logging.getLogger(__name__)
 CUDA_GIL_SWITCH_INTERVAL_MS = 0.5
 """The switch interval when serving on CUDA: at Python's 5 ms, engine threads wait on the event loop for the GIL
 between their copies and kernels (see ``Settings.gil_switch_interval_ms``)."""
+
+AnyEngine = Engine | ProcessEngine
+"""A model's engine: its instances as threads of this process, or as processes of their own."""
 
 ObserverFactory = Callable[[str, int, str], BatchObserver]
 """Makes the batch observer of a model (name, version, precision served), e.g. :meth:`Metrics.batch_observer`."""
@@ -59,7 +64,7 @@ class ServedModel:
     batching: Batching
     state: ModelState = ModelState.LOADING
     error: str | None = None
-    engine: Engine | None = None
+    engine: AnyEngine | None = None
     precision: Precision | None = None
     """The resolved precision the engine serves in, once loaded."""
     batcher: Batcher | None = None
@@ -172,6 +177,8 @@ class ServedModel:
             stats["overflows"] = self.overflows
             stats["fp32_reruns"] = self.fp32_reruns
             stats["instance_forwards"] = [i.forwards for i in engine.instances]
+            if isinstance(engine, ProcessEngine):
+                stats["instance_pids"] = [i.pid for i in engine.instances]
             if engine.real_elements:
                 stats["real_elements"] = engine.real_elements
                 stats["padded_elements"] = engine.padded_elements
@@ -223,6 +230,7 @@ def _execution(info: EngineInfo) -> dict[str, object]:
         "inductor_compile_seconds": round(info.inductor_compile_seconds, 4),
         "on_event_loop": info.on_event_loop,
         "pipelined": info.pipelined,
+        "isolation": (Isolation.PROCESS if info.processes else Isolation.THREAD).value,
     }
 
 
@@ -293,11 +301,25 @@ class ModelRepository:
                     served.state, served.error = ModelState.FAILED, str(e)
                     log.error("model %s failed to load: %s", served.name, e)
 
-    def _observer(self, served: ServedModel, engine: Engine) -> BatchObserver | None:
+    def _observer(self, served: ServedModel, engine: AnyEngine) -> BatchObserver | None:
         return self.observe(served.name, served.version, engine.precision.value) if self.observe else None
 
-    async def _engine(self, served: ServedModel, loaded: LoadedModel, precision: Precision) -> Engine:
-        """A new engine for ``served`` cast from ``loaded``'s host weights, warmed up unless warm-up is off."""
+    async def _engine(self, served: ServedModel, loaded: LoadedModel, precision: Precision) -> AnyEngine:
+        """A new engine for ``served`` cast from ``loaded``'s host weights, warmed up unless warm-up is off; with
+        process isolation, instance processes that read the same checkpoint and warm up in parallel."""
+        execution = served.manifest.execution
+        if isolation(execution, self.settings.instance_isolation, self.device) is Isolation.PROCESS:
+            processes = await ProcessEngine.start(
+                self.settings,
+                served.manifest,
+                served.version,
+                precision,
+                self.device,
+                served.batching.max_batch_size,
+                self.fixed_shapes(),
+            )
+            served.warmup_seconds = processes.warmup_seconds
+            return processes
         engine = await asyncio.to_thread(
             functools.partial(Engine, max_batch_size=served.batching.max_batch_size),
             loaded,
@@ -322,7 +344,7 @@ class ModelRepository:
                 )
         return engine
 
-    async def _check_fidelity(self, served: ServedModel, loaded: LoadedModel, engine: Engine) -> Engine:
+    async def _check_fidelity(self, served: ServedModel, loaded: LoadedModel, engine: AnyEngine) -> AnyEngine:
         """Measure a half-precision engine against fp32 on the version's calibration samples, if it has any; returns
         the engine to serve: this one, or an fp32 one where the manifest's min_agreement is not met."""
         samples = await asyncio.to_thread(fidelity.read_samples, loaded.path.parent, loaded.manifest)
@@ -387,7 +409,9 @@ class ModelRepository:
             engine.precision.value,
             served.warmup_seconds,
             info.instances,
-            " on the event loop's thread"
+            " in processes of their own"
+            if info.processes
+            else " on the event loop's thread"
             if info.on_event_loop
             else " traced, beside the event loop"
             if info.pipelined

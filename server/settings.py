@@ -11,6 +11,7 @@ from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from server.precision import Precision
+from server.store import Isolation
 
 MIN_ADMIN_TOKEN = 16
 """Shortest admin token accepted."""
@@ -113,6 +114,10 @@ class Settings(BaseSettings):
     """The interpreter's thread switch interval. Unset: 0.5 ms when serving on CUDA (Python's 5 ms default otherwise).
     The event loop decodes request bodies holding the GIL; an engine thread that let go of it for a copy or a kernel
     waits up to this long to get it back, several times per batch."""
+    instance_isolation: Isolation | None = None
+    """Run every model's engine instances as threads of this process or as processes of their own, whatever its
+    manifest's ``execution.isolation`` says. Unset: the manifest's, else per device
+    (:func:`server.engine.isolation`)."""
     warmup: bool = True
     admin_token: SecretStr | None = None
     """Bearer token for the management calls (load, unload, reload, precision); without one they answer 403. At

@@ -183,6 +183,17 @@ class Compile(str, Enum):
     compiler where the server runs."""
 
 
+class Isolation(str, Enum):
+    """Where a model's engine instances run."""
+
+    THREAD = "thread"
+    """Threads of the server process: no copy between the batcher and the instance, but the instance's torch calls
+    share the GIL with the event loop."""
+    PROCESS = "process"
+    """A process each, fed through shared memory (:mod:`server.isolated`): the instance's host work waits for no lock
+    the event loop holds, for one copy of each batch's rows and a process (CUDA context, weights) per instance."""
+
+
 class Execution(BaseModel):
     """How a model runs on its device: instances, batch buckets, CUDA graphs, memory format.
 
@@ -205,6 +216,9 @@ class Execution(BaseModel):
     compile: Compile = Compile.NONE
     channels_last: bool | None = None
     """NHWC activations and weights for models with 2-D convolutions (cuDNN's tensor-core kernels want NHWC)."""
+    isolation: Isolation | None = None
+    """Instances as threads of the server process or as processes of their own; ``None``: per device
+    (:func:`server.engine.isolation`). The server's ``--instance-isolation`` outranks it."""
 
     @field_validator("batch_buckets")
     @classmethod

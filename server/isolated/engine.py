@@ -1,0 +1,424 @@
+"""The server process's side of instance processes: :class:`ProcessEngine`, the engine the batcher runs batches on
+when each instance is a process of its own.
+
+Everything here runs on the event loop's thread and makes no torch call per batch: a batch costs one copy of its
+rows into an idle instance's shared memory (numpy lets go of the GIL for it), one small frame out and one back, and a
+copy of each chunk's output rows out of the shared memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import multiprocessing
+import multiprocessing.process
+import os
+import socket
+import threading
+from collections import deque
+from collections.abc import Callable
+from typing import Any, cast
+
+import numpy as np
+import torch
+
+from server import precision as prec
+from server.engine import EngineError, EngineInfo, PrecisionOverflowError, available_cores
+from server.isolated import child
+from server.isolated.wire import ChildConfig, Memory, descr, dtype_of, region_sizes
+from server.multiproc.wire import FrameReader, frame
+from server.precision import Precision
+from server.serving import BatchTooLargeError, Outcome, Output
+from server.settings import Settings
+from server.store import Manifest, OverflowPolicy
+
+log = logging.getLogger(__name__)
+
+READY_TIMEOUT_S = 900.0
+"""How long an instance process may take to load and warm up (CUDA graphs and cuDNN tuning of a large model on a
+slow host take minutes)."""
+EXIT_TIMEOUT_S = 10.0
+"""How long a closing instance process has to finish its batch and exit before it is killed."""
+RESPAWN_DELAYS_S = (0.5, 2.0, 10.0, 30.0)
+"""Waits before restarting a crashed instance, one per crash in a row (the last repeats): a process that dies at
+start-up is not restarted in a tight loop."""
+
+_ERRORS: dict[str, Callable[[str], Exception]] = {
+    "BatchTooLargeError": BatchTooLargeError,
+    "PrecisionOverflowError": PrecisionOverflowError,
+}
+
+
+def _error(kind: str, message: str) -> Exception:
+    """The exception an instance process reported, as the thread mode would have raised it for the batcher."""
+    return _ERRORS.get(kind, EngineError)(message)
+
+
+class InstanceProcess(asyncio.Protocol):
+    """One instance process, seen from the server process: its socket end, its shared memory, its batch in flight."""
+
+    def __init__(self, owner: ProcessEngine, index: int, memory: Memory) -> None:
+        self.owner, self.index, self.memory = owner, index, memory
+        self.process: multiprocessing.process.BaseProcess | None = None
+        self.transport: asyncio.Transport | None = None
+        self.ready: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        self.alive = False
+        self.forwards = 0
+        """Forwards run in the process so far (warm-up included), as :attr:`Instance.forwards` counts them."""
+        self.counts: dict[str, int] = {}
+        self._reader = FrameReader()
+        self._pending: dict[int, asyncio.Future[list[Outcome]]] = {}
+        self._next_id = 0
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process is not None else None
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._pending)
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's transports are not asyncio's classes
+
+    def data_received(self, data: bytes) -> None:
+        for head, payload in self._reader.feed(data):
+            if "id" in head:
+                self._answer(head, payload)
+            elif head.get("op") == "ready":
+                self.alive = True
+                if not self.ready.done():
+                    self.ready.set_result(head)
+            elif head.get("op") == "failed" and not self.ready.done():
+                self.ready.set_exception(EngineError(head.get("error", "failed to start")))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        was_alive, self.alive = self.alive, False
+        lost = EngineError(
+            f"instance process {self.index} of model {self.owner.name!r} (pid {self.pid}) exited"
+            + ("" if was_alive else " before it was ready")
+        )
+        if not self.ready.done():
+            self.ready.set_exception(lost)
+        for future in self._pending.values():
+            if not future.done():
+                future.set_exception(lost)
+        self._pending.clear()
+        with contextlib.suppress(BufferError):  # a view still held: the map goes with the last one
+            self.memory.close()
+        self.owner.lost(self, was_alive)
+
+    def send(self, chunks: list[np.ndarray], future: asyncio.Future[list[Outcome]], raw: bool = False) -> None:
+        """Copy a batch's rows into the input region and tell the process to run them; ``future`` gets the outcomes.
+
+        The region is free: an instance has one batch at a time, and its rows were read before its answer came.
+        """
+        assert self.transport is not None
+        rows = [len(c) for c in chunks]
+        total, first = sum(rows), chunks[0]
+        self._next_id += 1
+        head: dict[str, Any] = {
+            "op": "run",
+            "id": self._next_id,
+            "dtype": descr(first.dtype),
+            "shape": first.shape[1:],
+            "rows": rows,
+            "raw": raw,
+        }
+        view = self.memory.inputs(first.dtype, total, first.shape[1:])
+        if view is not None:
+            if len(chunks) == 1:
+                np.copyto(view, first)
+            else:
+                np.concatenate(chunks, out=view)
+            parts: list[memoryview] = []
+        else:  # larger than the region (a model's longest rows past its estimate): in the frame itself
+            head["inline"] = True
+            parts = [np.ascontiguousarray(c).view(np.uint8).reshape(-1).data for c in chunks]
+        self._pending[self._next_id] = future
+        self.transport.writelines(frame(head, *parts))
+
+    def stop(self) -> None:
+        """Tell the process to exit once its batch in hand is answered."""
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.writelines(frame({"op": "exit"}))
+
+    def _answer(self, head: dict[str, Any], payload: bytearray) -> None:
+        self.counts = head.get("counts", self.counts)
+        self.forwards = self.counts.get("forwards", self.forwards)
+        future = self._pending.pop(head["id"], None)
+        try:
+            if future is None or future.done():
+                return
+            if head.get("raise"):
+                future.set_exception(_error(head["kind"], head["message"]))
+                return
+            future.set_result([self._outcome(entry, payload) for entry in head["outcomes"]])
+        finally:
+            self.owner.idle_again(self)
+
+    def _outcome(self, entry: list[Any], payload: bytearray) -> Outcome:
+        if entry[0] == "error":
+            return _error(entry[1], entry[2])
+        _, description, shape, offset, tag, inline = entry
+        dtype, shape = dtype_of(description), tuple(shape)
+        if inline:
+            count = int(np.prod(shape))
+            data = np.frombuffer(payload, dtype, count, offset).reshape(shape).copy()
+        else:
+            view = self.memory.output(dtype, shape, offset)
+            assert view is not None
+            data = view.copy()  # the region is the next batch's
+        return Output(data, tag)
+
+
+class ProcessEngine:
+    """A model's engine whose instances are processes of their own (:mod:`server.isolated`).
+
+    It offers what the repository, the batcher, the fidelity check and the metrics use of an
+    :class:`~server.engine.Engine`: :meth:`run` (the runner contract), :meth:`compute`, :meth:`batches`,
+    :attr:`info`, the counters and :meth:`close`. Start one with :meth:`start`. A process that dies fails its batch
+    in flight (the batcher isolates the fault as for any failed batch) and is restarted; the others go on serving.
+    """
+
+    def __init__(
+        self,
+        settings: Settings,
+        manifest: Manifest,
+        version: int,
+        precision: Precision,
+        device: torch.device,
+        max_batch_size: int,
+        fixed_shapes: bool,
+    ) -> None:
+        self.name = manifest.name
+        self.device = device
+        self.precision = prec.resolve(precision, device)
+        self.overflow = OverflowPolicy(manifest.overflow)
+        self.on_event_loop = False
+        self.pipelined = False
+        self.real_elements = 0
+        self.padded_elements = 0
+        self._settings = settings.model_copy(update={"admin_token": None, "admin_token_file": None})
+        self._version, self._max_batch_size, self._fixed_shapes = version, max_batch_size, fixed_shapes
+        self._regions = region_sizes(manifest, max_batch_size)
+        count = manifest.execution.instances
+        cores = settings.threads or max(1, available_cores() // count)
+        self._cores = cores
+        self.instances: list[InstanceProcess] = []
+        self._idle: list[InstanceProcess] = []
+        self._waiting: deque[tuple[list[np.ndarray], asyncio.Future[list[Outcome]], bool]] = deque()
+        self._info: EngineInfo | None = None
+        self._closing = False
+        self._crashes = 0
+        self._respawning: set[asyncio.Task[None]] = set()
+        self._loop = asyncio.get_running_loop()
+        self._loop_thread = threading.get_ident()
+        self._context = multiprocessing.get_context("spawn")
+        self._count = count
+
+    @classmethod
+    async def start(
+        cls,
+        settings: Settings,
+        manifest: Manifest,
+        version: int,
+        precision: Precision,
+        device: torch.device,
+        max_batch_size: int,
+        fixed_shapes: bool,
+    ) -> ProcessEngine:
+        """Spawn the model's instance processes and wait until every one is warm; raises
+        :class:`~server.engine.EngineError` (with the process's own error) when one fails to start."""
+        engine = cls(settings, manifest, version, precision, device, max_batch_size, fixed_shapes)
+        try:
+            engine.instances = [engine._spawn(i) for i in range(engine._count)]
+            readies = await asyncio.wait_for(
+                asyncio.gather(*(i.ready for i in engine.instances)), timeout=READY_TIMEOUT_S
+            )
+        except BaseException:
+            await asyncio.to_thread(engine.close)
+            raise
+        engine._set_info(readies)
+        engine._idle = list(reversed(engine.instances))
+        return engine
+
+    def _spawn(self, index: int) -> InstanceProcess:
+        """Start instance process ``index``: its shared memory, its socket, the process; ready once it says so."""
+        memory, fd = Memory.create(f"halfserve-{self.name}-{index}", *self._regions)
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        config = ChildConfig(
+            settings=self._settings,
+            model=self.name,
+            version=self._version,
+            precision=self.precision.value,
+            max_batch_size=self._max_batch_size,
+            index=index,
+            cores=self._cores,
+            fixed_shapes=self._fixed_shapes,
+            input_bytes=self._regions[0],
+            output_bytes=self._regions[1],
+        )
+        instance = InstanceProcess(self, index, memory)
+        process = self._context.Process(
+            target=child.run, args=(config, theirs), name=f"halfserve-{self.name}-{index}", daemon=False
+        )
+        try:
+            process.start()
+            socket.send_fds(ours, [b"m"], [fd])
+        finally:
+            theirs.close()
+            os.close(fd)
+        instance.process = process
+        self._loop.create_task(self._loop.connect_accepted_socket(lambda: instance, ours))
+        return instance
+
+    def _set_info(self, readies: list[dict[str, Any]]) -> None:
+        info = readies[0]["info"]
+        fields = {f.name for f in dataclasses.fields(EngineInfo)}
+        values = {k: v for k, v in info.items() if k in fields}
+        values.update(
+            precision=Precision(info["precision"]),
+            buckets=tuple(info["buckets"]),
+            instances=len(readies),
+            graph_capture_seconds=sum(r["info"]["graph_capture_seconds"] for r in readies),
+            processes=True,
+        )
+        self._info = EngineInfo(**values)
+        self.precision = self._info.precision
+        self.warmup_seconds = max(r["warmup_seconds"] for r in readies)
+
+    @property
+    def info(self) -> EngineInfo:
+        assert self._info is not None
+        return self._info
+
+    @property
+    def forwards(self) -> int:
+        return sum(i.forwards for i in self.instances)
+
+    @property
+    def overflows(self) -> int:
+        return sum(i.counts.get("overflows", 0) for i in self.instances)
+
+    @property
+    def fp32_reruns(self) -> int:
+        return sum(i.counts.get("fp32_reruns", 0) for i in self.instances)
+
+    def batches(self, max_batch_size: int) -> tuple[int, int]:
+        """The most rows in one batch, and how many batches may be in flight: one per instance process."""
+        return max_batch_size, len(self.instances)
+
+    def run(self, chunks: list[np.ndarray]) -> asyncio.Future[list[Outcome]]:
+        """Send a batch to an idle instance process: the future of its outcomes (the runner contract)."""
+        future: asyncio.Future[list[Outcome]] = self._loop.create_future()
+        self._dispatch(chunks, future, raw=False)
+        return future
+
+    def compute(self, x: np.ndarray) -> np.ndarray:
+        """The model's outputs for ``x`` as one batch, without the overflow policy (the fidelity check's forward);
+        blocks, so call it off the event loop."""
+
+        async def compute() -> np.ndarray:
+            future: asyncio.Future[list[Outcome]] = self._loop.create_future()
+            self._dispatch([x], future, raw=True)
+            out = (await future)[0]
+            assert isinstance(out, Output)
+            return out.data
+
+        return asyncio.run_coroutine_threadsafe(compute(), self._loop).result()
+
+    def _dispatch(self, chunks: list[np.ndarray], future: asyncio.Future[list[Outcome]], raw: bool) -> None:
+        while self._idle:
+            instance = self._idle.pop()
+            if instance.alive and not instance.busy:
+                instance.send(chunks, future, raw)
+                self._update_elements()
+                return
+        if any(i.alive for i in self.instances):
+            self._waiting.append((chunks, future, raw))  # more in flight than processes up: one is restarting
+            return
+        future.set_exception(
+            EngineError(f"no instance process of model {self.name!r} is running (restarting after a crash)")
+        )
+
+    def idle_again(self, instance: InstanceProcess) -> None:
+        """An instance answered its batch: give it the next waiting one, or mark it idle."""
+        self._update_elements()
+        while self._waiting:
+            chunks, future, raw = self._waiting.popleft()
+            if not future.done():
+                instance.send(chunks, future, raw)
+                return
+        if instance not in self._idle:
+            self._idle.append(instance)
+
+    def _update_elements(self) -> None:
+        self.real_elements = sum(i.counts.get("real_elements", 0) for i in self.instances)
+        self.padded_elements = sum(i.counts.get("padded_elements", 0) for i in self.instances)
+
+    def lost(self, instance: InstanceProcess, was_ready: bool) -> None:
+        """An instance process's socket closed: restart it unless the engine is closing."""
+        if instance in self._idle:
+            self._idle.remove(instance)
+        if self._closing or not was_ready:
+            return
+        code = instance.process.exitcode if instance.process is not None else None
+        delay = RESPAWN_DELAYS_S[min(self._crashes, len(RESPAWN_DELAYS_S) - 1)]
+        self._crashes += 1
+        log.error(
+            "instance process %d of model %s (pid %s) exited with %s; restarting it in %.1fs",
+            instance.index,
+            self.name,
+            instance.pid,
+            code,
+            delay,
+        )
+        task = self._loop.create_task(self._respawn(instance.index, delay))
+        self._respawning.add(task)
+        task.add_done_callback(self._respawning.discard)
+
+    async def _respawn(self, index: int, delay: float) -> None:
+        await asyncio.sleep(delay)
+        if self._closing:
+            return
+        try:
+            instance = self._spawn(index)
+            self.instances[index] = instance
+            await asyncio.wait_for(instance.ready, timeout=READY_TIMEOUT_S)
+        except Exception as e:
+            log.error("instance process %d of model %s did not restart: %s", index, self.name, e)
+            return
+        if self._closing:
+            instance.stop()
+            return
+        self._crashes = 0
+        log.info("instance process %d of model %s restarted (pid %s)", index, self.name, instance.pid)
+        self.idle_again(instance)
+
+    def close(self) -> None:
+        """Tell every instance process to exit once its batch in hand is answered; kill one that does not in time."""
+        self._closing = True
+        on_loop = threading.get_ident() == self._loop_thread
+        for task in list(self._respawning):
+            if on_loop:
+                task.cancel()
+            else:
+                self._loop.call_soon_threadsafe(task.cancel)
+        for instance in self.instances:
+            if on_loop:
+                instance.stop()
+            else:
+                with contextlib.suppress(RuntimeError):  # the loop is closed: the sockets are gone with it
+                    self._loop.call_soon_threadsafe(instance.stop)
+        for instance in self.instances:
+            process = instance.process
+            if process is None or process.pid is None:
+                continue
+            process.join(EXIT_TIMEOUT_S)
+            if process.is_alive():
+                log.error("instance process %d of model %s did not exit; killing it", instance.index, self.name)
+                process.kill()
+                process.join(EXIT_TIMEOUT_S)
