@@ -155,6 +155,7 @@ class InstanceProcess(asyncio.Protocol):
             if head.get("raise"):
                 future.set_exception(_error(head["kind"], head["message"]))
                 return
+            self.owner.crashes = 0  # a process that answers is no crash loop: the next crash restarts at once
             future.set_result([self._outcome(entry, payload) for entry in head["outcomes"]])
         finally:
             self.owner.idle_again(self)
@@ -212,7 +213,8 @@ class ProcessEngine:
         self._waiting: deque[tuple[list[np.ndarray], asyncio.Future[list[Outcome]], bool]] = deque()
         self._info: EngineInfo | None = None
         self._closing = False
-        self._crashes = 0
+        self.crashes = 0
+        """Instance processes that exited in a row, with no batch answered in between (the restart's backoff)."""
         self._respawning: set[asyncio.Task[None]] = set()
         self._loop = asyncio.get_running_loop()
         self._loop_thread = threading.get_ident()
@@ -337,12 +339,12 @@ class ProcessEngine:
                 instance.send(chunks, future, raw)
                 self._update_elements()
                 return
-        if any(i.alive for i in self.instances):
-            self._waiting.append((chunks, future, raw))  # more in flight than processes up: one is restarting
+        if self._respawning or any(i.alive for i in self.instances):
+            # Fewer processes up than batches in flight: one is restarting, and takes this batch once it is warm (a
+            # batch that crashed one is rerun in parts, so its other requests are answered, as in thread mode).
+            self._waiting.append((chunks, future, raw))
             return
-        future.set_exception(
-            EngineError(f"no instance process of model {self.name!r} is running (restarting after a crash)")
-        )
+        future.set_exception(EngineError(f"no instance process of model {self.name!r} is running"))
 
     def idle_again(self, instance: InstanceProcess) -> None:
         """An instance answered its batch: give it the next waiting one, or mark it idle."""
@@ -355,6 +357,12 @@ class ProcessEngine:
         if instance not in self._idle:
             self._idle.append(instance)
 
+    def _fail_waiting(self, error: Exception) -> None:
+        while self._waiting:
+            _, future, _ = self._waiting.popleft()
+            if not future.done():
+                future.set_exception(error)
+
     def _update_elements(self) -> None:
         self.real_elements = sum(i.counts.get("real_elements", 0) for i in self.instances)
         self.padded_elements = sum(i.counts.get("padded_elements", 0) for i in self.instances)
@@ -366,8 +374,8 @@ class ProcessEngine:
         if self._closing or not was_ready:
             return
         code = instance.process.exitcode if instance.process is not None else None
-        delay = RESPAWN_DELAYS_S[min(self._crashes, len(RESPAWN_DELAYS_S) - 1)]
-        self._crashes += 1
+        delay = RESPAWN_DELAYS_S[min(self.crashes, len(RESPAWN_DELAYS_S) - 1)]
+        self.crashes += 1
         log.error(
             "instance process %d of model %s (pid %s) exited with %s; restarting it in %.1fs",
             instance.index,
@@ -390,11 +398,12 @@ class ProcessEngine:
             await asyncio.wait_for(instance.ready, timeout=READY_TIMEOUT_S)
         except Exception as e:
             log.error("instance process %d of model %s did not restart: %s", index, self.name, e)
+            if not self._respawning - {asyncio.current_task()} and not any(i.alive for i in self.instances):
+                self._fail_waiting(EngineError(f"no instance process of model {self.name!r} is running: {e}"))
             return
         if self._closing:
             instance.stop()
             return
-        self._crashes = 0
         log.info("instance process %d of model %s restarted (pid %s)", index, self.name, instance.pid)
         self.idle_again(instance)
 
@@ -402,6 +411,12 @@ class ProcessEngine:
         """Tell every instance process to exit once its batch in hand is answered; kill one that does not in time."""
         self._closing = True
         on_loop = threading.get_ident() == self._loop_thread
+        closed = EngineError(f"model {self.name!r}: its instance processes were stopped")
+        if on_loop:
+            self._fail_waiting(closed)
+        else:
+            with contextlib.suppress(RuntimeError):
+                self._loop.call_soon_threadsafe(self._fail_waiting, closed)
         for task in list(self._respawning):
             if on_loop:
                 task.cancel()
