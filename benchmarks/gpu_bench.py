@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import shutil
 import socket
 import tempfile
@@ -493,6 +494,11 @@ def main() -> None:
     )
     p.add_argument("--http-workers", type=int, default=1, help="server front-end processes (default: 1)")
     p.add_argument(
+        "--serve-args",
+        default="",
+        help="more halfserve serve flags for every server swept, as one string (--serve-args='--threads 4')",
+    )
+    p.add_argument(
         "--load-generator",
         choices=["loadtest", "wrk"],
         default="loadtest",
@@ -602,12 +608,13 @@ def main() -> None:
         result["instances"]["server_instances"] = args.instances
         write(result, args.out, half)  # the in-process part survives a server sweep that fails or runs out of time
         result["servers"] = {}
-        workers = ("--http-workers", str(args.http_workers)) if args.http_workers > 1 else ()
-        plans = [(wire, wire, workers) for wire in args.wires.split(",")]
+        flags = ("--http-workers", str(args.http_workers)) if args.http_workers > 1 else ()
+        flags += tuple(shlex.split(args.serve_args))
+        plans = [(wire, wire, flags) for wire in args.wires.split(",")]
         if args.baseline_switch_interval_ms:
             ms = args.baseline_switch_interval_ms
             plans.append(
-                (f"fp32, GIL switch interval {ms:g} ms", "fp32", (*workers, "--gil-switch-interval-ms", f"{ms:g}"))
+                (f"fp32, GIL switch interval {ms:g} ms", "fp32", (*flags, "--gil-switch-interval-ms", f"{ms:g}"))
             )
         for label, wire, extra in [] if args.skip_server else plans:
             ceilings = {prec: result["ceiling"][prec]["best_engine_rows_per_s"] for prec in precisions}

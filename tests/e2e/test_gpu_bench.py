@@ -30,20 +30,22 @@ WRK = os.environ.get("WRK", "wrk")  # what benchmarks/common.py runs
 
 
 @pytest.mark.parametrize(
-    ("generator", "wire"),
+    ("generator", "wire", "serve_args"),
     [
-        pytest.param("loadtest", "fp32", id="loadtest"),
+        pytest.param("loadtest", "fp32", "--threads 2", id="loadtest"),
         pytest.param(
             "wrk",
             "uint8",
+            "",
             id="wrk",
             marks=pytest.mark.skipif(shutil.which(WRK) is None, reason=f"{WRK} is not on PATH (apt-get install wrk)"),
         ),
     ],
 )
-def test_gpu_bench_runs_on_a_cpu(tmp_path: Path, generator: str, wire: str) -> None:
+def test_gpu_bench_runs_on_a_cpu(tmp_path: Path, generator: str, wire: str, serve_args: str) -> None:
     out = tmp_path / "out"
     cmd = [sys.executable, "benchmarks/gpu_bench.py", *TINY, "--load-generator", generator, "--wires", wire]
+    cmd.append(f"--serve-args={serve_args}")
     run = subprocess.run([*cmd, "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
 
@@ -55,6 +57,7 @@ def test_gpu_bench_runs_on_a_cpu(tmp_path: Path, generator: str, wire: str) -> N
     assert list(result["servers"]) == [wire]
     server = result["servers"][wire]
     assert server["wire"] == wire
+    assert server["server_args"] == serve_args.split()
     assert server["loadtest"].get("load_generator", "").startswith("wrk") is (generator == "wrk")
     levels = server["summary"]["levels"]
     assert [(r["precision"], r["concurrency"]) for r in levels] == [("fp32", 1), ("fp32", 2)]
