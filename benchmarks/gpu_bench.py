@@ -29,7 +29,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import shutil
+import socket
 import tempfile
 import threading
 import time
@@ -243,31 +245,21 @@ def wrk_sweep(
     """
     out.mkdir(parents=True, exist_ok=True)
     spec = store.load_manifest(root / MODEL).inputs[0]
-    dtype = {"uint8": np.uint8, "fp16": np.float16, "fp32": np.float32}[wire]
-    image = np.random.default_rng(0).integers(0, 256, (1, *spec.shape)).astype(dtype)
-    if wire != "uint8":
-        image = (image / 255).astype(dtype)
-    raw = image.tobytes()
-    tensor = {"name": spec.name, "shape": [1, *spec.shape], "datatype": wire.upper()}
-    tensor["parameters"] = {"binary_data_size": len(raw)}
-    header = json.dumps({"inputs": [tensor], "parameters": {"binary_data_output": True}}).encode()
-    body, script = out / "request.body", out / "request.lua"
-    body.write_bytes(header + raw)
-    script.write_text(
-        common.LUA.format(
-            content_type="application/octet-stream",
-            extra_headers=f'wrk.headers["{common.HEADER_LENGTH}"] = "{len(header)}"\n',
-        )
-    )
-    port, results = 8470, []
+    image = np.random.default_rng(0).integers(0, 256, spec.shape)
+    sample = image if wire == "uint8" else image / 255
+    proto = common.make_protocol("v2-binary", MODEL, spec.name, sample, out, wire.upper())
+    port, results = free_port(), []
     for prec in precisions:
         server = common.start_server(root, MODEL, port, "--precision", prec, "--no-tf32", *extra)
-        url = f"http://127.0.0.1:{port}/v2/models/{MODEL}/infer"
+        url = f"http://127.0.0.1:{port}{proto.path}"
         try:
-            common.wrk(url, 64, args.warmup, script, body, threads=args.wrk_threads)
+            # No more connections than the levels use: the backlog of a wider warm-up (64 images take a CPU over a
+            # second) would eat into the first level's seconds.
+            warm = min(64, max(args.concurrency))
+            common.wrk(url, warm, args.warmup, proto.script, proto.body, threads=min(args.wrk_threads, warm))
             for c in args.concurrency:
                 before, cpu0, t0 = common.stats(port, MODEL), process_cpu(server.pid), time.perf_counter()
-                r = common.wrk(url, c, args.duration, script, body, threads=min(args.wrk_threads, c))
+                r = common.wrk(url, c, args.duration, proto.script, proto.body, threads=min(args.wrk_threads, c))
                 cpu = (process_cpu(server.pid) - cpu0) / (time.perf_counter() - t0) * 100
                 after = common.stats(port, MODEL)
                 batches = after["batches"] - before["batches"]
@@ -290,6 +282,13 @@ def wrk_sweep(
     sweep = {"load_generator": f"wrk -t{args.wrk_threads}", "server_args": list(extra), "results": results}
     (out / "sweep.json").write_text(json.dumps(sweep, indent=2) + "\n")
     return sweep
+
+
+def free_port() -> int:
+    """A port nothing on this host listens on now: the sweep may run beside other servers (tests, other sweeps)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def process_cpu(pid: int) -> float:
@@ -495,6 +494,11 @@ def main() -> None:
     )
     p.add_argument("--http-workers", type=int, default=1, help="server front-end processes (default: 1)")
     p.add_argument(
+        "--serve-args",
+        default="",
+        help="more halfserve serve flags for every server swept, as one string (--serve-args='--threads 4')",
+    )
+    p.add_argument(
         "--load-generator",
         choices=["loadtest", "wrk"],
         default="loadtest",
@@ -514,6 +518,8 @@ def main() -> None:
     )
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "gpu")
     args = p.parse_args()
+    if args.load_generator == "wrk" and not (args.duration.is_integer() and args.warmup.is_integer()):
+        p.error("--load-generator wrk takes whole seconds for --duration and --warmup (wrk -d)")
 
     device = torch.device(
         "cuda"
@@ -602,12 +608,13 @@ def main() -> None:
         result["instances"]["server_instances"] = args.instances
         write(result, args.out, half)  # the in-process part survives a server sweep that fails or runs out of time
         result["servers"] = {}
-        workers = ("--http-workers", str(args.http_workers)) if args.http_workers > 1 else ()
-        plans = [(wire, wire, workers) for wire in args.wires.split(",")]
+        flags = ("--http-workers", str(args.http_workers)) if args.http_workers > 1 else ()
+        flags += tuple(shlex.split(args.serve_args))
+        plans = [(wire, wire, flags) for wire in args.wires.split(",")]
         if args.baseline_switch_interval_ms:
             ms = args.baseline_switch_interval_ms
             plans.append(
-                (f"fp32, GIL switch interval {ms:g} ms", "fp32", (*workers, "--gil-switch-interval-ms", f"{ms:g}"))
+                (f"fp32, GIL switch interval {ms:g} ms", "fp32", (*flags, "--gil-switch-interval-ms", f"{ms:g}"))
             )
         for label, wire, extra in [] if args.skip_server else plans:
             ceilings = {prec: result["ceiling"][prec]["best_engine_rows_per_s"] for prec in precisions}

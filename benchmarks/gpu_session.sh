@@ -1,0 +1,155 @@
+#!/usr/bin/env bash
+# A short session on a borrowed GPU machine with no internet, run from the repository root:
+#
+#   bash benchmarks/gpu_session.sh [tests] [bench]        (default: both, in that order)
+#
+# It installs the Python packages the machine lacks from wheels carried in .whl/ (into /tmp/site, first on
+# PYTHONPATH after this tree), puts the wrk carried in .devkit/ on PATH, prints the GPU and torch, then runs each step
+# under its own timeout:
+#   tests  the tests marked gpu (python -m pytest -m gpu -x), from the files that mark any: collecting the others
+#          would import packages the kit does not carry (tritonclient, schemathesis, scikit-learn)
+#   bench  benchmarks/gpu_bench.py: ResNet-50, UINT8 images over V2 binary, fp16 and fp32, CUDA graphs, 4 front-ends,
+#          wrk; docs/gpu.md's H100 run cut to about 3 minutes
+# Into $OUT (what the device tool brings back: at most 8 files, 2 folders deep): summary.txt, setup.log, tests.log,
+# bench-<variant>.log, bench.md (each run's gpu_bench.md) and bench.tgz (every bench output folder).
+#
+# Environment:
+#   PY               the interpreter (default: /opt/torch/.venv/bin/python3 where it exists, else python3)
+#   OUT              where logs and results go (default: a new temporary folder)
+#   WHL, SITE        the wheels to install and where (default: .whl and /tmp/site); nothing is installed without WHL
+#   TESTS_TIMEOUT    seconds for the tests (default 150); BENCH_TIMEOUT: seconds per bench run (default 300)
+#   BENCH_ARGS       replaces the bench's arguments; EXTRA_BENCH_ARGS is added to them (e.g. --precisions fp16)
+#   EXTRA_SERVE_ARGS runs the bench a second time, its servers given these halfserve serve flags (gpu_bench
+#                    --serve-args), into bench/extra: e.g. '--instance-isolation thread' beside the default (processes
+#                    on CUDA) for a thread-vs-process comparison. Add it to the time: the in-process part runs again.
+#   GPU_SESSION_CPU=1  the bench at a CPU's size (32x32, fp32, a second a level): to try this script on a CPU
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+if [[ -z ${PY:-} ]]; then
+    PY=python3
+    [[ -x /opt/torch/.venv/bin/python3 ]] && PY=/opt/torch/.venv/bin/python3
+fi
+OUT=${OUT:-$(mktemp -d -t gpu_session.XXXXXX)}
+WHL=${WHL:-.whl}
+SITE=${SITE:-/tmp/site}
+TESTS_TIMEOUT=${TESTS_TIMEOUT:-150}
+BENCH_TIMEOUT=${BENCH_TIMEOUT:-300}
+steps=("$@")
+[[ ${#steps[@]} -gt 0 ]] || steps=(tests bench)
+mkdir -p "$OUT"
+summary=$OUT/summary.txt
+setup=$OUT/setup.log
+: >"$summary"
+note() { echo "$*" | tee -a "$summary"; }
+
+# --- the kit -------------------------------------------------------------------------------------------------------
+# --target, not the interpreter's site-packages: nothing of the machine's own environment changes, and these wheels
+# (the lock's versions) come before its packages on the path.
+wheels=("$WHL"/*.whl)
+if [[ -e ${wheels[0]} ]]; then
+    mkdir -p "$SITE"
+    if "$PY" -m pip --version >/dev/null 2>&1; then
+        "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
+            "${wheels[@]}" >>"$setup" 2>&1 || note "setup: pip install failed, see setup.log"
+    else
+        # No pip in that environment: a wheel is a zip of what would be installed (dist-info and its entry points too).
+        for w in "${wheels[@]}"; do "$PY" -m zipfile -e "$w" "$SITE" >>"$setup" 2>&1; done
+    fi
+    note "setup: ${#wheels[@]} wheels from $WHL into $SITE"
+fi
+export PYTHONPATH=$PWD:$SITE${PYTHONPATH:+:$PYTHONPATH}
+# The bench's servers need no gRPC, and a port of their own would clash with anything else listening on 8001.
+export HALFSERVE_GRPC=${HALFSERVE_GRPC:-false}
+
+if [[ -f .devkit/bin/wrk ]]; then
+    # Copied out so that its modes can be set whatever the copy of this tree allows.
+    kit=$(mktemp -d -t devkit.XXXXXX)
+    cp -r .devkit/. "$kit/"
+    chmod +x "$kit/bin/wrk" "$kit/root/usr/bin/wrk"
+    export PATH=$kit/bin:$PATH
+fi
+
+{
+    commit=$(git rev-parse --short HEAD 2>/dev/null || echo "-")
+    echo "host: $(hostname), $(nproc) cores, $(date -u +%FT%TZ), commit $commit"
+    if command -v nvidia-smi >/dev/null; then nvidia-smi -L 2>&1; else echo "nvidia-smi: not on PATH"; fi
+    "$PY" -c 'import sys, torch; c = torch.cuda.is_available(); print("python", sys.version.split()[0], "torch",
+torch.__version__, "cuda", torch.version.cuda, "available", c, torch.cuda.get_device_name() if c else "")' 2>&1
+    echo "wrk: $(command -v wrk || echo none) $(wrk -v 2>&1 | head -1)"
+} | tee -a "$summary"
+# A package missing from the kit fails here, in a line, rather than as a server that never became ready.
+if ! "$PY" -c 'import server.cli, server.api, server.multiproc, server.loadtest.runner, fastapi, uvicorn, orjson' \
+    >>"$setup" 2>&1; then
+    note "setup: the server does not import; see setup.log"
+    tail -5 "$setup" | tee -a "$summary"
+    exit 1
+fi
+note "setup: the server imports"
+
+# --- the steps -----------------------------------------------------------------------------------------------------
+run_tests() {
+    local files start=$SECONDS rc
+    mapfile -t files < <(grep -rlE 'pytest\.mark\.gpu' tests --include='test_*.py' | sort)
+    # Only the plugin the project's config needs: the machine's own may not load under the kit's pytest (anyio 4.14's
+    # imports a name pytest 9 deprecates, an error under this project's filterwarnings).
+    PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 timeout -k 10 "$TESTS_TIMEOUT" \
+        "$PY" -m pytest -p pytest_asyncio.plugin -p no:cacheprovider -m gpu -q -x "${files[@]}" >"$OUT/tests.log" 2>&1
+    rc=$?
+    note "tests: rc=$rc in $((SECONDS - start))s, ${#files[@]} files: $(tail -1 "$OUT/tests.log")"
+}
+
+bench_args() {
+    if [[ -n ${BENCH_ARGS:-} ]]; then
+        echo "$BENCH_ARGS"
+    elif [[ ${GPU_SESSION_CPU:-0} == 1 ]]; then
+        echo "--device cpu --image-size 32 --batch-sizes 1,2 --precisions fp32 --seconds 0.2 --instances 1" \
+            "--instance-counts 1 --concurrency 1,2 --duration 1 --warmup 1 --wires uint8 --load-generator wrk" \
+            "--wrk-threads 1"
+    else
+        echo "--batch-sizes 1,16,64 --concurrency 16,64 --duration 4 --seconds 0.8 --wires uint8 --http-workers 4" \
+            "--load-generator wrk --instance-counts 1,2 --compile cuda_graphs"
+    fi
+}
+
+run_bench() {
+    local variants=("default:") name serve args start rc
+    # The place for a comparison of server settings: one variant per entry, NAME:halfserve serve flags.
+    [[ -n ${EXTRA_SERVE_ARGS:-} ]] && variants+=("extra:$EXTRA_SERVE_ARGS")
+    read -r -a args <<<"$(bench_args) ${EXTRA_BENCH_ARGS:-}"
+    for v in "${variants[@]}"; do
+        name=${v%%:*} serve=${v#*:} start=$SECONDS
+        timeout -k 15 "$BENCH_TIMEOUT" "$PY" benchmarks/gpu_bench.py "${args[@]}" --serve-args="$serve" \
+            --out "$OUT/bench/$name" >"$OUT/bench-$name.log" 2>&1
+        rc=$?
+        note "bench $name (serve flags: ${serve:-none}): rc=$rc in $((SECONDS - start))s"
+        [[ $rc == 0 ]] || tail -3 "$OUT/bench-$name.log" | tee -a "$summary"
+        if [[ -f $OUT/bench/$name/gpu_bench.json ]]; then
+            "$PY" - "$OUT/bench/$name/gpu_bench.json" <<'PY' | tee -a "$summary"
+import json
+import sys
+
+r = json.load(open(sys.argv[1]))
+c = r.get("instances", {})
+print(f"  {r['model']} {r['input_shape']} on {r['machine'].get('gpu', r['device'])}; {c.get('precision')} instances "
+      f"at batch {c.get('batch')}: " + ", ".join(f"{n}: {v:.0f}" for n, v in c.get("rows_per_s", {}).items()))
+for label, s in r.get("servers", {}).items():
+    for x in s["summary"]["levels"]:
+        print(f"  server {label} {x['precision']} c={x['concurrency']}: {x['rows_per_s']:.0f} rows/s, "
+              f"p99 {x['p99_ms']:.1f} ms, batch {x['mean_batch'] or 0:.1f}, {x['server_over_ceiling']:.2f} of the "
+              f"ceiling, errors {x['errors']}")
+PY
+            { echo "# bench $name"; cat "$OUT/bench/$name/gpu_bench.md"; } >>"$OUT/bench.md"
+        fi
+    done
+    tar -czf "$OUT/bench.tgz" -C "$OUT" bench && rm -rf "$OUT/bench"
+}
+
+for step in "${steps[@]}"; do
+    case $step in
+        tests) run_tests ;;
+        bench) run_bench ;;
+        *) note "unknown step $step (tests, bench)" ;;
+    esac
+done
+echo "results in $OUT: $(cd "$OUT" && echo *)"

@@ -1,0 +1,69 @@
+"""benchmarks/gpu_bench.py end to end on the CPU, at a size that runs in seconds: the in-process ceiling, the instance
+sweep and a real server swept by each load generator, as docs/gpu.md's CPU command runs it.
+
+A GPU run costs minutes of a borrowed machine; this catches the script breaking (an argument, a helper it shares
+with the other benchmarks) before one is spent on it. The numbers are not checked, only that every level served.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT
+
+pytestmark = pytest.mark.slow
+
+# ResNet-50 at 32x32 in fp32, one instance, two concurrency levels of a second each: about 17 s per run on 2 cores.
+TINY = shlex.split(
+    "--device cpu --image-size 32 --batch-sizes 1,2 --precisions fp32 --seconds 0.2 --instances 1 "
+    "--instance-counts 1 --concurrency 1,2 --duration 1 --warmup 1 --client-processes 1 --wrk-threads 1"
+)
+WRK = os.environ.get("WRK", "wrk")  # what benchmarks/common.py runs
+
+
+@pytest.mark.parametrize(
+    ("generator", "wire", "serve_args"),
+    [
+        pytest.param("loadtest", "fp32", "--threads 2", id="loadtest"),
+        pytest.param(
+            "wrk",
+            "uint8",
+            "",
+            id="wrk",
+            marks=pytest.mark.skipif(shutil.which(WRK) is None, reason=f"{WRK} is not on PATH (apt-get install wrk)"),
+        ),
+    ],
+)
+def test_gpu_bench_runs_on_a_cpu(tmp_path: Path, generator: str, wire: str, serve_args: str) -> None:
+    out = tmp_path / "out"
+    cmd = [sys.executable, "benchmarks/gpu_bench.py", *TINY, "--load-generator", generator, "--wires", wire]
+    cmd.append(f"--serve-args={serve_args}")
+    run = subprocess.run([*cmd, "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+
+    result = json.loads((out / "gpu_bench.json").read_text())
+    assert {"ceiling_runs", "ceiling", "instances", "weight_bytes", "servers", "seconds"} <= result.keys()
+    assert result["device"] == "cpu"
+    assert result["ceiling"]["fp32"]["best_engine_rows_per_s"].keys() == {"1", "2"}
+    assert result["instances"]["rows_per_s"]["1"] > 0
+    assert list(result["servers"]) == [wire]
+    server = result["servers"][wire]
+    assert server["wire"] == wire
+    assert server["server_args"] == serve_args.split()
+    assert server["loadtest"].get("load_generator", "").startswith("wrk") is (generator == "wrk")
+    levels = server["summary"]["levels"]
+    assert [(r["precision"], r["concurrency"]) for r in levels] == [("fp32", 1), ("fp32", 2)]
+    for r in levels:
+        assert r["rows_per_s"] > 0, r
+        assert r["errors"] == 0, r
+        assert r["server_over_ceiling"] > 0, r
+    assert (out / "gpu_bench.md").read_text().startswith("# GPU fast path")
+    assert (out / "gpu_bench.png").stat().st_size > 0
