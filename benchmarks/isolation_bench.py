@@ -143,7 +143,8 @@ def main() -> None:
         }
         for mode in MODES
     }
-    result = {"host": hostinfo.describe(), "args": vars(args) | {"out": str(args.out)}, "runs": runs, "summary": summary}
+    settings = vars(args) | {"out": str(args.out)}
+    result = {"host": hostinfo.describe(), "args": settings, "runs": runs, "summary": summary}
     lines = [
         "| round | mode | host ms/batch idle | busy | busy / idle | req/s | p99 ms | mean batch |",
         "|---:|---|---:|---:|---:|---:|---:|---:|",
