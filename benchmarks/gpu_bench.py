@@ -284,6 +284,11 @@ def wrk_sweep(
     return sweep
 
 
+def _round(entries: list[str], i: int) -> str:
+    """`` (n)`` for the n-th sweep of an entry that ``entries`` holds more than once, else nothing."""
+    return f" ({entries[: i + 1].count(entries[i])})" if entries.count(entries[i]) > 1 else ""
+
+
 def free_port() -> int:
     """A port nothing on this host listens on now: the sweep may run beside other servers (tests, other sweeps)."""
     with socket.socket() as s:
@@ -505,6 +510,12 @@ def main() -> None:
         help="halfserve loadtest's client processes, or wrk (C: for rates a Python client cannot send)",
     )
     p.add_argument("--wrk-threads", type=int, default=8)
+    p.add_argument(
+        "--isolations",
+        default="",
+        help="sweep the server once per entry with its instances as threads or processes, in this order "
+        "(--isolations thread,process,thread,process interleaves two rounds); default: one sweep, the server's default",
+    )
     p.add_argument("--skip-server", action="store_true")
     p.add_argument(
         "--inductor",
@@ -611,19 +622,36 @@ def main() -> None:
         flags = ("--http-workers", str(args.http_workers)) if args.http_workers > 1 else ()
         flags += tuple(shlex.split(args.serve_args))
         plans = [(wire, wire, flags) for wire in args.wires.split(",")]
+        if args.isolations:
+            isolations = args.isolations.split(",")
+            plans = [
+                (
+                    f"{label}, instances as {iso}es{_round(isolations, i)}"
+                    if iso == "process"
+                    else f"{label}, instances as {iso}s{_round(isolations, i)}",
+                    wire,
+                    (*extra, "--instance-isolation", iso),
+                )
+                for label, wire, extra in plans
+                for i, iso in enumerate(isolations)
+            ]
         if args.baseline_switch_interval_ms:
             ms = args.baseline_switch_interval_ms
             plans.append(
                 (f"fp32, GIL switch interval {ms:g} ms", "fp32", (*flags, "--gil-switch-interval-ms", f"{ms:g}"))
             )
+        wired_ceilings: dict[str, dict[str, dict[str, float]]] = {}  # measured once per wire, whatever the sweeps
         for label, wire, extra in [] if args.skip_server else plans:
             ceilings = {prec: result["ceiling"][prec]["best_engine_rows_per_s"] for prec in precisions}
-            if wire != "fp32":
+            if wire != "fp32" and wire in wired_ceilings:
+                ceilings = wired_ceilings[wire]
+            elif wire != "fp32":
                 wired = LoadedModel(with_wire(loaded.manifest, wire), loaded.version, loaded.module, loaded.path)
                 for prec in precisions:
                     run_label = f"{result['ceiling'][prec]['mode']}, {wire} input"
                     runs[run_label] = ceiling(wired, prec, device, sizes, args.seconds, mode_ex)
                     ceilings[prec] = runs[run_label]["engine_rows_per_s"]
+                wired_ceilings[wire] = ceilings
             set_manifest(tmp, server_ex, wire)
             folder = args.out / ("loadtest-" + "".join(ch if ch.isalnum() else "-" for ch in label).strip("-"))
             if args.load_generator == "wrk":
