@@ -29,7 +29,7 @@ from torch import nn
 from server import fidelity, models, precision, store
 from server.engine import Engine, takes_positionally
 from server.instance import torch_dtype
-from server.store import DataType, Manifest, StoreError, TensorSpec
+from server.store import DataType, InputFormat, Manifest, StoreError, TensorSpec
 
 RANDOM_SAMPLES = 64
 SAMPLE_LENGTH = 16
@@ -70,6 +70,19 @@ def parse_tensor(text: str, option: str) -> TensorSpec:
         return TensorSpec(name=name, datatype=DataType(dtype.upper()), shape=dims)
     except ValueError as e:
         raise ImportFailure(f"{option} {text!r}: {e}") from None
+
+
+def with_format(inputs: list[TensorSpec], text: str) -> list[TensorSpec]:
+    """``inputs`` with the image layout ``text`` (``NCHW``, ``NHWC`` or ``NONE``) on those of three dimensions."""
+    try:
+        layout = InputFormat.parse(text)
+    except ValueError as e:
+        raise ImportFailure(f"--input-format: {e}") from None
+    images = [t.name for t in inputs if len(t.shape) == 3 and not t.variable]
+    if not images:
+        shapes = ", ".join(f"{t.name} {t.shape}" for t in inputs)
+        raise ImportFailure(f"--input-format: no input has three fixed dimensions (an image): {shapes}")
+    return [TensorSpec.model_validate({**t.model_dump(), "format": layout}) if t.name in images else t for t in inputs]
 
 
 def sequence_inputs(inputs: list[TensorSpec], max_length: int | None, mask: str | None) -> list[TensorSpec]:
@@ -211,6 +224,8 @@ def import_model(
 ) -> Imported:
     """Write ``source``'s weights as the next version of ``name`` in the store at ``root`` (see the module)."""
     arch_kwargs = arch_kwargs or {}
+    # An image input's layout is written as derived, so the manifest shows what the model config reports to clients.
+    inputs = [t if t.format is not None else t.model_copy(update={"format": _derived(t)}) for t in inputs]
     hugging_face = architecture.startswith(models.TRANSFORMERS)
     if hugging_face != source.is_dir():
         want = "a Hugging Face model folder" if hugging_face else "a .pt, .pth or .safetensors file"
@@ -252,6 +267,11 @@ def import_model(
         manifest = manifest.model_copy(update={"evaluation": evaluation})
         store.write_manifest(root, manifest)
     return Imported(vdir, manifest, samples_from, measured)
+
+
+def _derived(spec: TensorSpec) -> InputFormat | None:
+    layout = spec.image_format
+    return None if layout is InputFormat.NONE else layout
 
 
 def _copy_folder(source: Path, root: Path, manifest: Manifest) -> Path:

@@ -127,7 +127,8 @@ async def test_model_metadata_config_and_readiness(tiny_store: Path) -> None:
     assert config["name"] == "tiny"
     assert (config["platform"], config["backend"]) == ("pytorch_libtorch", "pytorch")
     assert config["max_batch_size"] == 8
-    assert config["input"] == [{"name": "features", "data_type": "TYPE_FP32", "dims": [16]}]
+    # As Triton's JSON config: every input's format, FORMAT_NONE for one that is not an image.
+    assert config["input"] == [{"name": "features", "data_type": "TYPE_FP32", "dims": [16], "format": "FORMAT_NONE"}]
     assert config["output"] == [{"name": "logits", "data_type": "TYPE_FP32", "dims": [4]}]
     assert config["dynamic_batching"] == {"max_queue_delay_microseconds": 3000}
     assert config["instance_group"][0]["kind"] == "KIND_CPU"

@@ -12,8 +12,15 @@ from safetensors.torch import save_file
 from torch import nn
 
 from server import cli, fidelity, models, store
-from server.importer import ImportFailure, derive_outputs, import_model, parse_tensor, read_state_dict
-from server.store import DataType, TensorSpec
+from server.importer import (
+    ImportFailure,
+    derive_outputs,
+    import_model,
+    parse_tensor,
+    read_state_dict,
+    with_format,
+)
+from server.store import DataType, InputFormat, Manifest, TensorSpec
 
 MLP = {"in_features": 6, "hidden": [8], "out_features": 4}
 FEATURES = [TensorSpec(name="features", shape=[6])]
@@ -148,3 +155,47 @@ def test_variable_inputs_need_a_max_length_and_get_their_mask() -> None:
         ("input_ids", [-1], 64, None),
         ("attention_mask", [-1], None, "input_ids"),
     ]
+
+
+@pytest.mark.parametrize(
+    ("shape", "datatype", "want"),
+    [
+        ([3, 224, 224], DataType.FP32, InputFormat.NCHW),
+        ([1, 28, 28], DataType.FP32, InputFormat.NCHW),
+        ([224, 224, 3], DataType.UINT8, InputFormat.NHWC),
+        ([3, 8, 3], DataType.FP32, InputFormat.NONE),  # either way round
+        ([5, 8, 8], DataType.FP32, InputFormat.NONE),  # no image's channel count
+        ([3, 8, 8], DataType.INT64, InputFormat.NONE),  # token ids, not pixels
+        ([3, 224], DataType.FP32, InputFormat.NONE),
+        ([64], DataType.FP32, InputFormat.NONE),
+    ],
+)
+def test_an_image_inputs_format_is_derived_only_where_its_shape_shows_it(
+    shape: list[int], datatype: DataType, want: InputFormat
+) -> None:
+    assert TensorSpec(name="x", datatype=datatype, shape=shape).image_format is want
+    declared = TensorSpec(name="x", shape=[3, 8, 3], format=InputFormat.NHWC)
+    assert declared.image_format is InputFormat.NHWC
+    assert declared.model_dump()["format"] == "FORMAT_NHWC"
+    assert "format" not in TensorSpec(name="x", shape=shape).model_dump()  # unset, the manifest reads as before
+
+
+def test_a_format_fits_an_image_input_only() -> None:
+    with pytest.raises(ValueError, match=r"format FORMAT_NCHW needs three fixed per-sample dimensions.*\[16\]"):
+        TensorSpec(name="x", shape=[16], format=InputFormat.NCHW)
+    image = TensorSpec(name="image", shape=[3, 8, 8], format=InputFormat.NHWC)
+    out = TensorSpec(name="y", shape=[4])
+    with pytest.raises(ValueError, match="normalize takes channels first"):
+        Manifest(name="m", architecture="mlp", inputs=[image], outputs=[out], normalize={"mean": [0.5] * 3})
+    with pytest.raises(ValueError, match="format applies to inputs"):
+        Manifest(name="m", architecture="mlp", inputs=[image], outputs=[image.model_copy(update={"name": "y"})])
+
+
+def test_the_input_format_option_sets_the_image_inputs_layout() -> None:
+    image, features = parse_tensor("image:FP32:3x8x3", "--input"), FEATURES[0]
+    assert [t.format for t in with_format([image, features], "nhwc")] == [InputFormat.NHWC, None]
+    assert with_format([image], "FORMAT_NCHW")[0].format is InputFormat.NCHW
+    with pytest.raises(ImportFailure, match="--input-format: 'CHW' is not an input format; expected NCHW, NHWC or"):
+        with_format([image], "CHW")
+    with pytest.raises(ImportFailure, match=r"--input-format: no input has three fixed dimensions.*features \[6\]"):
+        with_format(FEATURES, "NCHW")
