@@ -259,7 +259,10 @@ def import_(args: argparse.Namespace) -> int:
             resolve_device(args.device),
             **fields,
         )
-    except (store.StoreError, models.UnknownArchitectureError, ValidationError, ValueError, OSError) as e:
+    except ValidationError as e:
+        print(f"halfserve import: {store.describe(e)}", file=sys.stderr)
+        return 2
+    except (store.StoreError, models.UnknownArchitectureError, ValueError, OSError) as e:
         print(f"halfserve import: {e}", file=sys.stderr)
         return 2
     print(importer.describe(result))

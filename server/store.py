@@ -591,11 +591,12 @@ def model_names(root: Path) -> list[str]:
     return sorted(p.name for p in root.iterdir() if (p / MANIFEST).is_file() and _NAME_RE.fullmatch(p.name))
 
 
-def _describe(err: ValidationError) -> str:
+def describe(err: ValidationError) -> str:
+    """A manifest's validation errors on one line, each as ``field: problem``."""
     parts = []
     for e in err.errors():
         field = ".".join(str(x) for x in e["loc"]) or "(top level)"
-        parts.append(f"{field}: {e['msg']}")
+        parts.append(f"{field}: {e['msg'].removeprefix('Value error, ')}")
     return "; ".join(parts)
 
 
@@ -611,7 +612,7 @@ def load_manifest(model_dir: Path) -> Manifest:
     try:
         manifest = Manifest.model_validate(raw)
     except ValidationError as e:
-        raise StoreError(f"{path}: {_describe(e)}") from None
+        raise StoreError(f"{path}: {describe(e)}") from None
     if manifest.name != model_dir.name:
         raise StoreError(f"{path}: name: {manifest.name!r} does not match its folder {model_dir.name!r}")
     return manifest

@@ -135,7 +135,7 @@ def test_bad_tensor_options_are_named(text: str) -> None:
 
 
 def test_a_folder_needs_a_hugging_face_architecture_and_a_file_needs_another(tmp_path: Path) -> None:
-    with pytest.raises(ImportFailure, match="imports from a .pt, .pth or .safetensors file"):
+    with pytest.raises(ImportFailure, match="for a state dict, give its .pt, .pth or .safetensors file"):
         import_model(tmp_path, tmp_path / "store", "net", "mlp", FEATURES, arch_kwargs=MLP)
     (tmp_path / "w.pth").write_bytes(b"")
     with pytest.raises(ImportFailure, match="imports from a Hugging Face model folder"):
@@ -199,3 +199,46 @@ def test_the_input_format_option_sets_the_image_inputs_layout() -> None:
         with_format([image], "CHW")
     with pytest.raises(ImportFailure, match=r"--input-format: no input has three fixed dimensions.*features \[6\]"):
         with_format(FEATURES, "NCHW")
+
+
+@pytest.mark.parametrize("architecture", ["bert", "BertForSequenceClassification", "mlp", "torchvision:resnet18"])
+def test_a_hugging_face_folder_with_another_architecture_is_told_which_to_use(
+    tmp_path: Path, architecture: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    folder = tmp_path / "bert"
+    folder.mkdir()
+    (folder / "config.json").write_text('{"architectures": ["BertForSequenceClassification"], "model_type": "bert"}')
+    args = ["import", str(folder), "--store", str(tmp_path / "s"), "--name", "n", "--architecture", architecture]
+    assert cli.main([*args, "--input", "input_ids:INT64:16"]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert f"--architecture {architecture!r} cannot build a Hugging Face model folder" in line
+    assert "use --architecture transformers:AutoModelForSequenceClassification" in line
+    assert "An architecture is 'transformers:<AutoClass>' for such a folder" in line
+    assert not (tmp_path / "s").exists()
+
+
+@pytest.mark.parametrize(
+    ("architecture", "message"),
+    [
+        ("bert", "manifest: architecture: unknown architecture 'bert'; expected a registered name ("),
+        ("no such thing", "manifest: architecture: 'no such thing' is not an architecture; expected a registered"),
+    ],
+)
+def test_an_unknown_architecture_is_one_line(
+    tmp_path: Path, architecture: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    torch.save(mlp().state_dict(), tmp_path / "w.pth")
+    args = ["import", str(tmp_path / "w.pth"), "--store", str(tmp_path / "s"), "--name", "n"]
+    assert cli.main([*args, "--architecture", architecture, "--input", "features:FP32:6"]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"halfserve import: {message}")
+    assert "transformers:<AutoClass>" in line
+    assert "pydantic" not in line
+
+
+def test_a_bad_tensor_name_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    torch.save(mlp().state_dict(), tmp_path / "w.pth")
+    args = ["import", str(tmp_path / "w.pth"), "--store", str(tmp_path / "s"), "--name", "n", "--architecture", "mlp"]
+    assert cli.main([*args, "--input", "9features:FP32:6"]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("halfserve import: --input '9features:FP32:6': name: String should match pattern")
