@@ -252,6 +252,10 @@ def import_model(
         state = read_state_dict(source / store.WEIGHTS) if (source / store.WEIGHTS).is_file() else {}
         store.load_weights(module, state, source / store.WEIGHTS, architecture)
     else:
+        try:  # named here, before the store's manifest (not written yet) could be named as the culprit
+            models.resolve(architecture)
+        except models.UnknownArchitectureError as e:
+            raise ImportFailure(f"--architecture: {e}") from None
         module = store.build(model_dir, draft, source.parent)
         store.load_weights(module, read_state_dict(source), source, architecture)
     module = module.float().eval()

@@ -707,12 +707,15 @@ def _hugging_face(where: Path, manifest: Manifest, version_dir: Path) -> nn.Modu
             f"{config_path}: {remote[0]}: the model asks for custom code (trust_remote_code), which is refused; "
             "serve it as a 'package.module:factory' architecture from --code-path instead"
         )
+    models.broken_torchvision()  # a torchvision that cannot import is hidden, so transformers goes on without it
     try:
         import transformers  # noqa: PLC0415
-    except ImportError:
+    except ModuleNotFoundError:
         raise StoreError(
             f"{where}: architecture: transformers is not installed (pip install 'halfserve[hf]')"
         ) from None
+    except Exception as e:  # installed, but it (or what it imports) fails
+        raise StoreError(f"{where}: architecture: transformers does not import: {type(e).__name__}: {e}") from None
     cls = getattr(transformers, auto_class, None)
     if cls is None or not hasattr(cls, "from_config"):
         raise StoreError(f"{where}: architecture: transformers has no auto class {auto_class!r} with from_config")
@@ -721,6 +724,8 @@ def _hugging_face(where: Path, manifest: Manifest, version_dir: Path) -> nn.Modu
         module = cls.from_config(config, **manifest.arch_kwargs)
     except (ValueError, TypeError, OSError, KeyError) as e:
         raise StoreError(f"{config_path}: {auto_class} cannot build this model: {e}") from None
+    except (ImportError, RuntimeError) as e:  # the model's code, imported lazily by transformers, fails to import
+        raise StoreError(f"{config_path}: {auto_class}: transformers cannot import this model's code: {e}") from None
     return models.check_module(module, manifest.architecture)
 
 
