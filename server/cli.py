@@ -215,6 +215,12 @@ def _add_import(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     p.add_argument(
         "--input", action="append", required=True, metavar="NAME:DTYPE:SHAPE", help="e.g. image:FP32:3x224x224"
     )
+    p.add_argument(
+        "--input-format",
+        metavar="FORMAT",
+        help="NCHW, NHWC or NONE: the layout of the image inputs (three dimensions), as Triton's model config reports "
+        "it to clients; default: from the shape where unambiguous (3x224x224 is NCHW, 224x224x3 NHWC)",
+    )
     p.add_argument("--output", action="append", metavar="NAME:DTYPE:SHAPE", help="default: from one forward")
     p.add_argument("--max-length", type=int, help="the longest length of variable (-1) inputs")
     p.add_argument("--mask", metavar="NAME", help="an attention mask input the server builds for the variable input")
@@ -240,6 +246,8 @@ def import_(args: argparse.Namespace) -> int:
         inputs = importer.sequence_inputs(
             [importer.parse_tensor(t, "--input") for t in args.input], args.max_length, args.mask
         )
+        if args.input_format is not None:
+            inputs = importer.with_format(inputs, args.input_format)
         if args.text:
             feeds = next((t.name for t in inputs if t.variable), None)
             fields["text"] = {"input": args.text, "feeds": feeds}
@@ -257,7 +265,10 @@ def import_(args: argparse.Namespace) -> int:
             resolve_device(args.device),
             **fields,
         )
-    except (store.StoreError, models.UnknownArchitectureError, ValidationError, ValueError, OSError) as e:
+    except ValidationError as e:
+        print(f"halfserve import: {store.describe(e)}", file=sys.stderr)
+        return 2
+    except (store.StoreError, models.UnknownArchitectureError, ValueError, OSError) as e:
         print(f"halfserve import: {e}", file=sys.stderr)
         return 2
     print(importer.describe(result))

@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from pydantic import ValidationError
 from safetensors.numpy import load_file as load_numpy
 from safetensors.numpy import save_file as save_numpy
 from safetensors.torch import load_file
@@ -29,7 +30,7 @@ from torch import nn
 from server import fidelity, models, precision, store
 from server.engine import Engine, takes_positionally
 from server.instance import torch_dtype
-from server.store import DataType, Manifest, StoreError, TensorSpec
+from server.store import DataType, InputFormat, Manifest, StoreError, TensorSpec
 
 RANDOM_SAMPLES = 64
 SAMPLE_LENGTH = 16
@@ -68,8 +69,23 @@ def parse_tensor(text: str, option: str) -> TensorSpec:
     try:
         dims = [int(d) for d in shape.lower().split("x")]  # -1 first: a variable length (give --max-length)
         return TensorSpec(name=name, datatype=DataType(dtype.upper()), shape=dims)
+    except ValidationError as e:
+        raise ImportFailure(f"{option} {text!r}: {store.describe(e)}") from None
     except ValueError as e:
         raise ImportFailure(f"{option} {text!r}: {e}") from None
+
+
+def with_format(inputs: list[TensorSpec], text: str) -> list[TensorSpec]:
+    """``inputs`` with the image layout ``text`` (``NCHW``, ``NHWC`` or ``NONE``) on those of three dimensions."""
+    try:
+        layout = InputFormat.parse(text)
+    except ValueError as e:
+        raise ImportFailure(f"--input-format: {e}") from None
+    images = [t.name for t in inputs if len(t.shape) == 3 and not t.variable]
+    if not images:
+        shapes = ", ".join(f"{t.name} {t.shape}" for t in inputs)
+        raise ImportFailure(f"--input-format: no input has three fixed dimensions (an image): {shapes}")
+    return [TensorSpec.model_validate({**t.model_dump(), "format": layout}) if t.name in images else t for t in inputs]
 
 
 def sequence_inputs(inputs: list[TensorSpec], max_length: int | None, mask: str | None) -> list[TensorSpec]:
@@ -211,12 +227,16 @@ def import_model(
 ) -> Imported:
     """Write ``source``'s weights as the next version of ``name`` in the store at ``root`` (see the module)."""
     arch_kwargs = arch_kwargs or {}
+    if source.is_dir() and not architecture.startswith(models.TRANSFORMERS):
+        raise ImportFailure(_folder_needs_transformers(source, architecture))
+    # An image input's layout is written as derived, so the manifest shows what the model config reports to clients.
+    inputs = [t if t.format is not None else t.model_copy(update={"format": _derived(t)}) for t in inputs]
     hugging_face = architecture.startswith(models.TRANSFORMERS)
     if hugging_face != source.is_dir():
         want = "a Hugging Face model folder" if hugging_face else "a .pt, .pth or .safetensors file"
         raise ImportFailure(f"{source}: architecture {architecture!r} imports from {want}")
     # The manifest's fields are checked before anything is built or written.
-    draft = Manifest.model_validate(
+    draft = _manifest(
         {
             "name": name,
             "architecture": architecture,
@@ -232,11 +252,15 @@ def import_model(
         state = read_state_dict(source / store.WEIGHTS) if (source / store.WEIGHTS).is_file() else {}
         store.load_weights(module, state, source / store.WEIGHTS, architecture)
     else:
+        try:  # named here, before the store's manifest (not written yet) could be named as the culprit
+            models.resolve(architecture)
+        except models.UnknownArchitectureError as e:
+            raise ImportFailure(f"--architecture: {e}") from None
         module = store.build(model_dir, draft, source.parent)
         store.load_weights(module, read_state_dict(source), source, architecture)
     module = module.float().eval()
     outputs = outputs or derive_outputs(module, inputs)
-    manifest = Manifest.model_validate({**draft.model_dump(exclude_none=True), "outputs": outputs, "labels": labels})
+    manifest = _manifest({**draft.model_dump(exclude_none=True), "outputs": outputs, "labels": labels})
     given, samples_from = calibration_samples(calibration, inputs, samples)
     vdir = _copy_folder(source, root, manifest) if hugging_face else store.save(root, manifest, module)
     save_numpy(given, str(vdir / fidelity.CALIBRATION))
@@ -252,6 +276,43 @@ def import_model(
         manifest = manifest.model_copy(update={"evaluation": evaluation})
         store.write_manifest(root, manifest)
     return Imported(vdir, manifest, samples_from, measured)
+
+
+def _manifest(fields: dict[str, Any]) -> Manifest:
+    """The manifest of ``fields``, or an :class:`ImportFailure` naming each wrong field on one line."""
+    try:
+        return Manifest.model_validate(fields)
+    except ValidationError as e:
+        raise ImportFailure(f"manifest: {store.describe(e)}") from None
+
+
+def _folder_needs_transformers(source: Path, architecture: str) -> str:
+    """Why ``architecture`` cannot import the folder ``source``, and the ``transformers:`` architecture that can: the
+    auto class of the model's task, read from its config.json (``BertForSequenceClassification`` is
+    ``AutoModelForSequenceClassification``)."""
+    if not (source / "config.json").is_file():
+        return (
+            f"{source}: a folder imports as a Hugging Face model folder (config.json and {store.WEIGHTS}) with "
+            "--architecture transformers:<AutoClass>; for a state dict, give its .pt, .pth or .safetensors file"
+        )
+    try:
+        declared = json.loads((source / "config.json").read_text()).get("architectures") or []
+    except (ValueError, AttributeError):
+        declared = []
+    task = next((c.partition("For")[2] for c in declared if isinstance(c, str) and "For" in c), "")
+    auto = f"AutoModelFor{task}" if task else "AutoModel"
+    return (
+        f"{source}: --architecture {architecture!r} cannot build a Hugging Face model folder: use "
+        f"--architecture transformers:{auto}"
+        + (f" (its config.json declares {declared[0]})" if declared and isinstance(declared[0], str) else "")
+        + ". An architecture is 'transformers:<AutoClass>' for such a folder, or for a state dict file "
+        "a registered name, 'package.module:factory' or 'torchvision:<builder>'"
+    )
+
+
+def _derived(spec: TensorSpec) -> InputFormat | None:
+    layout = spec.image_format
+    return None if layout is InputFormat.NONE else layout
 
 
 def _copy_folder(source: Path, root: Path, manifest: Manifest) -> Path:

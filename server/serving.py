@@ -259,6 +259,11 @@ class ModelService(Protocol):
 M = TypeVar("M")
 
 
+UNKNOWN_MODEL = "Request for unknown model: "
+"""How Triton's answers about a model it cannot serve begin (unknown, no such version, not ready): clients test for it
+(Triton's example clients check that an unknown model's error starts with it)."""
+
+
 class NoModels:
     """The service of an app whose models are not discovered yet: none is known, so none is ready."""
 
@@ -266,7 +271,7 @@ class NoModels:
     ready = False
 
     def get(self, name: str | None) -> ModelHandle:
-        raise ModelNotFoundError("no model is served yet: the server is starting")
+        raise ModelNotFoundError(f"{UNKNOWN_MODEL}{name!r} is not found (no model is served yet: the server starts)")
 
 
 def find(models: Mapping[str, M], name: str | None) -> M:
@@ -278,26 +283,29 @@ def find(models: Mapping[str, M], name: str | None) -> M:
     try:
         return models[name]
     except KeyError:
-        raise ModelNotFoundError(f"unknown model {name!r} (served: {', '.join(models)})") from None
+        raise ModelNotFoundError(f"{UNKNOWN_MODEL}{name!r} is not found (served: {', '.join(models)})") from None
 
 
 def check_ready(model: ModelHandle, version: str | None) -> None:
-    """The readiness rule: return when ``model`` takes requests now, else raise why not.
+    """The readiness rule: return when ``model`` takes requests now, else raise why not, in Triton's words.
 
-    A model still loading is :class:`ModelNotReadyError` (retry). An unloaded or failed model answers as Triton does:
-    :class:`ModelUnavailableError` ("no available versions") when the request names no version, and
+    A model still loading (or draining) is :class:`ModelNotReadyError` (retry). An unloaded or failed model answers
+    as Triton does: :class:`ModelUnavailableError` ("no available versions") when the request names no version, and
     :class:`ModelNotReadyError` without retry when it names the served version, which exists but is not ready.
     """
     if model.serving:
         return
+    unavailable = f"{UNKNOWN_MODEL}{model.name!r} " + (
+        "has no available versions" if version is None else f"version {version} is not at ready state"
+    )
     if model.state is ModelState.LOADING:
-        raise ModelNotReadyError(f"model {model.name!r} is loading")
+        raise ModelNotReadyError(f"{unavailable} (it is loading)")
     if model.state is ModelState.READY:  # released under the request: the server is draining
-        raise ModelNotReadyError(f"model {model.name!r} is draining")
+        raise ModelNotReadyError(f"{unavailable} (it is draining)")
     reason = model.error if model.state is ModelState.FAILED else model.state.value
     if version is None:
-        raise ModelUnavailableError(f"model {model.name!r} has no available versions ({reason})")
-    raise ModelNotReadyError(f"model {model.name!r} version {version} is not ready ({reason})", retry=False)
+        raise ModelUnavailableError(f"{unavailable} ({reason})")
+    raise ModelNotReadyError(f"{unavailable} ({reason})", retry=False)
 
 
 class Interface(str, Enum):

@@ -95,6 +95,31 @@ class OverflowPolicy(str, Enum):
     """Return the non-finite values (JSON writes them as ``null``; binary outputs carry them)."""
 
 
+class InputFormat(str, Enum):
+    """How an image input's per-sample dimensions are laid out, named as Triton's ``ModelInput.Format`` names it (its
+    model configuration reports it; Triton's image clients read it to lay out the pixels they send)."""
+
+    NONE = "FORMAT_NONE"
+    """No image layout (or not an image)."""
+    NHWC = "FORMAT_NHWC"
+    """Height, width, channels (per sample, without the batch dimension)."""
+    NCHW = "FORMAT_NCHW"
+    """Channels, height, width: what torchvision's models take."""
+
+    @classmethod
+    def parse(cls, text: str) -> InputFormat:
+        """``NCHW``, ``nhwc`` or ``FORMAT_NCHW`` as a format; ``ValueError`` naming the choices otherwise."""
+        name = text.strip().upper().removeprefix("FORMAT_")
+        if name not in cls.__members__:
+            raise ValueError(f"{text!r} is not an input format; expected NCHW, NHWC or NONE")
+        return cls[name]
+
+
+IMAGE_CHANNELS = (1, 3, 4)
+"""Channel counts an image has (grey, RGB, RGBA): a three-dimensional input with one of these first and not last
+is read as NCHW, and last and not first as NHWC."""
+
+
 class TensorSpec(BaseModel):
     """One input or output: its name, element type and per-sample shape (no batch dimension)."""
 
@@ -113,6 +138,9 @@ class TensorSpec(BaseModel):
     mask_for: str | None = None
     """This input is the attention mask of the named variable input: built by the server (1 where that input has a
     value, 0 where it was padded) in this input's datatype, never sent by clients."""
+    format: InputFormat | None = None
+    """An image input's layout (Triton's ``format``); unset, it is derived from the shape where that is unambiguous
+    (:attr:`image_format`)."""
 
     @field_validator("shape")
     @classmethod
@@ -125,15 +153,45 @@ class TensorSpec(BaseModel):
     def _compact(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
         """Written without the variable-length fields left at their defaults: a fixed tensor reads as before."""
         data: dict[str, Any] = handler(self)
-        for key, default in (("max_length", None), ("truncate", False), ("pad", 0.0), ("mask_for", None)):
+        for key, default in (
+            ("max_length", None),
+            ("truncate", False),
+            ("pad", 0.0),
+            ("mask_for", None),
+            ("format", None),
+        ):
             if key in data and data[key] == default:
                 del data[key]
         return data
+
+    @model_validator(mode="after")
+    def _image_shaped(self) -> TensorSpec:
+        if self.format not in (None, InputFormat.NONE) and (len(self.shape) != 3 or self.variable):
+            raise ValueError(
+                f"format {self.format.value} needs three fixed per-sample dimensions (an image), got {self.shape}"
+            )
+        return self
 
     @property
     def variable(self) -> bool:
         """Whether its first per-sample dimension is variable."""
         return self.shape[0] == -1
+
+    @property
+    def image_format(self) -> InputFormat:
+        """Its ``format``, or where unset the layout its shape shows: three dimensions of a floating or ``UINT8``
+        type, with an image's channel count (:data:`IMAGE_CHANNELS`) first and not last (NCHW) or last and not first
+        (NHWC); any other shape, or one that could be either ([3, 3, 3]), is ``FORMAT_NONE``."""
+        if self.format is not None:
+            return self.format
+        if len(self.shape) != 3 or self.variable or self.mask_for is not None or self.datatype.numpy.kind not in "fu":
+            return InputFormat.NONE
+        first, last = self.shape[0] in IMAGE_CHANNELS, self.shape[-1] in IMAGE_CHANNELS
+        if first and not last:
+            return InputFormat.NCHW
+        if last and not first:
+            return InputFormat.NHWC
+        return InputFormat.NONE
 
     def bounded(self, length: int | None = None) -> list[int]:
         """The shape with the variable dimension at ``length`` (default: its ``max_length``)."""
@@ -372,6 +430,11 @@ class Manifest(BaseModel):
             raise ValueError("a model with variable dimensions runs eagerly: no normalize, execution.compile 'none'")
         if self.normalize is not None and len(self.inputs) > 1:
             raise ValueError("normalize applies to a model with one input")
+        if self.normalize is not None and self.inputs[0].format is InputFormat.NHWC:
+            raise ValueError("normalize takes channels first (the sample's first dimension): format FORMAT_NHWC")
+        for t in self.outputs:
+            if t.format is not None:
+                raise ValueError(f"outputs: {t.name!r}: format applies to inputs")
         if self.execution.compile is Compile.INDUCTOR and (len(self.inputs) > 1 or len(self.outputs) > 1):
             raise ValueError("execution.compile 'inductor' takes models with one input and one output")
         if self.labels is not None and len(self.labels) != self.outputs[0].shape[-1]:
@@ -542,11 +605,12 @@ def model_names(root: Path) -> list[str]:
     return sorted(p.name for p in root.iterdir() if (p / MANIFEST).is_file() and _NAME_RE.fullmatch(p.name))
 
 
-def _describe(err: ValidationError) -> str:
+def describe(err: ValidationError) -> str:
+    """A manifest's validation errors on one line, each as ``field: problem``."""
     parts = []
     for e in err.errors():
         field = ".".join(str(x) for x in e["loc"]) or "(top level)"
-        parts.append(f"{field}: {e['msg']}")
+        parts.append(f"{field}: {e['msg'].removeprefix('Value error, ')}")
     return "; ".join(parts)
 
 
@@ -562,7 +626,7 @@ def load_manifest(model_dir: Path) -> Manifest:
     try:
         manifest = Manifest.model_validate(raw)
     except ValidationError as e:
-        raise StoreError(f"{path}: {_describe(e)}") from None
+        raise StoreError(f"{path}: {describe(e)}") from None
     if manifest.name != model_dir.name:
         raise StoreError(f"{path}: name: {manifest.name!r} does not match its folder {model_dir.name!r}")
     return manifest
@@ -657,12 +721,15 @@ def _hugging_face(where: Path, manifest: Manifest, version_dir: Path) -> nn.Modu
             f"{config_path}: {remote[0]}: the model asks for custom code (trust_remote_code), which is refused; "
             "serve it as a 'package.module:factory' architecture from --code-path instead"
         )
+    models.broken_torchvision()  # a torchvision that cannot import is hidden, so transformers goes on without it
     try:
         import transformers  # noqa: PLC0415
-    except ImportError:
+    except ModuleNotFoundError:
         raise StoreError(
             f"{where}: architecture: transformers is not installed (pip install 'halfserve[hf]')"
         ) from None
+    except Exception as e:  # installed, but it (or what it imports) fails
+        raise StoreError(f"{where}: architecture: transformers does not import: {type(e).__name__}: {e}") from None
     cls = getattr(transformers, auto_class, None)
     if cls is None or not hasattr(cls, "from_config"):
         raise StoreError(f"{where}: architecture: transformers has no auto class {auto_class!r} with from_config")
@@ -671,6 +738,8 @@ def _hugging_face(where: Path, manifest: Manifest, version_dir: Path) -> nn.Modu
         module = cls.from_config(config, **manifest.arch_kwargs)
     except (ValueError, TypeError, OSError, KeyError) as e:
         raise StoreError(f"{config_path}: {auto_class} cannot build this model: {e}") from None
+    except (ImportError, RuntimeError) as e:  # the model's code, imported lazily by transformers, fails to import
+        raise StoreError(f"{config_path}: {auto_class}: transformers cannot import this model's code: {e}") from None
     return models.check_module(module, manifest.architecture)
 
 

@@ -23,6 +23,11 @@ class TextError(ValueError):
     """A text the model cannot take (not UTF-8, too long, nothing to tokenize); the message names the field."""
 
 
+class TokenizerUnavailableError(TextError):
+    """The server cannot tokenize at all: the version's tokenizer file is missing or unreadable, or the library is not
+    installed. The server's problem, not the request's (a 503, as a missing checkpoint is)."""
+
+
 class Encoder:
     """One version's tokenizer, bound to the input it feeds (cheap to make: the tokenizer is read once, by
     :func:`encoder`)."""
@@ -70,11 +75,13 @@ def _tokenizer(path: Path, mtime: float) -> tuple[Any, threading.Lock]:
     try:
         from tokenizers import Tokenizer
     except ImportError:  # an optional extra: halfserve[hf]
-        raise TextError(f"{path}: text input needs the tokenizers library (pip install 'halfserve[hf]')") from None
+        raise TokenizerUnavailableError(
+            f"{path}: text input needs the tokenizers library (pip install 'halfserve[hf]')"
+        ) from None
     try:
         tokenizer = Tokenizer.from_file(str(path))
     except Exception as e:  # the Rust library raises its own exception type
-        raise TextError(f"{path}: cannot read the tokenizer ({e})") from None
+        raise TokenizerUnavailableError(f"{path}: cannot read the tokenizer ({e})") from None
     tokenizer.no_padding()
     tokenizer.no_truncation()
     return tokenizer, threading.Lock()
@@ -88,5 +95,5 @@ def encoder(store: Path, name: str, version: int, manifest: Manifest) -> Encoder
     try:
         mtime = path.stat().st_mtime
     except FileNotFoundError:
-        raise TextError(f"{path}: the model's tokenizer is missing") from None
+        raise TokenizerUnavailableError(f"{path}: the model's tokenizer is missing") from None
     return Encoder(*_tokenizer(path, mtime), manifest)

@@ -225,9 +225,12 @@ def checked_length(spec: TensorSpec, length: int, field: str) -> None:
 
 def encode_texts(texts: Sequence[bytes | str], field: str, served: ModelHandle, store: Path) -> dict[str, np.ndarray]:
     """A request's texts as the named inputs the model takes (token ids and each row's length), tokenized with the
-    version's tokenizer; a 400 naming ``field`` and the row for a text it cannot take."""
+    version's tokenizer; a 400 naming ``field`` and the row for a text it cannot take, a 503 when the server cannot
+    tokenize (its tokenizer file missing or unreadable)."""
     try:
         return text.encoder(store, served.name, served.version, served.manifest).encode(texts, field)
+    except text.TokenizerUnavailableError as e:  # the server's files, not the request: as a missing checkpoint
+        raise APIError(503, f"model {served.name!r} cannot take text now: {e}") from None
     except text.TextError as e:
         raise APIError(400, str(e)) from None
 

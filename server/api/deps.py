@@ -21,7 +21,7 @@ from starlette.responses import Response
 from server.api.errors import APIError, error_responses
 from server.api.limits import parse_json, raw_header, read_body
 from server.repository import ModelRepository, ServedModel
-from server.serving import AppState, ModelHandle, ModelService
+from server.serving import UNKNOWN_MODEL, AppState, ModelHandle, ModelService
 from server.settings import Settings
 
 
@@ -65,7 +65,9 @@ H = TypeVar("H", ModelHandle, ServedModel)
 def of_version(served: H, version: str | None) -> H:
     """``served`` when ``version`` (None or empty: any) is the version it serves, else a 404."""
     if version and version != str(served.version):
-        raise APIError(404, f"model {served.name!r} has no version {version!r} (it serves version {served.version})")
+        raise APIError(
+            404, f"{UNKNOWN_MODEL}{served.name!r} version {version} is not found (it serves version {served.version})"
+        )
     return served
 
 

@@ -192,25 +192,37 @@ class OutputRequest:
     span: Span | None = None
 
 
-def to_input_dtype(arr: np.ndarray, wire: WireType, spec: TensorSpec, fp16_weights: bool, field: str) -> np.ndarray:
-    """``arr`` (of datatype ``wire``) as the array the batcher takes for ``spec``; the rules are in the module's
-    docstring. A binary body's rows stay a read-only view of the body when their dtype is already the target's:
-    :meth:`~server.repository.ServedModel.submit` copies them for the engine, a front-end into its shared slot."""
+def wrong_datatype(field: str, spec: TensorSpec, wire: WireType, model: str) -> APIError:
+    """The 400 for data of datatype ``wire`` sent to ``spec``, in Triton's words, with the datatypes it does take."""
+    kind = spec.datatype.numpy.kind
+    takes = "BOOL only" if kind == "b" else "floating or integer data" if kind == "f" else "integer data"
+    return APIError(
+        400,
+        f"{field}: inference input {spec.name!r} data-type is {wire.value!r}, but model {model!r} expects "
+        f"{spec.datatype.value!r} (it takes {takes})",
+    )
+
+
+def to_input_dtype(
+    arr: np.ndarray, wire: WireType, spec: TensorSpec, fp16_weights: bool, field: str, model: str
+) -> np.ndarray:
+    """``arr`` (of datatype ``wire``) as the array the batcher takes for ``spec`` of ``model``; the rules are in the
+    module's docstring. A binary body's rows stay a read-only view of the body when their dtype is already the
+    target's: :meth:`~server.repository.ServedModel.submit` copies them for the engine, a front-end into its shared
+    slot."""
     target = spec.datatype.numpy
     if target.kind == "b" or wire is WireType.BOOL:
         if not (target.kind == "b" and wire is WireType.BOOL):
-            raise APIError(400, f"{field}: {wire.value} data cannot feed the {spec.datatype.value} input {spec.name!r}")
+            raise wrong_datatype(field, spec, wire, model)
         return arr
     if target.kind == "f":
         if not (wire.is_float or wire.is_integer):
-            raise APIError(400, f"{field}: {wire.value} data cannot feed the {spec.datatype.value} input {spec.name!r}")
+            raise wrong_datatype(field, spec, wire, model)
         if wire is WireType.FP16 and (target == np.float16 or fp16_weights):
             target = np.dtype(np.float16)
     else:
         if not wire.is_integer:
-            raise APIError(
-                400, f"{field}: the {spec.datatype.value} input {spec.name!r} takes integer datatypes, got {wire.value}"
-            )
+            raise wrong_datatype(field, spec, wire, model)
         check_range(arr, target, field)
     if arr.dtype == target:
         return arr
@@ -219,7 +231,7 @@ def to_input_dtype(arr: np.ndarray, wire: WireType, spec: TensorSpec, fp16_weigh
         return arr.astype(target, copy=False)
 
 
-def _input_shape(shape: object, spec: TensorSpec, field: str) -> list[int]:
+def _input_shape(shape: object, spec: TensorSpec, field: str, model: str) -> list[int]:
     if type(shape) is list and shape and type(shape[0]) is int and shape[0] >= 1 and shape[1:] == spec.shape:
         return shape  # the common case, checked first: it runs on every request
     if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) for d in shape):
@@ -231,10 +243,19 @@ def _input_shape(shape: object, spec: TensorSpec, field: str) -> list[int]:
         return shape
     if len(shape) != len(spec.shape) + 1 or shape[1:] != spec.shape:
         dims = ", ".join("L" if d == -1 else str(d) for d in spec.shape)
-        raise APIError(400, f"{field}: expected [N, {dims}] (batch first), got {shape}")
+        raise APIError(
+            400,
+            f"{field}: unexpected shape for input {spec.name!r} for model {model!r}. "
+            f"Expected {_dims([-1, *spec.shape])}, got {_dims(shape)}: send [N, {dims}] (batch first)",
+        )
     if shape[0] < 1:
         raise APIError(400, f"{field}: the batch dimension must be at least 1, got {shape[0]}")
     return shape
+
+
+def _dims(shape: list[int]) -> str:
+    """A shape as Triton writes one in its messages: ``[-1,3,224,224]``."""
+    return "[" + ",".join(str(d) for d in shape) + "]"
 
 
 def _params(obj: dict[str, Any], field: str) -> dict[str, Any]:
@@ -266,10 +287,13 @@ def _decode_input(
         raise APIError(400, f"{field}: expected an object, got {type(item).__name__}")
     spec = next((t for t in specs if t.name == item.get("name")), None)
     if spec is None:
-        takes = repr(specs[0].name) if len(specs) == 1 else str([t.name for t in specs])
-        raise APIError(400, f"{field}.name: unexpected input {item.get('name')!r}; the model takes {takes}")
+        raise APIError(
+            400,
+            f"{field}.name: unexpected inference input {item.get('name')!r} for model {served.name!r}; "
+            f"the model takes {_takes(specs, served.manifest)}",
+        )
     wire = wire_type(item.get("datatype"), f"{field}.datatype")
-    shape = _input_shape(item.get("shape"), spec, f"{field}.shape")
+    shape = _input_shape(item.get("shape"), spec, f"{field}.shape", served.name)
     if limits is not None:
         check_size(limits, served, shape[0], f"{field}.shape")
     params = _params(item, f"{field}.parameters")
@@ -306,13 +330,19 @@ def _checked_input(
     arr: np.ndarray, wire: WireType, spec: TensorSpec, served: ModelHandle, field: str, json: bool
 ) -> np.ndarray:
     """A decoded input entry as the batcher's array for ``spec``: converted to its dtype, checked to be finite."""
-    x = to_input_dtype(arr, wire, spec, served.precision is Precision.FP16, f"{field}.datatype")
+    x = to_input_dtype(arr, wire, spec, served.precision is Precision.FP16, f"{field}.datatype", served.name)
     check_finite(x, served, f"{field}.data" if json else f"{field} (binary data)")
     return x
 
 
+def unknown_output(field: str, got: object, model: str, names: list[str]) -> APIError:
+    """The 400 for an output the model does not have, in Triton's words, with those it has."""
+    has = repr(names[0]) if len(names) == 1 else str(names)
+    return APIError(400, f"{field}.name: unexpected inference output {got!r} for model {model!r}; the model has {has}")
+
+
 def _requested_output(
-    payload: dict[str, Any], default: bool, out_spec: TensorSpec, regions: RegionSource | None
+    payload: dict[str, Any], default: bool, out_spec: TensorSpec, regions: RegionSource | None, model: str
 ) -> tuple[bool, int, Span | None]:
     """How the output goes: as binary data or not (its own ``binary_data``, else the request's
     ``binary_data_output``), how many top classes to send instead of it (``classification``; 0 for none), and the
@@ -326,7 +356,7 @@ def _requested_output(
             field = f"outputs[{i}]"
             if not isinstance(item, dict) or item.get("name") != out_spec.name:
                 got = item.get("name") if isinstance(item, dict) else item
-                raise APIError(400, f"{field}.name: unknown output {got!r}; the model has {out_spec.name!r}")
+                raise unknown_output(field, got, model, [out_spec.name])
             params = _params(item, f"{field}.parameters")
             classes = count(params.get("classification", 0), f"{field}.parameters.classification", "a class count")
             binary = _flag(params, "binary_data", f"{field}.parameters", default)
@@ -343,7 +373,7 @@ def _requested_output(
 
 
 def _requested_outputs(
-    payload: dict[str, Any], default: bool, specs: list[TensorSpec], regions: RegionSource | None
+    payload: dict[str, Any], default: bool, specs: list[TensorSpec], regions: RegionSource | None, model: str
 ) -> dict[str, OutputRequest]:
     """For a model with several outputs: the outputs to return (those ``outputs`` names, else all), each as binary
     data or not (its own ``binary_data``, else the request's ``binary_data_output``), as its top classes
@@ -360,7 +390,7 @@ def _requested_outputs(
             field = f"outputs[{i}]"
             got = item.get("name") if isinstance(item, dict) else item
             if not isinstance(item, dict) or got not in names:
-                raise APIError(400, f"{field}.name: unknown output {got!r}; the model has {names}")
+                raise unknown_output(field, got, model, names)
             if got in wanted:
                 raise APIError(400, f"{field}.name: output {got!r} is requested twice")
             params = _params(item, f"{field}.parameters")
@@ -381,7 +411,13 @@ def _requested_outputs(
     return wanted
 
 
-def _takes(specs: list[TensorSpec]) -> str:
+def _takes(specs: list[TensorSpec], manifest: Manifest) -> str:
+    """The inputs a client sends, named: a text model's text input too, given instead of the one it feeds."""
+    if manifest.text is not None:
+        feeds = manifest.text.feeds
+        others = [t.name for t in specs if t.name != feeds]
+        text = f"text input {manifest.text.input!r} (BYTES, one text per row) or {feeds!r}"
+        return text + (f", with {others}" if others else "")
     return f"input {specs[0].name!r}" if len(specs) == 1 else f"inputs {[t.name for t in specs]}"
 
 
@@ -390,7 +426,16 @@ def check_input_count(given: int, served: ModelHandle, specs: list[TensorSpec] |
     the caller has them): checked before any is decoded."""
     specs = sent_inputs(served.manifest) if specs is None else specs
     if given > len(specs) + (served.manifest.text is not None):
-        raise APIError(400, f"inputs: {given} given; the model takes {len(specs)}: {_takes(specs)}")
+        raise APIError(
+            400,
+            f"inputs: expected {len(specs)} inputs but got {given} inputs for model {served.name!r}; "
+            f"the model takes {_takes(specs, served.manifest)}",
+        )
+
+
+def _names(names: list[str]) -> str:
+    """Names as Triton lists them in its messages: ``['INPUT0','INPUT1']``."""
+    return "[" + ",".join(f"'{n}'" for n in names) + "]"
 
 
 def parse_request(
@@ -414,7 +459,7 @@ def parse_request(
     timeout = count(params.get("timeout", 0), "parameters.timeout", "non-negative microseconds")
     inputs = payload.get("inputs")
     if not isinstance(inputs, list) or not inputs:
-        raise APIError(400, f"inputs: expected a non-empty list; the model takes {_takes(specs)}")
+        raise APIError(400, f"inputs: expected a non-empty list; the model takes {_takes(specs, served.manifest)}")
     check_input_count(len(inputs), served, specs)
     text = served.manifest.text
     tensors: dict[str, np.ndarray] = {}
@@ -443,7 +488,14 @@ def parse_request(
         declared += size
     missing = [t.name for t in specs if t.name not in tensors]
     if missing:
-        raise APIError(400, f"inputs: input {missing[0]!r} is missing; the model takes {_takes(specs)}")
+        got = [t.name for t in specs if t.name in tensors]
+        if text is not None and text.feeds in tensors and any(i.get("name") == text.input for i in inputs):
+            got = [text.input if n == text.feeds else n for n in got]
+        raise APIError(
+            400,
+            f"inputs: expected {len(specs)} inputs but got {len(got)} inputs for model {served.name!r}. Got input(s) "
+            f"{_names(got)}, but missing required input(s) {_names(missing)}. Please provide all required input(s).",
+        )
     if binary is not None and len(binary) != declared:
         raise APIError(
             400,
@@ -452,14 +504,14 @@ def parse_request(
         )
     rows = len(next(iter(tensors.values())))
     if len(served.manifest.outputs) > 1:
-        wanted = _requested_outputs(payload, binary_output, served.manifest.outputs, regions)
+        wanted = _requested_outputs(payload, binary_output, served.manifest.outputs, regions, served.name)
         for spec in served.manifest.outputs:
             out = wanted.get(spec.name)
             if out is not None and out.span is not None:
                 _check_room(out.span, spec, rows)
         return Inference(tensors, request_id, binary_output, timeout, outputs=wanted)
     out_spec = served.manifest.outputs[0]
-    binary_output, classes, region = _requested_output(payload, binary_output, out_spec, regions)
+    binary_output, classes, region = _requested_output(payload, binary_output, out_spec, regions, served.name)
     if region is not None:
         _check_room(region, out_spec, rows)  # checked before the forward: the output's size is known from the rows
     return Inference(tensors, request_id, binary_output, timeout, classes, region)
@@ -682,7 +734,7 @@ def parse_raw(binary: memoryview, served: ModelHandle, limits: Settings | None =
         check_size(limits, served, shape[0], "body")
     arr = decode_binary(binary, wire, shape, "body")
     fp16_weights = served.precision is Precision.FP16
-    x = to_input_dtype(arr, wire, spec, fp16_weights, "body")
+    x = to_input_dtype(arr, wire, spec, fp16_weights, "body", served.name)
     check_finite(x, served, "body")
     return Inference({spec.name: x}, None, True)
 

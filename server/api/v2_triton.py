@@ -19,7 +19,7 @@ from server.api.v2 import PLATFORM
 from server.batching import BatchStats
 from server.repository import ServedModel
 from server.serving import check_ready
-from server.store import TensorSpec, sent_inputs
+from server.store import InputFormat, Manifest, TensorSpec, sent_inputs
 
 router = APIRouter()
 
@@ -43,6 +43,17 @@ _STATS_RESPONSES: Responses = {
 
 def _tensor_config(spec: TensorSpec) -> dict[str, object]:
     return {"name": spec.name, "data_type": f"TYPE_{spec.datatype.value}", "dims": list(spec.shape)}
+
+
+def input_configs(manifest: Manifest) -> list[dict[str, object]]:
+    """The inputs clients send as Triton's ``ModelInput``: each with its ``format`` (Triton's image clients lay out
+    the pixels they send by it), and the text input a text model takes (``TYPE_STRING``, one text per row), as the
+    metadata lists it."""
+    configs = [{**_tensor_config(s), "format": s.image_format.value} for s in sent_inputs(manifest)]
+    if manifest.text is not None:
+        text = {"name": manifest.text.input, "data_type": "TYPE_STRING", "dims": [1]}
+        configs.append({**text, "format": InputFormat.NONE.value})
+    return configs
 
 
 def model_config(served: ServedModel, device_type: str, device_index: int | None) -> dict[str, object]:
@@ -75,7 +86,7 @@ def model_config(served: ServedModel, device_type: str, device_index: int | None
         "backend": BACKEND,
         "version_policy": {"specific": {"versions": [served.version]}},
         "max_batch_size": b.max_batch_size,
-        "input": [_tensor_config(s) for s in sent_inputs(served.manifest)],
+        "input": input_configs(served.manifest),
         "output": [_tensor_config(s) for s in served.manifest.outputs],
         "dynamic_batching": dynamic_batching,
         "instance_group": [instance],

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.util
 import re
 import sys
 from collections.abc import Callable, Iterable
@@ -25,6 +26,7 @@ from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any, TypeVar
 
+import torch
 from torch import nn
 
 ModelFactory = Callable[..., nn.Module]
@@ -104,18 +106,58 @@ def _imported(module_name: str, attribute: str, name: str) -> Any:
     return _attribute(module, attribute, f"architecture {name!r}")
 
 
+PYTORCH_WHEELS = "https://download.pytorch.org/whl"
+
+
+def torchvision_install() -> str:
+    """The command that installs the torchvision built for this torch, with this torch, from PyTorch's own wheel
+    index: PyPI's Linux torchvision is built against the CUDA torch, so beside a CPU-only torch its operators do not
+    load (``operator torchvision::nms does not exist``)."""
+    release = torch.__version__.split("+")[0]
+    major, minor, patch = (release.split(".") + ["0", "0"])[:3]
+    # torchvision 0.N pairs with torch 2.(N - 15), the same patch release (0.28.0 with 2.13.0) since torch 2.0.
+    vision = f"0.{int(minor) + 15}.{patch}" if major == "2" and minor.isdigit() else "<the release for this torch>"
+    index = "cpu" if torch.version.cuda is None else "cu" + torch.version.cuda.replace(".", "")
+    return f"pip install torch=={release} torchvision=={vision} --index-url {PYTORCH_WHEELS}/{index}"
+
+
+@functools.cache
+def broken_torchvision() -> str | None:
+    """Why the installed torchvision does not import (a build for another torch); None when it imports or is not
+    installed. A broken one is then hidden from this process (``None`` in ``sys.modules``: ``find_spec`` and
+    ``import`` both find nothing), so the libraries that use torchvision only where present (transformers' image
+    utilities, imported by every model's code) go on without it instead of failing on its import."""
+    if "torchvision" in sys.modules or importlib.util.find_spec("torchvision") is None:
+        return None
+    try:
+        import torchvision  # noqa: F401
+    except Exception as e:  # its C++ operators do not load: a RuntimeError, not an ImportError
+        for module in [m for m in sys.modules if m == "torchvision" or m.startswith("torchvision.")]:
+            del sys.modules[module]
+        sys.modules["torchvision"] = None  # type: ignore[assignment]
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
 def _torchvision(builder: str, name: str) -> ModelFactory:
+    broken = broken_torchvision()
+    if broken is not None:
+        raise UnknownArchitectureError(
+            f"architecture {name!r}: torchvision is installed but does not import with this torch "
+            f"({torch.__version__}: {broken}); install both from PyTorch's wheel index: {torchvision_install()}"
+        )
     try:
         # An optional extra, imported where asked for.
         import torchvision.models
     except ImportError as e:
         raise UnknownArchitectureError(
-            f"architecture {name!r}: torchvision is not installed (pip install 'halfserve[vision]')"
-            + ("" if isinstance(e, ModuleNotFoundError) else f": {e}")
+            f"architecture {name!r}: torchvision is not installed; install it with this torch from PyTorch's wheel "
+            f"index: {torchvision_install()}" + ("" if isinstance(e, ModuleNotFoundError) else f" ({e})")
         ) from None
-    except Exception as e:  # a torchvision built for another torch (its C++ operators do not load)
+    except Exception as e:  # a torchvision built for another torch, found broken by another way in
         raise UnknownArchitectureError(
-            f"architecture {name!r}: torchvision does not import with this torch: {type(e).__name__}: {e}"
+            f"architecture {name!r}: torchvision does not import with this torch: {type(e).__name__}: {e}; "
+            f"install both from PyTorch's wheel index: {torchvision_install()}"
         ) from None
     try:
         factory = torchvision.models.get_model_builder(builder)

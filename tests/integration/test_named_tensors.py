@@ -223,7 +223,8 @@ async def test_concurrent_requests_batch_and_each_gets_its_own_rows(tmp_path: Pa
         (
             "missing input",
             {"inputs": [{"name": "INPUT0", "datatype": "INT32", "shape": [1, 16], "data": [1] * 16}]},
-            "input 'INPUT1' is missing",
+            "inputs: expected 2 inputs but got 1 inputs for model 'simple'. Got input(s) ['INPUT0'], but missing "
+            "required input(s) ['INPUT1']. Please provide all required input(s).",
         ),
         (
             "rows differ",
@@ -238,7 +239,8 @@ async def test_concurrent_requests_batch_and_each_gets_its_own_rows(tmp_path: Pa
         (
             "unknown input",
             {"inputs": [{"name": "INPUT9", "datatype": "INT32", "shape": [1, 16], "data": [1] * 16}]},
-            "unexpected input 'INPUT9'",
+            "inputs[0].name: unexpected inference input 'INPUT9' for model 'simple'; the model takes inputs "
+            "['INPUT0', 'INPUT1']",
         ),
         (
             "twice",
@@ -253,9 +255,13 @@ async def test_concurrent_requests_batch_and_each_gets_its_own_rows(tmp_path: Pa
                     {"name": "INPUT1", "datatype": "INT32", "shape": [1, 16], "data": [1] * 16},
                 ]
             },
-            "takes integer datatypes",
+            "inputs[0].datatype: inference input 'INPUT0' data-type is 'FP32', but model 'simple' expects 'INT32'",
         ),
-        ("unknown output", {**v2_json(*pair(1)), "outputs": [{"name": "OUTPUT7"}]}, "unknown output 'OUTPUT7'"),
+        (
+            "unknown output",
+            {**v2_json(*pair(1)), "outputs": [{"name": "OUTPUT7"}]},
+            "unexpected inference output 'OUTPUT7' for model 'simple'",
+        ),
     ],
 )
 async def test_v2_refusals_name_the_input(tmp_path: Path, what: str, body: dict[str, object], message: str) -> None:
@@ -366,7 +372,7 @@ async def test_a_request_with_thousands_of_input_entries_is_refused_before_any_i
     async with serving(Settings(store=save_simple(tmp_path))) as client:
         r = await client.post(INFER, json={"inputs": [entry] * 5000})
         assert r.status_code == 400, r.text
-        assert "inputs: 5000 given; the model takes 2" in r.json()["error"]
+        assert "inputs: expected 2 inputs but got 5000 inputs for model 'simple'" in r.json()["error"]
         r = await client.post("/predict", json={"inputs": {f"X{i}": [[1]] for i in range(5000)}})
         assert r.status_code == 400, r.text
         assert "unexpected input" in r.json()["error"]

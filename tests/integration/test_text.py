@@ -83,6 +83,11 @@ async def test_texts_over_predict_are_answered_as_if_each_came_alone(tmp_path: P
         assert len(together.json()["labels"]) == 2
         meta = (await client.get("/v2/models/texty")).json()
         assert {"name": "text", "datatype": "BYTES", "shape": [-1, 1]} in meta["inputs"]
+        config = (await client.get("/v2/models/texty/config")).json()
+        assert [(i["name"], i["data_type"], i["dims"]) for i in config["input"]] == [
+            ("tokens", "TYPE_INT64", [-1]),
+            ("text", "TYPE_STRING", [1]),
+        ]  # the inputs a client sends, as the metadata lists them (the mask is built by the server)
 
 
 async def test_v2_bytes_as_json_and_as_binary_give_the_same_answer(tmp_path: Path) -> None:
@@ -151,3 +156,25 @@ async def test_a_missing_tokenizer_fails_the_models_load_not_its_requests(tmp_pa
             await asyncio.sleep(0.05)
         assert repo.models["texty"].state.value == "failed"
         assert "cannot read the tokenizer" in repo.models["texty"].error
+
+
+async def test_a_wrong_input_name_lists_the_text_input(tmp_path: Path) -> None:
+    async with serving(Settings(store=save_texty(tmp_path), precision="fp32")) as client:
+        body = {"inputs": [{"name": "sentence", "datatype": "BYTES", "shape": [1, 1], "data": ["a short text"]}]}
+        r = await client.post(INFER, json=body)
+        assert r.status_code == 400, r.text
+        assert r.json()["error"] == (
+            "inputs[0].name: unexpected inference input 'sentence' for model 'texty'; the model takes text input "
+            "'text' (BYTES, one text per row) or 'tokens'"
+        )
+
+
+async def test_a_tokenizer_gone_after_load_is_the_servers_problem_not_the_requests(tmp_path: Path) -> None:
+    async with serving(Settings(store=save_texty(tmp_path), precision="fp32")) as client:
+        assert (await client.post("/predict", json={"inputs": ["a short text"]})).status_code == 200
+        (tmp_path / "texty" / "1" / "tokenizer.json").unlink()
+        body = {"inputs": [{"name": "text", "datatype": "BYTES", "shape": [1, 1], "data": ["a short text"]}]}
+        for r in (await client.post(INFER, json=body), await client.post("/predict", json={"inputs": ["a text"]})):
+            assert r.status_code == 503, r.text  # as a missing checkpoint: the server's files, not the client's text
+            assert "model 'texty' cannot take text now" in r.json()["error"]
+            assert "tokenizer.json: the model's tokenizer is missing" in r.json()["error"]

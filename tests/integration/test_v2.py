@@ -127,7 +127,8 @@ async def test_model_metadata_config_and_readiness(tiny_store: Path) -> None:
     assert config["name"] == "tiny"
     assert (config["platform"], config["backend"]) == ("pytorch_libtorch", "pytorch")
     assert config["max_batch_size"] == 8
-    assert config["input"] == [{"name": "features", "data_type": "TYPE_FP32", "dims": [16]}]
+    # As Triton's JSON config: every input's format, FORMAT_NONE for one that is not an image.
+    assert config["input"] == [{"name": "features", "data_type": "TYPE_FP32", "dims": [16], "format": "FORMAT_NONE"}]
     assert config["output"] == [{"name": "logits", "data_type": "TYPE_FP32", "dims": [4]}]
     assert config["dynamic_batching"] == {"max_queue_delay_microseconds": 3000}
     assert config["instance_group"][0]["kind"] == "KIND_CPU"
@@ -136,8 +137,12 @@ async def test_model_metadata_config_and_readiness(tiny_store: Path) -> None:
     for what, r in missing.items():
         assert r.status_code == 404, (what, r.text)
         assert "error" in r.json()
-    assert "unknown model 'nope'" in missing["/v2/models/nope"].json()["error"]
-    assert "no version '2'" in missing["/v2/models/tiny/versions/2"].json()["error"]
+    # Triton's words, which its clients test for (an unknown model's error starts with them), then what is served.
+    assert missing["/v2/models/nope"].json()["error"] == "Request for unknown model: 'nope' is not found (served: tiny)"
+    assert missing["infer nope"].json()["error"].startswith("Request for unknown model: 'nope' is not found")
+    for what in ("/v2/models/tiny/versions/2", "/v2/models/tiny/versions/2/config", "infer v2"):
+        error = missing[what].json()["error"]
+        assert error == "Request for unknown model: 'tiny' version 2 is not found (it serves version 1)", what
 
 
 async def test_json_and_binary_inference_equal_predict(tiny_store: Path) -> None:
@@ -416,21 +421,23 @@ async def test_kept_headers_are_bounded_and_long_ones_are_not_kept(
 def test_input_dtype_rules() -> None:
     spec = TensorSpec(name="features", shape=[2])
     half = np.ones((1, 2), np.float16)
-    assert to_input_dtype(half, WireType.FP16, spec, fp16_weights=True, field="x").dtype == np.float16
-    assert to_input_dtype(half, WireType.FP16, spec, fp16_weights=False, field="x").dtype == np.float32
+    assert to_input_dtype(half, WireType.FP16, spec, fp16_weights=True, field="x", model="m").dtype == np.float16
+    assert to_input_dtype(half, WireType.FP16, spec, fp16_weights=False, field="x", model="m").dtype == np.float32
     for wire, arr in [(WireType.INT64, np.ones((1, 2), np.int64)), (WireType.FP64, np.ones((1, 2)))]:
-        assert to_input_dtype(arr, wire, spec, fp16_weights=False, field="x").dtype == np.float32
+        assert to_input_dtype(arr, wire, spec, fp16_weights=False, field="x", model="m").dtype == np.float32
     readonly = np.frombuffer(np.ones(2, np.float32).tobytes(), np.float32).reshape(1, 2)
     # No copy of a body's rows already in the target dtype: ServedModel.submit copies them for the engine.
-    assert to_input_dtype(readonly, WireType.FP32, spec, fp16_weights=False, field="x") is readonly
+    assert to_input_dtype(readonly, WireType.FP32, spec, fp16_weights=False, field="x", model="m") is readonly
     ids = TensorSpec(name="ids", datatype=DataType.INT32, shape=[2])
-    assert to_input_dtype(np.ones((1, 2), np.int64), WireType.INT64, ids, False, "x").dtype == np.int32
-    with pytest.raises(APIError, match="takes integer datatypes"):
-        to_input_dtype(np.ones((1, 2), np.float32), WireType.FP32, ids, False, "x")
+    assert to_input_dtype(np.ones((1, 2), np.int64), WireType.INT64, ids, False, "x", "m").dtype == np.int32
+    with pytest.raises(APIError, match="x: inference input 'ids' data-type is 'FP32', but model 'm' expects 'INT32'"):
+        to_input_dtype(np.ones((1, 2), np.float32), WireType.FP32, ids, False, "x", "m")
     with pytest.raises(APIError, match="do not fit int32"):
-        to_input_dtype(np.full((1, 2), 2**40, np.int64), WireType.INT64, ids, False, "x")
-    with pytest.raises(APIError, match="BOOL data cannot feed"):
-        to_input_dtype(np.ones((1, 2), np.bool_), WireType.BOOL, spec, False, "x")
+        to_input_dtype(np.full((1, 2), 2**40, np.int64), WireType.INT64, ids, False, "x", "m")
+    with pytest.raises(
+        APIError, match="data-type is 'BOOL', but model 'm' expects 'FP32' .it takes floating or integer"
+    ):
+        to_input_dtype(np.ones((1, 2), np.bool_), WireType.BOOL, spec, False, "x", "m")
 
 
 async def test_raw_binary_body(tiny_store: Path) -> None:
@@ -479,16 +486,46 @@ BAD_REQUESTS: list[tuple[str, bytes, dict[str, str], int, str]] = [
     ("string tensor", orjson.dumps(_input(datatype="BYTES", data=["a"] * 16)), {}, 400, "not served"),
     ("data shorter than shape", orjson.dumps(_input(data=JSON_ROW[:8])), {}, 400, "8 values, but shape [1, 16]"),
     ("nested unlike shape", orjson.dumps(_input(data=[JSON_ROW[:8], JSON_ROW[8:]])), {}, 400, "nested as [2, 8]"),
-    ("per-sample shape", orjson.dumps(_input(shape=[1, 15], data=JSON_ROW[:15])), {}, 400, "expected [N, 16]"),
-    ("no batch dimension", orjson.dumps(_input(shape=[16], data=JSON_ROW)), {}, 400, "(batch first), got [16]"),
+    (
+        "per-sample shape",
+        orjson.dumps(_input(shape=[1, 15], data=JSON_ROW[:15])),
+        {},
+        400,
+        "inputs[0].shape: unexpected shape for input 'features' for model 'tiny'. Expected [-1,16], got [1,15]",
+    ),
+    ("no batch dimension", orjson.dumps(_input(shape=[16], data=JSON_ROW)), {}, 400, "Expected [-1,16], got [16]"),
     ("zero rows", orjson.dumps(_input(shape=[0, 16], data=[])), {}, 400, "at least 1"),
-    ("empty shape", orjson.dumps(_input(shape=[], data=JSON_ROW)), {}, 400, "expected [N, 16] (batch first), got []"),
+    (
+        "empty shape",
+        orjson.dumps(_input(shape=[], data=JSON_ROW)),
+        {},
+        400,
+        "Expected [-1,16], got []: send [N, 16] (batch first)",
+    ),
     ("shape of floats", orjson.dumps(_input(shape=[1.0, 16], data=JSON_ROW)), {}, 400, "a list of integers"),
     ("no inputs", orjson.dumps({"inputs": []}), {}, 400, "takes input 'features'"),
-    ("two inputs", orjson.dumps({"inputs": _input(data=JSON_ROW)["inputs"] * 2}), {}, 400, "2 given; the model"),
-    ("BOOL input", orjson.dumps(_input(datatype="BOOL", data=[True] * 16)), {}, 400, "BOOL data cannot feed"),
+    (
+        "two inputs",
+        orjson.dumps({"inputs": _input(data=JSON_ROW)["inputs"] * 2}),
+        {},
+        400,
+        "expected 1 inputs but got 2 inputs for model 'tiny'",
+    ),
+    (
+        "BOOL input",
+        orjson.dumps(_input(datatype="BOOL", data=[True] * 16)),
+        {},
+        400,
+        "data-type is 'BOOL', but model 'tiny' expects 'FP32'",
+    ),
     ("inputs missing", orjson.dumps({"id": "x"}), {}, 400, "inputs: expected a non-empty list"),
-    ("wrong input name", orjson.dumps(_input(name="pixels", data=JSON_ROW)), {}, 400, "unexpected input 'pixels'"),
+    (
+        "wrong input name",
+        orjson.dumps(_input(name="pixels", data=JSON_ROW)),
+        {},
+        400,
+        "unexpected inference input 'pixels' for model 'tiny'",
+    ),
     ("no data", orjson.dumps(_input()), {}, 400, "no tensor data"),
     ("JSON FP16", orjson.dumps(_input(datatype="FP16", data=JSON_ROW)), {}, 400, "FP16 data cannot travel as JSON"),
     ("JSON BF16", orjson.dumps(_input(datatype="BF16", data=JSON_ROW)), {}, 400, "BF16 data cannot travel as JSON"),
@@ -637,8 +674,11 @@ async def test_unload_and_load_round_trip(tmp_path: Path) -> None:
         unversioned = await client.post(INFER, json=json_request(x))
         versioned = await client.post("/v2/models/tiny/versions/1/infer", json=json_request(x))
         assert unversioned.status_code == 404, unversioned.text  # as Triton: no available versions
-        assert "has no available versions (unloaded)" in unversioned.json()["error"]
+        assert unversioned.json()["error"] == "Request for unknown model: 'tiny' has no available versions (unloaded)"
         assert versioned.status_code == 503, versioned.text  # as Triton: that version is not ready
+        assert (
+            versioned.json()["error"] == "Request for unknown model: 'tiny' version 1 is not at ready state (unloaded)"
+        )
         assert (await client.get("/v2/models/tiny/stats")).status_code == 404
         assert (await client.get("/v2/models/stats")).json() == {"model_stats": []}
 

@@ -177,7 +177,7 @@ async def test_lengths_are_grouped_into_buckets_when_asked(tmp_path: Path) -> No
     [
         ("too long", v2(tokens(MAX + 1, seed=0)), f"'tokens': length {MAX + 1} is longer than its max_length {MAX}"),
         ("mask sent", {"inputs": [{"name": "mask", "datatype": "INT64", "shape": [1, 2], "data": [1, 1]}]},
-         "unexpected input 'mask'"),
+         "unexpected inference input 'mask'"),
         ("length zero", {"inputs": [{"name": "tokens", "datatype": "INT64", "shape": [1, 0], "data": []}]},
          "must be at least 1"),
     ],

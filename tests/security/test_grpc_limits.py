@@ -93,7 +93,7 @@ def test_thousands_of_input_entries_are_refused_at_once(address: str) -> None:
     start = time.monotonic()
     e = refused(lambda: stub(address)(request, timeout=10))
     assert e.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "inputs: 2500 given; the model takes 1" in str(e.details())
+    assert "inputs: expected 1 inputs but got 2500 inputs for model 'tiny'" in str(e.details())
     assert time.monotonic() - start < 5
     one_row(address)
 
@@ -176,7 +176,7 @@ def test_a_stream_of_a_thousand_bad_requests_is_answered_and_serving_goes_on(add
         start = time.monotonic()
         answers = list(stream(iter([bad] * 1000), timeout=60))
     assert len(answers) == 1000
-    assert all("inputs[0].shape: expected [N, 16]" in a.error_message for a in answers)
+    assert all("inputs[0].shape: unexpected shape for input 'features'" in a.error_message for a in answers)
     assert time.monotonic() - start < 30
     one_row(address)
 

@@ -4,6 +4,8 @@ Hugging Face folders; every failure named with the manifest's file and field."""
 from __future__ import annotations
 
 import importlib
+import os
+import subprocess
 import sys
 import textwrap
 from collections.abc import Iterator
@@ -21,6 +23,8 @@ from server.precision import Precision
 from server.repository import ModelRepository
 from server.settings import Settings
 from server.store import Manifest, StoreError, TensorSpec
+
+ROOT = Path(__file__).resolve().parents[2]
 
 CPU = torch.device("cpu")
 
@@ -191,3 +195,56 @@ def test_torchvision_builders_build_with_random_weights() -> None:
     assert module.fc.out_features == 10
     with pytest.raises(models.UnknownArchitectureError, match="no model builder 'resnet_nope'"):
         models.resolve("torchvision:resnet_nope")
+
+
+def test_the_torchvision_install_command_pairs_it_with_this_torch() -> None:
+    release = torch.__version__.split("+")[0]
+    minor = int(release.split(".")[1])
+    command = models.torchvision_install()
+    assert command.startswith(f"pip install torch=={release} torchvision==0.{minor + 15}.")
+    index = "cpu" if torch.version.cuda is None else "cu" + torch.version.cuda.replace(".", "")
+    assert command.endswith(f" --index-url https://download.pytorch.org/whl/{index}")
+
+
+def broken_torchvision(folder: Path) -> dict[str, str]:
+    """An installed torchvision whose import fails as PyPI's Linux wheel does beside a CPU-only torch (its C++
+    operators are built for the CUDA torch): a package and its metadata on the path of the processes run with the
+    environment returned."""
+    (folder / "torchvision").mkdir(parents=True)
+    (folder / "torchvision" / "__init__.py").write_text(
+        'raise RuntimeError("operator torchvision::nms does not exist")\n'
+    )
+    (folder / "torchvision-0.28.0.dist-info").mkdir()
+    (folder / "torchvision-0.28.0.dist-info" / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: torchvision\nVersion: 0.28.0\n"
+    )
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(folder), str(ROOT)])}
+
+
+def test_a_broken_torchvision_fails_its_architectures_in_one_line_and_hugging_face_models_still_import(
+    tmp_path: Path,
+) -> None:
+    pytest.importorskip("transformers")
+    env = broken_torchvision(tmp_path / "site")
+    torch.save(models.build("small_cnn", in_channels=3).state_dict(), tmp_path / "cnn.pth")
+
+    def halfserve(*args: str) -> subprocess.CompletedProcess[str]:
+        cmd = [sys.executable, "-m", "server", "import", *args, "--store", str(tmp_path / "store"), "--samples", "4"]
+        return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, check=False)
+
+    vision = halfserve(str(tmp_path / "cnn.pth"), "--name", "r", "--architecture", "torchvision:resnet18",
+                       "--input", "image:FP32:3x32x32")  # fmt: skip
+    assert vision.returncode == 2, vision.stderr
+    (line,) = vision.stderr.splitlines()
+    assert "torchvision is installed but does not import with this torch" in line
+    assert "operator torchvision::nms does not exist" in line
+    assert line.endswith(models.torchvision_install())
+    assert "config.json" not in line  # no manifest is named: none is written yet
+    folder = tmp_path / "tiny_bert"
+    done = subprocess.run([sys.executable, str(ROOT / "examples" / "hf_classifier" / "make_model.py"), str(folder)],
+                          capture_output=True, text=True, timeout=300, check=False)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    text = halfserve(str(folder), "--name", "tb", "--architecture", "transformers:AutoModelForSequenceClassification",
+                     "--input", "input_ids:INT64:16")  # fmt: skip
+    assert text.returncode == 0, text.stderr
+    assert "outputs logits FP32 [3]" in text.stdout

@@ -12,8 +12,15 @@ from safetensors.torch import save_file
 from torch import nn
 
 from server import cli, fidelity, models, store
-from server.importer import ImportFailure, derive_outputs, import_model, parse_tensor, read_state_dict
-from server.store import DataType, TensorSpec
+from server.importer import (
+    ImportFailure,
+    derive_outputs,
+    import_model,
+    parse_tensor,
+    read_state_dict,
+    with_format,
+)
+from server.store import DataType, InputFormat, Manifest, TensorSpec
 
 MLP = {"in_features": 6, "hidden": [8], "out_features": 4}
 FEATURES = [TensorSpec(name="features", shape=[6])]
@@ -128,7 +135,7 @@ def test_bad_tensor_options_are_named(text: str) -> None:
 
 
 def test_a_folder_needs_a_hugging_face_architecture_and_a_file_needs_another(tmp_path: Path) -> None:
-    with pytest.raises(ImportFailure, match="imports from a .pt, .pth or .safetensors file"):
+    with pytest.raises(ImportFailure, match="for a state dict, give its .pt, .pth or .safetensors file"):
         import_model(tmp_path, tmp_path / "store", "net", "mlp", FEATURES, arch_kwargs=MLP)
     (tmp_path / "w.pth").write_bytes(b"")
     with pytest.raises(ImportFailure, match="imports from a Hugging Face model folder"):
@@ -148,3 +155,90 @@ def test_variable_inputs_need_a_max_length_and_get_their_mask() -> None:
         ("input_ids", [-1], 64, None),
         ("attention_mask", [-1], None, "input_ids"),
     ]
+
+
+@pytest.mark.parametrize(
+    ("shape", "datatype", "want"),
+    [
+        ([3, 224, 224], DataType.FP32, InputFormat.NCHW),
+        ([1, 28, 28], DataType.FP32, InputFormat.NCHW),
+        ([224, 224, 3], DataType.UINT8, InputFormat.NHWC),
+        ([3, 8, 3], DataType.FP32, InputFormat.NONE),  # either way round
+        ([5, 8, 8], DataType.FP32, InputFormat.NONE),  # no image's channel count
+        ([3, 8, 8], DataType.INT64, InputFormat.NONE),  # token ids, not pixels
+        ([3, 224], DataType.FP32, InputFormat.NONE),
+        ([64], DataType.FP32, InputFormat.NONE),
+    ],
+)
+def test_an_image_inputs_format_is_derived_only_where_its_shape_shows_it(
+    shape: list[int], datatype: DataType, want: InputFormat
+) -> None:
+    assert TensorSpec(name="x", datatype=datatype, shape=shape).image_format is want
+    declared = TensorSpec(name="x", shape=[3, 8, 3], format=InputFormat.NHWC)
+    assert declared.image_format is InputFormat.NHWC
+    assert declared.model_dump()["format"] == "FORMAT_NHWC"
+    assert "format" not in TensorSpec(name="x", shape=shape).model_dump()  # unset, the manifest reads as before
+
+
+def test_a_format_fits_an_image_input_only() -> None:
+    with pytest.raises(ValueError, match=r"format FORMAT_NCHW needs three fixed per-sample dimensions.*\[16\]"):
+        TensorSpec(name="x", shape=[16], format=InputFormat.NCHW)
+    image = TensorSpec(name="image", shape=[3, 8, 8], format=InputFormat.NHWC)
+    out = TensorSpec(name="y", shape=[4])
+    with pytest.raises(ValueError, match="normalize takes channels first"):
+        Manifest(name="m", architecture="mlp", inputs=[image], outputs=[out], normalize={"mean": [0.5] * 3})
+    with pytest.raises(ValueError, match="format applies to inputs"):
+        Manifest(name="m", architecture="mlp", inputs=[image], outputs=[image.model_copy(update={"name": "y"})])
+
+
+def test_the_input_format_option_sets_the_image_inputs_layout() -> None:
+    image, features = parse_tensor("image:FP32:3x8x3", "--input"), FEATURES[0]
+    assert [t.format for t in with_format([image, features], "nhwc")] == [InputFormat.NHWC, None]
+    assert with_format([image], "FORMAT_NCHW")[0].format is InputFormat.NCHW
+    with pytest.raises(ImportFailure, match="--input-format: 'CHW' is not an input format; expected NCHW, NHWC or"):
+        with_format([image], "CHW")
+    with pytest.raises(ImportFailure, match=r"--input-format: no input has three fixed dimensions.*features \[6\]"):
+        with_format(FEATURES, "NCHW")
+
+
+@pytest.mark.parametrize("architecture", ["bert", "BertForSequenceClassification", "mlp", "torchvision:resnet18"])
+def test_a_hugging_face_folder_with_another_architecture_is_told_which_to_use(
+    tmp_path: Path, architecture: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    folder = tmp_path / "bert"
+    folder.mkdir()
+    (folder / "config.json").write_text('{"architectures": ["BertForSequenceClassification"], "model_type": "bert"}')
+    args = ["import", str(folder), "--store", str(tmp_path / "s"), "--name", "n", "--architecture", architecture]
+    assert cli.main([*args, "--input", "input_ids:INT64:16"]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert f"--architecture {architecture!r} cannot build a Hugging Face model folder" in line
+    assert "use --architecture transformers:AutoModelForSequenceClassification" in line
+    assert "An architecture is 'transformers:<AutoClass>' for such a folder" in line
+    assert not (tmp_path / "s").exists()
+
+
+@pytest.mark.parametrize(
+    ("architecture", "message"),
+    [
+        ("bert", "manifest: architecture: unknown architecture 'bert'; expected a registered name ("),
+        ("no such thing", "manifest: architecture: 'no such thing' is not an architecture; expected a registered"),
+    ],
+)
+def test_an_unknown_architecture_is_one_line(
+    tmp_path: Path, architecture: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    torch.save(mlp().state_dict(), tmp_path / "w.pth")
+    args = ["import", str(tmp_path / "w.pth"), "--store", str(tmp_path / "s"), "--name", "n"]
+    assert cli.main([*args, "--architecture", architecture, "--input", "features:FP32:6"]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"halfserve import: {message}")
+    assert "transformers:<AutoClass>" in line
+    assert "pydantic" not in line
+
+
+def test_a_bad_tensor_name_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    torch.save(mlp().state_dict(), tmp_path / "w.pth")
+    args = ["import", str(tmp_path / "w.pth"), "--store", str(tmp_path / "s"), "--name", "n", "--architecture", "mlp"]
+    assert cli.main([*args, "--input", "9features:FP32:6"]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("halfserve import: --input '9features:FP32:6': name: String should match pattern")
