@@ -179,6 +179,8 @@ class ServedModel:
             stats["instance_forwards"] = [i.forwards for i in engine.instances]
             if isinstance(engine, ProcessEngine):
                 stats["instance_pids"] = [i.pid for i in engine.instances]
+                stats["input_bytes_copied"] = engine.copied_bytes
+                stats["input_bytes_in_place"] = engine.in_place_bytes
             if engine.real_elements:
                 stats["real_elements"] = engine.real_elements
                 stats["padded_elements"] = engine.padded_elements

@@ -8,13 +8,16 @@ exits when the socket closes: the server process gone is never left with orphans
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
+import mmap
 import os
 import signal
 import socket
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -23,7 +26,7 @@ from server import logs, models, store
 from server import precision as prec
 from server.engine import Engine, resolve_device, set_intra_op_threads, tune_cudnn
 from server.instance import Instance, pin_host
-from server.isolated.wire import ChildConfig, Memory, descr, dtype_of
+from server.isolated.wire import IN_FRAME, INPUT_REGION, REGION, ChildConfig, Memory, descr, dtype_of
 from server.multiproc.wire import FrameReader, frame
 from server.precision import Precision
 from server.serving import Output
@@ -34,7 +37,7 @@ OUTPUT_ALIGN = 64
 """Each output array starts at a multiple of this many bytes in the output region."""
 
 
-def run(config: ChildConfig, sock: socket.socket) -> None:
+def run(config: ChildConfig, sock: socket.socket, side: socket.socket) -> None:
     """The process's main (multiprocessing's target)."""
     settings = config.settings
     logs.configure(settings.log_format, settings.log_level)
@@ -55,7 +58,7 @@ def run(config: ChildConfig, sock: socket.socket) -> None:
     info = dataclasses.asdict(engine.info)
     info["precision"] = engine.precision.value
     _send(sock, {"op": "ready", "info": info, "warmup_seconds": warmup_seconds, "pid": os.getpid()})
-    _serve(engine, engine.instances[0], memory, sock)
+    _serve(engine, engine.instances[0], memory, sock, Regions(side, engine.device.type == "cuda"))
 
 
 def _start(config: ChildConfig, memory: Memory) -> tuple[Engine, float]:
@@ -81,7 +84,39 @@ def _start(config: ChildConfig, memory: Memory) -> tuple[Engine, float]:
     return engine, time.perf_counter() - start
 
 
-def _serve(engine: Engine, inst: Instance, memory: Memory, sock: socket.socket) -> None:
+class Regions:
+    """The engine process's shared regions this process was handed (front-ends' slots), mapped and, on CUDA,
+    page-locked once each."""
+
+    def __init__(self, side: socket.socket, cuda: bool) -> None:
+        self.side, self.cuda = side, cuda
+        self.maps: dict[int, tuple[mmap.mmap, Callable[[], None] | None]] = {}
+
+    def get(self, region: int) -> mmap.mmap:
+        """A region's map; its descriptor was sent on the side channel before the frame that names it."""
+        while region not in self.maps:
+            data, fds, _, _ = socket.recv_fds(self.side, REGION.size, 1)
+            if not fds:
+                raise ConnectionError("the side channel closed")
+            rid, size = REGION.unpack(data)
+            try:
+                memory = mmap.mmap(fds[0], size)
+            finally:
+                os.close(fds[0])
+            self.maps[rid] = (memory, pin_host(memory) if self.cuda else None)
+        return self.maps[region][0]
+
+    def forget(self, region: int) -> None:
+        found = self.maps.pop(region, None)
+        if found is not None:
+            memory, unpin = found
+            if unpin is not None:
+                unpin()
+            with contextlib.suppress(BufferError):  # a view still held: the map goes with it
+                memory.close()
+
+
+def _serve(engine: Engine, inst: Instance, memory: Memory, sock: socket.socket, regions: Regions) -> None:
     """Run each batch sent until told to exit or the socket closes; one at a time, on the instance's own thread
     (cuDNN keeps its tuned algorithms per thread, and the warm-up ran there)."""
     reader = FrameReader()
@@ -90,28 +125,38 @@ def _serve(engine: Engine, inst: Instance, memory: Memory, sock: socket.socket) 
         if not data:
             return
         for head, payload in reader.feed(data):
-            if head.get("op") == "exit":
+            op = head.get("op")
+            if op == "exit":
                 return
-            _send(sock, *_batch(engine, inst, memory, head, payload))
+            if op == "forget":
+                regions.forget(head["region"])
+                continue
+            _send(sock, *_batch(engine, inst, memory, regions, head, payload))
+
+
+def _chunks(memory: Memory, regions: Regions, head: dict[str, Any], payload: bytearray) -> list[np.ndarray]:
+    """The batch's chunks where the frame says they lie: the input region, the frame, or a shared region."""
+    dtype, shape = dtype_of(head["dtype"]), tuple(head["shape"])
+    per_row = math.prod(shape)
+    chunks, inline = [], 0
+    for where, offset, rows in head["chunks"]:
+        if where == INPUT_REGION:
+            chunks.append(memory.inputs(dtype, rows, shape, offset))
+        elif where == IN_FRAME:
+            chunks.append(np.frombuffer(payload, dtype, rows * per_row, inline).reshape(rows, *shape))
+            inline += rows * per_row * dtype.itemsize
+        else:
+            chunks.append(np.frombuffer(regions.get(where), dtype, rows * per_row, offset).reshape(rows, *shape))
+    return chunks
 
 
 def _batch(
-    engine: Engine, inst: Instance, memory: Memory, head: dict[str, Any], payload: bytearray
+    engine: Engine, inst: Instance, memory: Memory, regions: Regions, head: dict[str, Any], payload: bytearray
 ) -> tuple[dict[str, Any], list[bytes | memoryview]]:
     """Run one batch; the answer's header and payload."""
-    dtype, shape, rows = dtype_of(head["dtype"]), tuple(head["shape"]), head["rows"]
-    total = sum(rows)
-    if head.get("inline"):
-        batch = np.frombuffer(payload, dtype, total * math.prod(shape)).reshape(total, *shape)
-    else:
-        view = memory.inputs(dtype, total, shape)
-        if view is None:
-            raise ValueError(f"a batch of {total} rows does not fit the input region")
-        batch = view
-    bounds = np.cumsum([0, *rows]).tolist()
-    chunks = [batch[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
     answer: dict[str, Any] = {"id": head["id"]}
     try:
+        chunks = _chunks(memory, regions, head, payload)
         if head.get("raw"):
             outcomes: list[Any] = [Output(inst.executor.submit(engine.forward, chunks, inst).result())]
             engine.real_elements = engine.padded_elements = 0  # calibration batches are not requests

@@ -26,8 +26,8 @@ import torch
 
 from server import precision as prec
 from server.engine import EngineError, EngineInfo, PrecisionOverflowError, available_cores
-from server.isolated import child
-from server.isolated.wire import ChildConfig, Memory, descr, dtype_of, region_sizes
+from server.isolated import child, shared
+from server.isolated.wire import IN_FRAME, INPUT_REGION, REGION, ChildConfig, Memory, descr, dtype_of, region_sizes
 from server.multiproc.wire import FrameReader, frame
 from server.precision import Precision
 from server.serving import BatchTooLargeError, Outcome, Output
@@ -68,6 +68,10 @@ class InstanceProcess(asyncio.Protocol):
         self.forwards = 0
         """Forwards run in the process so far (warm-up included), as :attr:`Instance.forwards` counts them."""
         self.counts: dict[str, int] = {}
+        self.side: socket.socket | None = None
+        """The blocking side channel that hands the process region descriptors."""
+        self.regions: set[int] = set()
+        """Regions the process has been handed (and not told to forget)."""
         self._reader = FrameReader()
         self._pending: dict[int, asyncio.Future[list[Outcome]]] = {}
         self._next_id = 0
@@ -108,37 +112,65 @@ class InstanceProcess(asyncio.Protocol):
         self._pending.clear()
         with contextlib.suppress(BufferError):  # a view still held: the map goes with the last one
             self.memory.close()
+        if self.side is not None:
+            self.side.close()
         self.owner.lost(self, was_alive)
 
     def send(self, chunks: list[np.ndarray], future: asyncio.Future[list[Outcome]], raw: bool = False) -> None:
-        """Copy a batch's rows into the input region and tell the process to run them; ``future`` gets the outcomes.
+        """Tell the process to run a batch; ``future`` gets the outcomes. Chunks in a front-end's shared memory are
+        named where they lie (:mod:`server.isolated.shared`); the others are copied into the input region.
 
-        The region is free: an instance has one batch at a time, and its rows were read before its answer came.
+        The input region is free: an instance has one batch at a time, and its rows were read before it answered.
         """
         assert self.transport is not None
-        rows = [len(c) for c in chunks]
-        total, first = sum(rows), chunks[0]
+        first = chunks[0]
+        places: list[list[int]] = []
+        copies: list[tuple[np.ndarray, int]] = []
+        copied = 0
+        for c in chunks:
+            found = shared.locate(c)
+            if found is None:
+                places.append([INPUT_REGION, copied, len(c)])
+                copies.append((c, copied))
+                copied += c.nbytes
+                continue
+            region, offset = found
+            if region.id not in self.regions:
+                self._hand(region)
+            places.append([region.id, offset, len(c)])
+        self.owner.copied_bytes += copied
+        self.owner.in_place_bytes += sum(c.nbytes for c in chunks) - copied
+        parts: list[memoryview] = []
+        if copied > self.memory.input_bytes:  # past the region's estimate (a model's longest rows): in the frame
+            places = [[IN_FRAME, *p[1:]] if p[0] == INPUT_REGION else p for p in places]
+            parts = [np.ascontiguousarray(c).view(np.uint8).reshape(-1).data for c, _ in copies]
+        else:
+            for c, offset in copies:
+                np.copyto(self.memory.inputs(c.dtype, len(c), c.shape[1:], offset), c)
         self._next_id += 1
-        head: dict[str, Any] = {
+        head = {
             "op": "run",
             "id": self._next_id,
             "dtype": descr(first.dtype),
             "shape": first.shape[1:],
-            "rows": rows,
+            "chunks": places,
             "raw": raw,
         }
-        view = self.memory.inputs(first.dtype, total, first.shape[1:])
-        if view is not None:
-            if len(chunks) == 1:
-                np.copyto(view, first)
-            else:
-                np.concatenate(chunks, out=view)
-            parts: list[memoryview] = []
-        else:  # larger than the region (a model's longest rows past its estimate): in the frame itself
-            head["inline"] = True
-            parts = [np.ascontiguousarray(c).view(np.uint8).reshape(-1).data for c in chunks]
         self._pending[self._next_id] = future
         self.transport.writelines(frame(head, *parts))
+
+    def _hand(self, region: shared.Region) -> None:
+        """Send the process a region's descriptor (on the side channel, before the frame that names it)."""
+        assert self.side is not None
+        socket.send_fds(self.side, [REGION.pack(region.id, region.size)], [region.fd])
+        self.regions.add(region.id)
+
+    def forget(self, region: int) -> None:
+        """Tell the process to unmap a region withdrawn (no batch in it is running)."""
+        if region in self.regions:
+            self.regions.discard(region)
+            if self.transport is not None and not self.transport.is_closing():
+                self.transport.writelines(frame({"op": "forget", "region": region}))
 
     def stop(self) -> None:
         """Tell the process to exit once its batch in hand is answered."""
@@ -202,6 +234,10 @@ class ProcessEngine:
         self.pipelined = False
         self.real_elements = 0
         self.padded_elements = 0
+        self.copied_bytes = 0
+        """Input bytes copied into instance processes' memory (or frames) so far: rows not in shared memory."""
+        self.in_place_bytes = 0
+        """Input bytes instance processes read where they lay, in a front-end's shared memory, so far."""
         self._settings = settings.model_copy(update={"admin_token": None, "admin_token_file": None})
         self._version, self._max_batch_size, self._fixed_shapes = version, max_batch_size, fixed_shapes
         self._regions = region_sizes(manifest, max_batch_size)
@@ -220,6 +256,7 @@ class ProcessEngine:
         self._loop_thread = threading.get_ident()
         self._context = multiprocessing.get_context("spawn")
         self._count = count
+        self._stop_listening = shared.on_withdraw(self._forget)
 
     @classmethod
     async def start(
@@ -251,6 +288,7 @@ class ProcessEngine:
         """Start instance process ``index``: its shared memory, its socket, the process; ready once it says so."""
         memory, fd = Memory.create(f"halfserve-{self.name}-{index}", *self._regions)
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        side, their_side = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         config = ChildConfig(
             settings=self._settings,
             model=self.name,
@@ -265,15 +303,16 @@ class ProcessEngine:
         )
         instance = InstanceProcess(self, index, memory)
         process = self._context.Process(
-            target=child.run, args=(config, theirs), name=f"halfserve-{self.name}-{index}", daemon=False
+            target=child.run, args=(config, theirs, their_side), name=f"halfserve-{self.name}-{index}", daemon=False
         )
         try:
             process.start()
             socket.send_fds(ours, [b"m"], [fd])
         finally:
             theirs.close()
+            their_side.close()
             os.close(fd)
-        instance.process = process
+        instance.process, instance.side = process, side
         self._loop.create_task(self._loop.connect_accepted_socket(lambda: instance, ours))
         return instance
 
@@ -357,6 +396,15 @@ class ProcessEngine:
         if instance not in self._idle:
             self._idle.append(instance)
 
+    def _forget(self, region: int) -> None:
+        """A region was withdrawn: every process that was handed it unmaps it."""
+        if threading.get_ident() != self._loop_thread:
+            with contextlib.suppress(RuntimeError):  # the loop is closed: so are the processes' sockets
+                self._loop.call_soon_threadsafe(self._forget, region)
+            return
+        for instance in self.instances:
+            instance.forget(region)
+
     def _fail_waiting(self, error: Exception) -> None:
         while self._waiting:
             _, future, _ = self._waiting.popleft()
@@ -410,6 +458,7 @@ class ProcessEngine:
     def close(self) -> None:
         """Tell every instance process to exit once its batch in hand is answered; kill one that does not in time."""
         self._closing = True
+        self._stop_listening()
         on_loop = threading.get_ident() == self._loop_thread
         closed = EngineError(f"model {self.name!r}: its instance processes were stopped")
         if on_loop:

@@ -2,10 +2,12 @@
 
 Frames are :mod:`server.multiproc.wire`'s (``<II`` lengths, an orjson header, a payload). The server process sends
 
-* ``{"op": "run", "id", "dtype", "shape", "rows", "raw"}``: a batch of ``sum(rows)`` rows of ``dtype`` (a numpy
-  descriptor, :func:`descr`) and per-row ``shape``, one request's chunk after another; at the start of the shared
-  input region, or in the payload when ``inline``. ``raw`` asks for the model's outputs without the overflow policy
-  (the fidelity check's forward);
+* ``{"op": "run", "id", "dtype", "shape", "chunks", "raw"}``: a batch of rows of ``dtype`` (a numpy descriptor,
+  :func:`descr`) and per-row ``shape``, as chunks ``[where, offset, rows]``, one per request: ``where`` is
+  :data:`INPUT_REGION` (the instance's own input region), :data:`IN_FRAME` (the payload, one after another) or the
+  id of a shared region (:mod:`server.isolated.shared`) whose descriptor went before, on the side channel. ``raw``
+  asks for the model's outputs without the overflow policy (the fidelity check's forward);
+* ``{"op": "forget", "region"}``: unmap a shared region (no batch in it runs);
 * ``{"op": "exit"}``: finish the batch in hand and exit.
 
 The instance process sends ``{"op": "ready", "info", "warmup_seconds", "pid"}`` once warm (or ``{"op": "failed",
@@ -20,6 +22,7 @@ import functools
 import math
 import mmap
 import os
+import struct
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +31,10 @@ import numpy as np
 from server import store
 from server.settings import Settings
 
+INPUT_REGION, IN_FRAME = 0, -1
+"""Where a chunk lies, besides a shared region's id (from 1): the instance's own input region, or the frame."""
+REGION = struct.Struct("<QQ")
+"""The side channel's message handing over a region's descriptor: its id and size."""
 INPUT_SLACK = 4096
 """Bytes added to a region's computed size: records align their fields, and a page costs nothing until touched."""
 MAX_REGION_BYTES = 1 << 30
@@ -82,12 +89,9 @@ class Memory:
         other = os.dup(fd)
         return Memory(fd, input_bytes, output_bytes), other
 
-    def inputs(self, dtype: np.dtype[Any], rows: int, shape: tuple[int, ...]) -> np.ndarray | None:
-        """A view of ``rows`` rows at the start of the input region, or None when they do not fit."""
-        count = rows * math.prod(shape)
-        if count * dtype.itemsize > self.input_bytes:
-            return None
-        return np.frombuffer(self.map, dtype, count).reshape(rows, *shape)
+    def inputs(self, dtype: np.dtype[Any], rows: int, shape: tuple[int, ...], offset: int = 0) -> np.ndarray:
+        """A view of ``rows`` rows at ``offset`` bytes into the input region (they fit: the caller checked)."""
+        return np.frombuffer(self.map, dtype, rows * math.prod(shape), offset).reshape(rows, *shape)
 
     def output(self, dtype: np.dtype[Any], shape: tuple[int, ...], offset: int) -> np.ndarray | None:
         """A view of an array at ``offset`` bytes into the output region, or None when it does not fit."""
