@@ -11,7 +11,14 @@ import torch
 from torch import nn
 
 from server import store
-from server.engine import LOOP_SECONDS_PER_ROW, PIPELINE_MIN_ROWS, PIPELINE_MIN_SHARE, Engine, runs_pipelined
+from server.engine import (
+    LOOP_SECONDS_PER_ROW,
+    PIPELINE_MIN_ROWS,
+    PIPELINE_MIN_SHARE,
+    Engine,
+    fixed_timing,
+    runs_pipelined,
+)
 from server.precision import Precision
 from server.serving import Output
 from server.traced import TracedForward, TraceRefused
@@ -133,7 +140,7 @@ def test_batches_are_pipelined_where_the_forward_is_a_large_enough_share_of_the_
     try:
         assert not runs_pipelined(one, None)  # not timed yet
         assert runs_pipelined(one, True)
-        one.settle_threads(8, 2)
+        one.settle_threads(8, 2, fixed_timing(8 * LOOP_SECONDS_PER_ROW / 10))  # made up: a tenth of the loop's work
         assert one.loop_bound
         assert one.threads == 1
         assert one.batch_rows == 8
