@@ -25,6 +25,7 @@ from tritonclient.utils import InferenceServerException
 from server.multiproc.wire import SLOT_BYTES, FrameReader, frame
 from tests.conftest import SHIPPED_STORE, ServerProcess, start_server
 from tests.e2e.test_server import fp32_reference, samples
+from tests.waiting import DEADLINE_S, wait_until
 
 MODEL = "digits_mlp"
 TOKEN = "workers-admin-token"
@@ -170,16 +171,16 @@ def test_metrics_count_the_front_ends_requests(workers_server: ServerProcess) ->
         return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(prefix))
 
     start = answered()
+    deadline = time.monotonic() + DEADLINE_S
     while True:  # earlier tests' counts may still be on their way: wait until three flush intervals add none
+        assert time.monotonic() < deadline, "the front-ends' request counts never stopped growing"
         time.sleep(0.3)
         now = answered()
         if now == start:
             break
         start = now
     asyncio.run(post_many(workers_server.url, [{"model": MODEL, "inputs": [row.tolist()]} for row in samples(20)]))
-    deadline = time.monotonic() + 5
-    while answered() < start + 20 and time.monotonic() < deadline:
-        time.sleep(0.05)  # front-ends send their counts every 0.1 s
+    wait_until(lambda: answered() >= start + 20, "the front-ends' counts of 20 requests")  # sent every 0.1 s
     assert answered() == start + 20
 
 

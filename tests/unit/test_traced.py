@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +24,7 @@ from server.precision import Precision
 from server.serving import Output
 from server.traced import TracedForward, TraceRefused
 from tests.conftest import save_tiny_mlp, tiny_engines
+from tests.waiting import DEADLINE_S
 
 CPU = torch.device("cpu")
 
@@ -126,7 +128,9 @@ async def test_the_event_loop_runs_while_a_traced_forward_does() -> None:
     traced = TracedForward.trace(model, model, [x])
     future = traced.launch(x)
     iterations = 0
+    deadline = time.monotonic() + DEADLINE_S
     while not future.done():  # the loop's own Python runs: the graph holds no GIL
+        assert time.monotonic() < deadline, "the traced forward never finished"
         iterations += 1
         await asyncio.sleep(0)
     assert iterations > 10
