@@ -91,7 +91,7 @@ class Settings(BaseSettings):
     everywhere, so the fp32 fallback and fp32 benchmarks are the real thing; torch's own default lets cuDNN use TF32."""
     http_workers: int = Field(default=1, ge=1, le=64)
     """HTTP front-end processes. Above 1, that many processes accept connections and decode and encode requests,
-    and this one runs the engines and batches their requests together (see :mod:`server.backplane`)."""
+    and this one runs the engines and batches their requests together (see :mod:`server.multiproc`)."""
     threads: int | None = Field(default=None, ge=1)
     """torch intra-op threads. Unset: on a CPU, each model's engine times a forward of a full batch at warm-up and
     takes every core this process may run on, or every core but one where that forward is shorter than the event
