@@ -236,8 +236,8 @@ def test_every_flag_the_failure_modes_name_is_a_serve_flag() -> None:
     assert not sorted(flags - FLAGS["serve"])
 
 
-def test_the_readme_s_setting_flags_are_serve_flags() -> None:
-    text = read(ROOT / "README.md")
+def test_the_configuration_s_setting_flags_are_serve_flags() -> None:
+    text = read(ROOT / "docs" / "operations.md")
     section = text[text.index("## Configuration") :]
     section = section[: section.index("\n## ", 1)]
     flags = set(re.findall(r"`(--[a-z][\w-]*)", section))
