@@ -72,7 +72,7 @@ def create_app(settings: Settings | None = None, frontends: Frontends | None = N
     weights load and warm up in the background while ``/ready`` answers 503.
 
     With ``frontends``, this process is the engine process: it starts them and serves their inference requests over
-    the backplane (:mod:`server.backplane`), and on shutdown lets them drain before draining its batchers.
+    the backplane (:mod:`server.multiproc`), and on shutdown lets them drain before draining its batchers.
     """
     settings = settings or Settings()
     regions = Regions()

@@ -41,6 +41,9 @@ from server.traced import TracedForward
 
 log = logging.getLogger(__name__)
 
+ForwardTiming = Callable[[int], float]
+"""The seconds a full batch's forward takes on a given count of intra-op threads (:meth:`Engine.settle_threads`)."""
+
 
 class EngineError(RuntimeError):
     """The model's forward failed or returned something other than one output row per input row."""
@@ -729,9 +732,12 @@ class Engine:
                 x[name] = length
         return x
 
-    def settle_threads(self, max_batch_size: int, cores: int) -> int:
+    def settle_threads(self, max_batch_size: int, cores: int, timing: ForwardTiming | None = None) -> int:
         """Set each instance's torch intra-op threads to :func:`intra_op_threads` of a timed forward of a full batch
         on all ``cores`` (on a CPU; run after warm-up), and return the count chosen.
+
+        ``timing`` gives that forward's seconds at a thread count instead of timing it (the ``forward_seconds``
+        setting, and tests): what is decided from the timing then depends on it alone, not on the host's speed.
 
         Set on the instance's own thread, the only one that runs its forwards: OpenMP's thread count is a setting of
         the thread that starts a parallel region, so other threads (and other models' instances) keep theirs.
@@ -744,7 +750,9 @@ class Engine:
         sequence = store.sequence_input(self.manifest)
         x = self._warm_batch(max_batch_size, sequence.bounded()[0] if sequence is not None else 1)
 
-        def timed(inst: Instance) -> float:
+        def timed(inst: Instance, threads: int) -> float:
+            if timing is not None:
+                return timing(threads)
             seconds = math.inf
             for _ in range(3):
                 start = time.perf_counter()
@@ -757,8 +765,9 @@ class Engine:
         def settle(inst: Instance) -> int:
             warmed_at.append(torch.get_num_threads())
             set_intra_op_threads(cores)
-            self.forward(x, inst)
-            seconds = timed(inst)
+            if timing is None:
+                self.forward(x, inst)  # the first at this count is not timed
+            seconds = timed(inst, cores)
             self.loop_bound = loop_bound(seconds, max_batch_size)
             threads = intra_op_threads(seconds, max_batch_size, cores)
             log.info(
@@ -771,7 +780,7 @@ class Engine:
                 threads,
             )
             set_intra_op_threads(threads)
-            self.batch_seconds = seconds if threads == cores else timed(inst)
+            self.batch_seconds = seconds if threads == cores else timed(inst, threads)
             self.batch_rows, self.cores = max_batch_size, cores
             return threads
 
@@ -807,6 +816,11 @@ class Engine:
     def close(self) -> None:
         for inst in self.instances:
             inst.close()
+
+
+def fixed_timing(seconds: float) -> ForwardTiming:
+    """A :data:`ForwardTiming` that gives ``seconds`` at any thread count."""
+    return lambda threads: seconds
 
 
 def set_intra_op_threads(count: int) -> None:

@@ -19,6 +19,7 @@ from server.engine import (
     Engine,
     EngineInfo,
     available_cores,
+    fixed_timing,
     isolation,
     module_bytes,
     pads_to_buckets,
@@ -332,7 +333,13 @@ class ModelRepository:
             try:
                 served.warmup_seconds = await asyncio.to_thread(engine.warmup, served.batching.max_batch_size)
                 if self.settings.threads is None and self.device.type == "cpu":
-                    await asyncio.to_thread(engine.settle_threads, served.batching.max_batch_size, available_cores())
+                    given = self.settings.forward_seconds
+                    await asyncio.to_thread(
+                        engine.settle_threads,
+                        served.batching.max_batch_size,
+                        available_cores(),
+                        None if given is None else fixed_timing(given),
+                    )
             except BaseException:
                 engine.close()
                 raise

@@ -92,12 +92,16 @@ class Settings(BaseSettings):
     everywhere, so the fp32 fallback and fp32 benchmarks are the real thing; torch's own default lets cuDNN use TF32."""
     http_workers: int = Field(default=1, ge=1, le=64)
     """HTTP front-end processes. Above 1, that many processes accept connections and decode and encode requests,
-    and this one runs the engines and batches their requests together (see :mod:`server.backplane`)."""
+    and this one runs the engines and batches their requests together (see :mod:`server.multiproc`)."""
     threads: int | None = Field(default=None, ge=1)
     """torch intra-op threads. Unset: on a CPU, each model's engine times a forward of a full batch at warm-up and
     takes every core this process may run on, or every core but one where that forward is shorter than the event
     loop's work on the batch's requests (:func:`server.engine.intra_op_threads`): on 2 cores the benchmark MLP answered
     13-15% more requests on one thread, while a convolutional model lost a third of its throughput on one."""
+    forward_seconds: float | None = Field(default=None, gt=0.0)
+    """Seconds a CPU model's forward of a full batch takes, for ``threads``, ``forward_on_event_loop`` and
+    ``pipeline_forward`` to be decided from instead of timing one at warm-up: the same choices on every start,
+    whatever else the host runs meanwhile (every model, at any thread count). Unset: timed at warm-up."""
     forward_on_event_loop: bool | None = None
     """Run a CPU model's batches on the event loop's own thread rather than an instance thread (never for a model with
     several instances, nor on a GPU). Unset: where the forward of a full batch, timed at warm-up, is shorter than the

@@ -28,6 +28,10 @@ ROOT = Path(__file__).resolve().parent.parent
 # The servers tests start (in-process apps and subprocesses alike, which inherit this) serve no gRPC unless a test
 # asks for it with --grpc and a port of its own: several run side by side, and each would bind the default 8001.
 os.environ["HALFSERVE_GRPC"] = "false"
+# Their CPU models' threads and placement are decided from this made-up forward of a full batch (far shorter than
+# the event loop's work on it: the tiny models' choice on a quiet host), not from one timed at warm-up, which
+# decides otherwise on a loaded host. Tests of other timings give their own (forward_seconds, settle_threads).
+os.environ["HALFSERVE_FORWARD_SECONDS"] = "1e-06"
 SHIPPED_STORE = ROOT / "model_store"
 
 
@@ -133,8 +137,10 @@ def served_tiny_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def server_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
+    """Starts servers (:func:`start_server`) and stops them after the module's last test: kept for a whole session
+    they added up (11 at once), each holding its models and threads while the rest of the suite ran."""
     started: list[ServerProcess] = []
 
     def factory(store_dir: Path, *args: str, env: dict[str, str] | None = None) -> ServerProcess:

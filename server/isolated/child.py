@@ -24,7 +24,7 @@ import numpy as np
 
 from server import logs, models, store
 from server import precision as prec
-from server.engine import Engine, resolve_device, set_intra_op_threads, tune_cudnn
+from server.engine import Engine, fixed_timing, resolve_device, set_intra_op_threads, tune_cudnn
 from server.instance import Instance, pin_host
 from server.isolated.wire import IN_FRAME, INPUT_REGION, REGION, ChildConfig, Memory, descr, dtype_of
 from server.multiproc.wire import FrameReader, frame
@@ -80,7 +80,8 @@ def _start(config: ChildConfig, memory: Memory) -> tuple[Engine, float]:
     if settings.warmup:
         engine.warmup(config.max_batch_size)
         if settings.threads is None and device.type == "cpu":
-            engine.settle_threads(config.max_batch_size, config.cores)
+            given = settings.forward_seconds
+            engine.settle_threads(config.max_batch_size, config.cores, None if given is None else fixed_timing(given))
     return engine, time.perf_counter() - start
 
 

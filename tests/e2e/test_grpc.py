@@ -239,10 +239,8 @@ def test_malformed_requests_are_refused_naming_the_field(client: tg.InferenceSer
 def test_a_queue_timeout_answers_deadline_exceeded(server_factory: StartServer, store_dir: Path) -> None:
     slow = serve_grpc(server_factory, store_dir, "--max-delay-ms", "2000", "--no-adaptive-delay", "--precision", "fp32")
     with tg.InferenceServerClient(slow.address) as c:
-        start = time.monotonic()
         e = refusal(lambda: c.infer(MODEL, [grpc_input(features(1))], timeout=100_000))  # 100 ms, in microseconds
         assert e.status() == "StatusCode.DEADLINE_EXCEEDED"
-        assert time.monotonic() - start < 1.5
 
 
 # Several inputs, batching with HTTP, streams -------------------------------------------------------------------------

@@ -25,6 +25,7 @@ from tritonclient.utils import InferenceServerException
 from server.multiproc.wire import SLOT_BYTES, FrameReader, frame
 from tests.conftest import SHIPPED_STORE, ServerProcess, start_server
 from tests.e2e.test_server import fp32_reference, samples
+from tests.waiting import DEADLINE_S, wait_until
 
 MODEL = "digits_mlp"
 TOKEN = "workers-admin-token"
@@ -116,10 +117,30 @@ def test_shared_memory_regions_reach_every_front_end(workers_server: ServerProce
     key = f"/halfserve-workers-{os.getpid()}"
     x = samples(4, seed=5)
     handle = shm.create_shared_memory_region("images", key, 2 * x.nbytes)
+
+    def known_to_all(registered: bool) -> bool:
+        """Whether 8 new connections (spread over both front-ends) all find the region registered, or all not."""
+        found = []
+        for _ in range(8):
+            client = triton.InferenceServerClient(url)
+            tensor = triton.InferInput("pixels", list(x.shape), "FP32")
+            tensor.set_shared_memory("images", x.nbytes)
+            try:
+                client.infer(MODEL, [tensor], headers=AUTH)
+                found.append(True)
+            except InferenceServerException as e:
+                if "no shared memory region 'images'" not in str(e):
+                    raise
+                found.append(False)
+            finally:
+                client.close()
+        return found == [registered] * 8
+
     try:
         shm.set_shared_memory_region(handle, [x])
         triton.InferenceServerClient(url).register_system_shared_memory("images", key, 2 * x.nbytes, headers=AUTH)
-        time.sleep(0.2)  # the other front-end's copy is pushed within 0.05 s
+        # The other front-end's copy is pushed within 0.05 s on a quiet host.
+        wait_until(lambda: known_to_all(True), "the region registered on both front-ends")
         for _ in range(8):  # a new connection each time: both front-ends answer some
             client = triton.InferenceServerClient(url)
             tensor = triton.InferInput("pixels", list(x.shape), "FP32")
@@ -133,7 +154,7 @@ def test_shared_memory_regions_reach_every_front_end(workers_server: ServerProce
             shm.set_shared_memory_region(handle, [np.zeros((4, 10), np.float32)], offset=x.nbytes)
             client.close()
         triton.InferenceServerClient(url).unregister_system_shared_memory("images", headers=AUTH)
-        time.sleep(0.2)
+        wait_until(lambda: known_to_all(False), "the region unregistered on both front-ends")
         for _ in range(4):
             client = triton.InferenceServerClient(url)
             tensor = triton.InferInput("pixels", list(x.shape), "FP32")
@@ -170,16 +191,16 @@ def test_metrics_count_the_front_ends_requests(workers_server: ServerProcess) ->
         return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(prefix))
 
     start = answered()
+    deadline = time.monotonic() + DEADLINE_S
     while True:  # earlier tests' counts may still be on their way: wait until three flush intervals add none
+        assert time.monotonic() < deadline, "the front-ends' request counts never stopped growing"
         time.sleep(0.3)
         now = answered()
         if now == start:
             break
         start = now
     asyncio.run(post_many(workers_server.url, [{"model": MODEL, "inputs": [row.tolist()]} for row in samples(20)]))
-    deadline = time.monotonic() + 5
-    while answered() < start + 20 and time.monotonic() < deadline:
-        time.sleep(0.05)  # front-ends send their counts every 0.1 s
+    wait_until(lambda: answered() >= start + 20, "the front-ends' counts of 20 requests")  # sent every 0.1 s
     assert answered() == start + 20
 
 
@@ -190,9 +211,11 @@ def test_a_precision_switch_relayed_through_a_front_end_reaches_every_front_end(
     r = httpx.post(f"{url}/models/{MODEL}/precision", json={"precision": "bf16"}, headers=AUTH)
     assert r.status_code == 200, r.text
     try:
-        time.sleep(0.2)  # the other front-end's table is pushed within 0.05 s
-        responses = asyncio.run(post_many(url, [body] * 16))
-        assert {resp.json()["precision"] for resp in responses} == {"bf16"}
+        # The other front-end's table is pushed within 0.05 s on a quiet host: 16 new connections reach both.
+        wait_until(
+            lambda: {resp.json()["precision"] for resp in asyncio.run(post_many(url, [body] * 16))} == {"bf16"},
+            "bf16 answers through every front-end",
+        )
         unauthorised = httpx.post(f"{url}/models/{MODEL}/precision", json={"precision": "fp32"})
         assert unauthorised.status_code == 401
     finally:

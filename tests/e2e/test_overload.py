@@ -24,6 +24,7 @@ import torch
 from server import models, store
 from server.store import Manifest, TensorSpec
 from tests.conftest import ServerProcess
+from tests.waiting import until
 
 pytestmark = pytest.mark.slow
 
@@ -303,8 +304,8 @@ def test_a_request_outlasting_the_drain_timeout_is_cut_off_and_the_server_still_
     async def run() -> tuple[httpx.Response, float]:
         async with httpx.AsyncClient(base_url=server.url, timeout=CLIENT_TIMEOUT_S) as client:
             long = asyncio.ensure_future(client.post("/predict", content=body, headers=JSON))
-            while httpx.get(f"{server.url}/models/slow/stats").json()["batches"] < 5:
-                await asyncio.sleep(0.05)
+            stats = f"{server.url}/models/slow/stats"
+            await until(lambda: httpx.get(stats).json()["batches"] >= 5, "5 batches of the long request", every=0.05)
             server.proc.send_signal(signal.SIGTERM)
             signalled = time.monotonic()
             response = await long

@@ -23,6 +23,7 @@ from server.store import Batching, OverflowPolicy
 from tests.conftest import save_tiny_mlp
 from tests.fault_models import Poisonable, save_overflowing_linear
 from tests.integration.conftest import serving
+from tests.waiting import until
 
 HEADER = "Inference-Header-Content-Length"
 ROW = [0.5] * 16
@@ -80,12 +81,10 @@ async def test_a_full_queue_answers_503_with_retry_after_at_once_on_both_apis(ti
         running = asyncio.ensure_future(client.post("/predict", json={"inputs": [ROW, ROW]}))
         await gate.entered.wait()
         queued = asyncio.ensure_future(client.post("/predict", json={"inputs": [ROW] * 4}))
-        while served(client).batcher.queued_rows < 4:  # type: ignore[union-attr]
-            await asyncio.sleep(0.001)
-        start = time.monotonic()
+        await until(lambda: served(client).batcher.queued_rows >= 4, "4 rows queued")  # type: ignore[union-attr]
+        # Answered while the running batch is still held at the gate: at once, not after it.
         full_predict = await client.post("/predict", json={"inputs": [ROW]})
         full_v2 = await client.post("/v2/models/tiny/infer", json=v2_json(np.zeros((1, 16), np.float32)))
-        assert time.monotonic() - start < 1.0  # at once, not after the running batch
         for r in (full_predict, full_v2):
             assert r.status_code == 503, r.text
             assert r.headers["retry-after"] == "1"
@@ -121,7 +120,7 @@ async def test_deadline_header_answers_504_on_time_and_the_request_never_runs(ti
         stats = (await client.get("/models/tiny/stats")).json()
     assert late.status_code == 504, late.text
     assert "deadline passed" in late.json()["error"]
-    assert 0.04 < elapsed < 1.0
+    assert elapsed > 0.04  # answered at its deadline, while the running batch was still held at the gate
     assert late_v2.status_code == 504, late_v2.text
     assert gate.sizes == [2]  # neither expired request ever reached the model
     assert stats["expired"] == 2
@@ -136,7 +135,8 @@ async def test_configured_request_timeout_applies_and_a_client_may_only_shorten_
         # The client asks for longer than the model allows: the model's 60 ms win.
         r = await client.post("/predict", json={"inputs": [ROW]}, headers={"X-Request-Timeout-Ms": "60000"})
         assert r.status_code == 504, r.text
-        assert time.monotonic() - start < 1.0
+        # Not the client's 60 s: a bound no host is slow enough to reach, and half what the client asked for.
+        assert time.monotonic() - start < 30
         gate.open.set()
         assert (await running).status_code == 200
         listing = (await client.get("/models")).json()["models"][0]

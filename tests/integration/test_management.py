@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 
 import httpx
@@ -13,6 +14,7 @@ from server import store
 from server.settings import Settings
 from tests.conftest import save_tiny_mlp
 from tests.integration.conftest import serving
+from tests.waiting import DEADLINE_S
 
 TOKEN = "management-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -119,7 +121,9 @@ async def test_readiness_reflects_a_model_loading_and_warming_up(tiny_store: Pat
         assert (await client.post("/models/tiny/unload", headers=AUTH)).status_code == 200
         loading = asyncio.create_task(client.post("/models/tiny/load", headers=AUTH))
         seen: list[tuple[int, int, int]] = []
+        deadline = time.monotonic() + DEADLINE_S
         while not loading.done():
+            assert time.monotonic() < deadline, "the load never finished"
             seen.append(
                 (
                     (await client.get("/ready")).status_code,

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from server import precision, store
-from server.engine import available_cores
+from server.engine import LOOP_SECONDS_PER_ROW, available_cores
 from server.settings import Settings
 from server.store import Batching
 from tests.conftest import needs_cxx, save_tiny_mlp
@@ -207,18 +207,23 @@ async def post_each_row(client: httpx.AsyncClient, x: np.ndarray, *batches: np.n
 async def test_a_cpu_model_whose_forward_is_shorter_than_the_loops_work_runs_on_the_event_loop(tmp_path: Path) -> None:
     save_tiny_mlp(tmp_path, batching=Batching(max_batch_size=8, max_delay_ms=50))
     x = np.random.default_rng(0).standard_normal((8, 16)).astype(np.float32)
+    loop_work = 8 * LOOP_SECONDS_PER_ROW
+    # Made-up forwards of a full batch: a tenth and ten times the loop's work on it.
+    runs = {"short": (loop_work / 10, None), "long": (loop_work * 10, None), "off": (loop_work / 10, False)}
     answers, placed = {}, {}
-    for setting in (None, False):
-        async with serving(Settings(store=tmp_path, precision="fp32", forward_on_event_loop=setting)) as client:
-            answers[setting] = await post_each_row(client, x)
+    for run, (seconds, setting) in runs.items():
+        settings = Settings(store=tmp_path, precision="fp32", forward_seconds=seconds, forward_on_event_loop=setting)
+        async with serving(settings) as client:
+            answers[run] = await post_each_row(client, x)
             (entry,) = (await client.get("/models")).json()["models"]
-            placed[setting] = entry["execution"]["on_event_loop"]
+            placed[run] = entry["execution"]["on_event_loop"]
             histogram = (await client.get("/models/tiny/stats")).json()["batch_size_histogram"]
             assert sum(int(k) * v for k, v in histogram.items()) >= 8
     # By default where the forward settles on one thread: on up to 2 cores (on more it takes every core but one).
-    assert placed == {None: available_cores() <= 2, False: False}
-    np.testing.assert_array_equal(answers[None], answers[False])
-    np.testing.assert_allclose(answers[None], reference(tmp_path, "tiny", x), rtol=1e-5, atol=1e-5)
+    assert placed == {"short": available_cores() <= 2, "long": False, "off": False}
+    for run in runs:
+        np.testing.assert_array_equal(answers[run], answers["off"])
+    np.testing.assert_allclose(answers["off"], reference(tmp_path, "tiny", x), rtol=1e-5, atol=1e-5)
 
 
 async def test_a_pipelined_cpu_model_answers_as_an_eager_one(tmp_path: Path) -> None:

@@ -17,7 +17,14 @@ from pydantic import ValidationError
 
 from server import models, store
 from server.batching import Batcher, Output
-from server.engine import Engine, available_cores, pads_to_buckets, set_intra_op_threads, tune_cudnn
+from server.engine import (
+    LOOP_SECONDS_PER_ROW,
+    Engine,
+    fixed_timing,
+    pads_to_buckets,
+    set_intra_op_threads,
+    tune_cudnn,
+)
 from server.instance import bucket_for, pin_host, pinned
 from server.precision import Precision
 from server.store import Batching, Compile, DataType, Execution, Manifest, Normalize, TensorSpec
@@ -414,18 +421,18 @@ async def test_inductor_compiles_each_bucket_once_at_warmup_and_its_instances_se
 
 
 @needs_cxx
-@pytest.mark.skipif(available_cores() < 2, reason="needs 2 cores for the settled count to differ from the warm-up's")
 async def test_inductor_compiles_again_at_the_settled_thread_count_before_serving(tmp_path: Path) -> None:
     # torch.compile guards each compiled shape on the intra-op thread count: compiled at the warm-up's count, each
     # bucket would compile again at its first request once the engine settled on fewer threads.
     loaded = tiny(tmp_path, compile="inductor")
     engine = Engine(loaded, Precision.FP32, CPU)
     try:
-        inst, cores = engine.instances[0], available_cores()
+        inst, cores = engine.instances[0], 2
         inst.executor.submit(set_intra_op_threads, cores).result()  # what a fresh process's threads start with
         engine.warmup(4)
         compiled = engine.compile_seconds
-        assert engine.settle_threads(4, cores) == cores - 1  # the tiny MLP's forward is far shorter than the loop's
+        short = fixed_timing(4 * LOOP_SECONDS_PER_ROW / 10)  # made up: a tenth of the loop's work on 4 rows
+        assert engine.settle_threads(4, cores, short) == cores - 1
         assert engine.compile_seconds > compiled
         assert inst.executor.submit(torch.get_num_threads).result() == cores - 1
         assert compiled_graphs(engine) == 3  # the three buckets, compiled again at the settled count only
@@ -449,7 +456,8 @@ def test_inductor_keeps_its_compiled_shapes_when_the_thread_count_stays(tmp_path
         engine.instances[0].executor.submit(set_intra_op_threads, 1).result()
         engine.warmup(4)
         compiled, graphs = engine.compile_seconds, compiled_graphs(engine)
-        assert engine.settle_threads(4, cores=1) == 1  # one core: warmed up, timed and settled on one thread
+        long = fixed_timing(1.0)  # made up: far longer than the loop's work, though one core settles on one anyway
+        assert engine.settle_threads(4, 1, long) == 1  # one core: warmed up, timed and settled on one thread
         assert (engine.compile_seconds, compiled_graphs(engine)) == (compiled, graphs) == (compiled, 3)
     finally:
         engine.close()

@@ -55,7 +55,7 @@ def pins(environment: dict[str, str]) -> dict[str, list[Version]]:
 def project_requirements() -> list[Requirement]:
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     extras = project["optional-dependencies"]
-    return [Requirement(r) for r in [*project["dependencies"], *extras["train"], *extras["test"]]]
+    return [Requirement(r) for r in [*project["dependencies"], *extras["train"], *extras["test"], *extras["docs"]]]
 
 
 @pytest.mark.parametrize("environment", ENVIRONMENTS, ids=lambda e: f"py{e['python_version']}-{e['platform_machine']}")

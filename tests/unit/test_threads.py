@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import time
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +13,7 @@ from server import store
 from server.engine import (
     LOOP_SECONDS_PER_ROW,
     Engine,
-    available_cores,
+    fixed_timing,
     intra_op_threads,
     loop_bound,
     runs_on_event_loop,
@@ -22,8 +21,6 @@ from server.engine import (
 )
 from server.precision import Precision
 from tests.conftest import save_tiny_mlp, tiny_engines
-
-several_cores = pytest.mark.skipif(available_cores() < 2, reason="needs 2 cores to keep one back")
 
 
 def test_one_core_is_kept_for_the_event_loop_only_where_the_forward_is_shorter_than_its_work() -> None:
@@ -36,22 +33,57 @@ def test_one_core_is_kept_for_the_event_loop_only_where_the_forward_is_shorter_t
     assert intra_op_threads(loop_work / 10, rows, cores=1) == 1  # a single core is never given up
 
 
-@several_cores
+SHORT = fixed_timing(8 * LOOP_SECONDS_PER_ROW / 10)
+"""A made-up forward of 8 rows, a tenth of the event loop's work on them."""
+
+
 def test_an_engine_settles_its_threads_on_its_instance_thread_only(tmp_path: Path) -> None:
     save_tiny_mlp(tmp_path)
     engine = Engine(store.load(tmp_path, "tiny"), Precision.FP32, torch.device("cpu"), max_batch_size=8)
     try:
         main_threads = torch.get_num_threads()
-        cores = available_cores()
-        start = time.perf_counter()
-        chosen = engine.settle_threads(8, cores)
-        assert time.perf_counter() - start < 30
-        assert chosen == engine.threads == cores - 1  # a tiny MLP's forward is far shorter than the loop's work
+        chosen = engine.settle_threads(8, 4, SHORT)
+        assert chosen == engine.threads == 3  # a forward shorter than the loop's work leaves the loop a core
         inst = engine.instances[0]
         assert inst.executor.submit(torch.get_num_threads).result() == chosen
         assert torch.get_num_threads() == main_threads  # the caller's thread keeps its own
         out = engine.forward(np.zeros((3, 16), dtype=np.float32), inst)
         assert out.shape == (3, 4)
+    finally:
+        engine.close()
+
+
+def test_settling_decides_from_the_forwards_timing_alone(tmp_path: Path) -> None:
+    rows, cores = 8, 4
+    loop_work = rows * LOOP_SECONDS_PER_ROW
+    asked: list[int] = []
+
+    def timing(threads: int) -> float:  # made up: the forward halves on each thread given to it
+        asked.append(threads)
+        return factor * loop_work / threads
+
+    save_tiny_mlp(tmp_path)
+    engine = Engine(store.load(tmp_path, "tiny"), Precision.FP32, torch.device("cpu"), max_batch_size=rows)
+    try:
+        factor = 8.0  # on 4 cores twice the loop's work: the forward bounds throughput, every core
+        assert engine.settle_threads(rows, cores, timing) == cores
+        assert asked == [cores]  # the settled count is the timed one: timed once
+        assert (engine.loop_bound, engine.batch_seconds, engine.batch_rows, engine.cores) == (
+            False,
+            2 * loop_work,
+            rows,
+            cores,
+        )
+        asked.clear()
+        factor = 0.4  # a tenth of the loop's work on 4 cores: the loop bounds it, one core is kept for the loop
+        assert engine.settle_threads(rows, cores, timing) == cores - 1
+        assert asked == [cores, cores - 1]  # the batch's time is taken again at the count it runs on
+        assert engine.loop_bound is True
+        assert engine.batch_seconds == pytest.approx(0.4 * loop_work / 3)
+        assert engine.instances[0].executor.submit(torch.get_num_threads).result() == cores - 1
+        asked.clear()
+        assert engine.settle_threads(rows, 1, timing) == 1  # a single core is never given up
+        assert asked == [1]
     finally:
         engine.close()
 
@@ -66,9 +98,9 @@ def test_batches_run_on_the_event_loop_where_the_forward_is_loop_bound_on_a_cpu_
     try:
         assert not runs_on_event_loop(one, None)  # not timed yet
         assert runs_on_event_loop(one, True)
-        one.settle_threads(8, 2)
-        two.settle_threads(8, 2)
-        assert one.loop_bound is two.loop_bound is True  # a tiny MLP's forward is far shorter than the loop's work
+        one.settle_threads(8, 2, SHORT)
+        two.settle_threads(8, 2, SHORT)
+        assert one.loop_bound is two.loop_bound is True
         assert one.threads == 1
         assert runs_on_event_loop(one, None)
         assert not runs_on_event_loop(one, False)
@@ -77,7 +109,8 @@ def test_batches_run_on_the_event_loop_where_the_forward_is_loop_bound_on_a_cpu_
         one.threads = 3  # where a loop-bound forward gets more than one thread (4 cores), only when asked
         assert not runs_on_event_loop(one, None)
         assert runs_on_event_loop(one, True)
-        one.threads, one.loop_bound = 1, False
+        one.settle_threads(8, 2, fixed_timing(8 * LOOP_SECONDS_PER_ROW * 1.01))  # longer than the loop's work
+        assert (one.threads, one.loop_bound) == (2, False)
         assert not runs_on_event_loop(one, None)
     finally:
         one.close()

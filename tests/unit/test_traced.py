@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 
 import numpy as np
@@ -11,11 +12,19 @@ import torch
 from torch import nn
 
 from server import store
-from server.engine import LOOP_SECONDS_PER_ROW, PIPELINE_MIN_ROWS, PIPELINE_MIN_SHARE, Engine, runs_pipelined
+from server.engine import (
+    LOOP_SECONDS_PER_ROW,
+    PIPELINE_MIN_ROWS,
+    PIPELINE_MIN_SHARE,
+    Engine,
+    fixed_timing,
+    runs_pipelined,
+)
 from server.precision import Precision
 from server.serving import Output
 from server.traced import TracedForward, TraceRefused
 from tests.conftest import save_tiny_mlp, tiny_engines
+from tests.waiting import DEADLINE_S
 
 CPU = torch.device("cpu")
 
@@ -119,7 +128,9 @@ async def test_the_event_loop_runs_while_a_traced_forward_does() -> None:
     traced = TracedForward.trace(model, model, [x])
     future = traced.launch(x)
     iterations = 0
+    deadline = time.monotonic() + DEADLINE_S
     while not future.done():  # the loop's own Python runs: the graph holds no GIL
+        assert time.monotonic() < deadline, "the traced forward never finished"
         iterations += 1
         await asyncio.sleep(0)
     assert iterations > 10
@@ -133,7 +144,7 @@ def test_batches_are_pipelined_where_the_forward_is_a_large_enough_share_of_the_
     try:
         assert not runs_pipelined(one, None)  # not timed yet
         assert runs_pipelined(one, True)
-        one.settle_threads(8, 2)
+        one.settle_threads(8, 2, fixed_timing(8 * LOOP_SECONDS_PER_ROW / 10))  # made up: a tenth of the loop's work
         assert one.loop_bound
         assert one.threads == 1
         assert one.batch_rows == 8
