@@ -242,7 +242,9 @@ class ProcessEngine:
         self._version, self._max_batch_size, self._fixed_shapes = version, max_batch_size, fixed_shapes
         self._regions = region_sizes(manifest, max_batch_size)
         count = manifest.execution.instances
-        cores = settings.threads or max(1, available_cores() // count)
+        # Every core, as each instance thread settles over: on 2 cores two ResNet-20 processes of one thread each
+        # answered 437 requests/s against 792 for threads; with two threads each, 630 against 645.
+        cores = settings.threads or available_cores()
         self._cores = cores
         self.instances: list[InstanceProcess] = []
         self._idle: list[InstanceProcess] = []

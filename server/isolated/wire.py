@@ -52,7 +52,7 @@ class ChildConfig:
     max_batch_size: int
     index: int
     cores: int
-    """Intra-op threads for this process: its share of the server's cores, or ``settings.threads``."""
+    """Intra-op threads this process starts with and settles over: the server's cores, or ``settings.threads``."""
     fixed_shapes: bool
     """Whether every model served pads to buckets (cuDNN's autotuning is on then, as in the server process)."""
     input_bytes: int
