@@ -314,8 +314,7 @@ class ModelRepository:
         if isolation(execution, self.settings.instance_isolation, self.device) is Isolation.PROCESS:
             processes = await ProcessEngine.start(
                 self.settings,
-                served.manifest,
-                served.version,
+                loaded,
                 precision,
                 self.device,
                 served.batching.max_batch_size,

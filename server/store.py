@@ -35,7 +35,9 @@ from pydantic import (
     model_validator,
 )
 from safetensors import safe_open
+from safetensors.torch import load as load_tensors
 from safetensors.torch import load_file, save_file
+from safetensors.torch import save as save_tensors
 from torch import nn
 
 from server import models
@@ -666,6 +668,27 @@ def load(root: Path, name: str, version: int | None = None) -> LoadedModel:
         raise StoreError(f"{path}: cannot read safetensors checkpoint ({e})") from None
     load_weights(module, state, path, manifest.architecture)
     return LoadedModel(manifest=manifest, version=v, module=module.float().eval(), path=path)
+
+
+def weights_bytes(module: nn.Module) -> bytes:
+    """``module``'s weights as safetensors bytes, floating ones in fp32, each tensor its own copy (tied weights
+    included): how an instance process gets exactly the weights this process loaded (:func:`from_weights_bytes`)."""
+    return save_tensors(
+        {
+            k: (v.detach().float() if v.is_floating_point() else v.detach()).clone()
+            for k, v in module.state_dict().items()
+        }
+    )
+
+
+def from_weights_bytes(root: Path, manifest: Manifest, version: int, data: bytes) -> LoadedModel:
+    """The model of ``manifest`` (as this process serves it) with the weights :func:`weights_bytes` wrote: no code runs
+    from them, and the store's checkpoint is not read again (it may have changed since it was loaded)."""
+    model_dir = root / check_name(manifest.name)
+    vdir = model_dir / str(version)
+    module = build(model_dir, manifest, vdir)
+    load_weights(module, load_tensors(data), vdir / WEIGHTS, manifest.architecture)
+    return LoadedModel(manifest=manifest, version=version, module=module.float().eval(), path=vdir / WEIGHTS)
 
 
 HF_REMOTE_CODE = ("auto_map",)

@@ -45,14 +45,17 @@ def run(config: ChildConfig, sock: socket.socket, side: socket.socket) -> None:
     # SIGTERM the server process, which drains its batchers and then tells each instance to exit.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    _, fds, _, _ = socket.recv_fds(sock, 16, 1)
-    if not fds:
+    _, fds, _, _ = socket.recv_fds(sock, 16, 2)
+    if len(fds) != 2:
         return
     memory = Memory(fds[0], config.input_bytes, config.output_bytes)
     try:
-        engine, warmup_seconds = _start(config, memory)
+        with mmap.mmap(fds[1], 0, access=mmap.ACCESS_READ) as weights:
+            data = bytes(weights)
+        os.close(fds[1])
+        engine, warmup_seconds = _start(config, memory, data)
     except Exception as e:  # reported to the server process, which fails the load with it
-        log.exception("instance %d of %s failed to start", config.index, config.model)
+        log.exception("instance %d of %s failed to start", config.index, config.manifest.name)
         _send(sock, {"op": "failed", "error": f"{type(e).__name__}: {e}"})
         return
     info = dataclasses.asdict(engine.info)
@@ -61,15 +64,16 @@ def run(config: ChildConfig, sock: socket.socket, side: socket.socket) -> None:
     _serve(engine, engine.instances[0], memory, sock, Regions(side, engine.device.type == "cuda"))
 
 
-def _start(config: ChildConfig, memory: Memory) -> tuple[Engine, float]:
-    """The process-wide settings the server process applies, then the engine, its memory pinned, warmed up."""
+def _start(config: ChildConfig, memory: Memory, weights: bytes) -> tuple[Engine, float]:
+    """The process-wide settings the server process applies, then the engine (of the weights the server process
+    loaded, handed over as safetensors bytes), its memory pinned, warmed up."""
     settings = config.settings
     set_intra_op_threads(config.cores)
     models.add_code_path(settings.code_path)
     prec.set_tf32(settings.tf32)
     device = resolve_device(settings.device)
     tune_cudnn(device, config.fixed_shapes)
-    loaded = store.load(settings.store, config.model, config.version)
+    loaded = store.from_weights_bytes(settings.store, config.manifest, config.version, weights)
     execution = loaded.manifest.execution.model_copy(update={"instances": 1})
     engine = Engine(
         loaded, Precision(config.precision), device, execution=execution, max_batch_size=config.max_batch_size

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from server import precision as prec
+from server import store
 from server.engine import EngineError, EngineInfo, PrecisionOverflowError, available_cores
 from server.isolated import child, shared
 from server.isolated.wire import IN_FRAME, INPUT_REGION, REGION, ChildConfig, Memory, descr, dtype_of, region_sizes
@@ -32,7 +33,7 @@ from server.multiproc.wire import FrameReader, frame
 from server.precision import Precision
 from server.serving import BatchTooLargeError, Outcome, Output
 from server.settings import Settings
-from server.store import Manifest, OverflowPolicy
+from server.store import LoadedModel, OverflowPolicy
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +55,16 @@ _ERRORS: dict[str, Callable[[str], Exception]] = {
 def _error(kind: str, message: str) -> Exception:
     """The exception an instance process reported, as the thread mode would have raised it for the batcher."""
     return _ERRORS.get(kind, EngineError)(message)
+
+
+def _weights_memfd(loaded: LoadedModel) -> int:
+    """A memfd holding ``loaded``'s weights as safetensors bytes (:func:`server.store.weights_bytes`)."""
+    fd = os.memfd_create(f"halfserve-{loaded.manifest.name}-weights")
+    data = store.weights_bytes(loaded.module)
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+    return fd
 
 
 class InstanceProcess(asyncio.Protocol):
@@ -219,13 +230,13 @@ class ProcessEngine:
     def __init__(
         self,
         settings: Settings,
-        manifest: Manifest,
-        version: int,
+        loaded: LoadedModel,
         precision: Precision,
         device: torch.device,
         max_batch_size: int,
         fixed_shapes: bool,
     ) -> None:
+        manifest = loaded.manifest
         self.name = manifest.name
         self.device = device
         self.precision = prec.resolve(precision, device)
@@ -239,7 +250,11 @@ class ProcessEngine:
         self.in_place_bytes = 0
         """Input bytes instance processes read where they lay, in a front-end's shared memory, so far."""
         self._settings = settings.model_copy(update={"admin_token": None, "admin_token_file": None})
-        self._version, self._max_batch_size, self._fixed_shapes = version, max_batch_size, fixed_shapes
+        self._manifest, self._version = manifest, loaded.version
+        self._max_batch_size, self._fixed_shapes = max_batch_size, fixed_shapes
+        self._weights: int | None = None
+        """A memfd of the host weights as safetensors bytes (:meth:`start` writes it), read by every process started,
+        restarts included: they serve what this process loaded, whatever the store holds by then."""
         self._regions = region_sizes(manifest, max_batch_size)
         count = manifest.execution.instances
         # Every core, as each instance thread settles over: on 2 cores two ResNet-20 processes of one thread each
@@ -264,17 +279,17 @@ class ProcessEngine:
     async def start(
         cls,
         settings: Settings,
-        manifest: Manifest,
-        version: int,
+        loaded: LoadedModel,
         precision: Precision,
         device: torch.device,
         max_batch_size: int,
         fixed_shapes: bool,
     ) -> ProcessEngine:
-        """Spawn the model's instance processes and wait until every one is warm; raises
-        :class:`~server.engine.EngineError` (with the process's own error) when one fails to start."""
-        engine = cls(settings, manifest, version, precision, device, max_batch_size, fixed_shapes)
+        """Spawn the model's instance processes, handing them ``loaded``'s host weights, and wait until every one is
+        warm; raises :class:`~server.engine.EngineError` (with the process's own error) when one fails to start."""
+        engine = cls(settings, loaded, precision, device, max_batch_size, fixed_shapes)
         try:
+            engine._weights = await asyncio.to_thread(_weights_memfd, loaded)
             engine.instances = [engine._spawn(i) for i in range(engine._count)]
             readies = await asyncio.wait_for(
                 asyncio.gather(*(i.ready for i in engine.instances)), timeout=READY_TIMEOUT_S
@@ -293,7 +308,7 @@ class ProcessEngine:
         side, their_side = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         config = ChildConfig(
             settings=self._settings,
-            model=self.name,
+            manifest=self._manifest,
             version=self._version,
             precision=self.precision.value,
             max_batch_size=self._max_batch_size,
@@ -309,7 +324,8 @@ class ProcessEngine:
         )
         try:
             process.start()
-            socket.send_fds(ours, [b"m"], [fd])
+            assert self._weights is not None
+            socket.send_fds(ours, [b"m"], [fd, self._weights])
         finally:
             theirs.close()
             their_side.close()
@@ -488,3 +504,6 @@ class ProcessEngine:
                 log.error("instance process %d of model %s did not exit; killing it", instance.index, self.name)
                 process.kill()
                 process.join(EXIT_TIMEOUT_S)
+        if self._weights is not None:
+            os.close(self._weights)
+            self._weights = None

@@ -46,7 +46,8 @@ class ChildConfig:
     """What an instance process is told when it is spawned (pickled by multiprocessing, never read from disk)."""
 
     settings: Settings
-    model: str
+    manifest: store.Manifest
+    """The manifest as the server process serves it (not read again from the store)."""
     version: int
     precision: str
     max_batch_size: int

@@ -206,9 +206,33 @@ async def test_a_precision_switch_starts_new_processes_and_stops_the_old(tmp_pat
         assert (r.status_code, r.json()["precision"]) == (200, "fp32")
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a host without CUDA")
 async def test_an_instance_process_that_cannot_start_fails_the_start_with_its_error(tmp_path: Path) -> None:
     save_tiny_mlp(tmp_path, "tiny")
-    manifest = store.load_manifest(tmp_path / "tiny")
-    elsewhere = Settings(store=tmp_path / "elsewhere")  # the process reads the checkpoint from there: not found
-    with pytest.raises(EngineError, match=r"StoreError: .*elsewhere"):
-        await ProcessEngine.start(elsewhere, manifest, 1, Precision.FP32, torch.device("cpu"), 8, False)
+    loaded = store.load(tmp_path, "tiny")
+    on_cuda = Settings(store=tmp_path, device="cuda")  # what the process resolves: no CUDA here
+    with pytest.raises(EngineError, match=r"ValueError: device 'cuda' requested but CUDA is not available"):
+        await ProcessEngine.start(on_cuda, loaded, Precision.FP32, torch.device("cpu"), 8, False)
+
+
+async def test_instance_processes_serve_the_weights_loaded_not_the_store_now(tmp_path: Path) -> None:
+    save_tiny_mlp(tmp_path, "tiny", execution=Execution(instances=2))
+    async with serving(processes(store=tmp_path, precision="fp32")) as client:
+        before = (await client.post("/predict", json={"inputs": [[0.5] * 16]})).json()["outputs"]
+        # The checkpoint changes on disk (another version saved over it); a restarted process still serves what the
+        # server loaded, as a thread would, until the model is reloaded.
+        save_tiny_mlp(tmp_path, "tiny", seed=1, execution=Execution(instances=2))
+        (tmp_path / "tiny" / "1" / "model.safetensors").write_bytes(b"damaged")
+        pids = (await model(client, "tiny"))["stats"]["instance_pids"]  # type: ignore[index]
+        for pid in pids:
+            os.kill(pid, 9)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            now = (await model(client, "tiny"))["stats"]["instance_pids"]  # type: ignore[index]
+            if not set(now) & set(pids) and all(alive(p) for p in now):
+                break
+            await asyncio.sleep(0.05)
+        else:
+            raise AssertionError("the killed processes were not restarted within 60 s")
+        after = (await client.post("/predict", json={"inputs": [[0.5] * 16]})).json()["outputs"]
+        assert after == before
