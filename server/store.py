@@ -673,12 +673,9 @@ def load(root: Path, name: str, version: int | None = None) -> LoadedModel:
 def weights_bytes(module: nn.Module) -> bytes:
     """``module``'s weights as safetensors bytes, floating ones in fp32, each tensor its own copy (tied weights
     included): how an instance process gets exactly the weights this process loaded (:func:`from_weights_bytes`)."""
-    return save_tensors(
-        {
-            k: (v.detach().float() if v.is_floating_point() else v.detach()).clone()
-            for k, v in module.state_dict().items()
-        }
-    )
+    state = {k: v.detach().float() if v.is_floating_point() else v.detach() for k, v in module.state_dict().items()}
+    # A fresh row-major copy each: safetensors takes neither channels_last weights nor tensors sharing storage.
+    return save_tensors({k: v.clone(memory_format=torch.contiguous_format) for k, v in state.items()})
 
 
 def from_weights_bytes(root: Path, manifest: Manifest, version: int, data: bytes) -> LoadedModel:
