@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib
 import logging
 import math
 import mmap
@@ -70,6 +71,8 @@ def _start(config: ChildConfig, memory: Memory, weights: bytes) -> tuple[Engine,
     settings = config.settings
     set_intra_op_threads(config.cores)
     models.add_code_path(settings.code_path)
+    if config.registers is not None and config.manifest.architecture not in models.names():
+        importlib.import_module(config.registers)  # code the server process imported, not the model folder's
     prec.set_tf32(settings.tf32)
     device = resolve_device(settings.device)
     tune_cudnn(device, config.fixed_shapes)

@@ -24,8 +24,8 @@ from typing import Any, cast
 import numpy as np
 import torch
 
+from server import models, store
 from server import precision as prec
-from server import store
 from server.engine import EngineError, EngineInfo, PrecisionOverflowError, available_cores
 from server.isolated import child, shared
 from server.isolated.wire import IN_FRAME, INPUT_REGION, REGION, ChildConfig, Memory, descr, dtype_of, region_sizes
@@ -306,10 +306,30 @@ class ProcessEngine:
         memory, fd = Memory.create(f"halfserve-{self.name}-{index}", *self._regions)
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         side, their_side = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            return self._start_process(index, memory, fd, (ours, theirs), (side, their_side))
+        except BaseException:
+            for s in (ours, theirs, side, their_side):
+                s.close()
+            with contextlib.suppress(OSError):  # closed already once the process was started
+                os.close(fd)
+            memory.close()
+            raise
+
+    def _start_process(
+        self,
+        index: int,
+        memory: Memory,
+        fd: int,
+        main: tuple[socket.socket, socket.socket],
+        side_channel: tuple[socket.socket, socket.socket],
+    ) -> InstanceProcess:
+        (ours, theirs), (side, their_side) = main, side_channel
         config = ChildConfig(
             settings=self._settings,
             manifest=self._manifest,
             version=self._version,
+            registers=models.registered_in(self._manifest.architecture),
             precision=self.precision.value,
             max_batch_size=self._max_batch_size,
             index=index,

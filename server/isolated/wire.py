@@ -49,6 +49,9 @@ class ChildConfig:
     manifest: store.Manifest
     """The manifest as the server process serves it (not read again from the store)."""
     version: int
+    registers: str | None
+    """The module to import for the manifest's architecture to be registered, as it was in the server process by
+    code it imported (:func:`server.models.registered_in`)."""
     precision: str
     max_batch_size: int
     index: int

@@ -214,6 +214,13 @@ def build(name: str, **kwargs: Any) -> nn.Module:
     return check_module(resolve(name)(**kwargs), name)
 
 
+def registered_in(name: str) -> str | None:
+    """The module whose import registered architecture ``name`` in this process (None: not registered here), so
+    that another process (an instance process) can register it the same way."""
+    factory = _REGISTRY.get(name)
+    return None if factory is None else getattr(factory, "__module__", None)
+
+
 def names() -> list[str]:
     """Registered architecture names, installed packages' included."""
     return sorted({*_REGISTRY, *_installed()})
@@ -240,6 +247,7 @@ __all__ = [
     "build",
     "check_module",
     "check_name",
+    "registered_in",
     "names",
     "register",
     "resolve",
