@@ -32,6 +32,20 @@ os.environ["HALFSERVE_GRPC"] = "false"
 # the event loop's work on it: the tiny models' choice on a quiet host), not from one timed at warm-up, which
 # decides otherwise on a loaded host. Tests of other timings give their own (forward_seconds, settle_threads).
 os.environ["HALFSERVE_FORWARD_SECONDS"] = "1e-06"
+
+PROCESS_ISOLATION = os.environ.get("HALFSERVE_INSTANCE_ISOLATION") == "process"
+"""The suite runs with every engine's instances in processes of their own (.ci/run runs the integration tests so)."""
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not PROCESS_ISOLATION:
+        return
+    skip = pytest.mark.skip(reason="reaches into an engine's instance threads; instances run in processes here")
+    for item in items:
+        if item.get_closest_marker("instance_threads") is not None:
+            item.add_marker(skip)
+
+
 SHIPPED_STORE = ROOT / "model_store"
 
 

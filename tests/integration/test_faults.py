@@ -166,6 +166,7 @@ async def test_a_malformed_deadline_header_is_a_400_naming_it(tiny_store: Path, 
 # Fault isolation -------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.instance_threads
 async def test_a_request_that_breaks_the_model_fails_alone_with_a_500_naming_the_cause(tiny_store: Path) -> None:
     async with serving(Settings(store=tiny_store, precision="fp32", max_delay_ms=100)) as client:
         engine = served(client).engine
@@ -187,6 +188,7 @@ async def test_a_request_that_breaks_the_model_fails_alone_with_a_500_naming_the
     assert stats["split_retries"] >= 1
 
 
+@pytest.mark.instance_threads
 async def test_out_of_memory_shrinks_the_batch_size_and_fails_nobody(tiny_store: Path) -> None:
     async with serving(Settings(store=tiny_store, precision="fp32", max_delay_ms=100, max_batch_size=16)) as client:
         engine = served(client).engine

@@ -28,7 +28,7 @@ pytestmark = pytest.mark.slow
 
 TOKEN = "isolated-test-admin-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
-CRASH, POISON = 777.0, 666.0
+CRASH, POISON, OOM_ABOVE = 777.0, 666.0, 4
 
 FAULTY = textwrap.dedent(
     """
@@ -48,13 +48,15 @@ FAULTY = textwrap.dedent(
                 os._exit(3)  # the process dies, as a segfault in a kernel would take it
             if (x == {poison}).any():
                 raise ValueError("poisoned input")
+            if x.shape[0] > {oom_above} and bool(x.any()):  # not the warm-up's zeros
+                raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {{x.shape[0]}} rows' worth")
             return self.linear(x)
 
 
     def build(in_features: int, out_features: int) -> nn.Module:
         return Faulty(in_features, out_features)
     """
-).format(crash=CRASH, poison=POISON)
+).format(crash=CRASH, poison=POISON, oom_above=OOM_ABOVE)
 
 
 def save_faulty(root: Path, code: Path, instances: int = 1) -> None:
@@ -133,6 +135,19 @@ async def test_a_poisoned_request_fails_alone_and_its_process_keeps_serving(tmp_
         assert statuses == [200, 200, 200, 500, 200, 200, 200]
         assert "poisoned input" in replies[3].json()["error"]
         assert (await model(client, "faulty"))["stats"]["instance_pids"] == pid  # type: ignore[index]
+
+
+async def test_out_of_memory_in_a_process_shrinks_the_batch_size_and_fails_nobody(tmp_path: Path) -> None:
+    save_faulty(tmp_path, tmp_path / "code")
+    settings = processes(store=tmp_path, code_path=[tmp_path / "code"], precision="fp32", max_delay_ms=100)
+    async with serving(settings) as client:
+        replies = await asyncio.gather(
+            *(client.post("/predict", json={"inputs": [[1.0, 2.0, 3.0, float(i)]]}) for i in range(8))
+        )
+        assert [r.status_code for r in replies] == [200] * 8
+        stats = (await model(client, "faulty"))["stats"]
+        # The batcher halved its batch size until a batch fitted: the process raised the batch-too-large error.
+        assert (stats["max_batch_size"], stats["configured_max_batch_size"]) == (OOM_ABOVE, 8)  # type: ignore[index]
 
 
 async def test_a_crashed_instance_process_fails_only_its_request_and_is_restarted(tmp_path: Path) -> None:

@@ -204,6 +204,7 @@ async def post_each_row(client: httpx.AsyncClient, x: np.ndarray, *batches: np.n
     return np.concatenate([r.json()["outputs"] for r in got])
 
 
+@pytest.mark.instance_threads
 async def test_a_cpu_model_whose_forward_is_shorter_than_the_loops_work_runs_on_the_event_loop(tmp_path: Path) -> None:
     save_tiny_mlp(tmp_path, batching=Batching(max_batch_size=8, max_delay_ms=50))
     x = np.random.default_rng(0).standard_normal((8, 16)).astype(np.float32)
@@ -226,6 +227,7 @@ async def test_a_cpu_model_whose_forward_is_shorter_than_the_loops_work_runs_on_
     np.testing.assert_allclose(answers["off"], reference(tmp_path, "tiny", x), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.instance_threads
 async def test_a_pipelined_cpu_model_answers_as_an_eager_one(tmp_path: Path) -> None:
     save_tiny_mlp(tmp_path, batching=Batching(max_batch_size=8, max_delay_ms=50))
     x = np.random.default_rng(0).standard_normal((16, 16)).astype(np.float32)
