@@ -460,19 +460,23 @@ class ProcessEngine:
         if self._closing or not was_ready:
             return
         code = instance.process.exitcode if instance.process is not None else None
-        delay = RESPAWN_DELAYS_S[min(self.crashes, len(RESPAWN_DELAYS_S) - 1)]
-        self.crashes += 1
         log.error(
             "instance process %d of model %s (pid %s) exited with %s; restarting it in %.1fs",
             instance.index,
             self.name,
             instance.pid,
             code,
-            delay,
+            self._schedule_respawn(instance.index),
         )
-        task = self._loop.create_task(self._respawn(instance.index, delay))
+
+    def _schedule_respawn(self, index: int) -> float:
+        """Restart instance process ``index`` after the backoff's next delay; returns the delay."""
+        delay = RESPAWN_DELAYS_S[min(self.crashes, len(RESPAWN_DELAYS_S) - 1)]
+        self.crashes += 1
+        task = self._loop.create_task(self._respawn(index, delay))
         self._respawning.add(task)
         task.add_done_callback(self._respawning.discard)
+        return delay
 
     async def _respawn(self, index: int, delay: float) -> None:
         await asyncio.sleep(delay)
@@ -483,9 +487,13 @@ class ProcessEngine:
             self.instances[index] = instance
             await asyncio.wait_for(instance.ready, timeout=READY_TIMEOUT_S)
         except Exception as e:
-            log.error("instance process %d of model %s did not restart: %s", index, self.name, e)
-            if not self._respawning - {asyncio.current_task()} and not any(i.alive for i in self.instances):
+            if not any(i.alive for i in self.instances):  # nothing else can take them meanwhile
                 self._fail_waiting(EngineError(f"no instance process of model {self.name!r} is running: {e}"))
+            if not self._closing:
+                delay = self._schedule_respawn(index)
+                log.error(
+                    "instance process %d of model %s did not restart (%s); again in %.1fs", index, self.name, e, delay
+                )
             return
         if self._closing:
             instance.stop()
