@@ -241,6 +241,7 @@ async def test_the_repository_gives_the_batcher_one_slot_per_instance(tmp_path: 
         "inductor_compile_seconds": 0.0,
         "on_event_loop": False,  # several instances run batches side by side, each on its own thread
         "pipelined": False,
+        "isolation": "thread",  # a CPU's default
     }
     name, out = served.manifest.inputs[0].name, served.manifest.outputs[0].name
     outs = await asyncio.gather(*(served.submit({name: rows(1, seed=i)}) for i in range(12)))
