@@ -45,7 +45,8 @@ import torch
 from common import IMAGENET, ROOT
 
 from server import hostinfo, models, store
-from server.engine import Engine, tune_cudnn
+from server.compilation import tune_cudnn
+from server.engine import Engine
 from server.loadtest.config import LoadtestConfig
 from server.loadtest.make_bench_model import calibrate
 from server.loadtest.payload import Protocol

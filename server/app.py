@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 import torch
 from fastapi import FastAPI
 
-from server import __version__, api, collector, engine, models, precision
+from server import __version__, api, collector, compilation, models, placement, precision
 from server.api.grpc_service import GrpcServer
 from server.metrics import Metrics
 from server.multiproc.engine_side import Backplane
@@ -80,7 +80,7 @@ def create_app(settings: Settings | None = None, frontends: Frontends | None = N
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         # Process-wide settings, applied here once (never by a constructor).
-        torch.set_num_threads(settings.threads or engine.available_cores())
+        torch.set_num_threads(settings.threads or placement.available_cores())
         models.add_code_path(settings.code_path)
         precision.set_tf32(settings.tf32)
         metrics = Metrics()
@@ -89,7 +89,7 @@ def create_app(settings: Settings | None = None, frontends: Frontends | None = N
         if interval is not None:
             sys.setswitchinterval(interval / 1000.0)
         repo.discover()
-        engine.tune_cudnn(repo.device, repo.fixed_shapes())
+        compilation.tune_cudnn(repo.device, repo.fixed_shapes())
         metrics.watch(lambda: repo.models.values())
         state = AppState(settings, repo, regions, metrics, repository=repo)
         app.state.serving = state

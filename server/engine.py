@@ -20,23 +20,29 @@ import copy
 import inspect
 import logging
 import math
-import os
 import threading
 import time
 import types
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 from torch import nn
 
+from server import compilation, records, store
 from server import precision as prec
-from server import store
 from server.instance import Instance, bucket_for, torch_dtype
+from server.placement import (
+    Placement,
+    intra_op_threads,
+    loop_bound,
+    pads_to_buckets,
+    set_intra_op_threads,
+)
 from server.precision import Precision
 from server.serving import BatchTooLargeError, Outcome, Output
-from server.store import Compile, Execution, Isolation, LoadedModel, Normalize, OverflowPolicy
+from server.store import Compile, Execution, LoadedModel, Normalize, OverflowPolicy
 from server.traced import TracedForward
 
 log = logging.getLogger(__name__)
@@ -136,12 +142,8 @@ class EngineInfo:
     inductor: bool = False
     inductor_compile_seconds: float = 0.0
     """Time spent compiling with TorchInductor at warm-up (each bucket's first forward), all buckets together."""
-    on_event_loop: bool = False
-    """Whether batches run on the event loop's own thread (:attr:`Engine.on_event_loop`), not an instance's."""
-    pipelined: bool = False
-    """Whether batches run as a traced graph beside the event loop, two at a time (:attr:`Engine.pipelined`)."""
-    processes: bool = False
-    """Whether each instance runs in a process of its own (:mod:`server.isolated`)."""
+    placement: Placement = Placement.INSTANCE_THREADS
+    """Where batches run (:mod:`server.placement`)."""
 
 
 def batch_buckets(max_batch_size: int, sizes: list[int] | None = None) -> list[int]:
@@ -170,9 +172,8 @@ class Normalizer:
     """A manifest's :class:`~server.store.Normalize` on one device: ``(x * scale - mean) / std`` in fp32, per channel.
 
     Folded into one multiply-add, ``x * (scale / std) - mean / std``, run by one ``addcmul`` that also widens the
-    input: one pass over the batch instead of four (3.2x faster on a CPU for a batch of 16 ImageNet images, and one
-    kernel launch on a GPU). fp32 whatever the serving precision: the cast to it follows, as it would after a
-    client's own normalisation.
+    input: one pass over the batch instead of four (``docs/benchmarks.md``), and one kernel launch on a GPU. fp32
+    whatever the serving precision: the cast to it follows, as it would after a client's own normalisation.
     """
 
     def __init__(self, spec: Normalize, sample_ndim: int, device: torch.device) -> None:
@@ -276,23 +277,16 @@ class Engine:
         """Intra-op threads chosen by :meth:`settle_threads` (None: the process's setting)."""
         self.loop_bound: bool | None = None
         """Whether a full batch's forward, timed by :meth:`settle_threads`, is shorter than the event loop's work on
-        its requests (:func:`loop_bound`); None until timed."""
-        self.on_event_loop = False
-        """Run each batch on the event loop's own thread, in :meth:`run` (a CPU engine with one instance; the caller
-        decides, as :func:`runs_on_event_loop`). For a forward shorter than the loop's work on its requests: the loop
-        would only wait for it, and handing it to a thread and back costs more than it runs (the thread waits for the
-        GIL to start, the loop for the answer to be posted back)."""
+        its requests (:func:`server.placement.loop_bound`); None until timed."""
+        self.placement = Placement.INSTANCE_THREADS
+        """Where batches run: on the instances' threads until :meth:`place` says otherwise (the repository decides,
+        as :func:`server.placement.choose`)."""
         self.batch_seconds: float | None = None
         """A full batch's forward (:attr:`batch_rows`) on the settled intra-op threads, timed by :meth:`settle_threads`
         (None until)."""
         self.batch_rows = 0
         self.cores = 0
         """The cores :meth:`settle_threads` settled the intra-op threads for (0 until)."""
-        self.pipelined = False
-        """Run each batch as a traced graph in torch's inter-op pool, launched from the event loop's thread and
-        collected there when done (:meth:`pipeline`; the caller decides, as :func:`runs_pipelined`). The loop goes on
-        with requests while the graph runs, without the GIL, on another core; the batcher keeps two batches in
-        flight, so one is read and answered while the other runs."""
         self._traced: TracedForward | None = None
         self._launched: list[_Running] = []
         self._collecting = False
@@ -300,10 +294,11 @@ class Engine:
         self._next = 0
         self._lock = threading.Lock()
         self._compiled_code: types.CodeType | None = None
-        """The code object whose compiled shapes are this engine's (:func:`_own_code`); None when not compiled."""
+        """The code object whose compiled shapes are this engine's (:func:`server.compilation.own_code`); None when not
+        compiled."""
         self._forward: Callable[[torch.Tensor], torch.Tensor] = self._eager
         if self.inductor:
-            own = _own_code(self._eager)
+            own = compilation.own_code(self._eager)
             self._compiled_code = own.__func__.__code__  # type: ignore[attr-defined]
             self._forward = torch.compile(own, dynamic=False)
         self.compile_seconds = 0.0
@@ -335,8 +330,7 @@ class Engine:
             graph_capture_seconds=sum(g.capture_seconds for i in self.instances for g in i.graphs.values()),
             inductor=self.inductor,
             inductor_compile_seconds=self.compile_seconds,
-            on_event_loop=self.on_event_loop,
-            pipelined=self.pipelined,
+            placement=self.placement,
         )
 
     def _prepare(self, t: torch.Tensor) -> torch.Tensor:
@@ -353,99 +347,14 @@ class Engine:
     def _eager(self, t: torch.Tensor) -> torch.Tensor:
         return self._one(self.model(self._prepare(t)))
 
-    def _outputs(self, y: object) -> dict[str, torch.Tensor]:
-        """The model's outputs by name, from what its forward returned: a tensor (one output), a tuple or list (in the
-        manifest's order), or a mapping such as a Hugging Face ``ModelOutput`` (by name)."""
-        names = self.output_names
-        if isinstance(y, torch.Tensor):
-            if len(names) > 1:
-                raise EngineError(f"model returned one tensor; the manifest declares {len(names)} outputs {names}")
-            return {names[0]: y}
-        if isinstance(y, Mapping):
-            missing = [n for n in names if n not in y]
-            if missing:
-                raise EngineError(f"model returned no output named {missing[0]!r} (it returned {list(y)})")
-            outs = {n: y[n] for n in names}
-        elif isinstance(y, tuple | list):
-            if len(y) < len(names):
-                raise EngineError(f"model returned {len(y)} values; the manifest declares {len(names)} outputs {names}")
-            outs = dict(zip(names, y, strict=False))
-        else:
-            raise EngineError(f"model returned {type(y).__name__}, expected a tensor, a tuple or a mapping")
-        for name, t in outs.items():
-            if not isinstance(t, torch.Tensor):
-                raise EngineError(f"model's output {name!r} is {type(t).__name__}, not a tensor")
-        return outs
-
     def _one(self, y: object) -> torch.Tensor:
         """The output of a model with one (a tensor, most often, as it is)."""
-        return y if isinstance(y, torch.Tensor) else self._outputs(y)[self.output_names[0]]
+        return y if isinstance(y, torch.Tensor) else records.named_outputs(y, self.output_names)[self.output_names[0]]
 
-    def _run_records(
-        self, model: nn.Module, batch: np.ndarray, size: int, device: torch.device, precision: Precision
-    ) -> dict[str, torch.Tensor]:
-        """Run a batch of records (padded to ``size`` rows) through ``model``: each input copied to ``device`` and,
-        when floating, cast to ``precision``'s dtype (integer and bool inputs keep theirs)."""
-        rows = len(batch)
-        tensors: dict[str, torch.Tensor] = {}
-        lengths: dict[str, torch.Tensor] = {}
-        for spec in self.manifest.inputs:
-            if spec.mask_for is not None:
-                continue
-            a = batch[spec.name]
-            if spec.variable:
-                lens = batch[spec.name + store.LENGTH]
-                length = store.padded_length(self.manifest, spec, int(lens.max()))
-                a = a[:, :length]  # beyond each row's own length it holds the input's pad value (store.pack)
-                lengths[spec.name] = torch.from_numpy(lens.astype(np.int64)).to(device)
-                if len(lengths) == 1:
-                    real = int(lens.sum())
-                    with self._lock:
-                        self.real_elements += real
-                        self.padded_elements += size * length - real
-            # A copy: a record field is a strided view, which torch takes only with whole-element strides.
-            t = torch.from_numpy(a.copy()).to(device, non_blocking=True)
-            if size > rows:  # padding rows made from the batch's own tensor: its dtype and device
-                t = torch.cat([t, t.new_full((size - rows, *t.shape[1:]), spec.pad)])
-                if spec.name in lengths:
-                    lens_t = lengths[spec.name]
-                    lengths[spec.name] = torch.cat([lens_t, lens_t.new_zeros(size - rows)])
-            tensors[spec.name] = t
-        for spec in self.manifest.inputs:
-            if spec.mask_for is not None:
-                # 1 where the input has a value, 0 where it was padded, in the mask's own datatype.
-                target = tensors[spec.mask_for]
-                positions = torch.arange(target.shape[1], device=target.device)
-                mask = positions.unsqueeze(0) < lengths[spec.mask_for].unsqueeze(1)
-                tensors[spec.name] = mask.to(torch_dtype(spec.datatype.numpy))
-        args = [prec.cast_input(tensors[name], precision) for name in self.input_names]
-        with prec.inference(precision, device):
-            y = model(*args) if self.positional else model(**dict(zip(self.input_names, args, strict=True)))
-        outs = self._outputs(y)
-        for name, t in outs.items():
-            if t.ndim == 0 or t.shape[0] != size:
-                got = "a scalar" if t.ndim == 0 else f"{t.shape[0]} rows"
-                raise EngineError(f"batch size mismatch: output {name!r} has {got} for {size} inputs")
-        return outs
-
-    def _records(self, outs: dict[str, torch.Tensor], rows: int) -> np.ndarray:
-        """The first ``rows`` rows of named device outputs as host records (floating outputs as float32; a variable
-        output's length, the batch's, written from the start of its field)."""
-        records = np.empty(rows, dtype=self.output_records)
-        for name, t in outs.items():
-            t = t[:rows]
-            host = (t.float() if t.is_floating_point() else t).cpu().numpy()
-            field = records[name]
-            if host.shape == field.shape:
-                field[...] = host
-                continue
-            if host.ndim != field.ndim or host.shape[2:] != field.shape[2:] or host.shape[1] > field.shape[1]:
-                raise EngineError(
-                    f"output {name!r} has rows of shape {list(host.shape[1:])}, not {list(field.shape[1:])}"
-                )
-            field[:, : host.shape[1]] = host
-            field[:, host.shape[1] :] = 0
-        return records
+    def _count_padding(self, padding: records.Padding) -> None:
+        with self._lock:  # instances run on their own threads
+            self.real_elements += padding.real
+            self.padded_elements += padding.padded
 
     def _on_device(self, t: torch.Tensor) -> torch.Tensor:
         """Cast and run a batch already on the device, under the precision's context (compiled with ``inductor``)."""
@@ -462,9 +371,12 @@ class Engine:
         if self.named:
             batch = chunks[0] if len(chunks) == 1 else np.concatenate(chunks)
             with inst.on_stream():
-                outs = self._run_records(self.model, batch, size, self.device, self.precision)
+                outs, padding = records.run(
+                    self.manifest, self.model, batch, size, self.device, self.precision, self.positional
+                )
+                self._count_padding(padding)
                 inst.forwards += 1
-                return self._records(outs, rows)
+                return records.to_host(outs, rows, self.output_records)
         with inst.on_stream():
             graph = inst.graphs.get(size)
             if graph is not None and graph.model is self.model and graph.input.dtype == torch_dtype(chunks[0].dtype):
@@ -486,8 +398,10 @@ class Engine:
             raise EngineError("no fp32 weights are kept for reruns (the overflow policy is not rerun_fp32)")
         if self.named:
             with torch.inference_mode():
-                outs = self._run_records(self._fp32, x, len(x), torch.device("cpu"), Precision.FP32)
-            return self._records(outs, len(x))
+                outs, _ = records.run(
+                    self.manifest, self._fp32, x, len(x), torch.device("cpu"), Precision.FP32, self.positional
+                )
+            return records.to_host(outs, len(x), self.output_records)
         t = torch.from_numpy(x)
         if self._normalize_host is not None:
             t = self._normalize_host(t)
@@ -552,7 +466,7 @@ class Engine:
         """
         if self._traced is not None:
             return self._launch(chunks, self._traced)
-        if self.on_event_loop:
+        if self.placement is Placement.EVENT_LOOP:
             return self._run_here(chunks)
         if self._idle:
             inst = self._idle.pop()
@@ -585,10 +499,14 @@ class Engine:
             set_intra_op_threads(self.threads)
 
     @property
-    def pipelines(self) -> bool:
-        """Whether this engine can run as a traced graph beside the event loop (:meth:`pipeline`): on a CPU, one
-        instance, one input, neither padded nor compiled, and not under autocast, whose casts depend on a thread's
-        autocast state where the pool's threads have none."""
+    def instance_count(self) -> int:
+        return len(self.instances)
+
+    @property
+    def traceable(self) -> bool:
+        """Whether this engine can run as a traced graph beside the event loop (:attr:`Placement.BESIDE_LOOP`): on a
+        CPU, one instance, one input, neither padded nor compiled, and not under autocast, whose casts depend on a
+        thread's autocast state where the pool's threads have none."""
         return (
             self.device.type == "cpu"
             and len(self.instances) == 1
@@ -600,24 +518,33 @@ class Engine:
         """The batches this engine takes for a model's ``max_batch_size``: the most rows in one, and how many may be in
         flight at once.
 
-        One in flight per instance, each taking the next batch when it is idle. A pipelined engine has two, each of up
+        One in flight per instance, each taking the next batch when it is idle. One beside the loop has two, each of up
         to half the rows: one is read and answered while the other runs (a whole batch would leave the loop nothing to
         do while it ran).
         """
-        if self.pipelined:
+        if self.placement is Placement.BESIDE_LOOP:
             return max(1, max_batch_size // 2), 2
         return max_batch_size, len(self.instances)
 
-    def pipeline(self, max_batch_size: int) -> None:
-        """Trace the forward and run batches that way from now on (:attr:`pipelined`); raises
-        :class:`~server.traced.TraceRefused` (and changes nothing) when the model cannot run as a traced graph.
+    def place(self, placement: Placement, max_batch_size: int) -> None:
+        """Run batches where ``placement`` says from now on. Beside the loop, the forward is traced first: raises
+        :class:`~server.traced.TraceRefused` (and changes nothing) when the model cannot run as a traced graph, and
+        ``ValueError`` for an engine that cannot be traced (:attr:`traceable`) or placement it cannot take.
 
         The trace is checked on three batches: a full one of zeros (the warm-up's), one row, and a full one of
         values drawn at random.
         """
-        if not self.pipelines:
+        if placement is Placement.INSTANCE_PROCESSES:
+            raise ValueError("an engine's instances run in processes of their own only as server.isolated's engine")
+        if placement is Placement.EVENT_LOOP and (self.device.type != "cpu" or len(self.instances) != 1):
+            raise ValueError("only a CPU engine with one instance runs its batches on the event loop")
+        if placement is not Placement.BESIDE_LOOP:
+            self._traced, self.placement = None, placement
+            return
+        if not self.traceable:
             raise ValueError(
-                "only a CPU engine with one instance and one input, not padded, compiled or autocast, pipelines"
+                "only a CPU engine with one instance and one input, not padded, compiled or autocast, runs beside "
+                "the event loop"
             )
         self._take_threads()  # the inter-op pool's threads take the caller's count when they start
         zeros = torch.from_numpy(self._warm_batch(max_batch_size))
@@ -629,7 +556,7 @@ class Engine:
             traced = TracedForward.trace(self.model, self._eager, [zeros, zeros[:1].clone(), drawn])
         # The pool's threads start now, taking this thread count (OpenMP's is a setting of each thread).
         traced.launch(zeros).wait()
-        self._traced, self.pipelined, self.on_event_loop = traced, True, False
+        self._traced, self.placement = traced, Placement.BESIDE_LOOP
 
     def _launch(self, chunks: list[np.ndarray], traced: TracedForward) -> asyncio.Future[list[Outcome]]:
         """Launch a batch's traced forward and return the future of its outcomes, set when :meth:`_collect` finds the
@@ -699,7 +626,7 @@ class Engine:
     def _make_room_for_compiles(self, sizes: list[int]) -> None:
         """Let each instance's thread keep every one of this engine's compiled shapes."""
         for inst in self.instances:
-            inst.executor.submit(_allow_compiled_shapes, len(sizes)).result()
+            inst.executor.submit(compilation.allow_compiled_shapes, len(sizes)).result()
         self._room_made = True
 
     def _warm_instance(self, inst: Instance, sizes: list[int]) -> None:
@@ -799,7 +726,7 @@ class Engine:
         forward runs eagerly. The engine's own compiled shapes (those of ``code``, its own code object: no other
         engine's) are dropped, then warmed up again.
         """
-        torch._dynamo.eval_frame.remove_from_cache(code)
+        compilation.forget_compiled(code)
         for inst in self.instances:
             inst.executor.submit(set_intra_op_threads, threads).result()
         self.warmup(max_batch_size)
@@ -821,147 +748,6 @@ class Engine:
 def fixed_timing(seconds: float) -> ForwardTiming:
     """A :data:`ForwardTiming` that gives ``seconds`` at any thread count."""
     return lambda threads: seconds
-
-
-def set_intra_op_threads(count: int) -> None:
-    """Set the calling thread's torch intra-op threads to ``count``, for good.
-
-    torch gives a thread its count from the process's last setting (any thread's) when the thread first asks for it
-    or starts parallel work, overwriting a count set on the thread before that: a fresh thread that set 3, while
-    another thread then set 1, had 1 when it next asked. Asking first spends that first time here, so the count set
-    is the thread's until it sets another.
-    """
-    torch.get_num_threads()
-    torch.set_num_threads(count)
-
-
-def available_cores() -> int:
-    """Every core this process may run on (its affinity, which a container's CPU set narrows): torch's intra-op
-    threads when none are set, before each engine settles its own (:meth:`Engine.settle_threads`)."""
-    return len(os.sched_getaffinity(0))
-
-
-LOOP_SECONDS_PER_ROW = 50e-6
-"""About what the event loop spends taking and answering a one-row request: 55-60 us measured on a 2-core AMD EPYC
-(``benchmarks/results/peers-cpu/``), less on faster cores."""
-
-
-def loop_bound(batch_seconds: float, rows: int) -> bool:
-    """Whether a forward of ``rows`` one-row requests taking ``batch_seconds`` is shorter than the event loop's work
-    on those requests (:data:`LOOP_SECONDS_PER_ROW` each): then the loop, not the forward, bounds throughput."""
-    return batch_seconds < rows * LOOP_SECONDS_PER_ROW
-
-
-def runs_on_event_loop(engine: Engine, setting: bool | None) -> bool:
-    """Whether ``engine`` should run its batches on the event loop's thread (:attr:`Engine.on_event_loop`): as
-    ``setting`` says, else where its forward is :func:`loop_bound` and settled on one intra-op thread; only on a CPU,
-    with one instance.
-
-    One thread: a forward on more would make the loop's thread an OpenMP master with its own pool of workers beside
-    the instance's, and GNU OpenMP stops spinning once the pools outnumber the cores (measured only on 2 cores, where
-    a loop-bound forward gets one thread).
-    """
-    if engine.device.type != "cpu" or len(engine.instances) != 1:
-        return False
-    if setting is None:
-        return bool(engine.loop_bound) and engine.threads == 1
-    return setting
-
-
-PIPELINE_MIN_SHARE = 0.1
-"""The least share of the event loop's work on a batch's requests (:data:`LOOP_SECONDS_PER_ROW` each) that its
-forward must take to run beside the loop rather than on it (:func:`runs_pipelined`). Two batches in flight each cost
-the loop its own launch and collection, about what the forward of a few rows saves. On 2 cores the benchmark MLP
-(64 rows in 0.5 ms in bf16, 15% of the loop's work; 1.8 ms in fp32, 56%) answered 4-8% more requests beside the loop
-than on it in bf16 (4 interleaved pairs, every pair) and 30-40% more in fp32; no shorter forward was measured."""
-
-
-PIPELINE_MIN_ROWS = 32
-"""The smallest full batch (``max_batch_size``) run beside the loop by default (:func:`runs_pipelined`): its halves
-must still batch. Measured down to 32, halves of 16 (the peers' batching: 2.25-2.45x TorchServe at c=64). Smaller
-batches were not measured, and a tiny forward's fixed cost makes its share of a few rows' loop work look large and
-unsteady: the tests' 16-wide MLP with a maximum batch of 2 went beside the loop in one run of the suite and not in
-the others, halving its batches to single rows."""
-
-
-def runs_pipelined(engine: Engine, setting: bool | None) -> bool:
-    """Whether ``engine`` should run its batches as a traced graph beside the event loop (:meth:`Engine.pipeline`): as
-    ``setting`` says, else where its forward would run on the loop (:func:`runs_on_event_loop`) and takes at least
-    :data:`PIPELINE_MIN_SHARE` of the loop's work on a full batch of :data:`PIPELINE_MIN_ROWS` or more, with another
-    core for the graph; only an engine that can (:attr:`Engine.pipelines`)."""
-    if not engine.pipelines:
-        return False
-    if setting is not None:
-        return setting
-    if not runs_on_event_loop(engine, None) or engine.batch_seconds is None:
-        return False
-    if engine.cores < 2:  # no other core for the graph to run on: it would only add its launches to the loop's work
-        return False
-    if engine.batch_rows < PIPELINE_MIN_ROWS:
-        return False
-    return engine.batch_seconds >= PIPELINE_MIN_SHARE * engine.batch_rows * LOOP_SECONDS_PER_ROW
-
-
-def intra_op_threads(batch_seconds: float, rows: int, cores: int) -> int:
-    """torch intra-op threads for an engine on ``cores`` whose forward of ``rows`` takes ``batch_seconds`` on all of
-    them: every core but one when the forward takes less than the event loop spends on those rows, every core
-    otherwise.
-
-    Where the forward is the shorter, the event loop bounds throughput, and a forward spread over every core takes
-    the loop's own core from it: on 2 cores the benchmark MLP (a forward of 64 rows in 0.3-0.7 ms in bf16, 1-1.4 ms
-    in fp32) answered 8-15% more requests on one thread. Where the forward is the longer (a convolutional model: tens
-    of milliseconds), it bounds throughput, and one thread fewer cost it a third.
-    """
-    if cores > 1 and loop_bound(batch_seconds, rows):
-        return cores - 1
-    return cores
-
-
-def pads_to_buckets(execution: Execution, device: torch.device) -> bool:
-    """Whether an engine pads batches to bucket sizes: as the manifest says, else on CUDA (fixed shapes for cuDNN and
-    CUDA graphs) and wherever the forward is compiled (a compiled forward runs fixed shapes)."""
-    if execution.pad_to_bucket is not None:
-        return execution.pad_to_bucket
-    return device.type == "cuda" or execution.compile is Compile.INDUCTOR
-
-
-def isolation(execution: Execution, setting: Isolation | None, device: torch.device) -> Isolation:
-    """Where a model's instances run: the server's setting, else the manifest's, else processes on CUDA (where an
-    instance's many torch calls per batch would each wait for the GIL the event loop holds) and threads on a CPU
-    (where a process per instance costs a copy per batch and a copy of the weights, and the forward, not the GIL, is
-    what takes the time)."""
-    chosen = setting or execution.isolation
-    if chosen is not None:
-        return chosen
-    return Isolation.PROCESS if device.type == "cuda" else Isolation.THREAD
-
-
-def tune_cudnn(device: torch.device, fixed_shapes: bool) -> None:
-    """Process-wide: let cuDNN time its algorithms once per input shape and keep the fastest, on a CUDA device whose
-    engines run a few fixed shapes (padded to buckets, each seen at warm-up). With shapes that vary, every new one
-    would pay that timing (about a second per shape for ResNet-50) under load, so it stays off."""
-    torch.backends.cudnn.benchmark = device.type == "cuda" and fixed_shapes
-
-
-def _own_code(method: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
-    """``method`` bound to a copy of its function's code object.
-
-    torch.compile keeps compiled shapes per code object, and every engine's ``_eager`` is one code object: their
-    entries would add up over models, precisions and reloads, none freed, each checked in turn on every call, and past
-    its recompile limit (8) it would run eager forwards and say so only in a log line. With a code object of its own,
-    an engine's compiled shapes are its own and go with it.
-    """
-    fn = method.__func__  # type: ignore[attr-defined]
-    code = fn.__code__.replace()  # an equal code object, not the same one
-    own = types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
-    return types.MethodType(own, method.__self__)  # type: ignore[attr-defined]
-
-
-def _allow_compiled_shapes(count: int) -> None:
-    """Let torch.compile keep ``count`` compiled shapes of one code object on this thread (its default is 8; an
-    engine can have more buckets). Its limits are read on the compiling thread, so an instance sets them on its own."""
-    config = torch._dynamo.config
-    config.cache_size_limit = max(config.cache_size_limit, count)
 
 
 def module_bytes(module: nn.Module) -> int:

@@ -15,20 +15,10 @@ import numpy as np
 from server import fidelity, store, text
 from server import precision as prec
 from server.batching import Batcher, BatchObserver, BatchStats
-from server.engine import (
-    Engine,
-    EngineInfo,
-    available_cores,
-    fixed_timing,
-    isolation,
-    module_bytes,
-    pads_to_buckets,
-    resolve_device,
-    runs_on_event_loop,
-    runs_pipelined,
-)
+from server.engine import Engine, EngineInfo, fixed_timing, module_bytes, resolve_device
 from server.fidelity import Fidelity
 from server.isolated.engine import ProcessEngine
+from server.placement import Placement, available_cores, choose, isolation, pads_to_buckets
 from server.precision import Precision
 from server.serving import (
     InvalidInputError,
@@ -43,6 +33,14 @@ from server.store import Batching, Isolation, LoadedModel, Manifest, StoreError
 from server.traced import TraceRefused
 
 log = logging.getLogger(__name__)
+
+_PLACED = {
+    Placement.INSTANCE_THREADS: "",
+    Placement.EVENT_LOOP: " on the event loop's thread",
+    Placement.BESIDE_LOOP: " traced, beside the event loop",
+    Placement.INSTANCE_PROCESSES: " in processes of their own",
+}
+"""How the ready log line says where a model's batches run."""
 
 CUDA_GIL_SWITCH_INTERVAL_MS = 0.5
 """The switch interval when serving on CUDA: at Python's 5 ms, engine threads wait on the event loop for the GIL
@@ -231,9 +229,10 @@ def _execution(info: EngineInfo) -> dict[str, object]:
         "graph_capture_seconds": round(info.graph_capture_seconds, 4),
         "inductor": info.inductor,
         "inductor_compile_seconds": round(info.inductor_compile_seconds, 4),
-        "on_event_loop": info.on_event_loop,
-        "pipelined": info.pipelined,
-        "isolation": (Isolation.PROCESS if info.processes else Isolation.THREAD).value,
+        "placement": info.placement.value,
+        "on_event_loop": info.placement is Placement.EVENT_LOOP,
+        "pipelined": info.placement is Placement.BESIDE_LOOP,
+        "isolation": (Isolation.PROCESS if info.placement is Placement.INSTANCE_PROCESSES else Isolation.THREAD).value,
     }
 
 
@@ -342,14 +341,13 @@ class ModelRepository:
             except BaseException:
                 engine.close()
                 raise
-        engine.on_event_loop = runs_on_event_loop(engine, self.settings.forward_on_event_loop)
-        if runs_pipelined(engine, self.settings.pipeline_forward):
-            try:
-                await asyncio.to_thread(engine.pipeline, served.batching.max_batch_size)
-            except TraceRefused as e:
-                log.info(
-                    "model %s: batches run eagerly, not as a traced graph beside the event loop: %s", served.name, e
-                )
+        on_loop, beside = self.settings.forward_on_event_loop, self.settings.pipeline_forward
+        placement = choose(engine, on_loop, beside)
+        try:
+            await asyncio.to_thread(engine.place, placement, served.batching.max_batch_size)
+        except TraceRefused as e:
+            log.info("model %s: batches run eagerly, not as a traced graph beside the event loop: %s", served.name, e)
+            engine.place(choose(engine, on_loop, beside_loop=False), served.batching.max_batch_size)
         return engine
 
     async def _check_fidelity(self, served: ServedModel, loaded: LoadedModel, engine: AnyEngine) -> AnyEngine:
@@ -417,13 +415,7 @@ class ModelRepository:
             engine.precision.value,
             served.warmup_seconds,
             info.instances,
-            " in processes of their own"
-            if info.processes
-            else " on the event loop's thread"
-            if info.on_event_loop
-            else " traced, beside the event loop"
-            if info.pipelined
-            else "",
+            _PLACED[info.placement],
             list(info.buckets) or "off",
             f"captured in {info.graph_capture_seconds:.2f}s" if info.cuda_graphs else "off",
             f"compiled in {info.inductor_compile_seconds:.2f}s" if info.inductor else "off",

@@ -96,8 +96,8 @@ class Settings(BaseSettings):
     threads: int | None = Field(default=None, ge=1)
     """torch intra-op threads. Unset: on a CPU, each model's engine times a forward of a full batch at warm-up and
     takes every core this process may run on, or every core but one where that forward is shorter than the event
-    loop's work on the batch's requests (:func:`server.engine.intra_op_threads`): on 2 cores the benchmark MLP answered
-    13-15% more requests on one thread, while a convolutional model lost a third of its throughput on one."""
+    loop's work on the batch's requests (:func:`server.placement.intra_op_threads`): on 2 cores the benchmark MLP
+    answered 13-15% more requests on one thread, while a convolutional model lost a third of its throughput on one."""
     forward_seconds: float | None = Field(default=None, gt=0.0)
     """Seconds a CPU model's forward of a full batch takes, for ``threads``, ``forward_on_event_loop`` and
     ``pipeline_forward`` to be decided from instead of timing one at warm-up: the same choices on every start,
@@ -107,12 +107,12 @@ class Settings(BaseSettings):
     several instances, nor on a GPU). Unset: where the forward of a full batch, timed at warm-up, is shorter than the
     event loop's work on the batch's requests and settles on one intra-op thread (see ``threads``: on 2 cores). The
     loop only waits for such a forward, and handing it to a thread and back costs more than it runs. A longer forward
-    keeps its thread, so the loop goes on reading requests while it runs (:func:`server.engine.runs_on_event_loop`)."""
+    keeps its thread, so the loop goes on reading requests while it runs (:func:`server.placement.choose`)."""
     pipeline_forward: bool | None = None
     """Run a CPU model's batches as a traced TorchScript graph in torch's inter-op pool, launched from the event loop
     and run beside it without the GIL, two batches of up to half ``max_batch_size`` in flight (one CPU instance and one
     input; not with padding, ``inductor`` or autocast). Unset: where the forward would run on the event loop and takes
-    10% or more of the loop's work on a full batch of 32 rows or more (:func:`server.engine.runs_pipelined`), and the
+    10% or more of the loop's work on a full batch of 32 rows or more (:func:`server.placement.choose`), and the
     model traces to a graph that gives its outputs exactly; a model that does not trace runs as it would have."""
     gil_switch_interval_ms: float | None = Field(default=None, gt=0.0, le=100.0)
     """The interpreter's thread switch interval. Unset: 0.5 ms when serving on CUDA (Python's 5 ms default otherwise).
@@ -121,7 +121,7 @@ class Settings(BaseSettings):
     instance_isolation: Isolation | None = None
     """Run every model's engine instances as threads of this process or as processes of their own, whatever its
     manifest's ``execution.isolation`` says. Unset: the manifest's, else per device
-    (:func:`server.engine.isolation`)."""
+    (:func:`server.placement.isolation`)."""
     warmup: bool = True
     admin_token: SecretStr | None = None
     """Bearer token for the management calls (load, unload, reload, precision); without one they answer 403. At

@@ -22,7 +22,8 @@ import torch
 
 from server import store
 from server.batching import Batcher
-from server.engine import Engine, tune_cudnn
+from server.compilation import tune_cudnn
+from server.engine import Engine
 from server.precision import Precision
 from server.store import Compile, Execution
 

@@ -25,10 +25,12 @@ import numpy as np
 
 from server import logs, models, store
 from server import precision as prec
-from server.engine import Engine, fixed_timing, resolve_device, set_intra_op_threads, tune_cudnn
+from server.compilation import tune_cudnn
+from server.engine import Engine, fixed_timing, resolve_device
 from server.instance import Instance, pin_host
 from server.isolated.wire import IN_FRAME, INPUT_REGION, REGION, ChildConfig, Memory, descr, dtype_of
 from server.multiproc.wire import FrameReader, frame
+from server.placement import set_intra_op_threads
 from server.precision import Precision
 from server.serving import Output
 

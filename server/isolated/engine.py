@@ -26,10 +26,11 @@ import torch
 
 from server import models, store
 from server import precision as prec
-from server.engine import EngineError, EngineInfo, PrecisionOverflowError, available_cores
+from server.engine import EngineError, EngineInfo, PrecisionOverflowError
 from server.isolated import child, shared
 from server.isolated.wire import IN_FRAME, INPUT_REGION, REGION, ChildConfig, Memory, descr, dtype_of, region_sizes
 from server.multiproc.wire import FrameReader, frame
+from server.placement import Placement, available_cores
 from server.precision import Precision
 from server.serving import BatchTooLargeError, Outcome, Output
 from server.settings import Settings
@@ -241,8 +242,7 @@ class ProcessEngine:
         self.device = device
         self.precision = prec.resolve(precision, device)
         self.overflow = OverflowPolicy(manifest.overflow)
-        self.on_event_loop = False
-        self.pipelined = False
+        self.placement = Placement.INSTANCE_PROCESSES
         self.real_elements = 0
         self.padded_elements = 0
         self.copied_bytes = 0
@@ -363,7 +363,7 @@ class ProcessEngine:
             buckets=tuple(info["buckets"]),
             instances=len(readies),
             graph_capture_seconds=sum(r["info"]["graph_capture_seconds"] for r in readies),
-            processes=True,
+            placement=Placement.INSTANCE_PROCESSES,
         )
         self._info = EngineInfo(**values)
         self.precision = self._info.precision

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from server import precision, store
-from server.engine import LOOP_SECONDS_PER_ROW, available_cores
+from server.placement import LOOP_SECONDS_PER_ROW, available_cores
 from server.settings import Settings
 from server.store import Batching
 from tests.conftest import needs_cxx, save_tiny_mlp

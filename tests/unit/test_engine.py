@@ -13,6 +13,7 @@ from torch import nn
 from server import store
 from server.batching import Output
 from server.engine import Engine, EngineError, Normalizer, batch_buckets, resolve_device
+from server.placement import Placement
 from server.precision import Precision
 from server.store import Normalize
 from tests.conftest import save_tiny_mlp
@@ -119,7 +120,8 @@ async def test_an_engine_on_the_event_loop_runs_each_batch_there_at_once(
     loaded: store.LoadedModel, threads: int | None
 ) -> None:
     engine = Engine(loaded, Precision.FP32, CPU)
-    engine.on_event_loop, engine.threads = True, threads
+    engine.place(Placement.EVENT_LOOP, 8)
+    engine.threads = threads
     seen: list[tuple[str, int]] = []
     original = engine.model.forward
 

@@ -17,15 +17,10 @@ from pydantic import ValidationError
 
 from server import models, store
 from server.batching import Batcher, Output
-from server.engine import (
-    LOOP_SECONDS_PER_ROW,
-    Engine,
-    fixed_timing,
-    pads_to_buckets,
-    set_intra_op_threads,
-    tune_cudnn,
-)
+from server.compilation import tune_cudnn
+from server.engine import Engine, fixed_timing
 from server.instance import bucket_for, pin_host, pinned
+from server.placement import LOOP_SECONDS_PER_ROW, pads_to_buckets, set_intra_op_threads
 from server.precision import Precision
 from server.store import Batching, Compile, DataType, Execution, Manifest, Normalize, TensorSpec
 from tests.conftest import needs_cxx, save_tiny_mlp
@@ -239,7 +234,8 @@ async def test_the_repository_gives_the_batcher_one_slot_per_instance(tmp_path: 
         "graph_capture_seconds": 0.0,
         "inductor": False,
         "inductor_compile_seconds": 0.0,
-        "on_event_loop": False,  # several instances run batches side by side, each on its own thread
+        "placement": "instance_threads",  # several instances run batches side by side, each on its own thread
+        "on_event_loop": False,
         "pipelined": False,
         "isolation": "thread",  # a CPU's default
     }

@@ -10,17 +10,21 @@ import pytest
 import torch
 
 from server import store
-from server.engine import (
+from server.engine import Engine, fixed_timing
+from server.placement import (
     LOOP_SECONDS_PER_ROW,
-    Engine,
-    fixed_timing,
+    Placement,
+    choose,
     intra_op_threads,
     loop_bound,
-    runs_on_event_loop,
     set_intra_op_threads,
 )
 from server.precision import Precision
 from tests.conftest import save_tiny_mlp, tiny_engines
+
+
+def on_event_loop(engine: Engine, setting: bool | None) -> bool:
+    return choose(engine, on_event_loop=setting, beside_loop=False) is Placement.EVENT_LOOP
 
 
 def test_one_core_is_kept_for_the_event_loop_only_where_the_forward_is_shorter_than_its_work() -> None:
@@ -96,22 +100,22 @@ def test_batches_run_on_the_event_loop_where_the_forward_is_loop_bound_on_a_cpu_
     assert not loop_bound(rows * LOOP_SECONDS_PER_ROW * 1.01, rows)
     one, two = tiny_engines(tmp_path)
     try:
-        assert not runs_on_event_loop(one, None)  # not timed yet
-        assert runs_on_event_loop(one, True)
+        assert not on_event_loop(one, None)  # not timed yet
+        assert on_event_loop(one, True)
         one.settle_threads(8, 2, SHORT)
         two.settle_threads(8, 2, SHORT)
         assert one.loop_bound is two.loop_bound is True
         assert one.threads == 1
-        assert runs_on_event_loop(one, None)
-        assert not runs_on_event_loop(one, False)
-        assert not runs_on_event_loop(two, None)
-        assert not runs_on_event_loop(two, True)  # its instances run batches side by side, each on its thread
+        assert on_event_loop(one, None)
+        assert not on_event_loop(one, False)
+        assert not on_event_loop(two, None)
+        assert not on_event_loop(two, True)  # its instances run batches side by side, each on its thread
         one.threads = 3  # where a loop-bound forward gets more than one thread (4 cores), only when asked
-        assert not runs_on_event_loop(one, None)
-        assert runs_on_event_loop(one, True)
+        assert not on_event_loop(one, None)
+        assert on_event_loop(one, True)
         one.settle_threads(8, 2, fixed_timing(8 * LOOP_SECONDS_PER_ROW * 1.01))  # longer than the loop's work
         assert (one.threads, one.loop_bound) == (2, False)
-        assert not runs_on_event_loop(one, None)
+        assert not on_event_loop(one, None)
     finally:
         one.close()
         two.close()

@@ -1,4 +1,4 @@
-"""A CPU forward traced and run beside the event loop (server.traced, Engine.pipeline, runs_pipelined)."""
+"""A CPU forward traced and run beside the event loop (server.traced, Engine.place, server.placement.choose)."""
 
 from __future__ import annotations
 
@@ -12,13 +12,13 @@ import torch
 from torch import nn
 
 from server import store
-from server.engine import (
+from server.engine import Engine, fixed_timing
+from server.placement import (
+    BESIDE_LOOP_MIN_ROWS,
+    BESIDE_LOOP_MIN_SHARE,
     LOOP_SECONDS_PER_ROW,
-    PIPELINE_MIN_ROWS,
-    PIPELINE_MIN_SHARE,
-    Engine,
-    fixed_timing,
-    runs_pipelined,
+    Placement,
+    choose,
 )
 from server.precision import Precision
 from server.serving import Output
@@ -27,6 +27,10 @@ from tests.conftest import save_tiny_mlp, tiny_engines
 from tests.waiting import DEADLINE_S
 
 CPU = torch.device("cpu")
+
+
+def beside_loop(engine: Engine, setting: bool | None) -> bool:
+    return choose(engine, beside_loop=setting) is Placement.BESIDE_LOOP
 
 
 class Branchy(nn.Module):
@@ -92,17 +96,16 @@ def test_a_model_a_trace_would_get_wrong_is_refused(model: nn.Module, why: str) 
         TracedForward.trace(model, model, batches)
 
 
-async def test_a_pipelined_engine_answers_as_it_runs_batches_eagerly(tmp_path: Path) -> None:
+async def test_an_engine_beside_the_loop_answers_as_it_runs_batches_eagerly(tmp_path: Path) -> None:
     save_tiny_mlp(tmp_path)
     engine = Engine(store.load(tmp_path, "tiny"), Precision.FP32, CPU, max_batch_size=8)
     try:
         assert engine.batches(8) == (8, 1)  # one batch in flight per instance, of up to max_batch_size
-        engine.pipeline(8)
-        assert engine.pipelined
+        engine.place(Placement.BESIDE_LOOP, 8)
+        assert engine.placement is Placement.BESIDE_LOOP
         assert engine.batches(8) == (4, 2)  # two in flight, each of up to half
         assert engine.batches(1) == (1, 2)
-        assert engine.info.pipelined
-        assert not engine.on_event_loop
+        assert engine.info.placement is Placement.BESIDE_LOOP
         rng = np.random.default_rng(0)
         batches = [[rng.standard_normal((n, 16)).astype(np.float32) for n in sizes] for sizes in ((1, 3), (8,), (2,))]
         futures = [engine.run(chunks) for chunks in batches]  # three in flight at once
@@ -138,36 +141,36 @@ async def test_the_event_loop_runs_while_a_traced_forward_does() -> None:
         assert torch.equal(future.value(), model(x))
 
 
-def test_batches_are_pipelined_where_the_forward_is_a_large_enough_share_of_the_loops_work(tmp_path: Path) -> None:
+def test_batches_run_beside_the_loop_where_the_forward_is_a_large_share_of_the_loops_work(tmp_path: Path) -> None:
     one, two = tiny_engines(tmp_path)
     autocast = Engine(store.load(tmp_path, "tiny"), Precision.AUTOCAST, CPU, max_batch_size=8)
     try:
-        assert not runs_pipelined(one, None)  # not timed yet
-        assert runs_pipelined(one, True)
+        assert not beside_loop(one, None)  # not timed yet
+        assert beside_loop(one, True)
         one.settle_threads(8, 2, fixed_timing(8 * LOOP_SECONDS_PER_ROW / 10))  # made up: a tenth of the loop's work
         assert one.loop_bound
         assert one.threads == 1
         assert one.batch_rows == 8
         assert one.batch_seconds is not None
-        one.batch_seconds = PIPELINE_MIN_SHARE * 8 * LOOP_SECONDS_PER_ROW
-        assert not runs_pipelined(one, None)  # a full batch of 8 rows: its halves would hardly batch
-        rows = one.batch_rows = PIPELINE_MIN_ROWS
-        one.batch_seconds = PIPELINE_MIN_SHARE * rows * LOOP_SECONDS_PER_ROW * 0.99
-        assert not runs_pipelined(one, None)  # below the share
-        one.batch_seconds = PIPELINE_MIN_SHARE * rows * LOOP_SECONDS_PER_ROW
-        assert runs_pipelined(one, None)
-        assert not runs_pipelined(one, False)
+        one.batch_seconds = BESIDE_LOOP_MIN_SHARE * 8 * LOOP_SECONDS_PER_ROW
+        assert not beside_loop(one, None)  # a full batch of 8 rows: its halves would hardly batch
+        rows = one.batch_rows = BESIDE_LOOP_MIN_ROWS
+        one.batch_seconds = BESIDE_LOOP_MIN_SHARE * rows * LOOP_SECONDS_PER_ROW * 0.99
+        assert not beside_loop(one, None)  # below the share
+        one.batch_seconds = BESIDE_LOOP_MIN_SHARE * rows * LOOP_SECONDS_PER_ROW
+        assert beside_loop(one, None)
+        assert not beside_loop(one, False)
         one.cores = 1  # no core for the graph beside the loop's
-        assert not runs_pipelined(one, None)
+        assert not beside_loop(one, None)
         one.cores = 2
         one.threads = 2  # a forward on more threads than the loop can spare runs where it would have
-        assert not runs_pipelined(one, None)
+        assert not beside_loop(one, None)
         one.threads, one.loop_bound = 1, False  # longer than the loop's work: on its instance thread, all cores
-        assert not runs_pipelined(one, None)
-        assert not runs_pipelined(two, True)  # several instances run their batches side by side on their threads
-        assert not runs_pipelined(autocast, True)  # its casts follow a thread's autocast state; the pool has none
+        assert not beside_loop(one, None)
+        assert not beside_loop(two, True)  # several instances run their batches side by side on their threads
+        assert not beside_loop(autocast, True)  # its casts follow a thread's autocast state; the pool has none
         with pytest.raises(ValueError, match="autocast"):
-            autocast.pipeline(8)
+            autocast.place(Placement.BESIDE_LOOP, 8)
     finally:
         one.close()
         two.close()

@@ -1,0 +1,41 @@
+"""Compiled forwards and fixed shapes: what torch.compile and cuDNN keep per shape, set up so an engine's own."""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable
+
+import torch
+
+
+def own_code(method: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``method`` bound to a copy of its function's code object.
+
+    torch.compile keeps compiled shapes per code object, and every engine's ``_eager`` is one code object: their
+    entries would add up over models, precisions and reloads, none freed, each checked in turn on every call, and past
+    its recompile limit (8) it would run eager forwards and say so only in a log line. With a code object of its own,
+    an engine's compiled shapes are its own and go with it.
+    """
+    fn = method.__func__  # type: ignore[attr-defined]
+    code = fn.__code__.replace()  # an equal code object, not the same one
+    own = types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    return types.MethodType(own, method.__self__)  # type: ignore[attr-defined]
+
+
+def allow_compiled_shapes(count: int) -> None:
+    """Let torch.compile keep ``count`` compiled shapes of one code object on this thread (its default is 8; an
+    engine can have more buckets). Its limits are read on the compiling thread, so an instance sets them on its own."""
+    config = torch._dynamo.config
+    config.cache_size_limit = max(config.cache_size_limit, count)
+
+
+def forget_compiled(code: types.CodeType) -> None:
+    """Drop every shape compiled for ``code`` (an engine's own, :func:`own_code`), before compiling them again."""
+    torch._dynamo.eval_frame.remove_from_cache(code)
+
+
+def tune_cudnn(device: torch.device, fixed_shapes: bool) -> None:
+    """Process-wide: let cuDNN time its algorithms once per input shape and keep the fastest, on a CUDA device whose
+    engines run a few fixed shapes (padded to buckets, each seen at warm-up). With shapes that vary, every new one
+    would pay that timing (about a second per shape for ResNet-50) under load, so it stays off."""
+    torch.backends.cudnn.benchmark = device.type == "cuda" and fixed_shapes
