@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 import types
 from collections.abc import Callable
 
 import torch
+
+log = logging.getLogger(__name__)
 
 
 def own_code(method: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -22,16 +25,34 @@ def own_code(method: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.
     return types.MethodType(own, method.__self__)  # type: ignore[attr-defined]
 
 
-def allow_compiled_shapes(count: int) -> None:
+# torch.compile's limits and cache are torch._dynamo's, not public API: read where they are, with a way out when a
+# torch release moves them (no upper bound on torch, whose CUDA build a GPU host brings), so a release that renames
+# them costs recompiles under load and a warning, not a failed load.
+_LIMITS = ("recompile_limit", "cache_size_limit")  # the name since torch 2.6, and the one before
+
+
+def allow_compiled_shapes(count: int) -> bool:
     """Let torch.compile keep ``count`` compiled shapes of one code object on this thread (its default is 8; an
-    engine can have more buckets). Its limits are read on the compiling thread, so an instance sets them on its own."""
-    config = torch._dynamo.config
-    config.cache_size_limit = max(config.cache_size_limit, count)
+    engine can have more buckets). Its limits are read on the compiling thread, so an instance sets them on its own.
+    Returns False (and changes nothing) where this torch has no such limit to set."""
+    config = getattr(getattr(torch, "_dynamo", None), "config", None)
+    for name in _LIMITS:
+        if isinstance(getattr(config, name, None), int):
+            setattr(config, name, max(getattr(config, name), count))
+            return True
+    log.warning("torch %s has no torch.compile recompile limit to raise: buckets past 8 run eagerly", torch.__version__)
+    return False
 
 
-def forget_compiled(code: types.CodeType) -> None:
-    """Drop every shape compiled for ``code`` (an engine's own, :func:`own_code`), before compiling them again."""
-    torch._dynamo.eval_frame.remove_from_cache(code)
+def forget_compiled(code: types.CodeType) -> bool:
+    """Drop every shape compiled for ``code`` (an engine's own, :func:`own_code`), before compiling them again.
+    Returns False where this torch has no way to: the shapes then stay, and count toward the recompile limit."""
+    remove = getattr(getattr(getattr(torch, "_dynamo", None), "eval_frame", None), "remove_from_cache", None)
+    if remove is None:
+        log.warning("torch %s cannot drop compiled shapes: the old ones stay cached", torch.__version__)
+        return False
+    remove(code)
+    return True
 
 
 def tune_cudnn(device: torch.device, fixed_shapes: bool) -> None:

@@ -102,3 +102,45 @@ def test_ci_and_the_image_install_from_the_lock() -> None:
     runs = [r for r in re.sub(r"\\\n", " ", dockerfile).splitlines() if r.startswith("RUN ")]
     assert any(re.search(r'(RUN|&&) pip install -c constraints\.txt "\./\[train\]"', r) for r in runs)
     assert "!constraints.txt" in (ROOT / ".dockerignore").read_text().splitlines()
+
+
+INTERNALS = {"uvicorn": ("uvicorn.protocols", "uvicorn.lifespan", "uvicorn.loops", "uvicorn.supervisors")}
+"""Modules of a dependency that are not its public API: code importing them is bound to the releases it was tested
+with. (torch's private calls, in server/compilation.py, are guarded instead: a GPU host brings its own torch.)"""
+
+
+def internal_imports() -> dict[str, set[str]]:
+    """Per dependency, the server's modules that import its internals (a module under :data:`INTERNALS`, or one whose
+    dotted name has a part starting with an underscore)."""
+    import ast
+
+    found: dict[str, set[str]] = {}
+    for path in (ROOT / "server").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = (
+                [node.module or ""]
+                if isinstance(node, ast.ImportFrom) and node.level == 0
+                else [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else []
+            )
+            for name in names:
+                root = name.split(".")[0]
+                private = any(part.startswith("_") for part in name.split(".")[1:])
+                if private or name.startswith(INTERNALS.get(root, ("\0",))):
+                    found.setdefault(root, set()).add(str(path.relative_to(ROOT)))
+    return found
+
+
+def test_a_dependency_whose_internals_are_used_has_an_upper_bound_the_lock_is_within() -> None:
+    used = internal_imports()
+    assert "uvicorn" in used, "server/transport.py builds on uvicorn's httptools protocol"
+    requirements = {canonicalize_name(r.name): r for r in project_requirements()}
+    locked = pins(ENVIRONMENTS[0])
+    for package, where in sorted(used.items()):
+        req = requirements.get(canonicalize_name(package))
+        assert req is not None, f"{sorted(where)} import {package}'s internals, and pyproject.toml does not require it"
+        uppers = [s for s in req.specifier if s.operator in {"<", "<=", "==", "~="}]
+        assert uppers, f"{sorted(where)} import {package}'s internals: pyproject.toml's {req} needs an upper bound"
+        (version,) = locked[canonicalize_name(package)]
+        assert version in req.specifier, f"the lock's {package}=={version} is outside {req}"
