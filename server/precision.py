@@ -8,29 +8,11 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from enum import Enum
 
 import torch
 from torch import nn
 
-
-class Precision(str, Enum):
-    """How a model's forward runs."""
-
-    FP16 = "fp16"
-    """``model.half()``; inputs cast to float16."""
-    BF16 = "bf16"
-    """``model.to(torch.bfloat16)``; inputs cast to bfloat16."""
-    AUTOCAST = "autocast"
-    """fp32 weights, forward under ``torch.autocast`` (fp16 on CUDA, bf16 on CPU): for models that need fp32 islands."""
-    FP32 = "fp32"
-    """The fallback switch: full precision."""
-    AUTO = "auto"
-    """fp16 on CUDA; bf16 on a CPU with native bf16; fp32 otherwise."""
-
-    def __str__(self) -> str:
-        return self.value
-
+from server.manifest import Precision as Precision  # the policy names, torch-free; the dtypes are here
 
 _WEIGHT_DTYPES: dict[Precision, torch.dtype] = {
     Precision.FP16: torch.float16,

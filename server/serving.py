@@ -27,11 +27,10 @@ from typing import TYPE_CHECKING, NamedTuple, Protocol, TypeVar
 import numpy as np
 
 if TYPE_CHECKING:
-    from server.precision import Precision
+    from server.manifest import Batching, Manifest, Precision
     from server.regions import Regions
     from server.repository import ModelRepository
     from server.settings import Settings
-    from server.store import Batching, Manifest
 
 Tensors = Mapping[str, np.ndarray]
 """Named tensors, rows first: a request's inputs by input name, or a prediction's outputs by output name."""

@@ -10,8 +10,7 @@ from typing import Annotated
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from server.precision import Precision
-from server.store import Isolation
+from server.manifest import Isolation, Precision
 
 MIN_ADMIN_TOKEN = 16
 """Shortest admin token accepted."""

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from server.store import LENGTH, Manifest, PackError, check_length
+from server.manifest import LENGTH, Manifest, PackError, check_length
 
 
 class TextError(ValueError):

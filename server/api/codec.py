@@ -1,6 +1,6 @@
 """Tensors on the wire, as numpy arrays: ``/predict``'s JSON samples and KServe V2's datatype names, JSON ``data``
 and binary tensor data extension. A manifest's datatype maps onto the arrays the batcher takes by
-:attr:`server.store.DataType.numpy`, the one such map.
+:attr:`server.manifest.DataType.numpy`, the one such map.
 
 Binary tensor data is little-endian, row-major and unpadded, in the datatype's native size; it follows the JSON
 header in the body, whose length the ``Inference-Header-Content-Length`` header gives. Everything here is numpy:
@@ -19,8 +19,8 @@ import numpy as np
 
 from server import text
 from server.api.errors import APIError
+from server.manifest import PackError, TensorSpec, check_length
 from server.serving import ModelHandle
-from server.store import PackError, TensorSpec, check_length
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
 """The binary tensor extension's header: the byte length of the JSON object at the start of the body."""

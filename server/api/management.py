@@ -16,7 +16,7 @@ from starlette.responses import Response
 from server.api.deps import AUTH_ERRORS, BEARER, json_object, json_response, repository, require_admin
 from server.api.errors import APIError, error_responses, from_exception, json_ok
 from server.api.v2_repository import load_from_store
-from server.precision import Precision
+from server.manifest import Precision
 from server.serving import ModelNotFoundError, ModelNotReadyError
 
 router = APIRouter()

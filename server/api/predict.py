@@ -16,9 +16,9 @@ from server.api.codec import decode_samples, encode_texts
 from server.api.errors import APIError, cut_off_by_shutdown, error_responses, from_exception
 from server.api.limits import TIMEOUT_HEADER, check_size, client_timeout, parse_json, read_body
 from server.api.telemetry import answered, metered, note
+from server.manifest import sent_inputs
 from server.serving import Interface, ModelHandle
 from server.settings import Settings
-from server.store import sent_inputs
 
 router = APIRouter()
 

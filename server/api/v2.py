@@ -54,10 +54,9 @@ from server.api.limits import check_finite, check_size, client_timeout, parse_js
 from server.api.shm import RegionSource, Span, authorised_regions, span
 from server.api.telemetry import answered, metered, note
 from server.api.v2_schema import INFER_SCHEMA
-from server.precision import Precision
+from server.manifest import Manifest, Precision, TensorSpec, sent_inputs
 from server.serving import Interface, ModelHandle, ModelState, Prediction, check_ready
 from server.settings import Settings
-from server.store import Manifest, TensorSpec, sent_inputs
 
 router = APIRouter()
 

@@ -14,7 +14,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from server import store
+from server import manifest as store
 from server.api.deps import (
     AUTH_ERRORS,
     BEARER,
@@ -25,10 +25,9 @@ from server.api.deps import (
     require_admin,
 )
 from server.api.errors import APIError, error_responses, from_exception, json_ok
-from server.precision import Precision
+from server.manifest import Precision, StoreError
 from server.repository import ModelRepository, ServedModel
 from server.serving import ModelState
-from server.store import StoreError
 
 router = APIRouter()
 

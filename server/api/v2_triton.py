@@ -17,9 +17,9 @@ from server.api.deps import json_response, local_model, model_route, repository,
 from server.api.errors import APIError, Responses, error_responses, json_ok
 from server.api.v2 import PLATFORM
 from server.batching import BatchStats
+from server.manifest import InputFormat, Manifest, TensorSpec, sent_inputs
 from server.repository import ServedModel
 from server.serving import check_ready
-from server.store import InputFormat, Manifest, TensorSpec, sent_inputs
 
 router = APIRouter()
 

@@ -29,6 +29,8 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
+from server import manifest as _manifest
+
 ModelFactory = Callable[..., nn.Module]
 F = TypeVar("F", bound=ModelFactory)
 
@@ -240,6 +242,9 @@ def add_code_path(paths: Iterable[Path]) -> None:
 
 # Importing the modules registers their architectures.
 from server.models import cnn, mlp, resnet, transformer  # noqa: E402, F401
+
+# Manifests validate their architecture with this module's check wherever it is imported (a model can be built).
+_manifest.check_architectures_with(check_name)
 
 __all__ = [
     "UnknownArchitectureError",

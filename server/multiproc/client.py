@@ -20,9 +20,9 @@ from typing import Any, cast
 
 import orjson
 
+from server.manifest import Batching, Manifest, Precision
 from server.multiproc import wire
 from server.multiproc.wire import FrameReader, Segment
-from server.precision import Precision
 from server.serving import (
     Interface,
     ModelNotReadyError,
@@ -33,7 +33,6 @@ from server.serving import (
     find,
 )
 from server.settings import Settings
-from server.store import Batching, Manifest
 from server.transport import CoalescedWrites
 
 Answer = Callable[[dict[str, Any], bytearray], Any]

@@ -15,9 +15,10 @@ from typing import Any, cast
 
 import orjson
 
-from server import store
+from server import manifest as store
 from server.instance import pin_host
 from server.isolated import shared
+from server.manifest import LENGTH
 from server.metrics import Metrics
 from server.multiproc.wire import (
     HELLO_BYTES,
@@ -32,7 +33,6 @@ from server.multiproc.wire import (
 from server.regions import Regions
 from server.repository import ModelRepository
 from server.serving import Interface, ModelNotReadyError, Prediction, Tensors, check_ready, error_to_wire
-from server.store import LENGTH
 from server.transport import CoalescedWrites
 
 log = logging.getLogger(__name__)
