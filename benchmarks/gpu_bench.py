@@ -528,7 +528,7 @@ def main() -> None:
         default="resnet50",
         help="resnet50 (registered, torchvision's layers; default) or torchvision:resnet50 (needs torchvision)",
     )
-    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "gpu")
+    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "tmp" / "gpu_bench")
     args = p.parse_args()
     if args.load_generator == "wrk" and not (args.duration.is_integer() and args.warmup.is_integer()):
         p.error("--load-generator wrk takes whole seconds for --duration and --warmup (wrk -d)")

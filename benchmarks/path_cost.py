@@ -17,7 +17,7 @@ with the request rate and the mean batch. The default workload is the serving pa
 Source trees run interleaved (A, B, A, B, ...), since runs on a shared host move by 10-20% between minutes; a rev is
 a commit, checked out in a temporary git worktree, or ``.`` for this working tree:
 
-    python benchmarks/path_cost.py --revs HEAD~1,. --rounds 3 --out benchmarks/results/path-cost-cpu/ab
+    python benchmarks/path_cost.py --revs HEAD~1,. --rounds 3 --out /tmp/path-cost
 
 ``--protocols`` (comma-separated) compares ways of sending the image, interleaved too; ``v2-shm`` sends it through the
 system shared memory extension: the server reads it from a registered region (one region, read by every request), so

@@ -13,7 +13,7 @@ For each precision it measures, in one run:
 Usage (wrk from Debian's package), from the repository root:
     python benchmarks/serve_bench.py --model digits_mlp --precisions bf16,fp32 --out /tmp/serve_bench
     python benchmarks/serve_bench.py --model digits_mlp --precisions fp32,bf16 --protocols predict,v2-json,v2-binary \\
-        --duration 5 --out benchmarks/results/cpu_serve_digits_mlp                 # the committed run
+        --duration 5 --out benchmarks/results/serve-throughput-cpu/digits_mlp      # the committed run
 """
 
 from __future__ import annotations
@@ -140,7 +140,7 @@ def main() -> None:
         help=f"comma-separated, of {', '.join(PROTOCOLS)} (default: predict)",
     )
     p.add_argument("--port", type=int, default=8471)
-    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "cpu")
+    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "tmp" / "serve_bench")
     args = p.parse_args()
     unknown = [x for x in args.protocols if x not in PROTOCOLS]
     if unknown:

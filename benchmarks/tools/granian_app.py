@@ -9,7 +9,7 @@ Two entry points, both built from ``HALFSERVE_*`` settings in the environment (`
   else 404. No limits, timeouts or draining: a probe of the fastest this server's hot path could go through granian.
 
 granian is not one of the project's dependencies; install it into a scratch virtual environment beside the
-project (``benchmarks/results/peers-cpu/README.md``, section "granian" has the commands and the numbers)::
+project (``benchmarks/results/granian-vs-uvicorn-cpu/README.md`` has the commands and the numbers)::
 
     granian --interface rsgi --workers 1 --loop uvloop --port 8094 --no-ws \\
       --working-dir benchmarks/tools granian_app:rsgi
