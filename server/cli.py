@@ -5,23 +5,65 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import shutil
 import socket
 import sys
 import tempfile
+import typing
 from collections.abc import Sequence
+from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
+from pydantic.fields import FieldInfo
+from pydantic_core import PydanticUndefined
 
 from server.loadtest import cli as loadtest_cli
-from server.precision import Precision
-from server.settings import LogFormat
+from server.settings import Settings
 from server.training import cli as train_cli
 
 if TYPE_CHECKING:
     from server.multiproc.supervisor import Frontends
+
+
+def _help(name: str, field: FieldInfo) -> str:
+    """A setting's ``--help`` line: its docstring's first sentence, without markup, and its default."""
+    text = " ".join((field.description or name.replace("_", " ")).split())
+    text = re.sub(r":\w+:`~?([^`]+)`", r"\1", text.replace("``", "`")).replace("`", "")
+    first = re.split(r"(?<=[.])\s", text, maxsplit=1)[0].rstrip(".")
+    default = field.default
+    if isinstance(default, Enum):
+        default = default.value
+    if isinstance(default, bool):
+        default = "on" if default else "off"
+    shown = "" if default is None or default is PydanticUndefined or default == [] else f" (default: {default})"
+    return (first[0].lower() + first[1:] + shown).replace("%", "%%")
+
+
+def add_settings_flags(p: argparse.ArgumentParser) -> None:
+    """A flag per :class:`~server.settings.Settings` field, named, typed and explained by the field itself: ``--x-y``
+    for ``x_y``, its choices from its enum, ``--x/--no-x`` for a switch, its help from its docstring."""
+    for name, field in Settings.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        kind = field.annotation
+        args = typing.get_args(kind)
+        if type(None) in args:  # Optional[X]: the flag takes X
+            kind = next(a for a in args if a is not type(None))
+        kwargs: dict[str, Any] = {"help": _help(name, field), "default": None}
+        if kind is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        elif isinstance(kind, type) and issubclass(kind, Enum):
+            kwargs["choices"] = [e.value for e in kind]
+        elif typing.get_origin(kind) is list:
+            if typing.get_args(kind) == (Path,):  # a folder per flag, repeatable
+                kwargs.update(action="append", type=Path, metavar="DIR")
+            else:  # comma-separated, as in the environment
+                kwargs["metavar"] = "A,B"
+        elif kind in (int, float, Path):
+            kwargs["type"] = kind
+        p.add_argument(flag, **kwargs)
 
 
 def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -30,116 +72,7 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="serve the models of a model store over HTTP",
         description="Serve a model store. Every flag has a HALFSERVE_<FLAG> environment variable; flags win.",
     )
-    p.add_argument("--store", help="model store folder (default: model_store)")
-    p.add_argument(
-        "--code-path",
-        type=Path,
-        action="append",
-        metavar="DIR",
-        help="a folder put on the import path for 'module:factory' architectures (repeatable)",
-    )
-    p.add_argument("--models", help="comma-separated subset of the store's models to serve")
-    p.add_argument("--host", help="address to bind (default: 127.0.0.1)")
-    p.add_argument("--port", type=int, help="port (default: 8000)")
-    p.add_argument("--grpc-port", type=int, help="port of the KServe V2 gRPC service (default: 8001)")
-    p.add_argument(
-        "--grpc", action=argparse.BooleanOptionalAction, default=None, help="serve KServe V2 over gRPC (default: on)"
-    )
-    p.add_argument("--device", help="auto, cpu, cuda or cuda:N (default: auto)")
-    p.add_argument(
-        "--precision",
-        choices=[x.value for x in Precision],
-        help="override every model's precision; fp32 is the fallback switch",
-    )
-    p.add_argument("--max-batch-size", type=int, help="override every model's max_batch_size")
-    p.add_argument("--max-delay-ms", type=float, help="override every model's max_delay_ms")
-    p.add_argument("--max-queue-rows", type=int, help="override every model's max_queue_rows")
-    p.add_argument(
-        "--adaptive-delay",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="override every model's adaptive_delay: an idle model waits no longer than its recent batches took, "
-        "nor once its clients are back",
-    )
-    p.add_argument(
-        "--request-timeout-ms",
-        type=float,
-        help="override every model's request_timeout_ms: a request not started by then is answered 504",
-    )
-    p.add_argument("--max-body-bytes", type=int, help="largest request body accepted, else 413 (default: 64 MiB)")
-    p.add_argument(
-        "--max-request-rows", type=int, help="most rows per inference request (default: the model's max_batch_size)"
-    )
-    p.add_argument("--max-request-elements", type=int, help="most input values per inference request (default: 2^24)")
-    p.add_argument(
-        "--max-json-values", type=int, help="most values and containers in a JSON request body (default: 2^19)"
-    )
-    p.add_argument(
-        "--max-compression-ratio",
-        type=float,
-        help="how many times its size a gzip/deflate body may inflate to past its first MiB, else 413 (default: 100)",
-    )
-    p.add_argument("--header-timeout", type=float, help="seconds to send a request's headers, else 408 (default: 10)")
-    p.add_argument("--body-timeout", type=float, help="seconds a body may stall between bytes, else 408 (default: 30)")
-    p.add_argument("--max-url-bytes", type=int, help="longest request target, else 414 (default: 8192)")
-    p.add_argument("--max-header-bytes", type=int, help="most header bytes per request, else 431 (default: 65536)")
-    p.add_argument("--max-connections", type=int, help="open connections per process, else 503 (default: 1024)")
-    p.add_argument(
-        "--allowed-hosts",
-        help="comma-separated names the Host header may carry, *.example.com for subdomains, else 400 (default: any)",
-    )
-    p.add_argument(
-        "--drain-timeout",
-        type=float,
-        help="seconds a shutdown waits for requests in flight before cancelling them (default: 30)",
-    )
-    p.add_argument(
-        "--http-workers",
-        type=int,
-        help="HTTP front-end processes feeding this process's engines (default: 1, no front-ends); for GPU hosts",
-    )
-    p.add_argument("--threads", type=int, help="torch intra-op threads (default: one per core)")
-    p.add_argument(
-        "--instance-isolation",
-        choices=["thread", "process"],
-        help="run engine instances as threads of this process or as processes of their own (default: the manifest's "
-        "execution.isolation, else processes on CUDA and threads on a CPU)",
-    )
-    p.add_argument(
-        "--gil-switch-interval-ms",
-        type=float,
-        help="the interpreter's thread switch interval (default: 0.5 on CUDA, Python's 5 elsewhere)",
-    )
-    p.add_argument(
-        "--forward-on-event-loop",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="run CPU batches on the event loop's thread (default: where a full batch's forward is shorter than the "
-        "loop's work on its requests, on one thread)",
-    )
-    p.add_argument(
-        "--pipeline-forward",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="run CPU batches as a traced graph beside the event loop, two in flight (default: where the forward would "
-        "run on the loop and takes 10%% or more of the loop's work on a full batch of 32+ rows, if the model traces)",
-    )
-    p.add_argument(
-        "--tf32",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="let fp32 use TF32 on Ampere+ GPUs (default: off, fp32 is IEEE fp32)",
-    )
-    p.add_argument(
-        "--admin-token",
-        help="bearer token that enables the management calls; shows in ps: prefer HALFSERVE_ADMIN_TOKEN or the file",
-    )
-    p.add_argument("--admin-token-file", type=Path, help="file holding the admin token (a mounted secret)")
-    p.add_argument("--no-warmup", dest="warmup", action="store_false", default=None, help="skip warm-up at load")
-    p.add_argument("--no-docs", dest="docs", action="store_false", default=None, help="serve no Swagger UI at /docs")
-    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
-    p.add_argument("--log-format", choices=[f.value for f in LogFormat], help="text (default) or json, one per line")
-    p.add_argument("--access-log", action="store_true", default=None, help="log every request (slower)")
+    add_settings_flags(p)
     p.set_defaults(func=serve)
 
 
@@ -162,7 +95,7 @@ def serve(args: argparse.Namespace) -> int:
     except (ValidationError, store.StoreError, ValueError, models.UnknownArchitectureError) as e:
         print(f"halfserve serve: {e}", file=sys.stderr)
         return 2
-    log_config = logs.configure(settings.log_format, settings.log_level, settings.access_log)
+    log_config = logs.configure(settings.log_format, settings.log_level.value, settings.access_log)
     if args.admin_token is not None:
         logging.getLogger(__name__).warning(
             "--admin-token shows in the process list (ps, /proc); pass HALFSERVE_ADMIN_TOKEN or --admin-token-file"

@@ -16,6 +16,15 @@ MIN_ADMIN_TOKEN = 16
 """Shortest admin token accepted."""
 
 
+class LogLevel(str, Enum):
+    """The least severe log lines written."""
+
+    DEBUG = "debug"
+    INFO = "info"
+    WARNING = "warning"
+    ERROR = "error"
+
+
 class LogFormat(str, Enum):
     """How log lines are written."""
 
@@ -28,7 +37,9 @@ class LogFormat(str, Enum):
 class Settings(BaseSettings):
     """Everything the server reads at start-up. Per-model settings live in each model's manifest."""
 
-    model_config = SettingsConfigDict(env_prefix="HALFSERVE_", extra="forbid")
+    model_config = SettingsConfigDict(env_prefix="HALFSERVE_", extra="forbid", use_attribute_docstrings=True)
+    # Each field's docstring is its description: the first sentence is its ``halfserve serve --help`` line
+    # (server.cli builds the flags from these fields), the rest its documentation.
 
     store: Path = Path("model_store")
     """The model store folder."""
@@ -38,7 +49,9 @@ class Settings(BaseSettings):
     models: Annotated[list[str], NoDecode] = Field(default_factory=list)
     """Serve only these models (comma-separated in the environment); empty serves every model in the store."""
     host: str = "127.0.0.1"
+    """The address to bind."""
     port: int = Field(default=8000, ge=0, le=65535)
+    """The HTTP port."""
     grpc: bool = True
     """Serve the KServe V2 protocol over gRPC too (``inference.GRPCInferenceService`` and ``grpc.health.v1``), on
     ``host``:``grpc_port``."""
@@ -49,8 +62,11 @@ class Settings(BaseSettings):
     precision: Precision | None = None
     """Override every manifest's precision; ``fp32`` is the fallback switch."""
     max_batch_size: int | None = Field(default=None, ge=1, le=8192)
+    """Override every manifest's ``batching.max_batch_size``."""
     max_delay_ms: float | None = Field(default=None, ge=0.0, le=10_000.0)
+    """Override every manifest's ``batching.max_delay_ms``."""
     max_queue_rows: int | None = Field(default=None, ge=1)
+    """Override every manifest's ``batching.max_queue_rows``: rows queued beyond it are answered 503."""
     adaptive_delay: bool | None = None
     """Override every manifest's ``batching.adaptive_delay``."""
     request_timeout_ms: float | None = Field(default=None, gt=0.0, le=3_600_000.0)
@@ -122,6 +138,7 @@ class Settings(BaseSettings):
     manifest's ``execution.isolation`` says. Unset: the manifest's, else per device
     (:func:`server.placement.isolation`)."""
     warmup: bool = True
+    """Warm every model up at load (each batch bucket, CUDA graphs, compiles) before it takes requests."""
     admin_token: SecretStr | None = None
     """Bearer token for the management calls (load, unload, reload, precision); without one they answer 403. At
     least 16 characters. Prefer the environment or ``admin_token_file``: a command-line flag shows in ``ps``."""
@@ -131,8 +148,10 @@ class Settings(BaseSettings):
     docs: bool = True
     """Serve Swagger UI at ``/docs`` (a pinned release with subresource integrity, loaded by the browser from
     jsDelivr). ``/openapi.json`` is served either way."""
-    log_level: str = "info"
+    log_level: LogLevel = LogLevel.INFO
+    """The least severe log lines written."""
     log_format: LogFormat = LogFormat.TEXT
+    """``text`` for people, ``json`` (one object per line) for log collectors."""
     access_log: bool = False
     """Log every request; inference requests with their request id, model, precision, status and duration."""
 

@@ -162,15 +162,20 @@ class DirectCycle(RequestResponseCycle):
         self.on_response()
 
 
+def _default(name: str) -> Any:
+    """A setting's default, written once, in :class:`~server.settings.Settings`."""
+    return Settings.model_fields[name].default
+
+
 @dataclass(frozen=True)
 class HttpLimits:
-    """What one connection may take of a process (settings of the same names)."""
+    """What one connection may take of a process: the settings of the same names, with their defaults."""
 
-    header_timeout: float = 10.0
-    body_timeout: float = 30.0
-    max_url_bytes: int = 8192
-    max_header_bytes: int = 65536
-    max_connections: int = 1024
+    header_timeout: float = _default("header_timeout")
+    body_timeout: float = _default("body_timeout")
+    max_url_bytes: int = _default("max_url_bytes")
+    max_header_bytes: int = _default("max_header_bytes")
+    max_connections: int = _default("max_connections")
 
 
 class _Refused(Exception):
@@ -478,7 +483,7 @@ def uvicorn_config(
         app,
         **where,
         http=LimitedHttpProtocol.with_limits(http_limits(settings), direct),
-        log_level=settings.log_level,
+        log_level=settings.log_level.value,
         log_config=log_config,
         access_log=settings.access_log,
         # uvicorn waits this long for requests in flight, then cancels them; float seconds work despite its hint.

@@ -43,7 +43,7 @@ OUTPUT_ALIGN = 64
 def run(config: ChildConfig, sock: socket.socket, side: socket.socket) -> None:
     """The process's main (multiprocessing's target)."""
     settings = config.settings
-    logs.configure(settings.log_format, settings.log_level)
+    logs.configure(settings.log_format, settings.log_level.value)
     # The server process decides when instances stop: Ctrl-C reaches the whole process group, and a container's
     # SIGTERM the server process, which drains its batchers and then tells each instance to exit.
     signal.signal(signal.SIGINT, signal.SIG_IGN)

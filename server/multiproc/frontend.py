@@ -198,7 +198,7 @@ def run(
 ) -> None:
     """A front-end process's main: serve ``sock`` (the listening socket every front-end shares) until told to stop."""
 
-    log_config = logs.configure(settings.log_format, settings.log_level, settings.access_log)
+    log_config = logs.configure(settings.log_format, settings.log_level.value, settings.access_log)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per relayed request otherwise
     app = FrontendApp(settings, api_socket, backplane_socket, secret, index)
     DrainingServer(uvicorn_config(app, settings, log_config, api.direct_routes(app)), app.begin_drain).run(

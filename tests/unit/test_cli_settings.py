@@ -1,0 +1,72 @@
+"""``halfserve serve``'s flags are the server's settings: one name, default and help for each, in Settings."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from server.cli import build_parser
+from server.manifest import Precision
+from server.settings import LogLevel, Settings
+from server.transport import HttpLimits
+
+
+def serve_parser() -> argparse.ArgumentParser:
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    parser: argparse.ArgumentParser = sub.choices["serve"]
+    return parser
+
+
+def given(argv: list[str]) -> dict[str, object]:
+    args = build_parser().parse_args(["serve", *argv])
+    return {k: v for k, v in vars(args).items() if k in Settings.model_fields and v is not None}
+
+
+def test_every_setting_is_a_flag_and_every_flag_a_setting() -> None:
+    flags = {
+        s.removeprefix("--").replace("-", "_")
+        for a in serve_parser()._actions
+        for s in a.option_strings
+        if s.startswith("--") and not s.startswith("--no-") and s != "--help"
+    }
+    assert flags == set(Settings.model_fields)
+
+
+def test_flags_parse_into_the_settings_they_name(tmp_path: Path) -> None:
+    settings = Settings(
+        **given(
+            [
+                "--max-body-bytes=2048",
+                "--header-timeout=2.5",
+                "--no-warmup",
+                "--grpc",
+                "--precision=bf16",
+                "--models=a,b",
+                f"--code-path={tmp_path}",
+                f"--code-path={tmp_path / 'more'}",
+                "--log-level=warning",
+            ]
+        )
+    )
+    assert (settings.max_body_bytes, settings.header_timeout) == (2048, 2.5)
+    assert (settings.warmup, settings.grpc) == (False, True)
+    assert settings.precision is Precision.BF16
+    assert settings.models == ["a", "b"]
+    assert settings.code_path == [tmp_path, tmp_path / "more"]
+    assert settings.log_level is LogLevel.WARNING
+    assert given([]) == {}  # a flag not given leaves the setting to the environment and its default
+
+
+@pytest.mark.parametrize("name", ["max_connections", "body_timeout", "port", "log_format"])
+def test_a_flags_help_shows_the_settings_own_default(name: str) -> None:
+    (action,) = [a for a in serve_parser()._actions if a.dest == name]
+    default = Settings.model_fields[name].default
+    assert f"(default: {getattr(default, 'value', default)})" in str(action.help)
+
+
+def test_the_http_limits_defaults_are_the_settings() -> None:
+    limits = HttpLimits()
+    for name in ("header_timeout", "body_timeout", "max_url_bytes", "max_header_bytes", "max_connections"):
+        assert getattr(limits, name) == Settings.model_fields[name].default
