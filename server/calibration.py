@@ -350,16 +350,14 @@ def _texts(lines: list[str], manifest: Manifest, tokenizer: Path | None, where: 
         encoder = text.encoder_at(tokenizer, manifest)
     except text.TextError as e:
         raise CalibrationError(f"{where}: {e}") from None
-    ids: list[np.ndarray] = []
-    for i, line in enumerate(lines):
-        try:
-            encoded = encoder.encode([line], f"{where}: text {i + 1}")
-        except text.TextError as e:
-            message = str(e)
-            if "max_length" in message:
-                message += " (--truncate cuts texts as it cuts requests)"
-            raise CalibrationError(message) from None
-        ids.append(encoded[encoder.spec.name][0])
+    try:
+        encoded = encoder.encode(lines, f"{where}: text")
+    except text.TextError as e:
+        raise CalibrationError(
+            str(e).replace("(or set truncate)", "(or import with --truncate: it cuts texts as it cuts requests)")
+        ) from None
+    lengths = encoded[encoder.spec.name + LENGTH]
+    ids = [row[:n] for row, n in zip(encoded[encoder.spec.name], lengths, strict=True)]
     arrays = _ragged(ids, encoder.spec, where)
     return Samples(arrays, source.format(n=len(lines)))
 
