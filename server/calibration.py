@@ -170,7 +170,7 @@ def read(path: Path, manifest: Manifest, tokenizer: Path | None = None) -> Sampl
     try:
         if suffix == ".txt":
             lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-            return _texts(lines[:MAX_SAMPLES], manifest, tokenizer, where, f"texts from {path} ({{n}} lines)")
+            return _text_file(lines[:MAX_SAMPLES], manifest, tokenizer, where, path)
         if suffix == ".jsonl":
             return _jsonl(path, specs, manifest, tokenizer, where)
         if suffix == ".npy":
@@ -309,8 +309,7 @@ def _jsonl(path: Path, specs: list[TensorSpec], manifest: Manifest, tokenizer: P
     for t in specs:
         values = samples[t.name]
         if texts is not None and t.name == texts.feeds and all(isinstance(v, str) for v in values):
-            tokenized = _texts(values, manifest, tokenizer, where, "")
-            arrays.update(tokenized.arrays)
+            arrays.update(_texts(values, manifest, tokenizer, where))
             continue
         try:
             rows = [np.asarray(v, dtype=np.float64 if t.datatype.numpy.kind == "f" else np.int64) for v in values]
@@ -334,16 +333,22 @@ def _names(manifest: Manifest) -> list[str]:
     return names + ([f"{manifest.text.input} (text)"] if manifest.text is not None else [])
 
 
-def _texts(lines: list[str], manifest: Manifest, tokenizer: Path | None, where: str, source: str) -> Samples:
-    """Texts tokenized as requests are (:class:`server.text.Encoder`: their ``max_length`` and ``truncate``)."""
+def _text_file(lines: list[str], manifest: Manifest, tokenizer: Path | None, where: str, path: Path) -> Samples:
+    if manifest.text is not None:
+        others = [t.name for t in store.sent_inputs(manifest) if t.name != manifest.text.feeds]
+        if others:
+            raise CalibrationError(
+                f"{where}: a file of texts feeds {manifest.text.feeds!r} alone; the model also takes "
+                f"{others}: give them together in a .jsonl file"
+            )
+    return Samples(_texts(lines, manifest, tokenizer, where), f"texts from {path} ({len(lines)} lines)")
+
+
+def _texts(lines: list[str], manifest: Manifest, tokenizer: Path | None, where: str) -> dict[str, np.ndarray]:
+    """Texts as token ids (and each one's length), tokenized as requests are (:class:`server.text.Encoder`: the
+    input's ``max_length`` and ``truncate``)."""
     if manifest.text is None or tokenizer is None:
         raise CalibrationError(f"{where}: texts need a text input (--text, with the folder's tokenizer.json)")
-    others = [t.name for t in store.sent_inputs(manifest) if t.name != manifest.text.feeds]
-    if others and source:
-        raise CalibrationError(
-            f"{where}: a file of texts feeds {manifest.text.feeds!r} alone; the model also takes "
-            f"{others}: give them together in a .jsonl file"
-        )
     if not lines:
         raise CalibrationError(f"{where}: no texts (one per line)")
     try:
@@ -358,8 +363,7 @@ def _texts(lines: list[str], manifest: Manifest, tokenizer: Path | None, where: 
         ) from None
     lengths = encoded[encoder.spec.name + LENGTH]
     ids = [row[:n] for row, n in zip(encoded[encoder.spec.name], lengths, strict=True)]
-    arrays = _ragged(ids, encoder.spec, where)
-    return Samples(arrays, source.format(n=len(lines)))
+    return _ragged(ids, encoder.spec, where)
 
 
 def _images(folder: Path, specs: list[TensorSpec], manifest: Manifest, where: str) -> Samples:
