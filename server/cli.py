@@ -157,9 +157,25 @@ def _add_import(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     p.add_argument("--output", action="append", metavar="NAME:DTYPE:SHAPE", help="default: from one forward")
     p.add_argument("--max-length", type=int, help="the longest length of variable (-1) inputs")
     p.add_argument("--mask", metavar="NAME", help="an attention mask input the server builds for the variable input")
+    p.add_argument(
+        "--truncate", action="store_true", help="cut requests (and texts) longer than --max-length instead of refusing"
+    )
+    p.add_argument(
+        "--accept-padding-variance",
+        action="store_true",
+        help="import a model whose answers change with the batch's padding (manifest padding_invariant: false)",
+    )
     p.add_argument("--text", metavar="NAME", help="a text input tokenized with the folder's tokenizer.json")
-    p.add_argument("--labels", type=Path, help="text file with one class name per line (the first output's)")
-    p.add_argument("--calibration", type=Path, help=".npy (one input), .npz or .safetensors samples by input name")
+    p.add_argument(
+        "--labels",
+        type=Path,
+        help="text file with one class name per line (the first output's); default: a Hugging Face folder's id2label",
+    )
+    p.add_argument(
+        "--calibration",
+        type=Path,
+        help=".npy (one input), .npz, .safetensors or .jsonl samples by input name, .txt texts, or a folder of images",
+    )
     p.add_argument("--samples", type=int, default=64, help="random calibration samples without --calibration")
     p.add_argument("--min-agreement", type=float, help="serve in fp32 below this top-1 agreement (the manifest's)")
     p.add_argument("--store", type=Path, default=Path("model_store"), help="model store folder (default: model_store)")
@@ -176,8 +192,10 @@ def import_(args: argparse.Namespace) -> int:
         models.add_code_path(args.code_path or [])
         labels = args.labels.read_text().split() if args.labels else None
         fields: dict[str, object] = {"min_agreement": args.min_agreement} if args.min_agreement is not None else {}
+        if args.accept_padding_variance:
+            fields["padding_invariant"] = False
         inputs = importer.sequence_inputs(
-            [importer.parse_tensor(t, "--input") for t in args.input], args.max_length, args.mask
+            [importer.parse_tensor(t, "--input") for t in args.input], args.max_length, args.mask, args.truncate
         )
         if args.input_format is not None:
             inputs = importer.with_format(inputs, args.input_format)

@@ -23,16 +23,14 @@ from typing import Protocol
 
 import numpy as np
 import torch
-from safetensors.numpy import load_file
 
-from server import store
+from server import calibration, store
 from server.engine import Engine
 from server.precision import Precision
-from server.store import Manifest, StoreError
+from server.store import Manifest
 
-CALIBRATION = "calibration.safetensors"
-MAX_SAMPLES = 4096
-"""Calibration rows read at most (the rest are ignored): enough for an agreement figure, bounded in load time."""
+CALIBRATION = calibration.CALIBRATION
+MAX_SAMPLES = calibration.MAX_SAMPLES
 
 
 @dataclass(frozen=True)
@@ -52,33 +50,10 @@ class Fidelity:
 
 def read_samples(version_dir: Path, manifest: Manifest) -> np.ndarray | None:
     """A version's calibration samples as the engine takes rows (the one input's array, or records), or ``None``
-    when it has none. Raises :class:`StoreError` naming the file for samples that do not fit the manifest."""
-    path = version_dir / CALIBRATION
-    if not path.is_file():
-        return None
-    try:
-        tensors = load_file(str(path))
-    except Exception as e:  # safetensors raises its own error types for corrupt headers
-        raise StoreError(f"{path}: cannot read calibration samples ({e})") from None
-    names = [t.name for t in store.sent_inputs(manifest)]
-    if sorted(tensors) != sorted(names):
-        raise StoreError(f"{path}: holds {sorted(tensors)}; calibration samples need one tensor per input, {names}")
-    rows = {len(a) for a in tensors.values()}
-    if len(rows) != 1 or 0 in rows:
-        raise StoreError(f"{path}: every input needs the same number of rows (at least one), got {sorted(rows)}")
-    arrays = {}
-    for spec in store.sent_inputs(manifest):
-        a = tensors[spec.name][:MAX_SAMPLES]
-        fits = a.ndim == len(spec.shape) + 1 and list(a.shape[2:]) == spec.shape[1:]
-        if not fits or (not spec.variable and list(a.shape[1:]) != spec.shape):
-            raise StoreError(f"{path}: {spec.name!r} has samples of shape {list(a.shape[1:])}, not {spec.shape}")
-        arrays[spec.name] = a.astype(spec.datatype.numpy, copy=False)
-    if not store.packs_records(manifest):
-        return np.ascontiguousarray(arrays[names[0]])
-    try:
-        return store.pack(manifest, arrays)
-    except store.PackError as e:
-        raise StoreError(f"{path}: {e}") from None
+    when it has none (:func:`server.calibration.stored`). Raises :class:`StoreError` naming the file for samples that
+    do not fit the manifest."""
+    samples = calibration.stored(version_dir, manifest)
+    return None if samples is None else samples.rows(manifest)
 
 
 class Computes(Protocol):

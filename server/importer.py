@@ -14,29 +14,26 @@ from __future__ import annotations
 
 import json
 import pickle
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from pydantic import ValidationError
-from safetensors.numpy import load_file as load_numpy
-from safetensors.numpy import save_file as save_numpy
 from safetensors.torch import load_file
 from torch import nn
 
-from server import fidelity, models, precision, store
+from server import calibration, fidelity, models, padding, precision, store
+from server.calibration import Samples
 from server.engine import Engine, takes_positionally
 from server.instance import torch_dtype
 from server.store import DataType, InputFormat, Manifest, StoreError, TensorSpec
 
-RANDOM_SAMPLES = 64
-SAMPLE_LENGTH = 16
-"""The length of random samples (and of the forward that derives outputs) for a variable input."""
-INT_RANGE = 100
-"""Random integer inputs are drawn from ``[0, INT_RANGE)`` (token ids of a small vocabulary, class indices)."""
+RANDOM_SAMPLES = calibration.RANDOM_SAMPLES
+SAMPLE_LENGTH = calibration.SAMPLE_LENGTH
+"""The length of the forward that derives outputs, for a variable input."""
 _DTYPES = {
     torch.float32: DataType.FP32,
     torch.float16: DataType.FP32,
@@ -88,13 +85,17 @@ def with_format(inputs: list[TensorSpec], text: str) -> list[TensorSpec]:
     return [TensorSpec.model_validate({**t.model_dump(), "format": layout}) if t.name in images else t for t in inputs]
 
 
-def sequence_inputs(inputs: list[TensorSpec], max_length: int | None, mask: str | None) -> list[TensorSpec]:
-    """``inputs`` with ``max_length`` on the variable ones, and the attention mask input named ``mask`` (built by the
-    server for the first variable input) after them."""
+def sequence_inputs(
+    inputs: list[TensorSpec], max_length: int | None, mask: str | None, truncate: bool = False
+) -> list[TensorSpec]:
+    """``inputs`` with ``max_length`` (and ``truncate``: longer requests cut, not refused) on the variable ones, and
+    the attention mask input named ``mask`` (built by the server for the first variable input) after them."""
     variable = [t for t in inputs if t.variable]
     if variable and max_length is None:
         raise ImportFailure(f"--input {variable[0].name!r} has a variable length (-1): give --max-length")
-    out = [t.model_copy(update={"max_length": max_length}) if t.variable else t for t in inputs]
+    if truncate and not variable:
+        raise ImportFailure("--truncate needs an --input with a variable length (-1)")
+    out = [t.model_copy(update={"max_length": max_length, "truncate": truncate}) if t.variable else t for t in inputs]
     if mask is not None:
         if not variable:
             raise ImportFailure("--mask needs an --input with a variable length (-1)")
@@ -162,53 +163,13 @@ def derive_outputs(module: nn.Module, inputs: list[TensorSpec]) -> list[TensorSp
     return specs
 
 
-def calibration_samples(path: Path | None, inputs: list[TensorSpec], count: int) -> tuple[dict[str, np.ndarray], str]:
-    """Samples by input name, and where they came from: ``path`` (``.npy`` for a model with one input; ``.npz`` or
-    ``.safetensors`` by input name), else ``count`` random rows of the declared shapes."""
-    inputs = [t for t in inputs if t.mask_for is None]  # masks are built by the server
-    if path is None:
-        rng = np.random.default_rng(0)
-        samples = {}
-        for t in inputs:
-            shape = (count, *t.bounded(min(SAMPLE_LENGTH, t.max_length or SAMPLE_LENGTH)))
-            kind = t.datatype.numpy.kind
-            if kind == "f":
-                samples[t.name] = rng.standard_normal(shape).astype(t.datatype.numpy)
-            elif kind == "b":
-                samples[t.name] = rng.integers(0, 2, shape).astype(bool)
-            else:
-                samples[t.name] = rng.integers(0, INT_RANGE, shape).astype(t.datatype.numpy)
-        return samples, f"{count} random samples of the declared shapes (normal floats, integers in [0, {INT_RANGE}))"
-    try:
-        if path.suffix == ".npy":
-            if len(inputs) != 1:
-                raise ImportFailure(f"--calibration {path}: a .npy file feeds one input; use .npz or .safetensors")
-            samples = {inputs[0].name: np.load(path, allow_pickle=False)}
-        elif path.suffix == ".npz":
-            with np.load(path, allow_pickle=False) as f:
-                samples = {k: f[k] for k in f.files}
-        elif path.suffix == ".safetensors":
-            samples = load_numpy(str(path))
-        else:
-            raise ImportFailure(f"--calibration {path}: expected a .npy, .npz or .safetensors file")
-    except (OSError, ValueError) as e:
-        raise ImportFailure(f"--calibration {path}: cannot read it ({e})") from None
-    for t in inputs:
-        a = samples.get(t.name)
-        if a is None:
-            raise ImportFailure(f"--calibration {path}: no samples for input {t.name!r} (it has {sorted(samples)})")
-        if list(a.shape[1:]) != t.shape:
-            raise ImportFailure(f"--calibration {path}: {t.name!r} samples are {list(a.shape[1:])}, not {t.shape}")
-        samples[t.name] = a.astype(t.datatype.numpy)
-    return {t.name: samples[t.name] for t in inputs}, f"{len(samples[inputs[0].name])} samples from {path}"
-
-
 @dataclass
 class Imported:
     version_dir: Path
     manifest: Manifest
     samples_from: str
     fidelity: fidelity.Fidelity | None
+    padding: padding.PaddingCheck | None = None
 
 
 def import_model(
@@ -260,10 +221,20 @@ def import_model(
         store.load_weights(module, read_state_dict(source), source, architecture)
     module = module.float().eval()
     outputs = outputs or derive_outputs(module, inputs)
+    if hugging_face and labels is None:
+        labels = hugging_face_labels(source, outputs[0])
     manifest = _manifest({**draft.model_dump(exclude_none=True), "outputs": outputs, "labels": labels})
-    given, samples_from = calibration_samples(calibration, inputs, samples)
+    given = _samples(calibration, manifest, module, samples, source if hugging_face else None)
+    # Checked before anything is written: a refused model leaves no version behind.
+    unsaved = store.LoadedModel(manifest, 0, module, source)
+    try:
+        padded = padding.check(unsaved, given)
+    except (StoreError, RuntimeError, ValueError, IndexError) as e:
+        raise ImportFailure(f"the model fails on its calibration samples ({given.source}): {e}") from None
+    if padded is not None and not padded.invariant and not padded.accepted:
+        raise ImportFailure(f"{source}: {padding.reason(padded, unsaved)}")
     vdir = _copy_folder(source, root, manifest) if hugging_face else store.save(root, manifest, module)
-    save_numpy(given, str(vdir / fidelity.CALIBRATION))
+    given.save(vdir)
     measured = _measure(root, name, int(vdir.name), device or precision.default_device())
     if measured is not None:
         half = measured.precision
@@ -275,7 +246,41 @@ def import_model(
         }
         manifest = manifest.model_copy(update={"evaluation": evaluation})
         store.write_manifest(root, manifest)
-    return Imported(vdir, manifest, samples_from, measured)
+    return Imported(vdir, manifest, given.source, measured, padded)
+
+
+def _samples(path: Path | None, manifest: Manifest, module: nn.Module, count: int, folder: Path | None) -> Samples:
+    """The calibration samples: read from ``path`` (texts tokenized with ``folder``'s tokenizer), else random."""
+    if path is None:
+        return calibration.random_samples(store.sent_inputs(manifest), count, calibration.int_range(module))
+    tokenizer = folder / manifest.text.tokenizer if folder is not None and manifest.text is not None else None
+    return calibration.read(path, manifest, tokenizer)
+
+
+GENERIC_LABEL = re.compile(r"LABEL_\d+")
+"""The names transformers gives classes it was not told the names of."""
+
+
+def hugging_face_labels(folder: Path, output: TensorSpec) -> list[str] | None:
+    """The class names in a Hugging Face folder's ``config.json`` (``id2label``), one per value of ``output``'s last
+    dimension; ``None`` where it has none, they are the generic ``LABEL_0``, ``LABEL_1``..., or they do not fit."""
+    try:
+        id2label = json.loads((folder / "config.json").read_text()).get("id2label")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if not isinstance(id2label, dict):
+        return None
+    try:
+        by_id = {int(k): v for k, v in id2label.items()}
+    except (TypeError, ValueError):
+        return None
+    classes = output.shape[-1]
+    if sorted(by_id) != list(range(classes)) or not all(isinstance(v, str) and v for v in by_id.values()):
+        return None
+    labels = [by_id[i] for i in range(classes)]
+    if all(GENERIC_LABEL.fullmatch(label) for label in labels):
+        return None
+    return labels
 
 
 def _manifest(fields: dict[str, Any]) -> Manifest:
@@ -361,6 +366,13 @@ def describe(result: Imported) -> str:
         lines.append(
             f"  {f.precision} vs fp32: top-1 agreement {top1}, max abs error {f.max_abs_error:.4g}, "
             f"max rel error {f.max_rel_error:.4g}"
+        )
+    p = result.padding
+    if p is not None:
+        lines.append(
+            f"  padding: a sample alone and padded to {p.padded_to} differ by {p.max_rel_diff:.3g} of the output "
+            f"(tolerance {p.tolerance:g}, {p.samples} samples in fp32)"
+            + ("" if p.invariant else ": ANSWERS CHANGE WITH PADDING, accepted by --accept-padding-variance")
         )
     return "\n".join(lines)
 

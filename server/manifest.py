@@ -369,6 +369,10 @@ class Manifest(BaseModel):
     min_agreement: float | None = Field(default=None, gt=0.0, le=1.0)
     """Serve in fp32 instead when the half precision's top-1 agreement with fp32 on the version's calibration samples
     (:mod:`server.fidelity`) is below this."""
+    padding_invariant: bool = True
+    """A model with a variable dimension must answer a sample alone as it does in a batch padded to a longer one
+    (checked at import and at load, :mod:`server.padding`); ``false`` serves one whose answers change with the batch's
+    padding, with a warning, where it would be refused."""
     allow_nonfinite_inputs: bool = False
     """Accept NaN and infinite input values (only binary tensors can carry them); refused with a 400 otherwise."""
     normalize: Normalize | None = None

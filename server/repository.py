@@ -12,12 +12,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from server import fidelity, store, text
+from server import calibration, fidelity, padding, store, text
 from server import precision as prec
 from server.batching import Batcher, BatchObserver, BatchStats
 from server.engine import Engine, EngineInfo, fixed_timing, module_bytes, resolve_device
 from server.fidelity import Fidelity
 from server.isolated.engine import ProcessEngine
+from server.padding import PaddingCheck
 from server.placement import Placement, available_cores, choose, isolation, pads_to_buckets
 from server.precision import Precision
 from server.serving import (
@@ -72,6 +73,10 @@ class ServedModel:
     """Half precision against fp32 on the version's calibration samples, measured at load (None: not measured)."""
     fp32_fallback: str | None = None
     """Why the model is served in fp32 although its precision is a half one (its min_agreement was not met)."""
+    calibration: str | None = None
+    """Where the version's stored calibration samples came from (None: it stores none)."""
+    padding: PaddingCheck | None = None
+    """The padding-invariance check at load (None: no variable dimension, or not checked)."""
     loaded_at: float = field(default_factory=time.time)
     final_stats: BatchStats | None = None
     """The statistics of the last batcher, kept once it is released (for the drain report)."""
@@ -212,6 +217,8 @@ class ServedModel:
             "fidelity": self.fidelity.as_dict() if self.fidelity is not None else None,
             "min_agreement": m.min_agreement,
             "fp32_fallback": self.fp32_fallback,
+            "calibration": self.calibration,
+            "padding": self.padding.as_dict() if self.padding is not None else None,
             "warmup_seconds": round(self.warmup_seconds, 4),
             "execution": _execution(info) if info else m.execution.model_dump(mode="json"),
             "loaded_at": self.loaded_at,
@@ -376,6 +383,12 @@ class ModelRepository:
         engine.close()
         return await self._engine(served, loaded, Precision.FP32)
 
+    @staticmethod
+    async def _check_padding(served: ServedModel, loaded: LoadedModel) -> None:
+        """Refuse a model whose answers change with padding (:mod:`server.padding`), before an engine is built."""
+        served.calibration = await asyncio.to_thread(calibration.source_of, loaded.path.parent)
+        served.padding = await asyncio.to_thread(padding.at_load, loaded)
+
     async def _load(self, served: ServedModel) -> None:
         precision = self.precisions.get(served.name) or self.settings.precision or served.manifest.precision
         loaded = await asyncio.to_thread(store.load, self.settings.store, served.name, served.version)
@@ -385,6 +398,7 @@ class ModelRepository:
                 await asyncio.to_thread(text.encoder, self.settings.store, served.name, served.version, loaded.manifest)
             except text.TextError as e:
                 raise StoreError(str(e)) from None
+        await self._check_padding(served, loaded)
         engine = await self._engine(served, loaded, precision)
         if engine.precision is not Precision.FP32:
             try:

@@ -91,7 +91,12 @@ def encoder(store: Path, name: str, version: int, manifest: Manifest) -> Encoder
     """The encoder of model ``name`` at ``version`` in ``store``; its tokenizer is read once (again when the file
     changes)."""
     assert manifest.text is not None
-    path = store / name / str(version) / manifest.text.tokenizer
+    return encoder_at(store / name / str(version) / manifest.text.tokenizer, manifest)
+
+
+def encoder_at(path: Path, manifest: Manifest) -> Encoder:
+    """The encoder of ``manifest``'s text input with the tokenizer file ``path`` (a version's, or the folder
+    ``halfserve import`` reads, whose calibration texts are tokenized as requests will be)."""
     try:
         mtime = path.stat().st_mtime
     except FileNotFoundError:

@@ -221,9 +221,11 @@ def test_a_hugging_face_text_classifier_with_its_tokenizer_takes_text(
         "-m", "server", "import", str(folder), "--store", str(store_dir), "--name", "reviews",
         "--architecture", "transformers:AutoModelForSequenceClassification",
         "--input", "input_ids:INT64:-1", "--max-length", "64", "--mask", "attention_mask", "--text", "text",
-        "--labels", str(labels),
+        "--labels", str(labels), "--calibration", str(EXAMPLES / "hf_text_classifier" / "corpus.txt"),
     )  # fmt: skip
     assert "inputs  input_ids INT64 [-1], attention_mask INT64 [-1]" in printed
+    assert "calibration: texts from" in printed
+    assert "corpus.txt (14 lines)" in printed
     texts = ["This review is positive: fast and cheap.", "A short reply."]
     answers = {}
     for precision in ("bf16", "fp32"):
