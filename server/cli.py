@@ -45,6 +45,24 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument(
         "--grpc", action=argparse.BooleanOptionalAction, default=None, help="serve KServe V2 over gRPC (default: on)"
     )
+    p.add_argument("--grpc-max-streams", type=int, help="calls open at once per gRPC connection (default: 32)")
+    p.add_argument(
+        "--grpc-idle-timeout",
+        type=float,
+        help="seconds a gRPC connection may go without a call, or a stream without a request, before it is closed "
+        "(default: 60)",
+    )
+    p.add_argument(
+        "--grpc-pending-bytes",
+        type=int,
+        help="bytes that gRPC calls still receiving their request message may hold in all (default: 256 MiB)",
+    )
+    p.add_argument(
+        "--grpc-compression",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="accept gzip/deflate-compressed gRPC messages (default: off, refused)",
+    )
     p.add_argument("--device", help="auto, cpu, cuda or cuda:N (default: auto)")
     p.add_argument(
         "--precision",
