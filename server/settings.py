@@ -57,6 +57,20 @@ class Settings(BaseSettings):
     ``host``:``grpc_port``."""
     grpc_port: int = Field(default=8001, ge=0, le=65535)
     """The gRPC port (Triton's default, 8001)."""
+    grpc_max_streams: int = Field(default=32, ge=1, le=65536)
+    """Calls (HTTP/2 streams) one gRPC connection may have open at once; the server advertises it, and a client that
+    opens more has them refused by the protocol (``SETTINGS_MAX_CONCURRENT_STREAMS``)."""
+    grpc_idle_timeout: float = Field(default=60.0, gt=0.0, le=86400.0)
+    """Seconds a gRPC connection may go without a call before the server closes it (``GOAWAY``; clients reconnect on
+    their next call); also how long a ``ModelStreamInfer`` stream may wait for its next request."""
+    grpc_pending_bytes: int = Field(default=256 * 2**20, ge=2**20)
+    """Bytes that gRPC calls still receiving their request message may hold in all. Each such call is counted at the
+    largest message the server accepts (the models' largest request, at most ``max_body_bytes``); a call past the
+    budget is refused (``RESOURCE_EXHAUSTED``) before its message is read."""
+    grpc_compression: bool = False
+    """Accept gzip- and deflate-compressed gRPC messages. Off: refused (``UNIMPLEMENTED``), as no ratio can be
+    checked (the gRPC runtime inflates a message before the server sees it) and zeros compress a thousandfold. On: a
+    message still inflates to no more than the largest message the server accepts."""
     device: str = "auto"
     """``auto`` (CUDA when present), ``cpu``, ``cuda`` or ``cuda:N``."""
     precision: Precision | None = None
@@ -89,13 +103,17 @@ class Settings(BaseSettings):
     """Seconds a connection may take to send a request's line and headers, from when it opens or the request's first
     byte arrives; then 408 and the connection is closed (an idle or trickling connection holds a socket)."""
     body_timeout: float = Field(default=30.0, gt=0.0, le=3600.0)
-    """Seconds a request body may go without a byte arriving; then 408 and the connection is closed."""
+    """Seconds a request body may go without a byte arriving; then 408 and the connection is closed. On the gRPC
+    port, the seconds a call's request message may take to arrive whole, from the call's start
+    (``DEADLINE_EXCEEDED``)."""
     max_url_bytes: int = Field(default=8192, ge=256)
     """Longest request target (path and query); a longer one gets 414 before it is read whole."""
     max_header_bytes: int = Field(default=65536, ge=1024)
     """Most bytes of header names and values in one request; more gets 431 before they are read whole."""
     max_connections: int = Field(default=1024, ge=1)
-    """Open HTTP connections per process; one more is answered 503 and closed at once."""
+    """Open HTTP connections per process; one more is answered 503 and closed at once. The gRPC port takes as many
+    connections (one more is closed at once), and runs as many inference calls at once (one more is
+    ``RESOURCE_EXHAUSTED``)."""
     allowed_hosts: Annotated[list[str], NoDecode] = Field(default_factory=list)
     """Names the ``Host`` header may carry (``api.example.com``, ``*.example.com``; comma-separated in the
     environment); anything else is a 400, so a name rebound to this server's address reads nothing. Empty (the

@@ -111,8 +111,16 @@ def infer_payload(request: Any, served: ModelHandle) -> tuple[dict[str, Any], me
 def _typed_bytes(tensor: Any, field: str) -> bytes:
     """An input's typed ``contents`` as the binary data of its datatype."""
     contents = tensor.contents
+    # Python's integers, not numpy's: a shape of huge dimensions must not wrap around to a small count.
+    want = element_count(list(tensor.shape)) if len(tensor.shape) else 0
     if tensor.datatype == "BYTES":
-        return encode_bytes(list(contents.bytes_contents))
+        entries = contents.bytes_contents
+        if len(entries) != want:  # counted before a bytes object is made for each
+            shape = list(tensor.shape)
+            raise APIError(
+                400, f"{field}.contents.bytes_contents: {len(entries)} values, but shape {shape} holds {want}"
+            )
+        return encode_bytes(list(entries))
     typed = _TYPED_FIELDS.get(tensor.datatype)
     if typed is None:
         if tensor.datatype in (WireType.FP16.value, WireType.BF16.value):
@@ -122,8 +130,6 @@ def _typed_bytes(tensor: Any, field: str) -> bytes:
         return b""  # an unknown datatype: parse_request names it
     name, dtype = typed
     values = getattr(contents, name)
-    # Python's integers, not numpy's: a shape of huge dimensions must not wrap around to a small count.
-    want = element_count(list(tensor.shape)) if len(tensor.shape) else 0
     if len(values) != want:
         shape = list(tensor.shape)
         raise APIError(400, f"{field}.contents.{name}: {len(values)} values, but shape {shape} holds {want}")

@@ -9,10 +9,14 @@ code (:data:`STATUS_CODES`), its message unchanged.
 Management calls (repository load and unload and index, shared memory registration) need the admin token as the
 ``authorization: Bearer <token>`` metadata, as the HTTP routes need the header.
 
-Limits of the transport itself: a message over ``max_body_bytes`` is refused (``RESOURCE_EXHAUSTED``) before it is
-parsed, metadata over ``max_header_bytes`` too; a connection that has not finished its HTTP/2 handshake within
-``header_timeout`` is closed; at most ``max_connections`` calls run at once (one more is ``RESOURCE_EXHAUSTED``), and
-a stream has at most :data:`STREAM_IN_FLIGHT` requests in flight.
+Limits of the transport itself (:mod:`server.api.grpc_limits`): a message over the largest request a served model
+takes (at most ``max_body_bytes``) is refused (``RESOURCE_EXHAUSTED``) before it is read whole, compressed ones
+unless ``grpc_compression``, metadata over ``max_header_bytes`` too; a connection that has not finished its HTTP/2
+handshake within ``header_timeout`` is closed, one idle for ``grpc_idle_timeout`` too, and one past
+``max_connections``; a connection has at most ``grpc_max_streams`` calls open. A call's request message must arrive
+whole within ``body_timeout`` (``DEADLINE_EXCEEDED``), and calls receiving one share ``grpc_pending_bytes``; at most
+``max_connections`` inference calls run at once (one more is ``RESOURCE_EXHAUSTED``), and a stream has at most
+:data:`STREAM_IN_FLIGHT` requests in flight. The health checks are counted in none of these but their own.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from server import grpc_messages as pb
 from server.api.deps import check_admin, of_version, why_not_ready
 from server.api.errors import APIError, cut_off_by_shutdown, from_exception
 from server.api.grpc_codec import infer_payload, infer_response
+from server.api.grpc_limits import PROBES, Admission, message_cap, parse, server_options
 from server.api.shm import admitted_regions
 from server.api.telemetry import request_labels
 from server.api.v2 import EXTENSIONS, SERVER_NAME, metadata, parse_request
@@ -64,6 +69,7 @@ STREAM_IN_FLIGHT = 256
 answered (HTTP/2 flow control then holds the client back)."""
 
 Handler = Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]
+Call = Callable[[AsyncIterator[bytes], grpc.aio.ServicerContext], Awaitable[Any]]
 
 
 def status_code(status: int) -> grpc.StatusCode:
@@ -91,8 +97,9 @@ def _authorization(context: grpc.aio.ServicerContext) -> str:
 class InferenceService:
     """The RPCs of ``inference.GRPCInferenceService`` and ``grpc.health.v1.Health`` over an app's state."""
 
-    def __init__(self, state: AppState) -> None:
+    def __init__(self, state: AppState, admission: Admission) -> None:
         self.state = state
+        self.admission = admission
 
     # Helpers ---------------------------------------------------------------------------------------------------
 
@@ -202,16 +209,19 @@ class InferenceService:
             metrics.request(model, precision, Interface.GRPC, status, rows, seconds)
 
     async def model_infer(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        return await self._infer(request, context)
+        with self.admission.inference():
+            return await self._infer(request, context)
 
     async def model_stream_infer(
-        self, requests: AsyncIterator[Any], context: grpc.aio.ServicerContext
+        self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[Any]:
         """Requests in, responses out as each is answered (not in order: a client matches them by ``id``); an error
-        answers its request with ``error_message`` and the stream goes on."""
+        answers its request with ``error_message`` and the stream goes on. A stream with no request in flight that
+        sends none for ``grpc_idle_timeout`` is ended (``DEADLINE_EXCEEDED``)."""
         answers: asyncio.Queue[Any | None] = asyncio.Queue()
         room = asyncio.Semaphore(STREAM_IN_FLIGHT)
         running: set[asyncio.Task[None]] = set()
+        failure: list[APIError] = []
 
         async def answer(request: Any) -> None:
             try:
@@ -224,14 +234,34 @@ class InferenceService:
                 room.release()
             await answers.put(response)
 
+        async def next_request() -> bytes | None:
+            """The stream's next message; a stream idle (nothing in flight) past the idle timeout fails."""
+            idle = self.state.settings.grpc_idle_timeout
+            reading = asyncio.ensure_future(self.admission.receive(context, probe=False, stream=True))
+            try:
+                while not (await asyncio.wait({reading}, timeout=idle))[0]:
+                    if not running:
+                        raise APIError(408, f"stream: no request for {idle:g} s (grpc_idle_timeout)")
+                return reading.result()
+            finally:
+                reading.cancel()
+
         async def read() -> None:
             try:
-                async for request in requests:
-                    await room.acquire()
-                    task = asyncio.create_task(answer(request))
-                    running.add(task)
-                    task.add_done_callback(running.discard)
-                await asyncio.gather(*running)
+                with self.admission.inference():
+                    while (raw := await next_request()) is not None:
+                        try:
+                            request = await parse(raw, pb.ModelInferRequest, "ModelInferRequest", self._elements)
+                        except APIError as e:
+                            await answers.put(pb.ModelStreamInferResponse(error_message=e.message))
+                            continue
+                        await room.acquire()
+                        task = asyncio.create_task(answer(request))
+                        running.add(task)
+                        task.add_done_callback(running.discard)
+                    await asyncio.gather(*running)
+            except APIError as e:
+                failure.append(e)
             finally:
                 answers.put_nowait(None)  # the end of the stream, however the reading ended
 
@@ -240,10 +270,16 @@ class InferenceService:
             while (response := await answers.get()) is not None:
                 yield response
             await reader  # a failure to read the stream fails the call
+            if failure:
+                await context.abort(status_code(failure[0].status), failure[0].message)
         finally:
             reader.cancel()
             for task in list(running):
                 task.cancel()
+
+    @property
+    def _elements(self) -> int:
+        return self.state.settings.max_request_elements
 
     # Repository and shared memory (management: the admin token) -------------------------------------------------
 
@@ -320,38 +356,49 @@ class InferenceService:
             "CudaSharedMemoryUnregister": self.cuda_shm_unregister,
         }
         return [
-            _generic(pb.SERVICE, implemented),
-            _generic(pb.HEALTH_SERVICE, {"Check": self.health_check}),
+            self._generic(pb.SERVICE, implemented),
+            self._generic(pb.HEALTH_SERVICE, {"Check": self.health_check}),
         ]
 
+    def _generic(self, service: str, implemented: dict[str, Any]) -> grpc.GenericRpcHandler:
+        """Every method takes its request messages as bytes, read through :attr:`admission` (their deadline and
+        budget) and parsed here: grpcio would parse a unary call's message before any of this code ran, on the
+        event loop, with a malformed one logged as an error with its traceback."""
+        methods = pb.methods(service)
+        handlers: dict[str, grpc.RpcMethodHandler] = {}
+        for name, fn in implemented.items():
+            request, response, client_streaming, server_streaming = methods[name]
+            if client_streaming and server_streaming:
+                handlers[name] = grpc.stream_stream_rpc_method_handler(
+                    fn, response_serializer=response.SerializeToString
+                )
+            else:
+                # Registered as client streaming, which is a unary call on the wire: the handler starts before the
+                # message is read, so the read can be bounded.
+                handlers[name] = grpc.stream_unary_rpc_method_handler(
+                    self._unary(name, fn, request), response_serializer=response.SerializeToString
+                )
+        return grpc.method_handlers_generic_handler(service, handlers)
 
-def _unary(handler: Handler) -> Handler:
-    """``handler`` with its :class:`APIError` (and the domain errors) answered as their gRPC status."""
+    def _unary(self, name: str, handler: Handler, message: Any) -> Call:
+        """``handler`` over the call's one request message, with its :class:`APIError` (and the domain errors)
+        answered as their gRPC status."""
+        probe = name in PROBES
+        infer = name == "ModelInfer"
+        what = message.DESCRIPTOR.name
 
-    async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        try:
-            return await handler(request, context)
-        except Exception as e:
-            err = from_exception(e)
-        await context.abort(status_code(err.status), err.message)
+        async def call(requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> Any:
+            try:
+                raw = await self.admission.receive(context, probe=probe)
+                if raw is None:
+                    raise APIError(400, "request: the call ended before its request message")
+                request = await parse(raw, message, what, self._elements if infer else None)
+                return await handler(request, context)
+            except Exception as e:
+                err = from_exception(e)
+            await context.abort(status_code(err.status), err.message)
 
-    return call
-
-
-def _generic(service: str, implemented: dict[str, Any]) -> grpc.GenericRpcHandler:
-    methods = pb.methods(service)
-    handlers: dict[str, grpc.RpcMethodHandler] = {}
-    for name, fn in implemented.items():
-        request, response, client_streaming, server_streaming = methods[name]
-        if client_streaming and server_streaming:
-            handlers[name] = grpc.stream_stream_rpc_method_handler(
-                fn, request_deserializer=request.FromString, response_serializer=response.SerializeToString
-            )
-        else:
-            handlers[name] = grpc.unary_unary_rpc_method_handler(
-                _unary(fn), request_deserializer=request.FromString, response_serializer=response.SerializeToString
-            )
-    return grpc.method_handlers_generic_handler(service, handlers)
+        return call
 
 
 class GrpcServer:
@@ -359,14 +406,14 @@ class GrpcServer:
 
     def __init__(self, state: AppState) -> None:
         settings = state.settings
-        options = [
-            ("grpc.max_receive_message_length", settings.max_body_bytes),
-            ("grpc.max_metadata_size", settings.max_header_bytes),
-            ("grpc.server_handshake_timeout_ms", round(settings.header_timeout * 1000)),
-            ("grpc.so_reuseport", 0),
-        ]
-        self.server = grpc.aio.server(options=options, maximum_concurrent_rpcs=settings.max_connections)
-        self.server.add_generic_rpc_handlers(InferenceService(state).handlers())
+        repo = state.repository
+        models = [] if repo is None else [(m.manifest, m.batching) for m in repo.models.values()]
+        self.message_cap = message_cap(settings, models) if models else settings.max_body_bytes
+        # No maximum_concurrent_rpcs: grpcio counts every call in it, a silent one and a health check alike, and
+        # refuses them all once it is reached; Admission counts only what costs.
+        self.server = grpc.aio.server(options=server_options(settings, self.message_cap))
+        service = InferenceService(state, Admission(settings, self.message_cap))
+        self.server.add_generic_rpc_handlers(service.handlers())
         host = settings.host
         self.address = f"[{host}]:{settings.grpc_port}" if ":" in host else f"{host}:{settings.grpc_port}"
         self._loop: asyncio.AbstractEventLoop | None = None

@@ -23,6 +23,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.types import Scope
 
 from server.api.errors import APIError
+from server.manifest import Batching
 from server.serving import AppState, ModelHandle
 from server.settings import Settings
 
@@ -186,15 +187,18 @@ def _decompress(body: bytes, wbits: int, encoding: str, limit: int, setting: str
     return out
 
 
+def row_limit(s: Settings, batching: Batching) -> tuple[int, str]:
+    """Most rows one request to a model batched by ``batching`` may carry, and the setting that decides it."""
+    if s.max_request_rows is None:
+        return batching.max_batch_size, "the model's max_batch_size; max_request_rows"
+    if s.max_request_rows <= batching.max_queue_rows:
+        return s.max_request_rows, "max_request_rows"
+    return batching.max_queue_rows, "the model's max_queue_rows"
+
+
 def check_size(s: Settings, served: ModelHandle, rows: int, field: str) -> None:
     """Fail with a 413 naming ``field`` when ``rows`` samples are more than one request may carry."""
-    batching = served.batching
-    if s.max_request_rows is None:
-        max_rows, setting = batching.max_batch_size, "the model's max_batch_size; max_request_rows"
-    elif s.max_request_rows <= batching.max_queue_rows:
-        max_rows, setting = s.max_request_rows, "max_request_rows"
-    else:
-        max_rows, setting = batching.max_queue_rows, "the model's max_queue_rows"
+    max_rows, setting = row_limit(s, served.batching)
     if rows > max_rows:
         raise APIError(413, f"{field}: {rows} rows exceed the limit of {max_rows} per request ({setting})")
     elements = rows * sum(math.prod(t.bounded()) for t in served.manifest.inputs)
