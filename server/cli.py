@@ -75,6 +75,9 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "--max-json-values", type=int, help="most values and containers in a JSON request body (default: 2^19)"
     )
     p.add_argument(
+        "--max-text-bytes", type=int, help="most UTF-8 bytes of text one request may carry, all rows (default: 2^20)"
+    )
+    p.add_argument(
         "--max-compression-ratio",
         type=float,
         help="how many times its size a gzip/deflate body may inflate to past its first MiB, else 413 (default: 100)",
