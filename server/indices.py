@@ -40,9 +40,13 @@ def index_limits(module: nn.Module, manifest: Manifest) -> dict[str, int]:
     for spec in manifest.inputs:
         dtype = torch_dtype(spec.datatype.numpy)
         shape = (1, *spec.bounded(1))
-        tensors[spec.name] = torch.ones(shape, dtype=dtype) if spec.mask_for is not None else torch.zeros(shape, dtype=dtype)
+        tensors[spec.name] = (
+            torch.ones(shape, dtype=dtype) if spec.mask_for is not None else torch.zeros(shape, dtype=dtype)
+        )
     seen: list[tuple[int, object]] = []
-    hooks = [t.register_forward_pre_hook(lambda table, args: seen.append((table.num_embeddings, args[0]))) for t in tables]
+    hooks = [
+        t.register_forward_pre_hook(lambda table, args: seen.append((table.num_embeddings, args[0]))) for t in tables
+    ]
     names = [t.name for t in manifest.inputs]
     try:
         positional = len(names) == 1 or takes_positionally(module, names)

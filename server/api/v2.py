@@ -480,7 +480,8 @@ def parse_request(
             first = next(iter(tensors.items()), None)
             if first is not None and len(texts) != len(first[1]):
                 raise APIError(
-                    400, f"{field}.shape: input {text.input!r} has {len(texts)} rows but {first[0]!r} has {len(first[1])}"
+                    400,
+                    f"{field}.shape: input {text.input!r} has {len(texts)} rows but {first[0]!r} has {len(first[1])}",
                 )
             pending = (texts, field)
             declared += size

@@ -20,6 +20,8 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+import torch
+from safetensors.torch import save_file
 
 from server import importer, models, store
 from server.app import create_app
@@ -95,10 +97,6 @@ async def test_a_manifest_naming_code_outside_the_code_path_fails_that_model_and
 def test_the_same_architectures_are_refused_at_import(tmp_path: Path) -> None:
     marker = tmp_path / "ran"
     weights = tmp_path / "w.safetensors"
-    from safetensors.torch import save_file
-
-    import torch
-
     save_file({"w": torch.zeros(1)}, str(weights))
     for architecture, kwargs in hostile(tmp_path, marker).values():
         with pytest.raises(StoreError, match="is not in a --code-path folder"):
@@ -156,7 +154,9 @@ def test_a_factory_that_raises_fails_its_model_and_serve_starts_for_the_others(t
         "r = ModelRepository(s); r.discover();"
         "print(r.models['broken'].state.value, r.models['tiny'].state.value); print(r.models['broken'].error)"
     )
-    done = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, cwd=ROOT, timeout=300, check=False)
+    done = subprocess.run(
+        [sys.executable, "-c", check], capture_output=True, text=True, cwd=ROOT, timeout=300, check=False
+    )
     assert done.returncode == 0, done.stderr
     assert "Traceback" not in done.stderr, done.stderr
     states, error = done.stdout.splitlines()
