@@ -17,6 +17,7 @@ from server import precision as prec
 from server.batching import Batcher, BatchObserver, BatchStats
 from server.engine import Engine, EngineInfo, fixed_timing, module_bytes, resolve_device
 from server.fidelity import Fidelity
+from server.indices import check_indices, index_limits
 from server.isolated.engine import ProcessEngine
 from server.padding import PaddingCheck
 from server.placement import Placement, available_cores, choose, isolation, pads_to_buckets
@@ -87,6 +88,9 @@ class ServedModel:
     retired_overflows: int = 0
     """Overflows and fp32 reruns counted by engines replaced by a precision switch (their counts carry over)."""
     retired_fp32_reruns: int = 0
+    index_limits: dict[str, int] = field(default_factory=dict)
+    """The integer inputs that index an embedding, each with its table's row count (:mod:`server.indices`): ids
+    outside ``0 .. count - 1`` are refused before they are queued."""
 
     @property
     def overflows(self) -> int:
@@ -117,6 +121,8 @@ class ServedModel:
         if batcher is None:
             state = "draining" if self.state is ModelState.READY else self.state.value  # released while ready
             raise ModelNotReadyError(f"model {self.name!r} is {state}" + (f": {self.error}" if self.error else ""))
+        if self.index_limits:
+            check_indices(self.index_limits, self.manifest, inputs)
         x = self._input(inputs)
         configured = self.batching.request_timeout_ms
         if configured is not None:
@@ -268,16 +274,26 @@ class ModelRepository:
         return self._locks.setdefault(name, asyncio.Lock())
 
     def discover(self) -> None:
-        """Validate the manifests of the models to serve and what their architectures build against their checkpoints
-        (fails fast, naming file and field), and register them."""
+        """Validate the manifests of the models to serve and what their architectures build against their checkpoints,
+        and register them. A model whose architecture is refused or does not build (or fit its checkpoint) is
+        registered as failed, with the reason, and the others are served; when none is left to serve, this fails
+        fast, naming each file and field."""
         root = self.settings.store
         names = self.settings.models or store.model_names(root)
         if not names:
             raise StoreError(f"{root}: no model folder with a {store.MANIFEST}")
+        failures = []
         for name in names:
             served = self._register(name)
-            store.check_architecture(self.settings.store / name, served.manifest, served.version)
+            try:
+                store.check_architecture(self.settings.store / name, served.manifest, served.version)
+            except StoreError as e:
+                served.state, served.error = ModelState.FAILED, str(e)
+                failures.append(str(e))
+                log.error("model %s failed to load: %s", name, e)
             self.models[name] = served
+        if len(failures) == len(names):
+            raise StoreError("; ".join(failures))
 
     def fixed_shapes(self) -> bool:
         """Whether every registered model's engine pads batches to bucket sizes on this device."""
@@ -303,6 +319,8 @@ class ModelRepository:
     async def load_all(self) -> None:
         """Load and warm every discovered model, one after another; a failure marks that model failed."""
         for served in list(self.models.values()):
+            if served.state is ModelState.FAILED:  # refused at discovery, with its reason
+                continue
             async with self._lock(served.name):
                 try:
                     await self._load(served)
@@ -399,6 +417,7 @@ class ModelRepository:
             except text.TextError as e:
                 raise StoreError(str(e)) from None
         await self._check_padding(served, loaded)
+        served.index_limits = await asyncio.to_thread(index_limits, loaded.module, loaded.manifest)
         engine = await self._engine(served, loaded, precision)
         if engine.precision is not Precision.FP32:
             try:

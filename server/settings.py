@@ -99,6 +99,9 @@ class Settings(BaseSettings):
     """Most values and containers a JSON body may hold (its commas, ``[`` and ``{``), counted before it is parsed:
     parsing builds a Python object per value, so a small body of ``[],[],...`` costs seconds and gigabytes. Larger
     tensors travel as binary data (the binary tensor extension, or raw)."""
+    max_text_bytes: int = Field(default=2**20, ge=1)
+    """Most UTF-8 bytes of text one request to a text model may carry, all its rows together (each text is also held
+    to its manifest's ``text.max_bytes``): what bounds the time one request keeps a tokenizing thread."""
     header_timeout: float = Field(default=10.0, gt=0.0, le=3600.0)
     """Seconds a connection may take to send a request's line and headers, from when it opens or the request's first
     byte arrives; then 408 and the connection is closed (an idle or trickling connection holds a socket)."""

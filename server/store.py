@@ -161,6 +161,10 @@ def from_weights_bytes(root: Path, manifest: Manifest, version: int, data: bytes
 
 HF_REMOTE_CODE = ("auto_map",)
 """config.json keys by which a Hugging Face model asks for code from its folder or the hub: refused."""
+HF_ARCH_KWARGS: dict[str, tuple[str, ...]] = {"attn_implementation": ("eager", "sdpa")}
+"""The ``arch_kwargs`` a ``transformers:`` model may pass to ``from_config``, each with the values it may take.
+Anything else is refused: ``from_config`` hands its keyword arguments to the model's code and to transformers'
+loaders (an ``attn_implementation`` naming a hub repository downloads and runs compiled kernels)."""
 
 
 def build(model_dir: Path, manifest: Manifest, version_dir: Path) -> nn.Module:
@@ -176,6 +180,10 @@ def build(model_dir: Path, manifest: Manifest, version_dir: Path) -> nn.Module:
         module = factory(**manifest.arch_kwargs)
     except TypeError as e:
         raise StoreError(f"{where}: arch_kwargs: {e}") from None
+    except Exception as e:  # the factory is code: whatever it raises fails this model's load, named, not the server
+        raise StoreError(
+            f"{where}: architecture: {manifest.architecture!r} failed to build: {type(e).__name__}: {e}"
+        ) from None
     try:
         return models.check_module(module, manifest.architecture)
     except models.UnknownArchitectureError as e:
@@ -190,6 +198,15 @@ def _hugging_face(where: Path, manifest: Manifest, version_dir: Path) -> nn.Modu
         raise StoreError(
             f"{where}: arch_kwargs: trust_remote_code is refused: it runs Python code shipped with the model folder"
         )
+    for key, value in manifest.arch_kwargs.items():
+        allowed = HF_ARCH_KWARGS.get(key)
+        if allowed is None:
+            raise StoreError(
+                f"{where}: arch_kwargs: {key!r} is refused for a {models.TRANSFORMERS} model; it takes only "
+                f"{sorted(HF_ARCH_KWARGS)} (the model's own settings come from its config.json)"
+            )
+        if value not in allowed:
+            raise StoreError(f"{where}: arch_kwargs: {key}: {value!r} is refused; use one of {list(allowed)}")
     config_path = version_dir / "config.json"
     if not (version_dir / WEIGHTS).is_file():
         pickles = sorted(p.name for p in version_dir.glob("*.bin")) if version_dir.is_dir() else []
@@ -231,6 +248,8 @@ def _hugging_face(where: Path, manifest: Manifest, version_dir: Path) -> nn.Modu
         raise StoreError(f"{config_path}: {auto_class} cannot build this model: {e}") from None
     except (ImportError, RuntimeError) as e:  # the model's code, imported lazily by transformers, fails to import
         raise StoreError(f"{config_path}: {auto_class}: transformers cannot import this model's code: {e}") from None
+    except Exception as e:  # anything else the model's code raises fails this model's load, named, not the server
+        raise StoreError(f"{config_path}: {auto_class} cannot build this model: {type(e).__name__}: {e}") from None
     return models.check_module(module, manifest.architecture)
 
 

@@ -4,13 +4,21 @@ library from local files only (a JSON file: nothing in it runs).
 
 A request's texts become the sequence input's token ids, padded to its longest text, and each row's own length
 (``<input>#length``), so a short text in a long text's request is masked as if it came alone.
+
+Tokenizing runs off the event loop, on a few threads of its own (:func:`encode_off_loop`): a request's worth of text
+takes the tokenizer a while (seconds for megabytes), during which the loop goes on answering health checks and other
+clients, and ``encode_batch`` lets go of the GIL while it works. How much one request may carry is bounded before
+it gets there: rows as for any request, each text's bytes by the manifest's ``text.max_bytes``, and all of a
+request's texts together by the server's ``max_text_bytes``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import threading
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -32,12 +40,11 @@ class Encoder:
     """One version's tokenizer, bound to the input it feeds (cheap to make: the tokenizer is read once, by
     :func:`encoder`)."""
 
-    def __init__(self, tokenizer: Any, lock: threading.Lock, manifest: Manifest) -> None:
+    def __init__(self, tokenizer: Any, manifest: Manifest) -> None:
         assert manifest.text is not None
         self.text = manifest.text
         self.spec = next(t for t in manifest.inputs if t.name == manifest.text.feeds)
         self.tokenizer = tokenizer
-        self._lock = lock
 
     def encode(self, texts: Sequence[bytes | str], field: str) -> dict[str, np.ndarray]:
         """The token ids of ``texts`` (one per row) and each row's length, as the named inputs the model takes."""
@@ -52,8 +59,10 @@ class Encoder:
                 strings.append(raw.decode("utf-8"))
             except UnicodeDecodeError as e:
                 raise TextError(f"{field}[{i}]: not UTF-8 ({e.reason} at byte {e.start})") from None
-        with self._lock:  # one tokenizer object, used from the event loop only; the lock keeps it that way
-            ids = [e.ids for e in self.tokenizer.encode_batch(strings)]
+        # One tokenizer object, shared by the tokenizing threads without a lock: its encode_batch only reads it (its
+        # padding and truncation are set once, when it is read) and lets go of the GIL, so a long request leaves the
+        # model's other text requests to the other threads.
+        ids = [e.ids for e in self.tokenizer.encode_batch(strings)]
         lengths = []
         for i, row in enumerate(ids):
             if not row:
@@ -70,8 +79,8 @@ class Encoder:
 
 
 @functools.lru_cache(maxsize=64)
-def _tokenizer(path: Path, mtime: float) -> tuple[Any, threading.Lock]:
-    """The tokenizer in ``path`` (as it was at ``mtime``), with the lock its calls take."""
+def _tokenizer(path: Path, mtime: float) -> Any:
+    """The tokenizer in ``path`` (as it was at ``mtime``)."""
     try:
         from tokenizers import Tokenizer
     except ImportError:  # an optional extra: halfserve[hf]
@@ -84,7 +93,7 @@ def _tokenizer(path: Path, mtime: float) -> tuple[Any, threading.Lock]:
         raise TokenizerUnavailableError(f"{path}: cannot read the tokenizer ({e})") from None
     tokenizer.no_padding()
     tokenizer.no_truncation()
-    return tokenizer, threading.Lock()
+    return tokenizer
 
 
 def encoder(store: Path, name: str, version: int, manifest: Manifest) -> Encoder:
@@ -101,4 +110,46 @@ def encoder_at(path: Path, manifest: Manifest) -> Encoder:
         mtime = path.stat().st_mtime
     except FileNotFoundError:
         raise TokenizerUnavailableError(f"{path}: the model's tokenizer is missing") from None
-    return Encoder(*_tokenizer(path, mtime), manifest)
+    return Encoder(_tokenizer(path, mtime), manifest)
+
+
+TOKENIZER_THREADS = 2
+"""Threads that tokenize, all models together: requests beyond them wait their turn without holding the event loop
+(``encode_batch`` spreads one request over the cores itself)."""
+
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def _executor() -> ThreadPoolExecutor:
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="halfserve-tokenize")
+        return _pool
+
+
+def _encode(
+    store: Path, name: str, version: int, manifest: Manifest, texts: Sequence[bytes | str], field: str
+) -> dict[str, np.ndarray]:
+    return encoder(store, name, version, manifest).encode(texts, field)
+
+
+async def encode_off_loop(
+    store: Path, name: str, version: int, manifest: Manifest, texts: Sequence[bytes | str], field: str
+) -> dict[str, np.ndarray]:
+    """:meth:`Encoder.encode` of model ``name``'s version's encoder, run on a tokenizing thread (the tokenizer is read
+    there too, the first time); raises what it raises."""
+    call = functools.partial(_encode, store, name, version, manifest, texts, field)
+    return await asyncio.get_running_loop().run_in_executor(_executor(), call)
+
+
+def text_bytes(texts: Sequence[bytes | str], limit: int) -> int:
+    """The UTF-8 bytes of ``texts`` together, counted until they pass ``limit`` (then that partial count, already
+    over it): an ASCII ``str`` counts its length without encoding."""
+    total = 0
+    for t in texts:
+        total += len(t) if isinstance(t, bytes) or t.isascii() else len(t.encode("utf-8", "surrogatepass"))
+        if total > limit:
+            break
+    return total

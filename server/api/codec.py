@@ -223,12 +223,17 @@ def checked_length(spec: TensorSpec, length: int, field: str) -> None:
         raise APIError(400, str(e)) from None
 
 
-def encode_texts(texts: Sequence[bytes | str], field: str, served: ModelHandle, store: Path) -> dict[str, np.ndarray]:
+async def encode_texts(
+    texts: Sequence[bytes | str], field: str, served: ModelHandle, store: Path, max_text_bytes: int
+) -> dict[str, np.ndarray]:
     """A request's texts as the named inputs the model takes (token ids and each row's length), tokenized with the
-    version's tokenizer; a 400 naming ``field`` and the row for a text it cannot take, a 503 when the server cannot
-    tokenize (its tokenizer file missing or unreadable)."""
+    version's tokenizer off the event loop; a 413 naming ``field`` when they carry more than ``max_text_bytes``, a
+    400 naming the row for a text it cannot take, a 503 when the server cannot tokenize (its tokenizer file missing
+    or unreadable)."""
+    if text.text_bytes(texts, max_text_bytes) > max_text_bytes:
+        raise APIError(413, f"{field}: texts of more than {max_text_bytes} bytes in one request (max_text_bytes)")
     try:
-        return text.encoder(store, served.name, served.version, served.manifest).encode(texts, field)
+        return await text.encode_off_loop(store, served.name, served.version, served.manifest, texts, field)
     except text.TokenizerUnavailableError as e:  # the server's files, not the request: as a missing checkpoint
         raise APIError(503, f"model {served.name!r} cannot take text now: {e}") from None
     except text.TextError as e:

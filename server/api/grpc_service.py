@@ -40,7 +40,7 @@ from server.api.grpc_codec import infer_payload, infer_response
 from server.api.grpc_limits import PROBES, Admission, message_cap, parse, server_options
 from server.api.shm import admitted_regions
 from server.api.telemetry import request_labels
-from server.api.v2 import EXTENSIONS, SERVER_NAME, metadata, parse_request
+from server.api.v2 import EXTENSIONS, SERVER_NAME, metadata, parse_request, tokenize
 from server.api.v2_repository import index_entries, load_from_store, refuse_overrides
 from server.api.v2_triton import model_config, model_stats
 from server.repository import ModelRepository, ServedModel
@@ -184,7 +184,7 @@ class InferenceService:
             settings = self.state.settings
             payload, binary = infer_payload(request, served)
             regions = partial(admitted_regions, self.state, _client(context), _authorization(context))
-            req = parse_request(payload, binary, served, settings, regions)
+            req = await tokenize(parse_request(payload, binary, served, settings, regions), served, settings)
             try:
                 result = await served.submit(req.inputs, req.timeout(context.time_remaining()))
             except asyncio.CancelledError:

@@ -93,9 +93,9 @@ PREDICT_SCHEMA: dict[str, Any] = {
 }
 
 
-def decode_inputs(samples: object, served: ModelHandle, limits: Settings) -> dict[str, np.ndarray]:
+async def decode_inputs(samples: object, served: ModelHandle, limits: Settings) -> dict[str, np.ndarray]:
     """``inputs`` as the model's named inputs: a list of samples for a model with one input, else a mapping of input
-    name to its samples (every input, the same number of samples each)."""
+    name to its samples (every input, the same number of samples each); texts tokenized off the event loop."""
     specs = sent_inputs(served.manifest)
     text = served.manifest.text
     if text is not None:
@@ -106,12 +106,13 @@ def decode_inputs(samples: object, served: ModelHandle, limits: Settings) -> dic
             if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
                 raise APIError(400, f"inputs.{text.input}: expected a list of texts")
             check_size(limits, served, len(texts), f"inputs.{text.input}")
-            encoded = encode_texts(texts, f"inputs.{text.input}", served, limits.store)
             rest = {k: v for k, v in samples.items() if k != text.input}
             if text.feeds in rest:
                 raise APIError(400, f"inputs: give {text.input!r} or {text.feeds!r}, not both")
             others = [t for t in specs if t.name != text.feeds]
-            return encoded | {t.name: decode_samples(rest.get(t.name), t, f"inputs.{t.name}") for t in others}
+            decoded = {t.name: decode_samples(rest.get(t.name), t, f"inputs.{t.name}") for t in others}
+            field = f"inputs.{text.input}"
+            return await encode_texts(texts, field, served, limits.store, limits.max_text_bytes) | decoded
     if len(specs) == 1:
         if isinstance(samples, list):
             check_size(limits, served, len(samples), "inputs")
@@ -191,7 +192,7 @@ async def predict(request: Request) -> Response:
         served = app.service.get(name)
         note(request, served)
         # No finiteness check: JSON carries no NaN or infinity, and decoding refuses numbers the dtype cannot hold.
-        result = await served.submit(decode_inputs(samples, served, limits), timeout)
+        result = await served.submit(await decode_inputs(samples, served, limits), timeout)
         answered(request, result)
     except asyncio.CancelledError:
         if not app.draining:

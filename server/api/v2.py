@@ -167,6 +167,9 @@ class Inference:
     """For a model with several outputs, the ones to return and how (None: the only output, as above)."""
     plan: RequestPlan | None = None
     """What its JSON header decided, when the header is one the route keeps (:class:`RequestPlan`)."""
+    texts: tuple[Sequence[bytes | str], str] | None = None
+    """A text model's texts and their field, checked but not yet tokenized: :func:`tokenize` does that off the event
+    loop and adds the token ids to ``inputs``."""
 
     def timeout(self, client: float | None) -> float | None:
         """Seconds the request may wait in the queue: the shorter of ``client`` (the transport's: a header, a gRPC
@@ -462,30 +465,41 @@ def parse_request(
     check_input_count(len(inputs), served, specs)
     text = served.manifest.text
     tensors: dict[str, np.ndarray] = {}
+    pending: tuple[Sequence[bytes | str], str] | None = None  # texts, tokenized by the caller (tokenize)
     declared = 0
     for i, item in enumerate(inputs):
         field = f"inputs[{i}]"
         rest = None if binary is None else binary[declared:]
         if text is not None and isinstance(item, dict) and item.get("name") == text.input:
             texts, size = _decode_texts(item, field, rest, served, limits)
-            if text.feeds in tensors:
+            if text.feeds in tensors or pending is not None:
                 raise APIError(400, f"{field}.name: give {text.input!r} or {text.feeds!r}, not both")
             if limits is None:
                 raise APIError(400, f"{field}: text input is not served here")
-            tensors.update(encode_texts(texts, field, served, limits.store))
+            first = next(iter(tensors.items()), None)
+            if first is not None and len(texts) != len(first[1]):
+                raise APIError(
+                    400,
+                    f"{field}.shape: input {text.input!r} has {len(texts)} rows but {first[0]!r} has {len(first[1])}",
+                )
+            pending = (texts, field)
             declared += size
             continue
         x, spec, size = _decode_input(item, field, rest, served, limits, regions, specs)
-        if spec.name in tensors:
+        if spec.name in tensors or (pending is not None and text is not None and spec.name == text.feeds):
             raise APIError(400, f"{field}.name: input {spec.name!r} is given twice")
         first = next(iter(tensors.items()), None)
         if first is not None and len(x) != len(first[1]):
             raise APIError(
                 400, f"{field}.shape: input {spec.name!r} has {len(x)} rows but {first[0]!r} has {len(first[1])}"
             )
+        if pending is not None and text is not None and len(x) != len(pending[0]):
+            raise APIError(
+                400, f"{field}.shape: input {spec.name!r} has {len(x)} rows but {text.input!r} has {len(pending[0])}"
+            )
         tensors[spec.name] = x
         declared += size
-    missing = [t.name for t in specs if t.name not in tensors]
+    missing = [t.name for t in specs if t.name not in tensors and not (pending and text and t.name == text.feeds)]
     if missing:
         got = [t.name for t in specs if t.name in tensors]
         if text is not None and text.feeds in tensors and any(i.get("name") == text.input for i in inputs):
@@ -501,19 +515,29 @@ def parse_request(
             f"body: {len(binary)} bytes follow the {HEADER_LENGTH} bytes of JSON, "
             f"but the inputs' binary_data_size declare {declared}",
         )
-    rows = len(next(iter(tensors.values())))
+    rows = len(next(iter(tensors.values()))) if tensors else len(pending[0]) if pending else 0
     if len(served.manifest.outputs) > 1:
         wanted = _requested_outputs(payload, binary_output, served.manifest.outputs, regions, served.name)
         for spec in served.manifest.outputs:
             out = wanted.get(spec.name)
             if out is not None and out.span is not None:
                 _check_room(out.span, spec, rows)
-        return Inference(tensors, request_id, binary_output, timeout, outputs=wanted)
+        return Inference(tensors, request_id, binary_output, timeout, outputs=wanted, texts=pending)
     out_spec = served.manifest.outputs[0]
     binary_output, classes, region = _requested_output(payload, binary_output, out_spec, regions, served.name)
     if region is not None:
         _check_room(region, out_spec, rows)  # checked before the forward: the output's size is known from the rows
-    return Inference(tensors, request_id, binary_output, timeout, classes, region)
+    return Inference(tensors, request_id, binary_output, timeout, classes, region, texts=pending)
+
+
+async def tokenize(req: Inference, served: ModelHandle, limits: Settings) -> Inference:
+    """``req`` with its texts (if any) tokenized off the event loop into the inputs they feed
+    (:func:`~server.api.codec.encode_texts`)."""
+    if req.texts is not None:
+        texts, field = req.texts
+        req.inputs.update(await encode_texts(texts, field, served, limits.store, limits.max_text_bytes))
+        req.texts = None
+    return req
 
 
 PLANS = 256
@@ -642,7 +666,7 @@ async def decode_request(
         assert binary is not None
         return plan.request(binary, served)
     payload = await parse_json(header, limits.max_json_values)
-    req = parse_request(payload, binary, served, limits, regions)
+    req = await tokenize(parse_request(payload, binary, served, limits, regions), served, limits)
     if len(header) <= PLAN_HEADER_BYTES:
         plan = _plan(payload, req, served, limits)
         if plan is not None:

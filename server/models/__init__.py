@@ -4,8 +4,11 @@ A manifest's ``architecture`` is one of:
 
 * a name registered here (``@register``: the shipped models) or by an installed package through the entry-point
   group ``halfserve.architectures`` (``name = "package.module:factory"`` in its metadata);
-* ``"package.module:factory"``: any importable callable returning an ``nn.Module``, called with ``arch_kwargs``; the
-  operator's folders join the import path with ``--code-path`` (:func:`add_code_path`);
+* ``"package.module:factory"``: a callable returning an ``nn.Module``, called with ``arch_kwargs``, from a module that
+  lies in one of the operator's ``--code-path`` folders (:func:`add_code_path`), is the module of an installed
+  ``halfserve.architectures`` entry point, or is one of this package's own (``server.models``). Where the module's
+  file lies is decided before it is imported (importing runs it), so a manifest cannot name ``os:system`` or a file
+  shipped in its model folder;
 * ``"torchvision:<builder>"`` (``torchvision:resnet50``): torchvision's builder with ``weights=None`` (the extra
   ``halfserve[vision]``);
 * ``"transformers:<AutoClass>"``: a Hugging Face model folder, built by :mod:`server.store` from its config.
@@ -35,9 +38,13 @@ ModelFactory = Callable[..., nn.Module]
 F = TypeVar("F", bound=ModelFactory)
 
 _REGISTRY: dict[str, ModelFactory] = {}
+_CODE_PATHS: list[Path] = []
+"""The operator's ``--code-path`` folders, resolved: the only places a ``module:factory`` architecture's file may
+lie (besides entry points' and this package's modules)."""
 
 
 ENTRY_POINTS = "halfserve.architectures"
+OWN_MODULES = "server.models"
 TORCHVISION = "torchvision:"
 TRANSFORMERS = "transformers:"
 _PLAIN = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]{0,127}")
@@ -95,7 +102,42 @@ def _attribute(module: object, path: str, where: str) -> Any:
     return obj
 
 
+def _under_code_path(location: str) -> bool:
+    where = Path(location).resolve()
+    return any(where.is_relative_to(folder) for folder in _CODE_PATHS)
+
+
+def check_source(module_name: str, name: str) -> None:
+    """Refuse (:class:`UnknownArchitectureError`) a ``module:factory`` whose module is not the operator's code: it must
+    lie in a ``--code-path`` folder, be an installed ``halfserve.architectures`` entry point's module, or be this
+    package's own. Decided from where the module's file lies (``find_spec`` of its top-level package, which imports
+    nothing), never by importing it: an import runs the module."""
+    if module_name == OWN_MODULES or module_name.startswith(OWN_MODULES + "."):
+        return
+    if any(ep.value.partition(":")[0].strip() == module_name for ep in entry_points(group=ENTRY_POINTS)):
+        return
+    top = module_name.split(".")[0]
+    try:
+        spec = importlib.util.find_spec(top)
+    except (ImportError, ValueError) as e:  # ValueError: a module in sys.modules without a spec
+        raise UnknownArchitectureError(f"architecture {name!r}: module {top!r} cannot be found: {e}") from None
+    if spec is None:
+        raise UnknownArchitectureError(
+            f"architecture {name!r}: module {top!r} not found (is its folder given with --code-path?)"
+        )
+    # A module's file, or every folder of a package without one (a namespace package may span several folders).
+    locations = [spec.origin] if spec.has_location and spec.origin else list(spec.submodule_search_locations or [])
+    if not locations or not all(_under_code_path(p) for p in locations):
+        found = locations[0] if locations else spec.origin or "built in"
+        raise UnknownArchitectureError(
+            f"architecture {name!r}: module {top!r} ({found}) is not in a --code-path folder nor an installed "
+            f"{ENTRY_POINTS} entry point; a manifest may name code only from the operator's --code-path folders, "
+            "entry points, or halfserve's own models"
+        )
+
+
 def _imported(module_name: str, attribute: str, name: str) -> Any:
+    check_source(module_name, name)
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as e:
@@ -230,13 +272,16 @@ def names() -> list[str]:
 
 def add_code_path(paths: Iterable[Path]) -> None:
     """Put the operator's folders first on the import path (once each), so ``module:factory`` architectures in them
-    import. Process-wide: called once at start-up, before manifests are resolved."""
+    import, and make them the folders such architectures may come from (:func:`check_source`). Process-wide: called
+    once at start-up, before manifests are resolved."""
     for path in reversed(list(paths)):
         folder = Path(path).resolve()
         if not folder.is_dir():
             raise UnknownArchitectureError(f"code path {str(path)!r} is not a folder")
         if str(folder) not in sys.path:
             sys.path.insert(0, str(folder))
+        if folder not in _CODE_PATHS:
+            _CODE_PATHS.append(folder)
     importlib.invalidate_caches()
 
 
@@ -250,6 +295,7 @@ __all__ = [
     "UnknownArchitectureError",
     "add_code_path",
     "build",
+    "check_source",
     "check_module",
     "check_name",
     "registered_in",
