@@ -17,7 +17,7 @@ from pydantic import ValidationError
 
 from server.loadtest import cli as loadtest_cli
 from server.precision import Precision
-from server.settings import LogFormat
+from server.settings import FidelityCheck, LogFormat
 from server.training import cli as train_cli
 
 if TYPE_CHECKING:
@@ -49,7 +49,13 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument(
         "--precision",
         choices=[x.value for x in Precision],
-        help="override every model's precision; fp32 is the fallback switch",
+        help="override every model's precision; fp32 is the fallback switch (a half one still meets the fidelity bar)",
+    )
+    p.add_argument(
+        "--fidelity-bar",
+        choices=[x.value for x in FidelityCheck],
+        help="default: a model served in a half precision whose outputs fall below its bar against fp32 at load is "
+        "served in fp32; off: no model is measured, each is served in the precision asked for (default: default)",
     )
     p.add_argument("--max-batch-size", type=int, help="override every model's max_batch_size")
     p.add_argument("--max-delay-ms", type=float, help="override every model's max_delay_ms")
@@ -228,7 +234,19 @@ def _add_import(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     p.add_argument("--labels", type=Path, help="text file with one class name per line (the first output's)")
     p.add_argument("--calibration", type=Path, help=".npy (one input), .npz or .safetensors samples by input name")
     p.add_argument("--samples", type=int, default=64, help="random calibration samples without --calibration")
-    p.add_argument("--min-agreement", type=float, help="serve in fp32 below this top-1 agreement (the manifest's)")
+    p.add_argument(
+        "--min-agreement", type=float, help="serve in fp32 below this top-1 agreement (default: the default bar, 0.98)"
+    )
+    p.add_argument(
+        "--fidelity",
+        metavar="JSON",
+        help='the manifest\'s fidelity bar, e.g. {"min_cosine": 0.99} or {"check": false} (default: the default bar)',
+    )
+    p.add_argument(
+        "--strict",
+        action="store_true",
+        help="refuse a model below its fidelity bar (exit 2, nothing written) rather than import it to serve in fp32",
+    )
     p.add_argument("--store", type=Path, default=Path("model_store"), help="model store folder (default: model_store)")
     p.add_argument("--code-path", type=Path, action="append", metavar="DIR", help="folder for module:factory code")
     p.add_argument("--device", default="auto", help="where the half-precision agreement is measured")
@@ -243,6 +261,8 @@ def import_(args: argparse.Namespace) -> int:
         models.add_code_path(args.code_path or [])
         labels = args.labels.read_text().split() if args.labels else None
         fields: dict[str, object] = {"min_agreement": args.min_agreement} if args.min_agreement is not None else {}
+        if args.fidelity is not None:
+            fields["fidelity"] = importer.parse_json_object(args.fidelity, "--fidelity")
         inputs = importer.sequence_inputs(
             [importer.parse_tensor(t, "--input") for t in args.input], args.max_length, args.mask
         )
@@ -263,6 +283,7 @@ def import_(args: argparse.Namespace) -> int:
             args.calibration,
             args.samples,
             resolve_device(args.device),
+            args.strict,
             **fields,
         )
     except ValidationError as e:

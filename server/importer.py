@@ -32,11 +32,9 @@ from server.engine import Engine, takes_positionally
 from server.instance import torch_dtype
 from server.store import DataType, InputFormat, Manifest, StoreError, TensorSpec
 
-RANDOM_SAMPLES = 64
-SAMPLE_LENGTH = 16
+RANDOM_SAMPLES = fidelity.RANDOM_SAMPLES
+SAMPLE_LENGTH = fidelity.SAMPLE_LENGTH
 """The length of random samples (and of the forward that derives outputs) for a variable input."""
-INT_RANGE = 100
-"""Random integer inputs are drawn from ``[0, INT_RANGE)`` (token ids of a small vocabulary, class indices)."""
 _DTYPES = {
     torch.float32: DataType.FP32,
     torch.float16: DataType.FP32,
@@ -162,23 +160,16 @@ def derive_outputs(module: nn.Module, inputs: list[TensorSpec]) -> list[TensorSp
     return specs
 
 
-def calibration_samples(path: Path | None, inputs: list[TensorSpec], count: int) -> tuple[dict[str, np.ndarray], str]:
+def calibration_samples(
+    path: Path | None, inputs: list[TensorSpec], count: int, int_range: int = fidelity.INT_RANGE
+) -> tuple[dict[str, np.ndarray], str]:
     """Samples by input name, and where they came from: ``path`` (``.npy`` for a model with one input; ``.npz`` or
-    ``.safetensors`` by input name), else ``count`` random rows of the declared shapes."""
+    ``.safetensors`` by input name), else ``count`` random rows of the declared shapes (integers in
+    ``[0, int_range)``)."""
     inputs = [t for t in inputs if t.mask_for is None]  # masks are built by the server
     if path is None:
-        rng = np.random.default_rng(0)
-        samples = {}
-        for t in inputs:
-            shape = (count, *t.bounded(min(SAMPLE_LENGTH, t.max_length or SAMPLE_LENGTH)))
-            kind = t.datatype.numpy.kind
-            if kind == "f":
-                samples[t.name] = rng.standard_normal(shape).astype(t.datatype.numpy)
-            elif kind == "b":
-                samples[t.name] = rng.integers(0, 2, shape).astype(bool)
-            else:
-                samples[t.name] = rng.integers(0, INT_RANGE, shape).astype(t.datatype.numpy)
-        return samples, f"{count} random samples of the declared shapes (normal floats, integers in [0, {INT_RANGE}))"
+        samples = fidelity.random_samples(inputs, count, int_range)
+        return samples, f"{count} random samples of the declared shapes (normal floats, integers in [0, {int_range}))"
     try:
         if path.suffix == ".npy":
             if len(inputs) != 1:
@@ -209,6 +200,8 @@ class Imported:
     manifest: Manifest
     samples_from: str
     fidelity: fidelity.Fidelity | None
+    shortfall: str | None = None
+    """Why the server will serve this model in fp32 (it falls below its fidelity bar); ``None``: it will not."""
 
 
 def import_model(
@@ -223,9 +216,12 @@ def import_model(
     calibration: Path | None = None,
     samples: int = RANDOM_SAMPLES,
     device: torch.device | None = None,
+    strict: bool = False,
     **manifest_fields: Any,
 ) -> Imported:
-    """Write ``source``'s weights as the next version of ``name`` in the store at ``root`` (see the module)."""
+    """Write ``source``'s weights as the next version of ``name`` in the store at ``root`` (see the module).
+
+    With ``strict``, a model below its fidelity bar is an :class:`ImportFailure`, and nothing is left written."""
     arch_kwargs = arch_kwargs or {}
     if source.is_dir() and not architecture.startswith(models.TRANSFORMERS):
         raise ImportFailure(_folder_needs_transformers(source, architecture))
@@ -261,21 +257,57 @@ def import_model(
     module = module.float().eval()
     outputs = outputs or derive_outputs(module, inputs)
     manifest = _manifest({**draft.model_dump(exclude_none=True), "outputs": outputs, "labels": labels})
-    given, samples_from = calibration_samples(calibration, inputs, samples)
+    given, samples_from = calibration_samples(calibration, inputs, samples, fidelity.integer_range(module))
+    before = _Before.of(model_dir)
     vdir = _copy_folder(source, root, manifest) if hugging_face else store.save(root, manifest, module)
-    save_numpy(given, str(vdir / fidelity.CALIBRATION))
-    measured = _measure(root, name, int(vdir.name), device or precision.default_device())
-    if measured is not None:
-        half = measured.precision
-        evaluation = {
-            "calibration_samples": measured.samples,
-            f"{half}_top1_agreement": measured.top1_agreement,
-            f"{half}_max_abs_error": measured.max_abs_error,
-            f"{half}_max_rel_error": measured.max_rel_error,
-        }
-        manifest = manifest.model_copy(update={"evaluation": evaluation})
-        store.write_manifest(root, manifest)
-    return Imported(vdir, manifest, samples_from, measured)
+    drawn = {fidelity.SOURCE_KEY: fidelity.Source.RANDOM.value} if calibration is None else None
+    save_numpy(given, str(vdir / fidelity.CALIBRATION), metadata=drawn)
+    try:
+        measured = _measure(root, name, int(vdir.name), device or precision.default_device())
+    except BaseException:
+        before.restore(vdir)  # a model whose samples do not run is not left half imported
+        raise
+    held_to = fidelity.bar(manifest)
+    shortfall = fidelity.shortfall(measured, held_to) if held_to.check else None
+    if shortfall is not None and strict:
+        before.restore(vdir)
+        raise ImportFailure(f"--strict: below the fidelity bar: {shortfall}; nothing was written to {model_dir}")
+    half = measured.precision
+    evaluation = {
+        "calibration_samples": measured.samples,
+        f"{half}_top1_agreement": measured.top1_agreement,
+        f"{half}_max_abs_error": measured.max_abs_error,
+        f"{half}_max_rel_error": measured.max_rel_error,
+        f"{half}_min_cosine": measured.min_cosine,
+    }
+    manifest = manifest.model_copy(update={"evaluation": evaluation})
+    store.write_manifest(root, manifest)
+    return Imported(vdir, manifest, samples_from, measured, shortfall)
+
+
+@dataclass(frozen=True)
+class _Before:
+    """A model folder as it was before an import wrote to it, so a refused import (``--strict``) leaves it so."""
+
+    model_dir: Path
+    existed: bool
+    manifest: bytes | None
+
+    @classmethod
+    def of(cls, model_dir: Path) -> _Before:
+        path = model_dir / store.MANIFEST
+        return cls(model_dir, model_dir.exists(), path.read_bytes() if path.is_file() else None)
+
+    def restore(self, version_dir: Path) -> None:
+        if not self.existed:
+            shutil.rmtree(self.model_dir, ignore_errors=True)
+            return
+        shutil.rmtree(version_dir, ignore_errors=True)
+        path = self.model_dir / store.MANIFEST
+        if self.manifest is None:
+            path.unlink(missing_ok=True)
+        else:
+            path.write_bytes(self.manifest)
 
 
 def _manifest(fields: dict[str, Any]) -> Manifest:
@@ -333,17 +365,28 @@ def _copy_folder(source: Path, root: Path, manifest: Manifest) -> Path:
     return vdir
 
 
-def _measure(root: Path, name: str, version: int, device: torch.device) -> fidelity.Fidelity | None:
+def _measure(root: Path, name: str, version: int, device: torch.device) -> fidelity.Fidelity:
     loaded = store.load(root, name, version)
-    samples = fidelity.read_samples(loaded.path.parent, loaded.manifest)
-    if samples is None:
-        return None
-    half = precision.Precision.FP16 if device.type == "cuda" else precision.Precision.BF16
+    samples = fidelity.samples(loaded.path.parent, loaded.manifest, loaded.module)
+    # The precision the server would serve in there; where that is fp32 (auto on a CPU without native bf16), the
+    # half precision it would take elsewhere, so the figure is there when the model moves.
+    half = precision.resolve(loaded.manifest.precision, device)
+    if half is precision.Precision.FP32:
+        half = precision.Precision.FP16 if device.type == "cuda" else precision.Precision.BF16
     engine = Engine(loaded, half, device)
     try:
-        return fidelity.measure(engine, loaded, samples, batch=min(64, len(samples)))
+        return fidelity.measure(engine, loaded, samples.rows, min(64, len(samples.rows)), samples.source)
     finally:
         engine.close()
+
+
+def _figures(f: fidelity.Fidelity) -> str:
+    shown = [f"top-1 agreement {f.top1_agreement:.4f}"] if f.top1_agreement is not None else []
+    if f.min_cosine is not None:
+        shown.append(f"lowest cosine similarity {f.min_cosine:.6f}")
+    if f.max_rel_error is not None:
+        shown.append(f"max rel error {f.max_rel_error:.4g}")
+    return ", ".join([*shown, f"max abs error {f.max_abs_error:.4g}"])
 
 
 def describe(result: Imported) -> str:
@@ -356,12 +399,20 @@ def describe(result: Imported) -> str:
         f"  calibration: {result.samples_from}, stored as {fidelity.CALIBRATION}",
     ]
     f = result.fidelity
-    if f is not None:
-        top1 = "n/a" if f.top1_agreement is None else f"{f.top1_agreement:.4f}"
-        lines.append(
-            f"  {f.precision} vs fp32: top-1 agreement {top1}, max abs error {f.max_abs_error:.4g}, "
-            f"max rel error {f.max_rel_error:.4g}"
-        )
+    if f is None:
+        return "\n".join(lines)
+    lines.append(f"  {f.precision} vs fp32 on {f.samples} {f.source} samples: {_figures(f)}")
+    held_to = fidelity.bar(m)
+    if not held_to.check:
+        lines.append('  fidelity bar: off (the manifest\'s "fidelity": {"check": false})')
+    elif result.shortfall is None:
+        lines.append(f"  fidelity bar ({held_to.describe()}): met, so the server serves it in {f.precision}")
+    else:
+        lines += [
+            f"  WARNING: below the fidelity bar: {result.shortfall}.",
+            f"  The server will serve this model in fp32, not {f.precision}: {fidelity.how_to_override(f.precision)}.",
+            "  halfserve import --strict refuses such a model instead.",
+        ]
     return "\n".join(lines)
 
 
