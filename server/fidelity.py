@@ -27,6 +27,7 @@ for one model, and ``--fidelity-bar off`` for the whole server.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import asdict, dataclass
 from enum import Enum
 from pathlib import Path
@@ -146,6 +147,8 @@ class Fidelity:
     min_cosine: float | None = None
     """Over the other outputs of several values per row; None when there are none."""
     source: str = Source.CALIBRATION.value
+    seconds: float = 0.0
+    """How long the measurement took (both forwards of every sample): what it added to the model's load."""
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -277,6 +280,7 @@ def measure(
     served: Computes, loaded: store.LoadedModel, x: np.ndarray, batch: int, source: Source = Source.CALIBRATION
 ) -> Fidelity:
     """Run ``x`` through ``served`` (a half-precision engine) and ``loaded``'s fp32 host weights, and compare."""
+    started = time.perf_counter()
     reference = Engine(loaded, Precision.FP32, torch.device("cpu"))
     try:
         want = _run(reference, x, batch)
@@ -303,7 +307,8 @@ def measure(
             scale = float(np.abs(w).max())
             rel = worst / scale if scale > 0 else (0.0 if worst == 0 else math.inf)
             rel_err = rel if rel_err is None else max(rel_err, rel)
-    return Fidelity(len(x), served.precision.value, top1, abs_err, rel_err, cosine, Source(source).value)
+    seconds = round(time.perf_counter() - started, 3)
+    return Fidelity(len(x), served.precision.value, top1, abs_err, rel_err, cosine, Source(source).value, seconds)
 
 
 def shortfall(fidelity: Fidelity, held_to: Bar) -> str | None:

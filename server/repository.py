@@ -383,11 +383,13 @@ class ModelRepository:
         else:
             served.fidelity = measured
             log.info(
-                "model %s: %s vs fp32 on %d %s samples: top-1 agreement %s, lowest cosine %s, max abs/rel error %s/%s",
+                "model %s: %s vs fp32 on %d %s samples in %.2fs: top-1 agreement %s, lowest cosine %s, "
+                "max abs/rel error %s/%s",
                 served.name,
                 half,
                 measured.samples,
                 measured.source,
+                measured.seconds,
                 _figure(measured.top1_agreement, ".4f"),
                 _figure(measured.min_cosine, ".6f"),
                 _figure(measured.max_abs_error, ".3g"),

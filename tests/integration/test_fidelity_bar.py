@@ -211,3 +211,30 @@ async def test_a_regression_model_is_held_to_its_relative_error(tmp_path: Path, 
         r = await client.post("/predict", json={"model": "difference", "inputs": [[100.25, 100.0]]})
         assert r.json()["precision"] == "fp32"
         assert r.json()["outputs"][0][0] == pytest.approx(0.25, abs=1e-4)
+
+
+def test_strict_import_refuses_a_model_below_the_bar_and_writes_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    root = tmp_path / "store"
+    fragile = fragile_classifier(tmp_path / "w.pth")
+    assert import_(fragile, root, "fragile", "--strict") == 2
+    err = capsys.readouterr().err
+    assert "--strict: below the fidelity bar: bf16 top-1 agreement with fp32 is 0." in err
+    assert "nothing was written" in err
+    assert not (root / "fragile").exists()
+
+    # Beside a version already served, the refused one leaves the folder and its manifest as they were.
+    healthy = tmp_path / "healthy.pth"
+    torch.manual_seed(1)
+    torch.save(models.build("mlp", **LINEAR).state_dict(), healthy)
+    assert import_(healthy, root, "fragile", "--strict") == 0
+    before = (root / "fragile" / store.MANIFEST).read_bytes()
+    capsys.readouterr()
+    assert import_(fragile, root, "fragile", "--strict") == 2
+    assert store.versions(root / "fragile") == [1]
+    assert (root / "fragile" / store.MANIFEST).read_bytes() == before
+    # Without --strict it is imported, to be served in fp32.
+    assert import_(fragile, root, "fragile") == 0
+    assert store.versions(root / "fragile") == [1, 2]
+    assert "will serve this model in fp32" in capsys.readouterr().out
