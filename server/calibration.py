@@ -44,6 +44,8 @@ MAX_SAMPLES = 4096
 RANDOM_SAMPLES = 64
 SAMPLE_LENGTH = 16
 """The length of random samples of a variable input (at most its ``max_length``)."""
+RANDOM_KEY = "random"
+"""The calibration file's metadata key saying its samples were drawn at random (``"true"``), not given."""
 INT_RANGE = 100
 """Random integer inputs are drawn from ``[0, INT_RANGE)`` (token ids of a small vocabulary, class indices), or from
 fewer values where the model's first embedding table is smaller."""
@@ -79,7 +81,8 @@ class Samples:
     def save(self, version_dir: Path) -> Path:
         """Write them as ``version_dir``'s calibration file, with where they came from."""
         path = version_dir / CALIBRATION
-        save_file({k: np.ascontiguousarray(v) for k, v in self.arrays.items()}, str(path), {"source": self.source})
+        metadata = {"source": self.source, RANDOM_KEY: "true" if self.random else "false"}
+        save_file({k: np.ascontiguousarray(v) for k, v in self.arrays.items()}, str(path), metadata)
         return path
 
 
@@ -102,7 +105,9 @@ def stored(version_dir: Path, manifest: Manifest) -> Samples | None:
         )
     arrays = _checked({k: v[:MAX_SAMPLES] for k, v in tensors.items()}, specs, str(path))
     count = len(arrays[names[0]])
-    return Samples(arrays, _recorded(path) or f"{count} samples from {CALIBRATION}")
+    return Samples(
+        arrays, _recorded(path) or f"{count} samples from {CALIBRATION}", _recorded(path, RANDOM_KEY) == "true"
+    )
 
 
 def source_of(version_dir: Path) -> str | None:
@@ -114,10 +119,10 @@ def source_of(version_dir: Path) -> str | None:
     return _recorded(path) or CALIBRATION
 
 
-def _recorded(path: Path) -> str | None:
+def _recorded(path: Path, key: str = "source") -> str | None:
     try:
         with safe_open(str(path), framework="np") as f:
-            return (f.metadata() or {}).get("source")
+            return (f.metadata() or {}).get(key)
     except Exception:  # an unreadable file fails where its samples are read, with the reason
         return None
 

@@ -177,7 +177,19 @@ def _add_import(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         help=".npy (one input), .npz, .safetensors or .jsonl samples by input name, .txt texts, or a folder of images",
     )
     p.add_argument("--samples", type=int, default=64, help="random calibration samples without --calibration")
-    p.add_argument("--min-agreement", type=float, help="serve in fp32 below this top-1 agreement (the manifest's)")
+    p.add_argument(
+        "--min-agreement", type=float, help="serve in fp32 below this top-1 agreement (default: the default bar, 0.98)"
+    )
+    p.add_argument(
+        "--fidelity",
+        metavar="JSON",
+        help='the manifest\'s fidelity bar, e.g. {"min_cosine": 0.99} or {"check": false} (default: the default bar)',
+    )
+    p.add_argument(
+        "--strict",
+        action="store_true",
+        help="refuse a model below its fidelity bar (exit 2, nothing written) rather than import it to serve in fp32",
+    )
     p.add_argument("--store", type=Path, default=Path("model_store"), help="model store folder (default: model_store)")
     p.add_argument("--code-path", type=Path, action="append", metavar="DIR", help="folder for module:factory code")
     p.add_argument("--device", default="auto", help="where the half-precision agreement is measured")
@@ -194,6 +206,8 @@ def import_(args: argparse.Namespace) -> int:
         fields: dict[str, object] = {"min_agreement": args.min_agreement} if args.min_agreement is not None else {}
         if args.accept_padding_variance:
             fields["padding_invariant"] = False
+        if args.fidelity is not None:
+            fields["fidelity"] = importer.parse_json_object(args.fidelity, "--fidelity")
         inputs = importer.sequence_inputs(
             [importer.parse_tensor(t, "--input") for t in args.input], args.max_length, args.mask, args.truncate
         )
@@ -214,6 +228,7 @@ def import_(args: argparse.Namespace) -> int:
             args.calibration,
             args.samples,
             resolve_device(args.device),
+            args.strict,
             **fields,
         )
     except ValidationError as e:

@@ -170,6 +170,8 @@ class Imported:
     samples_from: str
     fidelity: fidelity.Fidelity | None
     padding: padding.PaddingCheck | None = None
+    shortfall: str | None = None
+    """Why the server will serve this model in fp32 (it falls below its fidelity bar); ``None``: it will not."""
 
 
 def import_model(
@@ -184,9 +186,12 @@ def import_model(
     calibration: Path | None = None,
     samples: int = RANDOM_SAMPLES,
     device: torch.device | None = None,
+    strict: bool = False,
     **manifest_fields: Any,
 ) -> Imported:
-    """Write ``source``'s weights as the next version of ``name`` in the store at ``root`` (see the module)."""
+    """Write ``source``'s weights as the next version of ``name`` in the store at ``root`` (see the module).
+
+    With ``strict``, a model below its fidelity bar is an :class:`ImportFailure`, and nothing is left written."""
     arch_kwargs = arch_kwargs or {}
     if source.is_dir() and not architecture.startswith(models.TRANSFORMERS):
         raise ImportFailure(_folder_needs_transformers(source, architecture))
@@ -233,20 +238,55 @@ def import_model(
         raise ImportFailure(f"the model fails on its calibration samples ({given.source}): {e}") from None
     if padded is not None and not padded.invariant and not padded.accepted:
         raise ImportFailure(f"{source}: {padding.reason(padded, unsaved)}")
+    before = _Before.of(model_dir)
     vdir = _copy_folder(source, root, manifest) if hugging_face else store.save(root, manifest, module)
     given.save(vdir)
-    measured = _measure(root, name, int(vdir.name), device or precision.default_device())
-    if measured is not None:
-        half = measured.precision
-        evaluation = {
-            "calibration_samples": measured.samples,
-            f"{half}_top1_agreement": measured.top1_agreement,
-            f"{half}_max_abs_error": measured.max_abs_error,
-            f"{half}_max_rel_error": measured.max_rel_error,
-        }
-        manifest = manifest.model_copy(update={"evaluation": evaluation})
-        store.write_manifest(root, manifest)
-    return Imported(vdir, manifest, given.source, measured, padded)
+    try:
+        measured = _measure(root, name, int(vdir.name), device or precision.default_device())
+    except BaseException:
+        before.restore(vdir)  # a model whose samples do not run is not left half imported
+        raise
+    held_to = fidelity.bar(manifest)
+    shortfall = fidelity.shortfall(measured, held_to) if held_to.check else None
+    if shortfall is not None and strict:
+        before.restore(vdir)
+        raise ImportFailure(f"--strict: below the fidelity bar: {shortfall}; nothing was written to {model_dir}")
+    half = measured.precision
+    evaluation = {
+        "calibration_samples": measured.samples,
+        f"{half}_top1_agreement": measured.top1_agreement,
+        f"{half}_max_abs_error": measured.max_abs_error,
+        f"{half}_max_rel_error": measured.max_rel_error,
+        f"{half}_min_cosine": measured.min_cosine,
+    }
+    manifest = manifest.model_copy(update={"evaluation": evaluation})
+    store.write_manifest(root, manifest)
+    return Imported(vdir, manifest, given.source, measured, padded, shortfall)
+
+
+@dataclass(frozen=True)
+class _Before:
+    """A model folder as it was before an import wrote to it, so a refused import (``--strict``) leaves it so."""
+
+    model_dir: Path
+    existed: bool
+    manifest: bytes | None
+
+    @classmethod
+    def of(cls, model_dir: Path) -> _Before:
+        path = model_dir / store.MANIFEST
+        return cls(model_dir, model_dir.exists(), path.read_bytes() if path.is_file() else None)
+
+    def restore(self, version_dir: Path) -> None:
+        if not self.existed:
+            shutil.rmtree(self.model_dir, ignore_errors=True)
+            return
+        shutil.rmtree(version_dir, ignore_errors=True)
+        path = self.model_dir / store.MANIFEST
+        if self.manifest is None:
+            path.unlink(missing_ok=True)
+        else:
+            path.write_bytes(self.manifest)
 
 
 def _samples(path: Path | None, manifest: Manifest, module: nn.Module, count: int, folder: Path | None) -> Samples:
@@ -338,17 +378,28 @@ def _copy_folder(source: Path, root: Path, manifest: Manifest) -> Path:
     return vdir
 
 
-def _measure(root: Path, name: str, version: int, device: torch.device) -> fidelity.Fidelity | None:
+def _measure(root: Path, name: str, version: int, device: torch.device) -> fidelity.Fidelity:
     loaded = store.load(root, name, version)
-    samples = fidelity.read_samples(loaded.path.parent, loaded.manifest)
-    if samples is None:
-        return None
-    half = precision.Precision.FP16 if device.type == "cuda" else precision.Precision.BF16
+    samples = fidelity.samples(loaded.path.parent, loaded.manifest, loaded.module)
+    # The precision the server would serve in there; where that is fp32 (auto on a CPU without native bf16), the
+    # half precision it would take elsewhere, so the figure is there when the model moves.
+    half = precision.resolve(loaded.manifest.precision, device)
+    if half is precision.Precision.FP32:
+        half = precision.Precision.FP16 if device.type == "cuda" else precision.Precision.BF16
     engine = Engine(loaded, half, device)
     try:
-        return fidelity.measure(engine, loaded, samples, batch=min(64, len(samples)))
+        return fidelity.measure(engine, loaded, samples.rows, min(64, len(samples.rows)), samples.source)
     finally:
         engine.close()
+
+
+def _figures(f: fidelity.Fidelity) -> str:
+    shown = [f"top-1 agreement {f.top1_agreement:.4f}"] if f.top1_agreement is not None else []
+    if f.min_cosine is not None:
+        shown.append(f"lowest cosine similarity {f.min_cosine:.6f}")
+    if f.max_rel_error is not None:
+        shown.append(f"max rel error {f.max_rel_error:.4g}")
+    return ", ".join([*shown, f"max abs error {f.max_abs_error:.4g}"])
 
 
 def describe(result: Imported) -> str:
@@ -361,12 +412,20 @@ def describe(result: Imported) -> str:
         f"  calibration: {result.samples_from}, stored as {fidelity.CALIBRATION}",
     ]
     f = result.fidelity
-    if f is not None:
-        top1 = "n/a" if f.top1_agreement is None else f"{f.top1_agreement:.4f}"
-        lines.append(
-            f"  {f.precision} vs fp32: top-1 agreement {top1}, max abs error {f.max_abs_error:.4g}, "
-            f"max rel error {f.max_rel_error:.4g}"
-        )
+    if f is None:
+        return "\n".join(lines)
+    lines.append(f"  {f.precision} vs fp32 on {f.samples} {f.source} samples: {_figures(f)}")
+    held_to = fidelity.bar(m)
+    if not held_to.check:
+        lines.append('  fidelity bar: off (the manifest\'s "fidelity": {"check": false})')
+    elif result.shortfall is None:
+        lines.append(f"  fidelity bar ({held_to.describe()}): met, so the server serves it in {f.precision}")
+    else:
+        lines += [
+            f"  WARNING: below the fidelity bar: {result.shortfall}.",
+            f"  The server will serve this model in fp32, not {f.precision}: {fidelity.how_to_override(f.precision)}.",
+            "  halfserve import --strict refuses such a model instead.",
+        ]
     p = result.padding
     if p is not None:
         lines.append(

@@ -337,6 +337,26 @@ class TextInput(BaseModel):
     """Longest text accepted, in UTF-8 bytes; longer is a 400 before tokenizing."""
 
 
+class FidelityBar(BaseModel):
+    """How close a model's half-precision outputs must come to its fp32 outputs at load to be served in half precision
+    (:mod:`server.fidelity`); a field left unset takes the server's default bar (:data:`server.fidelity.DEFAULT_BAR`),
+    so a later default applies to manifests written before it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    check: bool = True
+    """Measure at load and serve in fp32 below the bar; off, the model is served in its half precision unmeasured."""
+    min_top1_agreement: float | None = Field(default=None, ge=0.0, le=1.0)
+    """For the class scores (the first output when the manifest has labels, else the first floating output of one
+    dimension of 2 or more): the share of samples whose top class is the same in both. 0: no bar on it."""
+    min_cosine: float | None = Field(default=None, ge=-1.0, le=1.0)
+    """For every other floating output with several values per row (embeddings, per-token outputs): the lowest cosine
+    similarity of a row with its fp32 row. -1: no bar on it."""
+    max_rel_error: float | None = Field(default=None, ge=0.0)
+    """For floating outputs of one value per row (regression): the largest difference from fp32, relative to the
+    output's largest fp32 magnitude on the samples."""
+
+
 _EVALUATION_KEY = re.compile(r"[a-z0-9_]{1,64}")
 _DEVICE = re.compile(r"[a-z0-9:_]{1,32}")
 
@@ -368,7 +388,9 @@ class Manifest(BaseModel):
     overflow: OverflowPolicy = OverflowPolicy.RERUN_FP32
     min_agreement: float | None = Field(default=None, gt=0.0, le=1.0)
     """Serve in fp32 instead when the half precision's top-1 agreement with fp32 on the version's calibration samples
-    (:mod:`server.fidelity`) is below this."""
+    (:mod:`server.fidelity`) is below this: the older spelling of ``fidelity.min_top1_agreement``."""
+    fidelity: FidelityBar | None = None
+    """The fidelity bar at load; unset, the server's default bar for every measure."""
     padding_invariant: bool = True
     """A model with a variable dimension must answer a sample alone as it does in a batch padded to a longer one
     (checked at import and at load, :mod:`server.padding`); ``false`` serves one whose answers change with the batch's
@@ -421,6 +443,8 @@ class Manifest(BaseModel):
             t.datatype.numpy.kind == "f" and math.prod(t.shape) > 1 for t in self.outputs
         ):
             raise ValueError("min_agreement needs a floating output with more than one value per row to rank")
+        if self.min_agreement is not None and (self.fidelity and self.fidelity.min_top1_agreement) is not None:
+            raise ValueError("min_agreement and fidelity.min_top1_agreement: give one (the first is the older name)")
         variable = [t for t in self.inputs if t.variable and t.mask_for is None]
         for t in self.inputs:
             if t.variable and t.mask_for is None and t.max_length is None:

@@ -225,7 +225,7 @@ class _ModelsCollector(Collector):
         )
         fallback = GaugeMetricFamily(
             "halfserve_model_fp32_fallback",
-            "1 for a model served in fp32 because its half precision fell short of its min_agreement at load.",
+            "1 for a model served in fp32 because its half precision fell below its fidelity bar at load.",
             labels=["model", "version"],
         )
         ready = 0

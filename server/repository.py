@@ -30,7 +30,7 @@ from server.serving import (
     Tensors,
     find,
 )
-from server.settings import Settings
+from server.settings import FidelityCheck, Settings
 from server.store import Batching, Isolation, LoadedModel, Manifest, StoreError
 from server.traced import TraceRefused
 
@@ -72,8 +72,10 @@ class ServedModel:
     warmup_seconds: float = 0.0
     fidelity: Fidelity | None = None
     """Half precision against fp32 on the version's calibration samples, measured at load (None: not measured)."""
+    fidelity_bar: dict[str, object] | None = None
+    """The bar the model was held to at load (None: not held to one: fp32, or the check is off)."""
     fp32_fallback: str | None = None
-    """Why the model is served in fp32 although its precision is a half one (its min_agreement was not met)."""
+    """Why the model is served in fp32 although its precision is a half one (it fell below its fidelity bar)."""
     calibration: str | None = None
     """Where the version's stored calibration samples came from (None: it stores none)."""
     padding: PaddingCheck | None = None
@@ -222,6 +224,7 @@ class ServedModel:
             "evaluation": m.evaluation,
             "fidelity": self.fidelity.as_dict() if self.fidelity is not None else None,
             "min_agreement": m.min_agreement,
+            "fidelity_bar": self.fidelity_bar,
             "fp32_fallback": self.fp32_fallback,
             "calibration": self.calibration,
             "padding": self.padding.as_dict() if self.padding is not None else None,
@@ -375,28 +378,54 @@ class ModelRepository:
             engine.place(choose(engine, on_loop, beside_loop=False), served.batching.max_batch_size)
         return engine
 
-    async def _check_fidelity(self, served: ServedModel, loaded: LoadedModel, engine: AnyEngine) -> AnyEngine:
-        """Measure a half-precision engine against fp32 on the version's calibration samples, if it has any; returns
-        the engine to serve: this one, or an fp32 one where the manifest's min_agreement is not met."""
-        samples = await asyncio.to_thread(fidelity.read_samples, loaded.path.parent, loaded.manifest)
-        if samples is None:
-            return engine
-        measured = await asyncio.to_thread(fidelity.measure, engine, loaded, samples, served.batching.max_batch_size)
-        served.fidelity = measured
-        engine.real_elements = engine.padded_elements = 0  # padding waste counts requests, not calibration batches
-        log.info(
-            "model %s: %s vs fp32 on %d calibration samples: top-1 agreement %s, max abs/rel error %.3g/%.3g",
-            served.name,
-            measured.precision,
-            measured.samples,
-            "n/a" if measured.top1_agreement is None else f"{measured.top1_agreement:.4f}",
-            measured.max_abs_error,
-            measured.max_rel_error,
+    def _held_to(self, manifest: Manifest) -> fidelity.Bar | None:
+        """The fidelity bar a model served in a half precision must meet at load; ``None``: it is not measured."""
+        if self.settings.fidelity_bar is FidelityCheck.OFF:
+            return None
+        held_to = fidelity.bar(manifest)
+        return held_to if held_to.check else None
+
+    async def _check_fidelity(
+        self, served: ServedModel, loaded: LoadedModel, engine: AnyEngine, held_to: fidelity.Bar
+    ) -> AnyEngine:
+        """Measure a half-precision engine against fp32 on the version's samples (calibration, else random); returns
+        the engine to serve: this one, or an fp32 one where the model falls below ``held_to``."""
+        served.fidelity_bar = held_to.as_dict()
+        samples = await asyncio.to_thread(fidelity.samples, loaded.path.parent, loaded.manifest, loaded.module)
+        half = engine.precision.value
+        try:
+            measured = await asyncio.to_thread(
+                fidelity.measure, engine, loaded, samples.rows, served.batching.max_batch_size, samples.source
+            )
+        except Exception as e:
+            if samples.source is not fidelity.Source.RANDOM:
+                raise  # the operator's own samples fail the model: as any load failure
+            # Random samples may be inputs the model cannot take (ids past its vocabulary, values it refuses): its
+            # half precision is then unproven, so it is not what is served.
+            reason = f"{half} could not be measured against fp32 on random samples ({e}); give calibration samples"
+        else:
+            served.fidelity = measured
+            log.info(
+                "model %s: %s vs fp32 on %d %s samples in %.2fs: top-1 agreement %s, lowest cosine %s, "
+                "max abs/rel error %s/%s",
+                served.name,
+                half,
+                measured.samples,
+                measured.source,
+                measured.seconds,
+                _figure(measured.top1_agreement, ".4f"),
+                _figure(measured.min_cosine, ".6f"),
+                _figure(measured.max_abs_error, ".3g"),
+                _figure(measured.max_rel_error, ".3g"),
+            )
+            shortfall = fidelity.shortfall(measured, held_to)
+            if shortfall is None:
+                engine.real_elements = engine.padded_elements = 0  # padding waste counts requests, not samples
+                return engine
+            reason = shortfall
+        log.warning(
+            "model %s is served in fp32, not %s: %s; %s", served.name, half, reason, fidelity.how_to_override(half)
         )
-        reason = fidelity.shortfall(measured, loaded.manifest.min_agreement)
-        if reason is None:
-            return engine
-        log.warning("model %s is served in fp32: %s", served.name, reason)
         served.fp32_fallback = reason
         engine.close()
         return await self._engine(served, loaded, Precision.FP32)
@@ -419,9 +448,10 @@ class ModelRepository:
         await self._check_padding(served, loaded)
         served.index_limits = await asyncio.to_thread(index_limits, loaded.module, loaded.manifest)
         engine = await self._engine(served, loaded, precision)
-        if engine.precision is not Precision.FP32:
+        held_to = self._held_to(loaded.manifest)
+        if engine.precision is not Precision.FP32 and held_to is not None:
             try:
-                engine = await self._check_fidelity(served, loaded, engine)
+                engine = await self._check_fidelity(served, loaded, engine, held_to)
             except BaseException:
                 engine.close()
                 raise
@@ -552,6 +582,10 @@ class ModelRepository:
         """Drain every batcher (queued requests are answered), then release the engines."""
         for served in self.models.values():
             await self._release(served)
+
+
+def _figure(value: float | None, spec: str) -> str:
+    return "n/a" if value is None else format(value, spec)
 
 
 def _restore(overrides: dict[str, Precision], name: str, value: Precision | None) -> None:

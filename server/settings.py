@@ -34,6 +34,15 @@ class LogFormat(str, Enum):
     """One JSON object per line, with the request id and other fields as keys, for log collectors."""
 
 
+class FidelityCheck(str, Enum):
+    """Whether the models served in a half precision are held to a fidelity bar at load (:mod:`server.fidelity`)."""
+
+    DEFAULT = "default"
+    """Each is measured against fp32 and held to its manifest's bar (the default bar where it sets none)."""
+    OFF = "off"
+    """None is measured: each is served in the half precision asked for, whatever its manifest's bar."""
+
+
 class Settings(BaseSettings):
     """Everything the server reads at start-up. Per-model settings live in each model's manifest."""
 
@@ -74,7 +83,11 @@ class Settings(BaseSettings):
     device: str = "auto"
     """``auto`` (CUDA when present), ``cpu``, ``cuda`` or ``cuda:N``."""
     precision: Precision | None = None
-    """Override every manifest's precision; ``fp32`` is the fallback switch."""
+    """Override every manifest's precision; ``fp32`` is the fallback switch. A half precision named here is still held
+    to each model's fidelity bar (``fidelity_bar``)."""
+    fidelity_bar: FidelityCheck = FidelityCheck.DEFAULT
+    """``default``: every model served in a half precision is compared with fp32 at load, and one below its bar is
+    served in fp32 instead; ``off``: no model is measured, each is served in the precision asked for."""
     max_batch_size: int | None = Field(default=None, ge=1, le=8192)
     """Override every manifest's ``batching.max_batch_size``."""
     max_delay_ms: float | None = Field(default=None, ge=0.0, le=10_000.0)

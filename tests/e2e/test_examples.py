@@ -96,9 +96,11 @@ def test_a_users_own_model_file_trains_imports_and_serves(server_factory: StartS
         "-m", "server", "import", str(out / "weights.pth"), "--store", str(store_dir), "--name", "digits_net",
         "--architecture", "digits_net:build", "--code-path", str(EXAMPLES / "own_model"),
         "--input", "pixels:FP32:64", "--labels", str(out / "labels.txt"),
-        "--calibration", str(out / "calibration.npy"), "--min-agreement", "0.95",
+        "--calibration", str(out / "calibration.npy"),
     )  # fmt: skip
-    assert "bf16 vs fp32: top-1 agreement" in printed or "fp16 vs fp32" in printed
+    assert "vs fp32 on 200 calibration samples: top-1 agreement" in printed
+    assert "fidelity bar (top-1 agreement >= 0.98" in printed
+    assert "met, so the server serves it in" in printed
     digits = load_digits()
     x, y = digits.data[1500:1564].astype(np.float32), digits.target[1500:1564]
     code = ("--code-path", str(EXAMPLES / "own_model"))
@@ -109,7 +111,8 @@ def test_a_users_own_model_file_trains_imports_and_serves(server_factory: StartS
     assert np.mean(np.array(r.json()["labels"]).astype(int) == y) > 0.8
     entry = listing(half, "digits_net")
     assert entry["fidelity"]["samples"] == 200
-    assert entry["fidelity"]["top1_agreement"] >= 0.95
+    assert entry["fidelity"]["top1_agreement"] >= 0.98
+    assert entry["fidelity"]["source"] == "calibration"
     assert entry["fp32_fallback"] is None
     fp32 = server_factory(store_dir, *code, "--precision", "fp32")  # the fallback switch
     r32 = httpx.post(f"{fp32.url}/predict", json={"inputs": x.tolist()})
@@ -127,6 +130,7 @@ def test_a_hugging_face_classifier_imports_and_serves_in_half_precision(
         "--architecture", "transformers:AutoModelForSequenceClassification", "--input", "input_ids:INT64:16",
     )  # fmt: skip
     assert "outputs logits FP32 [3]" in printed
+    assert "vs fp32 on 64 random samples: top-1 agreement" in printed
     ids = np.random.default_rng(0).integers(0, 1000, (3, 16))
     body = {"inputs": [{"name": "input_ids", "datatype": "INT64", "shape": [3, 16], "data": ids.ravel().tolist()}]}
     answers = {}

@@ -1,0 +1,93 @@
+"""The fidelity bar's pure pieces: which output is held to which measure, the bar a manifest sets over the default,
+the shortfall's wording, and the server's switch from flag and environment."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from pydantic import ValidationError
+
+from server import fidelity
+from server.cli import build_parser
+from server.fidelity import DEFAULT_BAR, Fidelity, scores_output, shortfall
+from server.settings import FidelityCheck, Settings
+from server.store import Manifest
+
+
+def manifest(outputs: list[dict[str, object]], **fields: object) -> Manifest:
+    return Manifest.model_validate(
+        {
+            "name": "m",
+            "architecture": "mlp",
+            "inputs": [{"name": "x", "shape": [-1], "datatype": "INT64", "max_length": 8}],
+            "outputs": outputs,
+            **fields,
+        }
+    )
+
+
+def test_class_scores_are_the_labelled_output_else_the_first_one_dimensional_floating_one() -> None:
+    per_token = {"name": "tokens", "shape": [-1, 5]}
+    scores = {"name": "scores", "shape": [5]}
+    value = {"name": "value", "shape": [1]}
+    assert scores_output(manifest([per_token, value, scores])) == "scores"
+    assert scores_output(manifest([per_token, value])) is None  # per-token rows and a regression value
+    assert scores_output(manifest([{"name": "ids", "shape": [5], "datatype": "INT64"}])) is None
+    labelled = manifest([{"name": "logits", "shape": [2, 3]}, scores], labels=["a", "b", "c"])
+    assert scores_output(labelled) == "logits"
+
+
+def test_cosines_of_rows() -> None:
+    w = np.array([[1.0, 0.0], [1.0, 1.0], [0.0, 0.0], [3.0, 4.0], [1.0, 2.0]])
+    g = np.array([[0.0, 1.0], [2.0, 2.0], [0.0, 0.0], [0.0, 0.0], [np.inf, 2.0]])
+    np.testing.assert_allclose(fidelity._cosines(w, g), [0.0, 1.0, 1.0, 0.0, -1.0])
+
+
+def test_a_manifest_s_bar_overrides_the_default_field_by_field() -> None:
+    plain = fidelity.bar(manifest([{"name": "y", "shape": [3]}]))
+    assert plain.as_dict() == DEFAULT_BAR.as_dict()
+    assert plain.origin("min_cosine") == "the default min_cosine"
+    lowered = fidelity.bar(manifest([{"name": "y", "shape": [3]}], fidelity={"min_cosine": 0.9}))
+    assert (lowered.min_top1_agreement, lowered.min_cosine, lowered.check) == (0.98, 0.9, True)
+    assert lowered.origin("min_cosine") == "the manifest's fidelity.min_cosine"
+    assert not fidelity.bar(manifest([{"name": "y", "shape": [3]}], fidelity={"check": False})).check
+
+
+@pytest.mark.parametrize(
+    ("section", "field"),
+    [
+        ({"min_top1_agreement": 1.5}, "min_top1_agreement"),
+        ({"min_cosine": -2}, "min_cosine"),
+        ({"max_rel_error": -0.1}, "max_rel_error"),
+        ({"min_agreement": 0.9}, "min_agreement"),
+    ],
+)
+def test_a_wrong_fidelity_section_names_its_field(section: dict[str, object], field: str) -> None:
+    with pytest.raises(ValidationError, match=field):
+        manifest([{"name": "y", "shape": [3]}], fidelity=section)
+
+
+def test_the_shortfall_names_each_figure_its_bar_and_where_the_bar_comes_from() -> None:
+    held_to = fidelity.bar(manifest([{"name": "y", "shape": [3]}], fidelity={"max_rel_error": 0.1}))
+    measured = Fidelity(64, "fp16", 0.5, 3.0, 0.25, 0.99, "random")
+    reason = shortfall(measured, held_to)
+    assert reason == (
+        "fp16 top-1 agreement with fp32 is 0.5000 on 64 random samples, below the default min_top1_agreement 0.98; "
+        "lowest cosine similarity with fp32 is 0.990000 on 64 random samples, below the default min_cosine 0.999; "
+        "largest relative error from fp32 is 0.25 on 64 random samples, above the manifest's fidelity.max_rel_error 0.1"
+    )
+    assert shortfall(Fidelity(64, "bf16", 0.99, 3.0, 0.01, 0.9999), held_to) is None
+    assert shortfall(Fidelity(64, "bf16", None, math.inf, math.inf, None), held_to) is not None  # overflowed
+    assert shortfall(Fidelity(64, "bf16", None, 1.0, None, math.nan), held_to) is not None
+
+
+def test_the_server_s_switch_from_flag_and_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert Settings().fidelity_bar is FidelityCheck.DEFAULT
+    assert build_parser().parse_args(["serve", "--fidelity-bar", "off"]).fidelity_bar == "off"
+    monkeypatch.setenv("HALFSERVE_FIDELITY_BAR", "off")
+    assert Settings().fidelity_bar is FidelityCheck.OFF
+    monkeypatch.setenv("HALFSERVE_FIDELITY_BAR", "sometimes")
+    with pytest.raises(ValidationError, match="fidelity_bar"):
+        Settings()
