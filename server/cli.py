@@ -81,12 +81,18 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     p.add_argument("--header-timeout", type=float, help="seconds to send a request's headers, else 408 (default: 10)")
     p.add_argument("--body-timeout", type=float, help="seconds a body may stall between bytes, else 408 (default: 30)")
+    p.add_argument(
+        "--min-body-rate",
+        type=int,
+        help="bytes/s a body must average after its first body-timeout seconds, else 408 (default: 16384)",
+    )
     p.add_argument("--max-url-bytes", type=int, help="longest request target, else 414 (default: 8192)")
     p.add_argument("--max-header-bytes", type=int, help="most header bytes per request, else 431 (default: 65536)")
     p.add_argument("--max-connections", type=int, help="open connections per process, else 503 (default: 1024)")
     p.add_argument(
         "--allowed-hosts",
-        help="comma-separated names the Host header may carry, *.example.com for subdomains, else 400 (default: any)",
+        help="comma-separated names the Host header may carry besides IP addresses, localhost and --host; "
+        "*.example.com for subdomains, * for any; else 400",
     )
     p.add_argument(
         "--drain-timeout",
