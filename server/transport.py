@@ -226,9 +226,9 @@ class LimitedHttpProtocol(CoalescingHttpToolsProtocol):
         self._standby = False
         """Past the connection cap: only a probe is answered, then the connection is closed."""
         self._body_since: float | None = None
-        """When the current body's first bytes were read; None outside a body that took more than one read."""
+        """When the current body was first read incomplete (its rate is counted from then); None outside one."""
         self._body_bytes = 0
-        """Bytes read of the current body since ``_body_since`` (framing included)."""
+        """Bytes of the current body read so far."""
         self._cut_by_rate = False
         """The armed body timer is the body's rate deadline, not its gap."""
 
@@ -293,7 +293,7 @@ class LimitedHttpProtocol(CoalescingHttpToolsProtocol):
             if not self._timing_head:
                 self._arm_head()
         elif self._in_body:
-            self._arm_body(len(data))
+            self._arm_body()
 
     def send_400_response(self, msg: str) -> None:
         if not self._refused:
@@ -413,9 +413,13 @@ class LimitedHttpProtocol(CoalescingHttpToolsProtocol):
         path = self.url.partition(b"?")[0].partition(b"#")[0]
         return path.decode("latin-1") in PROBE_PATHS
 
+    def on_body(self, body: bytes) -> None:
+        self._body_bytes += len(body)
+        super().on_body(body)
+
     def on_message_complete(self) -> None:
         self._in_body = False
-        self._body_since = None
+        self._body_since, self._body_bytes = None, 0
         self._disarm()
         super().on_message_complete()
 
@@ -437,14 +441,13 @@ class LimitedHttpProtocol(CoalescingHttpToolsProtocol):
             self._timer = None
         self._timing_head = False
 
-    def _arm_body(self, received: int) -> None:
+    def _arm_body(self) -> None:
         """Bytes of a body arrived: its timer is the gap from now (``body_timeout``) or the body's deadline, whichever
         comes first. A body must arrive at ``min_body_rate`` on average, after a first ``body_timeout`` that any body
         may take: a gap alone is no bound, as a byte every ``body_timeout`` would hold the connection for ever."""
         now = self.loop.time()
         if self._body_since is None:
-            self._body_since, self._body_bytes = now, 0
-        self._body_bytes += received
+            self._body_since = now
         limits = self.limits
         deadline = self._body_since + limits.body_timeout + self._body_bytes / limits.min_body_rate
         gap = limits.body_timeout
@@ -468,7 +471,7 @@ class LimitedHttpProtocol(CoalescingHttpToolsProtocol):
         if cycle is None or cycle.response_complete or not cycle.more_body:
             return
         if self.flow.read_paused:  # the app is not reading yet: the wait is the server's, not the client's
-            self._body_since, self._cut_by_rate = None, False  # nor is the rate the client's so far
+            self._body_since, self._body_bytes, self._cut_by_rate = None, 0, False  # nor is the rate the client's
             self._arm(self.limits.body_timeout, self._body_timed_out)
             return
         scope: dict[str, Any] = cycle.scope  # type: ignore[assignment]

@@ -90,7 +90,7 @@ def host_allowed(raw: bytes | None, allowed_hosts: tuple[str, ...], bound: str) 
 @functools.lru_cache(maxsize=256)
 def _host_allowed(raw: bytes, allowed_hosts: tuple[str, ...], bound: str) -> bool:
     # Cached: a server sees the same few Hosts, and checking one costs a few microseconds it need not pay again.
-    host = host_name(raw)
+    host = host_name(raw).removesuffix(".")  # a fully qualified name's root dot: the same name
     if host in ("localhost", bound.lower()) or host.endswith(".localhost"):
         return True
     try:
