@@ -327,32 +327,56 @@ class RequestRecorder(Protocol):
 
 
 class FailedAttempts:
-    """Wrong admin tokens per client address. Past ``limit`` in ``window`` seconds an address is refused (429)
-    without its token being checked, until its oldest failure leaves the window: guessing costs minutes per ten tries.
-    At most ``addresses`` are remembered (the longest quiet ones are forgotten first), so the table stays small."""
+    """Wrong admin tokens, per client address and from every address together. Past ``limit`` in ``window`` seconds
+    from one address, or past ``total`` from all of them, a wrong token is answered 429 rather than 401 until the
+    oldest of those failures leaves the window (and each further one keeps it shut).
+
+    The right token is never refused: the operator who shares an address with a guesser (a NAT, a proxy, a
+    shared-memory client on the same host) is not locked out by that guesser, nor by their own typo. So this bounds
+    and reports guessing rather than preventing it; the token's length (at least 16 characters) is what makes guessing
+    hopeless. At most ``addresses`` are remembered (the longest quiet ones are forgotten first), each with its last
+    ``limit`` failures, so the tables stay small whoever sends them."""
 
     def __init__(
-        self, limit: int = 10, window: float = 60.0, addresses: int = 4096, clock: Callable[[], float] = time.monotonic
+        self,
+        limit: int = 10,
+        window: float = 60.0,
+        addresses: int = 4096,
+        total: int = 100,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.limit, self.window, self.addresses, self.clock = limit, window, addresses, clock
+        self.limit, self.window, self.addresses, self.total, self.clock = limit, window, addresses, total, clock
         self.failures: OrderedDict[str, deque[float]] = OrderedDict()
+        self.everyone: deque[float] = deque(maxlen=total)
+        """The last ``total`` failures, from whichever address."""
 
     def retry_after(self, who: str) -> float:
-        """Seconds until ``who`` may try again; 0 when it may now."""
+        """Seconds until a wrong token from ``who`` is answered 401 again; 0 when it is now."""
         times = self.failures.get(who)
-        if times is None:
-            return 0.0
         now = self.clock()
-        while times and times[0] <= now - self.window:
-            times.popleft()
-        if not times:
+        if times is not None and (not times or times[-1] <= now - self.window):
             del self.failures[who]
+            times = None
+        mine = self._locked_for(times, self.limit, now) if times is not None else 0.0
+        return max(mine, self.retry_after_all())
+
+    def retry_after_all(self) -> float:
+        """Seconds until a wrong token from an address with no failures of its own is answered 401 again."""
+        return self._locked_for(self.everyone, self.total, self.clock())
+
+    def _locked_for(self, times: deque[float], limit: int, now: float) -> float:
+        if len(times) < limit:
             return 0.0
-        return times[0] + self.window - now if len(times) >= self.limit else 0.0
+        oldest = times[-limit]
+        return max(oldest + self.window - now, 0.0)
 
     def failed(self, who: str) -> None:
-        times = self.failures.setdefault(who, deque())
-        times.append(self.clock())
+        now = self.clock()
+        times = self.failures.get(who)
+        if times is None:
+            times = self.failures[who] = deque(maxlen=self.limit)
+        times.append(now)
+        self.everyone.append(now)
         self.failures.move_to_end(who)
         if len(self.failures) > self.addresses:
             self.failures.popitem(last=False)
@@ -375,4 +399,4 @@ class AppState:
     pending: list[Callable[[], str | None]] = field(default_factory=list)
     """Checks readiness also waits on (e.g. front-ends not yet connected): each names what is missing, or None."""
     admin_attempts: FailedAttempts = field(default_factory=lambda: FailedAttempts())
-    """Wrong admin tokens per client address, for the management routes' lockout."""
+    """Wrong admin tokens per client address and in all, for the management routes' lockout."""

@@ -122,18 +122,24 @@ class Settings(BaseSettings):
     """Seconds a request body may go without a byte arriving; then 408 and the connection is closed. On the gRPC
     port, the seconds a call's request message may take to arrive whole, from the call's start
     (``DEADLINE_EXCEEDED``)."""
+    min_body_rate: int = Field(default=16384, ge=1)
+    """Bytes per second a request body must arrive at, on average, once its first ``body_timeout`` seconds are over
+    (a body must be whole within ``body_timeout`` plus its size over this rate); then 408 and the connection is closed.
+    The gap of ``body_timeout`` alone is no bound: a byte every 20 s would hold a connection for ever."""
     max_url_bytes: int = Field(default=8192, ge=256)
     """Longest request target (path and query); a longer one gets 414 before it is read whole."""
     max_header_bytes: int = Field(default=65536, ge=1024)
     """Most bytes of header names and values in one request; more gets 431 before they are read whole."""
     max_connections: int = Field(default=1024, ge=1)
-    """Open HTTP connections per process; one more is answered 503 and closed at once. The gRPC port takes as many
-    connections (one more is closed at once), and runs as many inference calls at once (one more is
+    """Open HTTP connections per process; one more is answered 503 and closed, except that 32 more are read for a
+    health or readiness probe, which is answered (so a cap held by slow clients does not fail the probes). The gRPC
+    port takes as many connections (one more is closed at once), and runs as many inference calls at once (one more is
     ``RESOURCE_EXHAUSTED``)."""
     allowed_hosts: Annotated[list[str], NoDecode] = Field(default_factory=list)
-    """Names the ``Host`` header may carry (``api.example.com``, ``*.example.com``; comma-separated in the
-    environment); anything else is a 400, so a name rebound to this server's address reads nothing. Empty (the
-    default): any. Health and readiness probes answer whatever the Host."""
+    """Names the ``Host`` header may carry besides IP addresses, ``localhost`` (and ``*.localhost``) and ``host``
+    (``api.example.com``, ``*.example.com``; comma-separated in the environment); any other name is a 400, so a name
+    rebound to this server's address (DNS rebinding) reads nothing. ``*``: any name. Health and readiness probes answer
+    whatever the Host."""
     drain_timeout: float = Field(default=30.0, ge=0.0, le=3600.0)
     """Seconds from a shutdown signal to exit: requests in flight get this long, then are cancelled (503)."""
     tf32: bool = False

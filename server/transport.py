@@ -2,9 +2,13 @@
 server that runs an app over it (:class:`DrainingServer`, :func:`uvicorn_config`), for the server and its front-ends.
 
 The protocol also holds each connection to :class:`HttpLimits`: how long its request line and headers, and each gap
-in its body, may take (408), how long its request target (414) and headers (431) may be, and how many connections a
-process keeps open (503). uvicorn has none of these but a keep-alive timeout, so an idle or trickling connection, or
-200 MiB of headers, would be held for as long as the client likes.
+in its body, may take, and how slowly its body may arrive (408), how long its request target (414) and headers (431)
+may be, and how many connections a process keeps open (503). uvicorn has none of these but a keep-alive timeout, so
+an idle or trickling connection, or 200 MiB of headers, would be held for as long as the client likes.
+
+Past the connection cap, :data:`PROBE_CONNECTIONS` more connections are read for a health or readiness probe, which is
+answered; any other request on them gets the 503. So a cap held by slow clients does not fail the orchestrator's
+probes, and the process is not restarted or taken out of its service for what its clients do.
 
 Writes come in bursts: uvicorn writes a response's status line and headers, then its body; the backplane answers
 every request of a batch in the same iteration. Each write is a system call and, on the other end, a wake-up of the
@@ -19,7 +23,7 @@ import signal
 import socket
 import urllib.parse
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from http import HTTPStatus
 from types import FrameType
 from typing import Any, ClassVar, Protocol
@@ -36,6 +40,13 @@ LINGER_S = 2.0
 """How long a connection refused mid-head goes on being read (and dropped) before it is closed."""
 BODY_TIMED_OUT = "halfserve.body_timed_out"
 """Set in a request's scope when its body stalled past the body timeout (the app then sees a disconnect)."""
+PROBE_PATHS = frozenset({"/health", "/ready", "/v2/health/live", "/v2/health/ready"})
+"""The liveness and readiness probes: answered past the connection cap, and (:mod:`server.api.guard`) whatever the
+``Host``."""
+PROBE_CONNECTIONS = 32
+"""Connections past ``max_connections`` read for a probe (a place each; when they are all taken, the one waiting
+longest for its request's head gives its place up with a 503): a probe's head arrives in its first packet, so a
+client holding these places with silent connections delays a probe by a round trip at most."""
 
 
 class CoalescedWrites:
@@ -176,6 +187,17 @@ class HttpLimits:
     max_url_bytes: int = _default("max_url_bytes")
     max_header_bytes: int = _default("max_header_bytes")
     max_connections: int = _default("max_connections")
+    min_body_rate: int = _default("min_body_rate")
+
+
+@dataclass
+class _Census:
+    """A server's connections, as its protocol counts them for the cap."""
+
+    admitted: set[LimitedHttpProtocol] = field(default_factory=set)
+    """Connections under ``max_connections`` (a refused one, closing, until it is closed)."""
+    standby: dict[LimitedHttpProtocol, None] = field(default_factory=dict)
+    """Connections past it, waiting for a probe's head or answering it, oldest first."""
 
 
 class _Refused(Exception):
@@ -188,6 +210,8 @@ class LimitedHttpProtocol(CoalescingHttpToolsProtocol):
     limits: ClassVar[HttpLimits] = HttpLimits()
     direct: ClassVar[Direct | None] = None
     """The app's routes answered without going through the ASGI app (:class:`DirectCycle`)."""
+    census: ClassVar[_Census] = _Census()
+    """The server's connections (one per :meth:`with_limits` class, so one per server)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -204,24 +228,48 @@ class LimitedHttpProtocol(CoalescingHttpToolsProtocol):
         """Answered with a refusal: what still arrives is dropped."""
         self._idle_since: float | None = None
         """When the connection's last response went out with no request after it; None while one is arriving."""
+        self._standby = False
+        """Past the connection cap: only a probe is answered, then the connection is closed."""
+        self._body_since: float | None = None
+        """When the current body was first read incomplete (its rate is counted from then); None outside one."""
+        self._body_bytes = 0
+        """Bytes of the current body read so far."""
+        self._cut_by_rate = False
+        """The armed body timer is the body's rate deadline, not its gap."""
 
     @classmethod
     def with_limits(cls, limits: HttpLimits, direct: Direct | None = None) -> type[LimitedHttpProtocol]:
         # A staticmethod: a function stored on the class is not bound to the protocol instance.
-        return type(
-            cls.__name__, (cls,), {"limits": limits, "direct": None if direct is None else staticmethod(direct)}
-        )
+        attributes = {"limits": limits, "direct": None if direct is None else staticmethod(direct), "census": _Census()}
+        return type(cls.__name__, (cls,), attributes)
 
     # Connection ----------------------------------------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
-        if len(self.connections) > self.limits.max_connections:
-            self._refuse(503, f"server busy: {self.limits.max_connections} connections are open (max_connections)")
+        census = self.census
+        if len(census.admitted) < self.limits.max_connections:
+            census.admitted.add(self)
+            self._arm_head()
             return
+        if len(census.standby) >= PROBE_CONNECTIONS:
+            waiting = next((c for c in census.standby if c.cycle is None), None)
+            if waiting is None:  # every place answers a probe (for a moment): this connection gets the 503 now
+                self._refuse_busy()
+                return
+            waiting._refuse_busy()
+        census.standby[self] = None
+        self._standby = True
         self._arm_head()
 
+    def _refuse_busy(self) -> None:
+        """The connection cap's 503, after which the client may still be sending its request: a lingering close, so
+        that the answer is read rather than lost to a reset."""
+        self._refuse(503, f"server busy: {self.limits.max_connections} connections are open (max_connections)", True)
+
     def connection_lost(self, exc: Exception | None) -> None:
+        self.census.admitted.discard(self)
+        self.census.standby.pop(self, None)
         self._disarm()
         super().connection_lost(exc)
         if self.timeout_keep_alive_task is not None:
@@ -250,7 +298,7 @@ class LimitedHttpProtocol(CoalescingHttpToolsProtocol):
             if not self._timing_head:
                 self._arm_head()
         elif self._in_body:
-            self._arm(self.limits.body_timeout, self._body_timed_out)  # bytes arrived: the gap starts again
+            self._arm_body()
 
     def send_400_response(self, msg: str) -> None:
         if not self._refused:
@@ -310,6 +358,13 @@ class LimitedHttpProtocol(CoalescingHttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         self._in_head, self._in_body = False, True
+        if self._standby:
+            if not self._is_probe():
+                self._refuse_busy()
+                raise _Refused
+            super().on_headers_complete()
+            self.cycle.keep_alive = False  # its place is for the next probe
+            return
         handler = self._direct_handler()
         if handler is None:
             super().on_headers_complete()
@@ -357,8 +412,19 @@ class LimitedHttpProtocol(CoalescingHttpToolsProtocol):
         scope["query_string"] = query
         return direct(scope)
 
+    def _is_probe(self) -> bool:
+        if self.parser.get_method() not in (b"GET", b"HEAD"):
+            return False
+        path = self.url.partition(b"?")[0].partition(b"#")[0]
+        return path.decode("latin-1") in PROBE_PATHS
+
+    def on_body(self, body: bytes) -> None:
+        self._body_bytes += len(body)
+        super().on_body(body)
+
     def on_message_complete(self) -> None:
         self._in_body = False
+        self._body_since, self._body_bytes = None, 0
         self._disarm()
         super().on_message_complete()
 
@@ -380,10 +446,26 @@ class LimitedHttpProtocol(CoalescingHttpToolsProtocol):
             self._timer = None
         self._timing_head = False
 
+    def _arm_body(self) -> None:
+        """Bytes of a body arrived: its timer is the gap from now (``body_timeout``) or the body's deadline, whichever
+        comes first. A body must arrive at ``min_body_rate`` on average, after a first ``body_timeout`` that any body
+        may take: a gap alone is no bound, as a byte every ``body_timeout`` would hold the connection for ever."""
+        now = self.loop.time()
+        if self._body_since is None:
+            self._body_since = now
+        limits = self.limits
+        deadline = self._body_since + limits.body_timeout + self._body_bytes / limits.min_body_rate
+        gap = limits.body_timeout
+        self._arm(min(gap, max(deadline - now, 0.0)), self._body_timed_out)
+        self._cut_by_rate = deadline - now < gap
+
     def _head_timed_out(self) -> None:
         self._timer, self._timing_head = None, False
         if self.cycle is not None and not self.cycle.response_complete:
             return  # a request is being answered; the next one's head has not begun
+        if self._standby:
+            self._refuse_busy()
+            return
         self._refuse(
             408, f"request line and headers not received within {self.limits.header_timeout:g} s (header_timeout)"
         )
@@ -394,6 +476,7 @@ class LimitedHttpProtocol(CoalescingHttpToolsProtocol):
         if cycle is None or cycle.response_complete or not cycle.more_body:
             return
         if self.flow.read_paused:  # the app is not reading yet: the wait is the server's, not the client's
+            self._body_since, self._body_bytes, self._cut_by_rate = None, 0, False  # nor is the rate the client's
             self._arm(self.limits.body_timeout, self._body_timed_out)
             return
         scope: dict[str, Any] = cycle.scope  # type: ignore[assignment]
@@ -403,6 +486,11 @@ class LimitedHttpProtocol(CoalescingHttpToolsProtocol):
         cycle.message_event.set()
         if cycle.response_started:
             self.transport.close()
+        elif self._cut_by_rate:
+            since = self.loop.time() - (self._body_since or 0.0)
+            rate = self.limits.min_body_rate
+            what = f"body: {self._body_bytes} bytes in {since:.0f} s, under {rate} bytes/s (min_body_rate)"
+            self._refuse(408, what, linger=True)  # it is still sending: its answer must not be lost to a reset
         else:
             self._refuse(408, f"body: no byte received for {self.limits.body_timeout:g} s (body_timeout)")
 
@@ -410,6 +498,7 @@ class LimitedHttpProtocol(CoalescingHttpToolsProtocol):
         """Answer ``status`` with the API's JSON error and close the connection (``linger``: once the client has
         had a moment to stop sending)."""
         self._refused = True
+        self.census.standby.pop(self, None)  # its place is free for a probe, while it closes
         self._disarm()
         if self.transport.is_closing():
             return
@@ -471,7 +560,9 @@ class DrainingServer(uvicorn.Server):
 
 def http_limits(settings: Settings) -> HttpLimits:
     s = settings
-    return HttpLimits(s.header_timeout, s.body_timeout, s.max_url_bytes, s.max_header_bytes, s.max_connections)
+    return HttpLimits(
+        s.header_timeout, s.body_timeout, s.max_url_bytes, s.max_header_bytes, s.max_connections, s.min_body_rate
+    )
 
 
 def uvicorn_config(

@@ -106,7 +106,7 @@ async def _answer_direct(
     app: _HasState, endpoint: telemetry.Endpoint, params: dict[str, Any], scope: Scope, receive: Receive
 ) -> Answer:
     try:
-        guard.check(scope, app.state.serving.settings.allowed_hosts)
+        guard.check(scope, app.state.serving.settings)
     except APIError as e:
         return error_response(e.status, e.message, e.headers)
     return await _run(app, endpoint, params, scope, receive)
@@ -119,7 +119,7 @@ async def answer_first(app: _HasState, scope: Scope, receive: Receive, send: Sen
     The one way in for everything that serves HTTP: :class:`App` itself and the ``--http-workers`` front-ends.
     ``app.state.serving`` is what the endpoints read (:class:`~server.serving.AppState`).
     """
-    if not await guard.admitted(scope, receive, send, app.state.serving.settings.allowed_hosts):
+    if not await guard.admitted(scope, receive, send, app.state.serving.settings):
         return True
     found = hot_route(scope) if scope["method"] == "POST" else None
     if found is None:

@@ -7,6 +7,8 @@ its repository (:func:`repository`).
 
 from __future__ import annotations
 
+import hashlib
+import logging
 import math
 import secrets
 from collections.abc import Callable
@@ -23,6 +25,8 @@ from server.api.limits import parse_json, raw_header, read_body
 from server.repository import ModelRepository, ServedModel
 from server.serving import UNKNOWN_MODEL, AppState, ModelHandle, ModelService
 from server.settings import Settings
+
+log = logging.getLogger(__name__)
 
 
 def state(request: Request) -> AppState:
@@ -139,7 +143,7 @@ AUTH_ERRORS = error_responses(
         401: "The Authorization: Bearer token is missing or wrong.",
         403: "The management API is off: the server has no admin token.",
         413: "A body over 64 KiB.",
-        429: "Too many wrong tokens from this address lately (Retry-After).",
+        429: "A wrong token, after too many from this address or from all lately (Retry-After).",
     }
 )
 OPTIONAL_JSON_BODY: dict[str, Any] = {
@@ -162,29 +166,37 @@ def client_address(request: Request) -> str:
 
 
 def require_admin(request: Request) -> None:
-    """Fail with 403 when no admin token is configured, 401 when the request does not carry it, 429 when its address
-    got the token wrong too often lately (:class:`FailedAttempts`)."""
+    """Fail with 403 when no admin token is configured, 401 when the request does not carry it, 429 instead of 401
+    when wrong tokens came too often lately from its address or from all (:class:`FailedAttempts`)."""
     check_admin(state(request), client_address(request), request.headers.get("authorization", ""))
 
 
 def check_admin(app: AppState, who: str, authorization: str) -> None:
     """:func:`require_admin` for a call from address ``who`` carrying ``authorization`` (``Bearer <token>``), over
-    whichever protocol."""
+    whichever protocol. The right token is accepted whatever the failures before it."""
     settings = app.settings
     if settings.admin_token is None:
         raise APIError(403, "management API is disabled; set HALFSERVE_ADMIN_TOKEN")
-    attempts = app.admin_attempts
-    wait = attempts.retry_after(who)
-    if wait > 0:
-        seconds = str(math.ceil(wait))
-        raise APIError(429, f"too many wrong admin tokens from {who}; retry in {seconds} s", {"Retry-After": seconds})
     scheme, _, given = authorization.partition(" ")
     if scheme.lower() != "bearer" or not given.strip():
         raise APIError(401, "management call needs Authorization: Bearer <admin token>", {"WWW-Authenticate": "Bearer"})
-    expected = settings.admin_token.get_secret_value().encode()
-    if not secrets.compare_digest(given.strip().encode(), expected):
-        attempts.failed(who)
-        raise APIError(401, "wrong admin token", {"WWW-Authenticate": 'Bearer error="invalid_token"'})
+    # Digests of both, compared in constant time: neither the token's bytes nor its length show in the timing.
+    expected = hashlib.sha256(settings.admin_token.get_secret_value().encode()).digest()
+    if secrets.compare_digest(hashlib.sha256(given.strip().encode()).digest(), expected):
+        return
+    attempts = app.admin_attempts
+    wait = attempts.retry_after(who)
+    attempts.failed(who)
+    if wait > 0:
+        seconds = str(math.ceil(wait))
+        source = "every address" if attempts.retry_after_all() > 0 else who
+        message = f"too many wrong admin tokens from {source}; retry in {seconds} s"
+        raise APIError(429, message, {"Retry-After": seconds})
+    if attempts.retry_after(who) > 0:
+        log.warning(
+            "admin token: too many wrong tokens lately (the last from %s); further wrong ones are answered 429", who
+        )
+    raise APIError(401, "wrong admin token", {"WWW-Authenticate": 'Bearer error="invalid_token"'})
 
 
 # Management bodies ----------------------------------------------------------------------------------------------------

@@ -12,33 +12,43 @@ that comes to point at 127.0.0.1) read its listings and metrics. Three checks cl
 * **``Content-Type``** on the inference routes, when a request gives one, must be JSON (or ``application/octet-stream``
   for V2 binary and raw tensor data): 415 otherwise. A request without one is read as before, as tritonclient sends
   none.
-* **``allowed_hosts``** (off by default): the ``Host`` header must name one of them (400 otherwise), so a rebound name
-  reads nothing. Health and readiness probes, which address a pod by its IP, are exempt.
+* **``Host``**: a name that is not an IP address, ``localhost`` (or a ``.localhost`` name), the name the server binds
+  to or one of ``allowed_hosts`` is a 400, so a rebound name reads nothing: the browser sends the attacker's name, and
+  an address cannot be rebound. ``allowed_hosts = *`` answers any. Health and readiness probes are exempt.
 """
 
 from __future__ import annotations
 
+import functools
+import ipaddress
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 from starlette.types import Receive, Scope, Send
 
 from server.api.errors import APIError, error_response
 from server.api.limits import scope_header
+from server.transport import PROBE_PATHS
+
+if TYPE_CHECKING:
+    from server.settings import Settings
 
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
-PROBES = frozenset({"/health", "/ready", "/v2/health/live", "/v2/health/ready"})
+PROBES = PROBE_PATHS
 """Answered whatever the Host: a Kubernetes probe addresses the pod by its IP, and they disclose nothing."""
+LONGEST_HOST = 300
+"""Longest ``Host`` worth checking: a DNS name is at most 253 characters, and a port adds six."""
 JSON = ("application/json",)
 JSON_OR_BINARY = ("application/json", "application/octet-stream")
 
 
-def check(scope: Scope, allowed_hosts: list[str]) -> None:
-    """Fail with 400 for a Host outside ``allowed_hosts`` (when it is set), 403 for a browser's cross-origin request
-    that could change or run something."""
-    if allowed_hosts and scope["path"] not in PROBES:
-        host = host_name(scope_header(scope, b"host"))
-        if not any(_matches(host, pattern) for pattern in allowed_hosts):
-            raise APIError(400, f"Host: {host!r} is not a name this server answers to (allowed_hosts)")
+def check(scope: Scope, settings: Settings) -> None:
+    """Fail with 400 for a Host this server does not answer to (:func:`host_allowed`), 403 for a browser's
+    cross-origin request that could change or run something."""
+    if scope["path"] not in PROBES:
+        raw = scope_header(scope, b"host")
+        if not host_allowed(raw, tuple(settings.allowed_hosts), settings.host):
+            raise APIError(400, f"Host: {host_name(raw)[:200]!r} is not a name this server answers to (allowed_hosts)")
     if scope["method"] in SAFE_METHODS:
         return
     site = scope_header(scope, b"sec-fetch-site")
@@ -55,13 +65,38 @@ def check(scope: Scope, allowed_hosts: list[str]) -> None:
         raise APIError(403, f"Origin: a request from {text!r}, another site, is refused")
 
 
-async def admitted(scope: Scope, receive: Receive, send: Send, allowed_hosts: list[str]) -> bool:
+async def admitted(scope: Scope, receive: Receive, send: Send, settings: Settings) -> bool:
     """:func:`check` a request; when it fails, answer it with the error and return False."""
     try:
-        check(scope, allowed_hosts)
+        check(scope, settings)
     except APIError as e:
         await error_response(e.status, e.message, e.headers)(scope, receive, send)
         return False
+    return True
+
+
+def host_allowed(raw: bytes | None, allowed_hosts: tuple[str, ...], bound: str) -> bool:
+    """Whether this server answers a request whose ``Host`` header is ``raw``: an IP address, ``localhost`` or a
+    ``.localhost`` name (resolved to the loopback by browsers themselves), ``bound`` (the address or name the server
+    listens on), or a name one of ``allowed_hosts`` matches (``*`` matches any). None of these can be a name an
+    attacker rebinds to this server's address. A request without a Host (HTTP/1.0) is not a browser's: answered."""
+    if raw is None or "*" in allowed_hosts:
+        return True
+    if len(raw) > LONGEST_HOST:
+        return False
+    return _host_allowed(raw, allowed_hosts, bound)
+
+
+@functools.lru_cache(maxsize=256)
+def _host_allowed(raw: bytes, allowed_hosts: tuple[str, ...], bound: str) -> bool:
+    # Cached: a server sees the same few Hosts, and checking one costs a few microseconds it need not pay again.
+    host = host_name(raw).removesuffix(".")  # a fully qualified name's root dot: the same name
+    if host in ("localhost", bound.lower()) or host.endswith(".localhost"):
+        return True
+    try:
+        ipaddress.ip_address(host[1:-1] if host.startswith("[") else host)
+    except ValueError:
+        return any(_matches(host, pattern) for pattern in allowed_hosts)
     return True
 
 

@@ -165,7 +165,7 @@ INFER_SCHEMA: dict[str, Any] = {
                 404: "Unknown model or version, or a model with no available version.",
                 413: "Body, JSON values, rows or input values over the limits (max_body_bytes, max_json_values, ...).",
                 415: "A Content-Encoding other than identity, gzip or deflate.",
-                429: "A shared memory region named after too many wrong admin tokens from this address.",
+                429: "A shared memory region named with a wrong admin token, after too many lately (Retry-After).",
                 500: "The model failed on this request's rows (or overflowed with overflow policy error).",
                 503: "Model loading or not ready, its queue full, or the request cut off by shutdown (Retry-After).",
                 504: "The request's deadline (parameters.timeout, X-Request-Timeout-Ms) passed before it ran.",

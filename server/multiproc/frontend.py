@@ -14,7 +14,6 @@ import asyncio
 import contextlib
 import logging
 import socket
-from collections.abc import AsyncIterator
 
 import httpx
 from starlette.datastructures import State
@@ -26,7 +25,7 @@ from server.multiproc.client import BackplaneClient, RemoteMetrics, RemoteServic
 from server.regions import Regions
 from server.serving import AppState
 from server.settings import Settings
-from server.transport import DrainingServer, uvicorn_config
+from server.transport import PROBE_PATHS, DrainingServer, uvicorn_config
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +50,9 @@ class FrontendApp:
         self.serving = AppState(settings, self.service, self.regions)
         self.state = State({"serving": self.serving})
         self.http: httpx.AsyncClient | None = None
+        self.probes: httpx.AsyncClient | None = None
+        """Relays the health and readiness probes on connections of their own: whatever holds the other relayed
+        routes' connections (clients slow to read an answer, a burst of listings) never makes a probe wait."""
         self.client: BackplaneClient | None = None
         self._flusher: asyncio.Task[None] | None = None
 
@@ -87,8 +89,11 @@ class FrontendApp:
         self.service.client = self.client
         self.serving.metrics = RemoteMetrics(self.client)
         await self.client.connect(self.backplane_socket, self.index, self.secret)
-        self.http = httpx.AsyncClient(
-            transport=httpx.AsyncHTTPTransport(uds=self.api_socket), base_url="http://halfserve", timeout=None
+        self.http, self.probes = (
+            httpx.AsyncClient(
+                transport=httpx.AsyncHTTPTransport(uds=self.api_socket), base_url="http://halfserve", timeout=None
+            )
+            for _ in range(2)
         )
         self._flusher = asyncio.create_task(self._flush_records(), name="flush-records")
         collector.settle()
@@ -106,19 +111,22 @@ class FrontendApp:
             self.client.flush()
             if self.client.transport is not None:
                 self.client.transport.close()
-        if self.http is not None:
-            await self.http.aclose()
+        for http in (self.http, self.probes):
+            if http is not None:
+                await http.aclose()
 
     async def _relay(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Forward a request to the engine process's HTTP server and stream its answer back.
 
         Every relayed route is a small one (a listing, a management call): a body over
         :data:`~server.api.deps.MANAGEMENT_BODY_BYTES` is a 413, before any of it is read when its length is
-        declared. The body is streamed to the engine process, never gathered here, and the engine process checks the
-        admin token before it reads a byte of it; it learns the client's address from :data:`RELAYED_CLIENT`, so a
-        wrong token counts against that address, not against every client of the front-ends.
+        declared. A body is read whole here before the engine process is asked (bounded by that limit, and by the
+        body timeout and rate): a slow upload then holds only its own connection, never one of the few to the engine
+        process that every relayed route shares. The engine process learns the client's address from
+        :data:`RELAYED_CLIENT`, for its admin token checks.
         """
         assert self.http is not None
+        assert self.probes is not None
         assert self.client is not None
         declared = scope_header(scope, b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > RELAY_BODY_BYTES:
@@ -136,16 +144,18 @@ class FrontendApp:
             headers.append((RELAYED_CLIENT, str(client[0]).encode("latin-1")))
         has_body = declared is not None or scope_header(scope, b"transfer-encoding") is not None
         url = target.decode("latin-1")
-        content = _body(receive) if has_body else None
-        request = self.http.build_request(scope["method"], url, headers=headers, content=content)
         try:
-            response = await self.http.send(request, stream=True)
+            content = await _body(receive) if has_body else None
         except _ClientGone:
             return  # nobody to answer
         except _TooLarge:
             message = f"body: more than {RELAY_BODY_BYTES} bytes ({MANAGEMENT_LIMIT})"
             await error_response(413, message)(scope, receive, send)
             return
+        http = self.probes if scope["path"] in PROBE_PATHS else self.http
+        request = http.build_request(scope["method"], url, headers=headers, content=content)
+        try:
+            response = await http.send(request, stream=True)
         except httpx.TransportError as e:
             message = f"the engine process is not answering ({type(e).__name__})"
             await error_response(503, message)(scope, receive, send)
@@ -176,8 +186,9 @@ class _TooLarge(Exception):
     """The body grew past :data:`RELAY_BODY_BYTES`."""
 
 
-async def _body(receive: Receive) -> AsyncIterator[bytes]:
-    """A request's body as it arrives, for the relay's upstream request: counted, never gathered."""
+async def _body(receive: Receive) -> bytes:
+    """A request's whole body, for the relay's upstream request: refused once it passes :data:`RELAY_BODY_BYTES`."""
+    chunks: list[bytes] = []
     received = 0
     while True:
         message = await receive()
@@ -187,10 +198,9 @@ async def _body(receive: Receive) -> AsyncIterator[bytes]:
         received += len(chunk)
         if received > RELAY_BODY_BYTES:
             raise _TooLarge
-        if chunk:
-            yield chunk
+        chunks.append(chunk)
         if not message.get("more_body"):
-            return
+            return b"".join(chunks)
 
 
 def run(

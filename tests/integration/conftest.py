@@ -15,7 +15,7 @@ async def serving(settings: Settings) -> AsyncIterator[httpx.AsyncClient]:
     """The app in-process with its lifespan, through httpx's ASGI transport, once ``/ready`` answers 200."""
     app = create_app(settings)
     transport = httpx.ASGITransport(app=app)
-    client = httpx.AsyncClient(transport=transport, base_url="http://test")
+    client = httpx.AsyncClient(transport=transport, base_url="http://localhost")
     async with app.router.lifespan_context(app), client:
         for _ in range(600):
             if (await client.get("/ready")).status_code == 200:

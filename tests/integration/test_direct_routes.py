@@ -47,7 +47,8 @@ def predict_request(sample: float, rid: str, *extra: str, version: str = "1.1", 
             orjson.dumps({"inputs": [[sample] * 16], "pad": base64.b64encode(os.urandom(96 << 10)).decode()})
         )
         extra = (*extra, "Content-Encoding: gzip")
-    head = [f"POST /predict HTTP/{version}", "Host: x", "Content-Type: application/json", f"X-Request-Id: {rid}"]
+    head = [f"POST /predict HTTP/{version}", "Host: localhost", "Content-Type: application/json"]
+    head += [f"X-Request-Id: {rid}"]
     head += [*extra, f"Content-Length: {len(body)}"]
     return "\r\n".join(head).encode() + b"\r\n\r\n" + body
 

@@ -78,7 +78,7 @@ def import_args(source: Path, root: Path, *more: str) -> list[str]:
 async def started(settings: Settings) -> AsyncIterator[httpx.AsyncClient]:
     """The app with its lifespan, once every model has finished loading (ready or failed)."""
     app = create_app(settings)
-    client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
+    client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://localhost")
     async with app.router.lifespan_context(app), client:
         repo = app.state.serving.repository
         await until(lambda: all(m.state.value != "loading" for m in repo.models.values()), "every model loaded")

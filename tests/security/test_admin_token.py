@@ -1,4 +1,5 @@
-"""The admin token: long enough to matter, kept off command lines where it can be, and not open to guessing."""
+"""The admin token: long enough to matter, kept off command lines where it can be, and not open to guessing, without
+guessers locking its holders out."""
 
 from __future__ import annotations
 
@@ -9,7 +10,10 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from server.serving import FailedAttempts
+from server.api.deps import check_admin
+from server.api.errors import APIError
+from server.regions import Regions
+from server.serving import AppState, FailedAttempts, NoModels
 from server.settings import Settings
 from tests.integration.conftest import serving
 
@@ -56,13 +60,46 @@ def test_failed_attempts_lock_an_address_out_for_the_window() -> None:
     assert "a" not in attempts.failures  # the table holds at most 2 addresses: the quietest is forgotten
 
 
-async def test_ten_wrong_tokens_get_429_even_with_the_right_one_then(tiny_store: Path) -> None:
+def test_failed_attempts_from_every_address_together_are_bounded_too() -> None:
+    now = [0.0]
+    attempts = FailedAttempts(limit=10, window=60.0, total=5, clock=lambda: now[0])
+    for i in range(5):
+        assert attempts.retry_after(f"10.0.0.{i}") == 0
+        attempts.failed(f"10.0.0.{i}")
+    assert attempts.retry_after("10.0.0.99") == pytest.approx(60.0)  # an address with no failures of its own
+    assert attempts.retry_after_all() == pytest.approx(60.0)
+    now[0] = 61.0
+    assert attempts.retry_after("10.0.0.99") == 0
+
+
+async def test_wrong_tokens_are_answered_429_but_the_right_one_always_gets_in(tiny_store: Path) -> None:
+    """Ten wrong tokens from the operator's own address (a typo, or someone else behind the same address) must not
+    lock the operator out: only wrong tokens are answered 429 from then on."""
     async with serving(Settings(store=tiny_store, admin_token=TOKEN)) as client:
         wrong = [
             await client.post("/models/tiny/unload", headers={"Authorization": f"Bearer guess-{i}"}) for i in range(10)
         ]
-        locked = await client.post("/models/tiny/unload", headers={"Authorization": f"Bearer {TOKEN}"})
+        still_wrong = await client.post("/models/tiny/unload", headers={"Authorization": "Bearer guess-10"})
+        right = await client.post("/models/tiny/unload", headers={"Authorization": f"Bearer {TOKEN}"})
+        again = await client.post("/models/tiny/load", headers={"Authorization": f"Bearer {TOKEN}"})
     assert [r.status_code for r in wrong] == [401] * 10
-    assert locked.status_code == 429
-    assert 0 < int(locked.headers["retry-after"]) <= 60
-    assert locked.json()["error"].startswith("too many wrong admin tokens from ")
+    assert still_wrong.status_code == 429
+    assert 0 < int(still_wrong.headers["retry-after"]) <= 60
+    assert still_wrong.json()["error"].startswith("too many wrong admin tokens from 127.0.0.1; retry in ")
+    assert right.status_code == 200, right.text
+    assert again.status_code == 200, again.text
+
+
+def test_guesses_from_many_addresses_are_bounded_together_and_the_right_token_still_gets_in(tiny_store: Path) -> None:
+    """Per-address counts alone let a guesser with many addresses go on at full speed: past 100 wrong tokens a
+    minute from every address together, a wrong one from an address never seen is a 429 too."""
+    app = AppState(Settings(store=tiny_store, admin_token=TOKEN), NoModels(), Regions())
+    for i in range(100):
+        with pytest.raises(APIError) as failed:
+            check_admin(app, f"10.0.{i // 256}.{i % 256}", "Bearer guess")
+        assert failed.value.status == 401
+    with pytest.raises(APIError) as locked:
+        check_admin(app, "192.168.7.7", "Bearer guess")
+    assert locked.value.status == 429
+    assert locked.value.message.startswith("too many wrong admin tokens from every address; retry in ")
+    check_admin(app, "192.168.7.7", f"Bearer {TOKEN}")  # accepted: no exception

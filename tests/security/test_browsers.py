@@ -1,6 +1,7 @@
 """A web page cannot make its visitors' browsers use the server: inference bodies must be JSON or binary, browsers'
-cross-origin requests that could run or change something are refused, and with ``allowed_hosts`` a name rebound to the
-server's address reads nothing. Programs that send none of a browser's headers are served as before."""
+cross-origin requests that could run or change something are refused, and a name rebound to the server's address
+reads nothing (only addresses, localhost and ``allowed_hosts`` are answered). Programs that send none of a browser's
+headers are served as before."""
 
 from __future__ import annotations
 
@@ -75,11 +76,11 @@ async def test_binary_tensor_data_may_say_octet_stream_on_v2_only(store: Path) -
     [
         ({"Sec-Fetch-Site": "cross-site"}, 403),
         ({"Sec-Fetch-Site": "same-site"}, 403),
-        ({"Sec-Fetch-Site": "same-origin", "Origin": "http://test"}, 200),
+        ({"Sec-Fetch-Site": "same-origin", "Origin": "http://localhost"}, 200),
         ({"Sec-Fetch-Site": "none"}, 200),
         ({"Origin": "http://evil.example"}, 403),
         ({"Origin": "null"}, 403),
-        ({"Origin": "http://test"}, 200),  # an older browser on the server's own page (the Host is "test" here)
+        ({"Origin": "http://localhost"}, 200),  # an older browser on the server's own page (its Host)
         ({}, 200),
     ],
 )
@@ -101,24 +102,52 @@ async def test_cross_origin_requests_from_browsers_are_refused(
         assert "refused" in predict_json.json()["error"]
 
 
-async def test_allowed_hosts_refuse_other_names_but_not_probes(store: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_a_rebound_name_gets_nothing_by_default_but_addresses_and_localhost_do(store: Path) -> None:
+    """DNS rebinding: a page of the attacker's name, rebound to 127.0.0.1, is same-origin to the browser, which sends
+    the attacker's name as the Host. By default only IP addresses, localhost and the name the server binds to are
+    answered (the probes whatever the Host); ``*`` answers any."""
+    rebound = {"Host": "rebound.example", "Sec-Fetch-Site": "same-origin"}
+    async with serving(Settings(store=store, host="gpu-1.lan")) as client:
+        predict = await client.post("/predict", content=JSON_BODY, headers=rebound)
+        listing = await client.get("/models", headers=rebound)
+        served = [
+            await client.post("/predict", content=JSON_BODY, headers={"Host": host})
+            for host in ("localhost", "LOCALHOST:8000", "app.localhost", "127.0.0.1:8000", "10.1.2.3", "[::1]:8000")
+        ]
+        bound = await client.get("/models", headers={"Host": "gpu-1.lan:8000"})
+        probes = [await client.get(path, headers=rebound) for path in ("/health", "/ready", "/v2/health/ready")]
+        no_host = await client.get("/models", headers={"Host": ""})
+    for r in (predict, listing, no_host):
+        assert r.status_code == 400, r.text
+        assert r.json()["error"].endswith("is not a name this server answers to (allowed_hosts)")
+    assert predict.json()["error"] == "Host: 'rebound.example' is not a name this server answers to (allowed_hosts)"
+    assert [r.status_code for r in served] == [200] * 6
+    assert bound.status_code == 200
+    assert [r.status_code for r in probes] == [200] * 3
+    async with serving(Settings(store=store, allowed_hosts=["*"])) as client:
+        assert (await client.post("/predict", content=JSON_BODY, headers=rebound)).status_code == 200
+
+
+async def test_allowed_hosts_add_names_and_refuse_others_but_not_probes(
+    store: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("HALFSERVE_ALLOWED_HOSTS", "api.example.com, *.internal")
     settings = Settings(store=store)
     assert settings.allowed_hosts == ["api.example.com", "*.internal"]
-    async with serving(settings.model_copy(update={"allowed_hosts": []})) as client:
-        assert (await client.get("/models", headers={"Host": "anything.example"})).status_code == 200
     async with serving(settings) as client:
         rebound = await client.get("/metrics", headers={"Host": "rebound.evil.example"})
         predict = await client.post("/predict", content=JSON_BODY, headers={"Host": "rebound.evil.example:8000"})
         served = [
             await client.get("/models", headers={"Host": host})
-            for host in ("api.example.com", "API.example.com:8000", "gpu-1.internal", "a.b.internal:80")
+            for host in ("api.example.com", "API.example.com:8000", "gpu-1.internal", "a.b.internal:80", "localhost")
         ]
-        probes = [await client.get(path, headers={"Host": "10.1.2.3:8000"}) for path in ("/ready", "/v2/health/live")]
+        probes = [
+            await client.get(path, headers={"Host": "rebound.evil.example"}) for path in ("/ready", "/v2/health/live")
+        ]
         suffix_only = await client.get("/models", headers={"Host": "internal"})
     for r in (rebound, predict, suffix_only):
         assert r.status_code == 400
         assert r.json()["error"].endswith("is not a name this server answers to (allowed_hosts)")
     assert rebound.json()["error"].startswith("Host: 'rebound.evil.example' ")
-    assert [r.status_code for r in served] == [200] * 4
+    assert [r.status_code for r in served] == [200] * 5
     assert [r.status_code for r in probes] == [200, 200]

@@ -3,7 +3,9 @@ closed, and the server keeps serving everyone else. Over a real server, with sho
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import select
 import socket
 import time
 from collections.abc import Iterator
@@ -55,7 +57,8 @@ def send_slowly(sock: socket.socket, data: bytes, every: float) -> None:
 
 def send_part_of_a_body(sock: socket.socket, part: bytes) -> None:
     """A /predict request announcing a 1000-byte body, and only ``part`` of it."""
-    head = b"POST /predict HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\ncontent-length: 1000\r\n\r\n"
+    head = b"POST /predict HTTP/1.1\r\nHost: localhost\r\ncontent-type: application/json\r\n"
+    head += b"content-length: 1000\r\n\r\n"
     sock.sendall(head + part)
 
 
@@ -84,7 +87,7 @@ def test_an_idle_connection_is_closed_after_the_header_timeout(server: ServerPro
 
 
 def test_headers_trickled_a_byte_at_a_time_are_cut_off(server: ServerProcess) -> None:
-    head = b"POST /predict HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\nx-padding: " + b"a" * 200
+    head = b"POST /predict HTTP/1.1\r\nHost: 127.0.0.1\r\ncontent-type: application/json\r\nx-padding: " + b"a" * 200
     with connection(server) as sock:
         start = time.monotonic()
         send_slowly(sock, head, every=0.05)  # the head's first byte re-arms the timer once; then 1 s
@@ -122,19 +125,19 @@ def test_the_next_request_on_a_kept_connection_is_held_to_the_header_timeout(ser
     still_serving(server)
 
 
-def test_a_body_trickled_within_the_gap_is_read_until_it_stalls(server: ServerProcess) -> None:
-    """Each read of the body starts the gap again: 2.5 s of bytes 0.25 s apart outlast a 1 s body timeout, and
-    the stall after them does not."""
+def test_a_body_trickled_within_the_gap_is_cut_off_at_the_minimum_rate(server: ServerProcess) -> None:
+    """A byte every 0.25 s never leaves a 1 s gap, so the gap alone would read it for as long as it is sent; the
+    body must come at --min-body-rate once its first --body-timeout is over, and is answered 408 while it trickles."""
+    sent = 0
     with connection(server) as sock:
         send_part_of_a_body(sock, b"")
-        start = time.monotonic()
-        for _ in range(10):
+        while sent < 40 and not select.select([sock], [], [], 0.25)[0]:  # 10 s of bytes, unless answered first
             sock.sendall(b" ")
-            time.sleep(0.25)
+            sent += 1
         status, data, _ = answer(sock)
-    assert status == 408
-    assert b"(body_timeout)" in data
-    assert time.monotonic() - start > 2.5
+    assert status == 408, data
+    assert b"(min_body_rate)" in data
+    assert sent < 40  # answered while the body was still arriving
     still_serving(server)
 
 
@@ -179,6 +182,58 @@ def test_an_oversized_head_is_refused_before_it_is_read_whole(
     assert got == status, (what, data[:300])
     assert setting in data
     still_serving(server)
+
+
+@pytest.fixture(scope="module")
+def capped(server_factory: StartServer, served_tiny_store: Path) -> ServerProcess:
+    """A server with a cap of 8 connections, and timeouts long enough for a test to hold them."""
+    limits = ["--header-timeout", "60", "--body-timeout", "60"]
+    return server_factory(served_tiny_store, *limits, "--max-connections", "8", "--no-grpc")
+
+
+def test_probes_are_answered_while_slow_bodies_hold_every_connection(capped: ServerProcess) -> None:
+    """8 bodies trickling in hold the cap, and 40 silent connections more take every place kept past it for probes:
+    the probes are still answered (the silent connection waiting longest gives its place up), every other request
+    gets the cap's 503."""
+    host, port = capped.url.removeprefix("http://").split(":")
+    held = [socket.create_connection((host, int(port)), timeout=30) for _ in range(8)]
+    try:
+        for sock in held:  # accepted before the silent ones, which connect after them
+            send_part_of_a_body(sock, b'{"inputs": ')
+        silent = [socket.create_connection((host, int(port)), timeout=30) for _ in range(40)]
+        try:
+            probes = [httpx.get(f"{capped.url}{path}", timeout=30) for path in ("/health", "/ready", "/v2/health/live")]
+            predict = httpx.post(f"{capped.url}/predict", json={"inputs": [[0.0] * 16]}, timeout=30)
+        finally:
+            for sock in silent:
+                sock.close()
+    finally:
+        for sock in held:
+            sock.close()
+    assert [r.status_code for r in probes] == [200, 200, 200], [r.text for r in probes]
+    assert probes[0].headers["connection"] == "close"  # its place is for the next probe
+    assert predict.status_code == 503
+    assert predict.json()["error"].endswith("(max_connections)")
+    assert predict.headers["retry-after"] == "1"
+
+
+async def test_a_burst_past_the_cap_is_answered_503_not_reset(capped: ServerProcess) -> None:
+    """100 requests at once on their own connections, past a cap of 8 (and its 32 places for probes): each is
+    answered, 200 or the cap's 503; none is reset before its answer is read."""
+    limits = httpx.Limits(max_connections=100, max_keepalive_connections=100)
+    async with httpx.AsyncClient(base_url=capped.url, limits=limits, timeout=30) as client:
+
+        async def predict() -> int | str:
+            try:
+                r = await client.post("/predict", json={"inputs": [[0.0] * 16]})
+            except httpx.TransportError as e:
+                return type(e).__name__
+            assert r.status_code == 200 or r.json()["error"].endswith("(max_connections)"), r.text
+            return r.status_code
+
+        answers = await asyncio.gather(*(predict() for _ in range(100)))
+    assert set(answers) == {200, 503}, answers
+    still_serving(capped)
 
 
 def test_connections_past_the_cap_are_refused_and_the_server_recovers(server: ServerProcess) -> None:

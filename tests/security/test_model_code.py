@@ -61,7 +61,7 @@ def write_hostile(root: Path, name: str, architecture: str, arch_kwargs: dict[st
 async def started(settings: Settings, ready_model: str) -> AsyncIterator[httpx.AsyncClient]:
     """The app with its lifespan, once ``ready_model`` is ready (the server as a whole is not: a model failed)."""
     app = create_app(settings)
-    client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
+    client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://localhost")
     async with app.router.lifespan_context(app), client:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + DEADLINE_S

@@ -1,5 +1,6 @@
-"""``--http-workers``: a front-end relays the routes it does not answer without gathering their bodies, and the engine
-process holds each client to its own address for wrong admin tokens. Over a real two-front-end server."""
+"""``--http-workers``: a front-end relays the routes it does not answer, gathering no more of a body than a management
+call's limit, slow uploads do not hold up the probes or other relayed calls, and the engine process holds each client
+to its own address for wrong admin tokens. Over a real two-front-end server."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 
 from tests.conftest import ServerProcess, StartServer
 from tests.e2e.test_http_workers import frontends
+from tests.waiting import DEADLINE_S
 
 pytestmark = pytest.mark.slow
 
@@ -62,7 +64,7 @@ async def test_a_large_unauthenticated_body_is_refused_without_being_gathered(se
     assert max(grown.values()) < 64, grown  # gathering 300 MiB grew a front-end by 600 MiB
 
 
-async def test_wrong_tokens_through_the_front_ends_lock_out_their_own_address_only(server: ServerProcess) -> None:
+async def test_wrong_tokens_through_the_front_ends_count_against_their_own_address_only(server: ServerProcess) -> None:
     wrong = {"Authorization": "Bearer not-the-token-at-all"}
     right = {"Authorization": f"Bearer {TOKEN}"}
 
@@ -75,11 +77,12 @@ async def test_wrong_tokens_through_the_front_ends_lock_out_their_own_address_on
         # The relayed address is the front-end's to set: a client's own claim is dropped.
         forged = {**wrong, "X-Halfserve-Relayed-Client": f"10.0.0.{i}"}
         assert (await post("127.0.0.1", forged)).status_code == 401
-    locked = await post("127.0.0.1", right)
+    locked = await post("127.0.0.1", wrong)
     assert locked.status_code == 429
     assert "127.0.0.1" in locked.json()["error"]
-    # Another address is not held to the first one's failures.
-    assert (await post("127.0.0.2", right)).status_code == 200
+    # The right token is accepted from that address all the same; another address is not held to its failures.
+    assert (await post("127.0.0.1", right)).status_code == 200
+    assert (await post("127.0.0.2", wrong)).status_code == 401
 
 
 async def test_a_client_gone_mid_relayed_body_leaves_the_front_end_serving(server: ServerProcess) -> None:
@@ -87,7 +90,7 @@ async def test_a_client_gone_mid_relayed_body_leaves_the_front_end_serving(serve
     for _ in range(4):
         reader, writer = await asyncio.open_connection(host, int(port))
         writer.write(
-            b"POST /v2/repository/index HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n"
+            b"POST /v2/repository/index HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 1000\r\n"
             b"Authorization: Bearer " + TOKEN.encode() + b"\r\n\r\n{"
         )
         await writer.drain()
@@ -95,6 +98,42 @@ async def test_a_client_gone_mid_relayed_body_leaves_the_front_end_serving(serve
     async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
         for _ in range(4):
             assert (await client.get("/v2/health/ready")).status_code == 200
+
+
+async def test_probes_and_relayed_calls_answer_while_slow_uploads_are_relayed(server: ServerProcess) -> None:
+    """250 uploads to a relayed route, a byte every 2 s: more than either front-end has connections to the engine
+    process (100 each), had they held one each while their bodies arrived. Health, readiness, a relayed listing and
+    inference are still answered, each on a new connection."""
+    host, port = server.url.removeprefix("http://").split(":")
+    uploads = []
+
+    async def trickle() -> None:
+        while True:
+            for w in uploads:
+                w.write(b" ")
+            await asyncio.sleep(2)
+
+    async def get(path: str) -> int:
+        async with httpx.AsyncClient(base_url=server.url, timeout=DEADLINE_S) as client:
+            return (await client.get(path)).status_code
+
+    async def predict() -> int:
+        async with httpx.AsyncClient(base_url=server.url, timeout=DEADLINE_S) as client:
+            return (await client.post("/predict", json={"inputs": [[0.5] * 16]})).status_code
+
+    trickling = asyncio.create_task(trickle())
+    try:
+        for _ in range(250):
+            _, writer = await asyncio.open_connection(host, int(port))
+            writer.write(b"POST /v2/repository/index HTTP/1.1\r\nHost: localhost\r\nContent-Length: 1000\r\n\r\n{")
+            uploads.append(writer)
+        paths = ["/health", "/ready", "/v2/health/live", "/v2/health/ready", "/models"] * 2
+        answers = await asyncio.gather(*(get(p) for p in paths), predict(), predict())
+    finally:
+        trickling.cancel()
+        for w in uploads:
+            w.close()
+    assert answers == [200] * len(answers), dict(zip([*paths, "predict", "predict"], answers, strict=True))
 
 
 async def test_front_ends_refuse_browsers_cross_site_requests_and_non_json_bodies(server: ServerProcess) -> None:

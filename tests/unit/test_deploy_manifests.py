@@ -21,6 +21,7 @@ import pytest
 import yaml
 from starlette.routing import Match
 
+from server.api.guard import host_allowed
 from server.app import create_app
 from server.settings import Settings
 
@@ -429,6 +430,28 @@ def test_loadtest_service_targets_the_server_on_the_compose_network(compose: dic
     # The server serves the whole store, so the model must be named, and shipped.
     model = command[command.index("--model") + 1]
     assert (ROOT / "model_store" / str(model) / "config.json").is_file()
+
+
+def test_the_names_clients_use_are_hosts_the_server_answers_to(
+    dockerfile: Dockerfile, compose: dict[str, Any], k8s: dict[str, dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Host that is not an IP address or localhost must be allowed (--allowed-hosts): the compose network's name of
+    the server, for the loadtest service, and the Kubernetes Service's, as in-cluster clients address it."""
+    service = compose["services"]["halfserve"]
+    settings = settings_from(
+        {**dockerfile.env, **{k: compose_value(v) for k, v in service["environment"].items()}}, monkeypatch
+    )
+    command = [compose_value(arg) for arg in compose["services"]["loadtest"]["command"]]
+    url = str(command[command.index("--url") + 1])
+    hosts = [url.removeprefix("http://").encode(), b"localhost:8000", b"192.168.1.20:8000"]
+    assert all(host_allowed(h, tuple(settings.allowed_hosts), settings.host) for h in hosts), settings.allowed_hosts
+    assert not host_allowed(b"rebound.example", tuple(settings.allowed_hosts), settings.host)
+    name = k8s["service"]["metadata"]["name"]
+    for container in k8s_containers(k8s["deployment"]):
+        settings = settings_from({**dockerfile.env, **k8s_env(container)}, monkeypatch)
+        for host in (name, f"{name}.default.svc", f"{name}.serving.svc.cluster.local:80", "10.0.3.7:8000"):
+            assert host_allowed(host.encode(), tuple(settings.allowed_hosts), settings.host), host
+        assert not host_allowed(b"rebound.example", tuple(settings.allowed_hosts), settings.host)
 
 
 def test_loadtest_command_parses(compose: dict[str, Any]) -> None:
