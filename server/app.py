@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 import torch
 from fastapi import FastAPI
 
-from server import __version__, api, collector, compilation, models, placement, precision
+from server import api, collector, compilation, models, placement, precision
 from server.api.grpc_service import GrpcServer
 from server.metrics import Metrics
 from server.multiproc.engine_side import Backplane
@@ -21,6 +21,7 @@ from server.regions import Regions
 from server.repository import ModelRepository, gil_switch_interval_ms
 from server.serving import AppState, NoModels
 from server.settings import Settings
+from server.version import __version__
 
 log = logging.getLogger(__name__)
 

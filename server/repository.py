@@ -175,6 +175,11 @@ class ServedModel:
             outputs[spec.name] = np.ascontiguousarray(field[:, :length] if spec.variable else field)
         return Prediction(outputs, precision)
 
+    @property
+    def batch_stats(self) -> BatchStats | None:
+        """What its batcher has done since it was loaded (None while it has none)."""
+        return self.batcher.stats if self.batcher is not None else None
+
     def stats(self) -> dict[str, object] | None:
         """What the batcher and the engine have done since the model was loaded; ``None`` unless it is served."""
         batcher, engine = self.batcher, self.engine

@@ -17,19 +17,16 @@ state an app holds. Neutral: no HTTP, no torch.
 from __future__ import annotations
 
 import asyncio
-import time
-from collections import OrderedDict, deque
+from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import TYPE_CHECKING, NamedTuple, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypeVar
 
 import numpy as np
 
 if TYPE_CHECKING:
     from server.manifest import Batching, Manifest, Precision
-    from server.regions import Regions
-    from server.repository import ModelRepository
     from server.settings import Settings
 
 Tensors = Mapping[str, np.ndarray]
@@ -198,6 +195,60 @@ class BatchTooLargeError(Exception):
     """
 
 
+# What a batcher has done: kept by the batcher, read by the statistics routes ----------------------------------------
+
+
+@dataclass
+class BatchStats:
+    """What a batcher has done: counts, a histogram of batch sizes and summed queue / compute time."""
+
+    requests: int = 0
+    rows: int = 0
+    batches: int = 0
+    failed_batches: int = 0
+    rejected: int = 0
+    expired: int = 0
+    split_retries: int = 0
+    """Failed batches rerun as two smaller ones to isolate the failing requests."""
+    oom_shrinks: int = 0
+    """Times the runner reported a batch too large and the batch size was halved."""
+    batch_sizes: Counter[int] = field(default_factory=Counter)
+    queue_seconds: float = 0.0
+    compute_seconds: float = 0.0
+    queued_chunks: int = 0
+    """How many chunks ``queue_seconds`` sums over (a request spanning batches waits once per chunk)."""
+    succeeded: int = 0
+    """Requests answered with their outputs."""
+    failed: int = 0
+    """Requests answered with an error: rejected, expired, failed batch, shutting down or abandoned by the caller."""
+    success_seconds: float = 0.0
+    """Summed time from submit to answer of the succeeded requests; ``fail_seconds`` likewise for the failed."""
+    fail_seconds: float = 0.0
+    batch_compute_seconds: dict[int, float] = field(default_factory=dict)
+    """Summed runner time of the successful batches, per batch size (the keys of ``batch_sizes``)."""
+    last_inference: float = 0.0
+    """Wall-clock time (``time.time()``) the last successful batch finished; 0 before the first."""
+
+    def snapshot(self) -> dict[str, object]:
+        return {
+            "requests": self.requests,
+            "rows": self.rows,
+            "batches": self.batches,
+            "failed_batches": self.failed_batches,
+            "succeeded": self.succeeded,
+            "failed": self.failed,
+            "rejected": self.rejected,
+            "expired": self.expired,
+            "split_retries": self.split_retries,
+            "oom_shrinks": self.oom_shrinks,
+            "mean_batch_size": self.rows / self.batches if self.batches else 0.0,
+            "batch_size_histogram": {str(k): v for k, v in sorted(self.batch_sizes.items())},
+            "queue_seconds": self.queue_seconds,
+            "compute_seconds": self.compute_seconds,
+            "success_seconds": self.success_seconds,
+        }
+
+
 # The service ---------------------------------------------------------------------------------------------------------
 
 
@@ -253,6 +304,87 @@ class ModelService(Protocol):
     def get(self, name: str | None) -> ModelHandle:
         """The model called ``name`` (None: the only one, when exactly one is served); :class:`ModelNotFoundError`
         otherwise."""
+
+
+class LocalModel(ModelHandle, Protocol):
+    """A model as the process that runs it shows it: what the listing, statistics and management routes read."""
+
+    def describe(self) -> dict[str, object]:
+        """Its entry in ``GET /models``: signature, precision, execution, fidelity, state."""
+
+    def stats(self) -> dict[str, object] | None:
+        """Its batcher's and engine's counters (None while not loaded)."""
+
+    @property
+    def batch_stats(self) -> BatchStats | None:
+        """What its batcher has done since it was loaded (None while it has none)."""
+
+
+class Device(Protocol):
+    """Where the models run, as the routes name it (``torch.device`` answers it)."""
+
+    @property
+    def type(self) -> str: ...
+
+    @property
+    def index(self) -> int | None: ...
+
+
+class ModelAdmin(Protocol):
+    """The models of the process that runs them, as the management and listing routes change and read them: the
+    local repository (:class:`server.repository.ModelRepository`). A front-end has none; it relays those routes."""
+
+    @property
+    def models(self) -> Mapping[str, LocalModel]: ...
+
+    @property
+    def device(self) -> Device: ...
+
+    def get(self, name: str | None) -> LocalModel:
+        """As :meth:`ModelService.get`."""
+
+    async def load(self, name: str, version: int | None = None, precision: Precision | None = None) -> LocalModel:
+        """Load (or reload) ``name`` from the store, warmed up before it serves; raises ``StoreError`` (a
+        ``ValueError``) for a model, version or checkpoint the store cannot give."""
+
+    async def unload(self, name: str) -> None:
+        """Stop serving ``name``, letting its requests in flight finish."""
+
+    async def set_precision(self, name: str, precision: Precision) -> LocalModel:
+        """Serve ``name`` in ``precision`` from now on (a new engine, warmed up, then swapped in)."""
+
+
+class SharedRegion(Protocol):
+    """A registered shared memory region, as the routes read and write it (:class:`server.regions.Region`)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def byte_size(self) -> int: ...
+
+    def status(self) -> dict[str, Any]: ...
+
+    def check(self, offset: int, size: int, field: str) -> None: ...
+
+    def read(self, offset: int, size: int, field: str) -> bytearray: ...
+
+    def write(self, offset: int, data: memoryview, field: str) -> None: ...
+
+
+class SharedRegions(Protocol):
+    """The registered shared memory regions (:class:`server.regions.Regions`, or a front-end's mirror of them)."""
+
+    @property
+    def regions(self) -> Mapping[str, SharedRegion]: ...
+
+    def register(self, name: str, key: str, offset: int, byte_size: int) -> None: ...
+
+    def unregister(self, name: str | None) -> None: ...
+
+    def status(self) -> list[dict[str, Any]]: ...
+
+    def get(self, name: object, field: str) -> SharedRegion: ...
 
 
 M = TypeVar("M")
@@ -326,77 +458,22 @@ class RequestRecorder(Protocol):
     ) -> None: ...
 
 
-class FailedAttempts:
-    """Wrong admin tokens, per client address and from every address together. Past ``limit`` in ``window`` seconds
-    from one address, or past ``total`` from all of them, a wrong token is answered 429 rather than 401 until the
-    oldest of those failures leaves the window (and each further one keeps it shut).
-
-    The right token is never refused: the operator who shares an address with a guesser (a NAT, a proxy, a
-    shared-memory client on the same host) is not locked out by that guesser, nor by their own typo. So this bounds
-    and reports guessing rather than preventing it; the token's length (at least 16 characters) is what makes guessing
-    hopeless. At most ``addresses`` are remembered (the longest quiet ones are forgotten first), each with its last
-    ``limit`` failures, so the tables stay small whoever sends them."""
-
-    def __init__(
-        self,
-        limit: int = 10,
-        window: float = 60.0,
-        addresses: int = 4096,
-        total: int = 100,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self.limit, self.window, self.addresses, self.total, self.clock = limit, window, addresses, total, clock
-        self.failures: OrderedDict[str, deque[float]] = OrderedDict()
-        self.everyone: deque[float] = deque(maxlen=total)
-        """The last ``total`` failures, from whichever address."""
-
-    def retry_after(self, who: str) -> float:
-        """Seconds until a wrong token from ``who`` is answered 401 again; 0 when it is now."""
-        times = self.failures.get(who)
-        now = self.clock()
-        if times is not None and (not times or times[-1] <= now - self.window):
-            del self.failures[who]
-            times = None
-        mine = self._locked_for(times, self.limit, now) if times is not None else 0.0
-        return max(mine, self.retry_after_all())
-
-    def retry_after_all(self) -> float:
-        """Seconds until a wrong token from an address with no failures of its own is answered 401 again."""
-        return self._locked_for(self.everyone, self.total, self.clock())
-
-    def _locked_for(self, times: deque[float], limit: int, now: float) -> float:
-        if len(times) < limit:
-            return 0.0
-        oldest = times[-limit]
-        return max(oldest + self.window - now, 0.0)
-
-    def failed(self, who: str) -> None:
-        now = self.clock()
-        times = self.failures.get(who)
-        if times is None:
-            times = self.failures[who] = deque(maxlen=self.limit)
-        times.append(now)
-        self.everyone.append(now)
-        self.failures.move_to_end(who)
-        if len(self.failures) > self.addresses:
-            self.failures.popitem(last=False)
-
-
 @dataclass
 class AppState:
     """What an app's routes read: one typed object, filled once, by the app that serves them."""
 
     settings: Settings
     service: ModelService
-    regions: Regions
+    regions: SharedRegions
     """The registered shared memory regions (a front-end's mirror of the engine process's)."""
     metrics: RequestRecorder | None = None
-    repository: ModelRepository | None = None
+    repository: ModelAdmin | None = None
     """The local repository, for the management and listing routes: only in the process that owns the models
     (a front-end relays those routes to it)."""
     draining: bool = False
     drain_started: float | None = None
     pending: list[Callable[[], str | None]] = field(default_factory=list)
     """Checks readiness also waits on (e.g. front-ends not yet connected): each names what is missing, or None."""
-    admin_attempts: FailedAttempts = field(default_factory=lambda: FailedAttempts())
-    """Wrong admin tokens per client address and in all, for the management routes' lockout."""
+    route_state: dict[type, object] = field(default_factory=dict)
+    """What the routes keep per app, by its type (the admin token's lockout, :mod:`server.api.lockout`): theirs to
+    define, not the contract's."""

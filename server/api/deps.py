@@ -20,10 +20,10 @@ from fastapi.security import HTTPBearer
 from starlette.requests import Request
 from starlette.responses import Response
 
+from server.api import lockout
 from server.api.errors import APIError, error_responses
 from server.api.limits import parse_json, raw_header, read_body
-from server.repository import ModelRepository, ServedModel
-from server.serving import UNKNOWN_MODEL, AppState, ModelHandle, ModelService
+from server.serving import UNKNOWN_MODEL, AppState, LocalModel, ModelAdmin, ModelHandle, ModelService
 from server.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -44,7 +44,7 @@ def settings(request: Request) -> Settings:
     return state(request).settings
 
 
-def repository(request: Request) -> ModelRepository:
+def repository(request: Request) -> ModelAdmin:
     """The local repository: the management and listing routes run only where the models are (a front-end relays
     them)."""
     repo = state(request).repository
@@ -58,12 +58,12 @@ def served_model(request: Request, name: str | None, version: str | None) -> Mod
     return of_version(service(request).get(name), version)
 
 
-def local_model(request: Request, name: str, version: str | None) -> ServedModel:
+def local_model(request: Request, name: str, version: str | None) -> LocalModel:
     """:func:`served_model`, as the local repository holds it (for the routes only its process answers)."""
     return of_version(repository(request).get(name), version)
 
 
-H = TypeVar("H", ModelHandle, ServedModel)
+H = TypeVar("H", ModelHandle, LocalModel)
 
 
 def of_version(served: H, version: str | None) -> H:
@@ -167,7 +167,8 @@ def client_address(request: Request) -> str:
 
 def require_admin(request: Request) -> None:
     """Fail with 403 when no admin token is configured, 401 when the request does not carry it, 429 instead of 401
-    when wrong tokens came too often lately from its address or from all (:class:`FailedAttempts`)."""
+    when wrong tokens came too often lately from its address or from all
+    (:class:`~server.api.lockout.FailedAttempts`)."""
     check_admin(state(request), client_address(request), request.headers.get("authorization", ""))
 
 
@@ -184,7 +185,7 @@ def check_admin(app: AppState, who: str, authorization: str) -> None:
     expected = hashlib.sha256(settings.admin_token.get_secret_value().encode()).digest()
     if secrets.compare_digest(hashlib.sha256(given.strip().encode()).digest(), expected):
         return
-    attempts = app.admin_attempts
+    attempts = lockout.attempts(app)
     wait = attempts.retry_after(who)
     attempts.failed(who)
     if wait > 0:

@@ -32,8 +32,8 @@ from typing import Any
 import grpc
 from google.protobuf import json_format
 
-from server import __version__
 from server import grpc_messages as pb
+from server.api.admin import index_entries, load_from_store, model_config, model_stats, refuse_overrides
 from server.api.deps import check_admin, of_version, why_not_ready
 from server.api.errors import APIError, cut_off_by_shutdown, from_exception
 from server.api.grpc_codec import infer_payload, infer_response
@@ -41,10 +41,17 @@ from server.api.grpc_limits import PROBES, Admission, message_cap, parse, server
 from server.api.shm import admitted_regions
 from server.api.telemetry import request_labels
 from server.api.v2 import EXTENSIONS, SERVER_NAME, metadata, parse_request, tokenize
-from server.api.v2_repository import index_entries, load_from_store, refuse_overrides
-from server.api.v2_triton import model_config, model_stats
-from server.repository import ModelRepository, ServedModel
-from server.serving import AppState, Interface, ModelHandle, ModelState, Prediction, check_ready
+from server.serving import (
+    AppState,
+    Interface,
+    LocalModel,
+    ModelAdmin,
+    ModelHandle,
+    ModelState,
+    Prediction,
+    check_ready,
+)
+from server.version import __version__
 
 log = logging.getLogger(__name__)
 
@@ -109,13 +116,13 @@ class InferenceService:
     def _model(self, name: str, version: str) -> ModelHandle:
         return of_version(self.state.service.get(name or None), version)
 
-    def _repository(self) -> ModelRepository:
+    def _repository(self) -> ModelAdmin:
         repo = self.state.repository
         if repo is None:
             raise APIError(503, "this process serves no model repository")
         return repo
 
-    def _local(self, name: str, version: str) -> ServedModel:
+    def _local(self, name: str, version: str) -> LocalModel:
         return of_version(self._repository().get(name), version)
 
     # Health and metadata ---------------------------------------------------------------------------------------
@@ -148,15 +155,15 @@ class InferenceService:
         if request.name:
             served = self._local(request.name, request.version)
             check_ready(served, request.version or None)
-            if served.batcher is None:  # unloaded between the check and here
+            stats = served.batch_stats
+            if stats is None:  # unloaded between the check and here
                 raise APIError(503, f"model {request.name!r} is {served.state.value}")
-            models = [served]
+            counted = [(served, stats)]
         else:
-            models = [m for m in self._repository().models.values() if m.batcher is not None]
+            counted = [(m, s) for m in self._repository().models.values() if (s := m.batch_stats) is not None]
         response = pb.message("inference.ModelStatisticsResponse")()
-        for m in models:
-            assert m.batcher is not None
-            json_format.ParseDict(model_stats(m, m.batcher.stats), response.model_stats.add())
+        for m, s in counted:
+            json_format.ParseDict(model_stats(m, s), response.model_stats.add())
         return response
 
     async def health_check(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
@@ -286,14 +293,14 @@ class InferenceService:
     async def repository_index(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         self._admin(context)
         response = pb.message("inference.RepositoryIndexResponse")()
-        for entry in index_entries(self._repository(), request.ready):
+        for entry in index_entries(self._repository(), self.state.settings.store, request.ready):
             response.models.add(**{k: str(v) for k, v in entry.items()})
         return response
 
     async def repository_model_load(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         self._admin(context)
         refuse_overrides(request.parameters)
-        await load_from_store(self._repository(), request.model_name)
+        await load_from_store(self._repository(), self.state.settings.store, request.model_name)
         return pb.message("inference.RepositoryModelLoadResponse")()
 
     async def repository_model_unload(self, request: Any, context: grpc.aio.ServicerContext) -> Any:

@@ -35,15 +35,14 @@ from server.api.deps import (
     require_admin,
 )
 from server.api.errors import APIError, count, error_responses, json_ok
-from server.regions import Region, Regions
-from server.serving import AppState
+from server.serving import AppState, SharedRegion, SharedRegions
 
 
 @dataclass(frozen=True)
 class Span:
     """Where a tensor lies in a region: ``size`` bytes from ``offset`` (checked against the region when made)."""
 
-    region: Region
+    region: SharedRegion
     offset: int
     size: int
     field: str
@@ -56,7 +55,7 @@ class Span:
         self.region.write(self.offset, data, self.field)
 
 
-RegionSource = Callable[[], Regions]
+RegionSource = Callable[[], SharedRegions]
 """The regions a request may name, asked for only when it names one (the check behind it may refuse)."""
 
 
@@ -73,17 +72,17 @@ def span(regions: RegionSource | None, params: dict[str, Any], where: str) -> Sp
     return Span(region, offset, size, where)
 
 
-def regions_of(request: Request) -> Regions:
+def regions_of(request: Request) -> SharedRegions:
     return deps.state(request).regions
 
 
-def authorised_regions(request: Request) -> Regions:
+def authorised_regions(request: Request) -> SharedRegions:
     """The registered regions, for a request that carries the admin token: a region is another client's memory, so
     reading it (as an input) or writing it (as an output) is for holders of the token that registered it."""
     return admitted_regions(deps.state(request), deps.client_address(request), request.headers.get("authorization", ""))
 
 
-def admitted_regions(app: AppState, who: str, authorization: str) -> Regions:
+def admitted_regions(app: AppState, who: str, authorization: str) -> SharedRegions:
     """:func:`authorised_regions` for a call from ``who`` carrying ``authorization``, over whichever protocol."""
     try:
         check_admin(app, who, authorization)

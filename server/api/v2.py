@@ -30,8 +30,8 @@ import orjson
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from server import __version__
 from server.api import deps, guard
+from server.api.admin import PLATFORM
 from server.api.codec import (
     HEADER_LENGTH,
     JSON_UNSUPPORTED,
@@ -57,11 +57,11 @@ from server.api.v2_schema import INFER_SCHEMA
 from server.manifest import Manifest, Precision, TensorSpec, sent_inputs
 from server.serving import Interface, ModelHandle, ModelState, Prediction, check_ready
 from server.settings import Settings
+from server.version import __version__
 
 router = APIRouter()
 
 SERVER_NAME = "halfserve"
-PLATFORM = "pytorch_libtorch"
 EXTENSIONS = [
     "binary_tensor_data",
     "classification",

@@ -17,7 +17,6 @@ import grpc
 import httpx
 import numpy as np
 
-from server import __version__
 from server.loadtest import LoadtestError
 from server.loadtest.client import LoadClient
 from server.loadtest.config import LoadtestConfig
@@ -35,6 +34,7 @@ from server.loadtest.payload import (
 from server.loadtest.process import ManagedServer, process_cpu_seconds
 from server.loadtest.stats import LevelResult, ServerDelta, summarize, throughput_ratios
 from server.loadtest.target import check_url, grpc_target
+from server.version import __version__
 
 if TYPE_CHECKING:
     from server.loadtest.progress import SweepProgress

@@ -24,20 +24,17 @@ import importlib
 import importlib.util
 import re
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from importlib.metadata import entry_points
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 from torch import nn
 
 from server import manifest as _manifest
+from server.models.registry import _REGISTRY, ModelFactory, register
 
-ModelFactory = Callable[..., nn.Module]
-F = TypeVar("F", bound=ModelFactory)
-
-_REGISTRY: dict[str, ModelFactory] = {}
 _CODE_PATHS: list[Path] = []
 """The operator's ``--code-path`` folders, resolved: the only places a ``module:factory`` architecture's file may
 lie (besides entry points' and this package's modules)."""
@@ -58,18 +55,6 @@ class UnknownArchitectureError(KeyError):
 
     def __str__(self) -> str:
         return str(self.args[0])
-
-
-def register(name: str) -> Callable[[F], F]:
-    """Register a model class or factory under ``name``."""
-
-    def decorator(factory: F) -> F:
-        if name in _REGISTRY:
-            raise ValueError(f"architecture {name!r} is already registered")
-        _REGISTRY[name] = factory
-        return factory
-
-    return decorator
 
 
 def _installed() -> dict[str, Any]:

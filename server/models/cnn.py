@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from server.models import register
+from server.models.registry import register
 
 
 @register("small_cnn")

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from server.models import register
+from server.models.registry import register
 
 
 @register("mlp")

@@ -13,7 +13,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from server.models import register
+from server.models.registry import register
 
 BlockKind = Literal["basic", "bottleneck"]
 StemKind = Literal["cifar", "imagenet"]

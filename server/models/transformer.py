@@ -14,7 +14,7 @@ import math
 import torch
 from torch import nn
 
-from server.models import register
+from server.models.registry import register
 
 
 def attention_bias(mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

@@ -12,8 +12,9 @@ from pydantic import ValidationError
 
 from server.api.deps import check_admin
 from server.api.errors import APIError
+from server.api.lockout import FailedAttempts
 from server.regions import Regions
-from server.serving import AppState, FailedAttempts, NoModels
+from server.serving import AppState, NoModels
 from server.settings import Settings
 from tests.integration.conftest import serving
 

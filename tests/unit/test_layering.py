@@ -93,3 +93,91 @@ def test_the_serving_contract_imports_no_implementation_at_run_time() -> None:
         if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("server")
     }
     assert not top_level, top_level  # only under TYPE_CHECKING, for annotations
+
+
+def module_edges(path: Path) -> set[str]:
+    """The server modules ``path`` imports, each import as the module it names: ``from server.api import lockout`` is
+    an edge to ``server.api.lockout``, ``from server.manifest import Manifest`` one to ``server.manifest``."""
+    edges: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            edges.update(a.name for a in node.names if a.name in MODULES)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for alias in node.names:
+                full = f"{node.module}.{alias.name}"
+                if full in MODULES:
+                    edges.add(full)
+                elif node.module in MODULES:
+                    edges.add(node.module)
+    return edges - {module_name(path)}
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm, iteratively)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph.get(child, set())))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def test_the_cycle_finder_finds_a_cycle() -> None:
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_modules_import_each_other_in_a_cycle_type_checking_imports_included() -> None:
+    graph = {module_name(p): module_edges(p) for p in sorted(ROOT.rglob("*.py"))}
+    assert cycles(graph) == []
+
+
+def test_routes_reach_models_only_through_the_contract() -> None:
+    below = ("server.repository", "server.batching", "server.engine", "server.store", "server.regions")
+    for name, found in MODULES.items():
+        if name.startswith("server.api"):
+            assert not {i for i in found if i.startswith(below)}, name
+
+
+def test_the_routes_the_front_ends_and_the_grpc_service_import_no_torch() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, server.api, server.api.grpc_service, server.multiproc.frontend, server.multiproc.client; "
+        "print(sorted(m for m in ('torch', 'server.repository', 'server.store') if m in sys.modules))"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert r.stdout.strip() == "[]"

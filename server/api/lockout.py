@@ -1,0 +1,73 @@
+"""The admin token's lockout: wrong tokens counted per client address and in all, kept per app by the routes."""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable
+
+from server.serving import AppState
+
+
+class FailedAttempts:
+    """Wrong admin tokens, per client address and from every address together. Past ``limit`` in ``window`` seconds
+    from one address, or past ``total`` from all of them, a wrong token is answered 429 rather than 401 until the
+    oldest of those failures leaves the window (and each further one keeps it shut).
+
+    The right token is never refused: the operator who shares an address with a guesser (a NAT, a proxy, a
+    shared-memory client on the same host) is not locked out by that guesser, nor by their own typo. So this bounds
+    and reports guessing rather than preventing it; the token's length (at least 16 characters) is what makes guessing
+    hopeless. At most ``addresses`` are remembered (the longest quiet ones are forgotten first), each with its last
+    ``limit`` failures, so the tables stay small whoever sends them."""
+
+    def __init__(
+        self,
+        limit: int = 10,
+        window: float = 60.0,
+        addresses: int = 4096,
+        total: int = 100,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.limit, self.window, self.addresses, self.total, self.clock = limit, window, addresses, total, clock
+        self.failures: OrderedDict[str, deque[float]] = OrderedDict()
+        self.everyone: deque[float] = deque(maxlen=total)
+        """The last ``total`` failures, from whichever address."""
+
+    def retry_after(self, who: str) -> float:
+        """Seconds until a wrong token from ``who`` is answered 401 again; 0 when it is now."""
+        times = self.failures.get(who)
+        now = self.clock()
+        if times is not None and (not times or times[-1] <= now - self.window):
+            del self.failures[who]
+            times = None
+        mine = self._locked_for(times, self.limit, now) if times is not None else 0.0
+        return max(mine, self.retry_after_all())
+
+    def retry_after_all(self) -> float:
+        """Seconds until a wrong token from an address with no failures of its own is answered 401 again."""
+        return self._locked_for(self.everyone, self.total, self.clock())
+
+    def _locked_for(self, times: deque[float], limit: int, now: float) -> float:
+        if len(times) < limit:
+            return 0.0
+        oldest = times[-limit]
+        return max(oldest + self.window - now, 0.0)
+
+    def failed(self, who: str) -> None:
+        now = self.clock()
+        times = self.failures.get(who)
+        if times is None:
+            times = self.failures[who] = deque(maxlen=self.limit)
+        times.append(now)
+        self.everyone.append(now)
+        self.failures.move_to_end(who)
+        if len(self.failures) > self.addresses:
+            self.failures.popitem(last=False)
+
+
+def attempts(app: AppState) -> FailedAttempts:
+    """``app``'s lockout (made on first use: the routes keep it, the contract only holds it for them)."""
+    found = app.route_state.get(FailedAttempts)
+    if not isinstance(found, FailedAttempts):
+        found = app.route_state[FailedAttempts] = FailedAttempts()
+    return found
