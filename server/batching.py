@@ -306,7 +306,7 @@ class Batcher:
         if self._inflight:
             await asyncio.gather(*self._inflight, return_exceptions=True)
 
-    async def submit(self, data: np.ndarray, deadline: float | None = None) -> np.ndarray:
+    async def infer(self, data: np.ndarray, deadline: float | None = None) -> np.ndarray:
         """Queue ``data`` (rows first) and wait for its output rows (:meth:`enqueue`, for callers that want only
         them)."""
         return (await self.enqueue(data, deadline)).data

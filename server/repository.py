@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import math
 import time
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
@@ -108,11 +107,6 @@ class ServedModel:
     def serving(self) -> bool:
         """Ready, with a batcher to take requests now."""
         return self.state is ModelState.READY and self.batcher is not None
-
-    @functools.cached_property
-    def sample_size(self) -> int:
-        """Input values per row (sample), every input's together."""
-        return sum(math.prod(t.bounded()) for t in self.manifest.inputs)
 
     def submit(self, inputs: Tensors, timeout: float | None = None) -> asyncio.Future[Prediction]:
         """Queue ``inputs`` for batching; see :meth:`server.serving.ModelHandle.submit`.

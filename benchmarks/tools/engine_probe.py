@@ -73,7 +73,7 @@ async def closed_loop(engine: Engine, conc: int, seconds: float, max_delay: floa
     async def client(i: int) -> None:
         nonlocal done
         while not stop:
-            await batcher.submit(xs[i])
+            await batcher.infer(xs[i])
             done += 1
 
     tasks = [asyncio.create_task(client(i)) for i in range(conc)]

@@ -146,7 +146,7 @@ class BackplaneClient(asyncio.Protocol):
             raise
         return future
 
-    def submit(self, model: RemoteModel, inputs: Tensors, timeout: float | None) -> asyncio.Future[Prediction]:
+    def send(self, model: RemoteModel, inputs: Tensors, timeout: float | None) -> asyncio.Future[Prediction]:
         """Send ``inputs`` to ``model`` in the engine process; the future of its prediction."""
         slot = self.free.pop() if self.free and wire.nbytes(inputs) <= self.segment.slot_bytes else -1
         head = {"op": "infer", "model": model.name, "version": model.version, "timeout": timeout, "slot": slot}
@@ -203,7 +203,7 @@ class RemoteModel:
     def submit(self, inputs: Tensors, timeout: float | None = None) -> asyncio.Future[Prediction]:
         if self.client is None:
             raise ModelNotReadyError("the engine process is not connected")
-        return self.client.submit(self, inputs, timeout)
+        return self.client.send(self, inputs, timeout)
 
 
 class RemoteService:

@@ -302,12 +302,12 @@ async def test_full_queue_rejects_at_once() -> None:
     runner.gate.clear()  # hold the first batch in the runner so the queue fills up behind it
     batcher = Batcher(runner, max_batch_size=2, max_delay=0.0, max_queue_rows=4)
     batcher.start()
-    first = asyncio.ensure_future(batcher.submit(rows(2)))
+    first = asyncio.ensure_future(batcher.infer(rows(2)))
     await until(lambda: runner.batches, "the first batch in the runner")
-    queued = [asyncio.ensure_future(batcher.submit(rows(2))) for _ in range(2)]
+    queued = [asyncio.ensure_future(batcher.infer(rows(2))) for _ in range(2)]
     await asyncio.sleep(0)
     with pytest.raises(QueueFullError, match="queue full"):
-        await batcher.submit(rows(1))
+        await batcher.infer(rows(1))
     assert batcher.stats.rejected == 1
     runner.gate.set()
     await asyncio.gather(first, *queued)
@@ -320,7 +320,7 @@ async def test_failing_batch_fails_only_its_own_requests_and_the_loop_keeps_runn
     batcher.start()
     poisoned = np.full((1, 3), -1, dtype=np.float32)
     results = await asyncio.gather(
-        batcher.submit(poisoned), batcher.submit(rows(1)), batcher.submit(rows(1, 5)), return_exceptions=True
+        batcher.infer(poisoned), batcher.infer(rows(1)), batcher.infer(rows(1, 5)), return_exceptions=True
     )
     assert isinstance(results[0], BatchFailedError)
     assert "poisoned input" in str(results[0])
@@ -330,7 +330,7 @@ async def test_failing_batch_fails_only_its_own_requests_and_the_loop_keeps_runn
     assert batcher.stats.failed_batches == 2  # the shared batch, then the poisoned request alone
     assert batcher.stats.split_retries == 1
     # still serving
-    assert np.array_equal(await batcher.submit(rows(2)), rows(2) * 2)
+    assert np.array_equal(await batcher.infer(rows(2)), rows(2) * 2)
     await batcher.stop()
 
 
@@ -338,7 +338,7 @@ async def test_rows_of_one_request_span_batches_and_come_back_in_order() -> None
     runner = FakeRunner()
     batcher = Batcher(runner, max_batch_size=4, max_delay=0.0, max_queue_rows=64)
     batcher.start()
-    out = await batcher.submit(rows(10))
+    out = await batcher.infer(rows(10))
     assert runner.sizes == [4, 4, 2]
     assert np.array_equal(out, rows(10) * 2)
     await batcher.stop()
@@ -351,7 +351,7 @@ async def test_runner_returning_wrong_row_count_fails_the_batch_with_a_clear_err
     batcher = Batcher(short, max_batch_size=4, max_delay=0.0, max_queue_rows=64)
     batcher.start()
     with pytest.raises(BatchFailedError, match="batch size mismatch"):
-        await batcher.submit(rows(2))
+        await batcher.infer(rows(2))
     await batcher.stop()
 
 
@@ -360,7 +360,7 @@ async def test_expired_request_is_answered_and_never_run() -> None:
     batcher = Batcher(runner, max_batch_size=4, max_delay=0.0, max_queue_rows=64)
     batcher.start()
     with pytest.raises(DeadlineExceededError):
-        await batcher.submit(rows(1), deadline=time.monotonic() - 1)
+        await batcher.infer(rows(1), deadline=time.monotonic() - 1)
     assert runner.batches == []
     assert batcher.stats.expired == 1
     await batcher.stop()
@@ -387,12 +387,12 @@ async def test_stop_drains_queued_requests_then_refuses_new_ones() -> None:
     runner = FakeRunner()
     batcher = Batcher(runner, max_batch_size=2, max_delay=10.0, max_queue_rows=64)
     batcher.start()
-    waiting = [asyncio.ensure_future(batcher.submit(rows(1, i))) for i in range(5)]
+    waiting = [asyncio.ensure_future(batcher.infer(rows(1, i))) for i in range(5)]
     await asyncio.sleep(0)
     await asyncio.wait_for(batcher.stop(), timeout=5)
     assert all(f.done() and not f.exception() for f in waiting)
     with pytest.raises(ShuttingDownError):
-        await batcher.submit(rows(1))
+        await batcher.infer(rows(1))
 
 
 async def test_batcher_module_does_not_import_torch_or_fastapi() -> None:
@@ -422,7 +422,7 @@ async def test_observer_hears_every_chunk_queued_and_every_batch_run() -> None:
     runner, observer = FakeRunner(), RecordingObserver()
     b = Batcher(runner, max_batch_size=4, max_delay=0.01, max_queue_rows=64, observer=observer)
     b.start()
-    await asyncio.gather(*(b.submit(rows(n)) for n in (3, 2, 1, 5)))
+    await asyncio.gather(*(b.infer(rows(n)) for n in (3, 2, 1, 5)))
     await b.stop()
     # 11 rows in batches of at most 4: requests of 2 and 5 rows span batches and so are queued chunks twice or more.
     assert [r for r, _ in observer.runs] == runner.sizes
@@ -438,10 +438,10 @@ async def test_replacing_the_runner_moves_the_next_batch_only() -> None:
     first.gate.clear()
     b = Batcher(first, max_batch_size=2, max_delay=0.0, max_queue_rows=64)
     b.start()
-    running = asyncio.ensure_future(b.submit(rows(2)))
+    running = asyncio.ensure_future(b.infer(rows(2)))
     await until(lambda: first.batches, "the first batch in the runner", every=0)
     b.runner = second
-    queued = asyncio.ensure_future(b.submit(rows(2, start=100)))
+    queued = asyncio.ensure_future(b.infer(rows(2, start=100)))
     first.gate.set()
     out = await asyncio.gather(running, queued)
     await b.stop()

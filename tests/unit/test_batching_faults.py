@@ -88,7 +88,7 @@ async def test_a_poisoned_request_fails_alone_and_its_batch_mates_succeed() -> N
     batcher = await started(Batcher(runner, max_batch_size=8, max_delay=0.05, max_queue_rows=64))
     inputs = [rows(1, i * 10) for i in range(7)]
     inputs.insert(3, poisoned())
-    results = await asyncio.gather(*(batcher.submit(x) for x in inputs), return_exceptions=True)
+    results = await asyncio.gather(*(batcher.infer(x) for x in inputs), return_exceptions=True)
     assert runner.sizes[0] == 8  # they did share one batch
     for i, (x, r) in enumerate(zip(inputs, results, strict=True)):
         if i == 3:
@@ -108,7 +108,7 @@ async def test_two_poisoned_requests_in_one_batch_both_fail_and_nothing_else_doe
     runner = Runner()
     batcher = await started(Batcher(runner, max_batch_size=4, max_delay=0.05, max_queue_rows=64))
     inputs = [poisoned(), rows(1), rows(2, 7), poisoned()]
-    results = await asyncio.gather(*(batcher.submit(x) for x in inputs), return_exceptions=True)
+    results = await asyncio.gather(*(batcher.infer(x) for x in inputs), return_exceptions=True)
     assert [type(r).__name__ for r in results] == ["BatchFailedError", "ndarray", "ndarray", "BatchFailedError"]
     np.testing.assert_array_equal(results[2], rows(2, 7) * 2)
     await batcher.stop()
@@ -120,11 +120,11 @@ async def test_a_request_spanning_batches_fails_whole_when_one_of_its_rows_is_po
     x = rows(10)
     x[6] = POISON  # in the second of its three batches
     with pytest.raises(BatchFailedError, match="poisoned row"):
-        await batcher.submit(x)
+        await batcher.infer(x)
     await asyncio.sleep(0.01)
     assert batcher.queued_rows == 0  # its third batch's rows were taken out, not run
     assert sum(runner.sizes) == 8
-    np.testing.assert_array_equal(await batcher.submit(rows(2)), rows(2) * 2)
+    np.testing.assert_array_equal(await batcher.infer(rows(2)), rows(2) * 2)
     await batcher.stop()
 
 
@@ -133,7 +133,7 @@ async def test_per_chunk_errors_from_the_runner_fail_only_that_request() -> None
         return [RuntimeError("bad chunk") if (c == POISON).any() else Output(c + 1, "fp16") for c in chunks]
 
     batcher = await started(Batcher(runner, max_batch_size=8, max_delay=0.05, max_queue_rows=64))
-    good, bad = await asyncio.gather(batcher.enqueue(rows(2)), batcher.submit(poisoned()), return_exceptions=True)
+    good, bad = await asyncio.gather(batcher.enqueue(rows(2)), batcher.infer(poisoned()), return_exceptions=True)
     assert isinstance(bad, BatchFailedError)
     assert "RuntimeError: bad chunk" in str(bad)
     assert good.precisions == ("fp16",)  # type: ignore[union-attr]
@@ -149,7 +149,7 @@ async def test_out_of_memory_halves_the_batch_size_for_good_and_every_request_su
     runner = Runner(oom_above=3)
     batcher = await started(Batcher(runner, max_batch_size=16, max_delay=0.05, max_queue_rows=64))
     inputs = [rows(1, i) for i in range(12)] + [rows(4, 100)]
-    results = await asyncio.gather(*(batcher.submit(x) for x in inputs))
+    results = await asyncio.gather(*(batcher.infer(x) for x in inputs))
     for x, r in zip(inputs, results, strict=True):
         np.testing.assert_array_equal(r, x * 2)
     assert batcher.max_batch_size == 2  # 16 rows failed -> 8 -> 4 -> 2
@@ -158,7 +158,7 @@ async def test_out_of_memory_halves_the_batch_size_for_good_and_every_request_su
     assert max(batcher.stats.batch_sizes) <= 3
     # Remembered: later batches are cut at the new size without failing first.
     failed = batcher.stats.failed_batches
-    await asyncio.gather(*(batcher.submit(rows(1, i)) for i in range(6)))
+    await asyncio.gather(*(batcher.infer(rows(1, i)) for i in range(6)))
     assert batcher.stats.failed_batches == failed
     assert runner.sizes[-3:] == [2, 2, 2]
     await batcher.stop()
@@ -168,7 +168,7 @@ async def test_a_single_row_that_does_not_fit_fails_its_request_only() -> None:
     runner = Runner(oom_above=0)
     batcher = await started(Batcher(runner, max_batch_size=4, max_delay=0.0, max_queue_rows=64))
     with pytest.raises(BatchFailedError, match="even a single row does not fit"):
-        await batcher.submit(rows(3))
+        await batcher.infer(rows(3))
     assert batcher.max_batch_size == 1
     await batcher.stop()
 
@@ -180,11 +180,11 @@ async def test_a_deadline_is_answered_on_time_while_the_runner_is_busy_and_the_r
     runner = Runner()
     runner.gate.clear()
     batcher = await started(Batcher(runner, max_batch_size=2, max_delay=0.0, max_queue_rows=64))
-    busy = asyncio.ensure_future(batcher.submit(rows(2)))
+    busy = asyncio.ensure_future(batcher.infer(rows(2)))
     await runner.entered.wait()
     start = time.monotonic()
     with pytest.raises(DeadlineExceededError, match="while the request was queued"):
-        await batcher.submit(rows(1, 50), deadline=time.monotonic() + 0.05)
+        await batcher.infer(rows(1, 50), deadline=time.monotonic() + 0.05)
     assert time.monotonic() - start < 1.0  # at its deadline, not when the busy batch ends
     assert batcher.queued_rows == 0
     assert batcher.stats.expired == 1
@@ -199,9 +199,9 @@ async def test_a_deadline_passing_while_a_request_is_partly_taken_answers_at_onc
     runner = Runner()
     runner.gate.clear()
     batcher = await started(Batcher(runner, max_batch_size=4, max_delay=0.0, max_queue_rows=64))
-    big = asyncio.ensure_future(batcher.submit(rows(10), deadline=time.monotonic() + 0.05))
+    big = asyncio.ensure_future(batcher.infer(rows(10), deadline=time.monotonic() + 0.05))
     await runner.entered.wait()  # its first 4 rows are running
-    other = asyncio.ensure_future(batcher.submit(rows(2, 1000)))  # queued behind it, with no deadline
+    other = asyncio.ensure_future(batcher.infer(rows(2, 1000)))  # queued behind it, with no deadline
     with pytest.raises(DeadlineExceededError, match=r"4 of its 10 rows had started"):
         await big
     assert batcher.queued_rows == 2  # only the other request's rows are left
@@ -216,7 +216,7 @@ async def test_a_request_whose_rows_all_started_is_left_to_finish() -> None:
     runner = Runner()
     runner.gate.clear()
     batcher = await started(Batcher(runner, max_batch_size=4, max_delay=0.0, max_queue_rows=64))
-    fut = asyncio.ensure_future(batcher.submit(rows(3), deadline=time.monotonic() + 0.02))
+    fut = asyncio.ensure_future(batcher.infer(rows(3), deadline=time.monotonic() + 0.02))
     await runner.entered.wait()
     await asyncio.sleep(0.05)  # past the deadline, with every row in the running batch
     runner.gate.set()
@@ -228,7 +228,7 @@ async def test_a_request_whose_rows_all_started_is_left_to_finish() -> None:
 async def test_a_request_larger_than_the_queue_is_refused_as_too_large_not_as_full() -> None:
     batcher = await started(Batcher(Runner(), max_batch_size=4, max_delay=0.0, max_queue_rows=8))
     with pytest.raises(RequestTooLargeError, match="9 rows; the queue holds at most 8"):
-        await batcher.submit(rows(9))
+        await batcher.infer(rows(9))
     await batcher.stop()
 
 
@@ -254,7 +254,7 @@ async def test_a_runner_breaking_its_contract_fails_the_request_and_never_strand
 
     batcher = await started(Batcher(runner, max_batch_size=8, max_delay=0.05, max_queue_rows=64))
     good, bad = await asyncio.wait_for(
-        asyncio.gather(batcher.submit(rows(1)), batcher.submit(poisoned()), return_exceptions=True), timeout=5
+        asyncio.gather(batcher.infer(rows(1)), batcher.infer(poisoned()), return_exceptions=True), timeout=5
     )
     assert isinstance(bad, BatchFailedError)
     assert "runner returned NoneType, expected an array" in str(bad)

@@ -121,7 +121,7 @@ async def test_engine_and_batcher_together_shrink_the_batch_and_answer_everyone(
     batcher = Batcher(engine.run, max_batch_size=16, max_delay=0.05, max_queue_rows=64)
     batcher.start()
     x = np.random.default_rng(0).standard_normal((16, 16)).astype(np.float32)
-    outs = await asyncio.gather(*(batcher.submit(x[i : i + 1]) for i in range(16)))
+    outs = await asyncio.gather(*(batcher.infer(x[i : i + 1]) for i in range(16)))
     np.testing.assert_allclose(np.concatenate(outs), fp32_reference(loaded, x), rtol=1e-5, atol=1e-6)
     assert batcher.max_batch_size == 4
     assert fake.sizes[:3] == [16, 8, 4]

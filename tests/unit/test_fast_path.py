@@ -188,7 +188,7 @@ async def test_instances_share_the_weights_and_each_takes_batches_on_its_own_thr
     batcher = Batcher(engine.run, max_batch_size=2, max_delay=0.0, max_queue_rows=64, concurrency=2)
     batcher.start()
     xs = [rows(2, seed=i) for i in range(2)]
-    outs = await asyncio.gather(*(batcher.submit(x) for x in xs))
+    outs = await asyncio.gather(*(batcher.infer(x) for x in xs))
     await batcher.stop()
     for x, out in zip(xs, outs, strict=True):
         np.testing.assert_allclose(out, reference(loaded, x), rtol=1e-5, atol=1e-6)
@@ -332,7 +332,7 @@ async def test_cuda_instances_run_batches_at_once_through_the_batcher(tmp_path: 
     batcher.start()
     xs = [np.random.default_rng(i).uniform(0, 1, (1, 3, 16, 16)).astype(np.float32) for i in range(256)]
     forwards = [i.forwards for i in engine.instances]
-    outs = await asyncio.gather(*(batcher.submit(x) for x in xs))
+    outs = await asyncio.gather(*(batcher.infer(x) for x in xs))
     await batcher.stop()
     want = reference(loaded, np.concatenate(xs))
     np.testing.assert_allclose(np.concatenate(outs), want, atol=0.02 * np.abs(want).max(), rtol=0)

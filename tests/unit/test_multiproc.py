@@ -91,7 +91,7 @@ async def test_a_request_goes_through_a_slot_and_its_slot_is_free_once_answered(
     remote = remote_model("tiny", 3)
     x = {"features": np.ones((2, 16), np.float32)}
     free = len(client.free)
-    future = client.submit(remote, x, 0.5)
+    future = client.send(remote, x, 0.5)
     await asyncio.sleep(0)  # coalesced writes go out at the end of the iteration
     ((head, payload),) = sent(transport)
     assert (head["op"], head["model"], head["version"], head["timeout"]) == ("infer", "tiny", 3, 0.5)
@@ -117,7 +117,7 @@ async def test_inputs_larger_than_a_slot_travel_inline_and_errors_come_back_as_r
     remote = remote_model("big", 1)
     rows = wire.SLOT_BYTES // (16 * 4) + 1
     x = {"features": np.arange(rows * 16, dtype=np.float32).reshape(rows, 16)}
-    future = client.submit(remote, x, None)
+    future = client.send(remote, x, None)
     await asyncio.sleep(0)
     ((head, payload),) = sent(transport)
     assert head["slot"] == -1
@@ -125,7 +125,7 @@ async def test_inputs_larger_than_a_slot_travel_inline_and_errors_come_back_as_r
     client.data_received(joined(frame({"id": head["id"], "error": error_to_wire(DeadlineExceededError("late"))})))
     with pytest.raises(DeadlineExceededError, match="late"):
         await future
-    other = client.submit(remote, {"features": x["features"][:1]}, None)
+    other = client.send(remote, {"features": x["features"][:1]}, None)
     await asyncio.sleep(0)
     rid = sent(transport)[-1][0]["id"]
     client.data_received(joined(frame({"id": rid, "error": error_to_wire(KeyError("x"))})))
@@ -137,7 +137,7 @@ async def test_a_cancelled_request_keeps_its_slot_until_the_engine_process_answe
     client, transport, _ = connected
     remote = remote_model("tiny", 1)
     free = len(client.free)
-    future = client.submit(remote, {"features": np.ones((1, 16), np.float32)}, None)
+    future = client.send(remote, {"features": np.ones((1, 16), np.float32)}, None)
     future.cancel()
     await asyncio.sleep(0)
     ((head, _),) = sent(transport)
@@ -149,7 +149,7 @@ async def test_a_cancelled_request_keeps_its_slot_until_the_engine_process_answe
 async def test_a_lost_connection_fails_what_is_pending_and_refuses_what_comes_next(connected: Connected) -> None:
     client, _, tables = connected
     remote = remote_model("tiny", 1)
-    future = client.submit(remote, {"features": np.ones((1, 16), np.float32)}, None)
+    future = client.send(remote, {"features": np.ones((1, 16), np.float32)}, None)
     client.data_received(joined(frame({"models": [{"name": "x"}], "regions": []})))  # a pushed table
     assert tables == [[{"name": "x"}]]
     assert client.table_seen.is_set()
@@ -157,7 +157,7 @@ async def test_a_lost_connection_fails_what_is_pending_and_refuses_what_comes_ne
     with pytest.raises(ModelNotReadyError, match="gone"):
         await future
     with pytest.raises(ModelNotReadyError, match="not connected"):
-        client.submit(remote, {"features": np.ones((1, 16), np.float32)}, None)
+        client.send(remote, {"features": np.ones((1, 16), np.float32)}, None)
 
 
 def entry(name: str, version: int = 1, state: str = "ready", precision: str | None = "fp32") -> dict[str, Any]:
