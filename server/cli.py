@@ -20,9 +20,7 @@ from pydantic import ValidationError
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
-from server.loadtest import cli as loadtest_cli
 from server.settings import Settings
-from server.training import cli as train_cli
 
 if TYPE_CHECKING:
     from server.multiproc.supervisor import Frontends
@@ -246,6 +244,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_serve(sub)
     _add_import(sub)
+    # Here, not at the top: importing this module must not import torch (training's modules do), as a front-end
+    # process spawned from the halfserve script imports the script, and so this module, again.
+    from server.loadtest import cli as loadtest_cli
+    from server.training import cli as train_cli
+
     train_cli.add_parser(sub)
     loadtest_cli.add_parser(sub)
     return parser

@@ -176,7 +176,9 @@ def test_the_routes_the_front_ends_and_the_grpc_service_import_no_torch() -> Non
     import sys
 
     code = (
-        "import sys, server.api, server.api.grpc_service, server.multiproc.frontend, server.multiproc.client; "
+        # server.cli too: a front-end spawned from the halfserve script imports the script, and so it, again.
+        "import sys, server.api, server.api.grpc_service, server.multiproc.frontend, server.multiproc.client, "
+        "server.cli; "
         "print(sorted(m for m in ('torch', 'server.repository', 'server.store') if m in sys.modules))"
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
