@@ -14,7 +14,7 @@ import pytest
 from tritonclient.grpc import service_pb2
 
 from server import grpc_messages
-from tests.conftest import ServerProcess, free_port, save_tiny_mlp
+from tests.conftest import ServerProcess, free_port
 from tests.security.raw_h2 import Connection, grpc_message
 from tests.waiting import wait_until
 
@@ -38,18 +38,11 @@ def serve(server_factory: StartServer, store: Path, *args: str) -> Endpoint:
 
 
 @pytest.fixture(scope="module")
-def store_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("grpc-abuse-store")
-    save_tiny_mlp(root)
-    return root
-
-
-@pytest.fixture(scope="module")
-def patient(server_factory: StartServer, store_dir: Path) -> Endpoint:
+def patient(server_factory: StartServer, served_tiny_store: Path) -> Endpoint:
     """Long deadlines (the default 30 s body timeout), a small budget: what is held stays held during a test."""
     return serve(
         server_factory,
-        store_dir,
+        served_tiny_store,
         "--grpc-max-streams",
         "8",
         "--max-connections",
@@ -60,9 +53,11 @@ def patient(server_factory: StartServer, store_dir: Path) -> Endpoint:
 
 
 @pytest.fixture(scope="module")
-def strict(server_factory: StartServer, store_dir: Path) -> Endpoint:
+def strict(server_factory: StartServer, served_tiny_store: Path) -> Endpoint:
     """Short deadlines and few connections, for what is cut off."""
-    return serve(server_factory, store_dir, "--body-timeout", "1", "--grpc-idle-timeout", "2", "--max-connections", "6")
+    return serve(
+        server_factory, served_tiny_store, "--body-timeout", "1", "--grpc-idle-timeout", "2", "--max-connections", "6"
+    )
 
 
 @pytest.fixture
