@@ -29,9 +29,12 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Protocol, TypeVar, overload
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypeVar, overload
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from server.manifest import Precision
 
 from server.serving import (
     BatchFailedError,
@@ -112,10 +115,10 @@ class Result(NamedTuple):
     """
 
     data: np.ndarray
-    precisions: tuple[str, ...] = ()
+    precisions: tuple[Precision, ...] = ()
 
 
-Finish = Callable[[np.ndarray, tuple[str, ...]], T]
+Finish = Callable[[np.ndarray, "tuple[Precision, ...]"], T]
 """Makes a request's answer from its output rows and their precisions (:class:`Result` unless the caller says)."""
 
 
@@ -132,7 +135,7 @@ class Pending:
     """What requests share a batch with, beyond their rows' shape and dtype (a length bucket)."""
     taken: int = 0
     done_rows: int = 0
-    parts: dict[int, tuple[np.ndarray, str | None]] | None = None
+    parts: dict[int, tuple[np.ndarray, Precision | None]] | None = None
     """Outputs of the request's chunks by first row, while they arrive (a request that spans batches)."""
     rows: int = field(init=False)
     key: Hashable = field(init=False)
@@ -585,7 +588,7 @@ class Batcher:
                 req.taken = req.rows
 
     @staticmethod
-    def _deliver(chunk: Chunk, out: np.ndarray, precision: str | None) -> None:
+    def _deliver(chunk: Chunk, out: np.ndarray, precision: Precision | None) -> None:
         req = chunk.request
         if req.future.done():
             return

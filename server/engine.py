@@ -430,7 +430,7 @@ class Engine:
     def _outcomes(self, chunks: list[np.ndarray], out: np.ndarray) -> list[Outcome]:
         """One outcome per chunk of a batch's output rows, after the overflow policy."""
         outs = _row_slices(out, chunks)
-        tag = self.precision.value
+        tag = self.precision
         # One vectorised check over the whole batch: the per-chunk work below only runs when something is wrong.
         if self.guarded and not _all_finite(out):
             return [self._guard(c, o) for c, o in zip(chunks, outs, strict=True)]
@@ -438,7 +438,7 @@ class Engine:
 
     def _guard(self, x: np.ndarray, out: np.ndarray) -> Outcome:
         """Apply the overflow policy to one chunk's half-precision output."""
-        tag = self.precision.value
+        tag = self.precision
         overflowed = _rows_finite(x) & ~_rows_finite(out)
         if not overflowed.any():  # non-finite in, non-finite out: the input's doing, not the precision's
             return Output(out, tag)
@@ -454,7 +454,7 @@ class Engine:
             )
         with self._lock:
             self.fp32_reruns += 1
-        return Output(self._rerun_fp32(x), Precision.FP32.value)
+        return Output(self._rerun_fp32(x), Precision.FP32)
 
     def run(self, chunks: list[np.ndarray]) -> asyncio.Future[list[Outcome]]:
         """Run a batch on an idle instance's thread without blocking the event loop: the future of its outcomes.

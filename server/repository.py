@@ -157,10 +157,10 @@ class ServedModel:
         grouped = self.manifest.batching.group_lengths
         return (store.padded_length(self.manifest, spec, length) if grouped else None), length
 
-    def _prediction(self, out: np.ndarray, precisions: tuple[str, ...], length: int | None = None) -> Prediction:
+    def _prediction(self, out: np.ndarray, precisions: tuple[Precision, ...], length: int | None = None) -> Prediction:
         """The batcher's output rows as the model's named outputs, with the precision that computed them; variable
         outputs cut to the request's ``length``."""
-        precision = "+".join(precisions) if precisions else str(self.precision)
+        precision = precisions or ((self.precision,) if self.precision is not None else ())
         if out.dtype.names is None:
             return Prediction({self.manifest.outputs[0].name: out}, precision)
         outputs = {}

@@ -153,14 +153,16 @@ class InternalError(RuntimeError):
 
 
 class Prediction(NamedTuple):
-    """A request's outputs by name, and the precision that computed them.
-
-    ``precision`` is the served precision, ``fp32`` where an overflowing half-precision output was rerun, and both
-    joined by ``+`` (``fp16+fp32``) for a request spanning batches of which only some were rerun.
-    """
+    """A request's outputs by name, and the precisions that computed them: the served precision, ``fp32`` where an
+    overflowing half-precision output was rerun, both for a request spanning batches of which only some were rerun."""
 
     outputs: dict[str, np.ndarray]
-    precision: str
+    precisions: tuple[Precision, ...]
+
+    @property
+    def precision(self) -> str:
+        """The precisions as responses name them: ``fp16``, or ``fp16+fp32`` where only some batches were rerun."""
+        return "+".join(p.value for p in self.precisions)
 
     @property
     def rows(self) -> int:
@@ -177,7 +179,7 @@ class Output(NamedTuple):
     """One chunk's output rows and the precision that computed them (None: the runner does not say)."""
 
     data: np.ndarray
-    precision: str | None = None
+    precision: Precision | None = None
 
 
 Outcome = np.ndarray | Output | Exception

@@ -216,7 +216,7 @@ class InstanceProcess(asyncio.Protocol):
             view = self.memory.output(dtype, shape, offset)
             assert view is not None
             data = view.copy()  # the region is the next batch's
-        return Output(data, tag)
+        return Output(data, Precision(tag) if tag is not None else None)
 
 
 class ProcessEngine:

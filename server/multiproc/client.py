@@ -166,7 +166,7 @@ class BackplaneClient(asyncio.Protocol):
             outputs = {k: v.copy() for k, v in self.segment.take(header["slot"], places).items()}
         else:
             outputs = wire.from_payload(payload, places)
-        return Prediction(outputs, header["precision"])
+        return Prediction(outputs, tuple(Precision(p) for p in header["precision"].split("+") if p))
 
     async def refresh(self) -> None:
         """Fetch the model table now (after a management call this front-end relayed); the answer updates it."""
