@@ -13,9 +13,9 @@ from typing import Any
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
+from server.api.dataplane.metadata import PLATFORM
 from server.api.deps import json_response, local_model, model_route, repository, version_of
 from server.api.errors import APIError, Responses, error_responses, json_ok
-from server.api.v2 import PLATFORM
 from server.batching import BatchStats
 from server.manifest import InputFormat, Manifest, TensorSpec, sent_inputs
 from server.repository import ServedModel
