@@ -10,12 +10,11 @@ from enum import Enum
 from pathlib import Path
 
 from server import manifest as store
+from server.api.dataplane.metadata import PLATFORM
 from server.api.errors import APIError, from_exception
 from server.manifest import InputFormat, Manifest, Precision, StoreError, TensorSpec, sent_inputs
 from server.serving import BatchStats, LocalModel, ModelAdmin, ModelState
 
-PLATFORM = "pytorch_libtorch"
-"""The platform the V2 metadata and Triton's model configuration name (Triton's own for TorchScript models)."""
 BACKEND = "pytorch"
 
 

@@ -1,7 +1,8 @@
 """The two ends of a V2 inference over gRPC: a ``ModelInferRequest`` in, a ``ModelInferResponse`` out.
 
-A request is read into the shape the HTTP route decodes (:func:`server.api.v2.parse_request`: a JSON-like header and
-the binary data after it), so both protocols share one set of rules, limits and error messages: every input's data
+A request is read into the shape the V2 data plane decodes (:func:`server.api.dataplane.decode.parse_request`: a
+JSON-like header and the binary data after it), as an HTTP request is, so both protocols share one set of rules,
+limits and error messages: every input's data
 becomes binary data, from ``raw_input_contents`` as it is (no copy of a single input's bytes), from the typed
 ``contents`` converted once with numpy. FP16 and BF16 have no typed field: they travel in ``raw_input_contents`` only,
 as the protocol says. Outputs always leave in ``raw_output_contents`` (one entry per output, in order; empty for one
@@ -16,8 +17,10 @@ import numpy as np
 
 from server import grpc_messages as pb
 from server.api.codec import WireType, check_range, element_count, encode_bytes
+from server.api.dataplane.decode import check_input_count
+from server.api.dataplane.encode import encode_outputs
+from server.api.dataplane.request import Inference
 from server.api.errors import APIError
-from server.api.v2 import Inference, check_input_count, encode_outputs
 from server.serving import ModelHandle, Prediction
 
 _TYPED_FIELDS: dict[str, tuple[str, np.dtype[Any]]] = {
@@ -61,8 +64,8 @@ def set_parameters(target: Any, params: dict[str, Any]) -> None:
 
 
 def infer_payload(request: Any, served: ModelHandle) -> tuple[dict[str, Any], memoryview | None]:
-    """``request`` as :func:`~server.api.v2.parse_request` takes it for ``served``: the header and the binary data
-    it declares."""
+    """``request`` as :func:`~server.api.dataplane.decode.parse_request` takes it for ``served``: the header and the
+    binary data it declares."""
     check_input_count(len(request.inputs), served)
     raw = list(request.raw_input_contents)
     inputs: list[dict[str, Any]] = []

@@ -2,8 +2,9 @@
 
 It runs on the app's event loop (grpcio's asyncio server), in the process that owns the models, and reaches them
 through the same :class:`~server.serving.ModelService` as the HTTP routes: a gRPC inference is queued on the same
-batcher, so gRPC and HTTP requests share batches. Requests are decoded by the HTTP route's own rules
-(:mod:`server.api.grpc_codec`), so limits and messages are the same; an error's HTTP status maps onto a gRPC status
+batcher, so gRPC and HTTP requests share batches. A ``ModelInferRequest`` is translated into the V2 data plane's
+request (:mod:`server.api.grpc_codec`) and decoded, submitted and encoded by it (:mod:`server.api.dataplane`), as
+an HTTP request is, so limits and messages are the same; an error's HTTP status maps onto a gRPC status
 code (:data:`STATUS_CODES`), its message unchanged.
 
 Management calls (repository load and unload and index, shared memory registration) need the admin token as the
@@ -34,13 +35,15 @@ from google.protobuf import json_format
 
 from server import grpc_messages as pb
 from server.api.admin import index_entries, load_from_store, model_config, model_stats, refuse_overrides
+from server.api.dataplane.decode import parse_request, tokenize
+from server.api.dataplane.infer import infer
+from server.api.dataplane.metadata import EXTENSIONS, SERVER_NAME, metadata
 from server.api.deps import check_admin, of_version, why_not_ready
-from server.api.errors import APIError, cut_off_by_shutdown, from_exception
+from server.api.errors import APIError, from_exception
 from server.api.grpc_codec import infer_payload, infer_response
 from server.api.grpc_limits import PROBES, Admission, message_cap, parse, server_options
 from server.api.shm import admitted_regions
 from server.api.telemetry import request_labels
-from server.api.v2 import EXTENSIONS, SERVER_NAME, metadata, parse_request, tokenize
 from server.serving import (
     AppState,
     Interface,
@@ -193,12 +196,10 @@ class InferenceService:
             regions = partial(admitted_regions, self.state, _client(context), _authorization(context))
             req = await tokenize(parse_request(payload, binary, served, settings, regions), served, settings)
             try:
-                result = await served.submit(req.inputs, req.timeout(context.time_remaining()))
-            except asyncio.CancelledError:
-                if not self.state.draining:
-                    status = 499
-                    raise
-                raise cut_off_by_shutdown() from None
+                result = await infer(self.state, served, req.inputs, req.timeout(context.time_remaining()))
+            except asyncio.CancelledError:  # the client went away (a drain's cut-off is an APIError)
+                status = 499
+                raise
             return infer_response(served, req, result)
         except Exception as e:
             err = from_exception(e)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import math
 from typing import Any
 
@@ -13,7 +12,8 @@ from starlette.responses import Response
 
 from server.api import deps, guard
 from server.api.codec import decode_samples, encode_texts
-from server.api.errors import APIError, cut_off_by_shutdown, error_responses, from_exception
+from server.api.dataplane.infer import infer
+from server.api.errors import APIError, error_responses
 from server.api.limits import TIMEOUT_HEADER, check_size, client_timeout, parse_json, read_body
 from server.api.telemetry import answered, metered, note
 from server.manifest import sent_inputs
@@ -188,18 +188,11 @@ async def predict(request: Request) -> Response:
     if "inputs" not in payload:
         raise APIError(400, 'inputs: missing; send {"inputs": [sample, ...]}')
     samples = payload["inputs"]
-    try:
-        served = app.service.get(name)
-        note(request, served)
-        # No finiteness check: JSON carries no NaN or infinity, and decoding refuses numbers the dtype cannot hold.
-        result = await served.submit(await decode_inputs(samples, served, limits), timeout)
-        answered(request, result)
-    except asyncio.CancelledError:
-        if not app.draining:
-            raise
-        raise cut_off_by_shutdown() from None
-    except Exception as e:
-        raise from_exception(e) from None
+    served = app.service.get(name)
+    note(request, served)
+    # No finiteness check: JSON carries no NaN or infinity, and decoding refuses numbers the dtype cannot hold.
+    result = await infer(app, served, decode_inputs(samples, served, limits), timeout)
+    answered(request, result)
     specs = served.manifest.outputs
     out = result.outputs[specs[0].name]
     body: dict[str, Any] = {

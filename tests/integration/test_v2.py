@@ -15,10 +15,10 @@ import orjson
 import pytest
 
 from server import __version__
-from server.api import v2
 from server.api.codec import WireType
+from server.api.dataplane import plan
+from server.api.dataplane.decode import to_input_dtype
 from server.api.errors import APIError
-from server.api.v2 import to_input_dtype
 from server.settings import Settings
 from server.store import DataType, TensorSpec
 from tests.conftest import save_tiny_mlp
@@ -337,7 +337,7 @@ async def test_fp16_input_reaches_an_fp16_model_as_float16(tiny_store: Path) -> 
 
 
 def kept_headers() -> list[bytes]:
-    return [key[2] for key in v2._plans]
+    return [key[2] for key in plan._plans]
 
 
 async def test_a_header_sent_again_is_answered_from_its_plan_with_the_data_still_checked(tiny_store: Path) -> None:
@@ -395,8 +395,8 @@ async def test_kept_headers_are_bounded_and_long_ones_are_not_kept(
 ) -> None:
     """Headers that differ every time replace the oldest kept; a header longer than PLAN_HEADER_BYTES, or with an
     ``id`` (new with each request, where clients send one), is never kept. Every request is answered either way."""
-    monkeypatch.setattr(v2, "_plans", {})
-    monkeypatch.setattr(v2, "PLANS", 8)
+    monkeypatch.setattr(plan, "_plans", {})
+    monkeypatch.setattr(plan, "PLANS", 8)
     x = samples(1, seed=13)
     async with serving(Settings(store=tiny_store, precision="fp32")) as client:
         want = await predict(client, x)
@@ -408,7 +408,7 @@ async def test_kept_headers_are_bounded_and_long_ones_are_not_kept(
                 read_response(await client.post(INFER, content=content, headers=headers))[1], want
             )
         assert kept_headers() == sent[-8:]
-        long = {"timeout": 10**7, "note": "x" * v2.PLAN_HEADER_BYTES}
+        long = {"timeout": 10**7, "note": "x" * plan.PLAN_HEADER_BYTES}
         for fields in ({"parameters": long}, {"id": "request-1"}):
             content, headers = binary_request(x.tobytes(), [1, 16], **fields)
             for _ in range(2):

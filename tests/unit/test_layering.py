@@ -183,3 +183,26 @@ def test_the_routes_the_front_ends_and_the_grpc_service_import_no_torch() -> Non
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert r.stdout.strip() == "[]"
+
+
+ROUTE_MODULES = ("server.api.v2", "server.api.v2_repository", "server.api.v2_triton", "server.api.predict")
+"""The HTTP route modules: their helpers are for their own routes, not for another protocol's."""
+
+
+def _under(name: str, prefixes: tuple[str, ...]) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+def test_the_data_plane_knows_no_transport_and_no_route() -> None:
+    plane = {name: found for name, found in MODULES.items() if name.startswith("server.api.dataplane")}
+    assert {"server.api.dataplane.decode", "server.api.dataplane.infer", "server.api.dataplane.encode"} <= set(plane)
+    for name, found in plane.items():
+        transports = {i for i in found if i.split(".")[0] in ("fastapi", "starlette", "grpc", "uvicorn")}
+        routes = {i for i in found if _under(i, (*ROUTE_MODULES, "server.api.grpc_service", "server.api.grpc_codec"))}
+        assert not transports | routes, f"{name}: {sorted(transports | routes)}"
+
+
+def test_grpc_infers_through_the_data_plane_not_the_http_route() -> None:
+    for name in ("server.api.grpc_service", "server.api.grpc_codec"):
+        assert not {i for i in MODULES[name] if _under(i, ("server.api.v2", "server.api.predict"))}, name
+        assert {i for i in MODULES[name] if i.startswith("server.api.dataplane")}, name
