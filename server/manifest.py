@@ -60,7 +60,9 @@ class StoreError(Exception):
 
 
 class DataType(str, Enum):
-    """Tensor element types, named as in the KServe V2 protocol."""
+    """The KServe V2 protocol's tensor datatypes that carry numbers: what requests may send, and (those in
+    :data:`SERVED_TYPES`) what a manifest may declare. ``BYTES`` strings feed no input; they leave only as the
+    classification extension's answer."""
 
     FP32 = "FP32"
     FP16 = "FP16"
@@ -68,26 +70,64 @@ class DataType(str, Enum):
     FP64 = "FP64"
     INT64 = "INT64"
     INT32 = "INT32"
+    INT16 = "INT16"
+    INT8 = "INT8"
+    UINT64 = "UINT64"
+    UINT32 = "UINT32"
+    UINT16 = "UINT16"
     UINT8 = "UINT8"
     BOOL = "BOOL"
 
     @property
     def numpy(self) -> np.dtype[Any]:
-        """The host dtype an input of this type is batched as, the same for requests and warm-up: its own, but BF16
+        """The host dtype a tensor of this type is batched as, the same for requests and warm-up: its own, but BF16
         (no numpy dtype), which travels as float32 and is cast on the device."""
-        return _NUMPY[self]
+        return np.dtype(np.float32) if self is DataType.BF16 else self.wire_dtype.newbyteorder("=")
+
+    @property
+    def wire_dtype(self) -> np.dtype[Any]:
+        """The little-endian numpy dtype of one element on the wire (BF16 travels as its 16 raw bits)."""
+        return _WIRE[self]
+
+    @property
+    def is_float(self) -> bool:
+        return self in (DataType.FP16, DataType.FP32, DataType.FP64, DataType.BF16)
+
+    @property
+    def is_integer(self) -> bool:
+        return self.wire_dtype.kind in "iu" and self is not DataType.BF16
 
 
-_NUMPY: dict[DataType, np.dtype[Any]] = {
-    DataType.FP32: np.dtype(np.float32),
-    DataType.FP16: np.dtype(np.float16),
-    DataType.BF16: np.dtype(np.float32),
-    DataType.FP64: np.dtype(np.float64),
-    DataType.INT64: np.dtype(np.int64),
-    DataType.INT32: np.dtype(np.int32),
-    DataType.UINT8: np.dtype(np.uint8),
-    DataType.BOOL: np.dtype(np.bool_),
+_WIRE: dict[DataType, np.dtype[Any]] = {
+    DataType.BOOL: np.dtype("?"),
+    DataType.UINT8: np.dtype("<u1"),
+    DataType.UINT16: np.dtype("<u2"),
+    DataType.UINT32: np.dtype("<u4"),
+    DataType.UINT64: np.dtype("<u8"),
+    DataType.INT8: np.dtype("<i1"),
+    DataType.INT16: np.dtype("<i2"),
+    DataType.INT32: np.dtype("<i4"),
+    DataType.INT64: np.dtype("<i8"),
+    DataType.FP16: np.dtype("<f2"),
+    DataType.FP32: np.dtype("<f4"),
+    DataType.FP64: np.dtype("<f8"),
+    DataType.BF16: np.dtype("<u2"),
 }
+
+SERVED_TYPES = frozenset(
+    {
+        DataType.FP32,
+        DataType.FP16,
+        DataType.BF16,
+        DataType.FP64,
+        DataType.INT64,
+        DataType.INT32,
+        DataType.UINT8,
+        DataType.BOOL,
+    }
+)
+"""The datatypes a manifest may declare for an input or output (a request's other numeric types are converted to
+them, within range)."""
 
 
 class OverflowPolicy(str, Enum):
@@ -147,6 +187,14 @@ class TensorSpec(BaseModel):
     format: InputFormat | None = None
     """An image input's layout (Triton's ``format``); unset, it is derived from the shape where that is unambiguous
     (:attr:`image_format`)."""
+
+    @field_validator("datatype")
+    @classmethod
+    def _served(cls, datatype: DataType) -> DataType:
+        if datatype not in SERVED_TYPES:
+            served = ", ".join(t.value for t in DataType if t in SERVED_TYPES)
+            raise ValueError(f"{datatype.value} is not a datatype a model may declare; one of {served}")
+        return datatype
 
     @field_validator("shape")
     @classmethod

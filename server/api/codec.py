@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -19,68 +18,25 @@ import numpy as np
 
 from server import text
 from server.api.errors import APIError
-from server.manifest import PackError, TensorSpec, check_length
+from server.manifest import DataType, PackError, TensorSpec, check_length
 from server.serving import ModelHandle
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
 """The binary tensor extension's header: the byte length of the JSON object at the start of the body."""
 
 
-class WireType(str, Enum):
-    """The V2 protocol's tensor datatypes that can carry numbers (``BYTES`` strings feed no input; they leave only as
-    the classification extension's answer, :func:`encode_bytes`)."""
-
-    BOOL = "BOOL"
-    UINT8 = "UINT8"
-    UINT16 = "UINT16"
-    UINT32 = "UINT32"
-    UINT64 = "UINT64"
-    INT8 = "INT8"
-    INT16 = "INT16"
-    INT32 = "INT32"
-    INT64 = "INT64"
-    FP16 = "FP16"
-    FP32 = "FP32"
-    FP64 = "FP64"
-    BF16 = "BF16"
-
-    @property
-    def dtype(self) -> np.dtype[Any]:
-        """The little-endian numpy dtype of one element on the wire (BF16 travels as its 16 raw bits)."""
-        return _WIRE_DTYPES[self]
-
-    @property
-    def is_float(self) -> bool:
-        return self in (WireType.FP16, WireType.FP32, WireType.FP64, WireType.BF16)
-
-    @property
-    def is_integer(self) -> bool:
-        return self.dtype.kind in "iu" and self is not WireType.BF16
-
-
-_WIRE_DTYPES: dict[WireType, np.dtype[Any]] = {
-    WireType.BOOL: np.dtype("?"),
-    WireType.UINT8: np.dtype("<u1"),
-    WireType.UINT16: np.dtype("<u2"),
-    WireType.UINT32: np.dtype("<u4"),
-    WireType.UINT64: np.dtype("<u8"),
-    WireType.INT8: np.dtype("<i1"),
-    WireType.INT16: np.dtype("<i2"),
-    WireType.INT32: np.dtype("<i4"),
-    WireType.INT64: np.dtype("<i8"),
-    WireType.FP16: np.dtype("<f2"),
-    WireType.FP32: np.dtype("<f4"),
-    WireType.FP64: np.dtype("<f8"),
-    WireType.BF16: np.dtype("<u2"),
+# In the protocol's own order, as a refusal lists them.
+_BY_NAME: dict[str, DataType] = {
+    name: DataType(name)
+    for name in ("BOOL", "UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64", "FP16", "FP32")
+    + ("FP64", "BF16")
 }
 
-_BY_NAME: dict[str, WireType] = {t.value: t for t in WireType}
-
-JSON_UNSUPPORTED = frozenset({WireType.FP16, WireType.BF16})
+JSON_UNSUPPORTED = frozenset({DataType.FP16, DataType.BF16})
 """Datatypes JSON cannot carry faithfully: the protocol sends them only as binary data."""
 
 
-def wire_type(name: object, field: str) -> WireType:
+def wire_type(name: object, field: str) -> DataType:
     """The datatype called ``name``, or a 400 naming ``field`` and the datatypes known."""
     if not isinstance(name, str):
         raise APIError(400, f"{field}: expected a datatype string, got {type(name).__name__}")
@@ -117,24 +73,24 @@ def element_count(shape: list[int]) -> int:
     return math.prod(shape)
 
 
-def decode_binary(buf: memoryview | bytes | bytearray, wire: WireType, shape: list[int], field: str) -> np.ndarray:
+def decode_binary(buf: memoryview | bytes | bytearray, wire: DataType, shape: list[int], field: str) -> np.ndarray:
     """``buf`` as an array of ``shape``; BF16 is widened to float32 exactly (its bits are float32's top half).
 
     The result may be a read-only view of ``buf``.
     """
-    want = element_count(shape) * wire.dtype.itemsize
+    want = element_count(shape) * wire.wire_dtype.itemsize
     if len(buf) != want:
         raise APIError(
             400,
             f"{field}: {len(buf)} bytes of binary data, but shape {shape} of {wire.value} takes {want} bytes",
         )
-    arr = np.frombuffer(buf, dtype=wire.dtype)
-    if wire is WireType.BF16:
+    arr = np.frombuffer(buf, dtype=wire.wire_dtype)
+    if wire is DataType.BF16:
         arr = (arr.astype(np.uint32) << 16).view(np.float32)
     return arr.reshape(shape)
 
 
-def decode_json(data: object, wire: WireType, shape: list[int], field: str) -> np.ndarray:
+def decode_json(data: object, wire: DataType, shape: list[int], field: str) -> np.ndarray:
     """JSON ``data`` (flat, row-major, or nested exactly as ``shape``) as an array of ``wire``'s dtype."""
     if wire in JSON_UNSUPPORTED:
         raise APIError(
@@ -149,7 +105,7 @@ def decode_json(data: object, wire: WireType, shape: list[int], field: str) -> n
         arr = np.asarray(data)
     except ValueError:
         raise APIError(400, f"{field}: nested lists of unequal length") from None
-    if wire is WireType.BOOL:
+    if wire is DataType.BOOL:
         if arr.dtype.kind != "b" and arr.size:
             raise APIError(400, f"{field}: BOOL data must be true/false")
     elif arr.dtype.kind not in "iuf" and arr.size:
@@ -161,11 +117,11 @@ def decode_json(data: object, wire: WireType, shape: list[int], field: str) -> n
     if arr.ndim > 1 and list(arr.shape) != shape:
         raise APIError(400, f"{field}: nested as {list(arr.shape)}, but shape is {shape}; nest as shape or send flat")
     if wire.is_integer:
-        check_range(arr, wire.dtype, field)
+        check_range(arr, wire.wire_dtype, field)
     try:
         # JSON numbers are finite: the cast is where one could overflow (1e39 as FP32).
         with np.errstate(over="raise", invalid="raise"):
-            return arr.astype(wire.dtype).reshape(shape)
+            return arr.astype(wire.wire_dtype).reshape(shape)
     except FloatingPointError:
         raise APIError(400, f"{field}: values beyond the range of {wire.value}") from None
 
@@ -190,21 +146,21 @@ def to_bf16_bits(x: np.ndarray) -> np.ndarray:
     return bits
 
 
-def wire_values(arr: np.ndarray, wire: WireType) -> np.ndarray:
+def wire_values(arr: np.ndarray, wire: DataType) -> np.ndarray:
     """Output values (float32 from the engine) in ``wire``'s dtype: integers are rounded, BF16 gives its bits."""
-    if wire is WireType.BF16:
+    if wire is DataType.BF16:
         return to_bf16_bits(arr)
-    if arr.dtype == wire.dtype and arr.flags.c_contiguous:
+    if arr.dtype == wire.wire_dtype and arr.flags.c_contiguous:
         return arr
     # An output beyond the datatype's range (an FP16 output over 65504, an infinite one as an integer) is cast as
     # numpy casts it, without a warning per response.
     with np.errstate(over="ignore", invalid="ignore"):
         if wire.is_integer and arr.dtype.kind == "f":
             arr = np.rint(arr)
-        return np.ascontiguousarray(arr, dtype=wire.dtype)
+        return np.ascontiguousarray(arr, dtype=wire.wire_dtype)
 
 
-def encode_binary(arr: np.ndarray, wire: WireType) -> bytes:
+def encode_binary(arr: np.ndarray, wire: DataType) -> bytes:
     """``arr`` as the binary tensor data of ``wire``."""
     return wire_values(arr, wire).tobytes()
 

@@ -16,11 +16,12 @@ from typing import Any
 import numpy as np
 
 from server import grpc_messages as pb
-from server.api.codec import WireType, check_range, element_count, encode_bytes
+from server.api.codec import check_range, element_count, encode_bytes
 from server.api.dataplane.decode import check_input_count
 from server.api.dataplane.encode import encode_outputs
 from server.api.dataplane.request import Inference
 from server.api.errors import APIError
+from server.manifest import DataType
 from server.serving import ModelHandle, Prediction
 
 _TYPED_FIELDS: dict[str, tuple[str, np.dtype[Any]]] = {
@@ -126,7 +127,7 @@ def _typed_bytes(tensor: Any, field: str) -> bytes:
         return encode_bytes(list(entries))
     typed = _TYPED_FIELDS.get(tensor.datatype)
     if typed is None:
-        if tensor.datatype in (WireType.FP16.value, WireType.BF16.value):
+        if tensor.datatype in (DataType.FP16.value, DataType.BF16.value):
             raise APIError(
                 400, f"{field}: {tensor.datatype} data travels in raw_input_contents only (no contents field holds it)"
             )
@@ -137,10 +138,10 @@ def _typed_bytes(tensor: Any, field: str) -> bytes:
         shape = list(tensor.shape)
         raise APIError(400, f"{field}.contents.{name}: {len(values)} values, but shape {shape} holds {want}")
     arr = np.asarray(values, dtype=dtype)
-    wire = WireType(tensor.datatype)
-    if wire.dtype != dtype:
-        check_range(arr, wire.dtype, f"{field}.contents.{name}")
-    return arr.astype(wire.dtype, copy=False).tobytes()
+    wire = DataType(tensor.datatype)
+    if wire.wire_dtype != dtype:
+        check_range(arr, wire.wire_dtype, f"{field}.contents.{name}")
+    return arr.astype(wire.wire_dtype, copy=False).tobytes()
 
 
 def infer_response(served: ModelHandle, req: Inference, result: Prediction) -> Any:

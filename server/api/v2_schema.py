@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from server.api.codec import WireType
 from server.api.errors import error_responses
+from server.manifest import DataType
 
 _PARAMETERS: dict[str, Any] = {"type": "object", "additionalProperties": True}
 
@@ -27,7 +27,7 @@ REQUEST_INPUT: dict[str, Any] = {
         },
         "datatype": {
             "type": "string",
-            "enum": [t.value for t in WireType],
+            "enum": [t.value for t in DataType],
         },
         "data": _TENSOR_DATA,
         "parameters": {

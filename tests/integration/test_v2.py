@@ -15,7 +15,6 @@ import orjson
 import pytest
 
 from server import __version__
-from server.api.codec import WireType
 from server.api.dataplane import plan
 from server.api.dataplane.decode import to_input_dtype
 from server.api.errors import APIError
@@ -421,23 +420,23 @@ async def test_kept_headers_are_bounded_and_long_ones_are_not_kept(
 def test_input_dtype_rules() -> None:
     spec = TensorSpec(name="features", shape=[2])
     half = np.ones((1, 2), np.float16)
-    assert to_input_dtype(half, WireType.FP16, spec, fp16_weights=True, field="x", model="m").dtype == np.float16
-    assert to_input_dtype(half, WireType.FP16, spec, fp16_weights=False, field="x", model="m").dtype == np.float32
-    for wire, arr in [(WireType.INT64, np.ones((1, 2), np.int64)), (WireType.FP64, np.ones((1, 2)))]:
+    assert to_input_dtype(half, DataType.FP16, spec, fp16_weights=True, field="x", model="m").dtype == np.float16
+    assert to_input_dtype(half, DataType.FP16, spec, fp16_weights=False, field="x", model="m").dtype == np.float32
+    for wire, arr in [(DataType.INT64, np.ones((1, 2), np.int64)), (DataType.FP64, np.ones((1, 2)))]:
         assert to_input_dtype(arr, wire, spec, fp16_weights=False, field="x", model="m").dtype == np.float32
     readonly = np.frombuffer(np.ones(2, np.float32).tobytes(), np.float32).reshape(1, 2)
     # No copy of a body's rows already in the target dtype: ServedModel.submit copies them for the engine.
-    assert to_input_dtype(readonly, WireType.FP32, spec, fp16_weights=False, field="x", model="m") is readonly
+    assert to_input_dtype(readonly, DataType.FP32, spec, fp16_weights=False, field="x", model="m") is readonly
     ids = TensorSpec(name="ids", datatype=DataType.INT32, shape=[2])
-    assert to_input_dtype(np.ones((1, 2), np.int64), WireType.INT64, ids, False, "x", "m").dtype == np.int32
+    assert to_input_dtype(np.ones((1, 2), np.int64), DataType.INT64, ids, False, "x", "m").dtype == np.int32
     with pytest.raises(APIError, match="x: inference input 'ids' data-type is 'FP32', but model 'm' expects 'INT32'"):
-        to_input_dtype(np.ones((1, 2), np.float32), WireType.FP32, ids, False, "x", "m")
+        to_input_dtype(np.ones((1, 2), np.float32), DataType.FP32, ids, False, "x", "m")
     with pytest.raises(APIError, match="do not fit int32"):
-        to_input_dtype(np.full((1, 2), 2**40, np.int64), WireType.INT64, ids, False, "x", "m")
+        to_input_dtype(np.full((1, 2), 2**40, np.int64), DataType.INT64, ids, False, "x", "m")
     with pytest.raises(
         APIError, match="data-type is 'BOOL', but model 'm' expects 'FP32' .it takes floating or integer"
     ):
-        to_input_dtype(np.ones((1, 2), np.bool_), WireType.BOOL, spec, False, "x", "m")
+        to_input_dtype(np.ones((1, 2), np.bool_), DataType.BOOL, spec, False, "x", "m")
 
 
 async def test_raw_binary_body(tiny_store: Path) -> None:

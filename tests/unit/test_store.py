@@ -112,3 +112,17 @@ def test_store_listing_only_counts_folders_with_a_manifest(tmp_path: Path) -> No
     assert store.model_names(tmp_path) == ["one", "two"]
     with pytest.raises(StoreError, match="does not exist"):
         store.model_names(tmp_path / "missing")
+
+
+@pytest.mark.parametrize("datatype", ["INT8", "UINT16", "UINT64"])
+def test_a_manifest_declares_only_the_datatypes_a_model_is_served_in(datatype: str) -> None:
+    """One datatype enum serves the wire and the manifest; a request may send INT8, a model may not declare it."""
+    from pydantic import ValidationError
+
+    from server.manifest import SERVED_TYPES, DataType, TensorSpec
+
+    assert DataType(datatype) not in SERVED_TYPES
+    assert DataType(datatype).wire_dtype.itemsize >= 1  # it crosses the wire
+    with pytest.raises(ValidationError, match=f"{datatype} is not a datatype a model may declare; one of FP32"):
+        TensorSpec(name="x", datatype=DataType(datatype), shape=[4])
+    assert TensorSpec(name="x", datatype=DataType.UINT8, shape=[4]).datatype.numpy == "uint8"

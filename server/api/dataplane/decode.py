@@ -25,7 +25,6 @@ import numpy as np
 
 from server.api.codec import (
     HEADER_LENGTH,
-    WireType,
     check_range,
     checked_length,
     decode_binary,
@@ -39,12 +38,12 @@ from server.api.dataplane.request import Inference, flag, parameters
 from server.api.errors import APIError, count
 from server.api.limits import check_finite, check_size
 from server.api.shm import RegionSource, span
-from server.manifest import Manifest, Precision, TensorSpec, sent_inputs
+from server.manifest import DataType, Manifest, Precision, TensorSpec, sent_inputs
 from server.serving import ModelHandle
 from server.settings import Settings
 
 
-def wrong_datatype(field: str, spec: TensorSpec, wire: WireType, model: str) -> APIError:
+def wrong_datatype(field: str, spec: TensorSpec, wire: DataType, model: str) -> APIError:
     """The 400 for data of datatype ``wire`` sent to ``spec``, in Triton's words, with the datatypes it does take."""
     kind = spec.datatype.numpy.kind
     takes = "BOOL only" if kind == "b" else "floating or integer data" if kind == "f" else "integer data"
@@ -56,21 +55,21 @@ def wrong_datatype(field: str, spec: TensorSpec, wire: WireType, model: str) -> 
 
 
 def to_input_dtype(
-    arr: np.ndarray, wire: WireType, spec: TensorSpec, fp16_weights: bool, field: str, model: str
+    arr: np.ndarray, wire: DataType, spec: TensorSpec, fp16_weights: bool, field: str, model: str
 ) -> np.ndarray:
     """``arr`` (of datatype ``wire``) as the array the batcher takes for ``spec`` of ``model``; the rules are in the
     module's docstring. A binary body's rows stay a read-only view of the body when their dtype is already the
     target's: :meth:`~server.repository.ServedModel.submit` copies them for the engine, a front-end into its shared
     slot."""
     target = spec.datatype.numpy
-    if target.kind == "b" or wire is WireType.BOOL:
-        if not (target.kind == "b" and wire is WireType.BOOL):
+    if target.kind == "b" or wire is DataType.BOOL:
+        if not (target.kind == "b" and wire is DataType.BOOL):
             raise wrong_datatype(field, spec, wire, model)
         return arr
     if target.kind == "f":
         if not (wire.is_float or wire.is_integer):
             raise wrong_datatype(field, spec, wire, model)
-        if wire is WireType.FP16 and (target == np.float16 or fp16_weights):
+        if wire is DataType.FP16 and (target == np.float16 or fp16_weights):
             target = np.dtype(np.float16)
     else:
         if not wire.is_integer:
@@ -165,7 +164,7 @@ def _decode_input(
 
 
 def checked_input(
-    arr: np.ndarray, wire: WireType, spec: TensorSpec, served: ModelHandle, field: str, json: bool
+    arr: np.ndarray, wire: DataType, spec: TensorSpec, served: ModelHandle, field: str, json: bool
 ) -> np.ndarray:
     """A decoded input entry as the batcher's array for ``spec``: converted to its dtype, checked to be finite."""
     x = to_input_dtype(arr, wire, spec, served.precision is Precision.FP16, f"{field}.datatype", served.name)
@@ -355,8 +354,8 @@ def parse_raw(binary: memoryview, served: ModelHandle, limits: Settings | None =
             f"takes {names}",
         )
     spec = served.manifest.inputs[0]
-    wire = wire_type(spec.datatype.value, spec.name)
-    sample = element_count(spec.shape) * wire.dtype.itemsize
+    wire = spec.datatype
+    sample = element_count(spec.shape) * wire.wire_dtype.itemsize
     if not binary or len(binary) % sample:
         raise APIError(
             400,

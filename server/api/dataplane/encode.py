@@ -13,13 +13,13 @@ from typing import Any
 import numpy as np
 import orjson
 
-from server.api.codec import WireType, encode_binary, encode_bytes, wire_type, wire_values
+from server.api.codec import encode_binary, encode_bytes, wire_values
 from server.api.dataplane.request import PLAN_RESPONSES, Inference, OutputRequest
-from server.manifest import TensorSpec
+from server.manifest import DataType, TensorSpec
 from server.serving import ModelHandle, Prediction
 
 
-def top_classes(out: np.ndarray, wire: WireType, count: int, labels: list[str] | None) -> list[list[str]]:
+def top_classes(out: np.ndarray, wire: DataType, count: int, labels: list[str] | None) -> list[list[str]]:
     """Per row, the ``count`` highest values of the output (every value, where it has fewer) as Triton's
     classification extension writes them: ``"<value>:<index>"``, then ``":<label>"`` when the manifest's labels
     name the output's values.
@@ -28,7 +28,7 @@ def top_classes(out: np.ndarray, wire: WireType, count: int, labels: list[str] |
     as integers); ties go to the lower index.
     """
     values = wire_values(out, wire)
-    if wire is WireType.BF16:
+    if wire is DataType.BF16:
         values = (values.astype(np.uint32) << 16).view(np.float32)
     values = values.reshape(len(out), -1)
     order = np.argsort(-values.astype(np.float64), axis=1, kind="stable")[:, :count]
@@ -85,7 +85,7 @@ def _encode_output(
     served: ModelHandle, spec: TensorSpec, out: np.ndarray, how: OutputRequest
 ) -> tuple[dict[str, Any], bytes]:
     """One output's entry in the response, and its binary data (empty when it goes as JSON or to shared memory)."""
-    wire = wire_type(spec.datatype.value, spec.name)
+    wire = spec.datatype
     output: dict[str, Any] = {"name": spec.name, "datatype": wire.value, "shape": list(out.shape)}
     tail = b""
     if how.span is not None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from server.api.codec import JSON_UNSUPPORTED, element_count, wire_type
+from server.api.codec import JSON_UNSUPPORTED, element_count
 from server.api.dataplane.request import OutputRequest, flag, parameters
 from server.api.errors import APIError, count
 from server.api.shm import RegionSource, Span, span
@@ -43,7 +43,7 @@ def requested_output(
                 region = span(regions, params, f"{field}.parameters")
     if region is not None:
         return False, 0, region
-    if not (binary or classes) and wire_type(out_spec.datatype.value, out_spec.name) in JSON_UNSUPPORTED:
+    if not (binary or classes) and out_spec.datatype in JSON_UNSUPPORTED:
         kind = out_spec.datatype.value
         raise APIError(400, f"outputs: {out_spec.name!r} is {kind}; JSON has no 16-bit floats, request binary_data")
     return binary, classes, region
@@ -82,7 +82,7 @@ def requested_outputs(
         how = wanted.get(spec.name)
         if how is None or how.span is not None or how.classes or how.binary:
             continue
-        if wire_type(spec.datatype.value, spec.name) in JSON_UNSUPPORTED:
+        if spec.datatype in JSON_UNSUPPORTED:
             kind = spec.datatype.value
             raise APIError(400, f"outputs: {spec.name!r} is {kind}; JSON has no 16-bit floats, request binary_data")
     return wanted
@@ -91,8 +91,8 @@ def requested_outputs(
 def check_room(region: Span, spec: TensorSpec, rows: int) -> None:
     """A 400 when ``region`` cannot hold ``rows`` rows of output ``spec``: checked before the forward, since the
     output's size is known from the rows."""
-    wire = wire_type(spec.datatype.value, spec.name)
-    need = rows * element_count(spec.shape) * wire.dtype.itemsize
+    wire = spec.datatype
+    need = rows * element_count(spec.shape) * wire.wire_dtype.itemsize
     if need > region.size:
         raise APIError(
             400,

@@ -11,12 +11,12 @@ from typing import Any
 
 import numpy as np
 
-from server.api.codec import WireType, decode_binary, wire_type
+from server.api.codec import decode_binary, wire_type
 from server.api.dataplane.decode import checked_input, parse_request, tokenize
 from server.api.dataplane.request import BinaryInput, Inference, OutputRequest, RequestPlan
 from server.api.limits import check_size, parse_json
 from server.api.shm import RegionSource
-from server.manifest import sent_inputs
+from server.manifest import DataType, sent_inputs
 from server.serving import ModelHandle
 from server.settings import Settings
 
@@ -69,9 +69,9 @@ def _plan(payload: dict[str, Any], req: Inference, served: ModelHandle, limits: 
         wanted = [(m.outputs[0], OutputRequest(req.binary_output, req.classes))]
     else:
         wanted = [(spec, how) for spec in m.outputs if (how := outputs.get(spec.name)) is not None]
-    binary_outputs: tuple[tuple[str, WireType], ...] = ()
+    binary_outputs: tuple[tuple[str, DataType], ...] = ()
     if all(how.binary and not how.classes for _, how in wanted):
-        binary_outputs = tuple((spec.name, wire_type(spec.datatype.value, spec.name)) for spec, _ in wanted)
+        binary_outputs = tuple((spec.name, spec.datatype) for spec, _ in wanted)
     return RequestPlan(
         m,
         limits,

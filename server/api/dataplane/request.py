@@ -9,10 +9,9 @@ from typing import Any
 
 import numpy as np
 
-from server.api.codec import WireType
 from server.api.errors import APIError
 from server.api.shm import Span
-from server.manifest import Manifest, TensorSpec
+from server.manifest import DataType, Manifest, TensorSpec
 from server.serving import ModelHandle
 from server.settings import Settings
 
@@ -70,7 +69,7 @@ class BinaryInput:
     """One input of a :class:`RequestPlan`: its spec, datatype and shape, and where its bytes lie."""
 
     spec: TensorSpec
-    wire: WireType
+    wire: DataType
     shape: list[int]
     start: int
     """Where its bytes start in the binary data."""
@@ -101,7 +100,7 @@ class RequestPlan:
     timeout_us: int
     classes: int
     outputs: dict[str, OutputRequest] | None
-    binary_outputs: tuple[tuple[str, WireType], ...]
+    binary_outputs: tuple[tuple[str, DataType], ...]
     """Each output the request wants with its datatype, when all go back as binary data (else empty)."""
     responses: dict[tuple[object, ...], bytes]
     """Response headers by precision and output shapes (at most :data:`PLAN_RESPONSES`)."""
