@@ -93,7 +93,7 @@ PREDICT_SCHEMA: dict[str, Any] = {
 }
 
 
-async def decode_inputs(samples: object, served: ModelHandle, limits: Settings) -> dict[str, np.ndarray]:
+async def decode_inputs(samples: object, served: ModelHandle, settings: Settings) -> dict[str, np.ndarray]:
     """``inputs`` as the model's named inputs: a list of samples for a model with one input, else a mapping of input
     name to its samples (every input, the same number of samples each); texts tokenized off the event loop."""
     specs = sent_inputs(served.manifest)
@@ -105,17 +105,17 @@ async def decode_inputs(samples: object, served: ModelHandle, limits: Settings) 
             texts = samples[text.input]
             if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
                 raise APIError(400, f"inputs.{text.input}: expected a list of texts")
-            check_size(limits, served, len(texts), f"inputs.{text.input}")
+            check_size(settings, served, len(texts), f"inputs.{text.input}")
             rest = {k: v for k, v in samples.items() if k != text.input}
             if text.feeds in rest:
                 raise APIError(400, f"inputs: give {text.input!r} or {text.feeds!r}, not both")
             others = [t for t in specs if t.name != text.feeds]
             decoded = {t.name: decode_samples(rest.get(t.name), t, f"inputs.{t.name}") for t in others}
             field = f"inputs.{text.input}"
-            return await encode_texts(texts, field, served, limits.store, limits.max_text_bytes) | decoded
+            return await encode_texts(texts, field, served, settings.store, settings.max_text_bytes) | decoded
     if len(specs) == 1:
         if isinstance(samples, list):
-            check_size(limits, served, len(samples), "inputs")
+            check_size(settings, served, len(samples), "inputs")
         return {specs[0].name: decode_samples(samples, specs[0])}
     names = [t.name for t in specs]
     if not isinstance(samples, dict):
@@ -137,7 +137,7 @@ async def decode_inputs(samples: object, served: ModelHandle, limits: Settings) 
                 f"inputs.{name}: {len(samples[name])} samples, but {names[0]!r} has {rows}; every input needs one "
                 "per row",
             )
-    check_size(limits, served, rows, "inputs")
+    check_size(settings, served, rows, "inputs")
     return {t.name: decode_samples(samples[t.name], t, f"inputs.{t.name}") for t in specs}
 
 
@@ -177,9 +177,9 @@ async def predict(request: Request) -> Response:
     """Run a list of samples through a model; concurrent calls are batched together."""
     guard.content_type(request.scope, guard.JSON)
     app = deps.state(request)
-    limits = app.settings
+    settings = app.settings
     timeout = client_timeout(request)
-    payload = await parse_json(await read_body(request, limits.max_body_bytes), limits.max_json_values)
+    payload = await parse_json(await read_body(request, settings.max_body_bytes), settings.max_json_values)
     if not isinstance(payload, dict):
         raise APIError(400, f"body: expected a JSON object, got {type(payload).__name__}")
     name = payload.get("model")
@@ -191,7 +191,7 @@ async def predict(request: Request) -> Response:
     served = app.service.get(name)
     note(request, served)
     # No finiteness check: JSON carries no NaN or infinity, and decoding refuses numbers the dtype cannot hold.
-    result = await infer(app, served, decode_inputs(samples, served, limits), timeout)
+    result = await infer(app, served, decode_inputs(samples, served, settings), timeout)
     answered(request, result)
     specs = served.manifest.outputs
     out = result.outputs[specs[0].name]

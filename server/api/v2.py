@@ -108,13 +108,13 @@ async def infer(request: Request) -> Response:
     served = served_model(request, request.path_params["model_name"], version)
     note(request, served)
     check_ready(served, version)
-    limits = app.settings
+    settings = app.settings
     timeout = client_timeout(request)
-    body = await read_body(request, limits.max_body_bytes)
+    body = await read_body(request, settings.max_body_bytes)
     length = raw_header(request, _HEADER_LENGTH_KEY)
     header, binary = split_body(body, None if length is None else length.decode("latin-1"))
     if header is not None:
-        req = await decode_request(header, binary, served, limits, partial(authorised_regions, request))
+        req = await decode_request(header, binary, served, settings, partial(authorised_regions, request))
     else:
         assert binary is not None
         if (raw_header(request, b"content-type") or b"").startswith(b"application/json"):
@@ -124,7 +124,7 @@ async def infer(request: Request) -> Response:
                 f"{HEADER_LENGTH}: 0 announces a raw binary body, but Content-Type is application/json; "
                 "send raw tensor data as application/octet-stream",
             )
-        req = parse_raw(binary, served, limits)
+        req = parse_raw(binary, served, settings)
     result = await dataplane_infer(app, served, req.inputs, req.timeout(timeout))
     answered(request, result)
     head, tail = encode_response(served, req, result)

@@ -114,7 +114,7 @@ def _decode_input(
     field: str,
     binary: memoryview | None,
     served: ModelHandle,
-    limits: Settings | None,
+    settings: Settings | None,
     regions: RegionSource | None,
     specs: list[TensorSpec],
 ) -> tuple[np.ndarray, TensorSpec, int]:
@@ -131,8 +131,8 @@ def _decode_input(
         )
     wire = wire_type(item.get("datatype"), f"{field}.datatype")
     shape = _input_shape(item.get("shape"), spec, f"{field}.shape", served.name)
-    if limits is not None:
-        check_size(limits, served, shape[0], f"{field}.shape")
+    if settings is not None:
+        check_size(settings, served, shape[0], f"{field}.shape")
     params = parameters(item, f"{field}.parameters")
     size = params.get("binary_data_size")
     if "shared_memory_region" in params:
@@ -203,7 +203,7 @@ def parse_request(
     payload: object,
     binary: memoryview | None,
     served: ModelHandle,
-    limits: Settings | None = None,
+    settings: Settings | None = None,
     regions: RegionSource | None = None,
 ) -> Inference:
     """Decode a V2 inference request for ``served``: its JSON header, and the binary data after it (``None`` when
@@ -230,10 +230,10 @@ def parse_request(
         field = f"inputs[{i}]"
         rest = None if binary is None else binary[declared:]
         if text is not None and isinstance(item, dict) and item.get("name") == text.input:
-            texts, size = _decode_texts(item, field, rest, served, limits)
+            texts, size = _decode_texts(item, field, rest, served, settings)
             if text.feeds in tensors or pending is not None:
                 raise APIError(400, f"{field}.name: give {text.input!r} or {text.feeds!r}, not both")
-            if limits is None:
+            if settings is None:
                 raise APIError(400, f"{field}: text input is not served here")
             first = next(iter(tensors.items()), None)
             if first is not None and len(texts) != len(first[1]):
@@ -244,7 +244,7 @@ def parse_request(
             pending = (texts, field)
             declared += size
             continue
-        x, spec, size = _decode_input(item, field, rest, served, limits, regions, specs)
+        x, spec, size = _decode_input(item, field, rest, served, settings, regions, specs)
         if spec.name in tensors or (pending is not None and text is not None and spec.name == text.feeds):
             raise APIError(400, f"{field}.name: input {spec.name!r} is given twice")
         first = next(iter(tensors.items()), None)
@@ -289,18 +289,18 @@ def parse_request(
     return Inference(tensors, request_id, binary_output, timeout, classes, region, texts=pending)
 
 
-async def tokenize(req: Inference, served: ModelHandle, limits: Settings) -> Inference:
+async def tokenize(req: Inference, served: ModelHandle, settings: Settings) -> Inference:
     """``req`` with its texts (if any) tokenized off the event loop into the inputs they feed
     (:func:`~server.api.codec.encode_texts`)."""
     if req.texts is not None:
         texts, field = req.texts
-        req.inputs.update(await encode_texts(texts, field, served, limits.store, limits.max_text_bytes))
+        req.inputs.update(await encode_texts(texts, field, served, settings.store, settings.max_text_bytes))
         req.texts = None
     return req
 
 
 def _decode_texts(
-    item: dict[str, Any], field: str, binary: memoryview | None, served: ModelHandle, limits: Settings | None
+    item: dict[str, Any], field: str, binary: memoryview | None, served: ModelHandle, settings: Settings | None
 ) -> tuple[Sequence[bytes | str], int]:
     """A ``BYTES`` input of texts (shape ``[N]`` or ``[N, 1]``), from JSON strings or binary data, and the bytes of
     ``binary`` it took."""
@@ -312,8 +312,8 @@ def _decode_texts(
     rows = shape[0]
     if rows < 1:
         raise APIError(400, f"{field}.shape: the batch dimension must be at least 1, got {rows}")
-    if limits is not None:
-        check_size(limits, served, rows, f"{field}.shape")
+    if settings is not None:
+        check_size(settings, served, rows, f"{field}.shape")
     params = parameters(item, f"{field}.parameters")
     size = params.get("binary_data_size")
     if size is None:
@@ -340,7 +340,7 @@ def _decode_texts(
     return texts, size
 
 
-def parse_raw(binary: memoryview, served: ModelHandle, limits: Settings | None = None) -> Inference:
+def parse_raw(binary: memoryview, served: ModelHandle, settings: Settings | None = None) -> Inference:
     """A raw binary request (``Inference-Header-Content-Length: 0``): the whole body is the single input's data.
 
     Its datatype is the manifest's. Since every per-sample dimension is fixed, the batch size follows from the byte
@@ -363,8 +363,8 @@ def parse_raw(binary: memoryview, served: ModelHandle, limits: Settings | None =
             f"({spec.datatype.value} {spec.shape}: {sample} bytes each), got {len(binary)} bytes",
         )
     shape = [len(binary) // sample, *spec.shape]
-    if limits is not None:
-        check_size(limits, served, shape[0], "body")
+    if settings is not None:
+        check_size(settings, served, shape[0], "body")
     arr = decode_binary(binary, wire, shape, "body")
     fp16_weights = served.precision is Precision.FP16
     x = to_input_dtype(arr, wire, spec, fp16_weights, "body", served.name)

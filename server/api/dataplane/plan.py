@@ -32,7 +32,7 @@ def planned_request(plan: RequestPlan, binary: memoryview, served: ModelHandle) 
     """The request of ``plan``'s header with ``binary``'s data (:meth:`RequestPlan.holds` for them)."""
     tensors: dict[str, np.ndarray] = {}
     for i in plan.inputs:
-        check_size(plan.limits, served, i.shape[0], f"{i.field}.shape")
+        check_size(plan.settings, served, i.shape[0], f"{i.field}.shape")
         data = binary[i.start : i.start + i.size]
         arr = decode_binary(data, i.wire, i.shape, f"{i.field}.parameters.binary_data_size")
         tensors[i.spec.name] = checked_input(arr, i.wire, i.spec, served, i.field, json=False)
@@ -41,7 +41,7 @@ def planned_request(plan: RequestPlan, binary: memoryview, served: ModelHandle) 
     )
 
 
-def _plan(payload: dict[str, Any], req: Inference, served: ModelHandle, limits: Settings) -> RequestPlan | None:
+def _plan(payload: dict[str, Any], req: Inference, served: ModelHandle, settings: Settings) -> RequestPlan | None:
     """The plan of a header ``parse_request`` has accepted as ``req``; None when an input comes as JSON data, as
     text or from shared memory, or an output goes to shared memory, and for a header with an ``id`` (clients that
     send one send a new one with each request: a plan would cost each of them 3 us to make and never be used)."""
@@ -74,7 +74,7 @@ def _plan(payload: dict[str, Any], req: Inference, served: ModelHandle, limits: 
         binary_outputs = tuple((spec.name, spec.datatype) for spec, _ in wanted)
     return RequestPlan(
         m,
-        limits,
+        settings,
         tuple(inputs),
         start,
         req.request_id,
@@ -88,19 +88,19 @@ def _plan(payload: dict[str, Any], req: Inference, served: ModelHandle, limits: 
 
 
 async def decode_request(
-    header: bytes, binary: memoryview | None, served: ModelHandle, limits: Settings, regions: RegionSource
+    header: bytes, binary: memoryview | None, served: ModelHandle, settings: Settings, regions: RegionSource
 ) -> Inference:
     """The V2 inference request of ``header`` (its JSON) and ``binary``, from the plan kept for the header when there
     is one (:class:`RequestPlan`), else parsed and checked (:func:`parse_request`) and its plan kept."""
     key = (served.name, served.version, header)
     plan = _plans.get(key)
-    if plan is not None and plan.holds(served, limits, binary):
+    if plan is not None and plan.holds(served, settings, binary):
         assert binary is not None
         return planned_request(plan, binary, served)
-    payload = await parse_json(header, limits.max_json_values)
-    req = await tokenize(parse_request(payload, binary, served, limits, regions), served, limits)
+    payload = await parse_json(header, settings.max_json_values)
+    req = await tokenize(parse_request(payload, binary, served, settings, regions), served, settings)
     if len(header) <= PLAN_HEADER_BYTES:
-        plan = _plan(payload, req, served, limits)
+        plan = _plan(payload, req, served, settings)
         if plan is not None:
             req.plan = plan
             _plans.pop(key, None)

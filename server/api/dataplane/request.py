@@ -91,7 +91,7 @@ class RequestPlan:
     """
 
     manifest: Manifest
-    limits: Settings
+    settings: Settings
     inputs: tuple[BinaryInput, ...]
     declared: int
     """The bytes of binary data the header declares."""
@@ -105,10 +105,10 @@ class RequestPlan:
     responses: dict[tuple[object, ...], bytes]
     """Response headers by precision and output shapes (at most :data:`PLAN_RESPONSES`)."""
 
-    def holds(self, served: ModelHandle, limits: Settings, binary: memoryview | None) -> bool:
+    def holds(self, served: ModelHandle, settings: Settings, binary: memoryview | None) -> bool:
         return (
             self.manifest is served.manifest
-            and self.limits is limits
+            and self.settings is settings
             and binary is not None
             and len(binary) == self.declared
         )
