@@ -35,7 +35,6 @@ from typing import Protocol
 
 import numpy as np
 import torch
-from torch import nn
 
 from server import calibration, store
 from server.engine import Engine
@@ -143,14 +142,12 @@ class Fidelity:
         return asdict(self)
 
 
-def samples(version_dir: Path, manifest: Manifest, module: nn.Module) -> Samples:
-    """The samples a version's fidelity is measured on: its calibration samples (:func:`server.calibration.stored`),
-    else :data:`RANDOM_SAMPLES` random ones drawn below the model's embedding size; the one place they come from.
-    Raises :class:`~server.calibration.CalibrationError` naming the file for calibration samples that do not fit."""
-    found = calibration.stored(version_dir, manifest)
-    if found is None:
-        found = calibration.random_samples(store.sent_inputs(manifest), RANDOM_SAMPLES, calibration.int_range(module))
-    return Samples(found.rows(manifest), Source.RANDOM if found.random else Source.CALIBRATION)
+def samples(loaded: store.LoadedModel) -> Samples:
+    """The samples a version's fidelity is measured on (:func:`server.calibration.at_load`: its calibration samples,
+    else :data:`RANDOM_SAMPLES` random ones), as the engine takes rows. Raises
+    :class:`~server.calibration.CalibrationError` naming the file for calibration samples that do not fit."""
+    found = calibration.at_load(loaded, RANDOM_SAMPLES)
+    return Samples(found.rows(loaded.manifest), Source.RANDOM if found.random else Source.CALIBRATION)
 
 
 def read_samples(version_dir: Path, manifest: Manifest) -> np.ndarray | None:

@@ -380,7 +380,7 @@ def _copy_folder(source: Path, root: Path, manifest: Manifest) -> Path:
 
 def _measure(root: Path, name: str, version: int, device: torch.device) -> fidelity.Fidelity:
     loaded = store.load(root, name, version)
-    samples = fidelity.samples(loaded.path.parent, loaded.manifest, loaded.module)
+    samples = fidelity.samples(loaded)
     # The precision the server would serve in there; where that is fp32 (auto on a CPU without native bf16), the
     # half precision it would take elsewhere, so the figure is there when the model moves.
     half = precision.resolve(loaded.manifest.precision, device)

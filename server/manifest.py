@@ -660,6 +660,11 @@ def check_length(spec: TensorSpec, length: int, where: str) -> int:
     raise PackError(f"{where}: length {length} is longer than its max_length {limit} (or set truncate)")
 
 
+def sample_values(manifest: Manifest) -> int:
+    """Input values one row (sample) can hold, every input's together, variable ones at their ``max_length``."""
+    return sum(math.prod(t.bounded()) for t in manifest.inputs)
+
+
 def sent_inputs(manifest: Manifest) -> list[TensorSpec]:
     """The inputs clients send: all but the masks the server builds."""
     return [t for t in manifest.inputs if t.mask_for is None]

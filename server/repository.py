@@ -390,7 +390,7 @@ class ModelRepository:
         """Measure a half-precision engine against fp32 on the version's samples (calibration, else random); returns
         the engine to serve: this one, or an fp32 one where the model falls below ``held_to``."""
         served.fidelity_bar = held_to.as_dict()
-        samples = await asyncio.to_thread(fidelity.samples, loaded.path.parent, loaded.manifest, loaded.module)
+        samples = await asyncio.to_thread(fidelity.samples, loaded)
         half = engine.precision.value
         try:
             measured = await asyncio.to_thread(

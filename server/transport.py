@@ -19,6 +19,7 @@ end, as one ``writev``.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import signal
 import socket
 import urllib.parse
@@ -559,10 +560,7 @@ class DrainingServer(uvicorn.Server):
 
 
 def http_limits(settings: Settings) -> HttpLimits:
-    s = settings
-    return HttpLimits(
-        s.header_timeout, s.body_timeout, s.max_url_bytes, s.max_header_bytes, s.max_connections, s.min_body_rate
-    )
+    return HttpLimits(**{f.name: getattr(settings, f.name) for f in dataclasses.fields(HttpLimits)})
 
 
 def uvicorn_config(

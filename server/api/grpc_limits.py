@@ -27,7 +27,7 @@ import grpc
 
 from server.api.errors import APIError
 from server.api.limits import row_limit
-from server.manifest import Batching, Manifest
+from server.manifest import Batching, Manifest, sample_values
 from server.settings import Settings
 
 MESSAGE_OVERHEAD = 64 * 1024
@@ -70,8 +70,7 @@ def message_cap(settings: Settings, models: Iterable[tuple[Manifest, Batching]])
     largest = 0
     for manifest, batching in models:
         rows, _ = row_limit(settings, batching)
-        sample = sum(math.prod(t.bounded()) for t in manifest.inputs)
-        rows = min(rows, max(1, settings.max_request_elements // max(sample, 1)))
+        rows = min(rows, max(1, settings.max_request_elements // max(sample_values(manifest), 1)))
         largest = max(largest, rows * wire_bytes(manifest))
     return min(settings.max_body_bytes, largest + MESSAGE_OVERHEAD)
 

@@ -34,8 +34,6 @@ if TYPE_CHECKING:
     from server.settings import Settings
 
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
-PROBES = PROBE_PATHS
-"""Answered whatever the Host: a Kubernetes probe addresses the pod by its IP, and they disclose nothing."""
 LONGEST_HOST = 300
 """Longest ``Host`` worth checking: a DNS name is at most 253 characters, and a port adds six."""
 JSON = ("application/json",)
@@ -45,7 +43,9 @@ JSON_OR_BINARY = ("application/json", "application/octet-stream")
 def check(scope: Scope, settings: Settings) -> None:
     """Fail with 400 for a Host this server does not answer to (:func:`host_allowed`), 403 for a browser's
     cross-origin request that could change or run something."""
-    if scope["path"] not in PROBES:
+    # The probes are answered whatever the Host: a Kubernetes probe addresses the pod by its IP, and they disclose
+    # nothing.
+    if scope["path"] not in PROBE_PATHS:
         raw = scope_header(scope, b"host")
         if not host_allowed(raw, tuple(settings.allowed_hosts), settings.host):
             raise APIError(400, f"Host: {host_name(raw)[:200]!r} is not a name this server answers to (allowed_hosts)")

@@ -23,7 +23,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.types import Scope
 
 from server.api.errors import APIError
-from server.manifest import Batching
+from server.manifest import Batching, sample_values
 from server.serving import AppState, ModelHandle
 from server.settings import Settings
 
@@ -201,7 +201,7 @@ def check_size(s: Settings, served: ModelHandle, rows: int, field: str) -> None:
     max_rows, setting = row_limit(s, served.batching)
     if rows > max_rows:
         raise APIError(413, f"{field}: {rows} rows exceed the limit of {max_rows} per request ({setting})")
-    elements = rows * sum(math.prod(t.bounded()) for t in served.manifest.inputs)
+    elements = rows * sample_values(served.manifest)
     if elements > s.max_request_elements:
         raise APIError(
             413,
