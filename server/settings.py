@@ -126,6 +126,10 @@ class Settings(BaseSettings):
     """Bytes per second a request body must arrive at, on average, once its first ``body_timeout`` seconds are over
     (a body must be whole within ``body_timeout`` plus its size over this rate); then 408 and the connection is closed.
     The gap of ``body_timeout`` alone is no bound: a byte every 20 s would hold a connection for ever."""
+    send_timeout: float = Field(default=30.0, gt=0.0, le=3600.0)
+    """Seconds what the server has to send on a connection may wait for the client to read it (its answers past the
+    socket's buffers, or the rest of a closed connection's); then the connection is dropped. A client that pipelines
+    requests and reads no answer would otherwise hold its connection for ever."""
     max_url_bytes: int = Field(default=8192, ge=256)
     """Longest request target (path and query); a longer one gets 414 before it is read whole."""
     max_header_bytes: int = Field(default=65536, ge=1024)
