@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import time
 from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
@@ -56,11 +57,8 @@ EARLY_ANSWERS = {
 }
 
 
-def answered_early(sock: socket.socket, kind: str) -> bytes:
-    """Send ``kind``'s request with only the first byte of its body, read its answer's head and body (without
-    waiting for the server to close), then send one more byte of the body; the answer's head."""
-    line, headers, length, _ = EARLY_ANSWERS[kind]
-    sock.sendall(line + b" HTTP/1.1\r\n" + headers + b"\r\ncontent-length: %d\r\n\r\n{" % length)
+def read_answer(sock: socket.socket) -> tuple[bytes, bytes]:
+    """One whole answer on a connection kept open: its head and its ``Content-Length`` of body."""
     data = b""
     while b"\r\n\r\n" not in data:
         chunk = sock.recv(65536)
@@ -70,6 +68,15 @@ def answered_early(sock: socket.socket, kind: str) -> bytes:
     fields = dict(h.split(b": ", 1) for h in head.lower().split(b"\r\n")[1:])
     while len(body) < int(fields[b"content-length"]):
         body += sock.recv(65536)
+    return head, body
+
+
+def answered_early(sock: socket.socket, kind: str) -> bytes:
+    """Send ``kind``'s request with only the first byte of its body, read its answer's head and body (without
+    waiting for the server to close), then send one more byte of the body; the answer's head."""
+    line, headers, length, _ = EARLY_ANSWERS[kind]
+    sock.sendall(line + b" HTTP/1.1\r\n" + headers + b"\r\ncontent-length: %d\r\n\r\n{" % length)
+    head, _ = read_answer(sock)
     sock.sendall(b" ")
     return head
 
@@ -88,6 +95,23 @@ def closed_by_server(sock: socket.socket) -> bool:
 
 def predict(server: ServerProcess) -> int:
     return httpx.post(f"{server.url}/predict", json={"inputs": [[0.0] * 16]}, timeout=30).status_code
+
+
+def test_a_body_read_whole_before_its_answer_keeps_the_connection(server: ServerProcess) -> None:
+    """The close is for an answer that comes before the body is whole: a body arriving in several reads, then
+    answered, leaves the connection kept for the next request."""
+    body = b'{"inputs": [[' + b", ".join(b"0.0" for _ in range(16)) + b"]]}"
+    head = b"POST /predict HTTP/1.1\r\nHost: localhost\r\ncontent-type: application/json\r\n"
+    with contextlib.closing(open_socket(server)) as sock:
+        sock.sendall(head + b"content-length: %d\r\n\r\n" % len(body) + body[:10])
+        time.sleep(0.2)  # the rest in a read of its own (the test holds however long this takes)
+        sock.sendall(body[10:])
+        first, _ = read_answer(sock)
+        sock.sendall(head + b"content-length: %d\r\n\r\n" % len(body) + body)
+        second, _ = read_answer(sock)
+    assert first.startswith(b"HTTP/1.1 200 "), first
+    assert b"connection: close" not in first.lower()
+    assert second.startswith(b"HTTP/1.1 200 "), second
 
 
 @pytest.mark.parametrize("kind", list(EARLY_ANSWERS))
