@@ -223,7 +223,7 @@ class _ConnectionWrites(CoalescedWrites):
     def __init__(self, transport: asyncio.BaseTransport, protocol: LimitedHttpProtocol) -> None:
         super().__init__(transport)
         self.socket: Any = transport
-        """The transport this one writes to: what is closed, at last."""
+        """The socket's own transport, which this one writes to and closes."""
         self.lingering = False
         """Closing: its answer is sent and its FIN, and what still arrives is read and dropped for a moment."""
         self._protocol = protocol
