@@ -8,11 +8,13 @@ import asyncio
 import time
 from pathlib import Path
 
+import grpc
 import httpx
 import pytest
+from tritonclient.grpc import service_pb2
 
 from server.api.lockout import Tarpit
-from tests.conftest import ServerProcess, StartServer
+from tests.conftest import ServerProcess, StartServer, free_port
 from tests.waiting import DEADLINE_S
 
 TOKEN = "a-long-enough-admin-token"
@@ -60,6 +62,46 @@ async def test_a_burst_of_wrong_tokens_is_answered_at_a_bounded_rate_and_the_rig
     assert took >= (BURST / 2 - 1) * 1.0
     health = httpx.get(f"{server.url}/health", timeout=DEADLINE_S)
     assert health.status_code == 200
+
+
+def repository_index(channel: grpc.aio.Channel, token: str) -> asyncio.Task[grpc.StatusCode]:
+    """A gRPC RepositoryIndex call with ``token``, to the status it ends with."""
+    call = channel.unary_unary(
+        "/inference.GRPCInferenceService/RepositoryIndex",
+        request_serializer=service_pb2.RepositoryIndexRequest.SerializeToString,
+        response_deserializer=service_pb2.RepositoryIndexResponse.FromString,
+    )
+
+    async def status() -> grpc.StatusCode:
+        try:
+            await call(
+                service_pb2.RepositoryIndexRequest(),
+                metadata=(("authorization", f"Bearer {token}"),),
+                timeout=DEADLINE_S,
+            )
+        except grpc.aio.AioRpcError as e:
+            return e.code()
+        return grpc.StatusCode.OK
+
+    return asyncio.ensure_future(status())
+
+
+async def test_over_grpc_too_a_burst_is_answered_at_a_bounded_rate(
+    server_factory: StartServer, served_tiny_store: Path
+) -> None:
+    port = free_port()
+    server_factory(served_tiny_store, "--grpc", "--grpc-port", str(port), env={"HALFSERVE_ADMIN_TOKEN": TOKEN})
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        first = [await repository_index(channel, f"guess-{i}") for i in range(LIMIT)]
+        assert first == [grpc.StatusCode.UNAUTHENTICATED] * LIMIT
+        burst = [repository_index(channel, f"guess-{LIMIT + i}") for i in range(BURST)]
+        done, _ = await asyncio.wait(burst, timeout=WINDOW_S)
+        answered_in_window = len(done)
+        assert await repository_index(channel, TOKEN) == grpc.StatusCode.OK
+        assert not all(guess.done() for guess in burst)
+        answers = await asyncio.wait_for(asyncio.gather(*burst), DEADLINE_S)
+    assert answered_in_window <= ANSWERED_IN_WINDOW, answered_in_window
+    assert answers == [grpc.StatusCode.RESOURCE_EXHAUSTED] * BURST
 
 
 async def test_the_tarpit_holds_each_address_apart_and_forgets_it_when_none_waits() -> None:
