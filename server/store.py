@@ -182,7 +182,9 @@ def build(model_dir: Path, manifest: Manifest, version_dir: Path) -> nn.Module:
         module = factory(**manifest.arch_kwargs)
     except TypeError as e:
         raise StoreError(f"{where}: arch_kwargs: {e}") from None
-    except Exception as e:  # the factory is code: whatever it raises fails this model's load, named, not the server
+    except KeyboardInterrupt:
+        raise
+    except BaseException as e:  # the factory is code: whatever it raises (SystemExit too) fails this model alone
         raise StoreError(
             f"{where}: architecture: {manifest.architecture!r} failed to build: {type(e).__name__}: {e}"
         ) from None

@@ -39,7 +39,7 @@ from server.api.dataplane.decode import parse_request, tokenize
 from server.api.dataplane.infer import infer
 from server.api.dataplane.metadata import EXTENSIONS, SERVER_NAME, metadata
 from server.api.deps import check_admin, of_version, why_not_ready
-from server.api.errors import APIError, from_exception
+from server.api.errors import APIError, from_exception, held
 from server.api.grpc_codec import infer_payload, infer_response
 from server.api.grpc_limits import PROBES, Admission, message_cap, parse, server_options
 from server.api.shm import admitted_regions
@@ -235,6 +235,7 @@ class InferenceService:
             try:
                 response = pb.ModelStreamInferResponse(infer_response=await self._infer(request, context))
             except APIError as e:
+                await held(e)
                 response = pb.ModelStreamInferResponse(error_message=e.message)
                 response.infer_response.id = request.id
                 response.infer_response.model_name = request.model_name
@@ -403,6 +404,7 @@ class InferenceService:
                 request = await parse(raw, message, what, self._elements if infer else None)
                 return await handler(request, context)
             except Exception as e:
+                await held(e)
                 err = from_exception(e)
             await context.abort(status_code(err.status), err.message)
 
