@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import httpx
+from safetensors.torch import save_file
 
 from server import models, store
 from server.settings import Settings
@@ -27,18 +28,18 @@ def version_folder(root: Path, version: int) -> Path:
     return folder
 
 
+def checkpoint(root: Path, version: int, **mlp: object) -> None:
+    save_file(models.build("mlp", **mlp).state_dict(), str(version_folder(root, version) / store.WEIGHTS))
+
+
 def misshapen(root: Path, version: int) -> None:
     """A checkpoint whose tensor names fit the architecture and whose shapes do not: it fails at load."""
-    store.write_weights(
-        version_folder(root, version), models.build("mlp", in_features=8, hidden=[32], out_features=4), {}
-    )
+    checkpoint(root, version, in_features=8, hidden=[32], out_features=4)
 
 
 def misnamed(root: Path, version: int) -> None:
     """A checkpoint with a layer the architecture lacks: refused before the port binds."""
-    store.write_weights(
-        version_folder(root, version), models.build("mlp", in_features=16, hidden=[32, 32], out_features=4), {}
-    )
+    checkpoint(root, version, in_features=16, hidden=[32, 32], out_features=4)
 
 
 def unreadable(root: Path, version: int) -> None:
