@@ -593,6 +593,9 @@ class ModelRepository:
                 raise
             self.models[name] = served
             if old is not None:
+                # Newer versions that failed are still passed over: a reload of the one served keeps naming them.
+                passed_over = {v: e for v, e in old.failed_versions.items() if v > served.version}
+                served.failed_versions = {**passed_over, **served.failed_versions}
                 await self._release(old)
             return served
 

@@ -92,6 +92,7 @@ async def test_a_load_or_reload_that_fails_leaves_the_served_version_answering(t
         r = await client.post("/models/tiny/reload", json={}, headers=AUTH)
         assert r.status_code == 200, r.text
         assert r.json()["version"] == 1
+        assert [f["version"] for f in r.json()["failed_versions"]] == [2]  # still passed over
         await answers(client)
 
 
