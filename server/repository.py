@@ -567,24 +567,8 @@ class ModelRepository:
             if precision is not None:
                 self.precisions[name] = precision
             try:
-                await self._load(served)
-            except BaseException as e:
-                if isinstance(e, Exception) and old is not None and old.batcher is not None:
-                    old.failed_versions[served.version] = str(e)
-                    log.error(
-                        "model %s v%d failed to load; v%d goes on serving: %s", name, served.version, old.version, e
-                    )
-                elif isinstance(e, Exception) and version is None and served.manifest.version is None:
-                    older = await asyncio.to_thread(self._older, served)
-                    if older is not None:
-                        older.failed_versions = {served.version: str(e)}
-                        log.error("model %s v%d failed to load: %s", name, served.version, e)
-                        loaded = await self._load_newest(older)
-                        if loaded.state is ModelState.READY:
-                            self.models[name] = loaded
-                            if old is not None:
-                                await self._release(old)
-                            return loaded
+                served = await self._load_or_older(served, old, asked_for_version=version is not None)
+            except BaseException:
                 _restore(self.precisions, name, before)
                 if old is None:
                     self.models.pop(name, None)
@@ -598,6 +582,31 @@ class ModelRepository:
                 served.failed_versions = {**passed_over, **served.failed_versions}
                 await self._release(old)
             return served
+
+    async def _load_or_older(
+        self, served: ServedModel, old: ServedModel | None, asked_for_version: bool
+    ) -> ServedModel:
+        """Load ``served``, or raise why not; a version that fails is noted on ``old`` where that one serves, and
+        where none serves and no version was asked for, the newest older version that loads is served instead."""
+        try:
+            await self._load(served)
+        except Exception as e:
+            if old is not None and old.batcher is not None:
+                old.failed_versions[served.version] = str(e)
+                log.error(
+                    "model %s v%d failed to load; v%d goes on serving: %s", old.name, served.version, old.version, e
+                )
+                raise
+            older = None if asked_for_version else await asyncio.to_thread(self._older, served)
+            if older is None:
+                raise
+            log.error("model %s v%d failed to load: %s", served.name, served.version, e)
+            older.failed_versions = {served.version: str(e)}
+            loaded = await self._load_newest(older)
+            if loaded.state is not ModelState.READY:
+                raise
+            return loaded
+        return served
 
     async def reload(self, name: str, precision: Precision | None = None) -> ServedModel:
         """Read the version ``name`` serves (or last served) again from the store; see :meth:`load`."""
