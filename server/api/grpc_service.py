@@ -245,7 +245,7 @@ class InferenceService:
         async def next_request() -> bytes | None:
             """The stream's next message; a stream idle (nothing in flight) past the idle timeout fails."""
             idle = self.state.settings.grpc_idle_timeout
-            reading = asyncio.ensure_future(self.admission.receive(context, probe=False, stream=True))
+            reading = asyncio.ensure_future(self.admission.receive(context, _client(context), probe=False, stream=True))
             try:
                 while not (await asyncio.wait({reading}, timeout=idle))[0]:
                     if not running:
@@ -397,7 +397,7 @@ class InferenceService:
 
         async def call(requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> Any:
             try:
-                raw = await self.admission.receive(context, probe=probe)
+                raw = await self.admission.receive(context, _client(context), probe=probe)
                 if raw is None:
                     raise APIError(400, "request: the call ended before its request message")
                 request = await parse(raw, message, what, self._elements if infer else None)
