@@ -5,10 +5,12 @@ grpcio's runtime keeps each call's request message until it is whole, so the bou
 it has them, as server options (:func:`server_options`): the largest message it accepts (:func:`message_cap`, sized
 to the largest request a served model takes rather than to ``max_body_bytes``; a compressed message counts
 inflated), calls per connection (``grpc_max_streams``), connections (``max_connections``), how long a connection may
-stay idle (``grpc_idle_timeout``), and which compressions it accepts (``grpc_compression``). What it lacks is kept
-here (:class:`Admission`): a deadline for each call's request message (``body_timeout``), a process-wide budget of
-calls still receiving one (``grpc_pending_bytes``), and a cap on inference calls running at once that the health
-checks are not counted in, so no number of silent or slow calls keeps them from answering.
+stay without a call (``header_timeout``), and which compressions it accepts (``grpc_compression``). What it lacks is
+kept here (:class:`Admission`): a deadline for each call's request message (``body_timeout``), a process-wide budget
+of calls still receiving one (``grpc_pending_bytes``) of which one client address holds a share
+(``grpc_peer_share``) and a late call gives its slot up (``grpc_receive_grace``, :class:`Slots`), and a cap on
+inference calls running at once that the health checks are not counted in, so no number of silent or slow calls
+keeps them from answering.
 
 A message is parsed into Python objects all at once, and a small one can describe a great many: 16 MiB of empty
 ``bytes_contents`` entries is 8 million strings. :func:`check_infer_request` walks the message's encoding first,

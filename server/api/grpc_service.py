@@ -13,7 +13,7 @@ Management calls (repository load and unload and index, shared memory registrati
 Limits of the transport itself (:mod:`server.api.grpc_limits`): a message over the largest request a served model
 takes (at most ``max_body_bytes``) is refused (``RESOURCE_EXHAUSTED``) before it is read whole, compressed ones
 unless ``grpc_compression``, metadata over ``max_header_bytes`` too; a connection that has not finished its HTTP/2
-handshake within ``header_timeout`` is closed, one idle for ``grpc_idle_timeout`` too, and one past
+handshake within ``header_timeout`` is closed, one without a call for as long too, and one past
 ``max_connections``; a connection has at most ``grpc_max_streams`` calls open. A call's request message must arrive
 whole within ``body_timeout`` (``DEADLINE_EXCEEDED``), and calls receiving one share ``grpc_pending_bytes``; at most
 ``max_connections`` inference calls run at once (one more is ``RESOURCE_EXHAUSTED``), and a stream has at most
