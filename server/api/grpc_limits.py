@@ -23,7 +23,6 @@ import asyncio
 import contextlib
 import math
 import time
-from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -117,20 +116,23 @@ class Slots:
 
     def __init__(self, slots: int, per_peer: int, grace: float, what: str, share: str) -> None:
         self.slots, self.per_peer, self.grace, self.what, self.share = slots, per_peer, grace, what, share
-        self.holders: list[_Holder] = []
+        self.held = 0
+        self.by_peer: dict[str, list[_Holder]] = {}
+        """Each client address's calls holding a slot, the longest waiting first."""
 
     def claim(self, peer: str) -> _Holder:
         """A slot for a call from ``peer``, another call's taken where that one is late, or a 429."""
-        mine = [h for h in self.holders if h.peer == peer]
+        mine = self.by_peer.get(peer, [])
         if len(mine) >= self.per_peer:
             self._evict(mine, f"{len(mine)} calls from {peer} are {self.what} ({self.share}: {self.per_peer})")
-        elif len(self.holders) >= self.slots:
+        elif self.held >= self.slots:
             # The late call of the client holding the most slots goes first: a client filling the slots with
             # silent calls loses its own before anyone else's.
-            held = Counter(h.peer for h in self.holders)
-            self._evict(sorted(self.holders, key=lambda h: -held[h.peer]), f"{len(self.holders)} calls are {self.what}")
+            by_count = sorted(self.by_peer.values(), key=len, reverse=True)
+            self._evict([h for held in by_count for h in held], f"{self.held} calls are {self.what}")
         holder = _Holder(peer, time.monotonic(), asyncio.get_running_loop().create_future())
-        self.holders.append(holder)
+        self.by_peer.setdefault(peer, []).append(holder)
+        self.held += 1
         return holder
 
     def _evict(self, candidates: list[_Holder], busy: str) -> None:
@@ -143,8 +145,12 @@ class Slots:
         raise APIError(429, f"server busy: {busy}")
 
     def release(self, holder: _Holder) -> None:
-        with contextlib.suppress(ValueError):  # an evicted call's slot is released already
-            self.holders.remove(holder)
+        held = self.by_peer.get(holder.peer, [])
+        if holder in held:  # an evicted call's slot is released already
+            held.remove(holder)
+            self.held -= 1
+            if not held:
+                del self.by_peer[holder.peer]
 
 
 class Admission:
