@@ -42,6 +42,7 @@ from server.api.deps import check_admin, of_version, why_not_ready
 from server.api.errors import APIError, from_exception
 from server.api.grpc_codec import infer_payload, infer_response
 from server.api.grpc_limits import PROBES, Admission, message_cap, parse, server_options
+from server.api.grpc_peers import PeerConnections
 from server.api.shm import admitted_regions
 from server.api.telemetry import request_labels
 from server.serving import (
@@ -424,7 +425,9 @@ class GrpcServer:
         self.server.add_generic_rpc_handlers(service.handlers())
         host = settings.host
         self.address = f"[{host}]:{settings.grpc_port}" if ":" in host else f"{host}:{settings.grpc_port}"
+        self.per_peer = settings.grpc_peer_connections
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._peers: asyncio.Task[None] | None = None
         self._stopping: asyncio.Task[None] | None = None
 
     async def start(self) -> int:
@@ -437,6 +440,7 @@ class GrpcServer:
             raise OSError(f"gRPC: cannot listen on {self.address}")
         await self.server.start()
         self._loop = asyncio.get_running_loop()
+        self._peers = asyncio.create_task(PeerConnections(port, self.per_peer).run())
         log.info("gRPC (KServe V2) on %s", self.address.rsplit(":", 1)[0] + f":{port}")
         return port
 
@@ -447,6 +451,8 @@ class GrpcServer:
             self._loop.call_soon_threadsafe(self._stop, grace)
 
     def _stop(self, grace: float) -> None:
+        if self._peers is not None:
+            self._peers.cancel()
         if self._stopping is None:
             self._stopping = asyncio.get_running_loop().create_task(self.server.stop(grace))
 

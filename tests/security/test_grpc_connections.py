@@ -77,6 +77,21 @@ def few(server_factory: StartServer, served_tiny_store: Path) -> Endpoint:
     return serve(server_factory, served_tiny_store, "--max-connections", "6", "--header-timeout", "1")
 
 
+@pytest.fixture(scope="module")
+def capped(server_factory: StartServer, served_tiny_store: Path) -> Endpoint:
+    """Six connections, two per client address; a minute before one without a call is closed."""
+    return serve(
+        server_factory,
+        served_tiny_store,
+        "--max-connections",
+        "6",
+        "--grpc-peer-connections",
+        "2",
+        "--header-timeout",
+        "60",
+    )
+
+
 @pytest.fixture
 def connections() -> Iterator[list[Connection]]:
     opened: list[Connection] = []
@@ -164,6 +179,23 @@ def test_connections_that_make_no_call_are_closed_after_the_header_timeout(
     assert all(c.wait(lambda c=c: c.goaway or c.closed, 15) for c in held), "a connection without a call is open"
     wait_until(lambda: _answers(few.address), "inference answered once the idle connections are closed", 15)
     healthy(few)
+
+
+def test_one_client_address_holds_at_most_its_share_of_the_connections(
+    capped: Endpoint, connections: list[Connection]
+) -> None:
+    # 127.0.0.2 opens all six connections and makes no call: four are closed within a second or so (20 s allowed),
+    # two kept, and 127.0.0.1 gets in. Before, all six stayed for the idle timeout.
+    held = [connect(capped.address, connections, Elsewhere) for _ in range(6)]
+
+    def cut() -> list[bool]:
+        for c in held:
+            c.read(0.02)
+        return [c.closed or c.goaway for c in held]
+
+    wait_until(lambda: sum(cut()) >= 4, "an address's connections past its cap closed", 20)
+    assert sum(cut()) == 4  # two kept (the first seen; which of two seen at once is not said)
+    healthy(capped)
 
 
 def _answers(address: str) -> bool:
