@@ -80,7 +80,7 @@ class Settings(BaseSettings):
     grpc_peer_share: float = Field(default=0.5, gt=0.0, le=1.0)
     """The share of ``grpc_pending_bytes``' calls (at least one) that calls from one client address may hold, so one
     client cannot take them all; a client behind a proxy shares its address with the proxy's other clients."""
-    grpc_peer_connections: int = Field(default=64, ge=1)
+    grpc_peer_connections: int = Field(default=128, ge=1)
     """gRPC connections one client address may hold; its newest past this are closed within half a second (on Linux),
     so one client cannot hold every one of ``max_connections``."""
     grpc_receive_grace: float = Field(default=2.0, gt=0.0, le=3600.0)

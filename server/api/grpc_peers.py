@@ -2,18 +2,20 @@
 
 grpcio caps connections only in all (``max_connections``) and tells the service nothing of a connection until it
 makes a call, so a client holding every connection idle keeps every other client out. The cap per address is kept by
-looking instead: every :data:`CHECK_EVERY` seconds the process's sockets on the gRPC port are listed (Linux's
-``/proc/self/fd``), and an address's newest connections past the cap are shut down, which grpcio then closes as if
-the client had. Where there is no ``/proc`` the cap is not kept.
+looking instead: every :data:`CHECK_EVERY` seconds the connections to the gRPC port are listed (Linux's
+``/proc/net/tcp``), and an address's newest past the cap are shut down, which grpcio then closes as if the client
+had. Where there is no ``/proc`` the cap is not kept.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import logging
 import os
 import socket
+import sys
 import time
 from pathlib import Path
 
@@ -21,32 +23,45 @@ log = logging.getLogger(__name__)
 
 CHECK_EVERY = 0.5
 """Seconds between two looks at the connections: how long an address may hold more than its cap."""
+TABLES = (Path("/proc/net/tcp"), Path("/proc/net/tcp6"))
+"""The kernel's TCP connections (of this network namespace), listed by one read each."""
 FDS = Path("/proc/self/fd")
-
-Key = tuple[int, str, int]
-"""A connection: its descriptor in this process, the client's address and port."""
+ESTABLISHED = "01"
 
 
-def _peer(fd: int, port: int) -> tuple[str, int] | None:
-    """The client address and port of descriptor ``fd`` where it is a connection to local ``port``."""
-    try:
-        if not os.readlink(FDS / str(fd)).startswith("socket:"):
-            return None
-        with socket.socket(fileno=os.dup(fd)) as s:  # a duplicate: closing it leaves grpcio's open
-            if s.type != socket.SOCK_STREAM or s.getsockname()[1] != port:
-                return None
-            host, peer_port = s.getpeername()[:2]
-    except (OSError, ValueError, IndexError):  # closed meanwhile, a listening socket, not an internet one
-        return None
-    return str(host), int(peer_port)
+def _address(hex_address: str) -> str:
+    """An address as ``/proc/net/tcp*`` writes it (each 32-bit word in host order), IPv4-mapped ones as IPv4."""
+    raw = bytes.fromhex(hex_address)
+    words = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4)) if sys.byteorder == "little" else raw
+    ip = ipaddress.ip_address(words)
+    mapped = ip.ipv4_mapped if isinstance(ip, ipaddress.IPv6Address) else None
+    return str(mapped or ip)
 
 
-def _shut(key: Key, port: int) -> None:
-    fd, host, peer_port = key
-    with contextlib.suppress(OSError), socket.socket(fileno=os.dup(fd)) as s:
-        # Checked again on the duplicate, which holds this very socket: the descriptor may have been reused.
-        if s.getsockname()[1] == port and tuple(s.getpeername()[:2]) == (host, peer_port):
-            s.shutdown(socket.SHUT_RDWR)
+def connections(port: int) -> dict[int, str]:
+    """The established connections to local ``port``: each socket's inode and the client's address."""
+    found: dict[int, str] = {}
+    for table in TABLES:
+        with contextlib.suppress(OSError):
+            for line in table.read_text().splitlines()[1:]:
+                fields = line.split()
+                local, remote, state, inode = fields[1], fields[2], fields[3], int(fields[9])
+                if state == ESTABLISHED and int(local.rpartition(":")[2], 16) == port:
+                    found[inode] = _address(remote.rpartition(":")[0])
+    return found
+
+
+def _shut(inodes: set[int]) -> None:
+    """Shut down this process's sockets of ``inodes`` (grpcio then closes each as if its client had)."""
+    links = {f"socket:[{i}]" for i in inodes}
+    for name in os.listdir(FDS):
+        with contextlib.suppress(OSError, ValueError):
+            if os.readlink(FDS / name) not in links:
+                continue
+            dup = os.dup(int(name))  # a duplicate holds the socket: the descriptor may be closed and reused meanwhile
+            with socket.socket(fileno=dup) as s:
+                if os.fstat(dup).st_ino in inodes:
+                    s.shutdown(socket.SHUT_RDWR)
 
 
 class PeerConnections:
@@ -54,41 +69,38 @@ class PeerConnections:
 
     def __init__(self, port: int, per_peer: int) -> None:
         self.port, self.per_peer = port, per_peer
-        self.seen: dict[Key, float] = {}
-        """When each open connection was first seen: an address's newest go first."""
+        self.seen: dict[int, float] = {}
+        """When each open connection (by inode) was first seen: an address's newest go first."""
 
     def check(self) -> int:
         """Look once; the number of connections shut down."""
+        now = time.monotonic()
         try:
-            fds = [int(name) for name in os.listdir(FDS)]
+            if len(os.listdir(FDS)) <= self.per_peer:  # too few descriptors for any address to be past its cap
+                self.seen = {}
+                return 0
         except OSError:
             return 0
-        now = time.monotonic()
-        by_peer: dict[str, list[Key]] = {}
-        seen: dict[Key, float] = {}
-        for fd in fds:
-            peer = _peer(fd, self.port)
-            if peer is not None:
-                key = (fd, *peer)
-                seen[key] = self.seen.get(key, now)
-                by_peer.setdefault(peer[0], []).append(key)
-        self.seen = seen
-        shut = 0
-        for host, keys in by_peer.items():
-            if len(keys) > self.per_peer:
-                keys.sort(key=seen.__getitem__)
-                for key in keys[self.per_peer :]:
-                    _shut(key, self.port)
-                shut += len(keys) - self.per_peer
+        found = connections(self.port)
+        self.seen = {inode: self.seen.get(inode, now) for inode in found}
+        by_peer: dict[str, list[int]] = {}
+        for inode, peer in found.items():
+            by_peer.setdefault(peer, []).append(inode)
+        past: set[int] = set()
+        for peer, inodes in by_peer.items():
+            if len(inodes) > self.per_peer:
+                inodes.sort(key=self.seen.__getitem__)
+                past.update(inodes[self.per_peer :])
                 log.info(
-                    "gRPC: %d connections from %s past grpc_peer_connections closed", len(keys) - self.per_peer, host
+                    "gRPC: %d connections from %s past grpc_peer_connections closed", len(inodes) - self.per_peer, peer
                 )
-        return shut
+        if past:
+            _shut(past)
+        return len(past)
 
     async def run(self) -> None:
-        """Look every :data:`CHECK_EVERY` seconds until cancelled (off the event loop: a look reads every
-        descriptor)."""
-        if not FDS.is_dir():
+        """Look every :data:`CHECK_EVERY` seconds until cancelled (off the event loop)."""
+        if not all(table.exists() for table in TABLES):
             return
         while True:
             await asyncio.to_thread(self.check)
