@@ -13,7 +13,7 @@ Management calls (repository load and unload and index, shared memory registrati
 Limits of the transport itself (:mod:`server.api.grpc_limits`): a message over the largest request a served model
 takes (at most ``max_body_bytes``) is refused (``RESOURCE_EXHAUSTED``) before it is read whole, compressed ones
 unless ``grpc_compression``, metadata over ``max_header_bytes`` too; a connection that has not finished its HTTP/2
-handshake within ``header_timeout`` is closed, one idle for ``grpc_idle_timeout`` too, and one past
+handshake within ``header_timeout`` is closed, one without a call for as long too, and one past
 ``max_connections``; a connection has at most ``grpc_max_streams`` calls open. A call's request message must arrive
 whole within ``body_timeout`` (``DEADLINE_EXCEEDED``), and calls receiving one share ``grpc_pending_bytes``; at most
 ``max_connections`` inference calls run at once (one more is ``RESOURCE_EXHAUSTED``), and a stream has at most
@@ -42,6 +42,7 @@ from server.api.deps import check_admin, of_version, why_not_ready
 from server.api.errors import APIError, from_exception, held
 from server.api.grpc_codec import infer_payload, infer_response
 from server.api.grpc_limits import PROBES, Admission, message_cap, parse, server_options
+from server.api.grpc_peers import PeerConnections
 from server.api.shm import admitted_regions
 from server.api.telemetry import request_labels
 from server.serving import (
@@ -246,7 +247,7 @@ class InferenceService:
         async def next_request() -> bytes | None:
             """The stream's next message; a stream idle (nothing in flight) past the idle timeout fails."""
             idle = self.state.settings.grpc_idle_timeout
-            reading = asyncio.ensure_future(self.admission.receive(context, probe=False, stream=True))
+            reading = asyncio.ensure_future(self.admission.receive(context, _client(context), probe=False, stream=True))
             try:
                 while not (await asyncio.wait({reading}, timeout=idle))[0]:
                     if not running:
@@ -398,7 +399,7 @@ class InferenceService:
 
         async def call(requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> Any:
             try:
-                raw = await self.admission.receive(context, probe=probe)
+                raw = await self.admission.receive(context, _client(context), probe=probe)
                 if raw is None:
                     raise APIError(400, "request: the call ended before its request message")
                 request = await parse(raw, message, what, self._elements if infer else None)
@@ -426,7 +427,9 @@ class GrpcServer:
         self.server.add_generic_rpc_handlers(service.handlers())
         host = settings.host
         self.address = f"[{host}]:{settings.grpc_port}" if ":" in host else f"{host}:{settings.grpc_port}"
+        self.per_peer = settings.grpc_peer_connections
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._peers: asyncio.Task[None] | None = None
         self._stopping: asyncio.Task[None] | None = None
 
     async def start(self) -> int:
@@ -439,6 +442,7 @@ class GrpcServer:
             raise OSError(f"gRPC: cannot listen on {self.address}")
         await self.server.start()
         self._loop = asyncio.get_running_loop()
+        self._peers = asyncio.create_task(PeerConnections(port, self.per_peer).run())
         log.info("gRPC (KServe V2) on %s", self.address.rsplit(":", 1)[0] + f":{port}")
         return port
 
@@ -449,6 +453,8 @@ class GrpcServer:
             self._loop.call_soon_threadsafe(self._stop, grace)
 
     def _stop(self, grace: float) -> None:
+        if self._peers is not None:
+            self._peers.cancel()
         if self._stopping is None:
             self._stopping = asyncio.get_running_loop().create_task(self.server.stop(grace))
 
