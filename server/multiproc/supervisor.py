@@ -92,4 +92,6 @@ class Frontends:
                 log.error("front-end (pid %s) did not drain in time; killing it", process.pid)
                 process.kill()
                 await asyncio.to_thread(process.join, 5.0)
+            if not process.is_alive():
+                process.close()  # its pipe and sentinel, now rather than when collected
         self.sock.close()
