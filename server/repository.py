@@ -655,7 +655,8 @@ class ModelRepository:
             await batcher.stop()
             served.final_stats = batcher.stats
         if engine is not None:
-            engine.close()
+            # Off the event loop: it waits for instance threads or processes to end (seconds for a hung one).
+            await asyncio.to_thread(engine.close)
         served.engine = None
 
     @property
