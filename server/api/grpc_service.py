@@ -86,6 +86,12 @@ def status_code(status: int) -> grpc.StatusCode:
     return STATUS_CODES.get(status, grpc.StatusCode.UNKNOWN)
 
 
+def _refusal(e: Exception) -> tuple[grpc.StatusCode, str]:
+    """The gRPC status and message that answer ``e``."""
+    err = from_exception(e)
+    return status_code(err.status), err.message
+
+
 def _client(context: grpc.aio.ServicerContext) -> str:
     """The caller's address without its port (``ipv4:127.0.0.1:5000`` -> ``127.0.0.1``), for the admin lockout."""
     peer = context.peer() or ""
@@ -206,7 +212,12 @@ class InferenceService:
             status = err.status
             if status >= 500:
                 log.warning("gRPC ModelInfer failed: %s", err.message)
-            raise err from None
+            try:
+                raise err from None
+            finally:
+                # Its traceback holds this frame, and the frame the request: kept here, the error would make a cycle
+                # that only a full collection frees, every refused request in it.
+                del err
         finally:
             self._record(served, result, status, time.perf_counter() - start)
 
@@ -395,16 +406,22 @@ class InferenceService:
         infer = name == "ModelInfer"
         what = message.DESCRIPTOR.name
 
+        async def answer(context: grpc.aio.ServicerContext) -> Any:
+            raw = await self.admission.receive(context, probe=probe)
+            if raw is None:
+                raise APIError(400, "request: the call ended before its request message")
+            request = await parse(raw, message, what, self._elements if infer else None)
+            return await handler(request, context)
+
         async def call(requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> Any:
+            # The message lives in answer's frame only, and nothing of its error outlives the except (a traceback
+            # holds the frames it passed): grpcio keeps the error abort raises, and this frame with it, in a cycle
+            # until a full collection, which must hold no request.
             try:
-                raw = await self.admission.receive(context, probe=probe)
-                if raw is None:
-                    raise APIError(400, "request: the call ended before its request message")
-                request = await parse(raw, message, what, self._elements if infer else None)
-                return await handler(request, context)
+                return await answer(context)
             except Exception as e:
-                err = from_exception(e)
-            await context.abort(status_code(err.status), err.message)
+                code, details = _refusal(e)
+            await context.abort(code, details)
 
         return call
 
