@@ -42,8 +42,10 @@ from server.api.deps import check_admin, of_version, why_not_ready
 from server.api.errors import APIError, from_exception
 from server.api.grpc_codec import infer_payload, infer_response
 from server.api.grpc_limits import PROBES, Admission, message_cap, parse, server_options
+from server.api.limits import row_limit
 from server.api.shm import admitted_regions
 from server.api.telemetry import request_labels
+from server.manifest import sample_values
 from server.serving import (
     AppState,
     Interface,
@@ -198,7 +200,7 @@ class InferenceService:
             served = self._model(request.model_name, request.model_version)
             check_ready(served, request.model_version or None)
             settings = self.state.settings
-            payload, binary = infer_payload(request, served)
+            payload, binary = await infer_payload(request, served, settings)
             regions = partial(admitted_regions, self.state, _client(context), _authorization(context))
             req = await tokenize(parse_request(payload, binary, served, settings, regions), served, settings)
             try:
@@ -270,7 +272,7 @@ class InferenceService:
                 with self.admission.inference():
                     while (raw := await next_request()) is not None:
                         try:
-                            request = await parse(raw, pb.ModelInferRequest, "ModelInferRequest", self._elements)
+                            request = await parse(raw, pb.ModelInferRequest, "ModelInferRequest", self._values)
                         except APIError as e:
                             await answers.put(pb.ModelStreamInferResponse(error_message=e.message))
                             continue
@@ -296,9 +298,21 @@ class InferenceService:
             for task in list(running):
                 task.cancel()
 
-    @property
-    def _elements(self) -> int:
-        return self.state.settings.max_request_elements
+    def _values(self, model_name: str) -> tuple[int, str]:
+        """Most values one input of a request to ``model_name`` may hold, and the setting that decides it: the
+        model's most rows of its values per row, within ``max_request_elements`` (that alone where no such model is
+        served: the request is refused by name once parsed). Called in a worker thread for a large message."""
+        settings = self.state.settings
+        most = settings.max_request_elements, "max_request_elements"
+        try:
+            served = self.state.service.get(model_name or None)
+        except Exception:
+            return most
+        rows, setting = row_limit(settings, served.batching)
+        per_row = max(sample_values(served.manifest), 1)
+        if rows * per_row >= most[0]:
+            return most
+        return rows * per_row, f"model {served.name!r}: {rows} rows ({setting}) of {per_row} values"
 
     # Repository and shared memory (management: the admin token) -------------------------------------------------
 
@@ -410,7 +424,7 @@ class InferenceService:
             raw = await self.admission.receive(context, probe=probe)
             if raw is None:
                 raise APIError(400, "request: the call ended before its request message")
-            request = await parse(raw, message, what, self._elements if infer else None)
+            request = await parse(raw, message, what, self._values if infer else None)
             return await handler(request, context)
 
         async def call(requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> Any:
