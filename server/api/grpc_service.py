@@ -17,7 +17,8 @@ handshake within ``header_timeout`` is closed, one idle for ``grpc_idle_timeout`
 ``max_connections``; a connection has at most ``grpc_max_streams`` calls open. A call's request message must arrive
 whole within ``body_timeout`` (``DEADLINE_EXCEEDED``), and calls receiving one share ``grpc_pending_bytes``; at most
 ``max_connections`` inference calls run at once (one more is ``RESOURCE_EXHAUSTED``), and a stream has at most
-:data:`STREAM_IN_FLIGHT` requests in flight. The health checks are counted in none of these but their own.
+:data:`STREAM_IN_FLIGHT` requests in flight, each until its answer is written. The health checks are counted in none
+of these but their own.
 """
 
 from __future__ import annotations
@@ -77,8 +78,9 @@ STATUS_CODES: dict[int, grpc.StatusCode] = {
 """The gRPC status code of each HTTP status an error has on the HTTP routes."""
 
 STREAM_IN_FLIGHT = 256
-"""Most requests of one ``ModelStreamInfer`` stream queued at once; the stream is read no further until one is
-answered (HTTP/2 flow control then holds the client back)."""
+"""Most requests of one ``ModelStreamInfer`` stream in flight at once, from when one is read until its answer is
+written: the stream is read no further until one is (HTTP/2 flow control then holds the client back), so a client
+that does not read its answers holds no more than this many."""
 
 Handler = Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]
 Call = Callable[[AsyncIterator[bytes], grpc.aio.ServicerContext], Awaitable[Any]]
@@ -239,7 +241,7 @@ class InferenceService:
         """Requests in, responses out as each is answered (not in order: a client matches them by ``id``); an error
         answers its request with ``error_message`` and the stream goes on. A stream with no request in flight that
         sends none for ``grpc_idle_timeout`` is ended (``DEADLINE_EXCEEDED``)."""
-        answers: asyncio.Queue[Any | None] = asyncio.Queue()
+        answers: asyncio.Queue[Any | None] = asyncio.Queue()  # at most STREAM_IN_FLIGHT: each holds a slot of room
         room = asyncio.Semaphore(STREAM_IN_FLIGHT)
         running: set[asyncio.Task[None]] = set()
         failure: list[APIError] = []
@@ -251,9 +253,7 @@ class InferenceService:
                 response = pb.ModelStreamInferResponse(error_message=e.message)
                 response.infer_response.id = request.id
                 response.infer_response.model_name = request.model_name
-            finally:
-                room.release()
-            await answers.put(response)
+            answers.put_nowait(response)
 
         async def next_request() -> bytes | None:
             """The stream's next message; a stream idle (nothing in flight) past the idle timeout fails."""
@@ -270,13 +270,15 @@ class InferenceService:
         async def read() -> None:
             try:
                 with self.admission.inference():
-                    while (raw := await next_request()) is not None:
+                    while True:
+                        await room.acquire()  # a slot for the next request's answer, freed once it is written
+                        if (raw := await next_request()) is None:
+                            break
                         try:
                             request = await parse(raw, pb.ModelInferRequest, "ModelInferRequest", self._values)
                         except APIError as e:
-                            await answers.put(pb.ModelStreamInferResponse(error_message=e.message))
+                            answers.put_nowait(pb.ModelStreamInferResponse(error_message=e.message))
                             continue
-                        await room.acquire()
                         task = asyncio.create_task(answer(request))
                         running.add(task)
                         task.add_done_callback(running.discard)
@@ -289,7 +291,8 @@ class InferenceService:
         reader = asyncio.create_task(read())
         try:
             while (response := await answers.get()) is not None:
-                yield response
+                yield response  # back here once grpcio has written it
+                room.release()
             await reader  # a failure to read the stream fails the call
             if failure:
                 await context.abort(status_code(failure[0].status), failure[0].message)
