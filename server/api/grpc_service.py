@@ -284,7 +284,7 @@ class InferenceService:
                         task.add_done_callback(running.discard)
                     await asyncio.gather(*running)
             except APIError as e:
-                failure.append(e)
+                failure.append(e.with_traceback(None))  # its traceback holds this frame and the last message
             finally:
                 answers.put_nowait(None)  # the end of the stream, however the reading ended
 

@@ -22,6 +22,7 @@ pytestmark = pytest.mark.slow
 
 INFER = "/inference.GRPCInferenceService/ModelInfer"
 CALLS = 100
+STREAMS = 30
 PAYLOAD = 60_000
 """Bytes of data in each refused message: under the tiny model's message cap (64 KiB and a bit)."""
 
@@ -76,3 +77,36 @@ async def test_refused_calls_leave_no_request_in_memory(tiny_store: Path, no_col
     # Kept, each refused message would be CALLS x len(raw) (6 MB); a generous fifth of that is allowed for whatever
     # else the server and the client keep meanwhile.
     assert retained < CALLS * len(raw) / 5, f"{retained} bytes retained over {CALLS} refused calls of {len(raw)}"
+
+
+async def test_failed_streams_leave_no_request_in_memory(tiny_store: Path, no_collector: None) -> None:
+    # A stream that goes idle fails (DEADLINE_EXCEEDED) after one refused message of PAYLOAD bytes.
+    raw = _unknown_model()
+    port = free_port()
+    settings = Settings(
+        store=tiny_store, precision="fp32", grpc=True, grpc_port=port, host="127.0.0.1", grpc_idle_timeout=0.2
+    )
+    async with serving(settings), grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stream = channel.stream_stream("/inference.GRPCInferenceService/ModelStreamInfer")
+
+        async def fail() -> None:
+            call = stream()
+            await call.write(raw)
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                async for _ in call:
+                    pass
+            assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+
+        for _ in range(3):
+            await fail()
+        tracemalloc.start()
+        try:
+            before = tracemalloc.get_traced_memory()[0]
+            for _ in range(STREAMS):
+                await fail()
+            retained = tracemalloc.get_traced_memory()[0] - before
+        finally:
+            tracemalloc.stop()
+    # A stream's own objects (grpcio's call and the stream's tasks, some 14 KB) wait for a collection too: half of
+    # what the messages would be is allowed.
+    assert retained < STREAMS * len(raw) / 2, f"{retained} bytes retained over {STREAMS} failed streams of {len(raw)}"
