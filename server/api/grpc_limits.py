@@ -14,7 +14,8 @@ keeps them from answering.
 
 A message is parsed into Python objects all at once, and a small one can describe a great many: 16 MiB of empty
 ``bytes_contents`` entries is 8 million strings. :func:`check_infer_request` walks the message's encoding first,
-counting the repeated entries, and refuses one that holds more than any request may take before anything is built.
+counting the repeated entries, and refuses one that holds more than a request to the model it names may take before
+anything is built.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import asyncio
 import contextlib
 import math
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,6 +51,9 @@ MAX_DIMS = 64
 """Most dimensions a tensor's shape may list."""
 INLINE_BYTES = 1 << 20
 """Messages up to this size are checked and parsed on the event loop; larger ones in a worker thread."""
+
+ValueLimit = Callable[[str], tuple[int, str]]
+"""Most values one input of a request to the model named may hold, and the setting that decides it."""
 
 
 def wire_bytes(manifest: Manifest) -> int:
@@ -220,17 +224,17 @@ class Admission:
             self.calls -= 1
 
 
-async def parse(raw: bytes, message: Any, name: str, max_elements: int | None = None) -> Any:
+async def parse(raw: bytes, message: Any, name: str, values: ValueLimit | None = None) -> Any:
     """``raw`` parsed as ``message`` (a class), a 400 naming ``name`` where it is not one; a ``ModelInferRequest``
-    (``max_elements`` given) checked by :func:`check_infer_request` first. A large message in a worker thread."""
+    (``values`` given) checked by :func:`check_infer_request` first. A large message in a worker thread."""
     if len(raw) <= INLINE_BYTES:
-        return _parse(raw, message, name, max_elements)
-    return await asyncio.to_thread(_parse, raw, message, name, max_elements)
+        return _parse(raw, message, name, values)
+    return await asyncio.to_thread(_parse, raw, message, name, values)
 
 
-def _parse(raw: bytes, message: Any, name: str, max_elements: int | None) -> Any:
-    if max_elements is not None:
-        check_infer_request(raw, max_elements)
+def _parse(raw: bytes, message: Any, name: str, values: ValueLimit | None) -> Any:
+    if values is not None:
+        check_infer_request(raw, values)
     try:
         return message.FromString(raw)
     except Exception as e:  # protobuf's DecodeError, or a message nested too deep
@@ -288,16 +292,22 @@ def _count(counts: dict[int, int], number: int, field: str, limit: int = MAX_ENT
         raise APIError(400, f"{field}: more than {limit} entries")
 
 
-def check_infer_request(raw: bytes, max_elements: int) -> None:
+def check_infer_request(raw: bytes, values: ValueLimit) -> None:
     """Refuse a ``ModelInferRequest`` encoding with more entries than any request takes, counted before it is parsed:
     more than :data:`MAX_ENTRIES` inputs, outputs, ``raw_input_contents`` or parameters, more than :data:`MAX_DIMS`
-    dimensions in a shape, or an input's ``contents`` holding more values than its shape (or ``max_elements``,
-    ``max_request_elements``) allows. Values are not looked at: the request's own checks do that once parsed."""
+    dimensions in a shape, an input's ``contents`` given twice (protobuf would merge them) or holding more values
+    than its shape or ``values`` of the model named allows. Values are not looked at: the request's own checks do
+    that once parsed."""
+    model = ""
+    for number, wire, start, end in _fields(raw, 0, len(raw)):
+        if number == 1 and wire == _LEN:  # model_name, wherever it is: the last one is the one parsed
+            model = raw[start:end].decode("utf-8", "replace")
+    allowed = values(model)
     counts: dict[int, int] = {}
     for number, wire, start, end in _fields(raw, 0, len(raw)):
         _count(counts, number if number in _NAMES else 0, _NAMES.get(number, "request: fields"))
         if number == 5 and wire == _LEN:
-            _check_input(raw, start, end, f"inputs[{counts[5] - 1}]", max_elements)
+            _check_input(raw, start, end, f"inputs[{counts[5] - 1}]", allowed)
         elif number == 6 and wire == _LEN:
             parameters: dict[int, int] = {}
             for n, _, _, _ in _fields(raw, start, end):
@@ -308,7 +318,7 @@ _NAMES = {4: "parameters", 5: "inputs", 6: "outputs", 7: "raw_input_contents"}
 """The repeated fields of a ``ModelInferRequest`` (the map of parameters is one too), by field number."""
 
 
-def _check_input(raw: bytes, start: int, end: int, field: str, max_elements: int) -> None:
+def _check_input(raw: bytes, start: int, end: int, field: str, limit: tuple[int, str]) -> None:
     dims: list[int] = []
     contents: tuple[int, int] | None = None
     others: dict[int, int] = {}
@@ -327,6 +337,8 @@ def _check_input(raw: bytes, start: int, end: int, field: str, max_elements: int
             if len(dims) > MAX_DIMS:
                 raise APIError(400, f"{field}.shape: more than {MAX_DIMS} dimensions")
         elif number == 5 and wire == _LEN:
+            if contents is not None:  # merged, the two would hold more values than either is counted at
+                raise APIError(400, f"{field}.contents: given more than once")
             contents = (s, e)
         else:
             _count(others, number, f"{field}.{'parameters' if number == 4 else 'fields'}")
@@ -335,7 +347,8 @@ def _check_input(raw: bytes, start: int, end: int, field: str, max_elements: int
     # Negative dimensions are the shape check's to name; here they allow nothing.
     signed = [d - (1 << 64) if d >= 1 << 63 else d for d in dims]
     holds = math.prod(max(d, 0) for d in signed) if dims else 0
-    allowed = min(holds, max_elements)
+    most, setting = limit
+    allowed = min(holds, most)
     values = 0
     for number, wire, s, e in _fields(raw, *contents):
         # bytes_contents: a value per entry; the numbers' fields are packed (a run of values) or not (one each)
@@ -345,7 +358,7 @@ def _check_input(raw: bytes, start: int, end: int, field: str, max_elements: int
             if allowed < holds:
                 raise APIError(
                     413,
-                    f"{name}: more values than the limit of {allowed} per request (max_request_elements)",
+                    f"{name}: more values than the limit of {allowed} per request ({setting})",
                 )
             raise APIError(400, f"{name}: more than {holds} values, but shape {signed} holds {holds}")
 
