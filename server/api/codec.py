@@ -185,13 +185,15 @@ async def encode_texts(
     """A request's texts as the named inputs the model takes (token ids and each row's length), tokenized with the
     version's tokenizer off the event loop; a 413 naming ``field`` when they carry more than ``max_text_bytes``, a
     400 naming the row for a text it cannot take, a 503 when the server cannot tokenize (its tokenizer file missing
-    or unreadable)."""
+    or unreadable), a 503 with ``Retry-After`` when more requests wait to be tokenized than the queue holds."""
     if text.text_bytes(texts, max_text_bytes) > max_text_bytes:
         raise APIError(413, f"{field}: texts of more than {max_text_bytes} bytes in one request (max_text_bytes)")
     try:
         return await text.encode_off_loop(store, served.name, served.version, served.manifest, texts, field)
     except text.TokenizerUnavailableError as e:  # the server's files, not the request: as a missing checkpoint
         raise APIError(503, f"model {served.name!r} cannot take text now: {e}") from None
+    except text.TokenizerBusyError as e:  # as a full batch queue
+        raise APIError(503, str(e), {"Retry-After": "1"}) from None
     except text.TextError as e:
         raise APIError(400, str(e)) from None
 
