@@ -23,7 +23,7 @@ from server import text
 from server.manifest import DataType, Manifest, TensorSpec, TextInput
 from server.settings import Settings
 from tests.integration.conftest import serving
-from tests.integration.test_text import MAX, save_texty, wordpiece
+from tests.integration.test_text import INFER, MAX, save_texty, wordpiece
 from tests.waiting import DEADLINE_S, until
 
 pytest.importorskip("tokenizers")
@@ -73,11 +73,8 @@ def long_texts_allowed(root: Path) -> Path:
 async def test_a_long_text_is_tokenized_no_further_than_max_length_reaches(
     tmp_path: Path, recording: dict[str, Recording]
 ) -> None:
-    body = gzip.compress(orjson.dumps({"inputs": ["!" * 65000] * 16}))
-    assert len(body) < 2000
-    headers = {"content-encoding": "gzip", "content-type": "application/json"}
     async with serving(Settings(store=long_texts_allowed(tmp_path), precision="fp32")) as client:
-        r = await client.post("/predict", content=body, headers=headers)
+        r = await client.post("/predict", json={"inputs": ["!" * 65000] * 16})
         assert r.status_code == 400, r.text
         assert r.json()["error"] == (
             f"inputs.text[0]: input 'tokens': more than {MAX} tokens, longer than its max_length (or set truncate)"
@@ -86,6 +83,28 @@ async def test_a_long_text_is_tokenized_no_further_than_max_length_reaches(
         # not tokenized whole.
         assert 0 < recording["tokenizer"].longest <= 20 * (MAX + 2)
         fits = await client.post("/predict", json={"inputs": ["a short text"]})
+        assert fits.status_code == 200, fits.text
+
+
+async def test_text_from_a_compressed_body_is_held_to_the_compression_ratio(
+    tmp_path: Path, recording: dict[str, Recording]
+) -> None:
+    texts = ["!" * 65000] * 16
+    v2 = {"inputs": [{"name": "text", "datatype": "BYTES", "shape": [16], "data": texts}]}
+    headers = {"content-encoding": "gzip", "content-type": "application/json"}
+    async with serving(Settings(store=long_texts_allowed(tmp_path), precision="fp32")) as client:
+        for path, payload, field in [("/predict", {"inputs": texts}, "inputs.text"), (INFER, v2, "inputs[0]")]:
+            body = gzip.compress(orjson.dumps(payload))
+            assert len(body) < 2000  # about a megabyte of text
+            r = await client.post(path, content=body, headers=headers)
+            assert r.status_code == 413, r.text
+            assert r.json()["error"] == (
+                f"{field}: texts of more than {100 * len(body)} bytes from a body of {len(body)} compressed bytes "
+                "(max_compression_ratio: 100)"
+            )
+        assert recording["tokenizer"].longest == 0  # refused before any text was tokenized
+        prose = gzip.compress(orjson.dumps({"inputs": ["the quick brown fox jumps over the lazy dog"] * 4}))
+        fits = await client.post("/predict", content=prose, headers=headers)
         assert fits.status_code == 200, fits.text
 
 

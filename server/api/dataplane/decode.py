@@ -300,7 +300,7 @@ async def tokenize(req: Inference, served: ModelHandle, settings: Settings) -> I
     (:func:`~server.api.codec.encode_texts`)."""
     if req.texts is not None:
         texts, field = req.texts
-        req.inputs.update(await encode_texts(texts, field, served, settings.store, settings.max_text_bytes))
+        req.inputs.update(await encode_texts(texts, field, served, settings))
         req.texts = None
     return req
 
