@@ -23,7 +23,7 @@ from server import text
 from server.manifest import DataType, Manifest, TensorSpec, TextInput
 from server.settings import Settings
 from tests.integration.conftest import serving
-from tests.integration.test_text import INFER, MAX, save_texty, wordpiece
+from tests.integration.test_text import CORPUS, INFER, MAX, save_texty, wordpiece
 from tests.waiting import DEADLINE_S, until
 
 pytest.importorskip("tokenizers")
@@ -116,21 +116,53 @@ def random_text(rng: random.Random) -> str:
     return "".join(rng.choice(WORDS) + rng.choice(SPACES) for _ in range(rng.randrange(1, 90)))
 
 
+def byte_level_bpe(path: Path) -> None:
+    """A GPT-2 style tokenizer (a word's leading space is part of its first token), trained here."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    tok.train_from_iterator(
+        CORPUS, trainers.BpeTrainer(vocab_size=300, special_tokens=["<pad>"], initial_alphabet=alphabet)
+    )
+    tok.save(str(path))
+
+
+def sentencepiece_unigram(path: Path) -> None:
+    """A SentencePiece style tokenizer (spaces become ``▁``, NFKC normalized), trained here."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.Unigram())
+    tok.normalizer = normalizers.NFKC()
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    trainer = trainers.UnigramTrainer(vocab_size=100, special_tokens=["<pad>", "<unk>"], unk_token="<unk>")
+    tok.train_from_iterator(CORPUS, trainer)
+    tok.save(str(path))
+
+
 @pytest.mark.parametrize("truncate", [False, True])
-def test_a_text_that_fits_gets_the_ids_it_gets_whole(tmp_path: Path, truncate: bool) -> None:
-    vocab = wordpiece(tmp_path / "tokenizer.json")
+@pytest.mark.parametrize("train", [wordpiece, byte_level_bpe, sentencepiece_unigram])
+def test_a_text_that_fits_gets_the_ids_it_gets_whole(tmp_path: Path, truncate: bool, train: Any) -> None:
+    """Random texts of words, punctuation, added tokens' names, combining accents, runs of spaces and words too long
+    for WordPiece, most of them past where their head is first cut: each row's ids are the whole text's (cut to
+    max_length with truncate), and a text is refused exactly when its whole is longer than max_length."""
+    train(tmp_path / "tokenizer.json")
     manifest = Manifest(
         name="texty",
         architecture="transformer_classifier",
-        arch_kwargs={"vocab": vocab},
+        arch_kwargs={},
         inputs=[TensorSpec(name="tokens", datatype=DataType.INT64, shape=[-1], max_length=MAX, truncate=truncate)],
         outputs=[TensorSpec(name="logits", shape=[3])],
         text=TextInput(input="text", feeds="tokens"),
     )
     encoder = text.encoder_at(tmp_path / "tokenizer.json", manifest)
     rng = random.Random(0)
+    first_head = (MAX + 2) * text._reach(encoder.tokenizer)[0]
+    past_the_head = 0
     for _ in range(400):
         sample = random_text(rng)
+        past_the_head += len(sample) > first_head
         whole = encoder.tokenizer.encode(sample).ids
         if not whole:
             continue
@@ -140,6 +172,7 @@ def test_a_text_that_fits_gets_the_ids_it_gets_whole(tmp_path: Path, truncate: b
             continue
         got = encoder.encode([sample], "inputs")
         assert got["tokens"][0].tolist() == whole[:MAX], sample
+    assert past_the_head > 100  # most texts were tokenized by their head first
 
 
 async def test_past_the_tokenizer_queue_a_text_request_is_a_503_with_retry_after(
