@@ -124,7 +124,9 @@ def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
     for key in ("state_dict", "model"):
         if isinstance(obj, dict) and isinstance(obj.get(key), dict):
             obj = obj[key]
-    if not isinstance(obj, dict) or not obj or not all(isinstance(v, torch.Tensor) for v in obj.values()):
+    if isinstance(obj, dict) and not obj:
+        raise ImportFailure(f"{path}: an empty state dict (no tensors); save the model's state_dict() after training")
+    if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
         raise ImportFailure(f"{path}: expected a state dict (names to tensors), found {type(obj).__name__}")
     if all(k.startswith("module.") for k in obj):  # saved from DataParallel / DistributedDataParallel
         obj = {k.removeprefix("module."): v for k, v in obj.items()}
@@ -146,8 +148,15 @@ def derive_outputs(module: nn.Module, inputs: list[TensorSpec]) -> list[TensorSp
         (torch.ones if t.mask_for else torch.zeros)((2, *t.bounded(SAMPLE_LENGTH)), dtype=torch_dtype(t.datatype.numpy))
         for t in inputs
     ]
-    with torch.inference_mode():
-        y = _call(module, inputs, x)
+    try:
+        with torch.inference_mode():
+            y = _call(module, inputs, x)
+    except (RuntimeError, ValueError, TypeError, IndexError) as e:  # the declared inputs do not fit the model
+        declared = ", ".join(f"{t.name} {t.datatype.value} {t.shape}" for t in inputs)
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ImportFailure(
+            f"--input {declared}: the model's forward fails on rows of it ({reason}); {_first_layer(module)}"
+        ) from None
     if isinstance(y, torch.Tensor):
         named = {"output": y}
     elif isinstance(y, dict):  # ModelOutput is an OrderedDict
@@ -164,6 +173,22 @@ def derive_outputs(module: nn.Module, inputs: list[TensorSpec]) -> list[TensorSp
     if not specs:
         raise ImportFailure("the model returned no tensor with one row per input row; give its outputs with --output")
     return specs
+
+
+def _first_layer(module: nn.Module) -> str:
+    """What the model's first layer with weights takes per sample, to set beside a declared ``--input`` shape."""
+    for name, layer in module.named_modules():
+        if isinstance(layer, nn.Conv1d | nn.Conv2d | nn.Conv3d):
+            spatial = ", ".join(["N"] * (len(layer.kernel_size)))
+            takes = f"[{layer.in_channels}, {spatial}] per sample (channels, then size)"
+        elif isinstance(layer, nn.Linear):
+            takes = f"[..., {layer.in_features}] per sample"
+        elif isinstance(layer, nn.Embedding):
+            takes = f"integer ids below {layer.num_embeddings} (an INT64 input)"
+        else:
+            continue
+        return f"its first layer, {name} ({type(layer).__name__}), takes {takes}"
+    return "give --input as the model's forward takes it"
 
 
 @dataclass
@@ -217,6 +242,8 @@ def import_model(
     )
     model_dir = root / store.check_name(name)
     if hugging_face:
+        if not (auto := architecture.removeprefix(models.TRANSFORMERS)).startswith("Auto"):
+            raise ImportFailure(_auto_class_needed(source, auto))
         module = store.build(model_dir, draft, source)
         state = read_state_dict(source / store.WEIGHTS) if (source / store.WEIGHTS).is_file() else {}
         store.load_weights(module, state, source / store.WEIGHTS, architecture)
@@ -402,6 +429,16 @@ def _folder_needs_transformers(source: Path, architecture: str) -> str:
         + (f" (its config.json declares {declared[0]})" if declared and isinstance(declared[0], str) else "")
         + ". An architecture is 'transformers:<AutoClass>' for such a folder, or for a state dict file "
         "a registered name, 'package.module:factory' or 'torchvision:<builder>'"
+    )
+
+
+def _auto_class_needed(source: Path, named: str) -> str:
+    """Why ``transformers:<named>``, a model class rather than an auto class, cannot build ``source``, and the auto
+    class that can (its task's: ``BertForSequenceClassification`` is ``AutoModelForSequenceClassification``)."""
+    task = named.partition("For")[2]
+    return (
+        f"--architecture transformers:{named}: a Hugging Face folder is built by the auto class of its task, from its "
+        f"config.json; use --architecture transformers:{f'AutoModelFor{task}' if task else 'AutoModel'}"
     )
 
 

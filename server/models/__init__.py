@@ -182,15 +182,16 @@ PYTORCH_WHEELS = "https://download.pytorch.org/whl"
 
 
 def torchvision_install() -> str:
-    """The command that installs the torchvision built for this torch, with this torch, from PyTorch's own wheel
-    index: PyPI's Linux torchvision is built against the CUDA torch, so beside a CPU-only torch its operators do not
-    load (``operator torchvision::nms does not exist``)."""
+    """The command that installs the torchvision built for this torch from PyTorch's own wheel index: PyPI's Linux
+    torchvision is built against the CUDA torch, so beside a CPU-only torch its operators do not load (``operator
+    torchvision::nms does not exist``). ``--force-reinstall``: PyPI's build has the same version number, so pip would
+    answer "Requirement already satisfied" and change nothing; ``--no-deps``: the torch installed stays."""
     release = torch.__version__.split("+")[0]
     major, minor, patch = (release.split(".") + ["0", "0"])[:3]
     # torchvision 0.N pairs with torch 2.(N - 15), the same patch release (0.28.0 with 2.13.0) since torch 2.0.
     vision = f"0.{int(minor) + 15}.{patch}" if major == "2" and minor.isdigit() else "<the release for this torch>"
     index = "cpu" if torch.version.cuda is None else "cu" + torch.version.cuda.replace(".", "")
-    return f"pip install torch=={release} torchvision=={vision} --index-url {PYTORCH_WHEELS}/{index}"
+    return f"pip install --force-reinstall --no-deps torchvision=={vision} --index-url {PYTORCH_WHEELS}/{index}"
 
 
 @functools.cache
@@ -216,7 +217,7 @@ def _torchvision(builder: str, name: str) -> ModelFactory:
     if broken is not None:
         raise UnknownArchitectureError(
             f"architecture {name!r}: torchvision is installed but does not import with this torch "
-            f"({torch.__version__}: {broken}); install both from PyTorch's wheel index: {torchvision_install()}"
+            f"({torch.__version__}: {broken}); reinstall it from PyTorch's wheel index: {torchvision_install()}"
         )
     try:
         # An optional extra, imported where asked for.
