@@ -32,7 +32,7 @@ from server.isolated.wire import IN_FRAME, INPUT_REGION, REGION, ChildConfig, Me
 from server.multiproc.wire import FrameReader, frame
 from server.placement import Placement, available_cores
 from server.precision import Precision
-from server.serving import BatchTooLargeError, Outcome, Output
+from server.serving import BatchTooLargeError, InstanceLostError, ModelNotReadyError, Outcome, Output
 from server.settings import Settings
 from server.store import LoadedModel, OverflowPolicy
 
@@ -44,8 +44,9 @@ slow host take minutes)."""
 EXIT_TIMEOUT_S = 10.0
 """How long a closing instance process has to finish its batch and exit before it is killed."""
 RESPAWN_DELAYS_S = (0.5, 2.0, 10.0, 30.0)
-"""Waits before restarting a crashed instance, one per crash in a row (the last repeats): a process that dies at
-start-up is not restarted in a tight loop."""
+"""Waits before restarting an instance process that died while starting, one per such death in a row (the last
+repeats): a process that cannot start is not restarted in a tight loop. One that dies serving (killed by a request,
+or hung and killed) is restarted at once: its death says nothing of the next one's start."""
 
 _ERRORS: dict[str, Callable[[str], Exception]] = {
     "BatchTooLargeError": BatchTooLargeError,
@@ -112,15 +113,12 @@ class InstanceProcess(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         was_alive, self.alive = self.alive, False
-        lost = EngineError(
-            f"instance process {self.index} of model {self.owner.name!r} (pid {self.pid}) exited"
-            + ("" if was_alive else " before it was ready")
-        )
+        what = f"instance process {self.index} of model {self.owner.name!r} (pid {self.pid}) exited"
         if not self.ready.done():
-            self.ready.set_exception(lost)
+            self.ready.set_exception(EngineError(what + ("" if was_alive else " before it was ready")))
         for future in self._pending.values():
             if not future.done():
-                future.set_exception(lost)
+                future.set_exception(InstanceLostError(what))
         self._pending.clear()
         with contextlib.suppress(BufferError):  # a view still held: the map goes with the last one
             self.memory.close()
@@ -199,7 +197,6 @@ class InstanceProcess(asyncio.Protocol):
             if head.get("raise"):
                 future.set_exception(_error(head["kind"], head["message"]))
                 return
-            self.owner.crashes = 0  # a process that answers is no crash loop: the next crash restarts at once
             future.set_result([self._outcome(entry, payload) for entry in head["outcomes"]])
         finally:
             self.owner.idle_again(self)
@@ -267,7 +264,11 @@ class ProcessEngine:
         self._info: EngineInfo | None = None
         self._closing = False
         self.crashes = 0
-        """Instance processes that exited in a row, with no batch answered in between (the restart's backoff)."""
+        """Instance processes that died while starting, in a row (the restart's backoff)."""
+        self.restarts = 0
+        """Instance processes restarted after dying while serving (killed by a request, or hung and killed)."""
+        self.start_failures = 0
+        """Restarted instance processes that died before they were ready."""
         self._respawning: set[asyncio.Task[None]] = set()
         self._loop = asyncio.get_running_loop()
         self._loop_thread = threading.get_ident()
@@ -386,6 +387,11 @@ class ProcessEngine:
     def fp32_reruns(self) -> int:
         return sum(i.counts.get("fp32_reruns", 0) for i in self.instances)
 
+    @property
+    def available(self) -> bool:
+        """Whether an instance process is up to take a batch (false while every one is restarting)."""
+        return any(i.alive for i in self.instances)
+
     def batches(self, max_batch_size: int) -> tuple[int, int]:
         """The most rows in one batch, and how many batches may be in flight: one per instance process."""
         return max_batch_size, len(self.instances)
@@ -418,10 +424,14 @@ class ProcessEngine:
                 return
         if self._respawning or any(i.alive for i in self.instances):
             # Fewer processes up than batches in flight: one is restarting, and takes this batch once it is warm (a
-            # batch that crashed one is rerun in parts, so its other requests are answered, as in thread mode).
+            # batch that crashed one is rerun a request at a time, so its other requests are answered).
             self._waiting.append((chunks, future, raw))
             return
-        future.set_exception(EngineError(f"no instance process of model {self.name!r} is running"))
+        future.set_exception(self._none_up("none is restarting"))
+
+    def _none_up(self, why: str) -> ModelNotReadyError:
+        """The error for a batch no instance process can take: the model is not ready for now (503, retry)."""
+        return ModelNotReadyError(f"model {self.name!r} has no instance process able to serve ({why})")
 
     def idle_again(self, instance: InstanceProcess) -> None:
         """An instance answered its batch: give it the next waiting one, or mark it idle."""
@@ -454,29 +464,28 @@ class ProcessEngine:
         self.padded_elements = sum(i.counts.get("padded_elements", 0) for i in self.instances)
 
     def lost(self, instance: InstanceProcess, was_ready: bool) -> None:
-        """An instance process's socket closed: restart it unless the engine is closing."""
+        """An instance process's socket closed: restart it at once unless the engine is closing (one that died while
+        starting is :meth:`_respawn`'s to retry, with the backoff)."""
         if instance in self._idle:
             self._idle.remove(instance)
         if self._closing or not was_ready:
             return
         code = instance.process.exitcode if instance.process is not None else None
         log.error(
-            "instance process %d of model %s (pid %s) exited with %s; restarting it in %.1fs",
+            "instance process %d of model %s (pid %s) exited with %s; restarting it",
             instance.index,
             self.name,
             instance.pid,
             code,
-            self._schedule_respawn(instance.index),
         )
+        self.restarts += 1
+        self._schedule_respawn(instance.index, 0.0)
 
-    def _schedule_respawn(self, index: int) -> float:
-        """Restart instance process ``index`` after the backoff's next delay; returns the delay."""
-        delay = RESPAWN_DELAYS_S[min(self.crashes, len(RESPAWN_DELAYS_S) - 1)]
-        self.crashes += 1
+    def _schedule_respawn(self, index: int, delay: float) -> None:
+        """Restart instance process ``index`` after ``delay`` seconds."""
         task = self._loop.create_task(self._respawn(index, delay))
         self._respawning.add(task)
         task.add_done_callback(self._respawning.discard)
-        return delay
 
     async def _respawn(self, index: int, delay: float) -> None:
         await asyncio.sleep(delay)
@@ -487,10 +496,13 @@ class ProcessEngine:
             self.instances[index] = instance
             await asyncio.wait_for(instance.ready, timeout=READY_TIMEOUT_S)
         except Exception as e:
-            if not any(i.alive for i in self.instances):  # nothing else can take them meanwhile
-                self._fail_waiting(EngineError(f"no instance process of model {self.name!r} is running: {e}"))
+            if not any(i.alive for i in self.instances):  # nothing else can take them meanwhile: sent again later
+                self._fail_waiting(self._none_up(f"one died while restarting: {e}"))
             if not self._closing:
-                delay = self._schedule_respawn(index)
+                self.start_failures += 1
+                delay = RESPAWN_DELAYS_S[min(self.crashes, len(RESPAWN_DELAYS_S) - 1)]
+                self.crashes += 1
+                self._schedule_respawn(index, delay)
                 log.error(
                     "instance process %d of model %s did not restart (%s); again in %.1fs", index, self.name, e, delay
                 )
@@ -498,6 +510,7 @@ class ProcessEngine:
         if self._closing:
             instance.stop()
             return
+        self.crashes = 0  # it started: the start-up backoff is over
         log.info("instance process %d of model %s restarted (pid %s)", index, self.name, instance.pid)
         self.idle_again(instance)
 
