@@ -88,6 +88,10 @@ class InstanceProcess(asyncio.Protocol):
         self._reader = FrameReader()
         self._pending: dict[int, asyncio.Future[list[Outcome]]] = {}
         self._next_id = 0
+        self._watchdog: asyncio.TimerHandle | None = None
+        """Kills the process when its batch in hand is not answered within ``instance_batch_timeout``."""
+        self.hung = False
+        """Whether the watchdog killed the process."""
 
     @property
     def pid(self) -> int | None:
@@ -113,7 +117,13 @@ class InstanceProcess(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         was_alive, self.alive = self.alive, False
+        self._stop_watchdog()
         what = f"instance process {self.index} of model {self.owner.name!r} (pid {self.pid}) exited"
+        if self.hung:
+            what = (
+                f"instance process {self.index} of model {self.owner.name!r} (pid {self.pid}) did not answer a batch "
+                f"within {self.owner.batch_timeout:g} s (instance_batch_timeout) and was killed"
+            )
         if not self.ready.done():
             self.ready.set_exception(EngineError(what + ("" if was_alive else " before it was ready")))
         for future in self._pending.values():
@@ -168,6 +178,28 @@ class InstanceProcess(asyncio.Protocol):
         }
         self._pending[self._next_id] = future
         self.transport.writelines(frame(head, *parts))
+        self._watchdog = asyncio.get_running_loop().call_later(self.owner.batch_timeout, self._kill_hung)
+
+    def _kill_hung(self) -> None:
+        """The batch in hand was not answered in time: the process is stopped or stuck, and would hold its requests
+        (and readiness) for ever. Killed, it is restarted and its batch rerun, as for any process that dies serving."""
+        self._watchdog = None
+        if self.process is None or not self.alive:
+            return
+        log.error(
+            "instance process %d of model %s (pid %s) did not answer a batch within %gs; killing it",
+            self.index,
+            self.owner.name,
+            self.pid,
+            self.owner.batch_timeout,
+        )
+        self.hung = True
+        self.process.kill()
+
+    def _stop_watchdog(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            self._watchdog = None
 
     def _hand(self, region: shared.Region) -> None:
         """Send the process a region's descriptor (on the side channel, before the frame that names it)."""
@@ -188,6 +220,7 @@ class InstanceProcess(asyncio.Protocol):
             self.transport.writelines(frame({"op": "exit"}))
 
     def _answer(self, head: dict[str, Any], payload: bytearray) -> None:
+        self._stop_watchdog()
         self.counts = head.get("counts", self.counts)
         self.forwards = self.counts.get("forwards", self.forwards)
         future = self._pending.pop(head["id"], None)
@@ -247,6 +280,7 @@ class ProcessEngine:
         self.in_place_bytes = 0
         """Input bytes instance processes read where they lay, in a front-end's shared memory, so far."""
         self._settings = settings.model_copy(update={"admin_token": None, "admin_token_file": None})
+        self.batch_timeout = settings.instance_batch_timeout
         self._manifest, self._version = manifest, loaded.version
         self._max_batch_size, self._fixed_shapes = max_batch_size, fixed_shapes
         self._weights: int | None = None

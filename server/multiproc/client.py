@@ -195,6 +195,7 @@ class RemoteModel:
     error: str | None
     precision: Precision | None
     available: bool = True
+    """Whether an instance can run a batch now, as the engine process last said (a table that does not say: yes)."""
     client: BackplaneClient | None = field(default=None, repr=False)
 
     @property
@@ -231,7 +232,7 @@ class RemoteService:
         for m in models:
             old = self._models.get(m["name"])
             if old is not None and old.version == m["version"] and old.precision == _precision(m["precision"]):
-                old.state, old.error, old.available = ModelState(m["state"]), m["error"], m["available"]
+                old.state, old.error, old.available = ModelState(m["state"]), m["error"], m.get("available", True)
                 fresh[m["name"]] = old  # keep its decoded manifest
                 continue
             fresh[m["name"]] = RemoteModel(
@@ -242,7 +243,7 @@ class RemoteService:
                 state=ModelState(m["state"]),
                 error=m["error"],
                 precision=_precision(m["precision"]),
-                available=m["available"],
+                available=m.get("available", True),
                 client=self.client,
             )
         self._models = fresh

@@ -181,3 +181,26 @@ async def test_a_request_that_kills_its_process_fails_alone_and_the_process_rest
         assert stats["instance_restarts"] == len(died_with) + 4  # type: ignore[index]
         assert stats["instance_start_failures"] == 0  # type: ignore[index]
         assert (await predict(client, 1.0)).status_code == 200
+
+
+async def test_a_hung_process_is_killed_by_the_watchdog_and_its_requests_answered_by_the_restarted_one(
+    tmp_path: Path,
+) -> None:
+    code, _, _ = save_crashing(tmp_path)
+    # A batch of this model takes milliseconds; 3 s is far past that on any host, and short for the test to wait out.
+    settings = processes(store=tmp_path / "store", code_path=[code], precision="fp32", instance_batch_timeout=3.0)
+    async with serving(settings) as client:
+        first = await pid_of(client)
+        os.kill(first, signal.SIGSTOP)  # hung: alive, its socket open, never answering
+        try:
+            replies = await asyncio.gather(*(predict(client, float(i)) for i in range(3)))
+        finally:
+            if alive(first):
+                os.kill(first, signal.SIGKILL)
+        # The watchdog killed it; the batch was rerun on the restarted process, a request at a time.
+        assert [r.status_code for r in replies] == [200] * 3, [r.text for r in replies]
+        assert not alive(first)
+        assert await pid_of(client) != first
+        assert (await client.get("/ready")).status_code == 200
+        stats = (await model(client, "crashing"))["stats"]
+        assert stats["instance_restarts"] == 1  # type: ignore[index]
