@@ -27,7 +27,7 @@ import torch
 from server import models, store
 from server import precision as prec
 from server.engine import EngineError, EngineInfo, PrecisionOverflowError
-from server.isolated import child, shared
+from server.isolated import child, handover, shared
 from server.isolated.wire import IN_FRAME, INPUT_REGION, REGION, ChildConfig, Memory, descr, dtype_of, region_sizes
 from server.multiproc.wire import FrameReader, frame
 from server.placement import Placement, available_cores
@@ -282,6 +282,10 @@ class ProcessEngine:
         self._settings = settings.model_copy(update={"admin_token": None, "admin_token_file": None})
         self.batch_timeout = settings.instance_batch_timeout
         self._manifest, self._version = manifest, loaded.version
+        self._registers = models.registered_in(manifest.architecture)
+        # What the processes build from besides the weights, as loaded: a restart builds what the others serve.
+        self._code = handover.operator_code(manifest.architecture, self._registers, settings.code_path)
+        self._hf_config = handover.hugging_face_config(loaded.module)
         self._max_batch_size, self._fixed_shapes = max_batch_size, fixed_shapes
         self._weights: int | None = None
         """A memfd of the host weights as safetensors bytes (:meth:`start` writes it), read by every process started,
@@ -364,7 +368,7 @@ class ProcessEngine:
             settings=self._settings,
             manifest=self._manifest,
             version=self._version,
-            registers=models.registered_in(self._manifest.architecture),
+            registers=self._registers,
             precision=self.precision.value,
             max_batch_size=self._max_batch_size,
             index=index,
@@ -372,6 +376,8 @@ class ProcessEngine:
             fixed_shapes=self._fixed_shapes,
             input_bytes=self._regions[0],
             output_bytes=self._regions[1],
+            code=self._code,
+            hf_config=self._hf_config,
         )
         instance = InstanceProcess(self, index, memory)
         process = self._context.Process(
