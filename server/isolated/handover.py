@@ -32,10 +32,15 @@ class Code:
     source: bytes
 
 
+_read: dict[tuple[str, str], Code] = {}
+"""Modules' sources as first read, by name and file: this process keeps running the module it imported once (a
+reload or a precision switch does not import it again), and so do the instance processes it starts."""
+
+
 def operator_code(architecture: str, registers: str | None, code_path: Iterable[Path]) -> Code | None:
     """The ``--code-path`` module ``architecture`` comes from (``module:factory``, or the module whose import
-    registered it), as this process imported it; None when it comes from elsewhere (halfserve's own models, an
-    installed package, a library) or is a package."""
+    registered it), as this process imported it (its source read when first asked, at the model's first load); None
+    when it comes from elsewhere (halfserve's own models, an installed package, a library) or is a package."""
     name = registers if registers is not None else architecture.partition(":")[0] if ":" in architecture else None
     module = sys.modules.get(name) if name is not None and "." not in name else None
     spec = getattr(module, "__spec__", None)
@@ -45,7 +50,10 @@ def operator_code(architecture: str, registers: str | None, code_path: Iterable[
     if origin.suffix != ".py" or not any(origin.is_relative_to(Path(p).resolve()) for p in code_path):
         return None
     assert name is not None
-    return Code(name, str(origin), origin.read_bytes())
+    key = (name, str(origin))
+    if key not in _read:
+        _read[key] = Code(name, str(origin), origin.read_bytes())
+    return _read[key]
 
 
 class _Handed(importlib.abc.Loader):
