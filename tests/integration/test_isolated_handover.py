@@ -16,7 +16,7 @@ import pytest
 
 from tests.integration.conftest import serving
 from tests.integration.test_isolated import alive, model, processes
-from tests.integration.test_isolated_restarts import save_crashing
+from tests.integration.test_isolated_restarts import module_name, save_crashing
 from tests.waiting import DEADLINE_S
 
 pytestmark = pytest.mark.slow
@@ -42,10 +42,11 @@ async def test_a_restarted_process_runs_the_code_path_module_as_loaded_not_as_it
     async with serving(processes(store=tmp_path / "store", code_path=[code], precision="fp32")) as client:
         body = {"inputs": [[1.0, 2.0, 3.0, 4.0]]}
         before = (await client.post("/predict", json=body)).json()["outputs"]
-        source = (code / "crashing.py").read_text()
+        path = code / f"{module_name(tmp_path)}.py"
+        source = path.read_text()
         changed = source.replace("return self.linear(x)", "return self.linear(x) + 1000.0")
         assert changed != source
-        (code / "crashing.py").write_text(changed)
+        path.write_text(changed)
         await restart_all(client, "crashing")
         after = await client.post("/predict", json=body)
         assert after.status_code == 200, after.text

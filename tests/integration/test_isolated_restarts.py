@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import textwrap
 import time
@@ -19,7 +20,7 @@ import torch
 from server import store
 from server.store import Batching, Manifest, TensorSpec
 from tests.integration.conftest import serving
-from tests.integration.test_isolated import alive, model, processes
+from tests.integration.test_isolated import model, processes
 from tests.waiting import DEADLINE_S
 
 pytestmark = pytest.mark.slow
@@ -63,17 +64,20 @@ CODE = textwrap.dedent(
 
 
 def save_crashing(root: Path, max_delay_ms: float = 2) -> tuple[Path, Path, Path]:
-    """A linear model from the operator's code (``crashing:build``) whose process dies on an input holding ``CRASH``
-    (noting the batch's rows in the deaths file) and whose start holds while the gate file exists. Returns the code
-    path, the gate and the deaths file."""
+    """A linear model from the operator's code (``<module>:build``, the module ``code / "<module>.py"``) whose process
+    dies on an input holding ``CRASH`` (noting the batch's rows in the deaths file) and whose start holds while the gate
+    file exists. Returns the code path, the gate and the deaths file.
+
+    The module's name is the test's own: this process keeps the first module it imports under a name, and each test's
+    module names its own files."""
     code, gate, deaths = root / "code", root / "gate", root / "deaths"
     code.mkdir()
-    (code / "crashing.py").write_text(CODE.format(gate=str(gate), deaths=str(deaths), crash=CRASH))
+    (code / f"{module_name(root)}.py").write_text(CODE.format(gate=str(gate), deaths=str(deaths), crash=CRASH))
     module = torch.nn.Module()
     module.linear = torch.nn.Linear(4, 3)
     manifest = Manifest(
         name="crashing",
-        architecture="crashing:build",
+        architecture=f"{module_name(root)}:build",
         arch_kwargs={"in_features": 4, "out_features": 3},
         inputs=[TensorSpec(name="x", shape=[4])],
         outputs=[TensorSpec(name="y", shape=[3])],
@@ -81,6 +85,20 @@ def save_crashing(root: Path, max_delay_ms: float = 2) -> tuple[Path, Path, Path
     )
     store.save(root / "store", manifest, module)
     return code, gate, deaths
+
+
+def dead(pid: int) -> bool:
+    """Whether process ``pid`` has exited: gone, or a zombie its parent has not reaped yet (multiprocessing reaps a
+    killed child at its next start, which may come before the child is a zombie)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return True
+    return stat.rpartition(")")[2].split()[0] in ("Z", "X")
+
+
+def module_name(root: Path) -> str:
+    return "crashing_" + re.sub(r"\W", "_", root.name)
 
 
 async def eventually(check: Callable[[], Awaitable[bool]], what: str) -> None:
@@ -171,7 +189,7 @@ async def test_a_request_that_kills_its_process_fails_alone_and_the_process_rest
         assert died_with[-1] == 1
         assert died_with.count(1) == 1
         assert len(died_with) <= 2
-        assert not alive(first)
+        assert dead(first)
         # A process killed by a request is no start-up crash loop: killed again and again, it is restarted at once
         # each time (the start-up backoff, 0.5 s then 2, 10 and 30 s, would hold these requests for 42 s).
         for _ in range(4):
@@ -195,11 +213,11 @@ async def test_a_hung_process_is_killed_by_the_watchdog_and_its_requests_answere
         try:
             replies = await asyncio.gather(*(predict(client, float(i)) for i in range(3)))
         finally:
-            if alive(first):
+            if not dead(first):
                 os.kill(first, signal.SIGKILL)
         # The watchdog killed it; the batch was rerun on the restarted process, a request at a time.
         assert [r.status_code for r in replies] == [200] * 3, [r.text for r in replies]
-        assert not alive(first)
+        assert dead(first)
         assert await pid_of(client) != first
         assert (await client.get("/ready")).status_code == 200
         stats = (await model(client, "crashing"))["stats"]
