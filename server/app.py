@@ -96,29 +96,46 @@ def create_app(settings: Settings | None = None, frontends: Frontends | None = N
         app.state.serving = state
         loading = asyncio.create_task(_load(repo), name="load-models")
         backplane, watching = None, None
-        if frontends is not None:
-            backplane = Backplane(
-                frontends.backplane_socket, repo, metrics, settings.http_workers, regions, frontends.secret
-            )
-            state.pending.append(backplane.missing)
-            await backplane.start()
-            frontends.start()
-            watching = asyncio.create_task(frontends.watch(), name="watch-frontends")
         app.state.frontends = frontends
-        if settings.grpc:
-            # After the front-ends are spawned: nothing of gRPC's runtime is in a process that starts them.
-            app.state.grpc = GrpcServer(state)
-            await app.state.grpc.start()
+        started = False
         try:
+            # Inside the try: a start-up failure past this point (the gRPC port taken) stops the front-ends already
+            # spawned and the models loading, so the process exits at once instead of waiting on its children.
+            if frontends is not None:
+                backplane = Backplane(
+                    frontends.backplane_socket,
+                    repo,
+                    metrics,
+                    settings.http_workers,
+                    regions,
+                    frontends.secret,
+                    frontends.connected.add,
+                )
+                state.pending.append(backplane.missing)
+                await backplane.start()
+                frontends.start()
+                watching = asyncio.create_task(frontends.watch(), name="watch-frontends")
+            if settings.grpc:
+                # After the front-ends are spawned: nothing of gRPC's runtime is in a process that starts them.
+                app.state.grpc = GrpcServer(state)
+                await app.state.grpc.start()
+            started = True
             yield
+        except Exception as e:
+            if not started:
+                app.state.startup_error = e
+            raise
         finally:
             # Under uvicorn this runs after the server stopped listening and its requests in flight were answered
             # (or cancelled at the drain timeout); what is still queued now belongs to no caller or a late one.
             begin_drain(app)
-            if frontends is not None and backplane is not None and watching is not None:
-                # The front-ends answer what they hold through the backplane, so it and the engines outlive them.
+            if watching is not None:
                 watching.cancel()
-                await frontends.join(settings.drain_timeout)
+            if frontends is not None:
+                # The front-ends answer what they hold through the backplane, so it and the engines outlive them;
+                # at a failed start they hold nothing.
+                await frontends.join(settings.drain_timeout if started else 0.0)
+            if backplane is not None:
                 await backplane.close()
             grpc_server: GrpcServer | None = getattr(app.state, "grpc", None)
             if grpc_server is not None:

@@ -47,8 +47,8 @@ SAMPLE_LENGTH = 16
 RANDOM_KEY = "random"
 """The calibration file's metadata key saying its samples were drawn at random (``"true"``), not given."""
 INT_RANGE = 100
-"""Random integer inputs are drawn from ``[0, INT_RANGE)`` (token ids of a small vocabulary, class indices), or from
-fewer values where the model's first embedding table is smaller."""
+"""Random integer inputs of a model without an embedding are drawn from ``[0, INT_RANGE)`` (class indices, small
+counts); a model with one draws them below its first embedding table's size (token ids of its whole vocabulary)."""
 IMAGE_SUFFIXES = frozenset({".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff"})
 _MODES = {1: "L", 3: "RGB", 4: "RGBA"}
 
@@ -136,10 +136,10 @@ def at_load(loaded: LoadedModel, count: int = RANDOM_SAMPLES) -> Samples:
 
 
 def int_range(module: nn.Module) -> int:
-    """The values random integer inputs are drawn below: :data:`INT_RANGE`, or the size of the model's first
-    embedding table where that is smaller (a token id past it would fail the forward)."""
+    """The values random integer inputs are drawn below: the size of the model's first embedding table (its
+    vocabulary: every token id it takes, none past it, which would fail the forward), else :data:`INT_RANGE`."""
     embedding = next((m for m in module.modules() if isinstance(m, nn.Embedding)), None)
-    return INT_RANGE if embedding is None else max(1, min(INT_RANGE, embedding.num_embeddings))
+    return INT_RANGE if embedding is None else max(1, embedding.num_embeddings)
 
 
 def random_samples(specs: list[TensorSpec], count: int, high: int = INT_RANGE) -> Samples:

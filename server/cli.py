@@ -7,6 +7,7 @@ import logging
 import os
 import re
 import shutil
+import signal
 import socket
 import sys
 import tempfile
@@ -102,7 +103,14 @@ def serve(args: argparse.Namespace) -> int:
     where: dict[str, Any] = {"host": settings.host, "port": settings.port}
     if settings.http_workers > 1:
         # The front-ends share the listening socket; this process serves its API to them on a Unix socket.
-        frontends = Frontends(settings, listen(settings.host, settings.port), tempfile.mkdtemp(prefix="halfserve-"))
+        try:
+            sock = listen(settings.host, settings.port)
+        except OSError as e:
+            print(
+                f"halfserve serve: cannot listen on {settings.host}:{settings.port}: {e.strerror or e}", file=sys.stderr
+            )
+            return STARTUP_FAILURE
+        frontends = Frontends(settings, sock, tempfile.mkdtemp(prefix="halfserve-"))
         where = {"uds": frontends.api_socket}
     app = create_app(settings, frontends)
     config = uvicorn_config(app, settings, log_config, app.direct_routes(), **where)
@@ -111,11 +119,27 @@ def serve(args: argparse.Namespace) -> int:
         if frontends is not None:
             shutil.rmtree(os.path.dirname(frontends.api_socket), ignore_errors=True)
 
+    server = DrainingServer(config, lambda: begin_drain(app), remove_temporary_files)
+    if frontends is not None:
+        frontends.on_failure = lambda: server.handle_exit(signal.SIGTERM, None)
     try:
-        DrainingServer(config, lambda: begin_drain(app), remove_temporary_files).run()
+        server.run()
+    except SystemExit as e:  # uvicorn's exit when its start failed: the cause, as the last line, for a supervisor
+        # The app's start failed with startup_error, or else (uvicorn's only other exit at start) the port's bind,
+        # whose error uvicorn logged above.
+        default = f"cannot listen on {settings.host}:{settings.port} (the error above)"
+        print(f"halfserve serve: could not start: {getattr(app.state, 'startup_error', default)}", file=sys.stderr)
+        return e.code if isinstance(e.code, int) and e.code != 0 else STARTUP_FAILURE
     finally:
         remove_temporary_files()  # also when the server failed to start
+    if frontends is not None and frontends.failure is not None:
+        print(f"halfserve serve: {frontends.failure}", file=sys.stderr)
+        return STARTUP_FAILURE
     return 0
+
+
+STARTUP_FAILURE = 3
+"""The exit status when the server could not start (a port taken, a process that failed at start): uvicorn's."""
 
 
 def listen(host: str, port: int) -> socket.socket:

@@ -12,10 +12,13 @@ manifest's ``evaluation``. The version is written as the next one, with its mani
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import pickle
 import re
 import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -121,7 +124,9 @@ def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
     for key in ("state_dict", "model"):
         if isinstance(obj, dict) and isinstance(obj.get(key), dict):
             obj = obj[key]
-    if not isinstance(obj, dict) or not obj or not all(isinstance(v, torch.Tensor) for v in obj.values()):
+    if isinstance(obj, dict) and not obj:
+        raise ImportFailure(f"{path}: an empty state dict (no tensors); save the model's state_dict() after training")
+    if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
         raise ImportFailure(f"{path}: expected a state dict (names to tensors), found {type(obj).__name__}")
     if all(k.startswith("module.") for k in obj):  # saved from DataParallel / DistributedDataParallel
         obj = {k.removeprefix("module."): v for k, v in obj.items()}
@@ -143,8 +148,15 @@ def derive_outputs(module: nn.Module, inputs: list[TensorSpec]) -> list[TensorSp
         (torch.ones if t.mask_for else torch.zeros)((2, *t.bounded(SAMPLE_LENGTH)), dtype=torch_dtype(t.datatype.numpy))
         for t in inputs
     ]
-    with torch.inference_mode():
-        y = _call(module, inputs, x)
+    try:
+        with torch.inference_mode():
+            y = _call(module, inputs, x)
+    except (RuntimeError, ValueError, TypeError, IndexError) as e:  # the declared inputs do not fit the model
+        declared = ", ".join(f"{t.name} {t.datatype.value} {t.shape}" for t in inputs)
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ImportFailure(
+            f"--input {declared}: the model's forward fails on rows of it ({reason}); {_first_layer(module)}"
+        ) from None
     if isinstance(y, torch.Tensor):
         named = {"output": y}
     elif isinstance(y, dict):  # ModelOutput is an OrderedDict
@@ -161,6 +173,22 @@ def derive_outputs(module: nn.Module, inputs: list[TensorSpec]) -> list[TensorSp
     if not specs:
         raise ImportFailure("the model returned no tensor with one row per input row; give its outputs with --output")
     return specs
+
+
+def _first_layer(module: nn.Module) -> str:
+    """What the model's first layer with weights takes per sample, to set beside a declared ``--input`` shape."""
+    for name, layer in module.named_modules():
+        if isinstance(layer, nn.Conv1d | nn.Conv2d | nn.Conv3d):
+            spatial = ", ".join(["N"] * (len(layer.kernel_size)))
+            takes = f"[{layer.in_channels}, {spatial}] per sample (channels, then size)"
+        elif isinstance(layer, nn.Linear):
+            takes = f"[..., {layer.in_features}] per sample"
+        elif isinstance(layer, nn.Embedding):
+            takes = f"integer ids below {layer.num_embeddings} (an INT64 input)"
+        else:
+            continue
+        return f"its first layer, {name} ({type(layer).__name__}), takes {takes}"
+    return "give --input as the model's forward takes it"
 
 
 @dataclass
@@ -214,6 +242,8 @@ def import_model(
     )
     model_dir = root / store.check_name(name)
     if hugging_face:
+        if not (auto := architecture.removeprefix(models.TRANSFORMERS)).startswith("Auto"):
+            raise ImportFailure(_auto_class_needed(source, auto))
         module = store.build(model_dir, draft, source)
         state = read_state_dict(source / store.WEIGHTS) if (source / store.WEIGHTS).is_file() else {}
         store.load_weights(module, state, source / store.WEIGHTS, architecture)
@@ -238,19 +268,22 @@ def import_model(
         raise ImportFailure(f"the model fails on its calibration samples ({given.source}): {e}") from None
     if padded is not None and not padded.invariant and not padded.accepted:
         raise ImportFailure(f"{source}: {padding.reason(padded, unsaved)}")
-    before = _Before.of(model_dir)
-    vdir = _copy_folder(source, root, manifest) if hugging_face else store.save(root, manifest, module)
-    given.save(vdir)
+    stage = Stage.open(model_dir)
     try:
-        measured = _measure(root, name, int(vdir.name), device or precision.default_device())
+        if hugging_face:
+            _copy_files(source, stage.path, manifest)
+        else:
+            store.write_weights(stage.path, module, {"name": manifest.name})
+        given.save(stage.path)
+        measured = _measure(model_dir, manifest, stage.path, device or precision.default_device())
+        held_to = fidelity.bar(manifest)
+        shortfall = fidelity.shortfall(measured, held_to) if held_to.check else None
+        if shortfall is not None and strict:
+            raise ImportFailure(f"--strict: below the fidelity bar: {shortfall}; nothing was written to {model_dir}")
+        vdir = stage.install()
     except BaseException:
-        before.restore(vdir)  # a model whose samples do not run is not left half imported
+        stage.discard()  # a refused or failed import leaves no version behind, and no model folder it created
         raise
-    held_to = fidelity.bar(manifest)
-    shortfall = fidelity.shortfall(measured, held_to) if held_to.check else None
-    if shortfall is not None and strict:
-        before.restore(vdir)
-        raise ImportFailure(f"--strict: below the fidelity bar: {shortfall}; nothing was written to {model_dir}")
     half = measured.precision
     evaluation = {
         "calibration_samples": measured.samples,
@@ -260,33 +293,77 @@ def import_model(
         f"{half}_min_cosine": measured.min_cosine,
     }
     manifest = manifest.model_copy(update={"evaluation": evaluation})
+    # After the version is in place: killed in between, the store holds the new version under the old manifest, and
+    # the server passes over a version that does not load for the one before it.
     store.write_manifest(root, manifest)
     return Imported(vdir, manifest, given.source, measured, padded, shortfall)
 
 
-@dataclass(frozen=True)
-class _Before:
-    """A model folder as it was before an import wrote to it, so a refused import (``--strict``) leaves it so."""
+STAGE_PREFIX = ".import-"
+"""How the folder an import writes its version into is named: ``.import-<pid>-<random>`` beside the version folders.
+The store's version scan never takes it (:func:`server.manifest.versions`); it becomes the next numbered version
+only once complete, by one rename, so the server never sees a version half written."""
 
-    model_dir: Path
-    existed: bool
-    manifest: bytes | None
+
+@dataclass(frozen=True)
+class Stage:
+    """The folder an import writes its version into, in the model's folder (so the rename stays on one file system)."""
+
+    path: Path
+    created_model_dir: bool
 
     @classmethod
-    def of(cls, model_dir: Path) -> _Before:
-        path = model_dir / store.MANIFEST
-        return cls(model_dir, model_dir.exists(), path.read_bytes() if path.is_file() else None)
+    def open(cls, model_dir: Path) -> Stage:
+        """A new stage in ``model_dir`` (created if need be), after removing what killed imports left there."""
+        created = not model_dir.exists()
+        model_dir.mkdir(parents=True, exist_ok=True)
+        for leftover in model_dir.glob(STAGE_PREFIX + "*"):
+            if not _writer_alive(leftover.name):
+                shutil.rmtree(leftover, ignore_errors=True)
+        return cls(Path(tempfile.mkdtemp(dir=model_dir, prefix=f"{STAGE_PREFIX}{os.getpid()}-")), created)
 
-    def restore(self, version_dir: Path) -> None:
-        if not self.existed:
-            shutil.rmtree(self.model_dir, ignore_errors=True)
-            return
-        shutil.rmtree(version_dir, ignore_errors=True)
-        path = self.model_dir / store.MANIFEST
-        if self.manifest is None:
-            path.unlink(missing_ok=True)
-        else:
-            path.write_bytes(self.manifest)
+    def install(self) -> Path:
+        """Rename the stage to the model's next version number; returns the version folder."""
+        model_dir = self.path.parent
+        self.path.chmod(0o777 & ~_umask())  # mkdtemp makes it owner-only; a version folder is as others are
+        while True:
+            present = store.versions(model_dir)
+            vdir = model_dir / str(present[-1] + 1 if present else 1)
+            try:
+                self.path.rename(vdir)
+            except OSError:
+                if not vdir.exists():
+                    raise
+                continue  # another import took that number meanwhile
+            return vdir
+
+    def discard(self) -> None:
+        shutil.rmtree(self.path, ignore_errors=True)
+        if self.created_model_dir:
+            with contextlib.suppress(OSError):  # not empty: another import wrote there meanwhile
+                self.path.parent.rmdir()
+
+
+def _writer_alive(stage_name: str) -> bool:
+    """Whether the import that named a stage ``.import-<pid>-...`` may still be writing it: its process exists."""
+    pid = stage_name.removeprefix(STAGE_PREFIX).partition("-")[0]
+    if not pid.isascii() or not pid.isdigit():
+        return False
+    if int(pid) == os.getpid():
+        return True  # this process's own: another import running beside this one (its failures discard their own)
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # exists, owned by another user
+        return True
+    return True
+
+
+def _umask() -> int:
+    umask = os.umask(0)
+    os.umask(umask)
+    return umask
 
 
 def _samples(path: Path | None, manifest: Manifest, module: nn.Module, count: int, folder: Path | None) -> Samples:
@@ -355,31 +432,34 @@ def _folder_needs_transformers(source: Path, architecture: str) -> str:
     )
 
 
+def _auto_class_needed(source: Path, named: str) -> str:
+    """Why ``transformers:<named>``, a model class rather than an auto class, cannot build ``source``, and the auto
+    class that can (its task's: ``BertForSequenceClassification`` is ``AutoModelForSequenceClassification``)."""
+    task = named.partition("For")[2]
+    return (
+        f"--architecture transformers:{named}: a Hugging Face folder is built by the auto class of its task, from its "
+        f"config.json; use --architecture transformers:{f'AutoModelFor{task}' if task else 'AutoModel'}"
+    )
+
+
 def _derived(spec: TensorSpec) -> InputFormat | None:
     layout = spec.image_format
     return None if layout is InputFormat.NONE else layout
 
 
-def _copy_folder(source: Path, root: Path, manifest: Manifest) -> Path:
-    """A Hugging Face folder's config and weights as the next version of ``manifest.name``, with the manifest."""
-    model_dir = root / manifest.name
-    model_dir.mkdir(parents=True, exist_ok=True)
-    present = store.versions(model_dir)
-    vdir = model_dir / str(present[-1] + 1 if present else 1)
-    vdir.mkdir()
+def _copy_files(source: Path, version_dir: Path, manifest: Manifest) -> None:
+    """A Hugging Face folder's config, weights and tokenizer into the folder of the version being imported."""
     files = ["config.json", store.WEIGHTS]
     if manifest.text is not None:
         files.append(manifest.text.tokenizer)
     for file in files:
         if not (source / file).is_file():
             raise ImportFailure(f"{source / file}: not found (the model folder needs it)")
-        shutil.copyfile(source / file, vdir / file)
-    store.write_manifest(root, manifest)
-    return vdir
+        shutil.copyfile(source / file, version_dir / file)
 
 
-def _measure(root: Path, name: str, version: int, device: torch.device) -> fidelity.Fidelity:
-    loaded = store.load(root, name, version)
+def _measure(model_dir: Path, manifest: Manifest, version_dir: Path, device: torch.device) -> fidelity.Fidelity:
+    loaded = store.load_folder(model_dir, manifest, version_dir, 0)
     samples = fidelity.samples(loaded)
     # The precision the server would serve in there; where that is fp32 (auto on a CPU without native bf16), the
     # half precision it would take elsewhere, so the figure is there when the model moves.

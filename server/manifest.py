@@ -52,6 +52,12 @@ WEIGHTS = "model.safetensors"
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
 _NAME_RE = re.compile(NAME_PATTERN)
 MAX_TENSORS = 16
+MAX_JSON_BYTES = 4 * 1024 * 1024
+"""The largest manifest (or other JSON file of a model folder) the store reads. Checked before reading: parsing JSON
+takes several times its size in memory (a 340 MB manifest took 1.46 GB), so a huge file fails its model, named."""
+_VERSION_NAME = re.compile(r"[1-9][0-9]{0,8}")
+"""A version folder's name: the number as ``str(int)`` writes it. ``isdigit()`` alone takes ``²`` (which ``int()``
+refuses) and ``07`` (which ``str(7)`` never names); dot-prefixed folders (an import being written) never match."""
 """Inputs or outputs a model may declare."""
 
 
@@ -694,27 +700,51 @@ def describe(err: ValidationError) -> str:
     return "; ".join(parts)
 
 
+def read_json(path: Path) -> Any:
+    """The JSON value of a model folder's file ``path``, at most :data:`MAX_JSON_BYTES` long; a file that is too large,
+    unreadable, not JSON or nested too deeply for the parser is a :class:`StoreError` naming it. Raises
+    ``FileNotFoundError`` when there is no such file."""
+    size = path.stat().st_size
+    if size > MAX_JSON_BYTES:
+        raise StoreError(f"{path}: {size} bytes, over the {MAX_JSON_BYTES}-byte limit on a model folder's JSON files")
+    try:
+        with path.open("rb") as f:
+            data = f.read(MAX_JSON_BYTES + 1)  # bounded again: the file may have grown since its size was read
+    except FileNotFoundError:
+        raise
+    except OSError as e:
+        raise StoreError(f"{path}: cannot be read ({e.strerror or e})") from None
+    if len(data) > MAX_JSON_BYTES:
+        raise StoreError(f"{path}: over the {MAX_JSON_BYTES}-byte limit on a model folder's JSON files")
+    try:
+        return json.loads(data)
+    except ValueError as e:  # JSONDecodeError, or bytes that are not text
+        raise StoreError(f"{path}: not valid JSON ({e})") from None
+    except RecursionError:
+        raise StoreError(f"{path}: not valid JSON (nested too deeply)") from None
+
+
 def load_manifest(model_dir: Path) -> Manifest:
     """Read and validate ``<model_dir>/config.json``; errors name the file and the field."""
     path = model_dir / MANIFEST
     try:
-        raw = json.loads(path.read_text())
+        raw = read_json(path)
     except FileNotFoundError:
         raise StoreError(f"{path}: manifest not found") from None
-    except json.JSONDecodeError as e:
-        raise StoreError(f"{path}: not valid JSON ({e})") from None
     try:
         manifest = Manifest.model_validate(raw)
     except ValidationError as e:
         raise StoreError(f"{path}: {describe(e)}") from None
+    except RecursionError:  # within the parser's depth, but past the validator's
+        raise StoreError(f"{path}: nested too deeply") from None
     if manifest.name != model_dir.name:
         raise StoreError(f"{path}: name: {manifest.name!r} does not match its folder {model_dir.name!r}")
     return manifest
 
 
 def versions(model_dir: Path) -> list[int]:
-    """Version numbers present under ``model_dir``, ascending."""
-    return sorted(int(p.name) for p in model_dir.iterdir() if p.is_dir() and p.name.isdigit() and int(p.name) > 0)
+    """Version numbers present under ``model_dir``, ascending (folders named as :data:`_VERSION_NAME` says)."""
+    return sorted(int(p.name) for p in model_dir.iterdir() if _VERSION_NAME.fullmatch(p.name) and p.is_dir())
 
 
 def resolve_version(model_dir: Path, manifest: Manifest, pinned: int | None = None) -> int:

@@ -93,6 +93,9 @@ class ServedModel:
     index_limits: dict[str, int] = field(default_factory=dict)
     """The integer inputs that index an embedding, each with its table's row count (:mod:`server.indices`): ids
     outside ``0 .. count - 1`` are refused before they are queued."""
+    failed_versions: dict[int, str] = field(default_factory=dict)
+    """Versions that failed to load in place of this one, each with the reason: newer ones passed over at start-up,
+    or one a load or reload tried while this one kept serving."""
 
     @property
     def overflows(self) -> int:
@@ -238,6 +241,7 @@ class ServedModel:
             "warmup_seconds": round(self.warmup_seconds, 4),
             "execution": _execution(info) if info else m.execution.model_dump(mode="json"),
             "loaded_at": self.loaded_at,
+            "failed_versions": [{"version": v, "error": e} for v, e in sorted(self.failed_versions.items())],
             "stats": self.stats(),
         }
 
@@ -285,25 +289,58 @@ class ModelRepository:
 
     def discover(self) -> None:
         """Validate the manifests of the models to serve and what their architectures build against their checkpoints,
-        and register them. A model whose architecture is refused or does not build (or fit its checkpoint) is
-        registered as failed, with the reason, and the others are served; when none is left to serve, this fails
-        fast, naming each file and field."""
+        and register them. A version whose architecture is refused or does not build (or fit its checkpoint) is passed
+        over for the newest older one that does (unless the version is pinned); a model with no such version is
+        registered as failed, with the reason, and one whose manifest cannot be read is left out, logged. The others
+        are served; when none is left to serve, this fails fast, naming each file and field."""
         root = self.settings.store
         names = self.settings.models or store.model_names(root)
         if not names:
             raise StoreError(f"{root}: no model folder with a {store.MANIFEST}")
         failures = []
         for name in names:
-            served = self._register(name)
             try:
-                store.check_architecture(self.settings.store / name, served.manifest, served.version)
-            except StoreError as e:
-                served.state, served.error = ModelState.FAILED, str(e)
+                served = self._register(name)
+            except (StoreError, OSError) as e:  # one malformed model folder must not keep the others from serving
                 failures.append(str(e))
-                log.error("model %s failed to load: %s", name, e)
+                log.error("model %s cannot be served: %s", name, e)
+                continue
+            served = self._checked(served)
+            if served.state is ModelState.FAILED:
+                failures.append(served.error or "")
             self.models[name] = served
         if len(failures) == len(names):
             raise StoreError("; ".join(failures))
+
+    def _checked(self, served: ServedModel) -> ServedModel:
+        """``served``, or its newest older version whose architecture builds and fits its checkpoint; failed, with the
+        reason, when none does."""
+        failed: dict[int, str] = {}
+        candidate: ServedModel | None = served
+        while candidate is not None:
+            try:
+                store.check_architecture(self.settings.store / served.name, candidate.manifest, candidate.version)
+            except StoreError as e:
+                failed[candidate.version] = str(e)
+                log.error("model %s v%d failed to load: %s", served.name, candidate.version, e)
+                candidate = self._older(candidate)
+            else:
+                candidate.failed_versions = failed
+                return candidate
+        served.state, served.error = ModelState.FAILED, failed[served.version]
+        return served
+
+    def _older(self, served: ServedModel) -> ServedModel | None:
+        """The newest version of ``served``'s model older than it, to serve in its place; ``None`` when there is none
+        or the manifest pins the version (the operator asked for that one)."""
+        if served.manifest.version is not None:
+            return None
+        model_dir = self.settings.store / served.name
+        try:
+            older = [v for v in store.versions(model_dir) if v < served.version]
+        except OSError:
+            return None
+        return self._register(served.name, older[-1]) if older else None
 
     def fixed_shapes(self) -> bool:
         """Whether every registered model's engine pads batches to bucket sizes on this device."""
@@ -327,16 +364,40 @@ class ModelRepository:
         )
 
     async def load_all(self) -> None:
-        """Load and warm every discovered model, one after another; a failure marks that model failed."""
+        """Load and warm every discovered model, one after another: its newest version that loads (see
+        :meth:`_load_newest`); a model none of whose versions loads is marked failed."""
         for served in list(self.models.values()):
             if served.state is ModelState.FAILED:  # refused at discovery, with its reason
                 continue
             async with self._lock(served.name):
-                try:
-                    await self._load(served)
-                except Exception as e:  # a broken checkpoint must not stop the other models from serving
-                    served.state, served.error = ModelState.FAILED, str(e)
-                    log.error("model %s failed to load: %s", served.name, e)
+                self.models[served.name] = await self._load_newest(served)
+
+    async def _load_newest(self, served: ServedModel) -> ServedModel:
+        """Load ``served``, else its newest older version that loads (unless the version is pinned), so a version that
+        fails never takes down one that would serve; the versions passed over are kept in ``failed_versions``, with
+        why, and logged. Returns the model loaded, or ``served`` marked failed, with its reason, when none loads."""
+        failed = dict(served.failed_versions)
+        candidate: ServedModel | None = served
+        while candidate is not None:
+            try:
+                await self._load(candidate)
+            except Exception as e:  # a broken checkpoint must not stop the other models (or versions) from serving
+                failed[candidate.version] = str(e)
+                log.error("model %s v%d failed to load: %s", served.name, candidate.version, e)
+                candidate = await asyncio.to_thread(self._older, candidate)
+            else:
+                candidate.failed_versions = failed
+                if failed:
+                    log.warning(
+                        "model %s serves v%d, its newest version that loads; passed over: %s",
+                        served.name,
+                        candidate.version,
+                        "; ".join(f"v{v}: {e}" for v, e in sorted(failed.items(), reverse=True)),
+                    )
+                return candidate
+        served.state, served.error = ModelState.FAILED, failed[served.version]
+        served.failed_versions = failed
+        return served
 
     def _observer(self, served: ServedModel, engine: AnyEngine) -> BatchObserver | None:
         return self.observe(served.name, served.version, engine.precision.value) if self.observe else None
@@ -497,7 +558,9 @@ class ModelRepository:
         ``version`` defaults to the store's served version (the manifest's pin, else the highest); ``precision``
         sets the model's precision from now on. A model being served keeps answering from its old instance until
         the new one is warm, then the old one drains; a model not being served shows as loading (so readiness
-        answers "not ready") until it is warm. If loading fails, the model is left as it was.
+        answers "not ready") until it is warm. If loading fails, the model is left as it was: one being served keeps
+        serving, with the version that failed and why in its ``failed_versions``; one that is not, asked for no
+        particular version, is served from its newest older version that loads, as at start-up.
 
         Raises :class:`StoreError` for a model or version the store does not hold, or a checkpoint that fails.
         """
@@ -512,7 +575,7 @@ class ModelRepository:
             if precision is not None:
                 self.precisions[name] = precision
             try:
-                await self._load(served)
+                served = await self._load_or_older(served, old, asked_for_version=version is not None)
             except BaseException:
                 _restore(self.precisions, name, before)
                 if old is None:
@@ -522,8 +585,36 @@ class ModelRepository:
                 raise
             self.models[name] = served
             if old is not None:
+                # Newer versions that failed are still passed over: a reload of the one served keeps naming them.
+                passed_over = {v: e for v, e in old.failed_versions.items() if v > served.version}
+                served.failed_versions = {**passed_over, **served.failed_versions}
                 await self._release(old)
             return served
+
+    async def _load_or_older(
+        self, served: ServedModel, old: ServedModel | None, asked_for_version: bool
+    ) -> ServedModel:
+        """Load ``served``, or raise why not; a version that fails is noted on ``old`` where that one serves, and
+        where none serves and no version was asked for, the newest older version that loads is served instead."""
+        try:
+            await self._load(served)
+        except Exception as e:
+            if old is not None and old.batcher is not None:
+                old.failed_versions[served.version] = str(e)
+                log.error(
+                    "model %s v%d failed to load; v%d goes on serving: %s", old.name, served.version, old.version, e
+                )
+                raise
+            older = None if asked_for_version else await asyncio.to_thread(self._older, served)
+            if older is None:
+                raise
+            log.error("model %s v%d failed to load: %s", served.name, served.version, e)
+            older.failed_versions = {served.version: str(e)}
+            loaded = await self._load_newest(older)
+            if loaded.state is not ModelState.READY:
+                raise
+            return loaded
+        return served
 
     async def reload(self, name: str, precision: Precision | None = None) -> ServedModel:
         """Read the version ``name`` serves (or last served) again from the store; see :meth:`load`."""
@@ -572,7 +663,8 @@ class ModelRepository:
             await batcher.stop()
             served.final_stats = batcher.stats
         if engine is not None:
-            engine.close()
+            # Off the event loop: it waits for instance threads or processes to end (seconds for a hung one).
+            await asyncio.to_thread(engine.close)
         served.engine = None
 
     @property

@@ -426,7 +426,9 @@ def find(models: Mapping[str, M], name: str | None) -> M:
     if name is None:
         if len(models) == 1:
             return next(iter(models.values()))
-        raise ModelNotFoundError(f"several models are served ({', '.join(models)}); name one")
+        if models:  # the request's fault, not a model missing: a 400 naming the field to add
+            raise InvalidInputError(f'model: several models are served ({", ".join(models)}); name one with "model"')
+        raise ModelNotFoundError(f"{UNKNOWN_MODEL}none is served to take a request without a model's name")
     try:
         return models[name]
     except KeyError:

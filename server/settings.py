@@ -70,12 +70,23 @@ class Settings(BaseSettings):
     """Calls (HTTP/2 streams) one gRPC connection may have open at once; the server advertises it, and a client that
     opens more has them refused by the protocol (``SETTINGS_MAX_CONCURRENT_STREAMS``)."""
     grpc_idle_timeout: float = Field(default=60.0, gt=0.0, le=86400.0)
-    """Seconds a gRPC connection may go without a call before the server closes it (``GOAWAY``; clients reconnect on
-    their next call); also how long a ``ModelStreamInfer`` stream may wait for its next request."""
+    """Seconds a ``ModelStreamInfer`` stream may wait for its next request. A gRPC connection with no call in progress
+    is closed (``GOAWAY``; clients reconnect on their next call) after ``header_timeout``, or this if shorter: an idle
+    connection holds one of ``max_connections``."""
     grpc_pending_bytes: int = Field(default=256 * 2**20, ge=2**20)
     """Bytes that gRPC calls still receiving their request message may hold in all. Each such call is counted at the
     largest message the server accepts (the models' largest request, at most ``max_body_bytes``); a call past the
     budget is refused (``RESOURCE_EXHAUSTED``) before its message is read."""
+    grpc_peer_share: float = Field(default=0.5, gt=0.0, le=1.0)
+    """The share of ``grpc_pending_bytes``' calls (at least one) that calls from one client address may hold, so one
+    client cannot take them all; a client behind a proxy shares its address with the proxy's other clients."""
+    grpc_peer_connections: int = Field(default=128, ge=1)
+    """gRPC connections one client address may hold; its newest past this are closed within half a second (on Linux),
+    so one client cannot hold every one of ``max_connections``."""
+    grpc_receive_grace: float = Field(default=2.0, gt=0.0, le=3600.0)
+    """Seconds a gRPC call, or a stream between requests, waits for its request message before its share of
+    ``grpc_pending_bytes`` may go to a call that needs it (the waiting one then ends, ``DEADLINE_EXCEEDED``): a
+    client's message comes with its call, so a silent call holds its share only while no one else needs it."""
     grpc_compression: bool = False
     """Accept gzip- and deflate-compressed gRPC messages. Off: refused (``UNIMPLEMENTED``), as no ratio can be
     checked (the gRPC runtime inflates a message before the server sees it) and zeros compress a thousandfold. On: a
@@ -126,6 +137,10 @@ class Settings(BaseSettings):
     """Bytes per second a request body must arrive at, on average, once its first ``body_timeout`` seconds are over
     (a body must be whole within ``body_timeout`` plus its size over this rate); then 408 and the connection is closed.
     The gap of ``body_timeout`` alone is no bound: a byte every 20 s would hold a connection for ever."""
+    send_timeout: float = Field(default=30.0, gt=0.0, le=3600.0)
+    """Seconds what the server has to send on a connection may wait for the client to read it (its answers past the
+    socket's buffers, or the rest of a closed connection's); then the connection is dropped. A client that pipelines
+    requests and reads no answer would otherwise hold its connection for ever."""
     max_url_bytes: int = Field(default=8192, ge=256)
     """Longest request target (path and query); a longer one gets 414 before it is read whole."""
     max_header_bytes: int = Field(default=65536, ge=1024)

@@ -11,7 +11,6 @@ weights come from safetensors, and architectures are looked up by name in :mod:`
 
 from __future__ import annotations
 
-import json
 import os
 import tempfile
 from dataclasses import dataclass
@@ -58,6 +57,7 @@ from server.manifest import (
     pack,
     packs_records,
     padded_length,
+    read_json,
     resolve_version,
     sent_inputs,
     sequence_input,
@@ -97,6 +97,7 @@ __all__ = [
     "key_mismatch",
     "length_bucket",
     "load",
+    "load_folder",
     "load_manifest",
     "load_weights",
     "model_names",
@@ -111,6 +112,7 @@ __all__ = [
     "versions",
     "weights_bytes",
     "write_manifest",
+    "write_weights",
 ]
 """The store's own names, and the manifest's (:mod:`server.manifest`) it re-exports for the code that loads models."""
 
@@ -130,9 +132,14 @@ def load(root: Path, name: str, version: int | None = None) -> LoadedModel:
     model_dir = root / check_name(name)
     manifest = load_manifest(model_dir)
     v = resolve_version(model_dir, manifest, version)
-    vdir = model_dir / str(v)
-    path = vdir / WEIGHTS
-    module = build(model_dir, manifest, vdir)
+    return load_folder(model_dir, manifest, model_dir / str(v), v)
+
+
+def load_folder(model_dir: Path, manifest: Manifest, version_dir: Path, version: int) -> LoadedModel:
+    """``manifest``'s model with the weights in ``version_dir``: a version folder, or the folder an import writes
+    before it becomes one (:mod:`server.importer`)."""
+    path = version_dir / WEIGHTS
+    module = build(model_dir, manifest, version_dir)
     if not path.is_file():
         raise StoreError(f"{path}: checkpoint not found")
     try:
@@ -140,7 +147,7 @@ def load(root: Path, name: str, version: int | None = None) -> LoadedModel:
     except Exception as e:  # safetensors raises its own error types for corrupt headers
         raise StoreError(f"{path}: cannot read safetensors checkpoint ({e})") from None
     load_weights(module, state, path, manifest.architecture)
-    return LoadedModel(manifest=manifest, version=v, module=module.float().eval(), path=path)
+    return LoadedModel(manifest=manifest, version=version, module=module.float().eval(), path=path)
 
 
 def weights_bytes(module: nn.Module) -> bytes:
@@ -186,7 +193,9 @@ def build(model_dir: Path, manifest: Manifest, version_dir: Path, hf_config: dic
         module = factory(**manifest.arch_kwargs)
     except TypeError as e:
         raise StoreError(f"{where}: arch_kwargs: {e}") from None
-    except Exception as e:  # the factory is code: whatever it raises fails this model's load, named, not the server
+    except KeyboardInterrupt:
+        raise
+    except BaseException as e:  # the factory is code: whatever it raises (SystemExit too) fails this model alone
         raise StoreError(
             f"{where}: architecture: {manifest.architecture!r} failed to build: {type(e).__name__}: {e}"
         ) from None
@@ -222,13 +231,13 @@ def _hugging_face(where: Path, manifest: Manifest, version_dir: Path, handed: di
                 f"model with save_pretrained(folder, safe_serialization=True) to get {WEIGHTS}"
             )
     try:
-        config_json = handed if handed is not None else json.loads(config_path.read_text())
+        config_json = handed if handed is not None else read_json(config_path)
     except FileNotFoundError:
         raise StoreError(
             f"{config_path}: a {manifest.architecture!r} version folder needs the model's config.json"
         ) from None
-    except json.JSONDecodeError as e:
-        raise StoreError(f"{config_path}: not valid JSON ({e})") from None
+    if not isinstance(config_json, dict):
+        raise StoreError(f"{config_path}: expected a JSON object, found {type(config_json).__name__}")
     remote = [k for k in HF_REMOTE_CODE if k in config_json]
     if remote:
         raise StoreError(
@@ -349,15 +358,21 @@ def save(root: Path, manifest: Manifest, module: nn.Module, version: int | None 
         version = present[-1] + 1 if present else 1
     vdir = model_dir / str(version)
     vdir.mkdir(parents=True, exist_ok=True)
+    write_weights(vdir, module, {"name": manifest.name, "version": str(version)})
+    write_manifest(root, manifest)
+    return vdir
+
+
+def write_weights(version_dir: Path, module: nn.Module, metadata: dict[str, str]) -> Path:
+    """Write ``module``'s weights, floating ones in fp32, as ``version_dir``'s checkpoint."""
     state = {
         k: (v.detach().float() if v.is_floating_point() else v.detach()).contiguous().cpu()
         for k, v in module.state_dict().items()
     }
-    weights = vdir / WEIGHTS
-    save_file(state, str(weights), metadata={"name": manifest.name, "version": str(version)})
+    weights = version_dir / WEIGHTS
+    save_file(state, str(weights), metadata=metadata)
     # safetensors creates the file owner-only; a store built by one user is often served by another (containers).
     umask = os.umask(0)
     os.umask(umask)
     weights.chmod(0o666 & ~umask)
-    write_manifest(root, manifest)
-    return vdir
+    return weights

@@ -9,7 +9,8 @@ Tokenizing runs off the event loop, on a few threads of its own (:func:`encode_o
 takes the tokenizer a while (seconds for megabytes), during which the loop goes on answering health checks and other
 clients, and ``encode_batch`` lets go of the GIL while it works. How much one request may carry is bounded before
 it gets there: rows as for any request, each text's bytes by the manifest's ``text.max_bytes``, and all of a
-request's texts together by the server's ``max_text_bytes``.
+request's texts together by the server's ``max_text_bytes``; each text is tokenized no further than its input's
+``max_length`` tokens reach, and past :data:`TOKENIZER_QUEUE` waiting requests a request is refused, not queued.
 """
 
 from __future__ import annotations
@@ -36,6 +37,11 @@ class TokenizerUnavailableError(TextError):
     installed. The server's problem, not the request's (a 503, as a missing checkpoint is)."""
 
 
+class TokenizerBusyError(TextError):
+    """More requests wait to be tokenized than the queue holds (:data:`TOKENIZER_QUEUE`): a 503 with ``Retry-After``,
+    as a full batch queue is."""
+
+
 class Encoder:
     """One version's tokenizer, bound to the input it feeds (cheap to make: the tokenizer is read once, by
     :func:`encoder`)."""
@@ -59,16 +65,18 @@ class Encoder:
                 strings.append(raw.decode("utf-8"))
             except UnicodeDecodeError as e:
                 raise TextError(f"{field}[{i}]: not UTF-8 ({e.reason} at byte {e.start})") from None
-        # One tokenizer object, shared by the tokenizing threads without a lock: its encode_batch only reads it (its
-        # padding and truncation are set once, when it is read) and lets go of the GIL, so a long request leaves the
-        # model's other text requests to the other threads.
-        ids = [e.ids for e in self.tokenizer.encode_batch(strings)]
+        ids, cut = self._token_ids(strings)
         lengths = []
         for i, row in enumerate(ids):
             if not row:
                 raise TextError(f"{field}[{i}]: the text gives no tokens")
+            where = f"{field}[{i}]: input {self.spec.name!r}"
+            if i in cut and not self.spec.truncate:  # only its first tokens were made: say "more than", not a count
+                raise TextError(
+                    f"{where}: more than {self.spec.max_length} tokens, longer than its max_length (or set truncate)"
+                )
             try:
-                lengths.append(check_length(self.spec, len(row), f"{field}[{i}]: input {self.spec.name!r}"))
+                lengths.append(check_length(self.spec, len(row), where))
             except PackError as e:
                 raise TextError(str(e)) from None
         width = max(lengths)
@@ -76,6 +84,77 @@ class Encoder:
         for i, (row, n) in enumerate(zip(ids, lengths, strict=True)):
             out[i, :n] = row[:n]
         return {self.spec.name: out, self.spec.name + LENGTH: np.asarray(lengths, dtype=np.int32)}
+
+    def _token_ids(self, strings: list[str]) -> tuple[list[list[int]], set[int]]:
+        """Each string's token ids, and the rows of which only the first ``max_length`` tokens and more were made.
+
+        A text is tokenized no further than ``max_length`` tokens can reach: 16 texts of 65,000 ``!`` took a
+        tokenizing thread 1.5 s whole, to be refused for their length afterwards. A long text's head is tokenized
+        first, :data:`_REACH` characters per token it may use; its tokens are the whole text's own up to the head's
+        last word (a pre-tokenizer splits words by what precedes them, and an added token can only span the head's
+        end in its last characters), so once those are more than ``max_length`` the rest cannot change the row's
+        first ``max_length`` tokens nor that it is too long. Otherwise the head doubles, up to the whole text: a text
+        that fits is always tokenized whole, its ids as they would be without the cut.
+        """
+        limit = self.spec.max_length
+        # One tokenizer object, shared by the tokenizing threads without a lock: its encode_batch only reads it (its
+        # padding and truncation are set once, when it is read) and lets go of the GIL, so a long request leaves the
+        # model's other text requests to the other threads.
+        if limit is None:
+            return [e.ids for e in self.tokenizer.encode_batch(strings)], set()
+        ids: list[list[int]] = [[] for _ in strings]
+        cut: set[int] = set()
+        reach, margin = _reach(self.tokenizer)
+        head = (limit + 2) * reach + margin
+        pending = list(range(len(strings)))
+        while pending:
+            heads = [strings[i] if len(strings[i]) <= head else strings[i][:head] for i in pending]
+            still = []
+            for i, piece, enc in zip(pending, heads, self.tokenizer.encode_batch(heads), strict=True):
+                if len(piece) == len(strings[i]):
+                    ids[i] = enc.ids
+                elif (kept := _settled(enc, len(piece) - margin)) > limit:
+                    ids[i] = enc.ids[:kept]
+                    cut.add(i)
+                else:
+                    still.append(i)
+            pending, head = still, head * 2
+        return ids, cut
+
+
+_REACH = 4
+"""Characters per token a text's head is given on top of the longest token: the spaces and characters a normalizer
+drops between tokens (the head doubles while it falls short, so this sets the first try, not what is right)."""
+
+
+@functools.lru_cache(maxsize=64)
+def _reach(tokenizer: Any) -> tuple[int, int]:
+    """Characters a token may take of a text at first try, and the characters at a head's end whose tokens may
+    differ from the whole text's (the longest added token's, plus one for a normalizer joining characters)."""
+    longest = max((len(t) for t in tokenizer.get_vocab(with_added_tokens=False)), default=1)
+    added = tokenizer.get_added_tokens_decoder().values()
+    return longest + _REACH, max((len(t.content) for t in added), default=0) + 1
+
+
+def _settled(enc: Any, end: int) -> int:
+    """How many of a head's first tokens (``enc``) the whole text gives too: those of its words wholly before
+    character ``end``, but its last word, which may go on in the text (a token of no word, the post-processor's,
+    counts at the start only)."""
+    words: list[int | None] = enc.word_ids
+    offsets: list[tuple[int, int]] = enc.offsets
+    last = max((w for w in words if w is not None), default=None)
+    kept = 0
+    for i, (word, (_, stop)) in enumerate(zip(words, offsets, strict=True)):
+        if word is None and i == kept:
+            kept += 1
+            continue
+        if word is None or word == last or stop > end:
+            break
+        kept = i + 1
+    # The word the count stopped in may go on past the head: none of its tokens is settled.
+    while 0 < kept < len(words) and words[kept] is not None and words[kept - 1] == words[kept]:
+        kept -= 1
+    return kept
 
 
 @functools.lru_cache(maxsize=64)
@@ -135,13 +214,31 @@ def _encode(
     return encoder(store, name, version, manifest).encode(texts, field)
 
 
+TOKENIZER_QUEUE = 64
+"""Requests of this process that may wait for a tokenizing thread, beyond those being tokenized; one more is refused
+(:class:`TokenizerBusyError`) rather than queued behind work no deadline bounds. They are taken in turn, each no more
+than its rows' ``max_length`` tokens (:meth:`Encoder.encode`), so no request waits behind more than the queue's."""
+
+_admitted = 0
+"""Requests of this process waiting for or on a tokenizing thread (counted on the event loop, which alone admits)."""
+
+
 async def encode_off_loop(
     store: Path, name: str, version: int, manifest: Manifest, texts: Sequence[bytes | str], field: str
 ) -> dict[str, np.ndarray]:
     """:meth:`Encoder.encode` of model ``name``'s version's encoder, run on a tokenizing thread (the tokenizer is read
-    there too, the first time); raises what it raises."""
-    call = functools.partial(_encode, store, name, version, manifest, texts, field)
-    return await asyncio.get_running_loop().run_in_executor(_executor(), call)
+    there too, the first time); raises what it raises, and :class:`TokenizerBusyError` when the queue is full."""
+    global _admitted
+    if _admitted >= TOKENIZER_THREADS + TOKENIZER_QUEUE:
+        raise TokenizerBusyError(
+            f"{field}: the server is tokenizing {_admitted} requests' texts, as many as it holds; retry shortly"
+        )
+    _admitted += 1
+    try:
+        call = functools.partial(_encode, store, name, version, manifest, texts, field)
+        return await asyncio.get_running_loop().run_in_executor(_executor(), call)
+    finally:
+        _admitted -= 1
 
 
 def text_bytes(texts: Sequence[bytes | str], limit: int) -> int:

@@ -3,8 +3,11 @@ server that runs an app over it (:class:`DrainingServer`, :func:`uvicorn_config`
 
 The protocol also holds each connection to :class:`HttpLimits`: how long its request line and headers, and each gap
 in its body, may take, and how slowly its body may arrive (408), how long its request target (414) and headers (431)
-may be, and how many connections a process keeps open (503). uvicorn has none of these but a keep-alive timeout, so
-an idle or trickling connection, or 200 MiB of headers, would be held for as long as the client likes.
+may be, how long its answers may wait for the client to read them (then it is dropped), and how many connections a
+process keeps open (503). uvicorn has none of these but a keep-alive timeout, so an idle or trickling connection, a
+client that reads no answer, or 200 MiB of headers, would be held for as long as the client likes. A request answered
+before its body was read whole (refused from its headers) closes its connection: uvicorn would go on reading the body,
+with no timer left, for as long as the client takes to send it.
 
 Past the connection cap, :data:`PROBE_CONNECTIONS` more connections are read for a health or readiness probe, which is
 answered; any other request on them gets the 503. So a cap held by slow clients does not fail the orchestrator's
@@ -64,7 +67,7 @@ class CoalescedWrites:
         """Write a whole message now (after what this iteration already holds): nothing to coalesce it with."""
         if self._parts:
             self.writelines([data])
-        elif not self._transport.is_closing():
+        elif not self.is_closing():
             self._transport.write(data)
 
     def writelines(self, parts: list[bytes | memoryview]) -> None:
@@ -76,12 +79,15 @@ class CoalescedWrites:
         if not self._parts:
             return
         parts, self._parts = self._parts, []
-        if not self._transport.is_closing():
+        if not self.is_closing():
             self._transport.writelines(parts)  # one writev under uvloop, one sendmsg under asyncio: no joined copy
 
     def close(self) -> None:
         self.flush()  # what was written before the close goes first, as it would have
         self._transport.close()
+
+    def is_closing(self) -> bool:
+        return bool(self._transport.is_closing())
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._transport, name)
@@ -91,7 +97,11 @@ class CoalescingHttpToolsProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol over :class:`CoalescedWrites`: a response's head and body in one write."""
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        super().connection_made(CoalescedWrites(transport))  # type: ignore[arg-type]
+        super().connection_made(self.writes(transport))  # type: ignore[arg-type]
+
+    def writes(self, transport: asyncio.BaseTransport) -> CoalescedWrites:
+        """The connection's transport, as the protocol writes to it."""
+        return CoalescedWrites(transport)
 
 
 class Answer(Protocol):
@@ -189,6 +199,7 @@ class HttpLimits:
     max_header_bytes: int = _default("max_header_bytes")
     max_connections: int = _default("max_connections")
     min_body_rate: int = _default("min_body_rate")
+    send_timeout: float = _default("send_timeout")
 
 
 @dataclass
@@ -203,6 +214,25 @@ class _Census:
 
 class _Refused(Exception):
     """Raised from a parser callback to stop parsing; the refusal itself is already recorded on the protocol."""
+
+
+class _ConnectionWrites(CoalescedWrites):
+    """A connection's writes, closed by its protocol (:meth:`LimitedHttpProtocol.close_connection`): uvicorn closes
+    a connection through its transport, after an answer or once idle."""
+
+    def __init__(self, transport: asyncio.BaseTransport, protocol: LimitedHttpProtocol) -> None:
+        super().__init__(transport)
+        self.socket: Any = transport
+        """The socket's own transport, which this one writes to and closes."""
+        self.lingering = False
+        """Closing: its answer is sent and its FIN, and what still arrives is read and dropped for a moment."""
+        self._protocol = protocol
+
+    def close(self) -> None:
+        self._protocol.close_connection()
+
+    def is_closing(self) -> bool:
+        return self.lingering or bool(self.socket.is_closing())
 
 
 class LimitedHttpProtocol(CoalescingHttpToolsProtocol):
@@ -226,7 +256,15 @@ class LimitedHttpProtocol(CoalescingHttpToolsProtocol):
         self._head_bytes = 0
         self._header_bytes = 0
         self._refused = False
-        """Answered with a refusal: what still arrives is dropped."""
+        """Answered before its request was read whole (a refusal, or the app's answer while the body was still
+        arriving), and closing: what still arrives is dropped."""
+        self._keep_alive_after_body = False
+        """Whether the connection stays open after its request's answer, once the body is read (until then it
+        cannot: see :meth:`_close_after_early_answer`)."""
+        self._out: _ConnectionWrites
+        """The connection's transport (``self.transport``, as uvicorn types it)."""
+        self._send_timer: asyncio.TimerHandle | None = None
+        """Armed while what the connection has to send waits for the client to read it (``send_timeout``)."""
         self._idle_since: float | None = None
         """When the connection's last response went out with no request after it; None while one is arriving."""
         self._standby = False
@@ -245,6 +283,10 @@ class LimitedHttpProtocol(CoalescingHttpToolsProtocol):
         return type(cls.__name__, (cls,), attributes)
 
     # Connection ----------------------------------------------------------------------------------------------------
+
+    def writes(self, transport: asyncio.BaseTransport) -> CoalescedWrites:
+        self._out = _ConnectionWrites(transport, self)
+        return self._out
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
@@ -272,6 +314,9 @@ class LimitedHttpProtocol(CoalescingHttpToolsProtocol):
         self.census.admitted.discard(self)
         self.census.standby.pop(self, None)
         self._disarm()
+        if self._send_timer is not None:
+            self._send_timer.cancel()
+            self._send_timer = None
         super().connection_lost(exc)
         if self.timeout_keep_alive_task is not None:
             self.timeout_keep_alive_task.cancel()
@@ -325,6 +370,10 @@ class LimitedHttpProtocol(CoalescingHttpToolsProtocol):
         if self.timeout_keep_alive_task is None:
             self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive, self._keep_alive_expired)
 
+    def shutdown(self) -> None:
+        self._keep_alive_after_body = False  # nor once its body is read
+        super().shutdown()
+
     def _unset_keepalive_if_required(self) -> None:
         self._idle_since = None  # bytes arrived: the connection is busy until its next response
 
@@ -343,6 +392,7 @@ class LimitedHttpProtocol(CoalescingHttpToolsProtocol):
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self._in_head, self._head_bytes, self._header_bytes = True, 0, 0
+        self._keep_alive_after_body = False
 
     def on_url(self, url: bytes) -> None:
         super().on_url(url)
@@ -368,7 +418,10 @@ class LimitedHttpProtocol(CoalescingHttpToolsProtocol):
             return
         handler = self._direct_handler()
         if handler is None:
+            before = self.cycle
             super().on_headers_complete()
+            if self.cycle is not before:  # not an upgrade
+                self._close_after_early_answer()
             return
         # What uvicorn's on_headers_complete does for a plain request on an idle connection, with a DirectCycle.
         scope: Any = self.scope
@@ -388,7 +441,15 @@ class LimitedHttpProtocol(CoalescingHttpToolsProtocol):
             keep_alive=http_version != "1.0" and self.parser.should_keep_alive(),
             on_response=self.on_response_complete,
         )
+        self._close_after_early_answer()
         self._start_asgi_task(self.cycle, handler)  # type: ignore[arg-type]
+
+    def _close_after_early_answer(self) -> None:
+        """An answer sent before the request's body is read whole closes the connection (``connection: close``,
+        then a lingering close): the rest of the body would otherwise have to be read, for as long as the client
+        takes, before the next request could begin. Until its body is whole, the request's cycle is told the
+        connection is not kept; :meth:`on_message_complete` tells it what the request asked for."""
+        self._keep_alive_after_body, self.cycle.keep_alive = self.cycle.keep_alive, False
 
     def _direct_handler(self) -> DirectHandler | None:
         """The :attr:`direct` handler for the request whose headers just ended, with its scope's method and path set;
@@ -427,6 +488,8 @@ class LimitedHttpProtocol(CoalescingHttpToolsProtocol):
         self._in_body = False
         self._body_since, self._body_bytes = None, 0
         self._disarm()
+        if self.cycle is not None and not self.cycle.response_started:
+            self.cycle.keep_alive = self._keep_alive_after_body
         super().on_message_complete()
 
     # Timeouts and refusals -----------------------------------------------------------------------------------------
@@ -512,18 +575,72 @@ class LimitedHttpProtocol(CoalescingHttpToolsProtocol):
             head += "retry-after: 1\r\n"
         self.transport.write(head.encode("latin-1") + b"\r\n" + body)
         if linger:
-            # The client may still be sending the head: closing with unread bytes would reset the connection and
-            # lose the answer on its way. Send the answer and a FIN, read and drop what still comes for a moment
-            # (a "lingering close", as nginx does), then close.
-            writes = self.transport
-            if isinstance(writes, CoalescedWrites):
-                writes.flush()
-            if self.transport.can_write_eof():
-                self.transport.write_eof()
-            self.loop.call_later(LINGER_S, self.transport.close)
+            self._linger()  # the client may still be sending its request
         else:
-            self.transport.close()
+            self._close_now()
         self.logger.info("%s: %d %s", self.client or "client", status, message)
+
+    # Closing -------------------------------------------------------------------------------------------------------
+
+    def close_connection(self) -> None:
+        """Close the connection after what was written (every close comes here, uvicorn's through the transport):
+        at once, or lingering while its request's body is still arriving."""
+        if self._out.is_closing():
+            return
+        if self._in_body:
+            self._refused = True  # answered early (uvicorn wrote connection: close): the rest is dropped
+            self._linger()
+        else:
+            self._close_now()
+
+    def _linger(self) -> None:
+        """Closing with unread bytes would reset the connection and lose the answer on its way: send the answer and
+        a FIN, read and drop what still comes for ``LINGER_S`` (a "lingering close", as nginx does), then close."""
+        self._disarm()
+        out = self._out
+        out.flush()
+        if out.socket.can_write_eof():
+            out.socket.write_eof()
+        out.lingering = True
+        self.flow.resume_reading()  # a body the app had not read yet may have paused it
+        self.loop.call_later(LINGER_S, self._close_now)
+
+    def _close_now(self) -> None:
+        """Close the socket once what was written is sent, or drop it if that is still unsent after
+        ``send_timeout``: a close waits for the client to read, and one that never does would hold the socket."""
+        out = self._out
+        out.flush()
+        if out.socket.is_closing():
+            return
+        out.socket.close()
+        if out.socket.get_write_buffer_size():
+            self._arm_send()
+
+    # Sending -------------------------------------------------------------------------------------------------------
+    # The transport pauses the protocol when its buffer is past its high-water mark (the socket's own buffers are
+    # full: the client is not reading) and resumes it once the buffer drains. A response waits for that, as does
+    # every pipelined request behind it; a client that never reads would hold the connection for ever.
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        self._arm_send()
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        if self._send_timer is not None and not self._out.socket.is_closing():  # a closing one must drain whole
+            self._send_timer.cancel()
+            self._send_timer = None
+
+    def _arm_send(self) -> None:
+        if self._send_timer is None:
+            self._send_timer = self.loop.call_later(self.limits.send_timeout, self._send_timed_out)
+
+    def _send_timed_out(self) -> None:
+        self._send_timer = None
+        unsent = self._out.socket.get_write_buffer_size()
+        what = f"{unsent} bytes of answers not read by the client within {self.limits.send_timeout:g} s (send_timeout)"
+        self.logger.info("%s: %s: connection dropped", self.client or "client", what)
+        self._out.socket.abort()
 
 
 class DrainingServer(uvicorn.Server):

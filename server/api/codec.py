@@ -11,15 +11,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from server import text
 from server.api.errors import APIError
+from server.api.limits import COMPRESSED_BYTES
 from server.manifest import DataType, PackError, TensorSpec, check_length
 from server.serving import ModelHandle
+from server.settings import Settings
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
 """The binary tensor extension's header: the byte length of the JSON object at the start of the body."""
@@ -180,18 +181,30 @@ def checked_length(spec: TensorSpec, length: int, field: str) -> None:
 
 
 async def encode_texts(
-    texts: Sequence[bytes | str], field: str, served: ModelHandle, store: Path, max_text_bytes: int
+    texts: Sequence[bytes | str], field: str, served: ModelHandle, settings: Settings
 ) -> dict[str, np.ndarray]:
     """A request's texts as the named inputs the model takes (token ids and each row's length), tokenized with the
-    version's tokenizer off the event loop; a 413 naming ``field`` when they carry more than ``max_text_bytes``, a
+    version's tokenizer off the event loop; a 413 naming ``field`` when they carry more than ``max_text_bytes`` (or
+    than ``max_compression_ratio`` times the compressed body they came in), a
     400 naming the row for a text it cannot take, a 503 when the server cannot tokenize (its tokenizer file missing
-    or unreadable)."""
+    or unreadable), a 503 with ``Retry-After`` when more requests wait to be tokenized than the queue holds."""
+    max_text_bytes = settings.max_text_bytes
     if text.text_bytes(texts, max_text_bytes) > max_text_bytes:
         raise APIError(413, f"{field}: texts of more than {max_text_bytes} bytes in one request (max_text_bytes)")
+    compressed = COMPRESSED_BYTES.get()
+    inflated = max_text_bytes if compressed is None else int(settings.max_compression_ratio * compressed)
+    if inflated < max_text_bytes and text.text_bytes(texts, inflated) > inflated:
+        raise APIError(
+            413,
+            f"{field}: texts of more than {inflated} bytes from a body of {compressed} compressed bytes "
+            f"(max_compression_ratio: {settings.max_compression_ratio:g})",
+        )
     try:
-        return await text.encode_off_loop(store, served.name, served.version, served.manifest, texts, field)
+        return await text.encode_off_loop(settings.store, served.name, served.version, served.manifest, texts, field)
     except text.TokenizerUnavailableError as e:  # the server's files, not the request: as a missing checkpoint
         raise APIError(503, f"model {served.name!r} cannot take text now: {e}") from None
+    except text.TokenizerBusyError as e:  # as a full batch queue
+        raise APIError(503, str(e), {"Retry-After": "1"}) from None
     except text.TextError as e:
         raise APIError(400, str(e)) from None
 

@@ -7,6 +7,7 @@ its repository (:func:`repository`).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import math
@@ -21,7 +22,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from server.api import lockout
-from server.api.errors import APIError, error_responses
+from server.api.errors import APIError, HeldError, error_responses
 from server.api.limits import parse_json, raw_header, read_body
 from server.serving import (
     UNKNOWN_MODEL,
@@ -176,7 +177,8 @@ def client_address(request: Request) -> str:
 def require_admin(request: Request) -> None:
     """Fail with 403 when no admin token is configured, 401 when the request does not carry it, 429 instead of 401
     when wrong tokens came too often lately from its address or from all
-    (:class:`~server.api.lockout.FailedAttempts`)."""
+    (:class:`~server.api.lockout.FailedAttempts`), answered only after the lockout's tarpit holds it
+    (:class:`~server.api.errors.HeldError`)."""
     check_admin(state(request), client_address(request), request.headers.get("authorization", ""))
 
 
@@ -200,7 +202,7 @@ def check_admin(app: AppState, who: str, authorization: str) -> None:
         seconds = str(math.ceil(wait))
         source = "every address" if attempts.retry_after_all() > 0 else who
         message = f"too many wrong admin tokens from {source}; retry in {seconds} s"
-        raise APIError(429, message, {"Retry-After": seconds})
+        raise HeldError(429, message, {"Retry-After": seconds}, functools.partial(lockout.tarpit(app).hold, who))
     if attempts.retry_after(who) > 0:
         log.warning(
             "admin token: too many wrong tokens lately (the last from %s); further wrong ones are answered 429", who

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import orjson
@@ -34,6 +35,23 @@ class APIError(Exception):
         self.status = status
         self.message = message
         self.headers = headers
+
+
+class HeldError(APIError):
+    """An error whose answer waits until ``hold`` returns, on whichever protocol answers it: a wrong admin token past
+    the lockout's limit (:class:`~server.api.lockout.Tarpit`)."""
+
+    def __init__(
+        self, status: int, message: str, headers: dict[str, str] | None, hold: Callable[[], Awaitable[None]]
+    ) -> None:
+        super().__init__(status, message, headers)
+        self.hold = hold
+
+
+async def held(e: BaseException) -> None:
+    """Wait as long as ``e`` asks before it is answered (at once for any error but a :class:`HeldError`)."""
+    if isinstance(e, HeldError):
+        await e.hold()
 
 
 def count(value: object, field: str, what: str = "a non-negative integer") -> int:
@@ -141,6 +159,7 @@ def install(app: FastAPI) -> None:
 
     async def api_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, (APIError, ServingError))
+        await held(exc)
         err = from_exception(exc)
         return error_response(err.status, err.message, err.headers)
 

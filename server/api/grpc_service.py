@@ -13,11 +13,12 @@ Management calls (repository load and unload and index, shared memory registrati
 Limits of the transport itself (:mod:`server.api.grpc_limits`): a message over the largest request a served model
 takes (at most ``max_body_bytes``) is refused (``RESOURCE_EXHAUSTED``) before it is read whole, compressed ones
 unless ``grpc_compression``, metadata over ``max_header_bytes`` too; a connection that has not finished its HTTP/2
-handshake within ``header_timeout`` is closed, one idle for ``grpc_idle_timeout`` too, and one past
+handshake within ``header_timeout`` is closed, one without a call for as long too, and one past
 ``max_connections``; a connection has at most ``grpc_max_streams`` calls open. A call's request message must arrive
 whole within ``body_timeout`` (``DEADLINE_EXCEEDED``), and calls receiving one share ``grpc_pending_bytes``; at most
 ``max_connections`` inference calls run at once (one more is ``RESOURCE_EXHAUSTED``), and a stream has at most
-:data:`STREAM_IN_FLIGHT` requests in flight. The health checks are counted in none of these but their own.
+:data:`STREAM_IN_FLIGHT` requests in flight, each until its answer is written. The health checks are counted in none
+of these but their own.
 """
 
 from __future__ import annotations
@@ -39,11 +40,14 @@ from server.api.dataplane.decode import parse_request, tokenize
 from server.api.dataplane.infer import infer
 from server.api.dataplane.metadata import EXTENSIONS, SERVER_NAME, metadata
 from server.api.deps import check_admin, of_version, why_not_ready
-from server.api.errors import APIError, from_exception
+from server.api.errors import APIError, from_exception, held
 from server.api.grpc_codec import infer_payload, infer_response
 from server.api.grpc_limits import PROBES, Admission, message_cap, parse, server_options
+from server.api.grpc_peers import PeerConnections
+from server.api.limits import row_limit
 from server.api.shm import admitted_regions
 from server.api.telemetry import request_labels
+from server.manifest import sample_values
 from server.serving import (
     AppState,
     Interface,
@@ -75,8 +79,9 @@ STATUS_CODES: dict[int, grpc.StatusCode] = {
 """The gRPC status code of each HTTP status an error has on the HTTP routes."""
 
 STREAM_IN_FLIGHT = 256
-"""Most requests of one ``ModelStreamInfer`` stream queued at once; the stream is read no further until one is
-answered (HTTP/2 flow control then holds the client back)."""
+"""Most requests of one ``ModelStreamInfer`` stream in flight at once, from when one is read until its answer is
+written: the stream is read no further until one is (HTTP/2 flow control then holds the client back), so a client
+that does not read its answers holds no more than this many."""
 
 Handler = Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]
 Call = Callable[[AsyncIterator[bytes], grpc.aio.ServicerContext], Awaitable[Any]]
@@ -84,6 +89,12 @@ Call = Callable[[AsyncIterator[bytes], grpc.aio.ServicerContext], Awaitable[Any]
 
 def status_code(status: int) -> grpc.StatusCode:
     return STATUS_CODES.get(status, grpc.StatusCode.UNKNOWN)
+
+
+def _refusal(e: Exception) -> tuple[grpc.StatusCode, str]:
+    """The gRPC status and message that answer ``e``."""
+    err = from_exception(e)
+    return status_code(err.status), err.message
 
 
 def _client(context: grpc.aio.ServicerContext) -> str:
@@ -192,7 +203,7 @@ class InferenceService:
             served = self._model(request.model_name, request.model_version)
             check_ready(served, request.model_version or None)
             settings = self.state.settings
-            payload, binary = infer_payload(request, served)
+            payload, binary = await infer_payload(request, served, settings)
             regions = partial(admitted_regions, self.state, _client(context), _authorization(context))
             req = await tokenize(parse_request(payload, binary, served, settings, regions), served, settings)
             try:
@@ -206,7 +217,12 @@ class InferenceService:
             status = err.status
             if status >= 500:
                 log.warning("gRPC ModelInfer failed: %s", err.message)
-            raise err from None
+            try:
+                raise err from None
+            finally:
+                # Its traceback holds this frame, and the frame the request: kept here, the error would make a cycle
+                # that only a full collection frees, every refused request in it.
+                del err
         finally:
             self._record(served, result, status, time.perf_counter() - start)
 
@@ -226,7 +242,7 @@ class InferenceService:
         """Requests in, responses out as each is answered (not in order: a client matches them by ``id``); an error
         answers its request with ``error_message`` and the stream goes on. A stream with no request in flight that
         sends none for ``grpc_idle_timeout`` is ended (``DEADLINE_EXCEEDED``)."""
-        answers: asyncio.Queue[Any | None] = asyncio.Queue()
+        answers: asyncio.Queue[Any | None] = asyncio.Queue()  # at most STREAM_IN_FLIGHT: each holds a slot of room
         room = asyncio.Semaphore(STREAM_IN_FLIGHT)
         running: set[asyncio.Task[None]] = set()
         failure: list[APIError] = []
@@ -235,17 +251,16 @@ class InferenceService:
             try:
                 response = pb.ModelStreamInferResponse(infer_response=await self._infer(request, context))
             except APIError as e:
+                await held(e)
                 response = pb.ModelStreamInferResponse(error_message=e.message)
                 response.infer_response.id = request.id
                 response.infer_response.model_name = request.model_name
-            finally:
-                room.release()
-            await answers.put(response)
+            answers.put_nowait(response)
 
         async def next_request() -> bytes | None:
             """The stream's next message; a stream idle (nothing in flight) past the idle timeout fails."""
             idle = self.state.settings.grpc_idle_timeout
-            reading = asyncio.ensure_future(self.admission.receive(context, probe=False, stream=True))
+            reading = asyncio.ensure_future(self.admission.receive(context, _client(context), probe=False, stream=True))
             try:
                 while not (await asyncio.wait({reading}, timeout=idle))[0]:
                     if not running:
@@ -257,26 +272,31 @@ class InferenceService:
         async def read() -> None:
             try:
                 with self.admission.inference():
-                    while (raw := await next_request()) is not None:
+                    while True:
+                        await room.acquire()  # a slot for the next request's answer, freed once it is written
+                        if (raw := await next_request()) is None:
+                            break
                         try:
-                            request = await parse(raw, pb.ModelInferRequest, "ModelInferRequest", self._elements)
+                            request = await parse(raw, pb.ModelInferRequest, "ModelInferRequest", self._values)
                         except APIError as e:
-                            await answers.put(pb.ModelStreamInferResponse(error_message=e.message))
+                            answers.put_nowait(pb.ModelStreamInferResponse(error_message=e.message))
                             continue
-                        await room.acquire()
                         task = asyncio.create_task(answer(request))
                         running.add(task)
                         task.add_done_callback(running.discard)
                     await asyncio.gather(*running)
             except APIError as e:
-                failure.append(e)
+                failure.append(e.with_traceback(None))  # its traceback holds this frame and the last message
+                # A stream ended by its reading (idle, or its slot given up) still sends the answers in flight.
+                await asyncio.gather(*running, return_exceptions=True)
             finally:
                 answers.put_nowait(None)  # the end of the stream, however the reading ended
 
         reader = asyncio.create_task(read())
         try:
             while (response := await answers.get()) is not None:
-                yield response
+                yield response  # back here once grpcio has written it
+                room.release()
             await reader  # a failure to read the stream fails the call
             if failure:
                 await context.abort(status_code(failure[0].status), failure[0].message)
@@ -285,9 +305,21 @@ class InferenceService:
             for task in list(running):
                 task.cancel()
 
-    @property
-    def _elements(self) -> int:
-        return self.state.settings.max_request_elements
+    def _values(self, model_name: str) -> tuple[int, str]:
+        """Most values one input of a request to ``model_name`` may hold, and the setting that decides it: the
+        model's most rows of its values per row, within ``max_request_elements`` (that alone where no such model is
+        served: the request is refused by name once parsed). Called in a worker thread for a large message."""
+        settings = self.state.settings
+        most = settings.max_request_elements, "max_request_elements"
+        try:
+            served = self.state.service.get(model_name or None)
+        except Exception:
+            return most
+        rows, setting = row_limit(settings, served.batching)
+        per_row = max(sample_values(served.manifest), 1)
+        if rows * per_row >= most[0]:
+            return most
+        return rows * per_row, f"model {served.name!r}: {rows} rows ({setting}) of {per_row} values"
 
     # Repository and shared memory (management: the admin token) -------------------------------------------------
 
@@ -395,16 +427,23 @@ class InferenceService:
         infer = name == "ModelInfer"
         what = message.DESCRIPTOR.name
 
+        async def answer(context: grpc.aio.ServicerContext) -> Any:
+            raw = await self.admission.receive(context, _client(context), probe=probe)
+            if raw is None:
+                raise APIError(400, "request: the call ended before its request message")
+            request = await parse(raw, message, what, self._values if infer else None)
+            return await handler(request, context)
+
         async def call(requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> Any:
+            # The message lives in answer's frame only, and nothing of its error outlives the except (a traceback
+            # holds the frames it passed): grpcio keeps the error abort raises, and this frame with it, in a cycle
+            # until a full collection, which must hold no request.
             try:
-                raw = await self.admission.receive(context, probe=probe)
-                if raw is None:
-                    raise APIError(400, "request: the call ended before its request message")
-                request = await parse(raw, message, what, self._elements if infer else None)
-                return await handler(request, context)
+                return await answer(context)
             except Exception as e:
-                err = from_exception(e)
-            await context.abort(status_code(err.status), err.message)
+                await held(e)
+                code, details = _refusal(e)
+            await context.abort(code, details)
 
         return call
 
@@ -424,7 +463,9 @@ class GrpcServer:
         self.server.add_generic_rpc_handlers(service.handlers())
         host = settings.host
         self.address = f"[{host}]:{settings.grpc_port}" if ":" in host else f"{host}:{settings.grpc_port}"
+        self.per_peer = settings.grpc_peer_connections
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._peers: asyncio.Task[None] | None = None
         self._stopping: asyncio.Task[None] | None = None
 
     async def start(self) -> int:
@@ -437,6 +478,7 @@ class GrpcServer:
             raise OSError(f"gRPC: cannot listen on {self.address}")
         await self.server.start()
         self._loop = asyncio.get_running_loop()
+        self._peers = asyncio.create_task(PeerConnections(port, self.per_peer).run())
         log.info("gRPC (KServe V2) on %s", self.address.rsplit(":", 1)[0] + f":{port}")
         return port
 
@@ -447,6 +489,8 @@ class GrpcServer:
             self._loop.call_soon_threadsafe(self._stop, grace)
 
     def _stop(self, grace: float) -> None:
+        if self._peers is not None:
+            self._peers.cancel()
         if self._stopping is None:
             self._stopping = asyncio.get_running_loop().create_task(self.server.stop(grace))
 

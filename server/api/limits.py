@@ -15,6 +15,7 @@ import asyncio
 import gc
 import math
 import zlib
+from contextvars import ContextVar
 from typing import Any
 
 import numpy as np
@@ -51,6 +52,12 @@ def scope_header(scope: Scope, name: bytes) -> bytes | None:
     return None
 
 
+COMPRESSED_BYTES: ContextVar[int | None] = ContextVar("halfserve_compressed_bytes", default=None)
+"""The compressed size of the body :func:`read_body` last inflated for the request being answered (None: it came
+uncompressed): the text it carries is held to ``max_compression_ratio`` times it too, as tokenizing is work its
+inflated bytes buy (a body's first MiB inflates freely, and 16 texts of 65,000 ``!`` gzip to about a kilobyte)."""
+
+
 async def read_body(request: Request, limit: int, setting: str = "max_body_bytes") -> bytes:
     """The request body, decompressed when its ``Content-Encoding`` is gzip or deflate (as Triton and tritonclient's
     ``request_compression_algorithm`` do); a 413 once it is known to exceed ``limit`` (``max_body_bytes``), before
@@ -62,10 +69,12 @@ async def read_body(request: Request, limit: int, setting: str = "max_body_bytes
     # before reading; a body without one (chunked) is counted as it arrives.
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise APIError(413, f"body: {declared.decode()} bytes exceed the limit of {limit} bytes ({setting})")
+    COMPRESSED_BYTES.set(None)  # a connection's requests may share a context: none inherits another's
     body = await _receive_body(request, limit, setting)
     if codec is None:
         return body
     assert encoding is not None
+    COMPRESSED_BYTES.set(len(body))
     app: AppState = request.app.state.serving
     ratio = app.settings.max_compression_ratio
     if limit > (allowed := max(_FREE_INFLATE_BYTES, int(ratio * len(body)))):

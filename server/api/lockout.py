@@ -1,9 +1,11 @@
-"""The admin token's lockout: wrong tokens counted per client address and in all, kept per app by the routes."""
+"""The admin token's lockout: wrong tokens counted per client address and in all, and past the limit answered slowly
+(a tarpit), kept per app by the routes."""
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable
 
 from server.serving import AppState
@@ -63,6 +65,42 @@ class FailedAttempts:
         self.failures.move_to_end(who)
         if len(self.failures) > self.addresses:
             self.failures.popitem(last=False)
+
+
+class Tarpit:
+    """Holds back the answers to wrong admin tokens past the lockout's limit: each answer waits ``delay`` seconds, and
+    at most ``slots`` of one address wait at once (the others queue for a slot), so one address gets at most
+    ``slots / delay`` answers a second however many guesses it sends at once; a 429 answered at once still told a
+    guesser the token was wrong, at 678 guesses a second.
+
+    A held answer is a sleeping coroutine (no thread, the event loop goes on); the connections waiting are bounded by
+    the server's own connection caps, and an address's gate lives only while one of its answers waits. The right
+    token never comes here: it is accepted before anything is counted or held."""
+
+    def __init__(self, delay: float = 1.0, slots: int = 2) -> None:
+        self.delay, self.slots = delay, slots
+        self.gates: dict[str, asyncio.Semaphore] = {}
+        self.waiting: Counter[str] = Counter()
+
+    async def hold(self, who: str) -> None:
+        """Return once the answer to ``who``'s wrong token may go."""
+        gate = self.gates.setdefault(who, asyncio.Semaphore(self.slots))
+        self.waiting[who] += 1
+        try:
+            async with gate:
+                await asyncio.sleep(self.delay)
+        finally:
+            self.waiting[who] -= 1
+            if not self.waiting[who]:
+                del self.waiting[who], self.gates[who]
+
+
+def tarpit(app: AppState) -> Tarpit:
+    """``app``'s tarpit (made on first use, as :func:`attempts`)."""
+    found = app.route_state.get(Tarpit)
+    if not isinstance(found, Tarpit):
+        found = app.route_state[Tarpit] = Tarpit()
+    return found
 
 
 def attempts(app: AppState) -> FailedAttempts:

@@ -112,8 +112,8 @@ async def decode_inputs(samples: object, served: ModelHandle, settings: Settings
             others = [t for t in specs if t.name != text.feeds]
             decoded = {t.name: decode_samples(rest.get(t.name), t, f"inputs.{t.name}") for t in others}
             field = f"inputs.{text.input}"
-            return await encode_texts(texts, field, served, settings.store, settings.max_text_bytes) | decoded
-    if len(specs) == 1:
+            return await encode_texts(texts, field, served, settings) | decoded
+    if len(specs) == 1 and not isinstance(samples, dict):  # a mapping is checked by name, as for several inputs
         if isinstance(samples, list):
             check_size(settings, served, len(samples), "inputs")
         return {specs[0].name: decode_samples(samples, specs[0])}

@@ -86,12 +86,9 @@ def admitted_regions(app: AppState, who: str, authorization: str) -> SharedRegio
     """:func:`authorised_regions` for a call from ``who`` carrying ``authorization``, over whichever protocol."""
     try:
         check_admin(app, who, authorization)
-    except APIError as e:
-        raise APIError(
-            e.status,
-            f"shared_memory_region: using a shared memory region needs the admin token: {e.message}",
-            e.headers,
-        ) from None
+    except APIError as e:  # reworded in place: a held answer (the lockout's tarpit) stays held
+        e.message = f"shared_memory_region: using a shared memory region needs the admin token: {e.message}"
+        raise
     return app.regions
 
 

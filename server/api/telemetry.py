@@ -20,7 +20,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from server.api.errors import APIError, error_response, from_exception
+from server.api.errors import APIError, error_response, from_exception, held
 from server.api.limits import raw_header
 from server.logs import ACCESS_LOGGER
 from server.serving import AppState, Interface, ModelHandle, Prediction, ServingError
@@ -100,6 +100,7 @@ def metered(interface: Interface) -> Callable[[Endpoint], Endpoint]:
             try:
                 response = await endpoint(request)
             except APIError as e:
+                await held(e)
                 response = error_response(e.status, e.message, e.headers)
             except ServingError as e:  # a domain error from below the routes: the status it maps onto
                 err = from_exception(e)

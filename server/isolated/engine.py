@@ -17,6 +17,7 @@ import multiprocessing.process
 import os
 import socket
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any, cast
@@ -43,6 +44,9 @@ READY_TIMEOUT_S = 900.0
 slow host take minutes)."""
 EXIT_TIMEOUT_S = 10.0
 """How long a closing instance process has to finish its batch and exit before it is killed."""
+KILL_TIMEOUT_S = 5.0
+"""How long a process past :data:`EXIT_TIMEOUT_S` has to end on SIGTERM, then on SIGKILL (one stopped takes only
+SIGKILL)."""
 RESPAWN_DELAYS_S = (0.5, 2.0, 10.0, 30.0)
 """Waits before restarting an instance process that died while starting, one per such death in a row (the last
 repeats): a process that cannot start is not restarted in a tight loop. One that dies serving (killed by a request,
@@ -57,6 +61,25 @@ _ERRORS: dict[str, Callable[[str], Exception]] = {
 def _error(kind: str, message: str) -> Exception:
     """The exception an instance process reported, as the thread mode would have raised it for the batcher."""
     return _ERRORS.get(kind, EngineError)(message)
+
+
+def end(process: multiprocessing.process.BaseProcess, timeout: float, what: str) -> None:
+    """Wait up to ``timeout`` for ``process`` to exit, then terminate it, then kill it; then release its pipe and
+    sentinel (``Process.close``) now, not when a garbage collection finds it."""
+    process.join(timeout)
+    for step in (process.terminate, process.kill):
+        if not process.is_alive():
+            break
+        log.error(
+            "%s (pid %s) did not exit; %s",
+            what,
+            process.pid,
+            "terminating it" if step == process.terminate else "killing it",
+        )
+        step()
+        process.join(KILL_TIMEOUT_S)
+    if not process.is_alive():
+        process.close()
 
 
 def _weights_memfd(loaded: LoadedModel) -> int:
@@ -75,6 +98,8 @@ class InstanceProcess(asyncio.Protocol):
     def __init__(self, owner: ProcessEngine, index: int, memory: Memory) -> None:
         self.owner, self.index, self.memory = owner, index, memory
         self.process: multiprocessing.process.BaseProcess | None = None
+        self._pid: int | None = None
+        """The process's pid, kept: a closed ``Process`` no longer tells it."""
         self.transport: asyncio.Transport | None = None
         self.ready: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self.alive = False
@@ -95,7 +120,7 @@ class InstanceProcess(asyncio.Protocol):
 
     @property
     def pid(self) -> int | None:
-        return self.process.pid if self.process is not None else None
+        return self._pid
 
     @property
     def busy(self) -> bool:
@@ -391,7 +416,7 @@ class ProcessEngine:
             theirs.close()
             their_side.close()
             os.close(fd)
-        instance.process, instance.side = process, side
+        instance.process, instance.side, instance._pid = process, side, process.pid
         self._loop.create_task(self._loop.connect_accepted_socket(lambda: instance, ours))
         return instance
 
@@ -555,7 +580,10 @@ class ProcessEngine:
         self.idle_again(instance)
 
     def close(self) -> None:
-        """Tell every instance process to exit once its batch in hand is answered; kill one that does not in time."""
+        """Tell every instance process to exit once its batch in hand is answered; kill one that does not in time.
+
+        It waits for the processes (:data:`EXIT_TIMEOUT_S` at most, and then moments): call it off the event loop
+        (``asyncio.to_thread``), where their answers and everything else go on meanwhile."""
         self._closing = True
         self._stop_listening()
         on_loop = threading.get_ident() == self._loop_thread
@@ -576,15 +604,13 @@ class ProcessEngine:
             else:
                 with contextlib.suppress(RuntimeError):  # the loop is closed: the sockets are gone with it
                     self._loop.call_soon_threadsafe(instance.stop)
+        deadline = time.monotonic() + EXIT_TIMEOUT_S
         for instance in self.instances:
             process = instance.process
-            if process is None or process.pid is None:
+            if process is None or instance.pid is None:
                 continue
-            process.join(EXIT_TIMEOUT_S)
-            if process.is_alive():
-                log.error("instance process %d of model %s did not exit; killing it", instance.index, self.name)
-                process.kill()
-                process.join(EXIT_TIMEOUT_S)
+            end(process, max(0.0, deadline - time.monotonic()), f"instance process {instance.index} of {self.name}")
+            instance.process = None  # closed: a second close passes it by
         if self._weights is not None:
             os.close(self._weights)
             self._weights = None

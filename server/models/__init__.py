@@ -8,7 +8,9 @@ A manifest's ``architecture`` is one of:
   lies in one of the operator's ``--code-path`` folders (:func:`add_code_path`), is the module of an installed
   ``halfserve.architectures`` entry point, or is one of this package's own (``server.models``). Where the module's
   file lies is decided before it is imported (importing runs it), so a manifest cannot name ``os:system`` or a file
-  shipped in its model folder;
+  shipped in its model folder. ``factory`` is a plain name of a function or class defined in that module itself (its
+  ``__module__``), never a path through what the module imports (``server.models:torch.load``); of an entry point's
+  module only the factory its entry point declares, and of this package's own only a registered architecture;
 * ``"torchvision:<builder>"`` (``torchvision:resnet50``): torchvision's builder with ``weights=None`` (the extra
   ``halfserve[vision]``);
 * ``"transformers:<AutoClass>"``: a Hugging Face model folder, built by :mod:`server.store` from its config.
@@ -19,6 +21,7 @@ from safetensors, so nothing is ever unpickled to obtain a model.
 
 from __future__ import annotations
 
+import enum
 import functools
 import importlib
 import importlib.util
@@ -45,7 +48,10 @@ OWN_MODULES = "server.models"
 TORCHVISION = "torchvision:"
 TRANSFORMERS = "transformers:"
 _PLAIN = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]{0,127}")
-_DOTTED = r"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*"
+_IDENTIFIER = r"[A-Za-z_][A-Za-z0-9_]*"
+_DOTTED = rf"{_IDENTIFIER}(?:\.{_IDENTIFIER})*"
+# The factory's part is matched dotted so that such a name is a valid manifest whose model fails alone with the reason
+# (:func:`_imported` refuses it), as a module outside the --code-path folders does.
 _IMPORT = re.compile(rf"({_DOTTED}):({_DOTTED})")
 _LIBRARY = re.compile(r"(torchvision|transformers):([A-Za-z_][A-Za-z0-9_]*)")
 
@@ -78,76 +84,114 @@ def check_name(name: str) -> str:
     raise ValueError(f"{name!r} is not an architecture; expected {_forms()}")
 
 
-def _attribute(module: object, path: str, where: str) -> Any:
-    obj = module
-    for part in path.split("."):
-        if not hasattr(obj, part):
-            raise UnknownArchitectureError(f"{where}: module has no attribute {part!r}")
-        obj = getattr(obj, part)
-    return obj
-
-
 def _under_code_path(location: str) -> bool:
     where = Path(location).resolve()
     return any(where.is_relative_to(folder) for folder in _CODE_PATHS)
 
 
-def check_source(module_name: str, name: str) -> None:
-    """Refuse (:class:`UnknownArchitectureError`) a ``module:factory`` whose module is not the operator's code: it must
-    lie in a ``--code-path`` folder, be an installed ``halfserve.architectures`` entry point's module, or be this
-    package's own. Decided from where the module's file lies (``find_spec`` of its top-level package, which imports
-    nothing), never by importing it: an import runs the module."""
+class Source(enum.Enum):
+    """Where a ``module:factory`` architecture's module may come from, each with its rule for the factory."""
+
+    OWN = "halfserve's own models"
+    """``server.models``: only a registered architecture."""
+    ENTRY_POINT = "an installed entry point"
+    """An installed ``halfserve.architectures`` entry point's module: only the factory the entry point declares."""
+    CODE_PATH = "a --code-path folder"
+    """A module in one of the operator's folders: any function or class it defines."""
+
+
+def _declared() -> set[str]:
+    """The ``module:factory`` targets installed entry points declare."""
+    return {ep.value.replace(" ", "") for ep in entry_points(group=ENTRY_POINTS)}
+
+
+def check_source(module_name: str, name: str) -> Source:
+    """Where the module of a ``module:factory`` architecture comes from; :class:`UnknownArchitectureError` when it is
+    not the operator's code: it must lie in a ``--code-path`` folder, be an installed ``halfserve.architectures``
+    entry point's module, or be this package's own. Decided from where the module's file lies (``find_spec`` of its
+    top-level package, which imports nothing), never by importing it: an import runs the module."""
     if module_name == OWN_MODULES or module_name.startswith(OWN_MODULES + "."):
-        return
-    if any(ep.value.partition(":")[0].strip() == module_name for ep in entry_points(group=ENTRY_POINTS)):
-        return
+        return Source.OWN
     top = module_name.split(".")[0]
     try:
         spec = importlib.util.find_spec(top)
     except (ImportError, ValueError) as e:  # ValueError: a module in sys.modules without a spec
         raise UnknownArchitectureError(f"architecture {name!r}: module {top!r} cannot be found: {e}") from None
+    # A module's file, or every folder of a package without one (a namespace package may span several folders).
+    locations: list[str] = []
+    if spec is not None:
+        locations = [spec.origin] if spec.has_location and spec.origin else list(spec.submodule_search_locations or [])
+    if locations and all(_under_code_path(p) for p in locations):
+        return Source.CODE_PATH
+    if any(target.partition(":")[0] == module_name for target in _declared()):
+        return Source.ENTRY_POINT
     if spec is None:
         raise UnknownArchitectureError(
             f"architecture {name!r}: module {top!r} not found (is its folder given with --code-path?)"
         )
-    # A module's file, or every folder of a package without one (a namespace package may span several folders).
-    locations = [spec.origin] if spec.has_location and spec.origin else list(spec.submodule_search_locations or [])
-    if not locations or not all(_under_code_path(p) for p in locations):
-        found = locations[0] if locations else spec.origin or "built in"
-        raise UnknownArchitectureError(
-            f"architecture {name!r}: module {top!r} ({found}) is not in a --code-path folder nor an installed "
-            f"{ENTRY_POINTS} entry point; a manifest may name code only from the operator's --code-path folders, "
-            "entry points, or halfserve's own models"
-        )
+    found = locations[0] if locations else spec.origin or "built in"
+    raise UnknownArchitectureError(
+        f"architecture {name!r}: module {top!r} ({found}) is not in a --code-path folder nor an installed "
+        f"{ENTRY_POINTS} entry point; a manifest may name code only from the operator's --code-path folders, "
+        "entry points, or halfserve's own models"
+    )
 
 
 def _imported(module_name: str, attribute: str, name: str) -> Any:
-    check_source(module_name, name)
+    """The factory ``attribute`` of ``module_name``, checked against its source's rule before and after the import:
+    the attribute walk through a module's imports (``server.models:torch.load``, ``...:sys.exit``) reached any
+    function of any library with the manifest's ``arch_kwargs``."""
+    where = f"architecture {name!r}"
+    if not re.fullmatch(_IDENTIFIER, attribute):
+        raise UnknownArchitectureError(
+            f"{where}: the part after ':' must be the plain name of a function or class defined in {module_name!r}, "
+            f"not the dotted path {attribute!r}"
+        )
+    source = check_source(module_name, name)
+    if source is Source.ENTRY_POINT and f"{module_name}:{attribute}" not in _declared():
+        raise UnknownArchitectureError(
+            f"{where}: module {module_name!r} is an installed {ENTRY_POINTS} entry point's, which declares other "
+            "factories; name the entry point instead"
+        )
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as e:
         hint = " (is its folder given with --code-path?)" if e.name == module_name.split(".")[0] else ""
-        raise UnknownArchitectureError(f"architecture {name!r}: module {e.name!r} not found{hint}") from None
-    except Exception as e:  # the operator's module failed while it was imported
+        raise UnknownArchitectureError(f"{where}: module {e.name!r} not found{hint}") from None
+    except KeyboardInterrupt:
+        raise
+    except BaseException as e:  # the operator's module failed while it was imported (a SystemExit included)
+        raise UnknownArchitectureError(f"{where}: importing {module_name!r} failed: {type(e).__name__}: {e}") from None
+    if not hasattr(module, attribute):
+        raise UnknownArchitectureError(f"{where}: module has no attribute {attribute!r}")
+    factory = getattr(module, attribute)
+    defined_in = getattr(factory, "__module__", None)
+    if callable(factory) and defined_in != module_name:
         raise UnknownArchitectureError(
-            f"architecture {name!r}: importing {module_name!r} failed: {type(e).__name__}: {e}"
-        ) from None
-    return _attribute(module, attribute, f"architecture {name!r}")
+            f"{where}: {attribute!r} is not defined in module {module_name!r} (it comes from {defined_in!r}); "
+            "name a function or class of the module itself"
+        )
+    if source is Source.OWN and factory not in _REGISTRY.values():
+        raise UnknownArchitectureError(
+            f"{where}: of halfserve's own models only the registered architectures may be named ({', '.join(names())})"
+        )
+    return factory
 
 
 PYTORCH_WHEELS = "https://download.pytorch.org/whl"
 
 
 def torchvision_install() -> str:
-    """The command that installs the torchvision built for this torch, with this torch, from PyTorch's own wheel
-    index: PyPI's Linux torchvision is built against the CUDA torch, so beside a CPU-only torch its operators do not
-    load (``operator torchvision::nms does not exist``)."""
+    """The command that installs the torchvision built for this torch from PyTorch's own wheel index: PyPI's Linux
+    torchvision is built against the CUDA torch, so beside a CPU-only torch its operators do not load (``operator
+    torchvision::nms does not exist``). ``--force-reinstall``: PyPI's build has the same version number, so pip would
+    answer "Requirement already satisfied" and change nothing; ``--no-deps``: the torch installed stays."""
     release = torch.__version__.split("+")[0]
     major, minor, patch = (release.split(".") + ["0", "0"])[:3]
     # torchvision 0.N pairs with torch 2.(N - 15), the same patch release (0.28.0 with 2.13.0) since torch 2.0.
     vision = f"0.{int(minor) + 15}.{patch}" if major == "2" and minor.isdigit() else "<the release for this torch>"
     index = "cpu" if torch.version.cuda is None else "cu" + torch.version.cuda.replace(".", "")
-    return f"pip install torch=={release} torchvision=={vision} --index-url {PYTORCH_WHEELS}/{index}"
+    return f"pip install --force-reinstall --no-deps torchvision=={vision} --index-url {PYTORCH_WHEELS}/{index}"
 
 
 @functools.cache
@@ -173,7 +217,7 @@ def _torchvision(builder: str, name: str) -> ModelFactory:
     if broken is not None:
         raise UnknownArchitectureError(
             f"architecture {name!r}: torchvision is installed but does not import with this torch "
-            f"({torch.__version__}: {broken}); install both from PyTorch's wheel index: {torchvision_install()}"
+            f"({torch.__version__}: {broken}); reinstall it from PyTorch's wheel index: {torchvision_install()}"
         )
     try:
         # An optional extra, imported where asked for.
@@ -216,7 +260,9 @@ def resolve(name: str) -> ModelFactory:
     if installed is not None:
         try:
             factory = installed.load()
-        except Exception as e:
+        except KeyboardInterrupt:
+            raise
+        except BaseException as e:  # the installed package's module fails to import (a SystemExit included)
             raise UnknownArchitectureError(
                 f"architecture {name!r} (entry point {installed.value!r}): {type(e).__name__}: {e}"
             ) from None
@@ -277,6 +323,7 @@ from server.models import cnn, mlp, resnet, transformer  # noqa: E402, F401
 _manifest.check_architectures_with(check_name)
 
 __all__ = [
+    "Source",
     "UnknownArchitectureError",
     "add_code_path",
     "build",

@@ -172,11 +172,21 @@ class Backplane:
     """The engine process's end: accepts front-ends on a Unix socket and serves their requests from ``repo``."""
 
     def __init__(
-        self, path: str, repo: ModelRepository, metrics: Metrics, expected: int, regions: Regions, secret: str
+        self,
+        path: str,
+        repo: ModelRepository,
+        metrics: Metrics,
+        expected: int,
+        regions: Regions,
+        secret: str,
+        on_hello: Callable[[int], None] | None = None,
     ) -> None:
         self.path = path
         self.secret = secret
         """The run's secret (:attr:`Frontends.secret`): a hello without it is dropped."""
+        self.on_hello = on_hello
+        """Told the pid of each front-end welcomed: the supervisor tells a front-end that failed to start from one
+        that ran."""
         self.expected = expected
         """Front-ends the server runs: until that many are connected, readiness answers no."""
         self.repo = repo
@@ -220,6 +230,8 @@ class Backplane:
         connection = _Connection(self, Segment(memory, hello["slot_bytes"]), release)
         self.connections.add(connection)
         await loop.connect_accepted_socket(lambda: connection, sock=conn)
+        if self.on_hello is not None and isinstance(hello.get("pid"), int):
+            self.on_hello(hello["pid"])
         log.info("front-end %s (pid %s) connected", hello.get("index"), hello.get("pid"))
 
     async def _hello(self, conn: socket.socket) -> tuple[dict[str, Any], int]:

@@ -1,5 +1,5 @@
-"""The front-end processes: spawned with the listening socket and the run's secret, restarted if one dies, stopped
-on a drain."""
+"""The front-end processes: spawned with the listening socket and the run's secret, restarted if one dies after it
+started, stopped on a drain; one that dies before it started fails the whole server."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import secrets
 import signal
 import socket
 import time
+from collections.abc import Callable
 
 from server.multiproc import frontend
 from server.settings import Settings
@@ -32,6 +33,12 @@ class Frontends:
         """What a front-end's hello must carry: handed to each one as it is spawned (through multiprocessing's pipe,
         never its command line or environment), so no other process, the same user's included, can attach."""
         self.processes: dict[int, multiprocessing.process.BaseProcess] = {}
+        self.connected: set[int] = set()
+        """The pids of the front-ends that reached the engine process (said their hello): started."""
+        self.failure: str | None = None
+        """Why the server stops, when a front-end died before it started: restarting it would fail the same way."""
+        self.on_failure: Callable[[], None] | None = None
+        """Called once :attr:`failure` is set: stops the server (the engine process's HTTP server)."""
         self.stopping = False
         self._context = multiprocessing.get_context("spawn")
 
@@ -46,14 +53,24 @@ class Frontends:
         self.processes[index] = process
 
     async def watch(self) -> None:
-        """Restart a front-end that exits while the server is not stopping."""
+        """Restart a front-end that exits after it started, while the server is not stopping; stop the server when
+        one exits before it started (a crash loop otherwise, and a server that never serves)."""
         while not self.stopping:
             await asyncio.sleep(0.5)
             for index, process in list(self.processes.items()):
-                if not process.is_alive() and not self.stopping:
-                    code = process.exitcode
-                    log.error("front-end %d (pid %s) exited with %s; restarting it", index, process.pid, code)
-                    self._spawn(index)
+                if process.is_alive() or self.stopping:
+                    continue
+                code = process.exitcode
+                if process.pid not in self.connected:
+                    self.failure = f"front-end {index} (pid {process.pid}) exited with {code} before it started"
+                    log.error("%s; stopping the server", self.failure)
+                    if self.on_failure is not None:
+                        self.on_failure()
+                    return
+                log.error("front-end %d (pid %s) exited with %s; restarting it", index, process.pid, code)
+                self.connected.discard(process.pid)
+                process.close()  # its pipe and sentinel, now rather than when collected
+                self._spawn(index)
 
     def stop(self) -> None:
         """Tell every front-end to drain: it stops accepting, answers what it holds, and exits."""
@@ -75,4 +92,6 @@ class Frontends:
                 log.error("front-end (pid %s) did not drain in time; killing it", process.pid)
                 process.kill()
                 await asyncio.to_thread(process.join, 5.0)
+            if not process.is_alive():
+                process.close()  # its pipe and sentinel, now rather than when collected
         self.sock.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -214,6 +215,19 @@ def test_texts_over_tritonclient_bytes_in_one_process_and_through_front_ends(
         np.testing.assert_allclose(other, answers[0], rtol=1e-5, atol=1e-6)
 
 
+def report(printed: str) -> list[str]:
+    """An import's report as lines, its figures and folders left out (they differ between runs and machines)."""
+    lines = printed[printed.index("imported ") :].splitlines()
+    return [re.sub(r"\S*/", "", re.sub(r"\d+(\.\d+)?(e-?\d+)?", "N", line)).rstrip() for line in lines if line]
+
+
+def documented_import(first_line: str) -> str:
+    """The import report docs/model-store.md shows, from its line beginning with ``first_line``."""
+    page = (EXAMPLES.parent / "docs" / "model-store.md").read_text()
+    start = page.index(first_line)
+    return page[start : page.index("```", start)]
+
+
 def test_a_hugging_face_text_classifier_with_its_tokenizer_takes_text(
     server_factory: StartServer, tmp_path: Path
 ) -> None:
@@ -230,6 +244,7 @@ def test_a_hugging_face_text_classifier_with_its_tokenizer_takes_text(
     assert "inputs  input_ids INT64 [-1], attention_mask INT64 [-1]" in printed
     assert "calibration: texts from" in printed
     assert "corpus.txt (14 lines)" in printed
+    assert report(printed) == report(documented_import("imported reviews v1")), "docs/model-store.md is stale"
     texts = ["This review is positive: fast and cheap.", "A short reply."]
     answers = {}
     for precision in ("bf16", "fp32"):

@@ -482,7 +482,7 @@ BAD_REQUESTS: list[tuple[str, bytes, dict[str, str], int, str]] = [
     ("size without header", orjson.dumps(_input(parameters={"binary_data_size": 64})), {}, 400, "needs an"),
     ("binary and data", *_with_header(_input(data=JSON_ROW, parameters={"binary_data_size": 64}), ROW), 400, "either"),
     ("unknown datatype", orjson.dumps(_input(datatype="FP8", data=JSON_ROW)), {}, 400, "unknown datatype 'FP8'"),
-    ("string tensor", orjson.dumps(_input(datatype="BYTES", data=["a"] * 16)), {}, 400, "not served"),
+    ("string tensor", orjson.dumps(_input(datatype="BYTES", data=["a"] * 16)), {}, 400, "takes FP32, not BYTES"),
     ("data shorter than shape", orjson.dumps(_input(data=JSON_ROW[:8])), {}, 400, "8 values, but shape [1, 16]"),
     ("nested unlike shape", orjson.dumps(_input(data=[JSON_ROW[:8], JSON_ROW[8:]])), {}, 400, "nested as [2, 8]"),
     (

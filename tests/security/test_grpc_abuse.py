@@ -49,6 +49,11 @@ def patient(server_factory: StartServer, served_tiny_store: Path) -> Endpoint:
         "16",
         "--grpc-pending-bytes",
         str(2**20),
+        # one client (127.0.0.1) may hold every slot, and a silent call keeps its slot while others need it
+        "--grpc-peer-share",
+        "1",
+        "--grpc-receive-grace",
+        "60",
     )
 
 

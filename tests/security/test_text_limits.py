@@ -36,6 +36,9 @@ class HeldTokenizer:
         self.finished = threading.Event()
         self.calls = 0
 
+    def __getattr__(self, name: str) -> Any:  # the rest of the tokenizer's reading (its vocabulary's size)
+        return getattr(self.real, name)
+
     def encode_batch(self, strings: list[str]) -> Any:
         self.calls += 1
         if any(HELD in s for s in strings):

@@ -199,9 +199,10 @@ def test_torchvision_builders_build_with_random_weights() -> None:
 
 def test_the_torchvision_install_command_pairs_it_with_this_torch() -> None:
     release = torch.__version__.split("+")[0]
-    minor = int(release.split(".")[1])
+    minor, patch = int(release.split(".")[1]), release.split(".")[2]
     command = models.torchvision_install()
-    assert command.startswith(f"pip install torch=={release} torchvision==0.{minor + 15}.")
+    # Forced: PyPI's torchvision (the one that does not import) has the same version, so pip would keep it.
+    assert command.startswith(f"pip install --force-reinstall --no-deps torchvision==0.{minor + 15}.{patch}")
     index = "cpu" if torch.version.cuda is None else "cu" + torch.version.cuda.replace(".", "")
     assert command.endswith(f" --index-url https://download.pytorch.org/whl/{index}")
 
@@ -248,3 +249,15 @@ def test_a_broken_torchvision_fails_its_architectures_in_one_line_and_hugging_fa
                      "--input", "input_ids:INT64:16")  # fmt: skip
     assert text.returncode == 0, text.stderr
     assert "outputs logits FP32 [3]" in text.stdout
+
+
+def test_the_torchvision_example_fails_in_one_line_with_the_command_that_fixes_it(tmp_path: Path) -> None:
+    example = ROOT / "examples" / "torchvision_resnet18" / "save_state_dict.py"
+    env = broken_torchvision(tmp_path / "site")
+    done = subprocess.run([sys.executable, str(example), str(tmp_path / "out")],
+                          capture_output=True, text=True, env=env, timeout=300, check=False)  # fmt: skip
+    assert done.returncode == 1
+    (line,) = done.stderr.splitlines()
+    assert line.startswith("save_state_dict.py: torchvision does not import (RuntimeError: operator torchvision::nms")
+    assert line.endswith(models.torchvision_install())
+    assert not (tmp_path / "out").exists()

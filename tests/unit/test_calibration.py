@@ -122,6 +122,20 @@ def test_random_integer_samples_stay_within_the_models_first_embedding(tmp_path:
     assert samples.arrays["tokens"].max() < 18
 
 
+def test_random_token_ids_are_drawn_from_the_whole_vocabulary() -> None:
+    import torch.nn as nn
+
+    vocabulary = 1000
+    module = nn.Sequential(nn.Embedding(vocabulary, 4), nn.Linear(4, 3))
+    spec = TensorSpec(name="ids", datatype=DataType.INT64, shape=[-1], max_length=MAX)
+    samples = calibration.random_samples([spec], 64, calibration.int_range(module))
+    ids = samples.arrays["ids"]
+    assert ids.min() >= 0
+    assert ids.max() < vocabulary
+    assert ids.max() >= calibration.INT_RANGE  # not only the first hundred ids
+    assert f"integers in [0, {vocabulary})" in samples.source
+
+
 def image_manifest(datatype: DataType, shape: list[int], normalize: Normalize | None = None) -> Manifest:
     return Manifest(
         name="img",

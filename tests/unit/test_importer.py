@@ -242,3 +242,31 @@ def test_a_bad_tensor_name_is_one_line(tmp_path: Path, capsys: pytest.CaptureFix
     assert cli.main([*args, "--input", "9features:FP32:6"]) == 2
     (line,) = capsys.readouterr().err.splitlines()
     assert line.startswith("halfserve import: --input '9features:FP32:6': name: String should match pattern")
+
+
+def test_an_input_shape_the_model_cannot_take_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    torch.save(models.build("small_cnn").state_dict(), tmp_path / "w.pth")
+    args = ["import", str(tmp_path / "w.pth"), "--store", str(tmp_path / "s"), "--name", "n"]
+    assert cli.main([*args, "--architecture", "small_cnn", "--input", "image:FP32:32"]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("halfserve import: --input image FP32 [32]: the model's forward fails on rows of it (")
+    assert line.endswith("its first layer, features.0 (Conv2d), takes [1, N, N] per sample (channels, then size)")
+    assert not (tmp_path / "s" / "n").exists()
+
+
+def test_an_empty_state_dict_is_called_empty(tmp_path: Path) -> None:
+    torch.save({}, tmp_path / "empty.pth")
+    with pytest.raises(ImportFailure, match=r"empty\.pth: an empty state dict \(no tensors\)"):
+        read_state_dict(tmp_path / "empty.pth")
+
+
+def test_a_hugging_face_model_class_is_told_its_auto_class(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    folder = tmp_path / "bert"
+    folder.mkdir()
+    (folder / "config.json").write_text('{"architectures": ["BertForSequenceClassification"], "model_type": "bert"}')
+    args = ["import", str(folder), "--store", str(tmp_path / "s"), "--name", "n", "--input", "input_ids:INT64:16"]
+    assert cli.main([*args, "--architecture", "transformers:BertForSequenceClassification"]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.endswith("use --architecture transformers:AutoModelForSequenceClassification")
+    assert "config.json:" not in line  # no file of the store, not written yet, is named as the culprit
+    assert not (tmp_path / "s").exists()

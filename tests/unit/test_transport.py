@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from uvicorn.server import ServerState
+
 from server.multiproc.wire import FrameReader, frame
 from server.settings import Settings
 from server.transport import (
@@ -14,6 +16,7 @@ from server.transport import (
     LimitedHttpProtocol,
     uvicorn_config,
 )
+from tests.waiting import until
 
 
 class RecordingTransport(asyncio.Transport):
@@ -88,3 +91,37 @@ def test_backplane_frames_sent_in_one_iteration_are_written_together_in_order() 
     (burst,) = asyncio.run(scenario())
     assert isinstance(burst, bytes)
     assert [(h, bytes(p)) for h, p in FrameReader().feed(burst)] == [({"id": i}, bytes([i])) for i in range(3)]
+
+
+class StuckTransport(RecordingTransport):
+    """A socket whose client reads nothing: what is written stays in its buffer, and a close waits for it."""
+
+    def get_write_buffer_size(self) -> int:
+        return sum(len(e) for e in self.events if isinstance(e, bytes))
+
+    def can_write_eof(self) -> bool:
+        return True
+
+    def abort(self) -> None:
+        self.events.append("abort")
+        self.closing = True
+
+
+def test_a_closed_connection_whose_last_bytes_are_not_read_is_dropped_after_the_send_timeout() -> None:
+    """Under the high-water mark no pause comes, so the close itself is bounded: else the socket, and its place
+    under the connection cap, would wait for a client that never reads."""
+
+    async def scenario() -> list[object]:
+        config = uvicorn_config(lambda *_: None, Settings(send_timeout=0.01), None, host="127.0.0.1", port=0)  # type: ignore[arg-type]
+        config.load()
+        protocol = config.http(config=config, server_state=ServerState(), app_state={})  # type: ignore[operator]
+        transport = StuckTransport()
+        protocol.connection_made(transport)
+        protocol.transport.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}")
+        protocol.transport.close()  # as uvicorn closes an idle connection
+        await until(lambda: "abort" in transport.events, "the stuck connection dropped")
+        protocol.connection_lost(None)
+        return transport.events
+
+    events = asyncio.run(scenario())
+    assert events[-2:] == ["close", "abort"]

@@ -129,6 +129,12 @@ def _decode_input(
             f"{field}.name: unexpected inference input {item.get('name')!r} for model {served.name!r}; "
             f"the model takes {_takes(specs, served.manifest)}",
         )
+    if item.get("datatype") == "BYTES":  # text (or another string) for an input that takes numbers
+        raise APIError(
+            400,
+            f"{field}.datatype: input {spec.name!r} of model {served.name!r} takes {spec.datatype.value}, not BYTES "
+            "(only a model whose manifest declares a text input takes text)",
+        )
     wire = wire_type(item.get("datatype"), f"{field}.datatype")
     shape = _input_shape(item.get("shape"), spec, f"{field}.shape", served.name)
     if settings is not None:
@@ -294,7 +300,7 @@ async def tokenize(req: Inference, served: ModelHandle, settings: Settings) -> I
     (:func:`~server.api.codec.encode_texts`)."""
     if req.texts is not None:
         texts, field = req.texts
-        req.inputs.update(await encode_texts(texts, field, served, settings.store, settings.max_text_bytes))
+        req.inputs.update(await encode_texts(texts, field, served, settings))
         req.texts = None
     return req
 
