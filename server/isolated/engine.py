@@ -556,6 +556,10 @@ class ProcessEngine:
         await asyncio.sleep(delay)
         if self._closing:
             return
+        old = self.instances[index].process
+        if old is not None:  # reaped and its pipes released now, not at a garbage collection
+            with contextlib.suppress(ValueError):  # already closed
+                await asyncio.to_thread(end, old, KILL_TIMEOUT_S, f"instance process {index} of model {self.name}")
         try:
             instance = self._spawn(index)
             self.instances[index] = instance
