@@ -10,7 +10,10 @@ returns one outcome per chunk: its output rows (an array, or an :class:`~server.
 that computed them), or an exception that fails that chunk's request alone.
 
 Faults stay with the requests that cause them. A batch whose runner raises is bisected: its chunks are rerun as two
-smaller batches, recursively, until the failing chunks stand alone, so only their requests fail. A runner that raises
+smaller batches, recursively, until the failing chunks stand alone, so only their requests fail. A batch that lost its
+instance (:class:`~server.serving.InstanceLostError`: a killed instance process) is rerun one chunk per batch instead,
+and a runner with no instance to take the batch (:class:`~server.serving.ModelNotReadyError`) fails its requests with
+that error, to be sent again. A runner that raises
 :class:`BatchTooLargeError` (the device ran out of memory) makes the batcher halve its batch size for good and rerun
 the rows in batches of the new size, splitting requests where needed. The batcher knows chunks and so owns the split;
 what counts as "too large" is the runner's call (the engine maps torch's out-of-memory error onto it).
@@ -42,6 +45,8 @@ from server.serving import (
     BatchStats,
     BatchTooLargeError,
     DeadlineExceededError,
+    InstanceLostError,
+    ModelNotReadyError,
     Outcome,
     Output,
     QueueFullError,
@@ -539,11 +544,20 @@ class Batcher:
         except Exception as e:  # a failing batch fails its own requests, never the loop
             self.stats.compute_seconds += self.clock.now() - start
             self.stats.failed_batches += 1
+            if isinstance(e, ModelNotReadyError):  # no instance could take it: no request's fault, sent again later
+                for c in chunks:
+                    self._fail(c.request, e)
+                return
             if len(chunks) == 1:
                 err = e if isinstance(e, BatchFailedError) else BatchFailedError(_describe(e))
                 self._fail(chunks[0].request, err)
                 return
             self.stats.split_retries += 1
+            if isinstance(e, InstanceLostError):
+                # In halves, the half holding the request that killed the instance would kill each restarted one.
+                for c in chunks:
+                    await self._run([c])
+                return
             half = len(chunks) // 2
             await self._run(chunks[:half])
             await self._run(chunks[half:])

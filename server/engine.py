@@ -514,6 +514,11 @@ class Engine:
             and self.precision is not Precision.AUTOCAST
         )
 
+    @property
+    def available(self) -> bool:
+        """Whether an instance can run a batch now: always, for instance threads (they live as long as the engine)."""
+        return True
+
     def batches(self, max_batch_size: int) -> tuple[int, int]:
         """The batches this engine takes for a model's ``max_batch_size``: the most rows in one, and how many may be in
         flight at once.

@@ -28,6 +28,7 @@ from server.serving import (
     Prediction,
     Tensors,
     find,
+    why_model_not_ready,
 )
 from server.settings import FidelityCheck, Settings
 from server.store import Batching, Isolation, LoadedModel, Manifest, StoreError
@@ -111,6 +112,11 @@ class ServedModel:
         """Ready, with a batcher to take requests now."""
         return self.state is ModelState.READY and self.batcher is not None
 
+    @property
+    def available(self) -> bool:
+        """Whether an instance can run a batch now (see :attr:`server.serving.ModelHandle.available`)."""
+        return self.engine is None or self.engine.available
+
     def submit(self, inputs: Tensors, timeout: float | None = None) -> asyncio.Future[Prediction]:
         """Queue ``inputs`` for batching; see :meth:`server.serving.ModelHandle.submit`.
 
@@ -193,6 +199,8 @@ class ServedModel:
             stats["instance_forwards"] = [i.forwards for i in engine.instances]
             if isinstance(engine, ProcessEngine):
                 stats["instance_pids"] = [i.pid for i in engine.instances]
+                stats["instance_restarts"] = engine.restarts
+                stats["instance_start_failures"] = engine.start_failures
                 stats["input_bytes_copied"] = engine.copied_bytes
                 stats["input_bytes_in_place"] = engine.in_place_bytes
             if engine.real_elements:
@@ -663,7 +671,7 @@ class ModelRepository:
     def ready(self) -> bool:
         """True when every model that is not unloaded is loaded and warmed up."""
         live = [m for m in self.models.values() if m.state is not ModelState.UNLOADED]
-        return bool(live) and all(m.state is ModelState.READY for m in live)
+        return bool(live) and all(why_model_not_ready(m) is None for m in live)
 
     def get(self, name: str | None) -> ServedModel:
         """The model called ``name``; ``None`` means the only model when exactly one is served."""

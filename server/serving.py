@@ -197,6 +197,15 @@ class BatchTooLargeError(Exception):
     """
 
 
+class InstanceLostError(Exception):
+    """Raised by a runner whose instance died (or was killed, hung) running the batch: an instance process's end.
+
+    Any of the batch's requests may have killed it, and a rerun that holds that request kills the next instance too,
+    so the batcher reruns each chunk alone rather than in halves; a chunk that loses its instance alone fails its
+    request without a retry.
+    """
+
+
 # What a batcher has done: kept by the batcher, read by the statistics routes ----------------------------------------
 
 
@@ -282,6 +291,11 @@ class ModelHandle(Protocol):
     @property
     def serving(self) -> bool:
         """Whether a request sent now is taken (the state may lag: the side that runs it decides)."""
+
+    @property
+    def available(self) -> bool:
+        """Whether an instance can run a batch now: false while every instance process of a ready model is
+        restarting (requests sent meanwhile wait for one, or are answered 503 with ``Retry-After``)."""
 
     def submit(self, inputs: Tensors, timeout: float | None = None) -> asyncio.Future[Prediction]:
         """Queue ``inputs`` for batching; the future's result is their prediction.
@@ -419,6 +433,16 @@ def find(models: Mapping[str, M], name: str | None) -> M:
         return models[name]
     except KeyError:
         raise ModelNotFoundError(f"{UNKNOWN_MODEL}{name!r} is not found (served: {', '.join(models)})") from None
+
+
+def why_model_not_ready(model: ModelHandle) -> str | None:
+    """Why ``model`` is not ready (its state, or no instance able to serve), as readiness probes report it; None when
+    it is ready."""
+    if model.state is not ModelState.READY:
+        return str(model.state.value)
+    if not model.available:
+        return "no instance able to serve: restarting"
+    return None
 
 
 def check_ready(model: ModelHandle, version: str | None) -> None:

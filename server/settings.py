@@ -192,6 +192,10 @@ class Settings(BaseSettings):
     """Run every model's engine instances as threads of this process or as processes of their own, whatever its
     manifest's ``execution.isolation`` says. Unset: the manifest's, else per device
     (:func:`server.placement.isolation`)."""
+    instance_batch_timeout: float = Field(default=300.0, gt=0.0, le=86400.0)
+    """Seconds an instance process may take over one batch before it is taken for hung (stopped, deadlocked, in an
+    endless kernel): then it is killed and restarted, and its batch rerun one request per batch. Generous: a first
+    batch of a new shape may tune kernels for seconds."""
     warmup: bool = True
     """Warm every model up at load (each batch bucket, CUDA graphs, compiles) before it takes requests."""
     admin_token: SecretStr | None = None

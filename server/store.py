@@ -158,12 +158,15 @@ def weights_bytes(module: nn.Module) -> bytes:
     return save_tensors({k: v.clone(memory_format=torch.contiguous_format) for k, v in state.items()})
 
 
-def from_weights_bytes(root: Path, manifest: Manifest, version: int, data: bytes) -> LoadedModel:
+def from_weights_bytes(
+    root: Path, manifest: Manifest, version: int, data: bytes, hf_config: dict[str, Any] | None = None
+) -> LoadedModel:
     """The model of ``manifest`` (as this process serves it) with the weights :func:`weights_bytes` wrote: no code runs
-    from them, and the store's checkpoint is not read again (it may have changed since it was loaded)."""
+    from them, and the store's checkpoint is not read again (it may have changed since it was loaded); nor is a Hugging
+    Face model's config.json, given as loaded (``hf_config``)."""
     model_dir = root / check_name(manifest.name)
     vdir = model_dir / str(version)
-    module = build(model_dir, manifest, vdir)
+    module = build(model_dir, manifest, vdir, hf_config)
     load_weights(module, load_tensors(data), vdir / WEIGHTS, manifest.architecture)
     return LoadedModel(manifest=manifest, version=version, module=module.float().eval(), path=vdir / WEIGHTS)
 
@@ -176,11 +179,12 @@ Anything else is refused: ``from_config`` hands its keyword arguments to the mod
 loaders (an ``attn_implementation`` naming a hub repository downloads and runs compiled kernels)."""
 
 
-def build(model_dir: Path, manifest: Manifest, version_dir: Path) -> nn.Module:
-    """A fresh ``nn.Module`` of the manifest's architecture (random weights); errors name the manifest's field."""
+def build(model_dir: Path, manifest: Manifest, version_dir: Path, hf_config: dict[str, Any] | None = None) -> nn.Module:
+    """A fresh ``nn.Module`` of the manifest's architecture (random weights); errors name the manifest's field. A
+    Hugging Face model is built from ``hf_config`` when given, else from its folder's config.json."""
     where = model_dir / MANIFEST
     if manifest.architecture.startswith(models.TRANSFORMERS):
-        return _hugging_face(where, manifest, version_dir)
+        return _hugging_face(where, manifest, version_dir, hf_config)
     try:
         factory = models.resolve(manifest.architecture)
     except models.UnknownArchitectureError as e:
@@ -201,7 +205,7 @@ def build(model_dir: Path, manifest: Manifest, version_dir: Path) -> nn.Module:
         raise StoreError(f"{where}: architecture: {e}") from None
 
 
-def _hugging_face(where: Path, manifest: Manifest, version_dir: Path) -> nn.Module:
+def _hugging_face(where: Path, manifest: Manifest, version_dir: Path, handed: dict[str, Any] | None) -> nn.Module:
     """A Hugging Face model from its folder's config.json: local files only, no remote code, weights (loaded after)
     from model.safetensors only."""
     auto_class = manifest.architecture.removeprefix(models.TRANSFORMERS)
@@ -219,7 +223,7 @@ def _hugging_face(where: Path, manifest: Manifest, version_dir: Path) -> nn.Modu
         if value not in allowed:
             raise StoreError(f"{where}: arch_kwargs: {key}: {value!r} is refused; use one of {list(allowed)}")
     config_path = version_dir / "config.json"
-    if not (version_dir / WEIGHTS).is_file():
+    if handed is None and not (version_dir / WEIGHTS).is_file():
         pickles = sorted(p.name for p in version_dir.glob("*.bin")) if version_dir.is_dir() else []
         if pickles:
             raise StoreError(
@@ -227,7 +231,7 @@ def _hugging_face(where: Path, manifest: Manifest, version_dir: Path) -> nn.Modu
                 f"model with save_pretrained(folder, safe_serialization=True) to get {WEIGHTS}"
             )
     try:
-        config_json = read_json(config_path)
+        config_json = handed if handed is not None else read_json(config_path)
     except FileNotFoundError:
         raise StoreError(
             f"{config_path}: a {manifest.architecture!r} version folder needs the model's config.json"
@@ -253,7 +257,10 @@ def _hugging_face(where: Path, manifest: Manifest, version_dir: Path) -> nn.Modu
     if cls is None or not hasattr(cls, "from_config"):
         raise StoreError(f"{where}: architecture: transformers has no auto class {auto_class!r} with from_config")
     try:
-        config = transformers.AutoConfig.from_pretrained(str(version_dir), local_files_only=True)
+        if handed is not None:  # as the server process loaded it: the folder's may have changed since
+            config = transformers.AutoConfig.for_model(**handed)
+        else:
+            config = transformers.AutoConfig.from_pretrained(str(version_dir), local_files_only=True)
         module = cls.from_config(config, **manifest.arch_kwargs)
     except (ValueError, TypeError, OSError, KeyError) as e:
         raise StoreError(f"{config_path}: {auto_class} cannot build this model: {e}") from None

@@ -24,7 +24,15 @@ from starlette.responses import Response
 from server.api import lockout
 from server.api.errors import APIError, HeldError, error_responses
 from server.api.limits import parse_json, raw_header, read_body
-from server.serving import UNKNOWN_MODEL, AppState, LocalModel, ModelAdmin, ModelHandle, ModelService
+from server.serving import (
+    UNKNOWN_MODEL,
+    AppState,
+    LocalModel,
+    ModelAdmin,
+    ModelHandle,
+    ModelService,
+    why_model_not_ready,
+)
 from server.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -88,7 +96,7 @@ def why_not_ready(s: AppState) -> str | None:
         return "the server is shutting down"
     if not s.service.ready:
         models = s.service.models.items()
-        waiting = ", ".join(f"{n} ({m.state.value})" for n, m in models if m.state.value != "ready")
+        waiting = ", ".join(f"{n} ({why})" for n, m in models if (why := why_model_not_ready(m)) is not None)
         return waiting or "no model is served"
     for check in s.pending:
         missing = check()

@@ -54,9 +54,9 @@ from server.serving import (
     LocalModel,
     ModelAdmin,
     ModelHandle,
-    ModelState,
     Prediction,
     check_ready,
+    why_model_not_ready,
 )
 from server.version import __version__
 
@@ -149,7 +149,7 @@ class InferenceService:
 
     async def model_ready(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         served = self._model(request.name, request.version)
-        return pb.message("inference.ModelReadyResponse")(ready=served.state is ModelState.READY)
+        return pb.message("inference.ModelReadyResponse")(ready=why_model_not_ready(served) is None)
 
     async def server_metadata(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         message = pb.message("inference.ServerMetadataResponse")

@@ -27,7 +27,7 @@ from server.api.limits import client_timeout, raw_header, read_body
 from server.api.shm import authorised_regions
 from server.api.telemetry import answered, metered, note
 from server.api.v2_schema import INFER_SCHEMA
-from server.serving import Interface, ModelState, check_ready
+from server.serving import Interface, check_ready, why_model_not_ready
 from server.version import __version__
 
 router = APIRouter()
@@ -84,9 +84,10 @@ async def model_metadata(model_name: str, request: Request) -> Response:
 async def model_ready(model_name: str, request: Request) -> Response:
     """Model readiness: 200 when ready, 400 when known but not ready (loading, failed, unloaded), 404 when unknown."""
     served = served_model(request, model_name, version_of(request))
-    if served.state is not ModelState.READY:
+    why = why_model_not_ready(served)
+    if why is not None:
         detail = f": {served.error}" if served.error else ""
-        raise APIError(400, f"model {model_name!r} is not ready: {served.state.value}{detail}")
+        raise APIError(400, f"model {model_name!r} is not ready: {why}{detail}")
     return json_response({"name": served.name, "ready": True})
 
 

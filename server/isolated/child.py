@@ -2,8 +2,9 @@
 
 Started by :class:`~server.isolated.engine.ProcessEngine` with multiprocessing's ``spawn`` (a fresh interpreter, as
 CUDA needs), its socket end and a :class:`~server.isolated.wire.ChildConfig`; its shared memory arrives over the
-socket (``SCM_RIGHTS``). It reads the checkpoint itself, through the same safe loader as the server process, and
-exits when the socket closes: the server process gone is never left with orphans holding the device.
+socket (``SCM_RIGHTS``), the weights too. It builds the model from what it was handed
+(:mod:`server.isolated.handover`), never from the store's files, and exits when the socket closes: the server process
+gone is never left with orphans holding the device.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from server import precision as prec
 from server.compilation import tune_cudnn
 from server.engine import Engine, fixed_timing, resolve_device
 from server.instance import Instance, pin_host
+from server.isolated import handover
 from server.isolated.wire import IN_FRAME, INPUT_REGION, REGION, ChildConfig, Memory, descr, dtype_of
 from server.multiproc.wire import FrameReader, frame
 from server.placement import set_intra_op_threads
@@ -73,12 +75,14 @@ def _start(config: ChildConfig, memory: Memory, weights: bytes) -> tuple[Engine,
     settings = config.settings
     set_intra_op_threads(config.cores)
     models.add_code_path(settings.code_path)
+    if config.code is not None:
+        handover.install(config.code)  # from the source read at load, not the file as it is now
     if config.registers is not None and config.manifest.architecture not in models.names():
         importlib.import_module(config.registers)  # code the server process imported, not the model folder's
     prec.set_tf32(settings.tf32)
     device = resolve_device(settings.device)
     tune_cudnn(device, config.fixed_shapes)
-    loaded = store.from_weights_bytes(settings.store, config.manifest, config.version, weights)
+    loaded = store.from_weights_bytes(settings.store, config.manifest, config.version, weights, config.hf_config)
     execution = loaded.manifest.execution.model_copy(update={"instances": 1})
     engine = Engine(
         loaded, Precision(config.precision), device, execution=execution, max_batch_size=config.max_batch_size

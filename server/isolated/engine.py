@@ -28,12 +28,12 @@ import torch
 from server import models, store
 from server import precision as prec
 from server.engine import EngineError, EngineInfo, PrecisionOverflowError
-from server.isolated import child, shared
+from server.isolated import child, handover, shared
 from server.isolated.wire import IN_FRAME, INPUT_REGION, REGION, ChildConfig, Memory, descr, dtype_of, region_sizes
 from server.multiproc.wire import FrameReader, frame
 from server.placement import Placement, available_cores
 from server.precision import Precision
-from server.serving import BatchTooLargeError, Outcome, Output
+from server.serving import BatchTooLargeError, InstanceLostError, ModelNotReadyError, Outcome, Output
 from server.settings import Settings
 from server.store import LoadedModel, OverflowPolicy
 
@@ -48,8 +48,9 @@ KILL_TIMEOUT_S = 5.0
 """How long a process past :data:`EXIT_TIMEOUT_S` has to end on SIGTERM, then on SIGKILL (one stopped takes only
 SIGKILL)."""
 RESPAWN_DELAYS_S = (0.5, 2.0, 10.0, 30.0)
-"""Waits before restarting a crashed instance, one per crash in a row (the last repeats): a process that dies at
-start-up is not restarted in a tight loop."""
+"""Waits before restarting an instance process that died while starting, one per such death in a row (the last
+repeats): a process that cannot start is not restarted in a tight loop. One that dies serving (killed by a request,
+or hung and killed) is restarted at once: its death says nothing of the next one's start."""
 
 _ERRORS: dict[str, Callable[[str], Exception]] = {
     "BatchTooLargeError": BatchTooLargeError,
@@ -112,6 +113,10 @@ class InstanceProcess(asyncio.Protocol):
         self._reader = FrameReader()
         self._pending: dict[int, asyncio.Future[list[Outcome]]] = {}
         self._next_id = 0
+        self._watchdog: asyncio.TimerHandle | None = None
+        """Kills the process when its batch in hand is not answered within ``instance_batch_timeout``."""
+        self.hung = False
+        """Whether the watchdog killed the process."""
 
     @property
     def pid(self) -> int | None:
@@ -137,15 +142,18 @@ class InstanceProcess(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         was_alive, self.alive = self.alive, False
-        lost = EngineError(
-            f"instance process {self.index} of model {self.owner.name!r} (pid {self.pid}) exited"
-            + ("" if was_alive else " before it was ready")
-        )
+        self._stop_watchdog()
+        what = f"instance process {self.index} of model {self.owner.name!r} (pid {self.pid}) exited"
+        if self.hung:
+            what = (
+                f"instance process {self.index} of model {self.owner.name!r} (pid {self.pid}) did not answer a batch "
+                f"within {self.owner.batch_timeout:g} s (instance_batch_timeout) and was killed"
+            )
         if not self.ready.done():
-            self.ready.set_exception(lost)
+            self.ready.set_exception(EngineError(what + ("" if was_alive else " before it was ready")))
         for future in self._pending.values():
             if not future.done():
-                future.set_exception(lost)
+                future.set_exception(InstanceLostError(what))
         self._pending.clear()
         with contextlib.suppress(BufferError):  # a view still held: the map goes with the last one
             self.memory.close()
@@ -195,6 +203,28 @@ class InstanceProcess(asyncio.Protocol):
         }
         self._pending[self._next_id] = future
         self.transport.writelines(frame(head, *parts))
+        self._watchdog = asyncio.get_running_loop().call_later(self.owner.batch_timeout, self._kill_hung)
+
+    def _kill_hung(self) -> None:
+        """The batch in hand was not answered in time: the process is stopped or stuck, and would hold its requests
+        (and readiness) for ever. Killed, it is restarted and its batch rerun, as for any process that dies serving."""
+        self._watchdog = None
+        if self.process is None or not self.alive:
+            return
+        log.error(
+            "instance process %d of model %s (pid %s) did not answer a batch within %gs; killing it",
+            self.index,
+            self.owner.name,
+            self.pid,
+            self.owner.batch_timeout,
+        )
+        self.hung = True
+        self.process.kill()
+
+    def _stop_watchdog(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            self._watchdog = None
 
     def _hand(self, region: shared.Region) -> None:
         """Send the process a region's descriptor (on the side channel, before the frame that names it)."""
@@ -215,6 +245,7 @@ class InstanceProcess(asyncio.Protocol):
             self.transport.writelines(frame({"op": "exit"}))
 
     def _answer(self, head: dict[str, Any], payload: bytearray) -> None:
+        self._stop_watchdog()
         self.counts = head.get("counts", self.counts)
         self.forwards = self.counts.get("forwards", self.forwards)
         future = self._pending.pop(head["id"], None)
@@ -224,7 +255,6 @@ class InstanceProcess(asyncio.Protocol):
             if head.get("raise"):
                 future.set_exception(_error(head["kind"], head["message"]))
                 return
-            self.owner.crashes = 0  # a process that answers is no crash loop: the next crash restarts at once
             future.set_result([self._outcome(entry, payload) for entry in head["outcomes"]])
         finally:
             self.owner.idle_again(self)
@@ -275,7 +305,12 @@ class ProcessEngine:
         self.in_place_bytes = 0
         """Input bytes instance processes read where they lay, in a front-end's shared memory, so far."""
         self._settings = settings.model_copy(update={"admin_token": None, "admin_token_file": None})
+        self.batch_timeout = settings.instance_batch_timeout
         self._manifest, self._version = manifest, loaded.version
+        self._registers = models.registered_in(manifest.architecture)
+        # What the processes build from besides the weights, as loaded: a restart builds what the others serve.
+        self._code = handover.operator_code(manifest.architecture, self._registers, settings.code_path)
+        self._hf_config = handover.hugging_face_config(loaded.module)
         self._max_batch_size, self._fixed_shapes = max_batch_size, fixed_shapes
         self._weights: int | None = None
         """A memfd of the host weights as safetensors bytes (:meth:`start` writes it), read by every process started,
@@ -292,7 +327,11 @@ class ProcessEngine:
         self._info: EngineInfo | None = None
         self._closing = False
         self.crashes = 0
-        """Instance processes that exited in a row, with no batch answered in between (the restart's backoff)."""
+        """Instance processes that died while starting, in a row (the restart's backoff)."""
+        self.restarts = 0
+        """Instance processes restarted after dying while serving (killed by a request, or hung and killed)."""
+        self.start_failures = 0
+        """Restarted instance processes that died before they were ready."""
         self._respawning: set[asyncio.Task[None]] = set()
         self._loop = asyncio.get_running_loop()
         self._loop_thread = threading.get_ident()
@@ -354,7 +393,7 @@ class ProcessEngine:
             settings=self._settings,
             manifest=self._manifest,
             version=self._version,
-            registers=models.registered_in(self._manifest.architecture),
+            registers=self._registers,
             precision=self.precision.value,
             max_batch_size=self._max_batch_size,
             index=index,
@@ -362,6 +401,8 @@ class ProcessEngine:
             fixed_shapes=self._fixed_shapes,
             input_bytes=self._regions[0],
             output_bytes=self._regions[1],
+            code=self._code,
+            hf_config=self._hf_config,
         )
         instance = InstanceProcess(self, index, memory)
         process = self._context.Process(
@@ -411,6 +452,11 @@ class ProcessEngine:
     def fp32_reruns(self) -> int:
         return sum(i.counts.get("fp32_reruns", 0) for i in self.instances)
 
+    @property
+    def available(self) -> bool:
+        """Whether an instance process is up to take a batch (false while every one is restarting)."""
+        return any(i.alive for i in self.instances)
+
     def batches(self, max_batch_size: int) -> tuple[int, int]:
         """The most rows in one batch, and how many batches may be in flight: one per instance process."""
         return max_batch_size, len(self.instances)
@@ -443,10 +489,14 @@ class ProcessEngine:
                 return
         if self._respawning or any(i.alive for i in self.instances):
             # Fewer processes up than batches in flight: one is restarting, and takes this batch once it is warm (a
-            # batch that crashed one is rerun in parts, so its other requests are answered, as in thread mode).
+            # batch that crashed one is rerun a request at a time, so its other requests are answered).
             self._waiting.append((chunks, future, raw))
             return
-        future.set_exception(EngineError(f"no instance process of model {self.name!r} is running"))
+        future.set_exception(self._none_up("none is restarting"))
+
+    def _none_up(self, why: str) -> ModelNotReadyError:
+        """The error for a batch no instance process can take: the model is not ready for now (503, retry)."""
+        return ModelNotReadyError(f"model {self.name!r} has no instance process able to serve ({why})")
 
     def idle_again(self, instance: InstanceProcess) -> None:
         """An instance answered its batch: give it the next waiting one, or mark it idle."""
@@ -479,43 +529,49 @@ class ProcessEngine:
         self.padded_elements = sum(i.counts.get("padded_elements", 0) for i in self.instances)
 
     def lost(self, instance: InstanceProcess, was_ready: bool) -> None:
-        """An instance process's socket closed: restart it unless the engine is closing."""
+        """An instance process's socket closed: restart it at once unless the engine is closing (one that died while
+        starting is :meth:`_respawn`'s to retry, with the backoff)."""
         if instance in self._idle:
             self._idle.remove(instance)
         if self._closing or not was_ready:
             return
         code = instance.process.exitcode if instance.process is not None else None
         log.error(
-            "instance process %d of model %s (pid %s) exited with %s; restarting it in %.1fs",
+            "instance process %d of model %s (pid %s) exited with %s; restarting it",
             instance.index,
             self.name,
             instance.pid,
             code,
-            self._schedule_respawn(instance.index),
         )
+        self.restarts += 1
+        self._schedule_respawn(instance.index, 0.0)
 
-    def _schedule_respawn(self, index: int) -> float:
-        """Restart instance process ``index`` after the backoff's next delay; returns the delay."""
-        delay = RESPAWN_DELAYS_S[min(self.crashes, len(RESPAWN_DELAYS_S) - 1)]
-        self.crashes += 1
+    def _schedule_respawn(self, index: int, delay: float) -> None:
+        """Restart instance process ``index`` after ``delay`` seconds."""
         task = self._loop.create_task(self._respawn(index, delay))
         self._respawning.add(task)
         task.add_done_callback(self._respawning.discard)
-        return delay
 
     async def _respawn(self, index: int, delay: float) -> None:
         await asyncio.sleep(delay)
         if self._closing:
             return
+        old = self.instances[index].process
+        if old is not None:  # reaped and its pipes released now, not at a garbage collection
+            with contextlib.suppress(ValueError):  # already closed
+                await asyncio.to_thread(end, old, KILL_TIMEOUT_S, f"instance process {index} of model {self.name}")
         try:
             instance = self._spawn(index)
             self.instances[index] = instance
             await asyncio.wait_for(instance.ready, timeout=READY_TIMEOUT_S)
         except Exception as e:
-            if not any(i.alive for i in self.instances):  # nothing else can take them meanwhile
-                self._fail_waiting(EngineError(f"no instance process of model {self.name!r} is running: {e}"))
+            if not any(i.alive for i in self.instances):  # nothing else can take them meanwhile: sent again later
+                self._fail_waiting(self._none_up(f"one died while restarting: {e}"))
             if not self._closing:
-                delay = self._schedule_respawn(index)
+                self.start_failures += 1
+                delay = RESPAWN_DELAYS_S[min(self.crashes, len(RESPAWN_DELAYS_S) - 1)]
+                self.crashes += 1
+                self._schedule_respawn(index, delay)
                 log.error(
                     "instance process %d of model %s did not restart (%s); again in %.1fs", index, self.name, e, delay
                 )
@@ -523,6 +579,7 @@ class ProcessEngine:
         if self._closing:
             instance.stop()
             return
+        self.crashes = 0  # it started: the start-up backoff is over
         log.info("instance process %d of model %s restarted (pid %s)", index, self.name, instance.pid)
         self.idle_again(instance)
 

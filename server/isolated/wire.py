@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from server import store
+from server.isolated.handover import Code
 from server.settings import Settings
 
 INPUT_REGION, IN_FRAME = 0, -1
@@ -61,6 +62,10 @@ class ChildConfig:
     """Whether every model served pads to buckets (cuDNN's autotuning is on then, as in the server process)."""
     input_bytes: int
     output_bytes: int
+    code: Code | None = None
+    """The ``--code-path`` module the architecture comes from, as the server process read it at load."""
+    hf_config: dict[str, Any] | None = None
+    """A Hugging Face model's configuration as the server process loaded it (its config.json is not read again)."""
 
 
 def region_sizes(manifest: store.Manifest, max_batch_size: int) -> tuple[int, int]:

@@ -31,6 +31,7 @@ from server.serving import (
     Tensors,
     error_from_wire,
     find,
+    why_model_not_ready,
 )
 from server.settings import Settings
 from server.transport import CoalescedWrites
@@ -193,6 +194,8 @@ class RemoteModel:
     state: ModelState
     error: str | None
     precision: Precision | None
+    available: bool = True
+    """Whether an instance can run a batch now, as the engine process last said (a table that does not say: yes)."""
     client: BackplaneClient | None = field(default=None, repr=False)
 
     @property
@@ -222,14 +225,14 @@ class RemoteService:
     def ready(self) -> bool:
         """As of the last table (readiness itself is answered by the engine process: front-ends relay it)."""
         live = [m for m in self._models.values() if m.state is not ModelState.UNLOADED]
-        return bool(live) and all(m.state is ModelState.READY for m in live)
+        return bool(live) and all(why_model_not_ready(m) is None for m in live)
 
     def update(self, models: list[dict[str, Any]]) -> None:
         fresh: dict[str, RemoteModel] = {}
         for m in models:
             old = self._models.get(m["name"])
             if old is not None and old.version == m["version"] and old.precision == _precision(m["precision"]):
-                old.state, old.error = ModelState(m["state"]), m["error"]
+                old.state, old.error, old.available = ModelState(m["state"]), m["error"], m.get("available", True)
                 fresh[m["name"]] = old  # keep its decoded manifest
                 continue
             fresh[m["name"]] = RemoteModel(
@@ -240,6 +243,7 @@ class RemoteService:
                 state=ModelState(m["state"]),
                 error=m["error"],
                 precision=_precision(m["precision"]),
+                available=m.get("available", True),
                 client=self.client,
             )
         self._models = fresh

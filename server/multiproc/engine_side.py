@@ -48,6 +48,7 @@ def table(repo: ModelRepository) -> list[dict[str, Any]]:
             "name": s.name,
             "version": s.version,
             "state": s.state.value,
+            "available": s.available,
             "error": s.error,
             "precision": s.precision.value if s.precision is not None else None,
             "manifest": s.manifest.model_dump(mode="json"),
@@ -59,7 +60,8 @@ def table(repo: ModelRepository) -> list[dict[str, Any]]:
 
 def _signature(repo: ModelRepository, regions: Regions) -> tuple[object, ...]:
     models = tuple(
-        (s.name, s.version, s.state, s.precision, id(s.manifest), s.batcher is None) for s in repo.models.values()
+        (s.name, s.version, s.state, s.available, s.precision, id(s.manifest), s.batcher is None)
+        for s in repo.models.values()
     )
     return models, regions.generation
 

@@ -23,6 +23,7 @@ from server.batching import (
     RequestTooLargeError,
     split_rows,
 )
+from server.serving import InstanceLostError, ModelNotReadyError
 
 POISON = -1.0
 
@@ -111,6 +112,48 @@ async def test_two_poisoned_requests_in_one_batch_both_fail_and_nothing_else_doe
     results = await asyncio.gather(*(batcher.infer(x) for x in inputs), return_exceptions=True)
     assert [type(r).__name__ for r in results] == ["BatchFailedError", "ndarray", "ndarray", "BatchFailedError"]
     np.testing.assert_array_equal(results[2], rows(2, 7) * 2)
+    await batcher.stop()
+
+
+class Killing(Runner):
+    """A runner whose instance dies for a batch holding a poisoned row (an instance process killed by it), or that has
+    no instance to take a batch while ``restarting`` (every instance process restarting)."""
+
+    restarting = False
+
+    async def __call__(self, chunks: list[np.ndarray]) -> list[Outcome]:
+        self.sizes.append(sum(len(c) for c in chunks))
+        if self.restarting:
+            raise ModelNotReadyError("model 'm' has no instance process able to serve (restarting)")
+        if any((c == POISON).any() for c in chunks):
+            raise InstanceLostError("instance process 0 of model 'm' (pid 1) exited")
+        return [c * 2 for c in chunks]
+
+
+async def test_a_batch_that_killed_its_instance_is_rerun_a_request_at_a_time() -> None:
+    runner = Killing()
+    batcher = await started(Batcher(runner, max_batch_size=8, max_delay=0.05, max_queue_rows=64))
+    inputs = [rows(1, i) for i in range(8)]
+    inputs[2] = poisoned()
+    results = await asyncio.gather(*(batcher.infer(x) for x in inputs), return_exceptions=True)
+    assert [type(r).__name__ for r in results] == ["ndarray"] * 2 + ["BatchFailedError"] + ["ndarray"] * 5
+    assert "InstanceLostError: instance process 0 of model 'm' (pid 1) exited" in str(results[2])
+    # In halves, 4 of the rerun batches would hold the killer (8, 4, 2, 1); a request at a time, it runs alone once.
+    assert runner.sizes == [8] + [1] * 8
+    assert batcher.stats.split_retries == 1
+    await batcher.stop()
+
+
+async def test_a_batch_no_instance_can_take_fails_its_requests_to_be_sent_again_without_splitting() -> None:
+    runner = Killing()
+    runner.restarting = True
+    batcher = await started(Batcher(runner, max_batch_size=8, max_delay=0.05, max_queue_rows=64))
+    results = await asyncio.gather(*(batcher.infer(rows(1, i)) for i in range(4)), return_exceptions=True)
+    assert all(isinstance(r, ModelNotReadyError) and r.retry for r in results), results
+    assert runner.sizes == [4]
+    assert batcher.stats.split_retries == 0
+    runner.restarting = False
+    np.testing.assert_array_equal(await batcher.infer(rows(2)), rows(2) * 2)
     await batcher.stop()
 
 

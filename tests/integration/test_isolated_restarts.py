@@ -1,0 +1,224 @@
+"""Instance processes that die or hang, in-process app, real instance processes: readiness follows whether an instance
+can serve, a request never gets a 500 for a restart, a request that kills its process fails alone and the process is
+restarted at once, a hung process is killed and restarted."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import textwrap
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from server import store
+from server.store import Batching, Manifest, TensorSpec
+from tests.integration.conftest import serving
+from tests.integration.test_isolated import model, processes
+from tests.waiting import DEADLINE_S
+
+pytestmark = pytest.mark.slow
+
+CRASH = 777.0
+
+CODE = textwrap.dedent(
+    """
+    import os
+    import time
+    from pathlib import Path
+
+    import torch
+    from torch import nn
+
+    GATE = Path({gate!r})
+    DEATHS = Path({deaths!r})
+
+
+    class Crashing(nn.Module):
+        def __init__(self, in_features: int, out_features: int) -> None:
+            super().__init__()
+            self.linear = nn.Linear(in_features, out_features)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if (x == {crash}).any():
+                with DEATHS.open("a") as f:
+                    f.write(f"{{x.shape[0]}}\\n")
+                os._exit(3)  # the process dies, as a segfault in a kernel would take it
+            return self.linear(x)
+
+
+    def build(in_features: int, out_features: int) -> nn.Module:
+        # While the gate file exists, a starting process holds here: it stays "starting" for as long as a test needs.
+        deadline = time.monotonic() + 120
+        while GATE.exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return Crashing(in_features, out_features)
+    """
+)
+
+
+def save_crashing(root: Path, max_delay_ms: float = 2) -> tuple[Path, Path, Path]:
+    """A linear model from the operator's code (``<module>:build``, the module ``code / "<module>.py"``) whose process
+    dies on an input holding ``CRASH`` (noting the batch's rows in the deaths file) and whose start holds while the gate
+    file exists. Returns the code path, the gate and the deaths file.
+
+    The module's name is the test's own: this process keeps the first module it imports under a name, and each test's
+    module names its own files."""
+    code, gate, deaths = root / "code", root / "gate", root / "deaths"
+    code.mkdir()
+    (code / f"{module_name(root)}.py").write_text(CODE.format(gate=str(gate), deaths=str(deaths), crash=CRASH))
+    module = torch.nn.Module()
+    module.linear = torch.nn.Linear(4, 3)
+    manifest = Manifest(
+        name="crashing",
+        architecture=f"{module_name(root)}:build",
+        arch_kwargs={"in_features": 4, "out_features": 3},
+        inputs=[TensorSpec(name="x", shape=[4])],
+        outputs=[TensorSpec(name="y", shape=[3])],
+        batching=Batching(max_batch_size=16, max_delay_ms=max_delay_ms),
+    )
+    store.save(root / "store", manifest, module)
+    return code, gate, deaths
+
+
+def dead(pid: int) -> bool:
+    """Whether process ``pid`` has exited: gone, or a zombie its parent has not reaped yet (multiprocessing reaps a
+    killed child at its next start, which may come before the child is a zombie)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return True
+    return stat.rpartition(")")[2].split()[0] in ("Z", "X")
+
+
+def module_name(root: Path) -> str:
+    return "crashing_" + re.sub(r"\W", "_", root.name)
+
+
+async def eventually(check: Callable[[], Awaitable[bool]], what: str) -> None:
+    """Return once ``check()`` holds; fail naming ``what`` past the deadline (a hang, not a slow host)."""
+    deadline = time.monotonic() + DEADLINE_S
+    while not await check():
+        assert time.monotonic() < deadline, f"not within {DEADLINE_S:g} s: {what}"
+        await asyncio.sleep(0.02)
+
+
+async def pid_of(client: httpx.AsyncClient) -> int:
+    [pid] = (await model(client, "crashing"))["stats"]["instance_pids"]  # type: ignore[index]
+    assert isinstance(pid, int)
+    return pid
+
+
+async def replaced(client: httpx.AsyncClient, pid: int) -> int:
+    """The pid of the process started in place of ``pid``, once there is one."""
+
+    async def new() -> bool:
+        return await pid_of(client) != pid
+
+    await eventually(new, f"instance process {pid} replaced")
+    return await pid_of(client)
+
+
+async def not_ready(client: httpx.AsyncClient) -> None:
+    r = await client.get("/ready")
+    assert r.status_code == 503, r.text
+    assert r.headers["Retry-After"] == "1"
+    assert "crashing (no instance able to serve" in r.json()["error"]
+    r = await client.get("/v2/models/crashing/ready")
+    assert r.status_code == 400, r.text
+    r = await client.get("/v2/health/ready")
+    assert r.status_code == 400, r.text
+
+
+def predict(client: httpx.AsyncClient, value: float) -> Awaitable[httpx.Response]:
+    return client.post("/predict", json={"inputs": [[1.0, 2.0, 3.0, value]]}, timeout=DEADLINE_S)
+
+
+async def test_a_process_killed_while_restarting_never_fails_a_request_with_500_and_readiness_follows(
+    tmp_path: Path,
+) -> None:
+    code, gate, _ = save_crashing(tmp_path)
+    async with serving(processes(store=tmp_path / "store", code_path=[code], precision="fp32")) as client:
+        first = await pid_of(client)
+        gate.touch()  # every restart now holds while starting
+        os.kill(first, signal.SIGKILL)
+        second = await replaced(client, first)
+        await not_ready(client)  # no instance can serve while its replacement starts
+        waiting = [asyncio.ensure_future(predict(client, float(i))) for i in range(6)]
+        await asyncio.sleep(0.2)  # let them reach the engine, where they wait for the restart
+        os.kill(second, signal.SIGKILL)  # the replacement dies while starting
+        third = await replaced(client, second)
+        await not_ready(client)
+        later = asyncio.ensure_future(predict(client, 9.0))  # sent while the third starts: waits for it
+        gate.unlink()
+
+        async def ready() -> bool:
+            return (await client.get("/ready")).status_code == 200
+
+        await eventually(ready, "ready again once the third process is warm")
+        assert (await client.get("/v2/models/crashing/ready")).status_code == 200
+        assert await pid_of(client) == third
+        replies = await asyncio.gather(*waiting, later)
+        for r in replies:  # waited for the restart, or told to send it again: never a 500
+            assert r.status_code in (200, 503), r.text
+            if r.status_code == 503:
+                assert r.headers["Retry-After"] == "1"
+                assert "no instance process able to serve" in r.json()["error"]
+        assert replies[-1].status_code == 200
+        assert (await predict(client, 1.0)).status_code == 200
+
+
+async def test_a_request_that_kills_its_process_fails_alone_and_the_process_restarts_at_once(tmp_path: Path) -> None:
+    code, _, deaths = save_crashing(tmp_path, max_delay_ms=200)  # the eight requests make one batch
+    async with serving(processes(store=tmp_path / "store", code_path=[code], precision="fp32")) as client:
+        first = await pid_of(client)
+        values = [float(i) for i in range(8)]
+        values[2] = CRASH
+        replies = await asyncio.gather(*(predict(client, v) for v in values))
+        assert [r.status_code for r in replies] == [200, 200, 500, 200, 200, 200, 200, 200]
+        assert "exited" in replies[2].json()["error"]
+        # The batch that killed the process was rerun a request at a time, not in halves (whose half holding the
+        # killer would kill each restarted process again): the killer ran alone once more, and was not retried.
+        died_with = [int(n) for n in deaths.read_text().split()]
+        assert died_with[-1] == 1
+        assert died_with.count(1) == 1
+        assert len(died_with) <= 2
+        assert dead(first)
+        # A process killed by a request is no start-up crash loop: killed again and again, it is restarted at once
+        # each time (the start-up backoff, 0.5 s then 2, 10 and 30 s, would hold these requests for 42 s).
+        for _ in range(4):
+            r = await predict(client, CRASH)
+            assert r.status_code == 500, r.text
+        stats = (await model(client, "crashing"))["stats"]
+        assert stats["instance_restarts"] == len(died_with) + 4  # type: ignore[index]
+        assert stats["instance_start_failures"] == 0  # type: ignore[index]
+        assert (await predict(client, 1.0)).status_code == 200
+
+
+async def test_a_hung_process_is_killed_by_the_watchdog_and_its_requests_answered_by_the_restarted_one(
+    tmp_path: Path,
+) -> None:
+    code, _, _ = save_crashing(tmp_path)
+    # A batch of this model takes milliseconds; 3 s is far past that on any host, and short for the test to wait out.
+    settings = processes(store=tmp_path / "store", code_path=[code], precision="fp32", instance_batch_timeout=3.0)
+    async with serving(settings) as client:
+        first = await pid_of(client)
+        os.kill(first, signal.SIGSTOP)  # hung: alive, its socket open, never answering
+        try:
+            replies = await asyncio.gather(*(predict(client, float(i)) for i in range(3)))
+        finally:
+            if not dead(first):
+                os.kill(first, signal.SIGKILL)
+        # The watchdog killed it; the batch was rerun on the restarted process, a request at a time.
+        assert [r.status_code for r in replies] == [200] * 3, [r.text for r in replies]
+        assert dead(first)
+        assert await pid_of(client) != first
+        assert (await client.get("/ready")).status_code == 200
+        stats = (await model(client, "crashing"))["stats"]
+        assert stats["instance_restarts"] == 1  # type: ignore[index]
