@@ -8,7 +8,6 @@ architectures may be named, of an entry point's module only its declared factory
 from __future__ import annotations
 
 import importlib
-import json
 import os
 import shutil
 import subprocess
@@ -21,11 +20,11 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from server import importer, models, store
+from server import importer, models
 from server.settings import Settings
 from server.store import StoreError, TensorSpec
 from tests.conftest import save_tiny_mlp
-from tests.security.test_model_code import started
+from tests.security.test_model_code import started, write_hostile
 
 ROOT = Path(__file__).resolve().parents[2]
 PLAIN_NAME = "the part after ':' must be the plain name of a function or class defined in"
@@ -80,20 +79,6 @@ def payloads(folder: Path, marker: Path) -> dict[str, tuple[str, dict[str, objec
     }
 
 
-def write_manifest(root: Path, name: str, architecture: str, arch_kwargs: dict[str, object]) -> None:
-    """A model folder's manifest naming ``architecture``, beside whatever its version folder already ships."""
-    folder = root / name
-    (folder / "1").mkdir(parents=True, exist_ok=True)
-    manifest = {
-        "name": name,
-        "architecture": architecture,
-        "arch_kwargs": arch_kwargs,
-        "inputs": [{"name": "x", "shape": [4]}],
-        "outputs": [{"name": "y", "shape": [2]}],
-    }
-    (folder / store.MANIFEST).write_text(json.dumps(manifest))
-
-
 KINDS = ["torch.load", "torch.hub.load", "load_library", "submodule", "sys.exit"]
 
 
@@ -119,7 +104,7 @@ async def test_a_path_through_a_modules_imports_fails_that_model_at_load_and_run
     save_tiny_mlp(root)
     marker = tmp_path / "ran"
     architecture, kwargs = payloads(root / "evil" / "1", marker)[kind]  # what the model folder ships
-    write_manifest(root, "evil", architecture, kwargs)
+    write_hostile(root, "evil", architecture, kwargs)
     async with started(Settings(store=root), "tiny") as client:
         assert (await client.get("/v2/models/evil/ready")).status_code != 200
         evil = await client.post("/predict", json={"model": "evil", "inputs": [[0, 0, 0, 0]]})
@@ -139,7 +124,7 @@ def serve(root: Path, *flags: str) -> subprocess.CompletedProcess[str]:
 def test_sys_exit_named_by_a_manifest_does_not_end_serve_silently(tmp_path: Path) -> None:
     root = tmp_path / "store"
     architecture, kwargs = payloads(tmp_path / "source", tmp_path / "ran")["sys.exit"]
-    write_manifest(root, "evil", architecture, kwargs)
+    write_hostile(root, "evil", architecture, kwargs)
     done = serve(root)
     assert done.returncode == 2, (done.returncode, done.stderr)
     assert "Traceback" not in done.stderr, done.stderr
@@ -157,7 +142,7 @@ def test_a_factory_raising_system_exit_fails_its_model_not_the_server(tmp_path: 
     code.mkdir()
     (code / "opcode_exits.py").write_text(textwrap.dedent(EXITS))
     root = tmp_path / "store"
-    write_manifest(root, "exits", "opcode_exits:build", {})
+    write_hostile(root, "exits", "opcode_exits:build", {})
     done = serve(root, "--code-path", str(code))
     assert done.returncode == 2, (done.returncode, done.stderr)
     assert "Traceback" not in done.stderr, done.stderr

@@ -45,8 +45,9 @@ def hostile(folder: Path, marker: Path) -> dict[str, tuple[str, dict[str, object
 
 
 def write_hostile(root: Path, name: str, architecture: str, arch_kwargs: dict[str, object]) -> None:
+    """A model folder's manifest naming ``architecture``, beside whatever its version folder already ships."""
     folder = root / name
-    (folder / "1").mkdir(parents=True)
+    (folder / "1").mkdir(parents=True, exist_ok=True)
     manifest = {
         "name": name,
         "architecture": architecture,
