@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from functools import partial
@@ -468,14 +469,26 @@ class GrpcServer:
         self._peers: asyncio.Task[None] | None = None
         self._stopping: asyncio.Task[None] | None = None
 
+    def _why_not_bound(self) -> str:
+        """Why the gRPC address cannot be bound, as the operating system says it (``Address already in use``)."""
+        host, port = self.address.rpartition(":")[0].strip("[]"), int(self.address.rpartition(":")[2])
+        try:
+            infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+            family, kind, proto, _, where = infos[0]
+            with socket.socket(family, kind, proto) as probe:
+                probe.bind(where)
+        except OSError as e:
+            return e.strerror or str(e)
+        return "the address could not be bound"
+
     async def start(self) -> int:
         """Bind and serve; the bound port (the one asked for, or the one chosen for port 0)."""
         try:
             port: int = self.server.add_insecure_port(self.address)
-        except RuntimeError as e:
-            raise OSError(f"gRPC: cannot listen on {self.address}: {e}") from None
-        if port == 0:
-            raise OSError(f"gRPC: cannot listen on {self.address}")
+        except RuntimeError:
+            port = 0
+        if port == 0:  # grpcio's own error says only "Failed to bind": the reason is the socket's
+            raise OSError(f"gRPC: cannot listen on {self.address} (--grpc-port): {self._why_not_bound()}")
         await self.server.start()
         self._loop = asyncio.get_running_loop()
         self._peers = asyncio.create_task(PeerConnections(port, self.per_peer).run())
