@@ -184,10 +184,16 @@ def require_admin(request: Request) -> None:
 
 def check_admin(app: AppState, who: str, authorization: str) -> None:
     """:func:`require_admin` for a call from address ``who`` carrying ``authorization`` (``Bearer <token>``), over
-    whichever protocol. The right token is accepted whatever the failures before it."""
+    whichever protocol. The right token is accepted whatever the failures before it, unless ``who`` itself has a full
+    tarpit of wrong ones waiting (:meth:`~server.api.lockout.Tarpit.full`)."""
     settings = app.settings
     if settings.admin_token is None:
         raise APIError(403, "management API is disabled; set HALFSERVE_ADMIN_TOKEN")
+    pit = lockout.tarpit(app)
+    if pit.full(who):  # refused whatever the token: an answer that depended on it would be a guess's verdict
+        seconds = str(pit.retry_after())
+        message = f"{pit.queue} wrong admin tokens from {who} are waiting for their answers; retry in {seconds} s"
+        raise APIError(429, message, {"Retry-After": seconds})
     scheme, _, given = authorization.partition(" ")
     if scheme.lower() != "bearer" or not given.strip():
         raise APIError(401, "management call needs Authorization: Bearer <admin token>", {"WWW-Authenticate": "Bearer"})
@@ -202,7 +208,7 @@ def check_admin(app: AppState, who: str, authorization: str) -> None:
         seconds = str(math.ceil(wait))
         source = "every address" if attempts.retry_after_all() > 0 else who
         message = f"too many wrong admin tokens from {source}; retry in {seconds} s"
-        raise HeldError(429, message, {"Retry-After": seconds}, functools.partial(lockout.tarpit(app).hold, who))
+        raise HeldError(429, message, {"Retry-After": seconds}, functools.partial(pit.hold, who))
     if attempts.retry_after(who) > 0:
         log.warning(
             "admin token: too many wrong tokens lately (the last from %s); further wrong ones are answered 429", who

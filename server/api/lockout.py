@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable
@@ -16,7 +17,8 @@ class FailedAttempts:
     from one address, or past ``total`` from all of them, a wrong token is answered 429 rather than 401 until the
     oldest of those failures leaves the window (and each further one keeps it shut).
 
-    The right token is never refused: the operator who shares an address with a guesser (a NAT, a proxy, a
+    The right token is not refused (unless its own address has a full :class:`Tarpit` of wrong ones waiting): the
+    operator who shares an address with a guesser (a NAT, a proxy, a
     shared-memory client on the same host) is not locked out by that guesser, nor by their own typo. So this bounds
     and reports guessing rather than preventing it; the token's length (at least 16 characters) is what makes guessing
     hopeless. At most ``addresses`` are remembered (the longest quiet ones are forgotten first), each with its last
@@ -73,14 +75,23 @@ class Tarpit:
     ``slots / delay`` answers a second however many guesses it sends at once; a 429 answered at once still told a
     guesser the token was wrong, at 678 guesses a second.
 
-    A held answer is a sleeping coroutine (no thread, the event loop goes on); the connections waiting are bounded by
-    the server's own connection caps, and an address's gate lives only while one of its answers waits. The right
-    token never comes here: it is accepted before anything is counted or held."""
+    A held answer is a sleeping coroutine (no thread, the event loop goes on), and an address's gate lives only while
+    one of its answers waits. At most ``queue`` of one address wait (:meth:`full`): past that its admin calls are
+    refused at once, the token unread, so a flood of guesses holds neither more connections than that (each for
+    ``queue * delay / slots`` seconds at most) nor learns anything from the refusal."""
 
-    def __init__(self, delay: float = 1.0, slots: int = 2) -> None:
-        self.delay, self.slots = delay, slots
+    def __init__(self, delay: float = 1.0, slots: int = 2, queue: int = 32) -> None:
+        self.delay, self.slots, self.queue = delay, slots, queue
         self.gates: dict[str, asyncio.Semaphore] = {}
         self.waiting: Counter[str] = Counter()
+
+    def full(self, who: str) -> bool:
+        """Whether ``who`` has ``queue`` answers waiting: its next admin call is refused before its token is read."""
+        return self.waiting[who] >= self.queue if who in self.waiting else False
+
+    def retry_after(self) -> int:
+        """Seconds until a full queue of one address has been answered."""
+        return math.ceil(self.queue * self.delay / self.slots)
 
     async def hold(self, who: str) -> None:
         """Return once the answer to ``who``'s wrong token may go."""

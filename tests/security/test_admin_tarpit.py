@@ -7,13 +7,17 @@ from __future__ import annotations
 import asyncio
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import grpc
 import httpx
 import pytest
 from tritonclient.grpc import service_pb2
 
-from server.api.lockout import Tarpit
+from server.api.deps import check_admin
+from server.api.errors import APIError, HeldError
+from server.api.lockout import Tarpit, tarpit
+from server.settings import Settings
 from tests.conftest import ServerProcess, StartServer, free_port
 from tests.waiting import DEADLINE_S
 
@@ -120,3 +124,34 @@ async def test_the_tarpit_holds_each_address_apart_and_forgets_it_when_none_wait
     assert released.count("a") == 3
     assert tarpit.gates == {}
     assert not tarpit.waiting
+
+
+async def test_a_full_tarpit_refuses_its_address_at_once_whatever_the_token() -> None:
+    """A flood of guesses holds at most ``queue`` answers (and connections) of its address: past that, its admin calls
+    are refused at once with the token unread, so the refusal tells no guess apart; other addresses are served."""
+    app = SimpleNamespace(settings=Settings(admin_token=TOKEN), route_state={})
+    pit = tarpit(app)  # type: ignore[arg-type]
+    for i in range(LIMIT):
+        with pytest.raises(APIError) as refused:
+            check_admin(app, "flood", f"Bearer guess-{i}")  # type: ignore[arg-type]
+        assert refused.value.status == 401
+    held: list[asyncio.Task[None]] = []
+    while not pit.full("flood"):
+        with pytest.raises(HeldError) as e:
+            check_admin(app, "flood", f"Bearer guess-{len(held)}")  # type: ignore[arg-type]
+        held.append(asyncio.ensure_future(e.value.hold()))
+        await asyncio.sleep(0)  # the answer starts waiting
+    try:
+        assert len(held) == pit.queue
+        for token in (TOKEN, "another-guess"):
+            with pytest.raises(APIError) as refused:
+                check_admin(app, "flood", f"Bearer {token}")  # type: ignore[arg-type]
+            assert refused.value.status == 429
+            assert not isinstance(refused.value, HeldError)  # answered at once, holding nothing
+            assert "are waiting for their answers" in refused.value.message
+        check_admin(app, "operator", f"Bearer {TOKEN}")  # type: ignore[arg-type]
+    finally:
+        for task in held:
+            task.cancel()
+        await asyncio.gather(*held, return_exceptions=True)
+    assert not pit.full("flood")
