@@ -10,7 +10,8 @@ takes the tokenizer a while (seconds for megabytes), during which the loop goes 
 clients, and ``encode_batch`` lets go of the GIL while it works. How much one request may carry is bounded before
 it gets there: rows as for any request, each text's bytes by the manifest's ``text.max_bytes``, and all of a
 request's texts together by the server's ``max_text_bytes``; each text is tokenized no further than its input's
-``max_length`` tokens reach, and past :data:`TOKENIZER_QUEUE` waiting requests a request is refused, not queued.
+``max_length`` tokens reach, the threads are handed out in turn per client address, and past
+:data:`TOKENIZER_QUEUE` waiting requests a request is refused, not queued.
 """
 
 from __future__ import annotations
@@ -18,14 +19,18 @@ from __future__ import annotations
 import asyncio
 import functools
 import threading
-from collections.abc import Sequence
+from collections import Counter, OrderedDict, deque
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextvars import ContextVar
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
 from server.manifest import LENGTH, Manifest, PackError, check_length
+
+T = TypeVar("T")
 
 
 class TextError(ValueError):
@@ -216,29 +221,96 @@ def _encode(
 
 TOKENIZER_QUEUE = 64
 """Requests of this process that may wait for a tokenizing thread, beyond those being tokenized; one more is refused
-(:class:`TokenizerBusyError`) rather than queued behind work no deadline bounds. They are taken in turn, each no more
-than its rows' ``max_length`` tokens (:meth:`Encoder.encode`), so no request waits behind more than the queue's."""
+(:class:`TokenizerBusyError`) rather than queued behind work no deadline bounds. Each is tokenized no further than
+its rows' ``max_length`` tokens reach (:meth:`Encoder.encode`), and they are taken in turn per client address
+(:class:`_Turns`), so a client's request waits behind at most one of each other client's."""
 
-_admitted = 0
-"""Requests of this process waiting for or on a tokenizing thread (counted on the event loop, which alone admits)."""
+CLIENT: ContextVar[str] = ContextVar("halfserve_text_client", default="")
+"""The address of the client whose request is being decoded (set where its body is read): whose turn its texts take."""
+
+
+class _Turns:
+    """The tokenizing threads handed out in turn per client address: a thread that comes free goes to the next
+    address waiting (round robin), not to the oldest request, so one address's flood of requests delays another's
+    by one request each at most. Kept on the event loop, which alone admits."""
+
+    def __init__(self) -> None:
+        self.busy = 0
+        """Threads handed out."""
+        self.waiting: OrderedDict[str, deque[asyncio.Future[None]]] = OrderedDict()
+        self.admitted: Counter[str] = Counter()
+
+    @property
+    def count(self) -> int:
+        return sum(self.admitted.values())
+
+    async def take(self, who: str) -> None:
+        """Return once ``who`` holds a thread (call :meth:`give` after)."""
+        if self.busy < TOKENIZER_THREADS and not self.waiting:
+            self.busy += 1
+            return
+        turn = asyncio.get_running_loop().create_future()
+        self.waiting.setdefault(who, deque()).append(turn)
+        try:
+            await turn
+        except asyncio.CancelledError:
+            if turn.done() and not turn.cancelled():  # handed a thread as it was cancelled: pass it on
+                self.give()
+            else:
+                mine = self.waiting.get(who)
+                if mine is not None and turn in mine:
+                    mine.remove(turn)
+                    if not mine:
+                        del self.waiting[who]
+            raise
+
+    def give(self) -> None:
+        """A thread came free: to the next address waiting, that address then last in line."""
+        while self.waiting:
+            who, turns = next(iter(self.waiting.items()))
+            turn = turns.popleft()
+            if turns:
+                self.waiting.move_to_end(who)
+            else:
+                del self.waiting[who]
+            if not turn.done():
+                turn.set_result(None)
+                return
+        self.busy -= 1
+
+
+_turns = _Turns()
+
+
+async def run_in_turn(who: str, call: Callable[[], T]) -> T:
+    """``call()`` on a tokenizing thread once ``who``'s turn comes; :class:`TokenizerBusyError` when the queue is
+    full."""
+    if _turns.count >= TOKENIZER_THREADS + TOKENIZER_QUEUE:
+        raise TokenizerBusyError(f"the server is tokenizing {_turns.count} requests' texts, as many as it holds")
+    _turns.admitted[who] += 1
+    try:
+        await _turns.take(who)
+        try:
+            return await asyncio.get_running_loop().run_in_executor(_executor(), call)
+        finally:
+            _turns.give()
+    finally:
+        _turns.admitted[who] -= 1
+        if not _turns.admitted[who]:
+            del _turns.admitted[who]
 
 
 async def encode_off_loop(
     store: Path, name: str, version: int, manifest: Manifest, texts: Sequence[bytes | str], field: str
 ) -> dict[str, np.ndarray]:
-    """:meth:`Encoder.encode` of model ``name``'s version's encoder, run on a tokenizing thread (the tokenizer is read
-    there too, the first time); raises what it raises, and :class:`TokenizerBusyError` when the queue is full."""
-    global _admitted
-    if _admitted >= TOKENIZER_THREADS + TOKENIZER_QUEUE:
-        raise TokenizerBusyError(
-            f"{field}: the server is tokenizing {_admitted} requests' texts, as many as it holds; retry shortly"
-        )
-    _admitted += 1
+    """:meth:`Encoder.encode` of model ``name``'s version's encoder, run on a tokenizing thread in its client's turn
+    (the tokenizer is read there too, the first time); raises what it raises, and :class:`TokenizerBusyError` when the
+    queue is full."""
+    call = functools.partial(_encode, store, name, version, manifest, texts, field)
     try:
-        call = functools.partial(_encode, store, name, version, manifest, texts, field)
-        return await asyncio.get_running_loop().run_in_executor(_executor(), call)
-    finally:
-        _admitted -= 1
+        return await run_in_turn(CLIENT.get(), call)
+    except TokenizerBusyError as e:
+        raise TokenizerBusyError(f"{field}: {e}; retry shortly") from None
 
 
 def text_bytes(texts: Sequence[bytes | str], limit: int) -> int:

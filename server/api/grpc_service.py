@@ -36,6 +36,7 @@ import grpc
 from google.protobuf import json_format
 
 from server import grpc_messages as pb
+from server import text
 from server.api.admin import index_entries, load_from_store, model_config, model_stats, refuse_overrides
 from server.api.dataplane.decode import parse_request, tokenize
 from server.api.dataplane.infer import infer
@@ -205,6 +206,7 @@ class InferenceService:
             check_ready(served, request.model_version or None)
             settings = self.state.settings
             payload, binary = await infer_payload(request, served, settings)
+            text.CLIENT.set(_client(context))  # whose turn its texts take on the tokenizing threads
             regions = partial(admitted_regions, self.state, _client(context), _authorization(context))
             req = await tokenize(parse_request(payload, binary, served, settings, regions), served, settings)
             try:

@@ -23,6 +23,7 @@ import orjson
 from starlette.requests import ClientDisconnect, Request
 from starlette.types import Scope
 
+from server import text
 from server.api.errors import APIError
 from server.manifest import Batching, sample_values
 from server.serving import AppState, ModelHandle
@@ -70,6 +71,7 @@ async def read_body(request: Request, limit: int, setting: str = "max_body_bytes
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise APIError(413, f"body: {declared.decode()} bytes exceed the limit of {limit} bytes ({setting})")
     COMPRESSED_BYTES.set(None)  # a connection's requests may share a context: none inherits another's
+    text.CLIENT.set(request.client.host if request.client is not None else "")
     body = await _receive_body(request, limit, setting)
     if codec is None:
         return body

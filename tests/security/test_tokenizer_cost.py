@@ -9,6 +9,7 @@ test lets it go, so the checks are on what was tokenized and in what order, not 
 from __future__ import annotations
 
 import asyncio
+import functools
 import gzip
 import json
 import random
@@ -185,7 +186,7 @@ async def test_past_the_tokenizer_queue_a_text_request_is_a_503_with_retry_after
             asyncio.create_task(client.post("/predict", json={"inputs": [f"hold the text {i}"]}))
             for i in range(admitted)
         ]
-        await until(lambda: text._admitted == admitted, "the held requests to be admitted to the tokenizer")
+        await until(lambda: text._turns.count == admitted, "the held requests to be admitted to the tokenizer")
         for path, body in [
             ("/predict", {"inputs": ["one too many"]}),
             (
@@ -203,3 +204,39 @@ async def test_past_the_tokenizer_queue_a_text_request_is_a_503_with_retry_after
             assert answer.status_code == 200, answer.text
         after = await client.post("/predict", json={"inputs": ["a short text"]})
         assert after.status_code == 200, after.text
+
+
+async def test_a_flood_from_one_address_delays_another_by_one_request_per_thread_at_most() -> None:
+    """The tokenizing threads are handed out in turn per client address: a request from a second address goes next
+    after those already running, not behind every request the first address queued (which it did in arrival order)."""
+    started: list[str] = []
+    gates: dict[str, threading.Event] = {}
+
+    def work(name: str) -> str:
+        started.append(name)
+        gates[name].wait(DEADLINE_S)
+        return name
+
+    async def request(who: str, name: str) -> str:
+        gates[name] = threading.Event()
+        return await text.run_in_turn(who, functools.partial(work, name))
+
+    flood = [asyncio.ensure_future(request("flood", f"flood-{i}")) for i in range(6)]
+    await until(lambda: len(started) == text.TOKENIZER_THREADS, "the first requests to start")
+    other = asyncio.ensure_future(request("other", "other"))
+    await asyncio.sleep(0)
+    ended = 0
+    try:
+        while "other" not in started:
+            gates[started[ended]].set()  # the oldest running one ends: its thread goes to the next in turn
+            ended += 1
+            expected = text.TOKENIZER_THREADS + ended
+            await until(lambda n=expected: len(started) == n, "the next request to start")
+    finally:
+        for gate in gates.values():
+            gate.set()
+        await asyncio.wait_for(asyncio.gather(*flood, other), DEADLINE_S)
+    # In turn: at most one more of the flood's (whose turn came first) before it, where arrival order put it last.
+    assert started.index("other") <= text.TOKENIZER_THREADS + 1, started
+    assert text._turns.count == 0
+    assert text._turns.busy == 0
