@@ -414,10 +414,10 @@ class LimitedHttpProtocol(CoalescingHttpToolsProtocol):
             self._next_due = True
             self.loop.call_soon(self._start_pipelined)
             return
-        self._resume()
         self._idle_since = self.loop.time()
         if self.timeout_keep_alive_task is None:
             self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive, self._keep_alive_expired)
+        self._resume()  # after: a request it parses marks the connection busy again
 
     def _start_pipelined(self) -> None:
         """Start the next queued request, unless the answers before it wait for the client (then
