@@ -5,7 +5,10 @@ The protocol also holds each connection to :class:`HttpLimits`: how long its req
 in its body, may take, and how slowly its body may arrive (408), how long its request target (414) and headers (431)
 may be, how long its answers may wait for the client to read them (then it is dropped), and how many connections a
 process keeps open (503). uvicorn has none of these but a keep-alive timeout, so an idle or trickling connection, a
-client that reads no answer, or 200 MiB of headers, would be held for as long as the client likes. A request answered
+client that reads no answer, or 200 MiB of headers, would be held for as long as the client likes. A connection's
+pipelined requests are read and queued :data:`MAX_PIPELINED` at most, and none while its answers wait for the client
+to read them: uvicorn read and queued every one a client sent, and clients pipelining requests for large answers and
+reading none grew a server by gigabytes before the send timeout dropped them. A request answered
 before its body was read whole (refused from its headers) closes its connection: uvicorn would go on reading the body,
 with no timer left, for as long as the client takes to send it.
 
@@ -35,6 +38,7 @@ from typing import Any, ClassVar, Protocol
 import orjson
 import uvicorn
 from starlette.types import ASGIApp, Receive, Scope
+from uvicorn.protocols.http.flow_control import HIGH_WATER_LIMIT
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol, RequestResponseCycle
 from uvicorn.protocols.utils import get_client_addr
 
@@ -51,6 +55,12 @@ PROBE_CONNECTIONS = 32
 """Connections past ``max_connections`` read for a probe (a place each; when they are all taken, the one waiting
 longest for its request's head gives its place up with a 503): a probe's head arrives in its first packet, so a
 client holding these places with silent connections delays a probe by a round trip at most."""
+
+MAX_PIPELINED = 16
+"""Requests a connection may have queued behind the one being answered; past it the connection is not read further."""
+FEED_BYTES = 4096
+"""What is parsed at a time outside a request's body, so that one read of pipelined requests (uvloop reads up to
+256 KiB: thousands of small requests) queues no more than :data:`MAX_PIPELINED` and a read's worth past it."""
 
 
 class CoalescedWrites:
@@ -275,6 +285,10 @@ class LimitedHttpProtocol(CoalescingHttpToolsProtocol):
         """Bytes of the current body read so far."""
         self._cut_by_rate = False
         """The armed body timer is the body's rate deadline, not its gap."""
+        self._unparsed = b""
+        """Bytes read but not parsed yet: the connection's pipelined requests past what it may queue (``_held``)."""
+        self._next_due = False
+        """A request was answered and the next queued one is still to be started (:meth:`_start_pipelined`)."""
 
     @classmethod
     def with_limits(cls, limits: HttpLimits, direct: Direct | None = None) -> type[LimitedHttpProtocol]:
@@ -317,6 +331,7 @@ class LimitedHttpProtocol(CoalescingHttpToolsProtocol):
         if self._send_timer is not None:
             self._send_timer.cancel()
             self._send_timer = None
+        self._unparsed = b""
         super().connection_lost(exc)
         if self.timeout_keep_alive_task is not None:
             self.timeout_keep_alive_task.cancel()
@@ -325,6 +340,39 @@ class LimitedHttpProtocol(CoalescingHttpToolsProtocol):
     def data_received(self, data: bytes) -> None:
         if self._refused:
             return  # the rest of a refused request, read only so that closing does not reset the connection
+        self._unparsed += data
+        self._parse_unparsed()
+
+    def _held(self) -> bool:
+        """Whether the connection's next requests wait unparsed: it has as many queued as it may, or (outside a
+        body, which its request's app may be waiting for) its answers wait for the client to read them."""
+        return len(self.pipeline) >= MAX_PIPELINED or (self.flow.write_paused and not self._in_body)
+
+    def _parse_unparsed(self) -> None:
+        """Parse what was read, until the connection is held (then it is not read further either)."""
+        while self._unparsed and not self._refused:
+            if self._held():
+                self.flow.pause_reading()
+                return
+            size = len(self._unparsed) if self._in_body else FEED_BYTES
+            data, self._unparsed = self._unparsed[:size], self._unparsed[size:]
+            self._parse(data)
+        if self._refused:
+            self._unparsed = b""
+
+    def _resume(self) -> None:
+        """The connection may no longer be held: parse what waits, then read on (unless the app has yet to take the
+        body it holds, which it resumes reading for itself)."""
+        if self._out.is_closing():
+            return
+        self._parse_unparsed()
+        body_waits = (
+            self.cycle is not None and not self.cycle.response_complete and len(self.cycle.body) > HIGH_WATER_LIMIT
+        )
+        if not self._unparsed and not self._held() and not body_waits:
+            self.flow.resume_reading()
+
+    def _parse(self, data: bytes) -> None:
         continuing = self._in_head
         super().data_received(data)
         if continuing and self._in_head and not self._refused:
@@ -361,14 +409,25 @@ class LimitedHttpProtocol(CoalescingHttpToolsProtocol):
         self.server_state.total_requests += 1
         if self.transport.is_closing():
             return
-        self.flow.resume_reading()
         if self.pipeline:
-            cycle, app = self.pipeline.pop()
-            self._start_asgi_task(cycle, app)
+            # Once this iteration's writes are sent: the next request is not started while they wait to be read.
+            self._next_due = True
+            self.loop.call_soon(self._start_pipelined)
             return
         self._idle_since = self.loop.time()
         if self.timeout_keep_alive_task is None:
             self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive, self._keep_alive_expired)
+        self._resume()  # after: a request it parses marks the connection busy again
+
+    def _start_pipelined(self) -> None:
+        """Start the next queued request, unless the answers before it wait for the client (then
+        :meth:`resume_writing` does, once they are read)."""
+        if not self._next_due or self._out.is_closing() or self.flow.write_paused or not self.pipeline:
+            return
+        self._next_due = False
+        cycle, app = self.pipeline.pop()
+        self._start_asgi_task(cycle, app)
+        self._resume()
 
     def shutdown(self) -> None:
         self._keep_alive_after_body = False  # nor once its body is read
@@ -527,6 +586,8 @@ class LimitedHttpProtocol(CoalescingHttpToolsProtocol):
         self._timer, self._timing_head = None, False
         if self.cycle is not None and not self.cycle.response_complete:
             return  # a request is being answered; the next one's head has not begun
+        if self._unparsed:
+            return  # the next head has arrived and waits for the client to read the answers before it
         if self._standby:
             self._refuse_busy()
             return
@@ -624,12 +685,16 @@ class LimitedHttpProtocol(CoalescingHttpToolsProtocol):
     def pause_writing(self) -> None:
         super().pause_writing()
         self._arm_send()
+        if self._held():
+            self.flow.pause_reading()  # its next requests would only add answers to wait
 
     def resume_writing(self) -> None:
         super().resume_writing()
         if self._send_timer is not None and not self._out.socket.is_closing():  # a closing one must drain whole
             self._send_timer.cancel()
             self._send_timer = None
+        self._start_pipelined()
+        self._resume()
 
     def _arm_send(self) -> None:
         if self._send_timer is None:
