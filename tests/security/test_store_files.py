@@ -82,12 +82,13 @@ def test_a_pipe_swapped_in_after_the_check_cannot_block_the_read(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The file is checked again once open (opened without blocking): what looked regular may be replaced between."""
-    path = tmp_path / "config.json"
+    (tmp_path / "m").mkdir()
+    path = tmp_path / "m" / store.MANIFEST
     os.mkfifo(path)
     looked = os.stat_result((stat.S_IFREG | 0o644, 0, 0, 1, 0, 0, 2, 0, 0, 0))
     monkeypatch.setattr(Path, "stat", lambda self, **_: looked if self == path else os.stat(self))
     with pytest.raises(StoreError, match="config.json: not a regular file"):
-        store.read_json(path)
+        store.load_manifest(tmp_path / "m")
 
 
 @pytest.mark.timeout(HUNG)
