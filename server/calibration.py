@@ -83,6 +83,7 @@ class Samples:
         path = version_dir / CALIBRATION
         metadata = {"source": self.source, RANDOM_KEY: "true" if self.random else "false"}
         save_file({k: np.ascontiguousarray(v) for k, v in self.arrays.items()}, str(path), metadata)
+        path.chmod(store.created_mode())  # safetensors creates the file owner-only
         return path
 
 
@@ -90,10 +91,13 @@ def stored(version_dir: Path, manifest: Manifest) -> Samples | None:
     """A version's stored calibration samples, checked against the manifest, or ``None`` when it has none. Raises
     :class:`CalibrationError` naming the file for samples that do not fit."""
     path = version_dir / CALIBRATION
-    if not path.is_file():
-        return None
     try:
-        tensors = load_file(str(path))
+        with store.readable_path(path) as readable:
+            tensors = load_file(readable)
+    except FileNotFoundError:
+        return None
+    except StoreError as e:  # not a regular file
+        raise CalibrationError(str(e)) from None
     except Exception as e:  # safetensors raises its own error types for corrupt headers
         raise CalibrationError(f"{path}: cannot read calibration samples ({e})") from None
     specs = store.sent_inputs(manifest)
@@ -121,7 +125,7 @@ def source_of(version_dir: Path) -> str | None:
 
 def _recorded(path: Path, key: str = "source") -> str | None:
     try:
-        with safe_open(str(path), framework="np") as f:
+        with store.readable_path(path) as readable, safe_open(readable, framework="np") as f:
             return (f.metadata() or {}).get(key)
     except Exception:  # an unreadable file fails where its samples are read, with the reason
         return None

@@ -325,7 +325,7 @@ class Stage:
     def install(self) -> Path:
         """Rename the stage to the model's next version number; returns the version folder."""
         model_dir = self.path.parent
-        self.path.chmod(0o777 & ~_umask())  # mkdtemp makes it owner-only; a version folder is as others are
+        self.path.chmod(store.created_mode(0o777))  # mkdtemp makes it owner-only; a version folder is as others are
         while True:
             present = store.versions(model_dir)
             vdir = model_dir / str(present[-1] + 1 if present else 1)
@@ -358,12 +358,6 @@ def _writer_alive(stage_name: str) -> bool:
     except OSError:  # exists, owned by another user
         return True
     return True
-
-
-def _umask() -> int:
-    umask = os.umask(0)
-    os.umask(umask)
-    return umask
 
 
 def _samples(path: Path | None, manifest: Manifest, module: nn.Module, count: int, folder: Path | None) -> Samples:

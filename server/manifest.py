@@ -9,9 +9,13 @@ weights are :mod:`server.store`'s.
 from __future__ import annotations
 
 import json
+import logging
 import math
+import os
 import re
-from collections.abc import Callable, Mapping
+import stat
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from enum import Enum
 from pathlib import Path
 from typing import Any
@@ -47,6 +51,8 @@ class Precision(str, Enum):
         return self.value
 
 
+log = logging.getLogger(__name__)
+
 MANIFEST = "config.json"
 WEIGHTS = "model.safetensors"
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
@@ -55,9 +61,12 @@ MAX_TENSORS = 16
 MAX_JSON_BYTES = 4 * 1024 * 1024
 """The largest manifest (or other JSON file of a model folder) the store reads. Checked before reading: parsing JSON
 takes several times its size in memory (a 340 MB manifest took 1.46 GB), so a huge file fails its model, named."""
-_VERSION_NAME = re.compile(r"[1-9][0-9]{0,8}")
+MAX_VERSION_DIGITS = 9
+_VERSION_NAME = re.compile(rf"[1-9][0-9]{{0,{MAX_VERSION_DIGITS - 1}}}")
 """A version folder's name: the number as ``str(int)`` writes it. ``isdigit()`` alone takes ``²`` (which ``int()``
 refuses) and ``07`` (which ``str(7)`` never names); dot-prefixed folders (an import being written) never match."""
+_TOO_LONG_VERSION = re.compile(rf"[1-9][0-9]{{{MAX_VERSION_DIGITS},}}")
+"""A folder named as a version too large to be one (more than :data:`MAX_VERSION_DIGITS` digits): logged, not read."""
 """Inputs or outputs a model may declare."""
 
 
@@ -688,7 +697,18 @@ def model_names(root: Path) -> list[str]:
     """Names of the models in the store (folders holding a manifest)."""
     if not root.is_dir():
         raise StoreError(f"{root}: model store folder does not exist")
-    return sorted(p.name for p in root.iterdir() if (p / MANIFEST).is_file() and _NAME_RE.fullmatch(p.name))
+    return [name for name in model_folders(root) if _NAME_RE.fullmatch(name)]
+
+
+def model_folders(root: Path) -> list[str]:
+    """Names of the store's folders holding a manifest entry of any kind, named validly or not, hidden ones (an
+    import's staging, ``.git``) aside: what the server tries to serve, so that a manifest that is no regular file or a
+    folder that is no valid name is refused with a log line rather than passed over in silence."""
+    if not root.is_dir():
+        raise StoreError(f"{root}: model store folder does not exist")
+    return sorted(
+        p.name for p in root.iterdir() if not p.name.startswith(".") and os.path.lexists(p / MANIFEST) and p.is_dir()
+    )
 
 
 def describe(err: ValidationError) -> str:
@@ -704,13 +724,13 @@ def read_json(path: Path) -> Any:
     """The JSON value of a model folder's file ``path``, at most :data:`MAX_JSON_BYTES` long; a file that is too large,
     unreadable, not JSON or nested too deeply for the parser is a :class:`StoreError` naming it. Raises
     ``FileNotFoundError`` when there is no such file."""
-    size = path.stat().st_size
+    size = regular_file(path).st_size
     if size > MAX_JSON_BYTES:
         raise StoreError(f"{path}: {size} bytes, over the {MAX_JSON_BYTES}-byte limit on a model folder's JSON files")
     try:
-        with path.open("rb") as f:
+        with opened_regular(path) as fd, os.fdopen(os.dup(fd), "rb") as f:
             data = f.read(MAX_JSON_BYTES + 1)  # bounded again: the file may have grown since its size was read
-    except FileNotFoundError:
+    except (FileNotFoundError, StoreError):
         raise
     except OSError as e:
         raise StoreError(f"{path}: cannot be read ({e.strerror or e})") from None
@@ -722,6 +742,41 @@ def read_json(path: Path) -> Any:
         raise StoreError(f"{path}: not valid JSON ({e})") from None
     except RecursionError:
         raise StoreError(f"{path}: not valid JSON (nested too deeply)") from None
+
+
+def regular_file(path: Path) -> os.stat_result:
+    """``path``'s status when it is a regular file (or a link to one); a named pipe, device, socket or folder where
+    the store expects a file is a :class:`StoreError`: opening or reading one can block for ever or never end. Raises
+    ``FileNotFoundError`` when there is no such file."""
+    status = path.stat()
+    if not stat.S_ISREG(status.st_mode):
+        raise StoreError(f"{path}: not a regular file")
+    return status
+
+
+@contextmanager
+def opened_regular(path: Path) -> Iterator[int]:
+    """A read-only descriptor of ``path``, checked to be a regular file once open: opened without blocking, so a
+    named pipe put in its place after :func:`regular_file` looked cannot hang the opener. Raises as that does."""
+    regular_file(path)
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise StoreError(f"{path}: not a regular file")
+        os.set_blocking(fd, True)  # a regular file never blocks; reads through it behave as plain ones
+        yield fd
+    finally:
+        os.close(fd)
+
+
+@contextmanager
+def readable_path(path: Path) -> Iterator[str]:
+    """A path that names the regular file ``path`` named when opened (:func:`opened_regular`), for libraries that
+    open files by name themselves (safetensors, tokenizers): on Linux the open descriptor's ``/proc`` entry, so the
+    file they open is the one checked; elsewhere ``path`` itself, checked just before."""
+    with opened_regular(path) as fd:
+        proc = f"/proc/self/fd/{fd}"
+        yield proc if os.path.exists(proc) else str(path)
 
 
 def load_manifest(model_dir: Path) -> Manifest:
@@ -743,8 +798,20 @@ def load_manifest(model_dir: Path) -> Manifest:
 
 
 def versions(model_dir: Path) -> list[int]:
-    """Version numbers present under ``model_dir``, ascending (folders named as :data:`_VERSION_NAME` says)."""
-    return sorted(int(p.name) for p in model_dir.iterdir() if _VERSION_NAME.fullmatch(p.name) and p.is_dir())
+    """Version numbers present under ``model_dir``, ascending (folders named as :data:`_VERSION_NAME` says). A folder
+    named by more digits than a version may have is left out with a log line: it looks meant as a version."""
+    found = []
+    for p in model_dir.iterdir():
+        if _VERSION_NAME.fullmatch(p.name) and p.is_dir():
+            found.append(int(p.name))
+        elif _TOO_LONG_VERSION.fullmatch(p.name) and p.is_dir():
+            log.warning(
+                "model %r: version folder %r is ignored: a version number has at most %d digits",
+                model_dir.name,
+                p.name,
+                MAX_VERSION_DIGITS,
+            )
+    return sorted(found)
 
 
 def resolve_version(model_dir: Path, manifest: Manifest, pinned: int | None = None) -> int:

@@ -294,7 +294,7 @@ class ModelRepository:
         registered as failed, with the reason, and one whose manifest cannot be read is left out, logged. The others
         are served; when none is left to serve, this fails fast, naming each file and field."""
         root = self.settings.store
-        names = self.settings.models or store.model_names(root)
+        names = self.settings.models or store.model_folders(root)
         if not names:
             raise StoreError(f"{root}: no model folder with a {store.MANIFEST}")
         failures = []
@@ -303,7 +303,7 @@ class ModelRepository:
                 served = self._register(name)
             except (StoreError, OSError) as e:  # one malformed model folder must not keep the others from serving
                 failures.append(str(e))
-                log.error("model %s cannot be served: %s", name, e)
+                log.error("model %r cannot be served: %s", name, e)  # repr: a newline in a name cannot forge lines
                 continue
             served = self._checked(served)
             if served.state is ModelState.FAILED:

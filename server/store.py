@@ -52,12 +52,15 @@ from server.manifest import (
     input_records,
     length_bucket,
     load_manifest,
+    model_folders,
     model_names,
     output_records,
     pack,
     packs_records,
     padded_length,
     read_json,
+    readable_path,
+    regular_file,
     resolve_version,
     sent_inputs,
     sequence_input,
@@ -70,6 +73,7 @@ __all__ = [
     "DataType",
     "Execution",
     "FidelityBar",
+    "HF_ATTENTION_KEYS",
     "HF_REMOTE_CODE",
     "IMAGE_CHANNELS",
     "InputFormat",
@@ -91,6 +95,7 @@ __all__ = [
     "check_architecture",
     "check_length",
     "check_name",
+    "created_mode",
     "describe",
     "from_weights_bytes",
     "input_records",
@@ -100,11 +105,14 @@ __all__ = [
     "load_folder",
     "load_manifest",
     "load_weights",
+    "model_folders",
     "model_names",
     "output_records",
     "pack",
     "packs_records",
     "padded_length",
+    "readable_path",
+    "regular_file",
     "resolve_version",
     "save",
     "sent_inputs",
@@ -140,10 +148,13 @@ def load_folder(model_dir: Path, manifest: Manifest, version_dir: Path, version:
     before it becomes one (:mod:`server.importer`)."""
     path = version_dir / WEIGHTS
     module = build(model_dir, manifest, version_dir)
-    if not path.is_file():
-        raise StoreError(f"{path}: checkpoint not found")
     try:
-        state = load_file(str(path), device="cpu")
+        with readable_path(path) as readable:
+            state = load_file(readable, device="cpu")
+    except FileNotFoundError:
+        raise StoreError(f"{path}: checkpoint not found") from None
+    except StoreError:
+        raise
     except Exception as e:  # safetensors raises its own error types for corrupt headers
         raise StoreError(f"{path}: cannot read safetensors checkpoint ({e})") from None
     load_weights(module, state, path, manifest.architecture)
@@ -177,6 +188,27 @@ HF_ARCH_KWARGS: dict[str, tuple[str, ...]] = {"attn_implementation": ("eager", "
 """The ``arch_kwargs`` a ``transformers:`` model may pass to ``from_config``, each with the values it may take.
 Anything else is refused: ``from_config`` hands its keyword arguments to the model's code and to transformers'
 loaders (an ``attn_implementation`` naming a hub repository downloads and runs compiled kernels)."""
+
+
+HF_ATTENTION_KEYS = ("attn_implementation", "_attn_implementation")
+"""config.json keys naming the attention code transformers runs: held to ``arch_kwargs``' allow-list, since a hub
+repository named there is downloaded and run as compiled kernels."""
+
+
+def _check_attention(config_path: Path, config: dict[str, Any]) -> None:
+    """Refuse an attention implementation in ``config`` (or a sub-model's config within it, such as ``text_config``)
+    other than the allowed ones or ``null``. A stack, not recursion: the parser takes deeper nesting."""
+    allowed = HF_ARCH_KWARGS["attn_implementation"]
+    stack: list[tuple[str, dict[str, Any]]] = [("", config)]
+    while stack:
+        where, block = stack.pop()
+        for key, value in block.items():
+            if key in HF_ATTENTION_KEYS and value is not None and value not in allowed:
+                raise StoreError(
+                    f"{config_path}: {where}{key}: {value!r} is refused; use one of {list(allowed)} or leave it out"
+                )
+            if isinstance(value, dict):
+                stack.append((f"{where}{key}.", value))
 
 
 def build(model_dir: Path, manifest: Manifest, version_dir: Path, hf_config: dict[str, Any] | None = None) -> nn.Module:
@@ -244,6 +276,7 @@ def _hugging_face(where: Path, manifest: Manifest, version_dir: Path, handed: di
             f"{config_path}: {remote[0]}: the model asks for custom code (trust_remote_code), which is refused; "
             "serve it as a 'package.module:factory' architecture from --code-path instead"
         )
+    _check_attention(config_path, config_json)
     models.broken_torchvision()  # a torchvision that cannot import is hidden, so transformers goes on without it
     try:
         import transformers  # noqa: PLC0415
@@ -320,8 +353,10 @@ def check_architecture(model_dir: Path, manifest: Manifest, version: int) -> Non
     with torch.device("meta"):
         module = build(model_dir, manifest, vdir)
     try:
-        with safe_open(str(path), framework="pt") as f:
+        with readable_path(path) as readable, safe_open(readable, framework="pt") as f:
             found = set(f.keys())
+    except StoreError:  # not a regular file: opening it by name could block start-up for ever
+        raise
     except Exception:  # a missing or unreadable checkpoint fails that model's load alone, as it always has
         return
     mismatch = key_mismatch(module.state_dict(keep_vars=True), found)
@@ -329,8 +364,18 @@ def check_architecture(model_dir: Path, manifest: Manifest, version: int) -> Non
         raise StoreError(f"{path}: checkpoint does not fit architecture {manifest.architecture!r}: {mismatch}")
 
 
+def created_mode(full: int = 0o666) -> int:
+    """The mode a plain ``open``/``mkdir`` would give a new file (``full`` 0o666) or folder (0o777) under this
+    process's umask: what the store's files get though written as owner-only temporary files, so a server running as
+    another user (a container's) can read a store built by one."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return full & ~umask
+
+
 def _atomic_write(path: Path, data: bytes) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    os.fchmod(fd, created_mode())  # mkstemp's file is owner-only
     with os.fdopen(fd, "wb") as f:
         f.write(data)
     os.replace(tmp, path)
@@ -371,8 +416,5 @@ def write_weights(version_dir: Path, module: nn.Module, metadata: dict[str, str]
     }
     weights = version_dir / WEIGHTS
     save_file(state, str(weights), metadata=metadata)
-    # safetensors creates the file owner-only; a store built by one user is often served by another (containers).
-    umask = os.umask(0)
-    os.umask(umask)
-    weights.chmod(0o666 & ~umask)
+    weights.chmod(created_mode())  # safetensors creates the file owner-only
     return weights

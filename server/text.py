@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from server.manifest import LENGTH, Manifest, PackError, check_length
+from server.manifest import LENGTH, Manifest, PackError, StoreError, check_length, readable_path, regular_file
 
 T = TypeVar("T")
 
@@ -172,7 +172,8 @@ def _tokenizer(path: Path, mtime: float) -> Any:
             f"{path}: text input needs the tokenizers library (pip install 'halfserve[hf]')"
         ) from None
     try:
-        tokenizer = Tokenizer.from_file(str(path))
+        with readable_path(path) as readable:
+            tokenizer = Tokenizer.from_file(readable)
     except Exception as e:  # the Rust library raises its own exception type
         raise TokenizerUnavailableError(f"{path}: cannot read the tokenizer ({e})") from None
     tokenizer.no_padding()
@@ -191,9 +192,11 @@ def encoder_at(path: Path, manifest: Manifest) -> Encoder:
     """The encoder of ``manifest``'s text input with the tokenizer file ``path`` (a version's, or the folder
     ``halfserve import`` reads, whose calibration texts are tokenized as requests will be)."""
     try:
-        mtime = path.stat().st_mtime
+        mtime = regular_file(path).st_mtime
     except FileNotFoundError:
         raise TokenizerUnavailableError(f"{path}: the model's tokenizer is missing") from None
+    except StoreError as e:  # not a regular file: reading a named pipe or device would not end
+        raise TokenizerUnavailableError(str(e)) from None
     return Encoder(_tokenizer(path, mtime), manifest)
 
 

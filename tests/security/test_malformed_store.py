@@ -89,6 +89,6 @@ def test_a_server_starts_and_serves_beside_malformed_model_folders(tmp_path: Pat
     finally:
         server.stop()
     log = server.log.read_text()
-    assert "model deep cannot be served: " in log
+    assert "model 'deep' cannot be served: " in log
     assert "deep/config.json: not valid JSON (nested too deeply)" in log
-    assert f"model huge cannot be served: {root}/huge/config.json: {HUGE} bytes, over the" in log
+    assert f"model 'huge' cannot be served: {root}/huge/config.json: {HUGE} bytes, over the" in log
