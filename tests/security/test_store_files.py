@@ -147,6 +147,8 @@ def test_a_server_starts_beside_files_that_are_not_regular_and_logs_each(tmp_pat
     malformed(root)
     server = serve(root, tmp_path / "server.log")
     try:
+        # the server answers /health while its models still load: wait for tiny's readiness before asking it
+        wait_until(lambda: httpx.get(f"{server.url}/v2/models/tiny/ready").status_code == 200, "tiny to be ready")
         r = httpx.post(f"{server.url}/predict", json={"model": "tiny", "inputs": [[0.5] * 16]})
         assert r.status_code == 200, r.text
         listed = {m["name"]: m for m in httpx.get(f"{server.url}/models").json()["models"]}
