@@ -101,7 +101,7 @@ COPY --from=builder /opt/venv /opt/venv
 COPY model_store /models
 VOLUME ["/models"]
 
-# Runtime configuration is HALFSERVE_* variables only (server/settings.py); everything else here is for Python, the
+# Runtime configuration is HALFSERVE_* variables only (server/halfserve/settings.py); everything else here is for Python, the
 # allocator and the NVIDIA Container Toolkit, and puts every cache (TorchInductor's, Triton's, CUDA's JIT, matplotlib's)
 # under /tmp, so the image runs with a read-only root file system and one writable /tmp (compose's read_only + tmpfs,
 # Kubernetes' readOnlyRootFilesystem + an emptyDir).

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-"""The repository root. Not put on ``sys.path``: a run measures the ``server`` of the tree it runs in (its working
+"""The repository root. Not put on ``sys.path``: a run measures the package of the tree it runs in (its working
 directory and ``PYTHONPATH``), whichever tree this script comes from."""
 
 ROUTES = ("health", "predict", "v2-binary")
@@ -108,8 +108,12 @@ class _Load:
 
 
 async def measure(args: argparse.Namespace) -> dict[str, Any]:
-    from server.app import create_app
-    from server.settings import Settings
+    try:
+        from halfserve.app import create_app
+        from halfserve.settings import Settings
+    except ModuleNotFoundError:  # a revision from before the package was renamed: its package is ``server``
+        from server.app import create_app  # type: ignore[no-redef]
+        from server.settings import Settings  # type: ignore[no-redef]
 
     settings = Settings(
         store=Path(args.store), models=[args.model], precision=args.precision, grpc=False, access_log=False
@@ -182,7 +186,7 @@ def main() -> None:
                 out = subprocess.run(
                     [sys.executable, str(Path(__file__).resolve()), *child, "--child"],
                     cwd=trees[rev],
-                    env={**os.environ, "PYTHONPATH": str(trees[rev])},
+                    env={**os.environ, "PYTHONPATH": common.source_path(trees[rev])},
                     check=True,
                     capture_output=True,
                     text=True,
@@ -199,7 +203,7 @@ def main() -> None:
 
 
 def report(args: argparse.Namespace, revs: list[str], runs: dict[str, list[dict[str, Any]]]) -> None:
-    from server import hostinfo  # this tree's: main() imported common, which put it on sys.path
+    from halfserve import hostinfo  # this tree's: main() imported common, which put it on sys.path
 
     host = hostinfo.describe()
     where = (

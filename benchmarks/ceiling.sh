@@ -23,7 +23,7 @@ trap 'rm -rf "$work"; [[ -z "${pid:-}" ]] || kill "$pid" 2>/dev/null || true' EX
 # The bodies and wrk scripts the other benchmarks post, for one seeded sample of the model's first input.
 python "$ROOT/benchmarks/common.py" "$MODEL" "$work" predict v2-binary
 
-python -m server serve --store "$ROOT/model_store" --models "$MODEL" --port "$PORT" --no-grpc "${OPTIONS[@]}" \
+python -m halfserve serve --store "$ROOT/model_store" --models "$MODEL" --port "$PORT" --no-grpc "${OPTIONS[@]}" \
   >"$OUT/server.log" 2>&1 &
 pid=$!
 for _ in $(seq 1 300); do
@@ -64,7 +64,7 @@ from collections import defaultdict
 
 out, model, connections, duration, options, root = sys.argv[1:]
 sys.path.insert(0, root)
-from server import hostinfo  # noqa: E402
+from halfserve import hostinfo  # noqa: E402
 
 host = hostinfo.describe()
 rounds: dict[int, dict[str, tuple[float, str]]] = defaultdict(dict)

@@ -1,10 +1,11 @@
-"""What the benchmarks share: the repository root on ``sys.path``, ImageNet's normalisation, wrk and its request
+"""What the benchmarks share: this tree's package on ``sys.path``, ImageNet's normalisation, wrk and its request
 scripts, the server under test, and result files.
 
 Imported as ``import common`` by every script in this folder (a script's own folder is on ``sys.path`` when it runs),
-before anything from ``server``: importing it puts the repository root first on ``sys.path``, so the scripts run the
-``server`` of this tree whether or not the project is installed. It is the only module here that changes
-``sys.path``. The tools in ``tools/`` run with this folder on ``PYTHONPATH`` (see README.md).
+before anything from ``halfserve``: importing it puts the source root (``server/``) and the repository root first on
+``sys.path``, and the source root first on the ``PYTHONPATH`` of the processes the scripts start, so the scripts and
+their servers run the ``halfserve`` of this tree whether or not the project is installed. It is the only module here
+that changes ``sys.path``. The tools in ``tools/`` run with this folder on ``PYTHONPATH`` (see README.md).
 """
 
 from __future__ import annotations
@@ -20,12 +21,15 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 """The repository root."""
-sys.path.insert(0, str(ROOT))
+SRC = ROOT / "server"
+"""The source root: the package ``halfserve`` is ``server/halfserve/``."""
+sys.path[:0] = [str(SRC), str(ROOT)]
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SRC), os.environ.get("PYTHONPATH")]))
 
 import httpx  # noqa: E402
 import numpy as np  # noqa: E402
 
-from server.store import Normalize  # noqa: E402
+from halfserve.store import Normalize  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 """Where committed results live."""
@@ -118,6 +122,13 @@ def write_protocol(name: str, path: str, body: bytes, headers: dict[str, str], f
     return Protocol(name, path, body_path, script, headers)
 
 
+def source_path(tree: Path) -> str:
+    """The ``PYTHONPATH`` that imports ``tree``'s own package: its source root ``server/`` (``halfserve``), or the tree
+    itself for a revision from before the package was renamed (a top-level ``server`` package)."""
+    src = tree / "server"
+    return os.pathsep.join([str(src), str(tree)]) if (src / "halfserve").is_dir() else str(tree)
+
+
 def checkout(rev: str, folder: Path) -> tuple[Path, str]:
     """The source tree of ``rev`` (``.``: this one), in a git worktree at ``folder``, and its commit (with
     ``+changes`` for this tree when ``server/`` has uncommitted changes); :func:`remove_checkout` takes it away."""
@@ -176,7 +187,18 @@ def start_server(
 ) -> subprocess.Popen[bytes]:
     """``halfserve serve`` of the tree at ``source`` (python -m puts it first on the path), with ``env`` added to
     this process's environment, once it answers ready."""
-    cmd = [sys.executable, "-m", "server", "serve", "--store", str(store_dir), "--models", model, "--port", str(port)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "halfserve",
+        "serve",
+        "--store",
+        str(store_dir),
+        "--models",
+        model,
+        "--port",
+        str(port),
+    ]
     full_env = {**os.environ, **(env or {})}
     quiet = subprocess.DEVNULL
     proc = subprocess.Popen([*cmd, *args], stdout=quiet, stderr=quiet, cwd=source, env=full_env)

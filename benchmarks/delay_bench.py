@@ -27,8 +27,8 @@ import common
 import httpx
 import numpy as np
 
-from server import hostinfo
-from server.loadtest.process import free_port
+from halfserve import hostinfo
+from halfserve.loadtest.process import free_port
 
 
 def main() -> int:

@@ -26,7 +26,7 @@ import numpy as np
 import orjson
 import torch
 
-from server import hostinfo
+from halfserve import hostinfo
 
 CALLS_PER_SAMPLE = 20
 

@@ -44,14 +44,14 @@ import numpy as np
 import torch
 from common import IMAGENET, ROOT
 
-from server import hostinfo, models, store
-from server.compilation import tune_cudnn
-from server.engine import Engine
-from server.loadtest.config import LoadtestConfig
-from server.loadtest.make_bench_model import calibrate
-from server.loadtest.payload import Protocol
-from server.precision import Precision, set_tf32
-from server.store import Batching, Compile, DataType, Execution, LoadedModel, Manifest, TensorSpec
+from halfserve import hostinfo, models, store
+from halfserve.compilation import tune_cudnn
+from halfserve.engine import Engine
+from halfserve.loadtest.config import LoadtestConfig
+from halfserve.loadtest.make_bench_model import calibrate
+from halfserve.loadtest.payload import Protocol
+from halfserve.precision import Precision, set_tf32
+from halfserve.store import Batching, Compile, DataType, Execution, LoadedModel, Manifest, TensorSpec
 
 MODEL = "resnet50"
 
@@ -210,9 +210,9 @@ def serve_sweep(
     root: Path, args: argparse.Namespace, precisions: list[str], out: Path, extra: tuple[str, ...] = ()
 ) -> dict[str, Any]:
     """``halfserve loadtest`` (self-contained: a server per precision) over the concurrency levels."""
-    from server.loadtest import report
-    from server.loadtest.progress import SweepProgress
-    from server.loadtest.runner import Runner
+    from halfserve.loadtest import report
+    from halfserve.loadtest.progress import SweepProgress
+    from halfserve.loadtest.runner import Runner
 
     config = LoadtestConfig(
         model=MODEL,

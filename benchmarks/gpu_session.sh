@@ -58,7 +58,7 @@ if [[ -e ${wheels[0]} ]]; then
     fi
     note "setup: ${#wheels[@]} wheels from $WHL into $SITE"
 fi
-export PYTHONPATH=$PWD:$SITE${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONPATH=$PWD/server:$PWD:$SITE${PYTHONPATH:+:$PYTHONPATH}
 # The bench's servers need no gRPC, and a port of their own would clash with anything else listening on 8001.
 export HALFSERVE_GRPC=${HALFSERVE_GRPC:-false}
 
@@ -79,7 +79,7 @@ torch.__version__, "cuda", torch.version.cuda, "available", c, torch.cuda.get_de
     echo "wrk: $(command -v wrk || echo none) $(wrk -v 2>&1 | head -1)"
 } | tee -a "$summary"
 # A package missing from the kit fails here, in a line, rather than as a server that never became ready.
-if ! "$PY" -c 'import server.cli, server.api, server.multiproc, server.loadtest.runner, fastapi, uvicorn, orjson' \
+if ! "$PY" -c 'import halfserve.cli, halfserve.api, halfserve.multiproc, halfserve.loadtest.runner, fastapi, uvicorn, orjson' \
     >>"$setup" 2>&1; then
     note "setup: the server does not import; see setup.log"
     tail -5 "$setup" | tee -a "$summary"

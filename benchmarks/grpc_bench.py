@@ -24,15 +24,15 @@ from typing import Any
 
 import common
 
-from server import hostinfo
-from server.loadtest.process import free_port, process_cpu_seconds
+from halfserve import hostinfo
+from halfserve.loadtest.process import free_port, process_cpu_seconds
 
 PROTOCOLS = ("v2-binary", "grpc")
 
 
 def loadtest(url: str, grpc_url: str, model: str, protocol: str, concurrency: str, duration: float) -> list[dict]:
     out = Path(tempfile.mkdtemp(prefix="grpc-bench-"))
-    cmd = [sys.executable, "-m", "server", "loadtest", "--url", url, "--grpc-url", grpc_url, "--model", model]
+    cmd = [sys.executable, "-m", "halfserve", "loadtest", "--url", url, "--grpc-url", grpc_url, "--model", model]
     cmd += ["--protocol", protocol, "--concurrency", concurrency, "--duration", str(duration), "--warmup", "1"]
     cmd += ["--client-ceiling", "0", "--no-progress", "--out", str(out)]
     subprocess.run(cmd, check=True, cwd=common.ROOT, stdout=subprocess.DEVNULL)

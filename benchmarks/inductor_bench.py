@@ -23,10 +23,10 @@ import numpy as np
 import torch
 from common import ROOT, write_results
 
-from server import hostinfo, store
-from server.engine import Engine
-from server.precision import Precision
-from server.store import Compile, Execution
+from halfserve import hostinfo, store
+from halfserve.engine import Engine
+from halfserve.precision import Precision
+from halfserve.store import Compile, Execution
 
 
 def rate(engine: Engine, x: np.ndarray, seconds: float) -> float:

@@ -27,9 +27,9 @@ import common
 import httpx
 import numpy as np
 
-from server import hostinfo, store
-from server.loadtest.process import free_port
-from server.store import Batching, Manifest, TensorSpec
+from halfserve import hostinfo, store
+from halfserve.loadtest.process import free_port
+from halfserve.store import Batching, Manifest, TensorSpec
 
 TOOLS = common.ROOT / "benchmarks" / "tools"
 MODES = ("thread", "process")

@@ -51,8 +51,8 @@ import numpy as np
 import torch
 from common import IMAGENET
 
-from server import hostinfo, models, store
-from server.store import Batching, DataType, Manifest, TensorSpec
+from halfserve import hostinfo, models, store
+from halfserve.store import Batching, DataType, Manifest, TensorSpec
 
 MODEL = "image_mlp"
 PARTS = ("event_loop", "engine_threads", "front_ends", "wrk")

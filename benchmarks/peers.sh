@@ -50,7 +50,7 @@ for round in $(seq 1 "$ROUNDS"); do
     i=$((i + 1))
     name="halfserve-$i"
     # shellcheck disable=SC2086  # the variant is a list of options
-    python -m server serve --store "$ROOT/model_store" --models digits_mlp --port "$PORT" --precision fp32 \
+    python -m halfserve serve --store "$ROOT/model_store" --models digits_mlp --port "$PORT" --precision fp32 \
       --no-grpc $variant >"$OUT/$name-round$round.log" 2>&1 &
     pid=$!
     for _ in $(seq 1 300); do

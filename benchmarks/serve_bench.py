@@ -28,9 +28,9 @@ import numpy as np
 import torch
 from common import PROTOCOLS, ROOT, Protocol, make_protocol, start_server, stats, write_results, wrk
 
-from server import hostinfo, store
-from server.engine import Engine
-from server.precision import Precision
+from halfserve import hostinfo, store
+from halfserve.engine import Engine
+from halfserve.precision import Precision
 
 
 def ceiling(store_dir: Path, model: str, precision: str, sizes: list[int], rounds: int = 5) -> dict[str, float]:

@@ -27,10 +27,10 @@ import httpx
 import numpy as np
 import torch
 
-from server import hostinfo, models, store
-from server.engine import Engine
-from server.precision import Precision
-from server.store import Batching, DataType, Manifest, TensorSpec
+from halfserve import hostinfo, models, store
+from halfserve.engine import Engine
+from halfserve.precision import Precision
+from halfserve.store import Batching, DataType, Manifest, TensorSpec
 
 MODEL = "seq"
 VOCAB = 1000

@@ -18,10 +18,10 @@ import httpx
 import pytest
 import torch
 
-from server import models, store
-from server.engine import Engine
-from server.precision import Precision
-from server.store import Batching, Execution, Manifest, TensorSpec
+from halfserve import models, store
+from halfserve.engine import Engine
+from halfserve.precision import Precision
+from halfserve.store import Batching, Execution, Manifest, TensorSpec
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -119,7 +119,7 @@ def start_server(
 ) -> ServerProcess:
     """``halfserve serve`` on a free port, once ready; ``wrapper``: a command that runs it (given as arguments)."""
     port = free_port()
-    cmd = [sys.executable, "-m", "server", "serve", "--store", str(store_dir), "--port", str(port), *args]
+    cmd = [sys.executable, "-m", "halfserve", "serve", "--store", str(store_dir), "--port", str(port), *args]
     cmd = [*(wrapper or []), *cmd]
     full_env = {**os.environ, **(env or {})}
     with log.open("wb") as out:

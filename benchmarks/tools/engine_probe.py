@@ -20,12 +20,12 @@ import gpu_bench
 import numpy as np
 import torch
 
-from server import store
-from server.batching import Batcher
-from server.compilation import tune_cudnn
-from server.engine import Engine
-from server.precision import Precision
-from server.store import Compile, Execution
+from halfserve import store
+from halfserve.batching import Batcher
+from halfserve.compilation import tune_cudnn
+from halfserve.engine import Engine
+from halfserve.precision import Precision
+from halfserve.store import Compile, Execution
 
 OUT = Path(os.environ.get("OUT", "/tmp/out"))
 OUT.mkdir(parents=True, exist_ok=True)

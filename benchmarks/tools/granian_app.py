@@ -1,11 +1,11 @@
 """The app under granian (a Rust HTTP server with Python workers), to measure it against uvicorn: not a way to serve.
 
-Two entry points, both built from ``HALFSERVE_*`` settings in the environment (``server.settings.Settings``):
+Two entry points, both built from ``HALFSERVE_*`` settings in the environment (``halfserve.settings.Settings``):
 
 * ``asgi``: the whole app as ASGI. ``POST /predict`` then goes through the app's own ASGI entry
-  (``server.api.answer_first``), not the protocol's direct routes, which are uvicorn's.
+  (``halfserve.api.answer_first``), not the protocol's direct routes, which are uvicorn's.
 * ``rsgi``: granian's own interface (RSGI) for the inference routes, their endpoint called as the protocol's direct
-  routes call it (``server.api._run``); ``GET /health`` answered at once, for the interface's own ceiling; anything
+  routes call it (``halfserve.api._run``); ``GET /health`` answered at once, for the interface's own ceiling; anything
   else 404. No limits, timeouts or draining: a probe of the fastest this server's hot path could go through granian.
 
 granian is not one of the project's dependencies; install it into a scratch virtual environment beside the
@@ -20,9 +20,9 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from server import api, logs
-from server.app import create_app
-from server.settings import Settings
+from halfserve import api, logs
+from halfserve.app import create_app
+from halfserve.settings import Settings
 
 logs.configure("text", "warning", False)
 settings = Settings()

@@ -28,7 +28,7 @@ cpu_seconds() {  # utime + stime of a process, all its threads
 
 start() {  # server name: sets pid (what to stop) and serving (whose CPU counts)
   case "$1" in
-    uvicorn) python -m server serve --port "$PORT" --no-grpc >"$OUT/$1.log" 2>&1 & ;;
+    uvicorn) python -m halfserve serve --port "$PORT" --no-grpc >"$OUT/$1.log" 2>&1 & ;;
     granian-asgi | granian-rsgi)
       "$GRANIAN" --interface "${1#granian-}" --workers 1 --loop uvloop --port "$PORT" --no-ws \
         --working-dir "$ROOT/benchmarks/tools" "granian_app:${1#granian-}" >"$OUT/$1.log" 2>&1 &
@@ -64,7 +64,7 @@ measure() {  # server, route
 import sys
 
 sys.path.insert(0, sys.argv[1])
-from server import hostinfo  # noqa: E402
+from halfserve import hostinfo  # noqa: E402
 
 host = hostinfo.describe()
 print(

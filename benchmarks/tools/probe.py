@@ -21,7 +21,7 @@ import httpx
 import numpy as np
 from common import ROOT
 
-from server.store import Compile, Execution
+from halfserve.store import Compile, Execution
 
 OUT = Path(os.environ.get("OUT", "/tmp/out"))
 OUT.mkdir(parents=True, exist_ok=True)
@@ -93,7 +93,7 @@ def metric(port: int, name: str) -> float:
 results = []
 for prec in precs:
     port = 8100
-    cmd = [sys.executable, "-m", "server", "serve", "--store", str(store_dir), "--port", str(port)]
+    cmd = [sys.executable, "-m", "halfserve", "serve", "--store", str(store_dir), "--port", str(port)]
     cmd += ["--precision", prec, "--no-tf32", *extra]
     with (OUT / f"server-{prec}.log").open("wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from server import models
+from halfserve import models
 
 
 def main(out: Path) -> None:

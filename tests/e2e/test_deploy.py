@@ -36,8 +36,8 @@ def executable(name: str) -> str:
 
 def image_env(dockerfile: Dockerfile, port: int) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("HALFSERVE_")}
-    # The console script must import this checkout's server package, whatever else is installed.
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    # The console script must import this checkout's package (server/halfserve/), whatever else is installed.
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "server"), env.get("PYTHONPATH")]))
     env.update({k: v for k, v in dockerfile.env.items() if k.startswith("HALFSERVE_")})
     env.update(
         HALFSERVE_HOST="127.0.0.1",

@@ -77,7 +77,7 @@ def test_simple_refuses_a_request_missing_an_input(simple_client: triton.Inferen
 
 
 def run(*args: str) -> str:
-    """A command of the README's, run as written (``halfserve`` as ``python -m server``)."""
+    """A command of the README's, run as written (``halfserve`` as ``python -m halfserve``)."""
     cmd = [sys.executable, *args]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, f"{' '.join(cmd)}\n{done.stdout}\n{done.stderr}"
@@ -94,7 +94,7 @@ def test_a_users_own_model_file_trains_imports_and_serves(server_factory: StartS
     out, store_dir = tmp_path / "own", tmp_path / "store"
     run(str(EXAMPLES / "own_model" / "train.py"), str(out))
     printed = run(
-        "-m", "server", "import", str(out / "weights.pth"), "--store", str(store_dir), "--name", "digits_net",
+        "-m", "halfserve", "import", str(out / "weights.pth"), "--store", str(store_dir), "--name", "digits_net",
         "--architecture", "digits_net:build", "--code-path", str(EXAMPLES / "own_model"),
         "--input", "pixels:FP32:64", "--labels", str(out / "labels.txt"),
         "--calibration", str(out / "calibration.npy"),
@@ -127,7 +127,7 @@ def test_a_hugging_face_classifier_imports_and_serves_in_half_precision(
     folder, store_dir = tmp_path / "tiny_bert", tmp_path / "store"
     run(str(EXAMPLES / "hf_classifier" / "make_model.py"), str(folder))
     printed = run(
-        "-m", "server", "import", str(folder), "--store", str(store_dir), "--name", "tiny_bert",
+        "-m", "halfserve", "import", str(folder), "--store", str(store_dir), "--name", "tiny_bert",
         "--architecture", "transformers:AutoModelForSequenceClassification", "--input", "input_ids:INT64:16",
     )  # fmt: skip
     assert "outputs logits FP32 [3]" in printed
@@ -158,7 +158,7 @@ def test_a_torchvision_resnet18_state_dict_imports_and_serves(server_factory: St
     out, store_dir = tmp_path / "rn18", tmp_path / "store"
     run(str(EXAMPLES / "torchvision_resnet18" / "save_state_dict.py"), str(out))
     run(
-        "-m", "server", "import", str(out / "resnet18.pth"), "--store", str(store_dir), "--name", "resnet18",
+        "-m", "halfserve", "import", str(out / "resnet18.pth"), "--store", str(store_dir), "--name", "resnet18",
         "--architecture", "torchvision:resnet18", "--arch-kwargs", '{"num_classes": 10}',
         "--input", "image:FP32:3x64x64", "--samples", "16",
     )  # fmt: skip
@@ -236,7 +236,7 @@ def test_a_hugging_face_text_classifier_with_its_tokenizer_takes_text(
     labels = tmp_path / "labels.txt"
     labels.write_text("negative\nneutral\npositive\n")
     printed = run(
-        "-m", "server", "import", str(folder), "--store", str(store_dir), "--name", "reviews",
+        "-m", "halfserve", "import", str(folder), "--store", str(store_dir), "--name", "reviews",
         "--architecture", "transformers:AutoModelForSequenceClassification",
         "--input", "input_ids:INT64:-1", "--max-length", "64", "--mask", "attention_mask", "--text", "text",
         "--labels", str(labels), "--calibration", str(EXAMPLES / "hf_text_classifier" / "corpus.txt"),

@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from server import store
+from halfserve import store
 from tests.conftest import StartServer
 from tests.waiting import DEADLINE_S
 
@@ -30,7 +30,7 @@ MAX_REQUESTS = 5000
 
 
 def halfserve_import(source: Path, root: Path) -> subprocess.Popen[str]:
-    cmd = [sys.executable, "-m", "server", *import_args(source, root, *TEXT)]
+    cmd = [sys.executable, "-m", "halfserve", *import_args(source, root, *TEXT)]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 

@@ -18,7 +18,7 @@ import tritonclient.grpc as tg
 from tritonclient.grpc import service_pb2
 from tritonclient.utils import InferenceServerException
 
-from server import grpc_messages
+from halfserve import grpc_messages
 from tests.conftest import ServerProcess, free_port, save_tiny_mlp, shm_key
 
 pytestmark = pytest.mark.slow

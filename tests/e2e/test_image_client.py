@@ -22,7 +22,7 @@ import tritonclient.grpc as tg
 import tritonclient.grpc.model_config_pb2 as mc
 import tritonclient.http as th
 
-from server import models
+from halfserve import models
 from tests.conftest import ServerProcess, StartServer, free_port
 
 pytestmark = pytest.mark.slow
@@ -33,7 +33,7 @@ CHANNELS, SIDE = 3, 16
 
 
 def halfserve(*args: str) -> str:
-    cmd = [sys.executable, "-m", "server", *args]
+    cmd = [sys.executable, "-m", "halfserve", *args]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, f"{' '.join(cmd)}\n{done.stdout}\n{done.stderr}"
     return done.stdout

@@ -28,12 +28,12 @@ WITHOUT_GC = """\
 import gc
 import sys
 
-from server.cli import main
+from halfserve.cli import main
 
 if __name__ == "__main__":  # not again in the processes it spawns, which import this script as __mp_main__
     # No collection ever runs: whatever a closed process leaves open stays open, as between two collections.
     gc.disable()
-    sys.exit(main(sys.argv[sys.argv.index("server") + 1 :]))  # after: python -m server
+    sys.exit(main(sys.argv[sys.argv.index("halfserve") + 1 :]))  # after: python -m halfserve
 """
 
 

@@ -11,12 +11,12 @@ from typing import Any
 
 import pytest
 
-from server.loadtest.cli import main as loadtest_main
+from halfserve.loadtest.cli import main as loadtest_main
 from tests.conftest import ROOT, SHIPPED_STORE, ServerProcess, free_port
 
 MODEL = "tabular"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-HAS_V2 = (ROOT / "server" / "api" / "v2.py").is_file()
+HAS_V2 = (ROOT / "server" / "halfserve" / "api" / "v2.py").is_file()
 
 pytestmark = pytest.mark.slow
 
@@ -49,7 +49,7 @@ def check_report(out: Path, precisions: list[str], concurrency: list[int], reque
 
 def test_self_contained_sweep_over_two_precisions(tmp_path: Path) -> None:
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "server", "loadtest", "--store", str(SHIPPED_STORE), "--model", MODEL]
+    cmd = [sys.executable, "-m", "halfserve", "loadtest", "--store", str(SHIPPED_STORE), "--model", MODEL]
     cmd += ["--precisions", "bf16,fp32", "--concurrency", "1,4", "--requests", "50", "--warmup", "0.2"]
     cmd += ["--client-ceiling", "0.5", "--out", str(out), "--no-progress"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
@@ -73,7 +73,7 @@ GRPC_PORT = free_port()
 
 def test_self_contained_sweep_over_grpc(tmp_path: Path) -> None:
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "server", "loadtest", "--store", str(SHIPPED_STORE), "--model", MODEL]
+    cmd = [sys.executable, "-m", "halfserve", "loadtest", "--store", str(SHIPPED_STORE), "--model", MODEL]
     cmd += ["--precisions", "fp32", "--concurrency", "2", "--requests", "30", "--warmup", "0", "--protocol", "grpc"]
     cmd += ["--client-ceiling", "0", "--out", str(out), "--no-progress"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
@@ -95,11 +95,12 @@ def running_server(server_factory: StartServer) -> ServerProcess:
     [
         "predict",
         pytest.param(
-            "v2-json", marks=pytest.mark.skipif(not HAS_V2, reason="no POST /v2/models/{m}/infer (server/api/v2.py)")
+            "v2-json",
+            marks=pytest.mark.skipif(not HAS_V2, reason="no POST /v2/models/{m}/infer (server/halfserve/api/v2.py)"),
         ),
         pytest.param(
             "v2-binary",
-            marks=pytest.mark.skipif(not HAS_V2, reason="no POST /v2/models/{m}/infer (server/api/v2.py)"),
+            marks=pytest.mark.skipif(not HAS_V2, reason="no POST /v2/models/{m}/infer (server/halfserve/api/v2.py)"),
         ),
         "grpc",
     ],

@@ -21,8 +21,8 @@ import orjson
 import pytest
 import torch
 
-from server import models, store
-from server.store import Manifest, TensorSpec
+from halfserve import models, store
+from halfserve.store import Manifest, TensorSpec
 from tests.conftest import ServerProcess
 from tests.waiting import until
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from server import store
+from halfserve import store
 from tests.conftest import SHIPPED_STORE, ServerProcess
 
 MODEL = "digits_mlp"
@@ -137,7 +137,10 @@ def test_bad_store_fails_at_start_naming_file_and_field(tmp_path: Path) -> None:
     cfg = tmp_path / MODEL / "config.json"
     cfg.write_text(cfg.read_text().replace('"max_batch_size": ', '"max_batch_size": -'))
     r = subprocess.run(
-        [sys.executable, "-m", "server", "serve", "--store", str(tmp_path)], capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "halfserve", "serve", "--store", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert r.returncode == 2
     assert str(cfg) in r.stderr

@@ -26,7 +26,7 @@ pytestmark = pytest.mark.slow
 FAILING_FRONTEND = """\
 import sys
 
-from server.multiproc import frontend
+from halfserve.multiproc import frontend
 
 
 async def refuse(self: frontend.FrontendApp) -> None:
@@ -37,7 +37,7 @@ async def refuse(self: frontend.FrontendApp) -> None:
 frontend.FrontendApp._start = refuse  # type: ignore[method-assign]
 
 if __name__ == "__main__":
-    from server.cli import main
+    from halfserve.cli import main
 
     sys.exit(main())
 """
@@ -55,7 +55,7 @@ def taken_port() -> Iterator[int]:
 
 def serve(log: Path, *args: str, script: Path | None = None) -> subprocess.CompletedProcess[str]:
     """Run ``halfserve serve`` on the shipped store until it exits (failing the test past the deadline)."""
-    entry = [str(script)] if script is not None else ["-m", "server"]
+    entry = [str(script)] if script is not None else ["-m", "halfserve"]
     cmd = [sys.executable, *entry, "serve", "--store", str(SHIPPED_STORE), "--models", "digits_mlp", "--host"]
     cmd += ["127.0.0.1", *args]
     try:

@@ -6,8 +6,8 @@ from collections.abc import AsyncIterator
 
 import httpx
 
-from server.app import create_app
-from server.settings import Settings
+from halfserve.app import create_app
+from halfserve.settings import Settings
 
 
 @contextlib.asynccontextmanager

@@ -1,4 +1,4 @@
-"""The inference routes answered straight from the HTTP protocol (``server.transport.DirectCycle``) keep HTTP/1.1's
+"""The inference routes answered straight from the HTTP protocol (``halfserve.transport.DirectCycle``) keep HTTP/1.1's
 rules: pipelined requests are answered in order, ``Expect: 100-continue`` is honoured, ``Connection: close`` and
 HTTP/1.0 close after the answer, and a handler that fails answers 500 while the server goes on serving. Over real
 servers on 127.0.0.1 and raw sockets, so that nothing in between reorders or reframes what the server wrote."""
@@ -21,8 +21,8 @@ import orjson
 import pytest
 import uvicorn
 
-from server.settings import Settings
-from server.transport import Answer, DirectHandler, uvicorn_config
+from halfserve.settings import Settings
+from halfserve.transport import Answer, DirectHandler, uvicorn_config
 from tests.conftest import ServerProcess, StartServer, free_port
 
 pytestmark = pytest.mark.slow

@@ -14,12 +14,12 @@ import orjson
 import pytest
 import torch
 
-from server import store
-from server.app import begin_drain
-from server.batching import Outcome
-from server.repository import ServedModel
-from server.settings import Settings
-from server.store import Batching, OverflowPolicy
+from halfserve import store
+from halfserve.app import begin_drain
+from halfserve.batching import Outcome
+from halfserve.repository import ServedModel
+from halfserve.settings import Settings
+from halfserve.store import Batching, OverflowPolicy
 from tests.conftest import save_tiny_mlp
 from tests.fault_models import Poisonable, save_overflowing_linear
 from tests.integration.conftest import serving

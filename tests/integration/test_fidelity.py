@@ -11,10 +11,10 @@ import pytest
 import torch
 from safetensors.numpy import save_file
 
-from server import fidelity, models, store
-from server.fidelity import CALIBRATION
-from server.settings import Settings
-from server.store import Batching, Manifest, TensorSpec
+from halfserve import fidelity, models, store
+from halfserve.fidelity import CALIBRATION
+from halfserve.settings import Settings
+from halfserve.store import Batching, Manifest, TensorSpec
 from tests.integration.conftest import serving
 
 
@@ -108,7 +108,7 @@ async def test_a_model_that_meets_the_default_bar_keeps_its_half_precision(tmp_p
 
 
 def test_samples_that_do_not_fit_fail_the_load_naming_the_file(tmp_path: Path) -> None:
-    from server.fidelity import read_samples
+    from halfserve.fidelity import read_samples
 
     save_linear(tmp_path, 1.0, None, None)
     vdir = tmp_path / "lin" / "1"

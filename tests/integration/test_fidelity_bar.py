@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-from server import cli, models, store
-from server.precision import Precision, cpu_has_native_bf16
-from server.settings import FidelityCheck, Settings
+from halfserve import cli, models, store
+from halfserve.precision import Precision, cpu_has_native_bf16
+from halfserve.settings import FidelityCheck, Settings
 from tests.integration.conftest import serving
 
 FEATURES = 16
@@ -107,7 +107,7 @@ def test_import_prints_the_figure_and_warns_that_the_server_will_serve_fp32(
 async def test_a_fragile_classifier_is_served_in_fp32_by_default_with_the_reason(
     fragile_store: Path, precision: Precision | None, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.WARNING, logger="server.repository")
+    caplog.set_level(logging.WARNING, logger="halfserve.repository")
     half = (precision or Precision.BF16).value
     async with serving(Settings(store=fragile_store, precision=precision)) as client:
         listed = await entry(client, "fragile")

@@ -14,12 +14,12 @@ import numpy as np
 import pytest
 import torch
 
-from server import store
-from server.engine import EngineError
-from server.isolated.engine import ProcessEngine
-from server.precision import Precision
-from server.settings import Settings
-from server.store import Batching, Execution, Manifest, OverflowPolicy, TensorSpec
+from halfserve import store
+from halfserve.engine import EngineError
+from halfserve.isolated.engine import ProcessEngine
+from halfserve.precision import Precision
+from halfserve.settings import Settings
+from halfserve.store import Batching, Execution, Manifest, OverflowPolicy, TensorSpec
 from tests.conftest import save_tiny_mlp
 from tests.fault_models import save_overflowing_linear
 from tests.integration.conftest import serving

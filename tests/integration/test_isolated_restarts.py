@@ -17,8 +17,8 @@ import httpx
 import pytest
 import torch
 
-from server import store
-from server.store import Batching, Manifest, TensorSpec
+from halfserve import store
+from halfserve.store import Batching, Manifest, TensorSpec
 from tests.integration.conftest import serving
 from tests.integration.test_isolated import model, processes
 from tests.waiting import DEADLINE_S

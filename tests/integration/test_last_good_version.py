@@ -8,8 +8,8 @@ from pathlib import Path
 import httpx
 from safetensors.torch import save_file
 
-from server import models, store
-from server.settings import Settings
+from halfserve import models, store
+from halfserve.settings import Settings
 from tests.conftest import save_tiny_mlp
 from tests.integration.conftest import serving
 

@@ -10,8 +10,8 @@ import httpx
 import numpy as np
 import pytest
 
-from server import store
-from server.settings import Settings
+from halfserve import store
+from halfserve.settings import Settings
 from tests.conftest import save_tiny_mlp
 from tests.integration.conftest import serving
 from tests.waiting import DEADLINE_S

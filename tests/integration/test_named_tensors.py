@@ -16,12 +16,12 @@ import pytest
 import torch
 from torch import nn
 
-from server import models, store
-from server.api.codec import HEADER_LENGTH
-from server.engine import Engine, EngineError
-from server.precision import Precision
-from server.settings import Settings
-from server.store import Batching, DataType, Execution, Manifest, OverflowPolicy, TensorSpec
+from halfserve import models, store
+from halfserve.api.codec import HEADER_LENGTH
+from halfserve.engine import Engine, EngineError
+from halfserve.precision import Precision
+from halfserve.settings import Settings
+from halfserve.store import Batching, DataType, Execution, Manifest, OverflowPolicy, TensorSpec
 from tests.integration.conftest import serving
 
 INFER = "/v2/models/simple/infer"

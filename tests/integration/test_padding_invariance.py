@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 import torch
 
-from server import calibration, cli, padding, store
-from server.app import create_app
-from server.settings import Settings
-from server.store import DataType, Manifest, TensorSpec
+from halfserve import calibration, cli, padding, store
+from halfserve.app import create_app
+from halfserve.settings import Settings
+from halfserve.store import DataType, Manifest, TensorSpec
 from tests.conftest import save_tiny_mlp
 from tests.integration.test_text import CORPUS, wordpiece
 from tests.waiting import until

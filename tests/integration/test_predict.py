@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from server import precision, store
-from server.placement import LOOP_SECONDS_PER_ROW, available_cores
-from server.settings import Settings
-from server.store import Batching
+from halfserve import precision, store
+from halfserve.placement import LOOP_SECONDS_PER_ROW, available_cores
+from halfserve.settings import Settings
+from halfserve.store import Batching
 from tests.conftest import needs_cxx, save_tiny_mlp
 from tests.integration.conftest import serving
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from server.repository import ModelRepository
-from server.settings import Settings
+from halfserve.repository import ModelRepository
+from halfserve.settings import Settings
 from tests.integration.conftest import serving
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from server.settings import Settings
+from halfserve.settings import Settings
 from tests.conftest import save_tiny_mlp
 from tests.integration.conftest import serving
 

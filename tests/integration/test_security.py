@@ -8,7 +8,7 @@ from urllib.parse import unquote
 
 import pytest
 
-from server.settings import Settings
+from halfserve.settings import Settings
 from tests.conftest import save_tiny_mlp
 from tests.integration.conftest import serving
 

@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import numpy as np
 
-from server.settings import Settings
+from halfserve.settings import Settings
 from tests.conftest import shm_key
 from tests.integration.conftest import serving
 

@@ -11,10 +11,10 @@ import orjson
 import pytest
 import torch
 
-from server import models, store
-from server.api.codec import HEADER_LENGTH, encode_bytes
-from server.settings import Settings
-from server.store import DataType, Manifest, TensorSpec, TextInput
+from halfserve import models, store
+from halfserve.api.codec import HEADER_LENGTH, encode_bytes
+from halfserve.settings import Settings
+from halfserve.store import DataType, Manifest, TensorSpec, TextInput
 from tests.integration.conftest import serving
 
 tokenizers = pytest.importorskip("tokenizers")
@@ -145,7 +145,7 @@ async def test_a_body_of_many_empty_bytes_elements_stops_at_the_declared_rows(tm
 
 async def test_a_missing_tokenizer_fails_the_models_load_not_its_requests(tmp_path: Path) -> None:
     (save_texty(tmp_path) / "texty" / "1" / "tokenizer.json").write_text("{not json")
-    from server.app import create_app
+    from halfserve.app import create_app
 
     app = create_app(Settings(store=tmp_path, precision="fp32"))
     async with app.router.lifespan_context(app):

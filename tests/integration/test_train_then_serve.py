@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from server import store
-from server.settings import Settings
-from server.training import TrainResult, train
-from server.training.datasets import digits_8x8
+from halfserve import store
+from halfserve.settings import Settings
+from halfserve.training import TrainResult, train
+from halfserve.training.datasets import digits_8x8
 from tests.integration.conftest import serving
 
 

@@ -14,12 +14,12 @@ import numpy as np
 import orjson
 import pytest
 
-from server import __version__
-from server.api.dataplane import plan
-from server.api.dataplane.decode import to_input_dtype
-from server.api.errors import APIError
-from server.settings import Settings
-from server.store import DataType, TensorSpec
+from halfserve import __version__
+from halfserve.api.dataplane import plan
+from halfserve.api.dataplane.decode import to_input_dtype
+from halfserve.api.errors import APIError
+from halfserve.settings import Settings
+from halfserve.store import DataType, TensorSpec
 from tests.conftest import save_tiny_mlp
 from tests.integration.conftest import serving
 

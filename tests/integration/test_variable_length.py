@@ -12,12 +12,12 @@ import pytest
 import torch
 from torch import nn
 
-from server import models, store
-from server.engine import Engine
-from server.models.transformer import attention_bias
-from server.precision import Precision
-from server.settings import Settings
-from server.store import Batching, DataType, Manifest, TensorSpec
+from halfserve import models, store
+from halfserve.engine import Engine
+from halfserve.models.transformer import attention_bias
+from halfserve.precision import Precision
+from halfserve.settings import Settings
+from halfserve.store import Batching, DataType, Manifest, TensorSpec
 from tests.integration.conftest import serving
 
 CPU = torch.device("cpu")

@@ -14,10 +14,10 @@ import httpx
 import pytest
 from tritonclient.grpc import service_pb2
 
-from server.api.deps import check_admin
-from server.api.errors import APIError, HeldError
-from server.api.lockout import Tarpit, tarpit
-from server.settings import Settings
+from halfserve.api.deps import check_admin
+from halfserve.api.errors import APIError, HeldError
+from halfserve.api.lockout import Tarpit, tarpit
+from halfserve.settings import Settings
 from tests.conftest import ServerProcess, StartServer, free_port
 from tests.waiting import DEADLINE_S
 

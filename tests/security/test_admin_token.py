@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from server.api.deps import check_admin
-from server.api.errors import APIError
-from server.api.lockout import FailedAttempts
-from server.regions import Regions
-from server.serving import AppState, NoModels
-from server.settings import Settings
+from halfserve.api.deps import check_admin
+from halfserve.api.errors import APIError
+from halfserve.api.lockout import FailedAttempts
+from halfserve.regions import Regions
+from halfserve.serving import AppState, NoModels
+from halfserve.settings import Settings
 from tests.integration.conftest import serving
 
 TOKEN = "a-long-enough-admin-token"
@@ -39,7 +39,7 @@ def test_short_tokens_and_two_sources_are_refused_and_a_file_is_read(tmp_path: P
 
 
 def test_the_cli_refuses_a_short_token_before_binding(tiny_store: Path) -> None:
-    cmd = [sys.executable, "-m", "server", "serve", "--store", str(tiny_store), "--admin-token", "change-me"]
+    cmd = [sys.executable, "-m", "halfserve", "serve", "--store", str(tiny_store), "--admin-token", "change-me"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert r.returncode == 2
     assert "admin_token: at least 16 characters" in r.stderr

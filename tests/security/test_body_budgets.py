@@ -6,7 +6,7 @@ from __future__ import annotations
 import gzip
 from pathlib import Path
 
-from server.settings import Settings
+from halfserve.settings import Settings
 from tests.integration.conftest import serving
 
 TOKEN = "body-budget-admin-token"

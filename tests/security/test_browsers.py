@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from server.settings import Settings
+from halfserve.settings import Settings
 from tests.conftest import save_tiny_mlp
 from tests.integration.conftest import serving
 from tests.integration.test_limits import HEADER, INFER, ROW

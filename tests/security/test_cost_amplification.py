@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from server.settings import Settings
+from halfserve.settings import Settings
 from tests.conftest import save_tiny_mlp
 from tests.integration.conftest import serving
 from tests.integration.test_limits import HEADER, INFER, binary_body

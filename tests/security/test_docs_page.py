@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from server.api.docs import INTEGRITY, SWAGGER_UI_VERSION
-from server.settings import Settings
+from halfserve.api.docs import INTEGRITY, SWAGGER_UI_VERSION
+from halfserve.settings import Settings
 from tests.conftest import save_tiny_mlp
 from tests.integration.conftest import serving
 

@@ -1,5 +1,5 @@
 """A ``module:factory`` architecture names a function or class defined in that module, by its plain name: the walk
-through what the module imports (``server.models:torch.load``) reached any library function with the manifest's
+through what the module imports (``halfserve.models:torch.load``) reached any library function with the manifest's
 ``arch_kwargs``, so a model folder alone ran a pickle, a ``hubconf.py``, a shared library's constructor, or
 ``sys.exit`` (``serve`` then ended with status 0 and no word). Of halfserve's own models only the registered
 architectures may be named, of an entry point's module only its declared factory, and whatever a factory raises,
@@ -20,9 +20,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from server import importer, models
-from server.settings import Settings
-from server.store import StoreError, TensorSpec
+from halfserve import importer, models
+from halfserve.settings import Settings
+from halfserve.store import StoreError, TensorSpec
 from tests.conftest import save_tiny_mlp
 from tests.security.test_model_code import started, write_hostile
 
@@ -68,14 +68,14 @@ def payloads(folder: Path, marker: Path) -> dict[str, tuple[str, dict[str, objec
     hub.mkdir(exist_ok=True)
     (hub / "hubconf.py").write_text(f"import pathlib\npathlib.Path({str(marker)!r}).touch()\n")
     return {
-        "torch.load": ("server.models:torch.load", {"f": str(pickle), "weights_only": False}),
+        "torch.load": ("halfserve.models:torch.load", {"f": str(pickle), "weights_only": False}),
         "torch.hub.load": (
-            "server.models:torch.hub.load",
+            "halfserve.models:torch.hub.load",
             {"repo_or_dir": str(hub), "model": "net", "source": "local"},
         ),
-        "load_library": ("server.models:torch.ops.load_library", {"path": str(shared_library(folder, marker))}),
-        "submodule": ("server.models.mlp:torch.load", {"f": str(pickle), "weights_only": False}),
-        "sys.exit": ("server.models:sys.exit", {}),
+        "load_library": ("halfserve.models:torch.ops.load_library", {"path": str(shared_library(folder, marker))}),
+        "submodule": ("halfserve.models.mlp:torch.load", {"f": str(pickle), "weights_only": False}),
+        "sys.exit": ("halfserve.models:sys.exit", {}),
     }
 
 
@@ -117,7 +117,7 @@ async def test_a_path_through_a_modules_imports_fails_that_model_at_load_and_run
 
 def serve(root: Path, *flags: str) -> subprocess.CompletedProcess[str]:
     """``halfserve serve`` on a store whose only model is refused: it ends before binding, naming why."""
-    cmd = [sys.executable, "-m", "server", "serve", "--store", str(root), "--port", "0", *flags]
+    cmd = [sys.executable, "-m", "halfserve", "serve", "--store", str(root), "--port", "0", *flags]
     return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300, check=False)
 
 
@@ -191,11 +191,13 @@ def test_an_operator_module_gives_only_what_it_defines() -> None:
         models.resolve("opcode_quits:build")
 
 
-@pytest.mark.parametrize("name", ["server.models.registry:register", "server.models:resolve", "server.models:build"])
+@pytest.mark.parametrize(
+    "name", ["halfserve.models.registry:register", "halfserve.models:resolve", "halfserve.models:build"]
+)
 def test_of_halfserves_own_modules_only_registered_architectures_are_named(name: str) -> None:
     with pytest.raises(models.UnknownArchitectureError, match="only the registered architectures"):
         models.resolve(name)
-    assert models.resolve("server.models.mlp:MLP") is models.resolve("mlp")
+    assert models.resolve("halfserve.models.mlp:MLP") is models.resolve("mlp")
 
 
 def test_of_an_entry_points_module_only_its_declared_factory_is_named(tmp_path: Path) -> None:

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from tritonclient.grpc import service_pb2
 
-from server import grpc_messages
+from halfserve import grpc_messages
 from tests.conftest import ServerProcess, free_port
 from tests.security.raw_h2 import Connection, grpc_message
 from tests.waiting import wait_until

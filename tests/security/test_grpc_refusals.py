@@ -14,7 +14,7 @@ import grpc
 import pytest
 from tritonclient.grpc import service_pb2
 
-from server.settings import Settings
+from halfserve.settings import Settings
 from tests.conftest import free_port
 from tests.integration.conftest import serving
 

@@ -10,9 +10,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from server import store
-from server.manifest import MAX_JSON_BYTES
-from server.store import Manifest, StoreError, TensorSpec
+from halfserve import store
+from halfserve.manifest import MAX_JSON_BYTES
+from halfserve.store import Manifest, StoreError, TensorSpec
 from tests.conftest import save_tiny_mlp, start_server
 
 DEEP = "[" * 200_000 + "]" * 200_000

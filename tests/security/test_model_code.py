@@ -23,10 +23,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from server import importer, models, store
-from server.app import create_app
-from server.settings import Settings
-from server.store import StoreError, TensorSpec
+from halfserve import importer, models, store
+from halfserve.app import create_app
+from halfserve.settings import Settings
+from halfserve.store import StoreError, TensorSpec
 from tests.conftest import save_tiny_mlp
 from tests.waiting import DEADLINE_S
 
@@ -128,7 +128,7 @@ def test_a_module_in_the_code_path_still_serves_and_a_shadowed_one_does_not(tmp_
         # The module's file decides, not its name: a stdlib module stays refused with a code path given.
         with pytest.raises(models.UnknownArchitectureError, match="not in a --code-path folder"):
             models.resolve("os:system")
-        assert models.resolve("server.models.mlp:MLP") is not None  # halfserve's own
+        assert models.resolve("halfserve.models.mlp:MLP") is not None  # halfserve's own
     finally:
         sys.path[:] = before
         sys.modules.pop("opcode_allowed", None)
@@ -149,8 +149,8 @@ def test_a_factory_that_raises_fails_its_model_and_serve_starts_for_the_others(t
     save_tiny_mlp(root)
     write_hostile(root, "broken", "opcode_raises:build", {})
     check = (
-        "import sys; from server import models; from server.repository import ModelRepository;"
-        "from server.settings import Settings;"
+        "import sys; from halfserve import models; from halfserve.repository import ModelRepository;"
+        "from halfserve.settings import Settings;"
         f"s = Settings(store={str(root)!r}, code_path=[{str(code)!r}]); models.add_code_path(s.code_path);"
         "r = ModelRepository(s); r.discover();"
         "print(r.models['broken'].state.value, r.models['tiny'].state.value); print(r.models['broken'].error)"
@@ -165,7 +165,7 @@ def test_a_factory_that_raises_fails_its_model_and_serve_starts_for_the_others(t
     assert "architecture: 'opcode_raises:build' failed to build: RuntimeError: the factory fails" in error
     # Alone in the store, the model fails `halfserve serve` with one line naming it, exit status 2.
     (root / "tiny" / store.MANIFEST).unlink()
-    cmd = [sys.executable, "-m", "server", "serve", "--store", str(root), "--code-path", str(code)]
+    cmd = [sys.executable, "-m", "halfserve", "serve", "--store", str(root), "--code-path", str(code)]
     serve = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300, check=False)
     assert serve.returncode == 2, serve.stderr
     assert "Traceback" not in serve.stderr, serve.stderr

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from server.settings import Settings
+from halfserve.settings import Settings
 from tests.conftest import shm_key
 from tests.integration.conftest import serving
 

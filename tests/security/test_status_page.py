@@ -11,9 +11,9 @@ from importlib import resources
 import pytest
 from pydantic import ValidationError
 
-from server.store import Manifest, TensorSpec
+from halfserve.store import Manifest, TensorSpec
 
-PAGE = resources.files("server.api").joinpath("static/status.html").read_text()
+PAGE = resources.files("halfserve.api").joinpath("static/status.html").read_text()
 ATTACK = '<img src=x onerror="alert(1)">'
 
 RENDER = r"""

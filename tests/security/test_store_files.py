@@ -18,9 +18,9 @@ import httpx
 import pytest
 import torch
 
-from server import calibration, models, store
-from server.importer import import_model
-from server.store import StoreError, TensorSpec
+from halfserve import calibration, models, store
+from halfserve.importer import import_model
+from halfserve.store import StoreError, TensorSpec
 from tests.conftest import ServerProcess, free_port, save_tiny_mlp
 from tests.waiting import wait_until
 
@@ -94,7 +94,7 @@ def test_a_pipe_swapped_in_after_the_check_cannot_block_the_read(
 @pytest.mark.timeout(HUNG)
 def test_a_tokenizer_that_is_not_a_regular_file_is_refused_named(tmp_path: Path) -> None:
     pytest.importorskip("tokenizers")
-    from server import text  # noqa: PLC0415
+    from halfserve import text  # noqa: PLC0415
 
     save_tiny_mlp(tmp_path, "tiny")
     path = tmp_path / "tokenizer.json"
@@ -121,7 +121,7 @@ def serve(root: Path, log: Path) -> ServerProcess:
     """``halfserve serve`` once it answers ``/health`` (not ``/ready``: some models here fail, as they should)."""
     port = free_port()
     with log.open("wb") as out:
-        cmd = [sys.executable, "-m", "server", "serve", "--store", str(root), "--port", str(port)]
+        cmd = [sys.executable, "-m", "halfserve", "serve", "--store", str(root), "--port", str(port)]
         env = {**os.environ, "HALFSERVE_ADMIN_TOKEN": TOKEN}
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
     server = ServerProcess(f"http://127.0.0.1:{port}", proc, log)

@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from server import text
-from server.settings import Settings
+from halfserve import text
+from halfserve.settings import Settings
 from tests.integration.conftest import serving
 from tests.integration.test_text import INFER, save_texty
 from tests.waiting import DEADLINE_S, until

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from server.settings import Settings
+from halfserve.settings import Settings
 from tests.integration.conftest import serving
 from tests.integration.test_text import INFER, save_texty
 
@@ -48,10 +48,10 @@ def test_a_hugging_face_models_id_inputs_get_their_own_tables_range(tmp_path: Pa
     """Found from the embedding each input reaches: the word table for ``input_ids``, the type table for
     ``token_type_ids``; the attention mask indexes nothing."""
     transformers = pytest.importorskip("transformers")
-    from server import store
-    from server.indices import check_indices, index_limits
-    from server.serving import InvalidInputError
-    from server.store import DataType, Manifest, TensorSpec
+    from halfserve import store
+    from halfserve.indices import check_indices, index_limits
+    from halfserve.serving import InvalidInputError
+    from halfserve.store import DataType, Manifest, TensorSpec
 
     config = transformers.BertConfig(
         vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, num_labels=3

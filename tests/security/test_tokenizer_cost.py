@@ -20,9 +20,9 @@ from typing import Any
 import orjson
 import pytest
 
-from server import text
-from server.manifest import DataType, Manifest, TensorSpec, TextInput
-from server.settings import Settings
+from halfserve import text
+from halfserve.manifest import DataType, Manifest, TensorSpec, TextInput
+from halfserve.settings import Settings
 from tests.integration.conftest import serving
 from tests.integration.test_text import CORPUS, INFER, MAX, save_texty, wordpiece
 from tests.waiting import DEADLINE_S, until

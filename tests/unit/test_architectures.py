@@ -17,12 +17,12 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from server import models, store
-from server.engine import Engine
-from server.precision import Precision
-from server.repository import ModelRepository
-from server.settings import Settings
-from server.store import Manifest, StoreError, TensorSpec
+from halfserve import models, store
+from halfserve.engine import Engine
+from halfserve.precision import Precision
+from halfserve.repository import ModelRepository
+from halfserve.settings import Settings
+from halfserve.store import Manifest, StoreError, TensorSpec
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -219,7 +219,7 @@ def broken_torchvision(folder: Path) -> dict[str, str]:
     (folder / "torchvision-0.28.0.dist-info" / "METADATA").write_text(
         "Metadata-Version: 2.1\nName: torchvision\nVersion: 0.28.0\n"
     )
-    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(folder), str(ROOT)])}
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(folder), str(ROOT / "server"), str(ROOT)])}
 
 
 def test_a_broken_torchvision_fails_its_architectures_in_one_line_and_hugging_face_models_still_import(
@@ -230,7 +230,7 @@ def test_a_broken_torchvision_fails_its_architectures_in_one_line_and_hugging_fa
     torch.save(models.build("small_cnn", in_channels=3).state_dict(), tmp_path / "cnn.pth")
 
     def halfserve(*args: str) -> subprocess.CompletedProcess[str]:
-        cmd = [sys.executable, "-m", "server", "import", *args, "--store", str(tmp_path / "store"), "--samples", "4"]
+        cmd = [sys.executable, "-m", "halfserve", "import", *args, "--store", str(tmp_path / "store"), "--samples", "4"]
         return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, check=False)
 
     vision = halfserve(str(tmp_path / "cnn.pth"), "--name", "r", "--architecture", "torchvision:resnet18",
@@ -261,3 +261,10 @@ def test_the_torchvision_example_fails_in_one_line_with_the_command_that_fixes_i
     assert line.startswith("save_state_dict.py: torchvision does not import (RuntimeError: operator torchvision::nms")
     assert line.endswith(models.torchvision_install())
     assert not (tmp_path / "out").exists()
+
+
+def test_an_architecture_under_the_packages_old_name_is_refused_with_its_new_name() -> None:
+    with pytest.raises(models.UnknownArchitectureError) as refused:
+        models.resolve("server.models.mlp:MLP")
+    assert "the package 'server' is now 'halfserve': write 'halfserve.models.mlp:MLP'" in str(refused.value)
+    assert models.resolve("halfserve.models.mlp:MLP") is models.resolve("mlp")

@@ -11,7 +11,7 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
-from server.batching import (
+from halfserve.batching import (
     Batcher,
     BatchFailedError,
     DeadlineExceededError,
@@ -399,7 +399,7 @@ async def test_batcher_module_does_not_import_torch_or_fastapi() -> None:
     import subprocess
     import sys
 
-    code = "import sys, server.batching; print('torch' in sys.modules, 'fastapi' in sys.modules)"
+    code = "import sys, halfserve.batching; print('torch' in sys.modules, 'fastapi' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False", "False"]
 

@@ -11,7 +11,7 @@ import time
 import numpy as np
 import pytest
 
-from server.batching import (
+from halfserve.batching import (
     Batcher,
     BatchFailedError,
     BatchTooLargeError,
@@ -23,7 +23,7 @@ from server.batching import (
     RequestTooLargeError,
     split_rows,
 )
-from server.serving import InstanceLostError, ModelNotReadyError
+from halfserve.serving import InstanceLostError, ModelNotReadyError
 
 POISON = -1.0
 

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from server import calibration, store
-from server.calibration import CalibrationError
-from server.store import DataType, Manifest, Normalize, TensorSpec
+from halfserve import calibration, store
+from halfserve.calibration import CalibrationError
+from halfserve.store import DataType, Manifest, Normalize, TensorSpec
 
 MAX = 12
 

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import uvicorn
 
-from server.app import begin_drain, create_app
-from server.cli import build_parser
-from server.settings import Settings
-from server.transport import DrainingServer
+from halfserve.app import begin_drain, create_app
+from halfserve.cli import build_parser
+from halfserve.settings import Settings
+from halfserve.transport import DrainingServer
 
 
 def test_the_signal_marks_the_app_draining_and_lets_uvicorn_shut_down(tmp_path: Path) -> None:

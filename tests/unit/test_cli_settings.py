@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from server.cli import build_parser
-from server.manifest import Precision
-from server.settings import LogLevel, Settings
-from server.transport import HttpLimits
+from halfserve.cli import build_parser
+from halfserve.manifest import Precision
+from halfserve.settings import LogLevel, Settings
+from halfserve.transport import HttpLimits
 
 
 def serve_parser() -> argparse.ArgumentParser:

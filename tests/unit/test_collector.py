@@ -1,4 +1,4 @@
-"""The collector's settings for a serving process (server.collector)."""
+"""The collector's settings for a serving process (halfserve.collector)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from server import collector
+from halfserve import collector
 
 
 @pytest.fixture

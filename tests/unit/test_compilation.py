@@ -8,7 +8,7 @@ import types
 import pytest
 import torch
 
-from server import compilation
+from halfserve import compilation
 
 
 def test_the_recompile_limit_is_raised_to_an_engines_bucket_count() -> None:
@@ -30,7 +30,7 @@ def test_a_torch_without_the_limit_or_the_cache_warns_and_goes_on(
     # A torch whose _dynamo has neither (the module's own reference to torch is replaced, not torch's internals).
     bare = types.SimpleNamespace(config=types.SimpleNamespace(), eval_frame=types.SimpleNamespace())
     monkeypatch.setattr(compilation, "torch", types.SimpleNamespace(_dynamo=bare, __version__="9.9"))
-    with caplog.at_level(logging.WARNING, logger="server.compilation"):
+    with caplog.at_level(logging.WARNING, logger="halfserve.compilation"):
         assert not compilation.allow_compiled_shapes(20)
         assert not compilation.forget_compiled(test_a_torch_without_the_limit_or_the_cache_warns_and_goes_on.__code__)
     assert [r.levelno for r in caplog.records] == [logging.WARNING, logging.WARNING]

@@ -21,9 +21,9 @@ import pytest
 import yaml
 from starlette.routing import Match
 
-from server.api.guard import host_allowed
-from server.app import create_app
-from server.settings import Settings
+from halfserve.api.guard import host_allowed
+from halfserve.app import create_app
+from halfserve.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKERFILE = ROOT / "Dockerfile"
@@ -173,8 +173,8 @@ def drain_timeout_s(env: dict[str, str | None]) -> float:
     if field is not None:
         value = env.get("HALFSERVE_DRAIN_TIMEOUT")
         return float(value) if value is not None else float(field.default)
-    # Before the setting existed, a literal in server/cli.py.
-    tree = ast.parse((ROOT / "server" / "cli.py").read_text())
+    # Before the setting existed, a literal in server/halfserve/cli.py.
+    tree = ast.parse((ROOT / "server" / "halfserve" / "cli.py").read_text())
     for node in ast.walk(tree):
         if isinstance(node, ast.keyword) and node.arg == "timeout_graceful_shutdown":
             return float(ast.literal_eval(node.value))
@@ -246,7 +246,7 @@ def test_probe_paths_are_get_routes_of_the_app(
 def test_every_halfserve_variable_named_is_a_setting(path: Path) -> None:
     names = set(ENV_NAME.findall(path.read_text()))
     unknown = sorted(n for n in names if n.removeprefix("HALFSERVE_").lower() not in Settings.model_fields)
-    assert not unknown, f"{path.name}: not fields of server.settings.Settings: {unknown}"
+    assert not unknown, f"{path.name}: not fields of halfserve.settings.Settings: {unknown}"
 
 
 def settings_from(env: dict[str, str | None], monkeypatch: pytest.MonkeyPatch) -> Settings:
@@ -455,7 +455,7 @@ def test_the_names_clients_use_are_hosts_the_server_answers_to(
 
 
 def test_loadtest_command_parses(compose: dict[str, Any]) -> None:
-    from server.cli import build_parser
+    from halfserve.cli import build_parser
 
     parser = build_parser()
     args = parser.parse_args([str(compose_value(a)) for a in compose["services"]["loadtest"]["command"]])

@@ -14,13 +14,18 @@ from pathlib import Path
 
 import pytest
 
-from server.cli import build_parser
+from halfserve.cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[2]
+SRC = ROOT / "server"
+"""The source root: the package ``halfserve`` is ``server/halfserve/``."""
+PKG = SRC / "halfserve"
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 TOP = ("server", "tests", "benchmarks", "scripts", "examples", "deploy", "docs", "model_store", ".ci")
 PATH = re.compile(r"(?<![\w/.$-])((?:" + "|".join(re.escape(t) for t in TOP) + r")/[\w./-]*)")
-MODULE = re.compile(r"(?<![\w/.])server(?:\.[A-Za-z_]\w*)+")
+MODULE = re.compile(r"(?<![\w/.])halfserve(?:\.[A-Za-z_]\w*)+")
+NOT_MODULES = {"halfserve.architectures", "halfserve.access"}
+"""Dotted names that are not modules: an entry-point group and a logger."""
 SHELLS = {"bash", "sh", "shell", "console"}
 """The languages of the blocks read as commands (a block without one shows output)."""
 
@@ -81,12 +86,13 @@ def shell_commands(text: str) -> Iterator[list[str]]:
 
 
 def halfserve_args(command: list[str]) -> list[str] | None:
-    """The arguments a ``halfserve`` (or ``python -m server``) command line gives the CLI; None for other commands."""
+    """The arguments a ``halfserve`` (or ``python -m halfserve``) command line gives the CLI; None for other
+    commands."""
     if command[0] == "halfserve":
         return command[1:]
-    if command[:3] == ["python", "-m", "server"]:
+    if command[:3] == ["python", "-m", "halfserve"]:
         return command[3:]
-    if command[:3] == ["python", "-m", "server.loadtest"]:
+    if command[:3] == ["python", "-m", "halfserve.loadtest"]:
         return ["loadtest", *command[3:]]
     return None
 
@@ -144,10 +150,10 @@ def defines(module: Path, name: str) -> bool:
 
 
 def resolves(dotted: str) -> bool:
-    """Whether ``server.a.b`` names a module of this tree, or a name defined at the top level of one."""
+    """Whether ``halfserve.a.b`` names a module of this tree, or a name defined at the top level of one."""
     parts = dotted.split(".")
     for cut in range(len(parts), 0, -1):
-        base = ROOT.joinpath(*parts[:cut])
+        base = SRC.joinpath(*parts[:cut])
         module = base / "__init__.py" if base.is_dir() else base.with_suffix(".py")
         if module.is_file():
             rest = parts[cut:]
@@ -159,18 +165,19 @@ def resolves(dotted: str) -> bool:
     return False
 
 
-DOTTED_SOURCES = [*DOCS, *sorted((ROOT / "server").rglob("*.py"))]
+DOTTED_SOURCES = [*DOCS, *sorted(PKG.rglob("*.py"))]
 
 
 @pytest.mark.parametrize("source", DOTTED_SOURCES, ids=doc_id)
 def test_every_module_a_doc_or_docstring_names_exists(source: Path) -> None:
-    # Docstrings and comments in server/ too: `server.backplane` outlived its module in two of them.
+    # Docstrings and comments in the package too: `server.backplane` outlived its module in two of them.
     text = read(source)
-    if source.suffix == ".py":  # where Python names a module: `server.x` and :mod:`server.x` (not a variable server)
-        named = set(re.findall(r"`~?(server(?:\.\w+)+)`", text))
+    if source.suffix == ".py":  # where Python names a module: `halfserve.x` and :mod:`halfserve.x`
+        named = set(re.findall(r"`~?(halfserve(?:\.\w+)+)`", text))
     else:
         named = {m.group(0).rstrip(".") for m in MODULE.finditer(text)}
-    assert not [n for n in sorted(named) if not resolves(n)], f"{doc_id(source)} names what is not in server/"
+    named -= NOT_MODULES
+    assert not [n for n in sorted(named) if not resolves(n)], f"{doc_id(source)} names what is not in server/halfserve/"
 
 
 def test_every_file_of_the_server_the_architecture_names_exists() -> None:
@@ -179,7 +186,7 @@ def test_every_file_of_the_server_the_architecture_names_exists() -> None:
     missing = [
         n
         for n in sorted(names)
-        if not ((ROOT / n).exists() if n.split("/")[0] in TOP else any((ROOT / "server").rglob(n.rstrip("/"))))
+        if not ((ROOT / n).exists() if n.split("/")[0] in TOP else any(PKG.rglob(n.rstrip("/"))))
     ]
     assert not missing, missing
 
@@ -247,7 +254,7 @@ def test_the_configuration_s_setting_flags_are_serve_flags() -> None:
 
 def test_the_console_script_answers_help() -> None:
     # The README's commands start with it: installed by pip install -e . as a script, and importable as a package.
-    run = subprocess.run([sys.executable, "-m", "server", "--help"], capture_output=True, text=True, timeout=120)
+    run = subprocess.run([sys.executable, "-m", "halfserve", "--help"], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     assert all(sub in run.stdout for sub in FLAGS)
 
@@ -264,12 +271,12 @@ def test_every_shell_block_is_valid_bash(doc: Path) -> None:
 
 
 def module_of(path: Path) -> str:
-    parts = path.relative_to(ROOT).with_suffix("").parts
+    parts = path.relative_to(SRC).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
 def server_imports(path: Path) -> set[str]:
-    """The server modules ``path`` imports (packages as themselves: ``server.api``, not its route modules)."""
+    """The server modules ``path`` imports (packages as themselves: ``halfserve.api``, not its route modules)."""
     found: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text())):
         names: list[str] = []
@@ -279,11 +286,11 @@ def server_imports(path: Path) -> set[str]:
             names = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
         for name in names:
             parts = name.split(".")
-            if parts[0] != "server" or len(parts) < 2:
+            if parts[0] != "halfserve" or len(parts) < 2:
                 continue
-            base = ROOT / "server" / parts[1]
+            base = PKG / parts[1]
             if base.is_dir() or base.with_suffix(".py").is_file():
-                found.add(f"server.{parts[1]}")
+                found.add(f"halfserve.{parts[1]}")
     return found
 
 
@@ -294,8 +301,8 @@ def import_table() -> dict[str, tuple[set[str], set[str]]]:
     parts = {}
     for row in table.splitlines()[2:]:
         part, modules, imports = (c.strip() for c in row.strip("|").split("|"))
-        own = {"server." + m.removesuffix(".py").rstrip("/") for m in re.findall(r"`([^`]+)`", modules)}
-        named = {"server." + m for m in re.findall(r"`(\w+)`", re.sub(r"\([^)]*\)", "", imports))}
+        own = {"halfserve." + m.removesuffix(".py").rstrip("/") for m in re.findall(r"`([^`]+)`", modules)}
+        named = {"halfserve." + m for m in re.findall(r"`(\w+)`", re.sub(r"\([^)]*\)", "", imports))}
         parts[part] = (own, named)
     return parts
 
@@ -307,7 +314,7 @@ TABLE = import_table()
 def test_the_import_table_is_each_parts_imports(part: str) -> None:
     own, documented = TABLE[part]
     actual = set()
-    for path in sorted((ROOT / "server").rglob("*.py")):
+    for path in sorted(PKG.rglob("*.py")):
         name = module_of(path)
         if any(name == m or name.startswith(m + ".") for m in own):
             actual |= server_imports(path)

@@ -10,12 +10,12 @@ import pytest
 import torch
 from torch import nn
 
-from server import store
-from server.batching import Output
-from server.engine import Engine, EngineError, Normalizer, batch_buckets, resolve_device
-from server.placement import Placement
-from server.precision import Precision
-from server.store import Normalize
+from halfserve import store
+from halfserve.batching import Output
+from halfserve.engine import Engine, EngineError, Normalizer, batch_buckets, resolve_device
+from halfserve.placement import Placement
+from halfserve.precision import Precision
+from halfserve.store import Normalize
 from tests.conftest import save_tiny_mlp
 
 CPU = torch.device("cpu")
@@ -195,7 +195,7 @@ def test_cuda_engine_agrees_with_fp32(loaded: store.LoadedModel, mode: str) -> N
 def test_warm_up_batches_take_the_dtype_requests_arrive_as(tmp_path: Path, datatype: store.DataType) -> None:
     """One map from a manifest's datatype to the batcher's arrays: warm-up (and the graphs it captures) must run the
     dtype a request decodes to, or the first real batches meet a shape the warm-up never ran."""
-    from server.api.codec import decode_samples
+    from halfserve.api.codec import decode_samples
 
     save_tiny_mlp(tmp_path, inputs=[store.TensorSpec(name="features", shape=[16], datatype=datatype)])
     loaded = store.load(tmp_path, "tiny")

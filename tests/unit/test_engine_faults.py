@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 import torch
 
-from server import store
-from server.batching import Batcher, BatchTooLargeError, Output
-from server.engine import Engine, PrecisionOverflowError, is_out_of_memory
-from server.precision import Precision
-from server.store import OverflowPolicy
+from halfserve import store
+from halfserve.batching import Batcher, BatchTooLargeError, Output
+from halfserve.engine import Engine, PrecisionOverflowError, is_out_of_memory
+from halfserve.precision import Precision
+from halfserve.store import OverflowPolicy
 from tests.conftest import save_tiny_mlp
 from tests.fault_models import Poisonable, save_overflowing_linear
 

@@ -15,14 +15,14 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from server import models, store
-from server.batching import Batcher, Output
-from server.compilation import tune_cudnn
-from server.engine import Engine, fixed_timing
-from server.instance import bucket_for, pin_host, pinned
-from server.placement import LOOP_SECONDS_PER_ROW, pads_to_buckets, set_intra_op_threads
-from server.precision import Precision
-from server.store import Batching, Compile, DataType, Execution, Manifest, Normalize, TensorSpec
+from halfserve import models, store
+from halfserve.batching import Batcher, Output
+from halfserve.compilation import tune_cudnn
+from halfserve.engine import Engine, fixed_timing
+from halfserve.instance import bucket_for, pin_host, pinned
+from halfserve.placement import LOOP_SECONDS_PER_ROW, pads_to_buckets, set_intra_op_threads
+from halfserve.precision import Precision
+from halfserve.store import Batching, Compile, DataType, Execution, Manifest, Normalize, TensorSpec
 from tests.conftest import needs_cxx, save_tiny_mlp
 
 CPU = torch.device("cpu")
@@ -214,8 +214,8 @@ def test_each_instance_warms_up_on_its_own_thread(tmp_path: Path) -> None:
 
 
 async def test_the_repository_gives_the_batcher_one_slot_per_instance(tmp_path: Path) -> None:
-    from server.repository import ModelRepository
-    from server.settings import Settings
+    from halfserve.repository import ModelRepository
+    from halfserve.settings import Settings
 
     save_tiny_mlp(tmp_path, execution=Execution(instances=3, pad_to_bucket=True))
     repo = ModelRepository(Settings(store=tmp_path, device="cpu"))

@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
-from server import fidelity
-from server.cli import build_parser
-from server.fidelity import DEFAULT_BAR, Fidelity, scores_output, shortfall
-from server.settings import FidelityCheck, Settings
-from server.store import Manifest
+from halfserve import fidelity
+from halfserve.cli import build_parser
+from halfserve.fidelity import DEFAULT_BAR, Fidelity, scores_output, shortfall
+from halfserve.settings import FidelityCheck, Settings
+from halfserve.store import Manifest
 
 
 def manifest(outputs: list[dict[str, object]], **fields: object) -> Manifest:

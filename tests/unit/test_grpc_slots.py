@@ -1,4 +1,4 @@
-"""The slots of calls waiting for a gRPC request message (``server.api.grpc_limits.Slots``), without a server."""
+"""The slots of calls waiting for a gRPC request message (``halfserve.api.grpc_limits.Slots``), without a server."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-from server.api.errors import APIError
-from server.api.grpc_limits import Slots
+from halfserve.api.errors import APIError
+from halfserve.api.grpc_limits import Slots
 
 
 def test_one_address_holds_its_share_and_no_more_while_its_calls_are_on_time() -> None:

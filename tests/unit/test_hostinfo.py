@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from server import hostinfo, precision
+from halfserve import hostinfo, precision
 
 
 @pytest.mark.parametrize(

@@ -12,12 +12,12 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from server import store
-from server.engine import Engine
-from server.precision import Precision
-from server.repository import ModelRepository
-from server.settings import Settings
-from server.store import DataType, Manifest, StoreError, TensorSpec
+from halfserve import store
+from halfserve.engine import Engine
+from halfserve.precision import Precision
+from halfserve.repository import ModelRepository
+from halfserve.settings import Settings
+from halfserve.store import DataType, Manifest, StoreError, TensorSpec
 
 CPU = torch.device("cpu")
 

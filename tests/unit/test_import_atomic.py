@@ -12,15 +12,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from server import cli, models, store
-from server.importer import import_model
-from server.store import TensorSpec
+from halfserve import cli, models, store
+from halfserve.importer import import_model
+from halfserve.store import TensorSpec
 
 MLP = {"in_features": 6, "hidden": [8], "out_features": 4}
 FEATURES = [TensorSpec(name="features", shape=[6])]
 CPU = torch.device("cpu")
 STAGE_PREFIX = ".import-"
-"""The folder an import writes into, ``.import-<pid>-<random>`` (:data:`server.importer.STAGE_PREFIX`)."""
+"""The folder an import writes into, ``.import-<pid>-<random>`` (:data:`halfserve.importer.STAGE_PREFIX`)."""
 
 
 def snapshot(root: Path) -> dict[str, bytes]:

@@ -11,8 +11,8 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from server import cli, fidelity, models, store
-from server.importer import (
+from halfserve import cli, fidelity, models, store
+from halfserve.importer import (
     ImportFailure,
     derive_outputs,
     import_model,
@@ -20,7 +20,7 @@ from server.importer import (
     read_state_dict,
     with_format,
 )
-from server.store import DataType, InputFormat, Manifest, TensorSpec
+from halfserve.store import DataType, InputFormat, Manifest, TensorSpec
 
 MLP = {"in_features": 6, "hidden": [8], "out_features": 4}
 FEATURES = [TensorSpec(name="features", shape=[6])]
@@ -143,7 +143,7 @@ def test_a_folder_needs_a_hugging_face_architecture_and_a_file_needs_another(tmp
 
 
 def test_variable_inputs_need_a_max_length_and_get_their_mask() -> None:
-    from server.importer import sequence_inputs
+    from halfserve.importer import sequence_inputs
 
     ids = parse_tensor("input_ids:INT64:-1", "--input")
     with pytest.raises(ImportFailure, match="give --max-length"):

@@ -10,8 +10,8 @@ import asyncio
 
 import pytest
 
-from server.api.errors import APIError
-from server.api.limits import parse_json
+from halfserve.api.errors import APIError
+from halfserve.api.limits import parse_json
 
 
 def test_a_body_as_long_as_the_limit_is_parsed() -> None:

@@ -1,7 +1,7 @@
 """The one-way arrows between the server's parts (docs/architecture.md), read from the imports of every module.
 
-Routes (``server.api``) sit on top: below them nothing imports them, except the app that assembles them and the
-multi-process package, which reaches them through their one public entry (``server.api`` itself, never a route
+Routes (``halfserve.api``) sit on top: below them nothing imports them, except the app that assembles them and the
+multi-process package, which reaches them through their one public entry (``halfserve.api`` itself, never a route
 module). The batcher is pure asyncio: neither torch nor FastAPI. The serving contract is neutral: neither HTTP nor
 torch.
 """
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2] / "server"
+ROOT = Path(__file__).resolve().parents[2] / "server" / "halfserve"
 
 
 def module_name(path: Path) -> str:
@@ -45,35 +45,35 @@ def importers_of(prefix: str) -> dict[str, set[str]]:
 
 
 def test_the_modules_were_read() -> None:
-    assert {"server.serving", "server.batching", "server.api", "server.multiproc.frontend"} <= set(MODULES)
-    assert "server.serving" in MODULES["server.api.v2"]  # the reader sees `from server.serving import ...`
+    assert {"halfserve.serving", "halfserve.batching", "halfserve.api", "halfserve.multiproc.frontend"} <= set(MODULES)
+    assert "halfserve.serving" in MODULES["halfserve.api.v2"]  # the reader sees `from halfserve.serving import ...`
 
 
 def test_nothing_below_the_routes_imports_them() -> None:
-    allowed = {"server.app"}  # the composition root: it builds the app from the routes
+    allowed = {"halfserve.app"}  # the composition root: it builds the app from the routes
     offenders = {
         name: found
-        for name, found in importers_of("server.api").items()
-        if not name.startswith(("server.api", "server.multiproc")) and name not in allowed
+        for name, found in importers_of("halfserve.api").items()
+        if not name.startswith(("halfserve.api", "halfserve.multiproc")) and name not in allowed
     }
     assert not offenders, offenders
 
 
 def test_the_multiprocess_package_reaches_the_routes_only_through_their_public_entry() -> None:
-    route_modules = {name for name in MODULES if name.startswith("server.api.")}
-    for name, found in importers_of("server.api").items():
-        if name.startswith("server.multiproc"):
+    route_modules = {name for name in MODULES if name.startswith("halfserve.api.")}
+    for name, found in importers_of("halfserve.api").items():
+        if name.startswith("halfserve.multiproc"):
             assert not found & route_modules, f"{name} imports a route module: {sorted(found & route_modules)}"
-    import server.api
+    import halfserve.api
 
-    # What it takes from server.api is that package's declared public surface.
-    for name, found in importers_of("server.api").items():
-        if name.startswith("server.multiproc"):
-            names = {i.removeprefix("server.api.") for i in found if i.startswith("server.api.")}
-            assert names <= set(server.api.__all__), names - set(server.api.__all__)
+    # What it takes from halfserve.api is that package's declared public surface.
+    for name, found in importers_of("halfserve.api").items():
+        if name.startswith("halfserve.multiproc"):
+            names = {i.removeprefix("halfserve.api.") for i in found if i.startswith("halfserve.api.")}
+            assert names <= set(halfserve.api.__all__), names - set(halfserve.api.__all__)
 
 
-@pytest.mark.parametrize("module", ["server.batching", "server.serving"])
+@pytest.mark.parametrize("module", ["halfserve.batching", "halfserve.serving"])
 def test_the_batcher_and_the_contract_import_neither_torch_nor_http(module: str) -> None:
     banned = ("torch", "fastapi", "starlette", "uvicorn", "httpx")
     found = {i for i in MODULES[module] if i.split(".")[0] in banned}
@@ -81,8 +81,10 @@ def test_the_batcher_and_the_contract_import_neither_torch_nor_http(module: str)
 
 
 def test_the_batcher_sits_below_the_repository_and_the_engine() -> None:
-    assert not {i for i in MODULES["server.batching"] if i.startswith(("server.repository", "server.engine"))}
-    assert not {i for i in MODULES["server.engine"] if i.startswith("server.batching")}  # its contract is serving's
+    assert not {i for i in MODULES["halfserve.batching"] if i.startswith(("halfserve.repository", "halfserve.engine"))}
+    assert not {
+        i for i in MODULES["halfserve.engine"] if i.startswith("halfserve.batching")
+    }  # its contract is serving's
 
 
 def test_the_serving_contract_imports_no_implementation_at_run_time() -> None:
@@ -90,14 +92,14 @@ def test_the_serving_contract_imports_no_implementation_at_run_time() -> None:
     top_level = {
         node.module
         for node in tree.body
-        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("server")
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("halfserve")
     }
     assert not top_level, top_level  # only under TYPE_CHECKING, for annotations
 
 
 def module_edges(path: Path) -> set[str]:
-    """The server modules ``path`` imports, each import as the module it names: ``from server.api import lockout`` is
-    an edge to ``server.api.lockout``, ``from server.manifest import Manifest`` one to ``server.manifest``."""
+    """The server modules ``path`` imports, each import as the module it names: ``from halfserve.api import lockout`` is
+    an edge to ``halfserve.api.lockout``, ``from halfserve.manifest import Manifest`` one to ``halfserve.manifest``."""
     edges: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
@@ -165,9 +167,9 @@ def test_no_modules_import_each_other_in_a_cycle_type_checking_imports_included(
 
 
 def test_routes_reach_models_only_through_the_contract() -> None:
-    below = ("server.repository", "server.batching", "server.engine", "server.store", "server.regions")
+    below = ("halfserve.repository", "halfserve.batching", "halfserve.engine", "halfserve.store", "halfserve.regions")
     for name, found in MODULES.items():
-        if name.startswith("server.api"):
+        if name.startswith("halfserve.api"):
             assert not {i for i in found if i.startswith(below)}, name
 
 
@@ -176,16 +178,16 @@ def test_the_routes_the_front_ends_and_the_grpc_service_import_no_torch() -> Non
     import sys
 
     code = (
-        # server.cli too: a front-end spawned from the halfserve script imports the script, and so it, again.
-        "import sys, server.api, server.api.grpc_service, server.multiproc.frontend, server.multiproc.client, "
-        "server.cli; "
-        "print(sorted(m for m in ('torch', 'server.repository', 'server.store') if m in sys.modules))"
+        # halfserve.cli too: a front-end spawned from the halfserve script imports the script, and so it, again.
+        "import sys, halfserve.api, halfserve.api.grpc_service, halfserve.multiproc.frontend, "
+        "halfserve.multiproc.client, halfserve.cli; "
+        "print(sorted(m for m in ('torch', 'halfserve.repository', 'halfserve.store') if m in sys.modules))"
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert r.stdout.strip() == "[]"
 
 
-ROUTE_MODULES = ("server.api.v2", "server.api.v2_repository", "server.api.v2_triton", "server.api.predict")
+ROUTE_MODULES = ("halfserve.api.v2", "halfserve.api.v2_repository", "halfserve.api.v2_triton", "halfserve.api.predict")
 """The HTTP route modules: their helpers are for their own routes, not for another protocol's."""
 
 
@@ -194,15 +196,19 @@ def _under(name: str, prefixes: tuple[str, ...]) -> bool:
 
 
 def test_the_data_plane_knows_no_transport_and_no_route() -> None:
-    plane = {name: found for name, found in MODULES.items() if name.startswith("server.api.dataplane")}
-    assert {"server.api.dataplane.decode", "server.api.dataplane.infer", "server.api.dataplane.encode"} <= set(plane)
+    plane = {name: found for name, found in MODULES.items() if name.startswith("halfserve.api.dataplane")}
+    assert {"halfserve.api.dataplane.decode", "halfserve.api.dataplane.infer", "halfserve.api.dataplane.encode"} <= set(
+        plane
+    )
     for name, found in plane.items():
         transports = {i for i in found if i.split(".")[0] in ("fastapi", "starlette", "grpc", "uvicorn")}
-        routes = {i for i in found if _under(i, (*ROUTE_MODULES, "server.api.grpc_service", "server.api.grpc_codec"))}
+        routes = {
+            i for i in found if _under(i, (*ROUTE_MODULES, "halfserve.api.grpc_service", "halfserve.api.grpc_codec"))
+        }
         assert not transports | routes, f"{name}: {sorted(transports | routes)}"
 
 
 def test_grpc_infers_through_the_data_plane_not_the_http_route() -> None:
-    for name in ("server.api.grpc_service", "server.api.grpc_codec"):
-        assert not {i for i in MODULES[name] if _under(i, ("server.api.v2", "server.api.predict"))}, name
-        assert {i for i in MODULES[name] if i.startswith("server.api.dataplane")}, name
+    for name in ("halfserve.api.grpc_service", "halfserve.api.grpc_codec"):
+        assert not {i for i in MODULES[name] if _under(i, ("halfserve.api.v2", "halfserve.api.predict"))}, name
+        assert {i for i in MODULES[name] if i.startswith("halfserve.api.dataplane")}, name

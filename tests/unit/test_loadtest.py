@@ -9,14 +9,14 @@ import numpy as np
 import orjson
 import pytest
 
-from server import grpc_messages
-from server.cli import build_parser
-from server.cli import main as cli_main
-from server.loadtest import LoadtestError
-from server.loadtest.cli import config_from_args
-from server.loadtest.client import split
-from server.loadtest.config import LoadtestConfig, default_precisions
-from server.loadtest.payload import (
+from halfserve import grpc_messages
+from halfserve.cli import build_parser
+from halfserve.cli import main as cli_main
+from halfserve.loadtest import LoadtestError
+from halfserve.loadtest.cli import config_from_args
+from halfserve.loadtest.client import split
+from halfserve.loadtest.config import LoadtestConfig, default_precisions
+from halfserve.loadtest.payload import (
     HEADER_LENGTH,
     MAX_BODIES,
     Protocol,
@@ -29,7 +29,7 @@ from server.loadtest.payload import (
     random_samples,
     served_precision,
 )
-from server.loadtest.stats import (
+from halfserve.loadtest.stats import (
     LevelSample,
     ServerDelta,
     latency_summary,
@@ -37,7 +37,7 @@ from server.loadtest.stats import (
     summarize,
     throughput_ratios,
 )
-from server.loadtest.target import check_url, grpc_target, is_local_host
+from halfserve.loadtest.target import check_url, grpc_target, is_local_host
 
 SIG = Signature(name="features", datatype="FP32", shape=(3,))
 

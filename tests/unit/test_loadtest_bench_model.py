@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from server import models, store
-from server.engine import Engine
-from server.loadtest.make_bench_model import main as make_main
-from server.loadtest.make_bench_model import make
-from server.precision import Precision
+from halfserve import models, store
+from halfserve.engine import Engine
+from halfserve.loadtest.make_bench_model import main as make_main
+from halfserve.loadtest.make_bench_model import make
+from halfserve.precision import Precision
 from tests.conftest import SHIPPED_STORE
 
 

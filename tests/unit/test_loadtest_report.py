@@ -8,11 +8,11 @@ from pathlib import Path
 import numpy as np
 from rich.console import Console
 
-from server.loadtest import report
-from server.loadtest.config import LoadtestConfig
-from server.loadtest.payload import Signature
-from server.loadtest.runner import ServerRun, Sweep
-from server.loadtest.stats import LevelSample, ServerDelta, summarize
+from halfserve.loadtest import report
+from halfserve.loadtest.config import LoadtestConfig
+from halfserve.loadtest.payload import Signature
+from halfserve.loadtest.runner import ServerRun, Sweep
+from halfserve.loadtest.stats import LevelSample, ServerDelta, summarize
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

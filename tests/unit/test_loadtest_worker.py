@@ -8,8 +8,8 @@ import itertools
 import httpx
 import pytest
 
-from server.loadtest.payload import Protocol, RequestTemplate, Signature, build_template, random_samples
-from server.loadtest.worker import Users
+from halfserve.loadtest.payload import Protocol, RequestTemplate, Signature, build_template, random_samples
+from halfserve.loadtest.worker import Users
 
 SIG = Signature("features", "FP32", (3,))
 

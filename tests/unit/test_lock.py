@@ -106,7 +106,8 @@ def test_ci_and_the_image_install_from_the_lock() -> None:
 
 INTERNALS = {"uvicorn": ("uvicorn.protocols", "uvicorn.lifespan", "uvicorn.loops", "uvicorn.supervisors")}
 """Modules of a dependency that are not its public API: code importing them is bound to the releases it was tested
-with. (torch's private calls, in server/compilation.py, are guarded instead: a GPU host brings its own torch.)"""
+with. (torch's private calls, in server/halfserve/compilation.py, are guarded instead: a GPU host brings its own
+torch.)"""
 
 
 def internal_imports() -> dict[str, set[str]]:
@@ -115,7 +116,7 @@ def internal_imports() -> dict[str, set[str]]:
     import ast
 
     found: dict[str, set[str]] = {}
-    for path in (ROOT / "server").rglob("*.py"):
+    for path in (ROOT / "server" / "halfserve").rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             names = (
                 [node.module or ""]
@@ -134,7 +135,7 @@ def internal_imports() -> dict[str, set[str]]:
 
 def test_a_dependency_whose_internals_are_used_has_an_upper_bound_the_lock_is_within() -> None:
     used = internal_imports()
-    assert "uvicorn" in used, "server/transport.py builds on uvicorn's httptools protocol"
+    assert "uvicorn" in used, "server/halfserve/transport.py builds on uvicorn's httptools protocol"
     requirements = {canonicalize_name(r.name): r for r in project_requirements()}
     locked = pins(ENVIRONMENTS[0])
     for package, where in sorted(used.items()):

@@ -12,13 +12,13 @@ from typing import Any
 import numpy as np
 import pytest
 
-from server.multiproc import wire
-from server.multiproc.client import BackplaneClient, RemoteModel, RemoteService
-from server.multiproc.wire import FrameReader, Segment, frame
-from server.precision import Precision
-from server.serving import DeadlineExceededError, InternalError, ModelNotReadyError, ModelState, error_to_wire
-from server.settings import Settings
-from server.store import Batching, Manifest, TensorSpec
+from halfserve.multiproc import wire
+from halfserve.multiproc.client import BackplaneClient, RemoteModel, RemoteService
+from halfserve.multiproc.wire import FrameReader, Segment, frame
+from halfserve.precision import Precision
+from halfserve.serving import DeadlineExceededError, InternalError, ModelNotReadyError, ModelState, error_to_wire
+from halfserve.settings import Settings
+from halfserve.store import Batching, Manifest, TensorSpec
 from tests.unit.test_transport import RecordingTransport
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from server import models, precision
-from server.precision import Precision
+from halfserve import models, precision
+from halfserve.precision import Precision
 
 CPU = torch.device("cpu")
 
@@ -65,7 +65,7 @@ def test_set_tf32_sets_both_matmul_and_cudnn(enabled: bool) -> None:
 
 
 def test_tf32_is_off_unless_asked_for(monkeypatch: pytest.MonkeyPatch) -> None:
-    from server.settings import Settings
+    from halfserve.settings import Settings
 
     assert Settings().tf32 is False
     monkeypatch.setenv("HALFSERVE_TF32", "1")

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from server import store
-from server.store import StoreError
+from halfserve import store
+from halfserve.store import StoreError
 from tests.conftest import save_tiny_mlp
 
 
@@ -28,7 +28,7 @@ def test_saved_model_loads_back_with_identical_weights(tmp_path: Path) -> None:
     assert (vdir / store.WEIGHTS).is_file()
     loaded = store.load(tmp_path, "tiny")
     torch.manual_seed(0)
-    from server import models
+    from halfserve import models
 
     fresh = models.build("mlp", in_features=16, hidden=[32], out_features=4)
     for (k, a), (_, b) in zip(loaded.module.state_dict().items(), fresh.state_dict().items(), strict=True):
@@ -119,7 +119,7 @@ def test_a_manifest_declares_only_the_datatypes_a_model_is_served_in(datatype: s
     """One datatype enum serves the wire and the manifest; a request may send INT8, a model may not declare it."""
     from pydantic import ValidationError
 
-    from server.manifest import SERVED_TYPES, DataType, TensorSpec
+    from halfserve.manifest import SERVED_TYPES, DataType, TensorSpec
 
     assert DataType(datatype) not in SERVED_TYPES
     assert DataType(datatype).wire_dtype.itemsize >= 1  # it crosses the wire

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from server import store
-from server.store import StoreError
+from halfserve import store
+from halfserve.store import StoreError
 from tests.conftest import save_tiny_mlp
 
 

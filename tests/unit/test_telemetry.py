@@ -10,10 +10,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.requests import Request
 
-from server.api.telemetry import request_id
-from server.logs import JsonFormatter, SkipInference
-from server.metrics import Metrics, observe_all
-from server.serving import Interface
+from halfserve.api.telemetry import request_id
+from halfserve.logs import JsonFormatter, SkipInference
+from halfserve.metrics import Metrics, observe_all
+from halfserve.serving import Interface
 
 
 def samples(m: Metrics) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from server import store
-from server.engine import Engine, fixed_timing
-from server.placement import (
+from halfserve import store
+from halfserve.engine import Engine, fixed_timing
+from halfserve.placement import (
     LOOP_SECONDS_PER_ROW,
     Placement,
     choose,
@@ -19,7 +19,7 @@ from server.placement import (
     loop_bound,
     set_intra_op_threads,
 )
-from server.precision import Precision
+from halfserve.precision import Precision
 from tests.conftest import save_tiny_mlp, tiny_engines
 
 

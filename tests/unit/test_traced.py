@@ -1,4 +1,4 @@
-"""A CPU forward traced and run beside the event loop (server.traced, Engine.place, server.placement.choose)."""
+"""A CPU forward traced and run beside the event loop (halfserve.traced, Engine.place, halfserve.placement.choose)."""
 
 from __future__ import annotations
 
@@ -11,18 +11,18 @@ import pytest
 import torch
 from torch import nn
 
-from server import store
-from server.engine import Engine, fixed_timing
-from server.placement import (
+from halfserve import store
+from halfserve.engine import Engine, fixed_timing
+from halfserve.placement import (
     BESIDE_LOOP_MIN_ROWS,
     BESIDE_LOOP_MIN_SHARE,
     LOOP_SECONDS_PER_ROW,
     Placement,
     choose,
 )
-from server.precision import Precision
-from server.serving import Output
-from server.traced import TracedForward, TraceRefused
+from halfserve.precision import Precision
+from halfserve.serving import Output
+from halfserve.traced import TracedForward, TraceRefused
 from tests.conftest import save_tiny_mlp, tiny_engines
 from tests.waiting import DEADLINE_S
 

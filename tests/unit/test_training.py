@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from server import store
-from server.training import RECIPES, TrainConfig, TrainingError, TrainResult, train
-from server.training import cli as train_cli
-from server.training.checkpoint import STATE_FILE
-from server.training.report import METRICS_FILE, PLOT_FILES, REPORT_DIR
-from server.training.standardization import Standardize
+from halfserve import store
+from halfserve.training import RECIPES, TrainConfig, TrainingError, TrainResult, train
+from halfserve.training import cli as train_cli
+from halfserve.training.checkpoint import STATE_FILE
+from halfserve.training.report import METRICS_FILE, PLOT_FILES, REPORT_DIR
+from halfserve.training.standardization import Standardize
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 EVALUATION_KEYS = {

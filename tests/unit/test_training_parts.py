@@ -10,14 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from server import models
-from server.training import checkpoint, datasets, report
-from server.training.checkpoint import TrainState
-from server.training.errors import TrainingError, UnknownRecipeError
-from server.training.evaluation import evaluate_module
-from server.training.recipes import RECIPES, get
-from server.training.standardization import Standardize, first_linear, fold, unfold
-from server.training.step import cosine_lr
+from halfserve import models
+from halfserve.training import checkpoint, datasets, report
+from halfserve.training.checkpoint import TrainState
+from halfserve.training.errors import TrainingError, UnknownRecipeError
+from halfserve.training.evaluation import evaluate_module
+from halfserve.training.recipes import RECIPES, get
+from halfserve.training.standardization import Standardize, first_linear, fold, unfold
+from halfserve.training.step import cosine_lr
 
 
 def test_digits_images_are_unit_scaled_8x8_with_a_stratified_split() -> None:

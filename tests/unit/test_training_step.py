@@ -8,9 +8,9 @@ import pytest
 import torch
 from torch import nn
 
-from server import models
-from server.precision import grad_scaler
-from server.training.step import StepResult, train_step
+from halfserve import models
+from halfserve.precision import grad_scaler
+from halfserve.training.step import StepResult, train_step
 
 CPU = torch.device("cpu")
 

@@ -7,9 +7,9 @@ from typing import Any
 
 from uvicorn.server import ServerState
 
-from server.multiproc.wire import FrameReader, frame
-from server.settings import Settings
-from server.transport import (
+from halfserve.multiproc.wire import FrameReader, frame
+from halfserve.settings import Settings
+from halfserve.transport import (
     CoalescedWrites,
     CoalescingHttpToolsProtocol,
     HttpLimits,

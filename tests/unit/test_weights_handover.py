@@ -1,4 +1,4 @@
-"""The weights an instance process gets (server.store.weights_bytes / from_weights_bytes): exactly the module's,
+"""The weights an instance process gets (halfserve.store.weights_bytes / from_weights_bytes): exactly the module's,
 whatever their memory layout or sharing."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from server import models, store
-from server.store import Manifest, TensorSpec
+from halfserve import models, store
+from halfserve.store import Manifest, TensorSpec
 
 
 def round_trip(root: Path, manifest: Manifest, module: nn.Module) -> nn.Module:

@@ -20,8 +20,8 @@ if os.environ.get("PROF_OUT"):
     import threading
     import time
 
-    import server.engine as eng
-    import server.instance as ins
+    import halfserve.engine as eng
+    import halfserve.instance as ins
 
     lock = threading.Lock()
     stats: dict = {}
@@ -91,6 +91,6 @@ if os.environ.get("PROF_OUT"):
     eng.Engine.forward = forward
 
 if os.environ.get("NOPIN"):
-    import server.multiproc.engine_side as bp
+    import halfserve.multiproc.engine_side as bp
 
     bp.pin_host = lambda memory: None

@@ -1,0 +1,174 @@
+"""Model administration shared by the HTTP routes and the gRPC service: the repository index, loading from the store,
+and a model's configuration and statistics in Triton's shapes. Each takes the contract's :class:`ModelAdmin` and
+:class:`LocalModel` (the process that runs the models), never the repository itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from enum import Enum
+from pathlib import Path
+
+from halfserve import manifest as store
+from halfserve.api.dataplane.metadata import PLATFORM
+from halfserve.api.errors import APIError, from_exception
+from halfserve.manifest import InputFormat, Manifest, Precision, StoreError, TensorSpec, sent_inputs
+from halfserve.serving import BatchStats, LocalModel, ModelAdmin, ModelState
+
+BACKEND = "pytorch"
+
+
+class RepositoryState(str, Enum):
+    """A model's state as the repository extension names it."""
+
+    READY = "READY"
+    LOADING = "LOADING"
+    UNAVAILABLE = "UNAVAILABLE"
+
+
+def index_entry(served: LocalModel) -> dict[str, object]:
+    """One model of the repository index: name, version, state and, unless ready, the reason."""
+    if served.state is ModelState.READY:
+        state, reason = RepositoryState.READY, ""
+    elif served.state is ModelState.LOADING:
+        state, reason = RepositoryState.LOADING, "loading"
+    else:
+        state, reason = RepositoryState.UNAVAILABLE, served.error or served.state.value
+    return {"name": served.name, "version": str(served.version), "state": state.value, "reason": reason}
+
+
+def refuse_overrides(parameters: Iterable[str]) -> None:
+    """A 400 naming a load's parameters that would override the model's configuration (``config``, ``file:...``),
+    which is not supported."""
+    overrides = sorted(k for k in parameters if k == "config" or k.startswith("file:"))
+    if overrides:
+        raise APIError(400, f"parameters: {', '.join(overrides)}: overriding a model's configuration is not supported")
+
+
+async def load_from_store(
+    repo: ModelAdmin, store_dir: Path, name: str, version: int | None = None, precision: Precision | None = None
+) -> LocalModel:
+    """Load ``name`` from the store: a 400 for an invalid name or a checkpoint that fails, a 404 when the store
+    has no such model or version."""
+    try:
+        store.check_name(name)
+    except StoreError as e:
+        raise APIError(400, str(e)) from None
+    model_dir = store_dir / name
+    if not (model_dir / store.MANIFEST).is_file():
+        raise APIError(404, f"model {name!r} is not in the store")
+    if version is not None and version not in store.versions(model_dir):
+        raise APIError(404, f"model {name!r} has no version {version} in the store")
+    try:
+        return await repo.load(name, version, precision)
+    except StoreError as e:
+        raise APIError(400, f"failed to load {name!r}: {e}") from None
+    except Exception as e:
+        raise from_exception(e) from None
+
+
+def index_entries(repo: ModelAdmin, store_dir: Path, ready_only: bool) -> list[dict[str, object]]:
+    """The repository index, by name: the served models, then the store's others as not loaded."""
+    entries = [index_entry(m) for m in repo.models.values()]
+    try:
+        others = [n for n in store.model_names(store_dir) if n not in repo.models]
+    except StoreError:
+        others = []
+    entries += [{"name": n, "state": RepositoryState.UNAVAILABLE.value, "reason": "not loaded"} for n in others]
+    if ready_only:
+        entries = [e for e in entries if e["state"] == RepositoryState.READY.value]
+    return sorted(entries, key=lambda e: str(e["name"]))
+
+
+def _tensor_config(spec: TensorSpec) -> dict[str, object]:
+    return {"name": spec.name, "data_type": f"TYPE_{spec.datatype.value}", "dims": list(spec.shape)}
+
+
+def input_configs(manifest: Manifest) -> list[dict[str, object]]:
+    """The inputs clients send as Triton's ``ModelInput``: each with its ``format`` (Triton's image clients lay out
+    the pixels they send by it), and the text input a text model takes (``TYPE_STRING``, one text per row), as the
+    metadata lists it."""
+    configs = [{**_tensor_config(s), "format": s.image_format.value} for s in sent_inputs(manifest)]
+    if manifest.text is not None:
+        text = {"name": manifest.text.input, "data_type": "TYPE_STRING", "dims": [1]}
+        configs.append({**text, "format": InputFormat.NONE.value})
+    return configs
+
+
+def model_config(served: LocalModel, device_type: str, device_index: int | None) -> dict[str, object]:
+    """``served`` as a Triton ``ModelConfig``: per-sample ``dims`` (the batch dimension is implied by
+    ``max_batch_size``), the dynamic batcher's delay, one instance on the serving device. Settings Triton has no
+    field for (precision, the queue bound in rows, the adaptive delay) are string ``parameters``."""
+    b = served.batching
+    gpu = device_type == "cuda"
+    instance: dict[str, object] = {"name": f"{served.name}_0", "kind": "KIND_GPU" if gpu else "KIND_CPU", "count": 1}
+    if gpu:
+        instance["gpus"] = [device_index or 0]
+    parameters = {
+        "max_queue_rows": {"string_value": str(b.max_queue_rows)},
+        # Triton has no field for it: max_queue_delay_microseconds is then the longest wait, not every wait.
+        "adaptive_delay": {"string_value": str(b.adaptive_delay).lower()},
+    }
+    if served.precision is not None:
+        parameters["precision"] = {"string_value": served.precision.value}
+    dynamic_batching: dict[str, object] = {"max_queue_delay_microseconds": round(b.max_delay_ms * 1000)}
+    if b.request_timeout_ms is not None:
+        # Triton's own name for a queued request's deadline; a client's shorter parameters.timeout overrides it.
+        dynamic_batching["default_queue_policy"] = {
+            "timeout_action": "REJECT",
+            "default_timeout_microseconds": round(b.request_timeout_ms * 1000),
+            "allow_timeout_override": True,
+        }
+    return {
+        "name": served.name,
+        "platform": PLATFORM,
+        "backend": BACKEND,
+        "version_policy": {"specific": {"versions": [served.version]}},
+        "max_batch_size": b.max_batch_size,
+        "input": input_configs(served.manifest),
+        "output": [_tensor_config(s) for s in served.manifest.outputs],
+        "dynamic_batching": dynamic_batching,
+        "instance_group": [instance],
+        "parameters": parameters,
+    }
+
+
+def _duration(count: int, seconds: float) -> dict[str, int]:
+    return {"count": count, "ns": round(seconds * 1e9)}
+
+
+def model_stats(served: LocalModel, stats: BatchStats) -> dict[str, object]:
+    """One ``model_stats`` entry.
+
+    ``success`` and ``fail`` count requests, with their time from queueing to answer; ``queue`` counts the chunks
+    cut into batches (a request larger than a batch waits once per chunk). The engine times a batch as a whole
+    (host-to-device copy, cast, forward, copy back), so ``compute_infer`` holds it all, counted per batch, and
+    ``compute_input`` / ``compute_output`` hold counts with zero time.
+    """
+    compute = sum(stats.batch_compute_seconds.values())
+    return {
+        "name": served.name,
+        "version": str(served.version),
+        "last_inference": round(stats.last_inference * 1000),
+        "inference_count": stats.rows,
+        "execution_count": stats.batches,
+        "inference_stats": {
+            "success": _duration(stats.succeeded, stats.success_seconds),
+            "fail": _duration(stats.failed, stats.fail_seconds),
+            "queue": _duration(stats.queued_chunks, stats.queue_seconds),
+            "compute_input": _duration(stats.batches, 0.0),
+            "compute_infer": _duration(stats.batches, compute),
+            "compute_output": _duration(stats.batches, 0.0),
+            "cache_hit": _duration(0, 0.0),
+            "cache_miss": _duration(0, 0.0),
+        },
+        "batch_stats": [
+            {
+                "batch_size": size,
+                "compute_input": _duration(count, 0.0),
+                "compute_infer": _duration(count, stats.batch_compute_seconds[size]),
+                "compute_output": _duration(count, 0.0),
+            }
+            for size, count in sorted(stats.batch_sizes.items())
+        ],
+    }

@@ -1,0 +1,13 @@
+"""The KServe V2 data plane: one inference, whichever protocol carries it.
+
+HTTP (:mod:`halfserve.api.v2`) and gRPC (:mod:`halfserve.api.grpc_service`) only translate their wire to and from it:
+
+* :mod:`.decode`: a V2 request (its JSON-like header, the binary data after it, shared memory, texts) as the named
+  numpy arrays a :class:`~halfserve.serving.ModelHandle` takes, checked against the model's signature;
+* :mod:`.outputs`: which outputs go back and how (binary data or JSON, top classes, shared memory);
+* :mod:`.plan`: what a header decided, kept, so a header seen before is neither parsed nor checked again;
+* :mod:`.infer`: the one way a request is submitted: the deadline, a client gone, a drain, the domain errors;
+* :mod:`.encode`: the outputs as the response's entries and binary data;
+* :mod:`.metadata`: the server's and a model's metadata;
+* :mod:`.request`: the values they pass along (the decoded request, an output's request).
+"""

@@ -1,0 +1,378 @@
+"""A V2 inference request as the named numpy arrays a model takes, whichever protocol carried it: its JSON-like
+header, and its tensors as JSON ``data``, binary data after the header (the binary tensor extension, see
+:mod:`halfserve.api.codec`), shared memory (the shared memory extension) or texts; every entry checked against the
+model's signature, with a 400 naming the field.
+
+Datatypes. A request's input datatype need not equal the manifest's; it must be able to feed it:
+
+* a floating input (FP32, FP16, BF16, FP64 in the manifest) takes any float or integer datatype, converted to the
+  manifest's dtype (float32 for FP32 and BF16 inputs) like ``/predict``'s JSON numbers. BF16 arrives exactly, as
+  float32; FP16 stays float16 when the model is served in fp16 (or declares FP16), so the engine's cast is a no-op
+  rather than a round trip through float32, and is widened exactly to float32 otherwise, so it can share batches;
+* an integer input (INT32, INT64) takes integer datatypes only, range-checked;
+* BOOL and BYTES feed nothing; a datatype the protocol does not define is a 400.
+
+FP16 and BF16 data travel only as binary data: JSON has no 16-bit floats, so such JSON ``data`` is a 400, and an
+FP16/BF16 output must be requested as binary.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from halfserve.api.codec import (
+    HEADER_LENGTH,
+    check_range,
+    checked_length,
+    decode_binary,
+    decode_json,
+    element_count,
+    encode_texts,
+    wire_type,
+)
+from halfserve.api.dataplane.outputs import check_room, requested_output, requested_outputs
+from halfserve.api.dataplane.request import Inference, flag, parameters
+from halfserve.api.errors import APIError, count
+from halfserve.api.limits import check_finite, check_size
+from halfserve.api.shm import RegionSource, span
+from halfserve.manifest import DataType, Manifest, Precision, TensorSpec, sent_inputs
+from halfserve.serving import ModelHandle
+from halfserve.settings import Settings
+
+
+def wrong_datatype(field: str, spec: TensorSpec, wire: DataType, model: str) -> APIError:
+    """The 400 for data of datatype ``wire`` sent to ``spec``, in Triton's words, with the datatypes it does take."""
+    kind = spec.datatype.numpy.kind
+    takes = "BOOL only" if kind == "b" else "floating or integer data" if kind == "f" else "integer data"
+    return APIError(
+        400,
+        f"{field}: inference input {spec.name!r} data-type is {wire.value!r}, but model {model!r} expects "
+        f"{spec.datatype.value!r} (it takes {takes})",
+    )
+
+
+def to_input_dtype(
+    arr: np.ndarray, wire: DataType, spec: TensorSpec, fp16_weights: bool, field: str, model: str
+) -> np.ndarray:
+    """``arr`` (of datatype ``wire``) as the array the batcher takes for ``spec`` of ``model``; the rules are in the
+    module's docstring. A binary body's rows stay a read-only view of the body when their dtype is already the
+    target's: :meth:`~halfserve.repository.ServedModel.submit` copies them for the engine, a front-end into its shared
+    slot."""
+    target = spec.datatype.numpy
+    if target.kind == "b" or wire is DataType.BOOL:
+        if not (target.kind == "b" and wire is DataType.BOOL):
+            raise wrong_datatype(field, spec, wire, model)
+        return arr
+    if target.kind == "f":
+        if not (wire.is_float or wire.is_integer):
+            raise wrong_datatype(field, spec, wire, model)
+        if wire is DataType.FP16 and (target == np.float16 or fp16_weights):
+            target = np.dtype(np.float16)
+    else:
+        if not wire.is_integer:
+            raise wrong_datatype(field, spec, wire, model)
+        check_range(arr, target, field)
+    if arr.dtype == target:
+        return arr
+    # Floats beyond the target's range become infinite here, silently: the finiteness check that follows names them.
+    with np.errstate(over="ignore", invalid="ignore"):
+        return arr.astype(target, copy=False)
+
+
+def _input_shape(shape: object, spec: TensorSpec, field: str, model: str) -> list[int]:
+    if type(shape) is list and shape and type(shape[0]) is int and shape[0] >= 1 and shape[1:] == spec.shape:
+        return shape  # the common case, checked first: it runs on every request
+    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) for d in shape):
+        raise APIError(400, f"{field}: expected a list of integers")
+    if spec.variable and len(shape) == len(spec.shape) + 1 and shape[2:] == spec.shape[1:]:
+        if shape[0] < 1 or shape[1] < 1:
+            raise APIError(400, f"{field}: the batch and length dimensions must be at least 1, got {shape}")
+        checked_length(spec, shape[1], field)
+        return shape
+    if len(shape) != len(spec.shape) + 1 or shape[1:] != spec.shape:
+        dims = ", ".join("L" if d == -1 else str(d) for d in spec.shape)
+        raise APIError(
+            400,
+            f"{field}: unexpected shape for input {spec.name!r} for model {model!r}. "
+            f"Expected {_dims([-1, *spec.shape])}, got {_dims(shape)}: send [N, {dims}] (batch first)",
+        )
+    if shape[0] < 1:
+        raise APIError(400, f"{field}: the batch dimension must be at least 1, got {shape[0]}")
+    return shape
+
+
+def _dims(shape: list[int]) -> str:
+    """A shape as Triton writes one in its messages: ``[-1,3,224,224]``."""
+    return "[" + ",".join(str(d) for d in shape) + "]"
+
+
+def _decode_input(
+    item: object,
+    field: str,
+    binary: memoryview | None,
+    served: ModelHandle,
+    settings: Settings | None,
+    regions: RegionSource | None,
+    specs: list[TensorSpec],
+) -> tuple[np.ndarray, TensorSpec, int]:
+    """An entry of ``inputs`` (one of ``specs``, the inputs clients send) as the batcher's array, its input's spec,
+    and how many bytes of ``binary`` it took (from the start)."""
+    if not isinstance(item, dict):
+        raise APIError(400, f"{field}: expected an object, got {type(item).__name__}")
+    spec = next((t for t in specs if t.name == item.get("name")), None)
+    if spec is None:
+        raise APIError(
+            400,
+            f"{field}.name: unexpected inference input {item.get('name')!r} for model {served.name!r}; "
+            f"the model takes {_takes(specs, served.manifest)}",
+        )
+    if item.get("datatype") == "BYTES":  # text (or another string) for an input that takes numbers
+        raise APIError(
+            400,
+            f"{field}.datatype: input {spec.name!r} of model {served.name!r} takes {spec.datatype.value}, not BYTES "
+            "(only a model whose manifest declares a text input takes text)",
+        )
+    wire = wire_type(item.get("datatype"), f"{field}.datatype")
+    shape = _input_shape(item.get("shape"), spec, f"{field}.shape", served.name)
+    if settings is not None:
+        check_size(settings, served, shape[0], f"{field}.shape")
+    params = parameters(item, f"{field}.parameters")
+    size = params.get("binary_data_size")
+    if "shared_memory_region" in params:
+        if size is not None or "data" in item:
+            raise APIError(400, f"{field}: give one of data, binary_data_size or shared_memory_region")
+        where = f"{field}.parameters"
+        # A copy of the client's bytes, so the batcher's array stays as it was read whatever the client does next.
+        raw = span(regions, params, where).read()
+        arr, size = decode_binary(raw, wire, shape, f"{where}.shared_memory_byte_size"), 0
+    elif size is not None:
+        where = f"{field}.parameters.binary_data_size"
+        size = count(size, where, "a byte count")
+        if "data" in item:
+            raise APIError(400, f"{field}: give either data or parameters.binary_data_size, not both")
+        if binary is None:
+            raise APIError(400, f"{where}: binary data needs an {HEADER_LENGTH} header")
+        if size > len(binary):
+            raise APIError(
+                400,
+                f"{where}: inputs declare {size} bytes of binary data, "
+                f"but the body has {len(binary)} after the {HEADER_LENGTH} bytes of JSON",
+            )
+        arr = decode_binary(binary[:size], wire, shape, where)
+    elif "data" in item:
+        arr, size = decode_json(item["data"], wire, shape, f"{field}.data"), 0
+    else:
+        raise APIError(400, f"{field}: no tensor data; give data or parameters.binary_data_size")
+    return checked_input(arr, wire, spec, served, field, json=size == 0), spec, size
+
+
+def checked_input(
+    arr: np.ndarray, wire: DataType, spec: TensorSpec, served: ModelHandle, field: str, json: bool
+) -> np.ndarray:
+    """A decoded input entry as the batcher's array for ``spec``: converted to its dtype, checked to be finite."""
+    x = to_input_dtype(arr, wire, spec, served.precision is Precision.FP16, f"{field}.datatype", served.name)
+    check_finite(x, served, f"{field}.data" if json else f"{field} (binary data)")
+    return x
+
+
+def _takes(specs: list[TensorSpec], manifest: Manifest) -> str:
+    """The inputs a client sends, named: a text model's text input too, given instead of the one it feeds."""
+    if manifest.text is not None:
+        feeds = manifest.text.feeds
+        others = [t.name for t in specs if t.name != feeds]
+        text = f"text input {manifest.text.input!r} (BYTES, one text per row) or {feeds!r}"
+        return text + (f", with {others}" if others else "")
+    return f"input {specs[0].name!r}" if len(specs) == 1 else f"inputs {[t.name for t in specs]}"
+
+
+def check_input_count(given: int, served: ModelHandle, specs: list[TensorSpec] | None = None) -> None:
+    """A 400 when a request has more input entries than ``served`` takes (``specs``: its inputs clients send, when
+    the caller has them): checked before any is decoded."""
+    specs = sent_inputs(served.manifest) if specs is None else specs
+    if given > len(specs) + (served.manifest.text is not None):
+        raise APIError(
+            400,
+            f"inputs: expected {len(specs)} inputs but got {given} inputs for model {served.name!r}; "
+            f"the model takes {_takes(specs, served.manifest)}",
+        )
+
+
+def _names(names: list[str]) -> str:
+    """Names as Triton lists them in its messages: ``['INPUT0','INPUT1']``."""
+    return "[" + ",".join(f"'{n}'" for n in names) + "]"
+
+
+def parse_request(
+    payload: object,
+    binary: memoryview | None,
+    served: ModelHandle,
+    settings: Settings | None = None,
+    regions: RegionSource | None = None,
+) -> Inference:
+    """Decode a V2 inference request for ``served``: its JSON header, and the binary data after it (``None`` when
+    the request has no ``Inference-Header-Content-Length`` and so is all JSON). ``limits`` bounds its size;
+    ``regions`` gives the shared memory regions it may name, asked only when it names one."""
+    if not isinstance(payload, dict):
+        raise APIError(400, f"body: expected a JSON object, got {type(payload).__name__}")
+    specs = sent_inputs(served.manifest)
+    request_id = payload.get("id")
+    if request_id is not None and not isinstance(request_id, str):
+        raise APIError(400, f"id: expected a string, got {type(request_id).__name__}")
+    params = parameters(payload, "parameters")
+    binary_output = flag(params, "binary_data_output", "parameters", False)
+    timeout = count(params.get("timeout", 0), "parameters.timeout", "non-negative microseconds")
+    inputs = payload.get("inputs")
+    if not isinstance(inputs, list) or not inputs:
+        raise APIError(400, f"inputs: expected a non-empty list; the model takes {_takes(specs, served.manifest)}")
+    check_input_count(len(inputs), served, specs)
+    text = served.manifest.text
+    tensors: dict[str, np.ndarray] = {}
+    pending: tuple[Sequence[bytes | str], str] | None = None  # texts, tokenized by the caller (tokenize)
+    declared = 0
+    for i, item in enumerate(inputs):
+        field = f"inputs[{i}]"
+        rest = None if binary is None else binary[declared:]
+        if text is not None and isinstance(item, dict) and item.get("name") == text.input:
+            texts, size = _decode_texts(item, field, rest, served, settings)
+            if text.feeds in tensors or pending is not None:
+                raise APIError(400, f"{field}.name: give {text.input!r} or {text.feeds!r}, not both")
+            if settings is None:
+                raise APIError(400, f"{field}: text input is not served here")
+            first = next(iter(tensors.items()), None)
+            if first is not None and len(texts) != len(first[1]):
+                raise APIError(
+                    400,
+                    f"{field}.shape: input {text.input!r} has {len(texts)} rows but {first[0]!r} has {len(first[1])}",
+                )
+            pending = (texts, field)
+            declared += size
+            continue
+        x, spec, size = _decode_input(item, field, rest, served, settings, regions, specs)
+        if spec.name in tensors or (pending is not None and text is not None and spec.name == text.feeds):
+            raise APIError(400, f"{field}.name: input {spec.name!r} is given twice")
+        first = next(iter(tensors.items()), None)
+        if first is not None and len(x) != len(first[1]):
+            raise APIError(
+                400, f"{field}.shape: input {spec.name!r} has {len(x)} rows but {first[0]!r} has {len(first[1])}"
+            )
+        if pending is not None and text is not None and len(x) != len(pending[0]):
+            raise APIError(
+                400, f"{field}.shape: input {spec.name!r} has {len(x)} rows but {text.input!r} has {len(pending[0])}"
+            )
+        tensors[spec.name] = x
+        declared += size
+    missing = [t.name for t in specs if t.name not in tensors and not (pending and text and t.name == text.feeds)]
+    if missing:
+        got = [t.name for t in specs if t.name in tensors]
+        if text is not None and text.feeds in tensors and any(i.get("name") == text.input for i in inputs):
+            got = [text.input if n == text.feeds else n for n in got]
+        raise APIError(
+            400,
+            f"inputs: expected {len(specs)} inputs but got {len(got)} inputs for model {served.name!r}. Got input(s) "
+            f"{_names(got)}, but missing required input(s) {_names(missing)}. Please provide all required input(s).",
+        )
+    if binary is not None and len(binary) != declared:
+        raise APIError(
+            400,
+            f"body: {len(binary)} bytes follow the {HEADER_LENGTH} bytes of JSON, "
+            f"but the inputs' binary_data_size declare {declared}",
+        )
+    rows = len(next(iter(tensors.values()))) if tensors else len(pending[0]) if pending else 0
+    if len(served.manifest.outputs) > 1:
+        wanted = requested_outputs(payload, binary_output, served.manifest.outputs, regions, served.name)
+        for spec in served.manifest.outputs:
+            out = wanted.get(spec.name)
+            if out is not None and out.span is not None:
+                check_room(out.span, spec, rows)
+        return Inference(tensors, request_id, binary_output, timeout, outputs=wanted, texts=pending)
+    out_spec = served.manifest.outputs[0]
+    binary_output, classes, region = requested_output(payload, binary_output, out_spec, regions, served.name)
+    if region is not None:
+        check_room(region, out_spec, rows)  # checked before the forward: the output's size is known from the rows
+    return Inference(tensors, request_id, binary_output, timeout, classes, region, texts=pending)
+
+
+async def tokenize(req: Inference, served: ModelHandle, settings: Settings) -> Inference:
+    """``req`` with its texts (if any) tokenized off the event loop into the inputs they feed
+    (:func:`~halfserve.api.codec.encode_texts`)."""
+    if req.texts is not None:
+        texts, field = req.texts
+        req.inputs.update(await encode_texts(texts, field, served, settings))
+        req.texts = None
+    return req
+
+
+def _decode_texts(
+    item: dict[str, Any], field: str, binary: memoryview | None, served: ModelHandle, settings: Settings | None
+) -> tuple[Sequence[bytes | str], int]:
+    """A ``BYTES`` input of texts (shape ``[N]`` or ``[N, 1]``), from JSON strings or binary data, and the bytes of
+    ``binary`` it took."""
+    if item.get("datatype") != "BYTES":
+        raise APIError(400, f"{field}.datatype: text input {item.get('name')!r} is BYTES, got {item.get('datatype')!r}")
+    shape = item.get("shape")
+    if not (isinstance(shape, list) and shape and all(type(d) is int for d in shape) and shape[1:] in ([], [1])):
+        raise APIError(400, f"{field}.shape: expected [N] or [N, 1] (one text per row), got {shape!r}")
+    rows = shape[0]
+    if rows < 1:
+        raise APIError(400, f"{field}.shape: the batch dimension must be at least 1, got {rows}")
+    if settings is not None:
+        check_size(settings, served, rows, f"{field}.shape")
+    params = parameters(item, f"{field}.parameters")
+    size = params.get("binary_data_size")
+    if size is None:
+        data = item.get("data")
+        if not isinstance(data, list) or len(data) != rows or not all(isinstance(t, str) for t in data):
+            raise APIError(400, f"{field}.data: expected {rows} strings, one text per row")
+        return data, 0
+    size = count(size, f"{field}.parameters.binary_data_size", "a byte count")
+    if binary is None or size > len(binary):
+        raise APIError(400, f"{field}.parameters.binary_data_size: {size} bytes declared, not in the body")
+    texts, at, raw = [], 0, bytes(binary[:size])
+    while at < size:
+        if at + 4 > size:
+            raise APIError(400, f"{field}: binary BYTES data ends inside an element's 4-byte length")
+        n = int.from_bytes(raw[at : at + 4], "little")
+        if at + 4 + n > size:
+            raise APIError(400, f"{field}: a BYTES element of {n} bytes runs past the input's binary_data_size")
+        texts.append(raw[at + 4 : at + 4 + n])
+        at += 4 + n
+        if len(texts) > rows:  # stop at once: a body of empty elements would otherwise be parsed to its end
+            break
+    if len(texts) != rows:
+        raise APIError(400, f"{field}: {len(texts)} BYTES elements, but shape {shape} holds {rows}")
+    return texts, size
+
+
+def parse_raw(binary: memoryview, served: ModelHandle, settings: Settings | None = None) -> Inference:
+    """A raw binary request (``Inference-Header-Content-Length: 0``): the whole body is the single input's data.
+
+    Its datatype is the manifest's. Since every per-sample dimension is fixed, the batch size follows from the byte
+    count: any whole number of samples is accepted (Triton takes exactly one). Outputs are returned as binary.
+    """
+    if len(served.manifest.inputs) > 1 or served.manifest.inputs[0].variable:
+        names = [t.name for t in served.manifest.inputs]
+        raise APIError(
+            400,
+            f"body: a raw binary request ({HEADER_LENGTH}: 0) feeds a model with one fixed-shape input; this one "
+            f"takes {names}",
+        )
+    spec = served.manifest.inputs[0]
+    wire = spec.datatype
+    sample = element_count(spec.shape) * wire.wire_dtype.itemsize
+    if not binary or len(binary) % sample:
+        raise APIError(
+            400,
+            f"body: a raw binary request ({HEADER_LENGTH}: 0) must hold whole samples of {spec.name!r} "
+            f"({spec.datatype.value} {spec.shape}: {sample} bytes each), got {len(binary)} bytes",
+        )
+    shape = [len(binary) // sample, *spec.shape]
+    if settings is not None:
+        check_size(settings, served, shape[0], "body")
+    arr = decode_binary(binary, wire, shape, "body")
+    fp16_weights = served.precision is Precision.FP16
+    x = to_input_dtype(arr, wire, spec, fp16_weights, "body", served.name)
+    check_finite(x, served, "body")
+    return Inference({spec.name: x}, None, True)

@@ -1,0 +1,39 @@
+"""The one way an inference reaches a model, for ``/predict``, V2 over HTTP and V2 over gRPC alike.
+
+A route decodes its request, then awaits :func:`infer`: the request is queued with its deadline, and whatever stops
+it is answered the same whichever protocol carried it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable
+from typing import cast
+
+from halfserve.api.errors import cut_off_by_shutdown, from_exception
+from halfserve.serving import AppState, ModelHandle, Prediction, Tensors
+
+
+async def infer(
+    app: AppState, served: ModelHandle, inputs: Tensors | Awaitable[Tensors], timeout: float | None
+) -> Prediction:
+    """``inputs`` run through ``served`` within ``timeout`` seconds (the client's and the request's own, the shorter;
+    the model's ``request_timeout_ms`` bounds it too); ``inputs`` may be the awaitable that decodes them (``/predict``
+    tokenizes its texts here, so that a drain cutting the tokenizing off is answered as one cutting the wait off).
+
+    A client gone (its task cancelled) cancels the future the model gave, which withdraws the rows not yet running,
+    and the cancellation goes on up; during a drain, past its timeout, the same cancellation is answered as
+    :func:`~halfserve.api.errors.cut_off_by_shutdown` (a 503 to send again). A refusal before queueing (not ready, queue
+    full: 503 with ``Retry-After``), a passed deadline (504) and every other domain error are raised as the
+    :class:`~halfserve.api.errors.APIError` they map onto.
+    """
+    try:
+        if not isinstance(inputs, dict):
+            inputs = await cast(Awaitable[Tensors], inputs)
+        return await served.submit(inputs, timeout)
+    except asyncio.CancelledError:
+        if not app.draining:
+            raise
+        raise cut_off_by_shutdown() from None
+    except Exception as e:
+        raise from_exception(e) from None

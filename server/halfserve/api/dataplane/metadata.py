@@ -1,0 +1,37 @@
+"""What the server and each model say about themselves over the V2 protocol, HTTP and gRPC alike."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from halfserve.manifest import TensorSpec, sent_inputs
+from halfserve.serving import ModelHandle
+
+SERVER_NAME = "halfserve"
+PLATFORM = "pytorch_libtorch"
+EXTENSIONS = [
+    "binary_tensor_data",
+    "classification",
+    "model_configuration",
+    "statistics",
+    "model_repository",
+    "system_shared_memory",
+]
+
+
+def tensor_metadata(spec: TensorSpec) -> dict[str, object]:
+    return {"name": spec.name, "datatype": spec.datatype.value, "shape": [-1, *spec.shape]}
+
+
+def metadata(served: ModelHandle) -> dict[str, Any]:
+    """The protocol's model metadata of ``served``: versions, platform, and each input and output with its datatype
+    and shape (batch first, as -1)."""
+    m = served.manifest
+    return {
+        "name": served.name,
+        "versions": [str(served.version)],
+        "platform": PLATFORM,
+        "inputs": [tensor_metadata(s) for s in sent_inputs(m)]
+        + ([{"name": m.text.input, "datatype": "BYTES", "shape": [-1, 1]}] if m.text is not None else []),
+        "outputs": [tensor_metadata(s) for s in m.outputs],
+    }

@@ -1,0 +1,101 @@
+"""Which outputs a V2 request wants back, and how each goes: as binary data or JSON, as its top classes (the
+classification extension), or into shared memory (the shared memory extension)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from halfserve.api.codec import JSON_UNSUPPORTED, element_count
+from halfserve.api.dataplane.request import OutputRequest, flag, parameters
+from halfserve.api.errors import APIError, count
+from halfserve.api.shm import RegionSource, Span, span
+from halfserve.manifest import TensorSpec
+
+
+def unknown_output(field: str, got: object, model: str, names: list[str]) -> APIError:
+    """The 400 for an output the model does not have, in Triton's words, with those it has."""
+    has = repr(names[0]) if len(names) == 1 else str(names)
+    return APIError(400, f"{field}.name: unexpected inference output {got!r} for model {model!r}; the model has {has}")
+
+
+def requested_output(
+    payload: dict[str, Any], default: bool, out_spec: TensorSpec, regions: RegionSource | None, model: str
+) -> tuple[bool, int, Span | None]:
+    """How the output goes: as binary data or not (its own ``binary_data``, else the request's
+    ``binary_data_output``), how many top classes to send instead of it (``classification``; 0 for none), and the
+    shared memory it goes to instead of the body (``shared_memory_region``)."""
+    binary, classes, region = default, 0, None
+    requested = payload.get("outputs")
+    if requested is not None:
+        if not isinstance(requested, list):
+            raise APIError(400, f"outputs: expected a list, got {type(requested).__name__}")
+        for i, item in enumerate(requested):
+            field = f"outputs[{i}]"
+            if not isinstance(item, dict) or item.get("name") != out_spec.name:
+                got = item.get("name") if isinstance(item, dict) else item
+                raise unknown_output(field, got, model, [out_spec.name])
+            params = parameters(item, f"{field}.parameters")
+            classes = count(params.get("classification", 0), f"{field}.parameters.classification", "a class count")
+            binary = flag(params, "binary_data", f"{field}.parameters", default)
+            if "shared_memory_region" in params:
+                if classes:
+                    raise APIError(400, f"{field}.parameters: classification answers in the body, not shared memory")
+                region = span(regions, params, f"{field}.parameters")
+    if region is not None:
+        return False, 0, region
+    if not (binary or classes) and out_spec.datatype in JSON_UNSUPPORTED:
+        kind = out_spec.datatype.value
+        raise APIError(400, f"outputs: {out_spec.name!r} is {kind}; JSON has no 16-bit floats, request binary_data")
+    return binary, classes, region
+
+
+def requested_outputs(
+    payload: dict[str, Any], default: bool, specs: list[TensorSpec], regions: RegionSource | None, model: str
+) -> dict[str, OutputRequest]:
+    """For a model with several outputs: the outputs to return (those ``outputs`` names, else all), each as binary
+    data or not (its own ``binary_data``, else the request's ``binary_data_output``), as its top classes
+    (``classification``) or into shared memory (``shared_memory_region``)."""
+    requested = payload.get("outputs")
+    if requested is None:
+        wanted: dict[str, OutputRequest] = {t.name: OutputRequest(default) for t in specs}
+    else:
+        if not isinstance(requested, list):
+            raise APIError(400, f"outputs: expected a list, got {type(requested).__name__}")
+        names = [t.name for t in specs]
+        wanted = {}
+        for i, item in enumerate(requested):
+            field = f"outputs[{i}]"
+            got = item.get("name") if isinstance(item, dict) else item
+            if not isinstance(item, dict) or got not in names:
+                raise unknown_output(field, got, model, names)
+            if got in wanted:
+                raise APIError(400, f"{field}.name: output {got!r} is requested twice")
+            params = parameters(item, f"{field}.parameters")
+            classes = count(params.get("classification", 0), f"{field}.parameters.classification", "a class count")
+            out = OutputRequest(flag(params, "binary_data", f"{field}.parameters", default), classes)
+            if "shared_memory_region" in params:
+                if classes:
+                    raise APIError(400, f"{field}.parameters: classification answers in the body, not shared memory")
+                out.span = span(regions, params, f"{field}.parameters")
+            wanted[got] = out
+    for spec in specs:
+        how = wanted.get(spec.name)
+        if how is None or how.span is not None or how.classes or how.binary:
+            continue
+        if spec.datatype in JSON_UNSUPPORTED:
+            kind = spec.datatype.value
+            raise APIError(400, f"outputs: {spec.name!r} is {kind}; JSON has no 16-bit floats, request binary_data")
+    return wanted
+
+
+def check_room(region: Span, spec: TensorSpec, rows: int) -> None:
+    """A 400 when ``region`` cannot hold ``rows`` rows of output ``spec``: checked before the forward, since the
+    output's size is known from the rows."""
+    wire = spec.datatype
+    need = rows * element_count(spec.shape) * wire.wire_dtype.itemsize
+    if need > region.size:
+        raise APIError(
+            400,
+            f"outputs[0].parameters.shared_memory_byte_size: {region.size} bytes cannot hold the output "
+            f"{spec.name!r} ({need} bytes for {rows} rows)",
+        )

@@ -1,0 +1,169 @@
+"""JSON error responses: every 4xx/5xx body is ``{"error": "<what went wrong, naming the field>"}``."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import orjson
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import Response
+
+from halfserve.serving import (
+    BatchFailedError,
+    DeadlineExceededError,
+    InternalError,
+    InvalidInputError,
+    ModelNotFoundError,
+    ModelNotReadyError,
+    QueueFullError,
+    RegionError,
+    RegionFullError,
+    RequestTooLargeError,
+    ServingError,
+    ShuttingDownError,
+)
+
+
+class APIError(Exception):
+    """An error to answer with ``status`` and ``{"error": message}``."""
+
+    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.headers = headers
+
+
+class HeldError(APIError):
+    """An error whose answer waits until ``hold`` returns, on whichever protocol answers it: a wrong admin token past
+    the lockout's limit (:class:`~halfserve.api.lockout.Tarpit`)."""
+
+    def __init__(
+        self, status: int, message: str, headers: dict[str, str] | None, hold: Callable[[], Awaitable[None]]
+    ) -> None:
+        super().__init__(status, message, headers)
+        self.hold = hold
+
+
+async def held(e: BaseException) -> None:
+    """Wait as long as ``e`` asks before it is answered (at once for any error but a :class:`HeldError`)."""
+    if isinstance(e, HeldError):
+        await e.hold()
+
+
+def count(value: object, field: str, what: str = "a non-negative integer") -> int:
+    """``value`` when it is a non-negative integer (not a boolean), else a 400 naming ``field`` and ``what``."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise APIError(400, f"{field}: expected {what}, got {value!r}")
+    return value
+
+
+def error_response(status: int, message: str, headers: dict[str, str] | None = None) -> Response:
+    return Response(
+        orjson.dumps({"error": message}), status_code=status, media_type="application/json", headers=headers
+    )
+
+
+def cut_off_by_shutdown() -> APIError:
+    """The answer for a request the server cancelled because the drain timeout passed during shutdown.
+
+    Left to itself, uvicorn answers a cancelled request with a plain-text 500; inference is idempotent, so a 503 with
+    ``Retry-After`` tells the client to send it again, to another replica.
+    """
+    message = "server is shutting down: the drain timeout passed before this request was answered"
+    return APIError(503, message, {"Retry-After": "1"})
+
+
+def from_exception(e: Exception) -> APIError:
+    """Map an error raised below the routes (:mod:`halfserve.serving`'s domain errors) onto its HTTP status."""
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, ModelNotFoundError):  # ModelUnavailableError too: Triton's "no available versions"
+        return APIError(404, str(e))
+    if isinstance(e, ModelNotReadyError):
+        return APIError(503, str(e), {"Retry-After": "1"} if e.retry else None)
+    if isinstance(e, InvalidInputError):
+        return APIError(400, str(e))
+    if isinstance(e, RegionFullError):
+        return APIError(507, str(e))
+    if isinstance(e, RegionError):
+        return APIError(400, str(e))
+    if isinstance(e, InternalError):
+        return APIError(500, f"internal error: {e}")
+    if isinstance(e, QueueFullError):
+        return APIError(503, str(e), {"Retry-After": "1"})
+    if isinstance(e, RequestTooLargeError):
+        return APIError(413, f"inputs: {e}")
+    if isinstance(e, ShuttingDownError):
+        return APIError(503, str(e))
+    if isinstance(e, DeadlineExceededError):
+        return APIError(504, str(e))
+    if isinstance(e, BatchFailedError):
+        return APIError(500, f"inference failed: {e}")
+    return APIError(500, f"internal error: {type(e).__name__}: {e}")
+
+
+ERROR_BODY: dict[str, Any] = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {"error": {"type": "string", "description": "What went wrong, naming the field or setting."}},
+}
+
+_HEADERS: dict[int, dict[str, Any]] = {
+    401: {"WWW-Authenticate": {"schema": {"type": "string"}, "description": "Bearer"}},
+    429: {"Retry-After": {"schema": {"type": "string"}, "description": "Seconds until the address may try again."}},
+    503: {"Retry-After": {"schema": {"type": "string"}, "description": "Seconds to wait (queue full, loading)."}},
+}
+
+
+Responses = dict[int | str, dict[str, Any]]
+"""OpenAPI ``responses`` entries by status, as FastAPI's route decorators take them."""
+
+
+def error_responses(descriptions: dict[int, str]) -> Responses:
+    """OpenAPI ``responses`` entries for error statuses, each with the ``{"error": ...}`` body."""
+    responses: Responses = {}
+    for status, description in descriptions.items():
+        entry: dict[str, Any] = {
+            "description": description,
+            "content": {"application/json": {"schema": ERROR_BODY}},
+        }
+        if status in _HEADERS:
+            entry["headers"] = _HEADERS[status]
+        responses[str(status)] = entry
+    return responses
+
+
+def json_ok(description: str, schema: dict[str, Any] | None = None) -> Responses:
+    """The OpenAPI ``responses`` entry of a 200 with a JSON body described by ``schema``."""
+    return {"200": {"description": description, "content": {"application/json": {"schema": schema or {}}}}}
+
+
+def install(app: FastAPI) -> None:
+    """Make FastAPI's own errors (404, 405, validation) speak the same JSON shape."""
+
+    async def http_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, StarletteHTTPException)
+        return error_response(exc.status_code, str(exc.detail), dict(exc.headers) if exc.headers else None)
+
+    async def validation_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, RequestValidationError)
+        parts = []
+        for err in exc.errors():
+            field = ".".join(str(x) for x in err.get("loc", ()) if x != "body") or "body"
+            parts.append(f"{field}: {err.get('msg', 'invalid')}")
+        return error_response(400, "; ".join(parts))
+
+    async def api_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, (APIError, ServingError))
+        await held(exc)
+        err = from_exception(exc)
+        return error_response(err.status, err.message, err.headers)
+
+    app.add_exception_handler(StarletteHTTPException, http_error)
+    app.add_exception_handler(RequestValidationError, validation_error)
+    app.add_exception_handler(APIError, api_error)
+    app.add_exception_handler(ServingError, api_error)

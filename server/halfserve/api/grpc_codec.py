@@ -1,0 +1,192 @@
+"""The two ends of a V2 inference over gRPC: a ``ModelInferRequest`` in, a ``ModelInferResponse`` out.
+
+A request is read into the shape the V2 data plane decodes (:func:`halfserve.api.dataplane.decode.parse_request`: a
+JSON-like header and the binary data after it), as an HTTP request is, so both protocols share one set of rules,
+limits and error messages: every input's data
+becomes binary data, from ``raw_input_contents`` as it is (no copy of a single input's bytes), from the typed
+``contents`` converted once with numpy. FP16 and BF16 have no typed field: they travel in ``raw_input_contents`` only,
+as the protocol says. Outputs always leave in ``raw_output_contents`` (one entry per output, in order; empty for one
+written to shared memory), which is what Triton sends and what ``tritonclient.grpc`` reads first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import numpy as np
+
+from halfserve import grpc_messages as pb
+from halfserve.api.codec import check_range, element_count, encode_bytes
+from halfserve.api.dataplane.decode import check_input_count
+from halfserve.api.dataplane.encode import encode_outputs
+from halfserve.api.dataplane.request import Inference
+from halfserve.api.errors import APIError
+from halfserve.api.limits import check_size
+from halfserve.manifest import DataType
+from halfserve.serving import ModelHandle, Prediction
+from halfserve.settings import Settings
+
+_TYPED_FIELDS: dict[str, tuple[str, np.dtype[Any]]] = {
+    "BOOL": ("bool_contents", np.dtype("?")),
+    "INT8": ("int_contents", np.dtype("<i4")),
+    "INT16": ("int_contents", np.dtype("<i4")),
+    "INT32": ("int_contents", np.dtype("<i4")),
+    "INT64": ("int64_contents", np.dtype("<i8")),
+    "UINT8": ("uint_contents", np.dtype("<u4")),
+    "UINT16": ("uint_contents", np.dtype("<u4")),
+    "UINT32": ("uint_contents", np.dtype("<u4")),
+    "UINT64": ("uint64_contents", np.dtype("<u8")),
+    "FP32": ("fp32_contents", np.dtype("<f4")),
+    "FP64": ("fp64_contents", np.dtype("<f8")),
+}
+"""The typed ``contents`` field of each datatype, and the dtype its values arrive in (INT8 and INT16 share the
+32-bit field, range-checked when narrowed)."""
+
+
+def parameters(params: Any) -> dict[str, Any]:
+    """A ``map<string, InferParameter>`` as plain values."""
+    out: dict[str, Any] = {}
+    for key, p in params.items():
+        which = p.WhichOneof("parameter_choice")
+        out[key] = getattr(p, which) if which is not None else None
+    return out
+
+
+def set_parameters(target: Any, params: dict[str, Any]) -> None:
+    """Fill a ``map<string, InferParameter>`` from plain values."""
+    for key, value in params.items():
+        p = target[key]
+        if isinstance(value, bool):
+            p.bool_param = value
+        elif isinstance(value, int):
+            p.int64_param = value
+        elif isinstance(value, float):
+            p.double_param = value
+        else:
+            p.string_param = str(value)
+
+
+INLINE_VALUES = 1 << 14
+"""Values of typed ``contents`` converted on the event loop; more in a worker thread (every BYTES entry becomes a
+Python object, and two million empty ones took the loop 1.4 s)."""
+
+
+async def infer_payload(
+    request: Any, served: ModelHandle, settings: Settings
+) -> tuple[dict[str, Any], memoryview | None]:
+    """``request`` as :func:`~halfserve.api.dataplane.decode.parse_request` takes it for ``served``: the header and the
+    binary data it declares. Every input's rows are checked against what a request may carry before any data is
+    converted, and many typed values are converted in a worker thread."""
+    check_input_count(len(request.inputs), served)
+    for i, tensor in enumerate(request.inputs):
+        if len(tensor.shape) and tensor.shape[0] >= 1:  # a batch dimension under 1 is the shape check's to name
+            check_size(settings, served, tensor.shape[0], f"inputs[{i}].shape")
+    if _typed_values(request) <= INLINE_VALUES:
+        return _payload(request)
+    return await asyncio.to_thread(_payload, request)
+
+
+def _typed_values(request: Any) -> int:
+    """Values the inputs' typed ``contents`` hold, in the field each input's datatype reads."""
+    total = 0
+    for tensor in request.inputs:
+        if not tensor.HasField("contents"):
+            continue
+        typed = _TYPED_FIELDS.get(tensor.datatype)
+        if tensor.datatype == "BYTES":
+            total += len(tensor.contents.bytes_contents)
+        elif typed is not None:
+            total += len(getattr(tensor.contents, typed[0]))
+    return total
+
+
+def _payload(request: Any) -> tuple[dict[str, Any], memoryview | None]:
+    raw = list(request.raw_input_contents)
+    inputs: list[dict[str, Any]] = []
+    chunks: list[bytes] = []
+    taken = 0
+    for i, tensor in enumerate(request.inputs):
+        field = f"inputs[{i}]"
+        params = parameters(tensor.parameters)
+        params.pop("binary_data_size", None)  # the sizes are the server's to declare here, from the data itself
+        item: dict[str, Any] = {"name": tensor.name, "datatype": tensor.datatype, "shape": list(tensor.shape)}
+        if "shared_memory_region" not in params:
+            has_typed = tensor.HasField("contents")
+            if raw:
+                if has_typed:
+                    raise APIError(
+                        400, f"{field}.contents: give the data of every input in raw_input_contents, or none there"
+                    )
+                if taken >= len(raw):
+                    raise APIError(400, f"raw_input_contents: {len(raw)} entries, but input {i} needs one too")
+                data = raw[taken]
+                taken += 1
+            else:
+                data = _typed_bytes(tensor, field)
+            params["binary_data_size"] = len(data)
+            chunks.append(data)
+        item["parameters"] = params
+        inputs.append(item)
+    if taken != len(raw):
+        raise APIError(400, f"raw_input_contents: {len(raw)} entries for {taken} inputs that take data from it")
+    outputs = [
+        {"name": o.name, "parameters": {**parameters(o.parameters), "binary_data": True}} for o in request.outputs
+    ]
+    payload: dict[str, Any] = {
+        "inputs": inputs,
+        "parameters": {**parameters(request.parameters), "binary_data_output": True},
+    }
+    if outputs:
+        payload["outputs"] = outputs
+    if request.id:
+        payload["id"] = request.id
+    if not chunks:
+        return payload, memoryview(b"")
+    return payload, memoryview(chunks[0] if len(chunks) == 1 else b"".join(chunks))
+
+
+def _typed_bytes(tensor: Any, field: str) -> bytes:
+    """An input's typed ``contents`` as the binary data of its datatype."""
+    contents = tensor.contents
+    # Python's integers, not numpy's: a shape of huge dimensions must not wrap around to a small count.
+    want = element_count(list(tensor.shape)) if len(tensor.shape) else 0
+    if tensor.datatype == "BYTES":
+        entries = contents.bytes_contents
+        if len(entries) != want:  # counted before a bytes object is made for each
+            shape = list(tensor.shape)
+            raise APIError(
+                400, f"{field}.contents.bytes_contents: {len(entries)} values, but shape {shape} holds {want}"
+            )
+        return encode_bytes(list(entries))
+    typed = _TYPED_FIELDS.get(tensor.datatype)
+    if typed is None:
+        if tensor.datatype in (DataType.FP16.value, DataType.BF16.value):
+            raise APIError(
+                400, f"{field}: {tensor.datatype} data travels in raw_input_contents only (no contents field holds it)"
+            )
+        return b""  # an unknown datatype: parse_request names it
+    name, dtype = typed
+    values = getattr(contents, name)
+    if len(values) != want:
+        shape = list(tensor.shape)
+        raise APIError(400, f"{field}.contents.{name}: {len(values)} values, but shape {shape} holds {want}")
+    arr = np.asarray(values, dtype=dtype)
+    wire = DataType(tensor.datatype)
+    if wire.wire_dtype != dtype:
+        check_range(arr, wire.wire_dtype, f"{field}.contents.{name}")
+    return arr.astype(wire.wire_dtype, copy=False).tobytes()
+
+
+def infer_response(served: ModelHandle, req: Inference, result: Prediction) -> Any:
+    """The ``ModelInferResponse`` for ``req``: every output's data in ``raw_output_contents``."""
+    response = pb.ModelInferResponse(model_name=served.name, model_version=str(served.version))
+    if req.request_id is not None:
+        response.id = req.request_id
+    response.parameters["precision"].string_param = result.precision
+    for output, tail in encode_outputs(served, req, result):
+        tensor = response.outputs.add(name=output["name"], datatype=output["datatype"], shape=output["shape"])
+        params = {k: v for k, v in output.get("parameters", {}).items() if k != "binary_data_size"}
+        set_parameters(tensor.parameters, params)
+        response.raw_output_contents.append(tail)
+    return response

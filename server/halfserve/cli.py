@@ -1,0 +1,288 @@
+"""The ``halfserve`` command: ``serve``, ``train`` and ``loadtest``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import re
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import typing
+from collections.abc import Sequence
+from enum import Enum
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from pydantic import ValidationError
+from pydantic.fields import FieldInfo
+from pydantic_core import PydanticUndefined
+
+from halfserve.settings import Settings
+
+if TYPE_CHECKING:
+    from halfserve.multiproc.supervisor import Frontends
+
+
+def _help(name: str, field: FieldInfo) -> str:
+    """A setting's ``--help`` line: its docstring's first sentence, without markup, and its default."""
+    text = " ".join((field.description or name.replace("_", " ")).split())
+    text = re.sub(r":\w+:`~?([^`]+)`", r"\1", text.replace("``", "`")).replace("`", "")
+    first = re.split(r"(?<=[.])\s", text, maxsplit=1)[0].rstrip(".")
+    default = field.default
+    if isinstance(default, Enum):
+        default = default.value
+    if isinstance(default, bool):
+        default = "on" if default else "off"
+    shown = "" if default is None or default is PydanticUndefined or default == [] else f" (default: {default})"
+    return (first[0].lower() + first[1:] + shown).replace("%", "%%")
+
+
+def add_settings_flags(p: argparse.ArgumentParser) -> None:
+    """A flag per :class:`~halfserve.settings.Settings` field, named, typed and explained by the field itself: ``--x-y``
+    for ``x_y``, its choices from its enum, ``--x/--no-x`` for a switch, its help from its docstring."""
+    for name, field in Settings.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        kind = field.annotation
+        args = typing.get_args(kind)
+        if type(None) in args:  # Optional[X]: the flag takes X
+            kind = next(a for a in args if a is not type(None))
+        kwargs: dict[str, Any] = {"help": _help(name, field), "default": None}
+        if kind is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        elif isinstance(kind, type) and issubclass(kind, Enum):
+            kwargs["choices"] = [e.value for e in kind]
+        elif typing.get_origin(kind) is list:
+            if typing.get_args(kind) == (Path,):  # a folder per flag, repeatable
+                kwargs.update(action="append", type=Path, metavar="DIR")
+            else:  # comma-separated, as in the environment
+                kwargs["metavar"] = "A,B"
+        elif kind in (int, float, Path):
+            kwargs["type"] = kind
+        p.add_argument(flag, **kwargs)
+
+
+def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="serve the models of a model store over HTTP",
+        description="Serve a model store. Every flag has a HALFSERVE_<FLAG> environment variable; flags win.",
+    )
+    add_settings_flags(p)
+    p.set_defaults(func=serve)
+
+
+def serve(args: argparse.Namespace) -> int:
+    from halfserve import logs, models, store
+    from halfserve.app import begin_drain, create_app
+    from halfserve.multiproc.supervisor import Frontends
+    from halfserve.repository import ModelRepository
+    from halfserve.settings import Settings
+    from halfserve.transport import DrainingServer, uvicorn_config
+
+    fields = set(Settings.model_fields)
+    given = {k: v for k, v in vars(args).items() if k in fields and v is not None}
+    try:
+        settings = Settings(**given)
+        models.add_code_path(settings.code_path)
+        # Validate every manifest and architecture before binding the port, so a bad store fails with the file and
+        # field named.
+        ModelRepository(settings).discover()
+    except (ValidationError, store.StoreError, ValueError, models.UnknownArchitectureError) as e:
+        print(f"halfserve serve: {e}", file=sys.stderr)
+        return 2
+    log_config = logs.configure(settings.log_format, settings.log_level.value, settings.access_log)
+    if args.admin_token is not None:
+        logging.getLogger(__name__).warning(
+            "--admin-token shows in the process list (ps, /proc); pass HALFSERVE_ADMIN_TOKEN or --admin-token-file"
+        )
+    frontends: Frontends | None = None
+    where: dict[str, Any] = {"host": settings.host, "port": settings.port}
+    if settings.http_workers > 1:
+        # The front-ends share the listening socket; this process serves its API to them on a Unix socket.
+        try:
+            sock = listen(settings.host, settings.port)
+        except OSError as e:
+            print(
+                f"halfserve serve: cannot listen on {settings.host}:{settings.port}: {e.strerror or e}", file=sys.stderr
+            )
+            return STARTUP_FAILURE
+        frontends = Frontends(settings, sock, tempfile.mkdtemp(prefix="halfserve-"))
+        where = {"uds": frontends.api_socket}
+    app = create_app(settings, frontends)
+    config = uvicorn_config(app, settings, log_config, app.direct_routes(), **where)
+
+    def remove_temporary_files() -> None:
+        if frontends is not None:
+            shutil.rmtree(os.path.dirname(frontends.api_socket), ignore_errors=True)
+
+    server = DrainingServer(config, lambda: begin_drain(app), remove_temporary_files)
+    if frontends is not None:
+        frontends.on_failure = lambda: server.handle_exit(signal.SIGTERM, None)
+    try:
+        server.run()
+    except SystemExit as e:  # uvicorn's exit when its start failed: the cause, as the last line, for a supervisor
+        # The app's start failed with startup_error, or else (uvicorn's only other exit at start) the port's bind,
+        # whose error uvicorn logged above.
+        default = f"cannot listen on {settings.host}:{settings.port} (the error above)"
+        print(f"halfserve serve: could not start: {getattr(app.state, 'startup_error', default)}", file=sys.stderr)
+        return e.code if isinstance(e.code, int) and e.code != 0 else STARTUP_FAILURE
+    finally:
+        remove_temporary_files()  # also when the server failed to start
+    if frontends is not None and frontends.failure is not None:
+        print(f"halfserve serve: {frontends.failure}", file=sys.stderr)
+        return STARTUP_FAILURE
+    return 0
+
+
+STARTUP_FAILURE = 3
+"""The exit status when the server could not start (a port taken, a process that failed at start): uvicorn's."""
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host:port`` that spawned processes can inherit."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def _add_import(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "import",
+        help="turn a state dict, a safetensors file or a Hugging Face folder into a model store entry",
+        description="Build the architecture, load SOURCE's weights strictly, derive the outputs (unless given), store "
+        "calibration samples and measure half precision against fp32 on them, and write the next version of NAME.",
+    )
+    p.add_argument("source", type=Path, help=".pt/.pth state dict, .safetensors file, or Hugging Face model folder")
+    p.add_argument("--name", required=True, help="the model's name in the store")
+    p.add_argument(
+        "--architecture",
+        required=True,
+        help="registered name, package.module:factory, torchvision:<builder> or transformers:<AutoClass>",
+    )
+    p.add_argument("--arch-kwargs", help="JSON object of the factory's keyword arguments")
+    p.add_argument(
+        "--input", action="append", required=True, metavar="NAME:DTYPE:SHAPE", help="e.g. image:FP32:3x224x224"
+    )
+    p.add_argument(
+        "--input-format",
+        metavar="FORMAT",
+        help="NCHW, NHWC or NONE: the layout of the image inputs (three dimensions), as Triton's model config reports "
+        "it to clients; default: from the shape where unambiguous (3x224x224 is NCHW, 224x224x3 NHWC)",
+    )
+    p.add_argument("--output", action="append", metavar="NAME:DTYPE:SHAPE", help="default: from one forward")
+    p.add_argument("--max-length", type=int, help="the longest length of variable (-1) inputs")
+    p.add_argument("--mask", metavar="NAME", help="an attention mask input the server builds for the variable input")
+    p.add_argument(
+        "--truncate", action="store_true", help="cut requests (and texts) longer than --max-length instead of refusing"
+    )
+    p.add_argument(
+        "--accept-padding-variance",
+        action="store_true",
+        help="import a model whose answers change with the batch's padding (manifest padding_invariant: false)",
+    )
+    p.add_argument("--text", metavar="NAME", help="a text input tokenized with the folder's tokenizer.json")
+    p.add_argument(
+        "--labels",
+        type=Path,
+        help="text file with one class name per line (the first output's); default: a Hugging Face folder's id2label",
+    )
+    p.add_argument(
+        "--calibration",
+        type=Path,
+        help=".npy (one input), .npz, .safetensors or .jsonl samples by input name, .txt texts, or a folder of images",
+    )
+    p.add_argument("--samples", type=int, default=64, help="random calibration samples without --calibration")
+    p.add_argument(
+        "--min-agreement", type=float, help="serve in fp32 below this top-1 agreement (default: the default bar, 0.98)"
+    )
+    p.add_argument(
+        "--fidelity",
+        metavar="JSON",
+        help='the manifest\'s fidelity bar, e.g. {"min_cosine": 0.99} or {"check": false} (default: the default bar)',
+    )
+    p.add_argument(
+        "--strict",
+        action="store_true",
+        help="refuse a model below its fidelity bar (exit 2, nothing written) rather than import it to serve in fp32",
+    )
+    p.add_argument("--store", type=Path, default=Path("model_store"), help="model store folder (default: model_store)")
+    p.add_argument("--code-path", type=Path, action="append", metavar="DIR", help="folder for module:factory code")
+    p.add_argument("--device", default="auto", help="where the half-precision agreement is measured")
+    p.set_defaults(func=import_)
+
+
+def import_(args: argparse.Namespace) -> int:
+    from halfserve import importer, models, store
+    from halfserve.engine import resolve_device
+
+    try:
+        models.add_code_path(args.code_path or [])
+        labels = args.labels.read_text().split() if args.labels else None
+        fields: dict[str, object] = {"min_agreement": args.min_agreement} if args.min_agreement is not None else {}
+        if args.accept_padding_variance:
+            fields["padding_invariant"] = False
+        if args.fidelity is not None:
+            fields["fidelity"] = importer.parse_json_object(args.fidelity, "--fidelity")
+        inputs = importer.sequence_inputs(
+            [importer.parse_tensor(t, "--input") for t in args.input], args.max_length, args.mask, args.truncate
+        )
+        if args.input_format is not None:
+            inputs = importer.with_format(inputs, args.input_format)
+        if args.text:
+            feeds = next((t.name for t in inputs if t.variable), None)
+            fields["text"] = {"input": args.text, "feeds": feeds}
+        result = importer.import_model(
+            args.source,
+            args.store,
+            args.name,
+            args.architecture,
+            inputs,
+            [importer.parse_tensor(t, "--output") for t in args.output] if args.output else None,
+            importer.parse_json_object(args.arch_kwargs, "--arch-kwargs"),
+            labels,
+            args.calibration,
+            args.samples,
+            resolve_device(args.device),
+            args.strict,
+            **fields,
+        )
+    except ValidationError as e:
+        print(f"halfserve import: {store.describe(e)}", file=sys.stderr)
+        return 2
+    except (store.StoreError, models.UnknownArchitectureError, ValueError, OSError) as e:
+        print(f"halfserve import: {e}", file=sys.stderr)
+        return 2
+    print(importer.describe(result))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="halfserve", description="Half-precision PyTorch inference server.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_serve(sub)
+    _add_import(sub)
+    # Here, not at the top: importing this module must not import torch (training's modules do), as a front-end
+    # process spawned from the halfserve script imports the script, and so this module, again.
+    from halfserve.loadtest import cli as loadtest_cli
+    from halfserve.training import cli as train_cli
+
+    train_cli.add_parser(sub)
+    loadtest_cli.add_parser(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    code: int = args.func(args)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,264 @@
+"""Fidelity at load: how far a model's half-precision outputs are from its fp32 outputs, and the bar they must meet.
+
+Every model served in a half precision (fp16, bf16 or autocast, whether chosen by ``auto`` or named) runs a set of
+samples through the served engine and through its fp32 host weights at load, before it takes requests. The samples
+come from :func:`samples`: the version's calibration samples where it has them (``<version>/calibration.safetensors``:
+one tensor per input, rows first; ``halfserve import`` writes it), else :data:`RANDOM_SAMPLES` random samples of the
+declared input shapes, drawn the same way on every load.
+
+Each floating output is measured by what its kind of answer needs:
+
+* class scores (the first output when the manifest has labels, else the first floating output of one dimension of 2
+  or more): ``top1_agreement``, the share of samples whose highest score is at the same index in both; a user sees a
+  classifier change only where its top class does, however its scores move;
+* other outputs with several values per row (embeddings, per-token outputs, hidden states): ``min_cosine``, the lowest
+  cosine similarity of a sample's half-precision row with its fp32 row; what such outputs are used for (nearest
+  neighbours, a downstream head) depends on their direction far more than on each value;
+* outputs of one value per row (regression): ``max_rel_error``, the largest difference relative to the output's
+  largest fp32 magnitude on the samples (a scale-free figure that a value near zero cannot blow up).
+
+``max_abs_error`` (the largest absolute difference over every floating output) is reported too. The default bar
+(:data:`DEFAULT_BAR`) holds each figure to what rounding alone gives a healthy model and keeps what a user would
+notice out: a model below it is served in fp32, with the reason in ``/models``, a WARNING in the log and the
+``halfserve_model_fp32_fallback`` gauge at 1. The manifest's ``fidelity`` section lowers a bar or turns the check off
+for one model, and ``--fidelity-bar off`` for the whole server.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass
+from enum import Enum
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from halfserve import calibration, store
+from halfserve.engine import Engine
+from halfserve.precision import Precision
+from halfserve.store import Manifest
+
+CALIBRATION = calibration.CALIBRATION
+RANDOM_SAMPLES = calibration.RANDOM_SAMPLES
+"""Random samples run at load for a version without calibration samples: one flipped answer in 64 shows, and a
+ResNet-18 runs them both ways in a few seconds on two CPU cores (docs/model-store.md)."""
+
+
+@dataclass(frozen=True)
+class Bar:
+    """What a half-precision model must meet at load; see the module."""
+
+    check: bool
+    min_top1_agreement: float
+    min_cosine: float
+    max_rel_error: float
+    given: frozenset[str] = frozenset()
+    """The fields the manifest set (``min_agreement`` for the older spelling); the rest are the default's."""
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "check": self.check,
+            "min_top1_agreement": self.min_top1_agreement,
+            "min_cosine": self.min_cosine,
+            "max_rel_error": self.max_rel_error,
+        }
+
+    def describe(self) -> str:
+        return (
+            f"top-1 agreement >= {self.min_top1_agreement}, cosine >= {self.min_cosine}, "
+            f"relative error <= {self.max_rel_error}"
+        )
+
+    def origin(self, name: str) -> str:
+        if name == "min_top1_agreement" and "min_agreement" in self.given:
+            return "the manifest's min_agreement"
+        return f"the manifest's fidelity.{name}" if name in self.given else f"the default {name}"
+
+
+DEFAULT_BAR = Bar(check=True, min_top1_agreement=0.98, min_cosine=0.999, max_rel_error=0.02)
+"""0.98 top-1 agreement: at most one sample in 50 may change its class (one in 64 random samples). Random samples sit
+nearer a classifier's boundaries than its real inputs, so a healthy model flips a near-tie there now and then (the
+shipped digits classifiers: up to 9 in 1,024 random samples in bf16, none of their 360 test digits), while a model
+whose scores differ by less than bf16 resolves flips most. 0.999 cosine: about 4.5% root-mean-square error per row,
+where rounding alone leaves a healthy model near 0.9999. 0.02 relative error: about five steps of bf16's 8-bit
+mantissa at the output's largest magnitude."""
+
+
+def bar(manifest: Manifest) -> Bar:
+    """The bar ``manifest`` is held to: its ``fidelity`` section (or older ``min_agreement``) over the default."""
+    section = manifest.fidelity or store.FidelityBar()
+    given = set(section.model_dump(exclude_none=True, exclude={"check"}))
+    top1 = section.min_top1_agreement
+    if manifest.min_agreement is not None:
+        top1 = manifest.min_agreement
+        given.add("min_agreement")
+    return Bar(
+        check=section.check,
+        min_top1_agreement=DEFAULT_BAR.min_top1_agreement if top1 is None else top1,
+        min_cosine=DEFAULT_BAR.min_cosine if section.min_cosine is None else section.min_cosine,
+        max_rel_error=DEFAULT_BAR.max_rel_error if section.max_rel_error is None else section.max_rel_error,
+        given=frozenset(given),
+    )
+
+
+class Source(str, Enum):
+    """Where a fidelity measurement's samples came from."""
+
+    CALIBRATION = "calibration"
+    """Samples the operator gave (the version's calibration file)."""
+    RANDOM = "random"
+    """Random samples of the declared input shapes: a model's real inputs may sit elsewhere."""
+
+
+@dataclass(frozen=True)
+class Samples:
+    """The rows a fidelity measurement runs, as the engine takes them, and where they came from."""
+
+    rows: np.ndarray
+    source: Source
+
+
+@dataclass(frozen=True)
+class Fidelity:
+    """What the samples showed, half precision against fp32."""
+
+    samples: int
+    precision: str
+    top1_agreement: float | None
+    """None when the model has no class scores output."""
+    max_abs_error: float
+    max_rel_error: float | None
+    """Over the outputs of one value per row; None when there are none."""
+    min_cosine: float | None = None
+    """Over the other outputs of several values per row; None when there are none."""
+    source: str = Source.CALIBRATION.value
+    seconds: float = 0.0
+    """How long the measurement took (both forwards of every sample): what it added to the model's load."""
+
+    def as_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+def samples(loaded: store.LoadedModel) -> Samples:
+    """The samples a version's fidelity is measured on (:func:`halfserve.calibration.at_load`: its calibration samples,
+    else :data:`RANDOM_SAMPLES` random ones), as the engine takes rows. Raises
+    :class:`~halfserve.calibration.CalibrationError` naming the file for calibration samples that do not fit."""
+    found = calibration.at_load(loaded, RANDOM_SAMPLES)
+    return Samples(found.rows(loaded.manifest), Source.RANDOM if found.random else Source.CALIBRATION)
+
+
+def read_samples(version_dir: Path, manifest: Manifest) -> np.ndarray | None:
+    """A version's stored calibration samples as the engine takes rows, or ``None`` when it has none."""
+    found = calibration.stored(version_dir, manifest)
+    return None if found is None else found.rows(manifest)
+
+
+class Computes(Protocol):
+    """An engine whose outputs can be asked for directly (:meth:`halfserve.engine.Engine.compute`, or an engine whose
+    instances are processes)."""
+
+    @property
+    def precision(self) -> Precision: ...
+
+    def compute(self, x: np.ndarray) -> np.ndarray: ...
+
+
+def _run(engine: Computes, x: np.ndarray, batch: int) -> np.ndarray:
+    """``engine``'s outputs for every row of ``x``, a batch at a time on its first instance's thread."""
+    return np.concatenate([engine.compute(x[i : i + batch]) for i in range(0, len(x), batch)])
+
+
+def scores_output(manifest: Manifest) -> str | None:
+    """The output holding class scores, measured by top-1 agreement: the first output when the manifest has labels,
+    else the first floating output of one dimension of 2 or more; ``None`` when there is none."""
+    first = manifest.outputs[0]
+    if manifest.labels is not None and first.datatype.numpy.kind == "f":
+        return first.name
+    return next(
+        (t.name for t in manifest.outputs if t.datatype.numpy.kind == "f" and len(t.shape) == 1 and t.shape[0] >= 2),
+        None,
+    )
+
+
+def _floating(out: np.ndarray, names: list[str]) -> dict[str, np.ndarray]:
+    """The floating outputs of an engine's rows by name, each as float64 rows."""
+    fields = {names[0]: out} if out.dtype.names is None else {n: out[n] for n in names}
+    return {n: f.reshape(len(f), -1).astype(np.float64) for n, f in fields.items() if f.dtype.kind == "f"}
+
+
+def _cosines(w: np.ndarray, g: np.ndarray) -> np.ndarray:
+    """Each row's cosine similarity (1 where both rows are zero, 0 where one is; -1 where a value is not finite)."""
+    with np.errstate(all="ignore"):
+        dot = (w * g).sum(1)
+        norms = np.linalg.norm(w, axis=1) * np.linalg.norm(g, axis=1)
+        both_zero = ~w.any(1) & ~g.any(1)
+        cos = np.where(both_zero, 1.0, np.where(norms > 0, dot / np.where(norms > 0, norms, 1.0), 0.0))
+    return np.where(np.isfinite(g).all(1), cos, -1.0)
+
+
+def measure(
+    served: Computes, loaded: store.LoadedModel, x: np.ndarray, batch: int, source: Source = Source.CALIBRATION
+) -> Fidelity:
+    """Run ``x`` through ``served`` (a half-precision engine) and ``loaded``'s fp32 host weights, and compare."""
+    started = time.perf_counter()
+    reference = Engine(loaded, Precision.FP32, torch.device("cpu"))
+    try:
+        want = _run(reference, x, batch)
+    finally:
+        reference.close()
+    got = _run(served, x, batch)
+    manifest = loaded.manifest
+    names = [t.name for t in manifest.outputs]
+    scores = scores_output(manifest)
+    top1 = cosine = rel_err = None
+    abs_err = 0.0
+    got_rows = _floating(got, names)
+    for name, w in _floating(want, names).items():
+        g = got_rows[name]
+        diff = np.abs(w - g)
+        worst = float(diff.max()) if bool(np.isfinite(diff).all()) else math.inf
+        abs_err = max(abs_err, worst)
+        if name == scores:
+            top1 = float((w.argmax(1) == g.argmax(1)).mean())
+        elif w.shape[1] > 1:
+            lowest = float(_cosines(w, g).min())
+            cosine = lowest if cosine is None else min(cosine, lowest)
+        else:
+            scale = float(np.abs(w).max())
+            rel = worst / scale if scale > 0 else (0.0 if worst == 0 else math.inf)
+            rel_err = rel if rel_err is None else max(rel_err, rel)
+    seconds = round(time.perf_counter() - started, 3)
+    return Fidelity(len(x), served.precision.value, top1, abs_err, rel_err, cosine, Source(source).value, seconds)
+
+
+def shortfall(fidelity: Fidelity, held_to: Bar) -> str | None:
+    """Why a model measured so should be served in fp32 instead (``None``: it meets ``held_to``)."""
+    on = f"on {fidelity.samples} {fidelity.source} samples"
+    misses = []
+    if fidelity.top1_agreement is not None and fidelity.top1_agreement < held_to.min_top1_agreement:
+        misses.append(
+            f"top-1 agreement with fp32 is {fidelity.top1_agreement:.4f} {on}, below "
+            f"{held_to.origin('min_top1_agreement')} {held_to.min_top1_agreement}"
+        )
+    if fidelity.min_cosine is not None and not fidelity.min_cosine >= held_to.min_cosine:
+        misses.append(
+            f"lowest cosine similarity with fp32 is {fidelity.min_cosine:.6f} {on}, below "
+            f"{held_to.origin('min_cosine')} {held_to.min_cosine}"
+        )
+    if fidelity.max_rel_error is not None and not fidelity.max_rel_error <= held_to.max_rel_error:
+        misses.append(
+            f"largest relative error from fp32 is {fidelity.max_rel_error:.4g} {on}, above "
+            f"{held_to.origin('max_rel_error')} {held_to.max_rel_error}"
+        )
+    return f"{fidelity.precision} " + "; ".join(misses) if misses else None
+
+
+def how_to_override(precision: str) -> str:
+    """What an operator does to serve a model below its bar in ``precision`` anyway."""
+    return (
+        f'to serve it in {precision} anyway, lower the bar in its manifest\'s "fidelity" section (or set '
+        '"check": false there), or serve with --fidelity-bar off'
+    )

@@ -1,0 +1,522 @@
+"""``halfserve import``: turn the weights a team has into a model store entry.
+
+Sources: a ``.pt``/``.pth`` state dict (read with ``torch.load(weights_only=True)``: tensors and plain containers only,
+never code; ``{"state_dict": ...}`` and ``{"model": ...}`` wrappers are unwrapped and DataParallel's ``module.``
+prefixes stripped), a ``.safetensors`` file, or a Hugging Face model folder (``config.json`` + ``model.safetensors``).
+
+The architecture is built and the weights loaded strictly; the output signature comes from one fp32 forward on the
+declared input shape unless given; calibration samples (given, else random inputs of the declared shape) are stored
+with the version and run in fp32 and in the half precision, and the agreement is printed and recorded in the
+manifest's ``evaluation``. The version is written as the next one, with its manifest.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import pickle
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from pydantic import ValidationError
+from safetensors.torch import load_file
+from torch import nn
+
+from halfserve import calibration, fidelity, models, padding, precision, store
+from halfserve.calibration import Samples
+from halfserve.engine import Engine, takes_positionally
+from halfserve.instance import torch_dtype
+from halfserve.store import DataType, InputFormat, Manifest, StoreError, TensorSpec
+
+RANDOM_SAMPLES = calibration.RANDOM_SAMPLES
+SAMPLE_LENGTH = calibration.SAMPLE_LENGTH
+"""The length of the forward that derives outputs, for a variable input."""
+_DTYPES = {
+    torch.float32: DataType.FP32,
+    torch.float16: DataType.FP32,
+    torch.bfloat16: DataType.FP32,
+    torch.float64: DataType.FP64,
+    torch.int64: DataType.INT64,
+    torch.int32: DataType.INT32,
+    torch.uint8: DataType.UINT8,
+    torch.bool: DataType.BOOL,
+}
+FULL_MODEL = (
+    "{path}: holds a pickled model object, not a state dict. Unpickling it could run any code, so it is refused. "
+    "Where the model is defined, save its weights instead: torch.save(model.state_dict(), 'weights.pth'), and import "
+    "that file with --architecture naming the code that builds the model."
+)
+
+
+class ImportFailure(StoreError):
+    """A source that cannot become a store entry; the message names the file or option and the reason."""
+
+
+def parse_tensor(text: str, option: str) -> TensorSpec:
+    """``NAME:DTYPE:SHAPE`` (``image:FP32:3x224x224``; DTYPE may be left out for FP32: ``features:64``)."""
+    parts = text.split(":")
+    if len(parts) == 2:
+        parts = [parts[0], "FP32", parts[1]]
+    if len(parts) != 3:
+        raise ImportFailure(f"{option} {text!r}: expected NAME:DTYPE:SHAPE, e.g. image:FP32:3x224x224")
+    name, dtype, shape = parts
+    try:
+        dims = [int(d) for d in shape.lower().split("x")]  # -1 first: a variable length (give --max-length)
+        return TensorSpec(name=name, datatype=DataType(dtype.upper()), shape=dims)
+    except ValidationError as e:
+        raise ImportFailure(f"{option} {text!r}: {store.describe(e)}") from None
+    except ValueError as e:
+        raise ImportFailure(f"{option} {text!r}: {e}") from None
+
+
+def with_format(inputs: list[TensorSpec], text: str) -> list[TensorSpec]:
+    """``inputs`` with the image layout ``text`` (``NCHW``, ``NHWC`` or ``NONE``) on those of three dimensions."""
+    try:
+        layout = InputFormat.parse(text)
+    except ValueError as e:
+        raise ImportFailure(f"--input-format: {e}") from None
+    images = [t.name for t in inputs if len(t.shape) == 3 and not t.variable]
+    if not images:
+        shapes = ", ".join(f"{t.name} {t.shape}" for t in inputs)
+        raise ImportFailure(f"--input-format: no input has three fixed dimensions (an image): {shapes}")
+    return [TensorSpec.model_validate({**t.model_dump(), "format": layout}) if t.name in images else t for t in inputs]
+
+
+def sequence_inputs(
+    inputs: list[TensorSpec], max_length: int | None, mask: str | None, truncate: bool = False
+) -> list[TensorSpec]:
+    """``inputs`` with ``max_length`` (and ``truncate``: longer requests cut, not refused) on the variable ones, and
+    the attention mask input named ``mask`` (built by the server for the first variable input) after them."""
+    variable = [t for t in inputs if t.variable]
+    if variable and max_length is None:
+        raise ImportFailure(f"--input {variable[0].name!r} has a variable length (-1): give --max-length")
+    if truncate and not variable:
+        raise ImportFailure("--truncate needs an --input with a variable length (-1)")
+    out = [t.model_copy(update={"max_length": max_length, "truncate": truncate}) if t.variable else t for t in inputs]
+    if mask is not None:
+        if not variable:
+            raise ImportFailure("--mask needs an --input with a variable length (-1)")
+        out.append(TensorSpec(name=mask, datatype=DataType.INT64, shape=[-1], mask_for=variable[0].name))
+    return out
+
+
+def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    """A state dict from a ``.pt``/``.pth`` file (safely) or a ``.safetensors`` file, unwrapped and unprefixed."""
+    if path.suffix == ".safetensors":
+        try:
+            return load_file(str(path), device="cpu")
+        except Exception as e:  # safetensors raises its own error types for corrupt headers
+            raise ImportFailure(f"{path}: cannot read safetensors file ({e})") from None
+    try:
+        obj = torch.load(str(path), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        if "weights_only" in str(e) or "Weights only load failed" in str(e):
+            raise ImportFailure(FULL_MODEL.format(path=path)) from None
+        raise ImportFailure(f"{path}: not a PyTorch state dict ({e})") from None
+    except (RuntimeError, EOFError, OSError) as e:
+        raise ImportFailure(f"{path}: cannot read it as a PyTorch file ({e})") from None
+    for key in ("state_dict", "model"):
+        if isinstance(obj, dict) and isinstance(obj.get(key), dict):
+            obj = obj[key]
+    if isinstance(obj, dict) and not obj:
+        raise ImportFailure(f"{path}: an empty state dict (no tensors); save the model's state_dict() after training")
+    if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
+        raise ImportFailure(f"{path}: expected a state dict (names to tensors), found {type(obj).__name__}")
+    if all(k.startswith("module.") for k in obj):  # saved from DataParallel / DistributedDataParallel
+        obj = {k.removeprefix("module."): v for k, v in obj.items()}
+    return obj
+
+
+def _call(module: nn.Module, specs: list[TensorSpec], tensors: list[torch.Tensor]) -> Any:
+    """The forward as the server runs it: one input positionally, several by keyword (or ``*args``)."""
+    names = [t.name for t in specs]
+    if len(names) == 1 or takes_positionally(module, names):
+        return module(*tensors)
+    return module(**dict(zip(names, tensors, strict=True)))
+
+
+def derive_outputs(module: nn.Module, inputs: list[TensorSpec]) -> list[TensorSpec]:
+    """The output signature from one fp32 forward of two rows of zeros: a tensor is ``output``; a tuple's entries are
+    ``output0``, ``output1``...; a mapping's (a Hugging Face ``ModelOutput``) keep their names."""
+    x = [
+        (torch.ones if t.mask_for else torch.zeros)((2, *t.bounded(SAMPLE_LENGTH)), dtype=torch_dtype(t.datatype.numpy))
+        for t in inputs
+    ]
+    try:
+        with torch.inference_mode():
+            y = _call(module, inputs, x)
+    except (RuntimeError, ValueError, TypeError, IndexError) as e:  # the declared inputs do not fit the model
+        declared = ", ".join(f"{t.name} {t.datatype.value} {t.shape}" for t in inputs)
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ImportFailure(
+            f"--input {declared}: the model's forward fails on rows of it ({reason}); {_first_layer(module)}"
+        ) from None
+    if isinstance(y, torch.Tensor):
+        named = {"output": y}
+    elif isinstance(y, dict):  # ModelOutput is an OrderedDict
+        named = {k: v for k, v in y.items() if isinstance(v, torch.Tensor)}
+    elif isinstance(y, tuple | list):
+        named = {f"output{i}": v for i, v in enumerate(y) if isinstance(v, torch.Tensor)}
+    else:
+        raise ImportFailure(f"the model returned {type(y).__name__}; give its outputs with --output")
+    specs = []
+    for name, t in named.items():
+        if t.ndim < 2 or t.shape[0] != 2:
+            continue  # not one row per input row (a loss, a scalar): not an output the server can batch
+        specs.append(TensorSpec(name=name, datatype=_DTYPES.get(t.dtype, DataType.FP32), shape=list(t.shape[1:])))
+    if not specs:
+        raise ImportFailure("the model returned no tensor with one row per input row; give its outputs with --output")
+    return specs
+
+
+def _first_layer(module: nn.Module) -> str:
+    """What the model's first layer with weights takes per sample, to set beside a declared ``--input`` shape."""
+    for name, layer in module.named_modules():
+        if isinstance(layer, nn.Conv1d | nn.Conv2d | nn.Conv3d):
+            spatial = ", ".join(["N"] * (len(layer.kernel_size)))
+            takes = f"[{layer.in_channels}, {spatial}] per sample (channels, then size)"
+        elif isinstance(layer, nn.Linear):
+            takes = f"[..., {layer.in_features}] per sample"
+        elif isinstance(layer, nn.Embedding):
+            takes = f"integer ids below {layer.num_embeddings} (an INT64 input)"
+        else:
+            continue
+        return f"its first layer, {name} ({type(layer).__name__}), takes {takes}"
+    return "give --input as the model's forward takes it"
+
+
+@dataclass
+class Imported:
+    version_dir: Path
+    manifest: Manifest
+    samples_from: str
+    fidelity: fidelity.Fidelity | None
+    padding: padding.PaddingCheck | None = None
+    shortfall: str | None = None
+    """Why the server will serve this model in fp32 (it falls below its fidelity bar); ``None``: it will not."""
+
+
+def import_model(
+    source: Path,
+    root: Path,
+    name: str,
+    architecture: str,
+    inputs: list[TensorSpec],
+    outputs: list[TensorSpec] | None = None,
+    arch_kwargs: dict[str, Any] | None = None,
+    labels: list[str] | None = None,
+    calibration: Path | None = None,
+    samples: int = RANDOM_SAMPLES,
+    device: torch.device | None = None,
+    strict: bool = False,
+    **manifest_fields: Any,
+) -> Imported:
+    """Write ``source``'s weights as the next version of ``name`` in the store at ``root`` (see the module).
+
+    With ``strict``, a model below its fidelity bar is an :class:`ImportFailure`, and nothing is left written."""
+    arch_kwargs = arch_kwargs or {}
+    if source.is_dir() and not architecture.startswith(models.TRANSFORMERS):
+        raise ImportFailure(_folder_needs_transformers(source, architecture))
+    # An image input's layout is written as derived, so the manifest shows what the model config reports to clients.
+    inputs = [t if t.format is not None else t.model_copy(update={"format": _derived(t)}) for t in inputs]
+    hugging_face = architecture.startswith(models.TRANSFORMERS)
+    if hugging_face != source.is_dir():
+        want = "a Hugging Face model folder" if hugging_face else "a .pt, .pth or .safetensors file"
+        raise ImportFailure(f"{source}: architecture {architecture!r} imports from {want}")
+    # The manifest's fields are checked before anything is built or written.
+    draft = _manifest(
+        {
+            "name": name,
+            "architecture": architecture,
+            "arch_kwargs": arch_kwargs,
+            "inputs": inputs,
+            "outputs": outputs or [TensorSpec(name="output", shape=[2])],  # a stand-in until derived
+            **manifest_fields,
+        }
+    )
+    model_dir = root / store.check_name(name)
+    if hugging_face:
+        if not (auto := architecture.removeprefix(models.TRANSFORMERS)).startswith("Auto"):
+            raise ImportFailure(_auto_class_needed(source, auto))
+        module = store.build(model_dir, draft, source)
+        state = read_state_dict(source / store.WEIGHTS) if (source / store.WEIGHTS).is_file() else {}
+        store.load_weights(module, state, source / store.WEIGHTS, architecture)
+    else:
+        try:  # named here, before the store's manifest (not written yet) could be named as the culprit
+            models.resolve(architecture)
+        except models.UnknownArchitectureError as e:
+            raise ImportFailure(f"--architecture: {e}") from None
+        module = store.build(model_dir, draft, source.parent)
+        store.load_weights(module, read_state_dict(source), source, architecture)
+    module = module.float().eval()
+    outputs = outputs or derive_outputs(module, inputs)
+    if hugging_face and labels is None:
+        labels = hugging_face_labels(source, outputs[0])
+    manifest = _manifest({**draft.model_dump(exclude_none=True), "outputs": outputs, "labels": labels})
+    given = _samples(calibration, manifest, module, samples, source if hugging_face else None)
+    # Checked before anything is written: a refused model leaves no version behind.
+    unsaved = store.LoadedModel(manifest, 0, module, source)
+    try:
+        padded = padding.check(unsaved, given)
+    except (StoreError, RuntimeError, ValueError, IndexError) as e:
+        raise ImportFailure(f"the model fails on its calibration samples ({given.source}): {e}") from None
+    if padded is not None and not padded.invariant and not padded.accepted:
+        raise ImportFailure(f"{source}: {padding.reason(padded, unsaved)}")
+    stage = Stage.open(model_dir)
+    try:
+        if hugging_face:
+            _copy_files(source, stage.path, manifest)
+        else:
+            store.write_weights(stage.path, module, {"name": manifest.name})
+        given.save(stage.path)
+        measured = _measure(model_dir, manifest, stage.path, device or precision.default_device())
+        held_to = fidelity.bar(manifest)
+        shortfall = fidelity.shortfall(measured, held_to) if held_to.check else None
+        if shortfall is not None and strict:
+            raise ImportFailure(f"--strict: below the fidelity bar: {shortfall}; nothing was written to {model_dir}")
+        vdir = stage.install()
+    except BaseException:
+        stage.discard()  # a refused or failed import leaves no version behind, and no model folder it created
+        raise
+    half = measured.precision
+    evaluation = {
+        "calibration_samples": measured.samples,
+        f"{half}_top1_agreement": measured.top1_agreement,
+        f"{half}_max_abs_error": measured.max_abs_error,
+        f"{half}_max_rel_error": measured.max_rel_error,
+        f"{half}_min_cosine": measured.min_cosine,
+    }
+    manifest = manifest.model_copy(update={"evaluation": evaluation})
+    # After the version is in place: killed in between, the store holds the new version under the old manifest, and
+    # the server passes over a version that does not load for the one before it.
+    store.write_manifest(root, manifest)
+    return Imported(vdir, manifest, given.source, measured, padded, shortfall)
+
+
+STAGE_PREFIX = ".import-"
+"""How the folder an import writes its version into is named: ``.import-<pid>-<random>`` beside the version folders.
+The store's version scan never takes it (:func:`halfserve.manifest.versions`); it becomes the next numbered version
+only once complete, by one rename, so the server never sees a version half written."""
+
+
+@dataclass(frozen=True)
+class Stage:
+    """The folder an import writes its version into, in the model's folder (so the rename stays on one file system)."""
+
+    path: Path
+    created_model_dir: bool
+
+    @classmethod
+    def open(cls, model_dir: Path) -> Stage:
+        """A new stage in ``model_dir`` (created if need be), after removing what killed imports left there."""
+        created = not model_dir.exists()
+        model_dir.mkdir(parents=True, exist_ok=True)
+        for leftover in model_dir.glob(STAGE_PREFIX + "*"):
+            if not _writer_alive(leftover.name):
+                shutil.rmtree(leftover, ignore_errors=True)
+        return cls(Path(tempfile.mkdtemp(dir=model_dir, prefix=f"{STAGE_PREFIX}{os.getpid()}-")), created)
+
+    def install(self) -> Path:
+        """Rename the stage to the model's next version number; returns the version folder."""
+        model_dir = self.path.parent
+        self.path.chmod(store.created_mode(0o777))  # mkdtemp makes it owner-only; a version folder is as others are
+        while True:
+            present = store.versions(model_dir)
+            vdir = model_dir / str(present[-1] + 1 if present else 1)
+            try:
+                self.path.rename(vdir)
+            except OSError:
+                if not vdir.exists():
+                    raise
+                continue  # another import took that number meanwhile
+            return vdir
+
+    def discard(self) -> None:
+        shutil.rmtree(self.path, ignore_errors=True)
+        if self.created_model_dir:
+            with contextlib.suppress(OSError):  # not empty: another import wrote there meanwhile
+                self.path.parent.rmdir()
+
+
+def _writer_alive(stage_name: str) -> bool:
+    """Whether the import that named a stage ``.import-<pid>-...`` may still be writing it: its process exists."""
+    pid = stage_name.removeprefix(STAGE_PREFIX).partition("-")[0]
+    if not pid.isascii() or not pid.isdigit():
+        return False
+    if int(pid) == os.getpid():
+        return True  # this process's own: another import running beside this one (its failures discard their own)
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # exists, owned by another user
+        return True
+    return True
+
+
+def _samples(path: Path | None, manifest: Manifest, module: nn.Module, count: int, folder: Path | None) -> Samples:
+    """The calibration samples: read from ``path`` (texts tokenized with ``folder``'s tokenizer), else random."""
+    if path is None:
+        return calibration.random_samples(store.sent_inputs(manifest), count, calibration.int_range(module))
+    tokenizer = folder / manifest.text.tokenizer if folder is not None and manifest.text is not None else None
+    return calibration.read(path, manifest, tokenizer)
+
+
+GENERIC_LABEL = re.compile(r"LABEL_\d+")
+"""The names transformers gives classes it was not told the names of."""
+
+
+def hugging_face_labels(folder: Path, output: TensorSpec) -> list[str] | None:
+    """The class names in a Hugging Face folder's ``config.json`` (``id2label``), one per value of ``output``'s last
+    dimension; ``None`` where it has none, they are the generic ``LABEL_0``, ``LABEL_1``..., or they do not fit."""
+    try:
+        id2label = json.loads((folder / "config.json").read_text()).get("id2label")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if not isinstance(id2label, dict):
+        return None
+    try:
+        by_id = {int(k): v for k, v in id2label.items()}
+    except (TypeError, ValueError):
+        return None
+    classes = output.shape[-1]
+    if sorted(by_id) != list(range(classes)) or not all(isinstance(v, str) and v for v in by_id.values()):
+        return None
+    labels = [by_id[i] for i in range(classes)]
+    if all(GENERIC_LABEL.fullmatch(label) for label in labels):
+        return None
+    return labels
+
+
+def _manifest(fields: dict[str, Any]) -> Manifest:
+    """The manifest of ``fields``, or an :class:`ImportFailure` naming each wrong field on one line."""
+    try:
+        return Manifest.model_validate(fields)
+    except ValidationError as e:
+        raise ImportFailure(f"manifest: {store.describe(e)}") from None
+
+
+def _folder_needs_transformers(source: Path, architecture: str) -> str:
+    """Why ``architecture`` cannot import the folder ``source``, and the ``transformers:`` architecture that can: the
+    auto class of the model's task, read from its config.json (``BertForSequenceClassification`` is
+    ``AutoModelForSequenceClassification``)."""
+    if not (source / "config.json").is_file():
+        return (
+            f"{source}: a folder imports as a Hugging Face model folder (config.json and {store.WEIGHTS}) with "
+            "--architecture transformers:<AutoClass>; for a state dict, give its .pt, .pth or .safetensors file"
+        )
+    try:
+        declared = json.loads((source / "config.json").read_text()).get("architectures") or []
+    except (ValueError, AttributeError):
+        declared = []
+    task = next((c.partition("For")[2] for c in declared if isinstance(c, str) and "For" in c), "")
+    auto = f"AutoModelFor{task}" if task else "AutoModel"
+    return (
+        f"{source}: --architecture {architecture!r} cannot build a Hugging Face model folder: use "
+        f"--architecture transformers:{auto}"
+        + (f" (its config.json declares {declared[0]})" if declared and isinstance(declared[0], str) else "")
+        + ". An architecture is 'transformers:<AutoClass>' for such a folder, or for a state dict file "
+        "a registered name, 'package.module:factory' or 'torchvision:<builder>'"
+    )
+
+
+def _auto_class_needed(source: Path, named: str) -> str:
+    """Why ``transformers:<named>``, a model class rather than an auto class, cannot build ``source``, and the auto
+    class that can (its task's: ``BertForSequenceClassification`` is ``AutoModelForSequenceClassification``)."""
+    task = named.partition("For")[2]
+    return (
+        f"--architecture transformers:{named}: a Hugging Face folder is built by the auto class of its task, from its "
+        f"config.json; use --architecture transformers:{f'AutoModelFor{task}' if task else 'AutoModel'}"
+    )
+
+
+def _derived(spec: TensorSpec) -> InputFormat | None:
+    layout = spec.image_format
+    return None if layout is InputFormat.NONE else layout
+
+
+def _copy_files(source: Path, version_dir: Path, manifest: Manifest) -> None:
+    """A Hugging Face folder's config, weights and tokenizer into the folder of the version being imported."""
+    files = ["config.json", store.WEIGHTS]
+    if manifest.text is not None:
+        files.append(manifest.text.tokenizer)
+    for file in files:
+        if not (source / file).is_file():
+            raise ImportFailure(f"{source / file}: not found (the model folder needs it)")
+        shutil.copyfile(source / file, version_dir / file)
+
+
+def _measure(model_dir: Path, manifest: Manifest, version_dir: Path, device: torch.device) -> fidelity.Fidelity:
+    loaded = store.load_folder(model_dir, manifest, version_dir, 0)
+    samples = fidelity.samples(loaded)
+    # The precision the server would serve in there; where that is fp32 (auto on a CPU without native bf16), the
+    # half precision it would take elsewhere, so the figure is there when the model moves.
+    half = precision.resolve(loaded.manifest.precision, device)
+    if half is precision.Precision.FP32:
+        half = precision.Precision.FP16 if device.type == "cuda" else precision.Precision.BF16
+    engine = Engine(loaded, half, device)
+    try:
+        return fidelity.measure(engine, loaded, samples.rows, min(64, len(samples.rows)), samples.source)
+    finally:
+        engine.close()
+
+
+def _figures(f: fidelity.Fidelity) -> str:
+    shown = [f"top-1 agreement {f.top1_agreement:.4f}"] if f.top1_agreement is not None else []
+    if f.min_cosine is not None:
+        shown.append(f"lowest cosine similarity {f.min_cosine:.6f}")
+    if f.max_rel_error is not None:
+        shown.append(f"max rel error {f.max_rel_error:.4g}")
+    return ", ".join([*shown, f"max abs error {f.max_abs_error:.4g}"])
+
+
+def describe(result: Imported) -> str:
+    m = result.manifest
+    lines = [
+        f"imported {m.name} v{result.version_dir.name} into {result.version_dir}",
+        f"  architecture {m.architecture}",
+        "  inputs  " + ", ".join(f"{t.name} {t.datatype.value} {t.shape}" for t in m.inputs),
+        "  outputs " + ", ".join(f"{t.name} {t.datatype.value} {t.shape}" for t in m.outputs),
+        f"  calibration: {result.samples_from}, stored as {fidelity.CALIBRATION}",
+    ]
+    f = result.fidelity
+    if f is None:
+        return "\n".join(lines)
+    lines.append(f"  {f.precision} vs fp32 on {f.samples} {f.source} samples: {_figures(f)}")
+    held_to = fidelity.bar(m)
+    if not held_to.check:
+        lines.append('  fidelity bar: off (the manifest\'s "fidelity": {"check": false})')
+    elif result.shortfall is None:
+        lines.append(f"  fidelity bar ({held_to.describe()}): met, so the server serves it in {f.precision}")
+    else:
+        lines += [
+            f"  WARNING: below the fidelity bar: {result.shortfall}.",
+            f"  The server will serve this model in fp32, not {f.precision}: {fidelity.how_to_override(f.precision)}.",
+            "  halfserve import --strict refuses such a model instead.",
+        ]
+    p = result.padding
+    if p is not None:
+        lines.append(
+            f"  padding: a sample alone and padded to {p.padded_to} differ by {p.max_rel_diff:.3g} of the output "
+            f"(tolerance {p.tolerance:g}, {p.samples} samples in fp32)"
+            + ("" if p.invariant else ": ANSWERS CHANGE WITH PADDING, accepted by --accept-padding-variance")
+        )
+    return "\n".join(lines)
+
+
+def parse_json_object(text: str | None, option: str) -> dict[str, Any]:
+    if not text:
+        return {}
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ImportFailure(f"{option}: not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise ImportFailure(f"{option}: expected a JSON object, got {type(value).__name__}")
+    return value

@@ -1,0 +1,620 @@
+"""The server process's side of instance processes: :class:`ProcessEngine`, the engine the batcher runs batches on
+when each instance is a process of its own.
+
+Everything here runs on the event loop's thread and makes no torch call per batch: a batch costs one copy of its
+rows into an idle instance's shared memory (numpy lets go of the GIL for it), one small frame out and one back, and a
+copy of each chunk's output rows out of the shared memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import multiprocessing
+import multiprocessing.process
+import os
+import socket
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any, cast
+
+import numpy as np
+import torch
+
+from halfserve import models, store
+from halfserve import precision as prec
+from halfserve.engine import EngineError, EngineInfo, PrecisionOverflowError
+from halfserve.isolated import child, handover, shared
+from halfserve.isolated.wire import IN_FRAME, INPUT_REGION, REGION, ChildConfig, Memory, descr, dtype_of, region_sizes
+from halfserve.multiproc.wire import FrameReader, frame
+from halfserve.placement import Placement, available_cores
+from halfserve.precision import Precision
+from halfserve.serving import BatchTooLargeError, InstanceLostError, ModelNotReadyError, Outcome, Output
+from halfserve.settings import Settings
+from halfserve.store import LoadedModel, OverflowPolicy
+
+log = logging.getLogger(__name__)
+
+READY_TIMEOUT_S = 900.0
+"""How long an instance process may take to load and warm up (CUDA graphs and cuDNN tuning of a large model on a
+slow host take minutes)."""
+EXIT_TIMEOUT_S = 10.0
+"""How long a closing instance process has to finish its batch and exit before it is killed."""
+KILL_TIMEOUT_S = 5.0
+"""How long a process past :data:`EXIT_TIMEOUT_S` has to end on SIGTERM, then on SIGKILL (one stopped takes only
+SIGKILL)."""
+RESPAWN_DELAYS_S = (0.5, 2.0, 10.0, 30.0)
+"""Waits before restarting an instance process that died while starting, one per such death in a row (the last
+repeats): a process that cannot start is not restarted in a tight loop. One that dies serving (killed by a request,
+or hung and killed) is restarted at once: its death says nothing of the next one's start."""
+
+_ERRORS: dict[str, Callable[[str], Exception]] = {
+    "BatchTooLargeError": BatchTooLargeError,
+    "PrecisionOverflowError": PrecisionOverflowError,
+}
+
+
+def _error(kind: str, message: str) -> Exception:
+    """The exception an instance process reported, as the thread mode would have raised it for the batcher."""
+    return _ERRORS.get(kind, EngineError)(message)
+
+
+def end(process: multiprocessing.process.BaseProcess, timeout: float, what: str) -> None:
+    """Wait up to ``timeout`` for ``process`` to exit, then terminate it, then kill it; then release its pipe and
+    sentinel (``Process.close``) now, not when a garbage collection finds it."""
+    process.join(timeout)
+    for step in (process.terminate, process.kill):
+        if not process.is_alive():
+            break
+        log.error(
+            "%s (pid %s) did not exit; %s",
+            what,
+            process.pid,
+            "terminating it" if step == process.terminate else "killing it",
+        )
+        step()
+        process.join(KILL_TIMEOUT_S)
+    if not process.is_alive():
+        process.close()
+
+
+def _weights_memfd(loaded: LoadedModel) -> int:
+    """A memfd holding ``loaded``'s weights as safetensors bytes (:func:`halfserve.store.weights_bytes`)."""
+    fd = os.memfd_create(f"halfserve-{loaded.manifest.name}-weights")
+    data = store.weights_bytes(loaded.module)
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+    return fd
+
+
+class InstanceProcess(asyncio.Protocol):
+    """One instance process, seen from the server process: its socket end, its shared memory, its batch in flight."""
+
+    def __init__(self, owner: ProcessEngine, index: int, memory: Memory) -> None:
+        self.owner, self.index, self.memory = owner, index, memory
+        self.process: multiprocessing.process.BaseProcess | None = None
+        self._pid: int | None = None
+        """The process's pid, kept: a closed ``Process`` no longer tells it."""
+        self.transport: asyncio.Transport | None = None
+        self.ready: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        self.alive = False
+        self.forwards = 0
+        """Forwards run in the process so far (warm-up included), as :attr:`Instance.forwards` counts them."""
+        self.counts: dict[str, int] = {}
+        self.side: socket.socket | None = None
+        """The blocking side channel that hands the process region descriptors."""
+        self.regions: set[int] = set()
+        """Regions the process has been handed (and not told to forget)."""
+        self._reader = FrameReader()
+        self._pending: dict[int, asyncio.Future[list[Outcome]]] = {}
+        self._next_id = 0
+        self._watchdog: asyncio.TimerHandle | None = None
+        """Kills the process when its batch in hand is not answered within ``instance_batch_timeout``."""
+        self.hung = False
+        """Whether the watchdog killed the process."""
+
+    @property
+    def pid(self) -> int | None:
+        return self._pid
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._pending)
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's transports are not asyncio's classes
+
+    def data_received(self, data: bytes) -> None:
+        for head, payload in self._reader.feed(data):
+            if "id" in head:
+                self._answer(head, payload)
+            elif head.get("op") == "ready":
+                self.alive = True
+                if not self.ready.done():
+                    self.ready.set_result(head)
+            elif head.get("op") == "failed" and not self.ready.done():
+                self.ready.set_exception(EngineError(head.get("error", "failed to start")))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        was_alive, self.alive = self.alive, False
+        self._stop_watchdog()
+        what = f"instance process {self.index} of model {self.owner.name!r} (pid {self.pid}) exited"
+        if self.hung:
+            what = (
+                f"instance process {self.index} of model {self.owner.name!r} (pid {self.pid}) did not answer a batch "
+                f"within {self.owner.batch_timeout:g} s (instance_batch_timeout) and was killed"
+            )
+        if not self.ready.done():
+            self.ready.set_exception(EngineError(what + ("" if was_alive else " before it was ready")))
+        for future in self._pending.values():
+            if not future.done():
+                future.set_exception(InstanceLostError(what))
+        self._pending.clear()
+        with contextlib.suppress(BufferError):  # a view still held: the map goes with the last one
+            self.memory.close()
+        if self.side is not None:
+            self.side.close()
+        self.owner.lost(self, was_alive)
+
+    def send(self, chunks: list[np.ndarray], future: asyncio.Future[list[Outcome]], raw: bool = False) -> None:
+        """Tell the process to run a batch; ``future`` gets the outcomes. Chunks in a front-end's shared memory are
+        named where they lie (:mod:`halfserve.isolated.shared`); the others are copied into the input region.
+
+        The input region is free: an instance has one batch at a time, and its rows were read before it answered.
+        """
+        assert self.transport is not None
+        first = chunks[0]
+        places: list[list[int]] = []
+        copies: list[tuple[np.ndarray, int]] = []
+        copied = 0
+        for c in chunks:
+            found = shared.locate(c)
+            if found is None:
+                places.append([INPUT_REGION, copied, len(c)])
+                copies.append((c, copied))
+                copied += c.nbytes
+                continue
+            region, offset = found
+            if region.id not in self.regions:
+                self._hand(region)
+            places.append([region.id, offset, len(c)])
+        self.owner.copied_bytes += copied
+        self.owner.in_place_bytes += sum(c.nbytes for c in chunks) - copied
+        parts: list[memoryview] = []
+        if copied > self.memory.input_bytes:  # past the region's estimate (a model's longest rows): in the frame
+            places = [[IN_FRAME, *p[1:]] if p[0] == INPUT_REGION else p for p in places]
+            parts = [np.ascontiguousarray(c).view(np.uint8).reshape(-1).data for c, _ in copies]
+        else:
+            for c, offset in copies:
+                np.copyto(self.memory.inputs(c.dtype, len(c), c.shape[1:], offset), c)
+        self._next_id += 1
+        head = {
+            "op": "run",
+            "id": self._next_id,
+            "dtype": descr(first.dtype),
+            "shape": first.shape[1:],
+            "chunks": places,
+            "raw": raw,
+        }
+        self._pending[self._next_id] = future
+        self.transport.writelines(frame(head, *parts))
+        self._watchdog = asyncio.get_running_loop().call_later(self.owner.batch_timeout, self._kill_hung)
+
+    def _kill_hung(self) -> None:
+        """The batch in hand was not answered in time: the process is stopped or stuck, and would hold its requests
+        (and readiness) for ever. Killed, it is restarted and its batch rerun, as for any process that dies serving."""
+        self._watchdog = None
+        if self.process is None or not self.alive:
+            return
+        log.error(
+            "instance process %d of model %s (pid %s) did not answer a batch within %gs; killing it",
+            self.index,
+            self.owner.name,
+            self.pid,
+            self.owner.batch_timeout,
+        )
+        self.hung = True
+        self.process.kill()
+
+    def _stop_watchdog(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            self._watchdog = None
+
+    def _hand(self, region: shared.Region) -> None:
+        """Send the process a region's descriptor (on the side channel, before the frame that names it)."""
+        assert self.side is not None
+        socket.send_fds(self.side, [REGION.pack(region.id, region.size)], [region.fd])
+        self.regions.add(region.id)
+
+    def forget(self, region: int) -> None:
+        """Tell the process to unmap a region withdrawn (no batch in it is running)."""
+        if region in self.regions:
+            self.regions.discard(region)
+            if self.transport is not None and not self.transport.is_closing():
+                self.transport.writelines(frame({"op": "forget", "region": region}))
+
+    def stop(self) -> None:
+        """Tell the process to exit once its batch in hand is answered."""
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.writelines(frame({"op": "exit"}))
+
+    def _answer(self, head: dict[str, Any], payload: bytearray) -> None:
+        self._stop_watchdog()
+        self.counts = head.get("counts", self.counts)
+        self.forwards = self.counts.get("forwards", self.forwards)
+        future = self._pending.pop(head["id"], None)
+        try:
+            if future is None or future.done():
+                return
+            if head.get("raise"):
+                future.set_exception(_error(head["kind"], head["message"]))
+                return
+            future.set_result([self._outcome(entry, payload) for entry in head["outcomes"]])
+        finally:
+            self.owner.idle_again(self)
+
+    def _outcome(self, entry: list[Any], payload: bytearray) -> Outcome:
+        if entry[0] == "error":
+            return _error(entry[1], entry[2])
+        _, description, shape, offset, tag, inline = entry
+        dtype, shape = dtype_of(description), tuple(shape)
+        if inline:
+            count = int(np.prod(shape))
+            data = np.frombuffer(payload, dtype, count, offset).reshape(shape).copy()
+        else:
+            view = self.memory.output(dtype, shape, offset)
+            assert view is not None
+            data = view.copy()  # the region is the next batch's
+        return Output(data, Precision(tag) if tag is not None else None)
+
+
+class ProcessEngine:
+    """A model's engine whose instances are processes of their own (:mod:`halfserve.isolated`).
+
+    It offers what the repository, the batcher, the fidelity check and the metrics use of an
+    :class:`~halfserve.engine.Engine`: :meth:`run` (the runner contract), :meth:`compute`, :meth:`batches`,
+    :attr:`info`, the counters and :meth:`close`. Start one with :meth:`start`. A process that dies fails its batch
+    in flight (the batcher isolates the fault as for any failed batch) and is restarted; the others go on serving.
+    """
+
+    def __init__(
+        self,
+        settings: Settings,
+        loaded: LoadedModel,
+        precision: Precision,
+        device: torch.device,
+        max_batch_size: int,
+        fixed_shapes: bool,
+    ) -> None:
+        manifest = loaded.manifest
+        self.name = manifest.name
+        self.device = device
+        self.precision = prec.resolve(precision, device)
+        self.overflow = OverflowPolicy(manifest.overflow)
+        self.placement = Placement.INSTANCE_PROCESSES
+        self.real_elements = 0
+        self.padded_elements = 0
+        self.copied_bytes = 0
+        """Input bytes copied into instance processes' memory (or frames) so far: rows not in shared memory."""
+        self.in_place_bytes = 0
+        """Input bytes instance processes read where they lay, in a front-end's shared memory, so far."""
+        self._settings = settings.model_copy(update={"admin_token": None, "admin_token_file": None})
+        self.batch_timeout = settings.instance_batch_timeout
+        self._manifest, self._version = manifest, loaded.version
+        self._registers = models.registered_in(manifest.architecture)
+        # What the processes build from besides the weights, as loaded: a restart builds what the others serve.
+        self._code = handover.operator_code(manifest.architecture, self._registers, settings.code_path)
+        self._hf_config = handover.hugging_face_config(loaded.module)
+        self._max_batch_size, self._fixed_shapes = max_batch_size, fixed_shapes
+        self._weights: int | None = None
+        """A memfd of the host weights as safetensors bytes (:meth:`start` writes it), read by every process started,
+        restarts included: they serve what this process loaded, whatever the store holds by then."""
+        self._regions = region_sizes(manifest, max_batch_size)
+        count = manifest.execution.instances
+        # Every core, as each instance thread settles over: on 2 cores two ResNet-20 processes of one thread each
+        # answered 437 requests/s against 792 for threads; with two threads each, 630 against 645.
+        cores = settings.threads or available_cores()
+        self._cores = cores
+        self.instances: list[InstanceProcess] = []
+        self._idle: list[InstanceProcess] = []
+        self._waiting: deque[tuple[list[np.ndarray], asyncio.Future[list[Outcome]], bool]] = deque()
+        self._info: EngineInfo | None = None
+        self._closing = False
+        self.crashes = 0
+        """Instance processes that died while starting, in a row (the restart's backoff)."""
+        self.restarts = 0
+        """Instance processes restarted after dying while serving (killed by a request, or hung and killed)."""
+        self.start_failures = 0
+        """Restarted instance processes that died before they were ready."""
+        self._respawning: set[asyncio.Task[None]] = set()
+        self._loop = asyncio.get_running_loop()
+        self._loop_thread = threading.get_ident()
+        self._context = multiprocessing.get_context("spawn")
+        self._count = count
+        self._stop_listening = shared.on_withdraw(self._forget)
+
+    @classmethod
+    async def start(
+        cls,
+        settings: Settings,
+        loaded: LoadedModel,
+        precision: Precision,
+        device: torch.device,
+        max_batch_size: int,
+        fixed_shapes: bool,
+    ) -> ProcessEngine:
+        """Spawn the model's instance processes, handing them ``loaded``'s host weights, and wait until every one is
+        warm; raises :class:`~halfserve.engine.EngineError` (with the process's own error) when one fails to start."""
+        engine = cls(settings, loaded, precision, device, max_batch_size, fixed_shapes)
+        try:
+            engine._weights = await asyncio.to_thread(_weights_memfd, loaded)
+            engine.instances = [engine._spawn(i) for i in range(engine._count)]
+            readies = await asyncio.wait_for(
+                asyncio.gather(*(i.ready for i in engine.instances)), timeout=READY_TIMEOUT_S
+            )
+        except BaseException:
+            await asyncio.to_thread(engine.close)
+            raise
+        engine._set_info(readies)
+        engine._idle = list(reversed(engine.instances))
+        return engine
+
+    def _spawn(self, index: int) -> InstanceProcess:
+        """Start instance process ``index``: its shared memory, its socket, the process; ready once it says so."""
+        memory, fd = Memory.create(f"halfserve-{self.name}-{index}", *self._regions)
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        side, their_side = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            return self._start_process(index, memory, fd, (ours, theirs), (side, their_side))
+        except BaseException:
+            for s in (ours, theirs, side, their_side):
+                s.close()
+            with contextlib.suppress(OSError):  # closed already once the process was started
+                os.close(fd)
+            memory.close()
+            raise
+
+    def _start_process(
+        self,
+        index: int,
+        memory: Memory,
+        fd: int,
+        main: tuple[socket.socket, socket.socket],
+        side_channel: tuple[socket.socket, socket.socket],
+    ) -> InstanceProcess:
+        (ours, theirs), (side, their_side) = main, side_channel
+        config = ChildConfig(
+            settings=self._settings,
+            manifest=self._manifest,
+            version=self._version,
+            registers=self._registers,
+            precision=self.precision.value,
+            max_batch_size=self._max_batch_size,
+            index=index,
+            cores=self._cores,
+            fixed_shapes=self._fixed_shapes,
+            input_bytes=self._regions[0],
+            output_bytes=self._regions[1],
+            code=self._code,
+            hf_config=self._hf_config,
+        )
+        instance = InstanceProcess(self, index, memory)
+        process = self._context.Process(
+            target=child.run, args=(config, theirs, their_side), name=f"halfserve-{self.name}-{index}", daemon=False
+        )
+        try:
+            process.start()
+            assert self._weights is not None
+            socket.send_fds(ours, [b"m"], [fd, self._weights])
+        finally:
+            theirs.close()
+            their_side.close()
+            os.close(fd)
+        instance.process, instance.side, instance._pid = process, side, process.pid
+        self._loop.create_task(self._loop.connect_accepted_socket(lambda: instance, ours))
+        return instance
+
+    def _set_info(self, readies: list[dict[str, Any]]) -> None:
+        info = readies[0]["info"]
+        fields = {f.name for f in dataclasses.fields(EngineInfo)}
+        values = {k: v for k, v in info.items() if k in fields}
+        values.update(
+            precision=Precision(info["precision"]),
+            buckets=tuple(info["buckets"]),
+            instances=len(readies),
+            graph_capture_seconds=sum(r["info"]["graph_capture_seconds"] for r in readies),
+            placement=Placement.INSTANCE_PROCESSES,
+        )
+        self._info = EngineInfo(**values)
+        self.precision = self._info.precision
+        self.warmup_seconds = max(r["warmup_seconds"] for r in readies)
+
+    @property
+    def info(self) -> EngineInfo:
+        assert self._info is not None
+        return self._info
+
+    @property
+    def forwards(self) -> int:
+        return sum(i.forwards for i in self.instances)
+
+    @property
+    def overflows(self) -> int:
+        return sum(i.counts.get("overflows", 0) for i in self.instances)
+
+    @property
+    def fp32_reruns(self) -> int:
+        return sum(i.counts.get("fp32_reruns", 0) for i in self.instances)
+
+    @property
+    def available(self) -> bool:
+        """Whether an instance process is up to take a batch (false while every one is restarting)."""
+        return any(i.alive for i in self.instances)
+
+    def batches(self, max_batch_size: int) -> tuple[int, int]:
+        """The most rows in one batch, and how many batches may be in flight: one per instance process."""
+        return max_batch_size, len(self.instances)
+
+    def run(self, chunks: list[np.ndarray]) -> asyncio.Future[list[Outcome]]:
+        """Send a batch to an idle instance process: the future of its outcomes (the runner contract)."""
+        future: asyncio.Future[list[Outcome]] = self._loop.create_future()
+        self._dispatch(chunks, future, raw=False)
+        return future
+
+    def compute(self, x: np.ndarray) -> np.ndarray:
+        """The model's outputs for ``x`` as one batch, without the overflow policy (the fidelity check's forward);
+        blocks, so call it off the event loop."""
+
+        async def compute() -> np.ndarray:
+            future: asyncio.Future[list[Outcome]] = self._loop.create_future()
+            self._dispatch([x], future, raw=True)
+            out = (await future)[0]
+            assert isinstance(out, Output)
+            return out.data
+
+        return asyncio.run_coroutine_threadsafe(compute(), self._loop).result()
+
+    def _dispatch(self, chunks: list[np.ndarray], future: asyncio.Future[list[Outcome]], raw: bool) -> None:
+        while self._idle:
+            instance = self._idle.pop()
+            if instance.alive and not instance.busy:
+                instance.send(chunks, future, raw)
+                self._update_elements()
+                return
+        if self._respawning or any(i.alive for i in self.instances):
+            # Fewer processes up than batches in flight: one is restarting, and takes this batch once it is warm (a
+            # batch that crashed one is rerun a request at a time, so its other requests are answered).
+            self._waiting.append((chunks, future, raw))
+            return
+        future.set_exception(self._none_up("none is restarting"))
+
+    def _none_up(self, why: str) -> ModelNotReadyError:
+        """The error for a batch no instance process can take: the model is not ready for now (503, retry)."""
+        return ModelNotReadyError(f"model {self.name!r} has no instance process able to serve ({why})")
+
+    def idle_again(self, instance: InstanceProcess) -> None:
+        """An instance answered its batch: give it the next waiting one, or mark it idle."""
+        self._update_elements()
+        while self._waiting:
+            chunks, future, raw = self._waiting.popleft()
+            if not future.done():
+                instance.send(chunks, future, raw)
+                return
+        if instance not in self._idle:
+            self._idle.append(instance)
+
+    def _forget(self, region: int) -> None:
+        """A region was withdrawn: every process that was handed it unmaps it."""
+        if threading.get_ident() != self._loop_thread:
+            with contextlib.suppress(RuntimeError):  # the loop is closed: so are the processes' sockets
+                self._loop.call_soon_threadsafe(self._forget, region)
+            return
+        for instance in self.instances:
+            instance.forget(region)
+
+    def _fail_waiting(self, error: Exception) -> None:
+        while self._waiting:
+            _, future, _ = self._waiting.popleft()
+            if not future.done():
+                future.set_exception(error)
+
+    def _update_elements(self) -> None:
+        self.real_elements = sum(i.counts.get("real_elements", 0) for i in self.instances)
+        self.padded_elements = sum(i.counts.get("padded_elements", 0) for i in self.instances)
+
+    def lost(self, instance: InstanceProcess, was_ready: bool) -> None:
+        """An instance process's socket closed: restart it at once unless the engine is closing (one that died while
+        starting is :meth:`_respawn`'s to retry, with the backoff)."""
+        if instance in self._idle:
+            self._idle.remove(instance)
+        if self._closing or not was_ready:
+            return
+        code = instance.process.exitcode if instance.process is not None else None
+        log.error(
+            "instance process %d of model %s (pid %s) exited with %s; restarting it",
+            instance.index,
+            self.name,
+            instance.pid,
+            code,
+        )
+        self.restarts += 1
+        self._schedule_respawn(instance.index, 0.0)
+
+    def _schedule_respawn(self, index: int, delay: float) -> None:
+        """Restart instance process ``index`` after ``delay`` seconds."""
+        task = self._loop.create_task(self._respawn(index, delay))
+        self._respawning.add(task)
+        task.add_done_callback(self._respawning.discard)
+
+    async def _respawn(self, index: int, delay: float) -> None:
+        await asyncio.sleep(delay)
+        if self._closing:
+            return
+        old = self.instances[index].process
+        if old is not None:  # reaped and its pipes released now, not at a garbage collection
+            with contextlib.suppress(ValueError):  # already closed
+                await asyncio.to_thread(end, old, KILL_TIMEOUT_S, f"instance process {index} of model {self.name}")
+        try:
+            instance = self._spawn(index)
+            self.instances[index] = instance
+            await asyncio.wait_for(instance.ready, timeout=READY_TIMEOUT_S)
+        except Exception as e:
+            if not any(i.alive for i in self.instances):  # nothing else can take them meanwhile: sent again later
+                self._fail_waiting(self._none_up(f"one died while restarting: {e}"))
+            if not self._closing:
+                self.start_failures += 1
+                delay = RESPAWN_DELAYS_S[min(self.crashes, len(RESPAWN_DELAYS_S) - 1)]
+                self.crashes += 1
+                self._schedule_respawn(index, delay)
+                log.error(
+                    "instance process %d of model %s did not restart (%s); again in %.1fs", index, self.name, e, delay
+                )
+            return
+        if self._closing:
+            instance.stop()
+            return
+        self.crashes = 0  # it started: the start-up backoff is over
+        log.info("instance process %d of model %s restarted (pid %s)", index, self.name, instance.pid)
+        self.idle_again(instance)
+
+    def close(self) -> None:
+        """Tell every instance process to exit once its batch in hand is answered; kill one that does not in time.
+
+        It waits for the processes (:data:`EXIT_TIMEOUT_S` at most, and then moments): call it off the event loop
+        (``asyncio.to_thread``), where their answers and everything else go on meanwhile."""
+        self._closing = True
+        self._stop_listening()
+        on_loop = threading.get_ident() == self._loop_thread
+        closed = EngineError(f"model {self.name!r}: its instance processes were stopped")
+        if on_loop:
+            self._fail_waiting(closed)
+        else:
+            with contextlib.suppress(RuntimeError):
+                self._loop.call_soon_threadsafe(self._fail_waiting, closed)
+        for task in list(self._respawning):
+            if on_loop:
+                task.cancel()
+            else:
+                self._loop.call_soon_threadsafe(task.cancel)
+        for instance in self.instances:
+            if on_loop:
+                instance.stop()
+            else:
+                with contextlib.suppress(RuntimeError):  # the loop is closed: the sockets are gone with it
+                    self._loop.call_soon_threadsafe(instance.stop)
+        deadline = time.monotonic() + EXIT_TIMEOUT_S
+        for instance in self.instances:
+            process = instance.process
+            if process is None or instance.pid is None:
+                continue
+            end(process, max(0.0, deadline - time.monotonic()), f"instance process {instance.index} of {self.name}")
+            instance.process = None  # closed: a second close passes it by
+        if self._weights is not None:
+            os.close(self._weights)
+            self._weights = None

@@ -1,0 +1,5 @@
+import sys
+
+from halfserve.loadtest.cli import main
+
+sys.exit(main())

@@ -1,0 +1,307 @@
+"""The sweep: for each precision (or the one a running server serves), every concurrency level, measured alike.
+
+Per level: optional warm-up at that concurrency (not measured), the server's ``/models/{m}/stats`` and CPU time
+before, the level itself (by duration or by request count), the same after. The client's own ceiling (``GET
+/health`` at the top concurrency) is measured once, against the first server.
+"""
+
+from __future__ import annotations
+
+import platform
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import TYPE_CHECKING, Any
+
+import grpc
+import httpx
+import numpy as np
+
+from halfserve.loadtest import LoadtestError
+from halfserve.loadtest.client import LoadClient
+from halfserve.loadtest.config import LoadtestConfig
+from halfserve.loadtest.payload import (
+    HEALTH,
+    Protocol,
+    RequestTemplate,
+    Signature,
+    build_template,
+    load_samples,
+    random_sample_count,
+    random_samples,
+    served_precision,
+)
+from halfserve.loadtest.process import ManagedServer, process_cpu_seconds
+from halfserve.loadtest.stats import LevelResult, ServerDelta, summarize, throughput_ratios
+from halfserve.loadtest.target import check_url, grpc_target
+from halfserve.version import __version__
+
+if TYPE_CHECKING:
+    from halfserve.loadtest.progress import SweepProgress
+
+
+@dataclass
+class ServerRun:
+    """One server swept: how it was reached (started here or given by --url) and what it served."""
+
+    precision: str
+    served_precision: str | None
+    url: str
+    device: str | None
+    started: bool
+    ready_seconds: float | None = None
+    warmup_seconds: float | None = None
+    log: str | None = None
+    command: list[str] | None = None
+    grpc_target: str | None = None
+    """``host:port`` of its gRPC service, for ``--protocol grpc``."""
+
+
+@dataclass
+class Sweep:
+    """Everything measured by one load test run."""
+
+    config: LoadtestConfig
+    model: str = ""
+    signature: Signature | None = None
+    input_description: str = ""
+    client_loop: str = ""
+    client_ceiling: LevelResult | None = None
+    servers: list[ServerRun] = field(default_factory=list)
+    results: list[LevelResult] = field(default_factory=list)
+    ratios: dict[str, dict[str, float]] = field(default_factory=dict)
+    started_at: str = field(default_factory=lambda: datetime.now(timezone.utc).isoformat(timespec="seconds"))
+    seconds: float = 0.0
+    _t0: float = field(default_factory=time.monotonic, repr=False)
+
+    def finish(self) -> None:
+        """Compute what depends on every level (the half/fp32 ratios) and the run's duration."""
+        self.ratios = throughput_ratios(self.results)
+        self.seconds = time.monotonic() - self._t0
+
+    def machine(self) -> dict[str, Any]:
+        from halfserve import hostinfo  # imports torch: only when the results are written
+
+        return {
+            **hostinfo.describe(),
+            "platform": platform.platform(),
+            "halfserve": __version__,
+            "httpx": httpx.__version__,
+            "client_event_loop": self.client_loop,
+            "client_processes": self.config.client_processes,
+        }
+
+
+def _listing(http: httpx.Client, wanted: str | None) -> dict[str, Any]:
+    """The ``GET /models`` entry of the model to load-test (the only one served when none is named)."""
+    response = _get(http, "/models")
+    if response.status_code != 200:
+        raise LoadtestError(f"GET {http.base_url}/models answered {response.status_code}: {response.text[:300]}")
+    models = {m["name"]: m for m in response.json()["models"]}
+    if wanted is None:
+        if len(models) != 1:
+            raise LoadtestError(f"the server serves {len(models)} models ({', '.join(models)}); name one with --model")
+        wanted = next(iter(models))
+    if wanted not in models:
+        raise LoadtestError(f"the server does not serve {wanted!r} (it serves: {', '.join(models) or 'nothing'})")
+    entry = models[wanted]
+    if entry.get("state") != "ready":
+        raise LoadtestError(f"model {wanted!r} is {entry.get('state')}: {entry.get('error') or 'not ready'}")
+    return dict(entry)
+
+
+def _get(http: httpx.Client, path: str) -> httpx.Response:
+    try:
+        return http.get(path)
+    except httpx.TransportError as e:
+        raise LoadtestError(f"GET {http.base_url}{path}: lost the server ({type(e).__name__}: {e})") from None
+
+
+def _stats(http: httpx.Client, model: str) -> tuple[int, int]:
+    response = _get(http, f"/models/{model}/stats")
+    if response.status_code != 200:
+        raise LoadtestError(f"GET /models/{model}/stats answered {response.status_code}: {response.text[:300]}")
+    stats = response.json()
+    return int(stats["rows"]), int(stats["batches"])
+
+
+def _probe(http: httpx.Client, template: RequestTemplate, protocol: Protocol) -> str | None:
+    """Send one request before the load: a wrong input or a missing route fails here, with the server's answer."""
+    if template.grpc_target is not None:
+        return _probe_grpc(template)
+    try:
+        response = http.request(template.method, template.path, content=template.bodies[0], headers=template.headers)
+    except httpx.TransportError as e:
+        raise LoadtestError(f"{template.method} {http.base_url}{template.path}: {type(e).__name__}: {e}") from None
+    if response.status_code == 404 and protocol is not Protocol.PREDICT and "/v2/" in template.path:
+        raise LoadtestError(
+            f"POST {template.path} answered 404: the server has no V2 inference route, or not this model "
+            f"({response.text[:200]}); use --protocol predict"
+        )
+    if response.status_code != 200:
+        raise LoadtestError(
+            f"a first {template.method} {template.path} answered {response.status_code}: {response.text[:300]}"
+        )
+    return served_precision(protocol, response.content, dict(response.headers))
+
+
+def _probe_grpc(template: RequestTemplate) -> str | None:
+    assert template.grpc_target is not None
+    with grpc.insecure_channel(template.grpc_target) as channel:
+        try:
+            answer = channel.unary_unary(template.path)(template.bodies[0], timeout=30)
+        except grpc.RpcError as e:
+            code, details = e.code(), e.details()
+            raise LoadtestError(
+                f"a first gRPC ModelInfer to {template.grpc_target} answered {code}: {details}"
+            ) from None
+    return served_precision(Protocol.GRPC, answer, {})
+
+
+class Runner:
+    """Runs a :class:`LoadtestConfig` and collects a :class:`Sweep`."""
+
+    def __init__(self, config: LoadtestConfig, progress: SweepProgress) -> None:
+        self.config = config
+        self.progress = progress
+        self.sweep = Sweep(config)
+        self._samples: np.ndarray | None = None
+
+    def run(self) -> Sweep:
+        cfg = self.config
+        if cfg.url is not None:
+            base = check_url(cfg.url, allow_remote=cfg.allow_remote)
+            run = ServerRun(precision="", served_precision=None, url=base, device=None, started=False)
+            if cfg.protocol is Protocol.GRPC:
+                run.grpc_target = grpc_target(cfg.grpc_url, base, cfg.allow_remote)
+            self._sweep_server(run)
+        else:
+            if not (cfg.store / str(cfg.model) / "config.json").is_file():
+                raise LoadtestError(f"--store {cfg.store}: no model {cfg.model!r} (no {cfg.model}/config.json there)")
+            cfg.out.mkdir(parents=True, exist_ok=True)
+            for precision in cfg.precisions:
+                self._sweep_started(precision)
+        self.sweep.finish()
+        return self.sweep
+
+    def _sweep_started(self, precision: str) -> None:
+        cfg = self.config
+        assert cfg.model is not None
+        log = cfg.out / f"server-{precision}.log"
+        self.progress.note(f"starting halfserve serve --models {cfg.model} --precision {precision} (log: {log})")
+        # The rows each request will carry, unless the load test's own server arguments say otherwise (the last wins):
+        # by default a request may carry no more than one of the model's batches.
+        rows = ("--max-request-rows", str(cfg.rows_per_request)) if cfg.rows_per_request > 1 else ()
+        grpc_on = cfg.protocol is Protocol.GRPC
+        with ManagedServer(
+            cfg.store, cfg.model, precision, log, device=cfg.device, extra_args=(*rows, *cfg.server_args), grpc=grpc_on
+        ) as server:
+            ready = server.wait_ready()
+            run = ServerRun(
+                precision=precision,
+                served_precision=None,
+                url=server.url,
+                device=None,
+                started=True,
+                ready_seconds=round(ready, 2),
+                log=str(log),
+                command=server.command,
+                grpc_target=server.grpc_target,
+            )
+            self._sweep_server(run, pid=server.pid)
+
+    def _samples_for(self, sig: Signature) -> np.ndarray:
+        """The samples every server gets: read or generated once, so that each precision sees the same data."""
+        cfg = self.config
+        if self._samples is None:
+            if cfg.input_file is not None:
+                self._samples = load_samples(cfg.input_file, sig)
+                self.sweep.input_description = f"{len(self._samples)} samples from {cfg.input_file}"
+            else:
+                count = random_sample_count(sig, cfg.rows_per_request)
+                self._samples = random_samples(sig, count, cfg.seed)
+                kind = "integers 0..9" if sig.is_integer else "uniform [0, 1)"
+                self.sweep.input_description = f"{count} random samples, {kind}, seed {cfg.seed}"
+        return self._samples
+
+    def _sweep_server(self, run: ServerRun, pid: int | None = None) -> None:
+        cfg = self.config
+        with httpx.Client(base_url=run.url, timeout=30.0) as http:
+            entry = _listing(http, cfg.model)
+            model = str(entry["name"])
+            sig = Signature.from_listing(entry)
+            if self.sweep.signature is not None and sig != self.sweep.signature:
+                raise LoadtestError(f"model {model!r} changed its input signature between servers")
+            self.sweep.model, self.sweep.signature = model, sig
+            samples = self._samples_for(sig)
+            template = build_template(
+                cfg.protocol, model, sig, samples, cfg.rows_per_request, grpc_target=run.grpc_target
+            )
+            served = _probe(http, template, cfg.protocol) or entry.get("precision")
+            run.served_precision = str(served) if served is not None else None
+            run.precision = run.precision or run.served_precision or "unknown"
+            run.device = entry.get("device")
+            run.warmup_seconds = entry.get("warmup_seconds")
+            self.sweep.servers.append(run)
+            self.progress.note(
+                f"{run.url}: {model} v{entry.get('version')} on {run.device} in {run.served_precision}, "
+                f"{cfg.protocol} with {cfg.rows_per_request} row(s) per request"
+            )
+            with LoadClient(run.url, processes=cfg.client_processes, timeout=cfg.timeout, loop=cfg.loop) as client:
+                self.sweep.client_loop = client.loop
+                client.add_template("infer", template)
+                if cfg.client_ceiling > 0 and self.sweep.client_ceiling is None:
+                    self._measure_ceiling(client, run, pid)
+                for c in cfg.concurrency:
+                    self.sweep.results.append(self._level(client, http, run, model, c, pid))
+
+    def _measure_ceiling(self, client: LoadClient, run: ServerRun, pid: int | None) -> None:
+        top = max(self.config.concurrency)
+        client.add_template("health", HEALTH)
+        client.run("health", top, duration=min(1.0, self.config.client_ceiling))
+        cpu0 = process_cpu_seconds(pid) if pid is not None else None
+        sample = client.run("health", top, duration=self.config.client_ceiling)
+        cpu1 = process_cpu_seconds(pid) if pid is not None else None
+        server_cpu = cpu1 - cpu0 if cpu0 is not None and cpu1 is not None else None
+        ceiling = summarize(
+            sample,
+            precision=run.precision,
+            served_precision=None,
+            protocol="GET /health",
+            concurrency=top,
+            rows_per_request=0,
+            server=ServerDelta(rows=0, batches=0, cpu_s=server_cpu),
+        )
+        self.sweep.client_ceiling = ceiling
+        self.progress.note(
+            f"client ceiling (GET /health, {top} users, {self.config.client_processes} client process(es)): "
+            f"{ceiling.req_per_s:,.0f} req/s at {ceiling.client_cpu_percent:.0f}% client CPU, "
+            f"{ceiling.client_cpu_us_per_request or 0:.0f} us client CPU per request"
+        )
+
+    def _level(
+        self, client: LoadClient, http: httpx.Client, run: ServerRun, model: str, c: int, pid: int | None
+    ) -> LevelResult:
+        cfg = self.config
+        if cfg.warmup > 0:
+            client.run("infer", c, duration=cfg.warmup)
+        rows0, batches0 = _stats(http, model)
+        cpu0 = process_cpu_seconds(pid) if pid is not None else None
+        self.progress.start_level(f"{run.precision} c={c}", duration=cfg.duration, requests=cfg.requests)
+        sample = client.run("infer", c, duration=cfg.duration, requests=cfg.requests, on_progress=self.progress.update)
+        cpu1 = process_cpu_seconds(pid) if pid is not None else None
+        rows1, batches1 = _stats(http, model)
+        server_cpu = cpu1 - cpu0 if cpu0 is not None and cpu1 is not None else None
+        ceiling = self.sweep.client_ceiling
+        result = summarize(
+            sample,
+            precision=run.precision,
+            served_precision=run.served_precision,
+            protocol=str(cfg.protocol),
+            concurrency=c,
+            rows_per_request=cfg.rows_per_request,
+            server=ServerDelta(rows=rows1 - rows0, batches=batches1 - batches0, cpu_s=server_cpu),
+            client_ceiling_rps=ceiling.req_per_s if ceiling is not None else None,
+        )
+        self.progress.finish_level(result)
+        return result

@@ -1,0 +1,75 @@
+"""Logging for ``halfserve serve``: text for people, or one JSON object per line for log collectors.
+
+Fields a log call passes in ``extra`` (``request_id``, ``model``, ``status``...) become keys of the JSON object, so
+a collector can filter on them without parsing the message.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import orjson
+
+from halfserve.settings import LogFormat
+
+TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+ACCESS_LOGGER = "halfserve.access"
+
+# Every attribute a LogRecord has before ``extra`` is applied; whatever else it carries came from ``extra``.
+_STANDARD = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime", "taskName"}
+
+
+class JsonFormatter(logging.Formatter):
+    """A record as one line of JSON: ``time`` (UTC, ISO 8601), ``level``, ``logger``, ``message``, the record's
+    ``extra`` fields, and ``exception`` with the traceback when there is one."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry: dict[str, Any] = {
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        for key, value in vars(record).items():
+            if key not in _STANDARD and not key.startswith("_"):
+                entry[key] = value
+        if record.exc_info:
+            entry["exception"] = self.formatException(record.exc_info)
+        return orjson.dumps(entry, default=str).decode()
+
+
+class SkipInference(logging.Filter):
+    """Drops uvicorn's access lines for inference requests, which the server logs itself with their request id."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if not isinstance(args, tuple) or len(args) < 3:
+            return True
+        method, path = args[1], str(args[2]).partition("?")[0]
+        return not (method == "POST" and (path == "/predict" or path.endswith("/infer")))
+
+
+def configure(fmt: LogFormat, level: str, access_log: bool = False) -> dict[str, Any] | None:
+    """Set up the root logger for ``fmt`` at ``level``; returns the ``log_config`` to hand uvicorn.
+
+    For JSON, uvicorn gets ``None`` (it configures nothing) and its loggers propagate to the root's JSON handler.
+    ``access_log`` turns on the line per inference request (``halfserve.access`` at INFO); without it, that logger
+    passes only failures.
+    """
+    import uvicorn.config
+
+    root = logging.getLogger()
+    root.setLevel(level.upper())
+    handler = logging.StreamHandler()
+    if fmt is LogFormat.JSON:
+        handler.setFormatter(JsonFormatter())
+        config = None
+    else:
+        handler.setFormatter(logging.Formatter(TEXT_FORMAT))
+        config = uvicorn.config.LOGGING_CONFIG
+    root.handlers = [handler]
+    logging.getLogger(ACCESS_LOGGER).setLevel(logging.INFO if access_log else logging.WARNING)
+    logging.getLogger("uvicorn.access").addFilter(SkipInference())
+    return config

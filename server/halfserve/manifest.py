@@ -1,0 +1,838 @@
+"""Manifests: what a model takes and returns, and how it is served; torch-free.
+
+A model's manifest is ``<store>/<name>/config.json``, validated by :class:`Manifest`; the tensor specs, datatypes
+and precision names it uses are here too, with the record layout of a batch's rows. Nothing here imports torch, so
+the routes, the front-end processes and the gRPC service read manifests without it; checkpoints, architectures and
+weights are :mod:`halfserve.store`'s.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import re
+import stat
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationError,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
+
+
+class Precision(str, Enum):
+    """How a model's forward runs."""
+
+    FP16 = "fp16"
+    """``model.half()``; inputs cast to float16."""
+    BF16 = "bf16"
+    """``model.to(torch.bfloat16)``; inputs cast to bfloat16."""
+    AUTOCAST = "autocast"
+    """fp32 weights, forward under ``torch.autocast`` (fp16 on CUDA, bf16 on CPU): for models that need fp32 islands."""
+    FP32 = "fp32"
+    """The fallback switch: full precision."""
+    AUTO = "auto"
+    """fp16 on CUDA; bf16 on a CPU with native bf16; fp32 otherwise."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
+log = logging.getLogger(__name__)
+
+MANIFEST = "config.json"
+WEIGHTS = "model.safetensors"
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
+_NAME_RE = re.compile(NAME_PATTERN)
+MAX_TENSORS = 16
+MAX_JSON_BYTES = 4 * 1024 * 1024
+"""The largest manifest (or other JSON file of a model folder) the store reads. Checked before reading: parsing JSON
+takes several times its size in memory (a 340 MB manifest took 1.46 GB), so a huge file fails its model, named."""
+MAX_VERSION_DIGITS = 9
+_VERSION_NAME = re.compile(rf"[1-9][0-9]{{0,{MAX_VERSION_DIGITS - 1}}}")
+"""A version folder's name: the number as ``str(int)`` writes it. ``isdigit()`` alone takes ``²`` (which ``int()``
+refuses) and ``07`` (which ``str(7)`` never names); dot-prefixed folders (an import being written) never match."""
+_TOO_LONG_VERSION = re.compile(rf"[1-9][0-9]{{{MAX_VERSION_DIGITS},}}")
+"""A folder named as a version too large to be one (more than :data:`MAX_VERSION_DIGITS` digits): logged, not read."""
+"""Inputs or outputs a model may declare."""
+
+
+class StoreError(Exception):
+    """A model store, manifest or checkpoint is missing or invalid; the message names the file and field."""
+
+
+class DataType(str, Enum):
+    """The KServe V2 protocol's tensor datatypes that carry numbers: what requests may send, and (those in
+    :data:`SERVED_TYPES`) what a manifest may declare. ``BYTES`` strings feed no input; they leave only as the
+    classification extension's answer."""
+
+    FP32 = "FP32"
+    FP16 = "FP16"
+    BF16 = "BF16"
+    FP64 = "FP64"
+    INT64 = "INT64"
+    INT32 = "INT32"
+    INT16 = "INT16"
+    INT8 = "INT8"
+    UINT64 = "UINT64"
+    UINT32 = "UINT32"
+    UINT16 = "UINT16"
+    UINT8 = "UINT8"
+    BOOL = "BOOL"
+
+    @property
+    def numpy(self) -> np.dtype[Any]:
+        """The host dtype a tensor of this type is batched as, the same for requests and warm-up: its own, but BF16
+        (no numpy dtype), which travels as float32 and is cast on the device."""
+        return np.dtype(np.float32) if self is DataType.BF16 else self.wire_dtype.newbyteorder("=")
+
+    @property
+    def wire_dtype(self) -> np.dtype[Any]:
+        """The little-endian numpy dtype of one element on the wire (BF16 travels as its 16 raw bits)."""
+        return _WIRE[self]
+
+    @property
+    def is_float(self) -> bool:
+        return self in (DataType.FP16, DataType.FP32, DataType.FP64, DataType.BF16)
+
+    @property
+    def is_integer(self) -> bool:
+        return self.wire_dtype.kind in "iu" and self is not DataType.BF16
+
+
+_WIRE: dict[DataType, np.dtype[Any]] = {
+    DataType.BOOL: np.dtype("?"),
+    DataType.UINT8: np.dtype("<u1"),
+    DataType.UINT16: np.dtype("<u2"),
+    DataType.UINT32: np.dtype("<u4"),
+    DataType.UINT64: np.dtype("<u8"),
+    DataType.INT8: np.dtype("<i1"),
+    DataType.INT16: np.dtype("<i2"),
+    DataType.INT32: np.dtype("<i4"),
+    DataType.INT64: np.dtype("<i8"),
+    DataType.FP16: np.dtype("<f2"),
+    DataType.FP32: np.dtype("<f4"),
+    DataType.FP64: np.dtype("<f8"),
+    DataType.BF16: np.dtype("<u2"),
+}
+
+SERVED_TYPES = frozenset(
+    {
+        DataType.FP32,
+        DataType.FP16,
+        DataType.BF16,
+        DataType.FP64,
+        DataType.INT64,
+        DataType.INT32,
+        DataType.UINT8,
+        DataType.BOOL,
+    }
+)
+"""The datatypes a manifest may declare for an input or output (a request's other numeric types are converted to
+them, within range)."""
+
+
+class OverflowPolicy(str, Enum):
+    """What serving does when a half-precision output is not finite for a finite input (fp16 overflows past 65504)."""
+
+    RERUN_FP32 = "rerun_fp32"
+    """Rerun those requests' rows in fp32 (the host keeps the fp32 weights); the response says ``fp32``."""
+    ERROR = "error"
+    """Fail those requests (500 naming the overflow); the batch's other requests are answered."""
+    ALLOW = "allow"
+    """Return the non-finite values (JSON writes them as ``null``; binary outputs carry them)."""
+
+
+class InputFormat(str, Enum):
+    """How an image input's per-sample dimensions are laid out, named as Triton's ``ModelInput.Format`` names it (its
+    model configuration reports it; Triton's image clients read it to lay out the pixels they send)."""
+
+    NONE = "FORMAT_NONE"
+    """No image layout (or not an image)."""
+    NHWC = "FORMAT_NHWC"
+    """Height, width, channels (per sample, without the batch dimension)."""
+    NCHW = "FORMAT_NCHW"
+    """Channels, height, width: what torchvision's models take."""
+
+    @classmethod
+    def parse(cls, text: str) -> InputFormat:
+        """``NCHW``, ``nhwc`` or ``FORMAT_NCHW`` as a format; ``ValueError`` naming the choices otherwise."""
+        name = text.strip().upper().removeprefix("FORMAT_")
+        if name not in cls.__members__:
+            raise ValueError(f"{text!r} is not an input format; expected NCHW, NHWC or NONE")
+        return cls[name]
+
+
+IMAGE_CHANNELS = (1, 3, 4)
+"""Channel counts an image has (grey, RGB, RGBA): a three-dimensional input with one of these first and not last
+is read as NCHW, and last and not first as NHWC."""
+
+
+class TensorSpec(BaseModel):
+    """One input or output: its name, element type and per-sample shape (no batch dimension)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(pattern=r"^[A-Za-z_][A-Za-z0-9_.-]*$")
+    datatype: DataType = DataType.FP32
+    shape: list[int] = Field(min_length=1)
+    """Per sample. A first dimension of -1 is variable (a sequence length): requests of different lengths share a
+    batch, padded to its longest with ``pad``."""
+    max_length: int | None = Field(default=None, ge=1, le=65536)
+    """An input's longest variable dimension; longer requests are a 400, or cut to it with ``truncate``."""
+    truncate: bool = False
+    pad: float = 0.0
+    """The value a variable input is padded with."""
+    mask_for: str | None = None
+    """This input is the attention mask of the named variable input: built by the server (1 where that input has a
+    value, 0 where it was padded) in this input's datatype, never sent by clients."""
+    format: InputFormat | None = None
+    """An image input's layout (Triton's ``format``); unset, it is derived from the shape where that is unambiguous
+    (:attr:`image_format`)."""
+
+    @field_validator("datatype")
+    @classmethod
+    def _served(cls, datatype: DataType) -> DataType:
+        if datatype not in SERVED_TYPES:
+            served = ", ".join(t.value for t in DataType if t in SERVED_TYPES)
+            raise ValueError(f"{datatype.value} is not a datatype a model may declare; one of {served}")
+        return datatype
+
+    @field_validator("shape")
+    @classmethod
+    def _positive(cls, shape: list[int]) -> list[int]:
+        if any(d <= 0 for d in shape[1:]) or shape[0] == 0 or shape[0] < -1:
+            raise ValueError(f"every dimension must be a positive integer (the first may be -1, variable), got {shape}")
+        return shape
+
+    @model_serializer(mode="wrap")
+    def _compact(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """Written without the variable-length fields left at their defaults: a fixed tensor reads as before."""
+        data: dict[str, Any] = handler(self)
+        for key, default in (
+            ("max_length", None),
+            ("truncate", False),
+            ("pad", 0.0),
+            ("mask_for", None),
+            ("format", None),
+        ):
+            if key in data and data[key] == default:
+                del data[key]
+        return data
+
+    @model_validator(mode="after")
+    def _image_shaped(self) -> TensorSpec:
+        if self.format not in (None, InputFormat.NONE) and (len(self.shape) != 3 or self.variable):
+            raise ValueError(
+                f"format {self.format.value} needs three fixed per-sample dimensions (an image), got {self.shape}"
+            )
+        return self
+
+    @property
+    def variable(self) -> bool:
+        """Whether its first per-sample dimension is variable."""
+        return self.shape[0] == -1
+
+    @property
+    def image_format(self) -> InputFormat:
+        """Its ``format``, or where unset the layout its shape shows: three dimensions of a floating or ``UINT8``
+        type, with an image's channel count (:data:`IMAGE_CHANNELS`) first and not last (NCHW) or last and not first
+        (NHWC); any other shape, or one that could be either ([3, 3, 3]), is ``FORMAT_NONE``."""
+        if self.format is not None:
+            return self.format
+        if len(self.shape) != 3 or self.variable or self.mask_for is not None or self.datatype.numpy.kind not in "fu":
+            return InputFormat.NONE
+        first, last = self.shape[0] in IMAGE_CHANNELS, self.shape[-1] in IMAGE_CHANNELS
+        if first and not last:
+            return InputFormat.NCHW
+        if last and not first:
+            return InputFormat.NHWC
+        return InputFormat.NONE
+
+    def bounded(self, length: int | None = None) -> list[int]:
+        """The shape with the variable dimension at ``length`` (default: its ``max_length``)."""
+        if not self.variable:
+            return self.shape
+        return [length or self.max_length or 1, *self.shape[1:]]
+
+
+class Batching(BaseModel):
+    """Dynamic batching limits for one model."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_batch_size: int = Field(default=64, ge=1, le=8192)
+    max_delay_ms: float = Field(default=2.0, ge=0.0, le=10_000.0)
+    max_queue_rows: int = Field(default=4096, ge=1)
+    request_timeout_ms: float | None = Field(default=None, gt=0.0, le=3_600_000.0)
+    """Answer a request 504 when its rows have not all started within this time; a client may ask for less."""
+    adaptive_delay: bool = True
+    """An idle model waits for more requests no longer than its recent batches took to run (and never longer than
+    ``max_delay_ms``), and no longer once as many rows are queued as it answered since its last batch (its clients
+    are back): a lone request to a model whose forward is cheap starts at once, while a model whose forward takes
+    longer than the delay still waits it out to gather batches. Off: always ``max_delay_ms``."""
+    group_lengths: bool = True
+    """For variable inputs: batch requests of similar lengths together (the same power-of-two length bucket) and pad
+    to the bucket; off, any lengths share a batch, padded to its longest."""
+
+    @model_validator(mode="after")
+    def _queue_holds_a_batch(self) -> Batching:
+        if self.max_queue_rows < self.max_batch_size:
+            raise ValueError(
+                f"max_queue_rows ({self.max_queue_rows}) must be at least max_batch_size ({self.max_batch_size})"
+            )
+        return self
+
+
+class Compile(str, Enum):
+    """What is done to the served model per batch bucket at load, beyond casting it."""
+
+    NONE = "none"
+    """Eager forwards."""
+    CUDA_GRAPHS = "cuda_graphs"
+    """Capture one CUDA graph per batch bucket at warm-up and replay it (CUDA only; ignored on a CPU)."""
+    INDUCTOR = "inductor"
+    """``torch.compile`` (TorchInductor) of the input preparation and the forward, one fixed shape per batch bucket,
+    compiled at warm-up: fused kernels and planned buffers. On a CPU it builds C++ kernels, so it needs a C++
+    compiler where the server runs."""
+
+
+class Isolation(str, Enum):
+    """Where a model's engine instances run."""
+
+    THREAD = "thread"
+    """Threads of the server process: no copy between the batcher and the instance, but the instance's torch calls
+    share the GIL with the event loop."""
+    PROCESS = "process"
+    """A process each, fed through shared memory (:mod:`halfserve.isolated`): the instance's host work waits for no lock
+    the event loop holds, for one copy of each batch's rows and a process (CUDA context, weights) per instance."""
+
+
+class Execution(BaseModel):
+    """How a model runs on its device: instances, batch buckets, CUDA graphs, memory format.
+
+    ``None`` means "decided per device": padding to buckets and ``channels_last`` for convolutional models are on
+    for CUDA, off for a CPU.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    instances: int = Field(default=1, ge=1, le=16)
+    """Engine instances sharing the model's weights and its batcher queue (Triton's instance count): each has its
+    own thread, CUDA stream and staging buffers and takes the next batch when idle, so one instance's copies overlap
+    another's compute."""
+    pad_to_bucket: bool | None = None
+    """Pad each batch up to the next bucket: a few fixed shapes, each warmed up (and captured as a CUDA graph) at
+    load."""
+    batch_buckets: list[int] | None = None
+    """The batch sizes padded up to (``max_batch_size`` is always one; larger sizes are dropped). Default: powers of
+    two. Finer buckets pad less (a batch of 20 runs as 24 rather than 32) for a few more captures at load."""
+    compile: Compile = Compile.NONE
+    channels_last: bool | None = None
+    """NHWC activations and weights for models with 2-D convolutions (cuDNN's tensor-core kernels want NHWC)."""
+    isolation: Isolation | None = None
+    """Instances as threads of the server process or as processes of their own; ``None``: per device
+    (:func:`halfserve.placement.isolation`). The server's ``--instance-isolation`` outranks it."""
+
+    @field_validator("batch_buckets")
+    @classmethod
+    def _buckets_positive(cls, v: list[int] | None) -> list[int] | None:
+        if v is not None and (not v or min(v) < 1):
+            raise ValueError("batch_buckets needs at least one size, each >= 1")
+        return v
+
+    @model_validator(mode="after")
+    def _compiled_need_buckets(self) -> Execution:
+        if self.compile is not Compile.NONE and self.pad_to_bucket is False:
+            raise ValueError(
+                f"compile {self.compile.value!r} runs fixed shapes: it needs pad_to_bucket (true or unset)"
+            )
+        return self
+
+
+class Normalize(BaseModel):
+    """Input normalisation run on the device, in fp32, before the model's cast: ``(x * scale - mean) / std``.
+
+    ``mean`` and ``std`` hold one value per channel (the sample's first dimension). With a ``UINT8`` input, clients
+    send images as bytes (a quarter of FP32's) and the server widens and normalises them where it is cheap.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    scale: float = Field(default=1.0, gt=0.0)
+    mean: list[float] | None = None
+    std: list[float] | None = None
+
+    @field_validator("std")
+    @classmethod
+    def _positive_std(cls, std: list[float] | None) -> list[float] | None:
+        if std is not None and any(v <= 0 for v in std):
+            raise ValueError(f"every std must be positive, got {std}")
+        return std
+
+
+class TextInput(BaseModel):
+    """Text clients may send instead of a sequence input's token ids: tokenized by the server with the version's
+    Hugging Face ``tokenizer.json`` (the ``tokenizers`` library: a JSON file, no code)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    input: str = Field(pattern=r"^[A-Za-z_][A-Za-z0-9_.-]*$")
+    """The ``BYTES`` input's name: one UTF-8 text per row (V2), or ``/predict`` ``{"inputs": ["text", ...]}``."""
+    feeds: str
+    """The variable integer input the token ids go to (its ``max_length`` and ``truncate`` apply)."""
+    tokenizer: str = Field(default="tokenizer.json", pattern=r"^[A-Za-z0-9_.-]+\.json$")
+    """The tokenizer file in the version folder."""
+    max_bytes: int = Field(default=65536, ge=1, le=2**24)
+    """Longest text accepted, in UTF-8 bytes; longer is a 400 before tokenizing."""
+
+
+class FidelityBar(BaseModel):
+    """How close a model's half-precision outputs must come to its fp32 outputs at load to be served in half precision
+    (:mod:`halfserve.fidelity`); a field left unset takes the server's default bar
+    (:data:`halfserve.fidelity.DEFAULT_BAR`), so a later default applies to manifests written before it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    check: bool = True
+    """Measure at load and serve in fp32 below the bar; off, the model is served in its half precision unmeasured."""
+    min_top1_agreement: float | None = Field(default=None, ge=0.0, le=1.0)
+    """For the class scores (the first output when the manifest has labels, else the first floating output of one
+    dimension of 2 or more): the share of samples whose top class is the same in both. 0: no bar on it."""
+    min_cosine: float | None = Field(default=None, ge=-1.0, le=1.0)
+    """For every other floating output with several values per row (embeddings, per-token outputs): the lowest cosine
+    similarity of a row with its fp32 row. -1: no bar on it."""
+    max_rel_error: float | None = Field(default=None, ge=0.0)
+    """For floating outputs of one value per row (regression): the largest difference from fp32, relative to the
+    output's largest fp32 magnitude on the samples."""
+
+
+_EVALUATION_KEY = re.compile(r"[a-z0-9_]{1,64}")
+_DEVICE = re.compile(r"[a-z0-9:_]{1,32}")
+
+
+class Manifest(BaseModel):
+    """A model's ``config.json``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(pattern=NAME_PATTERN)
+    architecture: str
+    """A registered name, ``package.module:factory``, ``torchvision:<builder>`` or ``transformers:<AutoClass>`` (see
+    :mod:`halfserve.models`); its keyword arguments are ``arch_kwargs``.
+
+    ``torch.export`` programs are not accepted: ``torch.export.load`` falls back to full unpickling
+    (``weights_only=False``) when the safe load fails, so a crafted archive could run code.
+    """
+    arch_kwargs: dict[str, Any] = Field(default_factory=dict)
+    inputs: list[TensorSpec] = Field(min_length=1, max_length=MAX_TENSORS)
+    """The forward's inputs. With one, it is passed positionally; with several, as keyword arguments named as here,
+    or positionally in this order where ``forward`` takes ``*args`` and names none of them."""
+    outputs: list[TensorSpec] = Field(min_length=1, max_length=MAX_TENSORS)
+    """What the forward returns: a tensor (one output), a tuple or list (in this order), or a mapping such as a
+    Hugging Face ``ModelOutput`` (by name)."""
+    labels: list[str] | None = None
+    """Class names for the first output's last dimension."""
+    text: TextInput | None = None
+    precision: Precision = Precision.AUTO
+    overflow: OverflowPolicy = OverflowPolicy.RERUN_FP32
+    min_agreement: float | None = Field(default=None, gt=0.0, le=1.0)
+    """Serve in fp32 instead when the half precision's top-1 agreement with fp32 on the version's calibration samples
+    (:mod:`halfserve.fidelity`) is below this: the older spelling of ``fidelity.min_top1_agreement``."""
+    fidelity: FidelityBar | None = None
+    """The fidelity bar at load; unset, the server's default bar for every measure."""
+    padding_invariant: bool = True
+    """A model with a variable dimension must answer a sample alone as it does in a batch padded to a longer one
+    (checked at import and at load, :mod:`halfserve.padding`); ``false`` serves one whose answers change with the
+    batch's padding, with a warning, where it would be refused."""
+    allow_nonfinite_inputs: bool = False
+    """Accept NaN and infinite input values (only binary tensors can carry them); refused with a 400 otherwise."""
+    normalize: Normalize | None = None
+    batching: Batching = Field(default_factory=Batching)
+    execution: Execution = Field(default_factory=Execution)
+    version: int | None = Field(default=None, ge=1)
+    """Pin a version; ``None`` serves the highest."""
+    description: str = ""
+    dataset: dict[str, Any] | None = None
+    training: dict[str, Any] | None = None
+    evaluation: dict[str, Any] | None = None
+    """What ``halfserve train`` measured: ``test_samples`` (an integer), ``device`` (a short name), and numbers (or
+    null) under names such as ``fp16_accuracy``; shown on the status page, so nothing else is accepted."""
+
+    @field_validator("evaluation")
+    @classmethod
+    def _evaluation(cls, block: dict[str, Any] | None) -> dict[str, Any] | None:
+        for key, value in (block or {}).items():
+            if not _EVALUATION_KEY.fullmatch(key):
+                raise ValueError(f"evaluation: {key!r} is not a metric name (lower case, digits and _)")
+            if key == "test_samples":
+                ok = isinstance(value, int) and not isinstance(value, bool) and value >= 0
+            elif key == "device":
+                ok = isinstance(value, str) and _DEVICE.fullmatch(value) is not None
+            else:
+                ok = value is None or (isinstance(value, int | float) and not isinstance(value, bool))
+            if not ok:
+                raise ValueError(f"evaluation.{key}: unexpected value {value!r}")
+        return block
+
+    @field_validator("architecture")
+    @classmethod
+    def _architecture(cls, name: str) -> str:
+        # Its form only (what it names is imported when the model is built), and only where the architectures are
+        # known: halfserve.models hands its check over when imported (check_architectures_with), which a front-end,
+        # without torch, never does.
+        return _architecture_check(name) if _architecture_check is not None else name
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Manifest:
+        for field, specs in (("inputs", self.inputs), ("outputs", self.outputs)):
+            names = [t.name for t in specs]
+            if len(set(names)) != len(names):
+                raise ValueError(f"{field}: names must be distinct, got {names}")
+        if self.min_agreement is not None and not any(
+            t.datatype.numpy.kind == "f" and math.prod(t.shape) > 1 for t in self.outputs
+        ):
+            raise ValueError("min_agreement needs a floating output with more than one value per row to rank")
+        if self.min_agreement is not None and (self.fidelity and self.fidelity.min_top1_agreement) is not None:
+            raise ValueError("min_agreement and fidelity.min_top1_agreement: give one (the first is the older name)")
+        variable = [t for t in self.inputs if t.variable and t.mask_for is None]
+        for t in self.inputs:
+            if t.variable and t.mask_for is None and t.max_length is None:
+                raise ValueError(f"inputs: {t.name!r} has a variable dimension (-1) and needs a max_length")
+            if t.mask_for is not None:
+                target = next((v for v in variable if v.name == t.mask_for), None)
+                if target is None:
+                    raise ValueError(f"inputs: {t.name!r}: mask_for {t.mask_for!r} names no variable input")
+                if t.shape != [-1] or t.datatype.numpy.kind not in "iub":
+                    raise ValueError(f"inputs: {t.name!r}: a mask has shape [-1] and an integer or BOOL datatype")
+        if self.text is not None:
+            target = next((t for t in variable if t.name == self.text.feeds), None)
+            if target is None or target.datatype.numpy.kind not in "iu":
+                raise ValueError(f"text.feeds: {self.text.feeds!r} names no variable integer input")
+            if any(t.name == self.text.input for t in self.inputs):
+                raise ValueError(f"text.input: {self.text.input!r} is also the name of a tensor input")
+        if any(t.variable for t in self.outputs) and not variable:
+            raise ValueError("outputs: a variable dimension (-1) needs an input with one")
+        if variable and (self.normalize is not None or self.execution.compile is not Compile.NONE):
+            raise ValueError("a model with variable dimensions runs eagerly: no normalize, execution.compile 'none'")
+        if self.normalize is not None and len(self.inputs) > 1:
+            raise ValueError("normalize applies to a model with one input")
+        if self.normalize is not None and self.inputs[0].format is InputFormat.NHWC:
+            raise ValueError("normalize takes channels first (the sample's first dimension): format FORMAT_NHWC")
+        for t in self.outputs:
+            if t.format is not None:
+                raise ValueError(f"outputs: {t.name!r}: format applies to inputs")
+        if self.execution.compile is Compile.INDUCTOR and (len(self.inputs) > 1 or len(self.outputs) > 1):
+            raise ValueError("execution.compile 'inductor' takes models with one input and one output")
+        if self.labels is not None and len(self.labels) != self.outputs[0].shape[-1]:
+            raise ValueError(
+                f"labels has {len(self.labels)} entries but the output's last dimension is {self.outputs[0].shape[-1]}"
+            )
+        if self.normalize is not None:
+            channels = self.inputs[0].shape[0]
+            for field, values in (("mean", self.normalize.mean), ("std", self.normalize.std)):
+                if values is not None and len(values) != channels:
+                    raise ValueError(
+                        f"normalize.{field} has {len(values)} values but the input has {channels} channels "
+                        "(its first dimension)"
+                    )
+        return self
+
+
+LENGTH = "#length"
+"""Suffix of the record field holding each row's length of a variable input (``#`` is in no tensor's name)."""
+
+
+def input_records(manifest: Manifest) -> np.dtype[Any]:
+    """The numpy record type that carries one request row of a model's inputs, one field per input (its per-sample
+    shape, a variable one at its ``max_length``, and host dtype), plus each variable input's length in that row:
+    how a model with several inputs, several outputs or variable dimensions batches its rows as one array. Masks are
+    left out: the engine builds them."""
+    fields: list[tuple[str, Any, tuple[int, ...]]] = []
+    for spec in sent_inputs(manifest):
+        fields.append((spec.name, spec.datatype.numpy, tuple(spec.bounded())))
+        if spec.variable:
+            fields.append((spec.name + LENGTH, np.int32, ()))
+    return np.dtype(fields)
+
+
+def output_records(manifest: Manifest) -> np.dtype[Any]:
+    """The record type of one row of a model's outputs (floating ones as float32, as the engine returns them; a
+    variable one at the first variable input's ``max_length``)."""
+    sequence = sequence_input(manifest)
+    length = sequence.max_length if sequence is not None else None
+    fields = []
+    for spec in manifest.outputs:
+        dtype = spec.datatype.numpy
+        if dtype.kind == "f":
+            dtype = np.dtype(np.float32)
+        fields.append((spec.name, dtype, tuple(spec.bounded(length))))
+    return np.dtype(fields)
+
+
+def sequence_input(manifest: Manifest) -> TensorSpec | None:
+    """The first variable input clients send: the length variable outputs follow and requests are grouped by."""
+    return next((t for t in sent_inputs(manifest) if t.variable), None)
+
+
+def packs_records(manifest: Manifest) -> bool:
+    """Whether a model's rows travel as records: several inputs or outputs, or a variable dimension."""
+    return len(manifest.inputs) > 1 or len(manifest.outputs) > 1 or any(t.variable for t in manifest.inputs)
+
+
+class PackError(ValueError):
+    """A request's inputs do not fit the model's (missing, unexpected, rows or lengths); the message names the input."""
+
+
+def length_bucket(length: int, limit: int) -> int:
+    """The padded length of a batch whose longest row is ``length``: the next power of two from 8, at most ``limit``
+    (a few fixed shapes, and requests of similar lengths grouped into one batch)."""
+    bucket = 8
+    while bucket < length:
+        bucket *= 2
+    return min(bucket, limit)
+
+
+def padded_length(manifest: Manifest, spec: TensorSpec, longest: int) -> int:
+    """The length a batch of variable input ``spec`` whose longest row is ``longest`` is padded to: its length bucket
+    when the model groups lengths (``batching.group_lengths``), else that longest row."""
+    if not manifest.batching.group_lengths:
+        return longest
+    return length_bucket(longest, spec.max_length or longest)
+
+
+def pack(manifest: Manifest, arrays: Mapping[str, np.ndarray]) -> np.ndarray:
+    """A request's named inputs (rows first, each a rectangle) as records (:func:`input_records`): each variable
+    input padded to its ``max_length`` with its ``pad`` value and its length kept per row (longer ones refused, or cut
+    with ``truncate``). Raises :class:`PackError` naming the input."""
+    specs = sent_inputs(manifest)
+    names = [t.name for t in specs]
+    companions = {t.name + LENGTH for t in specs if t.variable}
+    unknown = [n for n in arrays if n not in names and n not in companions]
+    if unknown:
+        raise PackError(f"inputs: unexpected input {unknown[0]!r}; the model takes {names}")
+    missing = [n for n in names if n not in arrays]
+    if missing:
+        raise PackError(f"inputs: input {missing[0]!r} is missing; the model takes {names}")
+    rows = len(arrays[names[0]])
+    for name in names[1:]:
+        if len(arrays[name]) != rows:
+            raise PackError(
+                f"inputs: input {name!r} has {len(arrays[name])} rows but {names[0]!r} has {rows}; "
+                "a request's inputs must have the same number of rows"
+            )
+    packed = np.empty(rows, dtype=input_records(manifest))
+    for spec in specs:
+        a = arrays[spec.name]
+        try:
+            if spec.variable:
+                if a.ndim != len(spec.shape) + 1 or list(a.shape[2:]) != spec.shape[1:] or a.shape[1] < 1:
+                    raise PackError(
+                        f"inputs: input {spec.name!r} has samples of shape {list(a.shape[1:])}, not {spec.shape}"
+                    )
+                length = check_length(spec, a.shape[1], f"inputs: input {spec.name!r}")
+                field = packed[spec.name]
+                field[:, :length] = a[:, :length]
+                field[:, length:] = spec.pad
+                given = arrays.get(spec.name + LENGTH)
+                if given is None:
+                    packed[spec.name + LENGTH] = length
+                else:  # each row's own length (tokenized texts of one request): the row is padded after it
+                    if given.shape != (rows,) or given.min() < 1 or given.max() > length:
+                        raise PackError(f"inputs: {spec.name + LENGTH!r}: row lengths must be 1..{length}, one per row")
+                    packed[spec.name + LENGTH] = given
+                    field[np.arange(spec.bounded()[0])[None, :] >= given[:, None]] = spec.pad
+            else:
+                packed[spec.name] = a
+        except PackError:
+            raise
+        except (ValueError, TypeError) as e:
+            raise PackError(f"inputs: input {spec.name!r} does not fit {spec.shape} per row: {e}") from None
+    return packed
+
+
+def check_length(spec: TensorSpec, length: int, where: str) -> int:
+    """The length a variable input of ``length`` is served at: itself, cut to ``max_length`` with ``truncate``; a
+    :class:`PackError` naming ``where`` and the limit when it is longer and not cut."""
+    limit = spec.max_length or length
+    if length <= limit:
+        return length
+    if spec.truncate:
+        return limit
+    raise PackError(f"{where}: length {length} is longer than its max_length {limit} (or set truncate)")
+
+
+def sample_values(manifest: Manifest) -> int:
+    """Input values one row (sample) can hold, every input's together, variable ones at their ``max_length``."""
+    return sum(math.prod(t.bounded()) for t in manifest.inputs)
+
+
+def sent_inputs(manifest: Manifest) -> list[TensorSpec]:
+    """The inputs clients send: all but the masks the server builds."""
+    return [t for t in manifest.inputs if t.mask_for is None]
+
+
+def check_name(name: str) -> str:
+    """Reject model names that could escape the store directory."""
+    # fullmatch: with match, "$" would let a trailing newline through.
+    if not _NAME_RE.fullmatch(name):
+        raise StoreError(f"model name {name!r} is invalid: use letters, digits, '_', '.', '-' (max 64)")
+    return name
+
+
+def model_names(root: Path) -> list[str]:
+    """Names of the models in the store (folders holding a manifest)."""
+    if not root.is_dir():
+        raise StoreError(f"{root}: model store folder does not exist")
+    return [name for name in model_folders(root) if _NAME_RE.fullmatch(name)]
+
+
+def model_folders(root: Path) -> list[str]:
+    """Names of the store's folders holding a manifest entry of any kind, named validly or not, hidden ones (an
+    import's staging, ``.git``) aside: what the server tries to serve, so that a manifest that is no regular file or a
+    folder that is no valid name is refused with a log line rather than passed over in silence."""
+    if not root.is_dir():
+        raise StoreError(f"{root}: model store folder does not exist")
+    return sorted(
+        p.name for p in root.iterdir() if not p.name.startswith(".") and os.path.lexists(p / MANIFEST) and p.is_dir()
+    )
+
+
+def describe(err: ValidationError) -> str:
+    """A manifest's validation errors on one line, each as ``field: problem``."""
+    parts = []
+    for e in err.errors():
+        field = ".".join(str(x) for x in e["loc"]) or "(top level)"
+        parts.append(f"{field}: {e['msg'].removeprefix('Value error, ')}")
+    return "; ".join(parts)
+
+
+def read_json(path: Path) -> Any:
+    """The JSON value of a model folder's file ``path``, at most :data:`MAX_JSON_BYTES` long; a file that is too large,
+    unreadable, not JSON or nested too deeply for the parser is a :class:`StoreError` naming it. Raises
+    ``FileNotFoundError`` when there is no such file."""
+    size = regular_file(path).st_size
+    if size > MAX_JSON_BYTES:
+        raise StoreError(f"{path}: {size} bytes, over the {MAX_JSON_BYTES}-byte limit on a model folder's JSON files")
+    try:
+        with opened_regular(path) as fd, os.fdopen(os.dup(fd), "rb") as f:
+            data = f.read(MAX_JSON_BYTES + 1)  # bounded again: the file may have grown since its size was read
+    except (FileNotFoundError, StoreError):
+        raise
+    except OSError as e:
+        raise StoreError(f"{path}: cannot be read ({e.strerror or e})") from None
+    if len(data) > MAX_JSON_BYTES:
+        raise StoreError(f"{path}: over the {MAX_JSON_BYTES}-byte limit on a model folder's JSON files")
+    try:
+        return json.loads(data)
+    except ValueError as e:  # JSONDecodeError, or bytes that are not text
+        raise StoreError(f"{path}: not valid JSON ({e})") from None
+    except RecursionError:
+        raise StoreError(f"{path}: not valid JSON (nested too deeply)") from None
+
+
+def regular_file(path: Path) -> os.stat_result:
+    """``path``'s status when it is a regular file (or a link to one); a named pipe, device, socket or folder where
+    the store expects a file is a :class:`StoreError`: opening or reading one can block for ever or never end. Raises
+    ``FileNotFoundError`` when there is no such file."""
+    status = path.stat()
+    if not stat.S_ISREG(status.st_mode):
+        raise StoreError(f"{path}: not a regular file")
+    return status
+
+
+@contextmanager
+def opened_regular(path: Path) -> Iterator[int]:
+    """A read-only descriptor of ``path``, checked to be a regular file once open: opened without blocking, so a
+    named pipe put in its place after :func:`regular_file` looked cannot hang the opener. Raises as that does."""
+    regular_file(path)
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise StoreError(f"{path}: not a regular file")
+        os.set_blocking(fd, True)  # a regular file never blocks; reads through it behave as plain ones
+        yield fd
+    finally:
+        os.close(fd)
+
+
+@contextmanager
+def readable_path(path: Path) -> Iterator[str]:
+    """A path that names the regular file ``path`` named when opened (:func:`opened_regular`), for libraries that
+    open files by name themselves (safetensors, tokenizers): on Linux the open descriptor's ``/proc`` entry, so the
+    file they open is the one checked; elsewhere ``path`` itself, checked just before."""
+    with opened_regular(path) as fd:
+        proc = f"/proc/self/fd/{fd}"
+        yield proc if os.path.exists(proc) else str(path)
+
+
+def load_manifest(model_dir: Path) -> Manifest:
+    """Read and validate ``<model_dir>/config.json``; errors name the file and the field."""
+    path = model_dir / MANIFEST
+    try:
+        raw = read_json(path)
+    except FileNotFoundError:
+        raise StoreError(f"{path}: manifest not found") from None
+    try:
+        manifest = Manifest.model_validate(raw)
+    except ValidationError as e:
+        raise StoreError(f"{path}: {describe(e)}") from None
+    except RecursionError:  # within the parser's depth, but past the validator's
+        raise StoreError(f"{path}: nested too deeply") from None
+    if manifest.name != model_dir.name:
+        raise StoreError(f"{path}: name: {manifest.name!r} does not match its folder {model_dir.name!r}")
+    return manifest
+
+
+def versions(model_dir: Path) -> list[int]:
+    """Version numbers present under ``model_dir``, ascending (folders named as :data:`_VERSION_NAME` says). A folder
+    named by more digits than a version may have is left out with a log line: it looks meant as a version."""
+    found = []
+    for p in model_dir.iterdir():
+        if _VERSION_NAME.fullmatch(p.name) and p.is_dir():
+            found.append(int(p.name))
+        elif _TOO_LONG_VERSION.fullmatch(p.name) and p.is_dir():
+            log.warning(
+                "model %r: version folder %r is ignored: a version number has at most %d digits",
+                model_dir.name,
+                p.name,
+                MAX_VERSION_DIGITS,
+            )
+    return sorted(found)
+
+
+def resolve_version(model_dir: Path, manifest: Manifest, pinned: int | None = None) -> int:
+    """The version to serve: ``pinned``, else the manifest's pin, else the highest present."""
+    present = versions(model_dir)
+    want = pinned if pinned is not None else manifest.version
+    if want is not None:
+        if want not in present:
+            raise StoreError(f"{model_dir / MANIFEST}: version: {want} is pinned but not present (have {present})")
+        return want
+    if not present:
+        raise StoreError(f"{model_dir}: no numbered version folder holds a checkpoint")
+    return present[-1]
+
+
+_architecture_check: Callable[[str], str] | None = None
+
+
+def check_architectures_with(check: Callable[[str], str]) -> None:
+    """Validate every manifest's ``architecture`` with ``check`` from now on (it returns the name or raises
+    ``ValueError``): :mod:`halfserve.models` hands over its own when imported, so where models are built, an unknown
+    architecture fails at validation, naming the field."""
+    global _architecture_check
+    _architecture_check = check

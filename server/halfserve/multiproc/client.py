@@ -1,0 +1,266 @@
+"""A front-end's end of the backplane: the engine process's models as a :class:`~halfserve.serving.ModelService`.
+
+The routes in a front-end decode and validate requests as in a single process, against the model table the engine
+process pushes here; :meth:`RemoteModel.submit` hands the named inputs to the engine process instead of to a local
+batcher. The engine process stays authoritative: it checks the model, version and readiness of every request again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import mmap
+import os
+import socket
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import orjson
+
+from halfserve.manifest import Batching, Manifest, Precision
+from halfserve.multiproc import wire
+from halfserve.multiproc.wire import FrameReader, Segment
+from halfserve.serving import (
+    Interface,
+    ModelNotReadyError,
+    ModelState,
+    Prediction,
+    Tensors,
+    error_from_wire,
+    find,
+    why_model_not_ready,
+)
+from halfserve.settings import Settings
+from halfserve.transport import CoalescedWrites
+
+Answer = Callable[[dict[str, Any], bytearray], Any]
+"""Turns an answer frame (header, payload) into the result of the request's future; raises what fails it."""
+
+
+@dataclass
+class _Pending:
+    future: asyncio.Future[Any]
+    slot: int
+    answer: Answer
+
+
+class BackplaneClient(asyncio.Protocol):
+    """A front-end's connection to the engine process, with its shared-memory slots."""
+
+    def __init__(
+        self, on_table: Callable[[list[dict[str, Any]]], None], on_regions: Callable[[list[dict[str, Any]]], None]
+    ) -> None:
+        self.on_table = on_table
+        self.on_regions = on_regions
+        self.reader = FrameReader()
+        self.transport: asyncio.Transport | None = None
+        self.pending: dict[int, _Pending] = {}
+        self.ids = itertools.count(1)
+        self.records: list[list[Any]] = []
+        size = wire.SLOTS * wire.SLOT_BYTES
+        fd = os.memfd_create("halfserve-frontend")
+        os.ftruncate(fd, size)
+        self.segment = Segment(mmap.mmap(fd, size), wire.SLOT_BYTES)
+        self._fd = fd
+        self.free = list(range(wire.SLOTS - 1, -1, -1))
+        self.table_seen = asyncio.Event()
+
+    async def connect(self, path: str, index: int, secret: str, timeout: float = 60.0) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = time.monotonic() + timeout
+        while True:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                sock.connect(path)
+                break
+            except (FileNotFoundError, ConnectionRefusedError):
+                sock.close()
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.05)
+        hello = {"index": index, "pid": os.getpid(), "secret": secret}
+        hello |= {"slots": wire.SLOTS, "slot_bytes": self.segment.slot_bytes}
+        socket.send_fds(sock, [orjson.dumps(hello)], [self._fd])
+        os.close(self._fd)
+        sock.setblocking(False)
+        await loop.connect_accepted_socket(lambda: self, sock=sock)
+        await asyncio.wait_for(self.table_seen.wait(), timeout)
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # Requests sent in one iteration go out in one write. (The cast: uvloop's transports are not asyncio's either.)
+        self.transport = cast(asyncio.Transport, CoalescedWrites(transport))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.transport = None
+        for p in self.pending.values():
+            if not p.future.done():
+                p.future.set_exception(ModelNotReadyError("the engine process is gone"))
+        self.pending.clear()
+
+    def data_received(self, data: bytes) -> None:
+        for header, payload in self.reader.feed(data):
+            rid = header.get("id")
+            if "models" in header:  # a pushed table, or the answer to a refresh
+                self.on_table(header["models"])
+                self.on_regions(header["regions"])
+                self.table_seen.set()
+            if rid is None:
+                continue
+            pending = self.pending.pop(rid, None)
+            if pending is None:
+                continue
+            try:
+                if pending.future.done():  # its caller gave up; the slot is free once the answer is in
+                    continue
+                try:
+                    pending.future.set_result(pending.answer(header, payload))
+                except Exception as e:
+                    pending.future.set_exception(e)
+            finally:
+                self._release(pending.slot)
+
+    def _send(self, header: dict[str, Any], *payload: bytes | memoryview) -> None:
+        if self.transport is None or self.transport.is_closing():
+            raise ModelNotReadyError("the engine process is not connected")
+        self.transport.writelines(wire.frame(header, *payload))
+
+    def _release(self, slot: int) -> None:
+        if slot >= 0:
+            self.free.append(slot)
+
+    def _ask(
+        self, header: dict[str, Any], answer: Answer, *payload: bytes | memoryview, slot: int = -1
+    ) -> asyncio.Future[Any]:
+        """Send a request; the future of its answer. The slot stays taken until the engine process answers, even if
+        the caller cancels the future (the engine process may still write into it)."""
+        rid = next(self.ids)
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self.pending[rid] = _Pending(future, slot, answer)
+        try:
+            self._send({**header, "id": rid}, *payload)
+        except ModelNotReadyError:
+            del self.pending[rid]
+            self._release(slot)
+            raise
+        return future
+
+    def send(self, model: RemoteModel, inputs: Tensors, timeout: float | None) -> asyncio.Future[Prediction]:
+        """Send ``inputs`` to ``model`` in the engine process; the future of its prediction."""
+        slot = self.free.pop() if self.free and wire.nbytes(inputs) <= self.segment.slot_bytes else -1
+        head = {"op": "infer", "model": model.name, "version": model.version, "timeout": timeout, "slot": slot}
+        if slot >= 0:
+            head["inputs"] = self.segment.put(slot, inputs)
+            return self._ask(head, self._prediction, slot=slot)
+        places, parts = wire.inline(inputs)
+        head["inputs"] = places
+        return self._ask(head, self._prediction, *parts)
+
+    def _prediction(self, header: dict[str, Any], payload: bytearray) -> Prediction:
+        error = header.get("error")
+        if error is not None:
+            raise error_from_wire(error)
+        places = header["outputs"]
+        if header["slot"] >= 0:
+            outputs = {k: v.copy() for k, v in self.segment.take(header["slot"], places).items()}
+        else:
+            outputs = wire.from_payload(payload, places)
+        return Prediction(outputs, tuple(Precision(p) for p in header["precision"].split("+") if p))
+
+    async def refresh(self) -> None:
+        """Fetch the model table now (after a management call this front-end relayed); the answer updates it."""
+        await self._ask({"op": "table"}, lambda header, payload: None)
+
+    def record(self, row: list[Any]) -> None:
+        self.records.append(row)
+
+    def flush(self) -> None:
+        if self.records and self.transport is not None:
+            records, self.records = self.records, []
+            with contextlib.suppress(ModelNotReadyError):
+                self._send({"op": "record", "records": records})
+
+
+@dataclass
+class RemoteModel:
+    """A model as a front-end knows it: enough to decode its requests; inference runs in the engine process."""
+
+    name: str
+    version: int
+    manifest: Manifest
+    batching: Batching
+    state: ModelState
+    error: str | None
+    precision: Precision | None
+    available: bool = True
+    """Whether an instance can run a batch now, as the engine process last said (a table that does not say: yes)."""
+    client: BackplaneClient | None = field(default=None, repr=False)
+
+    @property
+    def serving(self) -> bool:
+        # The engine process decides readiness (its answer is never stale); a table pushed a moment ago may be.
+        return True
+
+    def submit(self, inputs: Tensors, timeout: float | None = None) -> asyncio.Future[Prediction]:
+        if self.client is None:
+            raise ModelNotReadyError("the engine process is not connected")
+        return self.client.send(self, inputs, timeout)
+
+
+class RemoteService:
+    """The model table of a front-end, as the engine process last pushed it."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self._models: dict[str, RemoteModel] = {}
+        self.client: BackplaneClient | None = None
+
+    @property
+    def models(self) -> Mapping[str, RemoteModel]:
+        return self._models
+
+    @property
+    def ready(self) -> bool:
+        """As of the last table (readiness itself is answered by the engine process: front-ends relay it)."""
+        live = [m for m in self._models.values() if m.state is not ModelState.UNLOADED]
+        return bool(live) and all(why_model_not_ready(m) is None for m in live)
+
+    def update(self, models: list[dict[str, Any]]) -> None:
+        fresh: dict[str, RemoteModel] = {}
+        for m in models:
+            old = self._models.get(m["name"])
+            if old is not None and old.version == m["version"] and old.precision == _precision(m["precision"]):
+                old.state, old.error, old.available = ModelState(m["state"]), m["error"], m.get("available", True)
+                fresh[m["name"]] = old  # keep its decoded manifest
+                continue
+            fresh[m["name"]] = RemoteModel(
+                name=m["name"],
+                manifest=Manifest.model_validate(m["manifest"]),
+                version=m["version"],
+                batching=Batching.model_validate(m["batching"]),
+                state=ModelState(m["state"]),
+                error=m["error"],
+                precision=_precision(m["precision"]),
+                available=m.get("available", True),
+                client=self.client,
+            )
+        self._models = fresh
+
+    def get(self, name: str | None) -> RemoteModel:
+        return find(self._models, name)
+
+
+def _precision(value: str | None) -> Precision | None:
+    return Precision(value) if value is not None else None
+
+
+class RemoteMetrics:
+    """Counts a front-end's requests in the engine process's :class:`halfserve.metrics.Metrics`."""
+
+    def __init__(self, client: BackplaneClient) -> None:
+        self.client = client
+
+    def request(self, model: str, precision: str, interface: Interface, status: int, rows: int, seconds: float) -> None:
+        self.client.record([model, precision, interface.value, status, rows, seconds])

@@ -1,0 +1,215 @@
+"""An HTTP front-end process (``--http-workers N``): the inference routes answered here, the rest relayed.
+
+The front-end runs the same inference endpoints as a single-process server (the same decoding, validation, errors and
+encoding, through :func:`halfserve.api.answer_first`), but a model's
+:meth:`~halfserve.multiproc.client.RemoteModel.submit` hands the decoded inputs to the engine process over the backplane
+(:mod:`halfserve.multiproc.client`) instead of to a local batcher. Every other request (health, readiness, listings,
+model metadata, statistics, metrics, management, the status page) is relayed unchanged to the engine process's own HTTP
+server on a Unix socket, so there is one source of truth for the models' state."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+
+import httpx
+from starlette.datastructures import State
+from starlette.types import Receive, Scope, Send
+
+from halfserve import api, collector, logs
+from halfserve.api import MANAGEMENT_BODY_BYTES, MANAGEMENT_LIMIT, RELAYED_CLIENT, error_response, scope_header
+from halfserve.multiproc.client import BackplaneClient, RemoteMetrics, RemoteService
+from halfserve.regions import Regions
+from halfserve.serving import AppState
+from halfserve.settings import Settings
+from halfserve.transport import PROBE_PATHS, DrainingServer, uvicorn_config
+
+log = logging.getLogger(__name__)
+
+RECORD_FLUSH_S = 0.1
+"""How often a front-end sends its request counts to the engine process (and so how stale ``/metrics`` may be)."""
+HOP_BY_HOP = {b"connection", b"keep-alive", b"transfer-encoding", b"content-length", b"upgrade", b"te", b"trailer"}
+"""Headers that describe one connection, not the message: the relay sets its own."""
+
+
+class FrontendApp:
+    """The front-end's ASGI app: inference routes here, everything else relayed to the engine process."""
+
+    def __init__(self, settings: Settings, api_socket: str, backplane_socket: str, secret: str, index: int) -> None:
+        self.settings = settings
+        self.api_socket = api_socket
+        self.backplane_socket = backplane_socket
+        self.secret = secret
+        self.index = index
+        self.service = RemoteService(settings)
+        self.regions = Regions()
+        """The engine process's shared memory regions, mapped here too: this process decodes and encodes."""
+        self.serving = AppState(settings, self.service, self.regions)
+        self.state = State({"serving": self.serving})
+        self.http: httpx.AsyncClient | None = None
+        self.probes: httpx.AsyncClient | None = None
+        """Relays the health and readiness probes on connections of their own: whatever holds the other relayed
+        routes' connections (clients slow to read an answer, a burst of listings) never makes a probe wait."""
+        self.client: BackplaneClient | None = None
+        self._flusher: asyncio.Task[None] | None = None
+
+    def begin_drain(self) -> None:
+        self.serving.draining = True
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+            return
+        if scope["type"] != "http":
+            return
+        if not await api.answer_first(self, scope, receive, send):
+            await self._relay(scope, receive, send)
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                try:
+                    await self._start()
+                except Exception as e:
+                    log.exception("front-end %d could not start", self.index)
+                    await send({"type": "lifespan.startup.failed", "message": str(e)})
+                    return
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await self._stop()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    async def _start(self) -> None:
+        self.client = BackplaneClient(self.service.update, self.regions.sync)
+        self.service.client = self.client
+        self.serving.metrics = RemoteMetrics(self.client)
+        await self.client.connect(self.backplane_socket, self.index, self.secret)
+        self.http, self.probes = (
+            httpx.AsyncClient(
+                transport=httpx.AsyncHTTPTransport(uds=self.api_socket), base_url="http://halfserve", timeout=None
+            )
+            for _ in range(2)
+        )
+        self._flusher = asyncio.create_task(self._flush_records(), name="flush-records")
+        collector.settle()
+
+    async def _flush_records(self) -> None:
+        assert self.client is not None
+        while True:
+            await asyncio.sleep(RECORD_FLUSH_S)
+            self.client.flush()
+
+    async def _stop(self) -> None:
+        if self._flusher is not None:
+            self._flusher.cancel()
+        if self.client is not None:
+            self.client.flush()
+            if self.client.transport is not None:
+                self.client.transport.close()
+        for http in (self.http, self.probes):
+            if http is not None:
+                await http.aclose()
+
+    async def _relay(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Forward a request to the engine process's HTTP server and stream its answer back.
+
+        Every relayed route is a small one (a listing, a management call): a body over
+        :data:`~halfserve.api.deps.MANAGEMENT_BODY_BYTES` is a 413, before any of it is read when its length is
+        declared. A body is read whole here before the engine process is asked (bounded by that limit, and by the
+        body timeout and rate): a slow upload then holds only its own connection, never one of the few to the engine
+        process that every relayed route shares. The engine process learns the client's address from
+        :data:`RELAYED_CLIENT`, for its admin token checks.
+        """
+        assert self.http is not None
+        assert self.probes is not None
+        assert self.client is not None
+        declared = scope_header(scope, b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > RELAY_BODY_BYTES:
+            message = f"body: {declared.decode()} bytes exceed {MANAGEMENT_LIMIT}"
+            await error_response(413, message)(scope, receive, send)
+            return
+        target = scope.get("raw_path") or scope["path"].encode()
+        if scope.get("query_string"):
+            target += b"?" + scope["query_string"]
+        headers = [(k, v) for k, v in scope["headers"] if k not in HOP_BY_HOP and k != RELAYED_CLIENT]
+        if declared is not None:
+            headers.append((b"content-length", declared))  # the body goes on as sent, not re-chunked
+        client = scope.get("client")
+        if client:
+            headers.append((RELAYED_CLIENT, str(client[0]).encode("latin-1")))
+        has_body = declared is not None or scope_header(scope, b"transfer-encoding") is not None
+        url = target.decode("latin-1")
+        try:
+            content = await _body(receive) if has_body else None
+        except _ClientGone:
+            return  # nobody to answer
+        except _TooLarge:
+            message = f"body: more than {RELAY_BODY_BYTES} bytes ({MANAGEMENT_LIMIT})"
+            await error_response(413, message)(scope, receive, send)
+            return
+        http = self.probes if scope["path"] in PROBE_PATHS else self.http
+        request = http.build_request(scope["method"], url, headers=headers, content=content)
+        try:
+            response = await http.send(request, stream=True)
+        except httpx.TransportError as e:
+            message = f"the engine process is not answering ({type(e).__name__})"
+            await error_response(503, message)(scope, receive, send)
+            return
+        try:
+            out_headers = [(k, v) for k, v in response.headers.raw if k.lower() not in HOP_BY_HOP]
+            await send({"type": "http.response.start", "status": response.status_code, "headers": out_headers})
+            async for chunk in response.aiter_raw():
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b""})
+        finally:
+            await response.aclose()
+        if scope["method"] not in ("GET", "HEAD") and response.status_code < 400:
+            # A management call may have changed a model: know it before the client's next request arrives here.
+            with contextlib.suppress(Exception):
+                await self.client.refresh()
+
+
+RELAY_BODY_BYTES = MANAGEMENT_BODY_BYTES
+"""Largest body a front-end relays: every route it relays is a listing or a management call."""
+
+
+class _ClientGone(Exception):
+    """The client went away before its body was whole."""
+
+
+class _TooLarge(Exception):
+    """The body grew past :data:`RELAY_BODY_BYTES`."""
+
+
+async def _body(receive: Receive) -> bytes:
+    """A request's whole body, for the relay's upstream request: refused once it passes :data:`RELAY_BODY_BYTES`."""
+    chunks: list[bytes] = []
+    received = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise _ClientGone
+        chunk = message.get("body", b"")
+        received += len(chunk)
+        if received > RELAY_BODY_BYTES:
+            raise _TooLarge
+        chunks.append(chunk)
+        if not message.get("more_body"):
+            return b"".join(chunks)
+
+
+def run(
+    settings: Settings, sock: socket.socket, api_socket: str, backplane_socket: str, secret: str, index: int
+) -> None:
+    """A front-end process's main: serve ``sock`` (the listening socket every front-end shares) until told to stop."""
+
+    log_config = logs.configure(settings.log_format, settings.log_level.value, settings.access_log)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per relayed request otherwise
+    app = FrontendApp(settings, api_socket, backplane_socket, secret, index)
+    DrainingServer(uvicorn_config(app, settings, log_config, api.direct_routes(app)), app.begin_drain).run(
+        sockets=[sock]
+    )

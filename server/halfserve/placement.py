@@ -1,0 +1,160 @@
+"""Where a model's batches run, decided once at load: one :class:`Placement` value per engine.
+
+The choice for a CPU model rests on one comparison: a full batch's forward, timed at warm-up (or given as the
+``forward_seconds`` setting), against the event loop's own work on that batch's requests
+(:data:`LOOP_SECONDS_PER_ROW` a row). The measurements behind each threshold are in ``docs/benchmarks.md``
+("Where batches run").
+"""
+
+from __future__ import annotations
+
+import os
+from enum import Enum
+from typing import Protocol
+
+import torch
+
+from halfserve.store import Compile, Execution, Isolation
+
+
+class Placement(str, Enum):
+    """Where an engine runs its batches."""
+
+    INSTANCE_THREADS = "instance_threads"
+    """Each batch on an idle instance's own thread (the default)."""
+    EVENT_LOOP = "event_loop"
+    """On the event loop's own thread: a forward shorter than the loop's work on its requests, where handing it to a
+    thread and back would cost more than it runs."""
+    BESIDE_LOOP = "beside_loop"
+    """As a traced graph in torch's inter-op pool, launched and collected by the event loop, two batches of up to half
+    ``max_batch_size`` in flight: the loop reads and answers one batch's requests while the other runs."""
+    INSTANCE_PROCESSES = "instance_processes"
+    """Each instance in a process of its own (:mod:`halfserve.isolated`)."""
+
+
+LOOP_SECONDS_PER_ROW = 50e-6
+"""About what the event loop spends taking and answering a one-row request (measured on a 2-core AMD EPYC; less on
+faster cores)."""
+
+BESIDE_LOOP_MIN_SHARE = 0.1
+"""The least share of the event loop's work on a batch's requests that its forward must take to run beside the loop
+rather than on it: two batches in flight each cost the loop its own launch and collection, about what the forward of
+a few rows saves."""
+
+BESIDE_LOOP_MIN_ROWS = 32
+"""The smallest full batch (``max_batch_size``) run beside the loop by default: its halves must still batch, and a
+tiny forward's fixed cost makes its share of a few rows' loop work look large and unsteady."""
+
+
+class Timed(Protocol):
+    """What :func:`choose` reads of an engine: its device and instances, and what warm-up timed
+    (:meth:`halfserve.engine.Engine.settle_threads`)."""
+
+    @property
+    def device(self) -> torch.device: ...
+    @property
+    def threads(self) -> int | None: ...
+    @property
+    def loop_bound(self) -> bool | None: ...
+    @property
+    def batch_seconds(self) -> float | None: ...
+    @property
+    def batch_rows(self) -> int: ...
+    @property
+    def cores(self) -> int: ...
+
+    @property
+    def instance_count(self) -> int: ...
+
+    @property
+    def traceable(self) -> bool: ...
+
+
+def loop_bound(batch_seconds: float, rows: int) -> bool:
+    """Whether a forward of ``rows`` one-row requests taking ``batch_seconds`` is shorter than the event loop's work
+    on those requests: then the loop, not the forward, bounds throughput."""
+    return batch_seconds < rows * LOOP_SECONDS_PER_ROW
+
+
+def intra_op_threads(batch_seconds: float, rows: int, cores: int) -> int:
+    """torch intra-op threads for an engine on ``cores`` whose forward of ``rows`` takes ``batch_seconds`` on all of
+    them: every core but one when the forward is :func:`loop_bound` (the loop's core is the scarce one), every core
+    otherwise (the forward bounds throughput)."""
+    if cores > 1 and loop_bound(batch_seconds, rows):
+        return cores - 1
+    return cores
+
+
+def _on_event_loop(engine: Timed, setting: bool | None) -> bool:
+    """As ``setting`` says, else where the forward is :func:`loop_bound` and settled on one intra-op thread; only on a
+    CPU, with one instance. One thread: a forward on more would make the loop's thread an OpenMP master with a pool of
+    its own beside the instance's, and GNU OpenMP stops spinning once the pools outnumber the cores."""
+    if engine.device.type != "cpu" or engine.instance_count != 1:
+        return False
+    if setting is None:
+        return bool(engine.loop_bound) and engine.threads == 1
+    return setting
+
+
+def _beside_loop(engine: Timed, setting: bool | None) -> bool:
+    """As ``setting`` says, else where the forward would run on the loop and takes at least
+    :data:`BESIDE_LOOP_MIN_SHARE` of the loop's work on a full batch of :data:`BESIDE_LOOP_MIN_ROWS` or more, with
+    another core for the graph; only an engine that can be traced (:attr:`halfserve.engine.Engine.traceable`)."""
+    if not engine.traceable:
+        return False
+    if setting is not None:
+        return setting
+    if not _on_event_loop(engine, None) or engine.batch_seconds is None:
+        return False
+    if engine.cores < 2:  # no other core for the graph to run on: it would only add its launches to the loop's work
+        return False
+    if engine.batch_rows < BESIDE_LOOP_MIN_ROWS:
+        return False
+    return engine.batch_seconds >= BESIDE_LOOP_MIN_SHARE * engine.batch_rows * LOOP_SECONDS_PER_ROW
+
+
+def choose(engine: Timed, on_event_loop: bool | None = None, beside_loop: bool | None = None) -> Placement:
+    """Where ``engine`` (instance threads, after warm-up) runs its batches: beside the loop, on it, or on its
+    instances' threads. ``on_event_loop`` and ``beside_loop`` are the server's settings (``forward_on_event_loop``,
+    ``pipeline_forward``): ``None`` decides from the engine's timing, a bool forces the answer where the engine can."""
+    if _beside_loop(engine, beside_loop):
+        return Placement.BESIDE_LOOP
+    if _on_event_loop(engine, on_event_loop):
+        return Placement.EVENT_LOOP
+    return Placement.INSTANCE_THREADS
+
+
+def pads_to_buckets(execution: Execution, device: torch.device) -> bool:
+    """Whether an engine pads batches to bucket sizes: as the manifest says, else on CUDA (fixed shapes for cuDNN and
+    CUDA graphs) and wherever the forward is compiled (a compiled forward runs fixed shapes)."""
+    if execution.pad_to_bucket is not None:
+        return execution.pad_to_bucket
+    return device.type == "cuda" or execution.compile is Compile.INDUCTOR
+
+
+def isolation(execution: Execution, setting: Isolation | None, device: torch.device) -> Isolation:
+    """Where a model's instances run: the server's setting, else the manifest's, else processes on CUDA (where an
+    instance's many torch calls per batch would each wait for the GIL the event loop holds) and threads on a CPU
+    (where a process per instance costs a copy per batch and a copy of the weights, and the forward, not the GIL, is
+    what takes the time)."""
+    chosen = setting or execution.isolation
+    if chosen is not None:
+        return chosen
+    return Isolation.PROCESS if device.type == "cuda" else Isolation.THREAD
+
+
+def set_intra_op_threads(count: int) -> None:
+    """Set the calling thread's torch intra-op threads to ``count``, for good.
+
+    torch gives a thread its count from the process's last setting (any thread's) when the thread first asks for it
+    or starts parallel work, overwriting a count set on the thread before that. Asking first spends that first time
+    here, so the count set is the thread's until it sets another.
+    """
+    torch.get_num_threads()
+    torch.set_num_threads(count)
+
+
+def available_cores() -> int:
+    """Every core this process may run on (its affinity, which a container's CPU set narrows): torch's intra-op
+    threads when none are set, before each engine settles its own (:meth:`halfserve.engine.Engine.settle_threads`)."""
+    return len(os.sched_getaffinity(0))

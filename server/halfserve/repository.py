@@ -1,0 +1,694 @@
+"""The set of served models: loading from the store, one engine and batcher per model, readiness and draining."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from halfserve import calibration, fidelity, padding, store, text
+from halfserve import precision as prec
+from halfserve.batching import Batcher, BatchObserver, BatchStats
+from halfserve.engine import Engine, EngineInfo, fixed_timing, module_bytes, resolve_device
+from halfserve.fidelity import Fidelity
+from halfserve.indices import check_indices, index_limits
+from halfserve.isolated.engine import ProcessEngine
+from halfserve.padding import PaddingCheck
+from halfserve.placement import Placement, available_cores, choose, isolation, pads_to_buckets
+from halfserve.precision import Precision
+from halfserve.serving import (
+    InvalidInputError,
+    ModelNotReadyError,
+    ModelState,
+    Prediction,
+    Tensors,
+    find,
+    why_model_not_ready,
+)
+from halfserve.settings import FidelityCheck, Settings
+from halfserve.store import Batching, Isolation, LoadedModel, Manifest, StoreError
+from halfserve.traced import TraceRefused
+
+log = logging.getLogger(__name__)
+
+_PLACED = {
+    Placement.INSTANCE_THREADS: "",
+    Placement.EVENT_LOOP: " on the event loop's thread",
+    Placement.BESIDE_LOOP: " traced, beside the event loop",
+    Placement.INSTANCE_PROCESSES: " in processes of their own",
+}
+"""How the ready log line says where a model's batches run."""
+
+CUDA_GIL_SWITCH_INTERVAL_MS = 0.5
+"""The switch interval when serving on CUDA: at Python's 5 ms, engine threads wait on the event loop for the GIL
+between their copies and kernels (see ``Settings.gil_switch_interval_ms``)."""
+
+AnyEngine = Engine | ProcessEngine
+"""A model's engine: its instances as threads of this process, or as processes of their own."""
+
+ObserverFactory = Callable[[str, int, str], BatchObserver]
+"""Makes the batch observer of a model (name, version, precision served), e.g. :meth:`Metrics.batch_observer`."""
+
+
+@dataclass
+class ServedModel:
+    """A model being served: its manifest, and once ready, its engine and batcher."""
+
+    name: str
+    manifest: Manifest
+    version: int
+    batching: Batching
+    state: ModelState = ModelState.LOADING
+    error: str | None = None
+    engine: AnyEngine | None = None
+    precision: Precision | None = None
+    """The resolved precision the engine serves in, once loaded."""
+    batcher: Batcher | None = None
+    warmup_seconds: float = 0.0
+    fidelity: Fidelity | None = None
+    """Half precision against fp32 on the version's calibration samples, measured at load (None: not measured)."""
+    fidelity_bar: dict[str, object] | None = None
+    """The bar the model was held to at load (None: not held to one: fp32, or the check is off)."""
+    fp32_fallback: str | None = None
+    """Why the model is served in fp32 although its precision is a half one (it fell below its fidelity bar)."""
+    calibration: str | None = None
+    """Where the version's stored calibration samples came from (None: it stores none)."""
+    padding: PaddingCheck | None = None
+    """The padding-invariance check at load (None: no variable dimension, or not checked)."""
+    loaded_at: float = field(default_factory=time.time)
+    final_stats: BatchStats | None = None
+    """The statistics of the last batcher, kept once it is released (for the drain report)."""
+    loaded: LoadedModel | None = None
+    """The checkpoint's fp32 weights on the host, kept so the precision can be switched without re-reading it."""
+    host_weight_bytes: int = 0
+    """Bytes of those fp32 host weights."""
+    retired_overflows: int = 0
+    """Overflows and fp32 reruns counted by engines replaced by a precision switch (their counts carry over)."""
+    retired_fp32_reruns: int = 0
+    index_limits: dict[str, int] = field(default_factory=dict)
+    """The integer inputs that index an embedding, each with its table's row count (:mod:`halfserve.indices`): ids
+    outside ``0 .. count - 1`` are refused before they are queued."""
+    failed_versions: dict[int, str] = field(default_factory=dict)
+    """Versions that failed to load in place of this one, each with the reason: newer ones passed over at start-up,
+    or one a load or reload tried while this one kept serving."""
+
+    @property
+    def overflows(self) -> int:
+        """Half-precision overflows since the model was loaded, across precision switches."""
+        return self.retired_overflows + (self.engine.overflows if self.engine is not None else 0)
+
+    @property
+    def fp32_reruns(self) -> int:
+        """Chunks rerun in fp32 after an overflow since the model was loaded, across precision switches."""
+        return self.retired_fp32_reruns + (self.engine.fp32_reruns if self.engine is not None else 0)
+
+    @property
+    def serving(self) -> bool:
+        """Ready, with a batcher to take requests now."""
+        return self.state is ModelState.READY and self.batcher is not None
+
+    @property
+    def available(self) -> bool:
+        """Whether an instance can run a batch now (see :attr:`halfserve.serving.ModelHandle.available`)."""
+        return self.engine is None or self.engine.available
+
+    def submit(self, inputs: Tensors, timeout: float | None = None) -> asyncio.Future[Prediction]:
+        """Queue ``inputs`` for batching; see :meth:`halfserve.serving.ModelHandle.submit`.
+
+        A read-only input (a binary request body decoded in place) is copied first: the engine hands a batch's rows to
+        torch without a copy where it can, and torch takes only writable memory."""
+        batcher = self.batcher
+        if batcher is None:
+            state = "draining" if self.state is ModelState.READY else self.state.value  # released while ready
+            raise ModelNotReadyError(f"model {self.name!r} is {state}" + (f": {self.error}" if self.error else ""))
+        if self.index_limits:
+            check_indices(self.index_limits, self.manifest, inputs)
+        x = self._input(inputs)
+        configured = self.batching.request_timeout_ms
+        if configured is not None:
+            timeout = configured / 1000.0 if timeout is None else min(timeout, configured / 1000.0)
+        if not x.flags.writeable:
+            x = x.copy()
+        deadline = None if timeout is None else batcher.clock.now() + timeout
+        if x.dtype.names is None:
+            return batcher.enqueue(x, deadline, self._prediction)
+        group, length = self._group(x)
+        finish = self._prediction if length is None else functools.partial(self._prediction, length=length)
+        return batcher.enqueue(x, deadline, finish, group)
+
+    def _input(self, inputs: Tensors) -> np.ndarray:
+        """The request's rows as the batcher takes them: the one input's array, or the model's inputs packed into
+        records (:func:`halfserve.store.pack`), one per row."""
+        if not store.packs_records(self.manifest):
+            name = self.manifest.inputs[0].name
+            x = inputs.get(name)
+            if x is None or len(inputs) != 1:
+                got = ", ".join(map(repr, inputs)) or "none"
+                raise InvalidInputError(f"inputs: expected {name!r} alone, got {got}")
+            return x
+        try:
+            return store.pack(self.manifest, inputs)
+        except store.PackError as e:
+            raise InvalidInputError(str(e)) from None
+
+    def _group(self, packed: np.ndarray) -> tuple[Hashable, int | None]:
+        """The batching group of a packed request (its length bucket; one group when lengths are not grouped), and the
+        length its variable outputs are cut to (``None``: none are)."""
+        spec = store.sequence_input(self.manifest)
+        if spec is None:
+            return None, None
+        length = int(packed[spec.name + store.LENGTH].max())
+        grouped = self.manifest.batching.group_lengths
+        return (store.padded_length(self.manifest, spec, length) if grouped else None), length
+
+    def _prediction(self, out: np.ndarray, precisions: tuple[Precision, ...], length: int | None = None) -> Prediction:
+        """The batcher's output rows as the model's named outputs, with the precision that computed them; variable
+        outputs cut to the request's ``length``."""
+        precision = precisions or ((self.precision,) if self.precision is not None else ())
+        if out.dtype.names is None:
+            return Prediction({self.manifest.outputs[0].name: out}, precision)
+        outputs = {}
+        for spec in self.manifest.outputs:
+            field = out[spec.name]
+            outputs[spec.name] = np.ascontiguousarray(field[:, :length] if spec.variable else field)
+        return Prediction(outputs, precision)
+
+    @property
+    def batch_stats(self) -> BatchStats | None:
+        """What its batcher has done since it was loaded (None while it has none)."""
+        return self.batcher.stats if self.batcher is not None else None
+
+    def stats(self) -> dict[str, object] | None:
+        """What the batcher and the engine have done since the model was loaded; ``None`` unless it is served."""
+        batcher, engine = self.batcher, self.engine
+        if batcher is None:
+            return None
+        stats = batcher.stats.snapshot()
+        stats["queued_rows"] = batcher.queued_rows
+        stats["max_batch_size"] = batcher.max_batch_size
+        stats["configured_max_batch_size"] = batcher.configured_max_batch_size
+        if engine is not None:
+            stats["overflow_policy"] = engine.overflow.value
+            stats["overflows"] = self.overflows
+            stats["fp32_reruns"] = self.fp32_reruns
+            stats["instance_forwards"] = [i.forwards for i in engine.instances]
+            if isinstance(engine, ProcessEngine):
+                stats["instance_pids"] = [i.pid for i in engine.instances]
+                stats["instance_restarts"] = engine.restarts
+                stats["instance_start_failures"] = engine.start_failures
+                stats["input_bytes_copied"] = engine.copied_bytes
+                stats["input_bytes_in_place"] = engine.in_place_bytes
+            if engine.real_elements:
+                stats["real_elements"] = engine.real_elements
+                stats["padded_elements"] = engine.padded_elements
+                stats["padding_waste"] = round(engine.padded_elements / engine.real_elements, 4)
+        return stats
+
+    def describe(self) -> dict[str, object]:
+        """The model's listing: signature, batching limits, device and precision once loaded."""
+        m = self.manifest
+        info = self.engine.info if self.engine else None
+        return {
+            "name": self.name,
+            "version": self.version,
+            "state": self.state.value,
+            "error": self.error,
+            "device": info.device if info else None,
+            "precision": info.precision.value if info else None,
+            "weight_dtype": info.weight_dtype if info else None,
+            "weight_bytes": info.weight_bytes if info else None,
+            "fp32_fallback_bytes": info.fp32_fallback_bytes if info else None,
+            "host_fp32_bytes": self.host_weight_bytes if self.loaded is not None else None,
+            "inputs": [s.model_dump(mode="json") for s in m.inputs],
+            "outputs": [s.model_dump(mode="json") for s in m.outputs],
+            "labels": m.labels,
+            "batching": self.batching.model_dump(),
+            "overflow": m.overflow.value,
+            "allow_nonfinite_inputs": m.allow_nonfinite_inputs,
+            "description": m.description,
+            "evaluation": m.evaluation,
+            "fidelity": self.fidelity.as_dict() if self.fidelity is not None else None,
+            "min_agreement": m.min_agreement,
+            "fidelity_bar": self.fidelity_bar,
+            "fp32_fallback": self.fp32_fallback,
+            "calibration": self.calibration,
+            "padding": self.padding.as_dict() if self.padding is not None else None,
+            "warmup_seconds": round(self.warmup_seconds, 4),
+            "execution": _execution(info) if info else m.execution.model_dump(mode="json"),
+            "loaded_at": self.loaded_at,
+            "failed_versions": [{"version": v, "error": e} for v, e in sorted(self.failed_versions.items())],
+            "stats": self.stats(),
+        }
+
+
+def _execution(info: EngineInfo) -> dict[str, object]:
+    """How a loaded engine runs: what the manifest asked for, as resolved for its device."""
+    return {
+        "instances": info.instances,
+        "buckets": list(info.buckets),
+        "cuda_graphs": info.cuda_graphs,
+        "channels_last": info.channels_last,
+        "graph_capture_seconds": round(info.graph_capture_seconds, 4),
+        "inductor": info.inductor,
+        "inductor_compile_seconds": round(info.inductor_compile_seconds, 4),
+        "placement": info.placement.value,
+        "on_event_loop": info.placement is Placement.EVENT_LOOP,
+        "pipelined": info.placement is Placement.BESIDE_LOOP,
+        "isolation": (Isolation.PROCESS if info.placement is Placement.INSTANCE_PROCESSES else Isolation.THREAD).value,
+    }
+
+
+def gil_switch_interval_ms(settings: Settings, device_type: str) -> float | None:
+    """The interpreter's switch interval to serve with: the setting, else :data:`CUDA_GIL_SWITCH_INTERVAL_MS` on a
+    CUDA device; None leaves Python's default. Applied once, by the server's lifespan (it is process-wide)."""
+    if settings.gil_switch_interval_ms is not None:
+        return settings.gil_switch_interval_ms
+    return CUDA_GIL_SWITCH_INTERVAL_MS if device_type == "cuda" else None
+
+
+class ModelRepository:
+    """Loads the store's models and owns their engines and batchers."""
+
+    def __init__(self, settings: Settings, observe: ObserverFactory | None = None) -> None:
+        self.settings = settings
+        self.device = resolve_device(settings.device)
+        self.models: dict[str, ServedModel] = {}
+        self.observe = observe
+        self.precisions: dict[str, Precision] = {}
+        """Precisions set at run time, per model; they outrank the settings and the manifest, across reloads."""
+        self._locks: dict[str, asyncio.Lock] = {}
+
+    def _lock(self, name: str) -> asyncio.Lock:
+        """Serialises the management calls (load, unload, precision switch) on one model."""
+        return self._locks.setdefault(name, asyncio.Lock())
+
+    def discover(self) -> None:
+        """Validate the manifests of the models to serve and what their architectures build against their checkpoints,
+        and register them. A version whose architecture is refused or does not build (or fit its checkpoint) is passed
+        over for the newest older one that does (unless the version is pinned); a model with no such version is
+        registered as failed, with the reason, and one whose manifest cannot be read is left out, logged. The others
+        are served; when none is left to serve, this fails fast, naming each file and field."""
+        root = self.settings.store
+        names = self.settings.models or store.model_folders(root)
+        if not names:
+            raise StoreError(f"{root}: no model folder with a {store.MANIFEST}")
+        failures = []
+        for name in names:
+            try:
+                served = self._register(name)
+            except (StoreError, OSError) as e:  # one malformed model folder must not keep the others from serving
+                failures.append(str(e))
+                log.error("model %r cannot be served: %s", name, e)  # repr: a newline in a name cannot forge lines
+                continue
+            served = self._checked(served)
+            if served.state is ModelState.FAILED:
+                failures.append(served.error or "")
+            self.models[name] = served
+        if len(failures) == len(names):
+            raise StoreError("; ".join(failures))
+
+    def _checked(self, served: ServedModel) -> ServedModel:
+        """``served``, or its newest older version whose architecture builds and fits its checkpoint; failed, with the
+        reason, when none does."""
+        failed: dict[int, str] = {}
+        candidate: ServedModel | None = served
+        while candidate is not None:
+            try:
+                store.check_architecture(self.settings.store / served.name, candidate.manifest, candidate.version)
+            except StoreError as e:
+                failed[candidate.version] = str(e)
+                log.error("model %s v%d failed to load: %s", served.name, candidate.version, e)
+                candidate = self._older(candidate)
+            else:
+                candidate.failed_versions = failed
+                return candidate
+        served.state, served.error = ModelState.FAILED, failed[served.version]
+        return served
+
+    def _older(self, served: ServedModel) -> ServedModel | None:
+        """The newest version of ``served``'s model older than it, to serve in its place; ``None`` when there is none
+        or the manifest pins the version (the operator asked for that one)."""
+        if served.manifest.version is not None:
+            return None
+        model_dir = self.settings.store / served.name
+        try:
+            older = [v for v in store.versions(model_dir) if v < served.version]
+        except OSError:
+            return None
+        return self._register(served.name, older[-1]) if older else None
+
+    def fixed_shapes(self) -> bool:
+        """Whether every registered model's engine pads batches to bucket sizes on this device."""
+        return all(pads_to_buckets(m.manifest.execution, self.device) for m in self.models.values())
+
+    def _register(self, name: str, version: int | None = None) -> ServedModel:
+        model_dir = self.settings.store / store.check_name(name)
+        manifest = store.load_manifest(model_dir)
+        version = store.resolve_version(model_dir, manifest, version)
+        return ServedModel(name, manifest, version, self._batching(manifest))
+
+    def _batching(self, manifest: Manifest) -> Batching:
+        s, b = self.settings, manifest.batching
+        return Batching(
+            max_batch_size=s.max_batch_size or b.max_batch_size,
+            max_delay_ms=b.max_delay_ms if s.max_delay_ms is None else s.max_delay_ms,
+            max_queue_rows=max(s.max_queue_rows or b.max_queue_rows, s.max_batch_size or b.max_batch_size),
+            request_timeout_ms=s.request_timeout_ms or b.request_timeout_ms,
+            adaptive_delay=b.adaptive_delay if s.adaptive_delay is None else s.adaptive_delay,
+            group_lengths=b.group_lengths,
+        )
+
+    async def load_all(self) -> None:
+        """Load and warm every discovered model, one after another: its newest version that loads (see
+        :meth:`_load_newest`); a model none of whose versions loads is marked failed."""
+        for served in list(self.models.values()):
+            if served.state is ModelState.FAILED:  # refused at discovery, with its reason
+                continue
+            async with self._lock(served.name):
+                self.models[served.name] = await self._load_newest(served)
+
+    async def _load_newest(self, served: ServedModel) -> ServedModel:
+        """Load ``served``, else its newest older version that loads (unless the version is pinned), so a version that
+        fails never takes down one that would serve; the versions passed over are kept in ``failed_versions``, with
+        why, and logged. Returns the model loaded, or ``served`` marked failed, with its reason, when none loads."""
+        failed = dict(served.failed_versions)
+        candidate: ServedModel | None = served
+        while candidate is not None:
+            try:
+                await self._load(candidate)
+            except Exception as e:  # a broken checkpoint must not stop the other models (or versions) from serving
+                failed[candidate.version] = str(e)
+                log.error("model %s v%d failed to load: %s", served.name, candidate.version, e)
+                candidate = await asyncio.to_thread(self._older, candidate)
+            else:
+                candidate.failed_versions = failed
+                if failed:
+                    log.warning(
+                        "model %s serves v%d, its newest version that loads; passed over: %s",
+                        served.name,
+                        candidate.version,
+                        "; ".join(f"v{v}: {e}" for v, e in sorted(failed.items(), reverse=True)),
+                    )
+                return candidate
+        served.state, served.error = ModelState.FAILED, failed[served.version]
+        served.failed_versions = failed
+        return served
+
+    def _observer(self, served: ServedModel, engine: AnyEngine) -> BatchObserver | None:
+        return self.observe(served.name, served.version, engine.precision.value) if self.observe else None
+
+    async def _engine(self, served: ServedModel, loaded: LoadedModel, precision: Precision) -> AnyEngine:
+        """A new engine for ``served`` cast from ``loaded``'s host weights, warmed up unless warm-up is off; with
+        process isolation, instance processes that read the same checkpoint and warm up in parallel."""
+        execution = served.manifest.execution
+        if isolation(execution, self.settings.instance_isolation, self.device) is Isolation.PROCESS:
+            processes = await ProcessEngine.start(
+                self.settings,
+                loaded,
+                precision,
+                self.device,
+                served.batching.max_batch_size,
+                self.fixed_shapes(),
+            )
+            served.warmup_seconds = processes.warmup_seconds
+            return processes
+        engine = await asyncio.to_thread(
+            functools.partial(Engine, max_batch_size=served.batching.max_batch_size),
+            loaded,
+            precision,
+            self.device,
+        )
+        if self.settings.warmup:
+            try:
+                served.warmup_seconds = await asyncio.to_thread(engine.warmup, served.batching.max_batch_size)
+                if self.settings.threads is None and self.device.type == "cpu":
+                    given = self.settings.forward_seconds
+                    await asyncio.to_thread(
+                        engine.settle_threads,
+                        served.batching.max_batch_size,
+                        available_cores(),
+                        None if given is None else fixed_timing(given),
+                    )
+            except BaseException:
+                engine.close()
+                raise
+        on_loop, beside = self.settings.forward_on_event_loop, self.settings.pipeline_forward
+        placement = choose(engine, on_loop, beside)
+        try:
+            await asyncio.to_thread(engine.place, placement, served.batching.max_batch_size)
+        except TraceRefused as e:
+            log.info("model %s: batches run eagerly, not as a traced graph beside the event loop: %s", served.name, e)
+            engine.place(choose(engine, on_loop, beside_loop=False), served.batching.max_batch_size)
+        return engine
+
+    def _held_to(self, manifest: Manifest) -> fidelity.Bar | None:
+        """The fidelity bar a model served in a half precision must meet at load; ``None``: it is not measured."""
+        if self.settings.fidelity_bar is FidelityCheck.OFF:
+            return None
+        held_to = fidelity.bar(manifest)
+        return held_to if held_to.check else None
+
+    async def _check_fidelity(
+        self, served: ServedModel, loaded: LoadedModel, engine: AnyEngine, held_to: fidelity.Bar
+    ) -> AnyEngine:
+        """Measure a half-precision engine against fp32 on the version's samples (calibration, else random); returns
+        the engine to serve: this one, or an fp32 one where the model falls below ``held_to``."""
+        served.fidelity_bar = held_to.as_dict()
+        samples = await asyncio.to_thread(fidelity.samples, loaded)
+        half = engine.precision.value
+        try:
+            measured = await asyncio.to_thread(
+                fidelity.measure, engine, loaded, samples.rows, served.batching.max_batch_size, samples.source
+            )
+        except Exception as e:
+            if samples.source is not fidelity.Source.RANDOM:
+                raise  # the operator's own samples fail the model: as any load failure
+            # Random samples may be inputs the model cannot take (ids past its vocabulary, values it refuses): its
+            # half precision is then unproven, so it is not what is served.
+            reason = f"{half} could not be measured against fp32 on random samples ({e}); give calibration samples"
+        else:
+            served.fidelity = measured
+            log.info(
+                "model %s: %s vs fp32 on %d %s samples in %.2fs: top-1 agreement %s, lowest cosine %s, "
+                "max abs/rel error %s/%s",
+                served.name,
+                half,
+                measured.samples,
+                measured.source,
+                measured.seconds,
+                _figure(measured.top1_agreement, ".4f"),
+                _figure(measured.min_cosine, ".6f"),
+                _figure(measured.max_abs_error, ".3g"),
+                _figure(measured.max_rel_error, ".3g"),
+            )
+            shortfall = fidelity.shortfall(measured, held_to)
+            if shortfall is None:
+                engine.real_elements = engine.padded_elements = 0  # padding waste counts requests, not samples
+                return engine
+            reason = shortfall
+        log.warning(
+            "model %s is served in fp32, not %s: %s; %s", served.name, half, reason, fidelity.how_to_override(half)
+        )
+        served.fp32_fallback = reason
+        engine.close()
+        return await self._engine(served, loaded, Precision.FP32)
+
+    @staticmethod
+    async def _check_padding(served: ServedModel, loaded: LoadedModel) -> None:
+        """Refuse a model whose answers change with padding (:mod:`halfserve.padding`), before an engine is built."""
+        served.calibration = await asyncio.to_thread(calibration.source_of, loaded.path.parent)
+        served.padding = await asyncio.to_thread(padding.at_load, loaded)
+
+    async def _load(self, served: ServedModel) -> None:
+        precision = self.precisions.get(served.name) or self.settings.precision or served.manifest.precision
+        loaded = await asyncio.to_thread(store.load, self.settings.store, served.name, served.version)
+        if loaded.manifest.text is not None:
+            # A text model's tokenizer is read here too, so a missing or unreadable one fails the load, not requests.
+            try:
+                await asyncio.to_thread(text.encoder, self.settings.store, served.name, served.version, loaded.manifest)
+            except text.TextError as e:
+                raise StoreError(str(e)) from None
+        await self._check_padding(served, loaded)
+        served.index_limits = await asyncio.to_thread(index_limits, loaded.module, loaded.manifest)
+        engine = await self._engine(served, loaded, precision)
+        held_to = self._held_to(loaded.manifest)
+        if engine.precision is not Precision.FP32 and held_to is not None:
+            try:
+                engine = await self._check_fidelity(served, loaded, engine, held_to)
+            except BaseException:
+                engine.close()
+                raise
+        rows, in_flight = engine.batches(served.batching.max_batch_size)
+        batcher = Batcher(
+            engine.run,
+            max_batch_size=rows,
+            max_delay=served.batching.max_delay_ms / 1000.0,
+            max_queue_rows=served.batching.max_queue_rows,
+            adaptive_delay=served.batching.adaptive_delay,
+            concurrency=in_flight,
+            observer=self._observer(served, engine),
+        )
+        batcher.start()
+        served.loaded, served.host_weight_bytes = loaded, module_bytes(loaded.module)
+        served.engine, served.batcher, served.precision = engine, batcher, engine.precision
+        served.state = ModelState.READY
+        info = engine.info
+        log.info(
+            "model %s v%d ready on %s in %s (warm-up %.2fs; %d instance(s)%s, buckets %s, CUDA graphs %s, inductor %s)",
+            served.name,
+            served.version,
+            engine.device,
+            engine.precision.value,
+            served.warmup_seconds,
+            info.instances,
+            _PLACED[info.placement],
+            list(info.buckets) or "off",
+            f"captured in {info.graph_capture_seconds:.2f}s" if info.cuda_graphs else "off",
+            f"compiled in {info.inductor_compile_seconds:.2f}s" if info.inductor else "off",
+        )
+
+    async def load(self, name: str, version: int | None = None, precision: Precision | None = None) -> ServedModel:
+        """Load (or reload) ``name`` from the store without a restart, warmed up before it serves.
+
+        ``version`` defaults to the store's served version (the manifest's pin, else the highest); ``precision``
+        sets the model's precision from now on. A model being served keeps answering from its old instance until
+        the new one is warm, then the old one drains; a model not being served shows as loading (so readiness
+        answers "not ready") until it is warm. If loading fails, the model is left as it was: one being served keeps
+        serving, with the version that failed and why in its ``failed_versions``; one that is not, asked for no
+        particular version, is served from its newest older version that loads, as at start-up.
+
+        Raises :class:`StoreError` for a model or version the store does not hold, or a checkpoint that fails.
+        """
+        if not (self.settings.store / store.check_name(name) / store.MANIFEST).is_file():
+            raise StoreError(f"model {name!r} is not in the store {self.settings.store}")
+        async with self._lock(name):
+            served = self._register(name, version)
+            old = self.models.get(name)
+            if old is None or old.batcher is None:
+                self.models[name] = served
+            before = self.precisions.get(name)
+            if precision is not None:
+                self.precisions[name] = precision
+            try:
+                served = await self._load_or_older(served, old, asked_for_version=version is not None)
+            except BaseException:
+                _restore(self.precisions, name, before)
+                if old is None:
+                    self.models.pop(name, None)
+                else:
+                    self.models[name] = old
+                raise
+            self.models[name] = served
+            if old is not None:
+                # Newer versions that failed are still passed over: a reload of the one served keeps naming them.
+                passed_over = {v: e for v, e in old.failed_versions.items() if v > served.version}
+                served.failed_versions = {**passed_over, **served.failed_versions}
+                await self._release(old)
+            return served
+
+    async def _load_or_older(
+        self, served: ServedModel, old: ServedModel | None, asked_for_version: bool
+    ) -> ServedModel:
+        """Load ``served``, or raise why not; a version that fails is noted on ``old`` where that one serves, and
+        where none serves and no version was asked for, the newest older version that loads is served instead."""
+        try:
+            await self._load(served)
+        except Exception as e:
+            if old is not None and old.batcher is not None:
+                old.failed_versions[served.version] = str(e)
+                log.error(
+                    "model %s v%d failed to load; v%d goes on serving: %s", old.name, served.version, old.version, e
+                )
+                raise
+            older = None if asked_for_version else await asyncio.to_thread(self._older, served)
+            if older is None:
+                raise
+            log.error("model %s v%d failed to load: %s", served.name, served.version, e)
+            older.failed_versions = {served.version: str(e)}
+            loaded = await self._load_newest(older)
+            if loaded.state is not ModelState.READY:
+                raise
+            return loaded
+        return served
+
+    async def reload(self, name: str, precision: Precision | None = None) -> ServedModel:
+        """Read the version ``name`` serves (or last served) again from the store; see :meth:`load`."""
+        return await self.load(name, self.get(name).version, precision)
+
+    async def unload(self, name: str) -> None:
+        """Stop serving ``name``: queued requests are answered, then the engine is released."""
+        async with self._lock(name):
+            served = self.get(name)
+            served.state = ModelState.UNLOADED
+            await self._release(served)
+
+    async def set_precision(self, name: str, precision: Precision) -> ServedModel:
+        """Serve ``name`` in ``precision`` from now on, without re-reading its checkpoint or failing a request.
+
+        A new engine is cast from the fp32 weights kept on the host and warmed up while the old one serves; then the
+        batcher hands its next batch to the new engine, and the old one is released once its running batch is done.
+        Raises :class:`ModelNotReadyError` unless the model is being served.
+        """
+        async with self._lock(name):
+            served = self.get(name)
+            batcher, old, loaded = served.batcher, served.engine, served.loaded
+            if served.state is not ModelState.READY or batcher is None or old is None or loaded is None:
+                raise ModelNotReadyError(f"model {name!r} is {served.state.value}; load it first")
+            if prec.resolve(precision, self.device) is old.precision:
+                self.precisions[name] = precision
+                return served
+            engine = await self._engine(served, loaded, precision)
+            if served.batcher is not batcher:  # released (shutdown) while the new engine warmed up
+                engine.close()
+                raise ModelNotReadyError(f"model {name!r} was released during the precision switch")
+            batcher.runner, batcher.observer = engine.run, self._observer(served, engine)
+            served.engine, served.precision = engine, engine.precision
+            self.precisions[name] = precision
+            await asyncio.to_thread(old.close)  # returns once the batch running on it (if any) is answered
+            served.retired_overflows += old.overflows
+            served.retired_fp32_reruns += old.fp32_reruns
+            log.info("model %s switched from %s to %s", name, old.precision.value, engine.precision.value)
+            return served
+
+    @staticmethod
+    async def _release(served: ServedModel) -> None:
+        batcher, engine = served.batcher, served.engine
+        served.batcher = None
+        if batcher is not None:
+            await batcher.stop()
+            served.final_stats = batcher.stats
+        if engine is not None:
+            # Off the event loop: it waits for instance threads or processes to end (seconds for a hung one).
+            await asyncio.to_thread(engine.close)
+        served.engine = None
+
+    @property
+    def ready(self) -> bool:
+        """True when every model that is not unloaded is loaded and warmed up."""
+        live = [m for m in self.models.values() if m.state is not ModelState.UNLOADED]
+        return bool(live) and all(why_model_not_ready(m) is None for m in live)
+
+    def get(self, name: str | None) -> ServedModel:
+        """The model called ``name``; ``None`` means the only model when exactly one is served."""
+        return find(self.models, name)
+
+    async def close(self) -> None:
+        """Drain every batcher (queued requests are answered), then release the engines."""
+        for served in self.models.values():
+            await self._release(served)
+
+
+def _figure(value: float | None, spec: str) -> str:
+    return "n/a" if value is None else format(value, spec)
+
+
+def _restore(overrides: dict[str, Precision], name: str, value: Precision | None) -> None:
+    if value is None:
+        overrides.pop(name, None)
+    else:
+        overrides[name] = value

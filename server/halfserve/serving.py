@@ -1,0 +1,508 @@
+"""The contract between the routes and the models: what a route may ask of a model, and what it gets back.
+
+Routes (:mod:`halfserve.api`) talk to a :class:`ModelService` and its :class:`ModelHandle` objects and to nothing below
+them. Two implementations answer: the local repository (:mod:`halfserve.repository`: engines and batchers in this
+process) and, with ``--http-workers``, the front-ends' client of the engine process (:mod:`halfserve.multiproc.client`).
+Neither inherits from the other; both are checked against these protocols.
+
+Tensors cross as **named numpy arrays**: a request is a mapping of input name to an array with rows (samples) on the
+first dimension, a :class:`Prediction` a mapping of output name to its rows. Today's models take one input and give
+one output: the one-entry case.
+
+Also here, below both sides: the domain errors (a route maps them onto HTTP statuses; the multi-process wire carries
+them by name), the readiness rule, the runner contract the batcher calls (implemented by the engine), and the typed
+state an app holds. Neutral: no HTTP, no torch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypeVar
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from halfserve.manifest import Batching, Manifest, Precision
+    from halfserve.settings import Settings
+
+Tensors = Mapping[str, np.ndarray]
+"""Named tensors, rows first: a request's inputs by input name, or a prediction's outputs by output name."""
+
+
+class ModelState(str, Enum):
+    """Where a model is in its life."""
+
+    LOADING = "loading"
+    READY = "ready"
+    FAILED = "failed"
+    UNLOADED = "unloaded"
+
+
+# Domain errors -------------------------------------------------------------------------------------------------------
+
+
+class ServingError(Exception):
+    """Base of the errors a request can fail with below the routes; each maps onto one HTTP status."""
+
+
+class ModelNotFoundError(ServingError, LookupError):
+    """No model of that name is known to the server."""
+
+
+class ModelUnavailableError(ModelNotFoundError):
+    """The model is known, but no version of it can serve: it failed to load, or was unloaded."""
+
+
+class ModelNotReadyError(ServingError, RuntimeError):
+    """The model is known but cannot take requests now (loading, draining, or reloaded under the request).
+
+    ``retry`` says whether the same request may succeed if sent again in a moment (a ``Retry-After``).
+    """
+
+    def __init__(self, message: str, retry: bool = True) -> None:
+        super().__init__(message)
+        self.retry = retry
+
+
+class InvalidInputError(ServingError, ValueError):
+    """The named inputs do not match the model's: a missing, unexpected or misshapen tensor."""
+
+
+class BatchingError(ServingError):
+    """Base class of the errors a queued request can fail with."""
+
+
+class QueueFullError(BatchingError):
+    """The queue holds ``max_queue_rows`` rows; the request was not accepted."""
+
+
+class DeadlineExceededError(BatchingError):
+    """The request's deadline passed while it was queued; it was never run."""
+
+
+class ShuttingDownError(BatchingError):
+    """The batcher is draining and accepts no new requests."""
+
+
+class BatchFailedError(BatchingError):
+    """The runner failed on this request's rows (alone: other requests of the batch were rerun without it)."""
+
+
+class RequestTooLargeError(BatchingError):
+    """The request has more rows than the queue can ever hold; retrying cannot help."""
+
+
+class RegionError(ServingError, ValueError):
+    """A shared memory region cannot be opened, read or written as asked (a client's mistake, or its object shrank)."""
+
+
+class RegionFullError(RegionError):
+    """The file system holding a shared memory object has no room for an output written into it."""
+
+
+_WIRE_ERRORS: dict[str, type[ServingError]] = {
+    cls.__name__: cls
+    for cls in (
+        ServingError,
+        ModelNotFoundError,
+        ModelUnavailableError,
+        ModelNotReadyError,
+        InvalidInputError,
+        QueueFullError,
+        DeadlineExceededError,
+        ShuttingDownError,
+        BatchFailedError,
+        RequestTooLargeError,
+        RegionError,
+        RegionFullError,
+    )
+}
+
+
+def error_to_wire(e: BaseException) -> dict[str, object]:
+    """``e`` as another process can raise it again (:func:`error_from_wire`): its kind and message."""
+    if isinstance(e, ServingError) and type(e).__name__ in _WIRE_ERRORS:
+        wire: dict[str, object] = {"kind": type(e).__name__, "message": str(e)}
+        if isinstance(e, ModelNotReadyError):
+            wire["retry"] = e.retry
+        return wire
+    # Anything else failed inside the server: it answers as an internal error, under its own type's name.
+    return {"kind": "internal", "message": f"{type(e).__name__}: {e}"}
+
+
+def error_from_wire(wire: Mapping[str, object]) -> Exception:
+    """The exception :func:`error_to_wire` described."""
+    kind, message = wire.get("kind"), str(wire.get("message"))
+    cls = _WIRE_ERRORS.get(kind) if isinstance(kind, str) else None
+    if cls is ModelNotReadyError:
+        return ModelNotReadyError(message, retry=bool(wire.get("retry", True)))
+    if cls is not None:
+        return cls(message)
+    return InternalError(message)
+
+
+class InternalError(RuntimeError):
+    """An unexpected failure in another process, carried as its ``"<type>: <message>"``."""
+
+
+# Results -------------------------------------------------------------------------------------------------------------
+
+
+class Prediction(NamedTuple):
+    """A request's outputs by name, and the precisions that computed them: the served precision, ``fp32`` where an
+    overflowing half-precision output was rerun, both for a request spanning batches of which only some were rerun."""
+
+    outputs: dict[str, np.ndarray]
+    precisions: tuple[Precision, ...]
+
+    @property
+    def precision(self) -> str:
+        """The precisions as responses name them: ``fp16``, or ``fp16+fp32`` where only some batches were rerun."""
+        return "+".join(p.value for p in self.precisions)
+
+    @property
+    def rows(self) -> int:
+        """Rows (samples) answered."""
+        return len(next(iter(self.outputs.values()))) if self.outputs else 0
+
+
+# The runner contract: what the batcher calls, and the engine implements -----------------------------------------------
+# Output is a NamedTuple rather than a frozen dataclass: one is built per chunk, and a tuple builds several times
+# faster.
+
+
+class Output(NamedTuple):
+    """One chunk's output rows and the precision that computed them (None: the runner does not say)."""
+
+    data: np.ndarray
+    precision: Precision | None = None
+
+
+Outcome = np.ndarray | Output | Exception
+"""What a runner gives back per chunk: its output rows, or the error that fails that chunk's request alone."""
+
+Runner = Callable[[list[np.ndarray]], Awaitable[Sequence[Outcome]]]
+"""Runs one batch, given as the chunks (row slices of requests) it is made of; one outcome per chunk."""
+
+
+class BatchTooLargeError(Exception):
+    """Raised by a runner that cannot run this many rows at once (the device is out of memory).
+
+    The batcher halves its batch size for good and reruns the rows in smaller batches; only a single row that still
+    does not fit fails its request.
+    """
+
+
+class InstanceLostError(Exception):
+    """Raised by a runner whose instance died (or was killed, hung) running the batch: an instance process's end.
+
+    Any of the batch's requests may have killed it, and a rerun that holds that request kills the next instance too,
+    so the batcher reruns each chunk alone rather than in halves; a chunk that loses its instance alone fails its
+    request without a retry.
+    """
+
+
+# What a batcher has done: kept by the batcher, read by the statistics routes ----------------------------------------
+
+
+@dataclass
+class BatchStats:
+    """What a batcher has done: counts, a histogram of batch sizes and summed queue / compute time."""
+
+    requests: int = 0
+    rows: int = 0
+    batches: int = 0
+    failed_batches: int = 0
+    rejected: int = 0
+    expired: int = 0
+    split_retries: int = 0
+    """Failed batches rerun as two smaller ones to isolate the failing requests."""
+    oom_shrinks: int = 0
+    """Times the runner reported a batch too large and the batch size was halved."""
+    batch_sizes: Counter[int] = field(default_factory=Counter)
+    queue_seconds: float = 0.0
+    compute_seconds: float = 0.0
+    queued_chunks: int = 0
+    """How many chunks ``queue_seconds`` sums over (a request spanning batches waits once per chunk)."""
+    succeeded: int = 0
+    """Requests answered with their outputs."""
+    failed: int = 0
+    """Requests answered with an error: rejected, expired, failed batch, shutting down or abandoned by the caller."""
+    success_seconds: float = 0.0
+    """Summed time from submit to answer of the succeeded requests; ``fail_seconds`` likewise for the failed."""
+    fail_seconds: float = 0.0
+    batch_compute_seconds: dict[int, float] = field(default_factory=dict)
+    """Summed runner time of the successful batches, per batch size (the keys of ``batch_sizes``)."""
+    last_inference: float = 0.0
+    """Wall-clock time (``time.time()``) the last successful batch finished; 0 before the first."""
+
+    def snapshot(self) -> dict[str, object]:
+        return {
+            "requests": self.requests,
+            "rows": self.rows,
+            "batches": self.batches,
+            "failed_batches": self.failed_batches,
+            "succeeded": self.succeeded,
+            "failed": self.failed,
+            "rejected": self.rejected,
+            "expired": self.expired,
+            "split_retries": self.split_retries,
+            "oom_shrinks": self.oom_shrinks,
+            "mean_batch_size": self.rows / self.batches if self.batches else 0.0,
+            "batch_size_histogram": {str(k): v for k, v in sorted(self.batch_sizes.items())},
+            "queue_seconds": self.queue_seconds,
+            "compute_seconds": self.compute_seconds,
+            "success_seconds": self.success_seconds,
+        }
+
+
+# The service ---------------------------------------------------------------------------------------------------------
+
+
+class ModelHandle(Protocol):
+    """A model as a route sees it: its signature and state, and a way to run requests through it."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def version(self) -> int: ...
+
+    @property
+    def manifest(self) -> Manifest: ...
+
+    @property
+    def batching(self) -> Batching: ...
+
+    @property
+    def state(self) -> ModelState: ...
+
+    @property
+    def error(self) -> str | None: ...
+
+    @property
+    def precision(self) -> Precision | None:
+        """The precision it is served in, once loaded."""
+
+    @property
+    def serving(self) -> bool:
+        """Whether a request sent now is taken (the state may lag: the side that runs it decides)."""
+
+    @property
+    def available(self) -> bool:
+        """Whether an instance can run a batch now: false while every instance process of a ready model is
+        restarting (requests sent meanwhile wait for one, or are answered 503 with ``Retry-After``)."""
+
+    def submit(self, inputs: Tensors, timeout: float | None = None) -> asyncio.Future[Prediction]:
+        """Queue ``inputs`` for batching; the future's result is their prediction.
+
+        ``timeout`` (seconds, the client's) and the model's ``request_timeout_ms``, whichever is shorter, bound how
+        long the rows may wait to start: past it the future fails with :class:`DeadlineExceededError`. Raises at once
+        what refuses the request before queueing (:class:`ModelNotReadyError`, :class:`QueueFullError`, ...);
+        cancelling the future withdraws the rows not yet running.
+        """
+
+
+class ModelService(Protocol):
+    """The served models, as the routes reach them."""
+
+    @property
+    def models(self) -> Mapping[str, ModelHandle]: ...
+
+    @property
+    def ready(self) -> bool:
+        """True when every model that is not unloaded is loaded and warmed up."""
+
+    def get(self, name: str | None) -> ModelHandle:
+        """The model called ``name`` (None: the only one, when exactly one is served); :class:`ModelNotFoundError`
+        otherwise."""
+
+
+class LocalModel(ModelHandle, Protocol):
+    """A model as the process that runs it shows it: what the listing, statistics and management routes read."""
+
+    def describe(self) -> dict[str, object]:
+        """Its entry in ``GET /models``: signature, precision, execution, fidelity, state."""
+
+    def stats(self) -> dict[str, object] | None:
+        """Its batcher's and engine's counters (None while not loaded)."""
+
+    @property
+    def batch_stats(self) -> BatchStats | None:
+        """What its batcher has done since it was loaded (None while it has none)."""
+
+
+class Device(Protocol):
+    """Where the models run, as the routes name it (``torch.device`` answers it)."""
+
+    @property
+    def type(self) -> str: ...
+
+    @property
+    def index(self) -> int | None: ...
+
+
+class ModelAdmin(Protocol):
+    """The models of the process that runs them, as the management and listing routes change and read them: the
+    local repository (:class:`halfserve.repository.ModelRepository`). A front-end has none; it relays those routes."""
+
+    @property
+    def models(self) -> Mapping[str, LocalModel]: ...
+
+    @property
+    def device(self) -> Device: ...
+
+    def get(self, name: str | None) -> LocalModel:
+        """As :meth:`ModelService.get`."""
+
+    async def load(self, name: str, version: int | None = None, precision: Precision | None = None) -> LocalModel:
+        """Load (or reload) ``name`` from the store, warmed up before it serves; raises ``StoreError`` (a
+        ``ValueError``) for a model, version or checkpoint the store cannot give."""
+
+    async def unload(self, name: str) -> None:
+        """Stop serving ``name``, letting its requests in flight finish."""
+
+    async def set_precision(self, name: str, precision: Precision) -> LocalModel:
+        """Serve ``name`` in ``precision`` from now on (a new engine, warmed up, then swapped in)."""
+
+
+class SharedRegion(Protocol):
+    """A registered shared memory region, as the routes read and write it (:class:`halfserve.regions.Region`)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def byte_size(self) -> int: ...
+
+    def status(self) -> dict[str, Any]: ...
+
+    def check(self, offset: int, size: int, field: str) -> None: ...
+
+    def read(self, offset: int, size: int, field: str) -> bytearray: ...
+
+    def write(self, offset: int, data: memoryview, field: str) -> None: ...
+
+
+class SharedRegions(Protocol):
+    """The registered shared memory regions (:class:`halfserve.regions.Regions`, or a front-end's mirror of them)."""
+
+    @property
+    def regions(self) -> Mapping[str, SharedRegion]: ...
+
+    def register(self, name: str, key: str, offset: int, byte_size: int) -> None: ...
+
+    def unregister(self, name: str | None) -> None: ...
+
+    def status(self) -> list[dict[str, Any]]: ...
+
+    def get(self, name: object, field: str) -> SharedRegion: ...
+
+
+M = TypeVar("M")
+
+
+UNKNOWN_MODEL = "Request for unknown model: "
+"""How Triton's answers about a model it cannot serve begin (unknown, no such version, not ready): clients test for it
+(Triton's example clients check that an unknown model's error starts with it)."""
+
+
+class NoModels:
+    """The service of an app whose models are not discovered yet: none is known, so none is ready."""
+
+    models: Mapping[str, ModelHandle] = {}
+    ready = False
+
+    def get(self, name: str | None) -> ModelHandle:
+        raise ModelNotFoundError(f"{UNKNOWN_MODEL}{name!r} is not found (no model is served yet: the server starts)")
+
+
+def find(models: Mapping[str, M], name: str | None) -> M:
+    """The model called ``name`` in ``models``; ``None`` means the only model when there is exactly one."""
+    if name is None:
+        if len(models) == 1:
+            return next(iter(models.values()))
+        if models:  # the request's fault, not a model missing: a 400 naming the field to add
+            raise InvalidInputError(f'model: several models are served ({", ".join(models)}); name one with "model"')
+        raise ModelNotFoundError(f"{UNKNOWN_MODEL}none is served to take a request without a model's name")
+    try:
+        return models[name]
+    except KeyError:
+        raise ModelNotFoundError(f"{UNKNOWN_MODEL}{name!r} is not found (served: {', '.join(models)})") from None
+
+
+def why_model_not_ready(model: ModelHandle) -> str | None:
+    """Why ``model`` is not ready (its state, or no instance able to serve), as readiness probes report it; None when
+    it is ready."""
+    if model.state is not ModelState.READY:
+        return str(model.state.value)
+    if not model.available:
+        return "no instance able to serve: restarting"
+    return None
+
+
+def check_ready(model: ModelHandle, version: str | None) -> None:
+    """The readiness rule: return when ``model`` takes requests now, else raise why not, in Triton's words.
+
+    A model still loading (or draining) is :class:`ModelNotReadyError` (retry). An unloaded or failed model answers
+    as Triton does: :class:`ModelUnavailableError` ("no available versions") when the request names no version, and
+    :class:`ModelNotReadyError` without retry when it names the served version, which exists but is not ready.
+    """
+    if model.serving:
+        return
+    unavailable = f"{UNKNOWN_MODEL}{model.name!r} " + (
+        "has no available versions" if version is None else f"version {version} is not at ready state"
+    )
+    if model.state is ModelState.LOADING:
+        raise ModelNotReadyError(f"{unavailable} (it is loading)")
+    if model.state is ModelState.READY:  # released under the request: the server is draining
+        raise ModelNotReadyError(f"{unavailable} (it is draining)")
+    reason = model.error if model.state is ModelState.FAILED else model.state.value
+    if version is None:
+        raise ModelUnavailableError(f"{unavailable} ({reason})")
+    raise ModelNotReadyError(f"{unavailable} ({reason})", retry=False)
+
+
+class Interface(str, Enum):
+    """The interface an inference request came through."""
+
+    PREDICT = "predict"
+    """``POST /predict``, the simple JSON interface."""
+    V2 = "v2"
+    """``POST /v2/models/{m}/infer``, the KServe V2 protocol (JSON or binary tensors)."""
+    GRPC = "grpc"
+    """``inference.GRPCInferenceService/ModelInfer`` (and its stream), the KServe V2 protocol over gRPC."""
+
+
+class RequestRecorder(Protocol):
+    """Counts answered requests (:class:`halfserve.metrics.Metrics` in the engine process; a front-end forwards
+    them)."""
+
+    def request(
+        self, model: str, precision: str, interface: Interface, status: int, rows: int, seconds: float
+    ) -> None: ...
+
+
+@dataclass
+class AppState:
+    """What an app's routes read: one typed object, filled once, by the app that serves them."""
+
+    settings: Settings
+    service: ModelService
+    regions: SharedRegions
+    """The registered shared memory regions (a front-end's mirror of the engine process's)."""
+    metrics: RequestRecorder | None = None
+    repository: ModelAdmin | None = None
+    """The local repository, for the management and listing routes: only in the process that owns the models
+    (a front-end relays those routes to it)."""
+    draining: bool = False
+    drain_started: float | None = None
+    pending: list[Callable[[], str | None]] = field(default_factory=list)
+    """Checks readiness also waits on (e.g. front-ends not yet connected): each names what is missing, or None."""
+    route_state: dict[type, object] = field(default_factory=dict)
+    """What the routes keep per app, by its type (the admin token's lockout, :mod:`halfserve.api.lockout`): theirs to
+    define, not the contract's."""

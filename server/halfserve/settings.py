@@ -1,0 +1,253 @@
+"""Server settings: ``HALFSERVE_*`` environment variables and ``halfserve serve`` flags map onto the same fields."""
+
+from __future__ import annotations
+
+import os
+from enum import Enum
+from pathlib import Path
+from typing import Annotated
+
+from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+from halfserve.manifest import Isolation, Precision
+
+MIN_ADMIN_TOKEN = 16
+"""Shortest admin token accepted."""
+
+
+class LogLevel(str, Enum):
+    """The least severe log lines written."""
+
+    DEBUG = "debug"
+    INFO = "info"
+    WARNING = "warning"
+    ERROR = "error"
+
+
+class LogFormat(str, Enum):
+    """How log lines are written."""
+
+    TEXT = "text"
+    """``time level logger: message``, for people."""
+    JSON = "json"
+    """One JSON object per line, with the request id and other fields as keys, for log collectors."""
+
+
+class FidelityCheck(str, Enum):
+    """Whether the models served in a half precision are held to a fidelity bar at load (:mod:`halfserve.fidelity`)."""
+
+    DEFAULT = "default"
+    """Each is measured against fp32 and held to its manifest's bar (the default bar where it sets none)."""
+    OFF = "off"
+    """None is measured: each is served in the half precision asked for, whatever its manifest's bar."""
+
+
+class Settings(BaseSettings):
+    """Everything the server reads at start-up. Per-model settings live in each model's manifest."""
+
+    model_config = SettingsConfigDict(env_prefix="HALFSERVE_", extra="forbid", use_attribute_docstrings=True)
+    # Each field's docstring is its description: the first sentence is its ``halfserve serve --help`` line
+    # (halfserve.cli builds the flags from these fields), the rest its documentation.
+
+    store: Path = Path("model_store")
+    """The model store folder."""
+    code_path: Annotated[list[Path], NoDecode] = Field(default_factory=list)
+    """Folders put first on the import path at start-up, for ``package.module:factory`` architectures
+    (``os.pathsep``-separated in the environment, like ``PYTHONPATH``)."""
+    models: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    """Serve only these models (comma-separated in the environment); empty serves every model in the store."""
+    host: str = "127.0.0.1"
+    """The address to bind."""
+    port: int = Field(default=8000, ge=0, le=65535)
+    """The HTTP port."""
+    grpc: bool = True
+    """Serve the KServe V2 protocol over gRPC too (``inference.GRPCInferenceService`` and ``grpc.health.v1``), on
+    ``host``:``grpc_port``."""
+    grpc_port: int = Field(default=8001, ge=0, le=65535)
+    """The gRPC port (Triton's default, 8001)."""
+    grpc_max_streams: int = Field(default=32, ge=1, le=65536)
+    """Calls (HTTP/2 streams) one gRPC connection may have open at once; the server advertises it, and a client that
+    opens more has them refused by the protocol (``SETTINGS_MAX_CONCURRENT_STREAMS``)."""
+    grpc_idle_timeout: float = Field(default=60.0, gt=0.0, le=86400.0)
+    """Seconds a ``ModelStreamInfer`` stream may wait for its next request. A gRPC connection with no call in progress
+    is closed (``GOAWAY``; clients reconnect on their next call) after ``header_timeout``, or this if shorter: an idle
+    connection holds one of ``max_connections``."""
+    grpc_pending_bytes: int = Field(default=256 * 2**20, ge=2**20)
+    """Bytes that gRPC calls still receiving their request message may hold in all. Each such call is counted at the
+    largest message the server accepts (the models' largest request, at most ``max_body_bytes``); a call past the
+    budget is refused (``RESOURCE_EXHAUSTED``) before its message is read."""
+    grpc_peer_share: float = Field(default=0.5, gt=0.0, le=1.0)
+    """The share of ``grpc_pending_bytes``' calls (at least one) that calls from one client address may hold, so one
+    client cannot take them all; a client behind a proxy shares its address with the proxy's other clients."""
+    grpc_peer_connections: int = Field(default=128, ge=1)
+    """gRPC connections one client address may hold; its newest past this are closed within half a second (on Linux),
+    so one client cannot hold every one of ``max_connections``."""
+    grpc_receive_grace: float = Field(default=2.0, gt=0.0, le=3600.0)
+    """Seconds a gRPC call, or a stream between requests, waits for its request message before its share of
+    ``grpc_pending_bytes`` may go to a call that needs it (the waiting one then ends, ``DEADLINE_EXCEEDED``): a
+    client's message comes with its call, so a silent call holds its share only while no one else needs it."""
+    grpc_compression: bool = False
+    """Accept gzip- and deflate-compressed gRPC messages. Off: refused (``UNIMPLEMENTED``), as no ratio can be
+    checked (the gRPC runtime inflates a message before the server sees it) and zeros compress a thousandfold. On: a
+    message still inflates to no more than the largest message the server accepts."""
+    device: str = "auto"
+    """``auto`` (CUDA when present), ``cpu``, ``cuda`` or ``cuda:N``."""
+    precision: Precision | None = None
+    """Override every manifest's precision; ``fp32`` is the fallback switch. A half precision named here is still held
+    to each model's fidelity bar (``fidelity_bar``)."""
+    fidelity_bar: FidelityCheck = FidelityCheck.DEFAULT
+    """``default``: every model served in a half precision is compared with fp32 at load, and one below its bar is
+    served in fp32 instead; ``off``: no model is measured, each is served in the precision asked for."""
+    max_batch_size: int | None = Field(default=None, ge=1, le=8192)
+    """Override every manifest's ``batching.max_batch_size``."""
+    max_delay_ms: float | None = Field(default=None, ge=0.0, le=10_000.0)
+    """Override every manifest's ``batching.max_delay_ms``."""
+    max_queue_rows: int | None = Field(default=None, ge=1)
+    """Override every manifest's ``batching.max_queue_rows``: rows queued beyond it are answered 503."""
+    adaptive_delay: bool | None = None
+    """Override every manifest's ``batching.adaptive_delay``."""
+    request_timeout_ms: float | None = Field(default=None, gt=0.0, le=3_600_000.0)
+    """Override every manifest's ``request_timeout_ms``: a request whose rows have not all started by then gets 504."""
+    max_body_bytes: int = Field(default=64 * 2**20, ge=1024)
+    """Largest request body accepted; a larger one gets 413 before it is read."""
+    max_request_rows: int | None = Field(default=None, ge=1)
+    """Most rows (samples) one inference request may carry (never more than a model's ``max_queue_rows``); unset: a
+    model's ``max_batch_size``, as Triton holds a request's batch to it, so no request costs more than one batch."""
+    max_request_elements: int = Field(default=2**24, ge=1)
+    """Most input values one inference request may carry (rows times the per-sample size)."""
+    max_compression_ratio: float = Field(default=100.0, ge=1.0)
+    """How many times its own size a gzip or deflate body may inflate to (past the first MiB, which any body may
+    fill): tensors of zeros compress a thousandfold, and would cost that much more compute than their bytes."""
+    max_json_values: int = Field(default=2**19, ge=1024)
+    """Most values and containers a JSON body may hold (its commas, ``[`` and ``{``), counted before it is parsed:
+    parsing builds a Python object per value, so a small body of ``[],[],...`` costs seconds and gigabytes. Larger
+    tensors travel as binary data (the binary tensor extension, or raw)."""
+    max_text_bytes: int = Field(default=2**20, ge=1)
+    """Most UTF-8 bytes of text one request to a text model may carry, all its rows together (each text is also held
+    to its manifest's ``text.max_bytes``): what bounds the time one request keeps a tokenizing thread."""
+    header_timeout: float = Field(default=10.0, gt=0.0, le=3600.0)
+    """Seconds a connection may take to send a request's line and headers, from when it opens or the request's first
+    byte arrives; then 408 and the connection is closed (an idle or trickling connection holds a socket)."""
+    body_timeout: float = Field(default=30.0, gt=0.0, le=3600.0)
+    """Seconds a request body may go without a byte arriving; then 408 and the connection is closed. On the gRPC
+    port, the seconds a call's request message may take to arrive whole, from the call's start
+    (``DEADLINE_EXCEEDED``)."""
+    min_body_rate: int = Field(default=16384, ge=1)
+    """Bytes per second a request body must arrive at, on average, once its first ``body_timeout`` seconds are over
+    (a body must be whole within ``body_timeout`` plus its size over this rate); then 408 and the connection is closed.
+    The gap of ``body_timeout`` alone is no bound: a byte every 20 s would hold a connection for ever."""
+    send_timeout: float = Field(default=30.0, gt=0.0, le=3600.0)
+    """Seconds what the server has to send on a connection may wait for the client to read it (its answers past the
+    socket's buffers, or the rest of a closed connection's); then the connection is dropped. A client that pipelines
+    requests and reads no answer would otherwise hold its connection for ever."""
+    max_url_bytes: int = Field(default=8192, ge=256)
+    """Longest request target (path and query); a longer one gets 414 before it is read whole."""
+    max_header_bytes: int = Field(default=65536, ge=1024)
+    """Most bytes of header names and values in one request; more gets 431 before they are read whole."""
+    max_connections: int = Field(default=1024, ge=1)
+    """Open HTTP connections per process; one more is answered 503 and closed, except that 32 more are read for a
+    health or readiness probe, which is answered (so a cap held by slow clients does not fail the probes). The gRPC
+    port takes as many connections (one more is closed at once), and runs as many inference calls at once (one more is
+    ``RESOURCE_EXHAUSTED``)."""
+    allowed_hosts: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    """Names the ``Host`` header may carry besides IP addresses, ``localhost`` (and ``*.localhost``) and ``host``
+    (``api.example.com``, ``*.example.com``; comma-separated in the environment); any other name is a 400, so a name
+    rebound to this server's address (DNS rebinding) reads nothing. ``*``: any name. Health and readiness probes answer
+    whatever the Host."""
+    drain_timeout: float = Field(default=30.0, ge=0.0, le=3600.0)
+    """Seconds from a shutdown signal to exit: requests in flight get this long, then are cancelled (503)."""
+    tf32: bool = False
+    """Let fp32 matmuls and cuDNN convolutions use TF32 on Ampere and newer GPUs. Off (the default), fp32 is IEEE fp32
+    everywhere, so the fp32 fallback and fp32 benchmarks are the real thing; torch's own default lets cuDNN use TF32."""
+    http_workers: int = Field(default=1, ge=1, le=64)
+    """HTTP front-end processes. Above 1, that many processes accept connections and decode and encode requests,
+    and this one runs the engines and batches their requests together (see :mod:`halfserve.multiproc`)."""
+    threads: int | None = Field(default=None, ge=1)
+    """torch intra-op threads. Unset: on a CPU, each model's engine times a forward of a full batch at warm-up and
+    takes every core this process may run on, or every core but one where that forward is shorter than the event
+    loop's work on the batch's requests (:func:`halfserve.placement.intra_op_threads`): on 2 cores the benchmark MLP
+    answered 13-15% more requests on one thread, while a convolutional model lost a third of its throughput on one."""
+    forward_seconds: float | None = Field(default=None, gt=0.0)
+    """Seconds a CPU model's forward of a full batch takes, for ``threads``, ``forward_on_event_loop`` and
+    ``pipeline_forward`` to be decided from instead of timing one at warm-up: the same choices on every start,
+    whatever else the host runs meanwhile (every model, at any thread count). Unset: timed at warm-up."""
+    forward_on_event_loop: bool | None = None
+    """Run a CPU model's batches on the event loop's own thread rather than an instance thread (never for a model with
+    several instances, nor on a GPU). Unset: where the forward of a full batch, timed at warm-up, is shorter than the
+    event loop's work on the batch's requests and settles on one intra-op thread (see ``threads``: on 2 cores). The
+    loop only waits for such a forward, and handing it to a thread and back costs more than it runs. A longer forward
+    keeps its thread, so the loop goes on reading requests while it runs (:func:`halfserve.placement.choose`)."""
+    pipeline_forward: bool | None = None
+    """Run a CPU model's batches as a traced TorchScript graph in torch's inter-op pool, launched from the event loop
+    and run beside it without the GIL, two batches of up to half ``max_batch_size`` in flight (one CPU instance and one
+    input; not with padding, ``inductor`` or autocast). Unset: where the forward would run on the event loop and takes
+    10% or more of the loop's work on a full batch of 32 rows or more (:func:`halfserve.placement.choose`), and the
+    model traces to a graph that gives its outputs exactly; a model that does not trace runs as it would have."""
+    gil_switch_interval_ms: float | None = Field(default=None, gt=0.0, le=100.0)
+    """The interpreter's thread switch interval. Unset: 0.5 ms when serving on CUDA (Python's 5 ms default otherwise).
+    The event loop decodes request bodies holding the GIL; an engine thread that let go of it for a copy or a kernel
+    waits up to this long to get it back, several times per batch."""
+    instance_isolation: Isolation | None = None
+    """Run every model's engine instances as threads of this process or as processes of their own, whatever its
+    manifest's ``execution.isolation`` says. Unset: the manifest's, else per device
+    (:func:`halfserve.placement.isolation`)."""
+    instance_batch_timeout: float = Field(default=300.0, gt=0.0, le=86400.0)
+    """Seconds an instance process may take over one batch before it is taken for hung (stopped, deadlocked, in an
+    endless kernel): then it is killed and restarted, and its batch rerun one request per batch. Generous: a first
+    batch of a new shape may tune kernels for seconds."""
+    warmup: bool = True
+    """Warm every model up at load (each batch bucket, CUDA graphs, compiles) before it takes requests."""
+    admin_token: SecretStr | None = None
+    """Bearer token for the management calls (load, unload, reload, precision); without one they answer 403. At
+    least 16 characters. Prefer the environment or ``admin_token_file``: a command-line flag shows in ``ps``."""
+    admin_token_file: Path | None = None
+    """A file holding the admin token (a Kubernetes or Docker secret), read once at start; surrounding whitespace is
+    dropped."""
+    docs: bool = True
+    """Serve Swagger UI at ``/docs`` (a pinned release with subresource integrity, loaded by the browser from
+    jsDelivr). ``/openapi.json`` is served either way."""
+    log_level: LogLevel = LogLevel.INFO
+    """The least severe log lines written."""
+    log_format: LogFormat = LogFormat.TEXT
+    """``text`` for people, ``json`` (one object per line) for log collectors."""
+    access_log: bool = False
+    """Log every request; inference requests with their request id, model, precision, status and duration."""
+
+    @field_validator("code_path", mode="before")
+    @classmethod
+    def _paths(cls, value: object) -> object:
+        if isinstance(value, str):
+            return [p for p in value.split(os.pathsep) if p.strip()]
+        return value
+
+    @field_validator("models", "allowed_hosts", mode="before")
+    @classmethod
+    def _split(cls, value: object) -> object:
+        if isinstance(value, str):
+            return [m.strip() for m in value.split(",") if m.strip()]
+        return value
+
+    @model_validator(mode="after")
+    def _check(self) -> Settings:
+        if self.admin_token_file is not None:
+            if self.admin_token is not None:
+                raise ValueError("admin_token and admin_token_file: give one, not both")
+            try:
+                self.admin_token = SecretStr(self.admin_token_file.read_text().strip())
+            except (OSError, UnicodeDecodeError) as e:
+                raise ValueError(f"admin_token_file: cannot read {self.admin_token_file}: {e}") from None
+        if self.admin_token is not None and len(self.admin_token.get_secret_value()) < MIN_ADMIN_TOKEN:
+            raise ValueError(
+                f"admin_token: at least {MIN_ADMIN_TOKEN} characters (a guessable token is no protection); "
+                "make one with: python -c 'import secrets; print(secrets.token_urlsafe(32))'"
+            )
+        if (
+            self.max_queue_rows is not None
+            and self.max_batch_size is not None
+            and self.max_queue_rows < self.max_batch_size
+        ):
+            raise ValueError(
+                f"max_queue_rows ({self.max_queue_rows}) must be at least max_batch_size ({self.max_batch_size})"
+            )
+        return self

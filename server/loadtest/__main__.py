@@ -1,5 +1,0 @@
-import sys
-
-from server.loadtest.cli import main
-
-sys.exit(main())
