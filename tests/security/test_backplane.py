@@ -15,7 +15,7 @@ import httpx
 import orjson
 import pytest
 
-from halfserve.multiproc.wire import HELLO_TIMEOUT_S, SLOT_BYTES, SLOTS, FrameReader
+from halfserve.ipc.frames import HELLO_TIMEOUT_S, SLOT_BYTES, SLOTS, FrameReader
 from tests.conftest import ServerProcess, StartServer
 from tests.e2e.test_http_workers import frontends
 

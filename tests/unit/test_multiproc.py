@@ -12,9 +12,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from halfserve.multiproc import wire
+from halfserve.ipc import frames
+from halfserve.ipc.frames import FrameReader, Segment, frame
 from halfserve.multiproc.client import BackplaneClient, RemoteModel, RemoteService
-from halfserve.multiproc.wire import FrameReader, Segment, frame
 from halfserve.precision import Precision
 from halfserve.serving import DeadlineExceededError, InternalError, ModelNotReadyError, ModelState, error_to_wire
 from halfserve.settings import Settings
@@ -45,7 +45,7 @@ TENSORS = {
 
 def test_tensors_put_in_a_slot_come_back_as_views_of_it() -> None:
     segment = Segment(mmap.mmap(-1, 4 * 4096), 4096)
-    assert wire.nbytes(TENSORS) == 96 + 4 + 24
+    assert frames.nbytes(TENSORS) == 96 + 4 + 24
     places = segment.put(2, TENSORS)
     assert [p[:2] for p in places] == [["image", "<f4"], ["mask", "|b1"], ["ids", "<i8"]]
     took = segment.take(2, [[n, d, list(s), o] for n, d, s, o in places])  # as a header brings them: lists
@@ -58,9 +58,9 @@ def test_tensors_put_in_a_slot_come_back_as_views_of_it() -> None:
 
 
 def test_tensors_inline_in_a_payload_come_back_whole() -> None:
-    places, parts = wire.inline({**TENSORS, "strided": np.arange(10, dtype=np.int32)[::2]})
+    places, parts = frames.inline({**TENSORS, "strided": np.arange(10, dtype=np.int32)[::2]})
     ((header, payload),) = FrameReader().feed(joined(frame({"outputs": places}, *parts)))
-    got = wire.from_payload(payload, header["outputs"])
+    got = frames.from_payload(payload, header["outputs"])
     for name, a in TENSORS.items():
         np.testing.assert_array_equal(got[name], a)
     np.testing.assert_array_equal(got["strided"], [0, 2, 4, 6, 8])
@@ -115,13 +115,13 @@ async def test_a_request_goes_through_a_slot_and_its_slot_is_free_once_answered(
 async def test_inputs_larger_than_a_slot_travel_inline_and_errors_come_back_as_raised(connected: Connected) -> None:
     client, transport, _ = connected
     remote = remote_model("big", 1)
-    rows = wire.SLOT_BYTES // (16 * 4) + 1
+    rows = frames.SLOT_BYTES // (16 * 4) + 1
     x = {"features": np.arange(rows * 16, dtype=np.float32).reshape(rows, 16)}
     future = client.send(remote, x, None)
     await asyncio.sleep(0)
     ((head, payload),) = sent(transport)
     assert head["slot"] == -1
-    np.testing.assert_array_equal(wire.from_payload(payload, head["inputs"])["features"], x["features"])
+    np.testing.assert_array_equal(frames.from_payload(payload, head["inputs"])["features"], x["features"])
     client.data_received(joined(frame({"id": head["id"], "error": error_to_wire(DeadlineExceededError("late"))})))
     with pytest.raises(DeadlineExceededError, match="late"):
         await future

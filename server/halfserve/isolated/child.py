@@ -1,7 +1,7 @@
 """An instance process's main: load the model, warm up one engine instance, then run the batches it is sent.
 
 Started by :class:`~halfserve.isolated.engine.ProcessEngine` with multiprocessing's ``spawn`` (a fresh interpreter, as
-CUDA needs), its socket end and a :class:`~halfserve.isolated.wire.ChildConfig`; its shared memory arrives over the
+CUDA needs), its socket end and a :class:`~halfserve.isolated.protocol.ChildConfig`; its shared memory arrives over the
 socket (``SCM_RIGHTS``), the weights too. It builds the model from what it was handed
 (:mod:`halfserve.isolated.handover`), never from the store's files, and exits when the socket closes: the server process
 gone is never left with orphans holding the device.
@@ -29,9 +29,9 @@ from halfserve import precision as prec
 from halfserve.compilation import tune_cudnn
 from halfserve.engine import Engine, fixed_timing, resolve_device
 from halfserve.instance import Instance, pin_host
+from halfserve.ipc.frames import FrameReader, frame
 from halfserve.isolated import handover
-from halfserve.isolated.wire import IN_FRAME, INPUT_REGION, REGION, ChildConfig, Memory, descr, dtype_of
-from halfserve.multiproc.wire import FrameReader, frame
+from halfserve.isolated.protocol import IN_FRAME, INPUT_REGION, REGION, ChildConfig, Memory, descr, dtype_of
 from halfserve.placement import set_intra_op_threads
 from halfserve.precision import Precision
 from halfserve.serving import Output

@@ -21,7 +21,7 @@ enough to decode requests. Front-ends send the per-request metrics (status, rows
 
 The package, split by concern; each part imports the routes only through :func:`halfserve.api.answer_first`:
 
-* :mod:`~halfserve.multiproc.wire`: frames, shared-memory slots, named tensors and errors on the wire;
+* :mod:`~halfserve.ipc.frames` (shared with instance processes): frames, shared-memory slots, named tensors;
 * :mod:`~halfserve.multiproc.engine_side`: the engine process's end
   (:class:`~halfserve.multiproc.engine_side.Backplane`);
 * :mod:`~halfserve.multiproc.client`: a front-end's end, as a :class:`~halfserve.serving.ModelService`;

@@ -20,9 +20,9 @@ from typing import Any, cast
 
 import orjson
 
+from halfserve.ipc import frames
+from halfserve.ipc.frames import FrameReader, Segment
 from halfserve.manifest import Batching, Manifest, Precision
-from halfserve.multiproc import wire
-from halfserve.multiproc.wire import FrameReader, Segment
 from halfserve.serving import (
     Interface,
     ModelNotReadyError,
@@ -60,12 +60,12 @@ class BackplaneClient(asyncio.Protocol):
         self.pending: dict[int, _Pending] = {}
         self.ids = itertools.count(1)
         self.records: list[list[Any]] = []
-        size = wire.SLOTS * wire.SLOT_BYTES
+        size = frames.SLOTS * frames.SLOT_BYTES
         fd = os.memfd_create("halfserve-frontend")
         os.ftruncate(fd, size)
-        self.segment = Segment(mmap.mmap(fd, size), wire.SLOT_BYTES)
+        self.segment = Segment(mmap.mmap(fd, size), frames.SLOT_BYTES)
         self._fd = fd
-        self.free = list(range(wire.SLOTS - 1, -1, -1))
+        self.free = list(range(frames.SLOTS - 1, -1, -1))
         self.table_seen = asyncio.Event()
 
     async def connect(self, path: str, index: int, secret: str, timeout: float = 60.0) -> None:
@@ -82,7 +82,7 @@ class BackplaneClient(asyncio.Protocol):
                     raise
                 await asyncio.sleep(0.05)
         hello = {"index": index, "pid": os.getpid(), "secret": secret}
-        hello |= {"slots": wire.SLOTS, "slot_bytes": self.segment.slot_bytes}
+        hello |= {"slots": frames.SLOTS, "slot_bytes": self.segment.slot_bytes}
         socket.send_fds(sock, [orjson.dumps(hello)], [self._fd])
         os.close(self._fd)
         sock.setblocking(False)
@@ -125,7 +125,7 @@ class BackplaneClient(asyncio.Protocol):
     def _send(self, header: dict[str, Any], *payload: bytes | memoryview) -> None:
         if self.transport is None or self.transport.is_closing():
             raise ModelNotReadyError("the engine process is not connected")
-        self.transport.writelines(wire.frame(header, *payload))
+        self.transport.writelines(frames.frame(header, *payload))
 
     def _release(self, slot: int) -> None:
         if slot >= 0:
@@ -149,12 +149,12 @@ class BackplaneClient(asyncio.Protocol):
 
     def send(self, model: RemoteModel, inputs: Tensors, timeout: float | None) -> asyncio.Future[Prediction]:
         """Send ``inputs`` to ``model`` in the engine process; the future of its prediction."""
-        slot = self.free.pop() if self.free and wire.nbytes(inputs) <= self.segment.slot_bytes else -1
+        slot = self.free.pop() if self.free and frames.nbytes(inputs) <= self.segment.slot_bytes else -1
         head = {"op": "infer", "model": model.name, "version": model.version, "timeout": timeout, "slot": slot}
         if slot >= 0:
             head["inputs"] = self.segment.put(slot, inputs)
             return self._ask(head, self._prediction, slot=slot)
-        places, parts = wire.inline(inputs)
+        places, parts = frames.inline(inputs)
         head["inputs"] = places
         return self._ask(head, self._prediction, *parts)
 
@@ -166,7 +166,7 @@ class BackplaneClient(asyncio.Protocol):
         if header["slot"] >= 0:
             outputs = {k: v.copy() for k, v in self.segment.take(header["slot"], places).items()}
         else:
-            outputs = wire.from_payload(payload, places)
+            outputs = frames.from_payload(payload, places)
         return Prediction(outputs, tuple(Precision(p) for p in header["precision"].split("+") if p))
 
     async def refresh(self) -> None:

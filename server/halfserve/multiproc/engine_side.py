@@ -17,10 +17,8 @@ import orjson
 
 from halfserve import manifest as store
 from halfserve.instance import pin_host
-from halfserve.isolated import shared
-from halfserve.manifest import LENGTH
-from halfserve.metrics import Metrics
-from halfserve.multiproc.wire import (
+from halfserve.ipc import exports
+from halfserve.ipc.frames import (
     HELLO_BYTES,
     HELLO_TIMEOUT_S,
     FrameReader,
@@ -30,6 +28,8 @@ from halfserve.multiproc.wire import (
     inline,
     nbytes,
 )
+from halfserve.manifest import LENGTH
+from halfserve.metrics import Metrics
 from halfserve.regions import Regions
 from halfserve.repository import ModelRepository
 from halfserve.serving import Interface, ModelNotReadyError, Prediction, Tensors, check_ready, error_to_wire
@@ -276,8 +276,8 @@ class Backplane:
         it once the front-end is gone and none of its requests runs."""
         try:
             memory = mmap.mmap(fd, hello["slots"] * hello["slot_bytes"])
-            # Instance processes read its slots where they are, too (halfserve.isolated.shared).
-            withdraw = shared.share(memory, fd)
+            # Instance processes read its slots where they are, too (halfserve.ipc.exports).
+            withdraw = exports.share(memory, fd)
         finally:
             os.close(fd)
         unpin = pin_host(memory) if self.repo.device.type == "cuda" else None

@@ -1,11 +1,11 @@
 """Both ends' half of the instance-process protocol: what the process is told at start, the frames, the memory.
 
-Frames are :mod:`halfserve.multiproc.wire`'s (``<II`` lengths, an orjson header, a payload). The server process sends
+Frames are :mod:`halfserve.ipc.frames`'s (``<II`` lengths, an orjson header, a payload). The server process sends
 
 * ``{"op": "run", "id", "dtype", "shape", "chunks", "raw"}``: a batch of rows of ``dtype`` (a numpy descriptor,
   :func:`descr`) and per-row ``shape``, as chunks ``[where, offset, rows]``, one per request: ``where`` is
   :data:`INPUT_REGION` (the instance's own input region), :data:`IN_FRAME` (the payload, one after another) or the
-  id of a shared region (:mod:`halfserve.isolated.shared`) whose descriptor went before, on the side channel. ``raw``
+  id of a shared region (:mod:`halfserve.ipc.exports`) whose descriptor went before, on the side channel. ``raw``
   asks for the model's outputs without the overflow policy (the fidelity check's forward);
 * ``{"op": "forget", "region"}``: unmap a shared region (no batch in it runs);
 * ``{"op": "exit"}``: finish the batch in hand and exit.
