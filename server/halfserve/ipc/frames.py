@@ -1,39 +1,31 @@
-"""The backplane's wire: frames on a Unix socket, shared-memory slots, named tensors in either.
+"""Frames on a stream socket: what every channel between the server's processes carries.
 
-A frame is ``<II`` (header length, payload length), an orjson header, then the payload. Tensors travel as a list of
-``[name, dtype, shape, offset]`` in the header and their bytes one after another, from ``offset``, in the request's
-shared-memory slot or, when they do not fit one, in the payload.
+A frame is ``<II`` (header length, payload length), an orjson header (a JSON object), then the payload. Both ends
+of both process families speak it: a front-end and the engine process (:mod:`halfserve.multiproc`), the server
+process and its instance processes (:mod:`halfserve.isolated`).
 """
 
 from __future__ import annotations
 
-import math
-import mmap
 import struct
-from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import orjson
-
-from halfserve.serving import Tensors
 
 FRAME = struct.Struct("<II")
 """A frame's prefix: header length, payload length (bytes)."""
-SLOTS = 128
-"""Shared-memory slots per front-end: as many of its requests as can be in flight without inline copies."""
-SLOT_BYTES = 2 * 2**20
-"""Bytes per slot, enough for a 224x224 RGB image in fp32 (602 KB) with room to spare; memory is committed only
-for the slots a front-end has used."""
-HELLO_BYTES = 4096
-HELLO_TIMEOUT_S = 5.0
-"""How long a new connection has to send its hello before it is dropped."""
 
-TensorList = list[list[Any]]
-"""Named tensors' places in a header: ``[name, dtype, shape, offset]`` each."""
+Header = dict[str, Any]
+"""A frame's header, as decoded."""
+Frame = tuple[Header, bytearray]
+"""A frame as received: its header and its payload (arrays may be views of it)."""
 
 
-def frame(header: dict[str, Any], *payload: bytes | memoryview) -> list[bytes | memoryview]:
+class FrameError(ValueError):
+    """A frame that is not one: a header that is no JSON object, or a stream that ended inside a frame."""
+
+
+def frame(header: Header, *payload: bytes | memoryview) -> list[bytes | memoryview]:
     """The buffers of one frame, for ``transport.writelines``; the payload may come in parts."""
     head = orjson.dumps(header)
     parts: list[bytes | memoryview] = [FRAME.pack(len(head), sum(len(p) for p in payload)), head]
@@ -47,9 +39,11 @@ class FrameReader:
     def __init__(self) -> None:
         self._buf = bytearray()
 
-    def feed(self, data: bytes) -> list[tuple[dict[str, Any], bytearray]]:
+    def feed(self, data: bytes) -> list[Frame]:
+        """The frames ``data`` completes, in order; raises :class:`FrameError` at a header that is no JSON object
+        (the stream cannot be trusted past it)."""
         self._buf += data
-        out: list[tuple[dict[str, Any], bytearray]] = []
+        out: list[Frame] = []
         buf, pos = self._buf, 0
         while len(buf) - pos >= FRAME.size:
             head_len, payload_len = FRAME.unpack_from(buf, pos)
@@ -57,61 +51,29 @@ class FrameReader:
             if len(buf) < end:
                 break
             start = pos + FRAME.size
-            header = orjson.loads(memoryview(buf)[start : start + head_len])
-            out.append((header, buf[start + head_len : end]))
+            out.append((_header(memoryview(buf)[start : start + head_len]), buf[start + head_len : end]))
             pos = end
         if pos:
             del buf[:pos]
         return out
 
-
-@dataclass
-class Segment:
-    """A front-end's shared memory, cut into slots of ``slot_bytes``; mapped by it and by the engine process."""
-
-    memory: mmap.mmap
-    slot_bytes: int
-
-    def view(self, slot: int, dtype: np.dtype[Any], shape: list[int] | tuple[int, ...], offset: int = 0) -> np.ndarray:
-        """The array of ``dtype`` and ``shape`` at ``offset`` bytes into ``slot``."""
-        count = math.prod(shape)  # numpy.prod costs ~10 us of Python per call, here twice per request
-        return np.frombuffer(self.memory, dtype, count, slot * self.slot_bytes + offset).reshape(shape)
-
-    def put(self, slot: int, tensors: Tensors) -> TensorList:
-        """Copy ``tensors`` into ``slot`` (they fit: see :func:`nbytes`); their places, for the header."""
-        places, offset = [], 0
-        for name, a in tensors.items():
-            np.copyto(self.view(slot, a.dtype, a.shape, offset), a)
-            places.append([name, a.dtype.str, a.shape, offset])
-            offset += a.nbytes
-        return places
-
-    def take(self, slot: int, places: TensorList) -> dict[str, np.ndarray]:
-        """The tensors at ``places`` in ``slot``, as views of the shared memory (copy them to keep them)."""
-        return {name: self.view(slot, np.dtype(dtype), shape, offset) for name, dtype, shape, offset in places}
+    def end(self) -> None:
+        """The stream ended: raises :class:`FrameError` when it ended inside a frame."""
+        if self._buf:
+            size = len(self._buf)
+            if size < FRAME.size:
+                raise FrameError(f"the stream ended inside a frame's {FRAME.size}-byte prefix ({size} bytes of it)")
+            head_len, payload_len = FRAME.unpack_from(self._buf)
+            raise FrameError(
+                f"the stream ended inside a frame: {size} of its {FRAME.size + head_len + payload_len} bytes came"
+            )
 
 
-def nbytes(tensors: Tensors) -> int:
-    """Bytes the tensors take one after another."""
-    if len(tensors) == 1:  # the common case, on every request
-        return next(iter(tensors.values())).nbytes
-    return sum(a.nbytes for a in tensors.values())
-
-
-def inline(tensors: Tensors) -> tuple[TensorList, list[memoryview]]:
-    """``tensors`` as a frame's payload: their places in it, and its parts (the arrays' own bytes, not copied)."""
-    places, parts, offset = [], [], 0
-    for name, a in tensors.items():
-        places.append([name, a.dtype.str, a.shape, offset])
-        parts.append(np.ascontiguousarray(a).data.cast("B"))
-        offset += a.nbytes
-    return places, parts
-
-
-def from_payload(payload: bytearray, places: TensorList) -> dict[str, np.ndarray]:
-    """The tensors at ``places`` in a frame's payload (arrays over it, not copies)."""
-    out = {}
-    for name, dtype, shape, offset in places:
-        dt = np.dtype(dtype)
-        out[name] = np.frombuffer(payload, dt, math.prod(shape), offset).reshape(shape)
-    return out
+def _header(data: memoryview) -> Header:
+    try:
+        header = orjson.loads(data)
+    except orjson.JSONDecodeError as e:
+        raise FrameError(f"a frame's header is not JSON: {e}") from None
+    if not isinstance(header, dict):
+        raise FrameError(f"a frame's header is a JSON {type(header).__name__}, not an object")
+    return header

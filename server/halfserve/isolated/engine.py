@@ -30,17 +30,10 @@ from halfserve import precision as prec
 from halfserve.engine import EngineError, EngineInfo, PrecisionOverflowError
 from halfserve.ipc import exports
 from halfserve.ipc.frames import FrameReader, frame
+from halfserve.ipc.memory import InstanceMemory
+from halfserve.ipc.tensors import descr, dtype_of
 from halfserve.isolated import child, handover
-from halfserve.isolated.protocol import (
-    IN_FRAME,
-    INPUT_REGION,
-    REGION,
-    ChildConfig,
-    Memory,
-    descr,
-    dtype_of,
-    region_sizes,
-)
+from halfserve.isolated.protocol import IN_FRAME, INPUT_REGION, ChildConfig, region_sizes
 from halfserve.placement import Placement, available_cores
 from halfserve.precision import Precision
 from halfserve.serving import BatchTooLargeError, InstanceLostError, ModelNotReadyError, Outcome, Output
@@ -105,7 +98,7 @@ def _weights_memfd(loaded: LoadedModel) -> int:
 class InstanceProcess(asyncio.Protocol):
     """One instance process, seen from the server process: its socket end, its shared memory, its batch in flight."""
 
-    def __init__(self, owner: ProcessEngine, index: int, memory: Memory) -> None:
+    def __init__(self, owner: ProcessEngine, index: int, memory: InstanceMemory) -> None:
         self.owner, self.index, self.memory = owner, index, memory
         self.process: multiprocessing.process.BaseProcess | None = None
         self._pid: int | None = None
@@ -236,10 +229,10 @@ class InstanceProcess(asyncio.Protocol):
             self._watchdog.cancel()
             self._watchdog = None
 
-    def _hand(self, region: exports.Region) -> None:
+    def _hand(self, region: exports.ExportedRegion) -> None:
         """Send the process a region's descriptor (on the side channel, before the frame that names it)."""
         assert self.side is not None
-        socket.send_fds(self.side, [REGION.pack(region.id, region.size)], [region.fd])
+        exports.hand(self.side, region)
         self.regions.add(region.id)
 
     def forget(self, region: int) -> None:
@@ -377,7 +370,7 @@ class ProcessEngine:
 
     def _spawn(self, index: int) -> InstanceProcess:
         """Start instance process ``index``: its shared memory, its socket, the process; ready once it says so."""
-        memory, fd = Memory.create(f"halfserve-{self.name}-{index}", *self._regions)
+        memory, fd = InstanceMemory.create(f"halfserve-{self.name}-{index}", *self._regions)
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         side, their_side = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
@@ -393,7 +386,7 @@ class ProcessEngine:
     def _start_process(
         self,
         index: int,
-        memory: Memory,
+        memory: InstanceMemory,
         fd: int,
         main: tuple[socket.socket, socket.socket],
         side_channel: tuple[socket.socket, socket.socket],

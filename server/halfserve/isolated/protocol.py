@@ -1,13 +1,16 @@
-"""Both ends' half of the instance-process protocol: what the process is told at start, the frames, the memory.
+"""The instance-process protocol, both ends' half: what the process is told at start, the frames' meaning, the
+sizes of its memory.
 
-Frames are :mod:`halfserve.ipc.frames`'s (``<II`` lengths, an orjson header, a payload). The server process sends
+Frames, shared memory and dtypes on the wire are :mod:`halfserve.ipc`'s: the frames :mod:`halfserve.ipc.frames`'s
+(``<II`` lengths, an orjson header, a payload), the instance's input and output regions one
+:class:`~halfserve.ipc.memory.InstanceMemory`. The server process sends
 
 * ``{"op": "run", "id", "dtype", "shape", "chunks", "raw"}``: a batch of rows of ``dtype`` (a numpy descriptor,
-  :func:`descr`) and per-row ``shape``, as chunks ``[where, offset, rows]``, one per request: ``where`` is
-  :data:`INPUT_REGION` (the instance's own input region), :data:`IN_FRAME` (the payload, one after another) or the
-  id of a shared region (:mod:`halfserve.ipc.exports`) whose descriptor went before, on the side channel. ``raw``
-  asks for the model's outputs without the overflow policy (the fidelity check's forward);
-* ``{"op": "forget", "region"}``: unmap a shared region (no batch in it runs);
+  :func:`halfserve.ipc.tensors.descr`) and per-row ``shape``, as chunks ``[where, offset, rows]``, one per request:
+  ``where`` is :data:`INPUT_REGION` (the instance's own input region), :data:`IN_FRAME` (the payload, one after
+  another) or the id of an exported region (:mod:`halfserve.ipc.exports`) whose descriptor went before, on the side
+  channel. ``raw`` asks for the model's outputs without the overflow policy (the fidelity check's forward);
+* ``{"op": "forget", "region"}``: unmap an exported region (no batch in it runs);
 * ``{"op": "exit"}``: finish the batch in hand and exit.
 
 The instance process sends ``{"op": "ready", "info", "warmup_seconds", "pid"}`` once warm (or ``{"op": "failed",
@@ -18,24 +21,16 @@ kind, message]``; or ``{"id", "raise", "kind", "message"}`` when the batch as a 
 
 from __future__ import annotations
 
-import functools
 import math
-import mmap
-import os
-import struct
 from dataclasses import dataclass
 from typing import Any
-
-import numpy as np
 
 from halfserve import store
 from halfserve.isolated.handover import Code
 from halfserve.settings import Settings
 
 INPUT_REGION, IN_FRAME = 0, -1
-"""Where a chunk lies, besides a shared region's id (from 1): the instance's own input region, or the frame."""
-REGION = struct.Struct("<QQ")
-"""The side channel's message handing over a region's descriptor: its id and size."""
+"""Where a chunk lies, besides an exported region's id (from 1): the instance's own input region, or the frame."""
 INPUT_SLACK = 4096
 """Bytes added to a region's computed size: records align their fields, and a page costs nothing until touched."""
 MAX_REGION_BYTES = 1 << 30
@@ -80,54 +75,3 @@ def region_sizes(manifest: store.Manifest, max_batch_size: int) -> tuple[int, in
         row_out = math.prod(out.bounded()) * max(out.datatype.numpy.itemsize, 4)
     sizes = (max_batch_size * row_in + INPUT_SLACK, max_batch_size * row_out + INPUT_SLACK)
     return min(sizes[0], MAX_REGION_BYTES), min(sizes[1], MAX_REGION_BYTES)
-
-
-class Memory:
-    """An instance's shared memory: its input region, then its output region (one ``memfd``, mapped by both ends)."""
-
-    def __init__(self, fd: int, input_bytes: int, output_bytes: int) -> None:
-        self.input_bytes, self.output_bytes = input_bytes, output_bytes
-        self.map = mmap.mmap(fd, input_bytes + output_bytes)
-        os.close(fd)
-
-    @staticmethod
-    def create(name: str, input_bytes: int, output_bytes: int) -> tuple[Memory, int]:
-        """A new memfd of the regions' size, mapped here; returns it and a duplicate of its fd to hand the other end."""
-        fd = os.memfd_create(name)
-        os.ftruncate(fd, input_bytes + output_bytes)
-        other = os.dup(fd)
-        return Memory(fd, input_bytes, output_bytes), other
-
-    def inputs(self, dtype: np.dtype[Any], rows: int, shape: tuple[int, ...], offset: int = 0) -> np.ndarray:
-        """A view of ``rows`` rows at ``offset`` bytes into the input region (they fit: the caller checked)."""
-        return np.frombuffer(self.map, dtype, rows * math.prod(shape), offset).reshape(rows, *shape)
-
-    def output(self, dtype: np.dtype[Any], shape: tuple[int, ...], offset: int) -> np.ndarray | None:
-        """A view of an array at ``offset`` bytes into the output region, or None when it does not fit."""
-        count = math.prod(shape)
-        if offset + count * dtype.itemsize > self.output_bytes:
-            return None
-        return np.frombuffer(self.map, dtype, count, self.input_bytes + offset).reshape(shape)
-
-    def close(self) -> None:
-        self.map.close()
-
-
-@functools.lru_cache(maxsize=64)
-def descr(dtype: np.dtype[Any]) -> Any:
-    """A JSON-able description of ``dtype`` (records included), which :func:`dtype_of` reads back."""
-    return np.lib.format.dtype_to_descr(dtype)
-
-
-def dtype_of(description: Any) -> np.dtype[Any]:
-    """The dtype :func:`descr` described, after a JSON round trip (which turned its tuples into lists)."""
-    return np.lib.format.descr_to_dtype(_tuples(description))
-
-
-def _tuples(description: Any) -> Any:
-    if isinstance(description, str):
-        return description
-    return [
-        (f[0], _tuples(f[1]), tuple(f[2])) if len(f) > 2 else (f[0], _tuples(f[1]))  # name, type[, shape]
-        for f in description
-    ]
