@@ -122,7 +122,7 @@ def _serve(engine: Engine, inst: Instance, memory: InstanceMemory, channel: Chan
 def _chunks(
     memory: InstanceMemory, regions: ImportedRegions, head: dict[str, Any], payload: bytearray
 ) -> list[np.ndarray]:
-    """The batch's chunks where the frame says they lie: the input region, the frame, or a shared region."""
+    """The batch's chunks where the frame says they lie: the input region, the frame, or an exported region."""
     dtype, shape = dtype_of(head["dtype"]), tuple(head["shape"])
     per_row = math.prod(shape)
     chunks, inline = [], 0
