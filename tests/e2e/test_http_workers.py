@@ -22,7 +22,8 @@ import tritonclient.http as triton
 import tritonclient.utils.shared_memory as shm
 from tritonclient.utils import InferenceServerException
 
-from halfserve.multiproc.wire import SLOT_BYTES, FrameReader, frame
+from halfserve.ipc.frames import FrameReader, frame
+from halfserve.multiproc.client import SLOT_BYTES
 from tests.conftest import SHIPPED_STORE, ServerProcess, start_server
 from tests.e2e.test_server import fp32_reference, samples
 from tests.waiting import DEADLINE_S, wait_until

@@ -15,7 +15,9 @@ import httpx
 import orjson
 import pytest
 
-from halfserve.multiproc.wire import HELLO_TIMEOUT_S, SLOT_BYTES, SLOTS, FrameReader
+from halfserve.ipc.frames import FrameReader
+from halfserve.multiproc.client import SLOT_BYTES, SLOTS
+from halfserve.multiproc.engine_side import HELLO_TIMEOUT_S
 from tests.conftest import ServerProcess, StartServer
 from tests.e2e.test_http_workers import frontends
 

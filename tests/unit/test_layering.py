@@ -3,7 +3,7 @@
 Routes (``halfserve.api``) sit on top: below them nothing imports them, except the app that assembles them and the
 multi-process package, which reaches them through their one public entry (``halfserve.api`` itself, never a route
 module). The batcher is pure asyncio: neither torch nor FastAPI. The serving contract is neutral: neither HTTP nor
-torch.
+torch. The two process families (front-ends, instance processes) share ``halfserve.ipc`` and not each other's code.
 """
 
 from __future__ import annotations
@@ -78,6 +78,37 @@ def test_the_batcher_and_the_contract_import_neither_torch_nor_http(module: str)
     banned = ("torch", "fastapi", "starlette", "uvicorn", "httpx")
     found = {i for i in MODULES[module] if i.split(".")[0] in banned}
     assert not found, found
+
+
+PROCESS_FAMILIES = ("halfserve.multiproc", "halfserve.isolated")
+"""Front-end processes with their engine process, and instance processes: each speaks ``halfserve.ipc``."""
+
+
+@pytest.mark.parametrize(("family", "other"), [PROCESS_FAMILIES, PROCESS_FAMILIES[::-1]])
+def test_the_two_process_families_do_not_import_each_other(family: str, other: str) -> None:
+    members = {name: found for name, found in MODULES.items() if _under(name, (family,))}
+    assert members, family
+    offenders = {name: sorted(i for i in found if _under(i, (other,))) for name, found in members.items()}
+    assert not any(offenders.values()), offenders
+
+
+def test_the_process_package_imports_no_process_family_no_transport_and_no_torch() -> None:
+    package = {name: found for name, found in MODULES.items() if _under(name, ("halfserve.ipc",))}
+    assert {"halfserve.ipc.frames", "halfserve.ipc.memory", "halfserve.ipc.channel"} <= set(package)
+    banned = ("torch", "fastapi", "starlette", "uvicorn", "grpc", "httpx")
+    for name, found in package.items():
+        wrong = {i for i in found if i.split(".")[0] in banned or _under(i, PROCESS_FAMILIES)}
+        assert not wrong, f"{name}: {sorted(wrong)}"
+
+
+def test_the_process_package_loads_no_torch() -> None:
+    import subprocess
+    import sys
+
+    names = sorted(name for name in MODULES if _under(name, ("halfserve.ipc",)))
+    code = f"import sys, {', '.join(names)}; print('torch' in sys.modules)"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert r.stdout.strip() == "False"
 
 
 def test_the_batcher_sits_below_the_repository_and_the_engine() -> None:

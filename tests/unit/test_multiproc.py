@@ -1,10 +1,9 @@
-"""The multi-process package's pieces on their own: the backplane's frames and slots, a front-end's client of the
-engine process over a recording transport, and its model table; no process is spawned."""
+"""The multi-process package's pieces on their own: a front-end's client of the engine process over a recording
+transport, and its model table; no process is spawned (the frames and slots themselves: tests/unit/test_ipc.py)."""
 
 from __future__ import annotations
 
 import asyncio
-import mmap
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -12,9 +11,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from halfserve.multiproc import wire
-from halfserve.multiproc.client import BackplaneClient, RemoteModel, RemoteService
-from halfserve.multiproc.wire import FrameReader, Segment, frame
+from halfserve.ipc.frames import FrameReader, frame
+from halfserve.ipc.tensors import from_payload
+from halfserve.multiproc.client import SLOT_BYTES, BackplaneClient, RemoteModel, RemoteService
 from halfserve.precision import Precision
 from halfserve.serving import DeadlineExceededError, InternalError, ModelNotReadyError, ModelState, error_to_wire
 from halfserve.settings import Settings
@@ -24,46 +23,6 @@ from tests.unit.test_transport import RecordingTransport
 
 def joined(parts: list[bytes | memoryview]) -> bytes:
     return b"".join(bytes(p) for p in parts)
-
-
-def test_frames_cut_anywhere_in_the_stream_come_out_whole_and_in_order() -> None:
-    stream = joined(frame({"id": 1}, b"abc", b"", b"de")) + joined(frame({"op": "table"})) + joined(frame({"id": 3}))
-    for cut in (1, 3, 8, len(stream)):
-        reader, got = FrameReader(), []
-        for start in range(0, len(stream), cut):
-            got += reader.feed(stream[start : start + cut])
-        assert [(h, bytes(p)) for h, p in got] == [({"id": 1}, b"abcde"), ({"op": "table"}, b""), ({"id": 3}, b"")]
-    assert FrameReader().feed(stream[:-1])[-1] == ({"op": "table"}, bytearray())  # the last, cut short, waits
-
-
-TENSORS = {
-    "image": np.arange(24, dtype=np.float32).reshape(2, 3, 4),
-    "mask": np.array([[True, False], [False, True]]),
-    "ids": np.array([[7, 8, 9]], dtype=np.int64),
-}
-
-
-def test_tensors_put_in_a_slot_come_back_as_views_of_it() -> None:
-    segment = Segment(mmap.mmap(-1, 4 * 4096), 4096)
-    assert wire.nbytes(TENSORS) == 96 + 4 + 24
-    places = segment.put(2, TENSORS)
-    assert [p[:2] for p in places] == [["image", "<f4"], ["mask", "|b1"], ["ids", "<i8"]]
-    took = segment.take(2, [[n, d, list(s), o] for n, d, s, o in places])  # as a header brings them: lists
-    for name, a in TENSORS.items():
-        np.testing.assert_array_equal(took[name], a)
-        assert took[name].dtype == a.dtype
-    segment.put(2, {"image": np.zeros((2, 3, 4), np.float32)})
-    assert not took["image"].any()  # views of the slot, not copies
-    assert segment.take(1, [["image", "<f4", [2, 3, 4], 0]])["image"].sum() == 0  # other slots untouched
-
-
-def test_tensors_inline_in_a_payload_come_back_whole() -> None:
-    places, parts = wire.inline({**TENSORS, "strided": np.arange(10, dtype=np.int32)[::2]})
-    ((header, payload),) = FrameReader().feed(joined(frame({"outputs": places}, *parts)))
-    got = wire.from_payload(payload, header["outputs"])
-    for name, a in TENSORS.items():
-        np.testing.assert_array_equal(got[name], a)
-    np.testing.assert_array_equal(got["strided"], [0, 2, 4, 6, 8])
 
 
 Connected = tuple[BackplaneClient, RecordingTransport, list[list[dict[str, Any]]]]
@@ -78,7 +37,7 @@ def connected() -> Iterator[Connected]:
     transport = RecordingTransport()
     client.connection_made(transport)
     yield client, transport, tables
-    client.segment.memory.close()
+    client.slots.memory.close()
     os.close(client._fd)
 
 
@@ -98,16 +57,16 @@ async def test_a_request_goes_through_a_slot_and_its_slot_is_free_once_answered(
     assert payload == b""
     assert head["slot"] >= 0
     assert len(client.free) == free - 1
-    np.testing.assert_array_equal(client.segment.take(head["slot"], head["inputs"])["features"], x["features"])
+    np.testing.assert_array_equal(client.slots.take(head["slot"], head["inputs"])["features"], x["features"])
     # The engine process answers into the same slot.
-    places = client.segment.put(head["slot"], {"logits": np.full((2, 4), 2.0, np.float32)})
+    places = client.slots.put(head["slot"], {"logits": np.full((2, 4), 2.0, np.float32)})
     client.data_received(
         joined(frame({"id": head["id"], "precision": "fp16", "slot": head["slot"], "outputs": places}))
     )
     prediction = await future
     assert prediction.precision == "fp16"
     np.testing.assert_array_equal(prediction.outputs["logits"], np.full((2, 4), 2.0, np.float32))
-    client.segment.put(head["slot"], {"logits": np.zeros((2, 4), np.float32)})
+    client.slots.put(head["slot"], {"logits": np.zeros((2, 4), np.float32)})
     assert prediction.outputs["logits"].all()  # copied out of the slot, which the next request reuses
     assert len(client.free) == free
 
@@ -115,13 +74,13 @@ async def test_a_request_goes_through_a_slot_and_its_slot_is_free_once_answered(
 async def test_inputs_larger_than_a_slot_travel_inline_and_errors_come_back_as_raised(connected: Connected) -> None:
     client, transport, _ = connected
     remote = remote_model("big", 1)
-    rows = wire.SLOT_BYTES // (16 * 4) + 1
+    rows = SLOT_BYTES // (16 * 4) + 1
     x = {"features": np.arange(rows * 16, dtype=np.float32).reshape(rows, 16)}
     future = client.send(remote, x, None)
     await asyncio.sleep(0)
     ((head, payload),) = sent(transport)
     assert head["slot"] == -1
-    np.testing.assert_array_equal(wire.from_payload(payload, head["inputs"])["features"], x["features"])
+    np.testing.assert_array_equal(from_payload(payload, head["inputs"])["features"], x["features"])
     client.data_received(joined(frame({"id": head["id"], "error": error_to_wire(DeadlineExceededError("late"))})))
     with pytest.raises(DeadlineExceededError, match="late"):
         await future

@@ -7,7 +7,7 @@ from typing import Any
 
 from uvicorn.server import ServerState
 
-from halfserve.multiproc.wire import FrameReader, frame
+from halfserve.ipc.frames import FrameReader, frame
 from halfserve.settings import Settings
 from halfserve.transport import (
     CoalescedWrites,

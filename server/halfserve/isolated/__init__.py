@@ -13,7 +13,8 @@ instance process on CUDA, so its rows go straight to the device), a small frame 
 and the answer comes back the same way. The event loop makes no torch call for a batch, and the instance's host work
 waits for no lock the loop holds.
 
-* :mod:`~halfserve.isolated.wire`: the frames and the shared memory's layout, both ends' half of the protocol;
+* :mod:`~halfserve.isolated.protocol`: what the process is told at start, the frames' meaning and the sizes of its
+  shared memory, both ends' half of the protocol (frames and memory themselves are :mod:`halfserve.ipc`'s);
 * :mod:`~halfserve.isolated.child`: the instance process's main;
 * :mod:`~halfserve.isolated.engine`: the server process's side, spawning and restarting the processes.
 """

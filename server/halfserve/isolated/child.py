@@ -1,15 +1,14 @@
 """An instance process's main: load the model, warm up one engine instance, then run the batches it is sent.
 
 Started by :class:`~halfserve.isolated.engine.ProcessEngine` with multiprocessing's ``spawn`` (a fresh interpreter, as
-CUDA needs), its socket end and a :class:`~halfserve.isolated.wire.ChildConfig`; its shared memory arrives over the
-socket (``SCM_RIGHTS``), the weights too. It builds the model from what it was handed
-(:mod:`halfserve.isolated.handover`), never from the store's files, and exits when the socket closes: the server process
-gone is never left with orphans holding the device.
+CUDA needs), its socket end and a :class:`~halfserve.isolated.protocol.ChildConfig`; its shared memory arrives over the
+socket (``SCM_RIGHTS``), the weights too (frames, memory and the regions it maps are :mod:`halfserve.ipc`'s). It
+builds the model from what it was handed (:mod:`halfserve.isolated.handover`), never from the store's files, and exits
+when the socket closes: the server process gone is never left with orphans holding the device.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import importlib
 import logging
@@ -19,7 +18,6 @@ import os
 import signal
 import socket
 import time
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -29,9 +27,13 @@ from halfserve import precision as prec
 from halfserve.compilation import tune_cudnn
 from halfserve.engine import Engine, fixed_timing, resolve_device
 from halfserve.instance import Instance, pin_host
+from halfserve.ipc.channel import Channel
+from halfserve.ipc.exports import ImportedRegions
+from halfserve.ipc.frames import FrameError
+from halfserve.ipc.memory import InstanceMemory
+from halfserve.ipc.tensors import descr, dtype_of
 from halfserve.isolated import handover
-from halfserve.isolated.wire import IN_FRAME, INPUT_REGION, REGION, ChildConfig, Memory, descr, dtype_of
-from halfserve.multiproc.wire import FrameReader, frame
+from halfserve.isolated.protocol import IN_FRAME, INPUT_REGION, ChildConfig
 from halfserve.placement import set_intra_op_threads
 from halfserve.precision import Precision
 from halfserve.serving import Output
@@ -53,7 +55,8 @@ def run(config: ChildConfig, sock: socket.socket, side: socket.socket) -> None:
     _, fds, _, _ = socket.recv_fds(sock, 16, 2)
     if len(fds) != 2:
         return
-    memory = Memory(fds[0], config.input_bytes, config.output_bytes)
+    channel = Channel(sock)
+    memory = InstanceMemory(fds[0], config.input_bytes, config.output_bytes)
     try:
         with mmap.mmap(fds[1], 0, access=mmap.ACCESS_READ) as weights:
             data = bytes(weights)
@@ -61,15 +64,19 @@ def run(config: ChildConfig, sock: socket.socket, side: socket.socket) -> None:
         engine, warmup_seconds = _start(config, memory, data)
     except Exception as e:  # reported to the server process, which fails the load with it
         log.exception("instance %d of %s failed to start", config.index, config.manifest.name)
-        _send(sock, {"op": "failed", "error": f"{type(e).__name__}: {e}"})
+        channel.send({"op": "failed", "error": f"{type(e).__name__}: {e}"})
         return
     info = dataclasses.asdict(engine.info)
     info["precision"] = engine.precision.value
-    _send(sock, {"op": "ready", "info": info, "warmup_seconds": warmup_seconds, "pid": os.getpid()})
-    _serve(engine, engine.instances[0], memory, sock, Regions(side, engine.device.type == "cuda"))
+    channel.send({"op": "ready", "info": info, "warmup_seconds": warmup_seconds, "pid": os.getpid()})
+    regions = ImportedRegions(side, pin_host if engine.device.type == "cuda" else None)
+    try:
+        _serve(engine, engine.instances[0], memory, channel, regions)
+    except FrameError as e:  # the server process sent no frame, or died inside one: there is no one to answer
+        log.error("instance %d of %s: %s; exiting", config.index, config.manifest.name, e)
 
 
-def _start(config: ChildConfig, memory: Memory, weights: bytes) -> tuple[Engine, float]:
+def _start(config: ChildConfig, memory: InstanceMemory, weights: bytes) -> tuple[Engine, float]:
     """The process-wide settings the server process applies, then the engine (of the weights the server process
     loaded, handed over as safetensors bytes), its memory pinned, warmed up."""
     settings = config.settings
@@ -98,58 +105,24 @@ def _start(config: ChildConfig, memory: Memory, weights: bytes) -> tuple[Engine,
     return engine, time.perf_counter() - start
 
 
-class Regions:
-    """The engine process's shared regions this process was handed (front-ends' slots), mapped and, on CUDA,
-    page-locked once each."""
-
-    def __init__(self, side: socket.socket, cuda: bool) -> None:
-        self.side, self.cuda = side, cuda
-        self.maps: dict[int, tuple[mmap.mmap, Callable[[], None] | None]] = {}
-
-    def get(self, region: int) -> mmap.mmap:
-        """A region's map; its descriptor was sent on the side channel before the frame that names it."""
-        while region not in self.maps:
-            data, fds, _, _ = socket.recv_fds(self.side, REGION.size, 1)
-            if not fds:
-                raise ConnectionError("the side channel closed")
-            rid, size = REGION.unpack(data)
-            try:
-                memory = mmap.mmap(fds[0], size)
-            finally:
-                os.close(fds[0])
-            self.maps[rid] = (memory, pin_host(memory) if self.cuda else None)
-        return self.maps[region][0]
-
-    def forget(self, region: int) -> None:
-        found = self.maps.pop(region, None)
-        if found is not None:
-            memory, unpin = found
-            if unpin is not None:
-                unpin()
-            with contextlib.suppress(BufferError):  # a view still held: the map goes with it
-                memory.close()
-
-
-def _serve(engine: Engine, inst: Instance, memory: Memory, sock: socket.socket, regions: Regions) -> None:
+def _serve(engine: Engine, inst: Instance, memory: InstanceMemory, channel: Channel, regions: ImportedRegions) -> None:
     """Run each batch sent until told to exit or the socket closes; one at a time, on the instance's own thread
     (cuDNN keeps its tuned algorithms per thread, and the warm-up ran there)."""
-    reader = FrameReader()
-    while True:
-        data = sock.recv(1 << 20)
-        if not data:
+    for head, payload in channel.frames():
+        op = head.get("op")
+        if op == "exit":
             return
-        for head, payload in reader.feed(data):
-            op = head.get("op")
-            if op == "exit":
-                return
-            if op == "forget":
-                regions.forget(head["region"])
-                continue
-            _send(sock, *_batch(engine, inst, memory, regions, head, payload))
+        if op == "forget":
+            regions.forget(head["region"])
+            continue
+        answer, parts = _batch(engine, inst, memory, regions, head, payload)
+        channel.send(answer, *parts)
 
 
-def _chunks(memory: Memory, regions: Regions, head: dict[str, Any], payload: bytearray) -> list[np.ndarray]:
-    """The batch's chunks where the frame says they lie: the input region, the frame, or a shared region."""
+def _chunks(
+    memory: InstanceMemory, regions: ImportedRegions, head: dict[str, Any], payload: bytearray
+) -> list[np.ndarray]:
+    """The batch's chunks where the frame says they lie: the input region, the frame, or an exported region."""
     dtype, shape = dtype_of(head["dtype"]), tuple(head["shape"])
     per_row = math.prod(shape)
     chunks, inline = [], 0
@@ -165,7 +138,12 @@ def _chunks(memory: Memory, regions: Regions, head: dict[str, Any], payload: byt
 
 
 def _batch(
-    engine: Engine, inst: Instance, memory: Memory, regions: Regions, head: dict[str, Any], payload: bytearray
+    engine: Engine,
+    inst: Instance,
+    memory: InstanceMemory,
+    regions: ImportedRegions,
+    head: dict[str, Any],
+    payload: bytearray,
 ) -> tuple[dict[str, Any], list[bytes | memoryview]]:
     """Run one batch; the answer's header and payload."""
     answer: dict[str, Any] = {"id": head["id"]}
@@ -208,7 +186,3 @@ def _counts(engine: Engine) -> dict[str, int]:
         "real_elements": engine.real_elements,
         "padded_elements": engine.padded_elements,
     }
-
-
-def _send(sock: socket.socket, header: dict[str, Any], payload: list[bytes | memoryview] | None = None) -> None:
-    sock.sendall(b"".join(frame(header, *(payload or []))))

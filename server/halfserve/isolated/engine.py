@@ -28,9 +28,12 @@ import torch
 from halfserve import models, store
 from halfserve import precision as prec
 from halfserve.engine import EngineError, EngineInfo, PrecisionOverflowError
-from halfserve.isolated import child, handover, shared
-from halfserve.isolated.wire import IN_FRAME, INPUT_REGION, REGION, ChildConfig, Memory, descr, dtype_of, region_sizes
-from halfserve.multiproc.wire import FrameReader, frame
+from halfserve.ipc import exports
+from halfserve.ipc.frames import FrameReader, frame
+from halfserve.ipc.memory import InstanceMemory
+from halfserve.ipc.tensors import descr, dtype_of
+from halfserve.isolated import child, handover
+from halfserve.isolated.protocol import IN_FRAME, INPUT_REGION, ChildConfig, region_sizes
 from halfserve.placement import Placement, available_cores
 from halfserve.precision import Precision
 from halfserve.serving import BatchTooLargeError, InstanceLostError, ModelNotReadyError, Outcome, Output
@@ -95,7 +98,7 @@ def _weights_memfd(loaded: LoadedModel) -> int:
 class InstanceProcess(asyncio.Protocol):
     """One instance process, seen from the server process: its socket end, its shared memory, its batch in flight."""
 
-    def __init__(self, owner: ProcessEngine, index: int, memory: Memory) -> None:
+    def __init__(self, owner: ProcessEngine, index: int, memory: InstanceMemory) -> None:
         self.owner, self.index, self.memory = owner, index, memory
         self.process: multiprocessing.process.BaseProcess | None = None
         self._pid: int | None = None
@@ -163,7 +166,7 @@ class InstanceProcess(asyncio.Protocol):
 
     def send(self, chunks: list[np.ndarray], future: asyncio.Future[list[Outcome]], raw: bool = False) -> None:
         """Tell the process to run a batch; ``future`` gets the outcomes. Chunks in a front-end's shared memory are
-        named where they lie (:mod:`halfserve.isolated.shared`); the others are copied into the input region.
+        named where they lie (:mod:`halfserve.ipc.exports`); the others are copied into the input region.
 
         The input region is free: an instance has one batch at a time, and its rows were read before it answered.
         """
@@ -173,7 +176,7 @@ class InstanceProcess(asyncio.Protocol):
         copies: list[tuple[np.ndarray, int]] = []
         copied = 0
         for c in chunks:
-            found = shared.locate(c)
+            found = exports.locate(c)
             if found is None:
                 places.append([INPUT_REGION, copied, len(c)])
                 copies.append((c, copied))
@@ -226,10 +229,10 @@ class InstanceProcess(asyncio.Protocol):
             self._watchdog.cancel()
             self._watchdog = None
 
-    def _hand(self, region: shared.Region) -> None:
+    def _hand(self, region: exports.ExportedRegion) -> None:
         """Send the process a region's descriptor (on the side channel, before the frame that names it)."""
         assert self.side is not None
-        socket.send_fds(self.side, [REGION.pack(region.id, region.size)], [region.fd])
+        exports.hand(self.side, region)
         self.regions.add(region.id)
 
     def forget(self, region: int) -> None:
@@ -337,7 +340,7 @@ class ProcessEngine:
         self._loop_thread = threading.get_ident()
         self._context = multiprocessing.get_context("spawn")
         self._count = count
-        self._stop_listening = shared.on_withdraw(self._forget)
+        self._stop_listening = exports.on_withdraw(self._forget)
 
     @classmethod
     async def start(
@@ -367,7 +370,7 @@ class ProcessEngine:
 
     def _spawn(self, index: int) -> InstanceProcess:
         """Start instance process ``index``: its shared memory, its socket, the process; ready once it says so."""
-        memory, fd = Memory.create(f"halfserve-{self.name}-{index}", *self._regions)
+        memory, fd = InstanceMemory.create(f"halfserve-{self.name}-{index}", *self._regions)
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         side, their_side = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
@@ -383,7 +386,7 @@ class ProcessEngine:
     def _start_process(
         self,
         index: int,
-        memory: Memory,
+        memory: InstanceMemory,
         fd: int,
         main: tuple[socket.socket, socket.socket],
         side_channel: tuple[socket.socket, socket.socket],

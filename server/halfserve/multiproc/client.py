@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import mmap
 import os
 import socket
 import time
@@ -20,9 +19,10 @@ from typing import Any, cast
 
 import orjson
 
+from halfserve.ipc.frames import FrameReader, frame
+from halfserve.ipc.memory import Slots
+from halfserve.ipc.tensors import from_payload, inline, nbytes
 from halfserve.manifest import Batching, Manifest, Precision
-from halfserve.multiproc import wire
-from halfserve.multiproc.wire import FrameReader, Segment
 from halfserve.serving import (
     Interface,
     ModelNotReadyError,
@@ -35,6 +35,12 @@ from halfserve.serving import (
 )
 from halfserve.settings import Settings
 from halfserve.transport import CoalescedWrites
+
+SLOTS = 128
+"""Shared-memory slots per front-end: as many of its requests as can be in flight without inline copies."""
+SLOT_BYTES = 2 * 2**20
+"""Bytes per slot, enough for a 224x224 RGB image in fp32 (602 KB) with room to spare; memory is committed only
+for the slots a front-end has used."""
 
 Answer = Callable[[dict[str, Any], bytearray], Any]
 """Turns an answer frame (header, payload) into the result of the request's future; raises what fails it."""
@@ -60,12 +66,8 @@ class BackplaneClient(asyncio.Protocol):
         self.pending: dict[int, _Pending] = {}
         self.ids = itertools.count(1)
         self.records: list[list[Any]] = []
-        size = wire.SLOTS * wire.SLOT_BYTES
-        fd = os.memfd_create("halfserve-frontend")
-        os.ftruncate(fd, size)
-        self.segment = Segment(mmap.mmap(fd, size), wire.SLOT_BYTES)
-        self._fd = fd
-        self.free = list(range(wire.SLOTS - 1, -1, -1))
+        self.slots, self._fd = Slots.create("halfserve-frontend", SLOTS, SLOT_BYTES)
+        self.free = list(range(SLOTS - 1, -1, -1))
         self.table_seen = asyncio.Event()
 
     async def connect(self, path: str, index: int, secret: str, timeout: float = 60.0) -> None:
@@ -82,7 +84,7 @@ class BackplaneClient(asyncio.Protocol):
                     raise
                 await asyncio.sleep(0.05)
         hello = {"index": index, "pid": os.getpid(), "secret": secret}
-        hello |= {"slots": wire.SLOTS, "slot_bytes": self.segment.slot_bytes}
+        hello |= {"slots": SLOTS, "slot_bytes": self.slots.slot_bytes}
         socket.send_fds(sock, [orjson.dumps(hello)], [self._fd])
         os.close(self._fd)
         sock.setblocking(False)
@@ -125,7 +127,7 @@ class BackplaneClient(asyncio.Protocol):
     def _send(self, header: dict[str, Any], *payload: bytes | memoryview) -> None:
         if self.transport is None or self.transport.is_closing():
             raise ModelNotReadyError("the engine process is not connected")
-        self.transport.writelines(wire.frame(header, *payload))
+        self.transport.writelines(frame(header, *payload))
 
     def _release(self, slot: int) -> None:
         if slot >= 0:
@@ -149,12 +151,12 @@ class BackplaneClient(asyncio.Protocol):
 
     def send(self, model: RemoteModel, inputs: Tensors, timeout: float | None) -> asyncio.Future[Prediction]:
         """Send ``inputs`` to ``model`` in the engine process; the future of its prediction."""
-        slot = self.free.pop() if self.free and wire.nbytes(inputs) <= self.segment.slot_bytes else -1
+        slot = self.free.pop() if self.free and nbytes(inputs) <= self.slots.slot_bytes else -1
         head = {"op": "infer", "model": model.name, "version": model.version, "timeout": timeout, "slot": slot}
         if slot >= 0:
-            head["inputs"] = self.segment.put(slot, inputs)
+            head["inputs"] = self.slots.put(slot, inputs)
             return self._ask(head, self._prediction, slot=slot)
-        places, parts = wire.inline(inputs)
+        places, parts = inline(inputs)
         head["inputs"] = places
         return self._ask(head, self._prediction, *parts)
 
@@ -164,9 +166,9 @@ class BackplaneClient(asyncio.Protocol):
             raise error_from_wire(error)
         places = header["outputs"]
         if header["slot"] >= 0:
-            outputs = {k: v.copy() for k, v in self.segment.take(header["slot"], places).items()}
+            outputs = {k: v.copy() for k, v in self.slots.take(header["slot"], places).items()}
         else:
-            outputs = wire.from_payload(payload, places)
+            outputs = from_payload(payload, places)
         return Prediction(outputs, tuple(Precision(p) for p in header["precision"].split("+") if p))
 
     async def refresh(self) -> None:

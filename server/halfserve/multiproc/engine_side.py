@@ -17,19 +17,12 @@ import orjson
 
 from halfserve import manifest as store
 from halfserve.instance import pin_host
-from halfserve.isolated import shared
+from halfserve.ipc import exports
+from halfserve.ipc.frames import FrameReader, frame
+from halfserve.ipc.memory import Slots
+from halfserve.ipc.tensors import from_payload, inline, nbytes
 from halfserve.manifest import LENGTH
 from halfserve.metrics import Metrics
-from halfserve.multiproc.wire import (
-    HELLO_BYTES,
-    HELLO_TIMEOUT_S,
-    FrameReader,
-    Segment,
-    frame,
-    from_payload,
-    inline,
-    nbytes,
-)
 from halfserve.regions import Regions
 from halfserve.repository import ModelRepository
 from halfserve.serving import Interface, ModelNotReadyError, Prediction, Tensors, check_ready, error_to_wire
@@ -39,6 +32,9 @@ log = logging.getLogger(__name__)
 
 TABLE_POLL_S = 0.05
 """How often the engine process looks for model changes (loads, unloads, precision switches) to push."""
+HELLO_BYTES = 4096
+HELLO_TIMEOUT_S = 5.0
+"""How long a new connection has to send its hello before it is dropped."""
 
 
 def table(repo: ModelRepository) -> list[dict[str, Any]]:
@@ -73,9 +69,9 @@ class HelloRefused(Exception):
 class _Connection(asyncio.Protocol):
     """One front-end's connection, on the engine process's event loop."""
 
-    def __init__(self, backplane: Backplane, segment: Segment, release: Callable[[], None] | None = None) -> None:
+    def __init__(self, backplane: Backplane, slots: Slots, release: Callable[[], None] | None = None) -> None:
         self.backplane = backplane
-        self.segment = segment
+        self.slots = slots
         self.release = release
         self.reader = FrameReader()
         self.transport: asyncio.Transport | None = None
@@ -139,8 +135,8 @@ class _Connection(asyncio.Protocol):
             return
         result = future.result()
         reply: dict[str, Any] = {"id": rid, "precision": result.precision}
-        if slot >= 0 and nbytes(result.outputs) <= self.segment.slot_bytes:
-            self.send({**reply, "slot": slot, "outputs": self.segment.put(slot, result.outputs)})
+        if slot >= 0 and nbytes(result.outputs) <= self.slots.slot_bytes:
+            self.send({**reply, "slot": slot, "outputs": self.slots.put(slot, result.outputs)})
         else:
             places, parts = inline(result.outputs)
             self.send({**reply, "slot": -1, "outputs": places}, *parts)
@@ -152,7 +148,7 @@ class _Connection(asyncio.Protocol):
         """The request's named inputs: views of its slot (or of the payload), checked against the model's signature
         as it is now."""
         places = head["inputs"]
-        tensors = self.segment.take(head["slot"], places) if head["slot"] >= 0 else from_payload(payload, places)
+        tensors = self.slots.take(head["slot"], places) if head["slot"] >= 0 else from_payload(payload, places)
         # Each row's length of a variable input travels beside it (tokenized texts); the packing checks it.
         changed = len([n for n in tensors if not n.endswith(LENGTH)]) != len(specs)
         for spec in specs:
@@ -222,12 +218,12 @@ class Backplane:
         loop = asyncio.get_running_loop()
         try:
             hello, fd = await self._hello(conn)
-            memory, release = await loop.run_in_executor(None, self._open_segment, hello, fd)
+            memory, release = await loop.run_in_executor(None, self._open_slots, hello, fd)
         except (HelloRefused, OSError, ValueError, TypeError, KeyError) as e:
             log.warning("a connection to the backplane was dropped: %s", e)
             conn.close()
             return
-        connection = _Connection(self, Segment(memory, hello["slot_bytes"]), release)
+        connection = _Connection(self, Slots(memory, hello["slot_bytes"]), release)
         self.connections.add(connection)
         await loop.connect_accepted_socket(lambda: connection, sock=conn)
         if self.on_hello is not None and isinstance(hello.get("pid"), int):
@@ -270,14 +266,14 @@ class Backplane:
         conn.setblocking(False)
         return hello, fds[0]
 
-    def _open_segment(self, hello: dict[str, Any], fd: int) -> tuple[mmap.mmap, Callable[[], None]]:
+    def _open_slots(self, hello: dict[str, Any], fd: int) -> tuple[mmap.mmap, Callable[[], None]]:
         """Map a front-end's memfd and, on a CUDA engine, page-lock it, so that batches copy its slots straight to
         the device (about 0.1 ms per image less on the instance's thread); returns it and the function that releases
         it once the front-end is gone and none of its requests runs."""
         try:
             memory = mmap.mmap(fd, hello["slots"] * hello["slot_bytes"])
-            # Instance processes read its slots where they are, too (halfserve.isolated.shared).
-            withdraw = shared.share(memory, fd)
+            # Instance processes read its slots where they are, too (halfserve.ipc.exports).
+            withdraw = exports.export(memory, fd)
         finally:
             os.close(fd)
         unpin = pin_host(memory) if self.repo.device.type == "cuda" else None

@@ -1,0 +1,77 @@
+"""The instance-process protocol, both ends' half: what the process is told at start, the frames' meaning, the
+sizes of its memory.
+
+Frames, shared memory and dtypes on the wire are :mod:`halfserve.ipc`'s: the frames :mod:`halfserve.ipc.frames`'s
+(``<II`` lengths, an orjson header, a payload), the instance's input and output regions one
+:class:`~halfserve.ipc.memory.InstanceMemory`. The server process sends
+
+* ``{"op": "run", "id", "dtype", "shape", "chunks", "raw"}``: a batch of rows of ``dtype`` (a numpy descriptor,
+  :func:`halfserve.ipc.tensors.descr`) and per-row ``shape``, as chunks ``[where, offset, rows]``, one per request:
+  ``where`` is :data:`INPUT_REGION` (the instance's own input region), :data:`IN_FRAME` (the payload, one after
+  another) or the id of an exported region (:mod:`halfserve.ipc.exports`) whose descriptor went before, on the side
+  channel. ``raw`` asks for the model's outputs without the overflow policy (the fidelity check's forward);
+* ``{"op": "forget", "region"}``: unmap an exported region (no batch in it runs);
+* ``{"op": "exit"}``: finish the batch in hand and exit.
+
+The instance process sends ``{"op": "ready", "info", "warmup_seconds", "pid"}`` once warm (or ``{"op": "failed",
+"error"}`` and exits), then per batch ``{"id", "outcomes", "counts"}``, where each outcome is ``["out", dtype, shape,
+offset, precision]`` (rows at ``offset`` in the output region, or in the payload when ``inline``) or ``["error",
+kind, message]``; or ``{"id", "raise", "kind", "message"}`` when the batch as a whole failed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from halfserve import store
+from halfserve.isolated.handover import Code
+from halfserve.settings import Settings
+
+INPUT_REGION, IN_FRAME = 0, -1
+"""Where a chunk lies, besides an exported region's id (from 1): the instance's own input region, or the frame."""
+INPUT_SLACK = 4096
+"""Bytes added to a region's computed size: records align their fields, and a page costs nothing until touched."""
+MAX_REGION_BYTES = 1 << 30
+"""Largest region allocated for one instance's inputs or outputs; a batch that does not fit travels in the frame."""
+
+
+@dataclass(frozen=True)
+class ChildConfig:
+    """What an instance process is told when it is spawned (pickled by multiprocessing, never read from disk)."""
+
+    settings: Settings
+    manifest: store.Manifest
+    """The manifest as the server process serves it (not read again from the store)."""
+    version: int
+    registers: str | None
+    """The module to import for the manifest's architecture to be registered, as it was in the server process by
+    code it imported (:func:`halfserve.models.registered_in`)."""
+    precision: str
+    max_batch_size: int
+    index: int
+    cores: int
+    """Intra-op threads this process starts with and settles over: the server's cores, or ``settings.threads``."""
+    fixed_shapes: bool
+    """Whether every model served pads to buckets (cuDNN's autotuning is on then, as in the server process)."""
+    input_bytes: int
+    output_bytes: int
+    code: Code | None = None
+    """The ``--code-path`` module the architecture comes from, as the server process read it at load."""
+    hf_config: dict[str, Any] | None = None
+    """A Hugging Face model's configuration as the server process loaded it (its config.json is not read again)."""
+
+
+def region_sizes(manifest: store.Manifest, max_batch_size: int) -> tuple[int, int]:
+    """Bytes of the shared input and output regions for a full batch of ``manifest``'s model."""
+    if store.packs_records(manifest):
+        row_in = store.input_records(manifest).itemsize
+        row_out = store.output_records(manifest).itemsize
+    else:
+        spec, out = manifest.inputs[0], manifest.outputs[0]
+        row_in = math.prod(spec.bounded()) * spec.datatype.numpy.itemsize
+        # Floating outputs come back as float32 (fp16 widened; float64 is never served).
+        row_out = math.prod(out.bounded()) * max(out.datatype.numpy.itemsize, 4)
+    sizes = (max_batch_size * row_in + INPUT_SLACK, max_batch_size * row_out + INPUT_SLACK)
+    return min(sizes[0], MAX_REGION_BYTES), min(sizes[1], MAX_REGION_BYTES)
