@@ -14,7 +14,7 @@ from halfserve import store
 from halfserve.settings import Settings
 from tests.conftest import save_tiny_mlp
 from tests.integration.conftest import serving
-from tests.waiting import DEADLINE_S
+from tests.waiting import DEADLINE_S, until
 
 TOKEN = "management-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -43,11 +43,7 @@ async def test_switching_to_fp32_and_back_under_traffic_fails_no_request(tiny_st
 
         async def answered(more: int) -> None:
             target = len(answers) + more
-            for _ in range(2000):
-                if len(answers) >= target:
-                    return
-                await asyncio.sleep(0.005)
-            raise AssertionError(f"traffic stalled at {len(answers)} answers")
+            await until(lambda: len(answers) >= target, f"{more} more answers (traffic stalled?)", every=0.005)
 
         senders = [asyncio.create_task(traffic()) for _ in range(8)]
         try:

@@ -3,7 +3,6 @@ binary); each text answered as if it came alone; not UTF-8, too many bytes and t
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +15,7 @@ from halfserve.api.codec import HEADER_LENGTH, encode_bytes
 from halfserve.settings import Settings
 from halfserve.store import DataType, Manifest, TensorSpec, TextInput
 from tests.integration.conftest import serving
+from tests.waiting import until
 
 tokenizers = pytest.importorskip("tokenizers")
 
@@ -150,11 +150,7 @@ async def test_a_missing_tokenizer_fails_the_models_load_not_its_requests(tmp_pa
     app = create_app(Settings(store=tmp_path, precision="fp32"))
     async with app.router.lifespan_context(app):
         repo = app.state.serving.repository
-        for _ in range(200):
-            if repo.models["texty"].state.value == "failed":
-                break
-            await asyncio.sleep(0.05)
-        assert repo.models["texty"].state.value == "failed"
+        await until(lambda: repo.models["texty"].state.value == "failed", "texty's load failing", every=0.05)
         assert "cannot read the tokenizer" in repo.models["texty"].error
 
 
