@@ -18,8 +18,8 @@ from torch import nn
 
 from halfserve.engine import takes_positionally
 from halfserve.instance import torch_dtype
+from halfserve.manifest import Manifest
 from halfserve.serving import InvalidInputError, Tensors
-from halfserve.store import Manifest
 
 log = logging.getLogger(__name__)
 

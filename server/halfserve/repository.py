@@ -11,13 +11,15 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from halfserve import calibration, fidelity, padding, store, text
+from halfserve import calibration, fidelity, padding, storage, store, text
 from halfserve import precision as prec
 from halfserve.batching import Batcher, BatchObserver, BatchStats
 from halfserve.engine import Engine, EngineInfo, fixed_timing, module_bytes, resolve_device
 from halfserve.fidelity import Fidelity
 from halfserve.indices import check_indices, index_limits
 from halfserve.isolated.engine import ProcessEngine
+from halfserve.manifest import Batching, Isolation, Manifest, load_manifest
+from halfserve.packing import LENGTH, PackError, pack, packs_records, padded_length, sequence_input
 from halfserve.padding import PaddingCheck
 from halfserve.placement import Placement, available_cores, choose, isolation, pads_to_buckets
 from halfserve.precision import Precision
@@ -31,7 +33,8 @@ from halfserve.serving import (
     why_model_not_ready,
 )
 from halfserve.settings import FidelityCheck, Settings
-from halfserve.store import Batching, Isolation, LoadedModel, Manifest, StoreError
+from halfserve.storage import StoreError
+from halfserve.store import LoadedModel
 from halfserve.traced import TraceRefused
 
 log = logging.getLogger(__name__)
@@ -143,8 +146,8 @@ class ServedModel:
 
     def _input(self, inputs: Tensors) -> np.ndarray:
         """The request's rows as the batcher takes them: the one input's array, or the model's inputs packed into
-        records (:func:`halfserve.store.pack`), one per row."""
-        if not store.packs_records(self.manifest):
+        records (:func:`halfserve.packing.pack`), one per row."""
+        if not packs_records(self.manifest):
             name = self.manifest.inputs[0].name
             x = inputs.get(name)
             if x is None or len(inputs) != 1:
@@ -152,19 +155,19 @@ class ServedModel:
                 raise InvalidInputError(f"inputs: expected {name!r} alone, got {got}")
             return x
         try:
-            return store.pack(self.manifest, inputs)
-        except store.PackError as e:
+            return pack(self.manifest, inputs)
+        except PackError as e:
             raise InvalidInputError(str(e)) from None
 
     def _group(self, packed: np.ndarray) -> tuple[Hashable, int | None]:
         """The batching group of a packed request (its length bucket; one group when lengths are not grouped), and the
         length its variable outputs are cut to (``None``: none are)."""
-        spec = store.sequence_input(self.manifest)
+        spec = sequence_input(self.manifest)
         if spec is None:
             return None, None
-        length = int(packed[spec.name + store.LENGTH].max())
+        length = int(packed[spec.name + LENGTH].max())
         grouped = self.manifest.batching.group_lengths
-        return (store.padded_length(self.manifest, spec, length) if grouped else None), length
+        return (padded_length(self.manifest, spec, length) if grouped else None), length
 
     def _prediction(self, out: np.ndarray, precisions: tuple[Precision, ...], length: int | None = None) -> Prediction:
         """The batcher's output rows as the model's named outputs, with the precision that computed them; variable
@@ -294,9 +297,9 @@ class ModelRepository:
         registered as failed, with the reason, and one whose manifest cannot be read is left out, logged. The others
         are served; when none is left to serve, this fails fast, naming each file and field."""
         root = self.settings.store
-        names = self.settings.models or store.model_folders(root)
+        names = self.settings.models or storage.model_folders(root)
         if not names:
-            raise StoreError(f"{root}: no model folder with a {store.MANIFEST}")
+            raise StoreError(f"{root}: no model folder with a {storage.MANIFEST}")
         failures = []
         for name in names:
             try:
@@ -337,7 +340,7 @@ class ModelRepository:
             return None
         model_dir = self.settings.store / served.name
         try:
-            older = [v for v in store.versions(model_dir) if v < served.version]
+            older = [v for v in storage.versions(model_dir) if v < served.version]
         except OSError:
             return None
         return self._register(served.name, older[-1]) if older else None
@@ -347,9 +350,9 @@ class ModelRepository:
         return all(pads_to_buckets(m.manifest.execution, self.device) for m in self.models.values())
 
     def _register(self, name: str, version: int | None = None) -> ServedModel:
-        model_dir = self.settings.store / store.check_name(name)
-        manifest = store.load_manifest(model_dir)
-        version = store.resolve_version(model_dir, manifest, version)
+        model_dir = self.settings.store / storage.check_name(name)
+        manifest = load_manifest(model_dir)
+        version = storage.resolve_version(model_dir, version if version is not None else manifest.version)
         return ServedModel(name, manifest, version, self._batching(manifest))
 
     def _batching(self, manifest: Manifest) -> Batching:
@@ -564,7 +567,7 @@ class ModelRepository:
 
         Raises :class:`StoreError` for a model or version the store does not hold, or a checkpoint that fails.
         """
-        if not (self.settings.store / store.check_name(name) / store.MANIFEST).is_file():
+        if not (self.settings.store / storage.check_name(name) / storage.MANIFEST).is_file():
             raise StoreError(f"model {name!r} is not in the store {self.settings.store}")
         async with self._lock(name):
             served = self._register(name, version)
@@ -676,6 +679,14 @@ class ModelRepository:
     def get(self, name: str | None) -> ServedModel:
         """The model called ``name``; ``None`` means the only model when exactly one is served."""
         return find(self.models, name)
+
+    def stored_models(self) -> list[str]:
+        """The names of the models in the store, served or not (:meth:`halfserve.serving.ModelAdmin.stored_models`)."""
+        return storage.model_names(self.settings.store)
+
+    def stored_versions(self, name: str) -> list[int] | None:
+        """The versions of ``name`` in the store (see :meth:`halfserve.serving.ModelAdmin.stored_versions`)."""
+        return storage.stored_versions(self.settings.store, name)
 
     async def close(self) -> None:
         """Drain every batcher (queued requests are answered), then release the engines."""

@@ -12,8 +12,8 @@ import torch
 from halfserve import store
 from halfserve.batching import Batcher, BatchTooLargeError, Output
 from halfserve.engine import Engine, PrecisionOverflowError, is_out_of_memory
+from halfserve.manifest import OverflowPolicy
 from halfserve.precision import Precision
-from halfserve.store import OverflowPolicy
 from tests.conftest import save_tiny_mlp
 from tests.fault_models import Poisonable, save_overflowing_linear
 

@@ -12,13 +12,13 @@ from typing import Any
 import numpy as np
 import pytest
 
+from halfserve.manifest import Batching, Manifest, TensorSpec
 from halfserve.multiproc import wire
 from halfserve.multiproc.client import BackplaneClient, RemoteModel, RemoteService
 from halfserve.multiproc.wire import FrameReader, Segment, frame
 from halfserve.precision import Precision
 from halfserve.serving import DeadlineExceededError, InternalError, ModelNotReadyError, ModelState, error_to_wire
 from halfserve.settings import Settings
-from halfserve.store import Batching, Manifest, TensorSpec
 from tests.unit.test_transport import RecordingTransport
 
 

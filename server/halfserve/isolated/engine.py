@@ -30,12 +30,13 @@ from halfserve import precision as prec
 from halfserve.engine import EngineError, EngineInfo, PrecisionOverflowError
 from halfserve.isolated import child, handover, shared
 from halfserve.isolated.wire import IN_FRAME, INPUT_REGION, REGION, ChildConfig, Memory, descr, dtype_of, region_sizes
+from halfserve.manifest import OverflowPolicy
 from halfserve.multiproc.wire import FrameReader, frame
 from halfserve.placement import Placement, available_cores
 from halfserve.precision import Precision
 from halfserve.serving import BatchTooLargeError, InstanceLostError, ModelNotReadyError, Outcome, Output
 from halfserve.settings import Settings
-from halfserve.store import LoadedModel, OverflowPolicy
+from halfserve.store import LoadedModel
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,6 @@ import orjson
 from halfserve import manifest as store
 from halfserve.instance import pin_host
 from halfserve.isolated import shared
-from halfserve.manifest import LENGTH
 from halfserve.metrics import Metrics
 from halfserve.multiproc.wire import (
     HELLO_BYTES,
@@ -30,6 +29,7 @@ from halfserve.multiproc.wire import (
     inline,
     nbytes,
 )
+from halfserve.packing import LENGTH
 from halfserve.regions import Regions
 from halfserve.repository import ModelRepository
 from halfserve.serving import Interface, ModelNotReadyError, Prediction, Tensors, check_ready, error_to_wire
