@@ -80,10 +80,10 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 def serve(args: argparse.Namespace) -> int:
     from halfserve import logs, models
     from halfserve.app import begin_drain, create_app
+    from halfserve.httpserver import DrainingServer, uvicorn_config
     from halfserve.multiproc.supervisor import Frontends
     from halfserve.repository import ModelRepository
     from halfserve.settings import Settings
-    from halfserve.transport import DrainingServer, uvicorn_config
 
     fields = set(Settings.model_fields)
     given = {k: v for k, v in vars(args).items() if k in fields and v is not None}
