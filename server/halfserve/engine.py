@@ -155,16 +155,6 @@ def batch_buckets(max_batch_size: int, sizes: list[int] | None = None) -> list[i
     return sorted({s for s in sizes if s < max_batch_size} | {max_batch_size})
 
 
-def resolve_device(name: str) -> torch.device:
-    """``auto`` picks CUDA when present; anything else is passed to ``torch.device`` and checked."""
-    if name == "auto":
-        return prec.default_device()
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {name!r} requested but CUDA is not available")
-    return device
-
-
 def has_conv2d(module: nn.Module) -> bool:
     return any(isinstance(m, nn.Conv2d) for m in module.modules())
 

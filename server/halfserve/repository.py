@@ -10,13 +10,13 @@ from collections.abc import Callable
 from halfserve import calibration, fidelity, padding, storage, store, text
 from halfserve import precision as prec
 from halfserve.batching import Batcher, BatchObserver
-from halfserve.engine import Engine, fixed_timing, module_bytes, resolve_device
+from halfserve.engine import Engine, fixed_timing, module_bytes
 from halfserve.fallback import VersionFallback
 from halfserve.indices import index_limits
 from halfserve.isolated.engine import ProcessEngine
 from halfserve.manifest import Batching, Isolation, Manifest, load_manifest
 from halfserve.placement import Placement, available_cores, choose, isolation, pads_to_buckets
-from halfserve.precision import Precision
+from halfserve.precision import Precision, resolve_device
 from halfserve.served import AnyEngine, ServedModel
 from halfserve.serving import (
     ModelNotReadyError,

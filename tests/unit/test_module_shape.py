@@ -108,3 +108,49 @@ def test_the_management_routes_ask_the_contract_not_the_disk() -> None:
     assert store_names == {"halfserve.storage.StoreError"}
     assert "halfserve.storage" not in taken
     assert not any(t.startswith("pathlib.") for t in taken)
+
+
+ENGINE_INSIDES = (
+    "halfserve.engine",
+    "halfserve.instance",
+    "halfserve.placement",
+    "halfserve.records",
+    "halfserve.compilation",
+    "halfserve.traced",
+)
+"""The engine's own modules: the load test and training use the server's public ones (precision, manifest, store)."""
+
+
+def _imports(path: Path) -> set[str]:
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found.add(node.module)
+            found.update(f"{node.module}.{a.name}" for a in node.names)
+    return found
+
+
+@pytest.mark.parametrize("package", ["loadtest", "training"])
+def test_the_load_test_and_training_import_no_engine_insides(package: str) -> None:
+    offenders = {
+        str(path.relative_to(PKG)): sorted(i for i in _imports(path) if i.startswith(ENGINE_INSIDES))
+        for path in sorted((PKG / package).rglob("*.py"))
+    }
+    assert not {k: v for k, v in offenders.items() if v}
+
+
+def test_the_load_test_restates_no_precision_or_datatype_names() -> None:
+    """Collections of the server's precision or datatype names are taken from ``Precision`` and ``DataType``."""
+    from halfserve.manifest import DataType, Precision
+
+    vocabularies = ({p.value for p in Precision}, {t.value for t in DataType})
+    restated = []
+    for path in sorted((PKG / "loadtest").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Tuple | ast.List | ast.Set) and len(node.elts) >= 2:
+                values = {e.value for e in node.elts if isinstance(e, ast.Constant) and isinstance(e.value, str)}
+                if len(values) == len(node.elts) and any(values <= names for names in vocabularies):
+                    restated.append(f"{path.relative_to(PKG)}:{node.lineno}: {sorted(values)}")
+    assert not restated, restated
