@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from halfserve.batching import Batcher, BatchStats
+from halfserve.batching import Batcher
 from halfserve.engine import Engine, EngineInfo
 from halfserve.fidelity import Fidelity
 from halfserve.indices import check_indices
@@ -22,6 +22,7 @@ from halfserve.padding import PaddingCheck
 from halfserve.placement import Placement
 from halfserve.precision import Precision
 from halfserve.serving import (
+    BatchStats,
     InvalidInputError,
     ModelNotReadyError,
     ModelState,

@@ -11,11 +11,11 @@ import torch
 from torch import nn
 
 from halfserve import store
-from halfserve.batching import Output
 from halfserve.engine import Engine, EngineError, Normalizer, batch_buckets
 from halfserve.manifest import DataType, Normalize, TensorSpec
 from halfserve.placement import Placement
 from halfserve.precision import Precision, resolve_device
+from halfserve.serving import Output
 from tests.conftest import save_tiny_mlp
 
 CPU = torch.device("cpu")

@@ -15,8 +15,7 @@ PKG = ROOT / "server" / "halfserve"
 MAX_LINES = 600
 """A module past this holds more than one idea: give each its own file before adding the next."""
 STILL_OVER: dict[str, int] = {
-    "engine.py": 780,
-    "batching.py": 632,
+    "engine.py": 770,
     "isolated/engine.py": 621,
 }
 """Modules over :data:`MAX_LINES` while their split is under way, each with its line count when listed: it may only
@@ -49,8 +48,16 @@ def test_no_module_is_over_the_limit() -> None:
     assert not done, f"under {MAX_LINES} lines now: take them off STILL_OVER: {done}"
 
 
-ONE_PATH = ("halfserve.manifest", "halfserve.storage", "halfserve.store", "halfserve.packing")
-"""Modules whose names are imported from where they are defined only: none of them re-exports another's."""
+ONE_PATH = (
+    "halfserve.manifest",
+    "halfserve.storage",
+    "halfserve.store",
+    "halfserve.packing",
+    "halfserve.batching",
+    "halfserve.batchcut",
+)
+"""Modules whose names are imported from where they are defined only: none of them re-exports another's (the
+batcher re-exported the contract's errors, the store the manifest's names)."""
 
 
 def importing_files() -> list[Path]:
@@ -62,7 +69,7 @@ def importing_files() -> list[Path]:
     )
 
 
-def test_each_store_and_manifest_name_is_imported_from_where_it_is_defined() -> None:
+def test_each_name_is_imported_from_where_it_is_defined() -> None:
     defined = {m: defined_names(PKG / (m.removeprefix("halfserve.") + ".py")) for m in ONE_PATH}
     wrong = []
     for path in importing_files():
@@ -86,8 +93,10 @@ def test_the_store_re_exports_nothing() -> None:
     assert set(exported) <= defined_names(PKG / "store.py")
 
 
-@pytest.mark.parametrize("module", ["halfserve.storage", "halfserve.manifest", "halfserve.packing"])
-def test_the_store_files_and_the_manifest_load_no_torch(module: str) -> None:
+@pytest.mark.parametrize(
+    "module", ["halfserve.storage", "halfserve.manifest", "halfserve.packing", "halfserve.batchcut"]
+)
+def test_the_torch_free_modules_load_no_torch(module: str) -> None:
     loaded = "('torch', 'safetensors', 'halfserve.store')"
     code = f"import sys, {module}; print(sorted(m for m in {loaded} if m in sys.modules))"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
