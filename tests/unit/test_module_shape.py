@@ -1,5 +1,6 @@
 """The package's shape beyond its layering (tests/unit/test_layering.py): modules small enough to read, one import
-path per name, and the store's folders and files owned by one torch-free module."""
+path per name, the store's folders and files owned by one torch-free module that the management routes reach only
+through the serving contract, and a load test and training built on the server's public modules."""
 
 from __future__ import annotations
 
@@ -20,11 +21,6 @@ STILL_OVER: dict[str, int] = {
 }
 """Modules over :data:`MAX_LINES` while their split is under way, each with its line count when listed: it may only
 shrink, and leaves this list once under the limit."""
-
-
-def module_name(path: Path) -> str:
-    parts = path.relative_to(PKG.parent).with_suffix("").parts
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
 def defined_names(path: Path) -> set[str]:
@@ -62,10 +58,7 @@ batcher re-exported the contract's errors, the store the manifest's names)."""
 
 def importing_files() -> list[Path]:
     return sorted(
-        p
-        for top in ("server", "tests", "benchmarks", "scripts", "examples")
-        for p in (ROOT / top).rglob("*.py")
-        if "node_modules" not in p.parts
+        p for top in ("server", "tests", "benchmarks", "scripts", "examples") for p in (ROOT / top).rglob("*.py")
     )
 
 
