@@ -29,7 +29,7 @@ os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SRC), os.environ.ge
 import httpx  # noqa: E402
 import numpy as np  # noqa: E402
 
-from halfserve.store import Normalize  # noqa: E402
+from halfserve.manifest import Normalize  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 """Where committed results live."""

@@ -50,8 +50,9 @@ from halfserve.engine import Engine
 from halfserve.loadtest.config import LoadtestConfig
 from halfserve.loadtest.make_bench_model import calibrate
 from halfserve.loadtest.payload import Protocol
+from halfserve.manifest import Batching, Compile, DataType, Execution, Manifest, TensorSpec, load_manifest
 from halfserve.precision import Precision, set_tf32
-from halfserve.store import Batching, Compile, DataType, Execution, LoadedModel, Manifest, TensorSpec
+from halfserve.store import LoadedModel
 
 MODEL = "resnet50"
 
@@ -112,7 +113,7 @@ def with_wire(manifest: Manifest, wire: str) -> Manifest:
 
 
 def set_manifest(root: Path, execution: Execution, wire: str) -> None:
-    manifest = with_wire(store.load_manifest(root / MODEL), wire)
+    manifest = with_wire(load_manifest(root / MODEL), wire)
     store.write_manifest(root, manifest.model_copy(update={"execution": execution}))
 
 
@@ -245,7 +246,7 @@ def wrk_sweep(
     before and after each level, the server's CPU from ``/proc`` (the engine process and its front-ends).
     """
     out.mkdir(parents=True, exist_ok=True)
-    spec = store.load_manifest(root / MODEL).inputs[0]
+    spec = load_manifest(root / MODEL).inputs[0]
     image = np.random.default_rng(0).integers(0, 256, spec.shape)
     sample = image if wire == "uint8" else image / 255
     proto = common.make_protocol("v2-binary", MODEL, spec.name, sample, out, wire.upper())

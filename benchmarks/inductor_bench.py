@@ -25,8 +25,8 @@ from common import ROOT, write_results
 
 from halfserve import hostinfo, store
 from halfserve.engine import Engine
+from halfserve.manifest import Compile, Execution
 from halfserve.precision import Precision
-from halfserve.store import Compile, Execution
 
 
 def rate(engine: Engine, x: np.ndarray, seconds: float) -> float:

@@ -29,7 +29,7 @@ import numpy as np
 
 from halfserve import hostinfo, store
 from halfserve.loadtest.process import free_port
-from halfserve.store import Batching, Manifest, TensorSpec
+from halfserve.manifest import Batching, Manifest, TensorSpec
 
 TOOLS = common.ROOT / "benchmarks" / "tools"
 MODES = ("thread", "process")

@@ -52,7 +52,7 @@ import torch
 from common import IMAGENET
 
 from halfserve import hostinfo, models, store
-from halfserve.store import Batching, DataType, Manifest, TensorSpec
+from halfserve.manifest import Batching, DataType, Manifest, TensorSpec, load_manifest
 
 MODEL = "image_mlp"
 PARTS = ("event_loop", "engine_threads", "front_ends", "wrk")
@@ -217,7 +217,7 @@ def main() -> None:
     if args.store is None:
         args.store = tmp / "store"
         build_store(args.store)
-    spec = store.load_manifest(args.store / args.model).inputs[0]
+    spec = load_manifest(args.store / args.model).inputs[0]
     rng = np.random.default_rng(0)
     sample = rng.integers(0, 256, spec.shape) if spec.datatype is DataType.UINT8 else rng.uniform(0, 1, spec.shape)
     args.region = None

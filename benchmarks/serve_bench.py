@@ -30,6 +30,7 @@ from common import PROTOCOLS, ROOT, Protocol, make_protocol, start_server, stats
 
 from halfserve import hostinfo, store
 from halfserve.engine import Engine
+from halfserve.manifest import load_manifest
 from halfserve.precision import Precision
 
 
@@ -146,7 +147,7 @@ def main() -> None:
     if unknown:
         p.error(f"--protocols: unknown {', '.join(unknown)} (known: {', '.join(PROTOCOLS)})")
 
-    manifest = store.load_manifest(args.store / args.model)
+    manifest = load_manifest(args.store / args.model)
     shape = manifest.inputs[0].shape
     sample = np.random.default_rng(0).uniform(0, 1, size=shape).round(6)
     tmp = Path(tempfile.mkdtemp())

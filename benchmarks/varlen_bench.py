@@ -27,10 +27,10 @@ import httpx
 import numpy as np
 import torch
 
-from halfserve import hostinfo, models, store
+from halfserve import hostinfo, models, packing, store
 from halfserve.engine import Engine
+from halfserve.manifest import Batching, DataType, Manifest, TensorSpec
 from halfserve.precision import Precision
-from halfserve.store import Batching, DataType, Manifest, TensorSpec
 
 MODEL = "seq"
 VOCAB = 1000
@@ -62,7 +62,7 @@ def ceiling(
 
     def one() -> list[np.ndarray]:
         return [
-            store.pack(loaded.manifest, {"tokens": rng.integers(1, VOCAB, (1, int(n)))})
+            packing.pack(loaded.manifest, {"tokens": rng.integers(1, VOCAB, (1, int(n)))})
             for n in rng.integers(lengths[0], lengths[1] + 1, batch)
         ]
 

@@ -20,8 +20,8 @@ import torch
 
 from halfserve import models, store
 from halfserve.engine import Engine
+from halfserve.manifest import Batching, Execution, Manifest, TensorSpec
 from halfserve.precision import Precision
-from halfserve.store import Batching, Execution, Manifest, TensorSpec
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -24,8 +24,8 @@ from halfserve import store
 from halfserve.batching import Batcher
 from halfserve.compilation import tune_cudnn
 from halfserve.engine import Engine
+from halfserve.manifest import Compile, Execution
 from halfserve.precision import Precision
-from halfserve.store import Compile, Execution
 
 OUT = Path(os.environ.get("OUT", "/tmp/out"))
 OUT.mkdir(parents=True, exist_ok=True)

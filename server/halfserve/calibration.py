@@ -35,8 +35,11 @@ from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 from torch import nn
 
-from halfserve import store, text
-from halfserve.store import LENGTH, InputFormat, LoadedModel, Manifest, StoreError, TensorSpec
+from halfserve import packing, storage, text
+from halfserve.manifest import InputFormat, Manifest, TensorSpec, sent_inputs
+from halfserve.packing import LENGTH
+from halfserve.storage import StoreError
+from halfserve.store import LoadedModel
 
 CALIBRATION = "calibration.safetensors"
 MAX_SAMPLES = 4096
@@ -70,12 +73,12 @@ class Samples:
         return len(next(iter(self.arrays.values())))
 
     def rows(self, manifest: Manifest) -> np.ndarray:
-        """The samples as the engine takes rows: the one input's array, or records (:func:`halfserve.store.pack`)."""
-        if not store.packs_records(manifest):
-            return np.ascontiguousarray(self.arrays[store.sent_inputs(manifest)[0].name])
+        """The samples as the engine takes rows: the one input's array, or records (:func:`halfserve.packing.pack`)."""
+        if not packing.packs_records(manifest):
+            return np.ascontiguousarray(self.arrays[sent_inputs(manifest)[0].name])
         try:
-            return store.pack(manifest, self.arrays)
-        except store.PackError as e:
+            return packing.pack(manifest, self.arrays)
+        except packing.PackError as e:
             raise CalibrationError(f"calibration samples: {e}") from None
 
     def save(self, version_dir: Path) -> Path:
@@ -83,7 +86,7 @@ class Samples:
         path = version_dir / CALIBRATION
         metadata = {"source": self.source, RANDOM_KEY: "true" if self.random else "false"}
         save_file({k: np.ascontiguousarray(v) for k, v in self.arrays.items()}, str(path), metadata)
-        path.chmod(store.created_mode())  # safetensors creates the file owner-only
+        path.chmod(storage.created_mode())  # safetensors creates the file owner-only
         return path
 
 
@@ -92,7 +95,7 @@ def stored(version_dir: Path, manifest: Manifest) -> Samples | None:
     :class:`CalibrationError` naming the file for samples that do not fit."""
     path = version_dir / CALIBRATION
     try:
-        with store.readable_path(path) as readable:
+        with storage.readable_path(path) as readable:
             tensors = load_file(readable)
     except FileNotFoundError:
         return None
@@ -100,7 +103,7 @@ def stored(version_dir: Path, manifest: Manifest) -> Samples | None:
         raise CalibrationError(str(e)) from None
     except Exception as e:  # safetensors raises its own error types for corrupt headers
         raise CalibrationError(f"{path}: cannot read calibration samples ({e})") from None
-    specs = store.sent_inputs(manifest)
+    specs = sent_inputs(manifest)
     names = [t.name for t in specs]
     lengths = {t.name + LENGTH for t in specs if t.variable}
     if not set(names) <= set(tensors) or not set(tensors) <= set(names) | lengths:
@@ -125,7 +128,7 @@ def source_of(version_dir: Path) -> str | None:
 
 def _recorded(path: Path, key: str = "source") -> str | None:
     try:
-        with store.readable_path(path) as readable, safe_open(readable, framework="np") as f:
+        with storage.readable_path(path) as readable, safe_open(readable, framework="np") as f:
             return (f.metadata() or {}).get(key)
     except Exception:  # an unreadable file fails where its samples are read, with the reason
         return None
@@ -136,7 +139,7 @@ def at_load(loaded: LoadedModel, count: int = RANDOM_SAMPLES) -> Samples:
     found = stored(loaded.path.parent, loaded.manifest)
     if found is not None:
         return found
-    return random_samples(store.sent_inputs(loaded.manifest), count, int_range(loaded.module))
+    return random_samples(sent_inputs(loaded.manifest), count, int_range(loaded.module))
 
 
 def int_range(module: nn.Module) -> int:
@@ -172,7 +175,7 @@ def read(path: Path, manifest: Manifest, tokenizer: Path | None = None) -> Sampl
     ``manifest``'s inputs; a text model's texts are tokenized with ``tokenizer``. Raises :class:`CalibrationError`
     naming the option, the file and what does not fit."""
     where = f"--calibration {path}"
-    specs = store.sent_inputs(manifest)
+    specs = sent_inputs(manifest)
     if path.is_dir():
         return _images(path, specs, manifest, where)
     suffix = path.suffix.lower()
@@ -338,13 +341,13 @@ def _jsonl(path: Path, specs: list[TensorSpec], manifest: Manifest, tokenizer: P
 
 
 def _names(manifest: Manifest) -> list[str]:
-    names = [t.name for t in store.sent_inputs(manifest)]
+    names = [t.name for t in sent_inputs(manifest)]
     return names + ([f"{manifest.text.input} (text)"] if manifest.text is not None else [])
 
 
 def _text_file(lines: list[str], manifest: Manifest, tokenizer: Path | None, where: str, path: Path) -> Samples:
     if manifest.text is not None:
-        others = [t.name for t in store.sent_inputs(manifest) if t.name != manifest.text.feeds]
+        others = [t.name for t in sent_inputs(manifest) if t.name != manifest.text.feeds]
         if others:
             raise CalibrationError(
                 f"{where}: a file of texts feeds {manifest.text.feeds!r} alone; the model also takes "

@@ -21,6 +21,8 @@ from pydantic import ValidationError
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
+from halfserve import storage
+from halfserve.manifest import describe
 from halfserve.settings import Settings
 
 if TYPE_CHECKING:
@@ -76,12 +78,12 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 
 def serve(args: argparse.Namespace) -> int:
-    from halfserve import logs, models, store
+    from halfserve import logs, models
     from halfserve.app import begin_drain, create_app
+    from halfserve.httpserver import DrainingServer, uvicorn_config
     from halfserve.multiproc.supervisor import Frontends
     from halfserve.repository import ModelRepository
     from halfserve.settings import Settings
-    from halfserve.transport import DrainingServer, uvicorn_config
 
     fields = set(Settings.model_fields)
     given = {k: v for k, v in vars(args).items() if k in fields and v is not None}
@@ -91,7 +93,7 @@ def serve(args: argparse.Namespace) -> int:
         # Validate every manifest and architecture before binding the port, so a bad store fails with the file and
         # field named.
         ModelRepository(settings).discover()
-    except (ValidationError, store.StoreError, ValueError, models.UnknownArchitectureError) as e:
+    except (ValidationError, storage.StoreError, ValueError, models.UnknownArchitectureError) as e:
         print(f"halfserve serve: {e}", file=sys.stderr)
         return 2
     log_config = logs.configure(settings.log_format, settings.log_level.value, settings.access_log)
@@ -219,8 +221,8 @@ def _add_import(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
 
 
 def import_(args: argparse.Namespace) -> int:
-    from halfserve import importer, models, store
-    from halfserve.engine import resolve_device
+    from halfserve import importer, models
+    from halfserve.precision import resolve_device
 
     try:
         models.add_code_path(args.code_path or [])
@@ -254,9 +256,9 @@ def import_(args: argparse.Namespace) -> int:
             **fields,
         )
     except ValidationError as e:
-        print(f"halfserve import: {store.describe(e)}", file=sys.stderr)
+        print(f"halfserve import: {describe(e)}", file=sys.stderr)
         return 2
-    except (store.StoreError, models.UnknownArchitectureError, ValueError, OSError) as e:
+    except (storage.StoreError, models.UnknownArchitectureError, ValueError, OSError) as e:
         print(f"halfserve import: {e}", file=sys.stderr)
         return 2
     print(importer.describe(result))

@@ -9,7 +9,7 @@ Two faults are the engine's to recognise, because they need torch to see:
 * Out of memory: the forward raises :class:`~halfserve.serving.BatchTooLargeError` instead, and the batcher (which
   owns chunks and batch sizes) halves its batch size and reruns the rows in smaller batches.
 * Overflow: a half-precision forward whose output is not finite where the input was (fp16 tops out at 65504) is
-  handled per the model's :class:`~halfserve.store.OverflowPolicy`: rerun in fp32 on the host copy of the weights
+  handled per the model's :class:`~halfserve.manifest.OverflowPolicy`: rerun in fp32 on the host copy of the weights
   (tagged ``fp32``), fail that chunk, or pass the non-finite values through.
 """
 
@@ -30,9 +30,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from halfserve import compilation, records, store
+from halfserve import compilation, packing, records
 from halfserve import precision as prec
 from halfserve.instance import Instance, bucket_for, torch_dtype
+from halfserve.manifest import Compile, Execution, Normalize, OverflowPolicy
 from halfserve.placement import (
     Placement,
     intra_op_threads,
@@ -42,7 +43,7 @@ from halfserve.placement import (
 )
 from halfserve.precision import Precision
 from halfserve.serving import BatchTooLargeError, Outcome, Output
-from halfserve.store import Compile, Execution, LoadedModel, Normalize, OverflowPolicy
+from halfserve.store import LoadedModel
 from halfserve.traced import TracedForward
 
 log = logging.getLogger(__name__)
@@ -154,22 +155,12 @@ def batch_buckets(max_batch_size: int, sizes: list[int] | None = None) -> list[i
     return sorted({s for s in sizes if s < max_batch_size} | {max_batch_size})
 
 
-def resolve_device(name: str) -> torch.device:
-    """``auto`` picks CUDA when present; anything else is passed to ``torch.device`` and checked."""
-    if name == "auto":
-        return prec.default_device()
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {name!r} requested but CUDA is not available")
-    return device
-
-
 def has_conv2d(module: nn.Module) -> bool:
     return any(isinstance(m, nn.Conv2d) for m in module.modules())
 
 
 class Normalizer:
-    """A manifest's :class:`~halfserve.store.Normalize` on one device: ``(x * scale - mean) / std`` in fp32, per
+    """A manifest's :class:`~halfserve.manifest.Normalize` on one device: ``(x * scale - mean) / std`` in fp32, per
     channel.
 
     Folded into one multiply-add, ``x * (scale / std) - mean / std``, run by one ``addcmul`` that also widens the
@@ -231,17 +222,17 @@ class Engine:
         self.out_float = loaded.manifest.outputs[0].datatype.numpy.kind == "f"
         """Whether the (first) output is floating, returned as float32; integer and bool outputs keep their type."""
         self.manifest = loaded.manifest
-        self.named = store.packs_records(loaded.manifest)
-        """Rows travel as records (:func:`halfserve.store.input_records`): several inputs or outputs, or variable ones.
-        Such a batch runs eagerly (no CUDA graph), each input copied to the device on its own."""
+        self.named = packing.packs_records(loaded.manifest)
+        """Rows travel as records (:func:`halfserve.packing.input_records`): several inputs or outputs, or variable
+        ones. Such a batch runs eagerly (no CUDA graph), each input copied to the device on its own."""
         self.positional = len(self.input_names) == 1 or takes_positionally(loaded.module, self.input_names)
-        self.output_records = store.output_records(loaded.manifest)
+        self.output_records = packing.output_records(loaded.manifest)
         self.real_elements = 0
         """Values of variable inputs run so far that requests sent (the first variable input's)."""
         self.padded_elements = 0
         """Values run so far that were padding: up to each batch's length, and whole rows up to its bucket."""
         if self.named:
-            self.input_dtype = store.input_records(loaded.manifest)
+            self.input_dtype = packing.input_records(loaded.manifest)
             self.sample_shape = ()  # a record holds each input's sample
         self.inductor = ex.compile is Compile.INDUCTOR
         self.pad = pads_to_buckets(ex, device)
@@ -661,7 +652,7 @@ class Engine:
         variable input ``length`` long."""
         x = np.zeros((size, *self.sample_shape), dtype=self.input_dtype)
         for name in x.dtype.names or ():
-            if name.endswith(store.LENGTH):
+            if name.endswith(packing.LENGTH):
                 x[name] = length
         return x
 
@@ -680,7 +671,7 @@ class Engine:
         then sets every instance to the count chosen and compiles its buckets again at it (:meth:`_compile_again`),
         unless it warmed up, was timed and settled at ``cores`` throughout.
         """
-        sequence = store.sequence_input(self.manifest)
+        sequence = packing.sequence_input(self.manifest)
         x = self._warm_batch(max_batch_size, sequence.bounded()[0] if sequence is not None else 1)
 
         def timed(inst: Instance, threads: int) -> float:
@@ -740,10 +731,10 @@ class Engine:
     def _warm_lengths(self) -> list[int]:
         """The lengths a variable model's batches are padded to (its length buckets, when lengths are grouped), after
         which the batch of length 1 runs as the common warm-up; ``[1]`` for other models."""
-        spec = store.sequence_input(self.manifest)
+        spec = packing.sequence_input(self.manifest)
         if spec is None or spec.max_length is None or not self.manifest.batching.group_lengths:
             return [1]
-        buckets = sorted({store.padded_length(self.manifest, spec, n) for n in range(1, spec.max_length + 1)})
+        buckets = sorted({packing.padded_length(self.manifest, spec, n) for n in range(1, spec.max_length + 1)})
         return [*buckets, 1]
 
     def close(self) -> None:

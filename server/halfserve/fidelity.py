@@ -38,8 +38,8 @@ import torch
 
 from halfserve import calibration, store
 from halfserve.engine import Engine
+from halfserve.manifest import FidelityBar, Manifest
 from halfserve.precision import Precision
-from halfserve.store import Manifest
 
 CALIBRATION = calibration.CALIBRATION
 RANDOM_SAMPLES = calibration.RANDOM_SAMPLES
@@ -89,7 +89,7 @@ mantissa at the output's largest magnitude."""
 
 def bar(manifest: Manifest) -> Bar:
     """The bar ``manifest`` is held to: its ``fidelity`` section (or older ``min_agreement``) over the default."""
-    section = manifest.fidelity or store.FidelityBar()
+    section = manifest.fidelity or FidelityBar()
     given = set(section.model_dump(exclude_none=True, exclude={"check"}))
     top1 = section.min_top1_agreement
     if manifest.min_agreement is not None:

@@ -12,13 +12,10 @@ manifest's ``evaluation``. The version is written as the next one, with its mani
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import pickle
 import re
 import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,11 +25,13 @@ from pydantic import ValidationError
 from safetensors.torch import load_file
 from torch import nn
 
-from halfserve import calibration, fidelity, models, padding, precision, store
+from halfserve import calibration, fidelity, models, padding, precision, storage, store
 from halfserve.calibration import Samples
 from halfserve.engine import Engine, takes_positionally
 from halfserve.instance import torch_dtype
-from halfserve.store import DataType, InputFormat, Manifest, StoreError, TensorSpec
+from halfserve.manifest import DataType, InputFormat, Manifest, TensorSpec, sent_inputs
+from halfserve.manifest import describe as describe_invalid
+from halfserve.storage import Stage, StoreError
 
 RANDOM_SAMPLES = calibration.RANDOM_SAMPLES
 SAMPLE_LENGTH = calibration.SAMPLE_LENGTH
@@ -70,7 +69,7 @@ def parse_tensor(text: str, option: str) -> TensorSpec:
         dims = [int(d) for d in shape.lower().split("x")]  # -1 first: a variable length (give --max-length)
         return TensorSpec(name=name, datatype=DataType(dtype.upper()), shape=dims)
     except ValidationError as e:
-        raise ImportFailure(f"{option} {text!r}: {store.describe(e)}") from None
+        raise ImportFailure(f"{option} {text!r}: {describe_invalid(e)}") from None
     except ValueError as e:
         raise ImportFailure(f"{option} {text!r}: {e}") from None
 
@@ -240,13 +239,13 @@ def import_model(
             **manifest_fields,
         }
     )
-    model_dir = root / store.check_name(name)
+    model_dir = root / storage.check_name(name)
     if hugging_face:
         if not (auto := architecture.removeprefix(models.TRANSFORMERS)).startswith("Auto"):
             raise ImportFailure(_auto_class_needed(source, auto))
         module = store.build(model_dir, draft, source)
-        state = read_state_dict(source / store.WEIGHTS) if (source / store.WEIGHTS).is_file() else {}
-        store.load_weights(module, state, source / store.WEIGHTS, architecture)
+        state = read_state_dict(source / storage.WEIGHTS) if (source / storage.WEIGHTS).is_file() else {}
+        store.load_weights(module, state, source / storage.WEIGHTS, architecture)
     else:
         try:  # named here, before the store's manifest (not written yet) could be named as the culprit
             models.resolve(architecture)
@@ -299,71 +298,10 @@ def import_model(
     return Imported(vdir, manifest, given.source, measured, padded, shortfall)
 
 
-STAGE_PREFIX = ".import-"
-"""How the folder an import writes its version into is named: ``.import-<pid>-<random>`` beside the version folders.
-The store's version scan never takes it (:func:`halfserve.manifest.versions`); it becomes the next numbered version
-only once complete, by one rename, so the server never sees a version half written."""
-
-
-@dataclass(frozen=True)
-class Stage:
-    """The folder an import writes its version into, in the model's folder (so the rename stays on one file system)."""
-
-    path: Path
-    created_model_dir: bool
-
-    @classmethod
-    def open(cls, model_dir: Path) -> Stage:
-        """A new stage in ``model_dir`` (created if need be), after removing what killed imports left there."""
-        created = not model_dir.exists()
-        model_dir.mkdir(parents=True, exist_ok=True)
-        for leftover in model_dir.glob(STAGE_PREFIX + "*"):
-            if not _writer_alive(leftover.name):
-                shutil.rmtree(leftover, ignore_errors=True)
-        return cls(Path(tempfile.mkdtemp(dir=model_dir, prefix=f"{STAGE_PREFIX}{os.getpid()}-")), created)
-
-    def install(self) -> Path:
-        """Rename the stage to the model's next version number; returns the version folder."""
-        model_dir = self.path.parent
-        self.path.chmod(store.created_mode(0o777))  # mkdtemp makes it owner-only; a version folder is as others are
-        while True:
-            present = store.versions(model_dir)
-            vdir = model_dir / str(present[-1] + 1 if present else 1)
-            try:
-                self.path.rename(vdir)
-            except OSError:
-                if not vdir.exists():
-                    raise
-                continue  # another import took that number meanwhile
-            return vdir
-
-    def discard(self) -> None:
-        shutil.rmtree(self.path, ignore_errors=True)
-        if self.created_model_dir:
-            with contextlib.suppress(OSError):  # not empty: another import wrote there meanwhile
-                self.path.parent.rmdir()
-
-
-def _writer_alive(stage_name: str) -> bool:
-    """Whether the import that named a stage ``.import-<pid>-...`` may still be writing it: its process exists."""
-    pid = stage_name.removeprefix(STAGE_PREFIX).partition("-")[0]
-    if not pid.isascii() or not pid.isdigit():
-        return False
-    if int(pid) == os.getpid():
-        return True  # this process's own: another import running beside this one (its failures discard their own)
-    try:
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # exists, owned by another user
-        return True
-    return True
-
-
 def _samples(path: Path | None, manifest: Manifest, module: nn.Module, count: int, folder: Path | None) -> Samples:
     """The calibration samples: read from ``path`` (texts tokenized with ``folder``'s tokenizer), else random."""
     if path is None:
-        return calibration.random_samples(store.sent_inputs(manifest), count, calibration.int_range(module))
+        return calibration.random_samples(sent_inputs(manifest), count, calibration.int_range(module))
     tokenizer = folder / manifest.text.tokenizer if folder is not None and manifest.text is not None else None
     return calibration.read(path, manifest, tokenizer)
 
@@ -399,7 +337,7 @@ def _manifest(fields: dict[str, Any]) -> Manifest:
     try:
         return Manifest.model_validate(fields)
     except ValidationError as e:
-        raise ImportFailure(f"manifest: {store.describe(e)}") from None
+        raise ImportFailure(f"manifest: {describe_invalid(e)}") from None
 
 
 def _folder_needs_transformers(source: Path, architecture: str) -> str:
@@ -408,7 +346,7 @@ def _folder_needs_transformers(source: Path, architecture: str) -> str:
     ``AutoModelForSequenceClassification``)."""
     if not (source / "config.json").is_file():
         return (
-            f"{source}: a folder imports as a Hugging Face model folder (config.json and {store.WEIGHTS}) with "
+            f"{source}: a folder imports as a Hugging Face model folder (config.json and {storage.WEIGHTS}) with "
             "--architecture transformers:<AutoClass>; for a state dict, give its .pt, .pth or .safetensors file"
         )
     try:
@@ -443,7 +381,7 @@ def _derived(spec: TensorSpec) -> InputFormat | None:
 
 def _copy_files(source: Path, version_dir: Path, manifest: Manifest) -> None:
     """A Hugging Face folder's config, weights and tokenizer into the folder of the version being imported."""
-    files = ["config.json", store.WEIGHTS]
+    files = ["config.json", storage.WEIGHTS]
     if manifest.text is not None:
         files.append(manifest.text.tokenizer)
     for file in files:

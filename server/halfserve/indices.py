@@ -4,7 +4,7 @@ that refuses an id outside it before the request is queued.
 An id past a table's end is an ``IndexError`` in the forward on a CPU (a 500 for the whole batch's bisection to sort
 out) and, on a GPU, a device-side assert that leaves the CUDA context unusable for every model on that device. The
 check runs on the host, in numpy, where the request's rows are checked against the model's signature
-(:meth:`halfserve.repository.ServedModel.submit`), so it covers every route and transport alike.
+(:meth:`halfserve.served.ServedModel.submit`), so it covers every route and transport alike.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from torch import nn
 
 from halfserve.engine import takes_positionally
 from halfserve.instance import torch_dtype
+from halfserve.manifest import Manifest
 from halfserve.serving import InvalidInputError, Tensors
-from halfserve.store import Manifest
 
 log = logging.getLogger(__name__)
 

@@ -1,21 +1,17 @@
 """Manifests: what a model takes and returns, and how it is served; torch-free.
 
 A model's manifest is ``<store>/<name>/config.json``, validated by :class:`Manifest`; the tensor specs, datatypes
-and precision names it uses are here too, with the record layout of a batch's rows. Nothing here imports torch, so
-the routes, the front-end processes and the gRPC service read manifests without it; checkpoints, architectures and
-weights are :mod:`halfserve.store`'s.
+and precision names it uses are here too. Nothing here imports torch, so the routes, the front-end processes and the
+gRPC service read manifests without it. A batch's rows as records are :mod:`halfserve.packing`'s; the store's folders
+and files :mod:`halfserve.storage`'s; checkpoints, architectures and weights :mod:`halfserve.store`'s.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import math
-import os
 import re
-import stat
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable
 from enum import Enum
 from pathlib import Path
 from typing import Any
@@ -31,6 +27,8 @@ from pydantic import (
     model_serializer,
     model_validator,
 )
+
+from halfserve.storage import MANIFEST, NAME_PATTERN, StoreError, read_json
 
 
 class Precision(str, Enum):
@@ -53,25 +51,8 @@ class Precision(str, Enum):
 
 log = logging.getLogger(__name__)
 
-MANIFEST = "config.json"
-WEIGHTS = "model.safetensors"
-NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
-_NAME_RE = re.compile(NAME_PATTERN)
 MAX_TENSORS = 16
-MAX_JSON_BYTES = 4 * 1024 * 1024
-"""The largest manifest (or other JSON file of a model folder) the store reads. Checked before reading: parsing JSON
-takes several times its size in memory (a 340 MB manifest took 1.46 GB), so a huge file fails its model, named."""
-MAX_VERSION_DIGITS = 9
-_VERSION_NAME = re.compile(rf"[1-9][0-9]{{0,{MAX_VERSION_DIGITS - 1}}}")
-"""A version folder's name: the number as ``str(int)`` writes it. ``isdigit()`` alone takes ``²`` (which ``int()``
-refuses) and ``07`` (which ``str(7)`` never names); dot-prefixed folders (an import being written) never match."""
-_TOO_LONG_VERSION = re.compile(rf"[1-9][0-9]{{{MAX_VERSION_DIGITS},}}")
-"""A folder named as a version too large to be one (more than :data:`MAX_VERSION_DIGITS` digits): logged, not read."""
 """Inputs or outputs a model may declare."""
-
-
-class StoreError(Exception):
-    """A model store, manifest or checkpoint is missing or invalid; the message names the file and field."""
 
 
 class DataType(str, Enum):
@@ -552,129 +533,6 @@ class Manifest(BaseModel):
         return self
 
 
-LENGTH = "#length"
-"""Suffix of the record field holding each row's length of a variable input (``#`` is in no tensor's name)."""
-
-
-def input_records(manifest: Manifest) -> np.dtype[Any]:
-    """The numpy record type that carries one request row of a model's inputs, one field per input (its per-sample
-    shape, a variable one at its ``max_length``, and host dtype), plus each variable input's length in that row:
-    how a model with several inputs, several outputs or variable dimensions batches its rows as one array. Masks are
-    left out: the engine builds them."""
-    fields: list[tuple[str, Any, tuple[int, ...]]] = []
-    for spec in sent_inputs(manifest):
-        fields.append((spec.name, spec.datatype.numpy, tuple(spec.bounded())))
-        if spec.variable:
-            fields.append((spec.name + LENGTH, np.int32, ()))
-    return np.dtype(fields)
-
-
-def output_records(manifest: Manifest) -> np.dtype[Any]:
-    """The record type of one row of a model's outputs (floating ones as float32, as the engine returns them; a
-    variable one at the first variable input's ``max_length``)."""
-    sequence = sequence_input(manifest)
-    length = sequence.max_length if sequence is not None else None
-    fields = []
-    for spec in manifest.outputs:
-        dtype = spec.datatype.numpy
-        if dtype.kind == "f":
-            dtype = np.dtype(np.float32)
-        fields.append((spec.name, dtype, tuple(spec.bounded(length))))
-    return np.dtype(fields)
-
-
-def sequence_input(manifest: Manifest) -> TensorSpec | None:
-    """The first variable input clients send: the length variable outputs follow and requests are grouped by."""
-    return next((t for t in sent_inputs(manifest) if t.variable), None)
-
-
-def packs_records(manifest: Manifest) -> bool:
-    """Whether a model's rows travel as records: several inputs or outputs, or a variable dimension."""
-    return len(manifest.inputs) > 1 or len(manifest.outputs) > 1 or any(t.variable for t in manifest.inputs)
-
-
-class PackError(ValueError):
-    """A request's inputs do not fit the model's (missing, unexpected, rows or lengths); the message names the input."""
-
-
-def length_bucket(length: int, limit: int) -> int:
-    """The padded length of a batch whose longest row is ``length``: the next power of two from 8, at most ``limit``
-    (a few fixed shapes, and requests of similar lengths grouped into one batch)."""
-    bucket = 8
-    while bucket < length:
-        bucket *= 2
-    return min(bucket, limit)
-
-
-def padded_length(manifest: Manifest, spec: TensorSpec, longest: int) -> int:
-    """The length a batch of variable input ``spec`` whose longest row is ``longest`` is padded to: its length bucket
-    when the model groups lengths (``batching.group_lengths``), else that longest row."""
-    if not manifest.batching.group_lengths:
-        return longest
-    return length_bucket(longest, spec.max_length or longest)
-
-
-def pack(manifest: Manifest, arrays: Mapping[str, np.ndarray]) -> np.ndarray:
-    """A request's named inputs (rows first, each a rectangle) as records (:func:`input_records`): each variable
-    input padded to its ``max_length`` with its ``pad`` value and its length kept per row (longer ones refused, or cut
-    with ``truncate``). Raises :class:`PackError` naming the input."""
-    specs = sent_inputs(manifest)
-    names = [t.name for t in specs]
-    companions = {t.name + LENGTH for t in specs if t.variable}
-    unknown = [n for n in arrays if n not in names and n not in companions]
-    if unknown:
-        raise PackError(f"inputs: unexpected input {unknown[0]!r}; the model takes {names}")
-    missing = [n for n in names if n not in arrays]
-    if missing:
-        raise PackError(f"inputs: input {missing[0]!r} is missing; the model takes {names}")
-    rows = len(arrays[names[0]])
-    for name in names[1:]:
-        if len(arrays[name]) != rows:
-            raise PackError(
-                f"inputs: input {name!r} has {len(arrays[name])} rows but {names[0]!r} has {rows}; "
-                "a request's inputs must have the same number of rows"
-            )
-    packed = np.empty(rows, dtype=input_records(manifest))
-    for spec in specs:
-        a = arrays[spec.name]
-        try:
-            if spec.variable:
-                if a.ndim != len(spec.shape) + 1 or list(a.shape[2:]) != spec.shape[1:] or a.shape[1] < 1:
-                    raise PackError(
-                        f"inputs: input {spec.name!r} has samples of shape {list(a.shape[1:])}, not {spec.shape}"
-                    )
-                length = check_length(spec, a.shape[1], f"inputs: input {spec.name!r}")
-                field = packed[spec.name]
-                field[:, :length] = a[:, :length]
-                field[:, length:] = spec.pad
-                given = arrays.get(spec.name + LENGTH)
-                if given is None:
-                    packed[spec.name + LENGTH] = length
-                else:  # each row's own length (tokenized texts of one request): the row is padded after it
-                    if given.shape != (rows,) or given.min() < 1 or given.max() > length:
-                        raise PackError(f"inputs: {spec.name + LENGTH!r}: row lengths must be 1..{length}, one per row")
-                    packed[spec.name + LENGTH] = given
-                    field[np.arange(spec.bounded()[0])[None, :] >= given[:, None]] = spec.pad
-            else:
-                packed[spec.name] = a
-        except PackError:
-            raise
-        except (ValueError, TypeError) as e:
-            raise PackError(f"inputs: input {spec.name!r} does not fit {spec.shape} per row: {e}") from None
-    return packed
-
-
-def check_length(spec: TensorSpec, length: int, where: str) -> int:
-    """The length a variable input of ``length`` is served at: itself, cut to ``max_length`` with ``truncate``; a
-    :class:`PackError` naming ``where`` and the limit when it is longer and not cut."""
-    limit = spec.max_length or length
-    if length <= limit:
-        return length
-    if spec.truncate:
-        return limit
-    raise PackError(f"{where}: length {length} is longer than its max_length {limit} (or set truncate)")
-
-
 def sample_values(manifest: Manifest) -> int:
     """Input values one row (sample) can hold, every input's together, variable ones at their ``max_length``."""
     return sum(math.prod(t.bounded()) for t in manifest.inputs)
@@ -685,32 +543,6 @@ def sent_inputs(manifest: Manifest) -> list[TensorSpec]:
     return [t for t in manifest.inputs if t.mask_for is None]
 
 
-def check_name(name: str) -> str:
-    """Reject model names that could escape the store directory."""
-    # fullmatch: with match, "$" would let a trailing newline through.
-    if not _NAME_RE.fullmatch(name):
-        raise StoreError(f"model name {name!r} is invalid: use letters, digits, '_', '.', '-' (max 64)")
-    return name
-
-
-def model_names(root: Path) -> list[str]:
-    """Names of the models in the store (folders holding a manifest)."""
-    if not root.is_dir():
-        raise StoreError(f"{root}: model store folder does not exist")
-    return [name for name in model_folders(root) if _NAME_RE.fullmatch(name)]
-
-
-def model_folders(root: Path) -> list[str]:
-    """Names of the store's folders holding a manifest entry of any kind, named validly or not, hidden ones (an
-    import's staging, ``.git``) aside: what the server tries to serve, so that a manifest that is no regular file or a
-    folder that is no valid name is refused with a log line rather than passed over in silence."""
-    if not root.is_dir():
-        raise StoreError(f"{root}: model store folder does not exist")
-    return sorted(
-        p.name for p in root.iterdir() if not p.name.startswith(".") and os.path.lexists(p / MANIFEST) and p.is_dir()
-    )
-
-
 def describe(err: ValidationError) -> str:
     """A manifest's validation errors on one line, each as ``field: problem``."""
     parts = []
@@ -718,65 +550,6 @@ def describe(err: ValidationError) -> str:
         field = ".".join(str(x) for x in e["loc"]) or "(top level)"
         parts.append(f"{field}: {e['msg'].removeprefix('Value error, ')}")
     return "; ".join(parts)
-
-
-def read_json(path: Path) -> Any:
-    """The JSON value of a model folder's file ``path``, at most :data:`MAX_JSON_BYTES` long; a file that is too large,
-    unreadable, not JSON or nested too deeply for the parser is a :class:`StoreError` naming it. Raises
-    ``FileNotFoundError`` when there is no such file."""
-    size = regular_file(path).st_size
-    if size > MAX_JSON_BYTES:
-        raise StoreError(f"{path}: {size} bytes, over the {MAX_JSON_BYTES}-byte limit on a model folder's JSON files")
-    try:
-        with opened_regular(path) as fd, os.fdopen(os.dup(fd), "rb") as f:
-            data = f.read(MAX_JSON_BYTES + 1)  # bounded again: the file may have grown since its size was read
-    except (FileNotFoundError, StoreError):
-        raise
-    except OSError as e:
-        raise StoreError(f"{path}: cannot be read ({e.strerror or e})") from None
-    if len(data) > MAX_JSON_BYTES:
-        raise StoreError(f"{path}: over the {MAX_JSON_BYTES}-byte limit on a model folder's JSON files")
-    try:
-        return json.loads(data)
-    except ValueError as e:  # JSONDecodeError, or bytes that are not text
-        raise StoreError(f"{path}: not valid JSON ({e})") from None
-    except RecursionError:
-        raise StoreError(f"{path}: not valid JSON (nested too deeply)") from None
-
-
-def regular_file(path: Path) -> os.stat_result:
-    """``path``'s status when it is a regular file (or a link to one); a named pipe, device, socket or folder where
-    the store expects a file is a :class:`StoreError`: opening or reading one can block for ever or never end. Raises
-    ``FileNotFoundError`` when there is no such file."""
-    status = path.stat()
-    if not stat.S_ISREG(status.st_mode):
-        raise StoreError(f"{path}: not a regular file")
-    return status
-
-
-@contextmanager
-def opened_regular(path: Path) -> Iterator[int]:
-    """A read-only descriptor of ``path``, checked to be a regular file once open: opened without blocking, so a
-    named pipe put in its place after :func:`regular_file` looked cannot hang the opener. Raises as that does."""
-    regular_file(path)
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise StoreError(f"{path}: not a regular file")
-        os.set_blocking(fd, True)  # a regular file never blocks; reads through it behave as plain ones
-        yield fd
-    finally:
-        os.close(fd)
-
-
-@contextmanager
-def readable_path(path: Path) -> Iterator[str]:
-    """A path that names the regular file ``path`` named when opened (:func:`opened_regular`), for libraries that
-    open files by name themselves (safetensors, tokenizers): on Linux the open descriptor's ``/proc`` entry, so the
-    file they open is the one checked; elsewhere ``path`` itself, checked just before."""
-    with opened_regular(path) as fd:
-        proc = f"/proc/self/fd/{fd}"
-        yield proc if os.path.exists(proc) else str(path)
 
 
 def load_manifest(model_dir: Path) -> Manifest:
@@ -795,36 +568,6 @@ def load_manifest(model_dir: Path) -> Manifest:
     if manifest.name != model_dir.name:
         raise StoreError(f"{path}: name: {manifest.name!r} does not match its folder {model_dir.name!r}")
     return manifest
-
-
-def versions(model_dir: Path) -> list[int]:
-    """Version numbers present under ``model_dir``, ascending (folders named as :data:`_VERSION_NAME` says). A folder
-    named by more digits than a version may have is left out with a log line: it looks meant as a version."""
-    found = []
-    for p in model_dir.iterdir():
-        if _VERSION_NAME.fullmatch(p.name) and p.is_dir():
-            found.append(int(p.name))
-        elif _TOO_LONG_VERSION.fullmatch(p.name) and p.is_dir():
-            log.warning(
-                "model %r: version folder %r is ignored: a version number has at most %d digits",
-                model_dir.name,
-                p.name,
-                MAX_VERSION_DIGITS,
-            )
-    return sorted(found)
-
-
-def resolve_version(model_dir: Path, manifest: Manifest, pinned: int | None = None) -> int:
-    """The version to serve: ``pinned``, else the manifest's pin, else the highest present."""
-    present = versions(model_dir)
-    want = pinned if pinned is not None else manifest.version
-    if want is not None:
-        if want not in present:
-            raise StoreError(f"{model_dir / MANIFEST}: version: {want} is pinned but not present (have {present})")
-        return want
-    if not present:
-        raise StoreError(f"{model_dir}: no numbered version folder holds a checkpoint")
-    return present[-1]
 
 
 _architecture_check: Callable[[str], str] | None = None

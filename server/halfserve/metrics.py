@@ -31,7 +31,7 @@ from halfserve.batching import BatchObserver
 from halfserve.serving import Interface
 
 if TYPE_CHECKING:
-    from halfserve.repository import ServedModel
+    from halfserve.served import ServedModel
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 

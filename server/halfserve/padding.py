@@ -22,11 +22,14 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
-from halfserve import calibration, store
+from halfserve import calibration, packing
 from halfserve.calibration import Samples
 from halfserve.engine import Engine
+from halfserve.manifest import Manifest, sent_inputs
+from halfserve.packing import LENGTH
 from halfserve.precision import Precision
-from halfserve.store import LENGTH, LoadedModel, Manifest, StoreError
+from halfserve.storage import StoreError
+from halfserve.store import LoadedModel
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +69,7 @@ def check(loaded: LoadedModel, samples: Samples) -> PaddingCheck | None:
     """Run ``samples`` through ``loaded``'s fp32 weights alone and padded (see the module); ``None`` for a model
     without a variable input, or one whose variable input is at most one long (nothing to pad)."""
     manifest = loaded.manifest
-    sequence = store.sequence_input(manifest)
+    sequence = packing.sequence_input(manifest)
     if sequence is None or (sequence.max_length or 1) < 2:
         return None
     probes = _shortened(samples.rows(manifest)[:PROBES], manifest)
@@ -90,7 +93,7 @@ def check(loaded: LoadedModel, samples: Samples) -> PaddingCheck | None:
 def _shortened(rows: np.ndarray, manifest: Manifest) -> np.ndarray:
     """``rows`` with every variable input at its ``max_length`` cut to half, so a longer row can pad them."""
     rows = rows.copy()
-    for spec in store.sent_inputs(manifest):
+    for spec in sent_inputs(manifest):
         if not spec.variable or spec.max_length is None:
             continue
         lengths = rows[spec.name + LENGTH]
@@ -104,11 +107,11 @@ def _shortened(rows: np.ndarray, manifest: Manifest) -> np.ndarray:
 def _longer(probes: np.ndarray, manifest: Manifest) -> np.ndarray:
     """One row longer than every probe in each variable input: the longest probe's own values repeated to twice its
     length (at least 8 more, at most the input's ``max_length``)."""
-    sequence = store.sequence_input(manifest)
+    sequence = packing.sequence_input(manifest)
     assert sequence is not None
     source = int(np.argmax(probes[sequence.name + LENGTH]))
     row = probes[source : source + 1].copy()
-    for spec in store.sent_inputs(manifest):
+    for spec in sent_inputs(manifest):
         if not spec.variable:
             continue
         longest = int(probes[spec.name + LENGTH].max())
@@ -124,7 +127,7 @@ def _longer(probes: np.ndarray, manifest: Manifest) -> np.ndarray:
 def _difference(alone: list[np.ndarray], together: np.ndarray, probes: np.ndarray, manifest: Manifest) -> float:
     """The largest difference between each probe's answers alone and in the batch, relative to the largest magnitude
     of its output over the probes (absolute where that is zero); a value finite one way and not the other is inf."""
-    sequence = store.sequence_input(manifest)
+    sequence = packing.sequence_input(manifest)
     assert sequence is not None
     single = np.concatenate(alone)
     worst = 0.0
@@ -159,7 +162,7 @@ def _mask_argument(loaded: LoadedModel) -> str:
 def reason(result: PaddingCheck, loaded: LoadedModel) -> str:
     """Why a model that failed the check is refused: the cause and the fix."""
     manifest = loaded.manifest
-    sequence = store.sequence_input(manifest)
+    sequence = packing.sequence_input(manifest)
     assert sequence is not None
     found = (
         f"its answers change with padding: a sample alone and in a batch padded to length {result.padded_to} differ "
@@ -190,7 +193,7 @@ def at_load(loaded: LoadedModel) -> PaddingCheck | None:
     """The check as a load runs it, on :func:`halfserve.calibration.at_load`'s samples; raises
     :class:`PaddingVarianceError` for a model that fails it unless its manifest accepts that. Random samples that the
     model cannot take (an id past a vocabulary the server cannot see) leave it unchecked, with a warning."""
-    if store.sequence_input(loaded.manifest) is None:
+    if packing.sequence_input(loaded.manifest) is None:
         return None
     samples = calibration.at_load(loaded, PROBES)
     try:

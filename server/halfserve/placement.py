@@ -14,7 +14,7 @@ from typing import Protocol
 
 import torch
 
-from halfserve.store import Compile, Execution, Isolation
+from halfserve.manifest import Compile, Execution, Isolation
 
 
 class Placement(str, Enum):

@@ -116,3 +116,13 @@ def default_training_dtype(device: torch.device) -> torch.dtype:
 def default_device() -> torch.device:
     """CUDA when present, else the CPU."""
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` picks CUDA when present; anything else is passed to ``torch.device`` and checked."""
+    if name == "auto":
+        return default_device()
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} requested but CUDA is not available")
+    return device

@@ -1,9 +1,9 @@
 """Batches of records: a model with several named inputs or outputs, or variable-length ones.
 
-Such a batch travels as one numpy record array (:func:`halfserve.store.input_records`); here it becomes one device
+Such a batch travels as one numpy record array (:func:`halfserve.packing.input_records`); here it becomes one device
 tensor per input, trimmed to the batch's longest length and padded with rows up to its bucket, with each mask input
 built from the lengths, and the model's named outputs come back as host records
-(:func:`halfserve.store.output_records`)."""
+(:func:`halfserve.packing.output_records`)."""
 
 from __future__ import annotations
 
@@ -14,11 +14,11 @@ import numpy as np
 import torch
 from torch import nn
 
+from halfserve import packing
 from halfserve import precision as prec
-from halfserve import store
 from halfserve.instance import torch_dtype
+from halfserve.manifest import Manifest
 from halfserve.precision import Precision
-from halfserve.store import Manifest
 
 
 class OutputError(RuntimeError):
@@ -79,9 +79,9 @@ def run(
             continue
         a = batch[spec.name]
         if spec.variable:
-            lens = batch[spec.name + store.LENGTH]
-            length = store.padded_length(manifest, spec, int(lens.max()))
-            a = a[:, :length]  # beyond each row's own length it holds the input's pad value (store.pack)
+            lens = batch[spec.name + packing.LENGTH]
+            length = packing.padded_length(manifest, spec, int(lens.max()))
+            a = a[:, :length]  # beyond each row's own length it holds the input's pad value (packing.pack)
             lengths[spec.name] = torch.from_numpy(lens.astype(np.int64)).to(device)
             if len(lengths) == 1:
                 real = int(lens.sum())

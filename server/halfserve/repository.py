@@ -5,33 +5,28 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import time
-from collections.abc import Callable, Hashable
-from dataclasses import dataclass, field
+from collections.abc import Callable
 
-import numpy as np
-
-from halfserve import calibration, fidelity, padding, store, text
+from halfserve import calibration, fidelity, padding, storage, store, text
 from halfserve import precision as prec
-from halfserve.batching import Batcher, BatchObserver, BatchStats
-from halfserve.engine import Engine, EngineInfo, fixed_timing, module_bytes, resolve_device
-from halfserve.fidelity import Fidelity
-from halfserve.indices import check_indices, index_limits
+from halfserve.batching import Batcher, BatchObserver
+from halfserve.engine import Engine, fixed_timing, module_bytes
+from halfserve.fallback import VersionFallback
+from halfserve.indices import index_limits
 from halfserve.isolated.engine import ProcessEngine
-from halfserve.padding import PaddingCheck
+from halfserve.manifest import Batching, Isolation, Manifest, load_manifest
 from halfserve.placement import Placement, available_cores, choose, isolation, pads_to_buckets
-from halfserve.precision import Precision
+from halfserve.precision import Precision, resolve_device
+from halfserve.served import AnyEngine, ServedModel
 from halfserve.serving import (
-    InvalidInputError,
     ModelNotReadyError,
     ModelState,
-    Prediction,
-    Tensors,
     find,
     why_model_not_ready,
 )
 from halfserve.settings import FidelityCheck, Settings
-from halfserve.store import Batching, Isolation, LoadedModel, Manifest, StoreError
+from halfserve.storage import StoreError
+from halfserve.store import LoadedModel
 from halfserve.traced import TraceRefused
 
 log = logging.getLogger(__name__)
@@ -48,219 +43,8 @@ CUDA_GIL_SWITCH_INTERVAL_MS = 0.5
 """The switch interval when serving on CUDA: at Python's 5 ms, engine threads wait on the event loop for the GIL
 between their copies and kernels (see ``Settings.gil_switch_interval_ms``)."""
 
-AnyEngine = Engine | ProcessEngine
-"""A model's engine: its instances as threads of this process, or as processes of their own."""
-
 ObserverFactory = Callable[[str, int, str], BatchObserver]
 """Makes the batch observer of a model (name, version, precision served), e.g. :meth:`Metrics.batch_observer`."""
-
-
-@dataclass
-class ServedModel:
-    """A model being served: its manifest, and once ready, its engine and batcher."""
-
-    name: str
-    manifest: Manifest
-    version: int
-    batching: Batching
-    state: ModelState = ModelState.LOADING
-    error: str | None = None
-    engine: AnyEngine | None = None
-    precision: Precision | None = None
-    """The resolved precision the engine serves in, once loaded."""
-    batcher: Batcher | None = None
-    warmup_seconds: float = 0.0
-    fidelity: Fidelity | None = None
-    """Half precision against fp32 on the version's calibration samples, measured at load (None: not measured)."""
-    fidelity_bar: dict[str, object] | None = None
-    """The bar the model was held to at load (None: not held to one: fp32, or the check is off)."""
-    fp32_fallback: str | None = None
-    """Why the model is served in fp32 although its precision is a half one (it fell below its fidelity bar)."""
-    calibration: str | None = None
-    """Where the version's stored calibration samples came from (None: it stores none)."""
-    padding: PaddingCheck | None = None
-    """The padding-invariance check at load (None: no variable dimension, or not checked)."""
-    loaded_at: float = field(default_factory=time.time)
-    final_stats: BatchStats | None = None
-    """The statistics of the last batcher, kept once it is released (for the drain report)."""
-    loaded: LoadedModel | None = None
-    """The checkpoint's fp32 weights on the host, kept so the precision can be switched without re-reading it."""
-    host_weight_bytes: int = 0
-    """Bytes of those fp32 host weights."""
-    retired_overflows: int = 0
-    """Overflows and fp32 reruns counted by engines replaced by a precision switch (their counts carry over)."""
-    retired_fp32_reruns: int = 0
-    index_limits: dict[str, int] = field(default_factory=dict)
-    """The integer inputs that index an embedding, each with its table's row count (:mod:`halfserve.indices`): ids
-    outside ``0 .. count - 1`` are refused before they are queued."""
-    failed_versions: dict[int, str] = field(default_factory=dict)
-    """Versions that failed to load in place of this one, each with the reason: newer ones passed over at start-up,
-    or one a load or reload tried while this one kept serving."""
-
-    @property
-    def overflows(self) -> int:
-        """Half-precision overflows since the model was loaded, across precision switches."""
-        return self.retired_overflows + (self.engine.overflows if self.engine is not None else 0)
-
-    @property
-    def fp32_reruns(self) -> int:
-        """Chunks rerun in fp32 after an overflow since the model was loaded, across precision switches."""
-        return self.retired_fp32_reruns + (self.engine.fp32_reruns if self.engine is not None else 0)
-
-    @property
-    def serving(self) -> bool:
-        """Ready, with a batcher to take requests now."""
-        return self.state is ModelState.READY and self.batcher is not None
-
-    @property
-    def available(self) -> bool:
-        """Whether an instance can run a batch now (see :attr:`halfserve.serving.ModelHandle.available`)."""
-        return self.engine is None or self.engine.available
-
-    def submit(self, inputs: Tensors, timeout: float | None = None) -> asyncio.Future[Prediction]:
-        """Queue ``inputs`` for batching; see :meth:`halfserve.serving.ModelHandle.submit`.
-
-        A read-only input (a binary request body decoded in place) is copied first: the engine hands a batch's rows to
-        torch without a copy where it can, and torch takes only writable memory."""
-        batcher = self.batcher
-        if batcher is None:
-            state = "draining" if self.state is ModelState.READY else self.state.value  # released while ready
-            raise ModelNotReadyError(f"model {self.name!r} is {state}" + (f": {self.error}" if self.error else ""))
-        if self.index_limits:
-            check_indices(self.index_limits, self.manifest, inputs)
-        x = self._input(inputs)
-        configured = self.batching.request_timeout_ms
-        if configured is not None:
-            timeout = configured / 1000.0 if timeout is None else min(timeout, configured / 1000.0)
-        if not x.flags.writeable:
-            x = x.copy()
-        deadline = None if timeout is None else batcher.clock.now() + timeout
-        if x.dtype.names is None:
-            return batcher.enqueue(x, deadline, self._prediction)
-        group, length = self._group(x)
-        finish = self._prediction if length is None else functools.partial(self._prediction, length=length)
-        return batcher.enqueue(x, deadline, finish, group)
-
-    def _input(self, inputs: Tensors) -> np.ndarray:
-        """The request's rows as the batcher takes them: the one input's array, or the model's inputs packed into
-        records (:func:`halfserve.store.pack`), one per row."""
-        if not store.packs_records(self.manifest):
-            name = self.manifest.inputs[0].name
-            x = inputs.get(name)
-            if x is None or len(inputs) != 1:
-                got = ", ".join(map(repr, inputs)) or "none"
-                raise InvalidInputError(f"inputs: expected {name!r} alone, got {got}")
-            return x
-        try:
-            return store.pack(self.manifest, inputs)
-        except store.PackError as e:
-            raise InvalidInputError(str(e)) from None
-
-    def _group(self, packed: np.ndarray) -> tuple[Hashable, int | None]:
-        """The batching group of a packed request (its length bucket; one group when lengths are not grouped), and the
-        length its variable outputs are cut to (``None``: none are)."""
-        spec = store.sequence_input(self.manifest)
-        if spec is None:
-            return None, None
-        length = int(packed[spec.name + store.LENGTH].max())
-        grouped = self.manifest.batching.group_lengths
-        return (store.padded_length(self.manifest, spec, length) if grouped else None), length
-
-    def _prediction(self, out: np.ndarray, precisions: tuple[Precision, ...], length: int | None = None) -> Prediction:
-        """The batcher's output rows as the model's named outputs, with the precision that computed them; variable
-        outputs cut to the request's ``length``."""
-        precision = precisions or ((self.precision,) if self.precision is not None else ())
-        if out.dtype.names is None:
-            return Prediction({self.manifest.outputs[0].name: out}, precision)
-        outputs = {}
-        for spec in self.manifest.outputs:
-            field = out[spec.name]
-            outputs[spec.name] = np.ascontiguousarray(field[:, :length] if spec.variable else field)
-        return Prediction(outputs, precision)
-
-    @property
-    def batch_stats(self) -> BatchStats | None:
-        """What its batcher has done since it was loaded (None while it has none)."""
-        return self.batcher.stats if self.batcher is not None else None
-
-    def stats(self) -> dict[str, object] | None:
-        """What the batcher and the engine have done since the model was loaded; ``None`` unless it is served."""
-        batcher, engine = self.batcher, self.engine
-        if batcher is None:
-            return None
-        stats = batcher.stats.snapshot()
-        stats["queued_rows"] = batcher.queued_rows
-        stats["max_batch_size"] = batcher.max_batch_size
-        stats["configured_max_batch_size"] = batcher.configured_max_batch_size
-        if engine is not None:
-            stats["overflow_policy"] = engine.overflow.value
-            stats["overflows"] = self.overflows
-            stats["fp32_reruns"] = self.fp32_reruns
-            stats["instance_forwards"] = [i.forwards for i in engine.instances]
-            if isinstance(engine, ProcessEngine):
-                stats["instance_pids"] = [i.pid for i in engine.instances]
-                stats["instance_restarts"] = engine.restarts
-                stats["instance_start_failures"] = engine.start_failures
-                stats["input_bytes_copied"] = engine.copied_bytes
-                stats["input_bytes_in_place"] = engine.in_place_bytes
-            if engine.real_elements:
-                stats["real_elements"] = engine.real_elements
-                stats["padded_elements"] = engine.padded_elements
-                stats["padding_waste"] = round(engine.padded_elements / engine.real_elements, 4)
-        return stats
-
-    def describe(self) -> dict[str, object]:
-        """The model's listing: signature, batching limits, device and precision once loaded."""
-        m = self.manifest
-        info = self.engine.info if self.engine else None
-        return {
-            "name": self.name,
-            "version": self.version,
-            "state": self.state.value,
-            "error": self.error,
-            "device": info.device if info else None,
-            "precision": info.precision.value if info else None,
-            "weight_dtype": info.weight_dtype if info else None,
-            "weight_bytes": info.weight_bytes if info else None,
-            "fp32_fallback_bytes": info.fp32_fallback_bytes if info else None,
-            "host_fp32_bytes": self.host_weight_bytes if self.loaded is not None else None,
-            "inputs": [s.model_dump(mode="json") for s in m.inputs],
-            "outputs": [s.model_dump(mode="json") for s in m.outputs],
-            "labels": m.labels,
-            "batching": self.batching.model_dump(),
-            "overflow": m.overflow.value,
-            "allow_nonfinite_inputs": m.allow_nonfinite_inputs,
-            "description": m.description,
-            "evaluation": m.evaluation,
-            "fidelity": self.fidelity.as_dict() if self.fidelity is not None else None,
-            "min_agreement": m.min_agreement,
-            "fidelity_bar": self.fidelity_bar,
-            "fp32_fallback": self.fp32_fallback,
-            "calibration": self.calibration,
-            "padding": self.padding.as_dict() if self.padding is not None else None,
-            "warmup_seconds": round(self.warmup_seconds, 4),
-            "execution": _execution(info) if info else m.execution.model_dump(mode="json"),
-            "loaded_at": self.loaded_at,
-            "failed_versions": [{"version": v, "error": e} for v, e in sorted(self.failed_versions.items())],
-            "stats": self.stats(),
-        }
-
-
-def _execution(info: EngineInfo) -> dict[str, object]:
-    """How a loaded engine runs: what the manifest asked for, as resolved for its device."""
-    return {
-        "instances": info.instances,
-        "buckets": list(info.buckets),
-        "cuda_graphs": info.cuda_graphs,
-        "channels_last": info.channels_last,
-        "graph_capture_seconds": round(info.graph_capture_seconds, 4),
-        "inductor": info.inductor,
-        "inductor_compile_seconds": round(info.inductor_compile_seconds, 4),
-        "placement": info.placement.value,
-        "on_event_loop": info.placement is Placement.EVENT_LOOP,
-        "pipelined": info.placement is Placement.BESIDE_LOOP,
-        "isolation": (Isolation.PROCESS if info.placement is Placement.INSTANCE_PROCESSES else Isolation.THREAD).value,
-    }
 
 
 def gil_switch_interval_ms(settings: Settings, device_type: str) -> float | None:
@@ -282,6 +66,7 @@ class ModelRepository:
         self.precisions: dict[str, Precision] = {}
         """Precisions set at run time, per model; they outrank the settings and the manifest, across reloads."""
         self._locks: dict[str, asyncio.Lock] = {}
+        self._fallback = VersionFallback(settings.store, self._register, self._load)
 
     def _lock(self, name: str) -> asyncio.Lock:
         """Serialises the management calls (load, unload, precision switch) on one model."""
@@ -294,9 +79,9 @@ class ModelRepository:
         registered as failed, with the reason, and one whose manifest cannot be read is left out, logged. The others
         are served; when none is left to serve, this fails fast, naming each file and field."""
         root = self.settings.store
-        names = self.settings.models or store.model_folders(root)
+        names = self.settings.models or storage.model_folders(root)
         if not names:
-            raise StoreError(f"{root}: no model folder with a {store.MANIFEST}")
+            raise StoreError(f"{root}: no model folder with a {storage.MANIFEST}")
         failures = []
         for name in names:
             try:
@@ -305,51 +90,21 @@ class ModelRepository:
                 failures.append(str(e))
                 log.error("model %r cannot be served: %s", name, e)  # repr: a newline in a name cannot forge lines
                 continue
-            served = self._checked(served)
+            served = self._fallback.checked(served)
             if served.state is ModelState.FAILED:
                 failures.append(served.error or "")
             self.models[name] = served
         if len(failures) == len(names):
             raise StoreError("; ".join(failures))
 
-    def _checked(self, served: ServedModel) -> ServedModel:
-        """``served``, or its newest older version whose architecture builds and fits its checkpoint; failed, with the
-        reason, when none does."""
-        failed: dict[int, str] = {}
-        candidate: ServedModel | None = served
-        while candidate is not None:
-            try:
-                store.check_architecture(self.settings.store / served.name, candidate.manifest, candidate.version)
-            except StoreError as e:
-                failed[candidate.version] = str(e)
-                log.error("model %s v%d failed to load: %s", served.name, candidate.version, e)
-                candidate = self._older(candidate)
-            else:
-                candidate.failed_versions = failed
-                return candidate
-        served.state, served.error = ModelState.FAILED, failed[served.version]
-        return served
-
-    def _older(self, served: ServedModel) -> ServedModel | None:
-        """The newest version of ``served``'s model older than it, to serve in its place; ``None`` when there is none
-        or the manifest pins the version (the operator asked for that one)."""
-        if served.manifest.version is not None:
-            return None
-        model_dir = self.settings.store / served.name
-        try:
-            older = [v for v in store.versions(model_dir) if v < served.version]
-        except OSError:
-            return None
-        return self._register(served.name, older[-1]) if older else None
-
     def fixed_shapes(self) -> bool:
         """Whether every registered model's engine pads batches to bucket sizes on this device."""
         return all(pads_to_buckets(m.manifest.execution, self.device) for m in self.models.values())
 
     def _register(self, name: str, version: int | None = None) -> ServedModel:
-        model_dir = self.settings.store / store.check_name(name)
-        manifest = store.load_manifest(model_dir)
-        version = store.resolve_version(model_dir, manifest, version)
+        model_dir = self.settings.store / storage.check_name(name)
+        manifest = load_manifest(model_dir)
+        version = storage.resolve_version(model_dir, version if version is not None else manifest.version)
         return ServedModel(name, manifest, version, self._batching(manifest))
 
     def _batching(self, manifest: Manifest) -> Batching:
@@ -365,39 +120,13 @@ class ModelRepository:
 
     async def load_all(self) -> None:
         """Load and warm every discovered model, one after another: its newest version that loads (see
-        :meth:`_load_newest`); a model none of whose versions loads is marked failed."""
+        :meth:`halfserve.fallback.VersionFallback.load_newest`); a model none of whose versions loads is marked
+        failed."""
         for served in list(self.models.values()):
             if served.state is ModelState.FAILED:  # refused at discovery, with its reason
                 continue
             async with self._lock(served.name):
-                self.models[served.name] = await self._load_newest(served)
-
-    async def _load_newest(self, served: ServedModel) -> ServedModel:
-        """Load ``served``, else its newest older version that loads (unless the version is pinned), so a version that
-        fails never takes down one that would serve; the versions passed over are kept in ``failed_versions``, with
-        why, and logged. Returns the model loaded, or ``served`` marked failed, with its reason, when none loads."""
-        failed = dict(served.failed_versions)
-        candidate: ServedModel | None = served
-        while candidate is not None:
-            try:
-                await self._load(candidate)
-            except Exception as e:  # a broken checkpoint must not stop the other models (or versions) from serving
-                failed[candidate.version] = str(e)
-                log.error("model %s v%d failed to load: %s", served.name, candidate.version, e)
-                candidate = await asyncio.to_thread(self._older, candidate)
-            else:
-                candidate.failed_versions = failed
-                if failed:
-                    log.warning(
-                        "model %s serves v%d, its newest version that loads; passed over: %s",
-                        served.name,
-                        candidate.version,
-                        "; ".join(f"v{v}: {e}" for v, e in sorted(failed.items(), reverse=True)),
-                    )
-                return candidate
-        served.state, served.error = ModelState.FAILED, failed[served.version]
-        served.failed_versions = failed
-        return served
+                self.models[served.name] = await self._fallback.load_newest(served)
 
     def _observer(self, served: ServedModel, engine: AnyEngine) -> BatchObserver | None:
         return self.observe(served.name, served.version, engine.precision.value) if self.observe else None
@@ -564,7 +293,7 @@ class ModelRepository:
 
         Raises :class:`StoreError` for a model or version the store does not hold, or a checkpoint that fails.
         """
-        if not (self.settings.store / store.check_name(name) / store.MANIFEST).is_file():
+        if not (self.settings.store / storage.check_name(name) / storage.MANIFEST).is_file():
             raise StoreError(f"model {name!r} is not in the store {self.settings.store}")
         async with self._lock(name):
             served = self._register(name, version)
@@ -575,7 +304,7 @@ class ModelRepository:
             if precision is not None:
                 self.precisions[name] = precision
             try:
-                served = await self._load_or_older(served, old, asked_for_version=version is not None)
+                served = await self._fallback.load_or_older(served, old, asked_for_version=version is not None)
             except BaseException:
                 _restore(self.precisions, name, before)
                 if old is None:
@@ -590,31 +319,6 @@ class ModelRepository:
                 served.failed_versions = {**passed_over, **served.failed_versions}
                 await self._release(old)
             return served
-
-    async def _load_or_older(
-        self, served: ServedModel, old: ServedModel | None, asked_for_version: bool
-    ) -> ServedModel:
-        """Load ``served``, or raise why not; a version that fails is noted on ``old`` where that one serves, and
-        where none serves and no version was asked for, the newest older version that loads is served instead."""
-        try:
-            await self._load(served)
-        except Exception as e:
-            if old is not None and old.batcher is not None:
-                old.failed_versions[served.version] = str(e)
-                log.error(
-                    "model %s v%d failed to load; v%d goes on serving: %s", old.name, served.version, old.version, e
-                )
-                raise
-            older = None if asked_for_version else await asyncio.to_thread(self._older, served)
-            if older is None:
-                raise
-            log.error("model %s v%d failed to load: %s", served.name, served.version, e)
-            older.failed_versions = {served.version: str(e)}
-            loaded = await self._load_newest(older)
-            if loaded.state is not ModelState.READY:
-                raise
-            return loaded
-        return served
 
     async def reload(self, name: str, precision: Precision | None = None) -> ServedModel:
         """Read the version ``name`` serves (or last served) again from the store; see :meth:`load`."""
@@ -676,6 +380,14 @@ class ModelRepository:
     def get(self, name: str | None) -> ServedModel:
         """The model called ``name``; ``None`` means the only model when exactly one is served."""
         return find(self.models, name)
+
+    def stored_models(self) -> list[str]:
+        """The names of the models in the store, served or not (:meth:`halfserve.serving.ModelAdmin.stored_models`)."""
+        return storage.model_names(self.settings.store)
+
+    def stored_versions(self, name: str) -> list[int] | None:
+        """The versions of ``name`` in the store (see :meth:`halfserve.serving.ModelAdmin.stored_versions`)."""
+        return storage.stored_versions(self.settings.store, name)
 
     async def close(self) -> None:
         """Drain every batcher (queued requests are answered), then release the engines."""

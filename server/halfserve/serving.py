@@ -359,6 +359,13 @@ class ModelAdmin(Protocol):
     def get(self, name: str | None) -> LocalModel:
         """As :meth:`ModelService.get`."""
 
+    def stored_models(self) -> list[str]:
+        """The names of the models in the store, served or not; raises ``StoreError`` when there is no store."""
+
+    def stored_versions(self, name: str) -> list[int] | None:
+        """The versions of ``name`` in the store, ascending; ``None`` when the store has no such model. Raises
+        ``StoreError`` for an invalid name."""
+
     async def load(self, name: str, version: int | None = None, precision: Precision | None = None) -> LocalModel:
         """Load (or reload) ``name`` from the store, warmed up before it serves; raises ``StoreError`` (a
         ``ValueError``) for a model, version or checkpoint the store cannot give."""

@@ -1,4 +1,5 @@
-"""The model store: numbered versions and safe checkpoint loading (the manifests themselves: :mod:`halfserve.manifest`).
+"""The model store: safe checkpoint loading and writing (the manifests themselves: :mod:`halfserve.manifest`; the
+store's folders and files: :mod:`halfserve.storage`).
 
 Layout::
 
@@ -25,105 +26,35 @@ from safetensors.torch import save as save_tensors
 from torch import nn
 
 from halfserve import models
-from halfserve.manifest import (
-    IMAGE_CHANNELS,
-    LENGTH,
+from halfserve.manifest import Manifest, load_manifest
+from halfserve.storage import (
     MANIFEST,
-    MAX_TENSORS,
-    NAME_PATTERN,
     WEIGHTS,
-    Batching,
-    Compile,
-    DataType,
-    Execution,
-    FidelityBar,
-    InputFormat,
-    Isolation,
-    Manifest,
-    Normalize,
-    OverflowPolicy,
-    PackError,
     StoreError,
-    TensorSpec,
-    TextInput,
-    check_length,
     check_name,
-    describe,
-    input_records,
-    length_bucket,
-    load_manifest,
-    model_folders,
-    model_names,
-    output_records,
-    pack,
-    packs_records,
-    padded_length,
+    created_mode,
     read_json,
     readable_path,
-    regular_file,
     resolve_version,
-    sent_inputs,
-    sequence_input,
     versions,
 )
 
 __all__ = [
-    "Batching",
-    "Compile",
-    "DataType",
-    "Execution",
-    "FidelityBar",
     "HF_ATTENTION_KEYS",
     "HF_REMOTE_CODE",
-    "IMAGE_CHANNELS",
-    "InputFormat",
-    "Isolation",
-    "LENGTH",
     "LoadedModel",
-    "MANIFEST",
-    "MAX_TENSORS",
-    "Manifest",
-    "NAME_PATTERN",
-    "Normalize",
-    "OverflowPolicy",
-    "PackError",
-    "StoreError",
-    "TensorSpec",
-    "TextInput",
-    "WEIGHTS",
     "build",
     "check_architecture",
-    "check_length",
-    "check_name",
-    "created_mode",
-    "describe",
     "from_weights_bytes",
-    "input_records",
     "key_mismatch",
-    "length_bucket",
     "load",
     "load_folder",
-    "load_manifest",
     "load_weights",
-    "model_folders",
-    "model_names",
-    "output_records",
-    "pack",
-    "packs_records",
-    "padded_length",
-    "readable_path",
-    "regular_file",
-    "resolve_version",
     "save",
-    "sent_inputs",
-    "sequence_input",
-    "versions",
     "weights_bytes",
     "write_manifest",
     "write_weights",
 ]
-"""The store's own names, and the manifest's (:mod:`halfserve.manifest`) it re-exports for the code that loads
-models."""
 
 
 @dataclass(frozen=True)
@@ -140,7 +71,7 @@ def load(root: Path, name: str, version: int | None = None) -> LoadedModel:
     """Load model ``name`` (the served version unless ``version`` is given) with fp32 weights on the CPU."""
     model_dir = root / check_name(name)
     manifest = load_manifest(model_dir)
-    v = resolve_version(model_dir, manifest, version)
+    v = resolve_version(model_dir, version if version is not None else manifest.version)
     return load_folder(model_dir, manifest, model_dir / str(v), v)
 
 
@@ -363,15 +294,6 @@ def check_architecture(model_dir: Path, manifest: Manifest, version: int) -> Non
     mismatch = key_mismatch(module.state_dict(keep_vars=True), found)
     if mismatch:
         raise StoreError(f"{path}: checkpoint does not fit architecture {manifest.architecture!r}: {mismatch}")
-
-
-def created_mode(full: int = 0o666) -> int:
-    """The mode a plain ``open``/``mkdir`` would give a new file (``full`` 0o666) or folder (0o777) under this
-    process's umask: what the store's files get though written as owner-only temporary files, so a server running as
-    another user (a container's) can read a store built by one."""
-    umask = os.umask(0)
-    os.umask(umask)
-    return full & ~umask
 
 
 def _atomic_write(path: Path, data: bytes) -> None:

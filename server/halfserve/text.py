@@ -28,7 +28,9 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from halfserve.manifest import LENGTH, Manifest, PackError, StoreError, check_length, readable_path, regular_file
+from halfserve.manifest import Manifest
+from halfserve.packing import LENGTH, PackError, check_length
+from halfserve.storage import StoreError, readable_path, regular_file
 
 T = TypeVar("T")
 

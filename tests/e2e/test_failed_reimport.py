@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from halfserve import store
+from halfserve import storage, store
 from tests.conftest import StartServer
 from tests.waiting import DEADLINE_S
 
@@ -85,7 +85,7 @@ def test_v1_answers_through_failed_and_killed_reimports_and_reloads(
         _, err = failed.communicate(timeout=300)
         assert failed.returncode == 2, err
         assert "tokenizer.json: not found" in err
-        assert sorted(p.name for p in model_dir.iterdir()) == ["1", store.MANIFEST]
+        assert sorted(p.name for p in model_dir.iterdir()) == ["1", storage.MANIFEST]
 
         # A re-import killed while it writes: whenever the kill lands, no version is half there.
         killed = halfserve_import(source, root)
@@ -95,22 +95,22 @@ def test_v1_answers_through_failed_and_killed_reimports_and_reloads(
             time.sleep(0.005)
         killed.send_signal(signal.SIGKILL)
         killed.communicate(timeout=DEADLINE_S)
-        for version in store.versions(model_dir):
+        for version in storage.versions(model_dir):
             assert store.load(root, "bert", version).version == version
         # What a kill before the rename leaves, whatever happened above: ignored by the server.
         leftover = model_dir / ".import-999999999-half"
         leftover.mkdir()
         shutil.copyfile(source / "config.json", leftover / "config.json")
-        (leftover / store.WEIGHTS).write_bytes(b"half a checkpo")
+        (leftover / storage.WEIGHTS).write_bytes(b"half a checkpo")
         r = httpx.post(f"{server.url}/models/bert/reload", json={}, headers=AUTH, timeout=DEADLINE_S)
         assert r.status_code == 200, r.text
         assert r.json()["version"] == 1
 
         # A version left half written (as imports did before they were atomic): a load of the newest fails, named,
         # and v1 goes on serving.
-        broken = max(store.versions(model_dir)) + 1
+        broken = max(storage.versions(model_dir)) + 1
         (model_dir / str(broken)).mkdir()
-        for file in ("config.json", store.WEIGHTS):
+        for file in ("config.json", storage.WEIGHTS):
             shutil.copyfile(source / file, model_dir / str(broken) / file)
         for path in ("/models/bert/load", "/v2/repository/models/bert/load"):
             r = httpx.post(f"{server.url}{path}", json={}, headers=AUTH, timeout=DEADLINE_S)

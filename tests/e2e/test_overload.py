@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from halfserve import models, store
-from halfserve.store import Manifest, TensorSpec
+from halfserve.manifest import Manifest, TensorSpec
 from tests.conftest import ServerProcess
 from tests.waiting import until
 

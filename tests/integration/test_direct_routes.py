@@ -21,8 +21,9 @@ import orjson
 import pytest
 import uvicorn
 
+from halfserve.httpserver import uvicorn_config
 from halfserve.settings import Settings
-from halfserve.transport import Answer, DirectHandler, uvicorn_config
+from halfserve.transport import Answer, DirectHandler
 from tests.conftest import ServerProcess, StartServer, free_port
 
 pytestmark = pytest.mark.slow

@@ -16,10 +16,10 @@ import torch
 
 from halfserve import store
 from halfserve.app import begin_drain
-from halfserve.batching import Outcome
-from halfserve.repository import ServedModel
+from halfserve.manifest import Batching, OverflowPolicy
+from halfserve.served import ServedModel
+from halfserve.serving import Outcome
 from halfserve.settings import Settings
-from halfserve.store import Batching, OverflowPolicy
 from tests.conftest import save_tiny_mlp
 from tests.fault_models import Poisonable, save_overflowing_linear
 from tests.integration.conftest import serving

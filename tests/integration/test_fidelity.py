@@ -11,10 +11,10 @@ import pytest
 import torch
 from safetensors.numpy import save_file
 
-from halfserve import fidelity, models, store
+from halfserve import fidelity, models, storage, store
 from halfserve.fidelity import CALIBRATION
+from halfserve.manifest import Batching, Manifest, TensorSpec, load_manifest
 from halfserve.settings import Settings
-from halfserve.store import Batching, Manifest, TensorSpec
 from tests.integration.conftest import serving
 
 
@@ -112,15 +112,15 @@ def test_samples_that_do_not_fit_fail_the_load_naming_the_file(tmp_path: Path) -
 
     save_linear(tmp_path, 1.0, None, None)
     vdir = tmp_path / "lin" / "1"
-    manifest = store.load_manifest(tmp_path / "lin")
+    manifest = load_manifest(tmp_path / "lin")
     save_file({"pixels": near_100(2)}, str(vdir / CALIBRATION))
-    with pytest.raises(store.StoreError, match=r"calibration.safetensors: holds \['pixels'\]"):
+    with pytest.raises(storage.StoreError, match=r"calibration.safetensors: holds \['pixels'\]"):
         read_samples(vdir, manifest)
     save_file({"x": np.zeros((2, 5), np.float32)}, str(vdir / CALIBRATION))
-    with pytest.raises(store.StoreError, match=r"'x' has samples of shape \[5\], not \[4\]"):
+    with pytest.raises(storage.StoreError, match=r"'x' has samples of shape \[5\], not \[4\]"):
         read_samples(vdir, manifest)
     (vdir / CALIBRATION).write_bytes(b"\xff" * 64)
-    with pytest.raises(store.StoreError, match="cannot read calibration samples"):
+    with pytest.raises(storage.StoreError, match="cannot read calibration samples"):
         read_samples(vdir, manifest)
 
 

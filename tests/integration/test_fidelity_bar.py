@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from halfserve import cli, models, store
+from halfserve import cli, models, storage
+from halfserve.manifest import load_manifest
 from halfserve.precision import Precision, cpu_has_native_bf16
 from halfserve.settings import FidelityCheck, Settings
 from tests.integration.conftest import serving
@@ -98,7 +99,7 @@ def test_import_prints_the_figure_and_warns_that_the_server_will_serve_fp32(
     assert "below the default min_top1_agreement 0.98" in out
     assert "The server will serve this model in fp32" in out
     assert "--fidelity-bar off" in out
-    manifest = store.load_manifest(tmp_path / "store" / "fragile")
+    manifest = load_manifest(tmp_path / "store" / "fragile")
     assert manifest.evaluation is not None
     assert manifest.evaluation["bf16_top1_agreement"] < 0.5
 
@@ -229,12 +230,12 @@ def test_strict_import_refuses_a_model_below_the_bar_and_writes_nothing(
     torch.manual_seed(1)
     torch.save(models.build("mlp", **LINEAR).state_dict(), healthy)
     assert import_(healthy, root, "fragile", "--strict") == 0
-    before = (root / "fragile" / store.MANIFEST).read_bytes()
+    before = (root / "fragile" / storage.MANIFEST).read_bytes()
     capsys.readouterr()
     assert import_(fragile, root, "fragile", "--strict") == 2
-    assert store.versions(root / "fragile") == [1]
-    assert (root / "fragile" / store.MANIFEST).read_bytes() == before
+    assert storage.versions(root / "fragile") == [1]
+    assert (root / "fragile" / storage.MANIFEST).read_bytes() == before
     # Without --strict it is imported, to be served in fp32.
     assert import_(fragile, root, "fragile") == 0
-    assert store.versions(root / "fragile") == [1, 2]
+    assert storage.versions(root / "fragile") == [1, 2]
     assert "will serve this model in fp32" in capsys.readouterr().out

@@ -17,9 +17,9 @@ import torch
 from halfserve import store
 from halfserve.engine import EngineError
 from halfserve.isolated.engine import ProcessEngine
+from halfserve.manifest import Batching, Execution, Manifest, OverflowPolicy, TensorSpec
 from halfserve.precision import Precision
 from halfserve.settings import Settings
-from halfserve.store import Batching, Execution, Manifest, OverflowPolicy, TensorSpec
 from tests.conftest import save_tiny_mlp
 from tests.fault_models import save_overflowing_linear
 from tests.integration.conftest import serving

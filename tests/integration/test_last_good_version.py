@@ -8,7 +8,7 @@ from pathlib import Path
 import httpx
 from safetensors.torch import save_file
 
-from halfserve import models, store
+from halfserve import models, storage
 from halfserve.settings import Settings
 from tests.conftest import save_tiny_mlp
 from tests.integration.conftest import serving
@@ -29,7 +29,7 @@ def version_folder(root: Path, version: int) -> Path:
 
 
 def checkpoint(root: Path, version: int, **mlp: object) -> None:
-    save_file(models.build("mlp", **mlp).state_dict(), str(version_folder(root, version) / store.WEIGHTS))
+    save_file(models.build("mlp", **mlp).state_dict(), str(version_folder(root, version) / storage.WEIGHTS))
 
 
 def misshapen(root: Path, version: int) -> None:
@@ -43,7 +43,7 @@ def misnamed(root: Path, version: int) -> None:
 
 
 def unreadable(root: Path, version: int) -> None:
-    (version_folder(root, version) / store.WEIGHTS).write_bytes(b"not a safetensors file")
+    (version_folder(root, version) / storage.WEIGHTS).write_bytes(b"not a safetensors file")
 
 
 async def listing(client: httpx.AsyncClient) -> dict[str, object]:

@@ -11,8 +11,8 @@ import numpy as np
 import orjson
 import pytest
 
+from halfserve.manifest import DataType, TensorSpec
 from halfserve.settings import Settings
-from halfserve.store import DataType, TensorSpec
 from tests.conftest import save_tiny_mlp
 from tests.integration.conftest import serving
 

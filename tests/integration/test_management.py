@@ -10,7 +10,7 @@ import httpx
 import numpy as np
 import pytest
 
-from halfserve import store
+from halfserve import storage
 from halfserve.settings import Settings
 from tests.conftest import save_tiny_mlp
 from tests.integration.conftest import serving
@@ -75,7 +75,7 @@ async def test_precision_switch_uses_the_host_weights_not_the_checkpoint(tiny_st
     x = np.random.default_rng(0).standard_normal((4, 16)).astype(np.float32)
     async with serving(settings(tiny_store, precision="bf16")) as client:
         half = (await client.post("/predict", json={"inputs": x.tolist()})).json()
-        (tiny_store / "tiny" / "1" / store.WEIGHTS).write_bytes(b"not a checkpoint any more")
+        (tiny_store / "tiny" / "1" / storage.WEIGHTS).write_bytes(b"not a checkpoint any more")
         await switch(client, "fp32")
         full = (await client.post("/predict", json={"inputs": x.tolist()})).json()
         again = await switch(client, "fp32")  # already fp32: nothing to do
@@ -139,7 +139,7 @@ async def test_readiness_reflects_a_model_loading_and_warming_up(tiny_store: Pat
 
 async def test_a_failed_load_leaves_the_served_model_alone(tiny_store: Path) -> None:
     async with serving(settings(tiny_store)) as client:
-        (tiny_store / "tiny" / "1" / store.WEIGHTS).write_bytes(b"broken")
+        (tiny_store / "tiny" / "1" / storage.WEIGHTS).write_bytes(b"broken")
         r = await client.post("/models/tiny/reload", headers=AUTH)
         still = await client.post("/predict", json=SAMPLE)
         ready = await client.get("/ready")

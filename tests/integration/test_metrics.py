@@ -9,8 +9,8 @@ import httpx
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
+from halfserve.manifest import OverflowPolicy
 from halfserve.settings import Settings
-from halfserve.store import OverflowPolicy
 from tests.conftest import save_tiny_mlp
 from tests.fault_models import save_overflowing_linear
 from tests.integration.conftest import serving

@@ -16,12 +16,12 @@ import pytest
 import torch
 from torch import nn
 
-from halfserve import models, store
+from halfserve import models, packing, store
 from halfserve.api.codec import HEADER_LENGTH
 from halfserve.engine import Engine, EngineError
+from halfserve.manifest import Batching, DataType, Execution, Manifest, OverflowPolicy, TensorSpec
 from halfserve.precision import Precision
 from halfserve.settings import Settings
-from halfserve.store import Batching, DataType, Execution, Manifest, OverflowPolicy, TensorSpec
 from tests.integration.conftest import serving
 
 INFER = "/v2/models/simple/infer"
@@ -316,7 +316,7 @@ def test_forward_star_args_takes_inputs_in_manifest_order_and_pads_to_buckets(
     assert engine.buckets == [4, 8]
     engine.warmup(8)
     a, b = pair(3, seed=5)
-    x = np.empty(3, dtype=store.input_records(model.manifest))
+    x = np.empty(3, dtype=packing.input_records(model.manifest))
     x["INPUT0"], x["INPUT1"] = a, b
     outcomes = engine.run_batch([x[:1], x[1:]])  # 3 rows, run as the bucket of 4
     got = np.concatenate([o.data for o in outcomes])  # type: ignore[union-attr]
@@ -357,7 +357,7 @@ def test_a_half_precision_overflow_in_one_output_reruns_the_rows_in_fp32(tmp_pat
     )
     store.save(tmp_path, manifest, models.build("test_overflowing_pair"))
     engine = Engine(store.load(tmp_path, "pair"), Precision.FP16, torch.device("cpu"))
-    x = np.zeros(2, dtype=store.input_records(manifest))
+    x = np.zeros(2, dtype=packing.input_records(manifest))
     x["a"][1] = 100.0  # row 1: 200 * 400 = 80000, past fp16's 65504
     small, large = engine.run_batch([x[:1], x[1:]])
     assert small.precision == "fp16"

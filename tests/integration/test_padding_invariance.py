@@ -17,8 +17,8 @@ import torch
 
 from halfserve import calibration, cli, padding, store
 from halfserve.app import create_app
+from halfserve.manifest import DataType, Manifest, TensorSpec, load_manifest, sent_inputs
 from halfserve.settings import Settings
-from halfserve.store import DataType, Manifest, TensorSpec
 from tests.conftest import save_tiny_mlp
 from tests.integration.test_text import CORPUS, wordpiece
 from tests.waiting import until
@@ -108,11 +108,11 @@ def test_a_transformer_imported_without_its_mask_is_refused_and_with_it_accepted
     report = next(x for x in printed.splitlines() if "padding:" in x)
     assert "a sample alone and padded to" in report
     assert "CHANGE" not in report
-    assert store.load_manifest(root / "bert").padding_invariant
+    assert load_manifest(root / "bert").padding_invariant
 
     assert cli.main(import_args(source, root, "--accept-padding-variance")) == 0
     assert "ANSWERS CHANGE WITH PADDING, accepted by --accept-padding-variance" in capsys.readouterr().out
-    assert store.load_manifest(root / "bert").padding_invariant is False
+    assert load_manifest(root / "bert").padding_invariant is False
 
 
 def save_unmasked_bert(root: Path, name: str, **fields: object) -> None:
@@ -170,7 +170,7 @@ def test_a_mask_the_model_ignores_is_named_as_the_cause(tmp_path: Path) -> None:
     )
     torch.manual_seed(0)
     loaded = store.LoadedModel(manifest, 1, store.build(tmp_path, manifest, source).eval(), source)
-    result = padding.check(loaded, calibration.random_samples(store.sent_inputs(manifest), 8))
+    result = padding.check(loaded, calibration.random_samples(sent_inputs(manifest), 8))
     assert result is not None
     assert not result.invariant
     assert "It is given the mask 'token_type_ids', so the model ignores it" in padding.reason(result, loaded)
@@ -186,7 +186,7 @@ async def test_texts_given_as_calibration_are_tokenized_stored_and_replayed_at_l
     assert cli.main(import_args(source, root, *text_args)) == 0
     printed = capsys.readouterr().out
     assert f"calibration: texts from {texts} (5 lines), stored as calibration.safetensors" in printed
-    stored = calibration.stored(root / "bert" / "1", store.load_manifest(root / "bert"))
+    stored = calibration.stored(root / "bert" / "1", load_manifest(root / "bert"))
     assert stored is not None
     tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_file=str(source / "tokenizer.json"))
     want = [len(tokenizer(t)["input_ids"]) for t in CORPUS[:5]]
@@ -215,7 +215,7 @@ def test_a_text_longer_than_max_length_is_refused_unless_truncated(
     assert f"{texts}: text[1]: input 'input_ids': more than {MAX} tokens, longer than its max_length" in err
     assert "(or import with --truncate" in err
     assert cli.main(import_args(source, root, *text_args, "--truncate")) == 0
-    manifest = store.load_manifest(root / "bert")
+    manifest = load_manifest(root / "bert")
     assert manifest.inputs[0].truncate
     stored = calibration.stored(root / "bert" / "1", manifest)
     assert stored is not None
@@ -238,9 +238,9 @@ async def test_ragged_sequences_given_as_calibration_are_stored_and_replayed_at_
         assert entry["calibration"] == source_line
         assert isinstance(entry["fidelity"], dict)
         assert entry["fidelity"]["samples"] == 3
-    stored = calibration.stored(root / "bert" / "1", store.load_manifest(root / "bert"))
+    stored = calibration.stored(root / "bert" / "1", load_manifest(root / "bert"))
     assert stored is not None
-    replayed = stored.rows(store.load_manifest(root / "bert"))
+    replayed = stored.rows(load_manifest(root / "bert"))
     assert replayed["input_ids#length"].tolist() == [3, 8, 1]
     assert replayed["input_ids"][1][:8].tolist() == rows[1]
     assert np.all(replayed["input_ids"][2][1:] == 0)
@@ -266,4 +266,4 @@ def test_labels_come_from_id2label_unless_given(
         (tmp_path / "labels.txt").write_text("\n".join(given))
         more += ["--labels", str(tmp_path / "labels.txt")]
     assert cli.main(import_args(source, root, *more)) == 0
-    assert store.load_manifest(root / "bert").labels == want
+    assert load_manifest(root / "bert").labels == want

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from halfserve import precision, store
+from halfserve.manifest import Batching, Execution
 from halfserve.placement import LOOP_SECONDS_PER_ROW, available_cores
 from halfserve.settings import Settings
-from halfserve.store import Batching
 from tests.conftest import needs_cxx, save_tiny_mlp
 from tests.integration.conftest import serving
 
@@ -175,7 +175,7 @@ async def test_highest_version_is_served_unless_pinned(tmp_path: Path) -> None:
 
 @needs_cxx
 async def test_a_model_compiled_with_inductor_serves_in_bf16_and_reports_its_compile_time(tmp_path: Path) -> None:
-    save_tiny_mlp(tmp_path, execution=store.Execution(compile="inductor"), batching=store.Batching(max_batch_size=2))
+    save_tiny_mlp(tmp_path, execution=Execution(compile="inductor"), batching=Batching(max_batch_size=2))
     x = np.random.default_rng(0).standard_normal((3, 16)).astype(np.float32)
     async with serving(Settings(store=tmp_path, precision="bf16")) as client:
         answers = await asyncio.gather(

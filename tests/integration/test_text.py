@@ -12,8 +12,8 @@ import torch
 
 from halfserve import models, store
 from halfserve.api.codec import HEADER_LENGTH, encode_bytes
+from halfserve.manifest import DataType, Manifest, TensorSpec, TextInput
 from halfserve.settings import Settings
-from halfserve.store import DataType, Manifest, TensorSpec, TextInput
 from tests.integration.conftest import serving
 from tests.waiting import until
 

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
+from halfserve.manifest import Manifest, Normalize, TensorSpec
 from halfserve.settings import Settings
-from halfserve.store import Manifest, Normalize, TensorSpec
 from tests.conftest import save_tiny_mlp
 from tests.integration.conftest import serving
 

@@ -18,8 +18,8 @@ from halfserve import __version__
 from halfserve.api.dataplane import plan
 from halfserve.api.dataplane.decode import to_input_dtype
 from halfserve.api.errors import APIError
+from halfserve.manifest import DataType, TensorSpec
 from halfserve.settings import Settings
-from halfserve.store import DataType, TensorSpec
 from tests.conftest import save_tiny_mlp
 from tests.integration.conftest import serving
 

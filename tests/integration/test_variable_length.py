@@ -12,12 +12,12 @@ import pytest
 import torch
 from torch import nn
 
-from halfserve import models, store
+from halfserve import models, packing, store
 from halfserve.engine import Engine
+from halfserve.manifest import Batching, DataType, Manifest, TensorSpec
 from halfserve.models.transformer import attention_bias
 from halfserve.precision import Precision
 from halfserve.settings import Settings
-from halfserve.store import Batching, DataType, Manifest, TensorSpec
 from tests.integration.conftest import serving
 
 CPU = torch.device("cpu")
@@ -64,7 +64,7 @@ def tokens(length: int, seed: int, rows: int = 1) -> np.ndarray:
 
 
 def packed(loaded: store.LoadedModel, x: np.ndarray) -> np.ndarray:
-    return store.pack(loaded.manifest, {"tokens": x})
+    return packing.pack(loaded.manifest, {"tokens": x})
 
 
 @pytest.mark.parametrize(
@@ -100,7 +100,7 @@ def test_a_variable_length_model_is_timed_at_its_max_length(tmp_path: Path) -> N
 
     def spy(x: np.ndarray | list[np.ndarray], inst: object = None) -> np.ndarray:
         batch = x if isinstance(x, np.ndarray) else np.concatenate(x)
-        lengths.extend(batch["tokens" + store.LENGTH].tolist())
+        lengths.extend(batch["tokens" + packing.LENGTH].tolist())
         return original(x, inst)  # type: ignore[arg-type]
 
     engine.forward = spy  # type: ignore[method-assign]

@@ -21,8 +21,9 @@ import torch
 from safetensors.torch import save_file
 
 from halfserve import importer, models
+from halfserve.manifest import TensorSpec
 from halfserve.settings import Settings
-from halfserve.store import StoreError, TensorSpec
+from halfserve.storage import StoreError
 from tests.conftest import save_tiny_mlp
 from tests.security.test_model_code import started, write_hostile
 

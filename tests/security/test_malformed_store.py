@@ -10,9 +10,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from halfserve import store
-from halfserve.manifest import MAX_JSON_BYTES
-from halfserve.store import Manifest, StoreError, TensorSpec
+from halfserve import storage, store
+from halfserve.manifest import Manifest, TensorSpec, load_manifest
+from halfserve.storage import MAX_JSON_BYTES, StoreError
 from tests.conftest import save_tiny_mlp, start_server
 
 DEEP = "[" * 200_000 + "]" * 200_000
@@ -24,8 +24,8 @@ def malformed(root: Path) -> None:
     needed), and a version folder whose name is a digit to ``isdigit()`` and not to ``int()``."""
     for name in ("deep", "huge"):
         (root / name / "1").mkdir(parents=True)
-    (root / "deep" / store.MANIFEST).write_text(DEEP)
-    with (root / "huge" / store.MANIFEST).open("wb") as f:
+    (root / "deep" / storage.MANIFEST).write_text(DEEP)
+    with (root / "huge" / storage.MANIFEST).open("wb") as f:
         f.truncate(HUGE)
     save_tiny_mlp(root, "odd")
     for name in ("²", "07", "0"):
@@ -37,15 +37,15 @@ def test_versions_are_the_folders_named_as_numbers_are_written(tmp_path: Path) -
     for name in ("²", "٣", "07", "0", "-1", ".import-1-x", "5 "):
         (tmp_path / "odd" / name).mkdir()
     (tmp_path / "odd" / "9").write_text("a file, not a folder")
-    assert store.versions(tmp_path / "odd") == [1]
+    assert storage.versions(tmp_path / "odd") == [1]
 
 
 def test_a_manifest_too_large_or_too_deep_fails_its_model_named(tmp_path: Path) -> None:
     malformed(tmp_path)
     with pytest.raises(StoreError, match=r"deep/config.json: not valid JSON \(nested too deeply\)"):
-        store.load_manifest(tmp_path / "deep")
+        load_manifest(tmp_path / "deep")
     with pytest.raises(StoreError, match=rf"huge/config.json: {HUGE} bytes, over the {MAX_JSON_BYTES}-byte limit"):
-        store.load_manifest(tmp_path / "huge")
+        load_manifest(tmp_path / "huge")
 
 
 def test_a_version_folders_config_json_has_the_same_bounds(tmp_path: Path) -> None:

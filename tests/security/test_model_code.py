@@ -23,10 +23,11 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from halfserve import importer, models, store
+from halfserve import importer, models, storage, store
 from halfserve.app import create_app
+from halfserve.manifest import TensorSpec, load_manifest
 from halfserve.settings import Settings
-from halfserve.store import StoreError, TensorSpec
+from halfserve.storage import StoreError
 from tests.conftest import save_tiny_mlp
 from tests.waiting import DEADLINE_S
 
@@ -55,7 +56,7 @@ def write_hostile(root: Path, name: str, architecture: str, arch_kwargs: dict[st
         "inputs": [{"name": "x", "shape": [4]}],
         "outputs": [{"name": "y", "shape": [2]}],
     }
-    (folder / store.MANIFEST).write_text(json.dumps(manifest))
+    (folder / storage.MANIFEST).write_text(json.dumps(manifest))
 
 
 @asynccontextmanager
@@ -164,7 +165,7 @@ def test_a_factory_that_raises_fails_its_model_and_serve_starts_for_the_others(t
     assert states == "failed loading"
     assert "architecture: 'opcode_raises:build' failed to build: RuntimeError: the factory fails" in error
     # Alone in the store, the model fails `halfserve serve` with one line naming it, exit status 2.
-    (root / "tiny" / store.MANIFEST).unlink()
+    (root / "tiny" / storage.MANIFEST).unlink()
     cmd = [sys.executable, "-m", "halfserve", "serve", "--store", str(root), "--code-path", str(code)]
     serve = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300, check=False)
     assert serve.returncode == 2, serve.stderr
@@ -187,7 +188,7 @@ def test_hugging_face_arch_kwargs_are_allow_listed(tmp_path: Path, kwargs: dict[
     from tests.unit.test_hugging_face import hf_store
 
     hf_store(tmp_path)
-    m = store.load_manifest(tmp_path / "bert")
+    m = load_manifest(tmp_path / "bert")
     store.write_manifest(tmp_path, m.model_copy(update={"arch_kwargs": kwargs}))
     with pytest.raises(StoreError, match=message):
         store.load(tmp_path, "bert")

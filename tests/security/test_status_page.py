@@ -11,7 +11,7 @@ from importlib import resources
 import pytest
 from pydantic import ValidationError
 
-from halfserve.store import Manifest, TensorSpec
+from halfserve.manifest import Manifest, TensorSpec
 
 PAGE = resources.files("halfserve.api").joinpath("static/status.html").read_text()
 ATTACK = '<img src=x onerror="alert(1)">'

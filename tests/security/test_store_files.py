@@ -18,9 +18,10 @@ import httpx
 import pytest
 import torch
 
-from halfserve import calibration, models, store
+from halfserve import calibration, models, storage, store
 from halfserve.importer import import_model
-from halfserve.store import StoreError, TensorSpec
+from halfserve.manifest import TensorSpec, load_manifest
+from halfserve.storage import StoreError
 from tests.conftest import ServerProcess, free_port, save_tiny_mlp
 from tests.waiting import wait_until
 
@@ -54,9 +55,9 @@ def replace(path: Path, make: Callable[[Path], None]) -> None:
 @pytest.mark.parametrize("kind", sorted(NOT_REGULAR))
 def test_a_checkpoint_that_is_not_a_regular_file_is_refused_named(tmp_path: Path, kind: str) -> None:
     save_tiny_mlp(tmp_path, kind)
-    path = tmp_path / kind / "1" / store.WEIGHTS
+    path = tmp_path / kind / "1" / storage.WEIGHTS
     replace(path, NOT_REGULAR[kind])
-    manifest = store.load_manifest(tmp_path / kind)
+    manifest = load_manifest(tmp_path / kind)
     with pytest.raises(StoreError, match=f"^{path}: not a regular file$"):
         store.check_architecture(tmp_path / kind, manifest, 1)
     with pytest.raises(StoreError, match=f"^{path}: not a regular file$"):
@@ -67,14 +68,14 @@ def test_a_checkpoint_that_is_not_a_regular_file_is_refused_named(tmp_path: Path
 @pytest.mark.parametrize("kind", sorted(NOT_REGULAR))
 def test_a_manifest_or_calibration_file_that_is_not_a_regular_file_is_refused_named(tmp_path: Path, kind: str) -> None:
     save_tiny_mlp(tmp_path, "tiny")
-    manifest = store.load_manifest(tmp_path / "tiny")
+    manifest = load_manifest(tmp_path / "tiny")
     vdir = tmp_path / "tiny" / "1"
     NOT_REGULAR[kind](vdir / calibration.CALIBRATION)
     with pytest.raises(calibration.CalibrationError, match="calibration.safetensors: not a regular file"):
         calibration.stored(vdir, manifest)
-    replace(tmp_path / "tiny" / store.MANIFEST, NOT_REGULAR[kind])
+    replace(tmp_path / "tiny" / storage.MANIFEST, NOT_REGULAR[kind])
     with pytest.raises(StoreError, match="tiny/config.json: not a regular file"):
-        store.load_manifest(tmp_path / "tiny")
+        load_manifest(tmp_path / "tiny")
 
 
 @pytest.mark.timeout(HUNG)
@@ -83,12 +84,12 @@ def test_a_pipe_swapped_in_after_the_check_cannot_block_the_read(
 ) -> None:
     """The file is checked again once open (opened without blocking): what looked regular may be replaced between."""
     (tmp_path / "m").mkdir()
-    path = tmp_path / "m" / store.MANIFEST
+    path = tmp_path / "m" / storage.MANIFEST
     os.mkfifo(path)
     looked = os.stat_result((stat.S_IFREG | 0o644, 0, 0, 1, 0, 0, 2, 0, 0, 0))
     monkeypatch.setattr(Path, "stat", lambda self, **_: looked if self == path else os.stat(self))
     with pytest.raises(StoreError, match="config.json: not a regular file"):
-        store.load_manifest(tmp_path / "m")
+        load_manifest(tmp_path / "m")
 
 
 @pytest.mark.timeout(HUNG)
@@ -100,7 +101,7 @@ def test_a_tokenizer_that_is_not_a_regular_file_is_refused_named(tmp_path: Path)
     path = tmp_path / "tokenizer.json"
     os.mkfifo(path)
     with pytest.raises(text.TokenizerUnavailableError, match="tokenizer.json: not a regular file"):
-        text.encoder_at(path, store.load_manifest(tmp_path / "tiny"))
+        text.encoder_at(path, load_manifest(tmp_path / "tiny"))
 
 
 def malformed(root: Path) -> None:
@@ -109,9 +110,9 @@ def malformed(root: Path) -> None:
     save_tiny_mlp(root)
     for kind, make in NOT_REGULAR.items():
         save_tiny_mlp(root, kind)
-        replace(root / kind / "1" / store.WEIGHTS, make)
+        replace(root / kind / "1" / storage.WEIGHTS, make)
         save_tiny_mlp(root, f"manifest-{kind}")
-        replace(root / f"manifest-{kind}" / store.MANIFEST, make)
+        replace(root / f"manifest-{kind}" / storage.MANIFEST, make)
     save_tiny_mlp(root, "forged")
     (root / "forged").rename(root / "forged\nERROR forged line")
     (root / "tiny" / ("9" * 29)).mkdir()
@@ -157,14 +158,14 @@ def test_a_server_starts_beside_files_that_are_not_regular_and_logs_each(tmp_pat
             assert listed[kind]["state"] == "failed", listed[kind]
             r = httpx.post(f"{server.url}/models/{kind}/load", headers={"Authorization": f"Bearer {TOKEN}"})
             assert r.status_code == 400, r.text
-            assert f"{kind}/1/{store.WEIGHTS}: not a regular file" in r.json()["error"]
+            assert f"{kind}/1/{storage.WEIGHTS}: not a regular file" in r.json()["error"]
         assert httpx.get(f"{server.url}/health").status_code == 200
     finally:
         server.stop()
     log = server.log.read_text()
     for kind in NOT_REGULAR:
-        assert f"{root}/{kind}/1/{store.WEIGHTS}: not a regular file" in log
-        manifest = root / f"manifest-{kind}" / store.MANIFEST
+        assert f"{root}/{kind}/1/{storage.WEIGHTS}: not a regular file" in log
+        manifest = root / f"manifest-{kind}" / storage.MANIFEST
         assert f"model 'manifest-{kind}' cannot be served: {manifest}: not a regular file" in log
     assert "model 'forged\\nERROR forged line' cannot be served: model name" in log
     assert "\nERROR forged line" not in log
@@ -177,7 +178,7 @@ def test_version_folders_past_the_largest_version_are_left_out_logged(
     save_tiny_mlp(tmp_path)
     for name in ("9" * 29, "1234567890", "999999999"):
         (tmp_path / "tiny" / name).mkdir()
-    assert store.versions(tmp_path / "tiny") == [1, 999999999]
+    assert storage.versions(tmp_path / "tiny") == [1, 999999999]
     ignored = sorted(r.getMessage() for r in caplog.records if "is ignored" in r.message)
     assert ignored == [
         f"model 'tiny': version folder {name!r} is ignored: a version number has at most 9 digits"
@@ -206,14 +207,14 @@ def test_an_import_writes_files_and_folders_others_can_read(tmp_path: Path) -> N
     vdir = root / "net" / "1"
     modes = {
         str(p.relative_to(root)): stat.S_IMODE(p.stat().st_mode)
-        for p in (root / "net", vdir, root / "net" / store.MANIFEST, vdir / store.WEIGHTS)
+        for p in (root / "net", vdir, root / "net" / storage.MANIFEST, vdir / storage.WEIGHTS)
     }
     modes[calibration.CALIBRATION] = stat.S_IMODE((vdir / calibration.CALIBRATION).stat().st_mode)
     assert modes == {
         "net": 0o755,
         "net/1": 0o755,
-        f"net/{store.MANIFEST}": 0o644,
-        f"net/1/{store.WEIGHTS}": 0o644,
+        f"net/{storage.MANIFEST}": 0o644,
+        f"net/1/{storage.WEIGHTS}": 0o644,
         calibration.CALIBRATION: 0o644,
     }
 

@@ -17,12 +17,13 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from halfserve import models, store
+from halfserve import models, storage, store
 from halfserve.engine import Engine
+from halfserve.manifest import Manifest, TensorSpec
 from halfserve.precision import Precision
 from halfserve.repository import ModelRepository
 from halfserve.settings import Settings
-from halfserve.store import Manifest, StoreError, TensorSpec
+from halfserve.storage import StoreError
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -128,7 +129,7 @@ def test_a_checkpoint_that_does_not_fit_names_missing_and_unexpected_tensors(cod
     root = tmp_path / "store"
     vdir = store.save(root, manifest("opcode_net:build"), models.build("opcode_net:build"))
     other = {"body.weight": torch.zeros(8, 4), "body.bias": torch.zeros(8), "extra.weight": torch.zeros(1)}
-    save_file(other, str(vdir / store.WEIGHTS))
+    save_file(other, str(vdir / storage.WEIGHTS))
     expected = "missing: head.bias, head.weight; unexpected: extra.weight"
     with pytest.raises(StoreError, match=expected):
         ModelRepository(Settings(store=root)).discover()

@@ -11,16 +11,9 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
-from halfserve.batching import (
-    Batcher,
-    BatchFailedError,
-    DeadlineExceededError,
-    Pending,
-    QueueFullError,
-    ShuttingDownError,
-    cut_batch,
-    seconds_until_cut,
-)
+from halfserve.batchcut import Pending, cut_batch, seconds_until_cut
+from halfserve.batching import Batcher
+from halfserve.serving import BatchFailedError, DeadlineExceededError, QueueFullError, ShuttingDownError
 from tests.waiting import until
 
 

@@ -11,19 +11,18 @@ import time
 import numpy as np
 import pytest
 
-from halfserve.batching import (
-    Batcher,
+from halfserve.batchcut import Chunk, Pending, split_rows
+from halfserve.batching import Batcher
+from halfserve.serving import (
     BatchFailedError,
     BatchTooLargeError,
-    Chunk,
     DeadlineExceededError,
+    InstanceLostError,
+    ModelNotReadyError,
     Outcome,
     Output,
-    Pending,
     RequestTooLargeError,
-    split_rows,
 )
-from halfserve.serving import InstanceLostError, ModelNotReadyError
 
 POISON = -1.0
 

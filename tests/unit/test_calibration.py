@@ -13,7 +13,7 @@ from safetensors.numpy import save_file
 
 from halfserve import calibration, store
 from halfserve.calibration import CalibrationError
-from halfserve.store import DataType, Manifest, Normalize, TensorSpec
+from halfserve.manifest import DataType, Manifest, Normalize, TensorSpec
 
 MAX = 12
 

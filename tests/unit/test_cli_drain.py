@@ -9,8 +9,8 @@ import uvicorn
 
 from halfserve.app import begin_drain, create_app
 from halfserve.cli import build_parser
+from halfserve.httpserver import DrainingServer
 from halfserve.settings import Settings
-from halfserve.transport import DrainingServer
 
 
 def test_the_signal_marks_the_app_draining_and_lets_uvicorn_shut_down(tmp_path: Path) -> None:

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from halfserve.cli import build_parser
+from halfserve.httpprotocol import HttpLimits
 from halfserve.manifest import Precision
 from halfserve.settings import LogLevel, Settings
-from halfserve.transport import HttpLimits
 
 
 def serve_parser() -> argparse.ArgumentParser:

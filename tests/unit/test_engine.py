@@ -11,11 +11,11 @@ import torch
 from torch import nn
 
 from halfserve import store
-from halfserve.batching import Output
-from halfserve.engine import Engine, EngineError, Normalizer, batch_buckets, resolve_device
+from halfserve.engine import Engine, EngineError, Normalizer, batch_buckets
+from halfserve.manifest import DataType, Normalize, TensorSpec
 from halfserve.placement import Placement
-from halfserve.precision import Precision
-from halfserve.store import Normalize
+from halfserve.precision import Precision, resolve_device
+from halfserve.serving import Output
 from tests.conftest import save_tiny_mlp
 
 CPU = torch.device("cpu")
@@ -191,13 +191,13 @@ def test_cuda_engine_agrees_with_fp32(loaded: store.LoadedModel, mode: str) -> N
     engine.close()
 
 
-@pytest.mark.parametrize("datatype", [store.DataType.FP64, store.DataType.FP32, store.DataType.FP16])
-def test_warm_up_batches_take_the_dtype_requests_arrive_as(tmp_path: Path, datatype: store.DataType) -> None:
+@pytest.mark.parametrize("datatype", [DataType.FP64, DataType.FP32, DataType.FP16])
+def test_warm_up_batches_take_the_dtype_requests_arrive_as(tmp_path: Path, datatype: DataType) -> None:
     """One map from a manifest's datatype to the batcher's arrays: warm-up (and the graphs it captures) must run the
     dtype a request decodes to, or the first real batches meet a shape the warm-up never ran."""
     from halfserve.api.codec import decode_samples
 
-    save_tiny_mlp(tmp_path, inputs=[store.TensorSpec(name="features", shape=[16], datatype=datatype)])
+    save_tiny_mlp(tmp_path, inputs=[TensorSpec(name="features", shape=[16], datatype=datatype)])
     loaded = store.load(tmp_path, "tiny")
     request = decode_samples([[0.5] * 16], loaded.manifest.inputs[0])
     engine = Engine(loaded, Precision.FP32, CPU)

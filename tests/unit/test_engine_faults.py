@@ -10,10 +10,11 @@ import pytest
 import torch
 
 from halfserve import store
-from halfserve.batching import Batcher, BatchTooLargeError, Output
+from halfserve.batching import Batcher
 from halfserve.engine import Engine, PrecisionOverflowError, is_out_of_memory
+from halfserve.manifest import OverflowPolicy
 from halfserve.precision import Precision
-from halfserve.store import OverflowPolicy
+from halfserve.serving import BatchTooLargeError, Output
 from tests.conftest import save_tiny_mlp
 from tests.fault_models import Poisonable, save_overflowing_linear
 

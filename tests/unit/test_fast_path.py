@@ -16,13 +16,14 @@ import torch
 from pydantic import ValidationError
 
 from halfserve import models, store
-from halfserve.batching import Batcher, Output
+from halfserve.batching import Batcher
 from halfserve.compilation import tune_cudnn
 from halfserve.engine import Engine, fixed_timing
 from halfserve.instance import bucket_for, pin_host, pinned
+from halfserve.manifest import Batching, Compile, DataType, Execution, Manifest, Normalize, TensorSpec
 from halfserve.placement import LOOP_SECONDS_PER_ROW, pads_to_buckets, set_intra_op_threads
 from halfserve.precision import Precision
-from halfserve.store import Batching, Compile, DataType, Execution, Manifest, Normalize, TensorSpec
+from halfserve.serving import Output
 from tests.conftest import needs_cxx, save_tiny_mlp
 
 CPU = torch.device("cpu")

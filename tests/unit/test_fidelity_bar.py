@@ -12,8 +12,8 @@ from pydantic import ValidationError
 from halfserve import fidelity
 from halfserve.cli import build_parser
 from halfserve.fidelity import DEFAULT_BAR, Fidelity, scores_output, shortfall
+from halfserve.manifest import Manifest
 from halfserve.settings import FidelityCheck, Settings
-from halfserve.store import Manifest
 
 
 def manifest(outputs: list[dict[str, object]], **fields: object) -> Manifest:

@@ -14,10 +14,11 @@ from torch import nn
 
 from halfserve import store
 from halfserve.engine import Engine
+from halfserve.manifest import DataType, Manifest, TensorSpec, load_manifest
 from halfserve.precision import Precision
 from halfserve.repository import ModelRepository
 from halfserve.settings import Settings
-from halfserve.store import DataType, Manifest, StoreError, TensorSpec
+from halfserve.storage import StoreError
 
 CPU = torch.device("cpu")
 
@@ -88,7 +89,7 @@ def test_hugging_face_remote_code_and_pickles_are_refused(tmp_path: Path) -> Non
     (vdir / "model.safetensors").rename(vdir / "pytorch_model.bin")
     with pytest.raises(StoreError, match="pytorch_model.bin: PyTorch pickle weights are refused"):
         store.load(tmp_path, "bert")
-    m = store.load_manifest(tmp_path / "bert").model_copy(update={"arch_kwargs": {"trust_remote_code": True}})
+    m = load_manifest(tmp_path / "bert").model_copy(update={"arch_kwargs": {"trust_remote_code": True}})
     store.write_manifest(tmp_path, m)
     with pytest.raises(StoreError, match="trust_remote_code is refused"):
         store.load(tmp_path, "bert")

@@ -12,15 +12,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from halfserve import cli, models, store
+from halfserve import cli, models, storage, store
 from halfserve.importer import import_model
-from halfserve.store import TensorSpec
+from halfserve.manifest import TensorSpec
 
 MLP = {"in_features": 6, "hidden": [8], "out_features": 4}
 FEATURES = [TensorSpec(name="features", shape=[6])]
 CPU = torch.device("cpu")
 STAGE_PREFIX = ".import-"
-"""The folder an import writes into, ``.import-<pid>-<random>`` (:data:`halfserve.importer.STAGE_PREFIX`)."""
+"""The folder an import writes into, ``.import-<pid>-<random>`` (:data:`halfserve.storage.STAGE_PREFIX`)."""
 
 
 def snapshot(root: Path) -> dict[str, bytes]:
@@ -45,7 +45,7 @@ def test_a_reimport_missing_its_tokenizer_leaves_the_store_as_it_was(tmp_path: P
     (source / "tokenizer.json").unlink()
     assert cli.main(import_args(source, root, *text)) == 2
     assert snapshot(root) == before
-    assert store.versions(root / "bert") == [1]
+    assert storage.versions(root / "bert") == [1]
     # A fresh name leaves no model folder behind.
     assert cli.main(import_args(source, tmp_path / "fresh", *text)) == 2
     assert not (tmp_path / "fresh" / "bert").exists()
@@ -58,14 +58,14 @@ def test_what_a_killed_import_left_is_ignored_and_removed_by_the_next_import(tmp
     import_model(path, root, "net", "mlp", FEATURES, arch_kwargs=MLP, device=CPU)
     killed = root / "net" / f"{STAGE_PREFIX}{dead_pid()}-x1"
     killed.mkdir()
-    (killed / store.WEIGHTS).write_bytes(b"half a checkpo")
+    (killed / storage.WEIGHTS).write_bytes(b"half a checkpo")
     running = root / "net" / f"{STAGE_PREFIX}{os.getpid()}-x2"  # this process: still writing
     running.mkdir()
-    assert store.versions(root / "net") == [1]
+    assert storage.versions(root / "net") == [1]
     assert store.load(root, "net").version == 1
     result = import_model(path, root, "net", "mlp", FEATURES, arch_kwargs=MLP, device=CPU)
     assert result.version_dir == root / "net" / "2"
     assert not killed.exists()
     assert running.exists()
-    assert sorted(p.name for p in (root / "net").iterdir()) == [running.name, "1", "2", store.MANIFEST]
+    assert sorted(p.name for p in (root / "net").iterdir()) == [running.name, "1", "2", storage.MANIFEST]
     assert store.load(root, "net").version == 2

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from halfserve import cli, fidelity, models, store
+from halfserve import cli, fidelity, models, storage, store
 from halfserve.importer import (
     ImportFailure,
     derive_outputs,
@@ -20,7 +20,7 @@ from halfserve.importer import (
     read_state_dict,
     with_format,
 )
-from halfserve.store import DataType, InputFormat, Manifest, TensorSpec
+from halfserve.manifest import DataType, InputFormat, Manifest, TensorSpec
 
 MLP = {"in_features": 6, "hidden": [8], "out_features": 4}
 FEATURES = [TensorSpec(name="features", shape=[6])]
@@ -97,7 +97,7 @@ def test_a_pickled_model_is_refused_with_how_to_save_a_state_dict(tmp_path: Path
 
 def test_weights_that_do_not_fit_name_the_tensors(tmp_path: Path) -> None:
     torch.save({"net.0.weight": torch.zeros(8, 6)}, tmp_path / "w.pth")
-    with pytest.raises(store.StoreError, match="missing: net.0.bias"):
+    with pytest.raises(storage.StoreError, match="missing: net.0.bias"):
         import_model(tmp_path / "w.pth", tmp_path / "store", "net", "mlp", FEATURES, arch_kwargs=MLP, device=CPU)
 
 

@@ -13,11 +13,11 @@ import pytest
 
 from halfserve.ipc.frames import FrameReader, frame
 from halfserve.ipc.tensors import from_payload
+from halfserve.manifest import Batching, Manifest, TensorSpec
 from halfserve.multiproc.client import SLOT_BYTES, BackplaneClient, RemoteModel, RemoteService
 from halfserve.precision import Precision
 from halfserve.serving import DeadlineExceededError, InternalError, ModelNotReadyError, ModelState, error_to_wire
 from halfserve.settings import Settings
-from halfserve.store import Batching, Manifest, TensorSpec
 from tests.unit.test_transport import RecordingTransport
 
 

@@ -9,13 +9,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from halfserve import store
-from halfserve.store import StoreError
+from halfserve import storage, store
+from halfserve.manifest import load_manifest
+from halfserve.storage import StoreError
 from tests.conftest import save_tiny_mlp
 
 
 def edit_manifest(root: Path, name: str, **changes: object) -> Path:
-    path = root / name / store.MANIFEST
+    path = root / name / storage.MANIFEST
     raw = json.loads(path.read_text())
     raw.update(changes)
     path.write_text(json.dumps(raw))
@@ -25,7 +26,7 @@ def edit_manifest(root: Path, name: str, **changes: object) -> Path:
 def test_saved_model_loads_back_with_identical_weights(tmp_path: Path) -> None:
     vdir = save_tiny_mlp(tmp_path)
     assert vdir == tmp_path / "tiny" / "1"
-    assert (vdir / store.WEIGHTS).is_file()
+    assert (vdir / storage.WEIGHTS).is_file()
     loaded = store.load(tmp_path, "tiny")
     torch.manual_seed(0)
     from halfserve import models
@@ -40,7 +41,7 @@ def test_saved_model_loads_back_with_identical_weights(tmp_path: Path) -> None:
 def test_next_save_gets_the_next_version_and_highest_is_served(tmp_path: Path) -> None:
     save_tiny_mlp(tmp_path)
     assert save_tiny_mlp(tmp_path, seed=1).name == "2"
-    assert store.versions(tmp_path / "tiny") == [1, 2]
+    assert storage.versions(tmp_path / "tiny") == [1, 2]
     assert store.load(tmp_path, "tiny").version == 2
     assert store.load(tmp_path, "tiny", version=1).version == 1
 
@@ -73,9 +74,9 @@ def test_bad_manifest_names_file_and_field(
 
 def test_manifest_that_is_not_json_is_named(tmp_path: Path) -> None:
     save_tiny_mlp(tmp_path)
-    (tmp_path / "tiny" / store.MANIFEST).write_text("{oops")
+    (tmp_path / "tiny" / storage.MANIFEST).write_text("{oops")
     with pytest.raises(StoreError, match="config.json: not valid JSON"):
-        store.load_manifest(tmp_path / "tiny")
+        load_manifest(tmp_path / "tiny")
 
 
 def test_checkpoint_that_does_not_fit_the_architecture_is_refused(tmp_path: Path) -> None:
@@ -93,7 +94,7 @@ def test_a_pickle_posing_as_a_checkpoint_is_never_executed(tmp_path: Path) -> No
             return (Path.touch, (str(marker),))  # type: ignore[return-value]
 
     vdir = save_tiny_mlp(tmp_path)
-    (vdir / store.WEIGHTS).write_bytes(pickle.dumps(Exploit()))
+    (vdir / storage.WEIGHTS).write_bytes(pickle.dumps(Exploit()))
     with pytest.raises(StoreError, match="cannot read safetensors checkpoint"):
         store.load(tmp_path, "tiny")
     assert not marker.exists()
@@ -109,9 +110,9 @@ def test_store_listing_only_counts_folders_with_a_manifest(tmp_path: Path) -> No
     save_tiny_mlp(tmp_path, "one")
     save_tiny_mlp(tmp_path, "two")
     (tmp_path / "empty").mkdir()
-    assert store.model_names(tmp_path) == ["one", "two"]
+    assert storage.model_names(tmp_path) == ["one", "two"]
     with pytest.raises(StoreError, match="does not exist"):
-        store.model_names(tmp_path / "missing")
+        storage.model_names(tmp_path / "missing")
 
 
 @pytest.mark.parametrize("datatype", ["INT8", "UINT16", "UINT64"])

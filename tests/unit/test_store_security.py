@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from halfserve import store
-from halfserve.store import StoreError
+from halfserve import storage, store
+from halfserve.storage import StoreError
 from tests.conftest import save_tiny_mlp
 
 
@@ -26,7 +26,7 @@ class Exploit:
 def test_a_torch_archive_posing_as_a_checkpoint_is_never_unpickled(tmp_path: Path) -> None:
     marker = tmp_path / "pwned"
     vdir = save_tiny_mlp(tmp_path)
-    torch.save({"weight": Exploit(marker)}, vdir / store.WEIGHTS)
+    torch.save({"weight": Exploit(marker)}, vdir / storage.WEIGHTS)
     with pytest.raises(StoreError, match="cannot read safetensors checkpoint"):
         store.load(tmp_path, "tiny")
     assert not marker.exists()
@@ -43,7 +43,7 @@ def test_a_pickle_beside_the_checkpoint_is_never_read(tmp_path: Path) -> None:
 
 def test_a_safetensors_header_that_lies_about_its_size_is_refused(tmp_path: Path) -> None:
     vdir = save_tiny_mlp(tmp_path)
-    (vdir / store.WEIGHTS).write_bytes(struct.pack("<Q", 2**60) + b"{}")
+    (vdir / storage.WEIGHTS).write_bytes(struct.pack("<Q", 2**60) + b"{}")
     with pytest.raises(StoreError, match="cannot read safetensors checkpoint"):
         store.load(tmp_path, "tiny")
 
@@ -51,4 +51,4 @@ def test_a_safetensors_header_that_lies_about_its_size_is_refused(tmp_path: Path
 @pytest.mark.parametrize("name", ["tiny\n", "tiny\x00", "..", ".", "/etc", "tiny/..", "a\\b", "tiny "])
 def test_names_with_a_newline_or_path_characters_are_refused(name: str) -> None:
     with pytest.raises(StoreError, match="is invalid"):
-        store.check_name(name)
+        storage.check_name(name)

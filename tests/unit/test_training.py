@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from halfserve import store
+from halfserve import storage, store
+from halfserve.manifest import load_manifest
 from halfserve.training import RECIPES, TrainConfig, TrainingError, TrainResult, train
 from halfserve.training import cli as train_cli
 from halfserve.training.checkpoint import STATE_FILE
@@ -42,7 +43,7 @@ def metrics_of(version_dir: Path) -> dict:
 def test_writes_a_numbered_version_with_weights_state_and_report(trained: TrainResult) -> None:
     vdir = trained.version_dir
     assert (trained.version, vdir.name, vdir.parent.name) == (1, "1", "tabular")
-    assert (vdir / store.WEIGHTS).is_file()
+    assert (vdir / storage.WEIGHTS).is_file()
     assert (vdir / STATE_FILE).is_file()
     for name in PLOT_FILES:
         data = (vdir / REPORT_DIR / name).read_bytes()
@@ -51,7 +52,7 @@ def test_writes_a_numbered_version_with_weights_state_and_report(trained: TrainR
 
 
 def test_manifest_describes_the_served_model(trained: TrainResult) -> None:
-    manifest = store.load_manifest(trained.version_dir.parent)
+    manifest = load_manifest(trained.version_dir.parent)
     assert manifest == trained.manifest
     assert manifest.architecture == "mlp"
     assert manifest.arch_kwargs == {"in_features": 30, "hidden": [64, 64], "out_features": 2, "dropout": 0.1}
@@ -121,7 +122,7 @@ def test_resume_continues_the_step_count_in_a_new_version(tmp_path: Path) -> Non
     # AdamW's own per-parameter step counter continued too: the optimizer state was restored, not rebuilt.
     assert all(int(s["step"]) == 5 for s in state["optimizer"]["state"].values())
     # Version 1 is untouched.
-    assert store.load_manifest(tmp_path / "tabular").training["steps"] == 5
+    assert load_manifest(tmp_path / "tabular").training["steps"] == 5
     assert torch.load(first.version_dir / STATE_FILE, weights_only=True)["step"] == 3
 
 
@@ -171,7 +172,7 @@ def test_cli_trains_and_prints_a_summary(tmp_path: Path, capsys: pytest.CaptureF
     assert code == 0
     assert "tabular v1" in out
     assert "top-1 agreement with fp32" in out
-    assert (tmp_path / "tabular" / "1" / store.WEIGHTS).is_file()
+    assert (tmp_path / "tabular" / "1" / storage.WEIGHTS).is_file()
     assert not (tmp_path / "tabular" / "1" / STATE_FILE).exists()
 
 

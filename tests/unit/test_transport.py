@@ -7,15 +7,11 @@ from typing import Any
 
 from uvicorn.server import ServerState
 
+from halfserve.httpprotocol import HttpLimits, LimitedHttpProtocol
+from halfserve.httpserver import uvicorn_config
 from halfserve.ipc.frames import FrameReader, frame
 from halfserve.settings import Settings
-from halfserve.transport import (
-    CoalescedWrites,
-    CoalescingHttpToolsProtocol,
-    HttpLimits,
-    LimitedHttpProtocol,
-    uvicorn_config,
-)
+from halfserve.transport import CoalescedWrites, CoalescingHttpToolsProtocol
 from tests.waiting import until
 
 

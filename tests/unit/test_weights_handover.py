@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from halfserve import models, store
-from halfserve.store import Manifest, TensorSpec
+from halfserve.manifest import Manifest, TensorSpec
 
 
 def round_trip(root: Path, manifest: Manifest, module: nn.Module) -> nn.Module:

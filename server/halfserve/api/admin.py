@@ -7,13 +7,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from enum import Enum
-from pathlib import Path
 
-from halfserve import manifest as store
 from halfserve.api.dataplane.metadata import PLATFORM
 from halfserve.api.errors import APIError, from_exception
-from halfserve.manifest import InputFormat, Manifest, Precision, StoreError, TensorSpec, sent_inputs
+from halfserve.manifest import InputFormat, Manifest, Precision, TensorSpec, sent_inputs
 from halfserve.serving import BatchStats, LocalModel, ModelAdmin, ModelState
+from halfserve.storage import StoreError
 
 BACKEND = "pytorch"
 
@@ -46,18 +45,17 @@ def refuse_overrides(parameters: Iterable[str]) -> None:
 
 
 async def load_from_store(
-    repo: ModelAdmin, store_dir: Path, name: str, version: int | None = None, precision: Precision | None = None
+    repo: ModelAdmin, name: str, version: int | None = None, precision: Precision | None = None
 ) -> LocalModel:
     """Load ``name`` from the store: a 400 for an invalid name or a checkpoint that fails, a 404 when the store
     has no such model or version."""
     try:
-        store.check_name(name)
+        present = repo.stored_versions(name)
     except StoreError as e:
         raise APIError(400, str(e)) from None
-    model_dir = store_dir / name
-    if not (model_dir / store.MANIFEST).is_file():
+    if present is None:
         raise APIError(404, f"model {name!r} is not in the store")
-    if version is not None and version not in store.versions(model_dir):
+    if version is not None and version not in present:
         raise APIError(404, f"model {name!r} has no version {version} in the store")
     try:
         return await repo.load(name, version, precision)
@@ -67,11 +65,11 @@ async def load_from_store(
         raise from_exception(e) from None
 
 
-def index_entries(repo: ModelAdmin, store_dir: Path, ready_only: bool) -> list[dict[str, object]]:
+def index_entries(repo: ModelAdmin, ready_only: bool) -> list[dict[str, object]]:
     """The repository index, by name: the served models, then the store's others as not loaded."""
     entries = [index_entry(m) for m in repo.models.values()]
     try:
-        others = [n for n in store.model_names(store_dir) if n not in repo.models]
+        others = [n for n in repo.stored_models() if n not in repo.models]
     except StoreError:
         others = []
     entries += [{"name": n, "state": RepositoryState.UNAVAILABLE.value, "reason": "not loaded"} for n in others]

@@ -18,7 +18,8 @@ import numpy as np
 from halfserve import text
 from halfserve.api.errors import APIError
 from halfserve.api.limits import COMPRESSED_BYTES
-from halfserve.manifest import DataType, PackError, TensorSpec, check_length
+from halfserve.manifest import DataType, TensorSpec
+from halfserve.packing import PackError, check_length
 from halfserve.serving import ModelHandle
 from halfserve.settings import Settings
 

@@ -45,7 +45,7 @@ PROBE_TIMEOUT = 1.0
 PROBES = frozenset({"Check", "ServerLive", "ServerReady"})
 MAX_ENTRIES = 4096
 """Most entries of each repeated field of a ``ModelInferRequest`` and of its tensors (inputs, outputs, raw contents,
-parameters): far more than any model takes (``halfserve.store.MAX_TENSORS``), so the request's own checks name the
+parameters): far more than any model takes (``halfserve.manifest.MAX_TENSORS``), so the request's own checks name the
 problem, and few enough that parsing them costs little."""
 MAX_DIMS = 64
 """Most dimensions a tensor's shape may list."""

@@ -329,14 +329,14 @@ class InferenceService:
     async def repository_index(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         self._admin(context)
         response = pb.message("inference.RepositoryIndexResponse")()
-        for entry in index_entries(self._repository(), self.state.settings.store, request.ready):
+        for entry in index_entries(self._repository(), request.ready):
             response.models.add(**{k: str(v) for k, v in entry.items()})
         return response
 
     async def repository_model_load(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         self._admin(context)
         refuse_overrides(request.parameters)
-        await load_from_store(self._repository(), self.state.settings.store, request.model_name)
+        await load_from_store(self._repository(), request.model_name)
         return pb.message("inference.RepositoryModelLoadResponse")()
 
     async def repository_model_unload(self, request: Any, context: grpc.aio.ServicerContext) -> Any:

@@ -14,7 +14,7 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from halfserve.api.admin import load_from_store
-from halfserve.api.deps import AUTH_ERRORS, BEARER, json_object, json_response, repository, require_admin, settings
+from halfserve.api.deps import AUTH_ERRORS, BEARER, json_object, json_response, repository, require_admin
 from halfserve.api.errors import APIError, error_responses, from_exception, json_ok
 from halfserve.manifest import Precision
 from halfserve.serving import ModelNotFoundError, ModelNotReadyError
@@ -76,7 +76,7 @@ async def load(name: str, request: Request) -> Response:
     answers from its old instance until the new one is ready; one that is not shows as loading meanwhile."""
     require_admin(request)
     body = await json_object(request)
-    served = await load_from_store(repository(request), settings(request).store, name, _version(body), _precision(body))
+    served = await load_from_store(repository(request), name, _version(body), _precision(body))
     return json_response(served.describe())
 
 
@@ -100,7 +100,7 @@ async def reload(name: str, request: Request) -> Response:
         version = repo.get(name).version
     except ModelNotFoundError as e:
         raise APIError(404, str(e)) from None
-    served = await load_from_store(repo, settings(request).store, name, version, _precision(body))
+    served = await load_from_store(repo, name, version, _precision(body))
     return json_response(served.describe())
 
 

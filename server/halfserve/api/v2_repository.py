@@ -21,7 +21,6 @@ from halfserve.api.deps import (
     json_response,
     repository,
     require_admin,
-    settings,
 )
 from halfserve.api.errors import APIError, error_responses, from_exception, json_ok
 
@@ -44,7 +43,7 @@ async def repository_index(request: Request) -> Response:
     ready_only = (await json_object(request)).get("ready", False)
     if not isinstance(ready_only, bool):
         raise APIError(400, f"ready: expected true or false, got {ready_only!r}")
-    return json_response(index_entries(repository(request), settings(request).store, ready_only))
+    return json_response(index_entries(repository(request), ready_only))
 
 
 @router.post(
@@ -71,7 +70,7 @@ async def load_model(model_name: str, request: Request) -> Response:
     if not isinstance(params, dict):
         raise APIError(400, f"parameters: expected an object, got {type(params).__name__}")
     refuse_overrides(params)
-    served = await load_from_store(repository(request), settings(request).store, model_name)
+    served = await load_from_store(repository(request), model_name)
     return json_response(index_entry(served))
 
 

@@ -34,11 +34,12 @@ from halfserve.ipc.memory import InstanceMemory
 from halfserve.ipc.tensors import descr, dtype_of
 from halfserve.isolated import child, handover
 from halfserve.isolated.protocol import IN_FRAME, INPUT_REGION, ChildConfig, region_sizes
+from halfserve.manifest import OverflowPolicy
 from halfserve.placement import Placement, available_cores
 from halfserve.precision import Precision
 from halfserve.serving import BatchTooLargeError, InstanceLostError, ModelNotReadyError, Outcome, Output
 from halfserve.settings import Settings
-from halfserve.store import LoadedModel, OverflowPolicy
+from halfserve.store import LoadedModel
 
 log = logging.getLogger(__name__)
 

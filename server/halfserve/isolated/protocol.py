@@ -25,8 +25,9 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from halfserve import store
+from halfserve import packing
 from halfserve.isolated.handover import Code
+from halfserve.manifest import Manifest
 from halfserve.settings import Settings
 
 INPUT_REGION, IN_FRAME = 0, -1
@@ -42,7 +43,7 @@ class ChildConfig:
     """What an instance process is told when it is spawned (pickled by multiprocessing, never read from disk)."""
 
     settings: Settings
-    manifest: store.Manifest
+    manifest: Manifest
     """The manifest as the server process serves it (not read again from the store)."""
     version: int
     registers: str | None
@@ -63,11 +64,11 @@ class ChildConfig:
     """A Hugging Face model's configuration as the server process loaded it (its config.json is not read again)."""
 
 
-def region_sizes(manifest: store.Manifest, max_batch_size: int) -> tuple[int, int]:
+def region_sizes(manifest: Manifest, max_batch_size: int) -> tuple[int, int]:
     """Bytes of the shared input and output regions for a full batch of ``manifest``'s model."""
-    if store.packs_records(manifest):
-        row_in = store.input_records(manifest).itemsize
-        row_out = store.output_records(manifest).itemsize
+    if packing.packs_records(manifest):
+        row_in = packing.input_records(manifest).itemsize
+        row_out = packing.output_records(manifest).itemsize
     else:
         spec, out = manifest.inputs[0], manifest.outputs[0]
         row_in = math.prod(spec.bounded()) * spec.datatype.numpy.itemsize

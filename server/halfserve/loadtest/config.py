@@ -7,9 +7,11 @@ from pathlib import Path
 
 from halfserve.loadtest import LoadtestError
 from halfserve.loadtest.payload import Protocol
+from halfserve.manifest import Precision
 
 DEFAULT_CONCURRENCY = (1, 2, 4, 8, 16, 32, 64, 128)
-PRECISIONS = ("fp16", "bf16", "autocast", "fp32", "auto")
+PRECISIONS = tuple(p.value for p in Precision)
+"""The precisions a sweep may serve the model in: the server's own names."""
 
 
 @dataclass(frozen=True)
@@ -20,7 +22,7 @@ class LoadtestConfig:
     url: str | None = None
     """A running server's base URL; ``None`` starts ``halfserve serve`` per precision (self-contained)."""
     store: Path = Path("model_store")
-    precisions: tuple[str, ...] = ("bf16", "fp32")
+    precisions: tuple[str, ...] = (Precision.BF16.value, Precision.FP32.value)
     concurrency: tuple[int, ...] = DEFAULT_CONCURRENCY
     duration: float | None = 10.0
     requests: int | None = None
@@ -70,10 +72,10 @@ class LoadtestConfig:
 
 def default_precisions(device: str | None) -> tuple[str, ...]:
     """fp16 and fp32 where the server will run on CUDA, bf16 and fp32 on a CPU."""
-    from halfserve.engine import resolve_device
+    from halfserve.precision import resolve_device
 
     try:
         on_cuda = resolve_device(device or "auto").type == "cuda"
     except (ValueError, RuntimeError) as e:
         raise LoadtestError(f"--device {device}: {e}") from None
-    return ("fp16", "fp32") if on_cuda else ("bf16", "fp32")
+    return (Precision.FP16.value if on_cuda else Precision.BF16.value, Precision.FP32.value)

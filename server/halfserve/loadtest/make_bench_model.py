@@ -19,9 +19,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from halfserve import models, store
+from halfserve import models, storage, store
+from halfserve.manifest import Batching, Manifest, TensorSpec
 from halfserve.precision import Precision
-from halfserve.store import Batching, Manifest, TensorSpec
 
 NAME = "resnet_bench"
 CALIBRATION_BATCHES = 8
@@ -156,10 +156,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             seed=args.seed,
             version=args.version,
         )
-    except (store.StoreError, ValueError) as e:
+    except (storage.StoreError, ValueError) as e:
         print(f"make_bench_model: error: {e}", file=sys.stderr)
         return 2
-    size = (vdir / store.WEIGHTS).stat().st_size
+    size = (vdir / storage.WEIGHTS).stat().st_size
     print(f"wrote {vdir} ({size / 1e6:.2f} MB of fp32 weights)")
     return 0
 

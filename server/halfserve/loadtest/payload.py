@@ -19,6 +19,7 @@ from google.protobuf.message import DecodeError
 
 from halfserve import grpc_messages
 from halfserve.loadtest import LoadtestError
+from halfserve.manifest import SERVED_TYPES, DataType
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
 MAX_BODIES = 64
@@ -26,8 +27,9 @@ MAX_BODIES = 64
 MAX_RANDOM_ELEMENTS = 1 << 20
 """Cap on random values generated (about 8 MB of JSON), which bounds the bodies of big inputs and big requests."""
 
-_FLOAT_TYPES = {"FP32", "FP16", "BF16", "FP64"}
-_INT_TYPES = {"INT32", "INT64", "UINT8"}
+_FLOAT_TYPES = frozenset(t.value for t in SERVED_TYPES if t.is_float)
+_INT_TYPES = frozenset(t.value for t in SERVED_TYPES if t.is_integer)
+"""The datatypes a model may declare, by kind: what an input's listed datatype is read as."""
 
 
 class Protocol(str, Enum):
@@ -112,7 +114,7 @@ def random_samples(sig: Signature, count: int, seed: int = 0) -> np.ndarray:
     rng = np.random.default_rng(seed)
     size = (count, *sig.shape)
     if sig.is_integer:
-        return rng.integers(0, 256 if sig.datatype == "UINT8" else 10, size=size, dtype=np.int64)
+        return rng.integers(0, 256 if sig.datatype == DataType.UINT8 else 10, size=size, dtype=np.int64)
     return rng.uniform(0.0, 1.0, size=size).round(4)
 
 
@@ -154,14 +156,14 @@ def load_samples(path: Path, sig: Signature) -> np.ndarray:
 def _wire(sig: Signature) -> tuple[str, str]:
     """The V2 datatype and little-endian numpy dtype to send: FP32 feeds any float input, INT64 any integer input;
     an input declared FP16 gets FP16, half the bytes, and one declared UINT8 gets UINT8 (what their clients send)."""
-    if sig.datatype == "UINT8":
-        return "UINT8", "<u1"
+    if sig.datatype == DataType.UINT8:
+        return DataType.UINT8.value, "<u1"
     if sig.is_integer:
-        return "INT64", "<i8"
-    if sig.datatype == "FP16":
-        return "FP16", "<f2"
+        return DataType.INT64.value, "<i8"
+    if sig.datatype == DataType.FP16:
+        return DataType.FP16.value, "<f2"
     if sig.datatype in _FLOAT_TYPES:
-        return "FP32", "<f4"
+        return DataType.FP32.value, "<f4"
     raise LoadtestError(f"input {sig.name!r}: datatype {sig.datatype} cannot be generated")
 
 

@@ -34,6 +34,7 @@ from halfserve.loadtest.payload import (
 from halfserve.loadtest.process import ManagedServer, process_cpu_seconds
 from halfserve.loadtest.stats import LevelResult, ServerDelta, summarize, throughput_ratios
 from halfserve.loadtest.target import check_url, grpc_target
+from halfserve.storage import MANIFEST
 from halfserve.version import __version__
 
 if TYPE_CHECKING:
@@ -176,8 +177,8 @@ class Runner:
                 run.grpc_target = grpc_target(cfg.grpc_url, base, cfg.allow_remote)
             self._sweep_server(run)
         else:
-            if not (cfg.store / str(cfg.model) / "config.json").is_file():
-                raise LoadtestError(f"--store {cfg.store}: no model {cfg.model!r} (no {cfg.model}/config.json there)")
+            if not (cfg.store / str(cfg.model) / MANIFEST).is_file():
+                raise LoadtestError(f"--store {cfg.store}: no model {cfg.model!r} (no {cfg.model}/{MANIFEST} there)")
             cfg.out.mkdir(parents=True, exist_ok=True)
             for precision in cfg.precisions:
                 self._sweep_started(precision)

@@ -21,8 +21,8 @@ from halfserve.ipc import exports
 from halfserve.ipc.frames import FrameReader, frame
 from halfserve.ipc.memory import Slots
 from halfserve.ipc.tensors import from_payload, inline, nbytes
-from halfserve.manifest import LENGTH
 from halfserve.metrics import Metrics
+from halfserve.packing import LENGTH
 from halfserve.regions import Regions
 from halfserve.repository import ModelRepository
 from halfserve.serving import Interface, ModelNotReadyError, Prediction, Tensors, check_ready, error_to_wire

@@ -20,11 +20,12 @@ from starlette.types import Receive, Scope, Send
 
 from halfserve import api, collector, logs
 from halfserve.api import MANAGEMENT_BODY_BYTES, MANAGEMENT_LIMIT, RELAYED_CLIENT, error_response, scope_header
+from halfserve.httpserver import DrainingServer, uvicorn_config
 from halfserve.multiproc.client import BackplaneClient, RemoteMetrics, RemoteService
 from halfserve.regions import Regions
 from halfserve.serving import AppState
 from halfserve.settings import Settings
-from halfserve.transport import PROBE_PATHS, DrainingServer, uvicorn_config
+from halfserve.transport import PROBE_PATHS
 
 log = logging.getLogger(__name__)
 

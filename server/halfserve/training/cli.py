@@ -11,7 +11,7 @@ import sys
 from collections.abc import Sequence
 
 from halfserve.precision import DTYPE_NAMES
-from halfserve.store import StoreError
+from halfserve.storage import StoreError
 from halfserve.training.errors import TrainingError
 from halfserve.training.recipes import RECIPES
 from halfserve.training.trainer import TrainResult, train

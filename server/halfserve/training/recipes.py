@@ -15,8 +15,8 @@ from typing import Any
 from torch import nn
 
 from halfserve import models
+from halfserve.manifest import Batching, DataType, Manifest, TensorSpec
 from halfserve.precision import Precision
-from halfserve.store import Batching, DataType, Manifest, TensorSpec
 from halfserve.training import datasets
 from halfserve.training.datasets import Dataset
 from halfserve.training.errors import UnknownRecipeError

@@ -22,9 +22,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from halfserve import store
+from halfserve import storage, store
+from halfserve.manifest import Manifest
 from halfserve.precision import grad_scaler
-from halfserve.store import Manifest, StoreError
+from halfserve.storage import StoreError
 from halfserve.training import checkpoint, evaluation, report
 from halfserve.training.checkpoint import TrainState
 from halfserve.training.config import TrainConfig, check_dependencies, check_writable
@@ -162,7 +163,7 @@ class _Run:
     def _resume(self) -> tuple[nn.Module, History]:
         root, name = self.config.store, self.recipe.name
         model_dir = root / name
-        present = store.versions(model_dir) if model_dir.is_dir() else []
+        present = storage.versions(model_dir) if model_dir.is_dir() else []
         if not present:
             raise TrainingError(f"{model_dir}: no version of {name!r} to resume from")
         version = present[-1]
@@ -174,7 +175,7 @@ class _Run:
         expected = self.recipe.manifest(self.data)
         if (loaded.manifest.architecture, loaded.manifest.arch_kwargs) != (expected.architecture, expected.arch_kwargs):
             raise TrainingError(
-                f"{model_dir / store.MANIFEST}: architecture: {loaded.manifest.architecture} "
+                f"{model_dir / storage.MANIFEST}: architecture: {loaded.manifest.architecture} "
                 f"{loaded.manifest.arch_kwargs} differs from recipe {name!r}'s {expected.arch_kwargs}"
             )
         module = loaded.module.train()

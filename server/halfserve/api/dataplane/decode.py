@@ -59,7 +59,7 @@ def to_input_dtype(
 ) -> np.ndarray:
     """``arr`` (of datatype ``wire``) as the array the batcher takes for ``spec`` of ``model``; the rules are in the
     module's docstring. A binary body's rows stay a read-only view of the body when their dtype is already the
-    target's: :meth:`~halfserve.repository.ServedModel.submit` copies them for the engine, a front-end into its shared
+    target's: :meth:`~halfserve.served.ServedModel.submit` copies them for the engine, a front-end into its shared
     slot."""
     target = spec.datatype.numpy
     if target.kind == "b" or wire is DataType.BOOL:

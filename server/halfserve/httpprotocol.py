@@ -1,0 +1,568 @@
+"""The HTTP protocol the server and its front-ends run over coalesced writes (:mod:`halfserve.transport`); the uvicorn
+server that runs an app over it is :mod:`halfserve.httpserver`'s.
+
+The protocol also holds each connection to :class:`HttpLimits`: how long its request line and headers, and each gap
+in its body, may take, and how slowly its body may arrive (408), how long its request target (414) and headers (431)
+may be, how long its answers may wait for the client to read them (then it is dropped), and how many connections a
+process keeps open (503). uvicorn has none of these but a keep-alive timeout, so an idle or trickling connection, a
+client that reads no answer, or 200 MiB of headers, would be held for as long as the client likes. A connection's
+pipelined requests are read and queued :data:`MAX_PIPELINED` at most, and none while its answers wait for the client
+to read them: uvicorn read and queued every one a client sent, and clients pipelining requests for large answers and
+reading none grew a server by gigabytes before the send timeout dropped them. A request answered
+before its body was read whole (refused from its headers) closes its connection: uvicorn would go on reading the body,
+with no timer left, for as long as the client takes to send it.
+
+Past the connection cap, :data:`PROBE_CONNECTIONS` more connections are read for a health or readiness probe, which is
+answered; any other request on them gets the 503. So a cap held by slow clients does not fail the orchestrator's
+probes, and the process is not restarted or taken out of its service for what its clients do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import urllib.parse
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from http import HTTPStatus
+from typing import Any, ClassVar
+
+import orjson
+from uvicorn.protocols.http.flow_control import HIGH_WATER_LIMIT
+
+from halfserve.settings import Settings
+from halfserve.transport import (
+    BODY_TIMED_OUT,
+    PROBE_PATHS,
+    CoalescedWrites,
+    CoalescingHttpToolsProtocol,
+    Direct,
+    DirectCycle,
+    DirectHandler,
+)
+
+LINGER_S = 2.0
+"""How long a connection refused mid-head goes on being read (and dropped) before it is closed."""
+PROBE_CONNECTIONS = 32
+"""Connections past ``max_connections`` read for a probe (a place each; when they are all taken, the one waiting
+longest for its request's head gives its place up with a 503): a probe's head arrives in its first packet, so a
+client holding these places with silent connections delays a probe by a round trip at most."""
+
+MAX_PIPELINED = 16
+"""Requests a connection may have queued behind the one being answered; past it the connection is not read further."""
+FEED_BYTES = 4096
+"""What is parsed at a time outside a request's body, so that one read of pipelined requests (uvloop reads up to
+256 KiB: thousands of small requests) queues no more than :data:`MAX_PIPELINED` and a read's worth past it."""
+
+
+def _default(name: str) -> Any:
+    """A setting's default, written once, in :class:`~halfserve.settings.Settings`."""
+    return Settings.model_fields[name].default
+
+
+@dataclass(frozen=True)
+class HttpLimits:
+    """What one connection may take of a process: the settings of the same names, with their defaults."""
+
+    header_timeout: float = _default("header_timeout")
+    body_timeout: float = _default("body_timeout")
+    max_url_bytes: int = _default("max_url_bytes")
+    max_header_bytes: int = _default("max_header_bytes")
+    max_connections: int = _default("max_connections")
+    min_body_rate: int = _default("min_body_rate")
+    send_timeout: float = _default("send_timeout")
+
+
+@dataclass
+class _Census:
+    """A server's connections, as its protocol counts them for the cap."""
+
+    admitted: set[LimitedHttpProtocol] = field(default_factory=set)
+    """Connections under ``max_connections`` (a refused one, closing, until it is closed)."""
+    standby: dict[LimitedHttpProtocol, None] = field(default_factory=dict)
+    """Connections past it, waiting for a probe's head or answering it, oldest first."""
+
+
+class _Refused(Exception):
+    """Raised from a parser callback to stop parsing; the refusal itself is already recorded on the protocol."""
+
+
+class _ConnectionWrites(CoalescedWrites):
+    """A connection's writes, closed by its protocol (:meth:`LimitedHttpProtocol.close_connection`): uvicorn closes
+    a connection through its transport, after an answer or once idle."""
+
+    def __init__(self, transport: asyncio.BaseTransport, protocol: LimitedHttpProtocol) -> None:
+        super().__init__(transport)
+        self.socket: Any = transport
+        """The socket's own transport, which this one writes to and closes."""
+        self.lingering = False
+        """Closing: its answer is sent and its FIN, and what still arrives is read and dropped for a moment."""
+        self._protocol = protocol
+
+    def close(self) -> None:
+        self._protocol.close_connection()
+
+    def is_closing(self) -> bool:
+        return self.lingering or bool(self.socket.is_closing())
+
+
+class LimitedHttpProtocol(CoalescingHttpToolsProtocol):
+    """The server's HTTP protocol: coalesced writes, and every connection held to :attr:`limits`."""
+
+    limits: ClassVar[HttpLimits] = HttpLimits()
+    direct: ClassVar[Direct | None] = None
+    """The app's routes answered without going through the ASGI app (:class:`DirectCycle`)."""
+    census: ClassVar[_Census] = _Census()
+    """The server's connections (one per :meth:`with_limits` class, so one per server)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._timer: asyncio.TimerHandle | None = None
+        self._timing_head = False
+        """The timer is the head's (its deadline stands however many reads the head takes)."""
+        self._in_head = False
+        """Inside a request's line and headers: from its first byte until its headers are complete."""
+        self._in_body = False
+        """Inside a request's body: from the end of its headers until the request is complete."""
+        self._head_bytes = 0
+        self._header_bytes = 0
+        self._refused = False
+        """Answered before its request was read whole (a refusal, or the app's answer while the body was still
+        arriving), and closing: what still arrives is dropped."""
+        self._keep_alive_after_body = False
+        """Whether the connection stays open after its request's answer, once the body is read (until then it
+        cannot: see :meth:`_close_after_early_answer`)."""
+        self._out: _ConnectionWrites
+        """The connection's transport (``self.transport``, as uvicorn types it)."""
+        self._send_timer: asyncio.TimerHandle | None = None
+        """Armed while what the connection has to send waits for the client to read it (``send_timeout``)."""
+        self._idle_since: float | None = None
+        """When the connection's last response went out with no request after it; None while one is arriving."""
+        self._standby = False
+        """Past the connection cap: only a probe is answered, then the connection is closed."""
+        self._body_since: float | None = None
+        """When the current body was first read incomplete (its rate is counted from then); None outside one."""
+        self._body_bytes = 0
+        """Bytes of the current body read so far."""
+        self._cut_by_rate = False
+        """The armed body timer is the body's rate deadline, not its gap."""
+        self._unparsed = b""
+        """Bytes read but not parsed yet: the connection's pipelined requests past what it may queue (``_held``)."""
+        self._next_due = False
+        """A request was answered and the next queued one is still to be started (:meth:`_start_pipelined`)."""
+
+    @classmethod
+    def with_limits(cls, limits: HttpLimits, direct: Direct | None = None) -> type[LimitedHttpProtocol]:
+        # A staticmethod: a function stored on the class is not bound to the protocol instance.
+        attributes = {"limits": limits, "direct": None if direct is None else staticmethod(direct), "census": _Census()}
+        return type(cls.__name__, (cls,), attributes)
+
+    # Connection ----------------------------------------------------------------------------------------------------
+
+    def writes(self, transport: asyncio.BaseTransport) -> CoalescedWrites:
+        self._out = _ConnectionWrites(transport, self)
+        return self._out
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        census = self.census
+        if len(census.admitted) < self.limits.max_connections:
+            census.admitted.add(self)
+            self._arm_head()
+            return
+        if len(census.standby) >= PROBE_CONNECTIONS:
+            waiting = next((c for c in census.standby if c.cycle is None), None)
+            if waiting is None:  # every place answers a probe (for a moment): this connection gets the 503 now
+                self._refuse_busy()
+                return
+            waiting._refuse_busy()
+        census.standby[self] = None
+        self._standby = True
+        self._arm_head()
+
+    def _refuse_busy(self) -> None:
+        """The connection cap's 503, after which the client may still be sending its request: a lingering close, so
+        that the answer is read rather than lost to a reset."""
+        self._refuse(503, f"server busy: {self.limits.max_connections} connections are open (max_connections)", True)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.census.admitted.discard(self)
+        self.census.standby.pop(self, None)
+        self._disarm()
+        if self._send_timer is not None:
+            self._send_timer.cancel()
+            self._send_timer = None
+        self._unparsed = b""
+        super().connection_lost(exc)
+        if self.timeout_keep_alive_task is not None:
+            self.timeout_keep_alive_task.cancel()
+            self.timeout_keep_alive_task = None
+
+    def data_received(self, data: bytes) -> None:
+        if self._refused:
+            return  # the rest of a refused request, read only so that closing does not reset the connection
+        self._unparsed += data
+        self._parse_unparsed()
+
+    def _held(self) -> bool:
+        """Whether the connection's next requests wait unparsed: it has as many queued as it may, or (outside a
+        body, which its request's app may be waiting for) its answers wait for the client to read them."""
+        return len(self.pipeline) >= MAX_PIPELINED or (self.flow.write_paused and not self._in_body)
+
+    def _parse_unparsed(self) -> None:
+        """Parse what was read, until the connection is held (then it is not read further either)."""
+        while self._unparsed and not self._refused:
+            if self._held():
+                self.flow.pause_reading()
+                return
+            size = len(self._unparsed) if self._in_body else FEED_BYTES
+            data, self._unparsed = self._unparsed[:size], self._unparsed[size:]
+            self._parse(data)
+        if self._refused:
+            self._unparsed = b""
+
+    def _resume(self) -> None:
+        """The connection may no longer be held: parse what waits, then read on (unless the app has yet to take the
+        body it holds, which it resumes reading for itself)."""
+        if self._out.is_closing():
+            return
+        self._parse_unparsed()
+        body_waits = (
+            self.cycle is not None and not self.cycle.response_complete and len(self.cycle.body) > HIGH_WATER_LIMIT
+        )
+        if not self._unparsed and not self._held() and not body_waits:
+            self.flow.resume_reading()
+
+    def _parse(self, data: bytes) -> None:
+        continuing = self._in_head
+        super().data_received(data)
+        if continuing and self._in_head and not self._refused:
+            # httptools holds a header's name and value until it ends, so the head's size is checked here too, by
+            # the reads that arrived whole inside it (the read it began in, and the limit, are the most it can
+            # overshoot by).
+            self._head_bytes += len(data)
+            limit = self.limits.max_url_bytes + self.limits.max_header_bytes
+            if self._head_bytes > limit:
+                what = f"request line and headers: more than {limit} bytes (max_url_bytes + max_header_bytes)"
+                self._refuse(431, what, linger=True)
+        # Timers are armed for a request still incomplete when a read has been parsed, not at each parser event: a
+        # request that arrives whole in one read (nearly all of them) costs no timer at all.
+        if self._refused:
+            return
+        if self._in_head:
+            if not self._timing_head:
+                self._arm_head()
+        elif self._in_body:
+            self._arm_body()
+
+    def send_400_response(self, msg: str) -> None:
+        if not self._refused:
+            super().send_400_response(msg)
+        # else: a callback refused the request (and answered it); the parser error is that refusal
+
+    # Keep-alive ----------------------------------------------------------------------------------------------------
+    # uvicorn arms a keep-alive timer after every response and cancels it when the next request's bytes arrive: a
+    # call_later and a cancel per request. Here one timer covers a connection's idle stretches: when it fires it
+    # closes the connection if it has been idle for the whole keep-alive timeout, and otherwise waits for the rest.
+
+    def on_response_complete(self) -> None:
+        """uvicorn's: count the request, start a pipelined one or wait idle for the next; without a timer each."""
+        self.server_state.total_requests += 1
+        if self.transport.is_closing():
+            return
+        if self.pipeline:
+            # Once this iteration's writes are sent: the next request is not started while they wait to be read.
+            self._next_due = True
+            self.loop.call_soon(self._start_pipelined)
+            return
+        self._idle_since = self.loop.time()
+        if self.timeout_keep_alive_task is None:
+            self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive, self._keep_alive_expired)
+        self._resume()  # after: a request it parses marks the connection busy again
+
+    def _start_pipelined(self) -> None:
+        """Start the next queued request, unless the answers before it wait for the client (then
+        :meth:`resume_writing` does, once they are read)."""
+        if not self._next_due or self._out.is_closing() or self.flow.write_paused or not self.pipeline:
+            return
+        self._next_due = False
+        cycle, app = self.pipeline.pop()
+        self._start_asgi_task(cycle, app)
+        self._resume()
+
+    def shutdown(self) -> None:
+        self._keep_alive_after_body = False  # nor once its body is read
+        super().shutdown()
+
+    def _unset_keepalive_if_required(self) -> None:
+        self._idle_since = None  # bytes arrived: the connection is busy until its next response
+
+    def _keep_alive_expired(self) -> None:
+        self.timeout_keep_alive_task = None
+        if self._idle_since is None:
+            return  # busy: its next response waits again
+        left = self._idle_since + self.timeout_keep_alive - self.loop.time()
+        if left > 0:
+            self.timeout_keep_alive_task = self.loop.call_later(left, self._keep_alive_expired)
+        else:
+            self.timeout_keep_alive_handler()
+
+    # Parser callbacks ----------------------------------------------------------------------------------------------
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._in_head, self._head_bytes, self._header_bytes = True, 0, 0
+        self._keep_alive_after_body = False
+
+    def on_url(self, url: bytes) -> None:
+        super().on_url(url)
+        if len(self.url) > self.limits.max_url_bytes:
+            self._refuse(414, f"request target: more than {self.limits.max_url_bytes} bytes (max_url_bytes)", True)
+            raise _Refused
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._header_bytes += len(name) + len(value)
+        if self._header_bytes > self.limits.max_header_bytes:
+            self._refuse(431, f"headers: more than {self.limits.max_header_bytes} bytes (max_header_bytes)", True)
+            raise _Refused
+        super().on_header(name, value)
+
+    def on_headers_complete(self) -> None:
+        self._in_head, self._in_body = False, True
+        if self._standby:
+            if not self._is_probe():
+                self._refuse_busy()
+                raise _Refused
+            super().on_headers_complete()
+            self.cycle.keep_alive = False  # its place is for the next probe
+            return
+        handler = self._direct_handler()
+        if handler is None:
+            before = self.cycle
+            super().on_headers_complete()
+            if self.cycle is not before:  # not an upgrade
+                self._close_after_early_answer()
+            return
+        # What uvicorn's on_headers_complete does for a plain request on an idle connection, with a DirectCycle.
+        scope: Any = self.scope
+        http_version = self.parser.get_http_version()
+        if http_version != "1.1":
+            scope["http_version"] = http_version
+        self.cycle = DirectCycle(
+            scope=scope,
+            transport=self.transport,
+            flow=self.flow,
+            logger=self.logger,
+            access_logger=self.access_logger,
+            access_log=self.access_log,
+            default_headers=self.server_state.default_headers,
+            message_event=asyncio.Event(),
+            expect_100_continue=self.expect_100_continue,
+            keep_alive=http_version != "1.0" and self.parser.should_keep_alive(),
+            on_response=self.on_response_complete,
+        )
+        self._close_after_early_answer()
+        self._start_asgi_task(self.cycle, handler)  # type: ignore[arg-type]
+
+    def _close_after_early_answer(self) -> None:
+        """An answer sent before the request's body is read whole closes the connection (``connection: close``,
+        then a lingering close): the rest of the body would otherwise have to be read, for as long as the client
+        takes, before the next request could begin. Until its body is whole, the request's cycle is told the
+        connection is not kept; :meth:`on_message_complete` tells it what the request asked for."""
+        self._keep_alive_after_body, self.cycle.keep_alive = self.cycle.keep_alive, False
+
+    def _direct_handler(self) -> DirectHandler | None:
+        """The :attr:`direct` handler for the request whose headers just ended, with its scope's method and path set;
+        None for one uvicorn starts as usual (not a direct route, an upgrade, a connection still answering the
+        request before, or a server refusing past its concurrency limit)."""
+        direct = type(self).direct
+        if direct is None or self.parser.get_method() != b"POST" or self.parser.should_upgrade():
+            return None
+        if self.limit_concurrency is not None or (self.cycle is not None and not self.cycle.response_complete):
+            return None
+        url = self.url.partition(b"#")[0]
+        if not url.startswith(b"/") or not url.isascii():  # absolute-form, or bytes uvicorn refuses: its parsing
+            return None
+        raw_path, _, query = url.partition(b"?")
+        path = raw_path.decode("ascii")
+        if "%" in path:
+            path = urllib.parse.unquote(path)
+        scope: Any = self.scope  # as uvicorn sets it (and sets it again for a request that is not direct)
+        scope["method"] = "POST"
+        scope["path"] = self.root_path + path
+        scope["raw_path"] = self.root_path.encode("ascii") + raw_path
+        scope["query_string"] = query
+        return direct(scope)
+
+    def _is_probe(self) -> bool:
+        if self.parser.get_method() not in (b"GET", b"HEAD"):
+            return False
+        path = self.url.partition(b"?")[0].partition(b"#")[0]
+        return path.decode("latin-1") in PROBE_PATHS
+
+    def on_body(self, body: bytes) -> None:
+        self._body_bytes += len(body)
+        super().on_body(body)
+
+    def on_message_complete(self) -> None:
+        self._in_body = False
+        self._body_since, self._body_bytes = None, 0
+        self._disarm()
+        if self.cycle is not None and not self.cycle.response_started:
+            self.cycle.keep_alive = self._keep_alive_after_body
+        super().on_message_complete()
+
+    # Timeouts and refusals -----------------------------------------------------------------------------------------
+
+    def _arm(self, seconds: float, then: Callable[[], None]) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = self.loop.call_later(seconds, then)
+        self._timing_head = False
+
+    def _arm_head(self) -> None:
+        self._arm(self.limits.header_timeout, self._head_timed_out)
+        self._timing_head = True
+
+    def _disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._timing_head = False
+
+    def _arm_body(self) -> None:
+        """Bytes of a body arrived: its timer is the gap from now (``body_timeout``) or the body's deadline, whichever
+        comes first. A body must arrive at ``min_body_rate`` on average, after a first ``body_timeout`` that any body
+        may take: a gap alone is no bound, as a byte every ``body_timeout`` would hold the connection for ever."""
+        now = self.loop.time()
+        if self._body_since is None:
+            self._body_since = now
+        limits = self.limits
+        deadline = self._body_since + limits.body_timeout + self._body_bytes / limits.min_body_rate
+        gap = limits.body_timeout
+        self._arm(min(gap, max(deadline - now, 0.0)), self._body_timed_out)
+        self._cut_by_rate = deadline - now < gap
+
+    def _head_timed_out(self) -> None:
+        self._timer, self._timing_head = None, False
+        if self.cycle is not None and not self.cycle.response_complete:
+            return  # a request is being answered; the next one's head has not begun
+        if self._unparsed:
+            return  # the next head has arrived and waits for the client to read the answers before it
+        if self._standby:
+            self._refuse_busy()
+            return
+        self._refuse(
+            408, f"request line and headers not received within {self.limits.header_timeout:g} s (header_timeout)"
+        )
+
+    def _body_timed_out(self) -> None:
+        self._timer = None
+        cycle = self.cycle
+        if cycle is None or cycle.response_complete or not cycle.more_body:
+            return
+        if self.flow.read_paused:  # the app is not reading yet: the wait is the server's, not the client's
+            self._body_since, self._body_bytes, self._cut_by_rate = None, 0, False  # nor is the rate the client's
+            self._arm(self.limits.body_timeout, self._body_timed_out)
+            return
+        scope: dict[str, Any] = cycle.scope  # type: ignore[assignment]
+        scope[BODY_TIMED_OUT] = True
+        # The app's receive() now answers http.disconnect, so the request ends; its own answer would be lost.
+        cycle.disconnected = True
+        cycle.message_event.set()
+        if cycle.response_started:
+            self.transport.close()
+        elif self._cut_by_rate:
+            since = self.loop.time() - (self._body_since or 0.0)
+            rate = self.limits.min_body_rate
+            what = f"body: {self._body_bytes} bytes in {since:.0f} s, under {rate} bytes/s (min_body_rate)"
+            self._refuse(408, what, linger=True)  # it is still sending: its answer must not be lost to a reset
+        else:
+            self._refuse(408, f"body: no byte received for {self.limits.body_timeout:g} s (body_timeout)")
+
+    def _refuse(self, status: int, message: str, linger: bool = False) -> None:
+        """Answer ``status`` with the API's JSON error and close the connection (``linger``: once the client has
+        had a moment to stop sending)."""
+        self._refused = True
+        self.census.standby.pop(self, None)  # its place is free for a probe, while it closes
+        self._disarm()
+        if self.transport.is_closing():
+            return
+        body = orjson.dumps({"error": message})
+        head = (
+            f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(body)}\r\nconnection: close\r\n"
+        )
+        if status == 503:
+            head += "retry-after: 1\r\n"
+        self.transport.write(head.encode("latin-1") + b"\r\n" + body)
+        if linger:
+            self._linger()  # the client may still be sending its request
+        else:
+            self._close_now()
+        self.logger.info("%s: %d %s", self.client or "client", status, message)
+
+    # Closing -------------------------------------------------------------------------------------------------------
+
+    def close_connection(self) -> None:
+        """Close the connection after what was written (every close comes here, uvicorn's through the transport):
+        at once, or lingering while its request's body is still arriving."""
+        if self._out.is_closing():
+            return
+        if self._in_body:
+            self._refused = True  # answered early (uvicorn wrote connection: close): the rest is dropped
+            self._linger()
+        else:
+            self._close_now()
+
+    def _linger(self) -> None:
+        """Closing with unread bytes would reset the connection and lose the answer on its way: send the answer and
+        a FIN, read and drop what still comes for ``LINGER_S`` (a "lingering close", as nginx does), then close."""
+        self._disarm()
+        out = self._out
+        out.flush()
+        if out.socket.can_write_eof():
+            out.socket.write_eof()
+        out.lingering = True
+        self.flow.resume_reading()  # a body the app had not read yet may have paused it
+        self.loop.call_later(LINGER_S, self._close_now)
+
+    def _close_now(self) -> None:
+        """Close the socket once what was written is sent, or drop it if that is still unsent after
+        ``send_timeout``: a close waits for the client to read, and one that never does would hold the socket."""
+        out = self._out
+        out.flush()
+        if out.socket.is_closing():
+            return
+        out.socket.close()
+        if out.socket.get_write_buffer_size():
+            self._arm_send()
+
+    # Sending -------------------------------------------------------------------------------------------------------
+    # The transport pauses the protocol when its buffer is past its high-water mark (the socket's own buffers are
+    # full: the client is not reading) and resumes it once the buffer drains. A response waits for that, as does
+    # every pipelined request behind it; a client that never reads would hold the connection for ever.
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        self._arm_send()
+        if self._held():
+            self.flow.pause_reading()  # its next requests would only add answers to wait
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        if self._send_timer is not None and not self._out.socket.is_closing():  # a closing one must drain whole
+            self._send_timer.cancel()
+            self._send_timer = None
+        self._start_pipelined()
+        self._resume()
+
+    def _arm_send(self) -> None:
+        if self._send_timer is None:
+            self._send_timer = self.loop.call_later(self.limits.send_timeout, self._send_timed_out)
+
+    def _send_timed_out(self) -> None:
+        self._send_timer = None
+        unsent = self._out.socket.get_write_buffer_size()
+        what = f"{unsent} bytes of answers not read by the client within {self.limits.send_timeout:g} s (send_timeout)"
+        self.logger.info("%s: %s: connection dropped", self.client or "client", what)
+        self._out.socket.abort()

@@ -1,0 +1,73 @@
+"""The uvicorn server that runs an app over the server's HTTP protocol (:mod:`halfserve.httpprotocol`), held to the
+settings' connection limits, for the server and its front-ends: :func:`uvicorn_config`, and :class:`DrainingServer`,
+which tells the app the moment a shutdown signal arrives."""
+
+from __future__ import annotations
+
+import dataclasses
+import signal
+import socket
+from collections.abc import Callable
+from types import FrameType
+from typing import Any
+
+import uvicorn
+from starlette.types import ASGIApp
+
+from halfserve.httpprotocol import HttpLimits, LimitedHttpProtocol
+from halfserve.settings import Settings
+from halfserve.transport import Direct
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server, telling the app the moment a shutdown signal arrives.
+
+    uvicorn's own sequence then runs: it stops listening, lets requests in flight finish (up to
+    ``timeout_graceful_shutdown``, then cancels them), and only then runs the lifespan's shutdown, where the batchers
+    drain what is still queued. The hook makes readiness answer 503 from the signal on, on connections still open.
+    """
+
+    def __init__(
+        self, config: uvicorn.Config, on_signal: Callable[[], None], on_shutdown: Callable[[], None] | None = None
+    ) -> None:
+        super().__init__(config)
+        self._on_signal = on_signal
+        self._on_shutdown = on_shutdown
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        self._on_signal()
+        super().handle_exit(sig, frame)
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        """uvicorn's shutdown, then ``on_shutdown``; a SIGTERM that was drained is not raised again.
+
+        uvicorn re-raises the signal it caught once it has shut down, so that the default handler ends the process:
+        no ``finally`` after :meth:`run` would then run (the front-ends' temporary directory was left behind), and
+        the exit status was -SIGTERM rather than the 0 a drained shutdown promises. SIGINT is still re-raised.
+        """
+        await super().shutdown(sockets)
+        if self._on_shutdown is not None:
+            self._on_shutdown()
+        captured: list[int] = getattr(self, "_captured_signals", [])
+        captured[:] = [sig for sig in captured if sig != signal.SIGTERM]
+
+
+def http_limits(settings: Settings) -> HttpLimits:
+    return HttpLimits(**{f.name: getattr(settings, f.name) for f in dataclasses.fields(HttpLimits)})
+
+
+def uvicorn_config(
+    app: ASGIApp, settings: Settings, log_config: dict[str, Any] | None, direct: Direct | None = None, **where: Any
+) -> uvicorn.Config:
+    """uvicorn's configuration for ``app`` under ``settings``, with ``direct`` the routes answered straight from the
+    protocol; ``where`` is where it listens (host and port, uds), if not on sockets handed to ``run``."""
+    return uvicorn.Config(
+        app,
+        **where,
+        http=LimitedHttpProtocol.with_limits(http_limits(settings), direct),
+        log_level=settings.log_level.value,
+        log_config=log_config,
+        access_log=settings.access_log,
+        # uvicorn waits this long for requests in flight, then cancels them; float seconds work despite its hint.
+        timeout_graceful_shutdown=settings.drain_timeout,  # type: ignore[arg-type]
+    )

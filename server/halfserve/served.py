@@ -1,0 +1,243 @@
+"""A model being served: its manifest and version, once ready its engine and batcher, and what it has done; a
+request's way into its batcher (:meth:`ServedModel.submit`) and its listing (:meth:`ServedModel.describe`)."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import time
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from halfserve.batching import Batcher
+from halfserve.engine import Engine, EngineInfo
+from halfserve.fidelity import Fidelity
+from halfserve.indices import check_indices
+from halfserve.isolated.engine import ProcessEngine
+from halfserve.manifest import Batching, Isolation, Manifest
+from halfserve.packing import LENGTH, PackError, pack, packs_records, padded_length, sequence_input
+from halfserve.padding import PaddingCheck
+from halfserve.placement import Placement
+from halfserve.precision import Precision
+from halfserve.serving import (
+    BatchStats,
+    InvalidInputError,
+    ModelNotReadyError,
+    ModelState,
+    Prediction,
+    Tensors,
+)
+from halfserve.store import LoadedModel
+
+AnyEngine = Engine | ProcessEngine
+"""A model's engine: its instances as threads of this process, or as processes of their own."""
+
+
+@dataclass
+class ServedModel:
+    """A model being served: its manifest, and once ready, its engine and batcher."""
+
+    name: str
+    manifest: Manifest
+    version: int
+    batching: Batching
+    state: ModelState = ModelState.LOADING
+    error: str | None = None
+    engine: AnyEngine | None = None
+    precision: Precision | None = None
+    """The resolved precision the engine serves in, once loaded."""
+    batcher: Batcher | None = None
+    warmup_seconds: float = 0.0
+    fidelity: Fidelity | None = None
+    """Half precision against fp32 on the version's calibration samples, measured at load (None: not measured)."""
+    fidelity_bar: dict[str, object] | None = None
+    """The bar the model was held to at load (None: not held to one: fp32, or the check is off)."""
+    fp32_fallback: str | None = None
+    """Why the model is served in fp32 although its precision is a half one (it fell below its fidelity bar)."""
+    calibration: str | None = None
+    """Where the version's stored calibration samples came from (None: it stores none)."""
+    padding: PaddingCheck | None = None
+    """The padding-invariance check at load (None: no variable dimension, or not checked)."""
+    loaded_at: float = field(default_factory=time.time)
+    final_stats: BatchStats | None = None
+    """The statistics of the last batcher, kept once it is released (for the drain report)."""
+    loaded: LoadedModel | None = None
+    """The checkpoint's fp32 weights on the host, kept so the precision can be switched without re-reading it."""
+    host_weight_bytes: int = 0
+    """Bytes of those fp32 host weights."""
+    retired_overflows: int = 0
+    """Overflows and fp32 reruns counted by engines replaced by a precision switch (their counts carry over)."""
+    retired_fp32_reruns: int = 0
+    index_limits: dict[str, int] = field(default_factory=dict)
+    """The integer inputs that index an embedding, each with its table's row count (:mod:`halfserve.indices`): ids
+    outside ``0 .. count - 1`` are refused before they are queued."""
+    failed_versions: dict[int, str] = field(default_factory=dict)
+    """Versions that failed to load in place of this one, each with the reason: newer ones passed over at start-up,
+    or one a load or reload tried while this one kept serving."""
+
+    @property
+    def overflows(self) -> int:
+        """Half-precision overflows since the model was loaded, across precision switches."""
+        return self.retired_overflows + (self.engine.overflows if self.engine is not None else 0)
+
+    @property
+    def fp32_reruns(self) -> int:
+        """Chunks rerun in fp32 after an overflow since the model was loaded, across precision switches."""
+        return self.retired_fp32_reruns + (self.engine.fp32_reruns if self.engine is not None else 0)
+
+    @property
+    def serving(self) -> bool:
+        """Ready, with a batcher to take requests now."""
+        return self.state is ModelState.READY and self.batcher is not None
+
+    @property
+    def available(self) -> bool:
+        """Whether an instance can run a batch now (see :attr:`halfserve.serving.ModelHandle.available`)."""
+        return self.engine is None or self.engine.available
+
+    def submit(self, inputs: Tensors, timeout: float | None = None) -> asyncio.Future[Prediction]:
+        """Queue ``inputs`` for batching; see :meth:`halfserve.serving.ModelHandle.submit`.
+
+        A read-only input (a binary request body decoded in place) is copied first: the engine hands a batch's rows to
+        torch without a copy where it can, and torch takes only writable memory."""
+        batcher = self.batcher
+        if batcher is None:
+            state = "draining" if self.state is ModelState.READY else self.state.value  # released while ready
+            raise ModelNotReadyError(f"model {self.name!r} is {state}" + (f": {self.error}" if self.error else ""))
+        if self.index_limits:
+            check_indices(self.index_limits, self.manifest, inputs)
+        x = self._input(inputs)
+        configured = self.batching.request_timeout_ms
+        if configured is not None:
+            timeout = configured / 1000.0 if timeout is None else min(timeout, configured / 1000.0)
+        if not x.flags.writeable:
+            x = x.copy()
+        deadline = None if timeout is None else batcher.clock.now() + timeout
+        if x.dtype.names is None:
+            return batcher.enqueue(x, deadline, self._prediction)
+        group, length = self._group(x)
+        finish = self._prediction if length is None else functools.partial(self._prediction, length=length)
+        return batcher.enqueue(x, deadline, finish, group)
+
+    def _input(self, inputs: Tensors) -> np.ndarray:
+        """The request's rows as the batcher takes them: the one input's array, or the model's inputs packed into
+        records (:func:`halfserve.packing.pack`), one per row."""
+        if not packs_records(self.manifest):
+            name = self.manifest.inputs[0].name
+            x = inputs.get(name)
+            if x is None or len(inputs) != 1:
+                got = ", ".join(map(repr, inputs)) or "none"
+                raise InvalidInputError(f"inputs: expected {name!r} alone, got {got}")
+            return x
+        try:
+            return pack(self.manifest, inputs)
+        except PackError as e:
+            raise InvalidInputError(str(e)) from None
+
+    def _group(self, packed: np.ndarray) -> tuple[Hashable, int | None]:
+        """The batching group of a packed request (its length bucket; one group when lengths are not grouped), and the
+        length its variable outputs are cut to (``None``: none are)."""
+        spec = sequence_input(self.manifest)
+        if spec is None:
+            return None, None
+        length = int(packed[spec.name + LENGTH].max())
+        grouped = self.manifest.batching.group_lengths
+        return (padded_length(self.manifest, spec, length) if grouped else None), length
+
+    def _prediction(self, out: np.ndarray, precisions: tuple[Precision, ...], length: int | None = None) -> Prediction:
+        """The batcher's output rows as the model's named outputs, with the precision that computed them; variable
+        outputs cut to the request's ``length``."""
+        precision = precisions or ((self.precision,) if self.precision is not None else ())
+        if out.dtype.names is None:
+            return Prediction({self.manifest.outputs[0].name: out}, precision)
+        outputs = {}
+        for spec in self.manifest.outputs:
+            field = out[spec.name]
+            outputs[spec.name] = np.ascontiguousarray(field[:, :length] if spec.variable else field)
+        return Prediction(outputs, precision)
+
+    @property
+    def batch_stats(self) -> BatchStats | None:
+        """What its batcher has done since it was loaded (None while it has none)."""
+        return self.batcher.stats if self.batcher is not None else None
+
+    def stats(self) -> dict[str, object] | None:
+        """What the batcher and the engine have done since the model was loaded; ``None`` unless it is served."""
+        batcher, engine = self.batcher, self.engine
+        if batcher is None:
+            return None
+        stats = batcher.stats.snapshot()
+        stats["queued_rows"] = batcher.queued_rows
+        stats["max_batch_size"] = batcher.max_batch_size
+        stats["configured_max_batch_size"] = batcher.configured_max_batch_size
+        if engine is not None:
+            stats["overflow_policy"] = engine.overflow.value
+            stats["overflows"] = self.overflows
+            stats["fp32_reruns"] = self.fp32_reruns
+            stats["instance_forwards"] = [i.forwards for i in engine.instances]
+            if isinstance(engine, ProcessEngine):
+                stats["instance_pids"] = [i.pid for i in engine.instances]
+                stats["instance_restarts"] = engine.restarts
+                stats["instance_start_failures"] = engine.start_failures
+                stats["input_bytes_copied"] = engine.copied_bytes
+                stats["input_bytes_in_place"] = engine.in_place_bytes
+            if engine.real_elements:
+                stats["real_elements"] = engine.real_elements
+                stats["padded_elements"] = engine.padded_elements
+                stats["padding_waste"] = round(engine.padded_elements / engine.real_elements, 4)
+        return stats
+
+    def describe(self) -> dict[str, object]:
+        """The model's listing: signature, batching limits, device and precision once loaded."""
+        m = self.manifest
+        info = self.engine.info if self.engine else None
+        return {
+            "name": self.name,
+            "version": self.version,
+            "state": self.state.value,
+            "error": self.error,
+            "device": info.device if info else None,
+            "precision": info.precision.value if info else None,
+            "weight_dtype": info.weight_dtype if info else None,
+            "weight_bytes": info.weight_bytes if info else None,
+            "fp32_fallback_bytes": info.fp32_fallback_bytes if info else None,
+            "host_fp32_bytes": self.host_weight_bytes if self.loaded is not None else None,
+            "inputs": [s.model_dump(mode="json") for s in m.inputs],
+            "outputs": [s.model_dump(mode="json") for s in m.outputs],
+            "labels": m.labels,
+            "batching": self.batching.model_dump(),
+            "overflow": m.overflow.value,
+            "allow_nonfinite_inputs": m.allow_nonfinite_inputs,
+            "description": m.description,
+            "evaluation": m.evaluation,
+            "fidelity": self.fidelity.as_dict() if self.fidelity is not None else None,
+            "min_agreement": m.min_agreement,
+            "fidelity_bar": self.fidelity_bar,
+            "fp32_fallback": self.fp32_fallback,
+            "calibration": self.calibration,
+            "padding": self.padding.as_dict() if self.padding is not None else None,
+            "warmup_seconds": round(self.warmup_seconds, 4),
+            "execution": _execution(info) if info else m.execution.model_dump(mode="json"),
+            "loaded_at": self.loaded_at,
+            "failed_versions": [{"version": v, "error": e} for v, e in sorted(self.failed_versions.items())],
+            "stats": self.stats(),
+        }
+
+
+def _execution(info: EngineInfo) -> dict[str, object]:
+    """How a loaded engine runs: what the manifest asked for, as resolved for its device."""
+    return {
+        "instances": info.instances,
+        "buckets": list(info.buckets),
+        "cuda_graphs": info.cuda_graphs,
+        "channels_last": info.channels_last,
+        "graph_capture_seconds": round(info.graph_capture_seconds, 4),
+        "inductor": info.inductor,
+        "inductor_compile_seconds": round(info.inductor_compile_seconds, 4),
+        "placement": info.placement.value,
+        "on_event_loop": info.placement is Placement.EVENT_LOOP,
+        "pipelined": info.placement is Placement.BESIDE_LOOP,
+        "isolation": (Isolation.PROCESS if info.placement is Placement.INSTANCE_PROCESSES else Isolation.THREAD).value,
+    }
