@@ -1,9 +1,14 @@
-"""The one-way arrows between the server's parts (docs/architecture.md), read from the imports of every module.
+"""The one-way arrows between the server's parts (docs/architecture.md), read from the imports of every module and
+checked again by what each layer loads.
 
 Routes (``halfserve.api``) sit on top: below them nothing imports them, except the app that assembles them and the
 multi-process package, which reaches them through their one public entry (``halfserve.api`` itself, never a route
 module). The batcher is pure asyncio: neither torch nor FastAPI. The serving contract is neutral: neither HTTP nor
-torch.
+torch. The data plane (``halfserve.api.dataplane``) knows no transport: neither FastAPI, Starlette, uvicorn nor gRPC,
+nor torch, nor the batcher.
+
+The import lists see one step; a fresh interpreter per layer (:data:`LAYERS`) sees every step, so a helper imported
+from a route module, or a type's module that loads an implementation, fails the layer that reaches it.
 """
 
 from __future__ import annotations
@@ -212,3 +217,72 @@ def test_grpc_infers_through_the_data_plane_not_the_http_route() -> None:
     for name in ("halfserve.api.grpc_service", "halfserve.api.grpc_codec"):
         assert not {i for i in MODULES[name] if _under(i, ("halfserve.api.v2", "halfserve.api.predict"))}, name
         assert {i for i in MODULES[name] if i.startswith("halfserve.api.dataplane")}, name
+
+
+# What each layer loads, not only what it names: a fresh interpreter imports the layer's modules and reports what
+# came with them. An import three modules down (the data plane through a route module's helper, the routes through
+# a type's module) shows here, where the import lists above see only the first step.
+
+LAYERS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "data plane": (
+        tuple(sorted(n for n in MODULES if _under(n, ("halfserve.api.dataplane",)))),
+        ("fastapi", "starlette", "uvicorn", "grpc", "torch", "halfserve.batching"),
+    ),
+    "serving contract": (("halfserve.serving",), ("fastapi", "torch")),
+    "batcher": (("halfserve.batching",), ("torch", "fastapi")),
+    "routes": (
+        tuple(sorted(n for n in MODULES if _under(n, ("halfserve.api",)))),
+        ("torch", "halfserve.batching"),
+    ),
+    "manifest": (("halfserve.manifest",), ("torch",)),
+}
+"""Each layer: its modules (the data plane and the routes found by their folders, not listed) and the modules none
+of them may load."""
+
+_PROBE = """
+import importlib, json, sys
+modules, banned = json.loads(sys.argv[1]), json.loads(sys.argv[2])
+loaded_by = {}
+for module in modules:
+    importlib.import_module(module)
+    loaded_by.update({b: module for b in banned if b in sys.modules and b not in loaded_by})
+print(json.dumps(loaded_by))
+"""
+"""Imports each module in turn and names, for each banned module, the first one after whose import it was loaded."""
+
+
+@pytest.fixture(scope="module")
+def loaded_by() -> dict[str, dict[str, str]]:
+    """For each layer, which of its banned modules its modules loaded, and which module loaded each: one interpreter
+    per layer, all started at once."""
+    import json
+    import subprocess
+    import sys
+
+    probes = {
+        layer: subprocess.Popen(
+            [sys.executable, "-c", _PROBE, json.dumps(modules), json.dumps(banned)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for layer, (modules, banned) in LAYERS.items()
+    }
+    found: dict[str, dict[str, str]] = {}
+    for layer, probe in probes.items():
+        out, err = probe.communicate(timeout=120)
+        assert probe.returncode == 0, f"{layer}: {err}"
+        found[layer] = json.loads(out)
+    return found
+
+
+def test_the_layers_are_found() -> None:
+    plane, _ = LAYERS["data plane"]
+    assert {"halfserve.api.dataplane.decode", "halfserve.api.dataplane.infer"} <= set(plane)
+    routes, _ = LAYERS["routes"]
+    assert {"halfserve.api", "halfserve.api.v2", "halfserve.api.predict"} <= set(routes)
+
+
+@pytest.mark.parametrize("layer", LAYERS)
+def test_a_layer_loads_none_of_what_sits_beside_or_above_it(layer: str, loaded_by: dict[str, dict[str, str]]) -> None:
+    assert loaded_by[layer] == {}, f"{layer} loads {loaded_by[layer]} (banned module: the module that loaded it)"
