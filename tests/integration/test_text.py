@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from halfserve import models, store
-from halfserve.api.codec import HEADER_LENGTH, encode_bytes
+from halfserve.api.dataplane.codec import HEADER_LENGTH, encode_bytes
 from halfserve.settings import Settings
 from halfserve.store import DataType, Manifest, TensorSpec, TextInput
 from tests.integration.conftest import serving

@@ -22,8 +22,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from halfserve.api import lockout
+from halfserve.api.dataplane.bounds import parse_json
 from halfserve.api.errors import APIError, HeldError, error_responses
-from halfserve.api.limits import parse_json, raw_header, read_body
+from halfserve.api.limits import raw_header, read_body
 from halfserve.serving import (
     UNKNOWN_MODEL,
     AppState,

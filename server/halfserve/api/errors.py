@@ -11,20 +11,8 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
-from halfserve.serving import (
-    BatchFailedError,
-    DeadlineExceededError,
-    InternalError,
-    InvalidInputError,
-    ModelNotFoundError,
-    ModelNotReadyError,
-    QueueFullError,
-    RegionError,
-    RegionFullError,
-    RequestTooLargeError,
-    ServingError,
-    ShuttingDownError,
-)
+from halfserve.api.dataplane.refusals import Refusal, refused
+from halfserve.serving import ServingError
 
 
 class APIError(Exception):
@@ -54,56 +42,30 @@ async def held(e: BaseException) -> None:
         await e.hold()
 
 
-def count(value: object, field: str, what: str = "a non-negative integer") -> int:
-    """``value`` when it is a non-negative integer (not a boolean), else a 400 naming ``field`` and ``what``."""
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise APIError(400, f"{field}: expected {what}, got {value!r}")
-    return value
-
-
 def error_response(status: int, message: str, headers: dict[str, str] | None = None) -> Response:
     return Response(
         orjson.dumps({"error": message}), status_code=status, media_type="application/json", headers=headers
     )
 
 
-def cut_off_by_shutdown() -> APIError:
-    """The answer for a request the server cancelled because the drain timeout passed during shutdown.
-
-    Left to itself, uvicorn answers a cancelled request with a plain-text 500; inference is idempotent, so a 503 with
-    ``Retry-After`` tells the client to send it again, to another replica.
-    """
-    message = "server is shutting down: the drain timeout passed before this request was answered"
-    return APIError(503, message, {"Retry-After": "1"})
+STATUSES: dict[Refusal, int] = {
+    Refusal.INVALID: 400,
+    Refusal.NOT_FOUND: 404,
+    Refusal.TOO_LARGE: 413,
+    Refusal.UNAVAILABLE: 503,
+    Refusal.TIMED_OUT: 504,
+    Refusal.NO_ROOM: 507,
+    Refusal.FAILED: 500,
+}
+"""The HTTP status of each refusal."""
 
 
 def from_exception(e: Exception) -> APIError:
     """Map an error raised below the routes (:mod:`halfserve.serving`'s domain errors) onto its HTTP status."""
     if isinstance(e, APIError):
         return e
-    if isinstance(e, ModelNotFoundError):  # ModelUnavailableError too: Triton's "no available versions"
-        return APIError(404, str(e))
-    if isinstance(e, ModelNotReadyError):
-        return APIError(503, str(e), {"Retry-After": "1"} if e.retry else None)
-    if isinstance(e, InvalidInputError):
-        return APIError(400, str(e))
-    if isinstance(e, RegionFullError):
-        return APIError(507, str(e))
-    if isinstance(e, RegionError):
-        return APIError(400, str(e))
-    if isinstance(e, InternalError):
-        return APIError(500, f"internal error: {e}")
-    if isinstance(e, QueueFullError):
-        return APIError(503, str(e), {"Retry-After": "1"})
-    if isinstance(e, RequestTooLargeError):
-        return APIError(413, f"inputs: {e}")
-    if isinstance(e, ShuttingDownError):
-        return APIError(503, str(e))
-    if isinstance(e, DeadlineExceededError):
-        return APIError(504, str(e))
-    if isinstance(e, BatchFailedError):
-        return APIError(500, f"inference failed: {e}")
-    return APIError(500, f"internal error: {type(e).__name__}: {e}")
+    answer = refused(e)
+    return APIError(STATUSES[answer.refusal], answer.message, {"Retry-After": "1"} if answer.retry else None)
 
 
 ERROR_BODY: dict[str, Any] = {

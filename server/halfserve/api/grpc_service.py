@@ -38,6 +38,7 @@ from google.protobuf import json_format
 from halfserve import grpc_messages as pb
 from halfserve import text
 from halfserve.api.admin import index_entries, load_from_store, model_config, model_stats, refuse_overrides
+from halfserve.api.dataplane.bounds import row_limit
 from halfserve.api.dataplane.decode import parse_request, tokenize
 from halfserve.api.dataplane.infer import infer
 from halfserve.api.dataplane.metadata import EXTENSIONS, SERVER_NAME, metadata
@@ -46,7 +47,6 @@ from halfserve.api.errors import APIError, from_exception, held
 from halfserve.api.grpc_codec import infer_payload, infer_response
 from halfserve.api.grpc_limits import PROBES, Admission, message_cap, parse, server_options
 from halfserve.api.grpc_peers import PeerConnections
-from halfserve.api.limits import row_limit
 from halfserve.api.shm import admitted_regions
 from halfserve.api.telemetry import request_labels
 from halfserve.manifest import sample_values

@@ -23,7 +23,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from halfserve.api.errors import APIError, error_response, from_exception, held
 from halfserve.api.limits import raw_header
 from halfserve.logs import ACCESS_LOGGER
-from halfserve.serving import AppState, Interface, ModelHandle, Prediction, ServingError
+from halfserve.serving import AppState, Interface, InternalError, ModelHandle, Prediction, ServingError
 from halfserve.transport import BODY_TIMED_OUT
 
 log = logging.getLogger(ACCESS_LOGGER)
@@ -102,7 +102,7 @@ def metered(interface: Interface) -> Callable[[Endpoint], Endpoint]:
             except APIError as e:
                 await held(e)
                 response = error_response(e.status, e.message, e.headers)
-            except ServingError as e:  # a domain error from below the routes: the status it maps onto
+            except (ServingError, InternalError) as e:  # raised below the routes: the status it maps onto
                 err = from_exception(e)
                 response = error_response(err.status, err.message, err.headers)
             except ClientDisconnect:

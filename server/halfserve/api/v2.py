@@ -2,8 +2,8 @@
 
 Inference goes through the same batcher as ``/predict``, so V2 and ``/predict`` requests of the same dtype share
 batches. The route only translates HTTP to and from the V2 data plane (:mod:`halfserve.api.dataplane`, which gRPC uses
-too): the body split into its JSON header and binary data (the binary tensor extension, see :mod:`halfserve.api.codec`),
-decoded, submitted, and the outputs encoded as JSON or binary data, per output.
+too): the body split into its JSON header and binary data (the binary tensor extension, see
+:mod:`halfserve.api.dataplane.codec`), decoded, submitted, and the outputs encoded as JSON or binary data, per output.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from halfserve.api import deps, guard
-from halfserve.api.codec import HEADER_LENGTH, split_body
+from halfserve.api.dataplane.codec import HEADER_LENGTH, split_body
 from halfserve.api.dataplane.decode import parse_raw
 from halfserve.api.dataplane.encode import encode_response
 from halfserve.api.dataplane.infer import infer as dataplane_infer
