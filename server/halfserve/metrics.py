@@ -28,7 +28,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from halfserve.manifest import Precision
-from halfserve.serving import Interface, ModelState
+from halfserve.serving import Interface, ModelHandle, ModelState, Prediction
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -176,6 +176,16 @@ class Metrics:
     def render(self) -> bytes:
         """The registry in Prometheus' text exposition format (:data:`CONTENT_TYPE`)."""
         return generate_latest(self.registry)
+
+
+def request_labels(served: ModelHandle | None, prediction: Prediction | None) -> tuple[str, str, int]:
+    """What a request is counted and logged under: its model (empty before one is known), the precision that
+    answered it (else the model's), and the rows answered."""
+    model = served.name if served is not None else ""
+    if prediction is not None:
+        return model, prediction.precision, prediction.rows
+    precision = served.precision.value if served is not None and served.precision is not None else ""
+    return model, precision, 0
 
 
 def observe_all(histogram: Histogram, values: list[float]) -> None:

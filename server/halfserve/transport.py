@@ -49,8 +49,8 @@ LINGER_S = 2.0
 BODY_TIMED_OUT = "halfserve.body_timed_out"
 """Set in a request's scope when its body stalled past the body timeout (the app then sees a disconnect)."""
 PROBE_PATHS = frozenset({"/health", "/ready", "/v2/health/live", "/v2/health/ready"})
-"""The liveness and readiness probes: answered past the connection cap, and (:mod:`halfserve.api.guard`) whatever the
-``Host``."""
+"""The liveness and readiness probes: answered past the connection cap, and (:mod:`halfserve.api.http.guard`) whatever
+the ``Host``."""
 PROBE_CONNECTIONS = 32
 """Connections past ``max_connections`` read for a probe (a place each; when they are all taken, the one waiting
 longest for its request's head gives its place up with a 503): a probe's head arrives in its first packet, so a

@@ -19,7 +19,7 @@ front-end's copy of the model table (pushed to it within :data:`TABLE_POLL_S` of
 enough to decode requests. Front-ends send the per-request metrics (status, rows, latency) here in batches, so
 ``/metrics`` counts every front-end's requests.
 
-The package, split by concern; each part imports the routes only through :func:`halfserve.api.answer_first`:
+The package, split by concern; each part imports the routes only through :func:`halfserve.api.http.answer_first`:
 
 * :mod:`~halfserve.multiproc.wire`: frames, shared-memory slots, named tensors and errors on the wire;
 * :mod:`~halfserve.multiproc.engine_side`: the engine process's end

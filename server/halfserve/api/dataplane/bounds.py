@@ -5,7 +5,7 @@ the model's manifest).
 
 Over a limit is an :class:`~halfserve.serving.OverLimitError` naming the field and the setting, a malformed or
 non-finite input an :class:`~halfserve.serving.InvalidInputError`. The transports' own limits (a body's bytes, its
-encoding, a deadline header) are theirs: :mod:`halfserve.api.limits`, :mod:`halfserve.api.grpc_limits`.
+encoding, a deadline header) are theirs: :mod:`halfserve.api.http.limits`, :mod:`halfserve.api.grpc.grpc_limits`.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ from halfserve.settings import Settings
 
 COMPRESSED_BYTES: ContextVar[int | None] = ContextVar("halfserve_compressed_bytes", default=None)
 """The compressed size of the body the transport last inflated for the request being answered
-(:func:`halfserve.api.limits.read_body`; None: it came uncompressed): the text it carries is held to
+(:func:`halfserve.api.http.limits.read_body`; None: it came uncompressed): the text it carries is held to
 ``max_compression_ratio`` times it too, as tokenizing is work its inflated bytes buy (a body's first MiB inflates
 freely, and 16 texts of 65,000 ``!`` gzip to about a kilobyte)."""
 

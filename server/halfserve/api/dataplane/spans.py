@@ -1,5 +1,5 @@
 """Where a request's tensors lie in the shared memory regions it names (Triton's system shared memory extension, whose
-registration routes are :mod:`halfserve.api.shm`): an input read from a span, an output written into one.
+registration routes are :mod:`halfserve.api.http.shm`): an input read from a span, an output written into one.
 """
 
 from __future__ import annotations

@@ -22,19 +22,20 @@ from typing import Any
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from halfserve.api import deps
+from halfserve.api.access import admitted_regions
 from halfserve.api.dataplane.refusals import count
-from halfserve.api.deps import (
+from halfserve.api.errors import APIError
+from halfserve.api.http import deps
+from halfserve.api.http.deps import (
     AUTH_ERRORS,
     BEARER,
     OPTIONAL_JSON_BODY,
-    check_admin,
     json_object,
     json_response,
     require_admin,
 )
-from halfserve.api.errors import APIError, error_responses, json_ok
-from halfserve.serving import AppState, SharedRegions
+from halfserve.api.http.errors import error_responses, json_ok
+from halfserve.serving import SharedRegions
 
 
 def regions_of(request: Request) -> SharedRegions:
@@ -45,16 +46,6 @@ def authorised_regions(request: Request) -> SharedRegions:
     """The registered regions, for a request that carries the admin token: a region is another client's memory, so
     reading it (as an input) or writing it (as an output) is for holders of the token that registered it."""
     return admitted_regions(deps.state(request), deps.client_address(request), request.headers.get("authorization", ""))
-
-
-def admitted_regions(app: AppState, who: str, authorization: str) -> SharedRegions:
-    """:func:`authorised_regions` for a call from ``who`` carrying ``authorization``, over whichever protocol."""
-    try:
-        check_admin(app, who, authorization)
-    except APIError as e:  # reworded in place: a held answer (the lockout's tarpit) stays held
-        e.message = f"shared_memory_region: using a shared memory region needs the admin token: {e.message}"
-        raise
-    return app.regions
 
 
 # Endpoints ---------------------------------------------------------------------------------------------------------

@@ -10,13 +10,14 @@ import orjson
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from halfserve.api import deps, guard
 from halfserve.api.dataplane.bounds import check_size, parse_json
 from halfserve.api.dataplane.codec import decode_samples, encode_texts
 from halfserve.api.dataplane.infer import infer
-from halfserve.api.errors import APIError, error_responses
-from halfserve.api.limits import TIMEOUT_HEADER, client_timeout, read_body
-from halfserve.api.telemetry import answered, metered, note
+from halfserve.api.errors import APIError
+from halfserve.api.http import deps, guard
+from halfserve.api.http.errors import error_responses
+from halfserve.api.http.limits import TIMEOUT_PARAMETER, client_timeout, read_body
+from halfserve.api.http.telemetry import answered, metered, note
 from halfserve.manifest import sent_inputs
 from halfserve.serving import Interface, InvalidInputError, ModelHandle
 from halfserve.settings import Settings
@@ -24,15 +25,7 @@ from halfserve.settings import Settings
 router = APIRouter()
 
 PREDICT_SCHEMA: dict[str, Any] = {
-    "parameters": [
-        {
-            "name": TIMEOUT_HEADER,
-            "in": "header",
-            "required": False,
-            "schema": {"type": "number", "exclusiveMinimum": 0, "maximum": 3_600_000},
-            "description": "Answer 504 if the request's rows have not all started within this many milliseconds.",
-        }
-    ],
+    "parameters": [TIMEOUT_PARAMETER],
     "requestBody": {
         "required": True,
         "content": {

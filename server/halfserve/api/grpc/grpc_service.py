@@ -3,15 +3,15 @@
 It runs on the app's event loop (grpcio's asyncio server), in the process that owns the models, and reaches them
 through the same :class:`~halfserve.serving.ModelService` as the HTTP routes: a gRPC inference is queued on the same
 batcher, so gRPC and HTTP requests share batches. A ``ModelInferRequest`` is translated into the V2 data plane's
-request (:mod:`halfserve.api.grpc_codec`) and decoded, submitted and encoded by it (:mod:`halfserve.api.dataplane`), as
-an HTTP request is, so limits and messages are the same; an error's HTTP status maps onto a gRPC status
-code (:data:`STATUS_CODES`), its message unchanged.
+request (:mod:`halfserve.api.grpc.grpc_codec`) and decoded, submitted and encoded by it
+(:mod:`halfserve.api.dataplane`), as an HTTP request is, so limits and messages are the same; an error's HTTP status
+maps onto a gRPC status code (:data:`STATUS_CODES`), its message unchanged.
 
 Management calls (repository load and unload and index, shared memory registration) need the admin token as the
 ``authorization: Bearer <token>`` metadata, as the HTTP routes need the header.
 
-Limits of the transport itself (:mod:`halfserve.api.grpc_limits`): a message over the largest request a served model
-takes (at most ``max_body_bytes``) is refused (``RESOURCE_EXHAUSTED``) before it is read whole, compressed ones
+Limits of the transport itself (:mod:`halfserve.api.grpc.grpc_limits`): a message over the largest request a served
+model takes (at most ``max_body_bytes``) is refused (``RESOURCE_EXHAUSTED``) before it is read whole, compressed ones
 unless ``grpc_compression``, metadata over ``max_header_bytes`` too; a connection that has not finished its HTTP/2
 handshake within ``header_timeout`` is closed, one without a call for as long too, and one past
 ``max_connections``; a connection has at most ``grpc_max_streams`` calls open. A call's request message must arrive
@@ -37,19 +37,18 @@ from google.protobuf import json_format
 
 from halfserve import grpc_messages as pb
 from halfserve import text
+from halfserve.api.access import admitted_regions, check_admin, of_version, why_not_ready
 from halfserve.api.admin import index_entries, load_from_store, model_config, model_stats, refuse_overrides
 from halfserve.api.dataplane.bounds import row_limit
 from halfserve.api.dataplane.decode import parse_request, tokenize
 from halfserve.api.dataplane.infer import infer
 from halfserve.api.dataplane.metadata import EXTENSIONS, SERVER_NAME, metadata
-from halfserve.api.deps import check_admin, of_version, why_not_ready
 from halfserve.api.errors import APIError, from_exception, held
-from halfserve.api.grpc_codec import infer_payload, infer_response
-from halfserve.api.grpc_limits import PROBES, Admission, message_cap, parse, server_options
-from halfserve.api.grpc_peers import PeerConnections
-from halfserve.api.shm import admitted_regions
-from halfserve.api.telemetry import request_labels
+from halfserve.api.grpc.grpc_codec import infer_payload, infer_response
+from halfserve.api.grpc.grpc_limits import PROBES, Admission, message_cap, parse, server_options
+from halfserve.api.grpc.grpc_peers import PeerConnections
 from halfserve.manifest import sample_values
+from halfserve.metrics import request_labels
 from halfserve.serving import (
     AppState,
     Interface,

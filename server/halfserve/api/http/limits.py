@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import math
 import zlib
+from typing import Any
 
 from starlette.requests import ClientDisconnect, Request
 from starlette.types import Scope
@@ -27,6 +28,15 @@ TIMEOUT_HEADER = "X-Request-Timeout-Ms"
 
 _TIMEOUT_KEY = TIMEOUT_HEADER.lower().encode()
 MAX_TIMEOUT_MS = 3_600_000.0
+
+TIMEOUT_PARAMETER: dict[str, Any] = {
+    "name": TIMEOUT_HEADER,
+    "in": "header",
+    "required": False,
+    "schema": {"type": "number", "exclusiveMinimum": 0, "maximum": int(MAX_TIMEOUT_MS)},
+    "description": "Answer 504 if the request's rows have not all started within this many milliseconds.",
+}
+"""The timeout header in the OpenAPI schema of every inference route that reads it (:func:`client_timeout`)."""
 
 
 def raw_header(request: Request, name: bytes) -> bytes | None:
