@@ -1,6 +1,6 @@
 """Why a request is refused, in no transport's terms: each transport maps a :class:`Refusal` once, HTTP onto a status
-(:mod:`halfserve.api.http.errors`), gRPC onto a status code (:mod:`halfserve.api.grpc.grpc_service`), with the same
-message.
+(:data:`halfserve.api.errors.STATUSES`), gRPC onto a status code (:data:`halfserve.api.grpc.grpc_service.CODES`),
+with the same message.
 
 The data plane raises :mod:`halfserve.serving`'s domain errors; :func:`refused` says what each means to a client.
 """
