@@ -188,7 +188,7 @@ def test_the_routes_the_front_ends_and_the_grpc_service_import_no_torch() -> Non
 
     code = (
         # halfserve.cli too: a front-end spawned from the halfserve script imports the script, and so it, again.
-        "import sys, halfserve.api, halfserve.api.grpc.grpc_service, halfserve.multiproc.frontend, "
+        "import sys, halfserve.api.http, halfserve.api.grpc.grpc_service, halfserve.multiproc.frontend, "
         "halfserve.multiproc.client, halfserve.cli; "
         "print(sorted(m for m in ('torch', 'halfserve.repository', 'halfserve.store') if m in sys.modules))"
     )
