@@ -3,10 +3,11 @@
 Two entry points, both built from ``HALFSERVE_*`` settings in the environment (``halfserve.settings.Settings``):
 
 * ``asgi``: the whole app as ASGI. ``POST /predict`` then goes through the app's own ASGI entry
-  (``halfserve.api.answer_first``), not the protocol's direct routes, which are uvicorn's.
+  (``halfserve.api.http.answer_first``), not the protocol's direct routes, which are uvicorn's.
 * ``rsgi``: granian's own interface (RSGI) for the inference routes, their endpoint called as the protocol's direct
-  routes call it (``halfserve.api._run``); ``GET /health`` answered at once, for the interface's own ceiling; anything
-  else 404. No limits, timeouts or draining: a probe of the fastest this server's hot path could go through granian.
+  routes call it (``halfserve.api.http._run``); ``GET /health`` answered at once, for the interface's own ceiling;
+  anything else 404. No limits, timeouts or draining: a probe of the fastest this server's hot path could go through
+  granian.
 
 granian is not one of the project's dependencies; install it into a scratch virtual environment beside the
 project (``benchmarks/results/granian-vs-uvicorn-cpu/README.md`` has the commands and the numbers)::
@@ -20,7 +21,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from halfserve import api, logs
+from halfserve import logs
+from halfserve.api import http
 from halfserve.app import create_app
 from halfserve.settings import Settings
 
@@ -30,7 +32,7 @@ asgi = create_app(settings)
 
 
 class _Rsgi:
-    def __init__(self, app: api.App) -> None:
+    def __init__(self, app: http.App) -> None:
         self.app = app
         self._lifespan: Any = None
 
@@ -61,7 +63,7 @@ class _Rsgi:
             "server": None,
             "state": {},
         }
-        found = api.hot_route(asgi_scope) if scope.method == "POST" else None
+        found = http.hot_route(asgi_scope) if scope.method == "POST" else None
         if found is None:
             proto.response_bytes(404, [], b"")
             return
@@ -70,7 +72,7 @@ class _Rsgi:
         async def receive() -> dict[str, Any]:
             return {"type": "http.request", "body": body, "more_body": False}
 
-        response = await api._run(self.app, *found, asgi_scope, receive)
+        response = await http._run(self.app, *found, asgi_scope, receive)
         headers = [(k.decode(), v.decode()) for k, v in response.raw_headers]
         proto.response_bytes(response.status_code, headers, bytes(response.body))
 

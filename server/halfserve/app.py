@@ -12,8 +12,9 @@ from collections.abc import AsyncIterator
 import torch
 from fastapi import FastAPI
 
-from halfserve import api, collector, compilation, models, placement, precision
-from halfserve.api.grpc_service import GrpcServer
+from halfserve import collector, compilation, models, placement, precision
+from halfserve.api import http
+from halfserve.api.grpc.grpc_service import GrpcServer
 from halfserve.metrics import Metrics
 from halfserve.multiproc.engine_side import Backplane
 from halfserve.multiproc.supervisor import Frontends
@@ -68,7 +69,7 @@ async def _drain(repo: ModelRepository, timeout: float) -> None:
             )
 
 
-def create_app(settings: Settings | None = None, frontends: Frontends | None = None) -> api.App:
+def create_app(settings: Settings | None = None, frontends: Frontends | None = None) -> http.App:
     """Build the FastAPI app for ``settings``. Manifests are validated when the lifespan starts (fail fast);
     weights load and warm up in the background while ``/ready`` answers 503.
 
@@ -149,15 +150,15 @@ def create_app(settings: Settings | None = None, frontends: Frontends | None = N
             spent = time.monotonic() - (state.drain_started or time.monotonic())
             await _drain(repo, max(settings.drain_timeout - spent, _LAST_BATCH_GRACE_S))
 
-    app = api.App(
+    app = http.App(
         title="halfserve",
         version=__version__,
         description="Half-precision PyTorch inference with dynamic batching.",
         lifespan=lifespan,
-        docs_url=None,  # halfserve.api.docs: a pinned Swagger UI, or none
+        docs_url=None,  # halfserve.api.http.docs: a pinned Swagger UI, or none
         redoc_url=None,
     )
     # Until the lifespan starts, the state has no models (no request is answered before it has).
     app.state.serving = AppState(settings, NoModels(), regions)
-    api.install(app)
+    http.install(app)
     return app

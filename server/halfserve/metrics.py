@@ -6,8 +6,8 @@ Three sources feed one registry (one per app, so apps built side by side in one 
   protocol and status, and the end-to-end latency of the answered ones;
 * per batch, from each model's batcher (a :class:`~halfserve.batching.BatchObserver`): batch sizes, queue and compute
   time, and Triton's ``inference_count`` (rows) / ``execution_count`` (batches);
-* at scrape time, from the repository: models loaded, their state, weight bytes on the device, queue depth, and the
-  engines' overflow and fp32-rerun counts.
+* at scrape time, from the repository (as :class:`WatchedModel` sees it): models loaded, their state, weight bytes
+  on the device, queue depth, and the engines' overflow and fp32-rerun counts.
 
 Counters fed per request or per batch live as long as the app, across reloads and precision switches; the engines'
 counts start afresh when a model is (re)loaded, as Triton's do.
@@ -21,17 +21,14 @@ from __future__ import annotations
 import bisect
 from collections import Counter as Counter_
 from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from halfserve.batching import BatchObserver
-from halfserve.serving import Interface
-
-if TYPE_CHECKING:
-    from halfserve.served import ServedModel
+from halfserve.manifest import Precision
+from halfserve.serving import Interface, ModelHandle, ModelState, Prediction
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -43,6 +40,57 @@ BATCH_BUCKETS = tuple(float(2**i) for i in range(14))
 
 
 _Children = tuple["Counter", "Counter", "Histogram | None"]
+
+
+class EngineFacts(Protocol):
+    """What a served model's engine serves on (an engine's ``info``), as a scrape reads it."""
+
+    @property
+    def device(self) -> str: ...
+    @property
+    def precision(self) -> Precision: ...
+    @property
+    def weight_dtype(self) -> str: ...
+    @property
+    def weight_bytes(self) -> int: ...
+
+
+class WatchedEngine(Protocol):
+    @property
+    def info(self) -> EngineFacts: ...
+    @property
+    def real_elements(self) -> int: ...
+    @property
+    def padded_elements(self) -> int: ...
+
+
+class WatchedQueue(Protocol):
+    @property
+    def queued_rows(self) -> int: ...
+
+
+class WatchedModel(Protocol):
+    """A served model as a scrape reads it: the repository's models, typed here so the metrics (and the routes that
+    render them) load neither the repository nor the batcher."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def version(self) -> int: ...
+    @property
+    def state(self) -> ModelState: ...
+    @property
+    def engine(self) -> WatchedEngine | None: ...
+    @property
+    def batcher(self) -> WatchedQueue | None: ...
+    @property
+    def host_weight_bytes(self) -> int: ...
+    @property
+    def overflows(self) -> int: ...
+    @property
+    def fp32_reruns(self) -> int: ...
+    @property
+    def fp32_fallback(self) -> str | None: ...
 
 
 class Metrics:
@@ -116,17 +164,28 @@ class Metrics:
             self.latency.labels(model, precision, interface.value) if ok else None,
         )
 
-    def batch_observer(self, model: str, version: int, precision: str) -> BatchObserver:
-        """The observer a batcher of ``model`` reports its batches to, for as long as it serves ``precision``."""
-        return _BatchMetrics(self, model, str(version), precision)
+    def batch_observer(self, model: str, version: int, precision: str) -> BatchMetrics:
+        """The observer a batcher of ``model`` reports its batches to (a :class:`~halfserve.batching.BatchObserver`),
+        for as long as it serves ``precision``."""
+        return BatchMetrics(self, model, str(version), precision)
 
-    def watch(self, models: Callable[[], Iterable[ServedModel]]) -> None:
+    def watch(self, models: Callable[[], Iterable[WatchedModel]]) -> None:
         """Read the served models' state, weights, queues and engine counters at every scrape."""
         self.registry.register(_ModelsCollector(models))
 
     def render(self) -> bytes:
         """The registry in Prometheus' text exposition format (:data:`CONTENT_TYPE`)."""
         return generate_latest(self.registry)
+
+
+def request_labels(served: ModelHandle | None, prediction: Prediction | None) -> tuple[str, str, int]:
+    """What a request is counted and logged under: its model (empty before one is known), the precision that
+    answered it (else the model's), and the rows answered."""
+    model = served.name if served is not None else ""
+    if prediction is not None:
+        return model, prediction.precision, prediction.rows
+    precision = served.precision.value if served is not None and served.precision is not None else ""
+    return model, precision, 0
 
 
 def observe_all(histogram: Histogram, values: list[float]) -> None:
@@ -150,7 +209,7 @@ def observe_all(histogram: Histogram, values: list[float]) -> None:
     total.inc(sum(values))
 
 
-class _BatchMetrics:
+class BatchMetrics:
     """A model's batch metrics with their label children resolved once."""
 
     __slots__ = ("_compute", "_executions", "_inferences", "_queue", "_size")
@@ -175,7 +234,7 @@ class _BatchMetrics:
 class _ModelsCollector(Collector):
     """Gauges and counters read from the repository when scraped."""
 
-    def __init__(self, models: Callable[[], Iterable[ServedModel]]) -> None:
+    def __init__(self, models: Callable[[], Iterable[WatchedModel]]) -> None:
         self._models = models
 
     def describe(self) -> Iterable[Metric]:

@@ -5,7 +5,7 @@ either into SIGBUS on the next access, which kills the process however it is gua
 always leaves a window. So the server never maps a client's object: it reads with ``preadv`` into a buffer of its own
 and writes with ``pwrite``, and a shrunk object is a short read (:class:`~halfserve.serving.RegionError`), a full tmpfs
 ``ENOSPC`` (:class:`~halfserve.serving.RegionFullError`). The routes that register regions and name them in requests are
-:mod:`halfserve.api.shm`.
+:mod:`halfserve.api.http.shm`.
 """
 
 from __future__ import annotations

@@ -46,7 +46,8 @@ class ModelState(str, Enum):
 
 
 class ServingError(Exception):
-    """Base of the errors a request can fail with below the routes; each maps onto one HTTP status."""
+    """Base of the errors a request can fail with below the transports; each maps onto one refusal
+    (:class:`~halfserve.api.dataplane.refusals.Refusal`), which each transport answers in its own terms."""
 
 
 class ModelNotFoundError(ServingError, LookupError):
@@ -69,7 +70,13 @@ class ModelNotReadyError(ServingError, RuntimeError):
 
 
 class InvalidInputError(ServingError, ValueError):
-    """The named inputs do not match the model's: a missing, unexpected or misshapen tensor."""
+    """The request does not match the model or the protocol: a missing, unexpected or misshapen tensor, a malformed
+    field (the message names it)."""
+
+
+class OverLimitError(ServingError):
+    """The request carries more than one of the server's limits allows (rows, values, text bytes), refused before it
+    is queued; the message names the field and the setting."""
 
 
 class BatchingError(ServingError):
@@ -85,7 +92,15 @@ class DeadlineExceededError(BatchingError):
 
 
 class ShuttingDownError(BatchingError):
-    """The batcher is draining and accepts no new requests."""
+    """The batcher is draining and accepts no new requests, or a drain's timeout cut the request off.
+
+    ``retry`` says whether the same request may succeed if sent again (to another replica, after a ``Retry-After``):
+    a request cut off by the drain was accepted, and inference is idempotent.
+    """
+
+    def __init__(self, message: str, retry: bool = False) -> None:
+        super().__init__(message)
+        self.retry = retry
 
 
 class BatchFailedError(BatchingError):

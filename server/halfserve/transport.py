@@ -22,8 +22,8 @@ from uvicorn.protocols.utils import get_client_addr
 BODY_TIMED_OUT = "halfserve.body_timed_out"
 """Set in a request's scope when its body stalled past the body timeout (the app then sees a disconnect)."""
 PROBE_PATHS = frozenset({"/health", "/ready", "/v2/health/live", "/v2/health/ready"})
-"""The liveness and readiness probes: answered past the connection cap, and (:mod:`halfserve.api.guard`) whatever the
-``Host``."""
+"""The liveness and readiness probes: answered past the connection cap, and (:mod:`halfserve.api.http.guard`) whatever
+the ``Host``."""
 
 
 class CoalescedWrites:

@@ -96,11 +96,11 @@ def running_server(server_factory: StartServer) -> ServerProcess:
         "predict",
         pytest.param(
             "v2-json",
-            marks=pytest.mark.skipif(not HAS_V2, reason="no POST /v2/models/{m}/infer (server/halfserve/api/v2.py)"),
+            marks=pytest.mark.skipif(not HAS_V2, reason="no POST /v2/models/{m}/infer (api/http/v2.py)"),
         ),
         pytest.param(
             "v2-binary",
-            marks=pytest.mark.skipif(not HAS_V2, reason="no POST /v2/models/{m}/infer (server/halfserve/api/v2.py)"),
+            marks=pytest.mark.skipif(not HAS_V2, reason="no POST /v2/models/{m}/infer (api/http/v2.py)"),
         ),
         "grpc",
     ],

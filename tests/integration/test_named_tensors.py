@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from halfserve import models, packing, store
-from halfserve.api.codec import HEADER_LENGTH
+from halfserve.api.dataplane.codec import HEADER_LENGTH
 from halfserve.engine import Engine, EngineError
 from halfserve.manifest import Batching, DataType, Execution, Manifest, OverflowPolicy, TensorSpec
 from halfserve.precision import Precision

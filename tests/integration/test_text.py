@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from halfserve import models, store
-from halfserve.api.codec import HEADER_LENGTH, encode_bytes
+from halfserve.api.dataplane.codec import HEADER_LENGTH, encode_bytes
 from halfserve.manifest import DataType, Manifest, TensorSpec, TextInput
 from halfserve.settings import Settings
 from tests.integration.conftest import serving

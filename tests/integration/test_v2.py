@@ -17,8 +17,8 @@ import pytest
 from halfserve import __version__
 from halfserve.api.dataplane import plan
 from halfserve.api.dataplane.decode import to_input_dtype
-from halfserve.api.errors import APIError
 from halfserve.manifest import DataType, TensorSpec
+from halfserve.serving import InvalidInputError
 from halfserve.settings import Settings
 from tests.conftest import save_tiny_mlp
 from tests.integration.conftest import serving
@@ -429,12 +429,13 @@ def test_input_dtype_rules() -> None:
     assert to_input_dtype(readonly, DataType.FP32, spec, fp16_weights=False, field="x", model="m") is readonly
     ids = TensorSpec(name="ids", datatype=DataType.INT32, shape=[2])
     assert to_input_dtype(np.ones((1, 2), np.int64), DataType.INT64, ids, False, "x", "m").dtype == np.int32
-    with pytest.raises(APIError, match="x: inference input 'ids' data-type is 'FP32', but model 'm' expects 'INT32'"):
+    wrong = "x: inference input 'ids' data-type is 'FP32', but model 'm' expects 'INT32'"
+    with pytest.raises(InvalidInputError, match=wrong):
         to_input_dtype(np.ones((1, 2), np.float32), DataType.FP32, ids, False, "x", "m")
-    with pytest.raises(APIError, match="do not fit int32"):
+    with pytest.raises(InvalidInputError, match="do not fit int32"):
         to_input_dtype(np.full((1, 2), 2**40, np.int64), DataType.INT64, ids, False, "x", "m")
     with pytest.raises(
-        APIError, match="data-type is 'BOOL', but model 'm' expects 'FP32' .it takes floating or integer"
+        InvalidInputError, match="data-type is 'BOOL', but model 'm' expects 'FP32' .it takes floating or integer"
     ):
         to_input_dtype(np.ones((1, 2), np.bool_), DataType.BOOL, spec, False, "x", "m")
 

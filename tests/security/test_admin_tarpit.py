@@ -14,7 +14,7 @@ import httpx
 import pytest
 from tritonclient.grpc import service_pb2
 
-from halfserve.api.deps import check_admin
+from halfserve.api.access import check_admin
 from halfserve.api.errors import APIError, HeldError
 from halfserve.api.lockout import Tarpit, tarpit
 from halfserve.settings import Settings

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from halfserve.api.deps import check_admin
+from halfserve.api.access import check_admin
 from halfserve.api.errors import APIError
 from halfserve.api.lockout import FailedAttempts
 from halfserve.regions import Regions

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from halfserve.api.docs import INTEGRITY, SWAGGER_UI_VERSION
+from halfserve.api.http.docs import INTEGRITY, SWAGGER_UI_VERSION
 from halfserve.settings import Settings
 from tests.conftest import save_tiny_mlp
 from tests.integration.conftest import serving

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from tritonclient.grpc import service_pb2
 
-from halfserve.api.grpc_service import STREAM_IN_FLIGHT
+from halfserve.api.grpc.grpc_service import STREAM_IN_FLIGHT
 from tests.security.raw_h2 import Connection, grpc_message
 from tests.security.test_grpc_abuse import MODEL, Endpoint, StartServer, healthy, serve
 from tests.waiting import wait_until

@@ -13,7 +13,7 @@ from pydantic import ValidationError
 
 from halfserve.manifest import Manifest, TensorSpec
 
-PAGE = resources.files("halfserve.api").joinpath("static/status.html").read_text()
+PAGE = resources.files("halfserve.api.http").joinpath("static/status.html").read_text()
 ATTACK = '<img src=x onerror="alert(1)">'
 
 RENDER = r"""

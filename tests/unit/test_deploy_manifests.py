@@ -21,7 +21,7 @@ import pytest
 import yaml
 from starlette.routing import Match
 
-from halfserve.api.guard import host_allowed
+from halfserve.api.http.guard import host_allowed
 from halfserve.app import create_app
 from halfserve.settings import Settings
 

@@ -195,7 +195,7 @@ def test_cuda_engine_agrees_with_fp32(loaded: store.LoadedModel, mode: str) -> N
 def test_warm_up_batches_take_the_dtype_requests_arrive_as(tmp_path: Path, datatype: DataType) -> None:
     """One map from a manifest's datatype to the batcher's arrays: warm-up (and the graphs it captures) must run the
     dtype a request decodes to, or the first real batches meet a shape the warm-up never ran."""
-    from halfserve.api.codec import decode_samples
+    from halfserve.api.dataplane.codec import decode_samples
 
     save_tiny_mlp(tmp_path, inputs=[TensorSpec(name="features", shape=[16], datatype=datatype)])
     loaded = store.load(tmp_path, "tiny")

@@ -1,4 +1,5 @@
-"""The slots of calls waiting for a gRPC request message (``halfserve.api.grpc_limits.Slots``), without a server."""
+"""The slots of calls waiting for a gRPC request message (``halfserve.api.grpc.grpc_limits.Slots``), without a
+server."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import asyncio
 import pytest
 
 from halfserve.api.errors import APIError
-from halfserve.api.grpc_limits import Slots
+from halfserve.api.grpc.grpc_limits import Slots
 
 
 def test_one_address_holds_its_share_and_no_more_while_its_calls_are_on_time() -> None:

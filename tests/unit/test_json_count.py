@@ -10,8 +10,9 @@ import asyncio
 
 import pytest
 
-from halfserve.api.errors import APIError
-from halfserve.api.limits import parse_json
+from halfserve.api.dataplane.bounds import parse_json
+from halfserve.api.errors import from_exception
+from halfserve.serving import OverLimitError
 
 
 def test_a_body_as_long_as_the_limit_is_parsed() -> None:
@@ -21,10 +22,11 @@ def test_a_body_as_long_as_the_limit_is_parsed() -> None:
 
 def test_a_longer_body_over_the_count_is_refused() -> None:
     body = b"[[],[],[]]"  # 10 bytes: 4 containers and 2 separators
-    with pytest.raises(APIError) as refused:
+    with pytest.raises(OverLimitError) as refused:
         asyncio.run(parse_json(body, max_values=5))
-    assert refused.value.status == 413
-    assert "max_json_values" in refused.value.message
+    answer = from_exception(refused.value)
+    assert answer.status == 413
+    assert "max_json_values" in answer.message
 
 
 def test_a_longer_body_under_the_count_is_parsed() -> None:

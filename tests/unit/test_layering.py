@@ -1,9 +1,17 @@
-"""The one-way arrows between the server's parts (docs/architecture.md), read from the imports of every module.
+"""The one-way arrows between the server's parts (docs/architecture.md), read from the imports of every module and
+checked again by what each layer loads.
 
 Routes (``halfserve.api``) sit on top: below them nothing imports them, except the app that assembles them and the
-multi-process package, which reaches them through their one public entry (``halfserve.api`` itself, never a route
-module). The batcher is pure asyncio: neither torch nor FastAPI. The serving contract is neutral: neither HTTP nor
-torch. The two process families (front-ends, instance processes) share ``halfserve.ipc`` and not each other's code.
+multi-process package, which reaches them through the HTTP transport's one public entry (``halfserve.api.http``
+itself, never a route module). The batcher is pure asyncio: neither torch nor FastAPI. The serving contract is
+neutral: neither HTTP nor torch. The data plane (``halfserve.api.dataplane``) knows no transport: neither FastAPI,
+Starlette, uvicorn nor gRPC, nor torch, nor the batcher. HTTP (``halfserve.api.http``) and gRPC
+(``halfserve.api.grpc``) are a folder each, and gRPC loads nothing of HTTP's; what they share
+(``halfserve.api.errors``, ``access``, ``lockout``, ``admin``) is neither. The two process families (front-ends,
+instance processes) share ``halfserve.ipc`` and not each other's code.
+
+The import lists see one step; a fresh interpreter per layer (:data:`LAYERS`) sees every step, so a helper imported
+from a route module, or a type's module that loads an implementation, fails the layer that reaches it.
 """
 
 from __future__ import annotations
@@ -45,8 +53,10 @@ def importers_of(prefix: str) -> dict[str, set[str]]:
 
 
 def test_the_modules_were_read() -> None:
-    assert {"halfserve.serving", "halfserve.batching", "halfserve.api", "halfserve.multiproc.frontend"} <= set(MODULES)
-    assert "halfserve.serving" in MODULES["halfserve.api.v2"]  # the reader sees `from halfserve.serving import ...`
+    assert {"halfserve.serving", "halfserve.batching", "halfserve.api.http", "halfserve.multiproc.frontend"} <= set(
+        MODULES
+    )
+    assert "halfserve.serving" in MODULES["halfserve.api.http.v2"]  # the reader sees `from halfserve.serving import`
 
 
 def test_nothing_below_the_routes_imports_them() -> None:
@@ -60,17 +70,17 @@ def test_nothing_below_the_routes_imports_them() -> None:
 
 
 def test_the_multiprocess_package_reaches_the_routes_only_through_their_public_entry() -> None:
-    route_modules = {name for name in MODULES if name.startswith("halfserve.api.")}
+    route_modules = {name for name in MODULES if name.startswith("halfserve.api.")} - {"halfserve.api.http"}
     for name, found in importers_of("halfserve.api").items():
         if name.startswith("halfserve.multiproc"):
             assert not found & route_modules, f"{name} imports a route module: {sorted(found & route_modules)}"
-    import halfserve.api
+    import halfserve.api.http
 
-    # What it takes from halfserve.api is that package's declared public surface.
+    # What it takes from halfserve.api.http is that package's declared public surface.
     for name, found in importers_of("halfserve.api").items():
         if name.startswith("halfserve.multiproc"):
-            names = {i.removeprefix("halfserve.api.") for i in found if i.startswith("halfserve.api.")}
-            assert names <= set(halfserve.api.__all__), names - set(halfserve.api.__all__)
+            names = {i.removeprefix("halfserve.api.http.") for i in found if i.startswith("halfserve.api.http.")}
+            assert names <= set(halfserve.api.http.__all__), names - set(halfserve.api.http.__all__)
 
 
 @pytest.mark.parametrize("module", ["halfserve.batching", "halfserve.serving"])
@@ -210,7 +220,7 @@ def test_the_routes_the_front_ends_and_the_grpc_service_import_no_torch() -> Non
 
     code = (
         # halfserve.cli too: a front-end spawned from the halfserve script imports the script, and so it, again.
-        "import sys, halfserve.api, halfserve.api.grpc_service, halfserve.multiproc.frontend, "
+        "import sys, halfserve.api.http, halfserve.api.grpc.grpc_service, halfserve.multiproc.frontend, "
         "halfserve.multiproc.client, halfserve.cli; "
         "print(sorted(m for m in ('torch', 'halfserve.repository', 'halfserve.store') if m in sys.modules))"
     )
@@ -218,12 +228,19 @@ def test_the_routes_the_front_ends_and_the_grpc_service_import_no_torch() -> Non
     assert r.stdout.strip() == "[]"
 
 
-ROUTE_MODULES = ("halfserve.api.v2", "halfserve.api.v2_repository", "halfserve.api.v2_triton", "halfserve.api.predict")
-"""The HTTP route modules: their helpers are for their own routes, not for another protocol's."""
-
-
 def _under(name: str, prefixes: tuple[str, ...]) -> bool:
     return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+TRANSPORTS = ("halfserve.api.http", "halfserve.api.grpc")
+"""The transports, each a folder of its own: every module under them is theirs, found rather than listed."""
+
+
+def test_each_transport_is_a_folder_and_the_api_package_loads_nothing() -> None:
+    for transport in TRANSPORTS:
+        assert {n for n in MODULES if _under(n, (transport,))} - {transport}, transport
+    body = ast.parse((ROOT / "api" / "__init__.py").read_text()).body
+    assert [type(node) for node in body] == [ast.Expr], "halfserve.api holds a docstring only"
 
 
 def test_the_data_plane_knows_no_transport_and_no_route() -> None:
@@ -233,13 +250,88 @@ def test_the_data_plane_knows_no_transport_and_no_route() -> None:
     )
     for name, found in plane.items():
         transports = {i for i in found if i.split(".")[0] in ("fastapi", "starlette", "grpc", "uvicorn")}
-        routes = {
-            i for i in found if _under(i, (*ROUTE_MODULES, "halfserve.api.grpc_service", "halfserve.api.grpc_codec"))
-        }
+        routes = {i for i in found if _under(i, TRANSPORTS)}
         assert not transports | routes, f"{name}: {sorted(transports | routes)}"
 
 
-def test_grpc_infers_through_the_data_plane_not_the_http_route() -> None:
-    for name in ("halfserve.api.grpc_service", "halfserve.api.grpc_codec"):
-        assert not {i for i in MODULES[name] if _under(i, ("halfserve.api.v2", "halfserve.api.predict"))}, name
+def test_grpc_infers_through_the_data_plane_and_knows_no_http() -> None:
+    grpc = {name: found for name, found in MODULES.items() if _under(name, ("halfserve.api.grpc",))}
+    assert len(grpc) > 1, sorted(grpc)
+    for name, found in grpc.items():
+        http = {i for i in found if _under(i, ("halfserve.api.http",)) or i.split(".")[0] in ("fastapi", "starlette")}
+        assert not http, f"{name}: {sorted(http)}"
+    for name in ("halfserve.api.grpc.grpc_service", "halfserve.api.grpc.grpc_codec"):
         assert {i for i in MODULES[name] if i.startswith("halfserve.api.dataplane")}, name
+
+
+# What each layer loads, not only what it names: a fresh interpreter imports the layer's modules and reports what
+# came with them. An import three modules down (the data plane through a route module's helper, the routes through
+# a type's module) shows here, where the import lists above see only the first step.
+
+LAYERS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "data plane": (
+        tuple(sorted(n for n in MODULES if _under(n, ("halfserve.api.dataplane",)))),
+        ("fastapi", "starlette", "uvicorn", "grpc", "torch", "halfserve.batching"),
+    ),
+    "gRPC": (
+        tuple(sorted(n for n in MODULES if _under(n, ("halfserve.api.grpc",)))),
+        ("fastapi", "starlette", "uvicorn", "torch", "halfserve.batching", "halfserve.api.http"),
+    ),
+    "serving contract": (("halfserve.serving",), ("fastapi", "torch")),
+    "batcher": (("halfserve.batching",), ("torch", "fastapi")),
+    "routes": (
+        tuple(sorted(n for n in MODULES if _under(n, ("halfserve.api",)))),
+        ("torch", "halfserve.batching"),
+    ),
+    "manifest": (("halfserve.manifest",), ("torch",)),
+}
+"""Each layer: its modules (the data plane and the routes found by their folders, not listed) and the modules none
+of them may load."""
+
+_PROBE = """
+import importlib, json, sys
+modules, banned = json.loads(sys.argv[1]), json.loads(sys.argv[2])
+loaded_by = {}
+for module in modules:
+    importlib.import_module(module)
+    loaded_by.update({b: module for b in banned if b in sys.modules and b not in loaded_by})
+print(json.dumps(loaded_by))
+"""
+"""Imports each module in turn and names, for each banned module, the first one after whose import it was loaded."""
+
+
+@pytest.fixture(scope="module")
+def loaded_by() -> dict[str, dict[str, str]]:
+    """For each layer, which of its banned modules its modules loaded, and which module loaded each: one interpreter
+    per layer, all started at once."""
+    import json
+    import subprocess
+    import sys
+
+    probes = {
+        layer: subprocess.Popen(
+            [sys.executable, "-c", _PROBE, json.dumps(modules), json.dumps(banned)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for layer, (modules, banned) in LAYERS.items()
+    }
+    found: dict[str, dict[str, str]] = {}
+    for layer, probe in probes.items():
+        out, err = probe.communicate(timeout=120)
+        assert probe.returncode == 0, f"{layer}: {err}"
+        found[layer] = json.loads(out)
+    return found
+
+
+def test_the_layers_are_found() -> None:
+    plane, _ = LAYERS["data plane"]
+    assert {"halfserve.api.dataplane.decode", "halfserve.api.dataplane.infer"} <= set(plane)
+    routes, _ = LAYERS["routes"]
+    assert {"halfserve.api", "halfserve.api.http.v2", "halfserve.api.http.predict"} <= set(routes)
+
+
+@pytest.mark.parametrize("layer", LAYERS)
+def test_a_layer_loads_none_of_what_sits_beside_or_above_it(layer: str, loaded_by: dict[str, dict[str, str]]) -> None:
+    assert loaded_by[layer] == {}, f"{layer} loads {loaded_by[layer]} (banned module: the module that loaded it)"

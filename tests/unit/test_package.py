@@ -48,6 +48,6 @@ def test_the_wheel_holds_halfserve_and_its_data_files_only(tmp_path: Path) -> No
     name, version = wheel.name.split("-")[:2]
     assert {n.split("/")[0] for n in names} == {"halfserve", f"{name}-{version}.dist-info"}
     # The package's data: the gRPC protocol's descriptors and the status page.
-    assert {"halfserve/protos/descriptors.binpb", "halfserve/api/static/status.html"} <= set(names)
+    assert {"halfserve/protos/descriptors.binpb", "halfserve/api/http/static/status.html"} <= set(names)
     entry_points = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
     assert "halfserve = halfserve.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()

@@ -10,7 +10,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.requests import Request
 
-from halfserve.api.telemetry import request_id
+from halfserve.api.http.telemetry import request_id
 from halfserve.logs import JsonFormatter, SkipInference
 from halfserve.metrics import Metrics, observe_all
 from halfserve.serving import Interface

@@ -10,7 +10,7 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
-from halfserve.api.predict import PYTHON_ARGMAX_VALUES, top_labels
+from halfserve.api.http.predict import PYTHON_ARGMAX_VALUES, top_labels
 
 LABELS = [f"c{i}" for i in range(12)]
 

@@ -1,30 +1,16 @@
-"""JSON error responses: every 4xx/5xx body is ``{"error": "<what went wrong, naming the field>"}``."""
+"""The errors both transports answer: an :class:`APIError` carries the status it is answered with on HTTP, which
+gRPC answers with its code (:data:`halfserve.api.grpc.grpc_service.STATUS_CODES`); the data plane's domain errors map
+onto one through their :class:`~halfserve.api.dataplane.refusals.Refusal` (:func:`from_exception`).
+
+Neither FastAPI nor grpc: each transport's answers are its own (:mod:`halfserve.api.http.errors`,
+:mod:`halfserve.api.grpc.grpc_service`).
+"""
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import Any
 
-import orjson
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.responses import Response
-
-from halfserve.serving import (
-    BatchFailedError,
-    DeadlineExceededError,
-    InternalError,
-    InvalidInputError,
-    ModelNotFoundError,
-    ModelNotReadyError,
-    QueueFullError,
-    RegionError,
-    RegionFullError,
-    RequestTooLargeError,
-    ServingError,
-    ShuttingDownError,
-)
+from halfserve.api.dataplane.refusals import Refusal, refused
 
 
 class APIError(Exception):
@@ -54,116 +40,21 @@ async def held(e: BaseException) -> None:
         await e.hold()
 
 
-def count(value: object, field: str, what: str = "a non-negative integer") -> int:
-    """``value`` when it is a non-negative integer (not a boolean), else a 400 naming ``field`` and ``what``."""
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise APIError(400, f"{field}: expected {what}, got {value!r}")
-    return value
-
-
-def error_response(status: int, message: str, headers: dict[str, str] | None = None) -> Response:
-    return Response(
-        orjson.dumps({"error": message}), status_code=status, media_type="application/json", headers=headers
-    )
-
-
-def cut_off_by_shutdown() -> APIError:
-    """The answer for a request the server cancelled because the drain timeout passed during shutdown.
-
-    Left to itself, uvicorn answers a cancelled request with a plain-text 500; inference is idempotent, so a 503 with
-    ``Retry-After`` tells the client to send it again, to another replica.
-    """
-    message = "server is shutting down: the drain timeout passed before this request was answered"
-    return APIError(503, message, {"Retry-After": "1"})
+STATUSES: dict[Refusal, int] = {
+    Refusal.INVALID: 400,
+    Refusal.NOT_FOUND: 404,
+    Refusal.TOO_LARGE: 413,
+    Refusal.UNAVAILABLE: 503,
+    Refusal.TIMED_OUT: 504,
+    Refusal.NO_ROOM: 507,
+    Refusal.FAILED: 500,
+}
+"""The HTTP status of each refusal."""
 
 
 def from_exception(e: Exception) -> APIError:
     """Map an error raised below the routes (:mod:`halfserve.serving`'s domain errors) onto its HTTP status."""
     if isinstance(e, APIError):
         return e
-    if isinstance(e, ModelNotFoundError):  # ModelUnavailableError too: Triton's "no available versions"
-        return APIError(404, str(e))
-    if isinstance(e, ModelNotReadyError):
-        return APIError(503, str(e), {"Retry-After": "1"} if e.retry else None)
-    if isinstance(e, InvalidInputError):
-        return APIError(400, str(e))
-    if isinstance(e, RegionFullError):
-        return APIError(507, str(e))
-    if isinstance(e, RegionError):
-        return APIError(400, str(e))
-    if isinstance(e, InternalError):
-        return APIError(500, f"internal error: {e}")
-    if isinstance(e, QueueFullError):
-        return APIError(503, str(e), {"Retry-After": "1"})
-    if isinstance(e, RequestTooLargeError):
-        return APIError(413, f"inputs: {e}")
-    if isinstance(e, ShuttingDownError):
-        return APIError(503, str(e))
-    if isinstance(e, DeadlineExceededError):
-        return APIError(504, str(e))
-    if isinstance(e, BatchFailedError):
-        return APIError(500, f"inference failed: {e}")
-    return APIError(500, f"internal error: {type(e).__name__}: {e}")
-
-
-ERROR_BODY: dict[str, Any] = {
-    "type": "object",
-    "required": ["error"],
-    "properties": {"error": {"type": "string", "description": "What went wrong, naming the field or setting."}},
-}
-
-_HEADERS: dict[int, dict[str, Any]] = {
-    401: {"WWW-Authenticate": {"schema": {"type": "string"}, "description": "Bearer"}},
-    429: {"Retry-After": {"schema": {"type": "string"}, "description": "Seconds until the address may try again."}},
-    503: {"Retry-After": {"schema": {"type": "string"}, "description": "Seconds to wait (queue full, loading)."}},
-}
-
-
-Responses = dict[int | str, dict[str, Any]]
-"""OpenAPI ``responses`` entries by status, as FastAPI's route decorators take them."""
-
-
-def error_responses(descriptions: dict[int, str]) -> Responses:
-    """OpenAPI ``responses`` entries for error statuses, each with the ``{"error": ...}`` body."""
-    responses: Responses = {}
-    for status, description in descriptions.items():
-        entry: dict[str, Any] = {
-            "description": description,
-            "content": {"application/json": {"schema": ERROR_BODY}},
-        }
-        if status in _HEADERS:
-            entry["headers"] = _HEADERS[status]
-        responses[str(status)] = entry
-    return responses
-
-
-def json_ok(description: str, schema: dict[str, Any] | None = None) -> Responses:
-    """The OpenAPI ``responses`` entry of a 200 with a JSON body described by ``schema``."""
-    return {"200": {"description": description, "content": {"application/json": {"schema": schema or {}}}}}
-
-
-def install(app: FastAPI) -> None:
-    """Make FastAPI's own errors (404, 405, validation) speak the same JSON shape."""
-
-    async def http_error(request: Request, exc: Exception) -> Response:
-        assert isinstance(exc, StarletteHTTPException)
-        return error_response(exc.status_code, str(exc.detail), dict(exc.headers) if exc.headers else None)
-
-    async def validation_error(request: Request, exc: Exception) -> Response:
-        assert isinstance(exc, RequestValidationError)
-        parts = []
-        for err in exc.errors():
-            field = ".".join(str(x) for x in err.get("loc", ()) if x != "body") or "body"
-            parts.append(f"{field}: {err.get('msg', 'invalid')}")
-        return error_response(400, "; ".join(parts))
-
-    async def api_error(request: Request, exc: Exception) -> Response:
-        assert isinstance(exc, (APIError, ServingError))
-        await held(exc)
-        err = from_exception(exc)
-        return error_response(err.status, err.message, err.headers)
-
-    app.add_exception_handler(StarletteHTTPException, http_error)
-    app.add_exception_handler(RequestValidationError, validation_error)
-    app.add_exception_handler(APIError, api_error)
-    app.add_exception_handler(ServingError, api_error)
+    answer = refused(e)
+    return APIError(STATUSES[answer.refusal], answer.message, {"Retry-After": "1"} if answer.retry else None)

@@ -19,9 +19,9 @@ front-end's copy of the model table (pushed to it within :data:`TABLE_POLL_S` of
 enough to decode requests. Front-ends send the per-request metrics (status, rows, latency) here in batches, so
 ``/metrics`` counts every front-end's requests.
 
-The package, split by concern; each part imports the routes only through :func:`halfserve.api.answer_first`. The
-frames, the slots and the named tensors in them are :mod:`halfserve.ipc`'s, as instance processes' are; errors cross
-as the contract's domain errors (:func:`halfserve.serving.error_to_wire`):
+The package, split by concern; each part imports the routes only through :func:`halfserve.api.http.answer_first`.
+The frames, the slots and the named tensors in them are :mod:`halfserve.ipc`'s, as instance processes' are; errors
+cross as the contract's domain errors (:func:`halfserve.serving.error_to_wire`):
 
 * :mod:`~halfserve.multiproc.engine_side`: the engine process's end
   (:class:`~halfserve.multiproc.engine_side.Backplane`);

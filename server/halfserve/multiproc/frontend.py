@@ -1,7 +1,7 @@
 """An HTTP front-end process (``--http-workers N``): the inference routes answered here, the rest relayed.
 
 The front-end runs the same inference endpoints as a single-process server (the same decoding, validation, errors and
-encoding, through :func:`halfserve.api.answer_first`), but a model's
+encoding, through :func:`halfserve.api.http.answer_first`), but a model's
 :meth:`~halfserve.multiproc.client.RemoteModel.submit` hands the decoded inputs to the engine process over the backplane
 (:mod:`halfserve.multiproc.client`) instead of to a local batcher. Every other request (health, readiness, listings,
 model metadata, statistics, metrics, management, the status page) is relayed unchanged to the engine process's own HTTP
@@ -18,8 +18,16 @@ import httpx
 from starlette.datastructures import State
 from starlette.types import Receive, Scope, Send
 
-from halfserve import api, collector, logs
-from halfserve.api import MANAGEMENT_BODY_BYTES, MANAGEMENT_LIMIT, RELAYED_CLIENT, error_response, scope_header
+from halfserve import collector, logs
+from halfserve.api.http import (
+    MANAGEMENT_BODY_BYTES,
+    MANAGEMENT_LIMIT,
+    RELAYED_CLIENT,
+    answer_first,
+    direct_routes,
+    error_response,
+    scope_header,
+)
 from halfserve.httpserver import DrainingServer, uvicorn_config
 from halfserve.multiproc.client import BackplaneClient, RemoteMetrics, RemoteService
 from halfserve.regions import Regions
@@ -65,7 +73,7 @@ class FrontendApp:
             return
         if scope["type"] != "http":
             return
-        if not await api.answer_first(self, scope, receive, send):
+        if not await answer_first(self, scope, receive, send):
             await self._relay(scope, receive, send)
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
@@ -119,7 +127,7 @@ class FrontendApp:
         """Forward a request to the engine process's HTTP server and stream its answer back.
 
         Every relayed route is a small one (a listing, a management call): a body over
-        :data:`~halfserve.api.deps.MANAGEMENT_BODY_BYTES` is a 413, before any of it is read when its length is
+        :data:`~halfserve.api.http.deps.MANAGEMENT_BODY_BYTES` is a 413, before any of it is read when its length is
         declared. A body is read whole here before the engine process is asked (bounded by that limit, and by the
         body timeout and rate): a slow upload then holds only its own connection, never one of the few to the engine
         process that every relayed route shares. The engine process learns the client's address from
@@ -211,6 +219,4 @@ def run(
     log_config = logs.configure(settings.log_format, settings.log_level.value, settings.access_log)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per relayed request otherwise
     app = FrontendApp(settings, api_socket, backplane_socket, secret, index)
-    DrainingServer(uvicorn_config(app, settings, log_config, api.direct_routes(app)), app.begin_drain).run(
-        sockets=[sock]
-    )
+    DrainingServer(uvicorn_config(app, settings, log_config, direct_routes(app)), app.begin_drain).run(sockets=[sock])

@@ -1,6 +1,7 @@
 """The KServe V2 data plane: one inference, whichever protocol carries it.
 
-HTTP (:mod:`halfserve.api.v2`) and gRPC (:mod:`halfserve.api.grpc_service`) only translate their wire to and from it:
+HTTP (:mod:`halfserve.api.http.v2`) and gRPC (:mod:`halfserve.api.grpc.grpc_service`) only translate their wire to and
+from it; the data plane imports neither, nor FastAPI, Starlette, uvicorn, grpc or torch:
 
 * :mod:`.decode`: a V2 request (its JSON-like header, the binary data after it, shared memory, texts) as the named
   numpy arrays a :class:`~halfserve.serving.ModelHandle` takes, checked against the model's signature;

@@ -1,7 +1,7 @@
 """A V2 inference request as the named numpy arrays a model takes, whichever protocol carried it: its JSON-like
 header, and its tensors as JSON ``data``, binary data after the header (the binary tensor extension, see
-:mod:`halfserve.api.codec`), shared memory (the shared memory extension) or texts; every entry checked against the
-model's signature, with a 400 naming the field.
+:mod:`halfserve.api.dataplane.codec`), shared memory (the shared memory extension) or texts; every entry checked
+against the model's signature, refused (:class:`~halfserve.serving.InvalidInputError`) naming the field.
 
 Datatypes. A request's input datatype need not equal the manifest's; it must be able to feed it:
 
@@ -23,7 +23,8 @@ from typing import Any
 
 import numpy as np
 
-from halfserve.api.codec import (
+from halfserve.api.dataplane.bounds import check_finite, check_size
+from halfserve.api.dataplane.codec import (
     HEADER_LENGTH,
     check_range,
     checked_length,
@@ -34,21 +35,19 @@ from halfserve.api.codec import (
     wire_type,
 )
 from halfserve.api.dataplane.outputs import check_room, requested_output, requested_outputs
+from halfserve.api.dataplane.refusals import count
 from halfserve.api.dataplane.request import Inference, flag, parameters
-from halfserve.api.errors import APIError, count
-from halfserve.api.limits import check_finite, check_size
-from halfserve.api.shm import RegionSource, span
+from halfserve.api.dataplane.spans import RegionSource, span
 from halfserve.manifest import DataType, Manifest, Precision, TensorSpec, sent_inputs
-from halfserve.serving import ModelHandle
+from halfserve.serving import InvalidInputError, ModelHandle
 from halfserve.settings import Settings
 
 
-def wrong_datatype(field: str, spec: TensorSpec, wire: DataType, model: str) -> APIError:
-    """The 400 for data of datatype ``wire`` sent to ``spec``, in Triton's words, with the datatypes it does take."""
+def wrong_datatype(field: str, spec: TensorSpec, wire: DataType, model: str) -> InvalidInputError:
+    """The refusal of data of datatype ``wire`` sent to ``spec``, in Triton's words, with the datatypes it does take."""
     kind = spec.datatype.numpy.kind
     takes = "BOOL only" if kind == "b" else "floating or integer data" if kind == "f" else "integer data"
-    return APIError(
-        400,
+    return InvalidInputError(
         f"{field}: inference input {spec.name!r} data-type is {wire.value!r}, but model {model!r} expects "
         f"{spec.datatype.value!r} (it takes {takes})",
     )
@@ -86,21 +85,20 @@ def _input_shape(shape: object, spec: TensorSpec, field: str, model: str) -> lis
     if type(shape) is list and shape and type(shape[0]) is int and shape[0] >= 1 and shape[1:] == spec.shape:
         return shape  # the common case, checked first: it runs on every request
     if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) for d in shape):
-        raise APIError(400, f"{field}: expected a list of integers")
+        raise InvalidInputError(f"{field}: expected a list of integers")
     if spec.variable and len(shape) == len(spec.shape) + 1 and shape[2:] == spec.shape[1:]:
         if shape[0] < 1 or shape[1] < 1:
-            raise APIError(400, f"{field}: the batch and length dimensions must be at least 1, got {shape}")
+            raise InvalidInputError(f"{field}: the batch and length dimensions must be at least 1, got {shape}")
         checked_length(spec, shape[1], field)
         return shape
     if len(shape) != len(spec.shape) + 1 or shape[1:] != spec.shape:
         dims = ", ".join("L" if d == -1 else str(d) for d in spec.shape)
-        raise APIError(
-            400,
+        raise InvalidInputError(
             f"{field}: unexpected shape for input {spec.name!r} for model {model!r}. "
             f"Expected {_dims([-1, *spec.shape])}, got {_dims(shape)}: send [N, {dims}] (batch first)",
         )
     if shape[0] < 1:
-        raise APIError(400, f"{field}: the batch dimension must be at least 1, got {shape[0]}")
+        raise InvalidInputError(f"{field}: the batch dimension must be at least 1, got {shape[0]}")
     return shape
 
 
@@ -121,17 +119,15 @@ def _decode_input(
     """An entry of ``inputs`` (one of ``specs``, the inputs clients send) as the batcher's array, its input's spec,
     and how many bytes of ``binary`` it took (from the start)."""
     if not isinstance(item, dict):
-        raise APIError(400, f"{field}: expected an object, got {type(item).__name__}")
+        raise InvalidInputError(f"{field}: expected an object, got {type(item).__name__}")
     spec = next((t for t in specs if t.name == item.get("name")), None)
     if spec is None:
-        raise APIError(
-            400,
+        raise InvalidInputError(
             f"{field}.name: unexpected inference input {item.get('name')!r} for model {served.name!r}; "
             f"the model takes {_takes(specs, served.manifest)}",
         )
     if item.get("datatype") == "BYTES":  # text (or another string) for an input that takes numbers
-        raise APIError(
-            400,
+        raise InvalidInputError(
             f"{field}.datatype: input {spec.name!r} of model {served.name!r} takes {spec.datatype.value}, not BYTES "
             "(only a model whose manifest declares a text input takes text)",
         )
@@ -143,7 +139,7 @@ def _decode_input(
     size = params.get("binary_data_size")
     if "shared_memory_region" in params:
         if size is not None or "data" in item:
-            raise APIError(400, f"{field}: give one of data, binary_data_size or shared_memory_region")
+            raise InvalidInputError(f"{field}: give one of data, binary_data_size or shared_memory_region")
         where = f"{field}.parameters"
         # A copy of the client's bytes, so the batcher's array stays as it was read whatever the client does next.
         raw = span(regions, params, where).read()
@@ -152,12 +148,11 @@ def _decode_input(
         where = f"{field}.parameters.binary_data_size"
         size = count(size, where, "a byte count")
         if "data" in item:
-            raise APIError(400, f"{field}: give either data or parameters.binary_data_size, not both")
+            raise InvalidInputError(f"{field}: give either data or parameters.binary_data_size, not both")
         if binary is None:
-            raise APIError(400, f"{where}: binary data needs an {HEADER_LENGTH} header")
+            raise InvalidInputError(f"{where}: binary data needs an {HEADER_LENGTH} header")
         if size > len(binary):
-            raise APIError(
-                400,
+            raise InvalidInputError(
                 f"{where}: inputs declare {size} bytes of binary data, "
                 f"but the body has {len(binary)} after the {HEADER_LENGTH} bytes of JSON",
             )
@@ -165,7 +160,7 @@ def _decode_input(
     elif "data" in item:
         arr, size = decode_json(item["data"], wire, shape, f"{field}.data"), 0
     else:
-        raise APIError(400, f"{field}: no tensor data; give data or parameters.binary_data_size")
+        raise InvalidInputError(f"{field}: no tensor data; give data or parameters.binary_data_size")
     return checked_input(arr, wire, spec, served, field, json=size == 0), spec, size
 
 
@@ -193,8 +188,7 @@ def check_input_count(given: int, served: ModelHandle, specs: list[TensorSpec] |
     the caller has them): checked before any is decoded."""
     specs = sent_inputs(served.manifest) if specs is None else specs
     if given > len(specs) + (served.manifest.text is not None):
-        raise APIError(
-            400,
+        raise InvalidInputError(
             f"inputs: expected {len(specs)} inputs but got {given} inputs for model {served.name!r}; "
             f"the model takes {_takes(specs, served.manifest)}",
         )
@@ -216,17 +210,17 @@ def parse_request(
     the request has no ``Inference-Header-Content-Length`` and so is all JSON). ``limits`` bounds its size;
     ``regions`` gives the shared memory regions it may name, asked only when it names one."""
     if not isinstance(payload, dict):
-        raise APIError(400, f"body: expected a JSON object, got {type(payload).__name__}")
+        raise InvalidInputError(f"body: expected a JSON object, got {type(payload).__name__}")
     specs = sent_inputs(served.manifest)
     request_id = payload.get("id")
     if request_id is not None and not isinstance(request_id, str):
-        raise APIError(400, f"id: expected a string, got {type(request_id).__name__}")
+        raise InvalidInputError(f"id: expected a string, got {type(request_id).__name__}")
     params = parameters(payload, "parameters")
     binary_output = flag(params, "binary_data_output", "parameters", False)
     timeout = count(params.get("timeout", 0), "parameters.timeout", "non-negative microseconds")
     inputs = payload.get("inputs")
     if not isinstance(inputs, list) or not inputs:
-        raise APIError(400, f"inputs: expected a non-empty list; the model takes {_takes(specs, served.manifest)}")
+        raise InvalidInputError(f"inputs: expected a non-empty list; the model takes {_takes(specs, served.manifest)}")
     check_input_count(len(inputs), served, specs)
     text = served.manifest.text
     tensors: dict[str, np.ndarray] = {}
@@ -238,13 +232,12 @@ def parse_request(
         if text is not None and isinstance(item, dict) and item.get("name") == text.input:
             texts, size = _decode_texts(item, field, rest, served, settings)
             if text.feeds in tensors or pending is not None:
-                raise APIError(400, f"{field}.name: give {text.input!r} or {text.feeds!r}, not both")
+                raise InvalidInputError(f"{field}.name: give {text.input!r} or {text.feeds!r}, not both")
             if settings is None:
-                raise APIError(400, f"{field}: text input is not served here")
+                raise InvalidInputError(f"{field}: text input is not served here")
             first = next(iter(tensors.items()), None)
             if first is not None and len(texts) != len(first[1]):
-                raise APIError(
-                    400,
+                raise InvalidInputError(
                     f"{field}.shape: input {text.input!r} has {len(texts)} rows but {first[0]!r} has {len(first[1])}",
                 )
             pending = (texts, field)
@@ -252,15 +245,15 @@ def parse_request(
             continue
         x, spec, size = _decode_input(item, field, rest, served, settings, regions, specs)
         if spec.name in tensors or (pending is not None and text is not None and spec.name == text.feeds):
-            raise APIError(400, f"{field}.name: input {spec.name!r} is given twice")
+            raise InvalidInputError(f"{field}.name: input {spec.name!r} is given twice")
         first = next(iter(tensors.items()), None)
         if first is not None and len(x) != len(first[1]):
-            raise APIError(
-                400, f"{field}.shape: input {spec.name!r} has {len(x)} rows but {first[0]!r} has {len(first[1])}"
+            raise InvalidInputError(
+                f"{field}.shape: input {spec.name!r} has {len(x)} rows but {first[0]!r} has {len(first[1])}"
             )
         if pending is not None and text is not None and len(x) != len(pending[0]):
-            raise APIError(
-                400, f"{field}.shape: input {spec.name!r} has {len(x)} rows but {text.input!r} has {len(pending[0])}"
+            raise InvalidInputError(
+                f"{field}.shape: input {spec.name!r} has {len(x)} rows but {text.input!r} has {len(pending[0])}"
             )
         tensors[spec.name] = x
         declared += size
@@ -269,14 +262,12 @@ def parse_request(
         got = [t.name for t in specs if t.name in tensors]
         if text is not None and text.feeds in tensors and any(i.get("name") == text.input for i in inputs):
             got = [text.input if n == text.feeds else n for n in got]
-        raise APIError(
-            400,
+        raise InvalidInputError(
             f"inputs: expected {len(specs)} inputs but got {len(got)} inputs for model {served.name!r}. Got input(s) "
             f"{_names(got)}, but missing required input(s) {_names(missing)}. Please provide all required input(s).",
         )
     if binary is not None and len(binary) != declared:
-        raise APIError(
-            400,
+        raise InvalidInputError(
             f"body: {len(binary)} bytes follow the {HEADER_LENGTH} bytes of JSON, "
             f"but the inputs' binary_data_size declare {declared}",
         )
@@ -297,7 +288,7 @@ def parse_request(
 
 async def tokenize(req: Inference, served: ModelHandle, settings: Settings) -> Inference:
     """``req`` with its texts (if any) tokenized off the event loop into the inputs they feed
-    (:func:`~halfserve.api.codec.encode_texts`)."""
+    (:func:`~halfserve.api.dataplane.codec.encode_texts`)."""
     if req.texts is not None:
         texts, field = req.texts
         req.inputs.update(await encode_texts(texts, field, served, settings))
@@ -311,13 +302,15 @@ def _decode_texts(
     """A ``BYTES`` input of texts (shape ``[N]`` or ``[N, 1]``), from JSON strings or binary data, and the bytes of
     ``binary`` it took."""
     if item.get("datatype") != "BYTES":
-        raise APIError(400, f"{field}.datatype: text input {item.get('name')!r} is BYTES, got {item.get('datatype')!r}")
+        raise InvalidInputError(
+            f"{field}.datatype: text input {item.get('name')!r} is BYTES, got {item.get('datatype')!r}"
+        )
     shape = item.get("shape")
     if not (isinstance(shape, list) and shape and all(type(d) is int for d in shape) and shape[1:] in ([], [1])):
-        raise APIError(400, f"{field}.shape: expected [N] or [N, 1] (one text per row), got {shape!r}")
+        raise InvalidInputError(f"{field}.shape: expected [N] or [N, 1] (one text per row), got {shape!r}")
     rows = shape[0]
     if rows < 1:
-        raise APIError(400, f"{field}.shape: the batch dimension must be at least 1, got {rows}")
+        raise InvalidInputError(f"{field}.shape: the batch dimension must be at least 1, got {rows}")
     if settings is not None:
         check_size(settings, served, rows, f"{field}.shape")
     params = parameters(item, f"{field}.parameters")
@@ -325,24 +318,24 @@ def _decode_texts(
     if size is None:
         data = item.get("data")
         if not isinstance(data, list) or len(data) != rows or not all(isinstance(t, str) for t in data):
-            raise APIError(400, f"{field}.data: expected {rows} strings, one text per row")
+            raise InvalidInputError(f"{field}.data: expected {rows} strings, one text per row")
         return data, 0
     size = count(size, f"{field}.parameters.binary_data_size", "a byte count")
     if binary is None or size > len(binary):
-        raise APIError(400, f"{field}.parameters.binary_data_size: {size} bytes declared, not in the body")
+        raise InvalidInputError(f"{field}.parameters.binary_data_size: {size} bytes declared, not in the body")
     texts, at, raw = [], 0, bytes(binary[:size])
     while at < size:
         if at + 4 > size:
-            raise APIError(400, f"{field}: binary BYTES data ends inside an element's 4-byte length")
+            raise InvalidInputError(f"{field}: binary BYTES data ends inside an element's 4-byte length")
         n = int.from_bytes(raw[at : at + 4], "little")
         if at + 4 + n > size:
-            raise APIError(400, f"{field}: a BYTES element of {n} bytes runs past the input's binary_data_size")
+            raise InvalidInputError(f"{field}: a BYTES element of {n} bytes runs past the input's binary_data_size")
         texts.append(raw[at + 4 : at + 4 + n])
         at += 4 + n
         if len(texts) > rows:  # stop at once: a body of empty elements would otherwise be parsed to its end
             break
     if len(texts) != rows:
-        raise APIError(400, f"{field}: {len(texts)} BYTES elements, but shape {shape} holds {rows}")
+        raise InvalidInputError(f"{field}: {len(texts)} BYTES elements, but shape {shape} holds {rows}")
     return texts, size
 
 
@@ -354,8 +347,7 @@ def parse_raw(binary: memoryview, served: ModelHandle, settings: Settings | None
     """
     if len(served.manifest.inputs) > 1 or served.manifest.inputs[0].variable:
         names = [t.name for t in served.manifest.inputs]
-        raise APIError(
-            400,
+        raise InvalidInputError(
             f"body: a raw binary request ({HEADER_LENGTH}: 0) feeds a model with one fixed-shape input; this one "
             f"takes {names}",
         )
@@ -363,8 +355,7 @@ def parse_raw(binary: memoryview, served: ModelHandle, settings: Settings | None
     wire = spec.datatype
     sample = element_count(spec.shape) * wire.wire_dtype.itemsize
     if not binary or len(binary) % sample:
-        raise APIError(
-            400,
+        raise InvalidInputError(
             f"body: a raw binary request ({HEADER_LENGTH}: 0) must hold whole samples of {spec.name!r} "
             f"({spec.datatype.value} {spec.shape}: {sample} bytes each), got {len(binary)} bytes",
         )

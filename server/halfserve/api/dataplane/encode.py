@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import orjson
 
-from halfserve.api.codec import encode_binary, encode_bytes, wire_values
+from halfserve.api.dataplane.codec import encode_binary, encode_bytes, wire_values
 from halfserve.api.dataplane.request import PLAN_RESPONSES, Inference, OutputRequest
 from halfserve.manifest import DataType, TensorSpec
 from halfserve.serving import ModelHandle, Prediction

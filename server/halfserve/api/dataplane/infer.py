@@ -10,8 +10,8 @@ import asyncio
 from collections.abc import Awaitable
 from typing import cast
 
-from halfserve.api.errors import cut_off_by_shutdown, from_exception
-from halfserve.serving import AppState, ModelHandle, Prediction, Tensors
+from halfserve.api.dataplane.refusals import cut_off_by_shutdown
+from halfserve.serving import AppState, InternalError, ModelHandle, Prediction, ServingError, Tensors
 
 
 async def infer(
@@ -22,10 +22,11 @@ async def infer(
     tokenizes its texts here, so that a drain cutting the tokenizing off is answered as one cutting the wait off).
 
     A client gone (its task cancelled) cancels the future the model gave, which withdraws the rows not yet running,
-    and the cancellation goes on up; during a drain, past its timeout, the same cancellation is answered as
-    :func:`~halfserve.api.errors.cut_off_by_shutdown` (a 503 to send again). A refusal before queueing (not ready, queue
-    full: 503 with ``Retry-After``), a passed deadline (504) and every other domain error are raised as the
-    :class:`~halfserve.api.errors.APIError` they map onto.
+    and the cancellation goes on up; during a drain, past its timeout, the same cancellation is raised as
+    :func:`~halfserve.api.dataplane.refusals.cut_off_by_shutdown` (to send again). A refusal before queueing (not
+    ready, queue full), a passed deadline and every other domain error go on up as they are, for the transport to
+    answer (:func:`~halfserve.api.dataplane.refusals.refused`); anything else as an
+    :class:`~halfserve.serving.InternalError` naming its type.
     """
     try:
         if not isinstance(inputs, dict):
@@ -35,5 +36,7 @@ async def infer(
         if not app.draining:
             raise
         raise cut_off_by_shutdown() from None
+    except (ServingError, InternalError):
+        raise
     except Exception as e:
-        raise from_exception(e) from None
+        raise InternalError(f"{type(e).__name__}: {e}") from None

@@ -5,17 +5,20 @@ from __future__ import annotations
 
 from typing import Any
 
-from halfserve.api.codec import JSON_UNSUPPORTED, element_count
+from halfserve.api.dataplane.codec import JSON_UNSUPPORTED, element_count
+from halfserve.api.dataplane.refusals import count
 from halfserve.api.dataplane.request import OutputRequest, flag, parameters
-from halfserve.api.errors import APIError, count
-from halfserve.api.shm import RegionSource, Span, span
+from halfserve.api.dataplane.spans import RegionSource, Span, span
 from halfserve.manifest import TensorSpec
+from halfserve.serving import InvalidInputError
 
 
-def unknown_output(field: str, got: object, model: str, names: list[str]) -> APIError:
-    """The 400 for an output the model does not have, in Triton's words, with those it has."""
+def unknown_output(field: str, got: object, model: str, names: list[str]) -> InvalidInputError:
+    """The refusal of an output the model does not have, in Triton's words, with those it has."""
     has = repr(names[0]) if len(names) == 1 else str(names)
-    return APIError(400, f"{field}.name: unexpected inference output {got!r} for model {model!r}; the model has {has}")
+    return InvalidInputError(
+        f"{field}.name: unexpected inference output {got!r} for model {model!r}; the model has {has}"
+    )
 
 
 def requested_output(
@@ -28,7 +31,7 @@ def requested_output(
     requested = payload.get("outputs")
     if requested is not None:
         if not isinstance(requested, list):
-            raise APIError(400, f"outputs: expected a list, got {type(requested).__name__}")
+            raise InvalidInputError(f"outputs: expected a list, got {type(requested).__name__}")
         for i, item in enumerate(requested):
             field = f"outputs[{i}]"
             if not isinstance(item, dict) or item.get("name") != out_spec.name:
@@ -39,13 +42,15 @@ def requested_output(
             binary = flag(params, "binary_data", f"{field}.parameters", default)
             if "shared_memory_region" in params:
                 if classes:
-                    raise APIError(400, f"{field}.parameters: classification answers in the body, not shared memory")
+                    raise InvalidInputError(
+                        f"{field}.parameters: classification answers in the body, not shared memory"
+                    )
                 region = span(regions, params, f"{field}.parameters")
     if region is not None:
         return False, 0, region
     if not (binary or classes) and out_spec.datatype in JSON_UNSUPPORTED:
         kind = out_spec.datatype.value
-        raise APIError(400, f"outputs: {out_spec.name!r} is {kind}; JSON has no 16-bit floats, request binary_data")
+        raise InvalidInputError(f"outputs: {out_spec.name!r} is {kind}; JSON has no 16-bit floats, request binary_data")
     return binary, classes, region
 
 
@@ -60,7 +65,7 @@ def requested_outputs(
         wanted: dict[str, OutputRequest] = {t.name: OutputRequest(default) for t in specs}
     else:
         if not isinstance(requested, list):
-            raise APIError(400, f"outputs: expected a list, got {type(requested).__name__}")
+            raise InvalidInputError(f"outputs: expected a list, got {type(requested).__name__}")
         names = [t.name for t in specs]
         wanted = {}
         for i, item in enumerate(requested):
@@ -69,13 +74,15 @@ def requested_outputs(
             if not isinstance(item, dict) or got not in names:
                 raise unknown_output(field, got, model, names)
             if got in wanted:
-                raise APIError(400, f"{field}.name: output {got!r} is requested twice")
+                raise InvalidInputError(f"{field}.name: output {got!r} is requested twice")
             params = parameters(item, f"{field}.parameters")
             classes = count(params.get("classification", 0), f"{field}.parameters.classification", "a class count")
             out = OutputRequest(flag(params, "binary_data", f"{field}.parameters", default), classes)
             if "shared_memory_region" in params:
                 if classes:
-                    raise APIError(400, f"{field}.parameters: classification answers in the body, not shared memory")
+                    raise InvalidInputError(
+                        f"{field}.parameters: classification answers in the body, not shared memory"
+                    )
                 out.span = span(regions, params, f"{field}.parameters")
             wanted[got] = out
     for spec in specs:
@@ -84,7 +91,7 @@ def requested_outputs(
             continue
         if spec.datatype in JSON_UNSUPPORTED:
             kind = spec.datatype.value
-            raise APIError(400, f"outputs: {spec.name!r} is {kind}; JSON has no 16-bit floats, request binary_data")
+            raise InvalidInputError(f"outputs: {spec.name!r} is {kind}; JSON has no 16-bit floats, request binary_data")
     return wanted
 
 
@@ -94,8 +101,7 @@ def check_room(region: Span, spec: TensorSpec, rows: int) -> None:
     wire = spec.datatype
     need = rows * element_count(spec.shape) * wire.wire_dtype.itemsize
     if need > region.size:
-        raise APIError(
-            400,
+        raise InvalidInputError(
             f"outputs[0].parameters.shared_memory_byte_size: {region.size} bytes cannot hold the output "
             f"{spec.name!r} ({need} bytes for {rows} rows)",
         )

@@ -11,11 +11,11 @@ from typing import Any
 
 import numpy as np
 
-from halfserve.api.codec import decode_binary, wire_type
+from halfserve.api.dataplane.bounds import check_size, parse_json
+from halfserve.api.dataplane.codec import decode_binary, wire_type
 from halfserve.api.dataplane.decode import checked_input, parse_request, tokenize
 from halfserve.api.dataplane.request import BinaryInput, Inference, OutputRequest, RequestPlan
-from halfserve.api.limits import check_size, parse_json
-from halfserve.api.shm import RegionSource
+from halfserve.api.dataplane.spans import RegionSource
 from halfserve.manifest import DataType, sent_inputs
 from halfserve.serving import ModelHandle
 from halfserve.settings import Settings

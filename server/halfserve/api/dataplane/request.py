@@ -9,10 +9,9 @@ from typing import Any
 
 import numpy as np
 
-from halfserve.api.errors import APIError
-from halfserve.api.shm import Span
+from halfserve.api.dataplane.spans import Span
 from halfserve.manifest import DataType, Manifest, TensorSpec
-from halfserve.serving import ModelHandle
+from halfserve.serving import InvalidInputError, ModelHandle
 from halfserve.settings import Settings
 
 
@@ -118,7 +117,7 @@ def parameters(obj: dict[str, Any], field: str) -> dict[str, Any]:
     """An entry's ``parameters`` object (empty when it has none), or a 400 naming ``field``."""
     params = obj.get("parameters", {})
     if not isinstance(params, dict):
-        raise APIError(400, f"{field}: expected an object, got {type(params).__name__}")
+        raise InvalidInputError(f"{field}: expected an object, got {type(params).__name__}")
     return params
 
 
@@ -126,5 +125,5 @@ def flag(params: dict[str, Any], key: str, field: str, default: bool) -> bool:
     """The boolean parameter ``key`` (``default`` when absent), or a 400 naming ``field.key``."""
     value = params.get(key, default)
     if not isinstance(value, bool):
-        raise APIError(400, f"{field}.{key}: expected true or false, got {value!r}")
+        raise InvalidInputError(f"{field}.{key}: expected true or false, got {value!r}")
     return value

@@ -7,11 +7,6 @@ its repository (:func:`repository`).
 
 from __future__ import annotations
 
-import functools
-import hashlib
-import logging
-import math
-import secrets
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -21,21 +16,19 @@ from fastapi.security import HTTPBearer
 from starlette.requests import Request
 from starlette.responses import Response
 
-from halfserve.api import lockout
-from halfserve.api.errors import APIError, HeldError, error_responses
-from halfserve.api.limits import parse_json, raw_header, read_body
+from halfserve.api.access import check_admin, of_version, why_not_ready
+from halfserve.api.dataplane.bounds import parse_json
+from halfserve.api.errors import APIError
+from halfserve.api.http.errors import error_responses
+from halfserve.api.http.limits import raw_header, read_body
 from halfserve.serving import (
-    UNKNOWN_MODEL,
     AppState,
     LocalModel,
     ModelAdmin,
     ModelHandle,
     ModelService,
-    why_model_not_ready,
 )
 from halfserve.settings import Settings
-
-log = logging.getLogger(__name__)
 
 
 def state(request: Request) -> AppState:
@@ -72,37 +65,10 @@ def local_model(request: Request, name: str, version: str | None) -> LocalModel:
     return of_version(repository(request).get(name), version)
 
 
-H = TypeVar("H", ModelHandle, LocalModel)
-
-
-def of_version(served: H, version: str | None) -> H:
-    """``served`` when ``version`` (None or empty: any) is the version it serves, else a 404."""
-    if version and version != str(served.version):
-        raise APIError(
-            404, f"{UNKNOWN_MODEL}{served.name!r} version {version} is not found (it serves version {served.version})"
-        )
-    return served
-
-
 def not_ready(request: Request) -> str | None:
     """Why the server is not ready to take requests (draining, a model not ready, a front-end missing); None when it
     is."""
     return why_not_ready(state(request))
-
-
-def why_not_ready(s: AppState) -> str | None:
-    """:func:`not_ready` for an app's state, whichever protocol asks."""
-    if s.draining:
-        return "the server is shutting down"
-    if not s.service.ready:
-        models = s.service.models.items()
-        waiting = ", ".join(f"{n} ({why})" for n, m in models if (why := why_model_not_ready(m)) is not None)
-        return waiting or "no model is served"
-    for check in s.pending:
-        missing = check()
-        if missing:
-            return missing
-    return None
 
 
 # Routes under /v2/models/{model_name}, each also under /versions/{model_version} --------------------------------------
@@ -180,40 +146,6 @@ def require_admin(request: Request) -> None:
     (:class:`~halfserve.api.lockout.FailedAttempts`), answered only after the lockout's tarpit holds it
     (:class:`~halfserve.api.errors.HeldError`)."""
     check_admin(state(request), client_address(request), request.headers.get("authorization", ""))
-
-
-def check_admin(app: AppState, who: str, authorization: str) -> None:
-    """:func:`require_admin` for a call from address ``who`` carrying ``authorization`` (``Bearer <token>``), over
-    whichever protocol. The right token is accepted whatever the failures before it, unless ``who`` itself has a full
-    tarpit of wrong ones waiting (:meth:`~halfserve.api.lockout.Tarpit.full`)."""
-    settings = app.settings
-    if settings.admin_token is None:
-        raise APIError(403, "management API is disabled; set HALFSERVE_ADMIN_TOKEN")
-    pit = lockout.tarpit(app)
-    if pit.full(who):  # refused whatever the token: an answer that depended on it would be a guess's verdict
-        seconds = str(pit.retry_after())
-        message = f"{pit.queue} wrong admin tokens from {who} are waiting for their answers; retry in {seconds} s"
-        raise APIError(429, message, {"Retry-After": seconds})
-    scheme, _, given = authorization.partition(" ")
-    if scheme.lower() != "bearer" or not given.strip():
-        raise APIError(401, "management call needs Authorization: Bearer <admin token>", {"WWW-Authenticate": "Bearer"})
-    # Digests of both, compared in constant time: neither the token's bytes nor its length show in the timing.
-    expected = hashlib.sha256(settings.admin_token.get_secret_value().encode()).digest()
-    if secrets.compare_digest(hashlib.sha256(given.strip().encode()).digest(), expected):
-        return
-    attempts = lockout.attempts(app)
-    wait = attempts.retry_after(who)
-    attempts.failed(who)
-    if wait > 0:
-        seconds = str(math.ceil(wait))
-        source = "every address" if attempts.retry_after_all() > 0 else who
-        message = f"too many wrong admin tokens from {source}; retry in {seconds} s"
-        raise HeldError(429, message, {"Retry-After": seconds}, functools.partial(pit.hold, who))
-    if attempts.retry_after(who) > 0:
-        log.warning(
-            "admin token: too many wrong tokens lately (the last from %s); further wrong ones are answered 429", who
-        )
-    raise APIError(401, "wrong admin token", {"WWW-Authenticate": 'Bearer error="invalid_token"'})
 
 
 # Management bodies ----------------------------------------------------------------------------------------------------

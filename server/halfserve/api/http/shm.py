@@ -17,59 +17,25 @@ The regions themselves, and how they are read and written without mapping a clie
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from halfserve.api import deps
-from halfserve.api.deps import (
+from halfserve.api.access import admitted_regions
+from halfserve.api.dataplane.refusals import count
+from halfserve.api.errors import APIError
+from halfserve.api.http import deps
+from halfserve.api.http.deps import (
     AUTH_ERRORS,
     BEARER,
     OPTIONAL_JSON_BODY,
-    check_admin,
     json_object,
     json_response,
     require_admin,
 )
-from halfserve.api.errors import APIError, count, error_responses, json_ok
-from halfserve.serving import AppState, SharedRegion, SharedRegions
-
-
-@dataclass(frozen=True)
-class Span:
-    """Where a tensor lies in a region: ``size`` bytes from ``offset`` (checked against the region when made)."""
-
-    region: SharedRegion
-    offset: int
-    size: int
-    field: str
-
-    def read(self) -> bytearray:
-        """A copy of the span's bytes, read now."""
-        return self.region.read(self.offset, self.size, self.field)
-
-    def write(self, data: memoryview) -> None:
-        self.region.write(self.offset, data, self.field)
-
-
-RegionSource = Callable[[], SharedRegions]
-"""The regions a request may name, asked for only when it names one (the check behind it may refuse)."""
-
-
-def span(regions: RegionSource | None, params: dict[str, Any], where: str) -> Span:
-    """The span named by a tensor's ``shared_memory_*`` parameters (``where`` names them in errors)."""
-    if "shared_memory_byte_size" not in params:
-        raise APIError(400, f"{where}: shared_memory_region needs shared_memory_byte_size")
-    if regions is None:
-        raise APIError(400, f"{where}.shared_memory_region: shared memory is not served here")
-    region = regions().get(params["shared_memory_region"], f"{where}.shared_memory_region")
-    size = count(params["shared_memory_byte_size"], f"{where}.shared_memory_byte_size")
-    offset = count(params.get("shared_memory_offset", 0), f"{where}.shared_memory_offset")
-    region.check(offset, size, where)  # now, not after the forward; the object's size is checked on each use
-    return Span(region, offset, size, where)
+from halfserve.api.http.errors import error_responses, json_ok
+from halfserve.serving import SharedRegions
 
 
 def regions_of(request: Request) -> SharedRegions:
@@ -80,16 +46,6 @@ def authorised_regions(request: Request) -> SharedRegions:
     """The registered regions, for a request that carries the admin token: a region is another client's memory, so
     reading it (as an input) or writing it (as an output) is for holders of the token that registered it."""
     return admitted_regions(deps.state(request), deps.client_address(request), request.headers.get("authorization", ""))
-
-
-def admitted_regions(app: AppState, who: str, authorization: str) -> SharedRegions:
-    """:func:`authorised_regions` for a call from ``who`` carrying ``authorization``, over whichever protocol."""
-    try:
-        check_admin(app, who, authorization)
-    except APIError as e:  # reworded in place: a held answer (the lockout's tarpit) stays held
-        e.message = f"shared_memory_region: using a shared memory region needs the admin token: {e.message}"
-        raise
-    return app.regions
 
 
 # Endpoints ---------------------------------------------------------------------------------------------------------

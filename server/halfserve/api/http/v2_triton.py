@@ -14,8 +14,9 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from halfserve.api.admin import model_config, model_stats
-from halfserve.api.deps import json_response, local_model, model_route, repository, version_of
-from halfserve.api.errors import APIError, Responses, error_responses, json_ok
+from halfserve.api.errors import APIError
+from halfserve.api.http.deps import json_response, local_model, model_route, repository, version_of
+from halfserve.api.http.errors import Responses, error_responses, json_ok
 from halfserve.serving import check_ready
 
 router = APIRouter()

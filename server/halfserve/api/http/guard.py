@@ -26,8 +26,9 @@ from urllib.parse import urlsplit
 
 from starlette.types import Receive, Scope, Send
 
-from halfserve.api.errors import APIError, error_response
-from halfserve.api.limits import scope_header
+from halfserve.api.errors import APIError
+from halfserve.api.http.errors import error_response
+from halfserve.api.http.limits import scope_header
 from halfserve.transport import PROBE_PATHS
 
 if TYPE_CHECKING:

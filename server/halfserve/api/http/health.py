@@ -1,5 +1,5 @@
 """Health, readiness, model listings and per-model batching statistics (the server's own routes; V2's are in
-:mod:`halfserve.api.v2`)."""
+:mod:`halfserve.api.http.v2`)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,10 @@ import time
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from halfserve.api import deps
-from halfserve.api.deps import json_response, repository
-from halfserve.api.errors import APIError, error_response, error_responses, json_ok
+from halfserve.api.errors import APIError
+from halfserve.api.http import deps
+from halfserve.api.http.deps import json_response, repository
+from halfserve.api.http.errors import error_response, error_responses, json_ok
 
 router = APIRouter()
 

@@ -10,28 +10,22 @@ import orjson
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from halfserve.api import deps, guard
-from halfserve.api.codec import decode_samples, encode_texts
+from halfserve.api.dataplane.bounds import check_size, parse_json
+from halfserve.api.dataplane.codec import decode_samples, encode_texts
 from halfserve.api.dataplane.infer import infer
-from halfserve.api.errors import APIError, error_responses
-from halfserve.api.limits import TIMEOUT_HEADER, check_size, client_timeout, parse_json, read_body
-from halfserve.api.telemetry import answered, metered, note
+from halfserve.api.errors import APIError
+from halfserve.api.http import deps, guard
+from halfserve.api.http.errors import error_responses
+from halfserve.api.http.limits import TIMEOUT_PARAMETER, client_timeout, read_body
+from halfserve.api.http.telemetry import answered, metered, note
 from halfserve.manifest import sent_inputs
-from halfserve.serving import Interface, ModelHandle
+from halfserve.serving import Interface, InvalidInputError, ModelHandle
 from halfserve.settings import Settings
 
 router = APIRouter()
 
 PREDICT_SCHEMA: dict[str, Any] = {
-    "parameters": [
-        {
-            "name": TIMEOUT_HEADER,
-            "in": "header",
-            "required": False,
-            "schema": {"type": "number", "exclusiveMinimum": 0, "maximum": 3_600_000},
-            "description": "Answer 504 if the request's rows have not all started within this many milliseconds.",
-        }
-    ],
+    "parameters": [TIMEOUT_PARAMETER],
     "requestBody": {
         "required": True,
         "content": {
@@ -95,7 +89,9 @@ PREDICT_SCHEMA: dict[str, Any] = {
 
 async def decode_inputs(samples: object, served: ModelHandle, settings: Settings) -> dict[str, np.ndarray]:
     """``inputs`` as the model's named inputs: a list of samples for a model with one input, else a mapping of input
-    name to its samples (every input, the same number of samples each); texts tokenized off the event loop."""
+    name to its samples (every input, the same number of samples each); texts tokenized off the event loop.
+
+    Awaited inside :func:`~halfserve.api.dataplane.infer.infer`, so it raises domain errors, as the data plane does."""
     specs = sent_inputs(served.manifest)
     text = served.manifest.text
     if text is not None:
@@ -104,11 +100,11 @@ async def decode_inputs(samples: object, served: ModelHandle, settings: Settings
         if isinstance(samples, dict) and text.input in samples:
             texts = samples[text.input]
             if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
-                raise APIError(400, f"inputs.{text.input}: expected a list of texts")
+                raise InvalidInputError(f"inputs.{text.input}: expected a list of texts")
             check_size(settings, served, len(texts), f"inputs.{text.input}")
             rest = {k: v for k, v in samples.items() if k != text.input}
             if text.feeds in rest:
-                raise APIError(400, f"inputs: give {text.input!r} or {text.feeds!r}, not both")
+                raise InvalidInputError(f"inputs: give {text.input!r} or {text.feeds!r}, not both")
             others = [t for t in specs if t.name != text.feeds]
             decoded = {t.name: decode_samples(rest.get(t.name), t, f"inputs.{t.name}") for t in others}
             field = f"inputs.{text.input}"
@@ -120,20 +116,19 @@ async def decode_inputs(samples: object, served: ModelHandle, settings: Settings
     names = [t.name for t in specs]
     if not isinstance(samples, dict):
         example = ", ".join(f'"{n}": [sample, ...]' for n in names)
-        raise APIError(400, f"inputs: model {served.name!r} takes several inputs; send {{{example}}}")
+        raise InvalidInputError(f"inputs: model {served.name!r} takes several inputs; send {{{example}}}")
     for name in samples:
         if name not in names:
-            raise APIError(400, f"inputs.{name}: unexpected input; the model takes {names}")
+            raise InvalidInputError(f"inputs.{name}: unexpected input; the model takes {names}")
     for name in names:
         if name not in samples:
-            raise APIError(400, f"inputs.{name}: missing; the model takes {names}")
+            raise InvalidInputError(f"inputs.{name}: missing; the model takes {names}")
         if not isinstance(samples[name], list):
-            raise APIError(400, f"inputs.{name}: expected a list of samples, got {type(samples[name]).__name__}")
+            raise InvalidInputError(f"inputs.{name}: expected a list of samples, got {type(samples[name]).__name__}")
     rows = len(samples[names[0]])
     for name in names[1:]:
         if len(samples[name]) != rows:
-            raise APIError(
-                400,
+            raise InvalidInputError(
                 f"inputs.{name}: {len(samples[name])} samples, but {names[0]!r} has {rows}; every input needs one "
                 "per row",
             )

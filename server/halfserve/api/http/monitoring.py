@@ -11,13 +11,13 @@ from importlib import resources
 from fastapi import APIRouter, Request
 from starlette.responses import HTMLResponse, Response
 
-from halfserve.api import deps
 from halfserve.api.errors import APIError
+from halfserve.api.http import deps
 from halfserve.metrics import CONTENT_TYPE, Metrics
 
 router = APIRouter()
 
-STATUS_PAGE = resources.files("halfserve.api").joinpath("static/status.html").read_bytes()
+STATUS_PAGE = resources.files("halfserve.api.http").joinpath("static/status.html").read_bytes()
 
 
 @router.get(

@@ -30,8 +30,8 @@ from typing import Any
 
 import grpc
 
+from halfserve.api.dataplane.bounds import row_limit
 from halfserve.api.errors import APIError
-from halfserve.api.limits import row_limit
 from halfserve.manifest import Batching, Manifest, sample_values
 from halfserve.settings import Settings
 

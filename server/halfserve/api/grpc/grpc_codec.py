@@ -17,12 +17,12 @@ from typing import Any
 import numpy as np
 
 from halfserve import grpc_messages as pb
-from halfserve.api.codec import check_range, element_count, encode_bytes
+from halfserve.api.dataplane.bounds import check_size
+from halfserve.api.dataplane.codec import check_range, element_count, encode_bytes
 from halfserve.api.dataplane.decode import check_input_count
 from halfserve.api.dataplane.encode import encode_outputs
 from halfserve.api.dataplane.request import Inference
 from halfserve.api.errors import APIError
-from halfserve.api.limits import check_size
 from halfserve.manifest import DataType
 from halfserve.serving import ModelHandle, Prediction
 from halfserve.settings import Settings

@@ -1,7 +1,7 @@
 """The management API: load, unload and reload a model or a version, and switch its precision, without a restart.
 
 ``GET /models`` lists what is served. The calls here change it, and like the V2 repository extension they answer only
-with ``Authorization: Bearer <admin token>`` (see :func:`~halfserve.api.deps.require_admin`). Each answers with
+with ``Authorization: Bearer <admin token>`` (see :func:`~halfserve.api.http.deps.require_admin`). Each answers with
 the model's listing once the change is done: a load or reload returns when the new instance is warm and serving, a
 precision switch when the new engine serves and the old one has answered its last batch.
 """
@@ -14,8 +14,9 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from halfserve.api.admin import load_from_store
-from halfserve.api.deps import AUTH_ERRORS, BEARER, json_object, json_response, repository, require_admin
-from halfserve.api.errors import APIError, error_responses, from_exception, json_ok
+from halfserve.api.errors import APIError, from_exception
+from halfserve.api.http.deps import AUTH_ERRORS, BEARER, json_object, json_response, repository, require_admin
+from halfserve.api.http.errors import error_responses, json_ok
 from halfserve.manifest import Precision
 from halfserve.serving import ModelNotFoundError, ModelNotReadyError
 

@@ -13,7 +13,8 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from halfserve.api.admin import index_entries, index_entry, load_from_store, refuse_overrides
-from halfserve.api.deps import (
+from halfserve.api.errors import APIError, from_exception
+from halfserve.api.http.deps import (
     AUTH_ERRORS,
     BEARER,
     OPTIONAL_JSON_BODY,
@@ -22,7 +23,7 @@ from halfserve.api.deps import (
     repository,
     require_admin,
 )
-from halfserve.api.errors import APIError, error_responses, from_exception, json_ok
+from halfserve.api.http.errors import error_responses, json_ok
 
 router = APIRouter()
 

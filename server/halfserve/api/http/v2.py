@@ -2,8 +2,8 @@
 
 Inference goes through the same batcher as ``/predict``, so V2 and ``/predict`` requests of the same dtype share
 batches. The route only translates HTTP to and from the V2 data plane (:mod:`halfserve.api.dataplane`, which gRPC uses
-too): the body split into its JSON header and binary data (the binary tensor extension, see :mod:`halfserve.api.codec`),
-decoded, submitted, and the outputs encoded as JSON or binary data, per output.
+too): the body split into its JSON header and binary data (the binary tensor extension, see
+:mod:`halfserve.api.dataplane.codec`), decoded, submitted, and the outputs encoded as JSON or binary data, per output.
 """
 
 from __future__ import annotations
@@ -14,19 +14,20 @@ from typing import Any
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from halfserve.api import deps, guard
-from halfserve.api.codec import HEADER_LENGTH, split_body
+from halfserve.api.dataplane.codec import HEADER_LENGTH, split_body
 from halfserve.api.dataplane.decode import parse_raw
 from halfserve.api.dataplane.encode import encode_response
 from halfserve.api.dataplane.infer import infer as dataplane_infer
 from halfserve.api.dataplane.metadata import EXTENSIONS, SERVER_NAME, metadata
 from halfserve.api.dataplane.plan import decode_request
-from halfserve.api.deps import json_response, model_route, served_model, version_of
-from halfserve.api.errors import APIError, error_responses, json_ok
-from halfserve.api.limits import client_timeout, raw_header, read_body
-from halfserve.api.shm import authorised_regions
-from halfserve.api.telemetry import answered, metered, note
-from halfserve.api.v2_schema import INFER_SCHEMA
+from halfserve.api.errors import APIError
+from halfserve.api.http import deps, guard
+from halfserve.api.http.deps import json_response, model_route, served_model, version_of
+from halfserve.api.http.errors import error_responses, json_ok
+from halfserve.api.http.limits import client_timeout, raw_header, read_body
+from halfserve.api.http.shm import authorised_regions
+from halfserve.api.http.telemetry import answered, metered, note
+from halfserve.api.http.v2_schema import INFER_SCHEMA
 from halfserve.serving import Interface, check_ready, why_model_not_ready
 from halfserve.version import __version__
 

@@ -20,10 +20,12 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from halfserve.api.errors import APIError, error_response, from_exception, held
-from halfserve.api.limits import raw_header
+from halfserve.api.errors import APIError, from_exception, held
+from halfserve.api.http.errors import error_response
+from halfserve.api.http.limits import raw_header
 from halfserve.logs import ACCESS_LOGGER
-from halfserve.serving import AppState, Interface, ModelHandle, Prediction, ServingError
+from halfserve.metrics import request_labels
+from halfserve.serving import AppState, Interface, InternalError, ModelHandle, Prediction, ServingError
 from halfserve.transport import BODY_TIMED_OUT
 
 log = logging.getLogger(ACCESS_LOGGER)
@@ -102,7 +104,7 @@ def metered(interface: Interface) -> Callable[[Endpoint], Endpoint]:
             except APIError as e:
                 await held(e)
                 response = error_response(e.status, e.message, e.headers)
-            except ServingError as e:  # a domain error from below the routes: the status it maps onto
+            except (ServingError, InternalError) as e:  # raised below the routes: the status it maps onto
                 err = from_exception(e)
                 response = error_response(err.status, err.message, err.headers)
             except ClientDisconnect:
@@ -123,16 +125,6 @@ def metered(interface: Interface) -> Callable[[Endpoint], Endpoint]:
         return metered_endpoint
 
     return wrap
-
-
-def request_labels(served: ModelHandle | None, prediction: Prediction | None) -> tuple[str, str, int]:
-    """What a request is counted and logged under: its model (empty before one is known), the precision that
-    answered it (else the model's), and the rows answered."""
-    model = served.name if served is not None else ""
-    if prediction is not None:
-        return model, prediction.precision, prediction.rows
-    precision = served.precision.value if served is not None and served.precision is not None else ""
-    return model, precision, 0
 
 
 def _record(request: Request, interface: Interface, status: int, rid: bytes, seconds: float) -> None:

@@ -11,17 +11,22 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from contextvars import ContextVar
 from typing import Any
 
 import numpy as np
 
 from halfserve import text
-from halfserve.api.errors import APIError
-from halfserve.api.limits import COMPRESSED_BYTES
 from halfserve.manifest import DataType, TensorSpec
 from halfserve.packing import PackError, check_length
-from halfserve.serving import ModelHandle
+from halfserve.serving import InvalidInputError, ModelHandle, ModelNotReadyError, OverLimitError, QueueFullError
 from halfserve.settings import Settings
+
+COMPRESSED_BYTES: ContextVar[int | None] = ContextVar("halfserve_compressed_bytes", default=None)
+"""The compressed size of the body the transport last inflated for the request being answered
+(:func:`halfserve.api.http.limits.read_body`; None: it came uncompressed): the text it carries is held to
+``max_compression_ratio`` times it too, as tokenizing is work its inflated bytes buy (a body's first MiB inflates
+freely, and 16 texts of 65,000 ``!`` gzip to about a kilobyte)."""
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
 """The binary tensor extension's header: the byte length of the JSON object at the start of the body."""
@@ -41,12 +46,12 @@ JSON_UNSUPPORTED = frozenset({DataType.FP16, DataType.BF16})
 def wire_type(name: object, field: str) -> DataType:
     """The datatype called ``name``, or a 400 naming ``field`` and the datatypes known."""
     if not isinstance(name, str):
-        raise APIError(400, f"{field}: expected a datatype string, got {type(name).__name__}")
+        raise InvalidInputError(f"{field}: expected a datatype string, got {type(name).__name__}")
     wire = _BY_NAME.get(name)
     if wire is None:
         known = ", ".join(_BY_NAME)
         hint = " (string tensors are not served)" if name == "BYTES" else ""
-        raise APIError(400, f"{field}: unknown datatype {name!r}{hint}; known: {known}")
+        raise InvalidInputError(f"{field}: unknown datatype {name!r}{hint}; known: {known}")
     return wire
 
 
@@ -61,12 +66,12 @@ def split_body(body: bytes, header_length: str | None) -> tuple[bytes | None, me
     text = header_length.strip()
     # Past 18 digits no length can be right, and int() of over 4,300 digits raises (CPython's conversion limit).
     if not (text.isascii() and text.isdigit() and len(text) <= 18):
-        raise APIError(400, f"{HEADER_LENGTH}: expected a non-negative integer, got {header_length!r}")
+        raise InvalidInputError(f"{HEADER_LENGTH}: expected a non-negative integer, got {header_length!r}")
     n = int(text)
     if n == 0:
         return None, memoryview(body)
     if n > len(body):
-        raise APIError(400, f"{HEADER_LENGTH}: {n} exceeds the body's {len(body)} bytes")
+        raise InvalidInputError(f"{HEADER_LENGTH}: {n} exceeds the body's {len(body)} bytes")
     view = memoryview(body)
     return bytes(view[:n]), view[n:]
 
@@ -82,8 +87,7 @@ def decode_binary(buf: memoryview | bytes | bytearray, wire: DataType, shape: li
     """
     want = element_count(shape) * wire.wire_dtype.itemsize
     if len(buf) != want:
-        raise APIError(
-            400,
+        raise InvalidInputError(
             f"{field}: {len(buf)} bytes of binary data, but shape {shape} of {wire.value} takes {want} bytes",
         )
     arr = np.frombuffer(buf, dtype=wire.wire_dtype)
@@ -95,29 +99,30 @@ def decode_binary(buf: memoryview | bytes | bytearray, wire: DataType, shape: li
 def decode_json(data: object, wire: DataType, shape: list[int], field: str) -> np.ndarray:
     """JSON ``data`` (flat, row-major, or nested exactly as ``shape``) as an array of ``wire``'s dtype."""
     if wire in JSON_UNSUPPORTED:
-        raise APIError(
-            400,
+        raise InvalidInputError(
             f"{field}: {wire.value} data cannot travel as JSON (JSON has no 16-bit floats); "
             "send it as binary data (binary tensor extension: parameters.binary_data_size)",
         )
     if not isinstance(data, list):
-        raise APIError(400, f"{field}: expected a list, got {type(data).__name__}")
+        raise InvalidInputError(f"{field}: expected a list, got {type(data).__name__}")
     try:
         # Without a dtype numpy keeps strings and None as such, so they are caught below instead of coerced.
         arr = np.asarray(data)
     except ValueError:
-        raise APIError(400, f"{field}: nested lists of unequal length") from None
+        raise InvalidInputError(f"{field}: nested lists of unequal length") from None
     if wire is DataType.BOOL:
         if arr.dtype.kind != "b" and arr.size:
-            raise APIError(400, f"{field}: BOOL data must be true/false")
+            raise InvalidInputError(f"{field}: BOOL data must be true/false")
     elif arr.dtype.kind not in "iuf" and arr.size:
-        raise APIError(400, f"{field}: values must be numbers, got {_kind_name(arr)}")
+        raise InvalidInputError(f"{field}: values must be numbers, got {_kind_name(arr)}")
     elif wire.is_integer and arr.dtype.kind == "f":
-        raise APIError(400, f"{field}: {wire.value} data must be integers")
+        raise InvalidInputError(f"{field}: {wire.value} data must be integers")
     if arr.size != element_count(shape):
-        raise APIError(400, f"{field}: {arr.size} values, but shape {shape} holds {element_count(shape)}")
+        raise InvalidInputError(f"{field}: {arr.size} values, but shape {shape} holds {element_count(shape)}")
     if arr.ndim > 1 and list(arr.shape) != shape:
-        raise APIError(400, f"{field}: nested as {list(arr.shape)}, but shape is {shape}; nest as shape or send flat")
+        raise InvalidInputError(
+            f"{field}: nested as {list(arr.shape)}, but shape is {shape}; nest as shape or send flat"
+        )
     if wire.is_integer:
         check_range(arr, wire.wire_dtype, field)
     try:
@@ -125,7 +130,7 @@ def decode_json(data: object, wire: DataType, shape: list[int], field: str) -> n
         with np.errstate(over="raise", invalid="raise"):
             return arr.astype(wire.wire_dtype).reshape(shape)
     except FloatingPointError:
-        raise APIError(400, f"{field}: values beyond the range of {wire.value}") from None
+        raise InvalidInputError(f"{field}: values beyond the range of {wire.value}") from None
 
 
 def check_range(arr: np.ndarray, dtype: np.dtype[Any], field: str) -> None:
@@ -135,7 +140,7 @@ def check_range(arr: np.ndarray, dtype: np.dtype[Any], field: str) -> None:
     info = np.iinfo(dtype)
     lo, hi = int(arr.min()), int(arr.max())
     if lo < info.min or hi > info.max:
-        raise APIError(400, f"{field}: values in [{lo}, {hi}] do not fit {dtype.name}")
+        raise InvalidInputError(f"{field}: values in [{lo}, {hi}] do not fit {dtype.name}")
 
 
 def to_bf16_bits(x: np.ndarray) -> np.ndarray:
@@ -178,7 +183,7 @@ def checked_length(spec: TensorSpec, length: int, field: str) -> None:
     try:
         check_length(spec, length, f"{field}: input {spec.name!r}")
     except PackError as e:
-        raise APIError(400, str(e)) from None
+        raise InvalidInputError(str(e)) from None
 
 
 async def encode_texts(
@@ -191,45 +196,45 @@ async def encode_texts(
     or unreadable), a 503 with ``Retry-After`` when more requests wait to be tokenized than the queue holds."""
     max_text_bytes = settings.max_text_bytes
     if text.text_bytes(texts, max_text_bytes) > max_text_bytes:
-        raise APIError(413, f"{field}: texts of more than {max_text_bytes} bytes in one request (max_text_bytes)")
+        raise OverLimitError(f"{field}: texts of more than {max_text_bytes} bytes in one request (max_text_bytes)")
     compressed = COMPRESSED_BYTES.get()
     inflated = max_text_bytes if compressed is None else int(settings.max_compression_ratio * compressed)
     if inflated < max_text_bytes and text.text_bytes(texts, inflated) > inflated:
-        raise APIError(
-            413,
+        raise OverLimitError(
             f"{field}: texts of more than {inflated} bytes from a body of {compressed} compressed bytes "
             f"(max_compression_ratio: {settings.max_compression_ratio:g})",
         )
     try:
         return await text.encode_off_loop(settings.store, served.name, served.version, served.manifest, texts, field)
     except text.TokenizerUnavailableError as e:  # the server's files, not the request: as a missing checkpoint
-        raise APIError(503, f"model {served.name!r} cannot take text now: {e}") from None
+        raise ModelNotReadyError(f"model {served.name!r} cannot take text now: {e}", retry=False) from None
     except text.TokenizerBusyError as e:  # as a full batch queue
-        raise APIError(503, str(e), {"Retry-After": "1"}) from None
+        raise QueueFullError(str(e)) from None
     except text.TextError as e:
-        raise APIError(400, str(e)) from None
+        raise InvalidInputError(str(e)) from None
 
 
 def decode_samples(samples: Any, spec: TensorSpec, field: str = "inputs") -> np.ndarray:
     """A JSON list of samples (each a nested list of the per-sample shape) as one array, rows first.
 
-    Raises :class:`APIError` (400) naming ``field`` when the list is empty, ragged, non-numeric or mis-shaped.
+    Raises :class:`~halfserve.serving.InvalidInputError` naming ``field`` when the list is empty, ragged, non-numeric
+    or mis-shaped.
     """
     if not isinstance(samples, list):
-        raise APIError(400, f"{field}: expected a list of samples, got {type(samples).__name__}")
+        raise InvalidInputError(f"{field}: expected a list of samples, got {type(samples).__name__}")
     if not samples:
-        raise APIError(400, f"{field}: empty; send at least one sample")
+        raise InvalidInputError(f"{field}: empty; send at least one sample")
     try:
         # Without a dtype numpy keeps strings and None as such, so they are caught below instead of coerced.
         arr = np.asarray(samples)
     except ValueError:
         also = "; the samples of one request share a length (send others in another request)" if spec.variable else ""
-        raise APIError(400, f"{field}: samples are ragged (nested lists of unequal length){also}") from None
+        raise InvalidInputError(f"{field}: samples are ragged (nested lists of unequal length){also}") from None
     if spec.datatype.numpy.kind == "b":
         if arr.dtype.kind != "b":
-            raise APIError(400, f"{field}: the {spec.name!r} input takes true or false, got {_kind_name(arr)}")
+            raise InvalidInputError(f"{field}: the {spec.name!r} input takes true or false, got {_kind_name(arr)}")
     elif arr.dtype.kind not in "iuf":
-        raise APIError(400, f"{field}: values must be numbers, got {_kind_name(arr)}")
+        raise InvalidInputError(f"{field}: values must be numbers, got {_kind_name(arr)}")
     if spec.variable and arr.ndim == len(spec.shape) + 1 and arr.shape[2:] == tuple(spec.shape[1:]):
         checked_length(spec, arr.shape[1], field)
         want = arr.shape[1:]
@@ -237,7 +242,7 @@ def decode_samples(samples: Any, spec: TensorSpec, field: str = "inputs") -> np.
         want = tuple(spec.shape)
     if arr.shape[1:] != want:
         got = list(arr.shape[1:]) if arr.ndim > 1 else "a scalar"
-        raise APIError(400, f"{field}: each sample must have shape {list(want)}, got {got}")
+        raise InvalidInputError(f"{field}: each sample must have shape {list(want)}, got {got}")
     if arr.dtype.kind == "b":
         return arr
     return cast_json_numbers(arr, spec.datatype.numpy, field)
@@ -255,15 +260,15 @@ def cast_json_numbers(arr: np.ndarray, dtype: np.dtype[Any], field: str) -> np.n
         if arr.dtype.kind != "f":
             check_range(arr, dtype, field)
         elif not np.array_equal(arr, np.trunc(arr)):
-            raise APIError(400, f"{field}: the input takes integers ({dtype.name}), got fractional values")
+            raise InvalidInputError(f"{field}: the input takes integers ({dtype.name}), got fractional values")
         elif arr.size and (arr.min() < np.iinfo(dtype).min or arr.max() > np.iinfo(dtype).max):
-            raise APIError(400, f"{field}: values beyond the range of {dtype.name}")
+            raise InvalidInputError(f"{field}: values beyond the range of {dtype.name}")
         return arr.astype(dtype, copy=False)
     try:
         with np.errstate(over="raise", invalid="raise"):
             return arr.astype(dtype, copy=False)
     except FloatingPointError:
-        raise APIError(400, f"{field}: values beyond the range of {dtype.name}") from None
+        raise InvalidInputError(f"{field}: values beyond the range of {dtype.name}") from None
 
 
 def _kind_name(arr: np.ndarray) -> str:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from halfserve.api.errors import error_responses
+from halfserve.api.http.errors import error_responses
+from halfserve.api.http.limits import TIMEOUT_PARAMETER
 from halfserve.manifest import DataType
 
 _PARAMETERS: dict[str, Any] = {"type": "object", "additionalProperties": True}
@@ -131,13 +132,7 @@ INFER_SCHEMA: dict[str, Any] = {
             "schema": {"type": "integer", "minimum": 0},
             "description": "Length of the JSON object at the start of a body that carries binary tensor data.",
         },
-        {
-            "name": "X-Request-Timeout-Ms",
-            "in": "header",
-            "required": False,
-            "schema": {"type": "number", "exclusiveMinimum": 0, "maximum": 3_600_000},
-            "description": "Answer 504 if the request's rows have not all started within this many milliseconds.",
-        },
+        TIMEOUT_PARAMETER,
     ],
     "requestBody": {
         "required": True,

@@ -3,15 +3,16 @@
 It runs on the app's event loop (grpcio's asyncio server), in the process that owns the models, and reaches them
 through the same :class:`~halfserve.serving.ModelService` as the HTTP routes: a gRPC inference is queued on the same
 batcher, so gRPC and HTTP requests share batches. A ``ModelInferRequest`` is translated into the V2 data plane's
-request (:mod:`halfserve.api.grpc_codec`) and decoded, submitted and encoded by it (:mod:`halfserve.api.dataplane`), as
-an HTTP request is, so limits and messages are the same; an error's HTTP status maps onto a gRPC status
-code (:data:`STATUS_CODES`), its message unchanged.
+request (:mod:`halfserve.api.grpc.grpc_codec`) and decoded, submitted and encoded by it
+(:mod:`halfserve.api.dataplane`), as an HTTP request is, so limits and messages are the same; an error's HTTP status
+maps onto a gRPC status code (:data:`STATUS_CODES`), its message unchanged; the domain errors map onto one through
+their refusal (:data:`CODES`), with the message HTTP answers too.
 
 Management calls (repository load and unload and index, shared memory registration) need the admin token as the
 ``authorization: Bearer <token>`` metadata, as the HTTP routes need the header.
 
-Limits of the transport itself (:mod:`halfserve.api.grpc_limits`): a message over the largest request a served model
-takes (at most ``max_body_bytes``) is refused (``RESOURCE_EXHAUSTED``) before it is read whole, compressed ones
+Limits of the transport itself (:mod:`halfserve.api.grpc.grpc_limits`): a message over the largest request a served
+model takes (at most ``max_body_bytes``) is refused (``RESOURCE_EXHAUSTED``) before it is read whole, compressed ones
 unless ``grpc_compression``, metadata over ``max_header_bytes`` too; a connection that has not finished its HTTP/2
 handshake within ``header_timeout`` is closed, one without a call for as long too, and one past
 ``max_connections``; a connection has at most ``grpc_max_streams`` calls open. A call's request message must arrive
@@ -37,19 +38,19 @@ from google.protobuf import json_format
 
 from halfserve import grpc_messages as pb
 from halfserve import text
+from halfserve.api.access import admitted_regions, check_admin, of_version, why_not_ready
 from halfserve.api.admin import index_entries, load_from_store, model_config, model_stats, refuse_overrides
+from halfserve.api.dataplane.bounds import row_limit
 from halfserve.api.dataplane.decode import parse_request, tokenize
 from halfserve.api.dataplane.infer import infer
 from halfserve.api.dataplane.metadata import EXTENSIONS, SERVER_NAME, metadata
-from halfserve.api.deps import check_admin, of_version, why_not_ready
+from halfserve.api.dataplane.refusals import Refusal, refused
 from halfserve.api.errors import APIError, from_exception, held
-from halfserve.api.grpc_codec import infer_payload, infer_response
-from halfserve.api.grpc_limits import PROBES, Admission, message_cap, parse, server_options
-from halfserve.api.grpc_peers import PeerConnections
-from halfserve.api.limits import row_limit
-from halfserve.api.shm import admitted_regions
-from halfserve.api.telemetry import request_labels
+from halfserve.api.grpc.grpc_codec import infer_payload, infer_response
+from halfserve.api.grpc.grpc_limits import PROBES, Admission, message_cap, parse, server_options
+from halfserve.api.grpc.grpc_peers import PeerConnections
 from halfserve.manifest import sample_values
+from halfserve.metrics import request_labels
 from halfserve.serving import (
     AppState,
     Interface,
@@ -78,7 +79,18 @@ STATUS_CODES: dict[int, grpc.StatusCode] = {
     504: grpc.StatusCode.DEADLINE_EXCEEDED,
     507: grpc.StatusCode.RESOURCE_EXHAUSTED,
 }
-"""The gRPC status code of each HTTP status an error has on the HTTP routes."""
+"""The gRPC status code of each status an :class:`APIError` carries (the checks both transports share raise those)."""
+
+CODES: dict[Refusal, grpc.StatusCode] = {
+    Refusal.INVALID: grpc.StatusCode.INVALID_ARGUMENT,
+    Refusal.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
+    Refusal.TOO_LARGE: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    Refusal.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
+    Refusal.TIMED_OUT: grpc.StatusCode.DEADLINE_EXCEEDED,
+    Refusal.NO_ROOM: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    Refusal.FAILED: grpc.StatusCode.INTERNAL,
+}
+"""The gRPC status code of each refusal: the domain errors the data plane and the models raise, mapped here once."""
 
 STREAM_IN_FLIGHT = 256
 """Most requests of one ``ModelStreamInfer`` stream in flight at once, from when one is read until its answer is
@@ -93,10 +105,29 @@ def status_code(status: int) -> grpc.StatusCode:
     return STATUS_CODES.get(status, grpc.StatusCode.UNKNOWN)
 
 
+class GrpcRefusal(Exception):
+    """A domain error as gRPC answers it: its code and message, made afresh so that no traceback (and no request in
+    its frames) outlives the call."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+    @classmethod
+    def of(cls, e: Exception) -> GrpcRefusal:
+        answer = refused(e)
+        return cls(CODES[answer.refusal], answer.message)
+
+
 def _refusal(e: Exception) -> tuple[grpc.StatusCode, str]:
     """The gRPC status and message that answer ``e``."""
-    err = from_exception(e)
-    return status_code(err.status), err.message
+    if isinstance(e, GrpcRefusal):
+        return e.code, e.message
+    if isinstance(e, APIError):
+        return status_code(e.status), e.message
+    refusal = GrpcRefusal.of(e)
+    return refusal.code, refusal.message
 
 
 def _client(context: grpc.aio.ServicerContext) -> str:
@@ -216,10 +247,11 @@ class InferenceService:
                 raise
             return infer_response(served, req, result)
         except Exception as e:
-            err = from_exception(e)
-            status = err.status
+            status = from_exception(e).status  # the metrics count gRPC's requests by the status HTTP's would have
+            # An APIError (a held one among them) is answered as itself; a domain error by its refusal's code.
+            err = e if isinstance(e, APIError) else GrpcRefusal.of(e)
             if status >= 500:
-                log.warning("gRPC ModelInfer failed: %s", err.message)
+                log.warning("gRPC ModelInfer failed: %s", err)
             try:
                 raise err from None
             finally:
@@ -253,7 +285,7 @@ class InferenceService:
         async def answer(request: Any) -> None:
             try:
                 response = pb.ModelStreamInferResponse(infer_response=await self._infer(request, context))
-            except APIError as e:
+            except (APIError, GrpcRefusal) as e:
                 await held(e)
                 response = pb.ModelStreamInferResponse(error_message=e.message)
                 response.infer_response.id = request.id

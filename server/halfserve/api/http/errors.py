@@ -1,0 +1,84 @@
+"""JSON error responses: every 4xx/5xx body is ``{"error": "<what went wrong, naming the field>"}``; their OpenAPI
+entries, and FastAPI's own errors answered in the same shape."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import Response
+
+from halfserve.api.errors import APIError, from_exception, held
+from halfserve.serving import ServingError
+
+
+def error_response(status: int, message: str, headers: dict[str, str] | None = None) -> Response:
+    return Response(
+        orjson.dumps({"error": message}), status_code=status, media_type="application/json", headers=headers
+    )
+
+
+ERROR_BODY: dict[str, Any] = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {"error": {"type": "string", "description": "What went wrong, naming the field or setting."}},
+}
+
+_HEADERS: dict[int, dict[str, Any]] = {
+    401: {"WWW-Authenticate": {"schema": {"type": "string"}, "description": "Bearer"}},
+    429: {"Retry-After": {"schema": {"type": "string"}, "description": "Seconds until the address may try again."}},
+    503: {"Retry-After": {"schema": {"type": "string"}, "description": "Seconds to wait (queue full, loading)."}},
+}
+
+
+Responses = dict[int | str, dict[str, Any]]
+"""OpenAPI ``responses`` entries by status, as FastAPI's route decorators take them."""
+
+
+def error_responses(descriptions: dict[int, str]) -> Responses:
+    """OpenAPI ``responses`` entries for error statuses, each with the ``{"error": ...}`` body."""
+    responses: Responses = {}
+    for status, description in descriptions.items():
+        entry: dict[str, Any] = {
+            "description": description,
+            "content": {"application/json": {"schema": ERROR_BODY}},
+        }
+        if status in _HEADERS:
+            entry["headers"] = _HEADERS[status]
+        responses[str(status)] = entry
+    return responses
+
+
+def json_ok(description: str, schema: dict[str, Any] | None = None) -> Responses:
+    """The OpenAPI ``responses`` entry of a 200 with a JSON body described by ``schema``."""
+    return {"200": {"description": description, "content": {"application/json": {"schema": schema or {}}}}}
+
+
+def install(app: FastAPI) -> None:
+    """Make FastAPI's own errors (404, 405, validation) speak the same JSON shape."""
+
+    async def http_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, StarletteHTTPException)
+        return error_response(exc.status_code, str(exc.detail), dict(exc.headers) if exc.headers else None)
+
+    async def validation_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, RequestValidationError)
+        parts = []
+        for err in exc.errors():
+            field = ".".join(str(x) for x in err.get("loc", ()) if x != "body") or "body"
+            parts.append(f"{field}: {err.get('msg', 'invalid')}")
+        return error_response(400, "; ".join(parts))
+
+    async def api_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, (APIError, ServingError))
+        await held(exc)
+        err = from_exception(exc)
+        return error_response(err.status, err.message, err.headers)
+
+    app.add_exception_handler(StarletteHTTPException, http_error)
+    app.add_exception_handler(RequestValidationError, validation_error)
+    app.add_exception_handler(APIError, api_error)
+    app.add_exception_handler(ServingError, api_error)
