@@ -46,7 +46,7 @@ from common import IMAGENET, ROOT
 
 from halfserve import hostinfo, models, store
 from halfserve.compilation import tune_cudnn
-from halfserve.engine import Engine
+from halfserve.engine.core import Engine
 from halfserve.loadtest.config import LoadtestConfig
 from halfserve.loadtest.make_bench_model import calibrate
 from halfserve.loadtest.payload import Protocol

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from halfserve import hostinfo, models, store
-from halfserve.engine import Engine
+from halfserve.engine.core import Engine
 from halfserve.precision import Precision
 from halfserve.store import Batching, DataType, Manifest, TensorSpec
 

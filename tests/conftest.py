@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from halfserve import models, store
-from halfserve.engine import Engine
+from halfserve.engine.core import Engine
 from halfserve.precision import Precision
 from halfserve.store import Batching, Execution, Manifest, TensorSpec
 

@@ -220,7 +220,7 @@ def _add_import(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
 
 def import_(args: argparse.Namespace) -> int:
     from halfserve import importer, models, store
-    from halfserve.engine import resolve_device
+    from halfserve.engine.core import resolve_device
 
     try:
         models.add_code_path(args.code_path or [])

@@ -30,7 +30,8 @@ from torch import nn
 
 from halfserve import calibration, fidelity, models, padding, precision, store
 from halfserve.calibration import Samples
-from halfserve.engine import Engine, takes_positionally
+from halfserve.engine.core import Engine
+from halfserve.engine.inputs import takes_positionally
 from halfserve.instance import torch_dtype
 from halfserve.store import DataType, InputFormat, Manifest, StoreError, TensorSpec
 

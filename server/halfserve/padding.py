@@ -24,7 +24,7 @@ import torch
 
 from halfserve import calibration, store
 from halfserve.calibration import Samples
-from halfserve.engine import Engine
+from halfserve.engine.core import Engine
 from halfserve.precision import Precision
 from halfserve.store import LENGTH, LoadedModel, Manifest, StoreError
 

@@ -48,7 +48,7 @@ tiny forward's fixed cost makes its share of a few rows' loop work look large an
 
 class Timed(Protocol):
     """What :func:`choose` reads of an engine: its device and instances, and what warm-up timed
-    (:meth:`halfserve.engine.Engine.settle_threads`)."""
+    (:meth:`halfserve.engine.core.Engine.settle_threads`)."""
 
     @property
     def device(self) -> torch.device: ...
@@ -99,7 +99,7 @@ def _on_event_loop(engine: Timed, setting: bool | None) -> bool:
 def _beside_loop(engine: Timed, setting: bool | None) -> bool:
     """As ``setting`` says, else where the forward would run on the loop and takes at least
     :data:`BESIDE_LOOP_MIN_SHARE` of the loop's work on a full batch of :data:`BESIDE_LOOP_MIN_ROWS` or more, with
-    another core for the graph; only an engine that can be traced (:attr:`halfserve.engine.Engine.traceable`)."""
+    another core for the graph; only an engine that can be traced (:attr:`halfserve.engine.core.Engine.traceable`)."""
     if not engine.traceable:
         return False
     if setting is not None:
@@ -156,5 +156,6 @@ def set_intra_op_threads(count: int) -> None:
 
 def available_cores() -> int:
     """Every core this process may run on (its affinity, which a container's CPU set narrows): torch's intra-op
-    threads when none are set, before each engine settles its own (:meth:`halfserve.engine.Engine.settle_threads`)."""
+    threads when none are set, before each engine settles its own
+    (:meth:`halfserve.engine.core.Engine.settle_threads`)."""
     return len(os.sched_getaffinity(0))

@@ -14,7 +14,9 @@ import numpy as np
 from halfserve import calibration, fidelity, padding, store, text
 from halfserve import precision as prec
 from halfserve.batching import Batcher, BatchObserver, BatchStats
-from halfserve.engine import Engine, EngineInfo, fixed_timing, module_bytes, resolve_device
+from halfserve.engine import runners
+from halfserve.engine.core import Engine, fixed_timing, module_bytes, resolve_device
+from halfserve.engine.protocol import EngineInfo, ModelEngine
 from halfserve.fidelity import Fidelity
 from halfserve.indices import check_indices, index_limits
 from halfserve.isolated.engine import ProcessEngine
@@ -48,9 +50,6 @@ CUDA_GIL_SWITCH_INTERVAL_MS = 0.5
 """The switch interval when serving on CUDA: at Python's 5 ms, engine threads wait on the event loop for the GIL
 between their copies and kernels (see ``Settings.gil_switch_interval_ms``)."""
 
-AnyEngine = Engine | ProcessEngine
-"""A model's engine: its instances as threads of this process, or as processes of their own."""
-
 ObserverFactory = Callable[[str, int, str], BatchObserver]
 """Makes the batch observer of a model (name, version, precision served), e.g. :meth:`Metrics.batch_observer`."""
 
@@ -65,7 +64,7 @@ class ServedModel:
     batching: Batching
     state: ModelState = ModelState.LOADING
     error: str | None = None
-    engine: AnyEngine | None = None
+    engine: ModelEngine | None = None
     precision: Precision | None = None
     """The resolved precision the engine serves in, once loaded."""
     batcher: Batcher | None = None
@@ -399,10 +398,10 @@ class ModelRepository:
         served.failed_versions = failed
         return served
 
-    def _observer(self, served: ServedModel, engine: AnyEngine) -> BatchObserver | None:
+    def _observer(self, served: ServedModel, engine: ModelEngine) -> BatchObserver | None:
         return self.observe(served.name, served.version, engine.precision.value) if self.observe else None
 
-    async def _engine(self, served: ServedModel, loaded: LoadedModel, precision: Precision) -> AnyEngine:
+    async def _engine(self, served: ServedModel, loaded: LoadedModel, precision: Precision) -> ModelEngine:
         """A new engine for ``served`` cast from ``loaded``'s host weights, warmed up unless warm-up is off; with
         process isolation, instance processes that read the same checkpoint and warm up in parallel."""
         execution = served.manifest.execution
@@ -440,10 +439,10 @@ class ModelRepository:
         on_loop, beside = self.settings.forward_on_event_loop, self.settings.pipeline_forward
         placement = choose(engine, on_loop, beside)
         try:
-            await asyncio.to_thread(engine.place, placement, served.batching.max_batch_size)
+            await asyncio.to_thread(runners.place, engine, placement, served.batching.max_batch_size)
         except TraceRefused as e:
             log.info("model %s: batches run eagerly, not as a traced graph beside the event loop: %s", served.name, e)
-            engine.place(choose(engine, on_loop, beside_loop=False), served.batching.max_batch_size)
+            runners.place(engine, choose(engine, on_loop, beside_loop=False), served.batching.max_batch_size)
         return engine
 
     def _held_to(self, manifest: Manifest) -> fidelity.Bar | None:
@@ -454,8 +453,8 @@ class ModelRepository:
         return held_to if held_to.check else None
 
     async def _check_fidelity(
-        self, served: ServedModel, loaded: LoadedModel, engine: AnyEngine, held_to: fidelity.Bar
-    ) -> AnyEngine:
+        self, served: ServedModel, loaded: LoadedModel, engine: ModelEngine, held_to: fidelity.Bar
+    ) -> ModelEngine:
         """Measure a half-precision engine against fp32 on the version's samples (calibration, else random); returns
         the engine to serve: this one, or an fp32 one where the model falls below ``held_to``."""
         served.fidelity_bar = held_to.as_dict()

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from halfserve import store
-from halfserve.engine import EngineError
+from halfserve.engine.protocol import EngineError
 from halfserve.isolated.engine import ProcessEngine
 from halfserve.precision import Precision
 from halfserve.settings import Settings

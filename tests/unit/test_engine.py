@@ -12,7 +12,10 @@ from torch import nn
 
 from halfserve import store
 from halfserve.batching import Output
-from halfserve.engine import Engine, EngineError, Normalizer, batch_buckets, resolve_device
+from halfserve.engine import runners
+from halfserve.engine.core import Engine, batch_buckets, resolve_device
+from halfserve.engine.inputs import Normalizer
+from halfserve.engine.protocol import EngineError
 from halfserve.placement import Placement
 from halfserve.precision import Precision
 from halfserve.store import Normalize
@@ -120,7 +123,7 @@ async def test_an_engine_on_the_event_loop_runs_each_batch_there_at_once(
     loaded: store.LoadedModel, threads: int | None
 ) -> None:
     engine = Engine(loaded, Precision.FP32, CPU)
-    engine.place(Placement.EVENT_LOOP, 8)
+    runners.place(engine, Placement.EVENT_LOOP, 8)
     engine.threads = threads
     seen: list[tuple[str, int]] = []
     original = engine.model.forward

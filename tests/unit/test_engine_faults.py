@@ -11,7 +11,8 @@ import torch
 
 from halfserve import store
 from halfserve.batching import Batcher, BatchTooLargeError, Output
-from halfserve.engine import Engine, PrecisionOverflowError, is_out_of_memory
+from halfserve.engine.core import Engine, is_out_of_memory
+from halfserve.engine.protocol import PrecisionOverflowError
 from halfserve.precision import Precision
 from halfserve.store import OverflowPolicy
 from tests.conftest import save_tiny_mlp

@@ -18,7 +18,7 @@ from pydantic import ValidationError
 from halfserve import models, store
 from halfserve.batching import Batcher, Output
 from halfserve.compilation import tune_cudnn
-from halfserve.engine import Engine, fixed_timing
+from halfserve.engine.core import Engine, fixed_timing
 from halfserve.instance import bucket_for, pin_host, pinned
 from halfserve.placement import LOOP_SECONDS_PER_ROW, pads_to_buckets, set_intra_op_threads
 from halfserve.precision import Precision

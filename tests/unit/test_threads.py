@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from halfserve import store
-from halfserve.engine import Engine, fixed_timing
+from halfserve.engine.core import Engine, fixed_timing
 from halfserve.placement import (
     LOOP_SECONDS_PER_ROW,
     Placement,

@@ -1,4 +1,5 @@
-"""A CPU forward traced and run beside the event loop (halfserve.traced, Engine.place, halfserve.placement.choose)."""
+"""A CPU forward traced and run beside the event loop (halfserve.traced, halfserve.engine.pipelined,
+halfserve.placement.choose)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import torch
 from torch import nn
 
 from halfserve import store
-from halfserve.engine import Engine, fixed_timing
+from halfserve.engine import runners
+from halfserve.engine.core import Engine, fixed_timing
 from halfserve.placement import (
     BESIDE_LOOP_MIN_ROWS,
     BESIDE_LOOP_MIN_SHARE,
@@ -101,7 +103,7 @@ async def test_an_engine_beside_the_loop_answers_as_it_runs_batches_eagerly(tmp_
     engine = Engine(store.load(tmp_path, "tiny"), Precision.FP32, CPU, max_batch_size=8)
     try:
         assert engine.batches(8) == (8, 1)  # one batch in flight per instance, of up to max_batch_size
-        engine.place(Placement.BESIDE_LOOP, 8)
+        runners.place(engine, Placement.BESIDE_LOOP, 8)
         assert engine.placement is Placement.BESIDE_LOOP
         assert engine.batches(8) == (4, 2)  # two in flight, each of up to half
         assert engine.batches(1) == (1, 2)
@@ -170,7 +172,7 @@ def test_batches_run_beside_the_loop_where_the_forward_is_a_large_share_of_the_l
         assert not beside_loop(two, True)  # several instances run their batches side by side on their threads
         assert not beside_loop(autocast, True)  # its casts follow a thread's autocast state; the pool has none
         with pytest.raises(ValueError, match="autocast"):
-            autocast.place(Placement.BESIDE_LOOP, 8)
+            runners.place(autocast, Placement.BESIDE_LOOP, 8)
     finally:
         one.close()
         two.close()

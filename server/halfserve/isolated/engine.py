@@ -27,7 +27,7 @@ import torch
 
 from halfserve import models, store
 from halfserve import precision as prec
-from halfserve.engine import EngineError, EngineInfo, PrecisionOverflowError
+from halfserve.engine.protocol import EngineError, EngineInfo, PrecisionOverflowError
 from halfserve.isolated import child, handover, shared
 from halfserve.isolated.wire import IN_FRAME, INPUT_REGION, REGION, ChildConfig, Memory, descr, dtype_of, region_sizes
 from halfserve.multiproc.wire import FrameReader, frame
@@ -278,7 +278,7 @@ class ProcessEngine:
     """A model's engine whose instances are processes of their own (:mod:`halfserve.isolated`).
 
     It offers what the repository, the batcher, the fidelity check and the metrics use of an
-    :class:`~halfserve.engine.Engine`: :meth:`run` (the runner contract), :meth:`compute`, :meth:`batches`,
+    :class:`~halfserve.engine.core.Engine`: :meth:`run` (the runner contract), :meth:`compute`, :meth:`batches`,
     :attr:`info`, the counters and :meth:`close`. Start one with :meth:`start`. A process that dies fails its batch
     in flight (the batcher isolates the fault as for any failed batch) and is restarted; the others go on serving.
     """
@@ -350,7 +350,8 @@ class ProcessEngine:
         fixed_shapes: bool,
     ) -> ProcessEngine:
         """Spawn the model's instance processes, handing them ``loaded``'s host weights, and wait until every one is
-        warm; raises :class:`~halfserve.engine.EngineError` (with the process's own error) when one fails to start."""
+        warm; raises :class:`~halfserve.engine.protocol.EngineError` (with the process's own error) when one fails to
+        start."""
         engine = cls(settings, loaded, precision, device, max_batch_size, fixed_shapes)
         try:
             engine._weights = await asyncio.to_thread(_weights_memfd, loaded)

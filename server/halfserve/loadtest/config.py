@@ -70,7 +70,7 @@ class LoadtestConfig:
 
 def default_precisions(device: str | None) -> tuple[str, ...]:
     """fp16 and fp32 where the server will run on CUDA, bf16 and fp32 on a CPU."""
-    from halfserve.engine import resolve_device
+    from halfserve.engine.core import resolve_device
 
     try:
         on_cuda = resolve_device(device or "auto").type == "cuda"
