@@ -67,7 +67,7 @@ def test_the_engine_is_a_package_and_its_runners_are_modules_of_their_own() -> N
 
 @pytest.mark.parametrize(
     "path",
-    sorted([*(PKG / "engine").glob("*.py"), PKG / "placement.py"]),
+    sorted([*(PKG / "engine").glob("*.py"), *(PKG / "isolated").glob("*.py"), PKG / "placement.py"]),
     ids=lambda p: str(p.relative_to(PKG)),
 )
 def test_no_engine_module_passes_the_size_limit(path: Path) -> None:
@@ -78,3 +78,15 @@ def test_a_served_model_s_engine_is_typed_by_the_protocol_not_a_union() -> None:
     text = (PKG / "repository.py").read_text()
     assert "Engine | ProcessEngine" not in text
     assert "engine: ModelEngine | None" in text
+
+
+def test_instance_processes_are_supervised_by_a_module_of_their_own() -> None:
+    """The wire end and dispatch (``isolated/engine.py``) and the supervision (start, watchdog, restarts) are two
+    modules: the supervisor knows a process only through its protocol, never the wire."""
+    from halfserve.isolated import engine, supervision
+
+    assert {"Supervisor", "Watchdog", "end", "RESPAWN_DELAYS_S"} <= set(vars(supervision))
+    assert not hasattr(engine.ProcessEngine, "_respawn")
+    source = (PKG / "isolated" / "supervision.py").read_text()
+    assert "halfserve.isolated.engine" not in source.replace("`halfserve.isolated.engine`", "")
+    assert "halfserve.isolated.wire" not in source

@@ -15,5 +15,6 @@ work waits for no lock the loop holds.
 
 * :mod:`~halfserve.isolated.wire`: the frames and the shared memory's layout, both ends' half of the protocol;
 * :mod:`~halfserve.isolated.child`: the instance process's main;
-* :mod:`~halfserve.isolated.engine`: the server process's side, spawning and restarting the processes.
+* :mod:`~halfserve.isolated.engine`: the server process's side: each process's wire end and the dispatch of batches;
+* :mod:`~halfserve.isolated.supervision`: their start, readiness, batch watchdog, restarts with backoff, and end.
 """
