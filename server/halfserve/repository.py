@@ -21,7 +21,7 @@ from halfserve.fidelity import Fidelity
 from halfserve.indices import check_indices, index_limits
 from halfserve.isolated.engine import ProcessEngine
 from halfserve.padding import PaddingCheck
-from halfserve.placement import Placement, available_cores, choose, isolation, pads_to_buckets
+from halfserve.placement import Placement, available_cores, choose, in_process, pads_to_buckets
 from halfserve.precision import Precision
 from halfserve.serving import (
     InvalidInputError,
@@ -33,7 +33,7 @@ from halfserve.serving import (
     why_model_not_ready,
 )
 from halfserve.settings import FidelityCheck, Settings
-from halfserve.store import Batching, Isolation, LoadedModel, Manifest, StoreError
+from halfserve.store import Batching, LoadedModel, Manifest, StoreError
 from halfserve.traced import TraceRefused
 
 log = logging.getLogger(__name__)
@@ -256,9 +256,6 @@ def _execution(info: EngineInfo) -> dict[str, object]:
         "inductor": info.inductor,
         "inductor_compile_seconds": round(info.inductor_compile_seconds, 4),
         "placement": info.placement.value,
-        "on_event_loop": info.placement is Placement.EVENT_LOOP,
-        "pipelined": info.placement is Placement.BESIDE_LOOP,
-        "isolation": (Isolation.PROCESS if info.placement is Placement.INSTANCE_PROCESSES else Isolation.THREAD).value,
     }
 
 
@@ -402,47 +399,44 @@ class ModelRepository:
         return self.observe(served.name, served.version, engine.precision.value) if self.observe else None
 
     async def _engine(self, served: ServedModel, loaded: LoadedModel, precision: Precision) -> ModelEngine:
-        """A new engine for ``served`` cast from ``loaded``'s host weights, warmed up unless warm-up is off; with
-        process isolation, instance processes that read the same checkpoint and warm up in parallel."""
-        execution = served.manifest.execution
-        if isolation(execution, self.settings.instance_isolation, self.device) is Isolation.PROCESS:
+        """A new engine for ``served`` cast from ``loaded``'s host weights, warmed up unless warm-up is off, built
+        where :func:`halfserve.placement.choose` places it: instance processes that read the same checkpoint and warm
+        up in parallel, or an engine in this process with the runner of its placement."""
+        max_batch_size = served.batching.max_batch_size
+        # Built (and timed) only where the choice needs it, in its worker thread; cached, so the engine timed is the
+        # engine served.
+        measured = functools.cache(functools.partial(self._in_process_engine, served, loaded, precision))
+        setting = self.settings.placement
+        placement = await asyncio.to_thread(choose, setting, served.manifest.execution, self.device, measured)
+        if placement is Placement.INSTANCE_PROCESSES:
             processes = await ProcessEngine.start(
-                self.settings,
-                loaded,
-                precision,
-                self.device,
-                served.batching.max_batch_size,
-                self.fixed_shapes(),
+                self.settings, loaded, precision, self.device, max_batch_size, self.fixed_shapes()
             )
             served.warmup_seconds = processes.warmup_seconds
             return processes
-        engine = await asyncio.to_thread(
-            functools.partial(Engine, max_batch_size=served.batching.max_batch_size),
-            loaded,
-            precision,
-            self.device,
-        )
+        engine = measured()
+        try:
+            await asyncio.to_thread(runners.place, engine, placement, max_batch_size)
+        except TraceRefused as e:
+            log.info("model %s: batches run eagerly, not as a traced graph beside the event loop: %s", served.name, e)
+            runners.place(engine, in_process(engine, setting.placement, traced=False), max_batch_size)
+        return engine
+
+    def _in_process_engine(self, served: ServedModel, loaded: LoadedModel, precision: Precision) -> Engine:
+        """An engine in this process, warmed up and its intra-op threads settled on a CPU (unless warm-up is off); it
+        blocks, so run it off the event loop."""
+        max_batch_size = served.batching.max_batch_size
+        engine = Engine(loaded, precision, self.device, max_batch_size=max_batch_size)
         if self.settings.warmup:
             try:
-                served.warmup_seconds = await asyncio.to_thread(engine.warmup, served.batching.max_batch_size)
+                served.warmup_seconds = engine.warmup(max_batch_size)
                 if self.settings.threads is None and self.device.type == "cpu":
                     given = self.settings.forward_seconds
-                    await asyncio.to_thread(
-                        engine.settle_threads,
-                        served.batching.max_batch_size,
-                        available_cores(),
-                        None if given is None else fixed_timing(given),
-                    )
+                    timing = None if given is None else fixed_timing(given)
+                    engine.settle_threads(max_batch_size, available_cores(), timing)
             except BaseException:
                 engine.close()
                 raise
-        on_loop, beside = self.settings.forward_on_event_loop, self.settings.pipeline_forward
-        placement = choose(engine, on_loop, beside)
-        try:
-            await asyncio.to_thread(runners.place, engine, placement, served.batching.max_batch_size)
-        except TraceRefused as e:
-            log.info("model %s: batches run eagerly, not as a traced graph beside the event loop: %s", served.name, e)
-            runners.place(engine, choose(engine, on_loop, beside_loop=False), served.batching.max_batch_size)
         return engine
 
     def _held_to(self, manifest: Manifest) -> fidelity.Bar | None:

@@ -1,5 +1,5 @@
 """A CPU forward traced and run beside the event loop (halfserve.traced, halfserve.engine.pipelined,
-halfserve.placement.choose)."""
+halfserve.placement.in_process)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from halfserve.placement import (
     BESIDE_LOOP_MIN_SHARE,
     LOOP_SECONDS_PER_ROW,
     Placement,
-    choose,
+    in_process,
 )
 from halfserve.precision import Precision
 from halfserve.serving import Output
@@ -32,7 +32,9 @@ CPU = torch.device("cpu")
 
 
 def beside_loop(engine: Engine, setting: bool | None) -> bool:
-    return choose(engine, beside_loop=setting) is Placement.BESIDE_LOOP
+    if setting is False:  # never beside the loop, otherwise as the timing says
+        return in_process(engine, None, traced=False) is Placement.BESIDE_LOOP
+    return in_process(engine, Placement.BESIDE_LOOP if setting else None) is Placement.BESIDE_LOOP
 
 
 class Branchy(nn.Module):

@@ -40,7 +40,6 @@ from halfserve.placement import (
     intra_op_threads,
     loop_bound,
     pads_to_buckets,
-    set_intra_op_threads,
 )
 from halfserve.precision import Precision
 from halfserve.serving import BatchTooLargeError, Outcome, Output
@@ -50,6 +49,17 @@ log = logging.getLogger(__name__)
 
 ForwardTiming = Callable[[int], float]
 """The seconds a full batch's forward takes on a given count of intra-op threads (:meth:`Engine.settle_threads`)."""
+
+
+def set_intra_op_threads(count: int) -> None:
+    """Set the calling thread's torch intra-op threads to ``count``, for good.
+
+    torch gives a thread its count from the process's last setting (any thread's) when the thread first asks for it
+    or starts parallel work, overwriting a count set on the thread before that. Asking first spends that first time
+    here, so the count set is the thread's until it sets another.
+    """
+    torch.get_num_threads()
+    torch.set_num_threads(count)
 
 
 def is_out_of_memory(e: BaseException) -> bool:

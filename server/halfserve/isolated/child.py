@@ -27,12 +27,11 @@ import numpy as np
 from halfserve import logs, models, store
 from halfserve import precision as prec
 from halfserve.compilation import tune_cudnn
-from halfserve.engine.core import Engine, fixed_timing, resolve_device
+from halfserve.engine.core import Engine, fixed_timing, resolve_device, set_intra_op_threads
 from halfserve.instance import Instance, pin_host
 from halfserve.isolated import handover
 from halfserve.isolated.wire import IN_FRAME, INPUT_REGION, REGION, ChildConfig, Memory, descr, dtype_of
 from halfserve.multiproc.wire import FrameReader, frame
-from halfserve.placement import set_intra_op_threads
 from halfserve.precision import Precision
 from halfserve.serving import Output
 
