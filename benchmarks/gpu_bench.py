@@ -631,7 +631,7 @@ def main() -> None:
                     if iso == "process"
                     else f"{label}, instances as {iso}s{_round(isolations, i)}",
                     wire,
-                    (*extra, "--instance-isolation", iso),
+                    (*extra, "--placement", f"instance_{iso}{'es' if iso == 'process' else 's'}"),
                 )
                 for label, wire, extra in plans
                 for i, iso in enumerate(isolations)

@@ -120,7 +120,7 @@ async def test_instance_processes_answer_as_threads_do(tmp_path: Path) -> None:
                 assert all(alive(p) for p in pids)
                 assert stats["rows"] == 40
                 assert sum(stats["instance_forwards"]) > 0
-    np.testing.assert_allclose(answers["process"], answers["thread"], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(answers["instance_processes"], answers["instance_threads"], rtol=1e-5, atol=1e-6)
     assert not any(alive(p) for p in pids)  # the processes exit with the server
 
 

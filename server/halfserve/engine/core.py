@@ -213,8 +213,8 @@ class Engine:
         """Whether a full batch's forward, timed by :meth:`settle_threads`, is shorter than the event loop's work on
         its requests (:func:`halfserve.placement.loop_bound`); None until timed."""
         self.runner: BatchRunner = ThreadRunner(self.instances, self.run_batch)
-        """Where batches run: on the instances' threads until :meth:`place` says otherwise (the repository decides,
-        as :func:`halfserve.placement.choose`)."""
+        """How batches run: on the instances' threads until :func:`halfserve.engine.runners.place` gives it another
+        placement's runner (the repository, as :func:`halfserve.placement.choose` decided)."""
         self.batch_seconds: float | None = None
         """A full batch's forward (:attr:`batch_rows`) on the settled intra-op threads, timed by :meth:`settle_threads`
         (None until)."""
