@@ -17,6 +17,7 @@ from halfserve.batching import Batcher, BatchObserver, BatchStats
 from halfserve.engine import runners
 from halfserve.engine.core import Engine, fixed_timing, module_bytes, resolve_device
 from halfserve.engine.protocol import EngineInfo, ModelEngine
+from halfserve.engine.traced import TraceRefused
 from halfserve.fidelity import Fidelity
 from halfserve.indices import check_indices, index_limits
 from halfserve.isolated.engine import ProcessEngine
@@ -34,7 +35,6 @@ from halfserve.serving import (
 )
 from halfserve.settings import FidelityCheck, Settings
 from halfserve.store import Batching, LoadedModel, Manifest, StoreError
-from halfserve.traced import TraceRefused
 
 log = logging.getLogger(__name__)
 

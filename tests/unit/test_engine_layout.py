@@ -60,7 +60,7 @@ def test_each_in_process_placement_has_a_runner_of_its_own(runner: type, placeme
 
 def test_the_engine_is_a_package_and_its_runners_are_modules_of_their_own() -> None:
     assert not (PKG / "engine.py").exists()
-    assert {"core.py", "protocol.py", "threads.py", "loop.py", "pipelined.py"} <= {
+    assert {"core.py", "protocol.py", "threads.py", "loop.py", "pipelined.py", "traced.py"} <= {
         p.name for p in (PKG / "engine").glob("*.py")
     }
 

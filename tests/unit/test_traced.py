@@ -1,4 +1,4 @@
-"""A CPU forward traced and run beside the event loop (halfserve.traced, halfserve.engine.pipelined,
+"""A CPU forward traced and run beside the event loop (halfserve.engine.traced, halfserve.engine.pipelined,
 halfserve.placement.in_process)."""
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from torch import nn
 from halfserve import store
 from halfserve.engine import runners
 from halfserve.engine.core import Engine, fixed_timing
+from halfserve.engine.traced import TracedForward, TraceRefused
 from halfserve.placement import (
     BESIDE_LOOP_MIN_ROWS,
     BESIDE_LOOP_MIN_SHARE,
@@ -24,7 +25,6 @@ from halfserve.placement import (
 )
 from halfserve.precision import Precision
 from halfserve.serving import Output
-from halfserve.traced import TracedForward, TraceRefused
 from tests.conftest import save_tiny_mlp, tiny_engines
 from tests.waiting import DEADLINE_S
 

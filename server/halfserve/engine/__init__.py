@@ -7,6 +7,6 @@
 * :mod:`~halfserve.engine.inputs`: how the model takes a batch (input order, normalisation).
 * :mod:`~halfserve.engine.threads`, :mod:`~halfserve.engine.loop`, :mod:`~halfserve.engine.pipelined`: the runners
   of :attr:`~halfserve.placement.Placement.INSTANCE_THREADS`, ``EVENT_LOOP`` and ``BESIDE_LOOP``, built by
-  :mod:`~halfserve.engine.runners`; instance processes are :mod:`halfserve.isolated`'s
-  :class:`~halfserve.isolated.engine.ProcessEngine`.
+  :mod:`~halfserve.engine.runners` (the traced graph of ``BESIDE_LOOP``: :mod:`~halfserve.engine.traced`); instance
+  processes are :mod:`halfserve.isolated`'s :class:`~halfserve.isolated.engine.ProcessEngine`.
 """

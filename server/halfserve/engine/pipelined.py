@@ -1,6 +1,6 @@
 """Batches as a traced graph beside the event loop (:attr:`~halfserve.placement.Placement.BESIDE_LOOP`): launched into
 torch's inter-op pool and collected by the loop, two batches of up to half ``max_batch_size`` in flight, so the loop
-reads and answers one batch's requests while the other runs (:mod:`halfserve.traced`)."""
+reads and answers one batch's requests while the other runs (:mod:`halfserve.engine.traced`)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ import torch
 
 from halfserve import precision as prec
 from halfserve.engine.core import Engine, checked
+from halfserve.engine.traced import TracedForward
 from halfserve.placement import Placement
 from halfserve.serving import Outcome
-from halfserve.traced import TracedForward
 
 
 @dataclass
@@ -41,8 +41,8 @@ class PipelinedRunner:
     @classmethod
     def trace(cls, engine: Engine, max_batch_size: int) -> PipelinedRunner:
         """Trace ``engine``'s forward and run its batches beside the loop. Raises
-        :class:`~halfserve.traced.TraceRefused` when the model cannot run as a traced graph, and ``ValueError`` for an
-        engine that cannot be traced (:attr:`~halfserve.engine.core.Engine.traceable`).
+        :class:`~halfserve.engine.traced.TraceRefused` when the model cannot run as a traced graph, and ``ValueError``
+        for an engine that cannot be traced (:attr:`~halfserve.engine.core.Engine.traceable`).
 
         The trace is checked on three batches: a full one of zeros (the warm-up's), one row, and a full one of
         values drawn at random.

@@ -13,7 +13,8 @@ from halfserve.placement import Placement
 
 def runner(engine: Engine, placement: Placement, max_batch_size: int) -> BatchRunner:
     """The runner that runs ``engine``'s batches where ``placement`` says. Raises ``ValueError`` for a placement the
-    engine cannot take, and :class:`~halfserve.traced.TraceRefused` when beside the loop its model cannot be traced."""
+    engine cannot take, and :class:`~halfserve.engine.traced.TraceRefused` when beside the loop its model cannot be
+    traced."""
     if placement is Placement.INSTANCE_PROCESSES:
         raise ValueError("an engine's instances run in processes of their own only as halfserve.isolated's engine")
     if placement is Placement.EVENT_LOOP:
