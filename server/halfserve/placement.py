@@ -110,25 +110,25 @@ def intra_op_threads(batch_seconds: float, rows: int, cores: int) -> int:
     return cores
 
 
-def _on_event_loop(engine: Timed, setting: bool | None) -> bool:
-    """As ``setting`` says, else where the forward is :func:`loop_bound` and settled on one intra-op thread; only on a
+def _on_event_loop(engine: Timed, forced: bool | None) -> bool:
+    """As ``forced`` says, else where the forward is :func:`loop_bound` and settled on one intra-op thread; only on a
     CPU, with one instance. One thread: a forward on more would make the loop's thread an OpenMP master with a pool of
     its own beside the instance's, and GNU OpenMP stops spinning once the pools outnumber the cores."""
     if engine.device.type != "cpu" or engine.instance_count != 1:
         return False
-    if setting is None:
+    if forced is None:
         return bool(engine.loop_bound) and engine.threads == 1
-    return setting
+    return forced
 
 
-def _beside_loop(engine: Timed, setting: bool | None) -> bool:
-    """As ``setting`` says, else where the forward would run on the loop and takes at least
+def _beside_loop(engine: Timed, forced: bool | None) -> bool:
+    """As ``forced`` says, else where the forward would run on the loop and takes at least
     :data:`BESIDE_LOOP_MIN_SHARE` of the loop's work on a full batch of :data:`BESIDE_LOOP_MIN_ROWS` or more, with
     another core for the graph; only an engine that can be traced (:attr:`halfserve.engine.core.Engine.traceable`)."""
     if not engine.traceable:
         return False
-    if setting is not None:
-        return setting
+    if forced is not None:
+        return forced
     if not _on_event_loop(engine, None) or engine.batch_seconds is None:
         return False
     if engine.cores < 2:  # no other core for the graph to run on: it would only add its launches to the loop's work
@@ -165,7 +165,8 @@ def _isolation_on(device: OnDevice) -> Isolation:
 
 def in_process(engine: Timed, wanted: Placement | None, traced: bool = True) -> Placement:
     """Where ``engine`` (instance threads, after warm-up) runs its batches in this process: ``wanted`` where it can,
-    else (``None``) as its timing says; never beside the loop unless ``traced`` (a model whose trace was refused)."""
+    else (or for ``None``) as its timing says; never beside the loop where ``traced`` is false (a model whose trace
+    was refused)."""
     on_loop = {Placement.EVENT_LOOP: True, Placement.INSTANCE_THREADS: False}.get(wanted) if wanted else None
     beside = wanted is Placement.BESIDE_LOOP if wanted else None
     if traced and _beside_loop(engine, beside):
