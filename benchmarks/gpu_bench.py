@@ -46,7 +46,7 @@ from common import IMAGENET, ROOT
 
 from halfserve import hostinfo, models, store
 from halfserve.compilation import tune_cudnn
-from halfserve.engine import Engine
+from halfserve.engine.core import Engine
 from halfserve.loadtest.config import LoadtestConfig
 from halfserve.loadtest.make_bench_model import calibrate
 from halfserve.loadtest.payload import Protocol
@@ -632,7 +632,7 @@ def main() -> None:
                     if iso == "process"
                     else f"{label}, instances as {iso}s{_round(isolations, i)}",
                     wire,
-                    (*extra, "--instance-isolation", iso),
+                    (*extra, "--placement", f"instance_{iso}{'es' if iso == 'process' else 's'}"),
                 )
                 for label, wire, extra in plans
                 for i, iso in enumerate(isolations)

@@ -20,7 +20,7 @@
 #   TESTS_TIMEOUT    seconds for the tests (default 150); BENCH_TIMEOUT: seconds per bench run (default 300)
 #   BENCH_ARGS       replaces the bench's arguments; EXTRA_BENCH_ARGS is added to them (e.g. --precisions fp16)
 #   EXTRA_SERVE_ARGS runs the bench a second time, its servers given these halfserve serve flags (gpu_bench
-#                    --serve-args), into bench/extra: e.g. '--instance-isolation thread' beside the default (processes
+#                    --serve-args), into bench/extra: e.g. '--placement instance_threads' beside the default (processes
 #                    on CUDA) for a thread-vs-process comparison. Add it to the time: the in-process part runs again.
 #   GPU_SESSION_CPU=1  the bench at a CPU's size (32x32, fp32, a second a level): to try this script on a CPU
 set -uo pipefail

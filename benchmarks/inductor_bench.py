@@ -24,7 +24,7 @@ import torch
 from common import ROOT, write_results
 
 from halfserve import hostinfo, store
-from halfserve.engine import Engine
+from halfserve.engine.core import Engine
 from halfserve.manifest import Compile, Execution
 from halfserve.precision import Precision
 

@@ -67,7 +67,8 @@ def probe(url: str, count: int, gap: float) -> list[float]:
 
 def one_round(root: Path, mode: str, args: argparse.Namespace, folder: Path) -> dict[str, object]:
     port = free_port()
-    extra = ["--instance-isolation", mode, "--gil-switch-interval-ms", str(args.switch_interval_ms)]
+    placement = "instance_processes" if mode == "process" else "instance_threads"
+    extra = ["--placement", placement, "--gil-switch-interval-ms", str(args.switch_interval_ms)]
     extra += ["--code-path", str(TOOLS), "--no-grpc", "--threads", "1"]
     proc = common.start_server(root, "hostwork", port, *extra)
     url = f"http://127.0.0.1:{port}"

@@ -29,7 +29,7 @@ import torch
 from common import PROTOCOLS, ROOT, Protocol, make_protocol, start_server, stats, write_results, wrk
 
 from halfserve import hostinfo, store
-from halfserve.engine import Engine
+from halfserve.engine.core import Engine
 from halfserve.manifest import load_manifest
 from halfserve.precision import Precision
 

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from halfserve import hostinfo, models, packing, store
-from halfserve.engine import Engine
+from halfserve.engine.core import Engine
 from halfserve.manifest import Batching, DataType, Manifest, TensorSpec
 from halfserve.precision import Precision
 

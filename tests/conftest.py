@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from halfserve import models, store
-from halfserve.engine import Engine
+from halfserve.engine.core import Engine
 from halfserve.manifest import Batching, Execution, Manifest, TensorSpec
 from halfserve.precision import Precision
 
@@ -33,7 +33,7 @@ os.environ["HALFSERVE_GRPC"] = "false"
 # decides otherwise on a loaded host. Tests of other timings give their own (forward_seconds, settle_threads).
 os.environ["HALFSERVE_FORWARD_SECONDS"] = "1e-06"
 
-PROCESS_ISOLATION = os.environ.get("HALFSERVE_INSTANCE_ISOLATION") == "process"
+PROCESS_ISOLATION = os.environ.get("HALFSERVE_PLACEMENT") == "instance_processes"
 """The suite runs with every engine's instances in processes of their own (.ci/run runs the integration tests so)."""
 
 

@@ -23,7 +23,7 @@ import torch
 from halfserve import store
 from halfserve.batching import Batcher
 from halfserve.compilation import tune_cudnn
-from halfserve.engine import Engine
+from halfserve.engine.core import Engine
 from halfserve.manifest import Compile, Execution
 from halfserve.precision import Precision
 

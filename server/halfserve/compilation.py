@@ -14,7 +14,7 @@ log = logging.getLogger(__name__)
 def own_code(method: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
     """``method`` bound to a copy of its function's code object.
 
-    torch.compile keeps compiled shapes per code object, and every engine's ``_eager`` is one code object: their
+    torch.compile keeps compiled shapes per code object, and every engine's ``eager`` is one code object: their
     entries would add up over models, precisions and reloads, none freed, each checked in turn on every call, and past
     its recompile limit (8) it would run eager forwards and say so only in a log line. With a code object of its own,
     an engine's compiled shapes are its own and go with it.

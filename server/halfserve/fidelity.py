@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from halfserve import calibration, store
-from halfserve.engine import Engine
+from halfserve.engine.core import Engine
 from halfserve.manifest import FidelityBar, Manifest
 from halfserve.precision import Precision
 
@@ -157,8 +157,8 @@ def read_samples(version_dir: Path, manifest: Manifest) -> np.ndarray | None:
 
 
 class Computes(Protocol):
-    """An engine whose outputs can be asked for directly (:meth:`halfserve.engine.Engine.compute`, or an engine whose
-    instances are processes)."""
+    """An engine whose outputs can be asked for directly (:meth:`halfserve.engine.core.Engine.compute`, or an engine
+    whose instances are processes)."""
 
     @property
     def precision(self) -> Precision: ...

@@ -27,7 +27,8 @@ from torch import nn
 
 from halfserve import calibration, fidelity, models, padding, precision, storage, store
 from halfserve.calibration import Samples
-from halfserve.engine import Engine, takes_positionally
+from halfserve.engine.core import Engine
+from halfserve.engine.inputs import takes_positionally
 from halfserve.instance import torch_dtype
 from halfserve.manifest import DataType, InputFormat, Manifest, TensorSpec, sent_inputs
 from halfserve.manifest import describe as describe_invalid

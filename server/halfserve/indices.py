@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from halfserve.engine import takes_positionally
+from halfserve.engine.inputs import takes_positionally
 from halfserve.instance import torch_dtype
 from halfserve.manifest import Manifest
 from halfserve.serving import InvalidInputError, Tensors

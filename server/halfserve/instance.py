@@ -1,6 +1,6 @@
 """One engine instance: its worker thread, its CUDA stream, its staging buffers and CUDA graphs per batch bucket.
 
-An :class:`~halfserve.engine.Engine` owns the model and the precision policy and runs each batch on one of its
+An :class:`~halfserve.engine.core.Engine` owns the model and the precision policy and runs each batch on one of its
 instances. Instances share the cast weights (read-only at inference) but nothing that a batch writes, so several can
 run at once on one device: one instance's host-to-device copy overlaps another's kernels (Triton's instance groups).
 

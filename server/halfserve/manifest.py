@@ -326,7 +326,7 @@ class Execution(BaseModel):
     """NHWC activations and weights for models with 2-D convolutions (cuDNN's tensor-core kernels want NHWC)."""
     isolation: Isolation | None = None
     """Instances as threads of the server process or as processes of their own; ``None``: per device
-    (:func:`halfserve.placement.isolation`). The server's ``--instance-isolation`` outranks it."""
+    (:func:`halfserve.placement.choose`). The server's ``--placement`` outranks it."""
 
     @field_validator("batch_buckets")
     @classmethod

@@ -24,7 +24,7 @@ import torch
 
 from halfserve import calibration, packing
 from halfserve.calibration import Samples
-from halfserve.engine import Engine
+from halfserve.engine.core import Engine
 from halfserve.manifest import Manifest, sent_inputs
 from halfserve.packing import LENGTH
 from halfserve.precision import Precision

@@ -1,4 +1,6 @@
-"""Where a model's batches run, decided once at load: one :class:`Placement` value per engine.
+"""Where a model's batches run, decided once at load by :func:`choose`: one :class:`Placement` value per engine, from
+the server's ``placement`` setting, the model's manifest and device, and, for a CPU model left to ``auto``, its
+in-process engine's warm-up timing. Torch-free: the settings name its values.
 
 The choice for a CPU model rests on one comparison: a full batch's forward, timed at warm-up (or given as the
 ``forward_seconds`` setting), against the event loop's own work on that batch's requests
@@ -9,10 +11,9 @@ The choice for a CPU model rests on one comparison: a full batch's forward, time
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from enum import Enum
 from typing import Protocol
-
-import torch
 
 from halfserve.manifest import Compile, Execution, Isolation
 
@@ -32,6 +33,30 @@ class Placement(str, Enum):
     """Each instance in a process of its own (:mod:`halfserve.isolated`)."""
 
 
+class PlacementSetting(str, Enum):
+    """The server's ``placement`` setting: a :class:`Placement` for every model, or ``auto``."""
+
+    AUTO = "auto"
+    """Per model (:func:`choose`): processes where its manifest's ``execution.isolation`` says so, else on CUDA; on a
+    CPU, where its warm-up timing says."""
+    INSTANCE_THREADS = Placement.INSTANCE_THREADS.value
+    EVENT_LOOP = Placement.EVENT_LOOP.value
+    BESIDE_LOOP = Placement.BESIDE_LOOP.value
+    INSTANCE_PROCESSES = Placement.INSTANCE_PROCESSES.value
+
+    @property
+    def placement(self) -> Placement | None:
+        """The placement asked for; None for ``auto``."""
+        return None if self is PlacementSetting.AUTO else Placement(self.value)
+
+
+class OnDevice(Protocol):
+    """A device as the choice reads it (``torch.device`` answers it)."""
+
+    @property
+    def type(self) -> str: ...
+
+
 LOOP_SECONDS_PER_ROW = 50e-6
 """About what the event loop spends taking and answering a one-row request (measured on a 2-core AMD EPYC; less on
 faster cores)."""
@@ -48,10 +73,10 @@ tiny forward's fixed cost makes its share of a few rows' loop work look large an
 
 class Timed(Protocol):
     """What :func:`choose` reads of an engine: its device and instances, and what warm-up timed
-    (:meth:`halfserve.engine.Engine.settle_threads`)."""
+    (:meth:`halfserve.engine.core.Engine.settle_threads`)."""
 
     @property
-    def device(self) -> torch.device: ...
+    def device(self) -> OnDevice: ...
     @property
     def threads(self) -> int | None: ...
     @property
@@ -85,25 +110,25 @@ def intra_op_threads(batch_seconds: float, rows: int, cores: int) -> int:
     return cores
 
 
-def _on_event_loop(engine: Timed, setting: bool | None) -> bool:
-    """As ``setting`` says, else where the forward is :func:`loop_bound` and settled on one intra-op thread; only on a
+def _on_event_loop(engine: Timed, forced: bool | None) -> bool:
+    """As ``forced`` says, else where the forward is :func:`loop_bound` and settled on one intra-op thread; only on a
     CPU, with one instance. One thread: a forward on more would make the loop's thread an OpenMP master with a pool of
     its own beside the instance's, and GNU OpenMP stops spinning once the pools outnumber the cores."""
     if engine.device.type != "cpu" or engine.instance_count != 1:
         return False
-    if setting is None:
+    if forced is None:
         return bool(engine.loop_bound) and engine.threads == 1
-    return setting
+    return forced
 
 
-def _beside_loop(engine: Timed, setting: bool | None) -> bool:
-    """As ``setting`` says, else where the forward would run on the loop and takes at least
+def _beside_loop(engine: Timed, forced: bool | None) -> bool:
+    """As ``forced`` says, else where the forward would run on the loop and takes at least
     :data:`BESIDE_LOOP_MIN_SHARE` of the loop's work on a full batch of :data:`BESIDE_LOOP_MIN_ROWS` or more, with
-    another core for the graph; only an engine that can be traced (:attr:`halfserve.engine.Engine.traceable`)."""
+    another core for the graph; only an engine that can be traced (:attr:`halfserve.engine.core.Engine.traceable`)."""
     if not engine.traceable:
         return False
-    if setting is not None:
-        return setting
+    if forced is not None:
+        return forced
     if not _on_event_loop(engine, None) or engine.batch_seconds is None:
         return False
     if engine.cores < 2:  # no other core for the graph to run on: it would only add its launches to the loop's work
@@ -113,18 +138,45 @@ def _beside_loop(engine: Timed, setting: bool | None) -> bool:
     return engine.batch_seconds >= BESIDE_LOOP_MIN_SHARE * engine.batch_rows * LOOP_SECONDS_PER_ROW
 
 
-def choose(engine: Timed, on_event_loop: bool | None = None, beside_loop: bool | None = None) -> Placement:
-    """Where ``engine`` (instance threads, after warm-up) runs its batches: beside the loop, on it, or on its
-    instances' threads. ``on_event_loop`` and ``beside_loop`` are the server's settings (``forward_on_event_loop``,
-    ``pipeline_forward``): ``None`` decides from the engine's timing, a bool forces the answer where the engine can."""
-    if _beside_loop(engine, beside_loop):
+def choose(
+    setting: PlacementSetting, execution: Execution, device: OnDevice, measure: Callable[[], Timed]
+) -> Placement:
+    """Where a model's batches run: the one decision, taken once per engine built.
+
+    ``setting`` is the server's (``auto``: per model); then the manifest's ``execution.isolation``, else processes on
+    CUDA (where an instance's many torch calls per batch would each wait for the GIL the event loop holds) and threads
+    on a CPU (where a process per instance costs a copy per batch and a copy of the weights, and the forward, not the
+    GIL, is what takes the time). In this process, ``measure`` builds the engine, warms and times it (the repository's,
+    which serves the same engine), and its timing decides: beside the loop, on it, or on its instances' threads. A
+    placement asked for is taken where the engine can take it (the event loop: a CPU engine with one instance; beside
+    it: an engine that traces, :attr:`halfserve.engine.core.Engine.traceable`), else decided as for ``auto``.
+    """
+    wanted = setting.placement
+    if wanted is None and (execution.isolation or _isolation_on(device)) is Isolation.PROCESS:
+        wanted = Placement.INSTANCE_PROCESSES
+    if wanted is Placement.INSTANCE_PROCESSES:
+        return wanted
+    return in_process(measure(), wanted)
+
+
+def _isolation_on(device: OnDevice) -> Isolation:
+    return Isolation.PROCESS if device.type == "cuda" else Isolation.THREAD
+
+
+def in_process(engine: Timed, wanted: Placement | None, traced: bool = True) -> Placement:
+    """Where ``engine`` (instance threads, after warm-up) runs its batches in this process: ``wanted`` where it can,
+    else (or for ``None``) as its timing says; never beside the loop where ``traced`` is false (a model whose trace
+    was refused)."""
+    on_loop = {Placement.EVENT_LOOP: True, Placement.INSTANCE_THREADS: False}.get(wanted) if wanted else None
+    beside = wanted is Placement.BESIDE_LOOP if wanted else None
+    if traced and _beside_loop(engine, beside):
         return Placement.BESIDE_LOOP
-    if _on_event_loop(engine, on_event_loop):
+    if _on_event_loop(engine, on_loop):
         return Placement.EVENT_LOOP
     return Placement.INSTANCE_THREADS
 
 
-def pads_to_buckets(execution: Execution, device: torch.device) -> bool:
+def pads_to_buckets(execution: Execution, device: OnDevice) -> bool:
     """Whether an engine pads batches to bucket sizes: as the manifest says, else on CUDA (fixed shapes for cuDNN and
     CUDA graphs) and wherever the forward is compiled (a compiled forward runs fixed shapes)."""
     if execution.pad_to_bucket is not None:
@@ -132,29 +184,8 @@ def pads_to_buckets(execution: Execution, device: torch.device) -> bool:
     return device.type == "cuda" or execution.compile is Compile.INDUCTOR
 
 
-def isolation(execution: Execution, setting: Isolation | None, device: torch.device) -> Isolation:
-    """Where a model's instances run: the server's setting, else the manifest's, else processes on CUDA (where an
-    instance's many torch calls per batch would each wait for the GIL the event loop holds) and threads on a CPU
-    (where a process per instance costs a copy per batch and a copy of the weights, and the forward, not the GIL, is
-    what takes the time)."""
-    chosen = setting or execution.isolation
-    if chosen is not None:
-        return chosen
-    return Isolation.PROCESS if device.type == "cuda" else Isolation.THREAD
-
-
-def set_intra_op_threads(count: int) -> None:
-    """Set the calling thread's torch intra-op threads to ``count``, for good.
-
-    torch gives a thread its count from the process's last setting (any thread's) when the thread first asks for it
-    or starts parallel work, overwriting a count set on the thread before that. Asking first spends that first time
-    here, so the count set is the thread's until it sets another.
-    """
-    torch.get_num_threads()
-    torch.set_num_threads(count)
-
-
 def available_cores() -> int:
     """Every core this process may run on (its affinity, which a container's CPU set narrows): torch's intra-op
-    threads when none are set, before each engine settles its own (:meth:`halfserve.engine.Engine.settle_threads`)."""
+    threads when none are set, before each engine settles its own
+    (:meth:`halfserve.engine.core.Engine.settle_threads`)."""
     return len(os.sched_getaffinity(0))

@@ -10,14 +10,17 @@ from collections.abc import Callable
 from halfserve import calibration, fidelity, padding, storage, store, text
 from halfserve import precision as prec
 from halfserve.batching import Batcher, BatchObserver
-from halfserve.engine import Engine, fixed_timing, module_bytes
+from halfserve.engine import runners
+from halfserve.engine.core import Engine, fixed_timing, module_bytes
+from halfserve.engine.protocol import ModelEngine
+from halfserve.engine.traced import TraceRefused
 from halfserve.fallback import VersionFallback
 from halfserve.indices import index_limits
 from halfserve.isolated.engine import ProcessEngine
-from halfserve.manifest import Batching, Isolation, Manifest, load_manifest
-from halfserve.placement import Placement, available_cores, choose, isolation, pads_to_buckets
+from halfserve.manifest import Batching, Manifest, load_manifest
+from halfserve.placement import Placement, available_cores, choose, in_process, pads_to_buckets
 from halfserve.precision import Precision, resolve_device
-from halfserve.served import AnyEngine, ServedModel
+from halfserve.served import ServedModel
 from halfserve.serving import (
     ModelNotReadyError,
     ModelState,
@@ -27,7 +30,6 @@ from halfserve.serving import (
 from halfserve.settings import FidelityCheck, Settings
 from halfserve.storage import StoreError
 from halfserve.store import LoadedModel
-from halfserve.traced import TraceRefused
 
 log = logging.getLogger(__name__)
 
@@ -128,51 +130,48 @@ class ModelRepository:
             async with self._lock(served.name):
                 self.models[served.name] = await self._fallback.load_newest(served)
 
-    def _observer(self, served: ServedModel, engine: AnyEngine) -> BatchObserver | None:
+    def _observer(self, served: ServedModel, engine: ModelEngine) -> BatchObserver | None:
         return self.observe(served.name, served.version, engine.precision.value) if self.observe else None
 
-    async def _engine(self, served: ServedModel, loaded: LoadedModel, precision: Precision) -> AnyEngine:
-        """A new engine for ``served`` cast from ``loaded``'s host weights, warmed up unless warm-up is off; with
-        process isolation, instance processes that read the same checkpoint and warm up in parallel."""
-        execution = served.manifest.execution
-        if isolation(execution, self.settings.instance_isolation, self.device) is Isolation.PROCESS:
+    async def _engine(self, served: ServedModel, loaded: LoadedModel, precision: Precision) -> ModelEngine:
+        """A new engine for ``served`` cast from ``loaded``'s host weights, warmed up unless warm-up is off, built
+        where :func:`halfserve.placement.choose` places it: instance processes that read the same checkpoint and warm
+        up in parallel, or an engine in this process with the runner of its placement."""
+        max_batch_size = served.batching.max_batch_size
+        # Built (and timed) only where the choice needs it, in its worker thread; cached, so the engine timed is the
+        # engine served.
+        measured = functools.cache(functools.partial(self._in_process_engine, served, loaded, precision))
+        setting = self.settings.placement
+        placement = await asyncio.to_thread(choose, setting, served.manifest.execution, self.device, measured)
+        if placement is Placement.INSTANCE_PROCESSES:
             processes = await ProcessEngine.start(
-                self.settings,
-                loaded,
-                precision,
-                self.device,
-                served.batching.max_batch_size,
-                self.fixed_shapes(),
+                self.settings, loaded, precision, self.device, max_batch_size, self.fixed_shapes()
             )
             served.warmup_seconds = processes.warmup_seconds
             return processes
-        engine = await asyncio.to_thread(
-            functools.partial(Engine, max_batch_size=served.batching.max_batch_size),
-            loaded,
-            precision,
-            self.device,
-        )
+        engine = measured()
+        try:
+            await asyncio.to_thread(runners.place, engine, placement, max_batch_size)
+        except TraceRefused as e:
+            log.info("model %s: batches run eagerly, not as a traced graph beside the event loop: %s", served.name, e)
+            runners.place(engine, in_process(engine, setting.placement, traced=False), max_batch_size)
+        return engine
+
+    def _in_process_engine(self, served: ServedModel, loaded: LoadedModel, precision: Precision) -> Engine:
+        """An engine in this process, warmed up and its intra-op threads settled on a CPU (unless warm-up is off); it
+        blocks, so run it off the event loop."""
+        max_batch_size = served.batching.max_batch_size
+        engine = Engine(loaded, precision, self.device, max_batch_size=max_batch_size)
         if self.settings.warmup:
             try:
-                served.warmup_seconds = await asyncio.to_thread(engine.warmup, served.batching.max_batch_size)
+                served.warmup_seconds = engine.warmup(max_batch_size)
                 if self.settings.threads is None and self.device.type == "cpu":
                     given = self.settings.forward_seconds
-                    await asyncio.to_thread(
-                        engine.settle_threads,
-                        served.batching.max_batch_size,
-                        available_cores(),
-                        None if given is None else fixed_timing(given),
-                    )
+                    timing = None if given is None else fixed_timing(given)
+                    engine.settle_threads(max_batch_size, available_cores(), timing)
             except BaseException:
                 engine.close()
                 raise
-        on_loop, beside = self.settings.forward_on_event_loop, self.settings.pipeline_forward
-        placement = choose(engine, on_loop, beside)
-        try:
-            await asyncio.to_thread(engine.place, placement, served.batching.max_batch_size)
-        except TraceRefused as e:
-            log.info("model %s: batches run eagerly, not as a traced graph beside the event loop: %s", served.name, e)
-            engine.place(choose(engine, on_loop, beside_loop=False), served.batching.max_batch_size)
         return engine
 
     def _held_to(self, manifest: Manifest) -> fidelity.Bar | None:
@@ -183,8 +182,8 @@ class ModelRepository:
         return held_to if held_to.check else None
 
     async def _check_fidelity(
-        self, served: ServedModel, loaded: LoadedModel, engine: AnyEngine, held_to: fidelity.Bar
-    ) -> AnyEngine:
+        self, served: ServedModel, loaded: LoadedModel, engine: ModelEngine, held_to: fidelity.Bar
+    ) -> ModelEngine:
         """Measure a half-precision engine against fp32 on the version's samples (calibration, else random); returns
         the engine to serve: this one, or an fp32 one where the model falls below ``held_to``."""
         served.fidelity_bar = held_to.as_dict()

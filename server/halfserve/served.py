@@ -12,14 +12,13 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from halfserve.batching import Batcher
-from halfserve.engine import Engine, EngineInfo
+from halfserve.engine.protocol import EngineInfo, ModelEngine
 from halfserve.fidelity import Fidelity
 from halfserve.indices import check_indices
 from halfserve.isolated.engine import ProcessEngine
-from halfserve.manifest import Batching, Isolation, Manifest
+from halfserve.manifest import Batching, Manifest
 from halfserve.packing import LENGTH, PackError, pack, packs_records, padded_length, sequence_input
 from halfserve.padding import PaddingCheck
-from halfserve.placement import Placement
 from halfserve.precision import Precision
 from halfserve.serving import (
     BatchStats,
@@ -30,9 +29,6 @@ from halfserve.serving import (
     Tensors,
 )
 from halfserve.store import LoadedModel
-
-AnyEngine = Engine | ProcessEngine
-"""A model's engine: its instances as threads of this process, or as processes of their own."""
 
 
 @dataclass
@@ -45,7 +41,7 @@ class ServedModel:
     batching: Batching
     state: ModelState = ModelState.LOADING
     error: str | None = None
-    engine: AnyEngine | None = None
+    engine: ModelEngine | None = None
     precision: Precision | None = None
     """The resolved precision the engine serves in, once loaded."""
     batcher: Batcher | None = None
@@ -237,7 +233,4 @@ def _execution(info: EngineInfo) -> dict[str, object]:
         "inductor": info.inductor,
         "inductor_compile_seconds": round(info.inductor_compile_seconds, 4),
         "placement": info.placement.value,
-        "on_event_loop": info.placement is Placement.EVENT_LOOP,
-        "pipelined": info.placement is Placement.BESIDE_LOOP,
-        "isolation": (Isolation.PROCESS if info.placement is Placement.INSTANCE_PROCESSES else Isolation.THREAD).value,
     }

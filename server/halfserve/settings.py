@@ -11,6 +11,7 @@ from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from halfserve.manifest import Isolation, Precision
+from halfserve.placement import PlacementSetting
 
 MIN_ADMIN_TOKEN = 16
 """Shortest admin token accepted."""
@@ -169,29 +170,33 @@ class Settings(BaseSettings):
     loop's work on the batch's requests (:func:`halfserve.placement.intra_op_threads`): on 2 cores the benchmark MLP
     answered 13-15% more requests on one thread, while a convolutional model lost a third of its throughput on one."""
     forward_seconds: float | None = Field(default=None, gt=0.0)
-    """Seconds a CPU model's forward of a full batch takes, for ``threads``, ``forward_on_event_loop`` and
-    ``pipeline_forward`` to be decided from instead of timing one at warm-up: the same choices on every start,
+    """Seconds a CPU model's forward of a full batch takes, for ``threads`` and ``placement`` to be decided from
+    instead of timing one at warm-up: the same choices on every start,
     whatever else the host runs meanwhile (every model, at any thread count). Unset: timed at warm-up."""
+    placement: PlacementSetting = PlacementSetting.AUTO
+    """Where every model's batches run (:class:`halfserve.placement.Placement`): ``instance_threads`` (each batch on
+    an idle instance's thread), ``event_loop`` (on the event loop's own thread: a CPU model with one instance),
+    ``beside_loop`` (a CPU model's forward as a traced TorchScript graph in torch's inter-op pool, launched from the
+    event loop and run beside it without the GIL, two batches of up to half ``max_batch_size`` in flight: one instance
+    and one input, not with padding, ``inductor`` or autocast, and a model that traces to a graph giving its outputs
+    exactly), ``instance_processes`` (each instance a process of its own, fed through shared memory). A placement a
+    model cannot take is decided for it as by ``auto``. ``auto``: per model (:func:`halfserve.placement.choose`), its
+    manifest's ``execution.isolation``, else processes on CUDA; on a CPU, on the event loop where the forward of a full
+    batch, timed at warm-up, is shorter than the loop's work on the batch's requests and settles on one intra-op thread
+    (a longer one keeps its thread, so the loop goes on reading requests while it runs), and beside the loop where that
+    forward also takes 10% or more of the loop's work on a full batch of 32 rows or more."""
     forward_on_event_loop: bool | None = None
-    """Run a CPU model's batches on the event loop's own thread rather than an instance thread (never for a model with
-    several instances, nor on a GPU). Unset: where the forward of a full batch, timed at warm-up, is shorter than the
-    event loop's work on the batch's requests and settles on one intra-op thread (see ``threads``: on 2 cores). The
-    loop only waits for such a forward, and handing it to a thread and back costs more than it runs. A longer forward
-    keeps its thread, so the loop goes on reading requests while it runs (:func:`halfserve.placement.choose`)."""
+    """Deprecated (one release): ``placement``. ``true`` is ``event_loop``, ``false`` ``instance_threads``."""
     pipeline_forward: bool | None = None
-    """Run a CPU model's batches as a traced TorchScript graph in torch's inter-op pool, launched from the event loop
-    and run beside it without the GIL, two batches of up to half ``max_batch_size`` in flight (one CPU instance and one
-    input; not with padding, ``inductor`` or autocast). Unset: where the forward would run on the event loop and takes
-    10% or more of the loop's work on a full batch of 32 rows or more (:func:`halfserve.placement.choose`), and the
-    model traces to a graph that gives its outputs exactly; a model that does not trace runs as it would have."""
+    """Deprecated (one release): ``placement``. ``true`` is ``beside_loop``; ``false`` has no equivalent (say
+    ``placement`` instead)."""
     gil_switch_interval_ms: float | None = Field(default=None, gt=0.0, le=100.0)
     """The interpreter's thread switch interval. Unset: 0.5 ms when serving on CUDA (Python's 5 ms default otherwise).
     The event loop decodes request bodies holding the GIL; an engine thread that let go of it for a copy or a kernel
     waits up to this long to get it back, several times per batch."""
     instance_isolation: Isolation | None = None
-    """Run every model's engine instances as threads of this process or as processes of their own, whatever its
-    manifest's ``execution.isolation`` says. Unset: the manifest's, else per device
-    (:func:`halfserve.placement.isolation`)."""
+    """Deprecated (one release): ``placement``. ``process`` is ``instance_processes``, ``thread``
+    ``instance_threads``."""
     instance_batch_timeout: float = Field(default=300.0, gt=0.0, le=86400.0)
     """Seconds an instance process may take over one batch before it is taken for hung (stopped, deadlocked, in an
     endless kernel): then it is killed and restarted, and its batch rerun one request per batch. Generous: a first
@@ -242,6 +247,7 @@ class Settings(BaseSettings):
                 f"admin_token: at least {MIN_ADMIN_TOKEN} characters (a guessable token is no protection); "
                 "make one with: python -c 'import secrets; print(secrets.token_urlsafe(32))'"
             )
+        self._take_placement_aliases()
         if (
             self.max_queue_rows is not None
             and self.max_batch_size is not None
@@ -251,3 +257,29 @@ class Settings(BaseSettings):
                 f"max_queue_rows ({self.max_queue_rows}) must be at least max_batch_size ({self.max_batch_size})"
             )
         return self
+
+    def _take_placement_aliases(self) -> None:
+        """Map the deprecated placement flags onto ``placement``, refusing two that disagree."""
+        named: dict[str, PlacementSetting] = {}
+        if self.forward_on_event_loop is not None:
+            on_loop = self.forward_on_event_loop
+            named["forward_on_event_loop"] = (
+                PlacementSetting.EVENT_LOOP if on_loop else PlacementSetting.INSTANCE_THREADS
+            )
+        if self.pipeline_forward is False:
+            raise ValueError("pipeline_forward=false: deprecated, and has no placement of its own; set placement")
+        if self.pipeline_forward:
+            named["pipeline_forward"] = PlacementSetting.BESIDE_LOOP
+        if self.instance_isolation is not None:
+            named["instance_isolation"] = (
+                PlacementSetting.INSTANCE_PROCESSES
+                if self.instance_isolation is Isolation.PROCESS
+                else PlacementSetting.INSTANCE_THREADS
+            )
+        if self.placement is not PlacementSetting.AUTO:
+            named["placement"] = self.placement
+        if len(set(named.values())) > 1:
+            said = ", ".join(f"{k} ({v.value})" for k, v in named.items())
+            raise ValueError(f"placement: {said} disagree; set placement alone")
+        if named:
+            self.placement = next(iter(named.values()))

@@ -1,5 +1,5 @@
 """Closing a model's instance processes (unload, reload), as real ``halfserve serve`` processes on 127.0.0.1 with
-``--instance-isolation process``: the wait for the processes to exit is off the event loop, so the server answers
+``--placement instance_processes``: the wait for the processes to exit is off the event loop, so the server answers
 meanwhile, and each closed process's pipes are released at once, not at some later garbage collection."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from tests.conftest import SHIPPED_STORE, ServerProcess, start_server
 MODEL = "digits_mlp"
 TOKEN = "instance-close-admin-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
-FLAGS = ("--models", MODEL, "--instance-isolation", "process", "--precision", "fp32", "--admin-token", TOKEN)
+FLAGS = ("--models", MODEL, "--placement", "instance_processes", "--precision", "fp32", "--admin-token", TOKEN)
 RELOADS = 4
 pytestmark = pytest.mark.slow
 

@@ -1,6 +1,6 @@
-"""``--instance-isolation process`` behind ``--http-workers 2``, as real processes on 127.0.0.1: the instance processes
-read the rows in the front-ends' shared memory where they lie (no copy), answer as the fp32 model does, and exit with
-the server on SIGTERM after every accepted request is answered."""
+"""``--placement instance_processes`` behind ``--http-workers 2``, as real processes on 127.0.0.1: the instance
+processes read the rows in the front-ends' shared memory where they lie (no copy), answer as the fp32 model does, and
+exit with the server on SIGTERM after every accepted request is answered."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ async def post_all(url: str, x: np.ndarray) -> list[httpx.Response]:
 
 
 def test_instance_processes_read_front_end_slots_in_place_and_exit_with_the_server(tmp_path: Path) -> None:
-    flags = ("--models", MODEL, "--http-workers", "2", "--instance-isolation", "process", "--precision", "fp32")
+    flags = ("--models", MODEL, "--http-workers", "2", "--placement", "instance_processes", "--precision", "fp32")
     server = start_server(SHIPPED_STORE, tmp_path / "server.log", *flags)
     try:
         x = samples(24, seed=3)
@@ -50,7 +50,7 @@ def test_instance_processes_read_front_end_slots_in_place_and_exit_with_the_serv
 
 
 def test_without_front_ends_each_row_is_copied_once_into_the_instance_process(tmp_path: Path) -> None:
-    flags = ("--models", MODEL, "--instance-isolation", "process", "--precision", "fp32")
+    flags = ("--models", MODEL, "--placement", "instance_processes", "--precision", "fp32")
     server = start_server(SHIPPED_STORE, tmp_path / "server.log", *flags)
     try:
         x = samples(8, seed=4)

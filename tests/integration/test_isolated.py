@@ -1,4 +1,4 @@
-"""Engine instances in processes of their own (``--instance-isolation process``), in-process app, real instance
+"""Engine instances in processes of their own (``--placement instance_processes``), in-process app, real instance
 processes: the same answers as threads, fault isolation, a crashed process restarted, counters, precision switches."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from halfserve import store
-from halfserve.engine import EngineError
+from halfserve.engine.protocol import EngineError
 from halfserve.isolated.engine import ProcessEngine
 from halfserve.manifest import Batching, Execution, Manifest, OverflowPolicy, TensorSpec
 from halfserve.precision import Precision
@@ -80,7 +80,7 @@ def save_faulty(root: Path, code: Path, instances: int = 1) -> None:
 
 
 def processes(**kw: object) -> Settings:
-    return Settings(instance_isolation="process", admin_token=TOKEN, **kw)  # type: ignore[arg-type]
+    return Settings(placement="instance_processes", admin_token=TOKEN, **kw)  # type: ignore[arg-type]
 
 
 async def model(client: httpx.AsyncClient, name: str) -> dict[str, object]:
@@ -101,8 +101,8 @@ async def test_instance_processes_answer_as_threads_do(tmp_path: Path) -> None:
     save_tiny_mlp(tmp_path, "tiny", execution=Execution(instances=2))
     x = np.random.default_rng(0).standard_normal((40, 16)).astype(np.float32)
     answers = {}
-    for mode in ("thread", "process"):
-        settings = Settings(store=tmp_path, precision="fp32", instance_isolation=mode, max_delay_ms=20)
+    for mode in ("instance_threads", "instance_processes"):
+        settings = Settings(store=tmp_path, precision="fp32", placement=mode, max_delay_ms=20)  # type: ignore[arg-type]
         async with serving(settings) as client:
             replies = await asyncio.gather(
                 *(client.post("/predict", json={"inputs": x[i : i + 4].tolist()}) for i in range(0, 40, 4))
@@ -110,17 +110,17 @@ async def test_instance_processes_answer_as_threads_do(tmp_path: Path) -> None:
             assert [r.status_code for r in replies] == [200] * 10
             answers[mode] = np.concatenate([np.array(r.json()["outputs"], dtype=np.float32) for r in replies])
             listing = await model(client, "tiny")
-            assert listing["execution"]["isolation"] == mode  # type: ignore[index]
+            assert listing["execution"]["placement"] == mode  # type: ignore[index]
             stats = listing["stats"]
             assert isinstance(stats, dict)
-            if mode == "process":
+            if mode == "instance_processes":
                 pids = stats["instance_pids"]
                 assert len(set(pids)) == 2
                 assert os.getpid() not in pids
                 assert all(alive(p) for p in pids)
                 assert stats["rows"] == 40
                 assert sum(stats["instance_forwards"]) > 0
-    np.testing.assert_allclose(answers["process"], answers["thread"], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(answers["instance_processes"], answers["instance_threads"], rtol=1e-5, atol=1e-6)
     assert not any(alive(p) for p in pids)  # the processes exit with the server
 
 

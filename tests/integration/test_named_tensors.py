@@ -18,7 +18,8 @@ from torch import nn
 
 from halfserve import models, packing, store
 from halfserve.api.dataplane.codec import HEADER_LENGTH
-from halfserve.engine import Engine, EngineError
+from halfserve.engine.core import Engine
+from halfserve.engine.protocol import EngineError
 from halfserve.manifest import Batching, DataType, Execution, Manifest, OverflowPolicy, TensorSpec
 from halfserve.precision import Precision
 from halfserve.settings import Settings

@@ -210,14 +210,18 @@ async def test_a_cpu_model_whose_forward_is_shorter_than_the_loops_work_runs_on_
     x = np.random.default_rng(0).standard_normal((8, 16)).astype(np.float32)
     loop_work = 8 * LOOP_SECONDS_PER_ROW
     # Made-up forwards of a full batch: a tenth and ten times the loop's work on it.
-    runs = {"short": (loop_work / 10, None), "long": (loop_work * 10, None), "off": (loop_work / 10, False)}
+    runs = {
+        "short": (loop_work / 10, "auto"),
+        "long": (loop_work * 10, "auto"),
+        "off": (loop_work / 10, "instance_threads"),
+    }
     answers, placed = {}, {}
     for run, (seconds, setting) in runs.items():
-        settings = Settings(store=tmp_path, precision="fp32", forward_seconds=seconds, forward_on_event_loop=setting)
+        settings = Settings(store=tmp_path, precision="fp32", forward_seconds=seconds, placement=setting)  # type: ignore[arg-type]
         async with serving(settings) as client:
             answers[run] = await post_each_row(client, x)
             (entry,) = (await client.get("/models")).json()["models"]
-            placed[run] = entry["execution"]["on_event_loop"]
+            placed[run] = entry["execution"]["placement"] == "event_loop"
             histogram = (await client.get("/models/tiny/stats")).json()["batch_size_histogram"]
             assert sum(int(k) * v for k, v in histogram.items()) >= 8
     # By default where the forward settles on one thread: on up to 2 cores (on more it takes every core but one).
@@ -233,11 +237,12 @@ async def test_a_pipelined_cpu_model_answers_as_an_eager_one(tmp_path: Path) -> 
     x = np.random.default_rng(0).standard_normal((16, 16)).astype(np.float32)
     answers, listed = {}, {}
     for setting in (True, False):
-        async with serving(Settings(store=tmp_path, precision="fp32", pipeline_forward=setting)) as client:
+        placement = "beside_loop" if setting else "instance_threads"
+        async with serving(Settings(store=tmp_path, precision="fp32", placement=placement)) as client:  # type: ignore[arg-type]
             answers[setting] = await post_each_row(client, x, x[:8])  # 8: more rows than a pipelined batch takes
             (entry,) = (await client.get("/models")).json()["models"]
             stats = (await client.get("/models/tiny/stats")).json()
-            listed[setting] = (entry["execution"]["pipelined"], stats["max_batch_size"])
+            listed[setting] = (entry["execution"]["placement"] == "beside_loop", stats["max_batch_size"])
             assert max(int(k) for k in stats["batch_size_histogram"]) <= stats["max_batch_size"]
     # Pipelined: two batches in flight, each of up to half the model's max_batch_size.
     assert listed == {True: (True, 4), False: (False, 8)}

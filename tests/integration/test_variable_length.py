@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from halfserve import models, packing, store
-from halfserve.engine import Engine
+from halfserve.engine.core import Engine
 from halfserve.manifest import Batching, DataType, Manifest, TensorSpec
 from halfserve.models.transformer import attention_bias
 from halfserve.precision import Precision

@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from halfserve import models, storage, store
-from halfserve.engine import Engine
+from halfserve.engine.core import Engine
 from halfserve.manifest import Manifest, TensorSpec
 from halfserve.precision import Precision
 from halfserve.repository import ModelRepository

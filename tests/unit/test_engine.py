@@ -11,7 +11,10 @@ import torch
 from torch import nn
 
 from halfserve import store
-from halfserve.engine import Engine, EngineError, Normalizer, batch_buckets
+from halfserve.engine import runners
+from halfserve.engine.core import Engine, batch_buckets
+from halfserve.engine.inputs import Normalizer
+from halfserve.engine.protocol import EngineError
 from halfserve.manifest import DataType, Normalize, TensorSpec
 from halfserve.placement import Placement
 from halfserve.precision import Precision, resolve_device
@@ -120,7 +123,7 @@ async def test_an_engine_on_the_event_loop_runs_each_batch_there_at_once(
     loaded: store.LoadedModel, threads: int | None
 ) -> None:
     engine = Engine(loaded, Precision.FP32, CPU)
-    engine.place(Placement.EVENT_LOOP, 8)
+    runners.place(engine, Placement.EVENT_LOOP, 8)
     engine.threads = threads
     seen: list[tuple[str, int]] = []
     original = engine.model.forward

@@ -11,7 +11,8 @@ import torch
 
 from halfserve import store
 from halfserve.batching import Batcher
-from halfserve.engine import Engine, PrecisionOverflowError, is_out_of_memory
+from halfserve.engine.core import Engine, is_out_of_memory
+from halfserve.engine.protocol import PrecisionOverflowError
 from halfserve.manifest import OverflowPolicy
 from halfserve.precision import Precision
 from halfserve.serving import BatchTooLargeError, Output

@@ -18,10 +18,10 @@ from pydantic import ValidationError
 from halfserve import models, store
 from halfserve.batching import Batcher
 from halfserve.compilation import tune_cudnn
-from halfserve.engine import Engine, fixed_timing
+from halfserve.engine.core import Engine, fixed_timing, set_intra_op_threads
 from halfserve.instance import bucket_for, pin_host, pinned
 from halfserve.manifest import Batching, Compile, DataType, Execution, Manifest, Normalize, TensorSpec
-from halfserve.placement import LOOP_SECONDS_PER_ROW, pads_to_buckets, set_intra_op_threads
+from halfserve.placement import LOOP_SECONDS_PER_ROW, pads_to_buckets
 from halfserve.precision import Precision
 from halfserve.serving import Output
 from tests.conftest import needs_cxx, save_tiny_mlp
@@ -235,10 +235,8 @@ async def test_the_repository_gives_the_batcher_one_slot_per_instance(tmp_path: 
         "graph_capture_seconds": 0.0,
         "inductor": False,
         "inductor_compile_seconds": 0.0,
-        "placement": "instance_threads",  # several instances run batches side by side, each on its own thread
-        "on_event_loop": False,
-        "pipelined": False,
-        "isolation": "thread",  # a CPU's default
+        # Several instances run batches side by side, each on its own thread (a CPU's default: threads, not processes).
+        "placement": "instance_threads",
     }
     name, out = served.manifest.inputs[0].name, served.manifest.outputs[0].name
     outs = await asyncio.gather(*(served.submit({name: rows(1, seed=i)}) for i in range(12)))

@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from halfserve import store
-from halfserve.engine import Engine
+from halfserve.engine.core import Engine
 from halfserve.manifest import DataType, Manifest, TensorSpec, load_manifest
 from halfserve.precision import Precision
 from halfserve.repository import ModelRepository

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from halfserve import models, store
-from halfserve.engine import Engine
+from halfserve.engine.core import Engine
 from halfserve.loadtest.make_bench_model import main as make_main
 from halfserve.loadtest.make_bench_model import make
 from halfserve.precision import Precision

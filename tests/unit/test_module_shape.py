@@ -15,10 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PKG = ROOT / "server" / "halfserve"
 MAX_LINES = 600
 """A module past this holds more than one idea: give each its own file before adding the next."""
-STILL_OVER: dict[str, int] = {
-    "engine.py": 770,
-    "isolated/engine.py": 624,
-}
+STILL_OVER: dict[str, int] = {}
 """Modules over :data:`MAX_LINES` while their split is under way, each with its line count when listed: it may only
 shrink, and leaves this list once under the limit."""
 
@@ -118,7 +115,6 @@ ENGINE_INSIDES = (
     "halfserve.placement",
     "halfserve.records",
     "halfserve.compilation",
-    "halfserve.traced",
 )
 """The engine's own modules: the load test and training use the server's public ones (precision, manifest, store)."""
 

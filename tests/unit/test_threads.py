@@ -10,21 +10,21 @@ import pytest
 import torch
 
 from halfserve import store
-from halfserve.engine import Engine, fixed_timing
+from halfserve.engine.core import Engine, fixed_timing, set_intra_op_threads
 from halfserve.placement import (
     LOOP_SECONDS_PER_ROW,
     Placement,
-    choose,
+    in_process,
     intra_op_threads,
     loop_bound,
-    set_intra_op_threads,
 )
 from halfserve.precision import Precision
 from tests.conftest import save_tiny_mlp, tiny_engines
 
 
 def on_event_loop(engine: Engine, setting: bool | None) -> bool:
-    return choose(engine, on_event_loop=setting, beside_loop=False) is Placement.EVENT_LOOP
+    wanted = {True: Placement.EVENT_LOOP, False: Placement.INSTANCE_THREADS, None: None}[setting]
+    return in_process(engine, wanted, traced=False) is Placement.EVENT_LOOP
 
 
 def test_one_core_is_kept_for_the_event_loop_only_where_the_forward_is_shorter_than_its_work() -> None:

@@ -1,4 +1,5 @@
-"""A CPU forward traced and run beside the event loop (halfserve.traced, Engine.place, halfserve.placement.choose)."""
+"""A CPU forward traced and run beside the event loop (halfserve.engine.traced, halfserve.engine.pipelined,
+halfserve.placement.in_process)."""
 
 from __future__ import annotations
 
@@ -12,17 +13,18 @@ import torch
 from torch import nn
 
 from halfserve import store
-from halfserve.engine import Engine, fixed_timing
+from halfserve.engine import runners
+from halfserve.engine.core import Engine, fixed_timing
+from halfserve.engine.traced import TracedForward, TraceRefused
 from halfserve.placement import (
     BESIDE_LOOP_MIN_ROWS,
     BESIDE_LOOP_MIN_SHARE,
     LOOP_SECONDS_PER_ROW,
     Placement,
-    choose,
+    in_process,
 )
 from halfserve.precision import Precision
 from halfserve.serving import Output
-from halfserve.traced import TracedForward, TraceRefused
 from tests.conftest import save_tiny_mlp, tiny_engines
 from tests.waiting import DEADLINE_S
 
@@ -30,7 +32,9 @@ CPU = torch.device("cpu")
 
 
 def beside_loop(engine: Engine, setting: bool | None) -> bool:
-    return choose(engine, beside_loop=setting) is Placement.BESIDE_LOOP
+    if setting is False:  # never beside the loop, otherwise as the timing says
+        return in_process(engine, None, traced=False) is Placement.BESIDE_LOOP
+    return in_process(engine, Placement.BESIDE_LOOP if setting else None) is Placement.BESIDE_LOOP
 
 
 class Branchy(nn.Module):
@@ -101,7 +105,7 @@ async def test_an_engine_beside_the_loop_answers_as_it_runs_batches_eagerly(tmp_
     engine = Engine(store.load(tmp_path, "tiny"), Precision.FP32, CPU, max_batch_size=8)
     try:
         assert engine.batches(8) == (8, 1)  # one batch in flight per instance, of up to max_batch_size
-        engine.place(Placement.BESIDE_LOOP, 8)
+        runners.place(engine, Placement.BESIDE_LOOP, 8)
         assert engine.placement is Placement.BESIDE_LOOP
         assert engine.batches(8) == (4, 2)  # two in flight, each of up to half
         assert engine.batches(1) == (1, 2)
@@ -170,7 +174,7 @@ def test_batches_run_beside_the_loop_where_the_forward_is_a_large_share_of_the_l
         assert not beside_loop(two, True)  # several instances run their batches side by side on their threads
         assert not beside_loop(autocast, True)  # its casts follow a thread's autocast state; the pool has none
         with pytest.raises(ValueError, match="autocast"):
-            autocast.place(Placement.BESIDE_LOOP, 8)
+            runners.place(autocast, Placement.BESIDE_LOOP, 8)
     finally:
         one.close()
         two.close()

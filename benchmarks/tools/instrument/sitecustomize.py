@@ -20,7 +20,7 @@ if os.environ.get("PROF_OUT"):
     import threading
     import time
 
-    import halfserve.engine as eng
+    import halfserve.engine.core as eng
     import halfserve.instance as ins
 
     lock = threading.Lock()

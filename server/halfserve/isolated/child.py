@@ -25,7 +25,7 @@ import numpy as np
 from halfserve import logs, models, store
 from halfserve import precision as prec
 from halfserve.compilation import tune_cudnn
-from halfserve.engine import Engine, fixed_timing
+from halfserve.engine.core import Engine, fixed_timing, set_intra_op_threads
 from halfserve.instance import Instance, pin_host
 from halfserve.ipc.channel import Channel
 from halfserve.ipc.exports import ImportedRegions
@@ -34,7 +34,6 @@ from halfserve.ipc.memory import InstanceMemory
 from halfserve.ipc.tensors import descr, dtype_of
 from halfserve.isolated import handover
 from halfserve.isolated.protocol import IN_FRAME, INPUT_REGION, ChildConfig
-from halfserve.placement import set_intra_op_threads
 from halfserve.precision import Precision, resolve_device
 from halfserve.serving import Output
 

@@ -1,5 +1,7 @@
 """The server process's side of instance processes: :class:`ProcessEngine`, the engine the batcher runs batches on
-when each instance is a process of its own.
+when each instance is a process of its own, with each process's wire end (:class:`InstanceProcess`) and the dispatch
+of batches to idle ones. Starting, watching and restarting the processes is their supervisor's
+(:mod:`halfserve.isolated.supervision`).
 
 Everything here runs on the event loop's thread and makes no torch call per batch: a batch costs one copy of its
 rows into an idle instance's shared memory (numpy lets go of the GIL for it), one small frame out and one back, and a
@@ -16,8 +18,6 @@ import multiprocessing
 import multiprocessing.process
 import os
 import socket
-import threading
-import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any, cast
@@ -27,13 +27,14 @@ import torch
 
 from halfserve import models, store
 from halfserve import precision as prec
-from halfserve.engine import EngineError, EngineInfo, PrecisionOverflowError
+from halfserve.engine.protocol import EngineError, EngineInfo, PrecisionOverflowError
 from halfserve.ipc import exports
 from halfserve.ipc.frames import FrameReader, frame
 from halfserve.ipc.memory import InstanceMemory
 from halfserve.ipc.tensors import descr, dtype_of
 from halfserve.isolated import child, handover
 from halfserve.isolated.protocol import IN_FRAME, INPUT_REGION, ChildConfig, region_sizes
+from halfserve.isolated.supervision import Supervisor, Watchdog
 from halfserve.manifest import OverflowPolicy
 from halfserve.placement import Placement, available_cores
 from halfserve.precision import Precision
@@ -42,19 +43,6 @@ from halfserve.settings import Settings
 from halfserve.store import LoadedModel
 
 log = logging.getLogger(__name__)
-
-READY_TIMEOUT_S = 900.0
-"""How long an instance process may take to load and warm up (CUDA graphs and cuDNN tuning of a large model on a
-slow host take minutes)."""
-EXIT_TIMEOUT_S = 10.0
-"""How long a closing instance process has to finish its batch and exit before it is killed."""
-KILL_TIMEOUT_S = 5.0
-"""How long a process past :data:`EXIT_TIMEOUT_S` has to end on SIGTERM, then on SIGKILL (one stopped takes only
-SIGKILL)."""
-RESPAWN_DELAYS_S = (0.5, 2.0, 10.0, 30.0)
-"""Waits before restarting an instance process that died while starting, one per such death in a row (the last
-repeats): a process that cannot start is not restarted in a tight loop. One that dies serving (killed by a request,
-or hung and killed) is restarted at once: its death says nothing of the next one's start."""
 
 _ERRORS: dict[str, Callable[[str], Exception]] = {
     "BatchTooLargeError": BatchTooLargeError,
@@ -65,25 +53,6 @@ _ERRORS: dict[str, Callable[[str], Exception]] = {
 def _error(kind: str, message: str) -> Exception:
     """The exception an instance process reported, as the thread mode would have raised it for the batcher."""
     return _ERRORS.get(kind, EngineError)(message)
-
-
-def end(process: multiprocessing.process.BaseProcess, timeout: float, what: str) -> None:
-    """Wait up to ``timeout`` for ``process`` to exit, then terminate it, then kill it; then release its pipe and
-    sentinel (``Process.close``) now, not when a garbage collection finds it."""
-    process.join(timeout)
-    for step in (process.terminate, process.kill):
-        if not process.is_alive():
-            break
-        log.error(
-            "%s (pid %s) did not exit; %s",
-            what,
-            process.pid,
-            "terminating it" if step == process.terminate else "killing it",
-        )
-        step()
-        process.join(KILL_TIMEOUT_S)
-    if not process.is_alive():
-        process.close()
 
 
 def _weights_memfd(loaded: LoadedModel) -> int:
@@ -117,8 +86,7 @@ class InstanceProcess(asyncio.Protocol):
         self._reader = FrameReader()
         self._pending: dict[int, asyncio.Future[list[Outcome]]] = {}
         self._next_id = 0
-        self._watchdog: asyncio.TimerHandle | None = None
-        """Kills the process when its batch in hand is not answered within ``instance_batch_timeout``."""
+        self.watchdog = Watchdog(owner.name, owner.batch_timeout)
         self.hung = False
         """Whether the watchdog killed the process."""
 
@@ -146,7 +114,7 @@ class InstanceProcess(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         was_alive, self.alive = self.alive, False
-        self._stop_watchdog()
+        self.watchdog.disarm()
         what = f"instance process {self.index} of model {self.owner.name!r} (pid {self.pid}) exited"
         if self.hung:
             what = (
@@ -207,28 +175,7 @@ class InstanceProcess(asyncio.Protocol):
         }
         self._pending[self._next_id] = future
         self.transport.writelines(frame(head, *parts))
-        self._watchdog = asyncio.get_running_loop().call_later(self.owner.batch_timeout, self._kill_hung)
-
-    def _kill_hung(self) -> None:
-        """The batch in hand was not answered in time: the process is stopped or stuck, and would hold its requests
-        (and readiness) for ever. Killed, it is restarted and its batch rerun, as for any process that dies serving."""
-        self._watchdog = None
-        if self.process is None or not self.alive:
-            return
-        log.error(
-            "instance process %d of model %s (pid %s) did not answer a batch within %gs; killing it",
-            self.index,
-            self.owner.name,
-            self.pid,
-            self.owner.batch_timeout,
-        )
-        self.hung = True
-        self.process.kill()
-
-    def _stop_watchdog(self) -> None:
-        if self._watchdog is not None:
-            self._watchdog.cancel()
-            self._watchdog = None
+        self.watchdog.arm(self)
 
     def _hand(self, region: exports.ExportedRegion) -> None:
         """Send the process a region's descriptor (on the side channel, before the frame that names it)."""
@@ -249,7 +196,7 @@ class InstanceProcess(asyncio.Protocol):
             self.transport.writelines(frame({"op": "exit"}))
 
     def _answer(self, head: dict[str, Any], payload: bytearray) -> None:
-        self._stop_watchdog()
+        self.watchdog.disarm()
         self.counts = head.get("counts", self.counts)
         self.forwards = self.counts.get("forwards", self.forwards)
         future = self._pending.pop(head["id"], None)
@@ -281,10 +228,10 @@ class InstanceProcess(asyncio.Protocol):
 class ProcessEngine:
     """A model's engine whose instances are processes of their own (:mod:`halfserve.isolated`).
 
-    It offers what the repository, the batcher, the fidelity check and the metrics use of an
-    :class:`~halfserve.engine.Engine`: :meth:`run` (the runner contract), :meth:`compute`, :meth:`batches`,
-    :attr:`info`, the counters and :meth:`close`. Start one with :meth:`start`. A process that dies fails its batch
-    in flight (the batcher isolates the fault as for any failed batch) and is restarted; the others go on serving.
+    A :class:`~halfserve.engine.protocol.ModelEngine`, as the in-process :class:`~halfserve.engine.core.Engine` is:
+    :meth:`run` (the runner contract), :meth:`compute`, :meth:`batches`, :attr:`info`, the counters and :meth:`close`.
+    Start one with :meth:`start`. A process that dies fails its batch in flight (the batcher isolates the fault as for
+    any failed batch) and is restarted by its :attr:`supervisor`; the others go on serving.
     """
 
     def __init__(
@@ -325,20 +272,13 @@ class ProcessEngine:
         # answered 437 requests/s against 792 for threads; with two threads each, 630 against 645.
         cores = settings.threads or available_cores()
         self._cores = cores
-        self.instances: list[InstanceProcess] = []
+        self.supervisor: Supervisor[InstanceProcess] = Supervisor(
+            self.name, self._spawn, self.idle_again, self._none_left
+        )
         self._idle: list[InstanceProcess] = []
         self._waiting: deque[tuple[list[np.ndarray], asyncio.Future[list[Outcome]], bool]] = deque()
         self._info: EngineInfo | None = None
-        self._closing = False
-        self.crashes = 0
-        """Instance processes that died while starting, in a row (the restart's backoff)."""
-        self.restarts = 0
-        """Instance processes restarted after dying while serving (killed by a request, or hung and killed)."""
-        self.start_failures = 0
-        """Restarted instance processes that died before they were ready."""
-        self._respawning: set[asyncio.Task[None]] = set()
         self._loop = asyncio.get_running_loop()
-        self._loop_thread = threading.get_ident()
         self._context = multiprocessing.get_context("spawn")
         self._count = count
         self._stop_listening = exports.on_withdraw(self._forget)
@@ -354,14 +294,12 @@ class ProcessEngine:
         fixed_shapes: bool,
     ) -> ProcessEngine:
         """Spawn the model's instance processes, handing them ``loaded``'s host weights, and wait until every one is
-        warm; raises :class:`~halfserve.engine.EngineError` (with the process's own error) when one fails to start."""
+        warm; raises :class:`~halfserve.engine.protocol.EngineError` (with the process's own error) when one fails to
+        start."""
         engine = cls(settings, loaded, precision, device, max_batch_size, fixed_shapes)
         try:
             engine._weights = await asyncio.to_thread(_weights_memfd, loaded)
-            engine.instances = [engine._spawn(i) for i in range(engine._count)]
-            readies = await asyncio.wait_for(
-                asyncio.gather(*(i.ready for i in engine.instances)), timeout=READY_TIMEOUT_S
-            )
+            readies = await engine.supervisor.start(engine._count)
         except BaseException:
             await asyncio.to_thread(engine.close)
             raise
@@ -440,6 +378,20 @@ class ProcessEngine:
         self.warmup_seconds = max(r["warmup_seconds"] for r in readies)
 
     @property
+    def instances(self) -> list[InstanceProcess]:
+        return self.supervisor.instances
+
+    @property
+    def restarts(self) -> int:
+        """Instance processes restarted after dying while serving."""
+        return self.supervisor.restarts
+
+    @property
+    def start_failures(self) -> int:
+        """Restarted instance processes that died before they were ready."""
+        return self.supervisor.start_failures
+
+    @property
     def info(self) -> EngineInfo:
         assert self._info is not None
         return self._info
@@ -459,7 +411,7 @@ class ProcessEngine:
     @property
     def available(self) -> bool:
         """Whether an instance process is up to take a batch (false while every one is restarting)."""
-        return any(i.alive for i in self.instances)
+        return self.supervisor.any_alive()
 
     def batches(self, max_batch_size: int) -> tuple[int, int]:
         """The most rows in one batch, and how many batches may be in flight: one per instance process."""
@@ -491,7 +443,7 @@ class ProcessEngine:
                 instance.send(chunks, future, raw)
                 self._update_elements()
                 return
-        if self._respawning or any(i.alive for i in self.instances):
+        if self.supervisor.restarting or self.supervisor.any_alive():
             # Fewer processes up than batches in flight: one is restarting, and takes this batch once it is warm (a
             # batch that crashed one is rerun a request at a time, so its other requests are answered).
             self._waiting.append((chunks, future, raw))
@@ -514,11 +466,11 @@ class ProcessEngine:
             self._idle.append(instance)
 
     def _forget(self, region: int) -> None:
-        """A region was withdrawn: every process that was handed it unmaps it."""
-        if threading.get_ident() != self._loop_thread:
-            with contextlib.suppress(RuntimeError):  # the loop is closed: so are the processes' sockets
-                self._loop.call_soon_threadsafe(self._forget, region)
-            return
+        """A region was withdrawn: every process that was handed it unmaps it (on the loop's thread, which owns their
+        sockets)."""
+        self.supervisor.on_loop(self._forget_here, region)
+
+    def _forget_here(self, region: int) -> None:
         for instance in self.instances:
             instance.forget(region)
 
@@ -532,93 +484,24 @@ class ProcessEngine:
         self.real_elements = sum(i.counts.get("real_elements", 0) for i in self.instances)
         self.padded_elements = sum(i.counts.get("padded_elements", 0) for i in self.instances)
 
+    def _none_left(self, why: str) -> None:
+        self._fail_waiting(self._none_up(why))
+
     def lost(self, instance: InstanceProcess, was_ready: bool) -> None:
-        """An instance process's socket closed: restart it at once unless the engine is closing (one that died while
-        starting is :meth:`_respawn`'s to retry, with the backoff)."""
+        """An instance process's socket closed: it takes no more batches; its supervisor restarts it."""
         if instance in self._idle:
             self._idle.remove(instance)
-        if self._closing or not was_ready:
-            return
-        code = instance.process.exitcode if instance.process is not None else None
-        log.error(
-            "instance process %d of model %s (pid %s) exited with %s; restarting it",
-            instance.index,
-            self.name,
-            instance.pid,
-            code,
-        )
-        self.restarts += 1
-        self._schedule_respawn(instance.index, 0.0)
-
-    def _schedule_respawn(self, index: int, delay: float) -> None:
-        """Restart instance process ``index`` after ``delay`` seconds."""
-        task = self._loop.create_task(self._respawn(index, delay))
-        self._respawning.add(task)
-        task.add_done_callback(self._respawning.discard)
-
-    async def _respawn(self, index: int, delay: float) -> None:
-        await asyncio.sleep(delay)
-        if self._closing:
-            return
-        old = self.instances[index].process
-        if old is not None:  # reaped and its pipes released now, not at a garbage collection
-            with contextlib.suppress(ValueError):  # already closed
-                await asyncio.to_thread(end, old, KILL_TIMEOUT_S, f"instance process {index} of model {self.name}")
-        try:
-            instance = self._spawn(index)
-            self.instances[index] = instance
-            await asyncio.wait_for(instance.ready, timeout=READY_TIMEOUT_S)
-        except Exception as e:
-            if not any(i.alive for i in self.instances):  # nothing else can take them meanwhile: sent again later
-                self._fail_waiting(self._none_up(f"one died while restarting: {e}"))
-            if not self._closing:
-                self.start_failures += 1
-                delay = RESPAWN_DELAYS_S[min(self.crashes, len(RESPAWN_DELAYS_S) - 1)]
-                self.crashes += 1
-                self._schedule_respawn(index, delay)
-                log.error(
-                    "instance process %d of model %s did not restart (%s); again in %.1fs", index, self.name, e, delay
-                )
-            return
-        if self._closing:
-            instance.stop()
-            return
-        self.crashes = 0  # it started: the start-up backoff is over
-        log.info("instance process %d of model %s restarted (pid %s)", index, self.name, instance.pid)
-        self.idle_again(instance)
+        self.supervisor.lost(instance, was_ready)
 
     def close(self) -> None:
-        """Tell every instance process to exit once its batch in hand is answered; kill one that does not in time.
-
-        It waits for the processes (:data:`EXIT_TIMEOUT_S` at most, and then moments): call it off the event loop
-        (``asyncio.to_thread``), where their answers and everything else go on meanwhile."""
-        self._closing = True
+        """Fail the batches waiting for an instance, and end the instance processes
+        (:meth:`~halfserve.isolated.supervision.Supervisor.close`: call it off the event loop)."""
+        self.supervisor.closing = True  # no restarts from now on
         self._stop_listening()
-        on_loop = threading.get_ident() == self._loop_thread
-        closed = EngineError(f"model {self.name!r}: its instance processes were stopped")
-        if on_loop:
-            self._fail_waiting(closed)
-        else:
-            with contextlib.suppress(RuntimeError):
-                self._loop.call_soon_threadsafe(self._fail_waiting, closed)
-        for task in list(self._respawning):
-            if on_loop:
-                task.cancel()
-            else:
-                self._loop.call_soon_threadsafe(task.cancel)
-        for instance in self.instances:
-            if on_loop:
-                instance.stop()
-            else:
-                with contextlib.suppress(RuntimeError):  # the loop is closed: the sockets are gone with it
-                    self._loop.call_soon_threadsafe(instance.stop)
-        deadline = time.monotonic() + EXIT_TIMEOUT_S
-        for instance in self.instances:
-            process = instance.process
-            if process is None or instance.pid is None:
-                continue
-            end(process, max(0.0, deadline - time.monotonic()), f"instance process {instance.index} of {self.name}")
-            instance.process = None  # closed: a second close passes it by
+        self.supervisor.on_loop(
+            self._fail_waiting, EngineError(f"model {self.name!r}: its instance processes were stopped")
+        )
+        self.supervisor.close()
         if self._weights is not None:
             os.close(self._weights)
             self._weights = None

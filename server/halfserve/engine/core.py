@@ -1,8 +1,9 @@
-"""The engine: one model instance on one device, run in a dedicated thread under a precision policy.
+"""The engine's core: one model cast for serving on one device under a precision policy, and its instances.
 
 Batches arrive as lists of numpy arrays (one per request chunk) and leave as one outcome per chunk: float32 output
-rows tagged with the precision that computed them, or the error that fails that chunk alone. The thread keeps device
-work off the event loop (torch releases the GIL during kernels), so the next batch forms while this one computes.
+rows tagged with the precision that computed them, or the error that fails that chunk alone. Where a batch runs (an
+instance's thread, the event loop's, a traced graph beside it) is the engine's runner's
+(:mod:`halfserve.engine.runners`); the core stages, runs and checks it wherever that is.
 
 Two faults are the engine's to recognise, because they need torch to see:
 
@@ -17,14 +18,12 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import inspect
 import logging
 import math
 import threading
 import time
 import types
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -32,19 +31,20 @@ from torch import nn
 
 from halfserve import compilation, packing, records
 from halfserve import precision as prec
+from halfserve.engine.inputs import Normalizer, has_conv2d, takes_positionally
+from halfserve.engine.protocol import BatchRunner, EngineError, EngineInfo, PrecisionOverflowError
+from halfserve.engine.threads import ThreadRunner
 from halfserve.instance import Instance, bucket_for, torch_dtype
-from halfserve.manifest import Compile, Execution, Normalize, OverflowPolicy
+from halfserve.manifest import Compile, Execution, OverflowPolicy
 from halfserve.placement import (
     Placement,
     intra_op_threads,
     loop_bound,
     pads_to_buckets,
-    set_intra_op_threads,
 )
 from halfserve.precision import Precision
 from halfserve.serving import BatchTooLargeError, Outcome, Output
 from halfserve.store import LoadedModel
-from halfserve.traced import TracedForward
 
 log = logging.getLogger(__name__)
 
@@ -52,12 +52,15 @@ ForwardTiming = Callable[[int], float]
 """The seconds a full batch's forward takes on a given count of intra-op threads (:meth:`Engine.settle_threads`)."""
 
 
-class EngineError(RuntimeError):
-    """The model's forward failed or returned something other than one output row per input row."""
+def set_intra_op_threads(count: int) -> None:
+    """Set the calling thread's torch intra-op threads to ``count``, for good.
 
-
-class PrecisionOverflowError(EngineError):
-    """A half-precision output was not finite for a finite input, and the model's overflow policy is ``error``."""
+    torch gives a thread its count from the process's last setting (any thread's) when the thread first asks for it
+    or starts parallel work, overwriting a count set on the thread before that. Asking first spends that first time
+    here, so the count set is the thread's until it sets another.
+    """
+    torch.get_num_threads()
+    torch.set_num_threads(count)
 
 
 def is_out_of_memory(e: BaseException) -> bool:
@@ -101,52 +104,6 @@ def _all_finite(a: np.ndarray) -> bool:
     return a.dtype.kind not in "fc" or bool(np.isfinite(a).all())
 
 
-def takes_positionally(module: nn.Module, names: list[str]) -> bool:
-    """How ``module``'s forward takes a model's inputs: by keyword (False) when it has parameters of those names (or
-    ``**kwargs``), in the manifest's order (True) when it takes ``*args`` instead. Anything else cannot take them."""
-    try:
-        params = inspect.signature(module.forward).parameters
-    except (TypeError, ValueError):  # a forward without a signature to read (a builtin): trust the manifest's order
-        return True
-    named = [n for n in names if n in params and params[n].kind is not inspect.Parameter.POSITIONAL_ONLY]
-    if len(named) == len(names):
-        return False
-    kinds = {p.kind for p in params.values()}
-    if inspect.Parameter.VAR_POSITIONAL in kinds and not named:
-        return True
-    if inspect.Parameter.VAR_KEYWORD in kinds:
-        return False
-    missing = [n for n in names if n not in named]
-    raise EngineError(
-        f"inputs: forward({', '.join(params)}) has no parameter named {missing[0]!r}; with several inputs, forward "
-        "takes them by keyword, named as in the manifest (or all positionally through *args)"
-    )
-
-
-@dataclass(frozen=True)
-class EngineInfo:
-    """What an engine serves, for listings and responses."""
-
-    device: str
-    precision: Precision
-    weight_dtype: str
-    weight_bytes: int
-    fp32_fallback_bytes: int = 0
-    """Host memory held by the fp32 copy kept for overflow reruns (0 when none is kept)."""
-    instances: int = 1
-    buckets: tuple[int, ...] = ()
-    """The batch sizes batches are padded up to (empty: no padding)."""
-    cuda_graphs: bool = False
-    channels_last: bool = False
-    graph_capture_seconds: float = 0.0
-    """Time spent capturing CUDA graphs at warm-up, all buckets and instances together."""
-    inductor: bool = False
-    inductor_compile_seconds: float = 0.0
-    """Time spent compiling with TorchInductor at warm-up (each bucket's first forward), all buckets together."""
-    placement: Placement = Placement.INSTANCE_THREADS
-    """Where batches run (:mod:`halfserve.placement`)."""
-
-
 def batch_buckets(max_batch_size: int, sizes: list[int] | None = None) -> list[int]:
     """The batch sizes warmed up at load, ascending: ``sizes`` (default: powers of two) below ``max_batch_size``,
     and ``max_batch_size`` itself."""
@@ -155,33 +112,9 @@ def batch_buckets(max_batch_size: int, sizes: list[int] | None = None) -> list[i
     return sorted({s for s in sizes if s < max_batch_size} | {max_batch_size})
 
 
-def has_conv2d(module: nn.Module) -> bool:
-    return any(isinstance(m, nn.Conv2d) for m in module.modules())
-
-
-class Normalizer:
-    """A manifest's :class:`~halfserve.manifest.Normalize` on one device: ``(x * scale - mean) / std`` in fp32, per
-    channel.
-
-    Folded into one multiply-add, ``x * (scale / std) - mean / std``, run by one ``addcmul`` that also widens the
-    input: one pass over the batch instead of four (``docs/benchmarks.md``), and one kernel launch on a GPU. fp32
-    whatever the serving precision: the cast to it follows, as it would after a client's own normalisation.
-    """
-
-    def __init__(self, spec: Normalize, sample_ndim: int, device: torch.device) -> None:
-        per_channel = (1, -1, *([1] * (sample_ndim - 1)))
-        std = torch.tensor(spec.std if spec.std is not None else [1.0], dtype=torch.float64)
-        mean = torch.tensor(spec.mean if spec.mean is not None else [0.0], dtype=torch.float64)
-        # Folded in float64, rounded once to fp32.
-        self.scale = (spec.scale / std).to(torch.float32).reshape(per_channel).to(device)
-        self.shift = (-mean / std).to(torch.float32).reshape(per_channel).to(device)
-
-    def __call__(self, t: torch.Tensor) -> torch.Tensor:
-        return torch.addcmul(self.shift, t, self.scale)
-
-
 class Engine:
-    """Owns a model cast for serving on one device; runs batches on its instances' threads.
+    """Owns a model cast for serving on one device; runs batches where its :attr:`runner` says (on its instances'
+    threads until the repository places it elsewhere).
 
     ``execution`` (default: the manifest's) sets the number of instances, padding to batch buckets, CUDA graphs and
     ``channels_last``; ``max_batch_size`` sets the buckets (else :meth:`warmup` does).
@@ -270,27 +203,22 @@ class Engine:
         self.loop_bound: bool | None = None
         """Whether a full batch's forward, timed by :meth:`settle_threads`, is shorter than the event loop's work on
         its requests (:func:`halfserve.placement.loop_bound`); None until timed."""
-        self.placement = Placement.INSTANCE_THREADS
-        """Where batches run: on the instances' threads until :meth:`place` says otherwise (the repository decides,
-        as :func:`halfserve.placement.choose`)."""
+        self.runner: BatchRunner = ThreadRunner(self.instances, self.run_batch)
+        """How batches run: on the instances' threads until :func:`halfserve.engine.runners.place` gives it another
+        placement's runner (the repository, as :func:`halfserve.placement.choose` decided)."""
         self.batch_seconds: float | None = None
         """A full batch's forward (:attr:`batch_rows`) on the settled intra-op threads, timed by :meth:`settle_threads`
         (None until)."""
         self.batch_rows = 0
         self.cores = 0
         """The cores :meth:`settle_threads` settled the intra-op threads for (0 until)."""
-        self._traced: TracedForward | None = None
-        self._launched: list[_Running] = []
-        self._collecting = False
-        self._idle = list(reversed(self.instances))
-        self._next = 0
         self._lock = threading.Lock()
         self._compiled_code: types.CodeType | None = None
         """The code object whose compiled shapes are this engine's (:func:`halfserve.compilation.own_code`); None when
         not compiled."""
-        self._forward: Callable[[torch.Tensor], torch.Tensor] = self._eager
+        self._forward: Callable[[torch.Tensor], torch.Tensor] = self.eager
         if self.inductor:
-            own = compilation.own_code(self._eager)
+            own = compilation.own_code(self.eager)
             self._compiled_code = own.__func__.__code__  # type: ignore[attr-defined]
             self._forward = torch.compile(own, dynamic=False)
         self.compile_seconds = 0.0
@@ -336,7 +264,7 @@ class Engine:
             t = t.contiguous(memory_format=torch.channels_last)
         return t
 
-    def _eager(self, t: torch.Tensor) -> torch.Tensor:
+    def eager(self, t: torch.Tensor) -> torch.Tensor:
         return self._one(self.model(self._prepare(t)))
 
     def _one(self, y: object) -> torch.Tensor:
@@ -376,7 +304,7 @@ class Engine:
             else:
                 y = self._on_device(inst.upload(chunks, size))
             inst.forwards += 1
-            return inst.fetch(_checked(y, size)[:rows], widen=self.out_float)
+            return inst.fetch(checked(y, size)[:rows], widen=self.out_float)
 
     def compute(self, x: np.ndarray) -> np.ndarray:
         """The model's outputs for ``x`` as one batch on the first instance's own thread, without the overflow
@@ -400,7 +328,7 @@ class Engine:
         t = prec.cast_input(t, Precision.FP32)
         with torch.inference_mode():
             y = self._one(self._fp32(t))
-        return _checked(y, len(x)).float().numpy()
+        return checked(y, len(x)).float().numpy()
 
     def run_batch(self, chunks: list[np.ndarray], inst: Instance | None = None) -> list[Outcome]:
         """Run the chunks of one batch as a single forward, synchronously; returns one outcome per chunk, after the
@@ -417,9 +345,9 @@ class Engine:
                 torch.cuda.empty_cache()  # give the failed batch's blocks back before the smaller reruns
             rows = sum(len(c) for c in chunks)
             raise BatchTooLargeError(f"out of memory on {self.device} running {rows} rows: {e}") from None
-        return self._outcomes(chunks, out)
+        return self.outcomes(chunks, out)
 
-    def _outcomes(self, chunks: list[np.ndarray], out: np.ndarray) -> list[Outcome]:
+    def outcomes(self, chunks: list[np.ndarray], out: np.ndarray) -> list[Outcome]:
         """One outcome per chunk of a batch's output rows, after the overflow policy."""
         outs = _row_slices(out, chunks)
         tag = self.precision
@@ -448,43 +376,22 @@ class Engine:
             self.fp32_reruns += 1
         return Output(self._rerun_fp32(x), Precision.FP32)
 
+    @property
+    def placement(self) -> Placement:
+        """Where batches run: the runner's placement (:mod:`halfserve.engine.runners` builds it)."""
+        return self.runner.placement
+
     def run(self, chunks: list[np.ndarray]) -> asyncio.Future[list[Outcome]]:
-        """Run a batch on an idle instance's thread without blocking the event loop: the future of its outcomes.
+        """Start a batch where :attr:`placement` says, without blocking the event loop: the future of its outcomes
+        (the runner contract)."""
+        return self.runner.run(chunks)
 
-        The batch is on the instance's thread when this returns (a coroutine would hand it over only when its task
-        first ran, behind whatever the event loop has queued). The batcher keeps at most one batch in flight per
-        instance, so an idle one is normally at hand; past that (a caller running more at once) batches queue on the
-        instances in turn.
-        """
-        if self._traced is not None:
-            return self._launch(chunks, self._traced)
-        if self.placement is Placement.EVENT_LOOP:
-            return self._run_here(chunks)
-        if self._idle:
-            inst = self._idle.pop()
-        else:
-            inst = self.instances[self._next % len(self.instances)]
-            self._next += 1
-        try:
-            future = asyncio.get_running_loop().run_in_executor(inst.executor, self.run_batch, chunks, inst)
-        except BaseException:
-            self._idle_again(inst)
-            raise
-        # Registered before any caller awaits the future, so the instance is idle again before the caller resumes.
-        future.add_done_callback(lambda _: self._idle_again(inst))
-        return future
+    def batches(self, max_batch_size: int) -> tuple[int, int]:
+        """The batches this engine takes for a model's ``max_batch_size``: the most rows in one, and how many may be in
+        flight at once (its runner's)."""
+        return self.runner.batches(max_batch_size)
 
-    def _run_here(self, chunks: list[np.ndarray]) -> asyncio.Future[list[Outcome]]:
-        """Run a batch on this thread (the event loop's), on the first instance: its outcomes as a done future."""
-        self._take_threads()  # the loop's thread takes the instance's count
-        future: asyncio.Future[list[Outcome]] = asyncio.get_running_loop().create_future()
-        try:
-            future.set_result(self.run_batch(chunks, self.instances[0]))
-        except Exception as e:
-            future.set_exception(e)
-        return future
-
-    def _take_threads(self) -> None:
+    def take_threads(self) -> None:
         """Give the calling thread the intra-op threads this engine settled on (OpenMP's count is each thread's own
         setting, and threads torch starts take their starter's)."""
         if self.threads is not None and torch.get_num_threads() != self.threads:
@@ -508,98 +415,9 @@ class Engine:
 
     @property
     def available(self) -> bool:
-        """Whether an instance can run a batch now: always, for instance threads (they live as long as the engine)."""
+        """Whether an instance can run a batch now: always, for in-process instances (they live as long as the
+        engine)."""
         return True
-
-    def batches(self, max_batch_size: int) -> tuple[int, int]:
-        """The batches this engine takes for a model's ``max_batch_size``: the most rows in one, and how many may be in
-        flight at once.
-
-        One in flight per instance, each taking the next batch when it is idle. One beside the loop has two, each of up
-        to half the rows: one is read and answered while the other runs (a whole batch would leave the loop nothing to
-        do while it ran).
-        """
-        if self.placement is Placement.BESIDE_LOOP:
-            return max(1, max_batch_size // 2), 2
-        return max_batch_size, len(self.instances)
-
-    def place(self, placement: Placement, max_batch_size: int) -> None:
-        """Run batches where ``placement`` says from now on. Beside the loop, the forward is traced first: raises
-        :class:`~halfserve.traced.TraceRefused` (and changes nothing) when the model cannot run as a traced graph, and
-        ``ValueError`` for an engine that cannot be traced (:attr:`traceable`) or placement it cannot take.
-
-        The trace is checked on three batches: a full one of zeros (the warm-up's), one row, and a full one of
-        values drawn at random.
-        """
-        if placement is Placement.INSTANCE_PROCESSES:
-            raise ValueError("an engine's instances run in processes of their own only as halfserve.isolated's engine")
-        if placement is Placement.EVENT_LOOP and (self.device.type != "cpu" or len(self.instances) != 1):
-            raise ValueError("only a CPU engine with one instance runs its batches on the event loop")
-        if placement is not Placement.BESIDE_LOOP:
-            self._traced, self.placement = None, placement
-            return
-        if not self.traceable:
-            raise ValueError(
-                "only a CPU engine with one instance and one input, not padded, compiled or autocast, runs beside "
-                "the event loop"
-            )
-        self._take_threads()  # the inter-op pool's threads take the caller's count when they start
-        zeros = torch.from_numpy(self._warm_batch(max_batch_size))
-        if zeros.dtype.is_floating_point:
-            drawn = torch.from_numpy(np.random.default_rng(0).standard_normal(zeros.shape).astype(zeros.numpy().dtype))
-        else:
-            drawn = torch.randint(0, 2, zeros.shape, dtype=zeros.dtype, generator=torch.Generator().manual_seed(0))
-        with prec.inference(self.precision, self.device):
-            traced = TracedForward.trace(self.model, self._eager, [zeros, zeros[:1].clone(), drawn])
-        # The pool's threads start now, taking this thread count (OpenMP's is a setting of each thread).
-        traced.launch(zeros).wait()
-        self._traced, self.placement = traced, Placement.BESIDE_LOOP
-
-    def _launch(self, chunks: list[np.ndarray], traced: TracedForward) -> asyncio.Future[list[Outcome]]:
-        """Launch a batch's traced forward and return the future of its outcomes, set when :meth:`_collect` finds the
-        graph done."""
-        loop = asyncio.get_running_loop()
-        # A batch of its own (the instance's staging buffer would be shared by the two batches in flight).
-        batch = torch.from_numpy(chunks[0] if len(chunks) == 1 else np.concatenate(chunks))
-        future: asyncio.Future[list[Outcome]] = loop.create_future()
-        try:
-            self._launched.append(_Running(traced.launch(batch), batch, chunks, future))
-        except Exception as e:
-            future.set_exception(e)
-            return future
-        if not self._collecting:
-            self._collecting = True
-            loop.call_soon(self._collect)
-        return future
-
-    def _collect(self) -> None:
-        """Answer the launched batches whose graphs are done; look again at the loop's next iteration while any runs.
-
-        The loop looks rather than being told: a callback from the pool's thread would wait for the GIL, which the
-        loop, busy with requests, seldom lets go of long enough. Between requests the look costs a call per iteration.
-        """
-        running = []
-        for r in self._launched:
-            if not r.graph.done():
-                running.append(r)
-                continue
-            self.instances[0].forwards += 1
-            if r.future.done():
-                continue
-            try:
-                out = self.instances[0].fetch(_checked(r.graph.value(), len(r.batch)), widen=self.out_float)
-                r.future.set_result(self._outcomes(r.chunks, out))
-            except Exception as e:
-                r.future.set_exception(e)
-        self._launched = running
-        if running:
-            asyncio.get_running_loop().call_soon(self._collect)
-        else:
-            self._collecting = False
-
-    def _idle_again(self, inst: Instance) -> None:
-        if inst not in self._idle:
-            self._idle.append(inst)
 
     def warmup(self, max_batch_size: int) -> float:
         """Run every batch-size bucket on every instance so first requests pay no allocation or kernel-selection cost;
@@ -631,7 +449,7 @@ class Engine:
             for length in self._warm_lengths():  # ends with 1: the batch the rest of the warm-up runs
                 # Each length bucket a batch can be padded to: its kernels are chosen (oneDNN builds them per shape)
                 # before requests of that length arrive.
-                x = self._warm_batch(size, length)
+                x = self.warm_batch(size, length)
                 if length > 1:
                     self.forward(x, inst)
             if self.cuda_graphs:
@@ -647,7 +465,7 @@ class Engine:
                 self.compile_seconds += secs
                 log.info("%s: compiled batch %d with TorchInductor in %.2fs", self.name, size, secs)
 
-    def _warm_batch(self, size: int, length: int = 1) -> np.ndarray:
+    def warm_batch(self, size: int, length: int = 1) -> np.ndarray:
         """``size`` rows of zeros as requests bring them, host rows of the input's dtype (graphs are per dtype), each
         variable input ``length`` long."""
         x = np.zeros((size, *self.sample_shape), dtype=self.input_dtype)
@@ -672,7 +490,7 @@ class Engine:
         unless it warmed up, was timed and settled at ``cores`` throughout.
         """
         sequence = packing.sequence_input(self.manifest)
-        x = self._warm_batch(max_batch_size, sequence.bounded()[0] if sequence is not None else 1)
+        x = self.warm_batch(max_batch_size, sequence.bounded()[0] if sequence is not None else 1)
 
         def timed(inst: Instance, threads: int) -> float:
             if timing is not None:
@@ -752,17 +570,7 @@ def module_bytes(module: nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()))
 
 
-@dataclass
-class _Running:
-    """A batch launched as a traced graph: kept, with its input, until :meth:`Engine._collect` answers it."""
-
-    graph: torch.Future[torch.Tensor]
-    batch: torch.Tensor
-    chunks: list[np.ndarray]
-    future: asyncio.Future[list[Outcome]]
-
-
-def _checked(y: object, rows: int) -> torch.Tensor:
+def checked(y: object, rows: int) -> torch.Tensor:
     if not isinstance(y, torch.Tensor):
         raise EngineError(f"model returned {type(y).__name__}, expected a tensor")
     if y.shape[0] != rows:

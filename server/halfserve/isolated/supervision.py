@@ -1,0 +1,234 @@
+"""Supervision of a model's instance processes, seen from the server process: their start and readiness, the watchdog
+on a batch in hand, restarts (with a backoff for processes that die while starting), and their end.
+
+What crosses to a process (its socket, its shared memory, the frames) is :mod:`halfserve.isolated.engine`'s; this
+module knows a process only as :class:`Supervised`, and starts one only through the ``spawn`` it is given.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import multiprocessing.process
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, Generic, Protocol, TypeVar
+
+log = logging.getLogger(__name__)
+
+READY_TIMEOUT_S = 900.0
+"""How long an instance process may take to load and warm up (CUDA graphs and cuDNN tuning of a large model on a
+slow host take minutes)."""
+EXIT_TIMEOUT_S = 10.0
+"""How long a closing instance process has to finish its batch and exit before it is killed."""
+KILL_TIMEOUT_S = 5.0
+"""How long a process past :data:`EXIT_TIMEOUT_S` has to end on SIGTERM, then on SIGKILL (one stopped takes only
+SIGKILL)."""
+RESPAWN_DELAYS_S = (0.5, 2.0, 10.0, 30.0)
+"""Waits before restarting an instance process that died while starting, one per such death in a row (the last
+repeats): a process that cannot start is not restarted in a tight loop. One that dies serving (killed by a request,
+or hung and killed) is restarted at once: its death says nothing of the next one's start."""
+
+
+class Supervised(Protocol):
+    """An instance process as its supervisor sees it."""
+
+    index: int
+    process: multiprocessing.process.BaseProcess | None
+    alive: bool
+    """Whether it said it is ready and its socket is still open."""
+    hung: bool
+    """Whether the watchdog killed it."""
+    ready: asyncio.Future[dict[str, Any]]
+    """Set with its ready message (its engine's info), or failed with why it did not start."""
+
+    @property
+    def pid(self) -> int | None: ...
+
+    def stop(self) -> None:
+        """Tell it to exit once its batch in hand is answered."""
+        ...
+
+
+P = TypeVar("P", bound=Supervised)
+
+
+def end(process: multiprocessing.process.BaseProcess, timeout: float, what: str) -> None:
+    """Wait up to ``timeout`` for ``process`` to exit, then terminate it, then kill it; then release its pipe and
+    sentinel (``Process.close``) now, not when a garbage collection finds it."""
+    process.join(timeout)
+    for step in (process.terminate, process.kill):
+        if not process.is_alive():
+            break
+        log.error(
+            "%s (pid %s) did not exit; %s",
+            what,
+            process.pid,
+            "terminating it" if step == process.terminate else "killing it",
+        )
+        step()
+        process.join(KILL_TIMEOUT_S)
+    if not process.is_alive():
+        process.close()
+
+
+class Watchdog:
+    """Kills an instance process whose batch in hand is not answered within ``timeout`` seconds
+    (``instance_batch_timeout``): a process stopped or stuck would hold its requests (and readiness) for ever. Killed,
+    it is restarted and its batch rerun, as for any process that dies serving."""
+
+    def __init__(self, model: str, timeout: float) -> None:
+        self.model, self.timeout = model, timeout
+        self._timer: asyncio.TimerHandle | None = None
+
+    def arm(self, instance: Supervised) -> None:
+        """Start the wait for ``instance``'s answer to the batch just sent."""
+        self.disarm()
+        self._timer = asyncio.get_running_loop().call_later(self.timeout, self._kill, instance)
+
+    def disarm(self) -> None:
+        """The batch was answered, or the process is gone."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _kill(self, instance: Supervised) -> None:
+        self._timer = None
+        if instance.process is None or not instance.alive:
+            return
+        log.error(
+            "instance process %d of model %s (pid %s) did not answer a batch within %gs; killing it",
+            instance.index,
+            self.model,
+            instance.pid,
+            self.timeout,
+        )
+        instance.hung = True
+        instance.process.kill()
+
+
+class Supervisor(Generic[P]):
+    """Starts a model's instance processes, restarts each one that dies, and ends them.
+
+    ``spawn(index)`` starts instance process ``index`` (ready once its :attr:`Supervised.ready` is set);
+    ``restarted(instance)`` is told of each restarted process once it is warm; ``none_left(why)`` is told when a
+    restart failed and no other process is up to take the batches waiting meanwhile.
+    """
+
+    def __init__(
+        self,
+        model: str,
+        spawn: Callable[[int], P],
+        restarted: Callable[[P], None],
+        none_left: Callable[[str], None],
+    ) -> None:
+        self.model = model
+        self._spawn, self._restarted, self._none_left = spawn, restarted, none_left
+        self.instances: list[P] = []
+        self.crashes = 0
+        """Instance processes that died while starting, in a row (the restart's backoff)."""
+        self.restarts = 0
+        """Instance processes restarted after dying while serving (killed by a request, or hung and killed)."""
+        self.start_failures = 0
+        """Restarted instance processes that died before they were ready."""
+        self.closing = False
+        """Set once the engine closes: no process is restarted from then on."""
+        self._respawning: set[asyncio.Task[None]] = set()
+        self._loop = asyncio.get_running_loop()
+        self._loop_thread = threading.get_ident()
+
+    async def start(self, count: int) -> list[dict[str, Any]]:
+        """Start ``count`` instance processes and wait until every one is ready: their ready messages, in order."""
+        self.instances = [self._spawn(i) for i in range(count)]
+        return await asyncio.wait_for(asyncio.gather(*(i.ready for i in self.instances)), timeout=READY_TIMEOUT_S)
+
+    @property
+    def restarting(self) -> bool:
+        """Whether a process is being restarted (and will take batches once it is warm)."""
+        return bool(self._respawning)
+
+    def any_alive(self) -> bool:
+        return any(i.alive for i in self.instances)
+
+    def on_loop(self, call: Callable[..., object], *args: Any) -> None:
+        """Run ``call(*args)`` on the event loop's thread: now where this is it, else at the loop's next turn (not at
+        all once the loop is closed: the processes' sockets are gone with it)."""
+        if threading.get_ident() == self._loop_thread:
+            call(*args)
+            return
+        with contextlib.suppress(RuntimeError):
+            self._loop.call_soon_threadsafe(call, *args)
+
+    def lost(self, instance: P, was_ready: bool) -> None:
+        """An instance process's socket closed: restart it at once unless the engine is closing (one that died while
+        starting is :meth:`_respawn`'s to retry, with the backoff)."""
+        if self.closing or not was_ready:
+            return
+        code = instance.process.exitcode if instance.process is not None else None
+        log.error(
+            "instance process %d of model %s (pid %s) exited with %s; restarting it",
+            instance.index,
+            self.model,
+            instance.pid,
+            code,
+        )
+        self.restarts += 1
+        self._schedule_respawn(instance.index, 0.0)
+
+    def _schedule_respawn(self, index: int, delay: float) -> None:
+        """Restart instance process ``index`` after ``delay`` seconds."""
+        task = self._loop.create_task(self._respawn(index, delay))
+        self._respawning.add(task)
+        task.add_done_callback(self._respawning.discard)
+
+    async def _respawn(self, index: int, delay: float) -> None:
+        await asyncio.sleep(delay)
+        if self.closing:
+            return
+        old = self.instances[index].process
+        if old is not None:  # reaped and its pipes released now, not at a garbage collection
+            with contextlib.suppress(ValueError):  # already closed
+                await asyncio.to_thread(end, old, KILL_TIMEOUT_S, f"instance process {index} of model {self.model}")
+        try:
+            instance = self._spawn(index)
+            self.instances[index] = instance
+            await asyncio.wait_for(instance.ready, timeout=READY_TIMEOUT_S)
+        except Exception as e:
+            if not self.any_alive():  # nothing else can take them meanwhile: sent again later
+                self._none_left(f"one died while restarting: {e}")
+            if not self.closing:
+                self.start_failures += 1
+                delay = RESPAWN_DELAYS_S[min(self.crashes, len(RESPAWN_DELAYS_S) - 1)]
+                self.crashes += 1
+                self._schedule_respawn(index, delay)
+                log.error(
+                    "instance process %d of model %s did not restart (%s); again in %.1fs", index, self.model, e, delay
+                )
+            return
+        if self.closing:
+            instance.stop()
+            return
+        self.crashes = 0  # it started: the start-up backoff is over
+        log.info("instance process %d of model %s restarted (pid %s)", index, self.model, instance.pid)
+        self._restarted(instance)
+
+    def close(self) -> None:
+        """Stop restarting; tell every instance process to exit once its batch in hand is answered; kill one that does
+        not in time.
+
+        It waits for the processes (:data:`EXIT_TIMEOUT_S` at most, and then moments): call it off the event loop
+        (``asyncio.to_thread``), where their answers and everything else go on meanwhile."""
+        self.closing = True
+        for task in list(self._respawning):
+            self.on_loop(task.cancel)
+        for instance in self.instances:
+            self.on_loop(instance.stop)
+        deadline = time.monotonic() + EXIT_TIMEOUT_S
+        for instance in self.instances:
+            process = instance.process
+            if process is None or instance.pid is None:
+                continue
+            end(process, max(0.0, deadline - time.monotonic()), f"instance process {instance.index} of {self.model}")
+            instance.process = None  # closed: a second close passes it by
