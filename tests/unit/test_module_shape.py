@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.unit.test_layering import imports
+
 ROOT = Path(__file__).resolve().parents[2]
 PKG = ROOT / "server" / "halfserve"
 MAX_LINES = 600
@@ -119,21 +121,10 @@ ENGINE_INSIDES = (
 """The engine's own modules: the load test and training use the server's public ones (precision, manifest, store)."""
 
 
-def _imports(path: Path) -> set[str]:
-    found: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            found.update(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            found.add(node.module)
-            found.update(f"{node.module}.{a.name}" for a in node.names)
-    return found
-
-
 @pytest.mark.parametrize("package", ["loadtest", "training"])
 def test_the_load_test_and_training_import_no_engine_insides(package: str) -> None:
     offenders = {
-        str(path.relative_to(PKG)): sorted(i for i in _imports(path) if i.startswith(ENGINE_INSIDES))
+        str(path.relative_to(PKG)): sorted(i for i in imports(path) if i.startswith(ENGINE_INSIDES))
         for path in sorted((PKG / package).rglob("*.py"))
     }
     assert not {k: v for k, v in offenders.items() if v}

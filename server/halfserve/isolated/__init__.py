@@ -1,4 +1,4 @@
-"""Engine instances in processes of their own (``execution.isolation: "process"``, ``--instance-isolation``).
+"""Engine instances in processes of their own (``execution.isolation: "process"``, ``--placement instance_processes``).
 
 In the default thread mode an engine's instances are threads of the server process: every torch call they make lets
 go of the GIL, and taking it back waits on the event loop, which holds it while it reads, decodes and answers
