@@ -316,6 +316,8 @@ class ModelRepository:
                 # Newer versions that failed are still passed over: a reload of the one served keeps naming them.
                 passed_over = {v: e for v, e in old.failed_versions.items() if v > served.version}
                 served.failed_versions = {**passed_over, **served.failed_versions}
+                if old is not served:
+                    old.successor = served
                 await self._release(old)
             return served
 

@@ -59,6 +59,9 @@ class ServedModel:
     loaded_at: float = field(default_factory=time.time)
     final_stats: BatchStats | None = None
     """The statistics of the last batcher, kept once it is released (for the drain report)."""
+    successor: ServedModel | None = None
+    """The load that replaced this one (a reload, or another version): a request that looked this one up just before
+    the swap and reaches :meth:`submit` after its release is answered there, so a reload fails no request."""
     loaded: LoadedModel | None = None
     """The checkpoint's fp32 weights on the host, kept so the precision can be switched without re-reading it."""
     host_weight_bytes: int = 0
@@ -100,6 +103,11 @@ class ServedModel:
         torch without a copy where it can, and torch takes only writable memory."""
         batcher = self.batcher
         if batcher is None:
+            successor = self.successor
+            # Decoded against this one's signature (a text tokenized off the loop while the swap happened): the one
+            # now served takes it where the signature is the same; otherwise the client is told to send it again.
+            if successor is not None and successor.manifest.inputs == self.manifest.inputs:
+                return successor.submit(inputs, timeout)
             state = "draining" if self.state is ModelState.READY else self.state.value  # released while ready
             raise ModelNotReadyError(f"model {self.name!r} is {state}" + (f": {self.error}" if self.error else ""))
         if self.index_limits:

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from halfserve import storage
+from halfserve.serving import ModelNotReadyError
 from halfserve.settings import Settings
 from tests.conftest import save_tiny_mlp
 from tests.integration.conftest import serving
@@ -189,3 +190,24 @@ async def test_management_needs_the_admin_token(tiny_store: Path) -> None:
         off = await client.post("/models/tiny/reload", headers=AUTH)
     assert (missing.status_code, wrong.status_code, off.status_code) == (401, 401, 403)
     assert listing["state"] == "ready"
+
+
+async def test_a_request_that_looked_the_model_up_before_a_reload_is_answered_by_the_new_load(tiny_store: Path) -> None:
+    # A route looks the model up, then (a text tokenized off the event loop) submits: a reload can swap in between.
+    from halfserve.app import create_app
+
+    app = create_app(settings(tiny_store, precision="fp32"))
+    async with app.router.lifespan_context(app):
+        repo = app.state.serving.repository
+        await until(lambda: repo.ready, "the model loading")
+        looked_up = repo.get("tiny")
+        again = await repo.reload("tiny")
+        assert again is not looked_up
+        assert looked_up.batcher is None  # released
+        x = np.ones((1, 16), dtype=np.float32)
+        answer = await looked_up.submit({looked_up.manifest.inputs[0].name: x})
+        want = await again.submit({again.manifest.inputs[0].name: x})
+        np.testing.assert_array_equal(answer.outputs["logits"], want.outputs["logits"])
+        await repo.unload("tiny")
+        with pytest.raises(ModelNotReadyError, match="unloaded"):
+            again.submit({again.manifest.inputs[0].name: x})
