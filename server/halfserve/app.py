@@ -113,6 +113,7 @@ def create_app(settings: Settings | None = None, frontends: Frontends | None = N
                     frontends.connected.add,
                 )
                 state.pending.append(backplane.missing)
+                state.published = backplane.publish
                 await backplane.start()
                 frontends.start()
                 watching = asyncio.create_task(frontends.watch(), name="watch-frontends")

@@ -528,3 +528,12 @@ class AppState:
     route_state: dict[type, object] = field(default_factory=dict)
     """What the routes keep per app, by its type (the admin token's lockout, :mod:`halfserve.api.lockout`): theirs to
     define, not the contract's."""
+    published: Callable[[], Awaitable[None]] | None = None
+    """Returns once every process that decodes requests has the models and regions as they are now (the engine
+    process's front-ends); None where this process decodes them all."""
+
+    async def publish(self) -> None:
+        """Wait until a change this process made (a model loaded, a region registered) is known to every process
+        that decodes requests, so that the client's next request finds it wherever it lands."""
+        if self.published is not None:
+            await self.published()

@@ -18,13 +18,14 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+import tritonclient.grpc as triton_grpc
 import tritonclient.http as triton
 import tritonclient.utils.shared_memory as shm
 from tritonclient.utils import InferenceServerException
 
 from halfserve.ipc.frames import FrameReader, frame
 from halfserve.multiproc.client import SLOT_BYTES
-from tests.conftest import SHIPPED_STORE, ServerProcess, start_server
+from tests.conftest import SHIPPED_STORE, ServerProcess, free_port, start_server
 from tests.e2e.test_server import fp32_reference, samples
 from tests.waiting import DEADLINE_S, wait_until
 
@@ -64,7 +65,12 @@ async def post_many(url: str, bodies: list[dict[str, object]]) -> list[httpx.Res
 
 
 @pytest.fixture(scope="module")
-def workers_server(server_factory: StartServer) -> ServerProcess:
+def grpc_port() -> int:
+    return free_port()
+
+
+@pytest.fixture(scope="module")
+def workers_server(server_factory: StartServer, grpc_port: int) -> ServerProcess:
     return server_factory(
         SHIPPED_STORE,
         "--models",
@@ -79,6 +85,9 @@ def workers_server(server_factory: StartServer) -> ServerProcess:
         "4096",
         "--admin-token",
         TOKEN,
+        "--grpc",
+        "--grpc-port",
+        str(grpc_port),
     )
 
 
@@ -111,37 +120,42 @@ def test_v2_binary_through_a_front_end_including_a_request_larger_than_a_slot(wo
         np.testing.assert_allclose(result.as_numpy("logits"), fp32_reference(x), rtol=1e-4, atol=1e-4)
 
 
+def _region_found(url: str, x: np.ndarray, connections: int = 8) -> list[bool]:
+    """Whether each of ``connections`` new connections (spread over both front-ends) finds region 'images'."""
+    found = []
+    for _ in range(connections):
+        client = triton.InferenceServerClient(url)
+        tensor = triton.InferInput("pixels", list(x.shape), "FP32")
+        tensor.set_shared_memory("images", x.nbytes)
+        try:
+            client.infer(MODEL, [tensor], headers=AUTH)
+            found.append(True)
+        except InferenceServerException as e:
+            if "no shared memory region 'images'" not in str(e):
+                raise
+            found.append(False)
+        finally:
+            client.close()
+    return found
+
+
 def test_shared_memory_regions_reach_every_front_end(workers_server: ServerProcess) -> None:
-    """A region registered through one front-end is mapped by both (each decodes and encodes its own requests);
-    once unregistered, neither takes it."""
+    """A region registered through one front-end is mapped by both (each decodes and encodes its own requests) by the
+    time the registration is answered; once an unregistration is answered, neither takes it."""
     url = workers_server.url.removeprefix("http://")
     key = f"/halfserve-workers-{os.getpid()}"
     x = samples(4, seed=5)
     handle = shm.create_shared_memory_region("images", key, 2 * x.nbytes)
-
-    def known_to_all(registered: bool) -> bool:
-        """Whether 8 new connections (spread over both front-ends) all find the region registered, or all not."""
-        found = []
-        for _ in range(8):
-            client = triton.InferenceServerClient(url)
-            tensor = triton.InferInput("pixels", list(x.shape), "FP32")
-            tensor.set_shared_memory("images", x.nbytes)
-            try:
-                client.infer(MODEL, [tensor], headers=AUTH)
-                found.append(True)
-            except InferenceServerException as e:
-                if "no shared memory region 'images'" not in str(e):
-                    raise
-                found.append(False)
-            finally:
-                client.close()
-        return found == [registered] * 8
-
+    admin = triton.InferenceServerClient(url)
     try:
         shm.set_shared_memory_region(handle, [x])
-        triton.InferenceServerClient(url).register_system_shared_memory("images", key, 2 * x.nbytes, headers=AUTH)
-        # The other front-end's copy is pushed within 0.05 s on a quiet host.
-        wait_until(lambda: known_to_all(True), "the region registered on both front-ends")
+        # Each change is answered only once both front-ends have it: the next request finds it, whichever takes it.
+        for _ in range(3):
+            admin.register_system_shared_memory("images", key, 2 * x.nbytes, headers=AUTH)
+            assert _region_found(url, x) == [True] * 8
+            admin.unregister_system_shared_memory("images", headers=AUTH)
+            assert _region_found(url, x) == [False] * 8
+        admin.register_system_shared_memory("images", key, 2 * x.nbytes, headers=AUTH)
         for _ in range(8):  # a new connection each time: both front-ends answer some
             client = triton.InferenceServerClient(url)
             tensor = triton.InferInput("pixels", list(x.shape), "FP32")
@@ -154,16 +168,30 @@ def test_shared_memory_regions_reach_every_front_end(workers_server: ServerProce
             np.testing.assert_allclose(got, fp32_reference(x), rtol=1e-4, atol=1e-4)
             shm.set_shared_memory_region(handle, [np.zeros((4, 10), np.float32)], offset=x.nbytes)
             client.close()
-        triton.InferenceServerClient(url).unregister_system_shared_memory("images", headers=AUTH)
-        wait_until(lambda: known_to_all(False), "the region unregistered on both front-ends")
-        for _ in range(4):
-            client = triton.InferenceServerClient(url)
-            tensor = triton.InferInput("pixels", list(x.shape), "FP32")
-            tensor.set_shared_memory("images", x.nbytes)
-            with pytest.raises(InferenceServerException, match="no shared memory region 'images'"):
-                client.infer(MODEL, [tensor], headers=AUTH)
-            client.close()
+        admin.unregister_system_shared_memory(headers=AUTH)  # every region
+        assert _region_found(url, x) == [False] * 8
     finally:
+        admin.close()
+        shm.destroy_shared_memory_region(handle)
+
+
+def test_a_region_registered_over_grpc_reaches_every_front_end(workers_server: ServerProcess, grpc_port: int) -> None:
+    """gRPC is served by the engine process: its registrations too are answered once both front-ends have them."""
+    url = workers_server.url.removeprefix("http://")
+    key = f"/halfserve-workers-grpc-{os.getpid()}"
+    x = samples(2, seed=6)
+    handle = shm.create_shared_memory_region("images", key, x.nbytes)
+    admin = triton_grpc.InferenceServerClient(f"127.0.0.1:{grpc_port}")
+    metadata = {"authorization": AUTH["Authorization"]}  # gRPC metadata keys are lower case
+    try:
+        shm.set_shared_memory_region(handle, [x])
+        for _ in range(3):
+            admin.register_system_shared_memory("images", key, x.nbytes, headers=metadata)
+            assert _region_found(url, x) == [True] * 8
+            admin.unregister_system_shared_memory("images", headers=metadata)
+            assert _region_found(url, x) == [False] * 8
+    finally:
+        admin.close()
         shm.destroy_shared_memory_region(handle)
 
 

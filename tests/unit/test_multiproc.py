@@ -4,18 +4,26 @@ transport, and its model table; no process is spawned (the frames and slots them
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 from collections.abc import Iterator
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, cast
 
 import numpy as np
 import pytest
 
 from halfserve.ipc.frames import FrameReader, frame
+from halfserve.ipc.memory import Slots
 from halfserve.ipc.tensors import from_payload
 from halfserve.manifest import Batching, Manifest, TensorSpec
+from halfserve.metrics import Metrics
+from halfserve.multiproc import engine_side
 from halfserve.multiproc.client import SLOT_BYTES, BackplaneClient, RemoteModel, RemoteService
+from halfserve.multiproc.engine_side import Backplane, _Connection
 from halfserve.precision import Precision
+from halfserve.regions import Regions
+from halfserve.repository import ModelRepository
 from halfserve.serving import DeadlineExceededError, InternalError, ModelNotReadyError, ModelState, error_to_wire
 from halfserve.settings import Settings
 from tests.unit.test_transport import RecordingTransport
@@ -117,6 +125,74 @@ async def test_a_lost_connection_fails_what_is_pending_and_refuses_what_comes_ne
         await future
     with pytest.raises(ModelNotReadyError, match="not connected"):
         client.send(remote, {"features": np.ones((1, 16), np.float32)}, None)
+
+
+async def test_a_table_pushed_with_a_number_is_applied_then_acknowledged(connected: Connected) -> None:
+    client, transport, tables = connected
+    client.data_received(joined(frame({"op": "table", "models": [{"name": "x"}], "regions": []})))
+    await asyncio.sleep(0)
+    assert sent(transport) == []  # the periodic push asks for no answer
+    client.data_received(joined(frame({"op": "table", "ack": 7, "models": [{"name": "y"}], "regions": []})))
+    await asyncio.sleep(0)
+    assert tables == [[{"name": "x"}], [{"name": "y"}]]
+    assert [h for h, _ in sent(transport)] == [{"op": "ack", "ack": 7}]
+
+
+def backplane_with(connections: int) -> tuple[Backplane, list[tuple[_Connection, RecordingTransport]]]:
+    """The engine process's end with ``connections`` front-ends connected over recording transports."""
+    repo = cast(ModelRepository, SimpleNamespace(models={}))
+    backplane = Backplane("/nonexistent", repo, cast(Metrics, None), connections, Regions(), "secret")
+    made = []
+    for _ in range(connections):
+        c = _Connection(backplane, cast(Slots, None))
+        backplane.connections.add(c)
+        transport = RecordingTransport()
+        c.connection_made(transport)
+        made.append((c, transport))
+    return backplane, made
+
+
+async def test_a_change_is_published_once_every_front_end_applied_it_or_is_gone(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    backplane, [(first, t1), (second, t2), (third, t3)] = backplane_with(3)
+    publishing = asyncio.create_task(backplane.publish())
+    await asyncio.sleep(0.01)
+    pushed = [sent(t)[-1][0] for t in (t1, t2, t3)]
+    assert {h["ack"] for h in pushed} == {pushed[0]["ack"]}
+    assert [(h["op"], h["models"], h["regions"]) for h in pushed] == [("table", [], [])] * 3
+    number = pushed[0]["ack"]
+    first.data_received(joined(frame({"op": "ack", "ack": number})))
+    second.data_received(joined(frame({"op": "ack", "ack": number + 1})))  # not this table's
+    await asyncio.sleep(0.01)
+    assert not publishing.done()  # the second and third have not applied it
+    second.data_received(joined(frame({"op": "ack", "ack": number})))
+    third.connection_lost(None)  # a front-end that is gone holds nothing up
+    await asyncio.wait_for(publishing, 1)
+    assert all(not c.acks for c in (first, second, third))
+
+    # A front-end that never answers holds the change up for PUBLISH_TIMEOUT_S only, and is logged.
+    monkeypatch.setattr(engine_side, "PUBLISH_TIMEOUT_S", 0.05)
+    with caplog.at_level(logging.WARNING, logger=engine_side.__name__):
+        publishing = asyncio.create_task(backplane.publish())
+        await asyncio.sleep(0.01)
+        first.data_received(joined(frame({"op": "ack", "ack": sent(t1)[-1][0]["ack"]})))
+        await asyncio.wait_for(publishing, 1)
+    assert "1 front-end(s) did not apply a new table within 0.05 s" in caplog.text
+    assert not second.acks
+
+
+async def test_a_front_end_that_relays_a_change_is_answered_once_the_change_is_published() -> None:
+    backplane, [(relaying, t1), (other, t2)] = backplane_with(2)
+    relaying.data_received(joined(frame({"op": "publish", "id": 41})))
+    await asyncio.sleep(0.01)
+    number = sent(t2)[-1][0]["ack"]
+    relaying.data_received(joined(frame({"op": "ack", "ack": number})))
+    await asyncio.sleep(0.01)
+    assert {"id": 41} not in [h for h, _ in sent(t1)]  # the other front-end has not applied it yet
+    other.data_received(joined(frame({"op": "ack", "ack": number})))
+    await asyncio.sleep(0.01)
+    assert sent(t1)[-1][0] == {"id": 41}
 
 
 def entry(name: str, version: int = 1, state: str = "ready", precision: str | None = "fp32") -> dict[str, Any]:

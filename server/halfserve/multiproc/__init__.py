@@ -15,9 +15,11 @@ payload; a connection's requests are answered out of order, by id. Requests carr
 contract does (:mod:`halfserve.serving`), and failures the contract's domain errors, by name.
 
 The engine process stays authoritative: it checks the model, version and readiness of every request itself, so a
-front-end's copy of the model table (pushed to it within :data:`TABLE_POLL_S` of any change) only has to be recent
-enough to decode requests. Front-ends send the per-request metrics (status, rows, latency) here in batches, so
-``/metrics`` counts every front-end's requests.
+front-end's copy of the model table only has to be recent enough to decode requests. It is pushed within
+:data:`TABLE_POLL_S` of any change; a change made through the API is answered only once every front-end has applied it
+(:meth:`~halfserve.multiproc.engine_side.Backplane.publish`), so a client's next request finds it whichever front-end
+takes it. Front-ends send the per-request metrics (status, rows, latency) here in batches, so ``/metrics`` counts every
+front-end's requests.
 
 The package, split by concern; each part imports the routes only through :func:`halfserve.api.http.answer_first`.
 The frames, the slots and the named tensors in them are :mod:`halfserve.ipc`'s, as instance processes' are; errors

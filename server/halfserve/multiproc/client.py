@@ -105,10 +105,13 @@ class BackplaneClient(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         for header, payload in self.reader.feed(data):
             rid = header.get("id")
-            if "models" in header:  # a pushed table, or the answer to a refresh
+            if "models" in header:  # a pushed table
                 self.on_table(header["models"])
                 self.on_regions(header["regions"])
                 self.table_seen.set()
+                if "ack" in header:  # the engine process answers a change once every front-end has it
+                    with contextlib.suppress(ModelNotReadyError):
+                        self._send({"op": "ack", "ack": header["ack"]})
             if rid is None:
                 continue
             pending = self.pending.pop(rid, None)
@@ -171,9 +174,10 @@ class BackplaneClient(asyncio.Protocol):
             outputs = from_payload(payload, places)
         return Prediction(outputs, tuple(Precision(p) for p in header["precision"].split("+") if p))
 
-    async def refresh(self) -> None:
-        """Fetch the model table now (after a management call this front-end relayed); the answer updates it."""
-        await self._ask({"op": "table"}, lambda header, payload: None)
+    async def publish(self) -> None:
+        """Return once every front-end, this one included, has the engine process's table as it is now: after a
+        change this front-end relayed (a model loaded, a region registered), before the client is answered."""
+        await self._ask({"op": "publish"}, lambda header, payload: None)
 
     def record(self, row: list[Any]) -> None:
         self.records.append(row)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import itertools
 import logging
 import mmap
 import os
@@ -32,6 +33,9 @@ log = logging.getLogger(__name__)
 
 TABLE_POLL_S = 0.05
 """How often the engine process looks for model changes (loads, unloads, precision switches) to push."""
+PUBLISH_TIMEOUT_S = 5.0
+"""How long a change made through the API (a region registered, a model loaded) waits for every front-end to say it
+has the new table before it is answered anyway; a front-end that does not answer in time is logged."""
 HELLO_BYTES = 4096
 HELLO_TIMEOUT_S = 5.0
 """How long a new connection has to send its hello before it is dropped."""
@@ -77,6 +81,9 @@ class _Connection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.pending: set[asyncio.Future[Prediction]] = set()
         """Requests queued or running, answered from a callback when done (no task per request)."""
+        self.acks: dict[int, asyncio.Future[None]] = {}
+        """Tables pushed by :meth:`Backplane.publish` that this front-end has yet to say it applied, by number."""
+        self.publishing: set[asyncio.Task[None]] = set()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # A batch's answers go out in one write. (The cast: uvloop's transports are not asyncio's subclasses either.)
@@ -86,6 +93,11 @@ class _Connection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.transport = None
         self.backplane.connections.discard(self)
+        for ack in self.acks.values():  # a front-end that is gone serves no request with an old table
+            if not ack.done():
+                ack.set_result(None)
+        for task in self.publishing:
+            task.cancel()
         for f in list(self.pending):
             f.cancel()  # rows not yet running are withdrawn
             f.add_done_callback(self._release)
@@ -109,8 +121,19 @@ class _Connection(asyncio.Protocol):
                 self._infer(header, payload)
             elif op == "record":
                 self.backplane.record(header["records"])
-            elif op == "table":
-                self.send({"id": header["id"], **self.backplane.table()})
+            elif op == "ack":
+                ack = self.acks.get(header["ack"])
+                if ack is not None and not ack.done():
+                    ack.set_result(None)
+            elif op == "publish":
+                task = asyncio.create_task(self._publish(header["id"]), name="backplane-publish")
+                self.publishing.add(task)
+                task.add_done_callback(self.publishing.discard)
+
+    async def _publish(self, rid: int) -> None:
+        """Answer a front-end that relayed a change once every front-end has the table as it is now."""
+        await self.backplane.publish()
+        self.send({"id": rid})
 
     def _infer(self, head: dict[str, Any], payload: bytearray) -> None:
         try:
@@ -193,6 +216,7 @@ class Backplane:
         self._listener: socket.socket | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._hellos: set[asyncio.Task[None]] = set()
+        self._numbers = itertools.count(1)
 
     async def start(self) -> None:
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -290,6 +314,34 @@ class Backplane:
     def table(self) -> dict[str, Any]:
         """What front-ends mirror: the model table and the shared memory regions."""
         return {"models": table(self.repo), "regions": self.regions.status()}
+
+    async def publish(self) -> None:
+        """Push the table to every front-end, and return once each has applied it (or :data:`PUBLISH_TIMEOUT_S`
+        passed).
+
+        A change made through the API (a region registered or unregistered, a model loaded or unloaded) is answered
+        only after this, so that the client's next request finds it whichever front-end takes it. The table pushed
+        every :data:`TABLE_POLL_S` covers changes that come from nowhere in particular (a model that finishes
+        loading)."""
+        loop = asyncio.get_running_loop()
+        number = next(self._numbers)
+        message = {"op": "table", "ack": number, **self.table()}
+        waiting: dict[asyncio.Future[None], _Connection] = {}
+        for c in list(self.connections):
+            if c.transport is None:
+                continue  # not yet connected: it is sent the table as it is when it connects
+            ack: asyncio.Future[None] = loop.create_future()
+            c.acks[number] = ack
+            waiting[ack] = c
+            c.send(message)
+        try:
+            if waiting:
+                _, late = await asyncio.wait(waiting, timeout=PUBLISH_TIMEOUT_S)
+                if late:
+                    log.warning("%d front-end(s) did not apply a new table within %g s", len(late), PUBLISH_TIMEOUT_S)
+        finally:
+            for c in waiting.values():
+                c.acks.pop(number, None)
 
     async def _watch(self) -> None:
         """Push the table to every front-end when a model or a region changes."""

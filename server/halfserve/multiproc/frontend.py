@@ -39,6 +39,9 @@ log = logging.getLogger(__name__)
 
 RECORD_FLUSH_S = 0.1
 """How often a front-end sends its request counts to the engine process (and so how stale ``/metrics`` may be)."""
+PUBLISH_WAIT_S = 10.0
+"""Longest a relayed change waits for every front-end to have it before it is answered anyway (the engine process
+itself gives up after :data:`~halfserve.multiproc.engine_side.PUBLISH_TIMEOUT_S`)."""
 HOP_BY_HOP = {b"connection", b"keep-alive", b"transfer-encoding", b"content-length", b"upgrade", b"te", b"trailer"}
 """Headers that describe one connection, not the message: the relay sets its own."""
 
@@ -169,6 +172,11 @@ class FrontendApp:
             await error_response(503, message)(scope, receive, send)
             return
         try:
+            if scope["method"] not in ("GET", "HEAD") and response.status_code < 400:
+                # A change (a model loaded, a region registered) is answered once every front-end knows it: the
+                # client's next request may reach any of them.
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(self.client.publish(), PUBLISH_WAIT_S)
             out_headers = [(k, v) for k, v in response.headers.raw if k.lower() not in HOP_BY_HOP]
             await send({"type": "http.response.start", "status": response.status_code, "headers": out_headers})
             async for chunk in response.aiter_raw():
@@ -176,10 +184,6 @@ class FrontendApp:
             await send({"type": "http.response.body", "body": b""})
         finally:
             await response.aclose()
-        if scope["method"] not in ("GET", "HEAD") and response.status_code < 400:
-            # A management call may have changed a model: know it before the client's next request arrives here.
-            with contextlib.suppress(Exception):
-                await self.client.refresh()
 
 
 RELAY_BODY_BYTES = MANAGEMENT_BODY_BYTES

@@ -369,11 +369,13 @@ class InferenceService:
         self._admin(context)
         refuse_overrides(request.parameters)
         await load_from_store(self._repository(), request.model_name)
+        await self.state.publish()
         return pb.message("inference.RepositoryModelLoadResponse")()
 
     async def repository_model_unload(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         self._admin(context)
         await self._repository().unload(request.model_name)
+        await self.state.publish()
         return pb.message("inference.RepositoryModelUnloadResponse")()
 
     async def shm_status(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
@@ -390,11 +392,13 @@ class InferenceService:
     async def shm_register(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         self._admin(context)
         self.state.regions.register(request.name, request.key, request.offset, request.byte_size)
+        await self.state.publish()
         return pb.message("inference.SystemSharedMemoryRegisterResponse")()
 
     async def shm_unregister(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         self._admin(context)
         self.state.regions.unregister(request.name or None)
+        await self.state.publish()
         return pb.message("inference.SystemSharedMemoryUnregisterResponse")()
 
     async def cuda_shm_status(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
