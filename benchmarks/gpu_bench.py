@@ -50,8 +50,8 @@ from halfserve.engine.core import Engine
 from halfserve.loadtest.config import LoadtestConfig
 from halfserve.loadtest.make_bench_model import calibrate
 from halfserve.loadtest.payload import Protocol
-from halfserve.manifest import Batching, Compile, DataType, Execution, Manifest, TensorSpec, load_manifest
-from halfserve.precision import Precision, set_tf32
+from halfserve.manifest import Batching, Compile, DataType, Execution, Manifest, Precision, TensorSpec, load_manifest
+from halfserve.precision import set_tf32
 from halfserve.store import LoadedModel
 
 MODEL = "resnet50"

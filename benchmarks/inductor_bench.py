@@ -25,8 +25,7 @@ from common import ROOT, write_results
 
 from halfserve import hostinfo, store
 from halfserve.engine.core import Engine
-from halfserve.manifest import Compile, Execution
-from halfserve.precision import Precision
+from halfserve.manifest import Compile, Execution, Precision
 
 
 def rate(engine: Engine, x: np.ndarray, seconds: float) -> float:

@@ -30,8 +30,7 @@ from common import PROTOCOLS, ROOT, Protocol, make_protocol, start_server, stats
 
 from halfserve import hostinfo, store
 from halfserve.engine.core import Engine
-from halfserve.manifest import load_manifest
-from halfserve.precision import Precision
+from halfserve.manifest import Precision, load_manifest
 
 
 def ceiling(store_dir: Path, model: str, precision: str, sizes: list[int], rounds: int = 5) -> dict[str, float]:

@@ -29,8 +29,7 @@ import torch
 
 from halfserve import hostinfo, models, packing, store
 from halfserve.engine.core import Engine
-from halfserve.manifest import Batching, DataType, Manifest, TensorSpec
-from halfserve.precision import Precision
+from halfserve.manifest import Batching, DataType, Manifest, Precision, TensorSpec
 
 MODEL = "seq"
 VOCAB = 1000

@@ -20,8 +20,7 @@ import torch
 
 from halfserve import models, store
 from halfserve.engine.core import Engine
-from halfserve.manifest import Batching, Execution, Manifest, TensorSpec
-from halfserve.precision import Precision
+from halfserve.manifest import Batching, Execution, Manifest, Precision, TensorSpec
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -24,8 +24,7 @@ from halfserve import store
 from halfserve.batching import Batcher
 from halfserve.compilation import tune_cudnn
 from halfserve.engine.core import Engine
-from halfserve.manifest import Compile, Execution
-from halfserve.precision import Precision
+from halfserve.manifest import Compile, Execution, Precision
 
 OUT = Path(os.environ.get("OUT", "/tmp/out"))
 OUT.mkdir(parents=True, exist_ok=True)

@@ -10,7 +10,7 @@ __all__ = ["Precision", "Settings", "__version__", "create_app"]
 
 if TYPE_CHECKING:
     from halfserve.app import create_app
-    from halfserve.precision import Precision
+    from halfserve.manifest import Precision
     from halfserve.settings import Settings
 
 
@@ -21,7 +21,7 @@ def __getattr__(name: str) -> Any:
 
         return create_app
     if name == "Precision":
-        from halfserve.precision import Precision
+        from halfserve.manifest import Precision
 
         return Precision
     if name == "Settings":

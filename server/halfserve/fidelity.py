@@ -38,8 +38,7 @@ import torch
 
 from halfserve import calibration, store
 from halfserve.engine.core import Engine
-from halfserve.manifest import FidelityBar, Manifest
-from halfserve.precision import Precision
+from halfserve.manifest import FidelityBar, Manifest, Precision
 
 CALIBRATION = calibration.CALIBRATION
 RANDOM_SAMPLES = calibration.RANDOM_SAMPLES

@@ -30,7 +30,7 @@ from halfserve.calibration import Samples
 from halfserve.engine.core import Engine
 from halfserve.engine.inputs import takes_positionally
 from halfserve.instance import torch_dtype
-from halfserve.manifest import DataType, InputFormat, Manifest, TensorSpec, sent_inputs
+from halfserve.manifest import DataType, InputFormat, Manifest, Precision, TensorSpec, sent_inputs
 from halfserve.manifest import describe as describe_invalid
 from halfserve.storage import Stage, StoreError
 
@@ -397,8 +397,8 @@ def _measure(model_dir: Path, manifest: Manifest, version_dir: Path, device: tor
     # The precision the server would serve in there; where that is fp32 (auto on a CPU without native bf16), the
     # half precision it would take elsewhere, so the figure is there when the model moves.
     half = precision.resolve(loaded.manifest.precision, device)
-    if half is precision.Precision.FP32:
-        half = precision.Precision.FP16 if device.type == "cuda" else precision.Precision.BF16
+    if half is Precision.FP32:
+        half = Precision.FP16 if device.type == "cuda" else Precision.BF16
     engine = Engine(loaded, half, device)
     try:
         return fidelity.measure(engine, loaded, samples.rows, min(64, len(samples.rows)), samples.source)

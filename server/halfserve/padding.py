@@ -25,9 +25,8 @@ import torch
 from halfserve import calibration, packing
 from halfserve.calibration import Samples
 from halfserve.engine.core import Engine
-from halfserve.manifest import Manifest, sent_inputs
+from halfserve.manifest import Manifest, Precision, sent_inputs
 from halfserve.packing import LENGTH
-from halfserve.precision import Precision
 from halfserve.storage import StoreError
 from halfserve.store import LoadedModel
 

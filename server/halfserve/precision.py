@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from halfserve.manifest import Precision as Precision  # the policy names, torch-free; the dtypes are here
+from halfserve.manifest import Precision  # the policy names, torch-free; the dtypes are here
 
 _WEIGHT_DTYPES: dict[Precision, torch.dtype] = {
     Precision.FP16: torch.float16,

@@ -17,8 +17,7 @@ from torch import nn
 from halfserve import packing
 from halfserve import precision as prec
 from halfserve.instance import torch_dtype
-from halfserve.manifest import Manifest
-from halfserve.precision import Precision
+from halfserve.manifest import Manifest, Precision
 
 
 class OutputError(RuntimeError):

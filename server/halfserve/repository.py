@@ -17,9 +17,9 @@ from halfserve.engine.traced import TraceRefused
 from halfserve.fallback import VersionFallback
 from halfserve.indices import index_limits
 from halfserve.isolated.engine import ProcessEngine
-from halfserve.manifest import Batching, Manifest, load_manifest
+from halfserve.manifest import Batching, Manifest, Precision, load_manifest
 from halfserve.placement import Placement, available_cores, choose, in_process, pads_to_buckets
-from halfserve.precision import Precision, resolve_device
+from halfserve.precision import resolve_device
 from halfserve.served import ServedModel
 from halfserve.serving import (
     ModelNotReadyError,

@@ -16,10 +16,9 @@ from halfserve.engine.protocol import EngineInfo, ModelEngine
 from halfserve.fidelity import Fidelity
 from halfserve.indices import check_indices
 from halfserve.isolated.engine import ProcessEngine
-from halfserve.manifest import Batching, Manifest
+from halfserve.manifest import Batching, Manifest, Precision
 from halfserve.packing import LENGTH, PackError, pack, packs_records, padded_length, sequence_input
 from halfserve.padding import PaddingCheck
-from halfserve.precision import Precision
 from halfserve.serving import (
     BatchStats,
     InvalidInputError,

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from halfserve import cli, models, storage
-from halfserve.manifest import load_manifest
-from halfserve.precision import Precision, cpu_has_native_bf16
+from halfserve.manifest import Precision, load_manifest
+from halfserve.precision import cpu_has_native_bf16
 from halfserve.settings import FidelityCheck, Settings
 from tests.integration.conftest import serving
 

@@ -20,8 +20,7 @@ from halfserve import models, packing, store
 from halfserve.api.dataplane.codec import HEADER_LENGTH
 from halfserve.engine.core import Engine
 from halfserve.engine.protocol import EngineError
-from halfserve.manifest import Batching, DataType, Execution, Manifest, OverflowPolicy, TensorSpec
-from halfserve.precision import Precision
+from halfserve.manifest import Batching, DataType, Execution, Manifest, OverflowPolicy, Precision, TensorSpec
 from halfserve.settings import Settings
 from tests.integration.conftest import serving
 

@@ -19,8 +19,7 @@ from torch import nn
 
 from halfserve import models, storage, store
 from halfserve.engine.core import Engine
-from halfserve.manifest import Manifest, TensorSpec
-from halfserve.precision import Precision
+from halfserve.manifest import Manifest, Precision, TensorSpec
 from halfserve.repository import ModelRepository
 from halfserve.settings import Settings
 from halfserve.storage import StoreError

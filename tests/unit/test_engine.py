@@ -15,9 +15,9 @@ from halfserve.engine import runners
 from halfserve.engine.core import Engine, batch_buckets
 from halfserve.engine.inputs import Normalizer
 from halfserve.engine.protocol import EngineError
-from halfserve.manifest import DataType, Normalize, TensorSpec
+from halfserve.manifest import DataType, Normalize, Precision, TensorSpec
 from halfserve.placement import Placement
-from halfserve.precision import Precision, resolve_device
+from halfserve.precision import resolve_device
 from halfserve.serving import Output
 from tests.conftest import save_tiny_mlp
 

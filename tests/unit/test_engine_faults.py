@@ -13,8 +13,7 @@ from halfserve import store
 from halfserve.batching import Batcher
 from halfserve.engine.core import Engine, is_out_of_memory
 from halfserve.engine.protocol import PrecisionOverflowError
-from halfserve.manifest import OverflowPolicy
-from halfserve.precision import Precision
+from halfserve.manifest import OverflowPolicy, Precision
 from halfserve.serving import BatchTooLargeError, Output
 from tests.conftest import save_tiny_mlp
 from tests.fault_models import Poisonable, save_overflowing_linear

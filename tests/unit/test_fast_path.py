@@ -20,9 +20,8 @@ from halfserve.batching import Batcher
 from halfserve.compilation import tune_cudnn
 from halfserve.engine.core import Engine, fixed_timing, set_intra_op_threads
 from halfserve.instance import bucket_for, pin_host, pinned
-from halfserve.manifest import Batching, Compile, DataType, Execution, Manifest, Normalize, TensorSpec
+from halfserve.manifest import Batching, Compile, DataType, Execution, Manifest, Normalize, Precision, TensorSpec
 from halfserve.placement import LOOP_SECONDS_PER_ROW, pads_to_buckets
-from halfserve.precision import Precision
 from halfserve.serving import Output
 from tests.conftest import needs_cxx, save_tiny_mlp
 

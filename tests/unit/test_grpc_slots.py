@@ -7,7 +7,8 @@ import asyncio
 
 import pytest
 
-from halfserve.api.errors import APIError
+from halfserve.api.dataplane.refusals import Refusal
+from halfserve.api.errors import RefusedError
 from halfserve.api.grpc.grpc_limits import Slots
 
 
@@ -15,12 +16,12 @@ def test_one_address_holds_its_share_and_no_more_while_its_calls_are_on_time() -
     async def main() -> None:
         slots = Slots(4, 2, 60.0, "waiting", "grpc_peer_share")
         slots.claim("a"), slots.claim("a")
-        with pytest.raises(APIError) as info:
+        with pytest.raises(RefusedError) as info:
             slots.claim("a")
-        assert info.value.status == 429
+        assert info.value.refusal is Refusal.TOO_MANY
         assert "2 calls from a are waiting (grpc_peer_share: 2)" in info.value.message
         slots.claim("b"), slots.claim("b")
-        with pytest.raises(APIError, match="4 calls are waiting"):
+        with pytest.raises(RefusedError, match="4 calls are waiting"):
             slots.claim("c")
 
     asyncio.run(main())

@@ -14,8 +14,7 @@ from torch import nn
 
 from halfserve import store
 from halfserve.engine.core import Engine
-from halfserve.manifest import DataType, Manifest, TensorSpec, load_manifest
-from halfserve.precision import Precision
+from halfserve.manifest import DataType, Manifest, Precision, TensorSpec, load_manifest
 from halfserve.repository import ModelRepository
 from halfserve.settings import Settings
 from halfserve.storage import StoreError

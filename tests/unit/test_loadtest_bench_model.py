@@ -12,7 +12,7 @@ from halfserve import models, store
 from halfserve.engine.core import Engine
 from halfserve.loadtest.make_bench_model import main as make_main
 from halfserve.loadtest.make_bench_model import make
-from halfserve.precision import Precision
+from halfserve.manifest import Precision
 from tests.conftest import SHIPPED_STORE
 
 

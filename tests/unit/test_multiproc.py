@@ -16,12 +16,11 @@ import pytest
 from halfserve.ipc.frames import FrameReader, frame
 from halfserve.ipc.memory import Slots
 from halfserve.ipc.tensors import from_payload
-from halfserve.manifest import Batching, Manifest, TensorSpec
+from halfserve.manifest import Batching, Manifest, Precision, TensorSpec
 from halfserve.metrics import Metrics
 from halfserve.multiproc import engine_side
 from halfserve.multiproc.client import SLOT_BYTES, BackplaneClient, RemoteModel, RemoteService
 from halfserve.multiproc.engine_side import Backplane, _Connection
-from halfserve.precision import Precision
 from halfserve.regions import Regions
 from halfserve.repository import ModelRepository
 from halfserve.serving import DeadlineExceededError, InternalError, ModelNotReadyError, ModelState, error_to_wire

@@ -125,15 +125,3 @@ def test_the_deprecated_flags_are_aliases_of_placement(alias: dict[str, object],
 def test_placement_flags_that_disagree_are_refused(alias: dict[str, object]) -> None:
     with pytest.raises(ValueError, match="placement"):
         Settings(**alias)  # type: ignore[arg-type]
-
-
-def test_the_decision_is_torch_free_so_the_settings_can_name_its_values() -> None:
-    import ast
-    from pathlib import Path
-
-    import halfserve.placement
-
-    tree = ast.parse(Path(halfserve.placement.__file__).read_text())
-    imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-    imported |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
-    assert not {m for m in imported if m.split(".")[0] == "torch" or m == "halfserve.store"}, imported

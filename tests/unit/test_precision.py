@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from halfserve import models, precision
-from halfserve.precision import Precision
+from halfserve.manifest import Precision
 
 CPU = torch.device("cpu")
 

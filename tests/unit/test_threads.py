@@ -11,6 +11,7 @@ import torch
 
 from halfserve import store
 from halfserve.engine.core import Engine, fixed_timing, set_intra_op_threads
+from halfserve.manifest import Precision
 from halfserve.placement import (
     LOOP_SECONDS_PER_ROW,
     Placement,
@@ -18,7 +19,6 @@ from halfserve.placement import (
     intra_op_threads,
     loop_bound,
 )
-from halfserve.precision import Precision
 from tests.conftest import save_tiny_mlp, tiny_engines
 
 

@@ -16,6 +16,7 @@ from halfserve import store
 from halfserve.engine import runners
 from halfserve.engine.core import Engine, fixed_timing
 from halfserve.engine.traced import TracedForward, TraceRefused
+from halfserve.manifest import Precision
 from halfserve.placement import (
     BESIDE_LOOP_MIN_ROWS,
     BESIDE_LOOP_MIN_SHARE,
@@ -23,7 +24,6 @@ from halfserve.placement import (
     Placement,
     in_process,
 )
-from halfserve.precision import Precision
 from halfserve.serving import Output
 from tests.conftest import save_tiny_mlp, tiny_engines
 from tests.waiting import DEADLINE_S

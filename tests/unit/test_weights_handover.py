@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from safetensors.torch import load as load_tensors
 from torch import nn
 
 from halfserve import models, store
@@ -47,7 +48,7 @@ def test_tied_weights_travel_as_copies_and_load(tmp_path: Path) -> None:
         outputs=[TensorSpec(name="y", shape=[4])],
     )
     data = store.weights_bytes(module)
-    state = dict(store.load_tensors(data))
+    state = dict(load_tensors(data))
     torch.testing.assert_close(state["net.0.weight"], module.net[0].weight.detach())
     copy = store.from_weights_bytes(tmp_path, manifest, 1, data)
     torch.testing.assert_close(copy.module.net[0].weight, module.net[0].weight.detach())

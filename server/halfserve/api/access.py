@@ -15,7 +15,8 @@ import secrets
 from typing import TypeVar
 
 from halfserve.api import lockout
-from halfserve.api.errors import APIError, HeldError
+from halfserve.api.dataplane.refusals import Refusal
+from halfserve.api.errors import HeldError, RefusedError
 from halfserve.serving import UNKNOWN_MODEL, AppState, LocalModel, ModelHandle, SharedRegions, why_model_not_ready
 
 log = logging.getLogger(__name__)
@@ -24,10 +25,11 @@ H = TypeVar("H", ModelHandle, LocalModel)
 
 
 def of_version(served: H, version: str | None) -> H:
-    """``served`` when ``version`` (None or empty: any) is the version it serves, else a 404."""
+    """``served`` when ``version`` (None or empty: any) is the version it serves, else refused as not found."""
     if version and version != str(served.version):
-        raise APIError(
-            404, f"{UNKNOWN_MODEL}{served.name!r} version {version} is not found (it serves version {served.version})"
+        raise RefusedError(
+            Refusal.NOT_FOUND,
+            f"{UNKNOWN_MODEL}{served.name!r} version {version} is not found (it serves version {served.version})",
         )
     return served
 
@@ -55,15 +57,16 @@ def check_admin(app: AppState, who: str, authorization: str) -> None:
     (:meth:`~halfserve.api.lockout.Tarpit.full`)."""
     settings = app.settings
     if settings.admin_token is None:
-        raise APIError(403, "management API is disabled; set HALFSERVE_ADMIN_TOKEN")
+        raise RefusedError(Refusal.FORBIDDEN, "management API is disabled; set HALFSERVE_ADMIN_TOKEN")
     pit = lockout.tarpit(app)
     if pit.full(who):  # refused whatever the token: an answer that depended on it would be a guess's verdict
         seconds = str(pit.retry_after())
         message = f"{pit.queue} wrong admin tokens from {who} are waiting for their answers; retry in {seconds} s"
-        raise APIError(429, message, {"Retry-After": seconds})
+        raise RefusedError(Refusal.TOO_MANY, message, retry_after=seconds)
     scheme, _, given = authorization.partition(" ")
     if scheme.lower() != "bearer" or not given.strip():
-        raise APIError(401, "management call needs Authorization: Bearer <admin token>", {"WWW-Authenticate": "Bearer"})
+        message = "management call needs Authorization: Bearer <admin token>"
+        raise RefusedError(Refusal.UNAUTHENTICATED, message, challenge="Bearer")
     # Digests of both, compared in constant time: neither the token's bytes nor its length show in the timing.
     expected = hashlib.sha256(settings.admin_token.get_secret_value().encode()).digest()
     if secrets.compare_digest(hashlib.sha256(given.strip().encode()).digest(), expected):
@@ -75,12 +78,12 @@ def check_admin(app: AppState, who: str, authorization: str) -> None:
         seconds = str(math.ceil(wait))
         source = "every address" if attempts.retry_after_all() > 0 else who
         message = f"too many wrong admin tokens from {source}; retry in {seconds} s"
-        raise HeldError(429, message, {"Retry-After": seconds}, functools.partial(pit.hold, who))
+        raise HeldError(Refusal.TOO_MANY, message, seconds, functools.partial(pit.hold, who))
     if attempts.retry_after(who) > 0:
         log.warning(
             "admin token: too many wrong tokens lately (the last from %s); further wrong ones are answered 429", who
         )
-    raise APIError(401, "wrong admin token", {"WWW-Authenticate": 'Bearer error="invalid_token"'})
+    raise RefusedError(Refusal.UNAUTHENTICATED, "wrong admin token", challenge='Bearer error="invalid_token"')
 
 
 def admitted_regions(app: AppState, who: str, authorization: str) -> SharedRegions:
@@ -88,7 +91,7 @@ def admitted_regions(app: AppState, who: str, authorization: str) -> SharedRegio
     (:func:`~halfserve.api.http.shm.authorised_regions`)."""
     try:
         check_admin(app, who, authorization)
-    except APIError as e:  # reworded in place: a held answer (the lockout's tarpit) stays held
+    except RefusedError as e:  # reworded in place: a held answer (the lockout's tarpit) stays held
         e.message = f"shared_memory_region: using a shared memory region needs the admin token: {e.message}"
         raise
     return app.regions

@@ -9,7 +9,8 @@ from collections.abc import Iterable
 from enum import Enum
 
 from halfserve.api.dataplane.metadata import PLATFORM
-from halfserve.api.errors import APIError, from_exception
+from halfserve.api.dataplane.refusals import Refusal
+from halfserve.api.errors import RefusedError, from_exception
 from halfserve.manifest import InputFormat, Manifest, Precision, TensorSpec, sent_inputs
 from halfserve.serving import BatchStats, LocalModel, ModelAdmin, ModelState
 from halfserve.storage import StoreError
@@ -37,30 +38,32 @@ def index_entry(served: LocalModel) -> dict[str, object]:
 
 
 def refuse_overrides(parameters: Iterable[str]) -> None:
-    """A 400 naming a load's parameters that would override the model's configuration (``config``, ``file:...``),
-    which is not supported."""
+    """Refuse as invalid a load whose parameters would override the model's configuration (``config``,
+    ``file:...``), which is not supported, naming them."""
     overrides = sorted(k for k in parameters if k == "config" or k.startswith("file:"))
     if overrides:
-        raise APIError(400, f"parameters: {', '.join(overrides)}: overriding a model's configuration is not supported")
+        raise RefusedError(
+            Refusal.INVALID, f"parameters: {', '.join(overrides)}: overriding a model's configuration is not supported"
+        )
 
 
 async def load_from_store(
     repo: ModelAdmin, name: str, version: int | None = None, precision: Precision | None = None
 ) -> LocalModel:
-    """Load ``name`` from the store: a 400 for an invalid name or a checkpoint that fails, a 404 when the store
-    has no such model or version."""
+    """Load ``name`` from the store: refused as invalid for an invalid name or a checkpoint that fails, as not found
+    when the store has no such model or version."""
     try:
         present = repo.stored_versions(name)
     except StoreError as e:
-        raise APIError(400, str(e)) from None
+        raise RefusedError(Refusal.INVALID, str(e)) from None
     if present is None:
-        raise APIError(404, f"model {name!r} is not in the store")
+        raise RefusedError(Refusal.NOT_FOUND, f"model {name!r} is not in the store")
     if version is not None and version not in present:
-        raise APIError(404, f"model {name!r} has no version {version} in the store")
+        raise RefusedError(Refusal.NOT_FOUND, f"model {name!r} has no version {version} in the store")
     try:
         return await repo.load(name, version, precision)
     except StoreError as e:
-        raise APIError(400, f"failed to load {name!r}: {e}") from None
+        raise RefusedError(Refusal.INVALID, f"failed to load {name!r}: {e}") from None
     except Exception as e:
         raise from_exception(e) from None
 

@@ -1,6 +1,8 @@
-"""The errors both transports answer: an :class:`APIError` carries the status it is answered with on HTTP, which
-gRPC answers with its code (:data:`halfserve.api.grpc.grpc_service.STATUS_CODES`); the data plane's domain errors map
-onto one through their :class:`~halfserve.api.dataplane.refusals.Refusal` (:func:`from_exception`).
+"""The errors both transports answer. Code that either transport runs (the checks in :mod:`halfserve.api.access`,
+:mod:`halfserve.api.admin`, the gRPC service) raises a :class:`RefusedError`, which carries a
+:class:`~halfserve.api.dataplane.refusals.Refusal`: HTTP answers it with the refusal's status (:data:`STATUSES`, here)
+and gRPC with its code (:data:`halfserve.api.grpc.grpc_service.CODES`). An HTTP route may raise an :class:`APIError`
+with a status of HTTP's own (415, 409). The data plane's domain errors map onto a refusal too (:func:`from_exception`).
 
 Neither FastAPI nor grpc: each transport's answers are its own (:mod:`halfserve.api.http.errors`,
 :mod:`halfserve.api.grpc.grpc_service`).
@@ -14,7 +16,8 @@ from halfserve.api.dataplane.refusals import Refusal, refused
 
 
 class APIError(Exception):
-    """An error to answer with ``status`` and ``{"error": message}``."""
+    """An error to answer on HTTP with ``status``, ``headers`` and ``{"error": message}``: raised with a status of its
+    own by the HTTP routes only (:mod:`halfserve.api.http`); elsewhere as a :class:`RefusedError`."""
 
     def __init__(self, status: int, message: str, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
@@ -23,14 +26,50 @@ class APIError(Exception):
         self.headers = headers
 
 
-class HeldError(APIError):
-    """An error whose answer waits until ``hold`` returns, on whichever protocol answers it: a wrong admin token past
-    the lockout's limit (:class:`~halfserve.api.lockout.Tarpit`)."""
+STATUSES: dict[Refusal, int] = {
+    Refusal.INVALID: 400,
+    Refusal.UNAUTHENTICATED: 401,
+    Refusal.FORBIDDEN: 403,
+    Refusal.NOT_FOUND: 404,
+    Refusal.TOO_SLOW: 408,
+    Refusal.TOO_LARGE: 413,
+    Refusal.TOO_MANY: 429,
+    Refusal.UNAVAILABLE: 503,
+    Refusal.TIMED_OUT: 504,
+    Refusal.NO_ROOM: 507,
+    Refusal.FAILED: 500,
+}
+"""The HTTP status of each refusal."""
+
+
+def _headers(retry_after: str | None, challenge: str | None) -> dict[str, str] | None:
+    headers: dict[str, str] = {}
+    if retry_after is not None:
+        headers["Retry-After"] = retry_after
+    if challenge is not None:
+        headers["WWW-Authenticate"] = challenge
+    return headers or None
+
+
+class RefusedError(APIError):
+    """A refusal of a kind every transport answers with its own status or code, and ``message``.
+
+    ``retry_after``: the seconds after which sending the request again may succeed; ``challenge``: the authentication
+    scheme a refused management call should use (HTTP answers them as ``Retry-After`` and ``WWW-Authenticate``)."""
 
     def __init__(
-        self, status: int, message: str, headers: dict[str, str] | None, hold: Callable[[], Awaitable[None]]
+        self, refusal: Refusal, message: str, retry_after: str | None = None, challenge: str | None = None
     ) -> None:
-        super().__init__(status, message, headers)
+        super().__init__(STATUSES[refusal], message, _headers(retry_after, challenge))
+        self.refusal = refusal
+
+
+class HeldError(RefusedError):
+    """A refusal whose answer waits until ``hold`` returns, on whichever protocol answers it: a wrong admin token past
+    the lockout's limit (:class:`~halfserve.api.lockout.Tarpit`)."""
+
+    def __init__(self, refusal: Refusal, message: str, retry_after: str, hold: Callable[[], Awaitable[None]]) -> None:
+        super().__init__(refusal, message, retry_after)
         self.hold = hold
 
 
@@ -40,21 +79,10 @@ async def held(e: BaseException) -> None:
         await e.hold()
 
 
-STATUSES: dict[Refusal, int] = {
-    Refusal.INVALID: 400,
-    Refusal.NOT_FOUND: 404,
-    Refusal.TOO_LARGE: 413,
-    Refusal.UNAVAILABLE: 503,
-    Refusal.TIMED_OUT: 504,
-    Refusal.NO_ROOM: 507,
-    Refusal.FAILED: 500,
-}
-"""The HTTP status of each refusal."""
-
-
 def from_exception(e: Exception) -> APIError:
-    """Map an error raised below the routes (:mod:`halfserve.serving`'s domain errors) onto its HTTP status."""
+    """``e`` when it is an :class:`APIError`, else the refusal an error raised below the routes
+    (:mod:`halfserve.serving`'s domain errors) means."""
     if isinstance(e, APIError):
         return e
     answer = refused(e)
-    return APIError(STATUSES[answer.refusal], answer.message, {"Retry-After": "1"} if answer.retry else None)
+    return RefusedError(answer.refusal, answer.message, "1" if answer.retry else None)

@@ -35,14 +35,13 @@ from halfserve.engine.inputs import Normalizer, has_conv2d, takes_positionally
 from halfserve.engine.protocol import BatchRunner, EngineError, EngineInfo, PrecisionOverflowError
 from halfserve.engine.threads import ThreadRunner
 from halfserve.instance import Instance, bucket_for, torch_dtype
-from halfserve.manifest import Compile, Execution, OverflowPolicy
+from halfserve.manifest import Compile, Execution, OverflowPolicy, Precision
 from halfserve.placement import (
     Placement,
     intra_op_threads,
     loop_bound,
     pads_to_buckets,
 )
-from halfserve.precision import Precision
 from halfserve.serving import BatchTooLargeError, Outcome, Output
 from halfserve.store import LoadedModel
 

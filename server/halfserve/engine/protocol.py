@@ -14,9 +14,8 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from halfserve.manifest import OverflowPolicy
+from halfserve.manifest import OverflowPolicy, Precision
 from halfserve.placement import Placement
-from halfserve.precision import Precision
 from halfserve.serving import Outcome
 
 

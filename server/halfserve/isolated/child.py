@@ -34,7 +34,8 @@ from halfserve.ipc.memory import InstanceMemory
 from halfserve.ipc.tensors import descr, dtype_of
 from halfserve.isolated import handover
 from halfserve.isolated.protocol import IN_FRAME, INPUT_REGION, ChildConfig
-from halfserve.precision import Precision, resolve_device
+from halfserve.manifest import Precision
+from halfserve.precision import resolve_device
 from halfserve.serving import Output
 
 log = logging.getLogger(__name__)

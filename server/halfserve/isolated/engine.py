@@ -35,9 +35,8 @@ from halfserve.ipc.tensors import descr, dtype_of
 from halfserve.isolated import child, handover
 from halfserve.isolated.protocol import IN_FRAME, INPUT_REGION, ChildConfig, region_sizes
 from halfserve.isolated.supervision import Supervisor, Watchdog
-from halfserve.manifest import OverflowPolicy
+from halfserve.manifest import OverflowPolicy, Precision
 from halfserve.placement import Placement, available_cores
-from halfserve.precision import Precision
 from halfserve.serving import BatchTooLargeError, InstanceLostError, ModelNotReadyError, Outcome, Output
 from halfserve.settings import Settings
 from halfserve.store import LoadedModel

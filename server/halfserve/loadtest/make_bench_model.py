@@ -20,8 +20,7 @@ import torch
 from torch import nn
 
 from halfserve import models, storage, store
-from halfserve.manifest import Batching, Manifest, TensorSpec
-from halfserve.precision import Precision
+from halfserve.manifest import Batching, Manifest, Precision, TensorSpec
 
 NAME = "resnet_bench"
 CALIBRATION_BATCHES = 8

@@ -18,7 +18,8 @@ import torch
 from torch import nn
 
 from halfserve import store
-from halfserve.precision import Precision, cast_input, inference, prepare_model
+from halfserve.manifest import Precision
+from halfserve.precision import cast_input, inference, prepare_model
 
 SERVED_PRECISIONS = (Precision.FP32, Precision.FP16, Precision.BF16)
 

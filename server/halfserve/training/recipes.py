@@ -15,8 +15,7 @@ from typing import Any
 from torch import nn
 
 from halfserve import models
-from halfserve.manifest import Batching, DataType, Manifest, TensorSpec
-from halfserve.precision import Precision
+from halfserve.manifest import Batching, DataType, Manifest, Precision, TensorSpec
 from halfserve.training import datasets
 from halfserve.training.datasets import Dataset
 from halfserve.training.errors import UnknownRecipeError

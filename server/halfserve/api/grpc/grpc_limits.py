@@ -31,7 +31,8 @@ from typing import Any
 import grpc
 
 from halfserve.api.dataplane.bounds import row_limit
-from halfserve.api.errors import APIError
+from halfserve.api.dataplane.refusals import Refusal
+from halfserve.api.errors import RefusedError
 from halfserve.manifest import Batching, Manifest, sample_values
 from halfserve.settings import Settings
 
@@ -125,7 +126,7 @@ class Slots:
         """Each client address's calls holding a slot, the longest waiting first."""
 
     def claim(self, peer: str) -> _Holder:
-        """A slot for a call from ``peer``, another call's taken where that one is late, or a 429."""
+        """A slot for a call from ``peer``, another call's taken where that one is late, or refused as too many."""
         mine = self.by_peer.get(peer, [])
         if len(mine) >= self.per_peer:
             self._evict(mine, f"{len(mine)} calls from {peer} are {self.what} ({self.share}: {self.per_peer})")
@@ -146,7 +147,7 @@ class Slots:
                 self.release(h)
                 h.evicted.set_result(None)
                 return
-        raise APIError(429, f"server busy: {busy}")
+        raise RefusedError(Refusal.TOO_MANY, f"server busy: {busy}")
 
     def release(self, holder: _Holder) -> None:
         held = self.by_peer.get(holder.peer, [])
@@ -189,15 +190,15 @@ class Admission:
             if reading.done():
                 raw = reading.result()
             elif holder.evicted.done():
-                raise APIError(
-                    408,
+                raise RefusedError(
+                    Refusal.TOO_SLOW,
                     f"request message: not received within {slots.grace:g} s, and another call needed its slot "
                     f"({'health checks' if probe else 'grpc_receive_grace'})",
                 )
             else:
                 assert timeout is not None
                 what = "" if probe else " (body_timeout)"
-                raise APIError(408, f"request message: not received whole within {timeout:g} s{what}")
+                raise RefusedError(Refusal.TOO_SLOW, f"request message: not received whole within {timeout:g} s{what}")
         finally:
             reading.cancel()
             slots.release(holder)
@@ -216,7 +217,9 @@ class Admission:
         """One inference call running (``ModelInfer``, or a ``ModelStreamInfer`` stream): one past
         ``max_connections`` is refused."""
         if self.calls >= self.max_calls:
-            raise APIError(429, f"server busy: {self.calls} inference calls in progress (max_connections)")
+            raise RefusedError(
+                Refusal.TOO_MANY, f"server busy: {self.calls} inference calls in progress (max_connections)"
+            )
         self.calls += 1
         try:
             yield
@@ -225,8 +228,9 @@ class Admission:
 
 
 async def parse(raw: bytes, message: Any, name: str, values: ValueLimit | None = None) -> Any:
-    """``raw`` parsed as ``message`` (a class), a 400 naming ``name`` where it is not one; a ``ModelInferRequest``
-    (``values`` given) checked by :func:`check_infer_request` first. A large message in a worker thread."""
+    """``raw`` parsed as ``message`` (a class), refused as invalid naming ``name`` where it is not one; a
+    ``ModelInferRequest`` (``values`` given) checked by :func:`check_infer_request` first. A large message in a worker
+    thread."""
     if len(raw) <= INLINE_BYTES:
         return _parse(raw, message, name, values)
     return await asyncio.to_thread(_parse, raw, message, name, values)
@@ -238,7 +242,7 @@ def _parse(raw: bytes, message: Any, name: str, values: ValueLimit | None) -> An
     try:
         return message.FromString(raw)
     except Exception as e:  # protobuf's DecodeError, or a message nested too deep
-        raise APIError(400, f"request: not a valid {name} message ({e})") from None
+        raise RefusedError(Refusal.INVALID, f"request: not a valid {name} message ({e})") from None
 
 
 # The encoding of a ModelInferRequest ---------------------------------------------------------------------------------
@@ -256,7 +260,7 @@ def _varint(buf: bytes, pos: int, end: int) -> tuple[int, int]:
         if byte < 0x80:
             return result, pos
         shift += 7
-    raise APIError(400, _MALFORMED)
+    raise RefusedError(Refusal.INVALID, _MALFORMED)
 
 
 def _fields(buf: bytes, start: int, end: int) -> Iterator[tuple[int, int, int, int]]:
@@ -275,9 +279,9 @@ def _fields(buf: bytes, start: int, end: int) -> Iterator[tuple[int, int, int, i
             value_start = pos
             pos += 8 if wire == _I64 else 4
         else:
-            raise APIError(400, _MALFORMED)
+            raise RefusedError(Refusal.INVALID, _MALFORMED)
         if pos > end:
-            raise APIError(400, _MALFORMED)
+            raise RefusedError(Refusal.INVALID, _MALFORMED)
         yield number, wire, value_start, pos
 
 
@@ -289,7 +293,7 @@ def _varints(buf: bytes, start: int, end: int) -> int:
 def _count(counts: dict[int, int], number: int, field: str, limit: int = MAX_ENTRIES) -> None:
     counts[number] = counts.get(number, 0) + 1
     if counts[number] > limit:
-        raise APIError(400, f"{field}: more than {limit} entries")
+        raise RefusedError(Refusal.INVALID, f"{field}: more than {limit} entries")
 
 
 def check_infer_request(raw: bytes, values: ValueLimit) -> None:
@@ -326,7 +330,7 @@ def _check_input(raw: bytes, start: int, end: int, field: str, limit: tuple[int,
         if number == 3:
             if wire == _LEN:
                 if len(dims) + _varints(raw, s, e) > MAX_DIMS:
-                    raise APIError(400, f"{field}.shape: more than {MAX_DIMS} dimensions")
+                    raise RefusedError(Refusal.INVALID, f"{field}.shape: more than {MAX_DIMS} dimensions")
                 pos = s
                 while pos < e:
                     value, pos = _varint(raw, pos, e)
@@ -335,10 +339,10 @@ def _check_input(raw: bytes, start: int, end: int, field: str, limit: tuple[int,
                 value, _ = _varint(raw, s, e)
                 dims.append(value)
             if len(dims) > MAX_DIMS:
-                raise APIError(400, f"{field}.shape: more than {MAX_DIMS} dimensions")
+                raise RefusedError(Refusal.INVALID, f"{field}.shape: more than {MAX_DIMS} dimensions")
         elif number == 5 and wire == _LEN:
             if contents is not None:  # merged, the two would hold more values than either is counted at
-                raise APIError(400, f"{field}.contents: given more than once")
+                raise RefusedError(Refusal.INVALID, f"{field}.contents: given more than once")
             contents = (s, e)
         else:
             _count(others, number, f"{field}.{'parameters' if number == 4 else 'fields'}")
@@ -356,11 +360,11 @@ def _check_input(raw: bytes, start: int, end: int, field: str, limit: tuple[int,
         if values > allowed:
             name = f"{field}.contents.{_CONTENTS.get(number, 'fields')}"
             if allowed < holds:
-                raise APIError(
-                    413,
+                raise RefusedError(
+                    Refusal.TOO_LARGE,
                     f"{name}: more values than the limit of {allowed} per request ({setting})",
                 )
-            raise APIError(400, f"{name}: more than {holds} values, but shape {signed} holds {holds}")
+            raise RefusedError(Refusal.INVALID, f"{name}: more than {holds} values, but shape {signed} holds {holds}")
 
 
 _CONTENTS = dict(

@@ -4,9 +4,9 @@ It runs on the app's event loop (grpcio's asyncio server), in the process that o
 through the same :class:`~halfserve.serving.ModelService` as the HTTP routes: a gRPC inference is queued on the same
 batcher, so gRPC and HTTP requests share batches. A ``ModelInferRequest`` is translated into the V2 data plane's
 request (:mod:`halfserve.api.grpc.grpc_codec`) and decoded, submitted and encoded by it
-(:mod:`halfserve.api.dataplane`), as an HTTP request is, so limits and messages are the same; an error's HTTP status
-maps onto a gRPC status code (:data:`STATUS_CODES`), its message unchanged; the domain errors map onto one through
-their refusal (:data:`CODES`), with the message HTTP answers too.
+(:mod:`halfserve.api.dataplane`), as an HTTP request is, so limits and messages are the same; a refusal
+(:class:`~halfserve.api.errors.RefusedError`, and the domain errors through theirs) maps onto a gRPC status code once
+(:data:`CODES`), with the message HTTP answers too.
 
 Management calls (repository load and unload and index, shared memory registration) need the admin token as the
 ``authorization: Bearer <token>`` metadata, as the HTTP routes need the header.
@@ -45,7 +45,7 @@ from halfserve.api.dataplane.decode import parse_request, tokenize
 from halfserve.api.dataplane.infer import infer
 from halfserve.api.dataplane.metadata import EXTENSIONS, SERVER_NAME, metadata
 from halfserve.api.dataplane.refusals import Refusal, refused
-from halfserve.api.errors import APIError, from_exception, held
+from halfserve.api.errors import APIError, RefusedError, from_exception, held
 from halfserve.api.grpc.grpc_codec import infer_payload, infer_response
 from halfserve.api.grpc.grpc_limits import PROBES, Admission, message_cap, parse, server_options
 from halfserve.api.grpc.grpc_peers import PeerConnections
@@ -65,32 +65,21 @@ from halfserve.version import __version__
 
 log = logging.getLogger(__name__)
 
-STATUS_CODES: dict[int, grpc.StatusCode] = {
-    400: grpc.StatusCode.INVALID_ARGUMENT,
-    401: grpc.StatusCode.UNAUTHENTICATED,
-    403: grpc.StatusCode.PERMISSION_DENIED,
-    404: grpc.StatusCode.NOT_FOUND,
-    408: grpc.StatusCode.DEADLINE_EXCEEDED,
-    413: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    429: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    499: grpc.StatusCode.CANCELLED,
-    500: grpc.StatusCode.INTERNAL,
-    503: grpc.StatusCode.UNAVAILABLE,
-    504: grpc.StatusCode.DEADLINE_EXCEEDED,
-    507: grpc.StatusCode.RESOURCE_EXHAUSTED,
-}
-"""The gRPC status code of each status an :class:`APIError` carries (the checks both transports share raise those)."""
-
 CODES: dict[Refusal, grpc.StatusCode] = {
     Refusal.INVALID: grpc.StatusCode.INVALID_ARGUMENT,
+    Refusal.UNAUTHENTICATED: grpc.StatusCode.UNAUTHENTICATED,
+    Refusal.FORBIDDEN: grpc.StatusCode.PERMISSION_DENIED,
     Refusal.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
+    Refusal.TOO_SLOW: grpc.StatusCode.DEADLINE_EXCEEDED,
     Refusal.TOO_LARGE: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    Refusal.TOO_MANY: grpc.StatusCode.RESOURCE_EXHAUSTED,
     Refusal.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
     Refusal.TIMED_OUT: grpc.StatusCode.DEADLINE_EXCEEDED,
     Refusal.NO_ROOM: grpc.StatusCode.RESOURCE_EXHAUSTED,
     Refusal.FAILED: grpc.StatusCode.INTERNAL,
 }
-"""The gRPC status code of each refusal: the domain errors the data plane and the models raise, mapped here once."""
+"""The gRPC status code of each refusal: of a :class:`RefusedError` and of the domain errors the data plane and the
+models raise, mapped here once."""
 
 STREAM_IN_FLIGHT = 256
 """Most requests of one ``ModelStreamInfer`` stream in flight at once, from when one is read until its answer is
@@ -99,10 +88,6 @@ that does not read its answers holds no more than this many."""
 
 Handler = Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]
 Call = Callable[[AsyncIterator[bytes], grpc.aio.ServicerContext], Awaitable[Any]]
-
-
-def status_code(status: int) -> grpc.StatusCode:
-    return STATUS_CODES.get(status, grpc.StatusCode.UNKNOWN)
 
 
 class GrpcRefusal(Exception):
@@ -124,8 +109,10 @@ def _refusal(e: Exception) -> tuple[grpc.StatusCode, str]:
     """The gRPC status and message that answer ``e``."""
     if isinstance(e, GrpcRefusal):
         return e.code, e.message
-    if isinstance(e, APIError):
-        return status_code(e.status), e.message
+    if isinstance(e, RefusedError):
+        return CODES[e.refusal], e.message
+    if isinstance(e, APIError):  # grpc_codec's, each a malformed request, until it raises the domain errors
+        return CODES[Refusal.INVALID], e.message
     refusal = GrpcRefusal.of(e)
     return refusal.code, refusal.message
 
@@ -166,7 +153,7 @@ class InferenceService:
     def _repository(self) -> ModelAdmin:
         repo = self.state.repository
         if repo is None:
-            raise APIError(503, "this process serves no model repository")
+            raise RefusedError(Refusal.UNAVAILABLE, "this process serves no model repository")
         return repo
 
     def _local(self, name: str, version: str) -> LocalModel:
@@ -204,7 +191,7 @@ class InferenceService:
             check_ready(served, request.version or None)
             stats = served.batch_stats
             if stats is None:  # unloaded between the check and here
-                raise APIError(503, f"model {request.name!r} is {served.state.value}")
+                raise RefusedError(Refusal.UNAVAILABLE, f"model {request.name!r} is {served.state.value}")
             counted = [(served, stats)]
         else:
             counted = [(m, s) for m in self._repository().models.values() if (s := m.batch_stats) is not None]
@@ -220,7 +207,9 @@ class InferenceService:
         if request.service == "":
             return pb.HealthCheckResponse(status=status.Value("SERVING"))
         if request.service != pb.SERVICE:
-            raise APIError(404, f"service: unknown service {request.service!r}; known: '', {pb.SERVICE!r}")
+            raise RefusedError(
+                Refusal.NOT_FOUND, f"service: unknown service {request.service!r}; known: '', {pb.SERVICE!r}"
+            )
         ready = why_not_ready(self.state) is None
         return pb.HealthCheckResponse(status=status.Value("SERVING" if ready else "NOT_SERVING"))
 
@@ -299,7 +288,7 @@ class InferenceService:
             try:
                 while not (await asyncio.wait({reading}, timeout=idle))[0]:
                     if not running:
-                        raise APIError(408, f"stream: no request for {idle:g} s (grpc_idle_timeout)")
+                        raise RefusedError(Refusal.TOO_SLOW, f"stream: no request for {idle:g} s (grpc_idle_timeout)")
                 return reading.result()
             finally:
                 reading.cancel()
@@ -334,7 +323,7 @@ class InferenceService:
                 room.release()
             await reader  # a failure to read the stream fails the call
             if failure:
-                await context.abort(status_code(failure[0].status), failure[0].message)
+                await context.abort(*_refusal(failure[0]))
         finally:
             reader.cancel()
             for task in list(running):
@@ -382,7 +371,7 @@ class InferenceService:
         self._admin(context)
         regions = self.state.regions.regions
         if request.name and request.name not in regions:
-            raise APIError(404, f"no shared memory region {request.name!r} is registered")
+            raise RefusedError(Refusal.NOT_FOUND, f"no shared memory region {request.name!r} is registered")
         response = pb.message("inference.SystemSharedMemoryStatusResponse")()
         for name, region in regions.items():
             if not request.name or name == request.name:
@@ -405,7 +394,9 @@ class InferenceService:
         return pb.message("inference.CudaSharedMemoryStatusResponse")()
 
     async def cuda_shm_register(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        raise APIError(400, "CUDA shared memory is not supported; register system shared memory instead")
+        raise RefusedError(
+            Refusal.INVALID, "CUDA shared memory is not supported; register system shared memory instead"
+        )
 
     async def cuda_shm_unregister(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         return pb.message("inference.CudaSharedMemoryUnregisterResponse")()
@@ -469,7 +460,7 @@ class InferenceService:
         async def answer(context: grpc.aio.ServicerContext) -> Any:
             raw = await self.admission.receive(context, _client(context), probe=probe)
             if raw is None:
-                raise APIError(400, "request: the call ended before its request message")
+                raise RefusedError(Refusal.INVALID, "request: the call ended before its request message")
             request = await parse(raw, message, what, self._values if infer else None)
             return await handler(request, context)
 
