@@ -172,15 +172,23 @@ class ImageInput(BaseModel):
 MAX_SIDE = 16384
 """Largest resize or crop side: past it no tensor is an image a model takes, and a typo should not allocate it."""
 
-TORCHSERVE_PRESET: dict[str, object] = {
-    "mode": ColorMode.RGB,
-    "resize": 256,
-    "interpolation": Interpolation.BILINEAR,
-    "crop": 224,
-    "scale": 1 / 255,
-    "mean": IMAGENET_MEAN,
-    "std": IMAGENET_STD,
-    "layout": Layout.CHW,
-}
-"""TorchServe's ``image_classifier`` handler's transforms: ``Resize(256)``, ``CenterCrop(224)``, ``ToTensor()``,
-``Normalize`` with ImageNet's mean and std."""
+
+class ImagePreset(str, Enum):
+    """A named set of transforms (``halfserve import --image-preset``); flags given beside it override its values."""
+
+    TORCHSERVE = "torchserve"
+    """TorchServe's ``image_classifier`` handler's: RGB, ``Resize(256)``, ``CenterCrop(224)``, ``ToTensor()``,
+    ``Normalize`` with ImageNet's mean and std, channels first."""
+
+    @property
+    def transforms(self) -> dict[str, object]:
+        return {
+            "mode": ColorMode.RGB,
+            "resize": 256,
+            "interpolation": Interpolation.BILINEAR,
+            "crop": 224,
+            "scale": 1 / 255,
+            "mean": IMAGENET_MEAN,
+            "std": IMAGENET_STD,
+            "layout": Layout.CHW,
+        }

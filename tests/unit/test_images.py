@@ -13,10 +13,11 @@ from PIL import Image
 from pydantic import ValidationError
 
 from halfserve import images
-from halfserve.imageinput import TORCHSERVE_PRESET, ImageInput
+from halfserve.imageinput import ImageInput, ImagePreset
 from halfserve.manifest import Manifest, TensorSpec
 
 LIMIT = 1_000_000
+TORCHSERVE_PRESET = ImagePreset.TORCHSERVE.transforms
 
 
 def encoded(image: Image.Image, fmt: str, **options: object) -> bytes:
