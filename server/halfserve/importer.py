@@ -425,6 +425,13 @@ def describe(result: Imported) -> str:
         "  outputs " + ", ".join(f"{t.name} {t.datatype.value} {t.shape}" for t in m.outputs),
         f"  calibration: {result.samples_from}, stored as {fidelity.CALIBRATION}",
     ]
+    if m.image is not None:
+        i = m.image
+        lines.insert(
+            3,
+            f"  images  {i.input!r} (JPEG, PNG, WebP) -> {i.feeds}: {i.mode.value}, resize {i.resize}, crop {i.crop}, "
+            f"scale {i.scale:.6g}, mean {i.mean}, std {i.std}, {i.layout.value}",
+        )
     f = result.fidelity
     if f is None:
         return "\n".join(lines)
