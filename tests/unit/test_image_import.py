@@ -6,9 +6,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
+from PIL import Image
+from safetensors.numpy import load_file
 
-from halfserve import cli
+from halfserve import cli, images
 from halfserve.importer import ImportFailure, image_section, read_labels
 from halfserve.manifest import TensorSpec, load_manifest
 from tests.conftest import SHIPPED_STORE
@@ -108,3 +111,22 @@ def test_import_refuses_transforms_that_do_not_fit_the_input(
     assert cli.main([*DIGITS_FLAGS, "--name", "photo", *flags, "--store", str(tmp_path)]) == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "photo").exists()
+
+
+def test_calibration_photos_go_through_the_image_section_as_requests_do(tmp_path: Path) -> None:
+    photos = tmp_path / "photos"
+    photos.mkdir()
+    rng = np.random.default_rng(0)
+    for i in range(3):
+        Image.fromarray(rng.integers(0, 256, (24, 40), dtype=np.uint8)).save(photos / f"{i}.png")
+    flags = ["--name", "photo", "--image", "image", "--image-mode", "L", "--image-resize", "8x8"]
+    assert cli.main([*DIGITS_FLAGS, *flags, "--calibration", str(photos), "--store", str(tmp_path / "s")]) == 0
+    stored = load_file(str(tmp_path / "s" / "photo" / "1" / "calibration.safetensors"))["pixels"]
+    manifest = load_manifest(tmp_path / "s" / "photo")
+    assert manifest.image is not None
+    files = sorted(photos.iterdir())
+    want = images.decode_all([f.read_bytes() for f in files], manifest.image, 10**6, [f.name for f in files])
+    np.testing.assert_array_equal(stored, want)
+    (photos / "3.gif").write_bytes(b"GIF89a")
+    code = cli.main([*DIGITS_FLAGS, *flags, "--calibration", str(photos), "--store", str(tmp_path / "t")])
+    assert code == 2
