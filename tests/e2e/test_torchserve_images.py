@@ -179,6 +179,9 @@ def test_a_model_without_labels_answers_its_output_and_ping_is_healthy(server: S
     assert r.json() == want  # the same rows in a batch of the same size: the same numbers
     r = httpx.get(f"{server.url}/ping")
     assert (r.status_code, r.json()) == (200, {"status": "Healthy"})
+    metrics = httpx.get(f"{server.url}/metrics").text
+    assert f'model="{UNLABELLED}"' in metrics
+    assert 'protocol="torchserve"' in metrics
 
 
 GOOD = photo(pixels()[0], "PNG")

@@ -12,7 +12,7 @@ import pytest
 from PIL import Image
 from pydantic import ValidationError
 
-from halfserve import images
+from halfserve import images, text
 from halfserve.imageinput import ImageInput, ImagePreset
 from halfserve.manifest import Manifest, TensorSpec
 
@@ -200,3 +200,13 @@ def test_the_manifest_checks_the_transforms_give_the_input_s_shape() -> None:
 def test_the_image_section_leaves_the_tensor_spec_alone() -> None:
     m = manifest([1, 8, 8], mode="L", resize=[8, 8])
     assert m.inputs == [TensorSpec(name="image", shape=[1, 8, 8])]
+
+
+async def test_decoding_runs_off_the_loop_and_a_full_queue_is_busy(monkeypatch: pytest.MonkeyPatch) -> None:
+    good = encoded(Image.new("L", (16, 16), 32), "PNG")
+    out = await images.decode_off_loop([good], spec(mode="L", resize=[8, 8]), LIMIT, ["body"])
+    np.testing.assert_array_equal(out, np.full((1, 1, 8, 8), 32 * np.float32(1 / 255), dtype=np.float32))
+    # The tokenizing threads' queue, shared with text models, holding none: refused, not queued.
+    monkeypatch.setattr(text, "TOKENIZER_QUEUE", -text.TOKENIZER_THREADS)
+    with pytest.raises(images.ImageBusyError, match="body: the server is decoding as many requests as it holds"):
+        await images.decode_off_loop([good], spec(mode="L", resize=[8, 8]), LIMIT, ["body"])
