@@ -150,6 +150,24 @@ def test_a_header_claiming_too_many_pixels_is_refused_before_decoding() -> None:
         images.decode(png_claiming(60000, 60000), spec(crop=4), LIMIT, "body")
 
 
+def claiming(fmt: str, width: int, height: int) -> bytes:
+    """A small image of ``fmt`` whose header is rewritten to claim ``width`` x ``height``."""
+    if fmt == "PNG":
+        return png_claiming(width, height)
+    data = encoded(Image.new("RGB", (16, 16)), fmt)
+    if fmt == "JPEG":  # the frame header: FFC0, length, precision, then height and width
+        at = data.index(b"\xff\xc0") + 5
+        return data[:at] + struct.pack(">HH", height, width) + data[at + 4 :]
+    at = data.index(b"\x9d\x01\x2a") + 3  # WebP's VP8 key frame start code, then width and height
+    return data[:at] + struct.pack("<HH", width, height) + data[at + 4 :]
+
+
+@pytest.mark.parametrize("fmt", ["PNG", "JPEG", "WEBP"])
+def test_each_format_s_header_is_held_to_the_pixel_limit(fmt: str) -> None:
+    with pytest.raises(images.ImageTooLargeError, match=f"body: a 9000x9000 {fmt} image, more than the 1000000"):
+        images.decode(claiming(fmt, 9000, 9000), spec(crop=4), LIMIT, "body")
+
+
 def test_the_pixel_limit_is_width_times_height() -> None:
     data = encoded(Image.new("L", (100, 100)), "PNG")
     assert images.decode(data, spec(mode="L", crop=4), 10_000, "body").shape == (1, 4, 4)
