@@ -42,7 +42,8 @@ ERROR_TYPES = {
     503: "ServiceUnavailableException",
     504: "RequestTimeoutException",
 }
-"""TorchServe's exception names by status (its ``type``), as its clients see them."""
+"""The ``type`` of an error by its status: TorchServe's own exception names for 400, 404, 408, 500 and 503, and names
+in their style for the statuses it has no exception of its own for."""
 
 _IMAGE_BODY = {"schema": {"type": "string", "format": "binary"}}
 PREDICTIONS_SCHEMA: dict[str, Any] = {
