@@ -113,15 +113,6 @@ def torchserve_errors(endpoint: Endpoint) -> Endpoint:
     return answer
 
 
-@router.api_route(
-    "/predictions/{model}", methods=["POST", "PUT"], openapi_extra=PREDICTIONS_SCHEMA, response_class=Response
-)
-@router.api_route(
-    "/predictions/{model}/{version}",
-    methods=["POST", "PUT"],
-    openapi_extra=PREDICTIONS_SCHEMA,
-    response_class=Response,
-)
 @torchserve_errors
 @metered(Interface.TORCHSERVE)
 async def predictions(request: Request) -> Response:
@@ -154,6 +145,20 @@ async def predictions(request: Request) -> Response:
         answers = out.reshape(len(out), -1).tolist()
     answer = answers[0] if len(answers) == 1 else answers
     return Response(orjson.dumps(answer), media_type="application/json")
+
+
+PATHS = {"/predictions/{model}": "predictions", "/predictions/{model}/{version}": "version_predictions"}
+"""The routes, and each one's OpenAPI operation name."""
+for _path, _name in PATHS.items():
+    for _method in ("POST", "PUT"):  # PUT: curl -T
+        router.add_api_route(
+            _path,
+            predictions,
+            methods=[_method],
+            operation_id=f"{_name}_{_method.lower()}",
+            openapi_extra=PREDICTIONS_SCHEMA,
+            response_class=Response,
+        )
 
 
 @router.get(
