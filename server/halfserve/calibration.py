@@ -13,7 +13,8 @@
 * a folder of image files (``.png``, ``.jpg``, ...) for a model with one image input: each decoded with Pillow to the
   input's channels (grey, RGB or RGBA) and size and laid out as its ``format`` says; a ``UINT8`` input or one with
   ``normalize`` gets the pixel values as they are (the server normalises on the device, as for requests), any other
-  floating input the values / 255.
+  floating input the values / 255. A model with an ``image`` section gets each through that section, as a request's
+  photo (:mod:`halfserve.images`: JPEG, PNG and WebP).
 
 Without a file, samples are random (:func:`random_samples`), and everything that reports them says so.
 
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,7 +37,7 @@ from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 from torch import nn
 
-from halfserve import packing, storage, text
+from halfserve import images, packing, storage, text
 from halfserve.manifest import InputFormat, Manifest, TensorSpec, sent_inputs
 from halfserve.packing import LENGTH
 from halfserve.storage import StoreError
@@ -379,6 +381,8 @@ def _texts(lines: list[str], manifest: Manifest, tokenizer: Path | None, where: 
 
 
 def _images(folder: Path, specs: list[TensorSpec], manifest: Manifest, where: str) -> Samples:
+    if manifest.image is not None:
+        return _photos(folder, manifest, where)
     images = [t for t in specs if t.image_format in (InputFormat.NCHW, InputFormat.NHWC)]
     if len(specs) != 1 or not images:
         raise CalibrationError(
@@ -393,7 +397,7 @@ def _images(folder: Path, specs: list[TensorSpec], manifest: Manifest, where: st
     if not files:
         raise CalibrationError(f"{where}: no image files ({', '.join(sorted(IMAGE_SUFFIXES))})")
     try:
-        from PIL import Image  # noqa: PLC0415 (an optional dependency, needed by this path alone)
+        from PIL import Image  # noqa: PLC0415 (needed by this path alone)
     except ImportError:
         raise CalibrationError(f"{where}: reading images needs Pillow (pip install pillow)") from None
     pixels = np.empty((len(files), height, width, channels), dtype=np.uint8)
@@ -411,3 +415,21 @@ def _images(folder: Path, specs: list[TensorSpec], manifest: Manifest, where: st
     mode = re.sub("^L$", "grey", _MODES[channels])
     source = f"images from {folder} ({len(files)} files, {mode} {width}x{height}, {scale})"
     return Samples({spec.name: np.ascontiguousarray(values.astype(spec.datatype.numpy))}, source)
+
+
+def _photos(folder: Path, manifest: Manifest, where: str) -> Samples:
+    """A folder of photos for a model with an image section: each decoded and transformed as a request's is."""
+    assert manifest.image is not None
+    files = sorted(p for p in folder.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file())[:MAX_SAMPLES]
+    if not files:
+        raise CalibrationError(f"{where}: no image files ({', '.join(sorted(IMAGE_SUFFIXES))})")
+    spec = next(t for t in manifest.inputs if t.name == manifest.image.feeds)
+    try:
+        # The operator's own files: held to Pillow's decompression-bomb guard only, not to a request's limit.
+        pixels = images.decode_all(
+            [f.read_bytes() for f in files], manifest.image, sys.maxsize, [f.name for f in files]
+        )
+    except images.ImageError as e:
+        raise CalibrationError(f"{where}: {e}") from None
+    source = f"images from {folder} ({len(files)} files, through the manifest's image section as requests are)"
+    return Samples({spec.name: pixels.astype(spec.datatype.numpy)}, source)

@@ -193,8 +193,10 @@ def _add_import(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     p.add_argument(
         "--labels",
         type=Path,
-        help="text file with one class name per line (the first output's); default: a Hugging Face folder's id2label",
+        help="text file with one class name per line (the first output's), or TorchServe's index_to_name.json; "
+        "default: a Hugging Face folder's id2label",
     )
+    _add_image_flags(p)
     p.add_argument(
         "--calibration",
         type=Path,
@@ -220,13 +222,42 @@ def _add_import(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     p.set_defaults(func=import_)
 
 
+IMAGE_FLAGS = {
+    "mode": "RGB or L: the colour mode images are converted to (default RGB)",
+    "resize": "the shorter side's new size (256), or HEIGHTxWIDTH exactly (8x8)",
+    "interpolation": "bilinear (default), nearest or bicubic: the resize's filter",
+    "crop": "the centre kept after the resize: a size (224) or HEIGHTxWIDTH",
+    "scale": "what each pixel value (0..255) is multiplied by (default 1/255)",
+    "mean": "comma-separated, one per channel: subtracted after the scale",
+    "std": "comma-separated, one per channel: divided by after the mean",
+    "layout": "CHW (default) or HWC: where the channels go in the input",
+}
+"""The ``--image-*`` flags of ``halfserve import``: the manifest's ``image`` section's fields."""
+
+
+def _add_image_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--image",
+        metavar="NAME",
+        help="photos (JPEG, PNG, WebP) clients send, decoded and transformed into the model's one input",
+    )
+    p.add_argument(
+        "--image-preset",
+        metavar="PRESET",
+        help="torchserve: TorchServe's image_classifier transforms (RGB, resize 256, crop 224, ImageNet mean and "
+        "std); --image-* flags given beside it override its values",
+    )
+    for field, help_text in IMAGE_FLAGS.items():
+        p.add_argument(f"--image-{field}", help=help_text)
+
+
 def import_(args: argparse.Namespace) -> int:
     from halfserve import importer, models
     from halfserve.precision import resolve_device
 
     try:
         models.add_code_path(args.code_path or [])
-        labels = args.labels.read_text().split() if args.labels else None
+        labels = importer.read_labels(args.labels) if args.labels else None
         fields: dict[str, object] = {"min_agreement": args.min_agreement} if args.min_agreement is not None else {}
         if args.accept_padding_variance:
             fields["padding_invariant"] = False
@@ -240,6 +271,11 @@ def import_(args: argparse.Namespace) -> int:
         if args.text:
             feeds = next((t.name for t in inputs if t.variable), None)
             fields["text"] = {"input": args.text, "feeds": feeds}
+        given = {f: getattr(args, f"image_{f}") for f in IMAGE_FLAGS}
+        if args.image:
+            fields["image"] = importer.image_section(args.image, inputs, args.image_preset, **given)
+        elif args.image_preset is not None or any(v is not None for v in given.values()):
+            raise importer.ImportFailure("--image-*: give --image NAME too, the name clients send images under")
         result = importer.import_model(
             args.source,
             args.store,

@@ -28,6 +28,7 @@ from pydantic import (
     model_validator,
 )
 
+from halfserve.imageinput import ImageInput
 from halfserve.storage import MANIFEST, NAME_PATTERN, StoreError, read_json
 
 
@@ -428,6 +429,7 @@ class Manifest(BaseModel):
     labels: list[str] | None = None
     """Class names for the first output's last dimension."""
     text: TextInput | None = None
+    image: ImageInput | None = None
     precision: Precision = Precision.AUTO
     overflow: OverflowPolicy = OverflowPolicy.RERUN_FP32
     min_agreement: float | None = Field(default=None, gt=0.0, le=1.0)
@@ -505,6 +507,8 @@ class Manifest(BaseModel):
                 raise ValueError(f"text.feeds: {self.text.feeds!r} names no variable integer input")
             if any(t.name == self.text.input for t in self.inputs):
                 raise ValueError(f"text.input: {self.text.input!r} is also the name of a tensor input")
+        if self.image is not None:
+            self.image.check(self.inputs)
         if any(t.variable for t in self.outputs) and not variable:
             raise ValueError("outputs: a variable dimension (-1) needs an input with one")
         if variable and (self.normalize is not None or self.execution.compile is not Compile.NONE):

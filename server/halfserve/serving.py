@@ -498,6 +498,8 @@ class Interface(str, Enum):
     """``POST /v2/models/{m}/infer``, the KServe V2 protocol (JSON or binary tensors)."""
     GRPC = "grpc"
     """``inference.GRPCInferenceService/ModelInfer`` (and its stream), the KServe V2 protocol over gRPC."""
+    TORCHSERVE = "torchserve"
+    """``POST /predictions/{model}``, TorchServe's inference API (an image in the body, or images in a form)."""
 
 
 class RequestRecorder(Protocol):

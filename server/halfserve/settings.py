@@ -127,6 +127,11 @@ class Settings(BaseSettings):
     max_text_bytes: int = Field(default=2**20, ge=1)
     """Most UTF-8 bytes of text one request to a text model may carry, all its rows together (each text is also held
     to its manifest's ``text.max_bytes``): what bounds the time one request keeps a tokenizing thread."""
+    max_image_pixels: int = Field(default=25_000_000, ge=1, le=89_478_485)
+    """Most pixels (width times height, read from its header before decoding) one image sent to an image model may
+    have; more is a 413. At most Pillow's own decompression-bomb guard (``Image.MAX_IMAGE_PIXELS``)."""
+    max_request_images: int = Field(default=16, ge=1)
+    """Most images one request to an image model may carry (each is also a row, held to ``max_request_rows``)."""
     header_timeout: float = Field(default=10.0, gt=0.0, le=3600.0)
     """Seconds a connection may take to send a request's line and headers, from when it opens or the request's first
     byte arrives; then 408 and the connection is closed (an idle or trickling connection holds a socket)."""

@@ -25,6 +25,7 @@ from halfserve.api.http import (
     predict,
     shm,
     telemetry,
+    torchserve,
     v2,
     v2_repository,
     v2_triton,
@@ -34,12 +35,16 @@ from halfserve.api.http.errors import error_response
 from halfserve.api.http.limits import scope_header
 from halfserve.transport import Answer, DirectHandler
 
-_ANSWERED_FIRST: dict[object, telemetry.Endpoint] = {predict.predict: predict.predict, v2.model_infer: v2.infer}
+_ANSWERED_FIRST: dict[object, telemetry.Endpoint] = {
+    predict.predict: predict.predict,
+    v2.model_infer: v2.infer,
+    torchserve.predictions: torchserve.predictions,
+}
 """The inference routes' FastAPI endpoints, and the plain endpoints that answer in their place."""
 
 HOT_PATHS: list[Route] = [
-    Route(r.path, _ANSWERED_FIRST[r.endpoint], methods=["POST"], include_in_schema=False)
-    for r in (*predict.router.routes, *v2.router.routes)
+    Route(r.path, _ANSWERED_FIRST[r.endpoint], methods=sorted(r.methods or ()), include_in_schema=False)
+    for r in (*predict.router.routes, *v2.router.routes, *torchserve.router.routes)
     if isinstance(r, APIRoute) and r.endpoint in _ANSWERED_FIRST
 ]
 """The inference routes, each declared once (in its route module, for the OpenAPI schema) and answered here as a
@@ -48,6 +53,9 @@ plain Starlette route ahead of FastAPI.
 FastAPI's per-request dependency solving and nested-router matching cost about a third of the event loop's time
 on a small model (profiled); the FastAPI declarations give the schema and answer nothing in practice.
 """
+
+HOT_METHODS = ("POST", "PUT")
+"""The methods of the inference routes: ``PUT`` for TorchServe's ``/predictions``, which ``curl -T`` sends."""
 
 
 class App(FastAPI):
@@ -122,7 +130,7 @@ async def answer_first(app: _HasState, scope: Scope, receive: Receive, send: Sen
     """
     if not await guard.admitted(scope, receive, send, app.state.serving.settings):
         return True
-    found = hot_route(scope) if scope["method"] == "POST" else None
+    found = hot_route(scope) if scope["method"] in HOT_METHODS else None
     if found is None:
         return False
     response = await _run(app, *found, scope, receive)
@@ -150,7 +158,15 @@ def install(app: FastAPI) -> None:
     errors.install(app)
     app.add_middleware(telemetry.RequestIdMiddleware)
     # v2_triton ahead of v2: its /v2/models/stats must match before v2's /v2/models/{model_name}.
-    routers = [predict.router, health.router, management.router, monitoring.router, v2_triton.router, shm.router]
+    routers = [
+        predict.router,
+        torchserve.router,
+        health.router,
+        management.router,
+        monitoring.router,
+        v2_triton.router,
+        shm.router,
+    ]
     if app.state.serving.settings.docs:
         routers.append(docs.router)
     for router in (*routers, v2_repository.router, v2.router):

@@ -1,0 +1,176 @@
+"""TorchServe's inference API: ``POST`` (or ``PUT``) ``/predictions/{model}[/{version}]`` with a photo as the body
+(``curl -T kitten.jpg``, ``--data-binary @kitten.jpg``) or photos in a form (``-F data=@kitten.jpg``, fields named
+``data`` or ``body``, one image each), answered as TorchServe's ``image_classifier`` handler answers: a model with
+labels gives its top five classes after softmax, highest first, as ``{"label": probability}``; one without, its
+output as a list. Several images in one form: a list, one answer per image. And ``GET /ping``, its health check.
+
+Errors carry TorchServe's ``code``, ``type`` and ``message``, which its clients read, and this server's ``error``
+(the same message), which every other route answers: a client of either reads them unchanged.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import numpy as np
+import orjson
+from fastapi import APIRouter, Request
+from starlette.responses import Response
+
+from halfserve.api.dataplane.infer import infer
+from halfserve.api.dataplane.photos import decode_photos, image_count
+from halfserve.api.errors import APIError
+from halfserve.api.http import deps, multipart
+from halfserve.api.http.errors import error_responses, json_ok
+from halfserve.api.http.limits import TIMEOUT_PARAMETER, client_timeout, raw_header, read_body
+from halfserve.api.http.telemetry import Endpoint, answered, metered, note
+from halfserve.serving import Interface
+
+router = APIRouter()
+
+TOP_K = 5
+"""Classes in a labelled answer: TorchServe's ``image_classifier`` default ``topk``."""
+FIELDS = ("data", "body")
+"""The form fields TorchServe's handlers read an image from."""
+ERROR_TYPES = {
+    400: "BadRequestException",
+    404: "ModelNotFoundException",
+    408: "RequestTimeoutException",
+    413: "RequestTooLargeException",
+    500: "InternalServerException",
+    503: "ServiceUnavailableException",
+    504: "RequestTimeoutException",
+}
+"""The ``type`` of an error by its status: TorchServe's own exception names for 400, 404, 408, 500 and 503, and names
+in their style for the statuses it has no exception of its own for."""
+
+_IMAGE_BODY = {"schema": {"type": "string", "format": "binary"}}
+PREDICTIONS_SCHEMA: dict[str, Any] = {
+    "parameters": [TIMEOUT_PARAMETER],
+    "requestBody": {
+        "required": True,
+        "description": "One JPEG, PNG or WebP image as the body, or images in form fields named data or body.",
+        "content": {
+            "image/jpeg": _IMAGE_BODY,
+            "image/png": _IMAGE_BODY,
+            "image/webp": _IMAGE_BODY,
+            "application/octet-stream": _IMAGE_BODY,
+            "multipart/form-data": {
+                "schema": {
+                    "type": "object",
+                    "properties": {"data": {"type": "string", "format": "binary"}},
+                }
+            },
+        },
+    },
+    "responses": {
+        **json_ok(
+            "The top classes after softmax, highest first, as {label: probability} (a model with labels), else the "
+            "output as a list; a list of those for several images.",
+            {"anyOf": [{"type": "object"}, {"type": "array"}]},
+        ),
+        **error_responses(
+            {
+                400: "Not an image the server takes (JPEG, PNG, WebP), a broken file, or a model without images.",
+                404: "Unknown model, or a version it does not serve.",
+                413: "Body, images per request or pixels per image over the limits.",
+                503: "Queue full, model not loaded, or too many requests waiting to be decoded (with Retry-After).",
+                504: "The request's deadline passed before its rows had all started.",
+            }
+        ),
+    },
+}
+
+
+def top_classes(row: np.ndarray, labels: list[str], k: int = TOP_K) -> dict[str, float]:
+    """The ``k`` most probable classes of one output row after softmax, highest first (the first of equal ones), as
+    ``{label: probability}``."""
+    scores = row.astype(np.float64)
+    exp = np.exp(scores - scores.max())
+    probabilities = exp / exp.sum()
+    order = np.argsort(-probabilities, kind="stable")[:k]
+    return {labels[i]: float(probabilities[i]) for i in order}
+
+
+def torchserve_errors(endpoint: Endpoint) -> Endpoint:
+    """Answer ``endpoint``'s errors (already this server's ``{"error": ...}``) with TorchServe's fields too."""
+
+    @functools.wraps(endpoint)
+    async def answer(request: Request) -> Response:
+        response = await endpoint(request)
+        if response.status_code < 400:
+            return response
+        message = orjson.loads(bytes(response.body)).get("error", "")
+        status = response.status_code
+        kind = ERROR_TYPES.get(status, "InternalServerException" if status >= 500 else "BadRequestException")
+        body = orjson.dumps({"code": status, "type": kind, "message": message, "error": message})
+        kept = [(k, v) for k, v in response.raw_headers if k.lower() not in (b"content-length", b"content-type")]
+        out = Response(body, status_code=status, media_type="application/json")
+        out.raw_headers.extend(kept)
+        return out
+
+    return answer
+
+
+@torchserve_errors
+@metered(Interface.TORCHSERVE)
+async def predictions(request: Request) -> Response:
+    """Classify photos, as TorchServe's image classifier does; concurrent calls are batched together."""
+    app = deps.state(request)
+    settings = app.settings
+    timeout = client_timeout(request)
+    served = deps.served_model(request, request.path_params["model"], request.path_params.get("version"))
+    note(request, served)
+    body = await read_body(request, settings.max_body_bytes)
+    content_type = (raw_header(request, b"content-type") or b"").decode("latin-1")
+    if multipart.is_multipart(content_type):
+        parts = multipart.parts(body, content_type, settings.max_request_images, "max_request_images")
+        for i, part in enumerate(parts):
+            if part.name not in FIELDS:
+                raise APIError(400, f"form.{part.name}: images go in fields named data or body (part {i})")
+        photos = [p.data for p in parts]
+        fields = [f"form.{p.name}[{i}]" for i, p in enumerate(parts)]
+    else:  # a raw body, whatever it calls itself: curl --data-binary names it a urlencoded form
+        photos, fields = ([body], ["body"]) if body else ([], ["body"])
+    image_count(settings, served, len(photos), fields[0] if len(fields) == 1 else "form")
+    result = await infer(app, served, decode_photos(photos, fields, served, settings), timeout)
+    answered(request, result)
+    out = result.outputs[served.manifest.outputs[0].name]
+    labels = served.manifest.labels
+    answers: list[Any]
+    if labels is not None and out.ndim == 2:
+        answers = [top_classes(row, labels) for row in out]
+    else:  # orjson writes a NaN or an infinity (overflow policy allow) as null
+        answers = out.reshape(len(out), -1).tolist()
+    answer = answers[0] if len(answers) == 1 else answers
+    return Response(orjson.dumps(answer), media_type="application/json")
+
+
+PATHS = {"/predictions/{model}": "predictions", "/predictions/{model}/{version}": "version_predictions"}
+"""The routes, and each one's OpenAPI operation name."""
+for _path, _name in PATHS.items():
+    for _method in ("POST", "PUT"):  # PUT: curl -T
+        router.add_api_route(
+            _path,
+            predictions,
+            methods=[_method],
+            operation_id=f"{_name}_{_method.lower()}",
+            openapi_extra=PREDICTIONS_SCHEMA,
+            response_class=Response,
+        )
+
+
+@router.get(
+    "/ping",
+    response_class=Response,
+    responses={
+        **json_ok("Healthy: every model is loaded.", {"type": "object", "properties": {"status": {"type": "string"}}}),
+        "503": {"description": "Unhealthy: a model is loading or failed, or the server is draining."},
+    },
+)
+async def ping(request: Request) -> Response:
+    """TorchServe's health check: ``{"status": "Healthy"}`` once the server is ready, ``Unhealthy`` (503) before."""
+    if deps.not_ready(request):
+        return Response(orjson.dumps({"status": "Unhealthy"}), status_code=503, media_type="application/json")
+    return Response(orjson.dumps({"status": "Healthy"}), media_type="application/json")

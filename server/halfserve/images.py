@@ -1,0 +1,183 @@
+"""Images in: a model whose manifest has an ``image`` section (:class:`~halfserve.imageinput.ImageInput`) takes
+encoded photos, decoded with Pillow and transformed into its input's pixels where the request is decoded (the HTTP
+process, or each front-end).
+
+What a request may make the server do is bounded before any pixel is decoded: only JPEG, PNG and WebP are opened
+(recognised by their first bytes; every other format is refused by name, so Pillow's other decoders are never
+reached from a request), an image's width and height are read from its header and refused past ``max_pixels`` (a
+PNG of a few hundred bytes may claim 60000x60000), Pillow's own decompression-bomb guard stays on, and a truncated
+file is an error rather than grey pixels. Decoding runs off the event loop on the tokenizing threads, in each
+client's turn and behind the same bounded queue (:func:`halfserve.text.run_in_turn`).
+
+The transforms are torchvision's on a Pillow image (``Resize`` calls Pillow's ``resize`` with the filter named;
+``CenterCrop``'s offsets are ``int(round((h - crop) / 2.0))``), so a model trained with them sees the same pixels
+without torchvision installed.
+"""
+
+from __future__ import annotations
+
+import functools
+import io
+from collections.abc import Sequence
+
+import numpy as np
+from PIL import Image
+
+from halfserve import text
+from halfserve.imageinput import ColorMode, ImageFormat, ImageInput, Interpolation, Layout
+
+
+class ImageError(ValueError):
+    """An image the model cannot take (its format, a broken file); the message names the field."""
+
+
+class ImageTooLargeError(ImageError):
+    """An image over the server's limits (pixels, images per request): a 413."""
+
+
+class ImageBusyError(ImageError):
+    """More requests wait to be decoded than the queue holds: a 503 with ``Retry-After``, as a full batch queue is."""
+
+
+ACCEPTED = ", ".join(f.value for f in ImageFormat)
+
+_SIGNATURES: list[tuple[bytes, str]] = [
+    (b"\xff\xd8\xff", ImageFormat.JPEG.value),
+    (b"\x89PNG\r\n\x1a\n", ImageFormat.PNG.value),
+    (b"GIF87a", "GIF"),
+    (b"GIF89a", "GIF"),
+    (b"II*\x00", "TIFF"),
+    (b"MM\x00*", "TIFF"),
+    (b"BM", "BMP"),
+    (b"\x00\x00\x01\x00", "ICO"),
+    (b"%PDF", "PDF"),
+    (b"8BPS", "PSD"),
+    (b"\x00\x00\x00\x0cjP  ", "JPEG 2000"),
+    (b"qoif", "QOI"),
+]
+"""Leading bytes of the formats the server takes, and of those a client may send by mistake (named in the refusal)."""
+
+
+def sniff(data: bytes) -> str | None:
+    """The format ``data`` starts as (a :class:`ImageFormat` value when it is one the server takes), None when it is
+    none known."""
+    for signature, name in _SIGNATURES:
+        if data.startswith(signature):
+            return name
+    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        return ImageFormat.WEBP.value
+    if data[4:8] == b"ftyp":
+        return "AVIF" if data[8:12] in (b"avif", b"avis") else "HEIF"
+    head = data[:256].lstrip().lower()
+    if head.startswith((b"<svg", b"<?xml", b"<!doctype svg")):
+        return "SVG"
+    return None
+
+
+_FILTERS = {
+    Interpolation.NEAREST: Image.Resampling.NEAREST,
+    Interpolation.BILINEAR: Image.Resampling.BILINEAR,
+    Interpolation.BICUBIC: Image.Resampling.BICUBIC,
+}
+
+
+def resized_size(width: int, height: int, resize: int | list[int]) -> tuple[int, int]:
+    """The ``(width, height)`` torchvision's ``Resize(resize)`` gives an image of ``width`` x ``height``: an integer is
+    the shorter side, the longer ``int(resize * long / short)``; ``[height, width]`` is exact."""
+    if isinstance(resize, list):
+        return resize[1], resize[0]
+    if width <= height:
+        return resize, int(resize * height / width)
+    return int(resize * width / height), resize
+
+
+def crop_box(width: int, height: int, crop: tuple[int, int]) -> tuple[int, int, int, int]:
+    """The box (left, top, right, bottom) torchvision's ``CenterCrop`` keeps of a ``width`` x ``height`` image: its
+    offsets ``int(round((side - crop) / 2.0))``, and where the crop is larger, the image centred in zeros as its
+    padding puts it (``(crop - side) // 2`` before it); Pillow's ``crop`` fills what lies outside with zeros."""
+    crop_h, crop_w = crop
+
+    def start(side: int, want: int) -> int:
+        return -((want - side) // 2) if want > side else int(round((side - want) / 2.0))
+
+    left, top = start(width, crop_w), start(height, crop_h)
+    return left, top, left + crop_w, top + crop_h
+
+
+def transform(image: Image.Image, spec: ImageInput) -> np.ndarray:
+    """A decoded image's pixels as ``spec`` declares them: float32 of shape ``spec.shape``."""
+    if image.mode != spec.mode.value:
+        image = image.convert(spec.mode.value)
+    if spec.resize is not None:
+        size = resized_size(image.width, image.height, spec.resize)
+        if size != image.size:  # torchvision returns the image itself at its own size
+            image = image.resize(size, _FILTERS[spec.interpolation])
+    if spec.crop is not None:
+        assert spec.size is not None
+        box = crop_box(image.width, image.height, spec.size)
+        if box != (0, 0, image.width, image.height):
+            image = image.crop(box)
+    pixels = np.asarray(image, dtype=np.float32)
+    if spec.mode is ColorMode.L:
+        pixels = pixels[:, :, None]
+    pixels *= np.float32(spec.scale)
+    if spec.mean is not None:
+        pixels -= np.asarray(spec.mean, dtype=np.float32)
+    if spec.std is not None:
+        pixels /= np.asarray(spec.std, dtype=np.float32)
+    if spec.layout is Layout.CHW:
+        pixels = pixels.transpose(2, 0, 1)
+    return np.ascontiguousarray(pixels)
+
+
+def decode(data: bytes, spec: ImageInput, max_pixels: int, field: str) -> np.ndarray:
+    """One encoded image's pixels (:func:`transform`): :class:`ImageError` naming ``field`` for a format the server
+    does not take or a file it cannot decode, :class:`ImageTooLargeError` for more than ``max_pixels`` pixels (read
+    from the header, before decoding)."""
+    kind = sniff(data)
+    if kind is None:
+        raise ImageError(f"{field}: not an image the server reads ({len(data)} bytes); send {ACCEPTED}")
+    if kind not in ImageFormat.__members__:
+        raise ImageError(f"{field}: a {kind} image; the server takes {ACCEPTED}")
+    try:
+        with Image.open(io.BytesIO(data), formats=[kind]) as image:
+            width, height = image.size
+            if width * height > max_pixels:
+                raise ImageTooLargeError(
+                    f"{field}: a {width}x{height} {kind} image, more than the {max_pixels} pixels an image may have "
+                    "(max_image_pixels)"
+                )
+            image.load()
+            return transform(image, spec)
+    except ImageError:
+        raise
+    except Image.DecompressionBombError as e:  # Pillow's guard, past Image.MAX_IMAGE_PIXELS
+        raise ImageTooLargeError(
+            f"{field}: {e} (an image may have at most {max_pixels} pixels: max_image_pixels)"
+        ) from None
+    except (OSError, SyntaxError, ValueError, EOFError, IndexError, MemoryError) as e:
+        # Pillow's decoders say a broken file in several ways: OSError "image file is truncated", SyntaxError "not a
+        # PNG file", ValueError for bad chunk sizes.
+        raise ImageError(f"{field}: cannot decode the {kind} image ({type(e).__name__}: {e})") from None
+
+
+def decode_all(images: Sequence[bytes], spec: ImageInput, max_pixels: int, fields: Sequence[str]) -> np.ndarray:
+    """Each image's pixels, one row each, as the dtype-free float32 batch ``(len(images), *spec.shape)``."""
+    out = np.empty((len(images), *spec.shape), dtype=np.float32)
+    for i, (data, field) in enumerate(zip(images, fields, strict=True)):
+        out[i] = decode(data, spec, max_pixels, field)
+    return out
+
+
+async def decode_off_loop(
+    images: Sequence[bytes], spec: ImageInput, max_pixels: int, fields: Sequence[str]
+) -> np.ndarray:
+    """:func:`decode_all` on a tokenizing thread in its client's turn (:func:`halfserve.text.run_in_turn`); raises
+    what it raises, and :class:`ImageBusyError` when the queue is full."""
+    call = functools.partial(decode_all, images, spec, max_pixels, fields)
+    try:
+        return await text.run_in_turn(text.CLIENT.get(), call)
+    except text.TokenizerBusyError:
+        raise ImageBusyError(
+            f"{fields[0] if fields else 'body'}: the server is decoding as many requests as it holds; retry shortly"
+        ) from None
