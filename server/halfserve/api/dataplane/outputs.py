@@ -3,11 +3,9 @@ classification extension), or into shared memory (the shared memory extension)."
 
 from __future__ import annotations
 
-from typing import Any
-
 from halfserve.api.dataplane.codec import JSON_UNSUPPORTED, element_count
 from halfserve.api.dataplane.refusals import count
-from halfserve.api.dataplane.request import OutputRequest, flag, parameters
+from halfserve.api.dataplane.request import OutputRequest, RequestOutput, flag
 from halfserve.api.dataplane.spans import RegionSource, Span, span
 from halfserve.manifest import TensorSpec
 from halfserve.serving import InvalidInputError
@@ -22,30 +20,27 @@ def unknown_output(field: str, got: object, model: str, names: list[str]) -> Inv
 
 
 def requested_output(
-    payload: dict[str, Any], default: bool, out_spec: TensorSpec, regions: RegionSource | None, model: str
+    requested: list[RequestOutput] | None,
+    default: bool,
+    out_spec: TensorSpec,
+    regions: RegionSource | None,
+    model: str,
 ) -> tuple[bool, int, Span | None]:
     """How the output goes: as binary data or not (its own ``binary_data``, else the request's
     ``binary_data_output``), how many top classes to send instead of it (``classification``; 0 for none), and the
     shared memory it goes to instead of the body (``shared_memory_region``)."""
     binary, classes, region = default, 0, None
-    requested = payload.get("outputs")
-    if requested is not None:
-        if not isinstance(requested, list):
-            raise InvalidInputError(f"outputs: expected a list, got {type(requested).__name__}")
-        for i, item in enumerate(requested):
-            field = f"outputs[{i}]"
-            if not isinstance(item, dict) or item.get("name") != out_spec.name:
-                got = item.get("name") if isinstance(item, dict) else item
-                raise unknown_output(field, got, model, [out_spec.name])
-            params = parameters(item, f"{field}.parameters")
-            classes = count(params.get("classification", 0), f"{field}.parameters.classification", "a class count")
-            binary = flag(params, "binary_data", f"{field}.parameters", default)
-            if "shared_memory_region" in params:
-                if classes:
-                    raise InvalidInputError(
-                        f"{field}.parameters: classification answers in the body, not shared memory"
-                    )
-                region = span(regions, params, f"{field}.parameters")
+    for i, item in enumerate(requested or ()):
+        field = f"outputs[{i}]"
+        if item.name != out_spec.name:
+            raise unknown_output(field, item.name, model, [out_spec.name])
+        params = item.parameters
+        classes = count(params.get("classification", 0), f"{field}.parameters.classification", "a class count")
+        binary = flag(params, "binary_data", f"{field}.parameters", default)
+        if "shared_memory_region" in params:
+            if classes:
+                raise InvalidInputError(f"{field}.parameters: classification answers in the body, not shared memory")
+            region = span(regions, params, f"{field}.parameters")
     if region is not None:
         return False, 0, region
     if not (binary or classes) and out_spec.datatype in JSON_UNSUPPORTED:
@@ -55,27 +50,28 @@ def requested_output(
 
 
 def requested_outputs(
-    payload: dict[str, Any], default: bool, specs: list[TensorSpec], regions: RegionSource | None, model: str
+    requested: list[RequestOutput] | None,
+    default: bool,
+    specs: list[TensorSpec],
+    regions: RegionSource | None,
+    model: str,
 ) -> dict[str, OutputRequest]:
     """For a model with several outputs: the outputs to return (those ``outputs`` names, else all), each as binary
     data or not (its own ``binary_data``, else the request's ``binary_data_output``), as its top classes
     (``classification``) or into shared memory (``shared_memory_region``)."""
-    requested = payload.get("outputs")
     if requested is None:
         wanted: dict[str, OutputRequest] = {t.name: OutputRequest(default) for t in specs}
     else:
-        if not isinstance(requested, list):
-            raise InvalidInputError(f"outputs: expected a list, got {type(requested).__name__}")
         names = [t.name for t in specs]
         wanted = {}
         for i, item in enumerate(requested):
             field = f"outputs[{i}]"
-            got = item.get("name") if isinstance(item, dict) else item
-            if not isinstance(item, dict) or got not in names:
+            got = item.name
+            if got not in names:
                 raise unknown_output(field, got, model, names)
             if got in wanted:
                 raise InvalidInputError(f"{field}.name: output {got!r} is requested twice")
-            params = parameters(item, f"{field}.parameters")
+            params = item.parameters
             classes = count(params.get("classification", 0), f"{field}.parameters.classification", "a class count")
             out = OutputRequest(flag(params, "binary_data", f"{field}.parameters", default), classes)
             if "shared_memory_region" in params:
