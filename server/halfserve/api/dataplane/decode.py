@@ -28,7 +28,6 @@ from halfserve.api.dataplane.bounds import check_finite, check_size
 from halfserve.api.dataplane.codec import (
     HEADER_LENGTH,
     check_range,
-    checked_length,
     decode_binary,
     decode_json,
     element_count,
@@ -47,6 +46,7 @@ from halfserve.api.dataplane.request import (
     Texts,
     flag,
 )
+from halfserve.api.dataplane.signature import Wording, check_shape
 from halfserve.api.dataplane.spans import RegionSource, span
 from halfserve.manifest import DataType, Manifest, Precision, TensorSpec, sent_inputs
 from halfserve.serving import InvalidInputError, ModelHandle
@@ -91,30 +91,17 @@ def to_input_dtype(
         return arr.astype(target, copy=False)
 
 
-def _input_shape(shape: object, spec: TensorSpec, field: str, model: str) -> list[int]:
-    if type(shape) is list and shape and type(shape[0]) is int and shape[0] >= 1 and shape[1:] == spec.shape:
-        return shape  # the common case, checked first: it runs on every request
-    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) for d in shape):
+def _input_shape(
+    shape: object, spec: TensorSpec, field: str, served: ModelHandle, settings: Settings | None
+) -> list[int]:
+    """A declared shape, checked to be a list of integers and against ``spec`` (:func:`.signature.check_shape`)."""
+    # The common case first (it runs on every request): a list of the spec's dimensions after an integer.
+    if not (type(shape) is list and shape and type(shape[0]) is int and shape[1:] == spec.shape) and (
+        not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) for d in shape)
+    ):
         raise InvalidInputError(f"{field}: expected a list of integers")
-    if spec.variable and len(shape) == len(spec.shape) + 1 and shape[2:] == spec.shape[1:]:
-        if shape[0] < 1 or shape[1] < 1:
-            raise InvalidInputError(f"{field}: the batch and length dimensions must be at least 1, got {shape}")
-        checked_length(spec, shape[1], field)
-        return shape
-    if len(shape) != len(spec.shape) + 1 or shape[1:] != spec.shape:
-        dims = ", ".join("L" if d == -1 else str(d) for d in spec.shape)
-        raise InvalidInputError(
-            f"{field}: unexpected shape for input {spec.name!r} for model {model!r}. "
-            f"Expected {_dims([-1, *spec.shape])}, got {_dims(shape)}: send [N, {dims}] (batch first)",
-        )
-    if shape[0] < 1:
-        raise InvalidInputError(f"{field}: the batch dimension must be at least 1, got {shape[0]}")
+    check_shape(shape, spec, served, settings, field, Wording.V2)
     return shape
-
-
-def _dims(shape: list[int]) -> str:
-    """A shape as Triton writes one in its messages: ``[-1,3,224,224]``."""
-    return "[" + ",".join(str(d) for d in shape) + "]"
 
 
 def unknown_input(field: str, name: object, served: ModelHandle, specs: list[TensorSpec]) -> InvalidInputError:
@@ -143,9 +130,7 @@ def _decode_input(
             "(only a model whose manifest declares a text input takes text)",
         )
     wire = wire_type(item.datatype, f"{field}.datatype")
-    shape = _input_shape(item.shape, spec, f"{field}.shape", served.name)
-    if settings is not None:
-        check_size(settings, served, shape[0], f"{field}.shape")
+    shape = _input_shape(item.shape, spec, f"{field}.shape", served, settings)
     data = item.data
     if type(data) is BinaryData:
         arr = decode_binary(data.view, wire, shape, f"{field}.parameters.binary_data_size")

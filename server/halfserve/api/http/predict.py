@@ -13,12 +13,13 @@ from starlette.responses import Response
 from halfserve.api.dataplane.bounds import check_size, parse_json
 from halfserve.api.dataplane.codec import decode_samples, encode_texts
 from halfserve.api.dataplane.infer import infer
+from halfserve.api.dataplane.signature import Wording, check_shape
 from halfserve.api.errors import APIError
 from halfserve.api.http import deps, guard
 from halfserve.api.http.errors import error_responses
 from halfserve.api.http.limits import TIMEOUT_PARAMETER, client_timeout, read_body
 from halfserve.api.http.telemetry import answered, metered, note
-from halfserve.manifest import sent_inputs
+from halfserve.manifest import TensorSpec, sent_inputs
 from halfserve.serving import Interface, InvalidInputError, ModelHandle
 from halfserve.settings import Settings
 
@@ -106,13 +107,11 @@ async def decode_inputs(samples: object, served: ModelHandle, settings: Settings
             if text.feeds in rest:
                 raise InvalidInputError(f"inputs: give {text.input!r} or {text.feeds!r}, not both")
             others = [t for t in specs if t.name != text.feeds]
-            decoded = {t.name: decode_samples(rest.get(t.name), t, f"inputs.{t.name}") for t in others}
+            decoded = {t.name: _samples(rest.get(t.name), t, served, settings, f"inputs.{t.name}") for t in others}
             field = f"inputs.{text.input}"
             return await encode_texts(texts, field, served, settings) | decoded
     if len(specs) == 1 and not isinstance(samples, dict):  # a mapping is checked by name, as for several inputs
-        if isinstance(samples, list):
-            check_size(settings, served, len(samples), "inputs")
-        return {specs[0].name: decode_samples(samples, specs[0])}
+        return {specs[0].name: _samples(samples, specs[0], served, settings, "inputs")}
     names = [t.name for t in specs]
     if not isinstance(samples, dict):
         example = ", ".join(f'"{n}": [sample, ...]' for n in names)
@@ -132,8 +131,15 @@ async def decode_inputs(samples: object, served: ModelHandle, settings: Settings
                 f"inputs.{name}: {len(samples[name])} samples, but {names[0]!r} has {rows}; every input needs one "
                 "per row",
             )
-    check_size(settings, served, rows, "inputs")
-    return {t.name: decode_samples(samples[t.name], t, f"inputs.{t.name}") for t in specs}
+    check_size(settings, served, rows, "inputs")  # the request's rows, before any input is decoded
+    return {t.name: _samples(samples[t.name], t, served, settings, f"inputs.{t.name}") for t in specs}
+
+
+def _samples(samples: object, spec: TensorSpec, served: ModelHandle, settings: Settings, field: str) -> np.ndarray:
+    """One input's samples as the batcher's array, its shape checked by the rule V2 uses too."""
+    x = decode_samples(samples, spec, field)
+    check_shape(x.shape, spec, served, settings, field, Wording.SAMPLES)
+    return x
 
 
 PYTHON_ARGMAX_VALUES = 256
