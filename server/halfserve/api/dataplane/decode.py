@@ -95,7 +95,7 @@ def _input_shape(
     shape: object, spec: TensorSpec, field: str, served: ModelHandle, settings: Settings | None
 ) -> list[int]:
     """A declared shape, checked to be a list of integers and against ``spec`` (:func:`.signature.check_shape`)."""
-    # The common case first (it runs on every request): a list of the spec's dimensions after an integer.
+    # A list of the spec's dimensions after an integer, the common case, needs no pass over its dimensions.
     if not (type(shape) is list and shape and type(shape[0]) is int and shape[1:] == spec.shape) and (
         not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) for d in shape)
     ):

@@ -13,13 +13,13 @@ from halfserve.api.dataplane.decode import no_inputs, unknown_input
 from halfserve.api.dataplane.outputs import unknown_output
 from halfserve.api.dataplane.refusals import count
 from halfserve.api.dataplane.request import (
+    SHARED_MEMORY,
     BinaryData,
     InferRequest,
     InputData,
     JsonValues,
     RequestInput,
     RequestOutput,
-    SharedMemory,
     parameters,
 )
 from halfserve.manifest import sent_inputs
@@ -49,8 +49,7 @@ def read_request(payload: object, binary: memoryview | None, served: ModelHandle
         if not isinstance(name, str):
             raise unknown_input(field, name, served, sent_inputs(served.manifest))
         item_params = parameters(item, f"{field}.parameters")
-        rest = None if binary is None else binary[declared:]
-        data = _data(item, item_params, field, rest, text is not None and name == text.input)
+        data = _data(item, item_params, field, binary, declared, text is not None and name == text.input)
         if type(data) is BinaryData:
             declared += len(data.view)
         inputs.append(RequestInput(name, item.get("datatype"), item.get("shape"), item_params, data))
@@ -63,32 +62,33 @@ def read_request(payload: object, binary: memoryview | None, served: ModelHandle
 
 
 def _data(
-    item: dict[str, object], params: dict[str, object], field: str, rest: memoryview | None, text: bool
+    item: dict[str, object], params: dict[str, object], field: str, binary: memoryview | None, taken: int, text: bool
 ) -> InputData:
-    """Where an input's tensor is: its ``binary_data_size`` bytes from the start of ``rest`` (the binary data not yet
-    taken), a shared memory region, or its JSON ``data`` (a text input's texts among them)."""
+    """Where an input's tensor is: its ``binary_data_size`` bytes of ``binary`` after the ``taken`` bytes of the
+    inputs before it, a shared memory region, or its JSON ``data`` (a text input's texts among them)."""
     size = params.get("binary_data_size")
     if "shared_memory_region" in params and not text:
         if size is not None or "data" in item:
             raise InvalidInputError(f"{field}: give one of data, binary_data_size or shared_memory_region")
-        return SharedMemory()
+        return SHARED_MEMORY
     if size is not None:
         where = f"{field}.parameters.binary_data_size"
         size = count(size, where, "a byte count")
+        left = -1 if binary is None else len(binary) - taken
         if text:
-            if rest is None or size > len(rest):
+            if size > left:
                 raise InvalidInputError(f"{where}: {size} bytes declared, not in the body")
-            return BinaryData(rest[:size])
-        if "data" in item:
+        elif "data" in item:
             raise InvalidInputError(f"{field}: give either data or parameters.binary_data_size, not both")
-        if rest is None:
+        elif binary is None:
             raise InvalidInputError(f"{where}: binary data needs an {HEADER_LENGTH} header")
-        if size > len(rest):
+        elif size > left:
             raise InvalidInputError(
                 f"{where}: inputs declare {size} bytes of binary data, "
-                f"but the body has {len(rest)} after the {HEADER_LENGTH} bytes of JSON",
+                f"but the body has {left} after the {HEADER_LENGTH} bytes of JSON",
             )
-        return BinaryData(rest[:size])
+        assert binary is not None
+        return BinaryData(binary[taken : taken + size])
     if "data" not in item and not text:
         raise InvalidInputError(f"{field}: no tensor data; give data or parameters.binary_data_size")
     return JsonValues(item.get("data"))  # a text input without data: the texts' check names it

@@ -37,6 +37,10 @@ class SharedMemory:
     and read when the request is decoded)."""
 
 
+SHARED_MEMORY = SharedMemory()
+"""The one :class:`SharedMemory`: it holds nothing of its own."""
+
+
 @dataclass(slots=True)
 class Texts:
     """A ``BYTES`` tensor's elements, one per value (gRPC's ``bytes_contents``)."""

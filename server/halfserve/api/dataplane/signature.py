@@ -9,7 +9,6 @@ request may carry (:func:`~halfserve.api.dataplane.bounds.check_size`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from enum import Enum
 
 from halfserve.api.dataplane.bounds import check_size
@@ -29,16 +28,15 @@ class Wording(Enum):
 
 
 def check_shape(
-    shape: Sequence[int],
+    dims: list[int],
     spec: TensorSpec,
     served: ModelHandle,
     settings: Settings | None,
     field: str,
     wording: Wording,
 ) -> None:
-    """Refuse a tensor of ``shape`` (rows first) for input ``spec`` of ``served``, naming ``field``, unless it keeps
-    the rule in the module's docstring (the rows' limits only with ``settings``)."""
-    dims = list(shape)
+    """Refuse a tensor of shape ``dims`` (rows first) for input ``spec`` of ``served``, naming ``field``, unless it
+    keeps the rule in the module's docstring (the rows' limits only with ``settings``)."""
     if not (dims and dims[0] >= 1 and dims[1:] == spec.shape):  # the common case, a fixed shape, checked first
         if spec.variable and len(dims) == len(spec.shape) + 1 and dims[2:] == spec.shape[1:]:
             if dims[0] < 1 or dims[1] < 1:

@@ -22,13 +22,13 @@ from halfserve.api.dataplane.codec import check_range, element_count
 from halfserve.api.dataplane.decode import check_input_count
 from halfserve.api.dataplane.encode import encode_outputs
 from halfserve.api.dataplane.request import (
+    SHARED_MEMORY,
     BinaryData,
     Inference,
     InferRequest,
     InputData,
     RequestInput,
     RequestOutput,
-    SharedMemory,
     Texts,
 )
 from halfserve.manifest import DataType
@@ -117,7 +117,7 @@ def _request(request: Any) -> InferRequest:
         params.pop("binary_data_size", None)  # each input's bytes are its own entry: a declared size means nothing
         data: InputData
         if "shared_memory_region" in params:
-            data = SharedMemory()
+            data = SHARED_MEMORY
         elif len(raw):
             if tensor.HasField("contents"):
                 raise InvalidInputError(

@@ -138,7 +138,7 @@ async def decode_inputs(samples: object, served: ModelHandle, settings: Settings
 def _samples(samples: object, spec: TensorSpec, served: ModelHandle, settings: Settings, field: str) -> np.ndarray:
     """One input's samples as the batcher's array, its shape checked by the rule V2 uses too."""
     x = decode_samples(samples, spec, field)
-    check_shape(x.shape, spec, served, settings, field, Wording.SAMPLES)
+    check_shape(list(x.shape), spec, served, settings, field, Wording.SAMPLES)
     return x
 
 
