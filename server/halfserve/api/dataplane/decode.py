@@ -331,8 +331,7 @@ def parse_raw(binary: memoryview, served: ModelHandle, settings: Settings | None
             f"({spec.datatype.value} {spec.shape}: {sample} bytes each), got {len(binary)} bytes",
         )
     shape = [len(binary) // sample, *spec.shape]
-    if settings is not None:
-        check_size(settings, served, shape[0], "body")
+    check_shape(shape, spec, served, settings, "body", Wording.V2)
     arr = decode_binary(binary, wire, shape, "body")
     fp16_weights = served.precision is Precision.FP16
     x = to_input_dtype(arr, wire, spec, fp16_weights, "body", served.name)
