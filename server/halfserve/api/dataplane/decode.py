@@ -143,7 +143,9 @@ def _decode_input(
         arr = decode_json(data.values, wire, shape, f"{field}.data")
     else:  # BYTES elements for a datatype that is not BYTES
         raise InvalidInputError(f"{field}.datatype: {wire.value} data cannot be given as BYTES elements")
-    return checked_input(arr, wire, spec, served, field, json=type(data) is JsonValues), spec
+    # A non-finite value is named as binary data when the body (or a raw_input_contents entry) held it, else as
+    # ``data``: shared memory's refusal keeps the field clients of it have always been given.
+    return checked_input(arr, wire, spec, served, field, json=type(data) is not BinaryData), spec
 
 
 def checked_input(
