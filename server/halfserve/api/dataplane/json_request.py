@@ -34,22 +34,26 @@ def read_request(payload: object, binary: memoryview | None, served: ModelHandle
     request_id = payload.get("id")
     if request_id is not None and not isinstance(request_id, str):
         raise InvalidInputError(f"id: expected a string, got {type(request_id).__name__}")
-    params = parameters(payload, "parameters")
+    params = payload.get("parameters")
+    if type(params) is not dict:
+        params = parameters(payload, "parameters")  # {} when absent, else the refusal
     items = payload.get("inputs")
     if not isinstance(items, list) or not items:
         raise no_inputs(served, sent_inputs(served.manifest))
     text = served.manifest.text
     inputs: list[RequestInput] = []
     declared = 0
+    # Field names are formatted only for a refusal: this runs for every request whose header has no plan.
     for i, item in enumerate(items):
-        field = f"inputs[{i}]"
-        if not isinstance(item, dict):
-            raise InvalidInputError(f"{field}: expected an object, got {type(item).__name__}")
+        if type(item) is not dict:
+            raise InvalidInputError(f"inputs[{i}]: expected an object, got {type(item).__name__}")
         name = item.get("name")
-        if not isinstance(name, str):
-            raise unknown_input(field, name, served, sent_inputs(served.manifest))
-        item_params = parameters(item, f"{field}.parameters")
-        data = _data(item, item_params, field, binary, declared, text is not None and name == text.input)
+        if type(name) is not str:
+            raise unknown_input(f"inputs[{i}]", name, served, sent_inputs(served.manifest))
+        item_params = item.get("parameters")
+        if type(item_params) is not dict:
+            item_params = parameters(item, f"inputs[{i}].parameters")
+        data = _data(item, item_params, i, binary, declared, text is not None and name == text.input)
         if type(data) is BinaryData:
             declared += len(data.view)
         inputs.append(RequestInput(name, item.get("datatype"), item.get("shape"), item_params, data))
@@ -62,36 +66,48 @@ def read_request(payload: object, binary: memoryview | None, served: ModelHandle
 
 
 def _data(
-    item: dict[str, object], params: dict[str, object], field: str, binary: memoryview | None, taken: int, text: bool
+    item: dict[str, object], params: dict[str, object], i: int, binary: memoryview | None, taken: int, text: bool
 ) -> InputData:
-    """Where an input's tensor is: its ``binary_data_size`` bytes of ``binary`` after the ``taken`` bytes of the
+    """Where input ``i``'s tensor is: its ``binary_data_size`` bytes of ``binary`` after the ``taken`` bytes of the
     inputs before it, a shared memory region, or its JSON ``data`` (a text input's texts among them)."""
     size = params.get("binary_data_size")
     if "shared_memory_region" in params and not text:
         if size is not None or "data" in item:
-            raise InvalidInputError(f"{field}: give one of data, binary_data_size or shared_memory_region")
+            raise InvalidInputError(f"inputs[{i}]: give one of data, binary_data_size or shared_memory_region")
         return SHARED_MEMORY
-    if size is not None:
-        where = f"{field}.parameters.binary_data_size"
-        size = count(size, where, "a byte count")
-        left = -1 if binary is None else len(binary) - taken
-        if text:
-            if size > left:
-                raise InvalidInputError(f"{where}: {size} bytes declared, not in the body")
-        elif "data" in item:
-            raise InvalidInputError(f"{field}: give either data or parameters.binary_data_size, not both")
-        elif binary is None:
-            raise InvalidInputError(f"{where}: binary data needs an {HEADER_LENGTH} header")
-        elif size > left:
-            raise InvalidInputError(
-                f"{where}: inputs declare {size} bytes of binary data, "
-                f"but the body has {left} after the {HEADER_LENGTH} bytes of JSON",
-            )
-        assert binary is not None
+    if size is None:
+        if "data" not in item and not text:
+            raise InvalidInputError(f"inputs[{i}]: no tensor data; give data or parameters.binary_data_size")
+        return JsonValues(item.get("data"))  # a text input without data: the texts' check names it
+    if (
+        type(size) is int
+        and size >= 0
+        and binary is not None
+        and size <= len(binary) - taken
+        and (text or "data" not in item)
+    ):
         return BinaryData(binary[taken : taken + size])
-    if "data" not in item and not text:
-        raise InvalidInputError(f"{field}: no tensor data; give data or parameters.binary_data_size")
-    return JsonValues(item.get("data"))  # a text input without data: the texts' check names it
+    raise _binary_refusal(item, size, i, binary, taken, text)
+
+
+def _binary_refusal(
+    item: dict[str, object], size: object, i: int, binary: memoryview | None, taken: int, text: bool
+) -> InvalidInputError:
+    """Why input ``i``'s ``binary_data_size`` of ``size`` is refused: not a byte count, beside ``data``, or more than
+    ``binary`` holds after the ``taken`` bytes of the inputs before it."""
+    field = f"inputs[{i}]"
+    where = f"{field}.parameters.binary_data_size"
+    size = count(size, where, "a byte count")
+    if text:
+        return InvalidInputError(f"{where}: {size} bytes declared, not in the body")
+    if "data" in item:
+        return InvalidInputError(f"{field}: give either data or parameters.binary_data_size, not both")
+    if binary is None:
+        return InvalidInputError(f"{where}: binary data needs an {HEADER_LENGTH} header")
+    return InvalidInputError(
+        f"{where}: inputs declare {size} bytes of binary data, "
+        f"but the body has {len(binary) - taken} after the {HEADER_LENGTH} bytes of JSON",
+    )
 
 
 def _outputs(requested: object, served: ModelHandle) -> list[RequestOutput] | None:
@@ -102,9 +118,11 @@ def _outputs(requested: object, served: ModelHandle) -> list[RequestOutput] | No
         raise InvalidInputError(f"outputs: expected a list, got {type(requested).__name__}")
     outputs = []
     for i, item in enumerate(requested):
-        field = f"outputs[{i}]"
         name = item.get("name") if isinstance(item, dict) else item
-        if not isinstance(item, dict) or not isinstance(name, str):
-            raise unknown_output(field, name, served.name, [t.name for t in served.manifest.outputs])
-        outputs.append(RequestOutput(name, parameters(item, f"{field}.parameters")))
+        if type(item) is not dict or type(name) is not str:
+            raise unknown_output(f"outputs[{i}]", name, served.name, [t.name for t in served.manifest.outputs])
+        params = item.get("parameters")
+        if type(params) is not dict:
+            params = parameters(item, f"outputs[{i}].parameters")
+        outputs.append(RequestOutput(name, params))
     return outputs
