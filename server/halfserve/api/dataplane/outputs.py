@@ -3,6 +3,8 @@ classification extension), or into shared memory (the shared memory extension)."
 
 from __future__ import annotations
 
+from typing import Any
+
 from halfserve.api.dataplane.codec import JSON_UNSUPPORTED, element_count
 from halfserve.api.dataplane.refusals import count
 from halfserve.api.dataplane.request import OutputRequest, RequestOutput, flag
@@ -31,13 +33,12 @@ def requested_output(
     shared memory it goes to instead of the body (``shared_memory_region``)."""
     binary, classes, region = default, 0, None
     for i, item in enumerate(requested or ()):
-        field = f"outputs[{i}]"
         if item.name != out_spec.name:
-            raise unknown_output(field, item.name, model, [out_spec.name])
+            raise unknown_output(f"outputs[{i}]", item.name, model, [out_spec.name])
         params = item.parameters
-        classes = count(params.get("classification", 0), f"{field}.parameters.classification", "a class count")
-        binary = flag(params, "binary_data", f"{field}.parameters", default)
+        binary, classes = _how(params, i, default)
         if "shared_memory_region" in params:
+            field = f"outputs[{i}]"
             if classes:
                 raise InvalidInputError(f"{field}.parameters: classification answers in the body, not shared memory")
             region = span(regions, params, f"{field}.parameters")
@@ -65,17 +66,16 @@ def requested_outputs(
         names = [t.name for t in specs]
         wanted = {}
         for i, item in enumerate(requested):
-            field = f"outputs[{i}]"
             got = item.name
             if got not in names:
-                raise unknown_output(field, got, model, names)
+                raise unknown_output(f"outputs[{i}]", got, model, names)
             if got in wanted:
-                raise InvalidInputError(f"{field}.name: output {got!r} is requested twice")
+                raise InvalidInputError(f"outputs[{i}].name: output {got!r} is requested twice")
             params = item.parameters
-            classes = count(params.get("classification", 0), f"{field}.parameters.classification", "a class count")
-            out = OutputRequest(flag(params, "binary_data", f"{field}.parameters", default), classes)
+            out = OutputRequest(*_how(params, i, default))
             if "shared_memory_region" in params:
-                if classes:
+                field = f"outputs[{i}]"
+                if out.classes:
                     raise InvalidInputError(
                         f"{field}.parameters: classification answers in the body, not shared memory"
                     )
@@ -89,6 +89,17 @@ def requested_outputs(
             kind = spec.datatype.value
             raise InvalidInputError(f"outputs: {spec.name!r} is {kind}; JSON has no 16-bit floats, request binary_data")
     return wanted
+
+
+def _how(params: dict[str, Any], i: int, default: bool) -> tuple[bool, int]:
+    """Output ``i``'s ``binary_data`` (``default`` when absent) and ``classification`` (0 when absent)."""
+    binary = params.get("binary_data", default)
+    classes = params.get("classification", 0)
+    if type(binary) is not bool or type(classes) is not int or classes < 0:  # field names formatted only to refuse
+        field = f"outputs[{i}].parameters"
+        classes = count(classes, f"{field}.classification", "a class count")
+        binary = flag(params, "binary_data", field, default)
+    return binary, classes
 
 
 def check_room(region: Span, spec: TensorSpec, rows: int) -> None:
