@@ -14,7 +14,6 @@ from halfserve.api.dataplane.bounds import check_size, parse_json
 from halfserve.api.dataplane.codec import decode_samples, encode_texts
 from halfserve.api.dataplane.infer import infer
 from halfserve.api.dataplane.signature import Wording, check_shape
-from halfserve.api.errors import APIError
 from halfserve.api.http import deps, guard
 from halfserve.api.http.errors import error_responses
 from halfserve.api.http.limits import TIMEOUT_PARAMETER, client_timeout, read_body
@@ -182,12 +181,12 @@ async def predict(request: Request) -> Response:
     timeout = client_timeout(request)
     payload = await parse_json(await read_body(request, settings.max_body_bytes), settings.max_json_values)
     if not isinstance(payload, dict):
-        raise APIError(400, f"body: expected a JSON object, got {type(payload).__name__}")
+        raise InvalidInputError(f"body: expected a JSON object, got {type(payload).__name__}")
     name = payload.get("model")
     if name is not None and not isinstance(name, str):
-        raise APIError(400, f"model: expected a string, got {type(name).__name__}")
+        raise InvalidInputError(f"model: expected a string, got {type(name).__name__}")
     if "inputs" not in payload:
-        raise APIError(400, 'inputs: missing; send {"inputs": [sample, ...]}')
+        raise InvalidInputError('inputs: missing; send {"inputs": [sample, ...]}')
     samples = payload["inputs"]
     served = app.service.get(name)
     note(request, served)
