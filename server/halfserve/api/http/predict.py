@@ -106,11 +106,13 @@ async def decode_inputs(samples: object, served: ModelHandle, settings: Settings
             if text.feeds in rest:
                 raise InvalidInputError(f"inputs: give {text.input!r} or {text.feeds!r}, not both")
             others = [t for t in specs if t.name != text.feeds]
-            decoded = {t.name: _samples(rest.get(t.name), t, served, settings, f"inputs.{t.name}") for t in others}
+            decoded = {t.name: _samples(rest.get(t.name), t, served, f"inputs.{t.name}") for t in others}
             field = f"inputs.{text.input}"
             return await encode_texts(texts, field, served, settings) | decoded
     if len(specs) == 1 and not isinstance(samples, dict):  # a mapping is checked by name, as for several inputs
-        return {specs[0].name: _samples(samples, specs[0], served, settings, "inputs")}
+        if isinstance(samples, list):
+            check_size(settings, served, len(samples), "inputs")
+        return {specs[0].name: _samples(samples, specs[0], served, "inputs")}
     names = [t.name for t in specs]
     if not isinstance(samples, dict):
         example = ", ".join(f'"{n}": [sample, ...]' for n in names)
@@ -130,14 +132,15 @@ async def decode_inputs(samples: object, served: ModelHandle, settings: Settings
                 f"inputs.{name}: {len(samples[name])} samples, but {names[0]!r} has {rows}; every input needs one "
                 "per row",
             )
-    check_size(settings, served, rows, "inputs")  # the request's rows, before any input is decoded
-    return {t.name: _samples(samples[t.name], t, served, settings, f"inputs.{t.name}") for t in specs}
+    check_size(settings, served, rows, "inputs")
+    return {t.name: _samples(samples[t.name], t, served, f"inputs.{t.name}") for t in specs}
 
 
-def _samples(samples: object, spec: TensorSpec, served: ModelHandle, settings: Settings, field: str) -> np.ndarray:
-    """One input's samples as the batcher's array, its shape checked by the rule V2 uses too."""
+def _samples(samples: object, spec: TensorSpec, served: ModelHandle, field: str) -> np.ndarray:
+    """One input's samples as the batcher's array, its shape checked by the rule V2 uses too (the request's rows are
+    held to their limits before any input is decoded, by the same ``check_size``)."""
     x = decode_samples(samples, spec, field)
-    check_shape(list(x.shape), spec, served, settings, field, Wording.SAMPLES)
+    check_shape(list(x.shape), spec, served, None, field, Wording.SAMPLES)
     return x
 
 
