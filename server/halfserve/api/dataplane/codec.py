@@ -215,10 +215,11 @@ async def encode_texts(
 
 
 def decode_samples(samples: Any, spec: TensorSpec, field: str = "inputs") -> np.ndarray:
-    """A JSON list of samples (each a nested list of the per-sample shape) as one array, rows first.
+    """A JSON list of samples (each a nested list of the per-sample shape) as one array, rows first, in ``spec``'s
+    dtype; its shape is for :func:`~halfserve.api.dataplane.signature.check_shape` to check against ``spec``.
 
-    Raises :class:`~halfserve.serving.InvalidInputError` naming ``field`` when the list is empty, ragged, non-numeric
-    or mis-shaped.
+    Raises :class:`~halfserve.serving.InvalidInputError` naming ``field`` when the list is empty, ragged or
+    non-numeric.
     """
     if not isinstance(samples, list):
         raise InvalidInputError(f"{field}: expected a list of samples, got {type(samples).__name__}")
@@ -233,18 +234,9 @@ def decode_samples(samples: Any, spec: TensorSpec, field: str = "inputs") -> np.
     if spec.datatype.numpy.kind == "b":
         if arr.dtype.kind != "b":
             raise InvalidInputError(f"{field}: the {spec.name!r} input takes true or false, got {_kind_name(arr)}")
-    elif arr.dtype.kind not in "iuf":
-        raise InvalidInputError(f"{field}: values must be numbers, got {_kind_name(arr)}")
-    if spec.variable and arr.ndim == len(spec.shape) + 1 and arr.shape[2:] == tuple(spec.shape[1:]):
-        checked_length(spec, arr.shape[1], field)
-        want = arr.shape[1:]
-    else:
-        want = tuple(spec.shape)
-    if arr.shape[1:] != want:
-        got = list(arr.shape[1:]) if arr.ndim > 1 else "a scalar"
-        raise InvalidInputError(f"{field}: each sample must have shape {list(want)}, got {got}")
-    if arr.dtype.kind == "b":
         return arr
+    if arr.dtype.kind not in "iuf":
+        raise InvalidInputError(f"{field}: values must be numbers, got {_kind_name(arr)}")
     return cast_json_numbers(arr, spec.datatype.numpy, field)
 
 

@@ -1,7 +1,9 @@
-"""A V2 inference request as the named numpy arrays a model takes, whichever protocol carried it: its JSON-like
-header, and its tensors as JSON ``data``, binary data after the header (the binary tensor extension, see
-:mod:`halfserve.api.dataplane.codec`), shared memory (the shared memory extension) or texts; every entry checked
-against the model's signature, refused (:class:`~halfserve.serving.InvalidInputError`) naming the field.
+"""A V2 inference request as the named numpy arrays a model takes, whichever protocol carried it: the
+:class:`~halfserve.api.dataplane.request.InferRequest` a transport reads from its wire (HTTP's JSON header and binary
+data, :mod:`.json_request`; gRPC's ``ModelInferRequest``), its tensors as JSON ``data``, binary data (the binary tensor
+extension, see :mod:`halfserve.api.dataplane.codec`), shared memory (the shared memory extension) or texts; every
+entry checked against the model's signature (:mod:`.signature`), refused (:class:`~halfserve.serving.InvalidInputError`)
+naming the field.
 
 Datatypes. A request's input datatype need not equal the manifest's; it must be able to feed it:
 
@@ -19,7 +21,6 @@ FP16/BF16 output must be requested as binary.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 
@@ -27,7 +28,6 @@ from halfserve.api.dataplane.bounds import check_finite, check_size
 from halfserve.api.dataplane.codec import (
     HEADER_LENGTH,
     check_range,
-    checked_length,
     decode_binary,
     decode_json,
     element_count,
@@ -36,7 +36,17 @@ from halfserve.api.dataplane.codec import (
 )
 from halfserve.api.dataplane.outputs import check_room, requested_output, requested_outputs
 from halfserve.api.dataplane.refusals import count
-from halfserve.api.dataplane.request import Inference, flag, parameters
+from halfserve.api.dataplane.request import (
+    BinaryData,
+    Inference,
+    InferRequest,
+    JsonValues,
+    RequestInput,
+    SharedMemory,
+    Texts,
+    flag,
+)
+from halfserve.api.dataplane.signature import Wording, check_shape
 from halfserve.api.dataplane.spans import RegionSource, span
 from halfserve.manifest import DataType, Manifest, Precision, TensorSpec, sent_inputs
 from halfserve.serving import InvalidInputError, ModelHandle
@@ -81,87 +91,61 @@ def to_input_dtype(
         return arr.astype(target, copy=False)
 
 
-def _input_shape(shape: object, spec: TensorSpec, field: str, model: str) -> list[int]:
-    if type(shape) is list and shape and type(shape[0]) is int and shape[0] >= 1 and shape[1:] == spec.shape:
-        return shape  # the common case, checked first: it runs on every request
-    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) for d in shape):
+def _input_shape(
+    shape: object, spec: TensorSpec, field: str, served: ModelHandle, settings: Settings | None
+) -> list[int]:
+    """A declared shape, checked to be a list of integers and against ``spec`` (:func:`.signature.check_shape`)."""
+    # A list of the spec's dimensions after an integer, the common case, needs no pass over its dimensions.
+    if not (type(shape) is list and shape and type(shape[0]) is int and shape[1:] == spec.shape) and (
+        not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) for d in shape)
+    ):
         raise InvalidInputError(f"{field}: expected a list of integers")
-    if spec.variable and len(shape) == len(spec.shape) + 1 and shape[2:] == spec.shape[1:]:
-        if shape[0] < 1 or shape[1] < 1:
-            raise InvalidInputError(f"{field}: the batch and length dimensions must be at least 1, got {shape}")
-        checked_length(spec, shape[1], field)
-        return shape
-    if len(shape) != len(spec.shape) + 1 or shape[1:] != spec.shape:
-        dims = ", ".join("L" if d == -1 else str(d) for d in spec.shape)
-        raise InvalidInputError(
-            f"{field}: unexpected shape for input {spec.name!r} for model {model!r}. "
-            f"Expected {_dims([-1, *spec.shape])}, got {_dims(shape)}: send [N, {dims}] (batch first)",
-        )
-    if shape[0] < 1:
-        raise InvalidInputError(f"{field}: the batch dimension must be at least 1, got {shape[0]}")
+    check_shape(shape, spec, served, settings, field, Wording.V2)
     return shape
 
 
-def _dims(shape: list[int]) -> str:
-    """A shape as Triton writes one in its messages: ``[-1,3,224,224]``."""
-    return "[" + ",".join(str(d) for d in shape) + "]"
+def unknown_input(field: str, name: object, served: ModelHandle, specs: list[TensorSpec]) -> InvalidInputError:
+    """The refusal of an input the model does not take, in Triton's words, with those it takes."""
+    return InvalidInputError(
+        f"{field}.name: unexpected inference input {name!r} for model {served.name!r}; "
+        f"the model takes {_takes(specs, served.manifest)}",
+    )
 
 
 def _decode_input(
-    item: object,
+    item: RequestInput,
     field: str,
-    binary: memoryview | None,
     served: ModelHandle,
     settings: Settings | None,
     regions: RegionSource | None,
     specs: list[TensorSpec],
-) -> tuple[np.ndarray, TensorSpec, int]:
-    """An entry of ``inputs`` (one of ``specs``, the inputs clients send) as the batcher's array, its input's spec,
-    and how many bytes of ``binary`` it took (from the start)."""
-    if not isinstance(item, dict):
-        raise InvalidInputError(f"{field}: expected an object, got {type(item).__name__}")
-    spec = next((t for t in specs if t.name == item.get("name")), None)
+) -> tuple[np.ndarray, TensorSpec]:
+    """An input of a request (one of ``specs``, the inputs clients send) as the batcher's array, and its spec."""
+    spec = next((t for t in specs if t.name == item.name), None)
     if spec is None:
-        raise InvalidInputError(
-            f"{field}.name: unexpected inference input {item.get('name')!r} for model {served.name!r}; "
-            f"the model takes {_takes(specs, served.manifest)}",
-        )
-    if item.get("datatype") == "BYTES":  # text (or another string) for an input that takes numbers
+        raise unknown_input(field, item.name, served, specs)
+    if item.datatype == "BYTES":  # text (or another string) for an input that takes numbers
         raise InvalidInputError(
             f"{field}.datatype: input {spec.name!r} of model {served.name!r} takes {spec.datatype.value}, not BYTES "
             "(only a model whose manifest declares a text input takes text)",
         )
-    wire = wire_type(item.get("datatype"), f"{field}.datatype")
-    shape = _input_shape(item.get("shape"), spec, f"{field}.shape", served.name)
-    if settings is not None:
-        check_size(settings, served, shape[0], f"{field}.shape")
-    params = parameters(item, f"{field}.parameters")
-    size = params.get("binary_data_size")
-    if "shared_memory_region" in params:
-        if size is not None or "data" in item:
-            raise InvalidInputError(f"{field}: give one of data, binary_data_size or shared_memory_region")
+    wire = wire_type(item.datatype, f"{field}.datatype")
+    shape = _input_shape(item.shape, spec, f"{field}.shape", served, settings)
+    data = item.data
+    if type(data) is BinaryData:
+        arr = decode_binary(data.view, wire, shape, f"{field}.parameters.binary_data_size")
+    elif type(data) is SharedMemory:
         where = f"{field}.parameters"
         # A copy of the client's bytes, so the batcher's array stays as it was read whatever the client does next.
-        raw = span(regions, params, where).read()
-        arr, size = decode_binary(raw, wire, shape, f"{where}.shared_memory_byte_size"), 0
-    elif size is not None:
-        where = f"{field}.parameters.binary_data_size"
-        size = count(size, where, "a byte count")
-        if "data" in item:
-            raise InvalidInputError(f"{field}: give either data or parameters.binary_data_size, not both")
-        if binary is None:
-            raise InvalidInputError(f"{where}: binary data needs an {HEADER_LENGTH} header")
-        if size > len(binary):
-            raise InvalidInputError(
-                f"{where}: inputs declare {size} bytes of binary data, "
-                f"but the body has {len(binary)} after the {HEADER_LENGTH} bytes of JSON",
-            )
-        arr = decode_binary(binary[:size], wire, shape, where)
-    elif "data" in item:
-        arr, size = decode_json(item["data"], wire, shape, f"{field}.data"), 0
-    else:
-        raise InvalidInputError(f"{field}: no tensor data; give data or parameters.binary_data_size")
-    return checked_input(arr, wire, spec, served, field, json=size == 0), spec, size
+        raw = span(regions, item.parameters, where).read()
+        arr = decode_binary(raw, wire, shape, f"{where}.shared_memory_byte_size")
+    elif type(data) is JsonValues:
+        arr = decode_json(data.values, wire, shape, f"{field}.data")
+    else:  # BYTES elements for a datatype that is not BYTES
+        raise InvalidInputError(f"{field}.datatype: {wire.value} data cannot be given as BYTES elements")
+    # A non-finite value is named as binary data when the body (or a raw_input_contents entry) held it, else as
+    # ``data``: shared memory's refusal keeps the field clients of it have always been given.
+    return checked_input(arr, wire, spec, served, field, json=type(data) is not BinaryData), spec
 
 
 def checked_input(
@@ -199,38 +183,26 @@ def _names(names: list[str]) -> str:
     return "[" + ",".join(f"'{n}'" for n in names) + "]"
 
 
-def parse_request(
-    payload: object,
-    binary: memoryview | None,
-    served: ModelHandle,
-    settings: Settings | None = None,
-    regions: RegionSource | None = None,
+def decode(
+    req: InferRequest, served: ModelHandle, settings: Settings | None = None, regions: RegionSource | None = None
 ) -> Inference:
-    """Decode a V2 inference request for ``served``: its JSON header, and the binary data after it (``None`` when
-    the request has no ``Inference-Header-Content-Length`` and so is all JSON). ``limits`` bounds its size;
-    ``regions`` gives the shared memory regions it may name, asked only when it names one."""
-    if not isinstance(payload, dict):
-        raise InvalidInputError(f"body: expected a JSON object, got {type(payload).__name__}")
+    """Decode a V2 inference request for ``served``, whichever transport read it: every input checked against the
+    model's signature, the outputs asked for against its outputs. ``settings`` bounds its size; ``regions`` gives
+    the shared memory regions it may name, asked only when it names one."""
     specs = sent_inputs(served.manifest)
-    request_id = payload.get("id")
-    if request_id is not None and not isinstance(request_id, str):
-        raise InvalidInputError(f"id: expected a string, got {type(request_id).__name__}")
-    params = parameters(payload, "parameters")
-    binary_output = flag(params, "binary_data_output", "parameters", False)
-    timeout = count(params.get("timeout", 0), "parameters.timeout", "non-negative microseconds")
-    inputs = payload.get("inputs")
-    if not isinstance(inputs, list) or not inputs:
-        raise InvalidInputError(f"inputs: expected a non-empty list; the model takes {_takes(specs, served.manifest)}")
+    binary_output = flag(req.parameters, "binary_data_output", "parameters", False)
+    timeout = count(req.parameters.get("timeout", 0), "parameters.timeout", "non-negative microseconds")
+    inputs = req.inputs
+    if not inputs:
+        raise no_inputs(served, specs)
     check_input_count(len(inputs), served, specs)
     text = served.manifest.text
     tensors: dict[str, np.ndarray] = {}
     pending: tuple[Sequence[bytes | str], str] | None = None  # texts, tokenized by the caller (tokenize)
-    declared = 0
     for i, item in enumerate(inputs):
         field = f"inputs[{i}]"
-        rest = None if binary is None else binary[declared:]
-        if text is not None and isinstance(item, dict) and item.get("name") == text.input:
-            texts, size = _decode_texts(item, field, rest, served, settings)
+        if text is not None and item.name == text.input:
+            texts = _decode_texts(item, field, served, settings)
             if text.feeds in tensors or pending is not None:
                 raise InvalidInputError(f"{field}.name: give {text.input!r} or {text.feeds!r}, not both")
             if settings is None:
@@ -241,9 +213,8 @@ def parse_request(
                     f"{field}.shape: input {text.input!r} has {len(texts)} rows but {first[0]!r} has {len(first[1])}",
                 )
             pending = (texts, field)
-            declared += size
             continue
-        x, spec, size = _decode_input(item, field, rest, served, settings, regions, specs)
+        x, spec = _decode_input(item, field, served, settings, regions, specs)
         if spec.name in tensors or (pending is not None and text is not None and spec.name == text.feeds):
             raise InvalidInputError(f"{field}.name: input {spec.name!r} is given twice")
         first = next(iter(tensors.items()), None)
@@ -256,34 +227,33 @@ def parse_request(
                 f"{field}.shape: input {spec.name!r} has {len(x)} rows but {text.input!r} has {len(pending[0])}"
             )
         tensors[spec.name] = x
-        declared += size
     missing = [t.name for t in specs if t.name not in tensors and not (pending and text and t.name == text.feeds)]
     if missing:
         got = [t.name for t in specs if t.name in tensors]
-        if text is not None and text.feeds in tensors and any(i.get("name") == text.input for i in inputs):
+        if text is not None and text.feeds in tensors and any(i.name == text.input for i in inputs):
             got = [text.input if n == text.feeds else n for n in got]
         raise InvalidInputError(
             f"inputs: expected {len(specs)} inputs but got {len(got)} inputs for model {served.name!r}. Got input(s) "
             f"{_names(got)}, but missing required input(s) {_names(missing)}. Please provide all required input(s).",
         )
-    if binary is not None and len(binary) != declared:
-        raise InvalidInputError(
-            f"body: {len(binary)} bytes follow the {HEADER_LENGTH} bytes of JSON, "
-            f"but the inputs' binary_data_size declare {declared}",
-        )
     rows = len(next(iter(tensors.values()))) if tensors else len(pending[0]) if pending else 0
     if len(served.manifest.outputs) > 1:
-        wanted = requested_outputs(payload, binary_output, served.manifest.outputs, regions, served.name)
+        wanted = requested_outputs(req.outputs, binary_output, served.manifest.outputs, regions, served.name)
         for spec in served.manifest.outputs:
             out = wanted.get(spec.name)
             if out is not None and out.span is not None:
                 check_room(out.span, spec, rows)
-        return Inference(tensors, request_id, binary_output, timeout, outputs=wanted, texts=pending)
+        return Inference(tensors, req.id, binary_output, timeout, outputs=wanted, texts=pending)
     out_spec = served.manifest.outputs[0]
-    binary_output, classes, region = requested_output(payload, binary_output, out_spec, regions, served.name)
+    binary_output, classes, region = requested_output(req.outputs, binary_output, out_spec, regions, served.name)
     if region is not None:
         check_room(region, out_spec, rows)  # checked before the forward: the output's size is known from the rows
-    return Inference(tensors, request_id, binary_output, timeout, classes, region, texts=pending)
+    return Inference(tensors, req.id, binary_output, timeout, classes, region, texts=pending)
+
+
+def no_inputs(served: ModelHandle, specs: list[TensorSpec]) -> InvalidInputError:
+    """The refusal of a request that gives no inputs, with those the model takes."""
+    return InvalidInputError(f"inputs: expected a non-empty list; the model takes {_takes(specs, served.manifest)}")
 
 
 async def tokenize(req: Inference, served: ModelHandle, settings: Settings) -> Inference:
@@ -297,15 +267,12 @@ async def tokenize(req: Inference, served: ModelHandle, settings: Settings) -> I
 
 
 def _decode_texts(
-    item: dict[str, Any], field: str, binary: memoryview | None, served: ModelHandle, settings: Settings | None
-) -> tuple[Sequence[bytes | str], int]:
-    """A ``BYTES`` input of texts (shape ``[N]`` or ``[N, 1]``), from JSON strings or binary data, and the bytes of
-    ``binary`` it took."""
-    if item.get("datatype") != "BYTES":
-        raise InvalidInputError(
-            f"{field}.datatype: text input {item.get('name')!r} is BYTES, got {item.get('datatype')!r}"
-        )
-    shape = item.get("shape")
+    item: RequestInput, field: str, served: ModelHandle, settings: Settings | None
+) -> Sequence[bytes | str]:
+    """A ``BYTES`` input of texts (shape ``[N]`` or ``[N, 1]``): JSON strings, binary data or BYTES elements."""
+    if item.datatype != "BYTES":
+        raise InvalidInputError(f"{field}.datatype: text input {item.name!r} is BYTES, got {item.datatype!r}")
+    shape = item.shape
     if not (isinstance(shape, list) and shape and all(type(d) is int for d in shape) and shape[1:] in ([], [1])):
         raise InvalidInputError(f"{field}.shape: expected [N] or [N, 1] (one text per row), got {shape!r}")
     rows = shape[0]
@@ -313,17 +280,23 @@ def _decode_texts(
         raise InvalidInputError(f"{field}.shape: the batch dimension must be at least 1, got {rows}")
     if settings is not None:
         check_size(settings, served, rows, f"{field}.shape")
-    params = parameters(item, f"{field}.parameters")
-    size = params.get("binary_data_size")
-    if size is None:
-        data = item.get("data")
-        if not isinstance(data, list) or len(data) != rows or not all(isinstance(t, str) for t in data):
-            raise InvalidInputError(f"{field}.data: expected {rows} strings, one text per row")
-        return data, 0
-    size = count(size, f"{field}.parameters.binary_data_size", "a byte count")
-    if binary is None or size > len(binary):
-        raise InvalidInputError(f"{field}.parameters.binary_data_size: {size} bytes declared, not in the body")
-    texts, at, raw = [], 0, bytes(binary[:size])
+    data = item.data
+    if type(data) is BinaryData:
+        return _binary_texts(data.view, rows, shape, field)
+    if type(data) is Texts:
+        if len(data.items) != rows:
+            raise InvalidInputError(f"{field}: {len(data.items)} BYTES elements, but shape {shape} holds {rows}")
+        return data.items
+    values = data.values if type(data) is JsonValues else None
+    if not isinstance(values, list) or len(values) != rows or not all(isinstance(t, str) for t in values):
+        raise InvalidInputError(f"{field}.data: expected {rows} strings, one text per row")
+    return values
+
+
+def _binary_texts(view: memoryview, rows: int, shape: list[int], field: str) -> list[bytes]:
+    """BYTES binary data (each element's 4-byte little-endian length, then the element) as ``rows`` elements."""
+    texts, at, raw = [], 0, bytes(view)
+    size = len(raw)
     while at < size:
         if at + 4 > size:
             raise InvalidInputError(f"{field}: binary BYTES data ends inside an element's 4-byte length")
@@ -336,7 +309,7 @@ def _decode_texts(
             break
     if len(texts) != rows:
         raise InvalidInputError(f"{field}: {len(texts)} BYTES elements, but shape {shape} holds {rows}")
-    return texts, size
+    return texts
 
 
 def parse_raw(binary: memoryview, served: ModelHandle, settings: Settings | None = None) -> Inference:
@@ -360,8 +333,7 @@ def parse_raw(binary: memoryview, served: ModelHandle, settings: Settings | None
             f"({spec.datatype.value} {spec.shape}: {sample} bytes each), got {len(binary)} bytes",
         )
     shape = [len(binary) // sample, *spec.shape]
-    if settings is not None:
-        check_size(settings, served, shape[0], "body")
+    check_shape(shape, spec, served, settings, "body", Wording.V2)
     arr = decode_binary(binary, wire, shape, "body")
     fp16_weights = served.precision is Precision.FP16
     x = to_input_dtype(arr, wire, spec, fp16_weights, "body", served.name)

@@ -7,7 +7,7 @@ from typing import Any
 
 from halfserve.api.dataplane.codec import JSON_UNSUPPORTED, element_count
 from halfserve.api.dataplane.refusals import count
-from halfserve.api.dataplane.request import OutputRequest, flag, parameters
+from halfserve.api.dataplane.request import OutputRequest, RequestOutput, flag
 from halfserve.api.dataplane.spans import RegionSource, Span, span
 from halfserve.manifest import TensorSpec
 from halfserve.serving import InvalidInputError
@@ -22,30 +22,26 @@ def unknown_output(field: str, got: object, model: str, names: list[str]) -> Inv
 
 
 def requested_output(
-    payload: dict[str, Any], default: bool, out_spec: TensorSpec, regions: RegionSource | None, model: str
+    requested: list[RequestOutput] | None,
+    default: bool,
+    out_spec: TensorSpec,
+    regions: RegionSource | None,
+    model: str,
 ) -> tuple[bool, int, Span | None]:
     """How the output goes: as binary data or not (its own ``binary_data``, else the request's
     ``binary_data_output``), how many top classes to send instead of it (``classification``; 0 for none), and the
     shared memory it goes to instead of the body (``shared_memory_region``)."""
     binary, classes, region = default, 0, None
-    requested = payload.get("outputs")
-    if requested is not None:
-        if not isinstance(requested, list):
-            raise InvalidInputError(f"outputs: expected a list, got {type(requested).__name__}")
-        for i, item in enumerate(requested):
+    for i, item in enumerate(requested or ()):
+        if item.name != out_spec.name:
+            raise unknown_output(f"outputs[{i}]", item.name, model, [out_spec.name])
+        params = item.parameters
+        binary, classes = _how(params, i, default)
+        if "shared_memory_region" in params:
             field = f"outputs[{i}]"
-            if not isinstance(item, dict) or item.get("name") != out_spec.name:
-                got = item.get("name") if isinstance(item, dict) else item
-                raise unknown_output(field, got, model, [out_spec.name])
-            params = parameters(item, f"{field}.parameters")
-            classes = count(params.get("classification", 0), f"{field}.parameters.classification", "a class count")
-            binary = flag(params, "binary_data", f"{field}.parameters", default)
-            if "shared_memory_region" in params:
-                if classes:
-                    raise InvalidInputError(
-                        f"{field}.parameters: classification answers in the body, not shared memory"
-                    )
-                region = span(regions, params, f"{field}.parameters")
+            if classes:
+                raise InvalidInputError(f"{field}.parameters: classification answers in the body, not shared memory")
+            region = span(regions, params, f"{field}.parameters")
     if region is not None:
         return False, 0, region
     if not (binary or classes) and out_spec.datatype in JSON_UNSUPPORTED:
@@ -55,31 +51,31 @@ def requested_output(
 
 
 def requested_outputs(
-    payload: dict[str, Any], default: bool, specs: list[TensorSpec], regions: RegionSource | None, model: str
+    requested: list[RequestOutput] | None,
+    default: bool,
+    specs: list[TensorSpec],
+    regions: RegionSource | None,
+    model: str,
 ) -> dict[str, OutputRequest]:
     """For a model with several outputs: the outputs to return (those ``outputs`` names, else all), each as binary
     data or not (its own ``binary_data``, else the request's ``binary_data_output``), as its top classes
     (``classification``) or into shared memory (``shared_memory_region``)."""
-    requested = payload.get("outputs")
     if requested is None:
         wanted: dict[str, OutputRequest] = {t.name: OutputRequest(default) for t in specs}
     else:
-        if not isinstance(requested, list):
-            raise InvalidInputError(f"outputs: expected a list, got {type(requested).__name__}")
         names = [t.name for t in specs]
         wanted = {}
         for i, item in enumerate(requested):
-            field = f"outputs[{i}]"
-            got = item.get("name") if isinstance(item, dict) else item
-            if not isinstance(item, dict) or got not in names:
-                raise unknown_output(field, got, model, names)
+            got = item.name
+            if got not in names:
+                raise unknown_output(f"outputs[{i}]", got, model, names)
             if got in wanted:
-                raise InvalidInputError(f"{field}.name: output {got!r} is requested twice")
-            params = parameters(item, f"{field}.parameters")
-            classes = count(params.get("classification", 0), f"{field}.parameters.classification", "a class count")
-            out = OutputRequest(flag(params, "binary_data", f"{field}.parameters", default), classes)
+                raise InvalidInputError(f"outputs[{i}].name: output {got!r} is requested twice")
+            params = item.parameters
+            out = OutputRequest(*_how(params, i, default))
             if "shared_memory_region" in params:
-                if classes:
+                field = f"outputs[{i}]"
+                if out.classes:
                     raise InvalidInputError(
                         f"{field}.parameters: classification answers in the body, not shared memory"
                     )
@@ -93,6 +89,17 @@ def requested_outputs(
             kind = spec.datatype.value
             raise InvalidInputError(f"outputs: {spec.name!r} is {kind}; JSON has no 16-bit floats, request binary_data")
     return wanted
+
+
+def _how(params: dict[str, Any], i: int, default: bool) -> tuple[bool, int]:
+    """Output ``i``'s ``binary_data`` (``default`` when absent) and ``classification`` (0 when absent)."""
+    binary = params.get("binary_data", default)
+    classes = params.get("classification", 0)
+    if type(binary) is not bool or type(classes) is not int or classes < 0:  # field names formatted only to refuse
+        field = f"outputs[{i}].parameters"
+        classes = count(classes, f"{field}.classification", "a class count")
+        binary = flag(params, "binary_data", field, default)
+    return binary, classes
 
 
 def check_room(region: Span, spec: TensorSpec, rows: int) -> None:

@@ -7,14 +7,15 @@ and decodes a request whose header has a plan from its binary data alone (:func:
 
 from __future__ import annotations
 
-from typing import Any
+from typing import cast
 
 import numpy as np
 
 from halfserve.api.dataplane.bounds import check_size, parse_json
 from halfserve.api.dataplane.codec import decode_binary, wire_type
-from halfserve.api.dataplane.decode import checked_input, parse_request, tokenize
-from halfserve.api.dataplane.request import BinaryInput, Inference, OutputRequest, RequestPlan
+from halfserve.api.dataplane.decode import checked_input, decode, tokenize
+from halfserve.api.dataplane.json_request import read_request
+from halfserve.api.dataplane.request import BinaryData, BinaryInput, Inference, InferRequest, OutputRequest, RequestPlan
 from halfserve.api.dataplane.spans import RegionSource
 from halfserve.manifest import DataType, sent_inputs
 from halfserve.serving import ModelHandle
@@ -41,10 +42,11 @@ def planned_request(plan: RequestPlan, binary: memoryview, served: ModelHandle) 
     )
 
 
-def _plan(payload: dict[str, Any], req: Inference, served: ModelHandle, settings: Settings) -> RequestPlan | None:
-    """The plan of a header ``parse_request`` has accepted as ``req``; None when an input comes as JSON data, as
-    text or from shared memory, or an output goes to shared memory, and for a header with an ``id`` (clients that
-    send one send a new one with each request: a plan would cost each of them 3 us to make and never be used)."""
+def _plan(request: InferRequest, req: Inference, served: ModelHandle, settings: Settings) -> RequestPlan | None:
+    """The plan of a header :func:`decode` has accepted (``request``, decoded as ``req``); None when an input comes as
+    JSON data, as text or from shared memory, or an output goes to shared memory, and for a header with an ``id``
+    (clients that send one send a new one with each request: a plan would cost each of them 3 us to make and never be
+    used)."""
     outputs = req.outputs
     if (
         req.request_id is not None
@@ -55,14 +57,15 @@ def _plan(payload: dict[str, Any], req: Inference, served: ModelHandle, settings
     text = served.manifest.text
     specs = sent_inputs(served.manifest)
     inputs, start = [], 0
-    for i, item in enumerate(payload["inputs"]):
-        params = item.get("parameters", {})
-        size = params.get("binary_data_size")
-        if size is None or "shared_memory_region" in params or (text is not None and item["name"] == text.input):
+    for i, item in enumerate(request.inputs):
+        data = item.data
+        if type(data) is not BinaryData or (text is not None and item.name == text.input):
             return None
-        spec = next(t for t in specs if t.name == item["name"])
-        wire = wire_type(item["datatype"], "")
-        inputs.append(BinaryInput(spec, wire, item["shape"], start, size, f"inputs[{i}]"))
+        spec = next(t for t in specs if t.name == item.name)
+        size = len(data.view)
+        # decode accepted both: a datatype it knows, and a shape of integers
+        shape = cast(list[int], item.shape)
+        inputs.append(BinaryInput(spec, wire_type(item.datatype, ""), shape, start, size, f"inputs[{i}]"))
         start += size
     m = served.manifest
     if outputs is None:
@@ -91,16 +94,17 @@ async def decode_request(
     header: bytes, binary: memoryview | None, served: ModelHandle, settings: Settings, regions: RegionSource
 ) -> Inference:
     """The V2 inference request of ``header`` (its JSON) and ``binary``, from the plan kept for the header when there
-    is one (:class:`RequestPlan`), else parsed and checked (:func:`parse_request`) and its plan kept."""
+    is one (:class:`RequestPlan`), else read (:func:`~halfserve.api.dataplane.json_request.read_request`) and
+    checked (:func:`decode`), and its plan kept."""
     key = (served.name, served.version, header)
     plan = _plans.get(key)
     if plan is not None and plan.holds(served, settings, binary):
         assert binary is not None
         return planned_request(plan, binary, served)
-    payload = await parse_json(header, settings.max_json_values)
-    req = await tokenize(parse_request(payload, binary, served, settings, regions), served, settings)
+    request = read_request(await parse_json(header, settings.max_json_values), binary, served)
+    req = await tokenize(decode(request, served, settings, regions), served, settings)
     if len(header) <= PLAN_HEADER_BYTES:
-        plan = _plan(payload, req, served, settings)
+        plan = _plan(request, req, served, settings)
         if plan is not None:
             req.plan = plan
             _plans.pop(key, None)

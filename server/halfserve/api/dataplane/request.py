@@ -1,5 +1,6 @@
-"""The values the data plane passes along: a decoded inference request, how one output goes back, and the plan a
-request's JSON header makes (what :mod:`.plan` keeps)."""
+"""The values the data plane passes along: an inference request as a transport reads it (:class:`InferRequest`, no
+transport's wire format), the decoded request the batcher takes (:class:`Inference`), how one output goes back, and the
+plan a request's JSON header makes (what :mod:`.plan` keeps)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,76 @@ from halfserve.api.dataplane.spans import Span
 from halfserve.manifest import DataType, Manifest, TensorSpec
 from halfserve.serving import InvalidInputError, ModelHandle
 from halfserve.settings import Settings
+
+
+@dataclass(slots=True)
+class JsonValues:
+    """A tensor's values as JSON gave them (flat or nested), not yet checked."""
+
+    values: object
+
+
+@dataclass(slots=True)
+class BinaryData:
+    """A tensor's bytes, exactly its own: its slice of the binary data after an HTTP request's JSON header, or its
+    ``raw_input_contents`` entry (or typed ``contents``, as bytes) of a gRPC request."""
+
+    view: memoryview
+
+
+@dataclass(slots=True)
+class SharedMemory:
+    """A tensor in a registered shared memory region, named by its input's ``shared_memory_*`` parameters (checked
+    and read when the request is decoded)."""
+
+
+SHARED_MEMORY = SharedMemory()
+"""The one :class:`SharedMemory`: it holds nothing of its own."""
+
+
+@dataclass(slots=True)
+class Texts:
+    """A ``BYTES`` tensor's elements, one per value (gRPC's ``bytes_contents``)."""
+
+    items: list[bytes]
+
+
+InputData = JsonValues | BinaryData | SharedMemory | Texts
+"""Where an input's tensor is."""
+
+
+@dataclass(slots=True)
+class RequestInput:
+    """One input of an :class:`InferRequest`, as the client declared it; nothing here is checked against the model."""
+
+    name: str
+    datatype: object
+    """A datatype's name as the client sent it (:func:`~halfserve.api.dataplane.codec.wire_type` checks it)."""
+    shape: object
+    """The shape as the client sent it (checked against the model's signature when decoded)."""
+    parameters: dict[str, Any]
+    data: InputData
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """One output an :class:`InferRequest` asks for, and its parameters (``binary_data``, ``classification``,
+    ``shared_memory_*``)."""
+
+    name: str
+    parameters: dict[str, Any]
+
+
+@dataclass(slots=True)
+class InferRequest:
+    """A V2 inference request as a transport reads it from its wire (HTTP's JSON header and binary data, gRPC's
+    ``ModelInferRequest``), before it is checked against the model (:func:`~halfserve.api.dataplane.decode.decode`)."""
+
+    id: str | None
+    parameters: dict[str, Any]
+    inputs: list[RequestInput]
+    outputs: list[RequestOutput] | None
+    """The outputs asked for; None: none named (every output, as the request's parameters say)."""
 
 
 @dataclass

@@ -1,12 +1,12 @@
 """The two ends of a V2 inference over gRPC: a ``ModelInferRequest`` in, a ``ModelInferResponse`` out.
 
-A request is read into the shape the V2 data plane decodes (:func:`halfserve.api.dataplane.decode.parse_request`: a
-JSON-like header and the binary data after it), as an HTTP request is, so both protocols share one set of rules,
-limits and error messages: every input's data
-becomes binary data, from ``raw_input_contents`` as it is (no copy of a single input's bytes), from the typed
-``contents`` converted once with numpy. FP16 and BF16 have no typed field: they travel in ``raw_input_contents`` only,
-as the protocol says. Outputs always leave in ``raw_output_contents`` (one entry per output, in order; empty for one
-written to shared memory), which is what Triton sends and what ``tritonclient.grpc`` reads first.
+A request is read into the data plane's typed request (:class:`~halfserve.api.dataplane.request.InferRequest`), as
+an HTTP request is, and decoded by the same :func:`~halfserve.api.dataplane.decode.decode`, so both protocols share
+one set of rules, limits and error messages: each input's data is its own ``raw_input_contents`` entry as it is (no
+copy), its typed ``contents`` converted once with numpy, or its BYTES elements as they are. FP16 and BF16 have no
+typed field: they travel in ``raw_input_contents`` only, as the protocol says. Outputs always leave in
+``raw_output_contents`` (one entry per output, in order; empty for one written to shared memory), which is what Triton
+sends and what ``tritonclient.grpc`` reads first.
 """
 
 from __future__ import annotations
@@ -18,13 +18,21 @@ import numpy as np
 
 from halfserve import grpc_messages as pb
 from halfserve.api.dataplane.bounds import check_size
-from halfserve.api.dataplane.codec import check_range, element_count, encode_bytes
+from halfserve.api.dataplane.codec import check_range, element_count
 from halfserve.api.dataplane.decode import check_input_count
 from halfserve.api.dataplane.encode import encode_outputs
-from halfserve.api.dataplane.request import Inference
-from halfserve.api.errors import APIError
+from halfserve.api.dataplane.request import (
+    SHARED_MEMORY,
+    BinaryData,
+    Inference,
+    InferRequest,
+    InputData,
+    RequestInput,
+    RequestOutput,
+    Texts,
+)
 from halfserve.manifest import DataType
-from halfserve.serving import ModelHandle, Prediction
+from halfserve.serving import InvalidInputError, ModelHandle, Prediction
 from halfserve.settings import Settings
 
 _TYPED_FIELDS: dict[str, tuple[str, np.dtype[Any]]] = {
@@ -72,19 +80,17 @@ INLINE_VALUES = 1 << 14
 Python object, and two million empty ones took the loop 1.4 s)."""
 
 
-async def infer_payload(
-    request: Any, served: ModelHandle, settings: Settings
-) -> tuple[dict[str, Any], memoryview | None]:
-    """``request`` as :func:`~halfserve.api.dataplane.decode.parse_request` takes it for ``served``: the header and the
-    binary data it declares. Every input's rows are checked against what a request may carry before any data is
-    converted, and many typed values are converted in a worker thread."""
+async def infer_request(request: Any, served: ModelHandle, settings: Settings) -> InferRequest:
+    """``request`` as the data plane's :class:`~halfserve.api.dataplane.request.InferRequest` for ``served``. Every
+    input's rows are checked against what a request may carry before any data is converted, and many typed values
+    are converted in a worker thread."""
     check_input_count(len(request.inputs), served)
     for i, tensor in enumerate(request.inputs):
         if len(tensor.shape) and tensor.shape[0] >= 1:  # a batch dimension under 1 is the shape check's to name
             check_size(settings, served, tensor.shape[0], f"inputs[{i}].shape")
     if _typed_values(request) <= INLINE_VALUES:
-        return _payload(request)
-    return await asyncio.to_thread(_payload, request)
+        return _request(request)
+    return await asyncio.to_thread(_request, request)
 
 
 def _typed_values(request: Any) -> int:
@@ -101,53 +107,39 @@ def _typed_values(request: Any) -> int:
     return total
 
 
-def _payload(request: Any) -> tuple[dict[str, Any], memoryview | None]:
-    raw = list(request.raw_input_contents)
-    inputs: list[dict[str, Any]] = []
-    chunks: list[bytes] = []
+def _request(request: Any) -> InferRequest:
+    raw = request.raw_input_contents
+    inputs: list[RequestInput] = []
     taken = 0
     for i, tensor in enumerate(request.inputs):
         field = f"inputs[{i}]"
         params = parameters(tensor.parameters)
-        params.pop("binary_data_size", None)  # the sizes are the server's to declare here, from the data itself
-        item: dict[str, Any] = {"name": tensor.name, "datatype": tensor.datatype, "shape": list(tensor.shape)}
-        if "shared_memory_region" not in params:
-            has_typed = tensor.HasField("contents")
-            if raw:
-                if has_typed:
-                    raise APIError(
-                        400, f"{field}.contents: give the data of every input in raw_input_contents, or none there"
-                    )
-                if taken >= len(raw):
-                    raise APIError(400, f"raw_input_contents: {len(raw)} entries, but input {i} needs one too")
-                data = raw[taken]
-                taken += 1
-            else:
-                data = _typed_bytes(tensor, field)
-            params["binary_data_size"] = len(data)
-            chunks.append(data)
-        item["parameters"] = params
-        inputs.append(item)
+        params.pop("binary_data_size", None)  # each input's bytes are its own entry: a declared size means nothing
+        data: InputData
+        if "shared_memory_region" in params:
+            data = SHARED_MEMORY
+        elif len(raw):
+            if tensor.HasField("contents"):
+                raise InvalidInputError(
+                    f"{field}.contents: give the data of every input in raw_input_contents, or none there"
+                )
+            if taken >= len(raw):
+                raise InvalidInputError(f"raw_input_contents: {len(raw)} entries, but input {i} needs one too")
+            data = BinaryData(memoryview(raw[taken]))
+            taken += 1
+        else:
+            data = _typed_data(tensor, field)
+        inputs.append(RequestInput(tensor.name, tensor.datatype, list(tensor.shape), params, data))
     if taken != len(raw):
-        raise APIError(400, f"raw_input_contents: {len(raw)} entries for {taken} inputs that take data from it")
-    outputs = [
-        {"name": o.name, "parameters": {**parameters(o.parameters), "binary_data": True}} for o in request.outputs
-    ]
-    payload: dict[str, Any] = {
-        "inputs": inputs,
-        "parameters": {**parameters(request.parameters), "binary_data_output": True},
-    }
-    if outputs:
-        payload["outputs"] = outputs
-    if request.id:
-        payload["id"] = request.id
-    if not chunks:
-        return payload, memoryview(b"")
-    return payload, memoryview(chunks[0] if len(chunks) == 1 else b"".join(chunks))
+        raise InvalidInputError(f"raw_input_contents: {len(raw)} entries for {taken} inputs that take data from it")
+    # Every output leaves in raw_output_contents, whatever a client asks: gRPC has no JSON form of a tensor.
+    outputs = [RequestOutput(o.name, {**parameters(o.parameters), "binary_data": True}) for o in request.outputs]
+    params = {**parameters(request.parameters), "binary_data_output": True}
+    return InferRequest(request.id or None, params, inputs, outputs or None)
 
 
-def _typed_bytes(tensor: Any, field: str) -> bytes:
-    """An input's typed ``contents`` as the binary data of its datatype."""
+def _typed_data(tensor: Any, field: str) -> InputData:
+    """An input's typed ``contents``: BYTES elements, or the binary data of its datatype."""
     contents = tensor.contents
     # Python's integers, not numpy's: a shape of huge dimensions must not wrap around to a small count.
     want = element_count(list(tensor.shape)) if len(tensor.shape) else 0
@@ -155,27 +147,27 @@ def _typed_bytes(tensor: Any, field: str) -> bytes:
         entries = contents.bytes_contents
         if len(entries) != want:  # counted before a bytes object is made for each
             shape = list(tensor.shape)
-            raise APIError(
-                400, f"{field}.contents.bytes_contents: {len(entries)} values, but shape {shape} holds {want}"
+            raise InvalidInputError(
+                f"{field}.contents.bytes_contents: {len(entries)} values, but shape {shape} holds {want}"
             )
-        return encode_bytes(list(entries))
+        return Texts(list(entries))
     typed = _TYPED_FIELDS.get(tensor.datatype)
     if typed is None:
         if tensor.datatype in (DataType.FP16.value, DataType.BF16.value):
-            raise APIError(
-                400, f"{field}: {tensor.datatype} data travels in raw_input_contents only (no contents field holds it)"
+            raise InvalidInputError(
+                f"{field}: {tensor.datatype} data travels in raw_input_contents only (no contents field holds it)"
             )
-        return b""  # an unknown datatype: parse_request names it
+        return BinaryData(memoryview(b""))  # an unknown datatype: the decoder names it
     name, dtype = typed
     values = getattr(contents, name)
     if len(values) != want:
         shape = list(tensor.shape)
-        raise APIError(400, f"{field}.contents.{name}: {len(values)} values, but shape {shape} holds {want}")
+        raise InvalidInputError(f"{field}.contents.{name}: {len(values)} values, but shape {shape} holds {want}")
     arr = np.asarray(values, dtype=dtype)
     wire = DataType(tensor.datatype)
     if wire.wire_dtype != dtype:
         check_range(arr, wire.wire_dtype, f"{field}.contents.{name}")
-    return arr.astype(wire.wire_dtype, copy=False).tobytes()
+    return BinaryData(memoryview(arr.astype(wire.wire_dtype, copy=False).tobytes()))
 
 
 def infer_response(served: ModelHandle, req: Inference, result: Prediction) -> Any:

@@ -41,12 +41,12 @@ from halfserve import text
 from halfserve.api.access import admitted_regions, check_admin, of_version, why_not_ready
 from halfserve.api.admin import index_entries, load_from_store, model_config, model_stats, refuse_overrides
 from halfserve.api.dataplane.bounds import row_limit
-from halfserve.api.dataplane.decode import parse_request, tokenize
+from halfserve.api.dataplane.decode import decode, tokenize
 from halfserve.api.dataplane.infer import infer
 from halfserve.api.dataplane.metadata import EXTENSIONS, SERVER_NAME, metadata
 from halfserve.api.dataplane.refusals import Refusal, refused
 from halfserve.api.errors import APIError, RefusedError, from_exception, held
-from halfserve.api.grpc.grpc_codec import infer_payload, infer_response
+from halfserve.api.grpc.grpc_codec import infer_request, infer_response
 from halfserve.api.grpc.grpc_limits import PROBES, Admission, message_cap, parse, server_options
 from halfserve.api.grpc.grpc_peers import PeerConnections
 from halfserve.manifest import sample_values
@@ -111,8 +111,6 @@ def _refusal(e: Exception) -> tuple[grpc.StatusCode, str]:
         return e.code, e.message
     if isinstance(e, RefusedError):
         return CODES[e.refusal], e.message
-    if isinstance(e, APIError):  # grpc_codec's, each a malformed request, until it raises the domain errors
-        return CODES[Refusal.INVALID], e.message
     refusal = GrpcRefusal.of(e)
     return refusal.code, refusal.message
 
@@ -225,10 +223,10 @@ class InferenceService:
             served = self._model(request.model_name, request.model_version)
             check_ready(served, request.model_version or None)
             settings = self.state.settings
-            payload, binary = await infer_payload(request, served, settings)
+            typed = await infer_request(request, served, settings)
             text.CLIENT.set(_client(context))  # whose turn its texts take on the tokenizing threads
             regions = partial(admitted_regions, self.state, _client(context), _authorization(context))
-            req = await tokenize(parse_request(payload, binary, served, settings, regions), served, settings)
+            req = await tokenize(decode(typed, served, settings, regions), served, settings)
             try:
                 result = await infer(self.state, served, req.inputs, req.timeout(context.time_remaining()))
             except asyncio.CancelledError:  # the client went away (a drain's cut-off is an APIError)

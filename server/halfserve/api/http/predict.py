@@ -13,12 +13,12 @@ from starlette.responses import Response
 from halfserve.api.dataplane.bounds import check_size, parse_json
 from halfserve.api.dataplane.codec import decode_samples, encode_texts
 from halfserve.api.dataplane.infer import infer
-from halfserve.api.errors import APIError
+from halfserve.api.dataplane.signature import Wording, check_shape
 from halfserve.api.http import deps, guard
 from halfserve.api.http.errors import error_responses
 from halfserve.api.http.limits import TIMEOUT_PARAMETER, client_timeout, read_body
 from halfserve.api.http.telemetry import answered, metered, note
-from halfserve.manifest import sent_inputs
+from halfserve.manifest import TensorSpec, sent_inputs
 from halfserve.serving import Interface, InvalidInputError, ModelHandle
 from halfserve.settings import Settings
 
@@ -106,13 +106,13 @@ async def decode_inputs(samples: object, served: ModelHandle, settings: Settings
             if text.feeds in rest:
                 raise InvalidInputError(f"inputs: give {text.input!r} or {text.feeds!r}, not both")
             others = [t for t in specs if t.name != text.feeds]
-            decoded = {t.name: decode_samples(rest.get(t.name), t, f"inputs.{t.name}") for t in others}
+            decoded = {t.name: _samples(rest.get(t.name), t, served, f"inputs.{t.name}") for t in others}
             field = f"inputs.{text.input}"
             return await encode_texts(texts, field, served, settings) | decoded
     if len(specs) == 1 and not isinstance(samples, dict):  # a mapping is checked by name, as for several inputs
         if isinstance(samples, list):
             check_size(settings, served, len(samples), "inputs")
-        return {specs[0].name: decode_samples(samples, specs[0])}
+        return {specs[0].name: _samples(samples, specs[0], served, "inputs")}
     names = [t.name for t in specs]
     if not isinstance(samples, dict):
         example = ", ".join(f'"{n}": [sample, ...]' for n in names)
@@ -133,7 +133,15 @@ async def decode_inputs(samples: object, served: ModelHandle, settings: Settings
                 "per row",
             )
     check_size(settings, served, rows, "inputs")
-    return {t.name: decode_samples(samples[t.name], t, f"inputs.{t.name}") for t in specs}
+    return {t.name: _samples(samples[t.name], t, served, f"inputs.{t.name}") for t in specs}
+
+
+def _samples(samples: object, spec: TensorSpec, served: ModelHandle, field: str) -> np.ndarray:
+    """One input's samples as the batcher's array, its shape checked by the rule V2 uses too (the request's rows are
+    held to their limits before any input is decoded, by the same ``check_size``)."""
+    x = decode_samples(samples, spec, field)
+    check_shape(list(x.shape), spec, served, None, field, Wording.SAMPLES)
+    return x
 
 
 PYTHON_ARGMAX_VALUES = 256
@@ -176,12 +184,12 @@ async def predict(request: Request) -> Response:
     timeout = client_timeout(request)
     payload = await parse_json(await read_body(request, settings.max_body_bytes), settings.max_json_values)
     if not isinstance(payload, dict):
-        raise APIError(400, f"body: expected a JSON object, got {type(payload).__name__}")
+        raise InvalidInputError(f"body: expected a JSON object, got {type(payload).__name__}")
     name = payload.get("model")
     if name is not None and not isinstance(name, str):
-        raise APIError(400, f"model: expected a string, got {type(name).__name__}")
+        raise InvalidInputError(f"model: expected a string, got {type(name).__name__}")
     if "inputs" not in payload:
-        raise APIError(400, 'inputs: missing; send {"inputs": [sample, ...]}')
+        raise InvalidInputError('inputs: missing; send {"inputs": [sample, ...]}')
     samples = payload["inputs"]
     served = app.service.get(name)
     note(request, served)

@@ -28,7 +28,7 @@ from halfserve.api.http.limits import client_timeout, raw_header, read_body
 from halfserve.api.http.shm import authorised_regions
 from halfserve.api.http.telemetry import answered, metered, note
 from halfserve.api.http.v2_schema import INFER_SCHEMA
-from halfserve.serving import Interface, check_ready, why_model_not_ready
+from halfserve.serving import Interface, InvalidInputError, check_ready, why_model_not_ready
 from halfserve.version import __version__
 
 router = APIRouter()
@@ -121,8 +121,7 @@ async def infer(request: Request) -> Response:
         assert binary is not None
         if (raw_header(request, b"content-type") or b"").startswith(b"application/json"):
             # Read as raw tensor bytes, a JSON body whose length happens to be whole samples would be served garbage.
-            raise APIError(
-                400,
+            raise InvalidInputError(
                 f"{HEADER_LENGTH}: 0 announces a raw binary body, but Content-Type is application/json; "
                 "send raw tensor data as application/octet-stream",
             )
