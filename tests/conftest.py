@@ -46,6 +46,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 SHIPPED_STORE = ROOT / "model_store"
+DIGITS_CNN_IMPORT = [
+    "import",
+    str(SHIPPED_STORE / "digits_cnn" / "1" / "model.safetensors"),
+    "--architecture",
+    "small_cnn",
+    "--arch-kwargs",
+    '{"in_channels": 1, "num_classes": 10, "width": 32}',
+    "--input",
+    "pixels:FP32:1x8x8",
+]
+"""``halfserve import`` of the shipped digits_cnn's weights (its architecture and input): a test adds the rest."""
+DIGITS_PHOTO = ["--image", "image", "--image-mode", "L", "--image-resize", "8x8"]
+"""The image section that feeds digits_cnn photos: grey, exactly 8x8, each pixel / 255 (the digits' 0..1)."""
 
 
 needs_cxx = pytest.mark.skipif(

@@ -21,7 +21,7 @@ from PIL import Image
 from sklearn.datasets import load_digits
 
 from halfserve import cli
-from tests.conftest import SHIPPED_STORE, ServerProcess
+from tests.conftest import DIGITS_CNN_IMPORT, DIGITS_PHOTO, SHIPPED_STORE, ServerProcess
 
 pytestmark = pytest.mark.slow
 
@@ -71,35 +71,10 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("photo-store")
     labels = root.parent / "index_to_name.json"
     labels.write_text(json.dumps({str(i): [f"n{i:08d}", name] for i, name in enumerate(LABELS)}))
-    flags = [
-        "import",
-        str(SHIPPED_STORE / "digits_cnn" / "1" / "model.safetensors"),
-        "--name",
-        MODEL,
-        "--architecture",
-        "small_cnn",
-        "--arch-kwargs",
-        '{"in_channels": 1, "num_classes": 10, "width": 32}',
-        "--input",
-        "pixels:FP32:1x8x8",
-        "--image",
-        "image",
-        "--image-mode",
-        "L",
-        "--image-resize",
-        "8x8",
-        "--image-interpolation",
-        "nearest",
-        "--labels",
-        str(labels),
-        "--samples",
-        "8",
-        "--store",
-        str(root),
-    ]
-    assert cli.main(flags) == 0
-    without_labels = [*flags[:2], "--name", UNLABELLED, *flags[4 : flags.index("--labels")]]
-    assert cli.main([*without_labels, *flags[flags.index("--samples") :]]) == 0
+    image = [*DIGITS_PHOTO, "--image-interpolation", "nearest"]
+    rest = ["--samples", "8", "--store", str(root)]
+    assert cli.main([*DIGITS_CNN_IMPORT, "--name", MODEL, *image, "--labels", str(labels), *rest]) == 0
+    assert cli.main([*DIGITS_CNN_IMPORT, "--name", UNLABELLED, *image, *rest]) == 0
     shutil.copytree(SHIPPED_STORE / "digits_mlp", root / "digits_mlp")
     return root
 

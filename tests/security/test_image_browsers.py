@@ -13,35 +13,14 @@ from PIL import Image
 
 from halfserve import cli
 from halfserve.settings import Settings
-from tests.conftest import SHIPPED_STORE
+from tests.conftest import DIGITS_CNN_IMPORT, DIGITS_PHOTO
 from tests.integration.conftest import serving
 
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("photo-browsers")
-    flags = [
-        "import",
-        str(SHIPPED_STORE / "digits_cnn" / "1" / "model.safetensors"),
-        "--name",
-        "photo",
-        "--architecture",
-        "small_cnn",
-        "--arch-kwargs",
-        '{"in_channels": 1, "num_classes": 10, "width": 32}',
-        "--input",
-        "pixels:FP32:1x8x8",
-        "--image",
-        "image",
-        "--image-mode",
-        "L",
-        "--image-resize",
-        "8x8",
-        "--samples",
-        "8",
-        "--store",
-        str(root),
-    ]
+    flags = [*DIGITS_CNN_IMPORT, "--name", "photo", *DIGITS_PHOTO, "--samples", "8", "--store", str(root)]
     assert cli.main(flags) == 0
     return root
 

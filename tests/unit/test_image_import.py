@@ -14,22 +14,10 @@ from safetensors.numpy import load_file
 from halfserve import cli, images
 from halfserve.importer import ImportFailure, image_section, read_labels
 from halfserve.manifest import TensorSpec, load_manifest
-from tests.conftest import SHIPPED_STORE
+from tests.conftest import DIGITS_CNN_IMPORT, DIGITS_PHOTO
 
 PIXELS = [TensorSpec(name="pixels", shape=[1, 8, 8])]
-DIGITS = SHIPPED_STORE / "digits_cnn" / "1" / "model.safetensors"
-DIGITS_FLAGS = [
-    "import",
-    str(DIGITS),
-    "--architecture",
-    "small_cnn",
-    "--arch-kwargs",
-    '{"in_channels": 1, "num_classes": 10, "width": 32}',
-    "--input",
-    "pixels:FP32:1x8x8",
-    "--samples",
-    "8",
-]
+DIGITS_FLAGS = [*DIGITS_CNN_IMPORT, "--samples", "8"]
 
 
 def test_a_preset_gives_torchserve_s_transforms_and_flags_override_them() -> None:
@@ -88,7 +76,7 @@ def test_labels_from_torchserve_s_index_to_name(tmp_path: Path) -> None:
 def test_import_writes_the_image_section_and_the_labels(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     labels = tmp_path / "index_to_name.json"
     labels.write_text(json.dumps({str(i): ["id", f"digit {i}"] for i in range(10)}))
-    flags = ["--name", "photo", "--image", "image", "--image-mode", "L", "--image-resize", "8x8"]
+    flags = ["--name", "photo", *DIGITS_PHOTO]
     assert cli.main([*DIGITS_FLAGS, *flags, "--labels", str(labels), "--store", str(tmp_path)]) == 0
     manifest = load_manifest(tmp_path / "photo")
     assert manifest.labels == [f"digit {i}" for i in range(10)]
