@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import functools
 import io
+import re
 from collections.abc import Sequence
 
 import numpy as np
-from PIL import Image
+from PIL import Image, UnidentifiedImageError
 
 from halfserve import text
 from halfserve.imageinput import ColorMode, ImageFormat, ImageInput, Interpolation, Layout
@@ -40,6 +41,8 @@ class ImageBusyError(ImageError):
 
 
 ACCEPTED = ", ".join(f.value for f in ImageFormat)
+_BOMB_SIZE = re.compile(r"Image size \((\d+) pixels\)")
+_ADDRESS = re.compile(r"<[^<>]* at 0x[0-9a-f]+>")
 
 _SIGNATURES: list[tuple[bytes, str]] = [
     (b"\xff\xd8\xff", ImageFormat.JPEG.value),
@@ -104,8 +107,15 @@ def crop_box(width: int, height: int, crop: tuple[int, int]) -> tuple[int, int, 
     return left, top, left + crop_w, top + crop_h
 
 
+SIXTEEN_BIT = frozenset({"I", "I;16", "I;16B", "I;16L", "I;16N"})
+"""Pillow's modes for a 16-bit grey PNG: its ``convert`` clips these to 255 (every value above is white), where a
+photo's 16 bits scale onto 8 (``value >> 8``), as an 8-bit save of the same picture has them."""
+
+
 def transform(image: Image.Image, spec: ImageInput) -> np.ndarray:
     """A decoded image's pixels as ``spec`` declares them: float32 of shape ``spec.shape``."""
+    if image.mode in SIXTEEN_BIT:
+        image = Image.fromarray(np.right_shift(np.asarray(image).clip(0, 65535).astype(np.uint16), 8).astype(np.uint8))
     if image.mode != spec.mode.value:
         image = image.convert(spec.mode.value)
     if spec.resize is not None:
@@ -151,14 +161,20 @@ def decode(data: bytes, spec: ImageInput, max_pixels: int, field: str) -> np.nda
             return transform(image, spec)
     except ImageError:
         raise
-    except Image.DecompressionBombError as e:  # Pillow's guard, past Image.MAX_IMAGE_PIXELS
+    except Image.DecompressionBombError as e:  # Pillow's guard, past twice Image.MAX_IMAGE_PIXELS, before the size
+        size = _BOMB_SIZE.search(str(e))
+        pixels = f"{int(size.group(1))} pixels" if size else f"over {2 * (Image.MAX_IMAGE_PIXELS or 0)} pixels"
         raise ImageTooLargeError(
-            f"{field}: {e} (an image may have at most {max_pixels} pixels: max_image_pixels)"
+            f"{field}: a {kind} image of {pixels}, more than the {max_pixels} pixels an image may have "
+            "(max_image_pixels)"
         ) from None
+    except UnidentifiedImageError:  # its header is not one the format's reader takes
+        raise ImageError(f"{field}: a broken {kind} image: its header is not a valid {kind} header") from None
     except (OSError, SyntaxError, ValueError, EOFError, IndexError, MemoryError) as e:
         # Pillow's decoders say a broken file in several ways: OSError "image file is truncated", SyntaxError "not a
-        # PNG file", ValueError for bad chunk sizes.
-        raise ImageError(f"{field}: cannot decode the {kind} image ({type(e).__name__}: {e})") from None
+        # PNG file", ValueError for bad chunk sizes. Its words name the problem; an object's address says nothing.
+        detail = _ADDRESS.sub("", str(e)).strip() or type(e).__name__
+        raise ImageError(f"{field}: cannot decode the {kind} image, broken or cut short ({detail})") from None
 
 
 def decode_all(images: Sequence[bytes], spec: ImageInput, max_pixels: int, fields: Sequence[str]) -> np.ndarray:
@@ -172,12 +188,16 @@ def decode_all(images: Sequence[bytes], spec: ImageInput, max_pixels: int, field
 async def decode_off_loop(
     images: Sequence[bytes], spec: ImageInput, max_pixels: int, fields: Sequence[str]
 ) -> np.ndarray:
-    """:func:`decode_all` on a tokenizing thread in its client's turn (:func:`halfserve.text.run_in_turn`); raises
-    what it raises, and :class:`ImageBusyError` when the queue is full."""
-    call = functools.partial(decode_all, images, spec, max_pixels, fields)
-    try:
-        return await text.run_in_turn(text.CLIENT.get(), call)
-    except text.TokenizerBusyError:
-        raise ImageBusyError(
-            f"{fields[0] if fields else 'body'}: the server is decoding as many requests as it holds; retry shortly"
-        ) from None
+    """:func:`decode_all`, each image on a tokenizing thread in its client's turn (:func:`halfserve.text.run_in_turn`):
+    one image a turn, not one request, so that a request of many large photos delays another client's by one photo
+    at most, not by all of its own. Raises what :func:`decode` raises, and :class:`ImageBusyError` when the queue is
+    full."""
+    out = np.empty((len(images), *spec.shape), dtype=np.float32)
+    client = text.CLIENT.get()
+    for i, (data, field) in enumerate(zip(images, fields, strict=True)):
+        try:
+            out[i] = await text.run_in_turn(client, functools.partial(decode, data, spec, max_pixels, field))
+        except text.TokenizerBusyError:
+            busy = f"{field}: the server is decoding as many requests as it holds; retry shortly"
+            raise ImageBusyError(busy) from None
+    return out

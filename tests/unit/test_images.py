@@ -3,6 +3,7 @@ numpy, the formats taken and refused, and the limits, read from headers before d
 
 from __future__ import annotations
 
+import asyncio
 import io
 import struct
 import zlib
@@ -146,7 +147,7 @@ def test_a_header_claiming_too_many_pixels_is_refused_before_decoding() -> None:
     with pytest.raises(images.ImageTooLargeError, match=r"9000x9000 PNG image, more than the 1000000 pixels"):
         images.decode(data, spec(crop=4), LIMIT, "body")
     # Pillow's own guard stays on, ahead of the server's limit where that is set higher.
-    with pytest.raises(images.ImageTooLargeError, match="decompression bomb.*at most 1000000 pixels: max_image_pix"):
+    with pytest.raises(images.ImageTooLargeError, match="a PNG image of 3600000000 pixels, more than the 1000000"):
         images.decode(png_claiming(60000, 60000), spec(crop=4), LIMIT, "body")
 
 
@@ -228,3 +229,48 @@ async def test_decoding_runs_off_the_loop_and_a_full_queue_is_busy(monkeypatch: 
     monkeypatch.setattr(text, "TOKENIZER_QUEUE", -text.TOKENIZER_THREADS)
     with pytest.raises(images.ImageBusyError, match="body: the server is decoding as many requests as it holds"):
         await images.decode_off_loop([good], spec(mode="L", resize=[8, 8]), LIMIT, ["body"])
+
+
+def test_a_16_bit_grey_png_scales_onto_8_bits_as_its_8_bit_save_has_it() -> None:
+    ramp = np.tile(np.linspace(0, 65535, 32), (32, 1)).astype(np.uint16)
+    wide = images.decode(encoded(Image.fromarray(ramp), "PNG"), spec(mode="L", scale=1.0, crop=32), LIMIT, "body")
+    narrow = images.decode(
+        encoded(Image.fromarray((ramp >> 8).astype(np.uint8)), "PNG"), spec(mode="L", scale=1.0, crop=32), LIMIT, "body"
+    )
+    np.testing.assert_array_equal(wide, narrow)
+    assert 0 < wide.mean() < 255  # not clipped to white
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        (b"\x89PNG\r\n\x1a\n", "a broken PNG image: its header is not a valid PNG header"),
+        (png_claiming(0, 0), "a broken PNG image"),
+    ],
+)
+def test_a_broken_header_is_named_without_the_reader_s_insides(data: bytes, message: str) -> None:
+    with pytest.raises(images.ImageError, match=message) as e:
+        images.decode(data, spec(crop=4), LIMIT, "body")
+    assert " at 0x" not in str(e.value)
+
+
+async def test_a_request_of_many_photos_takes_one_turn_per_photo(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One thread: another client's photo is decoded after one of a many-photo request's, not after all of them."""
+    monkeypatch.setattr(text, "TOKENIZER_THREADS", 1)
+    order: list[str] = []
+    real = images.decode
+
+    def recording(data: bytes, spec: ImageInput, max_pixels: int, field: str) -> np.ndarray:
+        order.append(field)
+        return real(data, spec, max_pixels, field)
+
+    monkeypatch.setattr(images, "decode", recording)
+    good = encoded(Image.new("L", (16, 16), 32), "PNG")
+
+    async def as_client(who: str, fields: list[str]) -> np.ndarray:
+        text.CLIENT.set(who)
+        return await images.decode_off_loop([good] * len(fields), spec(mode="L", resize=[8, 8]), LIMIT, fields)
+
+    many, one = await asyncio.gather(as_client("10.0.0.1", ["a0", "a1", "a2"]), as_client("10.0.0.2", ["b0"]))
+    assert (many.shape, one.shape) == ((3, 1, 8, 8), (1, 1, 8, 8))
+    assert order.index("b0") < order.index("a2"), order

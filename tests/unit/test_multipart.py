@@ -50,6 +50,7 @@ def test_more_fields_than_the_limit_are_refused_before_the_next_is_read() -> Non
         (b"--x\r\nContent-Type: image/png\r\n\r\nab\r\n--x--", "multipart/form-data; boundary=x", "with a name"),
         (b"--x\r\n" + b"H" * 9000 + b"\r\n--x--", "multipart/form-data; boundary=x", "no end to its headers"),
         (b"--xjunk", "multipart/form-data; boundary=x", "malformed boundary line"),
+        (b"--x\r\n\r\nab\r\n--x--", "multipart/form-data; boundary=x", "part 0: no Content-Disposition with a name"),
     ],
 )
 def test_a_broken_form_is_a_400_naming_the_problem(body: bytes, content_type: str, message: str) -> None:
@@ -66,3 +67,11 @@ def test_the_top_five_after_softmax_highest_first() -> None:
     assert answer["g"] == pytest.approx(float(exp[6] / exp.sum()))
     assert answer["b"] == answer["d"]
     assert list(top_classes(np.array([0.5, 0.25]), ["x", "y"])) == ["x", "y"]  # fewer classes than five
+
+
+def test_field_names_are_utf8_and_a_long_one_is_shown_cut() -> None:
+    body, content_type = sent([("данные", ("a", b"x", "image/png")), ("n" * 8000, ("b", b"y", "image/png"))])
+    names = [p.name for p in multipart.parts(body, content_type, 16, "max_request_images")]
+    assert names == ["данные", "n" * 8000]
+    assert multipart.shown(names[0]) == "данные"
+    assert multipart.shown(names[1]) == "n" * multipart.SHOWN_NAME + "..."

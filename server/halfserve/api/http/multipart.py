@@ -18,6 +18,13 @@ _BOUNDARY = re.compile(r';\s*boundary=(?:"([^"]{1,70})"|([^\s;"]{1,70}))', re.IG
 _NAME = re.compile(r';\s*name="([^"]*)"|;\s*name=([^\s;"]+)', re.IGNORECASE)
 LONGEST_HEADERS = 8192
 """Most bytes of one part's headers: a client's form field has a line or two."""
+SHOWN_NAME = 64
+"""Most characters of a field's name an error message repeats."""
+
+
+def shown(name: str) -> str:
+    """A field's name as an error message shows it: cut to :data:`SHOWN_NAME` characters."""
+    return name if len(name) <= SHOWN_NAME else name[:SHOWN_NAME] + "..."
 
 
 @dataclass(frozen=True)
@@ -59,11 +66,13 @@ def parts(body: bytes, content_type: str, most: int, setting: str) -> list[Part]
 
 
 def _part(raw: bytes, index: int) -> Part:
-    split = raw.find(b"\r\n\r\n", 0, LONGEST_HEADERS)
-    if split < 0:
+    # A part with no headers at all starts with the blank line that ends them.
+    split = -2 if raw.startswith(b"\r\n") else raw.find(b"\r\n\r\n", 0, LONGEST_HEADERS)
+    if split == -1:
         raise APIError(400, f"body: form part {index}: no end to its headers within {LONGEST_HEADERS} bytes")
     name = None
-    for line in raw[:split].decode("latin-1").split("\r\n"):
+    # Field names are UTF-8 (RFC 7578 4.2); one that is not is shown with replacement characters.
+    for line in raw[: max(split, 0)].decode("utf-8", "replace").split("\r\n"):
         key, _, value = line.partition(":")
         if key.strip().lower() == "content-disposition":
             found = _NAME.search(value)

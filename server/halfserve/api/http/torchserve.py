@@ -128,9 +128,10 @@ async def predictions(request: Request) -> Response:
         parts = multipart.parts(body, content_type, settings.max_request_images, "max_request_images")
         for i, part in enumerate(parts):
             if part.name not in FIELDS:
-                raise APIError(400, f"form.{part.name}: images go in fields named data or body (part {i})")
+                name = multipart.shown(part.name)
+                raise APIError(400, f"form.{name}: images go in fields named data or body (part {i})")
         photos = [p.data for p in parts]
-        fields = [f"form.{p.name}[{i}]" for i, p in enumerate(parts)]
+        fields = [f"form.{multipart.shown(p.name)}[{i}]" for i, p in enumerate(parts)]
     else:  # a raw body, whatever it calls itself: curl --data-binary names it a urlencoded form
         photos, fields = ([body], ["body"]) if body else ([], ["body"])
     image_count(settings, served, len(photos), fields[0] if len(fields) == 1 else "form")
