@@ -40,7 +40,8 @@ PREDICT_SCHEMA: dict[str, Any] = {
                         "inputs": {
                             "anyOf": [{"type": "array", "minItems": 1, "items": {}}, {"type": "object"}],
                             "description": "Samples, each a nested list of the model's per-sample input shape; for "
-                            "a model with several inputs, an object of input name to its samples.",
+                            "a model with several inputs, an object of input name to its samples; for a model that "
+                            'takes photos, [{"b64": "<base64 of a JPEG, PNG or WebP>"}, ...].',
                         },
                     },
                 }
