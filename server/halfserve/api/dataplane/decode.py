@@ -20,7 +20,10 @@ FP16/BF16 output must be requested as binary.
 
 from __future__ import annotations
 
+import base64
+import binascii
 from collections.abc import Sequence
+from typing import cast
 
 import numpy as np
 
@@ -35,6 +38,7 @@ from halfserve.api.dataplane.codec import (
     wire_type,
 )
 from halfserve.api.dataplane.outputs import check_room, requested_output, requested_outputs
+from halfserve.api.dataplane.photos import decode_photos, image_count
 from halfserve.api.dataplane.refusals import count
 from halfserve.api.dataplane.request import (
     BinaryData,
@@ -164,6 +168,8 @@ def _takes(specs: list[TensorSpec], manifest: Manifest) -> str:
         others = [t.name for t in specs if t.name != feeds]
         text = f"text input {manifest.text.input!r} (BYTES, one text per row) or {feeds!r}"
         return text + (f", with {others}" if others else "")
+    if manifest.image is not None:
+        return f"image input {manifest.image.input!r} (BYTES, one encoded photo per row) or {manifest.image.feeds!r}"
     return f"input {specs[0].name!r}" if len(specs) == 1 else f"inputs {[t.name for t in specs]}"
 
 
@@ -171,7 +177,7 @@ def check_input_count(given: int, served: ModelHandle, specs: list[TensorSpec] |
     """A 400 when a request has more input entries than ``served`` takes (``specs``: its inputs clients send, when
     the caller has them): checked before any is decoded."""
     specs = sent_inputs(served.manifest) if specs is None else specs
-    if given > len(specs) + (served.manifest.text is not None):
+    if given > len(specs) + (served.manifest.text is not None or served.manifest.image is not None):
         raise InvalidInputError(
             f"inputs: expected {len(specs)} inputs but got {given} inputs for model {served.name!r}; "
             f"the model takes {_takes(specs, served.manifest)}",
@@ -196,17 +202,23 @@ def decode(
     if not inputs:
         raise no_inputs(served, specs)
     check_input_count(len(inputs), served, specs)
-    text = served.manifest.text
+    # A text model's texts or an image model's photos, given instead of the input they feed (never both: the first
+    # feeds a variable integer input, the second a model's only input, a floating one).
+    text = served.manifest.text or served.manifest.image
     tensors: dict[str, np.ndarray] = {}
-    pending: tuple[Sequence[bytes | str], str] | None = None  # texts, tokenized by the caller (tokenize)
+    pending: tuple[Sequence[bytes | str], str] | None = None  # tokenized or decoded by the caller (tokenize)
     for i, item in enumerate(inputs):
         field = f"inputs[{i}]"
         if text is not None and item.name == text.input:
-            texts = _decode_texts(item, field, served, settings)
+            if served.manifest.image is not None:
+                texts: Sequence[bytes | str] = _decode_photo_elements(item, field, served, settings)
+            else:
+                texts = _decode_texts(item, field, served, settings)
             if text.feeds in tensors or pending is not None:
                 raise InvalidInputError(f"{field}.name: give {text.input!r} or {text.feeds!r}, not both")
             if settings is None:
-                raise InvalidInputError(f"{field}: text input is not served here")
+                kind = "image" if served.manifest.image is not None else "text"
+                raise InvalidInputError(f"{field}: {kind} input is not served here")
             first = next(iter(tensors.items()), None)
             if first is not None and len(texts) != len(first[1]):
                 raise InvalidInputError(
@@ -243,12 +255,12 @@ def decode(
             out = wanted.get(spec.name)
             if out is not None and out.span is not None:
                 check_room(out.span, spec, rows)
-        return Inference(tensors, req.id, binary_output, timeout, outputs=wanted, texts=pending)
+        return _pending(Inference(tensors, req.id, binary_output, timeout, outputs=wanted), pending, served)
     out_spec = served.manifest.outputs[0]
     binary_output, classes, region = requested_output(req.outputs, binary_output, out_spec, regions, served.name)
     if region is not None:
         check_room(region, out_spec, rows)  # checked before the forward: the output's size is known from the rows
-    return Inference(tensors, req.id, binary_output, timeout, classes, region, texts=pending)
+    return _pending(Inference(tensors, req.id, binary_output, timeout, classes, region), pending, served)
 
 
 def no_inputs(served: ModelHandle, specs: list[TensorSpec]) -> InvalidInputError:
@@ -263,7 +275,60 @@ async def tokenize(req: Inference, served: ModelHandle, settings: Settings) -> I
         texts, field = req.texts
         req.inputs.update(await encode_texts(texts, field, served, settings))
         req.texts = None
+    if req.photos is not None:
+        photos, fields = req.photos
+        req.inputs.update(await decode_photos(photos, fields, served, settings))
+        req.photos = None
     return req
+
+
+def _pending(req: Inference, pending: tuple[Sequence[bytes | str], str] | None, served: ModelHandle) -> Inference:
+    """``req`` with the texts or photos :func:`decode` read (``pending``), for :func:`tokenize` to turn into inputs."""
+    if pending is None:
+        return req
+    if served.manifest.image is None:
+        req.texts = pending
+        return req
+    items, field = pending
+    req.photos = (cast(list[bytes], list(items)), [f"{field}[{j}]" for j in range(len(items))])
+    return req
+
+
+def _decode_photo_elements(
+    item: RequestInput, field: str, served: ModelHandle, settings: Settings | None
+) -> list[bytes]:
+    """A ``BYTES`` input of encoded photos (shape ``[N]`` or ``[N, 1]``, one photo per element), held to
+    ``max_request_images`` before any is read: binary data or BYTES elements as they are, JSON ``data`` as base64
+    strings (a JSON string cannot hold a photo's bytes)."""
+    if item.datatype != "BYTES":
+        raise InvalidInputError(f"{field}.datatype: image input {item.name!r} is BYTES, got {item.datatype!r}")
+    shape = item.shape
+    if not (isinstance(shape, list) and shape and all(type(d) is int for d in shape) and shape[1:] in ([], [1])):
+        raise InvalidInputError(f"{field}.shape: expected [N] or [N, 1] (one encoded photo per row), got {shape!r}")
+    rows = shape[0]
+    if rows < 1:
+        raise InvalidInputError(f"{field}.shape: the batch dimension must be at least 1, got {rows}")
+    if settings is not None:
+        image_count(settings, served, rows, f"{field}.shape")
+    data = item.data
+    if type(data) is BinaryData:
+        return _binary_texts(data.view, rows, shape, field)
+    if type(data) is Texts:
+        if len(data.items) != rows:
+            raise InvalidInputError(f"{field}: {len(data.items)} BYTES elements, but shape {shape} holds {rows}")
+        return data.items
+    values = data.values if type(data) is JsonValues else None
+    if not isinstance(values, list) or len(values) != rows or not all(isinstance(t, str) for t in values):
+        raise InvalidInputError(f"{field}.data: expected {rows} base64 strings, one encoded photo per row")
+    return [from_base64(v, f"{field}.data[{j}]") for j, v in enumerate(values)]
+
+
+def from_base64(value: str, field: str) -> bytes:
+    """A base64 string's bytes (standard alphabet, padded), or a 400 naming ``field``."""
+    try:
+        return base64.b64decode(value, validate=True)
+    except (binascii.Error, ValueError):
+        raise InvalidInputError(f"{field}: not base64 (standard alphabet, padded)") from None
 
 
 def _decode_texts(

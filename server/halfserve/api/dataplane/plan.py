@@ -54,7 +54,7 @@ def _plan(request: InferRequest, req: Inference, served: ModelHandle, settings: 
         or (outputs is not None and any(o.span is not None for o in outputs.values()))
     ):
         return None
-    text = served.manifest.text
+    text = served.manifest.text or served.manifest.image  # texts and photos are decoded anew each time
     specs = sent_inputs(served.manifest)
     inputs, start = [], 0
     for i, item in enumerate(request.inputs):

@@ -106,6 +106,9 @@ class Inference:
     texts: tuple[Sequence[bytes | str], str] | None = None
     """A text model's texts and their field, checked but not yet tokenized: :func:`tokenize` does that off the event
     loop and adds the token ids to ``inputs``."""
+    photos: tuple[list[bytes], list[str]] | None = None
+    """An image model's encoded photos and each one's field, checked against the limits but not yet decoded:
+    :func:`tokenize` decodes them off the event loop into the input they feed."""
 
     def timeout(self, client: float | None) -> float | None:
         """Seconds the request may wait in the queue: the shorter of ``client`` (the transport's: a header, a gRPC

@@ -12,7 +12,9 @@ from starlette.responses import Response
 
 from halfserve.api.dataplane.bounds import check_size, parse_json
 from halfserve.api.dataplane.codec import decode_samples, encode_texts
+from halfserve.api.dataplane.decode import from_base64
 from halfserve.api.dataplane.infer import infer
+from halfserve.api.dataplane.photos import decode_photos, image_count
 from halfserve.api.dataplane.signature import Wording, check_shape
 from halfserve.api.http import deps, guard
 from halfserve.api.http.errors import error_responses
@@ -38,7 +40,8 @@ PREDICT_SCHEMA: dict[str, Any] = {
                         "inputs": {
                             "anyOf": [{"type": "array", "minItems": 1, "items": {}}, {"type": "object"}],
                             "description": "Samples, each a nested list of the model's per-sample input shape; for "
-                            "a model with several inputs, an object of input name to its samples.",
+                            "a model with several inputs, an object of input name to its samples; for a model that "
+                            'takes photos, [{"b64": "<base64 of a JPEG, PNG or WebP>"}, ...].',
                         },
                     },
                 }
@@ -109,6 +112,8 @@ async def decode_inputs(samples: object, served: ModelHandle, settings: Settings
             decoded = {t.name: _samples(rest.get(t.name), t, served, f"inputs.{t.name}") for t in others}
             field = f"inputs.{text.input}"
             return await encode_texts(texts, field, served, settings) | decoded
+    if served.manifest.image is not None and isinstance(samples, list) and samples and isinstance(samples[0], dict):
+        return await _photos(samples, served, settings)
     if len(specs) == 1 and not isinstance(samples, dict):  # a mapping is checked by name, as for several inputs
         if isinstance(samples, list):
             check_size(settings, served, len(samples), "inputs")
@@ -134,6 +139,19 @@ async def decode_inputs(samples: object, served: ModelHandle, settings: Settings
             )
     check_size(settings, served, rows, "inputs")
     return {t.name: _samples(samples[t.name], t, served, f"inputs.{t.name}") for t in specs}
+
+
+async def _photos(samples: list[Any], served: ModelHandle, settings: Settings) -> dict[str, np.ndarray]:
+    """KServe v1's encoded photos, ``[{"b64": "..."}, ...]`` (one per sample), decoded off the event loop into the
+    input the manifest's ``image`` section feeds: counted against ``max_request_images`` before any is read."""
+    image_count(settings, served, len(samples), "inputs")
+    photos = []
+    for i, sample in enumerate(samples):
+        value = sample.get("b64") if isinstance(sample, dict) else None
+        if not isinstance(value, str) or len(sample) != 1:
+            raise InvalidInputError(f'inputs[{i}]: expected {{"b64": "<base64 of a photo>"}}')
+        photos.append(from_base64(value, f"inputs[{i}].b64"))
+    return await decode_photos(photos, [f"inputs[{i}].b64" for i in range(len(photos))], served, settings)
 
 
 def _samples(samples: object, spec: TensorSpec, served: ModelHandle, field: str) -> np.ndarray:

@@ -1,0 +1,164 @@
+"""Photos as a V2 ``BYTES`` input (HTTP binary data and JSON base64 strings, gRPC ``bytes_contents`` and raw
+contents) and as ``/predict``'s ``{"b64": ...}`` samples: decoded into the input the image section feeds, with the
+same limits and errors as TorchServe's photos (issue 51)."""
+
+from __future__ import annotations
+
+import base64
+import io
+import struct
+from types import SimpleNamespace
+from typing import cast
+
+import numpy as np
+import orjson
+import pytest
+from PIL import Image
+
+from halfserve import grpc_messages as pb
+from halfserve import images, text
+from halfserve.api.dataplane.decode import decode, tokenize
+from halfserve.api.dataplane.json_request import read_request
+from halfserve.api.grpc.grpc_codec import infer_request
+from halfserve.api.http.predict import decode_inputs
+from halfserve.imageinput import ImageInput
+from halfserve.manifest import Batching, Manifest, Precision, TensorSpec
+from halfserve.serving import InvalidInputError, ModelHandle, OverLimitError, QueueFullError
+from halfserve.settings import Settings
+
+SETTINGS = Settings(max_request_images=3, max_image_pixels=10_000)
+SECTION = ImageInput.model_validate({"input": "photo", "feeds": "pixels", "mode": "L", "resize": [8, 8]})
+
+
+def handle() -> ModelHandle:
+    manifest = Manifest(
+        name="m",
+        architecture="small_cnn",
+        inputs=[TensorSpec(name="pixels", shape=[1, 8, 8])],
+        outputs=[TensorSpec(name="logits", shape=[10])],
+        batching=Batching(max_batch_size=16),
+        image=SECTION,
+    )
+    served = SimpleNamespace(
+        name="m", version=1, manifest=manifest, batching=manifest.batching, precision=Precision.FP32
+    )
+    return cast(ModelHandle, served)
+
+
+SERVED = handle()
+
+
+def png(value: int, size: int = 16) -> bytes:
+    buf = io.BytesIO()
+    Image.new("L", (size, size), value).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def gif() -> bytes:
+    buf = io.BytesIO()
+    Image.new("L", (8, 8), 0).save(buf, format="GIF")
+    return buf.getvalue()
+
+
+PHOTOS = [png(0), png(128), png(255)]
+EXPECTED = images.decode_all(PHOTOS, SECTION, SETTINGS.max_image_pixels, ["x"] * 3)
+
+
+def elements(photos: list[bytes]) -> bytes:
+    """BYTES binary data: each element's 4-byte little-endian length, then the element."""
+    return b"".join(struct.pack("<I", len(p)) + p for p in photos)
+
+
+async def via_binary(photos: list[bytes], shape: list[int] | None = None) -> np.ndarray:
+    body = elements(photos)
+    entry = {"name": "photo", "datatype": "BYTES", "shape": shape or [len(photos)]}
+    entry["parameters"] = {"binary_data_size": len(body)}
+    payload = orjson.loads(orjson.dumps({"inputs": [entry]}))
+    req = await tokenize(decode(read_request(payload, memoryview(body), SERVED), SERVED, SETTINGS), SERVED, SETTINGS)
+    return req.x
+
+
+async def via_json(values: list[object]) -> np.ndarray:
+    payload = {"inputs": [{"name": "photo", "datatype": "BYTES", "shape": [len(values)], "data": values}]}
+    req = await tokenize(decode(read_request(payload, None, SERVED), SERVED, SETTINGS), SERVED, SETTINGS)
+    return req.x
+
+
+async def via_grpc(photos: list[bytes], raw: bool = False) -> np.ndarray:
+    message = pb.ModelInferRequest(model_name="m")
+    entry = message.inputs.add(name="photo", datatype="BYTES", shape=[len(photos)])
+    if raw:
+        message.raw_input_contents.append(elements(photos))
+    else:
+        entry.contents.bytes_contents.extend(photos)
+    typed = await infer_request(message, SERVED, SETTINGS)
+    return (await tokenize(decode(typed, SERVED, SETTINGS), SERVED, SETTINGS)).x
+
+
+def b64(photo: bytes) -> str:
+    return base64.b64encode(photo).decode()
+
+
+async def test_every_transport_decodes_the_photos_into_the_input_they_feed() -> None:
+    for x in (
+        await via_binary(PHOTOS),
+        await via_binary(PHOTOS, [3, 1]),
+        await via_json([b64(p) for p in PHOTOS]),
+        await via_grpc(PHOTOS),
+        await via_grpc(PHOTOS, raw=True),
+        (await decode_inputs([{"b64": b64(p)} for p in PHOTOS], SERVED, SETTINGS))["pixels"],
+    ):
+        assert x.dtype == np.float32
+        assert x.shape == (3, 1, 8, 8)
+        np.testing.assert_array_equal(x, EXPECTED)
+
+
+async def test_a_decoded_request_holds_its_photos_until_tokenize_decodes_them() -> None:
+    body = elements(PHOTOS[:1])
+    entry = {"name": "photo", "datatype": "BYTES", "shape": [1], "parameters": {"binary_data_size": len(body)}}
+    req = decode(read_request({"inputs": [entry]}, memoryview(body), SERVED), SERVED, SETTINGS)
+    assert req.inputs == {}
+    assert req.photos == ([PHOTOS[0]], ["inputs[0][0]"])
+    assert (await tokenize(req, SERVED, SETTINGS)).photos is None
+    assert req.inputs["pixels"].shape == (1, 1, 8, 8)
+
+
+async def test_a_broken_photo_is_a_400_naming_its_element() -> None:
+    with pytest.raises(InvalidInputError, match=r"inputs\[0\]\[1\]: a GIF image; the server takes JPEG, PNG, WEBP"):
+        await via_binary([PHOTOS[0], gif()])
+    with pytest.raises(InvalidInputError, match=r"inputs\[0\]\[0\]: (cannot decode the|a broken) PNG image"):
+        await via_grpc([PHOTOS[0][:40]])
+    with pytest.raises(InvalidInputError, match=r"inputs\[0\]\.data\[1\]: not base64"):
+        await via_json([b64(PHOTOS[0]), "not base64!"])
+    with pytest.raises(InvalidInputError, match=r"inputs\[0\]\.data: expected 1 base64 strings"):
+        await via_json([[1, 2]])
+    with pytest.raises(InvalidInputError, match=r"inputs\[1\]\.b64: not base64"):
+        await decode_inputs([{"b64": b64(PHOTOS[0])}, {"b64": "@@"}], SERVED, SETTINGS)
+    with pytest.raises(InvalidInputError, match=r"inputs\[0\]\.b64: a GIF image"):
+        await decode_inputs([{"b64": b64(gif())}], SERVED, SETTINGS)
+    with pytest.raises(InvalidInputError, match=r'inputs\[0\]: expected \{"b64"'):
+        await decode_inputs([{"b64": 3}], SERVED, SETTINGS)
+
+
+async def test_too_many_photos_or_pixels_is_a_413() -> None:
+    with pytest.raises(OverLimitError, match=r"inputs\[0\]\.shape: 4 images, more than the 3 .*max_request_images"):
+        await via_binary(PHOTOS + PHOTOS[:1])
+    with pytest.raises(OverLimitError, match=r"inputs: 4 images, more than the 3"):
+        await decode_inputs([{"b64": b64(PHOTOS[0])}] * 4, SERVED, SETTINGS)
+    with pytest.raises(OverLimitError, match=r"inputs\[0\]\[0\]: a 101x101 PNG image, more than the 10000 pixels"):
+        await via_grpc([png(0, 101)])
+
+
+async def test_the_shape_and_datatype_are_checked() -> None:
+    payload = {"inputs": [{"name": "photo", "datatype": "BYTES", "shape": [1, 2], "data": ["", ""]}]}
+    with pytest.raises(InvalidInputError, match=r"inputs\[0\]\.shape: expected \[N\] or \[N, 1\]"):
+        decode(read_request(payload, None, SERVED), SERVED, SETTINGS)
+    payload = {"inputs": [{"name": "photo", "datatype": "FP32", "shape": [1], "data": [1.0]}]}
+    with pytest.raises(InvalidInputError, match=r"inputs\[0\]\.datatype: image input 'photo' is BYTES"):
+        decode(read_request(payload, None, SERVED), SERVED, SETTINGS)
+
+
+async def test_a_full_decoding_queue_is_a_503(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(text, "TOKENIZER_QUEUE", -text.TOKENIZER_THREADS)
+    with pytest.raises(QueueFullError, match=r"inputs\[0\]\[0\]: the server is decoding"):
+        await via_grpc(PHOTOS[:1])
