@@ -219,6 +219,7 @@ class ModelRepository:
                 engine.real_elements = engine.padded_elements = 0  # padding waste counts requests, not samples
                 return engine
             reason = shortfall
+        served.fidelity_shortfall, served.shortfall_precision = reason, engine.precision
         log.warning(
             "model %s is served in fp32, not %s: %s; %s", served.name, half, reason, fidelity.how_to_override(half)
         )
@@ -264,6 +265,7 @@ class ModelRepository:
         batcher.start()
         served.loaded, served.host_weight_bytes = loaded, module_bytes(loaded.module)
         served.engine, served.batcher, served.precision = engine, batcher, engine.precision
+        served.precision_source = self._precision_source(served)
         served.state = ModelState.READY
         info = engine.info
         log.info(
@@ -279,6 +281,14 @@ class ModelRepository:
             f"captured in {info.graph_capture_seconds:.2f}s" if info.cuda_graphs else "off",
             f"compiled in {info.inductor_compile_seconds:.2f}s" if info.inductor else "off",
         )
+
+    def _precision_source(self, served: ServedModel) -> str:
+        """What decided the precision a model was loaded in (see :attr:`ServedModel.precision_source`)."""
+        if served.fp32_fallback is not None:
+            return FIDELITY_FALLBACK
+        if served.name in self.precisions:
+            return OPERATOR
+        return "server" if self.settings.precision is not None else "manifest"
 
     async def load(self, name: str, version: int | None = None, precision: Precision | None = None) -> ServedModel:
         """Load (or reload) ``name`` from the store without a restart, warmed up before it serves.
@@ -344,10 +354,12 @@ class ModelRepository:
             batcher, old, loaded = served.batcher, served.engine, served.loaded
             if served.state is not ModelState.READY or batcher is None or old is None or loaded is None:
                 raise ModelNotReadyError(f"model {name!r} is {served.state.value}; load it first")
-            if prec.resolve(precision, self.device) is old.precision:
+            target, fallback = self._switch_target(served, precision)
+            if target is old.precision:
                 self.precisions[name] = precision
+                self._switched(served, precision, target, fallback)
                 return served
-            engine = await self._engine(served, loaded, precision)
+            engine = await self._engine(served, loaded, target)
             if served.batcher is not batcher:  # released (shutdown) while the new engine warmed up
                 engine.close()
                 raise ModelNotReadyError(f"model {name!r} was released during the precision switch")
@@ -358,7 +370,40 @@ class ModelRepository:
             served.retired_overflows += old.overflows
             served.retired_fp32_reruns += old.fp32_reruns
             log.info("model %s switched from %s to %s", name, old.precision.value, engine.precision.value)
+            self._switched(served, precision, target, fallback)
             return served
+
+    def _switch_target(self, served: ServedModel, precision: Precision) -> tuple[Precision, str | None]:
+        """The precision a switch to ``precision`` serves, and the fallback reason when that is fp32 in its stead:
+        ``auto`` re-applies the load's fallback where it resolves to the half precision measured below its bar; a
+        named precision is the operator's choice and is served as named."""
+        resolved = prec.resolve(precision, self.device)
+        shortfall = served.fidelity_shortfall
+        if precision is Precision.AUTO and shortfall is not None and resolved is served.shortfall_precision:
+            return Precision.FP32, shortfall
+        return resolved, None
+
+    @staticmethod
+    def _switched(served: ServedModel, precision: Precision, target: Precision, fallback: str | None) -> None:
+        """Make the model's fallback reason, precision source and log agree with a switch to ``precision``."""
+        served.fp32_fallback = fallback
+        served.precision_source = FIDELITY_FALLBACK if fallback is not None else OPERATOR
+        measured = served.shortfall_precision
+        if fallback is not None and measured is not None:
+            log.warning(
+                "model %s: %s is %s here, which fell below its fidelity bar at load; served in fp32: %s",
+                served.name,
+                precision.value,
+                measured.value,
+                fallback,
+            )
+        elif served.fidelity_shortfall is not None and target is measured:
+            log.warning(
+                "model %s is served in %s as the operator set it, although at load %s",
+                served.name,
+                target.value,
+                served.fidelity_shortfall,
+            )
 
     @staticmethod
     async def _release(served: ServedModel) -> None:
@@ -394,6 +439,10 @@ class ModelRepository:
         """Drain every batcher (queued requests are answered), then release the engines."""
         for served in self.models.values():
             await self._release(served)
+
+
+FIDELITY_FALLBACK = "fidelity_fallback"
+OPERATOR = "operator"
 
 
 def _figure(value: float | None, spec: str) -> str:

@@ -51,6 +51,14 @@ class ServedModel:
     """The bar the model was held to at load (None: not held to one: fp32, or the check is off)."""
     fp32_fallback: str | None = None
     """Why the model is served in fp32 although its precision is a half one (it fell below its fidelity bar)."""
+    fidelity_shortfall: str | None = None
+    """How the half precision measured at load fell below its bar (None: it met it, or was not measured); kept when
+    the operator switches the precision, so the listing still says what was measured."""
+    shortfall_precision: Precision | None = None
+    """The half precision that ``fidelity_shortfall`` is about."""
+    precision_source: str | None = None
+    """What decided the precision served: ``manifest``, ``server`` (``--precision``), ``operator`` (set at run time)
+    or ``fidelity_fallback`` (fp32, its half precision below its bar)."""
     calibration: str | None = None
     """Where the version's stored calibration samples came from (None: it stores none)."""
     padding: PaddingCheck | None = None
@@ -219,6 +227,8 @@ class ServedModel:
             "min_agreement": m.min_agreement,
             "fidelity_bar": self.fidelity_bar,
             "fp32_fallback": self.fp32_fallback,
+            "fidelity_shortfall": self.fidelity_shortfall,
+            "precision_source": self.precision_source,
             "calibration": self.calibration,
             "padding": self.padding.as_dict() if self.padding is not None else None,
             "warmup_seconds": round(self.warmup_seconds, 4),

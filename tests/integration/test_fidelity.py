@@ -64,6 +64,8 @@ async def test_agreement_is_measured_at_load_and_reported(tmp_path: Path) -> Non
         assert f["source"] == "calibration"
         assert entry["precision"] == "bf16"
         assert entry["fp32_fallback"] is None
+        assert entry["fidelity_shortfall"] is None
+        assert entry["precision_source"] == "manifest"
         metrics = (await client.get("/metrics")).text
         assert 'halfserve_model_fp32_fallback{model="lin",version="1"} 0.0' in metrics
 

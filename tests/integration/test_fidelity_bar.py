@@ -239,3 +239,60 @@ def test_strict_import_refuses_a_model_below_the_bar_and_writes_nothing(
     assert import_(fragile, root, "fragile") == 0
     assert storage.versions(root / "fragile") == [1, 2]
     assert "will serve this model in fp32" in capsys.readouterr().out
+
+
+async def test_a_precision_switch_of_a_fallen_back_model_tells_one_story(
+    fragile_store: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 50: switched to bf16 by the operator, the model no longer claims its fp32 fallback (listing, gauge), says
+    the operator set it against the measurement kept in the listing, and a WARNING names the figure; ``auto``
+    re-applies the fallback where it resolves to the precision measured below the bar; fp32 leaves no stale reason."""
+    monkeypatch.setattr("halfserve.precision.cpu_has_native_bf16", lambda: True)  # auto resolves to bf16 on a CPU
+    caplog.set_level(logging.WARNING, logger="halfserve.repository")
+
+    def warned(text: str) -> list[str]:
+        return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and text in r.getMessage()]
+
+    async def switch(client: object, precision: str) -> dict[str, object]:
+        r = await client.post("/models/fragile/precision", json={"precision": precision}, headers=auth)  # type: ignore[attr-defined]
+        assert r.status_code == 200, r.text
+        return await entry(client, "fragile")
+
+    token = "precision-switch-token"
+    auth = {"Authorization": f"Bearer {token}"}
+    async with serving(Settings(store=fragile_store, precision=Precision.BF16, admin_token=token)) as client:
+        listed = await entry(client, "fragile")
+        reason, measured = listed["fp32_fallback"], listed["fidelity"]
+        assert isinstance(reason, str)
+        assert isinstance(measured, dict)
+        assert (listed["precision"], listed["precision_source"]) == ("fp32", "fidelity_fallback")
+        assert listed["fidelity_shortfall"] == reason
+        assert await fallback_gauge(client, "fragile") == 1.0
+        figure = f"{measured['top1_agreement']:.4f}"
+
+        listed = await switch(client, "bf16")
+        assert (listed["precision"], listed["precision_source"]) == ("bf16", "operator")
+        assert listed["fp32_fallback"] is None
+        assert listed["fidelity_shortfall"] == reason  # what was measured stays visible, and for which precision
+        assert listed["fidelity"] == measured
+        assert measured["precision"] == "bf16"
+        assert await fallback_gauge(client, "fragile") == 0.0
+        [line] = warned("as the operator set it")
+        assert line.startswith("model fragile is served in bf16")
+        assert f"top-1 agreement with fp32 is {figure}" in line
+        assert "below the default min_top1_agreement 0.98" in line
+
+        listed = await switch(client, "auto")
+        assert (listed["precision"], listed["precision_source"]) == ("fp32", "fidelity_fallback")
+        assert listed["fp32_fallback"] == reason
+        assert await fallback_gauge(client, "fragile") == 1.0
+        [line] = warned("fell below its fidelity bar at load")
+        assert line.startswith("model fragile: auto is bf16 here")
+        assert figure in line
+
+        listed = await switch(client, "fp32")
+        assert (listed["precision"], listed["precision_source"]) == ("fp32", "operator")
+        assert listed["fp32_fallback"] is None
+        assert listed["fidelity_shortfall"] == reason
+        assert await fallback_gauge(client, "fragile") == 0.0
+        assert len(warned("fragile")) == 3  # the load's, bf16's and auto's; fp32 warns of nothing
