@@ -20,7 +20,7 @@ from halfserve.isolated.engine import ProcessEngine
 from halfserve.manifest import Batching, Manifest, Precision, load_manifest
 from halfserve.placement import Placement, available_cores, choose, in_process, pads_to_buckets
 from halfserve.precision import resolve_device
-from halfserve.served import ServedModel
+from halfserve.served import PrecisionSource, ServedModel
 from halfserve.serving import (
     ModelNotReadyError,
     ModelState,
@@ -282,13 +282,13 @@ class ModelRepository:
             f"compiled in {info.inductor_compile_seconds:.2f}s" if info.inductor else "off",
         )
 
-    def _precision_source(self, served: ServedModel) -> str:
+    def _precision_source(self, served: ServedModel) -> PrecisionSource:
         """What decided the precision a model was loaded in (see :attr:`ServedModel.precision_source`)."""
         if served.fp32_fallback is not None:
-            return FIDELITY_FALLBACK
+            return PrecisionSource.FIDELITY_FALLBACK
         if served.name in self.precisions:
-            return OPERATOR
-        return "server" if self.settings.precision is not None else "manifest"
+            return PrecisionSource.OPERATOR
+        return PrecisionSource.SERVER if self.settings.precision is not None else PrecisionSource.MANIFEST
 
     async def load(self, name: str, version: int | None = None, precision: Precision | None = None) -> ServedModel:
         """Load (or reload) ``name`` from the store without a restart, warmed up before it serves.
@@ -387,7 +387,8 @@ class ModelRepository:
     def _switched(served: ServedModel, precision: Precision, target: Precision, fallback: str | None) -> None:
         """Make the model's fallback reason, precision source and log agree with a switch to ``precision``."""
         served.fp32_fallback = fallback
-        served.precision_source = FIDELITY_FALLBACK if fallback is not None else OPERATOR
+        fell_back = fallback is not None
+        served.precision_source = PrecisionSource.FIDELITY_FALLBACK if fell_back else PrecisionSource.OPERATOR
         measured = served.shortfall_precision
         if fallback is not None and measured is not None:
             log.warning(
@@ -439,10 +440,6 @@ class ModelRepository:
         """Drain every batcher (queued requests are answered), then release the engines."""
         for served in self.models.values():
             await self._release(served)
-
-
-FIDELITY_FALLBACK = "fidelity_fallback"
-OPERATOR = "operator"
 
 
 def _figure(value: float | None, spec: str) -> str:

@@ -8,6 +8,7 @@ import functools
 import time
 from collections.abc import Hashable
 from dataclasses import dataclass, field
+from enum import Enum
 
 import numpy as np
 
@@ -28,6 +29,19 @@ from halfserve.serving import (
     Tensors,
 )
 from halfserve.store import LoadedModel
+
+
+class PrecisionSource(str, Enum):
+    """What decided the precision a model is served in, as ``/models`` names it."""
+
+    MANIFEST = "manifest"
+    """The manifest's ``precision`` (``auto`` resolved for the device)."""
+    SERVER = "server"
+    """The server's ``--precision``."""
+    OPERATOR = "operator"
+    """Set at run time through the management API."""
+    FIDELITY_FALLBACK = "fidelity_fallback"
+    """fp32, the half precision having fallen below its fidelity bar."""
 
 
 @dataclass
@@ -56,9 +70,8 @@ class ServedModel:
     the operator switches the precision, so the listing still says what was measured."""
     shortfall_precision: Precision | None = None
     """The half precision that ``fidelity_shortfall`` is about."""
-    precision_source: str | None = None
-    """What decided the precision served: ``manifest``, ``server`` (``--precision``), ``operator`` (set at run time)
-    or ``fidelity_fallback`` (fp32, its half precision below its bar)."""
+    precision_source: PrecisionSource | None = None
+    """What decided the precision served (None: not loaded yet)."""
     calibration: str | None = None
     """Where the version's stored calibration samples came from (None: it stores none)."""
     padding: PaddingCheck | None = None
@@ -228,7 +241,7 @@ class ServedModel:
             "fidelity_bar": self.fidelity_bar,
             "fp32_fallback": self.fp32_fallback,
             "fidelity_shortfall": self.fidelity_shortfall,
-            "precision_source": self.precision_source,
+            "precision_source": self.precision_source.value if self.precision_source is not None else None,
             "calibration": self.calibration,
             "padding": self.padding.as_dict() if self.padding is not None else None,
             "warmup_seconds": round(self.warmup_seconds, 4),
