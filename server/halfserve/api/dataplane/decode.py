@@ -210,10 +210,7 @@ def decode(
     for i, item in enumerate(inputs):
         field = f"inputs[{i}]"
         if text is not None and item.name == text.input:
-            if served.manifest.image is not None:
-                texts: Sequence[bytes | str] = _decode_photo_elements(item, field, served, settings)
-            else:
-                texts = _decode_texts(item, field, served, settings)
+            texts = _bytes_elements(item, field, served, settings, photos=served.manifest.image is not None)
             if text.feeds in tensors or pending is not None:
                 raise InvalidInputError(f"{field}.name: give {text.input!r} or {text.feeds!r}, not both")
             if settings is None:
@@ -294,22 +291,24 @@ def _pending(req: Inference, pending: tuple[Sequence[bytes | str], str] | None, 
     return req
 
 
-def _decode_photo_elements(
-    item: RequestInput, field: str, served: ModelHandle, settings: Settings | None
-) -> list[bytes]:
-    """A ``BYTES`` input of encoded photos (shape ``[N]`` or ``[N, 1]``, one photo per element), held to
-    ``max_request_images`` before any is read: binary data or BYTES elements as they are, JSON ``data`` as base64
-    strings (a JSON string cannot hold a photo's bytes)."""
+def _bytes_elements(
+    item: RequestInput, field: str, served: ModelHandle, settings: Settings | None, photos: bool
+) -> Sequence[bytes | str]:
+    """A ``BYTES`` input of texts, or of encoded photos (``photos``), shape ``[N]`` or ``[N, 1]``, one per row, its
+    rows held to their limits before any is read (photos to ``max_request_images`` too): binary data or BYTES
+    elements as they are; JSON ``data`` as strings, which for photos are base64 (a JSON string cannot hold a photo's
+    bytes)."""
+    kind, per_row = ("image", "one encoded photo per row") if photos else ("text", "one text per row")
     if item.datatype != "BYTES":
-        raise InvalidInputError(f"{field}.datatype: image input {item.name!r} is BYTES, got {item.datatype!r}")
+        raise InvalidInputError(f"{field}.datatype: {kind} input {item.name!r} is BYTES, got {item.datatype!r}")
     shape = item.shape
     if not (isinstance(shape, list) and shape and all(type(d) is int for d in shape) and shape[1:] in ([], [1])):
-        raise InvalidInputError(f"{field}.shape: expected [N] or [N, 1] (one encoded photo per row), got {shape!r}")
+        raise InvalidInputError(f"{field}.shape: expected [N] or [N, 1] ({per_row}), got {shape!r}")
     rows = shape[0]
     if rows < 1:
         raise InvalidInputError(f"{field}.shape: the batch dimension must be at least 1, got {rows}")
     if settings is not None:
-        image_count(settings, served, rows, f"{field}.shape")
+        (image_count if photos else check_size)(settings, served, rows, f"{field}.shape")
     data = item.data
     if type(data) is BinaryData:
         return _binary_texts(data.view, rows, shape, field)
@@ -319,8 +318,9 @@ def _decode_photo_elements(
         return data.items
     values = data.values if type(data) is JsonValues else None
     if not isinstance(values, list) or len(values) != rows or not all(isinstance(t, str) for t in values):
-        raise InvalidInputError(f"{field}.data: expected {rows} base64 strings, one encoded photo per row")
-    return [from_base64(v, f"{field}.data[{j}]") for j, v in enumerate(values)]
+        strings = "base64 strings" if photos else "strings"
+        raise InvalidInputError(f"{field}.data: expected {rows} {strings}, {per_row}")
+    return [from_base64(v, f"{field}.data[{j}]") for j, v in enumerate(values)] if photos else values
 
 
 def from_base64(value: str, field: str) -> bytes:
@@ -329,33 +329,6 @@ def from_base64(value: str, field: str) -> bytes:
         return base64.b64decode(value, validate=True)
     except (binascii.Error, ValueError):
         raise InvalidInputError(f"{field}: not base64 (standard alphabet, padded)") from None
-
-
-def _decode_texts(
-    item: RequestInput, field: str, served: ModelHandle, settings: Settings | None
-) -> Sequence[bytes | str]:
-    """A ``BYTES`` input of texts (shape ``[N]`` or ``[N, 1]``): JSON strings, binary data or BYTES elements."""
-    if item.datatype != "BYTES":
-        raise InvalidInputError(f"{field}.datatype: text input {item.name!r} is BYTES, got {item.datatype!r}")
-    shape = item.shape
-    if not (isinstance(shape, list) and shape and all(type(d) is int for d in shape) and shape[1:] in ([], [1])):
-        raise InvalidInputError(f"{field}.shape: expected [N] or [N, 1] (one text per row), got {shape!r}")
-    rows = shape[0]
-    if rows < 1:
-        raise InvalidInputError(f"{field}.shape: the batch dimension must be at least 1, got {rows}")
-    if settings is not None:
-        check_size(settings, served, rows, f"{field}.shape")
-    data = item.data
-    if type(data) is BinaryData:
-        return _binary_texts(data.view, rows, shape, field)
-    if type(data) is Texts:
-        if len(data.items) != rows:
-            raise InvalidInputError(f"{field}: {len(data.items)} BYTES elements, but shape {shape} holds {rows}")
-        return data.items
-    values = data.values if type(data) is JsonValues else None
-    if not isinstance(values, list) or len(values) != rows or not all(isinstance(t, str) for t in values):
-        raise InvalidInputError(f"{field}.data: expected {rows} strings, one text per row")
-    return values
 
 
 def _binary_texts(view: memoryview, rows: int, shape: list[int], field: str) -> list[bytes]:
