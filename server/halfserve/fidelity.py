@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from enum import Enum
 from pathlib import Path
@@ -110,6 +111,8 @@ class Source(str, Enum):
     """Samples the operator gave (the version's calibration file)."""
     RANDOM = "random"
     """Random samples of the declared input shapes: a model's real inputs may sit elsewhere."""
+    LIVE = "live"
+    """Rows of real requests, sampled as they were answered (:mod:`halfserve.livefidelity`)."""
 
 
 @dataclass(frozen=True)
@@ -198,6 +201,98 @@ def _cosines(w: np.ndarray, g: np.ndarray) -> np.ndarray:
     return np.where(np.isfinite(g).all(1), cos, -1.0)
 
 
+@dataclass(frozen=True)
+class Rows:
+    """Each compared row's part of the figures (:func:`rows`), so that figures over any set of rows (one measurement's,
+    or live fidelity's window of the last rows compared) are those :func:`compare` gives for them together."""
+
+    top1: np.ndarray | None
+    """Per row, whether its highest class score is at the same index in both (None: no class scores output)."""
+    cosine: np.ndarray | None
+    """Per row, its lowest cosine similarity over the outputs of several values per row (None: there are none)."""
+    abs_error: np.ndarray
+    """Per row, its largest absolute difference over every floating output (inf where one is not finite)."""
+    rel_diff: np.ndarray | None
+    """Per row and output of one value per row, the absolute difference (None: there are none)."""
+    rel_scale: np.ndarray | None
+    """Per row and output of one value per row, the fp32 value's magnitude."""
+
+    def __len__(self) -> int:
+        return len(self.abs_error)
+
+    @staticmethod
+    def concat(parts: Sequence[Rows]) -> Rows:
+        """The rows of ``parts``, in order (``parts`` is not empty)."""
+
+        def joined(arrays: list[np.ndarray | None]) -> np.ndarray | None:
+            kept = [a for a in arrays if a is not None]
+            return np.concatenate(kept) if kept else None
+
+        return Rows(
+            joined([p.top1 for p in parts]),
+            joined([p.cosine for p in parts]),
+            np.concatenate([p.abs_error for p in parts]),
+            joined([p.rel_diff for p in parts]),
+            joined([p.rel_scale for p in parts]),
+        )
+
+
+def rows(want: np.ndarray, got: np.ndarray, manifest: Manifest) -> Rows:
+    """Each row's figures, ``got`` (a half precision's output rows) against ``want`` (fp32's), by output kind (see
+    the module)."""
+    names = [t.name for t in manifest.outputs]
+    scores = scores_output(manifest)
+    top1: np.ndarray | None = None
+    cosine: np.ndarray | None = None
+    diffs: list[np.ndarray] = []
+    scales: list[np.ndarray] = []
+    abs_err = np.zeros(len(want))
+    got_rows = _floating(got, names)
+    for name, w in _floating(want, names).items():
+        g = got_rows[name]
+        diff = np.abs(w - g)
+        abs_err = np.maximum(abs_err, np.where(np.isfinite(diff).all(1), diff.max(1, initial=0.0), math.inf))
+        if name == scores:
+            top1 = w.argmax(1) == g.argmax(1)
+        elif w.shape[1] > 1:
+            cos = _cosines(w, g)
+            cosine = cos if cosine is None else np.minimum(cosine, cos)
+        else:
+            diffs.append(np.where(np.isfinite(diff[:, 0]), diff[:, 0], math.inf))
+            scales.append(np.abs(w[:, 0]))
+    rel_diff = np.stack(diffs, 1) if diffs else None
+    rel_scale = np.stack(scales, 1) if scales else None
+    return Rows(top1, cosine, abs_err, rel_diff, rel_scale)
+
+
+def summarize(
+    measured: Rows, precision: Precision, source: Source = Source.CALIBRATION, seconds: float = 0.0
+) -> Fidelity:
+    """The figures over ``measured``'s rows (not empty)."""
+    top1 = None if measured.top1 is None else float(measured.top1.mean())
+    cosine = None if measured.cosine is None else float(measured.cosine.min())
+    rel_err = None
+    if measured.rel_diff is not None and measured.rel_scale is not None:
+        for worst, scale in zip(measured.rel_diff.max(0), measured.rel_scale.max(0), strict=True):
+            rel = float(worst / scale) if scale > 0 else (0.0 if worst == 0 else math.inf)
+            rel_err = rel if rel_err is None else max(rel_err, rel)
+    abs_err = float(measured.abs_error.max())
+    return Fidelity(len(measured), precision.value, top1, abs_err, rel_err, cosine, Source(source).value, seconds)
+
+
+def compare(
+    want: np.ndarray,
+    got: np.ndarray,
+    manifest: Manifest,
+    precision: Precision,
+    source: Source = Source.CALIBRATION,
+    seconds: float = 0.0,
+) -> Fidelity:
+    """How far ``got`` (output rows computed in ``precision``) is from ``want`` (fp32's for the same inputs): the
+    measures of the fidelity check at load, and of live fidelity (:mod:`halfserve.livefidelity`)."""
+    return summarize(rows(want, got, manifest), precision, source, seconds)
+
+
 def measure(
     served: Computes, loaded: store.LoadedModel, x: np.ndarray, batch: int, source: Source = Source.CALIBRATION
 ) -> Fidelity:
@@ -209,28 +304,8 @@ def measure(
     finally:
         reference.close()
     got = _run(served, x, batch)
-    manifest = loaded.manifest
-    names = [t.name for t in manifest.outputs]
-    scores = scores_output(manifest)
-    top1 = cosine = rel_err = None
-    abs_err = 0.0
-    got_rows = _floating(got, names)
-    for name, w in _floating(want, names).items():
-        g = got_rows[name]
-        diff = np.abs(w - g)
-        worst = float(diff.max()) if bool(np.isfinite(diff).all()) else math.inf
-        abs_err = max(abs_err, worst)
-        if name == scores:
-            top1 = float((w.argmax(1) == g.argmax(1)).mean())
-        elif w.shape[1] > 1:
-            lowest = float(_cosines(w, g).min())
-            cosine = lowest if cosine is None else min(cosine, lowest)
-        else:
-            scale = float(np.abs(w).max())
-            rel = worst / scale if scale > 0 else (0.0 if worst == 0 else math.inf)
-            rel_err = rel if rel_err is None else max(rel_err, rel)
-    seconds = round(time.perf_counter() - started, 3)
-    return Fidelity(len(x), served.precision.value, top1, abs_err, rel_err, cosine, Source(source).value, seconds)
+    measured = rows(want, got, loaded.manifest)
+    return summarize(measured, served.precision, source, round(time.perf_counter() - started, 3))
 
 
 def shortfall(fidelity: Fidelity, held_to: Bar) -> str | None:

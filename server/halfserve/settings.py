@@ -44,6 +44,15 @@ class FidelityCheck(str, Enum):
     """None is measured: each is served in the half precision asked for, whatever its manifest's bar."""
 
 
+class LiveFidelityAction(str, Enum):
+    """What live fidelity does when a model's window falls below its fidelity bar."""
+
+    DEMOTE = "demote"
+    """Serve the model in fp32 from then on, the reason in ``/models``, the log and the metrics."""
+    ALERT = "alert"
+    """Log a WARNING and count it in the metrics; the model keeps its precision."""
+
+
 class Settings(BaseSettings):
     """Everything the server reads at start-up. Per-model settings live in each model's manifest."""
 
@@ -100,6 +109,19 @@ class Settings(BaseSettings):
     fidelity_bar: FidelityCheck = FidelityCheck.DEFAULT
     """``default``: every model served in a half precision is compared with fp32 at load, and one below its bar is
     served in fp32 instead; ``off``: no model is measured, each is served in the precision asked for."""
+    live_fidelity_rate: float = Field(default=0.001, ge=0.0, le=1.0)
+    """Share of the rows answered in a half precision that are rerun in fp32 off the request path and compared (live
+    fidelity, :mod:`halfserve.livefidelity`); 0 turns it off. Models whose fidelity is not checked are not sampled."""
+    live_fidelity_cpu_share: float = Field(default=0.1, gt=0.0, le=1.0)
+    """Share of one CPU core the fp32 reruns of live fidelity may take: after each rerun the worker waits in
+    proportion to the rerun's time."""
+    live_fidelity_window: int = Field(default=1000, ge=1, le=1_000_000)
+    """Rows compared per model that live fidelity's figures are taken over (the last ones)."""
+    live_fidelity_min_rows: int = Field(default=100, ge=1)
+    """Rows the window must hold before its figures can demote a model (or alert), so a few odd rows cannot."""
+    live_fidelity_action: LiveFidelityAction = LiveFidelityAction.DEMOTE
+    """What a window below the model's fidelity bar does: ``demote`` serves the model in fp32 from then on (until it
+    is reloaded or the operator switches its precision); ``alert`` logs a WARNING and counts it in the metrics."""
     max_batch_size: int | None = Field(default=None, ge=1, le=8192)
     """Override every manifest's ``batching.max_batch_size``."""
     max_delay_ms: float | None = Field(default=None, ge=0.0, le=10_000.0)
@@ -253,6 +275,11 @@ class Settings(BaseSettings):
                 "make one with: python -c 'import secrets; print(secrets.token_urlsafe(32))'"
             )
         self._take_placement_aliases()
+        if self.live_fidelity_min_rows > self.live_fidelity_window:
+            raise ValueError(
+                f"live_fidelity_min_rows ({self.live_fidelity_min_rows}) must be at most live_fidelity_window "
+                f"({self.live_fidelity_window}): a window that never holds that many rows could never demote"
+            )
         if (
             self.max_queue_rows is not None
             and self.max_batch_size is not None

@@ -1,0 +1,328 @@
+"""Live fidelity: a sampled share of the rows a model answers in a half precision, rerun in fp32 off the request path
+and compared with what was answered, over a window of the last rows compared.
+
+The fidelity check at load (:mod:`halfserve.fidelity`) sees only the version's samples, once. Real traffic drifts
+(other inputs, other scales, a camera or tokenizer change upstream), so a model that passed at load may disagree with
+fp32 later. Here:
+
+* the **tap** (:meth:`LiveFidelity.tap`) wraps a model's batch runner: when a batch's outputs come back (on the event
+  loop, in the process that batches, whether the instances are threads or processes), :class:`Sampler` picks about
+  ``rate`` of its rows, and only those are copied, inputs and outputs, into a bounded queue. A full queue drops
+  them (counted). The tap never raises into the batch and never waits: the request is answered as if it were not
+  there;
+* one **worker thread** per model reruns the queued rows through the fp32 weights already kept on the host
+  (``loaded.module``, as the check at load does), on one intra-op thread, and then waits :func:`pause` so that the
+  reruns take at most ``cpu_share`` of one core. On a GPU the reference runs on the host CPU too: it costs no device
+  memory, and host CPU time bounded by the share;
+* the figures are those of the check at load, per output kind (:func:`halfserve.fidelity.rows`), over a
+  :class:`Window` of the last rows compared. Once it holds ``min_rows`` rows and falls below the model's bar, the
+  model's ``on_shortfall`` is told once (the repository demotes it to fp32, or only alerts).
+
+Models whose outputs have a variable dimension are not sampled (a row rerun alone is padded to its own length, not
+its batch's, so its padding positions would not compare).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import queue
+import random
+import threading
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from halfserve import fidelity
+from halfserve.engine.core import Engine, set_intra_op_threads
+from halfserve.manifest import Manifest, Precision
+from halfserve.serving import Outcome, Output, Runner
+from halfserve.settings import LiveFidelityAction
+from halfserve.store import LoadedModel
+
+log = logging.getLogger(__name__)
+
+QUEUE_ENTRIES = 256
+"""Batches' sampled rows waiting for their rerun, per model; more are dropped (counted): at the default rate a queue
+this long means the reruns are far behind (the CPU share is too small for the traffic), not a burst."""
+
+
+class Sampler:
+    """Which rows of the batches answered are sampled: each with probability ``rate``, independently.
+
+    The gap to the next sampled row is drawn once per sampled row (geometric), so a batch with none costs a
+    subtraction, not a random draw per row. ``uniform`` gives numbers in [0, 1) (tests pass a made-up source)."""
+
+    def __init__(self, rate: float, uniform: Callable[[], float] = random.random) -> None:
+        if not 0.0 <= rate <= 1.0:
+            raise ValueError(f"rate must be within 0..1, got {rate}")
+        self.rate = rate
+        self._uniform = uniform
+        self._gap = self._draw()
+
+    def _draw(self) -> float:
+        """Rows to pass over before the next sampled one."""
+        if self.rate >= 1.0:
+            return 0
+        if self.rate <= 0.0:
+            return math.inf
+        return math.floor(math.log1p(-self._uniform()) / math.log1p(-self.rate))
+
+    def take(self, rows: int) -> list[int]:
+        """The indices of the next ``rows`` rows that are sampled."""
+        picked: list[int] = []
+        at = self._gap
+        while at < rows:
+            picked.append(int(at))
+            at += 1 + self._draw()
+        self._gap = at - rows
+        return picked
+
+
+def pause(seconds: float, share: float) -> float:
+    """How long to wait after a rerun that took ``seconds`` so the reruns take ``share`` of the time."""
+    return seconds * (1.0 - share) / share
+
+
+class Window:
+    """The figures of the last ``size`` rows compared (:func:`halfserve.fidelity.rows`, one row per entry)."""
+
+    def __init__(self, size: int) -> None:
+        self._rows: deque[fidelity.Rows] = deque(maxlen=size)
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def add(self, measured: fidelity.Rows) -> None:
+        for i in range(len(measured)):
+            self._rows.append(_row(measured, i))
+
+    def clear(self) -> None:
+        self._rows.clear()
+
+    def figures(self, precision: Precision) -> fidelity.Fidelity | None:
+        """The figures over the window (None while it is empty)."""
+        if not self._rows:
+            return None
+        return fidelity.summarize(fidelity.Rows.concat(list(self._rows)), precision, fidelity.Source.LIVE)
+
+
+def _row(measured: fidelity.Rows, i: int) -> fidelity.Rows:
+    def one(a: np.ndarray | None) -> np.ndarray | None:
+        return None if a is None else a[i : i + 1]
+
+    return fidelity.Rows(
+        one(measured.top1),
+        one(measured.cosine),
+        measured.abs_error[i : i + 1],
+        one(measured.rel_diff),
+        one(measured.rel_scale),
+    )
+
+
+@dataclass(frozen=True)
+class LiveSettings:
+    """The server's live fidelity settings (``live_fidelity_*``)."""
+
+    rate: float
+    cpu_share: float
+    window: int
+    min_rows: int
+    action: LiveFidelityAction
+
+
+def samples_live(manifest: Manifest) -> bool:
+    """Whether a model's rows can be rerun alone and compared (none of its outputs has a variable dimension)."""
+    return not any(t.variable for t in manifest.outputs)
+
+
+class _Sampled:
+    """One batch's sampled rows: inputs as the engine takes them, outputs as it gave them, and their precision."""
+
+    __slots__ = ("inputs", "outputs", "precision")
+
+    def __init__(self, inputs: np.ndarray, outputs: np.ndarray, precision: Precision) -> None:
+        self.inputs, self.outputs, self.precision = inputs, outputs, precision
+
+
+class LiveFidelity:
+    """Live fidelity of one served model: its tap, queue, worker thread, fp32 reference and window (see the module).
+
+    ``on_shortfall`` is called once, from the worker thread, with the reason when the window first falls below
+    ``held_to``; it must be thread-safe (the repository hands it to the event loop)."""
+
+    def __init__(
+        self,
+        name: str,
+        loaded: LoadedModel,
+        held_to: fidelity.Bar,
+        settings: LiveSettings,
+        on_shortfall: Callable[[str], None],
+        uniform: Callable[[], float] = random.random,
+    ) -> None:
+        self.name = name
+        self.loaded = loaded
+        self.held_to = held_to
+        self.settings = settings
+        self.on_shortfall = on_shortfall
+        self.sampler = Sampler(settings.rate, uniform)
+        self.window = Window(settings.window)
+        self.rows_compared = 0
+        """Rows rerun in fp32 and compared since the model was loaded."""
+        self.rows_dropped = 0
+        """Sampled rows dropped, the queue being full (or the rerun failing)."""
+        self.shortfalls = 0
+        """Times the window fell below the bar (each a demotion or an alert)."""
+        self.shortfall: str | None = None
+        """Why the window fell below the bar, the last time it did (None: it has not)."""
+        self.rerun_seconds = 0.0
+        """Time the fp32 reruns took, all together."""
+        self.precision: Precision | None = None
+        """The half precision whose rows the window holds (None: none tapped yet)."""
+        self._queue: queue.Queue[_Sampled | None] = queue.Queue(QUEUE_ENTRIES)
+        self._lock = threading.Lock()
+        self._reference: Engine | None = None
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    def tap(self, runner: Runner, precision: Precision) -> Runner:
+        """``runner``, with the rows of each batch it answers offered to sampling. A new precision starts an empty
+        window: rows of another precision say nothing of this one."""
+        with self._lock:
+            if precision is not self.precision:
+                self.window.clear()
+                self.shortfall = None
+            self.precision = precision
+
+        def run(chunks: list[np.ndarray]) -> Awaitable[Sequence[Outcome]]:
+            # The batch is handed to the runner at once, as without the tap: only its answer is awaited later.
+            return self._answered(runner(chunks), chunks, precision)
+
+        return run
+
+    async def _answered(
+        self, answer: Awaitable[Sequence[Outcome]], chunks: list[np.ndarray], precision: Precision
+    ) -> Sequence[Outcome]:
+        outcomes = await answer
+        self.offer(chunks, outcomes, precision)
+        return outcomes
+
+    def offer(self, chunks: Sequence[np.ndarray], outcomes: Sequence[Outcome], precision: Precision) -> None:
+        """Copy the sampled rows of an answered batch into the queue; called on the event loop, so it only copies."""
+        try:
+            self._offer(chunks, outcomes, precision)
+        except Exception:  # never the request's problem: the row is lost to the window, not the answer
+            log.exception("model %s: live fidelity could not sample a batch", self.name)
+
+    def _offer(self, chunks: Sequence[np.ndarray], outcomes: Sequence[Outcome], precision: Precision) -> None:
+        picked = self.sampler.take(sum(len(c) for c in chunks))
+        if not picked or self._closed:
+            return
+        inputs, outputs = [], []
+        start = 0
+        for chunk, outcome in zip(chunks, outcomes, strict=True):
+            mine = [i - start for i in picked if start <= i < start + len(chunk)]
+            start += len(chunk)
+            if not mine or isinstance(outcome, Exception):
+                continue
+            out, by = outcome if isinstance(outcome, Output) else (outcome, None)
+            if (by or precision) is not precision or len(out) != len(chunk):
+                continue  # rerun in fp32 after an overflow: nothing to compare
+            inputs.append(chunk[mine])
+            outputs.append(out[mine])
+        if not inputs:
+            return
+        try:
+            self._queue.put_nowait(_Sampled(np.concatenate(inputs), np.concatenate(outputs), precision))
+        except queue.Full:
+            self.rows_dropped += sum(len(i) for i in inputs)
+
+    def start(self) -> None:
+        """Start the worker thread that reruns the queued rows (until then they wait in the queue)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._work, name=f"live-fidelity-{self.name}", daemon=True)
+            self._thread.start()
+
+    def _work(self) -> None:
+        # One intra-op thread: the share caps one core's time, and the serving engines keep the others.
+        set_intra_op_threads(1)
+        while (sampled := self._queue.get()) is not None:
+            started = time.perf_counter()
+            try:
+                self.compare(sampled)
+            except Exception:
+                self.rows_dropped += len(sampled.inputs)
+                log.exception(
+                    "model %s: live fidelity could not rerun %d row(s) in fp32", self.name, len(sampled.inputs)
+                )
+            took = time.perf_counter() - started
+            self.rerun_seconds += took
+            time.sleep(pause(took, self.settings.cpu_share))
+
+    def compare(self, sampled: _Sampled) -> None:
+        """Rerun ``sampled``'s rows in fp32, add their figures to the window, and tell ``on_shortfall`` when it first
+        falls below the bar. Blocks (the worker thread's work; tests call it directly)."""
+        if self._reference is None:
+            self._reference = Engine(self.loaded, Precision.FP32, torch.device("cpu"))
+        want = self._reference.forward(sampled.inputs)
+        measured = fidelity.rows(want, sampled.outputs, self.loaded.manifest)
+        with self._lock:
+            if sampled.precision is not self.precision:
+                return  # sampled before a precision switch
+            self.window.add(measured)
+            self.rows_compared += len(measured)
+            if self.shortfall is not None or len(self.window) < self.settings.min_rows:
+                return
+            figures = self.window.figures(sampled.precision)
+            reason = None if figures is None else fidelity.shortfall(figures, self.held_to)
+            if reason is None:
+                return
+            self.shortfall = reason
+            self.shortfalls += 1
+        self.on_shortfall(reason)
+
+    def figures(self) -> fidelity.Fidelity | None:
+        """The window's figures now (None while it is empty)."""
+        with self._lock:
+            return None if self.precision is None else self.window.figures(self.precision)
+
+    def describe(self) -> dict[str, object]:
+        """What ``/models`` shows under ``live_fidelity``."""
+        figures = self.figures()
+        s = self.settings
+        return {
+            "rate": s.rate,
+            "cpu_share": s.cpu_share,
+            "action": s.action.value,
+            "window": s.window,
+            "min_rows": s.min_rows,
+            "window_rows": len(self.window),
+            "rows_compared": self.rows_compared,
+            "rows_dropped": self.rows_dropped,
+            "rerun_seconds": round(self.rerun_seconds, 3),
+            "figures": None if figures is None else figures.as_dict(),
+            "shortfall": self.shortfall,
+        }
+
+    def close(self) -> None:
+        """Stop the worker (after its current rerun) and release the fp32 reference; blocks, so call it off the event
+        loop."""
+        self._closed = True
+        thread = self._thread
+        if thread is not None:
+            with contextlib.suppress(queue.Full):
+                while True:  # what is still queued is not rerun: the model is going
+                    try:
+                        self._queue.get_nowait()
+                    except queue.Empty:
+                        break
+                self._queue.put_nowait(None)
+            thread.join()
+        if self._reference is not None:
+            self._reference.close()
+            self._reference = None
