@@ -286,6 +286,16 @@ class LiveFidelity:
             self.shortfalls += 1
         self.on_shortfall(reason)
 
+    @property
+    def action(self) -> str:
+        """What a window below the bar does (``demote`` or ``alert``)."""
+        return self.settings.action.value
+
+    @property
+    def window_rows(self) -> int:
+        """Rows in the window now."""
+        return len(self.window)
+
     def figures(self) -> fidelity.Fidelity | None:
         """The window's figures now (None while it is empty)."""
         with self._lock:

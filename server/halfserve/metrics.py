@@ -69,6 +69,33 @@ class WatchedQueue(Protocol):
     def queued_rows(self) -> int: ...
 
 
+class WindowFigures(Protocol):
+    """Live fidelity's figures over its window (a :class:`halfserve.fidelity.Fidelity`)."""
+
+    @property
+    def top1_agreement(self) -> float | None: ...
+    @property
+    def min_cosine(self) -> float | None: ...
+    @property
+    def max_rel_error(self) -> float | None: ...
+
+
+class WatchedLive(Protocol):
+    """A model's live fidelity (:class:`halfserve.livefidelity.LiveFidelity`) as a scrape reads it."""
+
+    @property
+    def rows_compared(self) -> int: ...
+    @property
+    def rows_dropped(self) -> int: ...
+    @property
+    def shortfalls(self) -> int: ...
+    @property
+    def action(self) -> str: ...
+    @property
+    def window_rows(self) -> int: ...
+    def figures(self) -> WindowFigures | None: ...
+
+
 class WatchedModel(Protocol):
     """A served model as a scrape reads it: the repository's models, typed here so the metrics (and the routes that
     render them) load neither the repository nor the batcher."""
@@ -91,6 +118,8 @@ class WatchedModel(Protocol):
     def fp32_reruns(self) -> int: ...
     @property
     def fp32_fallback(self) -> str | None: ...
+    @property
+    def live(self) -> WatchedLive | None: ...
 
 
 class Metrics:
@@ -284,9 +313,11 @@ class _ModelsCollector(Collector):
         )
         fallback = GaugeMetricFamily(
             "halfserve_model_fp32_fallback",
-            "1 for a model served in fp32 because its half precision fell below its fidelity bar at load.",
+            "1 for a model served in fp32 because its half precision fell below its fidelity bar (at load, or on "
+            "sampled real rows: live fidelity).",
             labels=["model", "version"],
         )
+        live = _LiveFamilies()
         ready = 0
         for served in list(self._models()):
             version = str(served.version)
@@ -306,5 +337,67 @@ class _ModelsCollector(Collector):
             if engine.real_elements:
                 padding.add_metric([served.name], engine.padded_elements)
                 real.add_metric([served.name], engine.real_elements)
+            if served.live is not None:
+                live.add(served.name, served.live)
         loaded.add_metric([], ready)
         yield from (loaded, state, weights, fp32_host, queue, overflows, reruns, fallback, padding, real)
+        yield from live.families()
+
+
+class _LiveFamilies:
+    """Live fidelity's metrics (:mod:`halfserve.livefidelity`), read from the models at a scrape."""
+
+    def __init__(self) -> None:
+        self.rows = CounterMetricFamily(
+            "halfserve_live_fidelity_rows",
+            "Rows answered in a half precision, sampled, rerun in fp32 and compared, since the model was loaded.",
+            labels=["model"],
+        )
+        self.dropped = CounterMetricFamily(
+            "halfserve_live_fidelity_dropped_rows",
+            "Sampled rows dropped before their fp32 rerun (the queue was full: reruns held to their CPU share lag).",
+            labels=["model"],
+        )
+        self.shortfalls = CounterMetricFamily(
+            "halfserve_live_fidelity_shortfalls",
+            "Times a model's window of compared rows fell below its fidelity bar, by what was done (demote, alert).",
+            labels=["model", "action"],
+        )
+        self.window = GaugeMetricFamily(
+            "halfserve_live_fidelity_window_rows", "Compared rows in the model's window.", labels=["model"]
+        )
+        self.top1 = GaugeMetricFamily(
+            "halfserve_live_fidelity_top1_agreement",
+            "Share of the window's rows whose top class is fp32's (class scores outputs).",
+            labels=["model"],
+        )
+        self.cosine = GaugeMetricFamily(
+            "halfserve_live_fidelity_min_cosine",
+            "Lowest cosine similarity with fp32 over the window's rows (outputs of several values per row).",
+            labels=["model"],
+        )
+        self.rel_error = GaugeMetricFamily(
+            "halfserve_live_fidelity_max_rel_error",
+            "Largest error from fp32 over the window's rows, relative to the largest fp32 magnitude (outputs of one "
+            "value per row).",
+            labels=["model"],
+        )
+
+    def add(self, model: str, live: WatchedLive) -> None:
+        self.rows.add_metric([model], live.rows_compared)
+        self.dropped.add_metric([model], live.rows_dropped)
+        self.shortfalls.add_metric([model, live.action], live.shortfalls)
+        self.window.add_metric([model], live.window_rows)
+        figures = live.figures()
+        if figures is None:
+            return
+        for family, value in (
+            (self.top1, figures.top1_agreement),
+            (self.cosine, figures.min_cosine),
+            (self.rel_error, figures.max_rel_error),
+        ):
+            if value is not None:
+                family.add_metric([model], value)
+
+    def families(self) -> tuple[Metric, ...]:
+        return (self.rows, self.dropped, self.shortfalls, self.window, self.top1, self.cosine, self.rel_error)

@@ -7,7 +7,7 @@ import functools
 import logging
 from collections.abc import Callable
 
-from halfserve import calibration, fidelity, padding, storage, store, text
+from halfserve import calibration, fidelity, livefidelity, padding, storage, store, text
 from halfserve import precision as prec
 from halfserve.batching import Batcher, BatchObserver
 from halfserve.engine import runners
@@ -24,10 +24,11 @@ from halfserve.served import PrecisionSource, ServedModel
 from halfserve.serving import (
     ModelNotReadyError,
     ModelState,
+    Runner,
     find,
     why_model_not_ready,
 )
-from halfserve.settings import FidelityCheck, Settings
+from halfserve.settings import FidelityCheck, LiveFidelityAction, Settings
 from halfserve.storage import StoreError
 from halfserve.store import LoadedModel
 
@@ -69,6 +70,8 @@ class ModelRepository:
         """Precisions set at run time, per model; they outrank the settings and the manifest, across reloads."""
         self._locks: dict[str, asyncio.Lock] = {}
         self._fallback = VersionFallback(settings.store, self._register, self._load)
+        self._demotions: set[asyncio.Task[None]] = set()
+        """Demotions under way (held so they are not collected before they finish)."""
 
     def _lock(self, name: str) -> asyncio.Lock:
         """Serialises the management calls (load, unload, precision switch) on one model."""
@@ -254,7 +257,7 @@ class ModelRepository:
                 raise
         rows, in_flight = engine.batches(served.batching.max_batch_size)
         batcher = Batcher(
-            engine.run,
+            self._runner(served, loaded, engine),
             max_batch_size=rows,
             max_delay=served.batching.max_delay_ms / 1000.0,
             max_queue_rows=served.batching.max_queue_rows,
@@ -359,19 +362,90 @@ class ModelRepository:
                 self.precisions[name] = precision
                 self._switched(served, precision, target, fallback)
                 return served
-            engine = await self._engine(served, loaded, target)
-            if served.batcher is not batcher:  # released (shutdown) while the new engine warmed up
-                engine.close()
-                raise ModelNotReadyError(f"model {name!r} was released during the precision switch")
-            batcher.runner, batcher.observer = engine.run, self._observer(served, engine)
-            served.engine, served.precision = engine, engine.precision
+            await self._swap(served, batcher, old, loaded, target)
             self.precisions[name] = precision
-            await asyncio.to_thread(old.close)  # returns once the batch running on it (if any) is answered
-            served.retired_overflows += old.overflows
-            served.retired_fp32_reruns += old.fp32_reruns
-            log.info("model %s switched from %s to %s", name, old.precision.value, engine.precision.value)
             self._switched(served, precision, target, fallback)
             return served
+
+    async def _swap(
+        self, served: ServedModel, batcher: Batcher, old: ModelEngine, loaded: LoadedModel, target: Precision
+    ) -> None:
+        """Hand ``served``'s batcher a new engine in ``target``, cast from the host weights and warmed up while ``old``
+        serves; ``old`` is released once its running batch is answered."""
+        engine = await self._engine(served, loaded, target)
+        if served.batcher is not batcher:  # released (shutdown) while the new engine warmed up
+            engine.close()
+            raise ModelNotReadyError(f"model {served.name!r} was released during the precision switch")
+        batcher.runner, batcher.observer = self._runner(served, loaded, engine), self._observer(served, engine)
+        served.engine, served.precision = engine, engine.precision
+        await asyncio.to_thread(old.close)  # returns once the batch running on it (if any) is answered
+        served.retired_overflows += old.overflows
+        served.retired_fp32_reruns += old.fp32_reruns
+        log.info("model %s switched from %s to %s", served.name, old.precision.value, engine.precision.value)
+
+    def _runner(self, served: ServedModel, loaded: LoadedModel, engine: ModelEngine) -> Runner:
+        """The batcher's runner for ``engine``: tapped for live fidelity (:mod:`halfserve.livefidelity`) where the
+        model is served in a half precision held to a fidelity bar, and the sampling rate is not 0."""
+        held_to = self._held_to(loaded.manifest)
+        s = self.settings
+        if (
+            engine.precision is Precision.FP32
+            or held_to is None
+            or s.live_fidelity_rate == 0
+            or not livefidelity.samples_live(loaded.manifest)
+        ):
+            return engine.run
+        if served.live is None:
+            loop = asyncio.get_running_loop()
+
+            def below(reason: str) -> None:  # on the live fidelity worker's thread
+                loop.call_soon_threadsafe(self._below_bar_live, served, reason)
+
+            settings = livefidelity.LiveSettings(
+                s.live_fidelity_rate,
+                s.live_fidelity_cpu_share,
+                s.live_fidelity_window,
+                s.live_fidelity_min_rows,
+                s.live_fidelity_action,
+            )
+            served.live = livefidelity.LiveFidelity(served.name, loaded, held_to, settings, below)
+            served.live.start()
+        return served.live.tap(engine.run, engine.precision)
+
+    def _below_bar_live(self, served: ServedModel, reason: str) -> None:
+        """Live fidelity's window of ``served`` fell below its bar: demote it to fp32, or only say so."""
+        precision = served.precision.value if served.precision is not None else "?"
+        if self.settings.live_fidelity_action is LiveFidelityAction.ALERT:
+            log.warning(
+                "model %s: live fidelity: %s; still served in %s (--live-fidelity-action alert)",
+                served.name,
+                reason,
+                precision,
+            )
+            return
+        log.warning("model %s is demoted to fp32 from %s by live fidelity: %s", served.name, precision, reason)
+        task = asyncio.get_running_loop().create_task(self._demote(served, reason))
+        self._demotions.add(task)
+        task.add_done_callback(self._demotions.discard)
+
+    async def _demote(self, served: ServedModel, reason: str) -> None:
+        """Serve ``served`` in fp32 from now on (until it is reloaded or the operator switches its precision), through
+        the precision switch: no request fails."""
+        try:
+            async with self._lock(served.name):
+                batcher, old, loaded = served.batcher, served.engine, served.loaded
+                if self.models.get(served.name) is not served or batcher is None or old is None or loaded is None:
+                    return  # reloaded, unloaded or released meanwhile: the window was about another load
+                if old.precision is Precision.FP32:
+                    return  # the operator switched it meanwhile
+                # Where the version has a mixed plan (some modules kept in fp32), that plan would be the target here,
+                # keeping the rest in half precision; without one, the whole model is served in fp32.
+                target = Precision.FP32
+                await self._swap(served, batcher, old, loaded, target)
+                served.fp32_fallback = f"live fidelity: {reason}"
+                served.precision_source = PrecisionSource.LIVE_FIDELITY
+        except Exception:
+            log.exception("model %s: the demotion to fp32 by live fidelity failed; still served as before", served.name)
 
     def _switch_target(self, served: ServedModel, precision: Precision) -> tuple[Precision, str | None]:
         """The precision a switch to ``precision`` serves, and the fallback reason when that is fp32 in its stead:
@@ -408,7 +482,7 @@ class ModelRepository:
 
     @staticmethod
     async def _release(served: ServedModel) -> None:
-        batcher, engine = served.batcher, served.engine
+        batcher, engine, live = served.batcher, served.engine, served.live
         served.batcher = None
         if batcher is not None:
             await batcher.stop()
@@ -417,6 +491,8 @@ class ModelRepository:
             # Off the event loop: it waits for instance threads or processes to end (seconds for a hung one).
             await asyncio.to_thread(engine.close)
         served.engine = None
+        if live is not None:
+            await asyncio.to_thread(live.close)  # its worker's current rerun ends first
 
     @property
     def ready(self) -> bool:

@@ -17,6 +17,7 @@ from halfserve.engine.protocol import EngineInfo, ModelEngine
 from halfserve.fidelity import Fidelity
 from halfserve.indices import check_indices
 from halfserve.isolated.engine import ProcessEngine
+from halfserve.livefidelity import LiveFidelity
 from halfserve.manifest import Batching, Manifest, Precision
 from halfserve.packing import LENGTH, PackError, pack, packs_records, padded_length, sequence_input
 from halfserve.padding import PaddingCheck
@@ -42,6 +43,9 @@ class PrecisionSource(str, Enum):
     """Set at run time through the management API."""
     FIDELITY_FALLBACK = "fidelity_fallback"
     """fp32, the half precision having fallen below its fidelity bar."""
+    LIVE_FIDELITY = "live_fidelity"
+    """fp32, the half precision having fallen below its fidelity bar on sampled rows of real requests
+    (:mod:`halfserve.livefidelity`)."""
 
 
 @dataclass
@@ -92,6 +96,8 @@ class ServedModel:
     index_limits: dict[str, int] = field(default_factory=dict)
     """The integer inputs that index an embedding, each with its table's row count (:mod:`halfserve.indices`): ids
     outside ``0 .. count - 1`` are refused before they are queued."""
+    live: LiveFidelity | None = None
+    """Live fidelity of the rows it answers in a half precision (None: not sampled)."""
     failed_versions: dict[int, str] = field(default_factory=dict)
     """Versions that failed to load in place of this one, each with the reason: newer ones passed over at start-up,
     or one a load or reload tried while this one kept serving."""
@@ -242,6 +248,7 @@ class ServedModel:
             "fp32_fallback": self.fp32_fallback,
             "fidelity_shortfall": self.fidelity_shortfall,
             "precision_source": self.precision_source.value if self.precision_source is not None else None,
+            "live_fidelity": self.live.describe() if self.live is not None else None,
             "calibration": self.calibration,
             "padding": self.padding.as_dict() if self.padding is not None else None,
             "warmup_seconds": round(self.warmup_seconds, 4),
