@@ -24,7 +24,9 @@ its batch's, so its padding positions would not compare).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import functools
 import logging
 import math
 import queue
@@ -32,7 +34,7 @@ import random
 import threading
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -41,11 +43,14 @@ import torch
 from halfserve import fidelity
 from halfserve.engine.core import Engine, set_intra_op_threads
 from halfserve.manifest import Manifest, Precision
-from halfserve.serving import Outcome, Output, Runner
+from halfserve.serving import Outcome, Output
 from halfserve.settings import LiveFidelityAction
 from halfserve.store import LoadedModel
 
 log = logging.getLogger(__name__)
+
+EngineRunner = Callable[[list[np.ndarray]], "asyncio.Future[list[Outcome]]"]
+"""An engine's ``run``: a batch's chunks to the future of their outcomes (the runner contract, as engines keep it)."""
 
 QUEUE_ENTRIES = 256
 """Batches' sampled rows waiting for their rerun, per model; more are dropped (counted): at the default rate a queue
@@ -142,12 +147,13 @@ def samples_live(manifest: Manifest) -> bool:
 
 
 class _Sampled:
-    """One batch's sampled rows: inputs as the engine takes them, outputs as it gave them, and their precision."""
+    """One batch's sampled rows: inputs as the engine takes them, outputs as it gave them, their precision, and which
+    tap (:attr:`LiveFidelity.taps`) sampled them."""
 
-    __slots__ = ("inputs", "outputs", "precision")
+    __slots__ = ("inputs", "outputs", "precision", "tap")
 
-    def __init__(self, inputs: np.ndarray, outputs: np.ndarray, precision: Precision) -> None:
-        self.inputs, self.outputs, self.precision = inputs, outputs, precision
+    def __init__(self, inputs: np.ndarray, outputs: np.ndarray, precision: Precision, tap: int) -> None:
+        self.inputs, self.outputs, self.precision, self.tap = inputs, outputs, precision, tap
 
 
 class LiveFidelity:
@@ -184,42 +190,48 @@ class LiveFidelity:
         """Time the fp32 reruns took, all together."""
         self.precision: Precision | None = None
         """The half precision whose rows the window holds (None: none tapped yet)."""
+        self.taps = 0
+        """Engines tapped so far: rows sampled from an earlier one are not added to the window."""
         self._queue: queue.Queue[_Sampled | None] = queue.Queue(QUEUE_ENTRIES)
         self._lock = threading.Lock()
         self._reference: Engine | None = None
         self._thread: threading.Thread | None = None
         self._closed = False
 
-    def tap(self, runner: Runner, precision: Precision) -> Runner:
-        """``runner``, with the rows of each batch it answers offered to sampling. A new precision starts an empty
-        window: rows of another precision say nothing of this one."""
+    def tap(self, runner: EngineRunner, precision: Precision) -> EngineRunner:
+        """``runner`` (a new engine's), with the rows of each batch it answers offered to sampling. It starts an empty
+        window: rows of another engine (another precision, or one the model was demoted from) say nothing of it."""
         with self._lock:
-            if precision is not self.precision:
-                self.window.clear()
-                self.shortfall = None
+            self.taps += 1
+            self.window.clear()
+            self.shortfall = None
             self.precision = precision
+            tap = self.taps
 
-        def run(chunks: list[np.ndarray]) -> Awaitable[Sequence[Outcome]]:
-            # The batch is handed to the runner at once, as without the tap: only its answer is awaited later.
-            return self._answered(runner(chunks), chunks, precision)
+        def run(chunks: list[np.ndarray]) -> asyncio.Future[list[Outcome]]:
+            answer = runner(chunks)
+            # Told before the batcher that awaits it (callbacks run in the order they were added): the sampled rows
+            # are copied before the requests are answered, whatever memory the outputs are in.
+            answer.add_done_callback(functools.partial(self._answered, chunks, precision, tap))
+            return answer
 
         return run
 
-    async def _answered(
-        self, answer: Awaitable[Sequence[Outcome]], chunks: list[np.ndarray], precision: Precision
-    ) -> Sequence[Outcome]:
-        outcomes = await answer
-        self.offer(chunks, outcomes, precision)
-        return outcomes
+    def _answered(
+        self, chunks: list[np.ndarray], precision: Precision, tap: int, answer: asyncio.Future[list[Outcome]]
+    ) -> None:
+        if not answer.cancelled() and answer.exception() is None:
+            self.offer(chunks, answer.result(), precision, tap)
 
-    def offer(self, chunks: Sequence[np.ndarray], outcomes: Sequence[Outcome], precision: Precision) -> None:
-        """Copy the sampled rows of an answered batch into the queue; called on the event loop, so it only copies."""
+    def offer(self, chunks: Sequence[np.ndarray], outcomes: Sequence[Outcome], precision: Precision, tap: int) -> None:
+        """Copy the sampled rows of a batch that ``tap`` answered in ``precision`` into the queue; called on the event
+        loop, so it only copies."""
         try:
-            self._offer(chunks, outcomes, precision)
+            self._offer(chunks, outcomes, precision, tap)
         except Exception:  # never the request's problem: the row is lost to the window, not the answer
             log.exception("model %s: live fidelity could not sample a batch", self.name)
 
-    def _offer(self, chunks: Sequence[np.ndarray], outcomes: Sequence[Outcome], precision: Precision) -> None:
+    def _offer(self, chunks: Sequence[np.ndarray], outcomes: Sequence[Outcome], precision: Precision, tap: int) -> None:
         picked = self.sampler.take(sum(len(c) for c in chunks))
         if not picked or self._closed:
             return
@@ -238,7 +250,7 @@ class LiveFidelity:
         if not inputs:
             return
         try:
-            self._queue.put_nowait(_Sampled(np.concatenate(inputs), np.concatenate(outputs), precision))
+            self._queue.put_nowait(_Sampled(np.concatenate(inputs), np.concatenate(outputs), precision, tap))
         except queue.Full:
             self.rows_dropped += sum(len(i) for i in inputs)
 
@@ -272,8 +284,8 @@ class LiveFidelity:
         want = self._reference.forward(sampled.inputs)
         measured = fidelity.rows(want, sampled.outputs, self.loaded.manifest)
         with self._lock:
-            if sampled.precision is not self.precision:
-                return  # sampled before a precision switch
+            if sampled.tap != self.taps:
+                return  # sampled from an engine since replaced
             self.window.add(measured)
             self.rows_compared += len(measured)
             if self.shortfall is not None or len(self.window) < self.settings.min_rows:

@@ -362,22 +362,33 @@ class ModelRepository:
                 self.precisions[name] = precision
                 self._switched(served, precision, target, fallback)
                 return served
-            await self._swap(served, batcher, old, loaded, target)
-            self.precisions[name] = precision
-            self._switched(served, precision, target, fallback)
+
+            def switched() -> None:
+                self.precisions[name] = precision
+                self._switched(served, precision, target, fallback)
+
+            await self._swap(served, batcher, old, loaded, target, switched)
             return served
 
     async def _swap(
-        self, served: ServedModel, batcher: Batcher, old: ModelEngine, loaded: LoadedModel, target: Precision
+        self,
+        served: ServedModel,
+        batcher: Batcher,
+        old: ModelEngine,
+        loaded: LoadedModel,
+        target: Precision,
+        switched: Callable[[], None],
     ) -> None:
         """Hand ``served``'s batcher a new engine in ``target``, cast from the host weights and warmed up while ``old``
-        serves; ``old`` is released once its running batch is answered."""
+        serves; ``old`` is released once its running batch is answered. ``switched`` records why, as the new engine
+        takes over (so ``/models`` never shows the new precision with the old reason)."""
         engine = await self._engine(served, loaded, target)
         if served.batcher is not batcher:  # released (shutdown) while the new engine warmed up
             engine.close()
             raise ModelNotReadyError(f"model {served.name!r} was released during the precision switch")
         batcher.runner, batcher.observer = self._runner(served, loaded, engine), self._observer(served, engine)
         served.engine, served.precision = engine, engine.precision
+        switched()
         await asyncio.to_thread(old.close)  # returns once the batch running on it (if any) is answered
         served.retired_overflows += old.overflows
         served.retired_fp32_reruns += old.fp32_reruns
@@ -441,9 +452,12 @@ class ModelRepository:
                 # Where the version has a mixed plan (some modules kept in fp32), that plan would be the target here,
                 # keeping the rest in half precision; without one, the whole model is served in fp32.
                 target = Precision.FP32
-                await self._swap(served, batcher, old, loaded, target)
-                served.fp32_fallback = f"live fidelity: {reason}"
-                served.precision_source = PrecisionSource.LIVE_FIDELITY
+
+                def demoted() -> None:
+                    served.fp32_fallback = f"live fidelity: {reason}"
+                    served.precision_source = PrecisionSource.LIVE_FIDELITY
+
+                await self._swap(served, batcher, old, loaded, target, demoted)
         except Exception:
             log.exception("model %s: the demotion to fp32 by live fidelity failed; still served as before", served.name)
 

@@ -23,7 +23,7 @@ from halfserve.livefidelity import (
     samples_live,
 )
 from halfserve.manifest import Precision, TensorSpec
-from halfserve.serving import Output
+from halfserve.serving import Outcome, Output
 from halfserve.settings import LiveFidelityAction, Settings
 from tests.conftest import save_tiny_mlp
 
@@ -101,6 +101,10 @@ def test_the_window_figures_are_those_of_the_check_at_load(tmp_path: Path) -> No
     assert together.max_rel_error == pytest.approx(0.01 / np.abs(want["score"]).max(), rel=1e-4)
 
 
+def never(chunks: list[np.ndarray]) -> asyncio.Future[list[Outcome]]:
+    raise AssertionError("not run")
+
+
 def live_settings(**given: object) -> LiveSettings:
     fields: dict[str, object] = {
         "rate": 1.0,
@@ -121,14 +125,14 @@ def loaded(tmp_path: Path) -> store.LoadedModel:
 
 def test_a_full_queue_drops_the_sampled_rows_and_counts_them(loaded: store.LoadedModel) -> None:
     live = LiveFidelity("tiny", loaded, fidelity.DEFAULT_BAR, live_settings(), lambda _: None)
-    live.tap(lambda chunks: asyncio.sleep(0, []), Precision.BF16)  # the precision its rows are in
+    live.tap(never, Precision.BF16)  # the precision its rows are in
     x = np.zeros((2, 16), np.float32)
     out = Output(np.zeros((2, 4), np.float32), Precision.BF16)
     for _ in range(QUEUE_ENTRIES + 3):  # no worker started: nothing takes them out
-        live.offer([x], [out], Precision.BF16)
+        live.offer([x], [out], Precision.BF16, live.taps)
     assert live.rows_dropped == 3 * 2
     # Rows rerun in fp32 after an overflow, and failed chunks, are not sampled at all.
-    live.offer([x, x], [Output(out.data, Precision.FP32), RuntimeError("failed")], Precision.BF16)
+    live.offer([x, x], [Output(out.data, Precision.FP32), RuntimeError("failed")], Precision.BF16, live.taps)
     assert live.rows_dropped == 3 * 2
     live.close()
 
@@ -137,12 +141,15 @@ def test_the_tap_answers_the_batch_unchanged_and_copies_only_sampled_rows(loaded
     live = LiveFidelity("tiny", loaded, fidelity.DEFAULT_BAR, live_settings(rate=0.5), lambda _: None, lambda: 0.5)
     outcomes = [np.arange(8, dtype=np.float32).reshape(2, 4), np.ones((3, 4), np.float32)]
 
-    async def runner(chunks: list[np.ndarray]) -> list[np.ndarray]:
-        return outcomes
+    async def answered() -> object:
+        answer: asyncio.Future[list[Outcome]] = asyncio.get_running_loop().create_future()
+        tapped = live.tap(lambda chunks: answer, Precision.BF16)
+        assert tapped(chunks) is answer  # the engine's own future: the batch costs no task or coroutine more
+        answer.set_result(outcomes)
+        return await answer
 
     chunks = [np.zeros((2, 16), np.float32), np.arange(48, dtype=np.float32).reshape(3, 16)]
-    answered = asyncio.run(_awaited(live.tap(runner, Precision.BF16)(chunks)))
-    assert answered is outcomes
+    assert asyncio.run(answered()) is outcomes
     sampled = live._queue.get_nowait()
     assert sampled is not None
     # Rows 1 and 3 of the batch: the first chunk's second row and the second chunk's second row.
@@ -154,24 +161,20 @@ def test_the_tap_answers_the_batch_unchanged_and_copies_only_sampled_rows(loaded
     live.close()
 
 
-async def _awaited(answer: object) -> object:
-    return await answer  # type: ignore[misc]
-
-
 def test_rows_rerun_in_fp32_fill_the_window_and_a_shortfall_is_told_once(loaded: store.LoadedModel) -> None:
     told: list[str] = []
     live = LiveFidelity("tiny", loaded, fidelity.DEFAULT_BAR, live_settings(), told.append)
-    live.tap(lambda chunks: asyncio.sleep(0, []), Precision.BF16)
+    live.tap(never, Precision.BF16)
     x = np.random.default_rng(0).normal(size=(3, 16)).astype(np.float32)
     with torch.inference_mode():
         right = loaded.module(torch.from_numpy(x)).numpy()
-    live.compare(_Sampled(x, right.astype(np.float32), Precision.BF16))  # what fp32 gives: full agreement
+    live.compare(_Sampled(x, right.astype(np.float32), Precision.BF16, 1))  # what fp32 gives: full agreement
     assert (live.rows_compared, told) == (3, [])
     wrong = np.roll(right, 1, axis=1)  # every row's top class moved
-    live.compare(_Sampled(x, wrong, Precision.BF16))  # 6 rows now: past min_rows, top-1 agreement 0.5
+    live.compare(_Sampled(x, wrong, Precision.BF16, 1))  # 6 rows now: past min_rows, top-1 agreement 0.5
     assert len(told) == 1
     assert "top-1 agreement with fp32 is 0.5000 on 6 live samples" in told[0]
-    live.compare(_Sampled(x, wrong, Precision.BF16))
+    live.compare(_Sampled(x, wrong, Precision.BF16, 1))
     assert len(told) == 1  # told once
     described = live.describe()
     assert described["rows_compared"] == 9
@@ -180,7 +183,10 @@ def test_rows_rerun_in_fp32_fill_the_window_and_a_shortfall_is_told_once(loaded:
     figures = described["figures"]
     assert isinstance(figures, dict)
     assert figures["top1_agreement"] == pytest.approx(3 / 9)
-    live.tap(lambda chunks: asyncio.sleep(0, []), Precision.FP16)  # another precision starts afresh
+    live.tap(never, Precision.BF16)  # another engine starts afresh, and rows sampled from the one before are let go
+    assert live.describe()["window_rows"] == 0
+    assert live.describe()["shortfall"] is None
+    live.compare(_Sampled(x, wrong, Precision.BF16, 1))
     assert live.describe()["window_rows"] == 0
     live.close()
 
