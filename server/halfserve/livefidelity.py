@@ -146,7 +146,7 @@ def samples_live(manifest: Manifest) -> bool:
     return not any(t.variable for t in manifest.outputs)
 
 
-class _Sampled:
+class Sampled:
     """One batch's sampled rows: inputs as the engine takes them, outputs as it gave them, their precision, and which
     tap (:attr:`LiveFidelity.taps`) sampled them."""
 
@@ -192,11 +192,12 @@ class LiveFidelity:
         """The half precision whose rows the window holds (None: none tapped yet)."""
         self.taps = 0
         """Engines tapped so far: rows sampled from an earlier one are not added to the window."""
-        self._queue: queue.Queue[_Sampled | None] = queue.Queue(QUEUE_ENTRIES)
+        self._queue: queue.Queue[Sampled | None] = queue.Queue(QUEUE_ENTRIES)
         self._lock = threading.Lock()
         self._reference: Engine | None = None
         self._thread: threading.Thread | None = None
-        self._closed = False
+        self._closed = threading.Event()
+        """Set by :meth:`close`: the worker's pause after a rerun ends at once."""
 
     def tap(self, runner: EngineRunner, precision: Precision) -> EngineRunner:
         """``runner`` (a new engine's), with the rows of each batch it answers offered to sampling. It starts an empty
@@ -233,7 +234,7 @@ class LiveFidelity:
 
     def _offer(self, chunks: Sequence[np.ndarray], outcomes: Sequence[Outcome], precision: Precision, tap: int) -> None:
         picked = self.sampler.take(sum(len(c) for c in chunks))
-        if not picked or self._closed:
+        if not picked or self._closed.is_set():
             return
         inputs, outputs = [], []
         start = 0
@@ -250,7 +251,7 @@ class LiveFidelity:
         if not inputs:
             return
         try:
-            self._queue.put_nowait(_Sampled(np.concatenate(inputs), np.concatenate(outputs), precision, tap))
+            self._queue.put_nowait(Sampled(np.concatenate(inputs), np.concatenate(outputs), precision, tap))
         except queue.Full:
             self.rows_dropped += sum(len(i) for i in inputs)
 
@@ -274,9 +275,9 @@ class LiveFidelity:
                 )
             took = time.perf_counter() - started
             self.rerun_seconds += took
-            time.sleep(pause(took, self.settings.cpu_share))
+            self._closed.wait(pause(took, self.settings.cpu_share))
 
-    def compare(self, sampled: _Sampled) -> None:
+    def compare(self, sampled: Sampled) -> None:
         """Rerun ``sampled``'s rows in fp32, add their figures to the window, and tell ``on_shortfall`` when it first
         falls below the bar. Blocks (the worker thread's work; tests call it directly)."""
         if self._reference is None:
@@ -334,7 +335,7 @@ class LiveFidelity:
     def close(self) -> None:
         """Stop the worker (after its current rerun) and release the fp32 reference; blocks, so call it off the event
         loop."""
-        self._closed = True
+        self._closed.set()
         thread = self._thread
         if thread is not None:
             with contextlib.suppress(queue.Full):

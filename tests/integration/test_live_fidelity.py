@@ -24,6 +24,8 @@ FEATURES = 16
 CLASSES = 10
 LINEAR = {"in_features": FEATURES, "hidden": [], "out_features": CLASSES}
 WINDOW = 20
+TOKEN = "live-fidelity-admin-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
 SHIFT = 100.0
 """The drifted traffic's first feature: every class weighs it 1000, so each score gains 1e5, where bf16 resolves
 steps of 512 and the classes' own parts (a few units) vanish."""
@@ -66,6 +68,7 @@ def live_settings(store: Path, **given: object) -> Settings:
         "live_fidelity_cpu_share": 1.0,
         "live_fidelity_window": WINDOW,
         "live_fidelity_min_rows": WINDOW,
+        "admin_token": TOKEN,
     }
     fields.update(given)
     return Settings(**fields)  # type: ignore[arg-type]
@@ -154,6 +157,18 @@ async def test_drifted_traffic_demotes_the_model_to_fp32_within_its_window_faili
         top1 = await metric(client, 'halfserve_live_fidelity_top1_agreement{model="drift"}')
         assert top1 is not None
         assert top1 < 0.98
+
+        # The operator serves it in bf16 again: an empty window, no stale reason, and the same drift demotes it again.
+        r = await client.post("/models/drift/precision", json={"precision": "bf16"}, headers=AUTH)
+        assert r.status_code == 200, r.text
+        listed = await listing(client)
+        assert (listed["precision"], listed["precision_source"], listed["fp32_fallback"]) == ("bf16", "operator", None)
+        again = await live(client)
+        assert (again["window_rows"], again["shortfall"]) == (0, None)
+        statuses = await until_listed(client, "the second demotion", lambda m: m["precision"] == "fp32", drifted)
+        assert set(statuses) == {200}
+        assert (await listing(client))["precision_source"] == "live_fidelity"
+        assert await metric(client, 'halfserve_live_fidelity_shortfalls_total{action="demote",model="drift"}') == 2.0
 
 
 async def test_alert_only_keeps_the_precision_and_counts_the_shortfall(drift_store: tuple[Path, np.ndarray]) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -16,9 +17,9 @@ from halfserve.livefidelity import (
     QUEUE_ENTRIES,
     LiveFidelity,
     LiveSettings,
+    Sampled,
     Sampler,
     Window,
-    _Sampled,
     pause,
     samples_live,
 )
@@ -26,6 +27,7 @@ from halfserve.manifest import Precision, TensorSpec
 from halfserve.serving import Outcome, Output
 from halfserve.settings import LiveFidelityAction, Settings
 from tests.conftest import save_tiny_mlp
+from tests.waiting import DEADLINE_S, wait_until
 
 
 def picked_over(sampler: Sampler, batches: list[int]) -> list[int]:
@@ -168,13 +170,13 @@ def test_rows_rerun_in_fp32_fill_the_window_and_a_shortfall_is_told_once(loaded:
     x = np.random.default_rng(0).normal(size=(3, 16)).astype(np.float32)
     with torch.inference_mode():
         right = loaded.module(torch.from_numpy(x)).numpy()
-    live.compare(_Sampled(x, right.astype(np.float32), Precision.BF16, 1))  # what fp32 gives: full agreement
+    live.compare(Sampled(x, right.astype(np.float32), Precision.BF16, 1))  # what fp32 gives: full agreement
     assert (live.rows_compared, told) == (3, [])
     wrong = np.roll(right, 1, axis=1)  # every row's top class moved
-    live.compare(_Sampled(x, wrong, Precision.BF16, 1))  # 6 rows now: past min_rows, top-1 agreement 0.5
+    live.compare(Sampled(x, wrong, Precision.BF16, 1))  # 6 rows now: past min_rows, top-1 agreement 0.5
     assert len(told) == 1
     assert "top-1 agreement with fp32 is 0.5000 on 6 live samples" in told[0]
-    live.compare(_Sampled(x, wrong, Precision.BF16, 1))
+    live.compare(Sampled(x, wrong, Precision.BF16, 1))
     assert len(told) == 1  # told once
     described = live.describe()
     assert described["rows_compared"] == 9
@@ -186,7 +188,7 @@ def test_rows_rerun_in_fp32_fill_the_window_and_a_shortfall_is_told_once(loaded:
     live.tap(never, Precision.BF16)  # another engine starts afresh, and rows sampled from the one before are let go
     assert live.describe()["window_rows"] == 0
     assert live.describe()["shortfall"] is None
-    live.compare(_Sampled(x, wrong, Precision.BF16, 1))
+    live.compare(Sampled(x, wrong, Precision.BF16, 1))
     assert live.describe()["window_rows"] == 0
     live.close()
 
@@ -200,3 +202,17 @@ def test_models_with_variable_outputs_are_not_sampled(loaded: store.LoadedModel)
 def test_a_min_rows_above_the_window_is_refused() -> None:
     with pytest.raises(ValueError, match="live_fidelity_min_rows"):
         Settings(live_fidelity_window=10, live_fidelity_min_rows=11)
+
+
+def test_closing_ends_the_worker_s_pause_at_once(loaded: store.LoadedModel) -> None:
+    """At a tiny CPU share the worker would pause for ages after a rerun; closing (a reload, shutdown) ends it."""
+    live = LiveFidelity("tiny", loaded, fidelity.DEFAULT_BAR, live_settings(cpu_share=1e-9), lambda _: None)
+    live.tap(never, Precision.BF16)
+    live.start()
+    x = np.zeros((1, 16), np.float32)
+    live.offer([x], [np.zeros((1, 4), np.float32)], Precision.BF16, live.taps)
+    wait_until(lambda: live.rows_compared == 1, "the row rerun")
+    closing = threading.Thread(target=live.close)
+    closing.start()
+    closing.join(DEADLINE_S)
+    assert not closing.is_alive()
