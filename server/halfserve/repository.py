@@ -458,6 +458,8 @@ class ModelRepository:
                     served.precision_source = PrecisionSource.LIVE_FIDELITY
 
                 await self._swap(served, batcher, old, loaded, target, demoted)
+        except ModelNotReadyError:
+            return  # released while the fp32 engine warmed up: nothing is served to demote
         except Exception:
             log.exception("model %s: the demotion to fp32 by live fidelity failed; still served as before", served.name)
 
@@ -528,6 +530,9 @@ class ModelRepository:
 
     async def close(self) -> None:
         """Drain every batcher (queued requests are answered), then release the engines."""
+        # A demotion under way finishes its switch first (its new engine is warm in seconds), so it is not torn down
+        # half built.
+        await asyncio.gather(*self._demotions, return_exceptions=True)
         for served in self.models.values():
             await self._release(served)
 
