@@ -44,7 +44,7 @@ from halfserve import fidelity
 from halfserve.engine.core import Engine, set_intra_op_threads
 from halfserve.manifest import Manifest, Precision
 from halfserve.serving import Outcome, Output
-from halfserve.settings import LiveFidelityAction
+from halfserve.settings import LiveFidelityAction, Settings
 from halfserve.store import LoadedModel
 
 log = logging.getLogger(__name__)
@@ -140,10 +140,21 @@ class LiveSettings:
     min_rows: int
     action: LiveFidelityAction
 
+    @staticmethod
+    def of(settings: Settings) -> LiveSettings:
+        return LiveSettings(
+            settings.live_fidelity_rate,
+            settings.live_fidelity_cpu_share,
+            settings.live_fidelity_window,
+            settings.live_fidelity_min_rows,
+            settings.live_fidelity_action,
+        )
 
-def samples_live(manifest: Manifest) -> bool:
-    """Whether a model's rows can be rerun alone and compared (none of its outputs has a variable dimension)."""
-    return not any(t.variable for t in manifest.outputs)
+
+def samples_live(manifest: Manifest, precision: Precision, settings: LiveSettings) -> bool:
+    """Whether rows a model answers in ``precision`` are sampled: a half precision, a rate above 0, and rows that can
+    be rerun alone and compared (none of its outputs has a variable dimension)."""
+    return precision is not Precision.FP32 and settings.rate > 0 and not any(t.variable for t in manifest.outputs)
 
 
 class Sampled:

@@ -398,13 +398,8 @@ class ModelRepository:
         """The batcher's runner for ``engine``: tapped for live fidelity (:mod:`halfserve.livefidelity`) where the
         model is served in a half precision held to a fidelity bar, and the sampling rate is not 0."""
         held_to = self._held_to(loaded.manifest)
-        s = self.settings
-        if (
-            engine.precision is Precision.FP32
-            or held_to is None
-            or s.live_fidelity_rate == 0
-            or not livefidelity.samples_live(loaded.manifest)
-        ):
+        settings = livefidelity.LiveSettings.of(self.settings)
+        if held_to is None or not livefidelity.samples_live(loaded.manifest, engine.precision, settings):
             return engine.run
         if served.live is None:
             loop = asyncio.get_running_loop()
@@ -412,13 +407,6 @@ class ModelRepository:
             def below(reason: str) -> None:  # on the live fidelity worker's thread
                 loop.call_soon_threadsafe(self._below_bar_live, served, reason)
 
-            settings = livefidelity.LiveSettings(
-                s.live_fidelity_rate,
-                s.live_fidelity_cpu_share,
-                s.live_fidelity_window,
-                s.live_fidelity_min_rows,
-                s.live_fidelity_action,
-            )
             served.live = livefidelity.LiveFidelity(served.name, loaded, held_to, settings, below)
             served.live.start()
         return served.live.tap(engine.run, engine.precision)

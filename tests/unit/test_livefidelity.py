@@ -193,10 +193,14 @@ def test_rows_rerun_in_fp32_fill_the_window_and_a_shortfall_is_told_once(loaded:
     live.close()
 
 
-def test_models_with_variable_outputs_are_not_sampled(loaded: store.LoadedModel) -> None:
-    assert samples_live(loaded.manifest)
+def test_only_half_precision_rows_of_fixed_shape_are_sampled_at_a_rate_above_zero(loaded: store.LoadedModel) -> None:
+    on = live_settings(rate=0.001)
+    assert samples_live(loaded.manifest, Precision.BF16, on)
+    assert not samples_live(loaded.manifest, Precision.FP32, on)  # nothing to compare
+    assert not samples_live(loaded.manifest, Precision.BF16, live_settings(rate=0.0))
     variable = loaded.manifest.model_copy(update={"outputs": [TensorSpec(name="tokens", shape=[-1, 4])]})
-    assert not samples_live(variable)
+    assert not samples_live(variable, Precision.BF16, on)
+    assert LiveSettings.of(Settings()) == LiveSettings(0.001, 0.1, 1000, 100, LiveFidelityAction.DEMOTE)
 
 
 def test_a_min_rows_above_the_window_is_refused() -> None:
