@@ -220,3 +220,25 @@ def test_closing_ends_the_worker_s_pause_at_once(loaded: store.LoadedModel) -> N
     closing.start()
     closing.join(DEADLINE_S)
     assert not closing.is_alive()
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("live_fidelity_rate", 1.5),
+        ("live_fidelity_rate", -0.1),
+        ("live_fidelity_cpu_share", 0.0),
+        ("live_fidelity_window", 10_000_000),  # the window is held in memory, row by row
+        ("live_fidelity_action", "ignore"),
+    ],
+)
+def test_settings_out_of_bounds_are_refused_naming_the_field(field: str, value: object) -> None:
+    with pytest.raises(ValueError, match=field):
+        Settings(**{field: value})  # type: ignore[arg-type]
+
+
+def test_the_settings_come_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HALFSERVE_LIVE_FIDELITY_RATE", "0")
+    monkeypatch.setenv("HALFSERVE_LIVE_FIDELITY_ACTION", "alert")
+    settings = LiveSettings.of(Settings())
+    assert (settings.rate, settings.action) == (0.0, LiveFidelityAction.ALERT)
