@@ -25,7 +25,7 @@ from pydantic import ValidationError
 from safetensors.torch import load_file
 from torch import nn
 
-from halfserve import calibration, fidelity, models, padding, precision, storage, store
+from halfserve import calibration, fidelity, models, padding, precision, precision_record, storage, store
 from halfserve.calibration import Samples
 from halfserve.engine.core import Engine
 from halfserve.engine.inputs import takes_positionally
@@ -201,6 +201,8 @@ class Imported:
     padding: padding.PaddingCheck | None = None
     shortfall: str | None = None
     """Why the server will serve this model in fp32 (it falls below its fidelity bar); ``None``: it will not."""
+    record: precision_record.PrecisionRecord | None = None
+    """The version's precision record, written as its ``precision.json``."""
 
 
 def import_model(
@@ -276,8 +278,13 @@ def import_model(
         else:
             store.write_weights(stage.path, module, {"name": manifest.name})
         given.save(stage.path)
-        measured = _measure(model_dir, manifest, stage.path, device or precision.default_device())
+        on = device or precision.default_device()
+        measured = _measure(model_dir, manifest, stage.path, on)
         held_to = fidelity.bar(manifest)
+        half = Precision(measured.precision)
+        under = precision_record.conditions(stage.path, manifest, half, held_to, precision.device_kind(on))
+        record = precision_record.measured(under, measured)
+        precision_record.write(stage.path, record)
         shortfall = fidelity.shortfall(measured, held_to) if held_to.check else None
         if shortfall is not None and strict:
             raise ImportFailure(f"--strict: below the fidelity bar: {shortfall}; nothing was written to {model_dir}")
@@ -285,19 +292,18 @@ def import_model(
     except BaseException:
         stage.discard()  # a refused or failed import leaves no version behind, and no model folder it created
         raise
-    half = measured.precision
     evaluation = {
         "calibration_samples": measured.samples,
-        f"{half}_top1_agreement": measured.top1_agreement,
-        f"{half}_max_abs_error": measured.max_abs_error,
-        f"{half}_max_rel_error": measured.max_rel_error,
-        f"{half}_min_cosine": measured.min_cosine,
+        f"{half.value}_top1_agreement": measured.top1_agreement,
+        f"{half.value}_max_abs_error": measured.max_abs_error,
+        f"{half.value}_max_rel_error": measured.max_rel_error,
+        f"{half.value}_min_cosine": measured.min_cosine,
     }
     manifest = manifest.model_copy(update={"evaluation": evaluation})
     # After the version is in place: killed in between, the store holds the new version under the old manifest, and
     # the server passes over a version that does not load for the one before it.
     store.write_manifest(root, manifest)
-    return Imported(vdir, manifest, given.source, measured, padded, shortfall)
+    return Imported(vdir, manifest, given.source, measured, padded, shortfall, record)
 
 
 def _samples(path: Path | None, manifest: Manifest, module: nn.Module, count: int, folder: Path | None) -> Samples:
@@ -447,6 +453,18 @@ def describe(result: Imported) -> str:
             f"  The server will serve this model in fp32, not {f.precision}: {fidelity.how_to_override(f.precision)}.",
             "  halfserve import --strict refuses such a model instead.",
         ]
+    r = result.record
+    if r is not None:
+        device = r.device
+        on = (
+            device["name"]
+            if device["capability"] is None
+            else f"{device['name']} (compute capability {device['capability']})"
+        )
+        lines.append(
+            f"  precision record: {precision_record.RECORD}, {r.precision} measured on {on} with torch {r.torch} at "
+            f"{r.measured_at}; a load under the same conditions trusts it instead of measuring"
+        )
     p = result.padding
     if p is not None:
         lines.append(

@@ -7,7 +7,10 @@ inputs are cast, the autocast context and the GradScaler factory.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator
+from dataclasses import dataclass
+from enum import StrEnum
 
 import torch
 from torch import nn
@@ -23,6 +26,19 @@ _WEIGHT_DTYPES: dict[Precision, torch.dtype] = {
 
 DTYPE_NAMES: dict[str, torch.dtype] = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
+# bf16 tensor cores arrived with Ampere (sm_80); below it torch.cuda.is_bf16_supported() still says True because
+# bf16 is emulated through fp32, which is slower than fp16 and no more accurate than fp32 would be.
+NATIVE_BF16_CAPABILITY = (8, 0)
+
+log = logging.getLogger(__name__)
+
+
+class DeviceType(StrEnum):
+    """The kinds of device a model is served on."""
+
+    CPU = "cpu"
+    CUDA = "cuda"
+
 
 def cpu_has_native_bf16() -> bool:
     """True when this CPU computes bf16 in hardware (AVX512-BF16 / AMX), where bf16 beats fp32."""
@@ -32,17 +48,66 @@ def cpu_has_native_bf16() -> bool:
         return False
 
 
-def resolve(precision: Precision | str, device: torch.device) -> Precision:
+@dataclass(frozen=True)
+class DeviceKind:
+    """What the precision policy needs to know of a device: every dtype choice is a pure function of this.
+
+    ``capability`` is the CUDA compute capability (``None`` on a CPU); ``native_bf16`` says whether bf16 runs in
+    hardware (a CPU's AVX512-BF16/AMX, a GPU's sm_80+ tensor cores) rather than emulated.
+    """
+
+    type: DeviceType
+    name: str
+    capability: tuple[int, int] | None = None
+    native_bf16: bool = False
+
+    def as_dict(self) -> dict[str, object]:
+        capability = None if self.capability is None else f"{self.capability[0]}.{self.capability[1]}"
+        return {"type": self.type.value, "name": self.name, "capability": capability, "native_bf16": self.native_bf16}
+
+
+def device_kind(device: torch.device) -> DeviceKind:
+    """The :class:`DeviceKind` of a real ``device`` (the one place that asks torch about the hardware)."""
+    if device.type == "cuda":
+        capability = torch.cuda.get_device_capability(device)
+        native = capability >= NATIVE_BF16_CAPABILITY
+        return DeviceKind(DeviceType.CUDA, torch.cuda.get_device_name(device), capability, native)
+    if device.type == "cpu":
+        return DeviceKind(DeviceType.CPU, "cpu", None, cpu_has_native_bf16())
+    raise ValueError(f"device type {device.type!r} is not supported; use cpu or cuda")
+
+
+def half_dtype(device_type: DeviceType | str) -> torch.dtype:
+    """The half dtype this device computes fast: fp16 on every GPU, bf16 on a CPU.
+
+    On a GPU of compute capability 8.0 or newer fp16 and bf16 run at the same tensor-core rate and fp16 keeps 3 more
+    mantissa bits, so fp16 stays; below 8.0 bf16 is emulated. A CPU has no fp16 units (3-20x slower than fp32,
+    measured) but bf16 is native with AVX512-BF16/AMX.
+    """
+    return torch.float16 if DeviceType(device_type) is DeviceType.CUDA else torch.bfloat16
+
+
+def resolve(precision: Precision | str, device: torch.device | DeviceKind) -> Precision:
     """Turn ``auto`` into a concrete mode for ``device``; concrete modes pass through.
 
-    fp16 on a CPU without fp16 units runs 3-20x slower than fp32 (measured), so ``auto`` never picks it there.
+    ``auto`` is the device's half dtype where it runs natively, else fp32 (a CPU without native bf16). An explicit
+    ``bf16`` on a GPU without native bf16 is served as asked, with a warning that it is emulated there.
     """
+    kind = device if isinstance(device, DeviceKind) else device_kind(device)
     precision = Precision(precision)
+    if precision is Precision.BF16 and kind.type is DeviceType.CUDA and not kind.native_bf16:
+        log.warning(
+            "bf16 on %s (compute capability %s) is emulated, slower than fp16 and no more accurate; "
+            "use precision fp16 (or auto) there",
+            kind.name,
+            kind.as_dict()["capability"],
+        )
     if precision is not Precision.AUTO:
         return precision
-    if device.type == "cuda":
-        return Precision.FP16
-    return Precision.BF16 if cpu_has_native_bf16() else Precision.FP32
+    half = half_dtype(kind.type)
+    if half is torch.bfloat16 and not kind.native_bf16:
+        return Precision.FP32
+    return Precision.FP16 if half is torch.float16 else Precision.BF16
 
 
 def set_tf32(enabled: bool) -> None:
@@ -62,8 +127,8 @@ def weight_dtype(precision: Precision) -> torch.dtype:
 
 
 def autocast_dtype(device: torch.device) -> torch.dtype:
-    """The lower precision autocast runs in on ``device``: fp16 on CUDA, bf16 elsewhere."""
-    return torch.float16 if device.type == "cuda" else torch.bfloat16
+    """The lower precision autocast runs in on ``device``: its :func:`half_dtype` (asked per forward, so cheap)."""
+    return half_dtype(device.type)
 
 
 def prepare_model(model: nn.Module, precision: Precision, device: torch.device) -> nn.Module:
@@ -109,8 +174,8 @@ def grad_scaler(dtype: torch.dtype, device: torch.device) -> torch.amp.GradScale
 
 
 def default_training_dtype(device: torch.device) -> torch.dtype:
-    """fp16 on CUDA; bf16 on a CPU (fp16 autocast on a CPU without fp16 units is many times slower per step)."""
-    return torch.float16 if device.type == "cuda" else torch.bfloat16
+    """The device's :func:`half_dtype` (fp16 autocast on a CPU without fp16 units is many times slower per step)."""
+    return half_dtype(device.type)
 
 
 def default_device() -> torch.device:

@@ -7,7 +7,7 @@ import functools
 import logging
 from collections.abc import Callable
 
-from halfserve import calibration, fidelity, livefidelity, padding, storage, store, text
+from halfserve import calibration, fidelity, livefidelity, padding, precision_record, storage, store, text
 from halfserve import precision as prec
 from halfserve.batching import Batcher, BatchObserver
 from halfserve.engine import runners
@@ -187,9 +187,48 @@ class ModelRepository:
     async def _check_fidelity(
         self, served: ServedModel, loaded: LoadedModel, engine: ModelEngine, held_to: fidelity.Bar
     ) -> ModelEngine:
-        """Measure a half-precision engine against fp32 on the version's samples (calibration, else random); returns
-        the engine to serve: this one, or an fp32 one where the model falls below ``held_to``."""
+        """Hold a half-precision engine to ``held_to``: by its version's precision record where that was measured
+        under this load's conditions, else by measuring it against fp32; returns the engine to serve: this one, or an
+        fp32 one where the model falls below ``held_to``."""
         served.fidelity_bar = held_to.as_dict()
+        half = engine.precision.value
+        record = await asyncio.to_thread(self._record, loaded, engine, held_to)
+        served.precision_record = record.shown(None)
+        trusted = record.trusted
+        if trusted is not None:
+            log.info("model %s: %s not measured at load: %s", served.name, half, record.why())
+            served.fidelity = trusted.fidelity
+            reason = fidelity.shortfall(trusted.fidelity, held_to)
+        else:
+            log.info("model %s: %s measured against fp32 at load: %s", served.name, half, record.why())
+            reason = await self._measure(served, loaded, engine, held_to, record)
+        if reason is None:
+            return engine
+        served.fidelity_shortfall, served.shortfall_precision = reason, engine.precision
+        log.warning(
+            "model %s is served in fp32, not %s: %s; %s", served.name, half, reason, fidelity.how_to_override(half)
+        )
+        served.fp32_fallback = reason
+        engine.close()
+        return await self._engine(served, loaded, Precision.FP32)
+
+    def _record(self, loaded: LoadedModel, engine: ModelEngine, held_to: fidelity.Bar) -> precision_record.AtLoad:
+        """The version's precision record checked against this load's conditions."""
+        version_dir = loaded.path.parent
+        kind = prec.device_kind(engine.device)
+        under = precision_record.conditions(version_dir, loaded.manifest, engine.precision, held_to, kind)
+        return precision_record.at_load(version_dir, under, self.settings.fidelity_bar is FidelityCheck.MEASURE)
+
+    @staticmethod
+    async def _measure(
+        served: ServedModel,
+        loaded: LoadedModel,
+        engine: ModelEngine,
+        held_to: fidelity.Bar,
+        record: precision_record.AtLoad,
+    ) -> str | None:
+        """Measure a half-precision engine against fp32 on the version's samples (calibration, else random); returns
+        why it is not to be served (``None``: it meets ``held_to``)."""
         samples = await asyncio.to_thread(fidelity.samples, loaded)
         half = engine.precision.value
         try:
@@ -201,9 +240,10 @@ class ModelRepository:
                 raise  # the operator's own samples fail the model: as any load failure
             # Random samples may be inputs the model cannot take (ids past its vocabulary, values it refuses): its
             # half precision is then unproven, so it is not what is served.
-            reason = f"{half} could not be measured against fp32 on random samples ({e}); give calibration samples"
+            return f"{half} could not be measured against fp32 on random samples ({e}); give calibration samples"
         else:
             served.fidelity = measured
+            served.precision_record = record.shown(precision_record.measured(record.under, measured))
             log.info(
                 "model %s: %s vs fp32 on %d %s samples in %.2fs: top-1 agreement %s, lowest cosine %s, "
                 "max abs/rel error %s/%s",
@@ -217,18 +257,8 @@ class ModelRepository:
                 _figure(measured.max_abs_error, ".3g"),
                 _figure(measured.max_rel_error, ".3g"),
             )
-            shortfall = fidelity.shortfall(measured, held_to)
-            if shortfall is None:
-                engine.real_elements = engine.padded_elements = 0  # padding waste counts requests, not samples
-                return engine
-            reason = shortfall
-        served.fidelity_shortfall, served.shortfall_precision = reason, engine.precision
-        log.warning(
-            "model %s is served in fp32, not %s: %s; %s", served.name, half, reason, fidelity.how_to_override(half)
-        )
-        served.fp32_fallback = reason
-        engine.close()
-        return await self._engine(served, loaded, Precision.FP32)
+            engine.real_elements = engine.padded_elements = 0  # padding waste counts requests, not samples
+            return fidelity.shortfall(measured, held_to)
 
     @staticmethod
     async def _check_padding(served: ServedModel, loaded: LoadedModel) -> None:

@@ -9,6 +9,7 @@ import time
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
 import numpy as np
 
@@ -76,6 +77,9 @@ class ServedModel:
     """The half precision that ``fidelity_shortfall`` is about."""
     precision_source: PrecisionSource | None = None
     """What decided the precision served (None: not loaded yet)."""
+    precision_record: dict[str, Any] | None = None
+    """:meth:`halfserve.precision_record.AtLoad.shown`: the version's precision record as the load checked it (None:
+    not measured: fp32, or the check is off)."""
     calibration: str | None = None
     """Where the version's stored calibration samples came from (None: it stores none)."""
     padding: PaddingCheck | None = None
@@ -249,6 +253,7 @@ class ServedModel:
             "fidelity_shortfall": self.fidelity_shortfall,
             "precision_source": self.precision_source.value if self.precision_source is not None else None,
             "live_fidelity": self.live.describe() if self.live is not None else None,
+            "precision_record": self.precision_record,
             "calibration": self.calibration,
             "padding": self.padding.as_dict() if self.padding is not None else None,
             "warmup_seconds": round(self.warmup_seconds, 4),

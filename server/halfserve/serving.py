@@ -304,6 +304,11 @@ class ModelHandle(Protocol):
         """The precision it is served in, once loaded."""
 
     @property
+    def precision_record(self) -> dict[str, Any] | None:
+        """The version's precision record as its load checked it (:mod:`halfserve.precision_record`); None: its
+        precision was not measured (fp32, or the check is off)."""
+
+    @property
     def serving(self) -> bool:
         """Whether a request sent now is taken (the state may lag: the side that runs it decides)."""
 

@@ -39,9 +39,13 @@ class FidelityCheck(str, Enum):
     """Whether the models served in a half precision are held to a fidelity bar at load (:mod:`halfserve.fidelity`)."""
 
     DEFAULT = "default"
-    """Each is measured against fp32 and held to its manifest's bar (the default bar where it sets none)."""
+    """Each is held to its manifest's bar (the default bar where it sets none): measured against fp32 at load, or
+    taken from its version's precision record where that was measured under the load's conditions
+    (:mod:`halfserve.precision_record`)."""
     OFF = "off"
     """None is measured: each is served in the half precision asked for, whatever its manifest's bar."""
+    MEASURE = "measure"
+    """As ``default``, but measured at every load even where the version's precision record matches the load."""
 
 
 class LiveFidelityAction(str, Enum):

@@ -296,7 +296,7 @@ def check_architecture(model_dir: Path, manifest: Manifest, version: int) -> Non
         raise StoreError(f"{path}: checkpoint does not fit architecture {manifest.architecture!r}: {mismatch}")
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
+def atomic_write(path: Path, data: bytes) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     os.fchmod(fd, created_mode())  # mkstemp's file is owner-only
     with os.fdopen(fd, "wb") as f:
@@ -309,7 +309,7 @@ def write_manifest(root: Path, manifest: Manifest) -> Path:
     model_dir = root / check_name(manifest.name)
     model_dir.mkdir(parents=True, exist_ok=True)
     path = model_dir / MANIFEST
-    _atomic_write(path, (manifest.model_dump_json(indent=2, exclude_none=True) + "\n").encode())
+    atomic_write(path, (manifest.model_dump_json(indent=2, exclude_none=True) + "\n").encode())
     return path
 
 

@@ -121,6 +121,7 @@ async def test_model_metadata_config_and_readiness(tiny_store: Path) -> None:
             "platform": "pytorch_libtorch",
             "inputs": [{"name": "features", "datatype": "FP32", "shape": [-1, 16]}],
             "outputs": [{"name": "logits", "datatype": "FP32", "shape": [-1, 4]}],
+            "parameters": {"precision": "fp32", "precision_record": ""},  # fp32 is not measured: no record
         }
     )
     assert config["name"] == "tiny"

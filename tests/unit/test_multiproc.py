@@ -4,6 +4,7 @@ transport, and its model table; no process is spawned (the frames and slots them
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 from collections.abc import Iterator
@@ -13,6 +14,7 @@ from typing import Any, cast
 import numpy as np
 import pytest
 
+from halfserve.api.dataplane.metadata import metadata
 from halfserve.ipc.frames import FrameReader, frame
 from halfserve.ipc.memory import Slots
 from halfserve.ipc.tensors import from_payload
@@ -239,3 +241,12 @@ def test_the_model_table_keeps_decoded_manifests_until_a_version_or_precision_ch
     assert service.ready  # an unloaded model does not hold readiness back
     service.update([entry("a")])
     assert set(service.models) == {"a"}  # gone from the table, gone here
+
+
+def test_a_front_end_s_metadata_carries_the_engine_process_s_precision_record() -> None:
+    service = RemoteService(Settings())
+    service.update([entry("a", precision="bf16")])
+    assert metadata(service.get("a"))["parameters"] == {"precision": "bf16", "precision_record": ""}
+    shown = {"check": "trusted", "differs": [], "problem": None, "record": {"precision": "bf16"}}
+    service.update([{**entry("a", precision="bf16"), "precision_record": shown}])  # the same version, reloaded
+    assert json.loads(metadata(service.get("a"))["parameters"]["precision_record"]) == shown

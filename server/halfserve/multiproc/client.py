@@ -200,6 +200,7 @@ class RemoteModel:
     state: ModelState
     error: str | None
     precision: Precision | None
+    precision_record: dict[str, Any] | None = None
     available: bool = True
     """Whether an instance can run a batch now, as the engine process last said (a table that does not say: yes)."""
     client: BackplaneClient | None = field(default=None, repr=False)
@@ -239,6 +240,7 @@ class RemoteService:
             old = self._models.get(m["name"])
             if old is not None and old.version == m["version"] and old.precision == _precision(m["precision"]):
                 old.state, old.error, old.available = ModelState(m["state"]), m["error"], m.get("available", True)
+                old.precision_record = m.get("precision_record")
                 fresh[m["name"]] = old  # keep its decoded manifest
                 continue
             fresh[m["name"]] = RemoteModel(
@@ -249,6 +251,7 @@ class RemoteService:
                 state=ModelState(m["state"]),
                 error=m["error"],
                 precision=_precision(m["precision"]),
+                precision_record=m.get("precision_record"),
                 available=m.get("available", True),
                 client=self.client,
             )

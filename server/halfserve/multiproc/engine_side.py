@@ -51,6 +51,7 @@ def table(repo: ModelRepository) -> list[dict[str, Any]]:
             "available": s.available,
             "error": s.error,
             "precision": s.precision.value if s.precision is not None else None,
+            "precision_record": s.precision_record,
             "manifest": s.manifest.model_dump(mode="json"),
             "batching": s.batching.model_dump(mode="json"),
         }
@@ -60,7 +61,16 @@ def table(repo: ModelRepository) -> list[dict[str, Any]]:
 
 def _signature(repo: ModelRepository, regions: Regions) -> tuple[object, ...]:
     models = tuple(
-        (s.name, s.version, s.state, s.available, s.precision, id(s.manifest), s.batcher is None)
+        (
+            s.name,
+            s.version,
+            s.state,
+            s.available,
+            s.precision,
+            id(s.manifest),
+            s.batcher is None,
+            id(s.precision_record),
+        )
         for s in repo.models.values()
     )
     return models, regions.generation

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from halfserve.manifest import TensorSpec, sent_inputs
@@ -34,4 +35,15 @@ def metadata(served: ModelHandle) -> dict[str, Any]:
         "inputs": [tensor_metadata(s) for s in sent_inputs(m)]
         + ([{"name": m.text.input, "datatype": "BYTES", "shape": [-1, 1]}] if m.text is not None else []),
         "outputs": [tensor_metadata(s) for s in m.outputs],
+        "parameters": parameters(served),
+    }
+
+
+def parameters(served: ModelHandle) -> dict[str, str]:
+    """The metadata's ``parameters``: the precision served and its record (JSON text, as the protocol's parameter
+    values are scalars; empty where the precision was not measured), so a client can see what it is served."""
+    record = served.precision_record
+    return {
+        "precision": served.precision.value if served.precision is not None else "",
+        "precision_record": json.dumps(record, separators=(",", ":")) if record is not None else "",
     }

@@ -175,7 +175,9 @@ class InferenceService:
 
     async def model_metadata(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         served = self._model(request.name, request.version)
-        return json_format.ParseDict(metadata(served), pb.message("inference.ModelMetadataResponse")())
+        described = metadata(served)
+        del described["parameters"]  # Triton's ModelMetadataResponse has no such field: gRPC clients read /models
+        return json_format.ParseDict(described, pb.message("inference.ModelMetadataResponse")())
 
     async def model_config(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         served = self._local(request.name, request.version)

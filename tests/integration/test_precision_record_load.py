@@ -1,0 +1,146 @@
+"""A load checks its version's precision record (``precision.json``, written by ``halfserve import``): one measured
+under the load's conditions is trusted and nothing is measured; one from another torch version, device kind or
+precision, or one that cannot be read, is measured again and the load says why; the record is shown in ``/models``
+and in the V2 model metadata's ``parameters``; the store's file is never rewritten by a load."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+from halfserve import cli, models
+from halfserve.manifest import Precision
+from halfserve.settings import FidelityCheck, Settings
+from tests.integration.conftest import serving
+
+MLP = {"in_features": 6, "hidden": [8], "out_features": 4}
+MARKED = 0.987654
+"""A top-1 agreement no measurement of this model gives (64 samples): shown only where the record is trusted."""
+
+
+@pytest.fixture
+def store_dir(tmp_path: Path) -> Path:
+    torch.manual_seed(0)
+    torch.save(models.build("mlp", **MLP).state_dict(), tmp_path / "w.pth")
+    args = ["import", str(tmp_path / "w.pth"), "--store", str(tmp_path / "store"), "--name", "net"]
+    args += ["--architecture", "mlp", "--arch-kwargs", json.dumps(MLP), "--input", "x:6", "--device", "cpu"]
+    assert cli.main(args) == 0
+    return tmp_path / "store"
+
+
+def edit_record(store_dir: Path, **changes: object) -> Path:
+    path = store_dir / "net" / "1" / "precision.json"
+    raw = json.loads(path.read_text())
+    raw["fidelity"]["top1_agreement"] = MARKED
+    path.write_text(json.dumps({**raw, **changes}))
+    return path
+
+
+async def listed(client: object) -> dict[str, object]:
+    body = (await client.get("/models")).json()  # type: ignore[attr-defined]
+    models_: list[dict[str, object]] = body["models"] if isinstance(body, dict) else body
+    return next(m for m in models_ if m["name"] == "net")
+
+
+async def test_a_matching_record_is_trusted_and_shown_in_models_and_v2_metadata(
+    store_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    edit_record(store_dir)
+    caplog.set_level(logging.INFO, logger="halfserve.repository")
+    async with serving(Settings(store=store_dir, precision=Precision.BF16)) as client:
+        entry = await listed(client)
+        meta = (await client.get("/v2/models/net")).json()
+        versioned = (await client.get("/v2/models/net/versions/1")).json()
+    assert entry["precision"] == "bf16"
+    shown = entry["precision_record"]
+    assert isinstance(shown, dict)
+    assert shown["check"] == "trusted"
+    assert shown["record"]["fidelity"]["top1_agreement"] == MARKED  # the record's figure: nothing was measured
+    assert shown["record"]["torch"] == torch.__version__
+    assert shown["record"]["fp32_modules"] == []
+    assert entry["fidelity"]["top1_agreement"] == MARKED  # type: ignore[index]
+    assert any("bf16 not measured at load: its precision.json matches" in r.getMessage() for r in caplog.records)
+    assert meta == versioned
+    assert meta["parameters"]["precision"] == "bf16"
+    assert json.loads(meta["parameters"]["precision_record"]) == shown
+
+
+@pytest.mark.parametrize(
+    ("changes", "named"),
+    [
+        ({"torch": "1.13.1"}, "torch version"),
+        ({"device": {"type": "cuda", "name": "Tesla T4", "capability": "7.5", "native_bf16": False}}, "device kind"),
+        ({"precision": "fp16"}, "precision"),
+    ],
+    ids=["torch", "device", "precision"],
+)
+async def test_a_record_from_other_conditions_is_measured_again_and_says_why(
+    store_dir: Path, changes: dict[str, object], named: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = edit_record(store_dir, **changes)
+    before = path.read_bytes()
+    caplog.set_level(logging.INFO, logger="halfserve.repository")
+    async with serving(Settings(store=store_dir, precision=Precision.BF16)) as client:
+        entry = await listed(client)
+    shown = entry["precision_record"]
+    assert isinstance(shown, dict)
+    assert shown["check"] == "remeasured"
+    assert shown["differs"] == [next(iter(changes))]
+    own = shown["record"]  # the load's own, measured now
+    assert own["fidelity"]["top1_agreement"] != MARKED
+    assert own["torch"] == torch.__version__
+    assert own["precision"] == "bf16"
+    assert entry["precision"] == "bf16"
+    assert any(f"measured with another {named}" in r.getMessage() for r in caplog.records)
+    assert path.read_bytes() == before  # a load never writes the store
+
+
+async def test_a_trusted_record_below_the_bar_serves_fp32(store_dir: Path) -> None:
+    path = edit_record(store_dir)
+    raw = json.loads(path.read_text())
+    raw["fidelity"]["top1_agreement"] = 0.5
+    path.write_text(json.dumps(raw))
+    async with serving(Settings(store=store_dir, precision=Precision.BF16)) as client:
+        entry = await listed(client)
+    assert entry["precision_record"]["check"] == "trusted"  # type: ignore[index]
+    assert entry["precision"] == "fp32"
+    assert "bf16 top-1 agreement with fp32 is 0.5000" in str(entry["fp32_fallback"])
+
+
+async def test_measure_at_every_load_when_told(store_dir: Path) -> None:
+    edit_record(store_dir)
+    settings = Settings(store=store_dir, precision=Precision.BF16, fidelity_bar=FidelityCheck.MEASURE)
+    async with serving(settings) as client:
+        entry = await listed(client)
+    assert entry["precision_record"]["check"] == "always_measured"  # type: ignore[index]
+    assert entry["fidelity"]["top1_agreement"] != MARKED  # type: ignore[index]
+
+
+@pytest.mark.parametrize("content", [b"\x00\xff garbage", b"{" * 70_000], ids=["corrupt", "oversized"])
+async def test_a_corrupt_or_oversized_record_is_ignored_with_a_warning(
+    store_dir: Path, content: bytes, caplog: pytest.LogCaptureFixture
+) -> None:
+    (store_dir / "net" / "1" / "precision.json").write_bytes(content)
+    caplog.set_level(logging.WARNING)
+    async with serving(Settings(store=store_dir, precision=Precision.BF16)) as client:
+        entry = await listed(client)
+        assert (await client.post("/predict", json={"inputs": [[1.0] * 6]})).status_code == 200
+    shown = entry["precision_record"]
+    assert isinstance(shown, dict)
+    assert shown["check"] == "ignored"
+    assert "precision.json" in shown["problem"]
+    assert shown["record"]["torch"] == torch.__version__  # measured at load
+    assert entry["precision"] == "bf16"
+    assert any("precision.json" in r.getMessage() and r.levelno == logging.WARNING for r in caplog.records)
+
+
+async def test_a_version_without_a_record_measures_as_before(store_dir: Path) -> None:
+    (store_dir / "net" / "1" / "precision.json").unlink()
+    async with serving(Settings(store=store_dir, precision=Precision.BF16)) as client:
+        entry = await listed(client)
+    assert entry["precision_record"]["check"] == "measured"  # type: ignore[index]
+    assert entry["fidelity"]["samples"] == 64  # type: ignore[index]
