@@ -25,7 +25,7 @@ from pydantic import ValidationError
 from safetensors.torch import load_file
 from torch import nn
 
-from halfserve import calibration, fidelity, models, padding, precision, precision_record, storage, store
+from halfserve import calibration, fidelity, mixed, models, padding, precision, precision_record, storage, store
 from halfserve.calibration import Samples
 from halfserve.engine.core import Engine
 from halfserve.engine.inputs import takes_positionally
@@ -203,6 +203,8 @@ class Imported:
     """Why the server will serve this model in fp32 (it falls below its fidelity bar); ``None``: it will not."""
     record: precision_record.PrecisionRecord | None = None
     """The version's precision record, written as its ``precision.json``."""
+    mixed: mixed.Outcome | None = None
+    """The search for a mixed-precision plan, where the model falls below its bar."""
 
 
 def import_model(
@@ -288,6 +290,10 @@ def import_model(
         shortfall = fidelity.shortfall(measured, held_to) if held_to.check else None
         if shortfall is not None and strict:
             raise ImportFailure(f"--strict: below the fidelity bar: {shortfall}; nothing was written to {model_dir}")
+        plan = None
+        if shortfall is not None:
+            loaded = store.load_folder(model_dir, manifest, stage.path, 0)
+            plan = mixed.find(loaded, half, on, held_to, mixed.IMPORT_LIMIT_S, min(64, fidelity.RANDOM_SAMPLES))
         vdir = stage.install()
     except BaseException:
         stage.discard()  # a refused or failed import leaves no version behind, and no model folder it created
@@ -303,7 +309,7 @@ def import_model(
     # After the version is in place: killed in between, the store holds the new version under the old manifest, and
     # the server passes over a version that does not load for the one before it.
     store.write_manifest(root, manifest)
-    return Imported(vdir, manifest, given.source, measured, padded, shortfall, record)
+    return Imported(vdir, manifest, given.source, measured, padded, shortfall, record, plan)
 
 
 def _samples(path: Path | None, manifest: Manifest, module: nn.Module, count: int, folder: Path | None) -> Samples:
@@ -398,6 +404,20 @@ def _copy_files(source: Path, version_dir: Path, manifest: Manifest) -> None:
         shutil.copyfile(source / file, version_dir / file)
 
 
+def _mixed_lines(found: mixed.Outcome | None, half: str) -> list[str]:
+    """What ``halfserve import`` says of its search for a mixed-precision plan."""
+    plan = found.plan if found is not None else None
+    if plan is None:
+        why = f" (no mixed-precision plan: {found.reason})" if found is not None else ""
+        return [f"  The server will serve this model in fp32, not {half}{why}: {fidelity.how_to_override(half)}."]
+    return [
+        f"  mixed precision: {half} with {len(plan.modules)} of {plan.candidates} modules in fp32 "
+        f"({', '.join(plan.modules)}; {plan.parameters_fp32:.1%} of the parameters) meets the bar:",
+        f"  {_figures(plan.fidelity)}",
+        "  The server searches again at load (within --mixed-search-seconds) and serves that plan, else fp32.",
+    ]
+
+
 def _measure(model_dir: Path, manifest: Manifest, version_dir: Path, device: torch.device) -> fidelity.Fidelity:
     loaded = store.load_folder(model_dir, manifest, version_dir, 0)
     samples = fidelity.samples(loaded)
@@ -450,7 +470,7 @@ def describe(result: Imported) -> str:
     else:
         lines += [
             f"  WARNING: below the fidelity bar: {result.shortfall}.",
-            f"  The server will serve this model in fp32, not {f.precision}: {fidelity.how_to_override(f.precision)}.",
+            *_mixed_lines(result.mixed, f.precision),
             "  halfserve import --strict refuses such a model instead.",
         ]
     r = result.record

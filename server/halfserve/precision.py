@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import Any
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from halfserve.manifest import Precision  # the policy names, torch-free; the dtypes are here
 
@@ -137,6 +139,37 @@ def prepare_model(model: nn.Module, precision: Precision, device: torch.device) 
     Casting once matters: autocast under inference_mode re-casts every weight on every forward.
     """
     return model.to(device=device, dtype=weight_dtype(precision)).eval()
+
+
+def cast_floating(value: Any, dtype: torch.dtype) -> Any:
+    """``value`` with every floating tensor in it (nested in tuples, lists, dicts) cast to ``dtype``."""
+    return pytree.tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, value)
+
+
+def keep_fp32(model: nn.Module, names: Sequence[str], half: torch.dtype, weights: nn.Module) -> None:
+    """Keep the modules ``names`` of ``model`` (already cast to ``half``) in fp32, a mixed-precision plan
+    (:mod:`halfserve.mixed`): their weights and computation are fp32 and their floating inputs are cast up on the way
+    in. Their outputs stay fp32, so a plan that keeps the last projection in fp32 answers with its fp32 scores (cast
+    down, scores that differ by less than ``half`` resolves would tie again); every other module holding parameters
+    casts its floating inputs to ``half`` on the way in, so each boundary gives the module after it its own dtype.
+    The kept modules' weights are copied from ``weights`` (the host's fp32 model): cast up from ``half``, they would
+    have lost what the plan keeps them for."""
+
+    def cast_to(dtype: torch.dtype) -> Callable[[nn.Module, Any, Any], tuple[Any, Any]]:
+        def hook(_module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
+            return cast_floating(args, dtype), cast_floating(kwargs, dtype)
+
+        return hook
+
+    kept = [model.get_submodule(name) for name in names]
+    inside = {id(m) for k in kept for m in k.modules()}
+    for name, module in zip(names, kept, strict=True):
+        module.float()
+        module.load_state_dict(weights.get_submodule(name).state_dict())
+        module.register_forward_pre_hook(cast_to(torch.float32), with_kwargs=True)
+    for module in model.modules():
+        if id(module) not in inside and any(True for _ in module.parameters(recurse=False)):
+            module.register_forward_pre_hook(cast_to(half), with_kwargs=True)
 
 
 def cast_input(x: torch.Tensor, precision: Precision) -> torch.Tensor:

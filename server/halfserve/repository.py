@@ -7,7 +7,7 @@ import functools
 import logging
 from collections.abc import Callable
 
-from halfserve import calibration, fidelity, livefidelity, padding, precision_record, storage, store, text
+from halfserve import calibration, fidelity, livefidelity, mixed, padding, precision_record, storage, store, text
 from halfserve import precision as prec
 from halfserve.batching import Batcher, BatchObserver
 from halfserve.engine import runners
@@ -164,7 +164,9 @@ class ModelRepository:
         """An engine in this process, warmed up and its intra-op threads settled on a CPU (unless warm-up is off); it
         blocks, so run it off the event loop."""
         max_batch_size = served.batching.max_batch_size
-        engine = Engine(loaded, precision, self.device, max_batch_size=max_batch_size)
+        plan = served.mixed.plan if served.mixed is not None else None
+        kept = plan.modules if plan is not None and plan.precision is precision else ()
+        engine = Engine(loaded, precision, self.device, max_batch_size=max_batch_size, fp32_modules=kept)
         if self.settings.warmup:
             try:
                 served.warmup_seconds = engine.warmup(max_batch_size)
@@ -204,6 +206,10 @@ class ModelRepository:
             reason = await self._measure(served, loaded, engine, held_to, record)
         if reason is None:
             return engine
+        planned = await self._mixed_plan(served, loaded, engine, held_to)
+        if planned is not None:
+            engine.close()
+            return planned
         served.fidelity_shortfall, served.shortfall_precision = reason, engine.precision
         log.warning(
             "model %s is served in fp32, not %s: %s; %s", served.name, half, reason, fidelity.how_to_override(half)
@@ -211,6 +217,32 @@ class ModelRepository:
         served.fp32_fallback = reason
         engine.close()
         return await self._engine(served, loaded, Precision.FP32)
+
+    async def _mixed_plan(
+        self, served: ServedModel, loaded: LoadedModel, engine: ModelEngine, held_to: fidelity.Bar
+    ) -> ModelEngine | None:
+        """An engine with the fewest modules kept in fp32 that meets ``held_to`` (:mod:`halfserve.mixed`), searched
+        within ``mixed_search_seconds``; ``None`` where there is none (then the whole model is served in fp32)."""
+        limit = self.settings.mixed_search_seconds
+        if limit <= 0 or engine.precision not in mixed.HALVES:
+            return None
+        batch = served.batching.max_batch_size
+        found = await asyncio.to_thread(mixed.find, loaded, engine.precision, self.device, held_to, limit, batch)
+        served.mixed = found
+        if found.plan is None:
+            log.info("model %s: no mixed-precision plan meets its bar: %s", served.name, found.reason)
+            return None
+        planned = await self._engine(served, loaded, engine.precision)
+        if getattr(planned, "fp32_modules", ()) != found.plan.modules:
+            planned.close()
+            found.plan, found.reason = None, "instance processes do not serve mixed-precision plans yet"
+            return None
+        kept = ", ".join(found.plan.modules)
+        log.warning(
+            "model %s is served mixed, %s with %d of %d modules in fp32 (%s): that meets its bar",
+            *(served.name, engine.precision.value, len(found.plan.modules), found.plan.candidates, kept),
+        )
+        return planned
 
     def _record(self, loaded: LoadedModel, engine: ModelEngine, held_to: fidelity.Bar) -> precision_record.AtLoad:
         """The version's precision record checked against this load's conditions."""
@@ -319,6 +351,8 @@ class ModelRepository:
         """What decided the precision a model was loaded in (see :attr:`ServedModel.precision_source`)."""
         if served.fp32_fallback is not None:
             return PrecisionSource.FIDELITY_FALLBACK
+        if served.mixed is not None and served.mixed.plan is not None:
+            return PrecisionSource.MIXED_PLAN
         if served.name in self.precisions:
             return PrecisionSource.OPERATOR
         return PrecisionSource.SERVER if self.settings.precision is not None else PrecisionSource.MANIFEST

@@ -20,6 +20,7 @@ from halfserve.indices import check_indices
 from halfserve.isolated.engine import ProcessEngine
 from halfserve.livefidelity import LiveFidelity
 from halfserve.manifest import Batching, Manifest, Precision
+from halfserve.mixed import Outcome
 from halfserve.packing import LENGTH, PackError, pack, packs_records, padded_length, sequence_input
 from halfserve.padding import PaddingCheck
 from halfserve.serving import (
@@ -44,6 +45,9 @@ class PrecisionSource(str, Enum):
     """Set at run time through the management API."""
     FIDELITY_FALLBACK = "fidelity_fallback"
     """fp32, the half precision having fallen below its fidelity bar."""
+    MIXED_PLAN = "mixed_plan"
+    """The half precision with a few modules kept in fp32 (``mixed_precision`` names them), the whole model having
+    fallen below its fidelity bar in half precision (:mod:`halfserve.mixed`)."""
     LIVE_FIDELITY = "live_fidelity"
     """fp32, the half precision having fallen below its fidelity bar on sampled rows of real requests
     (:mod:`halfserve.livefidelity`)."""
@@ -100,6 +104,8 @@ class ServedModel:
     index_limits: dict[str, int] = field(default_factory=dict)
     """The integer inputs that index an embedding, each with its table's row count (:mod:`halfserve.indices`): ids
     outside ``0 .. count - 1`` are refused before they are queued."""
+    mixed: Outcome | None = None
+    """The load's search for a mixed-precision plan (None: none was needed or searched)."""
     live: LiveFidelity | None = None
     """Live fidelity of the rows it answers in a half precision (None: not sampled)."""
     failed_versions: dict[int, str] = field(default_factory=dict)
@@ -252,6 +258,7 @@ class ServedModel:
             "fp32_fallback": self.fp32_fallback,
             "fidelity_shortfall": self.fidelity_shortfall,
             "precision_source": self.precision_source.value if self.precision_source is not None else None,
+            "mixed_precision": self.mixed.as_dict() if self.mixed is not None else None,
             "live_fidelity": self.live.describe() if self.live is not None else None,
             "precision_record": self.precision_record,
             "calibration": self.calibration,

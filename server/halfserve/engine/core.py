@@ -128,6 +128,7 @@ class Engine:
         *,
         execution: Execution | None = None,
         max_batch_size: int | None = None,
+        fp32_modules: tuple[str, ...] = (),
     ) -> None:
         self.name = loaded.manifest.name
         self.device = device
@@ -186,6 +187,11 @@ class Engine:
         model = prec.prepare_model(
             loaded.module if shares_host else copy.deepcopy(loaded.module), self.precision, device
         )
+        half = prec.weight_dtype(self.precision)
+        self.fp32_modules = fp32_modules if half != torch.float32 else ()
+        """A mixed-precision plan's modules, kept in fp32 (:mod:`halfserve.mixed`); none where the weights are fp32."""
+        if self.fp32_modules:
+            prec.keep_fp32(model, self.fp32_modules, half, loaded.module)
         if self.channels_last:
             model = model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
         self.model: nn.Module = model
