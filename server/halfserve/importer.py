@@ -25,7 +25,7 @@ from pydantic import ValidationError
 from safetensors.torch import load_file
 from torch import nn
 
-from halfserve import calibration, fidelity, models, padding, precision, storage, store
+from halfserve import calibration, fidelity, handlers, models, padding, precision, storage, store
 from halfserve.calibration import Samples
 from halfserve.engine.core import Engine
 from halfserve.engine.inputs import takes_positionally
@@ -256,6 +256,11 @@ def import_model(
         module = store.build(model_dir, draft, source.parent)
         store.load_weights(module, read_state_dict(source), source, architecture)
     module = module.float().eval()
+    if draft.handler is not None:  # built once here, so a handler that cannot be built is refused before writing
+        try:
+            handlers.build(draft.handler)
+        except handlers.HandlerLoadError as e:
+            raise ImportFailure(f"--handler: {e}") from None
     outputs = outputs or derive_outputs(module, inputs)
     if hugging_face and labels is None:
         labels = hugging_face_labels(source, outputs[0])

@@ -7,7 +7,7 @@ import functools
 import logging
 from collections.abc import Callable
 
-from halfserve import calibration, fidelity, padding, storage, store, text
+from halfserve import calibration, fidelity, handlers, padding, storage, store, text
 from halfserve import precision as prec
 from halfserve.batching import Batcher, BatchObserver
 from halfserve.engine import runners
@@ -241,6 +241,13 @@ class ModelRepository:
             try:
                 await asyncio.to_thread(text.encoder, self.settings.store, served.name, served.version, loaded.manifest)
             except text.TextError as e:
+                raise StoreError(str(e)) from None
+        if loaded.manifest.handler is not None:  # built here, so one that cannot be built fails the load
+            try:
+                await asyncio.to_thread(
+                    handlers.handler, self.settings.store, served.name, served.version, loaded.manifest.handler
+                )
+            except handlers.HandlerLoadError as e:
                 raise StoreError(str(e)) from None
         await self._check_padding(served, loaded)
         served.index_limits = await asyncio.to_thread(index_limits, loaded.module, loaded.manifest)
