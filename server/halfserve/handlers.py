@@ -61,11 +61,10 @@ class HandlerTimeoutError(HandlerError):
     """A handler call ran past its section's ``timeout_s``."""
 
 
-def one_line(e: BaseException) -> str:
-    """``<type>: <message>`` of ``e`` on one line, without object addresses, cut to :data:`REASON_CHARS`: what a
-    client is told of a handler's exception (never its traceback)."""
-    text = " ".join(f"{type(e).__name__}: {e}".split())
-    text = _ADDRESS.sub("", text)
+def one_line(e: BaseException, before: str = "") -> str:
+    """``before`` then ``<type>: <message>`` of ``e``, on one line, without object addresses, cut to
+    :data:`REASON_CHARS`: what a client is told of a handler's exception (never its traceback)."""
+    text = _ADDRESS.sub("", " ".join(f"{before}{type(e).__name__}: {e}".split()))
     return text if len(text) <= REASON_CHARS else text[: REASON_CHARS - 3] + "..."
 
 
@@ -131,6 +130,11 @@ def _guarded(call: Callable[[], Any]) -> Any:
         return _Raised(e)
 
 
+def running() -> int:
+    """Handler calls running or waiting for a thread now, those past their time limit included."""
+    return _running
+
+
 def _finished(_: object) -> None:
     global _running
     _running -= 1
@@ -156,5 +160,5 @@ async def run(stage: Stage, call: Callable[[], Any], timeout_s: float) -> Any:
             f"handler {stage.value} ran past its time limit of {timeout_s:g} s (handler.timeout_s)"
         ) from None
     if isinstance(result, _Raised):
-        raise HandlerRaisedError(f"handler {stage.value} failed: {one_line(result.error)}")
+        raise HandlerRaisedError(one_line(result.error, f"handler {stage.value} failed: "))
     return result
