@@ -437,6 +437,8 @@ def describe(result: Imported) -> str:
             f"  images  {i.input!r} (JPEG, PNG, WebP) -> {i.feeds}: {i.mode.value}, resize {i.resize}, crop {i.crop}, "
             f"scale {i.scale:.6g}, mean {i.mean}, std {i.std}, {i.layout.value}",
         )
+    if m.handler is not None:
+        lines.insert(3, f"  handler {m.handler.code} on /predictions (time limit {m.handler.timeout_s:g} s)")
     f = result.fidelity
     if f is None:
         return "\n".join(lines)

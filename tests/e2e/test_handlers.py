@@ -17,6 +17,8 @@ import pytest
 from sklearn.datasets import load_digits
 
 from halfserve import cli, storage
+from halfserve.handlerinput import HandlerSection
+from halfserve.manifest import load_manifest
 from halfserve.settings import Settings
 from tests.conftest import DIGITS_CNN_IMPORT, ServerProcess, StartServer
 from tests.security.test_model_code import started
@@ -121,6 +123,7 @@ def build_store(root: Path, code: Path) -> None:
     (code / f"{MODULE}.py").write_text(HANDLER_CODE)
     rest = ["--samples", "8", "--store", str(root), "--code-path", str(code)]
     assert cli.main([*DIGITS_CNN_IMPORT, "--name", MODEL, "--handler", f"{MODULE}:Digits", *rest]) == 0
+    assert load_manifest(root / MODEL).handler == HandlerSection(code=f"{MODULE}:Digits")
 
 
 @pytest.fixture(scope="module")
