@@ -198,6 +198,11 @@ def _add_import(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     )
     _add_image_flags(p)
     p.add_argument(
+        "--handler",
+        metavar="MODULE:NAME",
+        help="a team's own preprocess/postprocess class in a --code-path module, for /predictions (docs/handlers.md)",
+    )
+    p.add_argument(
         "--calibration",
         type=Path,
         help=".npy (one input), .npz, .safetensors or .jsonl samples by input name, .txt texts, or a folder of images",
@@ -276,6 +281,8 @@ def import_(args: argparse.Namespace) -> int:
             fields["image"] = importer.image_section(args.image, inputs, args.image_preset, **given)
         elif args.image_preset is not None or any(v is not None for v in given.values()):
             raise importer.ImportFailure("--image-*: give --image NAME too, the name clients send images under")
+        if args.handler:
+            fields["handler"] = {"code": args.handler}
         result = importer.import_model(
             args.source,
             args.store,

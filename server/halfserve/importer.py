@@ -25,7 +25,18 @@ from pydantic import ValidationError
 from safetensors.torch import load_file
 from torch import nn
 
-from halfserve import calibration, fidelity, mixed, models, padding, precision, precision_record, storage, store
+from halfserve import (
+    calibration,
+    fidelity,
+    handlers,
+    mixed,
+    models,
+    padding,
+    precision,
+    precision_record,
+    storage,
+    store,
+)
 from halfserve.calibration import Samples
 from halfserve.engine.core import Engine
 from halfserve.engine.inputs import takes_positionally
@@ -260,6 +271,11 @@ def import_model(
         module = store.build(model_dir, draft, source.parent)
         store.load_weights(module, read_state_dict(source), source, architecture)
     module = module.float().eval()
+    if draft.handler is not None:  # built once here, so a handler that cannot be built is refused before writing
+        try:
+            handlers.build(draft.handler)
+        except handlers.HandlerLoadError as e:
+            raise ImportFailure(f"--handler: {e}") from None
     outputs = outputs or derive_outputs(module, inputs)
     if hugging_face and labels is None:
         labels = hugging_face_labels(source, outputs[0])
@@ -404,20 +420,6 @@ def _copy_files(source: Path, version_dir: Path, manifest: Manifest) -> None:
         shutil.copyfile(source / file, version_dir / file)
 
 
-def _mixed_lines(found: mixed.Outcome | None, half: str) -> list[str]:
-    """What ``halfserve import`` says of its search for a mixed-precision plan."""
-    plan = found.plan if found is not None else None
-    if plan is None:
-        why = f" (no mixed-precision plan: {found.reason})" if found is not None else ""
-        return [f"  The server will serve this model in fp32, not {half}{why}: {fidelity.how_to_override(half)}."]
-    return [
-        f"  mixed precision: {half} with {len(plan.modules)} of {plan.candidates} modules in fp32 "
-        f"({', '.join(plan.modules)}; {plan.parameters_fp32:.1%} of the parameters) meets the bar:",
-        f"  {_figures(plan.fidelity)}",
-        "  The server searches again at load (within --mixed-search-seconds) and serves that plan, else fp32.",
-    ]
-
-
 def _measure(model_dir: Path, manifest: Manifest, version_dir: Path, device: torch.device) -> fidelity.Fidelity:
     loaded = store.load_folder(model_dir, manifest, version_dir, 0)
     samples = fidelity.samples(loaded)
@@ -458,6 +460,8 @@ def describe(result: Imported) -> str:
             f"  images  {i.input!r} (JPEG, PNG, WebP) -> {i.feeds}: {i.mode.value}, resize {i.resize}, crop {i.crop}, "
             f"scale {i.scale:.6g}, mean {i.mean}, std {i.std}, {i.layout.value}",
         )
+    if m.handler is not None:
+        lines.insert(3, f"  handler {m.handler.code} on /predictions (time limit {m.handler.timeout_s:g} s)")
     f = result.fidelity
     if f is None:
         return "\n".join(lines)
@@ -470,7 +474,7 @@ def describe(result: Imported) -> str:
     else:
         lines += [
             f"  WARNING: below the fidelity bar: {result.shortfall}.",
-            *_mixed_lines(result.mixed, f.precision),
+            *mixed.said(result.mixed, f.precision, _figures),
             "  halfserve import --strict refuses such a model instead.",
         ]
     r = result.record

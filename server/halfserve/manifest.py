@@ -28,6 +28,7 @@ from pydantic import (
     model_validator,
 )
 
+from halfserve.handlerinput import HandlerSection
 from halfserve.imageinput import ImageInput
 from halfserve.storage import MANIFEST, NAME_PATTERN, StoreError, read_json
 
@@ -430,6 +431,7 @@ class Manifest(BaseModel):
     """Class names for the first output's last dimension."""
     text: TextInput | None = None
     image: ImageInput | None = None
+    handler: HandlerSection | None = None
     precision: Precision = Precision.AUTO
     overflow: OverflowPolicy = OverflowPolicy.RERUN_FP32
     min_agreement: float | None = Field(default=None, gt=0.0, le=1.0)

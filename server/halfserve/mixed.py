@@ -279,3 +279,17 @@ def _find(
     if outcome.plan is not None:
         outcome.plan.seconds = clock() - started
     return outcome
+
+
+def said(found: Outcome | None, half: str, figures: Callable[[Fidelity], str]) -> list[str]:
+    """What ``halfserve import`` says of its search for a plan, each figure as ``figures`` words it."""
+    plan = found.plan if found is not None else None
+    if plan is None:
+        why = f" (no mixed-precision plan: {found.reason})" if found is not None else ""
+        return [f"  The server will serve this model in fp32, not {half}{why}: {fidelity.how_to_override(half)}."]
+    return [
+        f"  mixed precision: {half} with {len(plan.modules)} of {plan.candidates} modules in fp32 "
+        f"({', '.join(plan.modules)}; {plan.parameters_fp32:.1%} of the parameters) meets the bar:",
+        f"  {figures(plan.fidelity)}",
+        "  The server searches again at load (within --mixed-search-seconds) and serves that plan, else fp32.",
+    ]

@@ -7,7 +7,18 @@ import functools
 import logging
 from collections.abc import Callable
 
-from halfserve import calibration, fidelity, livefidelity, mixed, padding, precision_record, storage, store, text
+from halfserve import (
+    calibration,
+    fidelity,
+    handlers,
+    livefidelity,
+    mixed,
+    padding,
+    precision_record,
+    storage,
+    store,
+    text,
+)
 from halfserve import precision as prec
 from halfserve.batching import Batcher, BatchObserver
 from halfserve.engine import runners
@@ -307,6 +318,13 @@ class ModelRepository:
                 await asyncio.to_thread(text.encoder, self.settings.store, served.name, served.version, loaded.manifest)
             except text.TextError as e:
                 raise StoreError(str(e)) from None
+        if loaded.manifest.handler is not None:  # built here, so one that cannot be built fails the load
+            try:
+                await asyncio.to_thread(
+                    handlers.handler, self.settings.store, served.name, served.version, loaded.manifest.handler
+                )
+            except handlers.HandlerLoadError as e:
+                raise StoreError(str(e)) from None
         await self._check_padding(served, loaded)
         served.index_limits = await asyncio.to_thread(index_limits, loaded.module, loaded.manifest)
         engine = await self._engine(served, loaded, precision)
@@ -424,12 +442,12 @@ class ModelRepository:
             target, fallback = self._switch_target(served, precision)
             if target is old.precision:
                 self.precisions[name] = precision
-                self._switched(served, precision, target, fallback)
+                served.switched(precision, target, fallback)
                 return served
 
             def switched() -> None:
                 self.precisions[name] = precision
-                self._switched(served, precision, target, fallback)
+                served.switched(precision, target, fallback)
 
             await self._swap(served, batcher, old, loaded, target, switched)
             return served
@@ -524,29 +542,6 @@ class ModelRepository:
         if precision is Precision.AUTO and shortfall is not None and resolved is served.shortfall_precision:
             return Precision.FP32, shortfall
         return resolved, None
-
-    @staticmethod
-    def _switched(served: ServedModel, precision: Precision, target: Precision, fallback: str | None) -> None:
-        """Make the model's fallback reason, precision source and log agree with a switch to ``precision``."""
-        served.fp32_fallback = fallback
-        fell_back = fallback is not None
-        served.precision_source = PrecisionSource.FIDELITY_FALLBACK if fell_back else PrecisionSource.OPERATOR
-        measured = served.shortfall_precision
-        if fallback is not None and measured is not None:
-            log.warning(
-                "model %s: %s is %s here, which fell below its fidelity bar at load; served in fp32: %s",
-                served.name,
-                precision.value,
-                measured.value,
-                fallback,
-            )
-        elif served.fidelity_shortfall is not None and target is measured:
-            log.warning(
-                "model %s is served in %s as the operator set it, although at load %s",
-                served.name,
-                target.value,
-                served.fidelity_shortfall,
-            )
 
     @staticmethod
     async def _release(served: ServedModel) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import time
 from collections.abc import Hashable
 from dataclasses import dataclass, field
@@ -32,6 +33,9 @@ from halfserve.serving import (
     Tensors,
 )
 from halfserve.store import LoadedModel
+
+_repository_log = logging.getLogger("halfserve.repository")
+"""Switches are logged as the repository's, where they are made."""
 
 
 class PrecisionSource(str, Enum):
@@ -111,6 +115,28 @@ class ServedModel:
     failed_versions: dict[int, str] = field(default_factory=dict)
     """Versions that failed to load in place of this one, each with the reason: newer ones passed over at start-up,
     or one a load or reload tried while this one kept serving."""
+
+    def switched(self, precision: Precision, target: Precision, fallback: str | None) -> None:
+        """Make the model's fallback reason, precision source and log agree with a switch to ``precision``."""
+        self.fp32_fallback = fallback
+        fell_back = fallback is not None
+        self.precision_source = PrecisionSource.FIDELITY_FALLBACK if fell_back else PrecisionSource.OPERATOR
+        measured = self.shortfall_precision
+        if fallback is not None and measured is not None:
+            _repository_log.warning(
+                "model %s: %s is %s here, which fell below its fidelity bar at load; served in fp32: %s",
+                self.name,
+                precision.value,
+                measured.value,
+                fallback,
+            )
+        elif self.fidelity_shortfall is not None and target is measured:
+            _repository_log.warning(
+                "model %s is served in %s as the operator set it, although at load %s",
+                self.name,
+                target.value,
+                self.fidelity_shortfall,
+            )
 
     @property
     def overflows(self) -> int:

@@ -108,7 +108,7 @@ def _declared() -> set[str]:
     return {ep.value.replace(" ", "") for ep in entry_points(group=ENTRY_POINTS)}
 
 
-def check_source(module_name: str, name: str) -> Source:
+def check_source(module_name: str, name: str, what: str = "architecture") -> Source:
     """Where the module of a ``module:factory`` architecture comes from; :class:`UnknownArchitectureError` when it is
     not the operator's code: it must lie in a ``--code-path`` folder, be an installed ``halfserve.architectures``
     entry point's module, or be this package's own. Decided from where the module's file lies (``find_spec`` of its
@@ -119,7 +119,7 @@ def check_source(module_name: str, name: str) -> Source:
     try:
         spec = importlib.util.find_spec(top)
     except (ImportError, ValueError) as e:  # ValueError: a module in sys.modules without a spec
-        raise UnknownArchitectureError(f"architecture {name!r}: module {top!r} cannot be found: {e}") from None
+        raise UnknownArchitectureError(f"{what} {name!r}: module {top!r} cannot be found: {e}") from None
     # A module's file, or every folder of a package without one (a namespace package may span several folders).
     locations: list[str] = []
     if spec is not None:
@@ -131,32 +131,31 @@ def check_source(module_name: str, name: str) -> Source:
     if module_name == RENAMED_OWN_MODULES or module_name.startswith(RENAMED_OWN_MODULES + "."):
         own = name.replace(RENAMED_OWN_MODULES, OWN_MODULES, 1)
         raise UnknownArchitectureError(
-            f"architecture {name!r}: the package 'server' is now 'halfserve': write {own!r} (or the registered "
-            "name alone)"
+            f"{what} {name!r}: the package 'server' is now 'halfserve': write {own!r} (or the registered name alone)"
         )
     if spec is None:
         raise UnknownArchitectureError(
-            f"architecture {name!r}: module {top!r} not found (is its folder given with --code-path?)"
+            f"{what} {name!r}: module {top!r} not found (is its folder given with --code-path?)"
         )
     found = locations[0] if locations else spec.origin or "built in"
     raise UnknownArchitectureError(
-        f"architecture {name!r}: module {top!r} ({found}) is not in a --code-path folder nor an installed "
+        f"{what} {name!r}: module {top!r} ({found}) is not in a --code-path folder nor an installed "
         f"{ENTRY_POINTS} entry point; a manifest may name code only from the operator's --code-path folders, "
         "entry points, or halfserve's own models"
     )
 
 
-def _imported(module_name: str, attribute: str, name: str) -> Any:
+def _imported(module_name: str, attribute: str, name: str, what: str = "architecture") -> Any:
     """The factory ``attribute`` of ``module_name``, checked against its source's rule before and after the import:
     the attribute walk through a module's imports (``halfserve.models:torch.load``, ``...:sys.exit``) reached any
     function of any library with the manifest's ``arch_kwargs``."""
-    where = f"architecture {name!r}"
+    where = f"{what} {name!r}"
     if not re.fullmatch(_IDENTIFIER, attribute):
         raise UnknownArchitectureError(
             f"{where}: the part after ':' must be the plain name of a function or class defined in {module_name!r}, "
             f"not the dotted path {attribute!r}"
         )
-    source = check_source(module_name, name)
+    source = check_source(module_name, name, what)
     if source is Source.ENTRY_POINT and f"{module_name}:{attribute}" not in _declared():
         raise UnknownArchitectureError(
             f"{where}: module {module_name!r} is an installed {ENTRY_POINTS} entry point's, which declares other "
@@ -285,6 +284,16 @@ def resolve(name: str) -> ModelFactory:
     return factory  # type: ignore[no-any-return]
 
 
+def resolve_code(name: str, what: str) -> Any:
+    """The class or function ``module:name`` names, under the architectures' trust rule (:func:`check_source`): its
+    module must lie in a ``--code-path`` folder (or be an installed entry point's); ``what`` names it in errors (a
+    ``handler``). :class:`UnknownArchitectureError` says why not."""
+    dotted = _IMPORT.fullmatch(name)
+    if dotted is None:
+        raise UnknownArchitectureError(f"{what} {name!r}: expected 'package.module:Name'")
+    return _imported(dotted[1], dotted[2], name, what)
+
+
 def check_module(module: object, name: str) -> nn.Module:
     """``module`` as an ``nn.Module``, or the error saying what ``name``'s factory returned instead."""
     if not isinstance(module, nn.Module):
@@ -343,4 +352,5 @@ __all__ = [
     "names",
     "register",
     "resolve",
+    "resolve_code",
 ]

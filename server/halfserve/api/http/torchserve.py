@@ -18,6 +18,7 @@ import orjson
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
+from halfserve.api.dataplane import handled
 from halfserve.api.dataplane.infer import infer
 from halfserve.api.dataplane.photos import decode_photos, image_count
 from halfserve.api.errors import APIError
@@ -25,7 +26,7 @@ from halfserve.api.http import deps, multipart
 from halfserve.api.http.errors import error_responses, json_ok
 from halfserve.api.http.limits import TIMEOUT_PARAMETER, client_timeout, raw_header, read_body
 from halfserve.api.http.telemetry import Endpoint, answered, metered, note
-from halfserve.serving import Interface
+from halfserve.serving import Interface, ModelHandle
 
 router = APIRouter()
 
@@ -132,8 +133,12 @@ async def predictions(request: Request) -> Response:
                 raise APIError(400, f"form.{name}: images go in fields named data or body (part {i})")
         photos = [p.data for p in parts]
         fields = [f"form.{multipart.shown(p.name)}[{i}]" for i, p in enumerate(parts)]
+        payloads = [handled.Payload(p.name, p.data, "") for p in parts]
     else:  # a raw body, whatever it calls itself: curl --data-binary names it a urlencoded form
         photos, fields = ([body], ["body"]) if body else ([], ["body"])
+        payloads = [handled.Payload("body", body, content_type)] if body else []
+    if handled.section(served) is not None:
+        return await _handled(request, served, payloads, fields, timeout)
     image_count(settings, served, len(photos), fields[0] if len(fields) == 1 else "form")
     result = await infer(app, served, decode_photos(photos, fields, served, settings), timeout)
     answered(request, result)
@@ -146,6 +151,20 @@ async def predictions(request: Request) -> Response:
         answers = out.reshape(len(out), -1).tolist()
     answer = answers[0] if len(answers) == 1 else answers
     return Response(orjson.dumps(answer), media_type="application/json")
+
+
+async def _handled(
+    request: Request, served: ModelHandle, payloads: list[handled.Payload], fields: list[str], timeout: float | None
+) -> Response:
+    """A model with a handler section: its own preprocess and postprocess around the forward, the answers in the
+    payloads' order (one alone, as TorchServe answers one file)."""
+    settings = deps.state(request).settings
+    handled.payload_count(settings, served, len(payloads), fields[0] if len(fields) == 1 else "form")
+    result = await infer(deps.state(request), served, handled.preprocess(served, settings, payloads), timeout)
+    answered(request, result)
+    answers = await handled.postprocess(served, settings, result.outputs, payloads)
+    body = answers[0] if len(answers) == 1 else b"[" + b",".join(answers) + b"]"
+    return Response(body, media_type="application/json")
 
 
 PATHS = {"/predictions/{model}": "predictions", "/predictions/{model}/{version}": "version_predictions"}

@@ -1,0 +1,168 @@
+"""A request answered through its model's own handler (the manifest's ``handler`` section, :mod:`halfserve.handlers`):
+the request's payloads through ``preprocess`` to the model's inputs, the outputs through ``postprocess`` to one answer
+per payload. Called per HTTP request (a form of several files is one call, a list of their payloads), because the
+batcher batches the rows the handler returns, after it.
+
+Everything the handler does wrong is that request's answer, one line, never the server's: ``preprocess`` raising is
+the request's fault as far as the server can tell (400); inputs of the wrong names, shape or rows, an exception in
+``postprocess``, or answers of the wrong number or not JSON-able are the handler's (500); past the time limit a 504,
+and a full bound a 503 to retry.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import orjson
+
+from halfserve import handlers
+from halfserve.api.dataplane.photos import image_count
+from halfserve.api.dataplane.signature import Wording, check_shape
+from halfserve.handlerinput import HandlerSection
+from halfserve.serving import (
+    DeadlineExceededError,
+    InternalError,
+    InvalidInputError,
+    ModelHandle,
+    ModelUnavailableError,
+    QueueFullError,
+    Tensors,
+)
+from halfserve.settings import Settings
+
+CONTENT_TYPE = "content_type"
+"""The key of a payload's content type, beside its field's bytes."""
+
+
+@dataclass(frozen=True)
+class Payload:
+    """One part of a request as the handler is given it."""
+
+    field: str
+    """``body`` for a raw body, else the form field's name (``data`` or ``body``), as TorchServe keys them."""
+    data: bytes
+    content_type: str
+
+    def as_request(self) -> dict[str, Any]:
+        """TorchServe's shape of one request: ``{"body": bytes}`` or ``{"data": bytes}``, with the content type."""
+        return {self.field: self.data, CONTENT_TYPE: self.content_type}
+
+
+def section(served: ModelHandle) -> HandlerSection | None:
+    return served.manifest.handler
+
+
+def payload_count(settings: Settings, served: ModelHandle, count: int, field: str) -> None:
+    """Refuse a request of no payload (400) and one of more than a request may carry (413), before the handler
+    runs."""
+    if count == 0:
+        raise InvalidInputError(f"{field}: empty; send the body the model's handler reads")
+    image_count(settings, served, count, field)
+
+
+async def _call(served: ModelHandle, stage: handlers.Stage, call: functools.partial[Any], limit: float) -> Any:
+    try:
+        return await handlers.run(stage, call, limit)
+    except handlers.HandlerRaisedError as e:
+        if stage is handlers.Stage.PREPROCESS:
+            raise InvalidInputError(str(e)) from None
+        raise InternalError(str(e)) from None
+    except handlers.HandlerTimeoutError as e:
+        raise DeadlineExceededError(f"model {served.name!r}: {e}") from None
+    except handlers.HandlerBusyError as e:
+        raise QueueFullError(f"{e}; retry shortly") from None
+
+
+def _array(value: object, where: str) -> np.ndarray:
+    """``value`` (a numpy array, a torch tensor, or nested lists of numbers) as an array."""
+    detach = getattr(value, "detach", None)
+    if callable(detach):  # a torch tensor, read without importing torch
+        value = detach().cpu().numpy()
+    try:
+        array = np.asarray(value)
+    except (TypeError, ValueError) as e:
+        raise InternalError(f"{where}: not an array: {handlers.one_line(e)}") from None
+    if array.dtype == object or array.dtype.kind not in "biuf":
+        raise InternalError(f"{where}: expected numbers, got an array of {array.dtype}")
+    return array
+
+
+def checked_inputs(value: object, served: ModelHandle, rows: int) -> Tensors:
+    """What ``preprocess`` returned as the model's inputs: an array (a model of one input) or a mapping by input name,
+    each ``rows`` rows of the input's shape, in a dtype that casts to the input's without changing kind (floats to
+    the input's floats, integers to its integers); an :class:`InternalError` naming what was expected and what came."""
+    specs = served.manifest.inputs
+    names = [t.name for t in specs]
+    if isinstance(value, dict):
+        given = value
+    elif len(specs) == 1:
+        given = {specs[0].name: value}
+    else:
+        raise InternalError(
+            f"handler preprocess returned {type(value).__name__}; expected a dict of the inputs {names}"
+        )
+    if sorted(map(str, given)) != sorted(names):
+        raise InternalError(f"handler preprocess returned inputs {sorted(map(str, given))}; expected {sorted(names)}")
+    out: dict[str, np.ndarray] = {}
+    for spec in specs:
+        where = f"handler preprocess returned {spec.name!r}"
+        array = _array(given[spec.name], where)
+        want = spec.datatype.numpy
+        if not np.can_cast(array.dtype, want, "same_kind"):
+            raise InternalError(f"{where} of {array.dtype}; expected {want} (the input's {spec.datatype.value})")
+        try:
+            check_shape(list(array.shape), spec, served, None, where, Wording.V2)
+        except InvalidInputError as e:
+            raise InternalError(str(e)) from None
+        if array.shape[0] != rows:
+            raise InternalError(f"{where} with {array.shape[0]} rows; expected {rows}, one per payload")
+        out[spec.name] = np.ascontiguousarray(array, dtype=want)
+    return out
+
+
+async def preprocess(served: ModelHandle, settings: Settings, payloads: list[Payload]) -> Tensors:
+    """The model's inputs, by its handler's ``preprocess`` of the TorchServe-shaped requests, checked."""
+    spec = section(served)
+    assert spec is not None, "called for a model with a handler section"
+    try:
+        handler = handlers.handler(settings.store, served.name, served.version, spec)
+    except handlers.HandlerLoadError as e:  # the load failed on it too: the model has no version to serve
+        raise ModelUnavailableError(f"model {served.name!r}: {e}") from None
+    requests = [p.as_request() for p in payloads]
+    call = functools.partial(handler.preprocess, requests)
+    value = await _call(served, handlers.Stage.PREPROCESS, call, spec.timeout_s)
+    return checked_inputs(value, served, len(payloads))
+
+
+def _answers(value: object, count: int) -> list[bytes]:
+    """``postprocess``'s answers, each as JSON: a list of ``count``; an :class:`InternalError` naming what came."""
+    if not isinstance(value, list | tuple):
+        raise InternalError(f"handler postprocess returned {type(value).__name__}; expected a list of {count} answers")
+    if len(value) != count:
+        raise InternalError(f"handler postprocess returned {len(value)} answers; expected {count}, one per payload")
+    out = []
+    for i, answer in enumerate(value):
+        try:
+            out.append(orjson.dumps(answer, option=orjson.OPT_SERIALIZE_NUMPY))
+        except TypeError as e:
+            raise InternalError(f"handler postprocess answer {i} is not JSON-able: {handlers.one_line(e)}") from None
+    return out
+
+
+async def postprocess(
+    served: ModelHandle, settings: Settings, outputs: dict[str, np.ndarray], payloads: list[Payload]
+) -> list[bytes]:
+    """One JSON answer per payload, by the handler's ``postprocess`` of the outputs (the first output's array for a
+    model of one output, else all by name) and the same requests ``preprocess`` had."""
+    spec = section(served)
+    assert spec is not None, "called for a model with a handler section"
+    handler = handlers.handler(settings.store, served.name, served.version, spec)
+    names = [t.name for t in served.manifest.outputs]
+    given: object = outputs[names[0]] if len(names) == 1 else outputs
+    requests = [p.as_request() for p in payloads]
+    call = functools.partial(handler.postprocess, given, requests)
+    value = await _call(served, handlers.Stage.POSTPROCESS, call, spec.timeout_s)
+    return _answers(value, len(payloads))

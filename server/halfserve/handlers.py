@@ -1,0 +1,164 @@
+"""A team's own pre- and post-processing code (the manifest's ``handler`` section), TorchServe-handler style: built
+once per loaded version, and called on threads of its own, never on the event loop.
+
+Its calls are bounded as tokenizing is: at most :data:`HANDLER_THREADS` run and :data:`HANDLER_QUEUE` wait; one more
+is refused busy (a 503 with ``Retry-After``). A call past the section's ``timeout_s`` is answered as timed out, but
+Python cannot stop a thread: the call runs on, and keeps its place in the bound until it returns, so handlers that
+hang fill the bound and their model's requests are refused busy rather than piling up threads.
+
+Torch-free: the code is resolved through :mod:`halfserve.models`, imported where a handler is first built (the load
+path), so the data plane that calls handlers loads no torch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import enum
+import os
+import re
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from halfserve.handlerinput import HandlerSection
+
+HANDLER_THREADS = max(2, os.cpu_count() or 2)
+"""Threads that run handler calls, for all models together."""
+HANDLER_QUEUE = 64
+"""Handler calls that may wait for a thread; one more is refused busy."""
+REASON_CHARS = 300
+"""Longest reason an answer quotes from a handler's exception."""
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+
+
+class Stage(str, enum.Enum):
+    """Which of a handler's methods runs."""
+
+    PREPROCESS = "preprocess"
+    POSTPROCESS = "postprocess"
+
+
+class HandlerError(Exception):
+    """Base of a handler call's failures; the message is one line naming the stage."""
+
+
+class HandlerLoadError(HandlerError):
+    """The handler cannot be built: not found, refused by the trust rule, or without the methods it needs."""
+
+
+class HandlerRaisedError(HandlerError):
+    """The handler's own code raised; the message is ``handler <stage> failed: <type>: <reason>``."""
+
+
+class HandlerBusyError(HandlerError):
+    """As many handler calls run and wait as the bound holds."""
+
+
+class HandlerTimeoutError(HandlerError):
+    """A handler call ran past its section's ``timeout_s``."""
+
+
+def one_line(e: BaseException, before: str = "") -> str:
+    """``before`` then ``<type>: <message>`` of ``e``, on one line, without object addresses, cut to
+    :data:`REASON_CHARS`: what a client is told of a handler's exception (never its traceback)."""
+    text = _ADDRESS.sub("", " ".join(f"{before}{type(e).__name__}: {e}".split()))
+    return text if len(text) <= REASON_CHARS else text[: REASON_CHARS - 3] + "..."
+
+
+@dataclass(frozen=True)
+class _Raised:
+    """What a call on a handler thread raised, returned instead of raised so that a call the caller stopped waiting
+    for leaves no unretrieved exception behind."""
+
+    error: BaseException
+
+
+_built: dict[tuple[str, str, int, str], Any] = {}
+_build_lock = threading.Lock()
+
+
+def build(section: HandlerSection) -> Any:
+    """A fresh handler of ``section``: its ``code`` resolved under the trust rule and called with no arguments;
+    :class:`HandlerLoadError` says why not."""
+    from halfserve import models  # torch: only where a handler is built, never by the data plane's import
+
+    try:
+        factory = models.resolve_code(section.code, "handler")
+    except models.UnknownArchitectureError as e:
+        raise HandlerLoadError(str(e)) from None
+    if not callable(factory):
+        raise HandlerLoadError(f"handler {section.code!r}: {type(factory).__name__} object is not callable")
+    try:
+        handler = factory()
+    except Exception as e:
+        raise HandlerLoadError(f"handler {section.code!r}: building it failed: {one_line(e)}") from None
+    missing = [s.value for s in Stage if not callable(getattr(handler, s.value, None))]
+    if missing:
+        raise HandlerLoadError(f"handler {section.code!r}: {type(handler).__name__} has no {' or '.join(missing)}")
+    return handler
+
+
+def handler(store: Path, name: str, version: int, section: HandlerSection) -> Any:
+    """Model ``name``'s version's handler, built the first time it is asked for in this process (the load asks, so
+    that one that cannot be built fails the load, not requests)."""
+    key = (str(store), name, version, section.code)
+    with _build_lock:
+        found = _built.get(key)
+        if found is None:
+            found = _built[key] = build(section)
+    return found
+
+
+_running = 0
+_executor: concurrent.futures.ThreadPoolExecutor | None = None
+
+
+def _threads() -> concurrent.futures.ThreadPoolExecutor:
+    global _executor
+    if _executor is None:
+        _executor = concurrent.futures.ThreadPoolExecutor(HANDLER_THREADS, thread_name_prefix="halfserve-handler")
+    return _executor
+
+
+def _guarded(call: Callable[[], Any]) -> Any:
+    try:
+        return call()
+    except BaseException as e:  # a SystemExit from the team's code is that request's failure too
+        return _Raised(e)
+
+
+def running() -> int:
+    """Handler calls running or waiting for a thread now, those past their time limit included."""
+    return _running
+
+
+def _finished(_: object) -> None:
+    global _running
+    _running -= 1
+
+
+async def run(stage: Stage, call: Callable[[], Any], timeout_s: float) -> Any:
+    """``call()`` on a handler thread within ``timeout_s``: :class:`HandlerRaisedError` when it raises,
+    :class:`HandlerTimeoutError` past the limit (it runs on, see the module), :class:`HandlerBusyError` when the bound
+    is full."""
+    global _running
+    if _running >= HANDLER_THREADS + HANDLER_QUEUE:
+        raise HandlerBusyError(
+            f"handler {stage.value}: {_running} handler calls are running or waiting, as many as the server holds"
+        )
+    loop = asyncio.get_running_loop()
+    _running += 1
+    future = loop.run_in_executor(_threads(), _guarded, call)
+    future.add_done_callback(_finished)  # on the loop, when the thread returns: a stuck call keeps its place
+    try:
+        result = await asyncio.wait_for(asyncio.shield(future), timeout_s)
+    except TimeoutError:
+        raise HandlerTimeoutError(
+            f"handler {stage.value} ran past its time limit of {timeout_s:g} s (handler.timeout_s)"
+        ) from None
+    if isinstance(result, _Raised):
+        raise HandlerRaisedError(one_line(result.error, f"handler {stage.value} failed: "))
+    return result

@@ -1,0 +1,211 @@
+"""A team's own pre- and post-processing code (the manifest's ``handler`` section, issue 51) on a real server: a
+handler module written to a ``--code-path`` folder parses CSV bodies into digits_cnn's 64 pixels and answers
+``{"digit": ..., "confidence": ...}``; a raw body, ``curl -T`` and a form of several files answered in order with
+the digits the same rows get as tensors; a handler module shipped in the model folder is refused at import and at
+load, where that model fails with the reason while the others serve."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import textwrap
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+from sklearn.datasets import load_digits
+
+from halfserve import cli, storage
+from halfserve.handlerinput import HandlerSection
+from halfserve.manifest import load_manifest
+from halfserve.settings import Settings
+from tests.conftest import DIGITS_CNN_IMPORT, ServerProcess, StartServer
+from tests.security.test_model_code import started
+
+pytestmark = pytest.mark.slow
+
+MODEL = "digits_csv"
+TIMEOUT = httpx.Timeout(120.0)
+ROWS = 12
+
+HANDLER_CODE = textwrap.dedent(
+    '''
+    """A TorchServe-style handler: CSV bodies of 64 values (0..16) in, a digit and its probability out."""
+    import time
+
+    import numpy as np
+
+
+    class Digits:
+        def preprocess(self, requests):
+            rows = []
+            for request in requests:
+                data = request.get("data") or request.get("body")
+                rows.append([float(v) / 16 for v in data.decode().split(",")])
+            return np.asarray(rows, dtype=np.float32).reshape(len(rows), 1, 8, 8)
+
+        def postprocess(self, outputs, requests):
+            answers = []
+            for row in outputs:
+                e = np.exp(row - row.max())
+                p = e / e.sum()
+                answers.append({"digit": int(p.argmax()), "confidence": float(p.max())})
+            return answers
+
+
+    class Raises(Digits):
+        def preprocess(self, requests):
+            raise ValueError("row 1: 'x' is not a number\\n  <Digits object at 0x7f3a2b1c0d90>")
+
+
+    class PostRaises(Digits):
+        def postprocess(self, outputs, requests):
+            return {}["label"]
+
+
+    class WrongShape(Digits):
+        def preprocess(self, requests):
+            return np.zeros((len(requests), 64), dtype=np.float32)
+
+
+    class WrongRows(Digits):
+        def preprocess(self, requests):
+            return np.zeros((len(requests) + 1, 1, 8, 8), dtype=np.float32)
+
+
+    class WrongDtype(Digits):
+        def preprocess(self, requests):
+            return np.zeros((len(requests), 1, 8, 8), dtype=np.complex64)
+
+
+    class TooFewAnswers(Digits):
+        def postprocess(self, outputs, requests):
+            return super().postprocess(outputs, requests)[:-1]
+
+
+    class NotJson(Digits):
+        def postprocess(self, outputs, requests):
+            return [object() for _ in requests]
+
+
+    class Slow(Digits):
+        def preprocess(self, requests):
+            time.sleep(3)
+            return super().preprocess(requests)
+    '''
+)
+"""The handlers of the tests: ``Digits`` right, each other one wrong in one way (tests/security)."""
+MODULE = "digits_handlers"
+
+
+def csv(row: np.ndarray) -> bytes:
+    return ",".join(str(int(v)) for v in row).encode()
+
+
+def digits_rows() -> np.ndarray:
+    return load_digits().data[:ROWS]
+
+
+def with_handler(root: Path, name: str, code: str, **section: object) -> None:
+    """A copy of ``MODEL``'s folder as ``name``, its manifest naming ``code`` as its handler."""
+    shutil.copytree(root / MODEL, root / name)
+    manifest_file = root / name / storage.MANIFEST
+    manifest = json.loads(manifest_file.read_text())
+    manifest["name"] = name
+    manifest["handler"] = {"code": code, **section}
+    manifest_file.write_text(json.dumps(manifest))
+
+
+def build_store(root: Path, code: Path) -> None:
+    """``MODULE`` in the ``code`` folder, and digits_cnn's weights imported as ``MODEL`` with ``--handler``."""
+    code.mkdir(exist_ok=True)
+    (code / f"{MODULE}.py").write_text(HANDLER_CODE)
+    rest = ["--samples", "8", "--store", str(root), "--code-path", str(code)]
+    assert cli.main([*DIGITS_CNN_IMPORT, "--name", MODEL, "--handler", f"{MODULE}:Digits", *rest]) == 0
+    assert load_manifest(root / MODEL).handler == HandlerSection(code=f"{MODULE}:Digits")
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """The store, with ``shipped``: a model whose handler module lies in its own model folder only."""
+    root = tmp_path_factory.mktemp("handler-store")
+    code = root.parent / "handler-code"
+    build_store(root, code)
+    with_handler(root, "shipped", "shipped_handler:Digits")
+    (root / "shipped" / "shipped_handler.py").write_text(HANDLER_CODE)
+    return root, code
+
+
+@pytest.fixture(scope="module")
+def server(server_factory: StartServer, store: tuple[Path, Path]) -> ServerProcess:
+    root, code = store
+    return server_factory(root, "--code-path", str(code), "--models", MODEL)
+
+
+def tensor_digits(url: str, rows: np.ndarray) -> list[int]:
+    values = (rows.astype(np.float32) / 16).reshape(-1, 1, 8, 8).tolist()
+    r = httpx.post(f"{url}/predict", json={"model": MODEL, "inputs": values}, timeout=TIMEOUT)
+    assert r.status_code == 200, r.text
+    return [int(np.argmax(p)) for p in r.json()["outputs"]]
+
+
+def test_a_raw_body_is_answered_by_the_handler(server: ServerProcess) -> None:
+    rows = digits_rows()
+    expected = tensor_digits(server.url, rows)
+    for i, row in enumerate(rows[:4]):
+        r = httpx.put(f"{server.url}/predictions/{MODEL}", content=csv(row), timeout=TIMEOUT)  # curl -T
+        assert r.status_code == 200, r.text
+        answer = r.json()
+        assert answer["digit"] == expected[i]
+        assert 0.1 < answer["confidence"] <= 1.0
+    r = httpx.post(f"{server.url}/predictions/{MODEL}/1", content=csv(rows[0]), timeout=TIMEOUT)
+    assert r.status_code == 200
+    assert r.json()["digit"] == expected[0]
+
+
+def test_several_files_in_a_form_are_answered_in_order(server: ServerProcess) -> None:
+    rows = digits_rows()
+    expected = tensor_digits(server.url, rows)
+    files = [("data", (f"row{i}.csv", csv(row), "text/csv")) for i, row in enumerate(rows)]
+    r = httpx.post(f"{server.url}/predictions/{MODEL}", files=files, timeout=TIMEOUT)
+    assert r.status_code == 200, r.text
+    answers = r.json()
+    assert [a["digit"] for a in answers] == expected
+    assert len(set(expected)) > 3  # the rows differ, so an order lost would show
+
+
+async def test_a_handler_in_the_model_folder_fails_its_model_at_load_and_runs_nothing(
+    store: tuple[Path, Path], tmp_path: Path
+) -> None:
+    root, code = store
+    marker = tmp_path / "ran"
+    (root / "shipped" / "shipped_handler.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n" + HANDLER_CODE)
+    async with started(Settings(store=root, code_path=[code]), MODEL) as client:
+        ok = await client.put(f"/predictions/{MODEL}", content=csv(digits_rows()[0]))
+        assert ok.status_code == 200, ok.text
+        refused = await client.put("/predictions/shipped", content=csv(digits_rows()[0]))
+        assert refused.status_code == 404, refused.text
+        assert "shipped_handler" in refused.json()["message"]
+        listed = (await client.get("/models")).text
+    assert "shipped_handler" in listed
+    assert "--code-path" in listed
+    assert not marker.exists()
+
+
+def test_a_handler_in_the_model_folder_is_refused_at_import(
+    store: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    root, _ = store
+    folder = tmp_path / "model-folder"
+    folder.mkdir()
+    (folder / "folder_handler.py").write_text(HANDLER_CODE)
+    weights = Path(DIGITS_CNN_IMPORT[1])
+    shutil.copy(weights, folder / weights.name)
+    argv = [*DIGITS_CNN_IMPORT, "--name", "refused", "--handler", "folder_handler:Digits", "--store", str(tmp_path)]
+    argv[1] = str(folder / weights.name)
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "--handler: handler 'folder_handler:Digits'" in err
+    assert "--code-path" in err
+    assert not (tmp_path / "refused").exists()

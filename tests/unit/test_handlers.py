@@ -1,0 +1,78 @@
+"""The handler section and its calls without a server: the section's form, the trust rule (code only from a
+``--code-path`` folder, nothing imported to decide), what a client is told of an exception, and the bound on calls,
+which a call past its time limit keeps its place in until its thread returns (Python cannot stop a thread)."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from halfserve import handlers, models
+from halfserve.handlerinput import HandlerSection
+from halfserve.handlers import HandlerBusyError, HandlerLoadError, HandlerRaisedError, HandlerTimeoutError, Stage
+from tests.waiting import until
+
+
+@pytest.mark.parametrize("code", ["os.system", "a:b.c", "a:", ":b", "a b:c", "x" * 300 + ":y"])
+def test_a_section_names_module_and_name(code: str) -> None:
+    with pytest.raises(ValidationError):
+        HandlerSection(code=code)
+
+
+@pytest.mark.parametrize("timeout_s", [0, -1, 601])
+def test_the_time_limit_is_bounded(timeout_s: float) -> None:
+    with pytest.raises(ValidationError):
+        HandlerSection(code="a:B", timeout_s=timeout_s)
+
+
+def test_code_outside_the_code_path_is_refused_and_not_imported(tmp_path: Path) -> None:
+    marker = tmp_path / "ran"
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "outside_handler.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\nclass H: pass\n")
+    with pytest.raises(HandlerLoadError, match="--code-path"):
+        handlers.build(HandlerSection(code="outside_handler:H"))
+    with pytest.raises(HandlerLoadError, match="--code-path"):
+        handlers.build(HandlerSection(code="os:system"))
+    assert not marker.exists()
+
+
+def test_a_handler_needs_both_methods(tmp_path: Path) -> None:
+    (tmp_path / "half_handler.py").write_text("class H:\n    def preprocess(self, requests): return requests\n")
+    models.add_code_path([tmp_path])
+    with pytest.raises(HandlerLoadError, match="has no postprocess"):
+        handlers.build(HandlerSection(code="half_handler:H"))
+
+
+def test_a_reason_is_one_short_line_without_addresses() -> None:
+    e = ValueError("bad\n  value <object at 0x7f00deadbeef>" + "x" * 1000)
+    reason = handlers.one_line(e, "handler preprocess failed: ")
+    assert reason.startswith("handler preprocess failed: ValueError: bad value <object>")
+    assert "\n" not in reason
+    assert len(reason) == handlers.REASON_CHARS
+    assert reason.endswith("...")
+
+
+async def test_an_exception_is_the_calls_failure() -> None:
+    def fails() -> None:
+        raise SystemExit("the team's code exits")
+
+    with pytest.raises(HandlerRaisedError, match="handler postprocess failed: SystemExit: the team's code exits"):
+        await handlers.run(Stage.POSTPROCESS, fails, 5)
+
+
+async def test_a_call_past_its_limit_keeps_its_place_until_it_returns(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(handlers, "HANDLER_THREADS", 1)
+    monkeypatch.setattr(handlers, "HANDLER_QUEUE", 0)
+    release = threading.Event()
+    with pytest.raises(HandlerTimeoutError, match=r"preprocess ran past its time limit of 0\.01 s"):
+        await handlers.run(Stage.PREPROCESS, release.wait, 0.01)
+    assert handlers.running() == 1
+    with pytest.raises(HandlerBusyError):
+        await handlers.run(Stage.PREPROCESS, lambda: 1, 5)
+    release.set()
+    await until(lambda: handlers.running() == 0, "the stuck call returned")
+    assert await handlers.run(Stage.PREPROCESS, lambda: 2, 5) == 2
