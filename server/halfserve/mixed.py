@@ -239,32 +239,20 @@ def find(
     """Search a plan for ``loaded`` in ``precision`` on its fidelity samples (calibration, else random), each try an
     engine of its own measured against the host's fp32 weights; it blocks (seconds to minutes), so run it off the
     event loop. Samples the model cannot run (random ones past what it takes) give no plan, with the reason."""
-    try:
-        return _find(loaded, precision, device, held_to, limit_s, batch, clock)
-    except Exception as e:  # the half precision is then unproven, as it is without a search
-        return Outcome(None, f"the search could not run the samples: {type(e).__name__}: {e}")
-
-
-def _find(
-    loaded: LoadedModel,
-    precision: Precision,
-    device: torch.device,
-    held_to: Bar,
-    limit_s: float,
-    batch: int,
-    clock: Callable[[], float],
-) -> Outcome:
     started = clock()
-    samples = fidelity.samples(loaded)
 
     def build(plan: tuple[str, ...]) -> Engine:
         return Engine(loaded, precision, device, max_batch_size=batch, fp32_modules=plan)
 
-    ranking = build(())
     try:
-        ranked = rank(ranking.model, lambda: ranking.compute(samples.rows[:RANK_ROWS]), candidates(ranking.model))
-    finally:
-        ranking.close()
+        samples = fidelity.samples(loaded)
+        ranking = build(())
+        try:
+            ranked = rank(ranking.model, lambda: ranking.compute(samples.rows[:RANK_ROWS]), candidates(ranking.model))
+        finally:
+            ranking.close()
+    except Exception as e:  # the half precision is then unproven, as it is without a search
+        return Outcome(None, f"the search could not run the samples: {type(e).__name__}: {e}")
 
     def measure(plan: tuple[str, ...]) -> Fidelity:
         engine = build(plan)
