@@ -12,6 +12,7 @@ manifest's ``evaluation``. The version is written as the next one, with its mani
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pickle
 import re
@@ -310,6 +311,9 @@ def import_model(
         if shortfall is not None:
             loaded = store.load_folder(model_dir, manifest, stage.path, 0)
             plan = mixed.find(loaded, half, on, held_to, mixed.IMPORT_LIMIT_S, min(64, fidelity.RANDOM_SAMPLES))
+            if plan.plan is not None:  # stored with the version: a load measures it again rather than searching
+                record = dataclasses.replace(record, fp32_modules=list(plan.plan.modules))
+                precision_record.write(stage.path, record)
         vdir = stage.install()
     except BaseException:
         stage.discard()  # a refused or failed import leaves no version behind, and no model folder it created

@@ -217,7 +217,8 @@ class ModelRepository:
             reason = await self._measure(served, loaded, engine, held_to, record)
         if reason is None:
             return engine
-        planned = await self._mixed_plan(served, loaded, engine, held_to)
+        stored = tuple(record.stored.fp32_modules) if record.stored is not None else ()
+        planned = await self._mixed_plan(served, loaded, engine, held_to, stored)
         if planned is not None:
             engine.close()
             return planned
@@ -230,15 +231,19 @@ class ModelRepository:
         return await self._engine(served, loaded, Precision.FP32)
 
     async def _mixed_plan(
-        self, served: ServedModel, loaded: LoadedModel, engine: ModelEngine, held_to: fidelity.Bar
+        self,
+        served: ServedModel,
+        loaded: LoadedModel,
+        engine: ModelEngine,
+        held_to: fidelity.Bar,
+        stored: tuple[str, ...],
     ) -> ModelEngine | None:
-        """An engine with the fewest modules kept in fp32 that meets ``held_to`` (:mod:`halfserve.mixed`), searched
-        within ``mixed_search_seconds``; ``None`` where there is none (then the whole model is served in fp32)."""
-        limit = self.settings.mixed_search_seconds
-        if limit <= 0 or engine.precision not in mixed.HALVES:
+        """An engine with the fewest modules kept in fp32 that meets ``held_to`` (:mod:`halfserve.mixed`; the version's
+        ``stored`` plan where it still does), searched within ``mixed_search_seconds``; ``None`` where there is none."""
+        limit, batch, precision = self.settings.mixed_search_seconds, served.batching.max_batch_size, engine.precision
+        if limit <= 0 or precision not in mixed.HALVES:
             return None
-        batch = served.batching.max_batch_size
-        found = await asyncio.to_thread(mixed.find, loaded, engine.precision, self.device, held_to, limit, batch)
+        found = await asyncio.to_thread(mixed.find, loaded, precision, self.device, held_to, limit, batch, None, stored)
         served.mixed = found
         if found.plan is None:
             log.info("model %s: no mixed-precision plan meets its bar: %s", served.name, found.reason)
@@ -248,10 +253,10 @@ class ModelRepository:
             planned.close()
             found.plan, found.reason = None, "instance processes do not serve mixed-precision plans yet"
             return None
-        kept = ", ".join(found.plan.modules)
+        plan = found.plan
         log.warning(
             "model %s is served mixed, %s with %d of %d modules in fp32 (%s): that meets its bar",
-            *(served.name, engine.precision.value, len(found.plan.modules), found.plan.candidates, kept),
+            *(served.name, precision.value, len(plan.modules), plan.candidates, ", ".join(plan.modules)),
         )
         return planned
 

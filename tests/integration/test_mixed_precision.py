@@ -4,6 +4,7 @@ before; a model whose only layer is the fragile one has no plan (keeping it all 
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
@@ -54,6 +55,21 @@ def test_import_finds_the_plan_and_says_the_server_will_serve_it(
     assert "mixed precision: bf16 with 1 of 3 modules in fp32 (net.4;" in out
     assert "serves that plan, else fp32" in out
     assert "will serve this model in fp32" not in out
+    record = json.loads((tmp_path / "store" / "head" / "1" / "precision.json").read_text())
+    assert record["fp32_modules"] == ["net.4"]  # stored with the version, for a load to measure again
+
+
+async def test_a_stored_plan_that_no_longer_meets_the_bar_is_searched_again(tmp_path: Path) -> None:
+    root = tmp_path / "store"
+    assert import_(fragile_head(tmp_path / "w.pth"), root, "head", kwargs=DEEP) == 0
+    path = root / "head" / "1" / "precision.json"
+    record = json.loads(path.read_text())
+    record["fp32_modules"] = ["net.0"]  # a healthy layer: keeping it in fp32 leaves the fragile head in bf16
+    path.write_text(json.dumps(record))
+    async with serving(settings(root)) as client:
+        plan = (await entry(client, "head"))["mixed_precision"]["plan"]  # type: ignore[index]
+    assert plan["fp32_modules"] == ["net.4"]
+    assert plan["measurements"] > 1
 
 
 def settings(store: Path, **extra: object) -> Settings:
@@ -69,8 +85,11 @@ async def test_a_model_with_one_fragile_layer_is_served_mixed_with_only_that_lay
             assert listed["precision"] == "bf16"
             assert listed["precision_source"] == "mixed_plan"
             assert listed["fp32_fallback"] is None
-            plan = listed["mixed_precision"]["plan"]  # type: ignore[index]
+            found = listed["mixed_precision"]
+            plan = found["plan"]  # type: ignore[index]
             assert plan["fp32_modules"] == ["net.4"]
+            assert plan["measurements"] == 1  # the plan import stored, measured again: no search
+            assert "stored plan" in found["reason"]  # type: ignore[index]
             assert plan["candidates"] == 3
             assert 0 < plan["parameters_fp32"] < 0.2
             assert plan["fidelity"]["top1_agreement"] >= DEFAULT_BAR.min_top1_agreement
