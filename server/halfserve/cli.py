@@ -26,6 +26,7 @@ from halfserve.manifest import describe
 from halfserve.settings import Settings
 
 if TYPE_CHECKING:
+    from halfserve.mar import Archive
     from halfserve.multiproc.supervisor import Frontends
 
 
@@ -161,16 +162,28 @@ def _add_import(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         description="Build the architecture, load SOURCE's weights strictly, derive the outputs (unless given), store "
         "calibration samples and measure half precision against fp32 on them, and write the next version of NAME.",
     )
-    p.add_argument("source", type=Path, help=".pt/.pth state dict, .safetensors file, or Hugging Face model folder")
-    p.add_argument("--name", required=True, help="the model's name in the store")
+    p.add_argument(
+        "source",
+        type=Path,
+        help=".pt/.pth state dict, .safetensors file, Hugging Face model folder, or TorchServe .mar archive",
+    )
+    p.add_argument("--name", help="the model's name in the store (a .mar: default its modelName)")
     p.add_argument(
         "--architecture",
-        required=True,
-        help="registered name, package.module:factory, torchvision:<builder> or transformers:<AutoClass>",
+        help="registered name, package.module:factory, torchvision:<builder> or transformers:<AutoClass> "
+        "(a .mar: default its model file, with --trust-model-file)",
+    )
+    p.add_argument(
+        "--trust-model-file",
+        action="store_true",
+        help="a .mar's model file is Python code: copy it into the first --code-path folder and build it",
     )
     p.add_argument("--arch-kwargs", help="JSON object of the factory's keyword arguments")
     p.add_argument(
-        "--input", action="append", required=True, metavar="NAME:DTYPE:SHAPE", help="e.g. image:FP32:3x224x224"
+        "--input",
+        action="append",
+        metavar="NAME:DTYPE:SHAPE",
+        help="e.g. image:FP32:3x224x224 (a .mar with image_classifier: default input:FP32:3x224x224)",
     )
     p.add_argument(
         "--input-format",
@@ -257,10 +270,16 @@ def _add_image_flags(p: argparse.ArgumentParser) -> None:
 
 
 def import_(args: argparse.Namespace) -> int:
-    from halfserve import importer, models
+    from halfserve import importer, mar, models
     from halfserve.precision import resolve_device
 
+    scratch = tempfile.TemporaryDirectory(prefix="halfserve-mar-")
     try:
+        if args.source.suffix == ".mar":
+            _from_archive(args, mar.read(args.source, Path(scratch.name)))
+        missing = [f"--{n}" for n in ("name", "architecture", "input") if not getattr(args, n)]
+        if missing:
+            raise importer.ImportFailure(f"give {', '.join(missing)}")
         models.add_code_path(args.code_path or [])
         labels = importer.read_labels(args.labels) if args.labels else None
         fields: dict[str, object] = {"min_agreement": args.min_agreement} if args.min_agreement is not None else {}
@@ -304,8 +323,31 @@ def import_(args: argparse.Namespace) -> int:
     except (storage.StoreError, models.UnknownArchitectureError, ValueError, OSError) as e:
         print(f"halfserve import: {e}", file=sys.stderr)
         return 2
+    finally:
+        scratch.cleanup()
     print(importer.describe(result))
+    if args.trust_model_file and args.code_path:
+        print(f"  serve it with --code-path {args.code_path[0]} (its model file is there)")
     return 0
+
+
+def _from_archive(args: argparse.Namespace, archive: Archive) -> None:
+    """Fill what a TorchServe archive gives (:mod:`halfserve.mar`) where the command line did not."""
+    from halfserve import mar
+
+    args.source = archive.weights
+    args.name = args.name or archive.name
+    if args.architecture is None:
+        if archive.model_file is None:
+            raise mar.MarError(f"{archive.name}: the archive has no model file: give --architecture")
+        if not args.trust_model_file:
+            raise mar.refused_model_file(archive)
+        args.architecture = mar.trust_model_file(archive, args.code_path or [])
+    args.input = args.input or [mar.IMAGE_INPUT]
+    args.image = args.image or mar.IMAGE
+    args.image_preset = args.image_preset or "torchserve"
+    if args.labels is None and archive.labels is not None:
+        args.labels = archive.labels
 
 
 def build_parser() -> argparse.ArgumentParser:

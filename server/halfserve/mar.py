@@ -1,0 +1,228 @@
+"""TorchServe model archives (``.mar``) read for ``halfserve import``: what the archive says, its files unpacked within
+limits, and what each part becomes here.
+
+A ``.mar`` is a zip that ``torch-model-archiver`` writes: ``MAR-INF/MANIFEST.json`` (``{"model": {"modelName",
+"serializedFile", "handler", "modelFile", "modelVersion"}, "runtime", ...}``) beside the files it names, each by its
+base name, and the extra files. Here:
+
+* the serialized file is the weights: a state dict (``.pt``/``.pth``, read with ``weights_only``, or
+  ``.safetensors``) as for any import. A TorchScript file or a whole pickled model is refused with the fix;
+* the model file is Python code. Nothing from an archive runs unless the operator says so: with
+  ``--trust-model-file`` it is copied into the operator's first ``--code-path`` folder and its one ``nn.Module``
+  subclass (found by reading the file, not running it) becomes the architecture, ``mar_<name>:<Class>``; without the
+  flag the import is refused with the reason and the fix (``--architecture`` of their own also does);
+* the stock ``image_classifier`` handler becomes the ``torchserve`` image preset on one input of 3x224x224,
+  with the archive's ``index_to_name.json`` as the labels; other handlers are refused with the reason.
+
+The zip is read within limits (:data:`MAX_MEMBERS`, :data:`MAX_BYTES`, :data:`MAX_RATIO`): no absolute paths, no
+``..``, no links, and every byte counted as it is unpacked, never trusting the sizes the zip declares.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+import shutil
+import stat
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+
+from halfserve.storage import StoreError
+
+MANIFEST = "MAR-INF/MANIFEST.json"
+MAX_MEMBERS = 1_000
+"""Files an archive may hold (a model's archive holds a handful)."""
+MAX_BYTES = 8 * 1024**3
+"""Bytes an archive may unpack to, all files together."""
+MAX_RATIO = 200
+"""How many times its compressed size a file may unpack to (weights compress about 1.1x; a zip bomb 1,000x)."""
+MAX_MANIFEST_BYTES = 64 * 1024
+IMAGE_CLASSIFIER = "image_classifier"
+REFUSED_HANDLERS = {
+    "object_detector": "its answers (boxes per object) need torchvision's detection models",
+    "image_segmenter": "its answers (a class per pixel) are not a declared answer shape here yet",
+    "text_classifier": "import the Hugging Face folder with --architecture transformers:<AutoClass> and --text instead",
+    "base_handler": "it declares no transforms: give --input and, for photos, --image",
+}
+IMAGE_INPUT = "input:FP32:3x224x224"
+"""The input ``image_classifier`` feeds: TorchServe's transforms end in 3x224x224 floats."""
+IMAGE = "image"
+"""The name clients send photos under over V2 (``/predictions`` takes them as TorchServe's ``data``/``body``)."""
+
+
+class MarError(StoreError):
+    """An archive refused, with why and what to do."""
+
+
+@dataclass(frozen=True)
+class Archive:
+    """What an unpacked ``.mar`` gives an import."""
+
+    folder: Path
+    name: str
+    version: str | None
+    weights: Path
+    handler: str
+    model_file: Path | None
+    labels: Path | None
+
+
+def _member_path(info: zipfile.ZipInfo, where: Path) -> PurePosixPath:
+    name = PurePosixPath(info.filename)
+    if info.filename.startswith(("/", "\\")) or "\\" in info.filename or ".." in name.parts or ":" in info.filename:
+        raise MarError(f"{where}: member {info.filename[:80]!r} is not a plain relative path; refused")
+    if stat.S_ISLNK(info.external_attr >> 16):
+        raise MarError(f"{where}: member {info.filename[:80]!r} is a link; refused")
+    return name
+
+
+def unpack(path: Path, folder: Path) -> None:
+    """Unpack the archive at ``path`` into ``folder`` within the limits (see the module)."""
+    try:
+        zf = zipfile.ZipFile(path)
+    except (zipfile.BadZipFile, OSError) as e:
+        raise MarError(f"{path}: not a TorchServe archive (a zip file): {e}") from None
+    with zf:
+        members = zf.infolist()
+        if len(members) > MAX_MEMBERS:
+            raise MarError(f"{path}: {len(members)} files, more than the {MAX_MEMBERS} an archive may hold")
+        total = 0
+        for info in members:
+            name = _member_path(info, path)
+            if info.is_dir():
+                continue
+            if info.file_size > 1024**2 and info.file_size > MAX_RATIO * max(info.compress_size, 1):
+                raise MarError(
+                    f"{path}: {info.filename[:80]!r} unpacks to {info.file_size} bytes from {info.compress_size}, "
+                    f"more than {MAX_RATIO} times its size (a zip bomb?); refused"
+                )
+            target = folder.joinpath(*name.parts)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            written = 0
+            with zf.open(info) as src, target.open("xb") as dst:
+                while chunk := src.read(1 << 20):
+                    written += len(chunk)
+                    total += len(chunk)
+                    if written > info.file_size or total > MAX_BYTES:
+                        raise MarError(f"{path}: unpacks to more than its sizes say or than {MAX_BYTES} bytes; refused")
+                    dst.write(chunk)
+
+
+def _manifest(folder: Path, path: Path) -> dict[str, object]:
+    where = folder / MANIFEST
+    if not where.is_file():
+        raise MarError(f"{path}: no {MANIFEST}; not an archive torch-model-archiver wrote")
+    if where.stat().st_size > MAX_MANIFEST_BYTES:
+        raise MarError(f"{path}: {MANIFEST} is over {MAX_MANIFEST_BYTES} bytes")
+    try:
+        raw = json.loads(where.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise MarError(f"{path}: {MANIFEST} is not JSON: {e}") from None
+    model = raw.get("model") if isinstance(raw, dict) else None
+    if not isinstance(model, dict) or not all(isinstance(v, str) for v in model.values() if v is not None):
+        raise MarError(f'{path}: {MANIFEST} has no "model" object of strings')
+    return model
+
+
+def _file(folder: Path, model: dict[str, object], key: str, path: Path) -> Path | None:
+    name = model.get(key)
+    if name is None:
+        return None
+    found = folder / PurePosixPath(str(name)).name
+    if not found.is_file():
+        raise MarError(f"{path}: {MANIFEST} names {key} {name!r}, which the archive does not hold")
+    return found
+
+
+def _check_weights(weights: Path, path: Path) -> None:
+    if zipfile.is_zipfile(weights):
+        with zipfile.ZipFile(weights) as z:
+            if any(n.endswith("/constants.pkl") or "/code/" in n for n in z.namelist()):
+                raise MarError(
+                    f"{path}: {weights.name} is a TorchScript module, which halfserve does not import: save a state "
+                    "dict instead (torch.save(model.state_dict(), 'model.pt')) and archive it with --model-file"
+                )
+
+
+def read(path: Path, folder: Path) -> Archive:
+    """Unpack and read the archive at ``path`` into ``folder`` (an empty scratch folder)."""
+    unpack(path, folder)
+    model = _manifest(folder, path)
+    weights = _file(folder, model, "serializedFile", path)
+    if weights is None:
+        raise MarError(f"{path}: {MANIFEST} names no serializedFile (the weights); nothing to import")
+    _check_weights(weights, path)
+    handler = str(model.get("handler") or "")
+    if handler.removesuffix(".py") in REFUSED_HANDLERS:
+        stock = handler.removesuffix(".py")
+        raise MarError(f"{path}: handler {stock!r} is not imported: {REFUSED_HANDLERS[stock]}")
+    if handler != IMAGE_CLASSIFIER:
+        raise MarError(
+            f"{path}: handler {handler!r} is the archive's own code, which is not run here: port its preprocess and "
+            "postprocess to a handler class on --code-path and import with --handler module:Class "
+            "(docs/handlers.md), giving --input and --architecture"
+        )
+    labels = folder / "index_to_name.json"
+    name = str(model.get("modelName") or path.stem)
+    version = model.get("modelVersion")
+    model_file = _file(folder, model, "modelFile", path)
+    return Archive(
+        folder,
+        name,
+        None if version is None else str(version),
+        weights,
+        handler,
+        model_file,
+        labels if labels.is_file() else None,
+    )
+
+
+def module_class(model_file: Path) -> str:
+    """The one ``nn.Module`` subclass ``model_file`` defines, read from its syntax (the file is not run)."""
+    try:
+        tree = ast.parse(model_file.read_text(encoding="utf-8"), str(model_file))
+    except (SyntaxError, UnicodeDecodeError) as e:
+        raise MarError(f"{model_file.name}: not Python source: {e}") from None
+    found = [
+        node.name
+        for node in tree.body
+        if isinstance(node, ast.ClassDef) and any(ast.unparse(b).split(".")[-1] == "Module" for b in node.bases)
+    ]
+    if len(found) != 1:
+        raise MarError(
+            f"{model_file.name}: defines {len(found)} nn.Module subclasses ({', '.join(found) or 'none'}); TorchServe "
+            "takes the one it defines: give --architecture module:Class of your own instead"
+        )
+    return found[0]
+
+
+def trust_model_file(archive: Archive, code_path: list[Path]) -> str:
+    """Copy the archive's model file into the operator's first ``--code-path`` folder and return its architecture
+    string; refuses where there is no such folder, or a different file of that name is there."""
+    assert archive.model_file is not None
+    if not code_path:
+        raise MarError(
+            "--trust-model-file: give --code-path DIR too: the model file is copied there, and the server "
+            "imports it from there (serve with the same --code-path)"
+        )
+    module = "mar_" + re.sub(r"\W", "_", archive.name).lower()
+    target = code_path[0] / f"{module}.py"
+    source = archive.model_file.read_bytes()
+    if target.exists() and target.read_bytes() != source:
+        raise MarError(f"{target} exists and differs from the archive's {archive.model_file.name}; move it first")
+    cls = module_class(archive.model_file)
+    code_path[0].mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(archive.model_file, target)
+    return f"{module}:{cls}"
+
+
+def refused_model_file(archive: Archive) -> MarError:
+    """Why an archive whose architecture is its model file is not imported without ``--trust-model-file``."""
+    name = archive.model_file.name if archive.model_file is not None else "(none)"
+    return MarError(
+        f"the archive's model file {name} is Python code, and nothing from an archive runs unless the operator says "
+        "so: read it, then import with --trust-model-file --code-path DIR (it is copied into DIR), or give "
+        "--architecture of your own"
+    )
