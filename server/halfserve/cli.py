@@ -337,6 +337,10 @@ def _from_archive(args: argparse.Namespace, archive: Archive) -> None:
 
     args.source = archive.weights
     args.name = args.name or archive.name
+    try:  # before anything is written for it (the model file copied)
+        storage.check_name(args.name)
+    except storage.StoreError as e:
+        raise mar.MarError(f"{e}: the archive's modelName is not a store name; give --name") from None
     if args.architecture is None:
         if archive.model_file is None:
             raise mar.MarError(f"{archive.name}: the archive has no model file: give --architecture")

@@ -88,9 +88,12 @@ def unpack(path: Path, folder: Path) -> None:
         members = zf.infolist()
         if len(members) > MAX_MEMBERS:
             raise MarError(f"{path}: {len(members)} files, more than the {MAX_MEMBERS} an archive may hold")
-        total = 0
+        total, seen = 0, set()
         for info in members:
             name = _member_path(info, path)
+            if name in seen:
+                raise MarError(f"{path}: member {info.filename[:80]!r} appears twice; refused")
+            seen.add(name)
             if info.is_dir():
                 continue
             if info.file_size > 1024**2 and info.file_size > MAX_RATIO * max(info.compress_size, 1):

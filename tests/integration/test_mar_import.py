@@ -47,7 +47,9 @@ def tiny_net() -> torch.nn.Module:
     return net
 
 
-def archive(path: Path, net: torch.nn.Module, *, handler: str = "image_classifier", **extra: bytes) -> Path:
+def archive(
+    path: Path, net: torch.nn.Module, *, handler: str = "image_classifier", model_name: str = "tinynet", **extra: bytes
+) -> Path:
     """A .mar laid out as torch-model-archiver lays it out (MAR-INF/MANIFEST.json beside the files by base name)."""
     weights = io.BytesIO()
     torch.save(net.state_dict(), weights)
@@ -55,7 +57,7 @@ def archive(path: Path, net: torch.nn.Module, *, handler: str = "image_classifie
         "createdOn": "28/11/2026 08:00:00",
         "runtime": "python",
         "model": {
-            "modelName": "tinynet",
+            "modelName": model_name,
             "serializedFile": "model.pt",
             "handler": handler,
             "modelFile": "model.py",
@@ -189,3 +191,18 @@ def test_a_zip_bomb_and_too_many_files_are_refused_before_they_are_unpacked(
             z.writestr(f"f{i}", b"")
     assert import_mar(many, tmp_path / "store", "--name", "m") == 2
     assert "1001 files, more than the 1000" in capsys.readouterr().err
+    twice = archive(tmp_path / "twice.mar", tiny_net())
+    with pytest.warns(UserWarning, match="Duplicate name"), zipfile.ZipFile(twice, "a") as z:
+        z.writestr("model.pt", b"other weights")  # which one would be the model's?
+    assert import_mar(twice, tmp_path / "store", "--trust-model-file", "--code-path", str(tmp_path / "code")) == 2
+    assert "member 'model.pt' appears twice" in capsys.readouterr().err
+
+
+def test_an_archive_name_that_is_no_store_name_is_refused_before_anything_is_written(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    mar = archive(tmp_path / "x.mar", tiny_net(), model_name="../evil")
+    code = tmp_path / "code"
+    assert import_mar(mar, tmp_path / "store", "--trust-model-file", "--code-path", str(code)) == 2
+    assert "the archive's modelName is not a store name; give --name" in capsys.readouterr().err
+    assert not code.exists()
