@@ -158,8 +158,9 @@ class ModelRepository:
         setting = self.settings.placement
         placement = await asyncio.to_thread(choose, setting, served.manifest.execution, self.device, measured)
         if placement is Placement.INSTANCE_PROCESSES:
+            fixed, kept = self.fixed_shapes(), served.plan_for(precision)
             processes = await ProcessEngine.start(
-                self.settings, loaded, precision, self.device, max_batch_size, self.fixed_shapes()
+                self.settings, loaded, precision, self.device, max_batch_size, fixed, kept
             )
             served.warmup_seconds = processes.warmup_seconds
             return processes
@@ -175,8 +176,7 @@ class ModelRepository:
         """An engine in this process, warmed up and its intra-op threads settled on a CPU (unless warm-up is off); it
         blocks, so run it off the event loop."""
         max_batch_size = served.batching.max_batch_size
-        plan = served.mixed.plan if served.mixed is not None else None
-        kept = plan.modules if plan is not None and plan.precision is precision else ()
+        kept = served.plan_for(precision)
         engine = Engine(loaded, precision, self.device, max_batch_size=max_batch_size, fp32_modules=kept)
         if self.settings.warmup:
             try:
@@ -248,17 +248,12 @@ class ModelRepository:
         if found.plan is None:
             log.info("model %s: no mixed-precision plan meets its bar: %s", served.name, found.reason)
             return None
-        planned = await self._engine(served, loaded, engine.precision)
-        if getattr(planned, "fp32_modules", ()) != found.plan.modules:
-            planned.close()
-            found.plan, found.reason = None, "instance processes do not serve mixed-precision plans yet"
-            return None
         plan = found.plan
         log.warning(
             "model %s is served mixed, %s with %d of %d modules in fp32 (%s): that meets its bar",
             *(served.name, precision.value, len(plan.modules), plan.candidates, ", ".join(plan.modules)),
         )
-        return planned
+        return await self._engine(served, loaded, precision)
 
     def _record(self, loaded: LoadedModel, engine: ModelEngine, held_to: fidelity.Bar) -> precision_record.AtLoad:
         """The version's precision record checked against this load's conditions."""

@@ -138,6 +138,12 @@ class ServedModel:
                 self.fidelity_shortfall,
             )
 
+    def plan_for(self, precision: Precision) -> tuple[str, ...]:
+        """The modules an engine in ``precision`` keeps in fp32: the load's mixed-precision plan where it was found
+        for that precision, else none."""
+        plan = self.mixed.plan if self.mixed is not None else None
+        return plan.modules if plan is not None and plan.precision is precision else ()
+
     @property
     def overflows(self) -> int:
         """Half-precision overflows since the model was loaded, across precision switches."""

@@ -104,8 +104,24 @@ async def test_a_model_with_one_fragile_layer_is_served_mixed_with_only_that_lay
             with torch.no_grad():
                 want = reference(torch.from_numpy(x)).argmax(1).numpy()
             got = np.asarray(r.json()["outputs"]).argmax(1)
-            assert (got == want).mean() >= DEFAULT_BAR.min_top1_agreement  # bf16 alone agrees on about 1 in 5
+            assert (got == want).mean() >= 0.9  # bf16 alone agrees on about 1 in 5; a near-tie may still flip
     assert any("is served mixed, bf16 with 1 of 3 modules in fp32 (net.4)" in m for m in caplog.messages)
+
+
+async def test_instance_processes_serve_the_plan_too(deep_store: Path) -> None:
+    placed = Settings(store=deep_store, precision=Precision.BF16, placement=PlacementSetting.INSTANCE_PROCESSES)
+    async with serving(placed) as client:
+        listed = await entry(client, "head")
+        assert listed["precision_source"] == "mixed_plan"
+        assert listed["mixed_precision"]["plan"]["fp32_modules"] == ["net.4"]  # type: ignore[index]
+        x = np.random.default_rng(2).standard_normal((32, FEATURES)).astype(np.float32)
+        r = await client.post("/predict", json={"model": "head", "inputs": x.tolist()})  # type: ignore[attr-defined]
+        assert r.status_code == 200, r.text
+        reference = models.build("mlp", **DEEP)
+        reference.load_state_dict(torch.load(deep_store.parent / "w.pth", weights_only=True))
+        with torch.no_grad():
+            want = reference(torch.from_numpy(x)).argmax(1).numpy()
+        assert (np.asarray(r.json()["outputs"]).argmax(1) == want).mean() >= 0.9  # bf16 alone: about 1 in 5
 
 
 async def test_with_the_search_off_the_model_is_served_in_fp32_as_before(deep_store: Path) -> None:

@@ -91,8 +91,9 @@ def _start(config: ChildConfig, memory: InstanceMemory, weights: bytes) -> tuple
     tune_cudnn(device, config.fixed_shapes)
     loaded = store.from_weights_bytes(settings.store, config.manifest, config.version, weights, config.hf_config)
     execution = loaded.manifest.execution.model_copy(update={"instances": 1})
+    precision, kept = Precision(config.precision), config.fp32_modules
     engine = Engine(
-        loaded, Precision(config.precision), device, execution=execution, max_batch_size=config.max_batch_size
+        loaded, precision, device, execution=execution, max_batch_size=config.max_batch_size, fp32_modules=kept
     )
     # Page-locked, the input region's rows go straight to the device (Instance.upload), with no staging copy.
     pin_host(memory.map)

@@ -241,11 +241,14 @@ class ProcessEngine:
         device: torch.device,
         max_batch_size: int,
         fixed_shapes: bool,
+        fp32_modules: tuple[str, ...] = (),
     ) -> None:
         manifest = loaded.manifest
         self.name = manifest.name
         self.device = device
         self.precision = prec.resolve(precision, device)
+        self.fp32_modules = fp32_modules if prec.weight_dtype(self.precision) != torch.float32 else ()
+        """A mixed-precision plan's modules, kept in fp32 by every instance process (:mod:`halfserve.mixed`)."""
         self.overflow = OverflowPolicy(manifest.overflow)
         self.placement = Placement.INSTANCE_PROCESSES
         self.real_elements = 0
@@ -291,11 +294,12 @@ class ProcessEngine:
         device: torch.device,
         max_batch_size: int,
         fixed_shapes: bool,
+        fp32_modules: tuple[str, ...] = (),
     ) -> ProcessEngine:
         """Spawn the model's instance processes, handing them ``loaded``'s host weights, and wait until every one is
         warm; raises :class:`~halfserve.engine.protocol.EngineError` (with the process's own error) when one fails to
         start."""
-        engine = cls(settings, loaded, precision, device, max_batch_size, fixed_shapes)
+        engine = cls(settings, loaded, precision, device, max_batch_size, fixed_shapes, fp32_modules)
         try:
             engine._weights = await asyncio.to_thread(_weights_memfd, loaded)
             readies = await engine.supervisor.start(engine._count)
@@ -343,6 +347,7 @@ class ProcessEngine:
             input_bytes=self._regions[0],
             output_bytes=self._regions[1],
             code=self._code,
+            fp32_modules=self.fp32_modules,
             hf_config=self._hf_config,
         )
         instance = InstanceProcess(self, index, memory)

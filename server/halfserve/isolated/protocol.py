@@ -62,6 +62,8 @@ class ChildConfig:
     """The ``--code-path`` module the architecture comes from, as the server process read it at load."""
     hf_config: dict[str, Any] | None = None
     """A Hugging Face model's configuration as the server process loaded it (its config.json is not read again)."""
+    fp32_modules: tuple[str, ...] = ()
+    """The modules a mixed-precision plan keeps in fp32 (:mod:`halfserve.mixed`)."""
 
 
 def region_sizes(manifest: Manifest, max_batch_size: int) -> tuple[int, int]:
