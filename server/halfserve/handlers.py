@@ -18,7 +18,7 @@ import enum
 import os
 import re
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -80,12 +80,14 @@ _built: dict[tuple[str, str, int, str], Any] = {}
 _build_lock = threading.Lock()
 
 
-def build(section: HandlerSection) -> Any:
-    """A fresh handler of ``section``: its ``code`` resolved under the trust rule and called with no arguments;
+def build(section: HandlerSection, code_path: Sequence[Path] = ()) -> Any:
+    """A fresh handler of ``section``: its ``code`` resolved under the trust rule (from ``code_path``, the operator's
+    folders, which a front-end process registers here first) and called with no arguments;
     :class:`HandlerLoadError` says why not."""
     from halfserve import models  # torch: only where a handler is built, never by the data plane's import
 
     try:
+        models.add_code_path(code_path)
         factory = models.resolve_code(section.code, "handler")
     except models.UnknownArchitectureError as e:
         raise HandlerLoadError(str(e)) from None
@@ -101,15 +103,21 @@ def build(section: HandlerSection) -> Any:
     return handler
 
 
-def handler(store: Path, name: str, version: int, section: HandlerSection) -> Any:
+def handler(store: Path, name: str, version: int, section: HandlerSection, code_path: Sequence[Path] = ()) -> Any:
     """Model ``name``'s version's handler, built the first time it is asked for in this process (the load asks, so
-    that one that cannot be built fails the load, not requests)."""
+    that one that cannot be built fails the load, not requests; a front-end process builds its own on its first
+    request, importing torch then). It blocks while it builds: see :func:`built`."""
     key = (str(store), name, version, section.code)
     with _build_lock:
         found = _built.get(key)
         if found is None:
-            found = _built[key] = build(section)
+            found = _built[key] = build(section, code_path)
     return found
+
+
+def built(store: Path, name: str, version: int, section: HandlerSection) -> Any:
+    """The handler :func:`handler` built already, or ``None`` (then build it off the event loop)."""
+    return _built.get((str(store), name, version, section.code))
 
 
 _running = 0

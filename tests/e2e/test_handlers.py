@@ -209,3 +209,17 @@ def test_a_handler_in_the_model_folder_is_refused_at_import(
     assert "--handler: handler 'folder_handler:Digits'" in err
     assert "--code-path" in err
     assert not (tmp_path / "refused").exists()
+
+
+def test_front_end_processes_answer_through_the_handler_too(
+    server_factory: StartServer, store: tuple[Path, Path]
+) -> None:
+    root, code = store
+    workers = server_factory(root, "--code-path", str(code), "--models", MODEL, "--http-workers", "2")
+    rows = digits_rows()
+    expected = tensor_digits(workers.url, rows)
+    for i, row in enumerate(rows[:6]):  # new connections: both front-ends answer some
+        with httpx.Client(timeout=TIMEOUT) as client:
+            r = client.put(f"{workers.url}/predictions/{MODEL}", content=csv(row))
+        assert r.status_code == 200, r.text
+        assert r.json()["digit"] == expected[i]

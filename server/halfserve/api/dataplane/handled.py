@@ -11,6 +11,7 @@ and a full bound a 503 to retry.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 from dataclasses import dataclass
 from typing import Any
@@ -127,8 +128,9 @@ async def preprocess(served: ModelHandle, settings: Settings, payloads: list[Pay
     """The model's inputs, by its handler's ``preprocess`` of the TorchServe-shaped requests, checked."""
     spec = section(served)
     assert spec is not None, "called for a model with a handler section"
+    key = (settings.store, served.name, served.version, spec)
     try:
-        handler = handlers.handler(settings.store, served.name, served.version, spec)
+        handler = handlers.built(*key) or await asyncio.to_thread(handlers.handler, *key, settings.code_path)
     except handlers.HandlerLoadError as e:  # the load failed on it too: the model has no version to serve
         raise ModelUnavailableError(f"model {served.name!r}: {e}") from None
     requests = [p.as_request() for p in payloads]
@@ -159,7 +161,7 @@ async def postprocess(
     model of one output, else all by name) and the same requests ``preprocess`` had."""
     spec = section(served)
     assert spec is not None, "called for a model with a handler section"
-    handler = handlers.handler(settings.store, served.name, served.version, spec)
+    handler = handlers.handler(settings.store, served.name, served.version, spec)  # built by preprocess
     names = [t.name for t in served.manifest.outputs]
     given: object = outputs[names[0]] if len(names) == 1 else outputs
     requests = [p.as_request() for p in payloads]
