@@ -13,9 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from halfserve.settings import Settings
-from tests.integration.conftest import serving
-from tests.integration.test_mar_import import LABELS, MODEL_FILE, import_mar, photo, reference_top5, tiny_net
+from tests.integration.test_mar_import import LABELS, MODEL_FILE, answers_as_torchserve, import_mar, tiny_net
 
 ARCHIVER = "from model_archiver.model_packaging import generate_model_archive; generate_model_archive()"
 
@@ -40,12 +38,4 @@ async def test_an_archive_torch_model_archiver_made_answers_as_torchserve_s_hand
     mar, net = archived(tmp_path)
     code = tmp_path / "code"
     assert import_mar(mar, tmp_path / "store", "--trust-model-file", "--code-path", str(code)) == 0
-    async with serving(Settings(store=tmp_path / "store", code_path=[code])) as client:
-        for fmt in ("JPEG", "PNG"):
-            data = photo(fmt)
-            r = await client.put("/predictions/tinynet", content=data)  # type: ignore[attr-defined]
-            assert r.status_code == 200, r.text
-            got, want = r.json(), reference_top5(net, data)
-            assert list(got) == list(want), (fmt, got, want)
-            for label, p in want.items():
-                assert got[label] == pytest.approx(p, abs=0.02), (fmt, label)
+    await answers_as_torchserve(tmp_path / "store", code, net)

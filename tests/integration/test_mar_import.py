@@ -107,10 +107,16 @@ async def test_an_image_classifier_archive_answers_photos_as_torchserve_s_handle
     mar = archive(tmp_path / "tinynet.mar", net)
     assert import_mar(mar, tmp_path / "store", "--trust-model-file", "--code-path", str(code)) == 0
     assert (code / "mar_tinynet.py").read_text() == MODEL_FILE
-    async with serving(Settings(store=tmp_path / "store", code_path=[code])) as client:
+    await answers_as_torchserve(tmp_path / "store", code, net)
+
+
+async def answers_as_torchserve(store: Path, code: Path, net: torch.nn.Module) -> None:
+    """A JPEG and a PNG posted to ``/predictions/tinynet`` get the reference's top 5, highest first, with
+    probabilities within half precision's tolerance."""
+    async with serving(Settings(store=store, code_path=[code])) as client:
         for fmt in ("JPEG", "PNG"):
             data = photo(fmt)
-            r = await client.post("/predictions/tinynet", content=data)  # type: ignore[attr-defined]
+            r = await client.put("/predictions/tinynet", content=data)  # type: ignore[attr-defined]  # curl -T
             assert r.status_code == 200, r.text
             got, want = r.json(), reference_top5(net, data)
             assert list(got) == list(want), (fmt, got, want)  # the same labels, highest first

@@ -72,6 +72,15 @@ async def test_a_stored_plan_that_no_longer_meets_the_bar_is_searched_again(tmp_
     assert plan["measurements"] > 1
 
 
+def fp32_classes(store: Path, x: np.ndarray) -> np.ndarray:
+    """The classes the imported weights give ``x`` in fp32."""
+    reference = models.build("mlp", **DEEP)
+    reference.load_state_dict(torch.load(store.parent / "w.pth", weights_only=True))
+    with torch.no_grad():
+        classes: np.ndarray = reference(torch.from_numpy(x)).argmax(1).numpy()
+    return classes
+
+
 def settings(store: Path, **extra: object) -> Settings:
     return Settings(store=store, precision=Precision.BF16, placement=PlacementSetting.INSTANCE_THREADS, **extra)  # type: ignore[arg-type]
 
@@ -99,10 +108,7 @@ async def test_a_model_with_one_fragile_layer_is_served_mixed_with_only_that_lay
             x = np.random.default_rng(1).standard_normal((32, FEATURES)).astype(np.float32)
             r = await client.post("/predict", json={"model": "head", "inputs": x.tolist()})  # type: ignore[attr-defined]
             assert r.status_code == 200, r.text
-            reference = models.build("mlp", **DEEP)
-            reference.load_state_dict(torch.load(deep_store.parent / "w.pth", weights_only=True))
-            with torch.no_grad():
-                want = reference(torch.from_numpy(x)).argmax(1).numpy()
+            want = fp32_classes(deep_store, x)
             got = np.asarray(r.json()["outputs"]).argmax(1)
             assert (got == want).mean() >= 0.9  # bf16 alone agrees on about 1 in 5; a near-tie may still flip
     assert any("is served mixed, bf16 with 1 of 3 modules in fp32 (net.4)" in m for m in caplog.messages)
@@ -117,10 +123,7 @@ async def test_instance_processes_serve_the_plan_too(deep_store: Path) -> None:
         x = np.random.default_rng(2).standard_normal((32, FEATURES)).astype(np.float32)
         r = await client.post("/predict", json={"model": "head", "inputs": x.tolist()})  # type: ignore[attr-defined]
         assert r.status_code == 200, r.text
-        reference = models.build("mlp", **DEEP)
-        reference.load_state_dict(torch.load(deep_store.parent / "w.pth", weights_only=True))
-        with torch.no_grad():
-            want = reference(torch.from_numpy(x)).argmax(1).numpy()
+        want = fp32_classes(deep_store, x)
         assert (np.asarray(r.json()["outputs"]).argmax(1) == want).mean() >= 0.9  # bf16 alone: about 1 in 5
 
 
