@@ -236,12 +236,13 @@ def find(
     batch: int,
     clock: Callable[[], float] | None = None,
     stored: tuple[str, ...] = (),
+    samples: fidelity.Samples | None = None,
 ) -> Outcome:
     """Search a plan for ``loaded`` in ``precision`` on its fidelity samples (calibration, else random), each try an
     engine of its own measured against the host's fp32 weights; it blocks (seconds to minutes), so run it off the
     event loop. Samples the model cannot run (random ones past what it takes) give no plan, with the reason. A plan
     ``stored`` with the version (its precision record's, found at import) is measured first and served if it still
-    meets the bar: one measurement, not a search."""
+    meets the bar: one measurement, not a search. ``samples``: those the load already read, else read here."""
     clock = clock or time.monotonic
     started = clock()
 
@@ -249,10 +250,10 @@ def find(
         return Engine(loaded, precision, device, max_batch_size=batch, fp32_modules=plan)
 
     try:
-        samples = fidelity.samples(loaded)
+        rows = samples if samples is not None else fidelity.samples(loaded)
         ranking = build(())
         try:
-            ranked = rank(ranking.model, lambda: ranking.compute(samples.rows[:RANK_ROWS]), candidates(ranking.model))
+            ranked = rank(ranking.model, lambda: ranking.compute(rows.rows[:RANK_ROWS]), candidates(ranking.model))
         finally:
             ranking.close()
     except Exception as e:  # the half precision is then unproven, as it is without a search
@@ -261,7 +262,7 @@ def find(
     def measure(plan: tuple[str, ...]) -> Fidelity:
         engine = build(plan)
         try:
-            return fidelity.measure(engine, loaded, samples.rows, batch, samples.source)
+            return fidelity.measure(engine, loaded, rows.rows, batch, rows.source)
         finally:
             engine.close()
 

@@ -12,7 +12,8 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from dataclasses import asdict, dataclass, field
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime
 from enum import Enum
 from pathlib import Path
@@ -172,10 +173,13 @@ class AtLoad:
             return "every load measures (--fidelity-bar measure)"
         return f"it has no {RECORD}"
 
-    def shown(self, own: PrecisionRecord | None) -> dict[str, Any]:
+    def shown(self, own: PrecisionRecord | None, plan: Sequence[str] | None = None) -> dict[str, Any]:
         """``/models``' ``precision_record``: the check and the record the model is served under (the stored one where
-        trusted, else the load's own, kept in memory only)."""
+        trusted, else the load's own, kept in memory only), with ``plan`` as its ``fp32_modules`` where the load serves
+        a mixed-precision plan (found at load, or the stored one measured again)."""
         served = self.trusted or own
+        if served is not None and plan is not None:
+            served = replace(served, fp32_modules=list(plan))
         return {
             "check": self.check.value,
             "differs": self.differs,

@@ -9,12 +9,9 @@ from collections.abc import Callable
 
 from halfserve import (
     calibration,
-    fidelity,
     handlers,
     livefidelity,
-    mixed,
     padding,
-    precision_record,
     storage,
     store,
     text,
@@ -28,6 +25,7 @@ from halfserve.engine.traced import TraceRefused
 from halfserve.fallback import VersionFallback
 from halfserve.indices import index_limits
 from halfserve.isolated.engine import ProcessEngine
+from halfserve.loadfidelity import LoadFidelity
 from halfserve.manifest import Batching, Manifest, Precision, load_manifest
 from halfserve.placement import Placement, available_cores, choose, in_process, pads_to_buckets
 from halfserve.precision import resolve_device
@@ -39,7 +37,7 @@ from halfserve.serving import (
     find,
     why_model_not_ready,
 )
-from halfserve.settings import FidelityCheck, LiveFidelityAction, Settings
+from halfserve.settings import LiveFidelityAction, Settings
 from halfserve.storage import StoreError
 from halfserve.store import LoadedModel
 
@@ -81,6 +79,7 @@ class ModelRepository:
         """Precisions set at run time, per model; they outrank the settings and the manifest, across reloads."""
         self._locks: dict[str, asyncio.Lock] = {}
         self._fallback = VersionFallback(settings.store, self._register, self._load)
+        self._fidelity = LoadFidelity(settings, self.device, self._engine)
         self._demotions: set[asyncio.Task[None]] = set()
         """Demotions under way (held so they are not collected before they finish)."""
 
@@ -190,119 +189,6 @@ class ModelRepository:
                 raise
         return engine
 
-    def _held_to(self, manifest: Manifest) -> fidelity.Bar | None:
-        """The fidelity bar a model served in a half precision must meet at load; ``None``: it is not measured."""
-        if self.settings.fidelity_bar is FidelityCheck.OFF:
-            return None
-        held_to = fidelity.bar(manifest)
-        return held_to if held_to.check else None
-
-    async def _check_fidelity(
-        self, served: ServedModel, loaded: LoadedModel, engine: ModelEngine, held_to: fidelity.Bar
-    ) -> ModelEngine:
-        """Hold a half-precision engine to ``held_to``: by its version's precision record where that was measured
-        under this load's conditions, else by measuring it against fp32; returns the engine to serve: this one, or an
-        fp32 one where the model falls below ``held_to``."""
-        served.fidelity_bar = held_to.as_dict()
-        half = engine.precision.value
-        record = await asyncio.to_thread(self._record, loaded, engine, held_to)
-        served.precision_record = record.shown(None)
-        trusted = record.trusted
-        if trusted is not None:
-            log.info("model %s: %s not measured at load: %s", served.name, half, record.why())
-            served.fidelity = trusted.fidelity
-            reason = fidelity.shortfall(trusted.fidelity, held_to)
-        else:
-            log.info("model %s: %s measured against fp32 at load: %s", served.name, half, record.why())
-            reason = await self._measure(served, loaded, engine, held_to, record)
-        if reason is None:
-            return engine
-        stored = tuple(record.stored.fp32_modules) if record.stored is not None else ()
-        planned = await self._mixed_plan(served, loaded, engine, held_to, stored)
-        if planned is not None:
-            engine.close()
-            return planned
-        served.fidelity_shortfall, served.shortfall_precision = reason, engine.precision
-        log.warning(
-            "model %s is served in fp32, not %s: %s; %s", served.name, half, reason, fidelity.how_to_override(half)
-        )
-        served.fp32_fallback = reason
-        engine.close()
-        return await self._engine(served, loaded, Precision.FP32)
-
-    async def _mixed_plan(
-        self,
-        served: ServedModel,
-        loaded: LoadedModel,
-        engine: ModelEngine,
-        held_to: fidelity.Bar,
-        stored: tuple[str, ...],
-    ) -> ModelEngine | None:
-        """An engine with the fewest modules kept in fp32 that meets ``held_to`` (:mod:`halfserve.mixed`; the version's
-        ``stored`` plan where it still does), searched within ``mixed_search_seconds``; ``None`` where there is none."""
-        limit, batch, precision = self.settings.mixed_search_seconds, served.batching.max_batch_size, engine.precision
-        if limit <= 0 or precision not in mixed.HALVES:
-            return None
-        found = await asyncio.to_thread(mixed.find, loaded, precision, self.device, held_to, limit, batch, None, stored)
-        served.mixed = found
-        if found.plan is None:
-            log.info("model %s: no mixed-precision plan meets its bar: %s", served.name, found.reason)
-            return None
-        plan = found.plan
-        log.warning(
-            "model %s is served mixed, %s with %d of %d modules in fp32 (%s): that meets its bar",
-            *(served.name, precision.value, len(plan.modules), plan.candidates, ", ".join(plan.modules)),
-        )
-        return await self._engine(served, loaded, precision)
-
-    def _record(self, loaded: LoadedModel, engine: ModelEngine, held_to: fidelity.Bar) -> precision_record.AtLoad:
-        """The version's precision record checked against this load's conditions."""
-        version_dir = loaded.path.parent
-        kind = prec.device_kind(engine.device)
-        under = precision_record.conditions(version_dir, loaded.manifest, engine.precision, held_to, kind)
-        return precision_record.at_load(version_dir, under, self.settings.fidelity_bar is FidelityCheck.MEASURE)
-
-    @staticmethod
-    async def _measure(
-        served: ServedModel,
-        loaded: LoadedModel,
-        engine: ModelEngine,
-        held_to: fidelity.Bar,
-        record: precision_record.AtLoad,
-    ) -> str | None:
-        """Measure a half-precision engine against fp32 on the version's samples (calibration, else random); returns
-        why it is not to be served (``None``: it meets ``held_to``)."""
-        samples = await asyncio.to_thread(fidelity.samples, loaded)
-        half = engine.precision.value
-        try:
-            measured = await asyncio.to_thread(
-                fidelity.measure, engine, loaded, samples.rows, served.batching.max_batch_size, samples.source
-            )
-        except Exception as e:
-            if samples.source is not fidelity.Source.RANDOM:
-                raise  # the operator's own samples fail the model: as any load failure
-            # Random samples may be inputs the model cannot take (ids past its vocabulary, values it refuses): its
-            # half precision is then unproven, so it is not what is served.
-            return f"{half} could not be measured against fp32 on random samples ({e}); give calibration samples"
-        else:
-            served.fidelity = measured
-            served.precision_record = record.shown(precision_record.measured(record.under, measured))
-            log.info(
-                "model %s: %s vs fp32 on %d %s samples in %.2fs: top-1 agreement %s, lowest cosine %s, "
-                "max abs/rel error %s/%s",
-                served.name,
-                half,
-                measured.samples,
-                measured.source,
-                measured.seconds,
-                _figure(measured.top1_agreement, ".4f"),
-                _figure(measured.min_cosine, ".6f"),
-                _figure(measured.max_abs_error, ".3g"),
-                _figure(measured.max_rel_error, ".3g"),
-            )
-            engine.real_elements = engine.padded_elements = 0  # padding waste counts requests, not samples
-            return fidelity.shortfall(measured, held_to)
-
     @staticmethod
     async def _check_padding(served: ServedModel, loaded: LoadedModel) -> None:
         """Refuse a model whose answers change with padding (:mod:`halfserve.padding`), before an engine is built."""
@@ -328,10 +214,10 @@ class ModelRepository:
         await self._check_padding(served, loaded)
         served.index_limits = await asyncio.to_thread(index_limits, loaded.module, loaded.manifest)
         engine = await self._engine(served, loaded, precision)
-        held_to = self._held_to(loaded.manifest)
+        held_to = self._fidelity.held_to(loaded.manifest)
         if engine.precision is not Precision.FP32 and held_to is not None:
             try:
-                engine = await self._check_fidelity(served, loaded, engine, held_to)
+                engine = await self._fidelity.check(served, loaded, engine, held_to)
             except BaseException:
                 engine.close()
                 raise
@@ -479,7 +365,7 @@ class ModelRepository:
     def _runner(self, served: ServedModel, loaded: LoadedModel, engine: ModelEngine) -> Runner:
         """The batcher's runner for ``engine``: tapped for live fidelity (:mod:`halfserve.livefidelity`) where the
         model is served in a half precision held to a fidelity bar, and the sampling rate is not 0."""
-        held_to = self._held_to(loaded.manifest)
+        held_to = self._fidelity.held_to(loaded.manifest)
         settings = livefidelity.LiveSettings.of(self.settings)
         if held_to is None or not livefidelity.samples_live(loaded.manifest, engine.precision, settings):
             return engine.run
@@ -582,10 +468,6 @@ class ModelRepository:
         await asyncio.gather(*self._demotions, return_exceptions=True)
         for served in self.models.values():
             await self._release(served)
-
-
-def _figure(value: float | None, spec: str) -> str:
-    return "n/a" if value is None else format(value, spec)
 
 
 def _restore(overrides: dict[str, Precision], name: str, value: Precision | None) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -68,8 +69,35 @@ async def test_a_stored_plan_that_no_longer_meets_the_bar_is_searched_again(tmp_
     path.write_text(json.dumps(record))
     async with serving(settings(root)) as client:
         plan = (await entry(client, "head"))["mixed_precision"]["plan"]  # type: ignore[index]
+        shown = await metadata_record(client, "head")
     assert plan["fp32_modules"] == ["net.4"]
     assert plan["measurements"] > 1
+    assert shown["check"] == "trusted"
+    assert shown["record"]["fp32_modules"] == ["net.4"]  # what is served, not the stored plan that missed the bar
+
+
+async def test_a_plan_found_at_load_is_in_the_record_the_v2_metadata_shows(tmp_path: Path) -> None:
+    root = tmp_path / "store"
+    assert import_(fragile_head(tmp_path / "w.pth"), root, "head", kwargs=DEEP) == 0
+    (root / "head" / "1" / "precision.json").unlink()  # nothing stored: the load measures, then searches
+    async with serving(settings(root)) as client:
+        listed = await entry(client, "head")
+        shown = await metadata_record(client, "head")
+    assert listed["precision_source"] == "mixed_plan"
+    assert shown["check"] == "measured"
+    record = shown["record"]
+    assert record["fp32_modules"] == ["net.4"]
+    assert record["precision"] == "bf16"
+    assert record["fidelity"]["top1_agreement"] < DEFAULT_BAR.min_top1_agreement  # the whole half model's figures
+    assert listed["precision_record"] == shown  # /models and the V2 metadata say the same
+
+
+async def metadata_record(client: object, name: str) -> dict[str, Any]:
+    """The precision record in ``name``'s V2 model metadata ``parameters`` (a JSON string there)."""
+    r = await client.get(f"/v2/models/{name}")  # type: ignore[attr-defined]
+    assert r.status_code == 200, r.text
+    shown: dict[str, Any] = json.loads(r.json()["parameters"]["precision_record"])
+    return shown
 
 
 def fp32_classes(store: Path, x: np.ndarray) -> np.ndarray:
