@@ -298,7 +298,7 @@ def import_model(
             store.write_weights(stage.path, module, {"name": manifest.name})
         given.save(stage.path)
         on = device or precision.default_device()
-        measured = _measure(model_dir, manifest, stage.path, on)
+        measured, loaded, rows = _measure(model_dir, manifest, stage.path, on)
         held_to = fidelity.bar(manifest)
         half = Precision(measured.precision)
         under = precision_record.conditions(stage.path, manifest, half, held_to, precision.device_kind(on))
@@ -309,8 +309,8 @@ def import_model(
             raise ImportFailure(f"--strict: below the fidelity bar: {shortfall}; nothing was written to {model_dir}")
         plan = None
         if shortfall is not None:
-            loaded = store.load_folder(model_dir, manifest, stage.path, 0)
-            plan = mixed.find(loaded, half, on, held_to, mixed.IMPORT_LIMIT_S, min(64, fidelity.RANDOM_SAMPLES))
+            batch = min(64, fidelity.RANDOM_SAMPLES)
+            plan = mixed.find(loaded, half, on, held_to, mixed.IMPORT_LIMIT_S, batch, None, (), rows)
             if plan.plan is not None:  # stored with the version: a load measures it again rather than searching
                 record = dataclasses.replace(record, fp32_modules=list(plan.plan.modules))
                 precision_record.write(stage.path, record)
@@ -424,7 +424,11 @@ def _copy_files(source: Path, version_dir: Path, manifest: Manifest) -> None:
         shutil.copyfile(source / file, version_dir / file)
 
 
-def _measure(model_dir: Path, manifest: Manifest, version_dir: Path, device: torch.device) -> fidelity.Fidelity:
+def _measure(
+    model_dir: Path, manifest: Manifest, version_dir: Path, device: torch.device
+) -> tuple[fidelity.Fidelity, store.LoadedModel, fidelity.Samples]:
+    """The staged version's half precision against fp32 on its samples, with the version and samples read for it
+    (a mixed-precision search reuses them)."""
     loaded = store.load_folder(model_dir, manifest, version_dir, 0)
     samples = fidelity.samples(loaded)
     # The precision the server would serve in there; where that is fp32 (auto on a CPU without native bf16), the
@@ -434,9 +438,10 @@ def _measure(model_dir: Path, manifest: Manifest, version_dir: Path, device: tor
         half = Precision.FP16 if device.type == "cuda" else Precision.BF16
     engine = Engine(loaded, half, device)
     try:
-        return fidelity.measure(engine, loaded, samples.rows, min(64, len(samples.rows)), samples.source)
+        measured = fidelity.measure(engine, loaded, samples.rows, min(64, len(samples.rows)), samples.source)
     finally:
         engine.close()
+    return measured, loaded, samples
 
 
 def _figures(f: fidelity.Fidelity) -> str:

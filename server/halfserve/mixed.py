@@ -77,11 +77,18 @@ def centred_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return error / scale if scale > 0 else (0.0 if error == 0 else math.inf)
 
 
-def rank(model: nn.Module, run: Callable[[], object], names: Sequence[str]) -> list[tuple[str, float]]:
+RANK_GROUPS = 4
+"""The ranking's fp32 twins are made for about a quarter of the model's parameters at a time (one module at least),
+so ranking holds that much beside the model, not a second fp32 copy of it, for a few more runs of the samples."""
+
+
+def rank(
+    model: nn.Module, run: Callable[[], object], names: Sequence[str], groups: int = RANK_GROUPS
+) -> list[tuple[str, float]]:
     """``names`` (modules of ``model``, cast to a half dtype) by their centred error while ``run`` runs the samples
-    through ``model``, highest first; each module's fp32 twin computes the reference on the same inputs."""
+    through ``model``, highest first; each module's fp32 twin computes the reference on the same inputs. The twins
+    are made for one group of modules at a time (:func:`twin_groups`), ``run`` once per group."""
     scores: dict[str, float] = dict.fromkeys(names, 0.0)
-    handles = []
 
     def hook(name: str, twin: nn.Module) -> Callable[..., None]:
         def record(_module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
@@ -95,19 +102,38 @@ def rank(model: nn.Module, run: Callable[[], object], names: Sequence[str]) -> l
 
         return record
 
-    for name in names:
-        module = model.get_submodule(name)
-        twin = copy.deepcopy(module).float()
-        for part in twin.modules():  # a plan's casts came along with the copy: the twin computes in fp32 alone
-            part._forward_pre_hooks.clear()
-            part._forward_hooks.clear()
-        handles.append(module.register_forward_hook(hook(name, twin), with_kwargs=True))
-    try:
-        run()
-    finally:
-        for h in handles:
-            h.remove()
+    for group in twin_groups(model, names, groups):
+        handles = []
+        try:
+            for name in group:
+                module = model.get_submodule(name)
+                twin = copy.deepcopy(module).float()
+                for part in twin.modules():  # a plan's casts came along with the copy: the twin computes in fp32 alone
+                    part._forward_pre_hooks.clear()
+                    part._forward_hooks.clear()
+                handles.append(module.register_forward_hook(hook(name, twin), with_kwargs=True))
+            run()
+        finally:
+            for h in handles:  # the hooks hold the twins: removed, the group's twins are freed
+                h.remove()
     return sorted(scores.items(), key=lambda kv: -kv[1])
+
+
+def twin_groups(model: nn.Module, names: Sequence[str], groups: int) -> list[list[str]]:
+    """``names`` in runs of modules whose fp32 parameters add up to at most ``1 / groups`` of the whole model's (a
+    larger module alone), in order."""
+    sizes = [sum(p.numel() for p in model.get_submodule(n).parameters()) for n in names]
+    budget = sum(p.numel() for p in model.parameters()) / max(groups, 1)
+    out: list[list[str]] = []
+    held = 0
+    for name, size in zip(names, sizes, strict=True):
+        if out and out[-1] and held + size <= budget:
+            out[-1].append(name)
+            held += size
+        else:
+            out.append([name])
+            held = size
+    return out
 
 
 @dataclass

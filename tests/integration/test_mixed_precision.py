@@ -192,6 +192,23 @@ def test_a_plan_keeps_its_modules_weights_in_fp32_and_answers_as_fp32_does() -> 
     ranked = mixed.rank(plain, lambda: plain(x[:64].bfloat16()), mixed.candidates(plain))
     assert [n for n, _ in ranked][0] == "head"
     assert ranked[0][1] > 10 * ranked[1][1]  # the fragile projection stands out from the healthy layer
+    runs: list[int] = []
+    one_by_one = mixed.rank(plain, lambda: runs.append(len(plain(x[:64].bfloat16()))), mixed.candidates(plain), 99)
+    assert len(runs) == 2  # a run per twin: the ranking held one module's fp32 copy at a time
+    assert dict(one_by_one) == dict(ranked)  # and scored the same
+
+
+def test_the_ranking_s_twins_are_made_a_bounded_group_at_a_time() -> None:
+    model = models.build("mlp", in_features=64, hidden=[256, 256, 256, 256], out_features=10)
+    names = mixed.candidates(model)
+    size = {n: sum(p.numel() for p in model.get_submodule(n).parameters()) for n in names}
+    total = sum(size.values())
+    groups = mixed.twin_groups(model, names, 4)
+    assert [n for g in groups for n in g] == names  # every module, once, in order
+    assert len(groups) > 1
+    for g in groups:
+        assert len(g) == 1 or sum(size[n] for n in g) <= total / 4
+    assert mixed.twin_groups(model, names, 1) == [names]
 
 
 def figures(top1: float) -> Fidelity:
