@@ -16,7 +16,8 @@ fp32 later. Here:
   memory, and host CPU time bounded by the share;
 * the figures are those of the check at load, per output kind (:func:`halfserve.fidelity.rows`), over a
   :class:`Window` of the last rows compared. Once it holds ``min_rows`` rows and falls below the model's bar, the
-  model's ``on_shortfall`` is told once (the repository demotes it to fp32, or only alerts).
+  model's ``on_shortfall`` is told once (the repository demotes it, or only alerts). The inputs of the last rows
+  compared are kept (:meth:`LiveFidelity.recent`), so a demotion can search a mixed-precision plan on real traffic.
 
 Models whose outputs have a variable dimension are not sampled (a row rerun alone is padded to its own length, not
 its batch's, so its padding positions would not compare).
@@ -51,6 +52,10 @@ log = logging.getLogger(__name__)
 
 EngineRunner = Callable[[list[np.ndarray]], "asyncio.Future[list[Outcome]]"]
 """An engine's ``run``: a batch's chunks to the future of their outcomes (the runner contract, as engines keep it)."""
+
+RECENT_BYTES = 64 * 2**20
+"""The sampled inputs kept for a mixed-precision search on live rows (:meth:`LiveFidelity.recent`): the last window's
+rows, at most this many bytes of them."""
 
 QUEUE_ENTRIES = 256
 """Batches' sampled rows waiting for their rerun, per model; more are dropped (counted): at the default rate a queue
@@ -203,6 +208,8 @@ class LiveFidelity:
         """The half precision whose rows the window holds (None: none tapped yet)."""
         self.taps = 0
         """Engines tapped so far: rows sampled from an earlier one are not added to the window."""
+        self._recent: deque[np.ndarray] | None = None
+        """The inputs of the last rows compared (see :data:`RECENT_BYTES`), made on the first."""
         self._queue: queue.Queue[Sampled | None] = queue.Queue(QUEUE_ENTRIES)
         self._lock = threading.Lock()
         self._reference: Engine | None = None
@@ -300,6 +307,7 @@ class LiveFidelity:
                 return  # sampled from an engine since replaced
             self.window.add(measured)
             self.rows_compared += len(measured)
+            self._keep(sampled.inputs)
             if self.shortfall is not None or len(self.window) < self.settings.min_rows:
                 return
             figures = self.window.figures(sampled.precision)
@@ -309,6 +317,18 @@ class LiveFidelity:
             self.shortfall = reason
             self.shortfalls += 1
         self.on_shortfall(reason)
+
+    def _keep(self, inputs: np.ndarray) -> None:
+        if self._recent is None:
+            fits = RECENT_BYTES // max(inputs[0].nbytes, 1) if len(inputs) else 1
+            self._recent = deque(maxlen=max(1, min(self.settings.window, fits)))
+        self._recent.extend(inputs)
+
+    def recent(self) -> np.ndarray | None:
+        """The inputs of the last rows compared, as the engine takes them (None: none yet): real traffic, where a
+        mixed-precision plan can be searched once the window falls below the bar (the repository does)."""
+        with self._lock:
+            return np.stack(list(self._recent)) if self._recent else None
 
     @property
     def action(self) -> str:

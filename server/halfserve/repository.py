@@ -9,8 +9,10 @@ from collections.abc import Callable
 
 from halfserve import (
     calibration,
+    fidelity,
     handlers,
     livefidelity,
+    mixed,
     padding,
     storage,
     store,
@@ -146,18 +148,22 @@ class ModelRepository:
     def _observer(self, served: ServedModel, engine: ModelEngine) -> BatchObserver | None:
         return self.observe(served.name, served.version, engine.precision.value) if self.observe else None
 
-    async def _engine(self, served: ServedModel, loaded: LoadedModel, precision: Precision) -> ModelEngine:
+    async def _engine(
+        self, served: ServedModel, loaded: LoadedModel, precision: Precision, plan: tuple[str, ...] | None = None
+    ) -> ModelEngine:
         """A new engine for ``served`` cast from ``loaded``'s host weights, warmed up unless warm-up is off, built
         where :func:`halfserve.placement.choose` places it: instance processes that read the same checkpoint and warm
-        up in parallel, or an engine in this process with the runner of its placement."""
+        up in parallel, or an engine in this process with the runner of its placement. It keeps ``plan``'s modules in
+        fp32 (by default the model's own plan for ``precision``, :meth:`ServedModel.plan_for`)."""
+        kept = served.plan_for(precision) if plan is None else plan
         max_batch_size = served.batching.max_batch_size
         # Built (and timed) only where the choice needs it, in its worker thread; cached, so the engine timed is the
         # engine served.
-        measured = functools.cache(functools.partial(self._in_process_engine, served, loaded, precision))
+        measured = functools.cache(functools.partial(self._in_process_engine, served, loaded, precision, kept))
         setting = self.settings.placement
         placement = await asyncio.to_thread(choose, setting, served.manifest.execution, self.device, measured)
         if placement is Placement.INSTANCE_PROCESSES:
-            fixed, kept = self.fixed_shapes(), served.plan_for(precision)
+            fixed = self.fixed_shapes()
             processes = await ProcessEngine.start(
                 self.settings, loaded, precision, self.device, max_batch_size, fixed, kept
             )
@@ -171,11 +177,12 @@ class ModelRepository:
             runners.place(engine, in_process(engine, setting.placement, traced=False), max_batch_size)
         return engine
 
-    def _in_process_engine(self, served: ServedModel, loaded: LoadedModel, precision: Precision) -> Engine:
+    def _in_process_engine(
+        self, served: ServedModel, loaded: LoadedModel, precision: Precision, kept: tuple[str, ...]
+    ) -> Engine:
         """An engine in this process, warmed up and its intra-op threads settled on a CPU (unless warm-up is off); it
         blocks, so run it off the event loop."""
         max_batch_size = served.batching.max_batch_size
-        kept = served.plan_for(precision)
         engine = Engine(loaded, precision, self.device, max_batch_size=max_batch_size, fp32_modules=kept)
         if self.settings.warmup:
             try:
@@ -335,7 +342,7 @@ class ModelRepository:
                 self.precisions[name] = precision
                 served.switched(precision, target, fallback)
 
-            await self._swap(served, batcher, old, loaded, target, switched)
+            await self._swap(served, batcher, old, loaded, target, switched, None)
             return served
 
     async def _swap(
@@ -346,11 +353,13 @@ class ModelRepository:
         loaded: LoadedModel,
         target: Precision,
         switched: Callable[[], None],
+        plan: tuple[str, ...] | None,
     ) -> None:
-        """Hand ``served``'s batcher a new engine in ``target``, cast from the host weights and warmed up while ``old``
-        serves; ``old`` is released once its running batch is answered. ``switched`` records why, as the new engine
-        takes over (so ``/models`` never shows the new precision with the old reason)."""
-        engine = await self._engine(served, loaded, target)
+        """Hand ``served``'s batcher a new engine in ``target`` (keeping ``plan``'s modules in fp32, by default the
+        model's own plan), cast from the host weights and warmed up while ``old`` serves; ``old`` is released once its
+        running batch is answered. ``switched`` records why, as the new engine takes over (so ``/models`` never shows
+        the new precision with the old reason)."""
+        engine = await self._engine(served, loaded, target, plan)
         if served.batcher is not batcher:  # released (shutdown) while the new engine warmed up
             engine.close()
             raise ModelNotReadyError(f"model {served.name!r} was released during the precision switch")
@@ -390,14 +399,15 @@ class ModelRepository:
                 precision,
             )
             return
-        log.warning("model %s is demoted to fp32 from %s by live fidelity: %s", served.name, precision, reason)
+        log.warning("model %s is demoted from %s by live fidelity: %s", served.name, precision, reason)
         task = asyncio.get_running_loop().create_task(self._demote(served, reason))
         self._demotions.add(task)
         task.add_done_callback(self._demotions.discard)
 
     async def _demote(self, served: ServedModel, reason: str) -> None:
-        """Serve ``served`` in fp32 from now on (until it is reloaded or the operator switches its precision), through
-        the precision switch: no request fails."""
+        """Serve ``served`` from now on (until it is reloaded or the operator switches its precision) with a
+        mixed-precision plan searched on the rows live fidelity sampled, where one meets its bar on them, else in fp32,
+        through the precision switch: no request fails."""
         try:
             async with self._lock(served.name):
                 batcher, old, loaded = served.batcher, served.engine, served.loaded
@@ -405,19 +415,56 @@ class ModelRepository:
                     return  # reloaded, unloaded or released meanwhile: the window was about another load
                 if old.precision is Precision.FP32:
                     return  # the operator switched it meanwhile
-                # Where the version has a mixed plan (some modules kept in fp32), that plan would be the target here,
-                # keeping the rest in half precision; without one, the whole model is served in fp32.
-                target = Precision.FP32
+                found = await self._live_plan(served, loaded, old.precision, reason)
+                target: Precision
+                plan: tuple[str, ...] | None
+                if found is not None and found.plan is not None:
+                    target, plan = old.precision, found.plan.modules
 
-                def demoted() -> None:
-                    served.fp32_fallback = f"live fidelity: {reason}"
-                    served.precision_source = PrecisionSource.LIVE_FIDELITY
+                    def demoted() -> None:
+                        served.mixed = found
+                        served.precision_source = PrecisionSource.LIVE_MIXED_PLAN
 
-                await self._swap(served, batcher, old, loaded, target, demoted)
+                else:
+                    target, plan = Precision.FP32, None
+
+                    def demoted() -> None:
+                        served.fp32_fallback = f"live fidelity: {reason}"
+                        served.precision_source = PrecisionSource.LIVE_FIDELITY
+
+                await self._swap(served, batcher, old, loaded, target, demoted, plan)
+                log.warning(
+                    "model %s is demoted by live fidelity to %s",
+                    served.name,
+                    f"{target.value} with {', '.join(plan)} in fp32" if plan else "fp32",
+                )
         except ModelNotReadyError:
-            return  # released while the fp32 engine warmed up: nothing is served to demote
+            return  # released while the new engine warmed up: nothing is served to demote
         except Exception:
-            log.exception("model %s: the demotion to fp32 by live fidelity failed; still served as before", served.name)
+            log.exception("model %s: the demotion by live fidelity failed; still served as before", served.name)
+
+    async def _live_plan(
+        self, served: ServedModel, loaded: LoadedModel, half: Precision, reason: str
+    ) -> mixed.Outcome | None:
+        """A mixed-precision plan for ``half`` searched on the rows live fidelity sampled, within
+        ``mixed_search_seconds``; ``None`` where none is searched: the search is off, ``half`` has no plans, or the
+        model is already served with one (which fell short too)."""
+        live, limit = served.live, self.settings.mixed_search_seconds
+        if live is None or limit <= 0 or half not in mixed.HALVES or served.plan_for(half):
+            return None
+        rows = await asyncio.to_thread(live.recent)
+        if rows is None:
+            return None
+        samples = fidelity.Samples(rows, fidelity.Source.LIVE)
+        batch = served.batching.max_batch_size
+        found = await asyncio.to_thread(
+            mixed.find, loaded, half, self.device, live.held_to, limit, batch, None, (), samples
+        )
+        if found.plan is None:
+            log.warning("model %s: no mixed-precision plan meets its bar on live rows: %s", served.name, found.reason)
+        else:
+            found.reason = f"searched on {len(rows)} rows of live traffic, after live fidelity's {reason}"
+        return found
 
     def _switch_target(self, served: ServedModel, precision: Precision) -> tuple[Precision, str | None]:
         """The precision a switch to ``precision`` serves, and the fallback reason when that is fp32 in its stead:

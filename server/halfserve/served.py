@@ -55,6 +55,9 @@ class PrecisionSource(str, Enum):
     LIVE_FIDELITY = "live_fidelity"
     """fp32, the half precision having fallen below its fidelity bar on sampled rows of real requests
     (:mod:`halfserve.livefidelity`)."""
+    LIVE_MIXED_PLAN = "live_mixed_plan"
+    """The half precision with a few modules kept in fp32, searched on the sampled rows of real requests on which the
+    whole model fell below its fidelity bar (``mixed_precision`` names them; :mod:`halfserve.livefidelity`)."""
 
 
 @dataclass

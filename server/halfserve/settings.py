@@ -115,8 +115,8 @@ class Settings(BaseSettings):
     served in fp32 instead; ``off``: no model is measured, each is served in the precision asked for."""
     mixed_search_seconds: float = Field(default=120.0, ge=0.0, le=3600.0)
     """How long a load may search for a mixed-precision plan (:mod:`halfserve.mixed`: the fewest modules kept in fp32
-    so a model below its fidelity bar in half precision meets it) before serving the whole model in fp32; 0: no
-    search, a model below its bar is served in fp32 as it is."""
+    so a model below its fidelity bar in half precision meets it) before serving the whole model in fp32, and a live
+    fidelity demotion may search one on live rows; 0: no search, a model below its bar is served in fp32 as it is."""
     live_fidelity_rate: float = Field(default=0.001, ge=0.0, le=1.0)
     """Share of the rows answered in a half precision that are rerun in fp32 off the request path and compared (live
     fidelity, :mod:`halfserve.livefidelity`); 0 turns it off. Models whose fidelity is not checked are not sampled."""

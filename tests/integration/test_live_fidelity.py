@@ -198,3 +198,74 @@ async def test_rate_zero_samples_nothing(drift_store: tuple[Path, np.ndarray]) -
         assert listed["live_fidelity"] is None
         assert listed["precision"] == "bf16"
         assert "halfserve_live_fidelity_rows_total{" not in (await client.get("/metrics")).text
+
+
+BODY = {"in_features": FEATURES, "hidden": [FEATURES], "out_features": CLASSES}
+
+
+def drifting_head(root: Path) -> tuple[Path, np.ndarray]:
+    """The drifting classifier above behind an exact body (an identity layer and a ReLU): on drifted rows whose
+    values bf16 holds exactly, the body is exact in bf16 and only the head flips classes, so keeping the head alone
+    in fp32 answers as fp32 does. Returns the store and its calibration samples."""
+    torch.manual_seed(0)
+    module = models.build("mlp", **BODY)
+    w = torch.randn(CLASSES, FEATURES)
+    w[:, 0] = 1000.0
+    with torch.no_grad():
+        module.net[0].weight.copy_(torch.eye(FEATURES))
+        module.net[0].bias.zero_()
+        module.net[2].weight.copy_(w)
+        module.net[2].bias.zero_()
+    torch.save(module.state_dict(), root / "head.pth")
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(1024, FEATURES)).astype(np.float32)
+    x[:, 0] = 0.0
+    scores = np.sort(np.maximum(x, 0) @ w.numpy().T, axis=1)
+    clear = x[(scores[:, -1] - scores[:, -2]) > 0.1 * np.abs(scores[:, -1])][:64]
+    np.save(root / "calib.npy", clear)
+    args = ["import", str(root / "head.pth"), "--store", str(root / "store"), "--name", "drift"]
+    args += ["--architecture", "mlp", "--arch-kwargs", json.dumps(BODY), "--input", f"x:{FEATURES}"]
+    assert cli.main([*args, "--device", "cpu", "--calibration", str(root / "calib.npy")]) == 0
+    return root / "store", clear
+
+
+async def test_drift_on_one_layer_demotes_to_a_plan_searched_on_the_live_rows(tmp_path: Path) -> None:
+    store, calibration = drifting_head(tmp_path)
+    drifted = torch.from_numpy(calibration.copy())
+    drifted[:, 0] = SHIFT
+    exact = drifted.bfloat16().float().numpy()  # values bf16 holds: the identity body is exact in bf16
+    async with serving(live_settings(store)) as client:
+        assert (await listing(client))["precision_source"] == "server"  # bf16 met its bar at load
+        statuses = await until_listed(
+            client, "the demotion", lambda m: m["precision_source"] == "live_mixed_plan", exact
+        )
+        statuses += await burst(client, exact, 32)
+        assert set(statuses) == {200}
+
+        listed = await listing(client)
+        assert listed["precision"] == "bf16"  # still half, but for the head
+        assert listed["fp32_fallback"] is None
+        found = listed["mixed_precision"]
+        assert isinstance(found, dict)
+        assert found["plan"]["fp32_modules"] == ["net.2"]
+        assert found["plan"]["fidelity"]["source"] == "live"
+        assert found["plan"]["fidelity"]["top1_agreement"] == 1.0
+        assert str(found["reason"]).startswith("searched on ")
+        assert "rows of live traffic" in str(found["reason"])
+        assert await metric(client, 'halfserve_live_fidelity_shortfalls_total{action="demote",model="drift"}') == 1.0
+        assert await metric(client, 'halfserve_model_fp32_fallback{model="drift",version="1"}') == 0.0
+
+        reference = models.build("mlp", **BODY)
+        reference.load_state_dict(torch.load(tmp_path / "head.pth", weights_only=True))
+        with torch.no_grad():
+            want = reference(torch.from_numpy(exact)).argmax(1).numpy()
+        r = await client.post("/predict", json={"inputs": exact.tolist()})
+        assert r.status_code == 200, r.text
+        assert (np.asarray(r.json()["outputs"]).argmax(1) == want).all()
+
+        # The plan is watched as the whole model was: a full window of the same traffic agrees, and it stays.
+        await until_listed(client, "a full window", lambda m: m["live_fidelity"]["window_rows"] >= WINDOW, exact)
+        again = await live(client)
+        assert again["shortfall"] is None
+        assert again["figures"]["top1_agreement"] == 1.0  # type: ignore[index]
+        assert (await listing(client))["precision_source"] == "live_mixed_plan"
