@@ -249,6 +249,8 @@ IMAGE_FLAGS = {
     "mean": "comma-separated, one per channel: subtracted after the scale",
     "std": "comma-separated, one per channel: divided by after the mean",
     "layout": "CHW (default) or HWC: where the channels go in the input",
+    "draft": "on: decode a large JPEG reduced (libjpeg's DCT scaling) to twice the resize, then resize; a phone "
+    "photo's decoding costs a fraction, its pixels within about a level (default off: every pixel decoded)",
 }
 """The ``--image-*`` flags of ``halfserve import``: the manifest's ``image`` section's fields."""
 

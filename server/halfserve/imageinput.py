@@ -102,6 +102,10 @@ class ImageInput(BaseModel):
     std: list[float] | None = None
     """One per channel, divided by after the mean."""
     layout: Layout = Layout.CHW
+    draft: bool = False
+    """Decode a JPEG larger than the resize needs at a reduced size (libjpeg's DCT scaling by 1/2, 1/4 or 1/8, Pillow's
+    ``draft``), never below :data:`DRAFT_MARGIN` times the resized size, then resize it as declared: a phone photo's
+    decoding costs a fraction, its pixels within about a level. Off: every pixel is decoded, as torchvision does."""
 
     @field_validator("resize", "crop")
     @classmethod
@@ -127,6 +131,8 @@ class ImageInput(BaseModel):
                 "photos come in every size: give crop, or resize as [height, width], so every image has the input's "
                 "shape"
             )
+        if self.draft and self.resize is None:
+            raise ValueError("image.draft: a JPEG is decoded reduced toward the resize's size; give resize too")
         for field, values in (("mean", self.mean), ("std", self.std)):
             if values is not None and len(values) != self.mode.channels:
                 channels = self.mode.channels
@@ -168,6 +174,10 @@ class ImageInput(BaseModel):
                 f"input {self.feeds!r} has shape {target.shape}"
             )
 
+
+DRAFT_MARGIN = 2
+"""A drafted JPEG keeps at least this many times the resized size on each side, so the resize still averages over
+several decoded pixels per output pixel (its antialiasing), as it does from the full image."""
 
 MAX_SIDE = 16384
 """Largest resize or crop side: past it no tensor is an image a model takes, and a typo should not allocate it."""

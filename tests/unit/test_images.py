@@ -274,3 +274,45 @@ async def test_a_request_of_many_photos_takes_one_turn_per_photo(monkeypatch: py
     many, one = await asyncio.gather(as_client("10.0.0.1", ["a0", "a1", "a2"]), as_client("10.0.0.2", ["b0"]))
     assert (many.shape, one.shape) == ((3, 1, 8, 8), (1, 1, 8, 8))
     assert order.index("b0") < order.index("a2"), order
+
+
+def photo(width: int, height: int, seed: int = 0) -> Image.Image:
+    """A photo-like picture: smooth colour gradients, a few hard-edged discs and sensor-like noise."""
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:height, 0:width].astype(np.float32)
+    pixels = np.stack([255 * x / width, 255 * y / height, 128 + 100 * np.sin(x / 97 + y / 53)], axis=-1)
+    for _ in range(12):
+        cx, cy, r = rng.uniform(0, width), rng.uniform(0, height), rng.uniform(0.02, 0.2) * min(width, height)
+        pixels[(x - cx) ** 2 + (y - cy) ** 2 < r * r] = rng.uniform(0, 255, 3)
+    pixels += rng.normal(0, 6, pixels.shape)
+    return Image.fromarray(pixels.clip(0, 255).astype(np.uint8))
+
+
+def test_draft_asks_libjpeg_for_twice_the_resized_size() -> None:
+    assert images.draft_size(4000, 3000, 256) == (682, 512)
+    assert images.draft_size(3000, 4000, [224, 224]) == (448, 448)
+
+
+def test_a_drafted_large_jpeg_is_within_about_a_level_of_the_exact_pixels() -> None:
+    data = encoded(photo(2400, 1800), "JPEG", quality=90)
+    fields = {**TORCHSERVE_PRESET, "scale": 1.0, "mean": None, "std": None}
+    exact = images.decode(data, spec(**fields), 10**8, "photo")
+    drafted = images.decode(data, spec(**fields, draft=True), 10**8, "photo")
+    assert drafted.shape == exact.shape == (3, 224, 224)
+    diff = np.abs(drafted - exact)
+    assert 0 < diff.mean() <= 0.5  # decoded at a quarter of each side: not the same pixels, but close (0.17 here)
+    assert np.percentile(diff, 99) <= 2.0
+
+
+def test_draft_leaves_small_jpegs_and_other_formats_exact() -> None:
+    fields = {**TORCHSERVE_PRESET, "scale": 1.0, "mean": None, "std": None}
+    small = encoded(photo(400, 300), "JPEG", quality=90)  # under twice 341x256: decoded whole
+    large_png = encoded(photo(1200, 900), "PNG")  # PNG has no reduced decoding
+    for data in (small, large_png):
+        exact = images.decode(data, spec(**fields), 10**8, "photo")
+        assert np.array_equal(images.decode(data, spec(**fields, draft=True), 10**8, "photo"), exact)
+
+
+def test_draft_needs_a_resize() -> None:
+    with pytest.raises(ValidationError, match="image.draft"):
+        spec(crop=224, draft=True)
