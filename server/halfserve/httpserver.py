@@ -1,6 +1,7 @@
 """The uvicorn server that runs an app over the server's HTTP protocol (:mod:`halfserve.httpprotocol`), held to the
-settings' connection limits, for the server and its front-ends: :func:`uvicorn_config`, and :class:`DrainingServer`,
-which tells the app the moment a shutdown signal arrives."""
+settings' connection limits, for the server and its front-ends: :func:`uvicorn_config`, :class:`DrainingServer`,
+which tells the app the moment a shutdown signal arrives, and :class:`Listener`, a second port served from a running
+app's event loop."""
 
 from __future__ import annotations
 
@@ -71,3 +72,36 @@ def uvicorn_config(
         # uvicorn waits this long for requests in flight, then cancels them; float seconds work despite its hint.
         timeout_graceful_shutdown=settings.drain_timeout,  # type: ignore[arg-type]
     )
+
+
+class Listener:
+    """``app`` on ``settings.host``:``port``, served from the running event loop under the settings' connection limits,
+    as the main port is: a port beside the main one, started and stopped by the main app's lifespan. It has no
+    lifespan or signal handling of its own (the main server's are the process's)."""
+
+    def __init__(self, app: ASGIApp, settings: Settings, port: int, what: str) -> None:
+        self._settings, self._port, self._what = settings, port, what
+        self._server = uvicorn.Server(uvicorn_config(app, settings, None, lifespan="off"))
+        self._socket: socket.socket | None = None
+
+    async def start(self) -> None:
+        """Bind and serve; an ``OSError`` naming the port and why when it cannot be bound."""
+        host = self._settings.host
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, self._port))
+        except OSError as e:
+            sock.close()
+            raise OSError(f"{self._what}: cannot listen on {host}:{self._port}: {e.strerror or e}") from None
+        config = self._server.config
+        config.load()
+        self._server.lifespan = config.lifespan_class(config)
+        self._socket = sock
+        await self._server.startup(sockets=[sock])
+
+    async def stop(self) -> None:
+        """Stop taking connections; requests in flight are answered (up to the drain timeout, then cancelled)."""
+        if self._socket is not None:
+            sock, self._socket = self._socket, None
+            await self._server.shutdown(sockets=[sock])
