@@ -6,6 +6,7 @@ app's event loop."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 import signal
 import socket
 from collections.abc import Callable
@@ -18,6 +19,8 @@ from starlette.types import ASGIApp
 from halfserve.httpprotocol import HttpLimits, LimitedHttpProtocol
 from halfserve.settings import Settings
 from halfserve.transport import Direct
+
+log = logging.getLogger(__name__)
 
 
 class DrainingServer(uvicorn.Server):
@@ -99,6 +102,7 @@ class Listener:
         self._server.lifespan = config.lifespan_class(config)
         self._socket = sock
         await self._server.startup(sockets=[sock])
+        log.info("%s on %s:%d", self._what, host, self._port)
 
     async def stop(self) -> None:
         """Stop taking connections; requests in flight are answered (up to the drain timeout, then cancelled)."""

@@ -15,6 +15,7 @@ from halfserve.manifest import Execution
 from halfserve.settings import Settings
 from tests.conftest import free_port, save_tiny_mlp
 from tests.integration.conftest import serving
+from tests.listening import listening_ports
 
 NAMES = ["alpha", "beta", "gamma"]
 
@@ -26,26 +27,6 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
     save_tiny_mlp(root, "beta", execution=Execution(instances=2))
     save_tiny_mlp(root, "gamma")
     return root
-
-
-def listening_ports(pid: int) -> set[int]:
-    """The TCP ports process ``pid`` listens on, from ``/proc``: its sockets' inodes, found in the kernel's tables."""
-    inodes = set()
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            target = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:  # closed meanwhile
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[8:-1])
-    ports = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with open(table) as f:
-            for line in f.readlines()[1:]:
-                fields = line.split()
-                if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
-                    ports.add(int(fields[1].rsplit(":", 1)[1], 16))
-    return ports
 
 
 @pytest.fixture
