@@ -126,8 +126,8 @@ def create_app(settings: Settings | None = None, frontends: Frontends | None = N
             if settings.torchserve_management_port is not None:
                 # In this process, the one that holds the models, whatever the front-ends (--http-workers).
                 port = settings.torchserve_management_port
-                what = "TorchServe's management API (--torchserve-management-port)"
-                app.state.torchserve_management = Listener(ManagementApp(state), settings, port, what)
+                what, flag = "TorchServe's management API", "--torchserve-management-port"
+                app.state.torchserve_management = Listener(ManagementApp(state), settings, port, what, flag)
                 await app.state.torchserve_management.start()
             started = True
             yield

@@ -82,8 +82,8 @@ class Listener:
     as the main port is: a port beside the main one, started and stopped by the main app's lifespan. It has no
     lifespan or signal handling of its own (the main server's are the process's)."""
 
-    def __init__(self, app: ASGIApp, settings: Settings, port: int, what: str) -> None:
-        self._settings, self._port, self._what = settings, port, what
+    def __init__(self, app: ASGIApp, settings: Settings, port: int, what: str, flag: str) -> None:
+        self._settings, self._port, self._what, self._flag = settings, port, what, flag
         self._server = uvicorn.Server(uvicorn_config(app, settings, None, lifespan="off"))
         self._socket: socket.socket | None = None
 
@@ -96,7 +96,8 @@ class Listener:
             sock.bind((host, self._port))
         except OSError as e:
             sock.close()
-            raise OSError(f"{self._what}: cannot listen on {host}:{self._port}: {e.strerror or e}") from None
+            where = f"{host}:{self._port} ({self._flag})"
+            raise OSError(f"{self._what}: cannot listen on {where}: {e.strerror or e}") from None
         config = self._server.config
         config.load()
         self._server.lifespan = config.lifespan_class(config)
