@@ -111,6 +111,17 @@ async def test_calls_that_change_something_are_refused_naming_the_call_to_use(
     assert (await management.get("/models/alpha")).status_code == 200  # and it still serves
 
 
+async def test_abusive_requests_are_refused_and_it_keeps_serving(management: httpx.AsyncClient) -> None:
+    r = await management.get("/models", params={"next_page_token": "9" * 5000})  # past int()'s digit limit
+    assert r.status_code == 400
+    assert "next_page_token" in r.json()["message"]
+    r = await management.get("/models/" + "a" * 9000)  # over max_url_bytes: the main port's limits hold here
+    assert r.status_code == 414
+    r = await management.get("/models", params={"limit": 10**9, "next_page_token": 10**12})
+    assert r.json() == {"models": []}
+    assert (await management.get("/models/alpha")).status_code == 200
+
+
 async def test_a_host_the_server_does_not_answer_to_is_refused(management: httpx.AsyncClient) -> None:
     r = await management.get("/models", headers={"Host": "rebound.example"})
     assert r.status_code == 400

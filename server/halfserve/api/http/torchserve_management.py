@@ -12,8 +12,9 @@ default version) are refused with TorchServe's 405 and the management call of th
 from __future__ import annotations
 
 import datetime
+import functools
 import os
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 from starlette.applications import Starlette
@@ -24,7 +25,9 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from halfserve.api.http import guard
+from halfserve.api.errors import APIError
+from halfserve.api.http import deps, guard
+from halfserve.api.http.telemetry import Endpoint
 from halfserve.api.http.torchserve import ERROR_TYPES
 from halfserve.serving import AppState, LocalModel, ModelState
 
@@ -73,22 +76,20 @@ def _query_int(request: Request, name: str, default: int) -> int:
     try:
         return int(raw)
     except ValueError:
-        raise _Refused(error(400, f"{name}: expected an integer, got {raw[:40]!r}")) from None
+        raise APIError(400, f"{name}: expected an integer, got {raw[:40]!r}") from None
 
 
-class _Refused(Exception):
-    """A request answered with ``response``, an error, rather than by its route."""
+def _torchserve_errors(endpoint: Endpoint) -> Endpoint:
+    """``endpoint``, its :class:`~halfserve.api.errors.APIError` answered in TorchServe's shape."""
 
-    def __init__(self, response: Response) -> None:
-        super().__init__()
-        self.response = response
+    @functools.wraps(endpoint)
+    async def answer(request: Request) -> Response:
+        try:
+            return await endpoint(request)
+        except APIError as e:
+            return error(e.status, e.message, headers=e.headers)
 
-
-def _repository_models(request: Request) -> dict[str, LocalModel]:
-    state: AppState = request.app.state.serving
-    if state.repository is None:  # the listener runs only where the models are; a guard, not a path taken
-        raise _Refused(error(503, "this process serves no model repository"))
-    return dict(state.repository.models)
+    return answer
 
 
 def model_url(model: LocalModel) -> str:
@@ -97,15 +98,13 @@ def model_url(model: LocalModel) -> str:
     return f"{model.name}/{model.version}"
 
 
+@_torchserve_errors
 async def list_models(request: Request) -> Response:
     """``GET /models``: the served models by name, ``limit`` at a time from ``next_page_token`` (a position in the
     names' order), with ``nextPageToken`` while more follow."""
-    try:
-        limit = _query_int(request, "limit", DEFAULT_LIMIT)
-        start = max(_query_int(request, "next_page_token", 0), 0)
-        models = _repository_models(request)
-    except _Refused as e:
-        return e.response
+    limit = _query_int(request, "limit", DEFAULT_LIMIT)
+    start = max(_query_int(request, "next_page_token", 0), 0)
+    models = deps.repository(request).models
     if not 0 <= limit <= DEFAULT_LIMIT:
         limit = DEFAULT_LIMIT
     names = sorted(models)
@@ -117,15 +116,13 @@ async def list_models(request: Request) -> Response:
     return _json(body)
 
 
+@_torchserve_errors
 async def describe_model(request: Request) -> Response:
     """``GET /models/{model_name}[/{version}]``: a list of one description, of the version served; ``/all``: of every
     version served (this server serves one version of a model at a time)."""
     name: str = request.path_params["model_name"]
     version: str | None = request.path_params.get("version")
-    try:
-        model = _repository_models(request).get(name)
-    except _Refused as e:
-        return e.response
+    model = deps.repository(request).models.get(name)
     if model is None:
         return error(404, f"Model not found: {name}", "ModelNotFoundException")
     if version not in (None, ALL_VERSIONS) and not same_version(version, model.version):
@@ -153,6 +150,14 @@ def _milliseconds(value: float) -> float | int:
     return int(value) if float(value).is_integer() else value
 
 
+T = TypeVar("T")
+
+
+def _of(kind: type[T], value: object, default: T) -> T:
+    """``value`` when it is a ``kind``, else ``default``: a listing's entry, which is typed ``object``."""
+    return value if isinstance(value, kind) else default
+
+
 def describe(model: LocalModel) -> dict[str, object]:
     """One model as TorchServe's ``DescribeModelResponse`` shows it: its engine instances are its workers (none while
     it has no engine), each of whose ``pid`` is its instance process's, or this process's for an instance thread.
@@ -161,15 +166,15 @@ def describe(model: LocalModel) -> dict[str, object]:
     instance thread shares its process's memory with every other model's), ``gpuUsage`` ``"N/A"``.
     """
     listing = model.describe()
-    execution: dict[str, Any] = listing.get("execution") or {}  # type: ignore[assignment]
-    instances = int(execution.get("instances") or 1)
-    stats = model.stats()
+    execution = listing.get("execution")
+    instances = _of(int, execution.get("instances") if isinstance(execution, dict) else None, 1)
+    stats = model.stats() or {}
     device = listing.get("device")
     workers: list[dict[str, object]] = []
     if isinstance(device, str):  # the engine is loaded
-        pids: list[int] = list(stats.get("instance_pids", [])) if stats else []  # type: ignore[call-overload]
+        pids = _of(list, stats.get("instance_pids"), [])
         status = WORKER_READY if model.state is ModelState.READY else WORKER_NOT_SERVING
-        started = float(listing.get("loaded_at") or 0.0)  # type: ignore[arg-type]
+        started = _of(float, listing.get("loaded_at"), 0.0)
         for i in range(instances):
             workers.append(
                 {
@@ -195,8 +200,8 @@ def describe(model: LocalModel) -> dict[str, object]:
         "loadedAtStartup": True,
         "workers": workers,
     }
-    if stats is not None:
-        queued = int(stats.get("queued_rows", 0))  # type: ignore[call-overload]
+    if stats:
+        queued = _of(int, stats.get("queued_rows"), 0)
         described["jobQueueStatus"] = {
             "remainingCapacity": max(batching.max_queue_rows - queued, 0),
             "pendingRequests": queued,
