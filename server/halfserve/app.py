@@ -15,6 +15,8 @@ from fastapi import FastAPI
 from halfserve import collector, compilation, models, placement, precision
 from halfserve.api import http
 from halfserve.api.grpc.grpc_service import GrpcServer
+from halfserve.api.http.torchserve_management import ManagementApp
+from halfserve.httpserver import Listener
 from halfserve.metrics import Metrics
 from halfserve.multiproc.engine_side import Backplane
 from halfserve.multiproc.supervisor import Frontends
@@ -121,6 +123,12 @@ def create_app(settings: Settings | None = None, frontends: Frontends | None = N
                 # After the front-ends are spawned: nothing of gRPC's runtime is in a process that starts them.
                 app.state.grpc = GrpcServer(state)
                 await app.state.grpc.start()
+            if settings.torchserve_management_port is not None:
+                # In this process, the one that holds the models, whatever the front-ends (--http-workers).
+                port = settings.torchserve_management_port
+                what, flag = "TorchServe's management API", "--torchserve-management-port"
+                app.state.torchserve_management = Listener(ManagementApp(state), settings, port, what, flag)
+                await app.state.torchserve_management.start()
             started = True
             yield
         except Exception as e:
@@ -143,6 +151,9 @@ def create_app(settings: Settings | None = None, frontends: Frontends | None = N
             if grpc_server is not None:
                 # Begun with the drain: its calls in flight are answered (or cut off at the drain timeout) first.
                 await grpc_server.stopped(settings.drain_timeout)
+            management: Listener | None = getattr(app.state, "torchserve_management", None)
+            if management is not None:
+                await management.stop()
             loading.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await loading

@@ -1,10 +1,12 @@
 """The uvicorn server that runs an app over the server's HTTP protocol (:mod:`halfserve.httpprotocol`), held to the
-settings' connection limits, for the server and its front-ends: :func:`uvicorn_config`, and :class:`DrainingServer`,
-which tells the app the moment a shutdown signal arrives."""
+settings' connection limits, for the server and its front-ends: :func:`uvicorn_config`, :class:`DrainingServer`,
+which tells the app the moment a shutdown signal arrives, and :class:`Listener`, a second port served from a running
+app's event loop."""
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import signal
 import socket
 from collections.abc import Callable
@@ -17,6 +19,8 @@ from starlette.types import ASGIApp
 from halfserve.httpprotocol import HttpLimits, LimitedHttpProtocol
 from halfserve.settings import Settings
 from halfserve.transport import Direct
+
+log = logging.getLogger(__name__)
 
 
 class DrainingServer(uvicorn.Server):
@@ -71,3 +75,38 @@ def uvicorn_config(
         # uvicorn waits this long for requests in flight, then cancels them; float seconds work despite its hint.
         timeout_graceful_shutdown=settings.drain_timeout,  # type: ignore[arg-type]
     )
+
+
+class Listener:
+    """``app`` on ``settings.host``:``port``, served from the running event loop under the settings' connection limits,
+    as the main port is: a port beside the main one, started and stopped by the main app's lifespan. It has no
+    lifespan or signal handling of its own (the main server's are the process's)."""
+
+    def __init__(self, app: ASGIApp, settings: Settings, port: int, what: str, flag: str) -> None:
+        self._settings, self._port, self._what, self._flag = settings, port, what, flag
+        self._server = uvicorn.Server(uvicorn_config(app, settings, None, lifespan="off"))
+        self._socket: socket.socket | None = None
+
+    async def start(self) -> None:
+        """Bind and serve; an ``OSError`` naming the port and why when it cannot be bound."""
+        host = self._settings.host
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, self._port))
+        except OSError as e:
+            sock.close()
+            where = f"{host}:{self._port} ({self._flag})"
+            raise OSError(f"{self._what}: cannot listen on {where}: {e.strerror or e}") from None
+        config = self._server.config
+        config.load()
+        self._server.lifespan = config.lifespan_class(config)
+        self._socket = sock
+        await self._server.startup(sockets=[sock])
+        log.info("%s on %s:%d", self._what, host, self._port)
+
+    async def stop(self) -> None:
+        """Stop taking connections; requests in flight are answered (up to the drain timeout, then cancelled)."""
+        if self._socket is not None:
+            sock, self._socket = self._socket, None
+            await self._server.shutdown(sockets=[sock])

@@ -80,6 +80,10 @@ class Settings(BaseSettings):
     ``host``:``grpc_port``."""
     grpc_port: int = Field(default=8001, ge=0, le=65535)
     """The gRPC port (Triton's default, 8001)."""
+    torchserve_management_port: int | None = Field(default=None, ge=1, le=65535)
+    """Serve TorchServe's management API, its read side (``GET /models``, ``GET /models/{name}``), on
+    ``host``:this port, as TorchServe's 8081; off by default. Answered by the process that holds the models (with
+    ``http_workers``, the engine process), under the same connection limits and ``Host`` checks as the main port."""
     grpc_max_streams: int = Field(default=32, ge=1, le=65536)
     """Calls (HTTP/2 streams) one gRPC connection may have open at once; the server advertises it, and a client that
     opens more has them refused by the protocol (``SETTINGS_MAX_CONCURRENT_STREAMS``)."""
@@ -283,6 +287,12 @@ class Settings(BaseSettings):
                 "make one with: python -c 'import secrets; print(secrets.token_urlsafe(32))'"
             )
         self._take_placement_aliases()
+        taken = {self.port: "port", **({self.grpc_port: "grpc_port"} if self.grpc else {})}
+        if self.torchserve_management_port in taken:
+            raise ValueError(
+                f"torchserve_management_port ({self.torchserve_management_port}) is already "
+                f"{taken[self.torchserve_management_port]}: give it a port of its own"
+            )
         if self.live_fidelity_min_rows > self.live_fidelity_window:
             raise ValueError(
                 f"live_fidelity_min_rows ({self.live_fidelity_min_rows}) must be at most live_fidelity_window "

@@ -27,6 +27,7 @@ from halfserve.ipc.frames import FrameReader, frame
 from halfserve.multiproc.client import SLOT_BYTES
 from tests.conftest import SHIPPED_STORE, ServerProcess, free_port, start_server
 from tests.e2e.test_server import fp32_reference, samples
+from tests.listening import listening_ports
 from tests.waiting import DEADLINE_S, wait_until
 
 MODEL = "digits_mlp"
@@ -70,7 +71,12 @@ def grpc_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def workers_server(server_factory: StartServer, grpc_port: int) -> ServerProcess:
+def management_port() -> int:
+    return free_port()
+
+
+@pytest.fixture(scope="module")
+def workers_server(server_factory: StartServer, grpc_port: int, management_port: int) -> ServerProcess:
     return server_factory(
         SHIPPED_STORE,
         "--models",
@@ -88,6 +94,8 @@ def workers_server(server_factory: StartServer, grpc_port: int) -> ServerProcess
         "--grpc",
         "--grpc-port",
         str(grpc_port),
+        "--torchserve-management-port",
+        str(management_port),
     )
 
 
@@ -231,6 +239,15 @@ def test_metrics_count_the_front_ends_requests(workers_server: ServerProcess) ->
     asyncio.run(post_many(workers_server.url, [{"model": MODEL, "inputs": [row.tolist()]} for row in samples(20)]))
     wait_until(lambda: answered() >= start + 20, "the front-ends' counts of 20 requests")  # sent every 0.1 s
     assert answered() == start + 20
+
+
+def test_torchserve_management_is_the_engine_process_s(workers_server: ServerProcess, management_port: int) -> None:
+    described = httpx.get(f"http://127.0.0.1:{management_port}/models/{MODEL}").json()
+    assert [d["modelName"] for d in described] == [MODEL]
+    assert all(w["status"] == "READY" for w in described[0]["workers"])
+    assert management_port in listening_ports(workers_server.proc.pid)
+    for pid in frontends(workers_server):
+        assert management_port not in listening_ports(pid)
 
 
 def test_a_precision_switch_relayed_through_a_front_end_reaches_every_front_end(workers_server: ServerProcess) -> None:

@@ -97,6 +97,18 @@ def test_grpc_port_taken_exits_non_zero_naming_the_port(taken_port: int, workers
 
 
 @pytest.mark.parametrize("workers", ["1", "2"])
+def test_torchserve_management_port_taken_exits_non_zero_naming_the_port(
+    taken_port: int, workers: str, tmp_path: Path
+) -> None:
+    args = ["--port", str(free_port()), "--torchserve-management-port", str(taken_port), "--http-workers", workers]
+    result = serve(tmp_path / "log", *args)
+    assert result.returncode != 0, result.stderr
+    expected = f"cannot listen on 127.0.0.1:{taken_port} (--torchserve-management-port): Address already in use"
+    assert expected in last_line(result), result.stderr
+    assert_no_process_left(result)
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
 def test_http_port_taken_exits_non_zero_naming_the_port(taken_port: int, workers: str, tmp_path: Path) -> None:
     result = serve(tmp_path / "log", "--port", str(taken_port), "--http-workers", workers)
     assert result.returncode != 0, result.stderr
