@@ -211,6 +211,12 @@ def _add_import(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     )
     _add_image_flags(p)
     p.add_argument(
+        "--answer",
+        metavar="SHAPE",
+        help="detections or segmentation: /predictions answers as TorchServe's object_detector or image_segmenter "
+        'from the outputs boxes, scores, labels or out; or JSON, e.g. {"detections": {"threshold": 0.3}}',
+    )
+    p.add_argument(
         "--handler",
         metavar="MODULE:NAME",
         help="a team's own preprocess/postprocess class in a --code-path module, for /predictions (docs/handlers.md)",
@@ -302,6 +308,8 @@ def import_(args: argparse.Namespace) -> int:
             raise importer.ImportFailure("--image-*: give --image NAME too, the name clients send images under")
         if args.handler:
             fields["handler"] = {"code": args.handler}
+        if args.answer:
+            fields["answer"] = _answer(args.answer)
         result = importer.import_model(
             args.source,
             args.store,
@@ -329,6 +337,19 @@ def import_(args: argparse.Namespace) -> int:
     if args.trust_model_file and args.code_path:
         print(f"  serve it with --code-path {args.code_path[0]} (its model file is there)")
     return 0
+
+
+def _answer(text: str) -> dict[str, object]:
+    """``--answer``: a shape's name (its outputs and threshold at their defaults), or the section as JSON."""
+    from halfserve import importer
+    from halfserve.answershapes import AnswerSection
+
+    if text in AnswerSection.model_fields:
+        return {text: {}}
+    if not text.lstrip().startswith("{"):
+        shapes = " or ".join(AnswerSection.model_fields)
+        raise importer.ImportFailure(f"--answer {text!r}: expected {shapes}, or the section as a JSON object")
+    return importer.parse_json_object(text, "--answer")
 
 
 def _from_archive(args: argparse.Namespace, archive: Archive) -> None:

@@ -246,7 +246,8 @@ def import_model(
     if hugging_face != source.is_dir():
         want = "a Hugging Face model folder" if hugging_face else "a .pt, .pth or .safetensors file"
         raise ImportFailure(f"{source}: architecture {architecture!r} imports from {want}")
-    # The manifest's fields are checked before anything is built or written.
+    # The manifest's fields are checked before anything is built or written; the answer's, once the outputs are known.
+    answer = manifest_fields.pop("answer", None)
     draft = _manifest(
         {
             "name": name,
@@ -280,7 +281,9 @@ def import_model(
     outputs = outputs or derive_outputs(module, inputs)
     if hugging_face and labels is None:
         labels = hugging_face_labels(source, outputs[0])
-    manifest = _manifest({**draft.model_dump(exclude_none=True), "outputs": outputs, "labels": labels})
+    manifest = _manifest(
+        {**draft.model_dump(exclude_none=True), "outputs": outputs, "labels": labels, "answer": answer}
+    )
     given = _samples(calibration, manifest, module, samples, source if hugging_face else None)
     # Checked before anything is written: a refused model leaves no version behind.
     unsaved = store.LoadedModel(manifest, 0, module, source)

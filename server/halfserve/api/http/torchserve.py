@@ -21,7 +21,8 @@ from starlette.responses import Response
 from halfserve.api.dataplane import handled
 from halfserve.api.dataplane.infer import infer
 from halfserve.api.dataplane.photos import decode_photos, image_count
-from halfserve.api.errors import APIError
+from halfserve.api.dataplane.refusals import Refusal
+from halfserve.api.errors import APIError, RefusedError
 from halfserve.api.http import deps, multipart
 from halfserve.api.http.errors import error_responses, json_ok
 from halfserve.api.http.limits import TIMEOUT_PARAMETER, client_timeout, raw_header, read_body
@@ -145,7 +146,12 @@ async def predictions(request: Request) -> Response:
     out = result.outputs[served.manifest.outputs[0].name]
     labels = served.manifest.labels
     answers: list[Any]
-    if labels is not None and out.ndim == 2:
+    if served.manifest.answer is not None:
+        try:
+            answers = served.manifest.answer.answers(result.outputs, labels)
+        except ValueError as e:  # the model's outputs, not the request, are at fault
+            raise RefusedError(Refusal.FAILED, f"model {served.name}: {e}") from None
+    elif labels is not None and out.ndim == 2:
         answers = [top_classes(row, labels) for row in out]
     else:  # orjson writes a NaN or an infinity (overflow policy allow) as null
         answers = out.reshape(len(out), -1).tolist()
