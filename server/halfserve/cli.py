@@ -358,19 +358,31 @@ def _from_archive(args: argparse.Namespace, archive: Archive) -> None:
 
     args.source = archive.weights
     args.name = args.name or archive.name
-    try:  # before anything is written for it (the model file copied)
+    try:  # before anything is written for it (the model file copied, last)
         storage.check_name(args.name)
     except storage.StoreError as e:
         raise mar.MarError(f"{e}: the archive's modelName is not a store name; give --name") from None
+    if archive.handler == mar.OBJECT_DETECTOR:  # ToTensor alone: images of any size, which a batch cannot hold
+        if not args.input:
+            raise mar.MarError(
+                f"{archive.name}: object_detector takes images of any size, and a batch holds one: give --input "
+                "NAME:FP32:3xHEIGHTxWIDTH, the size images are resized to (boxes answer in its pixels)"
+            )
+        from halfserve import importer
+
+        shape = importer.parse_tensor(args.input[0], "--input").shape
+        args.image_resize = args.image_resize or f"{shape[-2]}x{shape[-1]}"
+    else:
+        args.input = args.input or [mar.IMAGE_INPUT]
+        args.image_preset = args.image_preset or "torchserve"
+    args.image = args.image or mar.IMAGE
+    args.answer = args.answer or mar.STOCK_ANSWERS[archive.handler]
     if args.architecture is None:
         if archive.model_file is None:
             raise mar.MarError(f"{archive.name}: the archive has no model file: give --architecture")
         if not args.trust_model_file:
             raise mar.refused_model_file(archive)
         args.architecture = mar.trust_model_file(archive, args.code_path or [])
-    args.input = args.input or [mar.IMAGE_INPUT]
-    args.image = args.image or mar.IMAGE
-    args.image_preset = args.image_preset or "torchserve"
     if args.labels is None and archive.labels is not None:
         args.labels = archive.labels
 
