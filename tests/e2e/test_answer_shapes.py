@@ -54,9 +54,9 @@ LABELS = ["person", "bicycle", "car"]
 SIZE = (24, 32)  # height, width: photos are made at the input's size, so no resize changes their pixels
 
 
-def build(code: Path, name: str) -> torch.nn.Module:
+def build(code: Path, name: str, module: str = "answer_models") -> torch.nn.Module:
     scope: dict[str, Any] = {}
-    exec((code / "answer_models.py").read_text(), scope)  # the test's own code, as the server imports it
+    exec((code / f"{module}.py").read_text(), scope)  # the test's own code, as the server imports it
     torch.manual_seed(0)
     net: torch.nn.Module = scope[name]().eval()
     return net
@@ -93,10 +93,13 @@ def reference_segmentation(out: np.ndarray) -> np.ndarray:
     return np.stack([probabilities.argmax(0).astype(np.float64), probabilities.max(0)], -1)
 
 
-def import_model(store: Path, code: Path, name: str, cls: str, answer: str, *extra: str) -> None:
+def import_model(
+    store: Path, code: Path, name: str, cls: str, answer: str, *extra: str, module: str = "answer_models"
+) -> None:
+    """Import ``module:cls`` from ``code`` (a module name the process has not imported from elsewhere)."""
     weights = store.parent / f"{name}.pt"
-    torch.save(build(code, cls).state_dict(), weights)
-    args = ["import", str(weights), "--store", str(store), "--name", name, "--architecture", f"answer_models:{cls}"]
+    torch.save(build(code, cls, module).state_dict(), weights)
+    args = ["import", str(weights), "--store", str(store), "--name", name, "--architecture", f"{module}:{cls}"]
     args += [
         "--input",
         f"input:FP32:3x{SIZE[0]}x{SIZE[1]}",

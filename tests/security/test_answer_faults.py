@@ -59,11 +59,12 @@ def server(tmp_path_factory: pytest.TempPathFactory, server_factory: StartServer
     root = tmp_path_factory.mktemp("faulty-answers")
     code, store = root / "code", root / "store"
     code.mkdir()
-    (code / "answer_models.py").write_text(MODELS + FAULTY)
+    (code / "faulty_answers.py").write_text(MODELS + FAULTY)
     (root / "labels.txt").write_text("\n".join(LABELS))
     outputs = ["--output", "boxes:FP32:8x4", "--output", "scores:FP32:8", "--output", "labels:INT64:8"]
     for name, (cls, _) in FAULTS.items():
-        import_model(store, code, name, cls, "detections", "--labels", str(root / "labels.txt"), *outputs)
+        labels = ["--labels", str(root / "labels.txt")]
+        import_model(store, code, name, cls, "detections", *labels, *outputs, module="faulty_answers")
     return server_factory(store, "--code-path", str(code))
 
 

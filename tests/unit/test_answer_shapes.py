@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+import orjson
 import pytest
 from pydantic import ValidationError
 
@@ -103,10 +104,12 @@ def test_segmentation_answers_each_pixel_s_class_and_its_probability_after_softm
     answers = segmentation(out)
     got = np.array(answers)
     assert got.shape == (2, 4, 5, 2)
+    assert got.dtype == np.float32  # as TorchServe computes it; JSON-able by orjson's numpy option
     exp = np.exp(out.astype(np.float64))
     probabilities = exp / exp.sum(1, keepdims=True)
     np.testing.assert_array_equal(got[..., 0], probabilities.argmax(1))
-    np.testing.assert_allclose(got[..., 1], probabilities.max(1), rtol=1e-12)
-    assert isinstance(answers[0][0][0][0], float)  # the class as a number, as TorchServe stacks it with the values
+    np.testing.assert_allclose(got[..., 1], probabilities.max(1), rtol=1e-6)
+    written = orjson.loads(orjson.dumps(answers[0], option=orjson.OPT_SERIALIZE_NUMPY))
+    np.testing.assert_array_equal(np.array(written, np.float32), got[0])  # float32's shortest repr, read back exact
     with pytest.raises(ValueError, match="not finite"):
         segmentation(np.full((1, 2, 1, 1), np.nan, np.float32))
