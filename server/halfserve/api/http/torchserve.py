@@ -2,7 +2,9 @@
 (``curl -T kitten.jpg``, ``--data-binary @kitten.jpg``) or photos in a form (``-F data=@kitten.jpg``, fields named
 ``data`` or ``body``, one image each), answered as TorchServe's ``image_classifier`` handler answers: a model with
 labels gives its top five classes after softmax, highest first, as ``{"label": probability}``; one without, its
-output as a list. Several images in one form: a list, one answer per image. And ``GET /ping``, its health check.
+output as a list; one whose manifest declares an ``answer``, as TorchServe's ``object_detector`` or
+``image_segmenter`` answers (:mod:`halfserve.answershapes`). Several images in one form: a list, one answer per image.
+And ``GET /ping``, its health check.
 
 Errors carry TorchServe's ``code``, ``type`` and ``message``, which its clients read, and this server's ``error``
 (the same message), which every other route answers: a client of either reads them unchanged.
@@ -69,8 +71,9 @@ PREDICTIONS_SCHEMA: dict[str, Any] = {
     },
     "responses": {
         **json_ok(
-            "The top classes after softmax, highest first, as {label: probability} (a model with labels), else the "
-            "output as a list; a list of those for several images.",
+            "The top classes after softmax, highest first, as {label: probability} (a model with labels); "
+            'detections as [{label: [x1, y1, x2, y2], "score": s}] or each pixel\'s [class, probability] (a model '
+            "with an answer section); else the output as a list; a list of those for several images.",
             {"anyOf": [{"type": "object"}, {"type": "array"}]},
         ),
         **error_responses(
