@@ -1,5 +1,6 @@
 """TorchServe archives (``.mar``) into the store: ``halfserve import model.mar`` reads the archive torch-model-archiver
-writes (a state dict, a model file, the stock ``image_classifier`` handler, ``index_to_name.json``), and a photo posted
+writes (a state dict, a model file, the stock ``image_classifier``, ``object_detector`` and ``image_segmenter``
+handlers, ``index_to_name.json``), and a photo posted
 to ``/predictions`` is answered as TorchServe's handler would answer it; what cannot be imported safely is refused
 with the reason."""
 
@@ -81,18 +82,23 @@ def photo(fmt: str) -> bytes:
     return out.getvalue()
 
 
-def reference_top5(net: torch.nn.Module, data: bytes) -> dict[str, float]:
-    """TorchServe's image_classifier in Pillow and numpy: Resize(256), CenterCrop(224), ToTensor, Normalize, softmax
-    top 5, in fp32."""
+def torchserve_pixels(data: bytes) -> np.ndarray:
+    """TorchServe's image_classifier and image_segmenter transforms in Pillow and numpy: Resize(256),
+    CenterCrop(224), ToTensor, Normalize; ``[3, 224, 224]`` float32."""
     image = Image.open(io.BytesIO(data)).convert("RGB")
     w, h = image.size
     size = (int(256 * w / h), 256) if w >= h else (256, int(256 * h / w))
     image = image.resize(size, Image.Resampling.BILINEAR)
     left, top = int(round((size[0] - 224) / 2.0)), int(round((size[1] - 224) / 2.0))
     image = image.crop((left, top, left + 224, top + 224))
-    x = (np.asarray(image, dtype=np.float32) / 255 - MEAN) / STD
+    x: np.ndarray = ((np.asarray(image, dtype=np.float32) / 255 - MEAN) / STD).astype(np.float32)
+    return x.transpose(2, 0, 1)
+
+
+def reference_top5(net: torch.nn.Module, data: bytes) -> dict[str, float]:
+    """TorchServe's image_classifier in Pillow and numpy: its transforms, then softmax top 5, in fp32."""
     with torch.no_grad():
-        probs = torch.softmax(net(torch.from_numpy(x.transpose(2, 0, 1)).float()[None]), 1)[0]
+        probs = torch.softmax(net(torch.from_numpy(torchserve_pixels(data))[None]), 1)[0]
     values, indices = probs.topk(5)
     return {LABELS[str(int(i))]: float(v) for v, i in zip(values, indices, strict=True)}
 
