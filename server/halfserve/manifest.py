@@ -527,6 +527,8 @@ class Manifest(BaseModel):
                 raise ValueError(f"outputs: {t.name!r}: format applies to inputs")
         if self.execution.compile is Compile.INDUCTOR and (len(self.inputs) > 1 or len(self.outputs) > 1):
             raise ValueError("execution.compile 'inductor' takes models with one input and one output")
+        if self.answer is not None and self.handler is not None:
+            raise ValueError("answer and handler: a handler's postprocess answers /predictions itself; give one")
         if self.answer is not None:
             self.answer.check(self.outputs, self.labels)
         elif self.labels is not None and len(self.labels) != self.outputs[0].shape[-1]:

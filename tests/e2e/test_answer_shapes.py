@@ -168,7 +168,7 @@ def test_a_segmenter_answers_as_torchserve_s_image_segmenter(served: tuple[str, 
     assert np.array(one).shape == (*SIZE, 2)  # one file: its answer alone, not a list of one
 
 
-def test_v2_still_answers_the_tensors(served: tuple[str, Path]) -> None:
+def test_v2_and_predict_still_answer_the_tensors(served: tuple[str, Path]) -> None:
     url, _ = served
     x = np.full((1, 3, *SIZE), 0.8, np.float32)
     body = {"inputs": [{"name": "input", "datatype": "FP32", "shape": list(x.shape), "data": x.ravel().tolist()}]}
@@ -176,3 +176,7 @@ def test_v2_still_answers_the_tensors(served: tuple[str, Path]) -> None:
     assert r.status_code == 200, r.text
     shapes = {o["name"]: o["shape"] for o in r.json()["outputs"]}
     assert shapes == {"boxes": [1, 8, 4], "scores": [1, 8], "labels": [1, 8]}
+    r = httpx.post(f"{url}/predict", json={"model": "detector", "inputs": x.tolist()}, timeout=30)
+    assert r.status_code == 200, r.text
+    assert set(r.json()["outputs"]) == {"boxes", "scores", "labels"}
+    assert "labels" not in r.json()  # the labels name the detections' classes, not the boxes' columns

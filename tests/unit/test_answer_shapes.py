@@ -53,6 +53,10 @@ def test_a_detection_answer_names_outputs_of_boxes_scores_and_labels() -> None:
     whole = [*DETECTION_OUTPUTS[:1], {"name": "scores", "datatype": "INT64", "shape": [3]}, DETECTION_OUTPUTS[2]]
     with pytest.raises(ValidationError, match="output 'scores' is INT64; a floating output expected"):
         manifest(whole, {"detections": {}})
+    with pytest.raises(ValidationError, match="a handler's postprocess answers /predictions itself"):
+        Manifest.model_validate(
+            {**manifest(DETECTION_OUTPUTS, {"detections": {}}).model_dump(), "handler": {"code": "m:Handler"}}
+        )
     with pytest.raises(ValidationError, match="threshold"):  # 0 would answer the padding
         manifest(DETECTION_OUTPUTS, {"detections": {"threshold": 0}})
 
