@@ -1,8 +1,7 @@
 """TorchServe archives (``.mar``) into the store: ``halfserve import model.mar`` reads the archive torch-model-archiver
 writes (a state dict, a model file, the stock ``image_classifier``, ``object_detector`` and ``image_segmenter``
-handlers, ``index_to_name.json``), and a photo posted
-to ``/predictions`` is answered as TorchServe's handler would answer it; what cannot be imported safely is refused
-with the reason."""
+handlers, ``index_to_name.json``), and a photo posted to ``/predictions`` is answered as TorchServe's handler would
+answer it; what cannot be imported safely is refused with the reason."""
 
 from __future__ import annotations
 
