@@ -211,6 +211,12 @@ def _add_import(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     )
     _add_image_flags(p)
     p.add_argument(
+        "--answer",
+        metavar="SHAPE",
+        help="detections or segmentation: /predictions answers as TorchServe's object_detector or image_segmenter "
+        'from the outputs boxes, scores, labels or out; or JSON, e.g. {"detections": {"threshold": 0.3}}',
+    )
+    p.add_argument(
         "--handler",
         metavar="MODULE:NAME",
         help="a team's own preprocess/postprocess class in a --code-path module, for /predictions (docs/handlers.md)",
@@ -272,7 +278,7 @@ def _add_image_flags(p: argparse.ArgumentParser) -> None:
 
 
 def import_(args: argparse.Namespace) -> int:
-    from halfserve import importer, mar, models
+    from halfserve import importer, importflags, mar, models
     from halfserve.precision import resolve_device
 
     scratch = tempfile.TemporaryDirectory(prefix="halfserve-mar-")
@@ -283,12 +289,12 @@ def import_(args: argparse.Namespace) -> int:
         if missing:
             raise importer.ImportFailure(f"give {', '.join(missing)}")
         models.add_code_path(args.code_path or [])
-        labels = importer.read_labels(args.labels) if args.labels else None
+        labels = importflags.read_labels(args.labels) if args.labels else None
         fields: dict[str, object] = {"min_agreement": args.min_agreement} if args.min_agreement is not None else {}
         if args.accept_padding_variance:
             fields["padding_invariant"] = False
         if args.fidelity is not None:
-            fields["fidelity"] = importer.parse_json_object(args.fidelity, "--fidelity")
+            fields["fidelity"] = importflags.parse_json_object(args.fidelity, "--fidelity")
         inputs = importer.sequence_inputs(
             [importer.parse_tensor(t, "--input") for t in args.input], args.max_length, args.mask, args.truncate
         )
@@ -299,11 +305,13 @@ def import_(args: argparse.Namespace) -> int:
             fields["text"] = {"input": args.text, "feeds": feeds}
         given = {f: getattr(args, f"image_{f}") for f in IMAGE_FLAGS}
         if args.image:
-            fields["image"] = importer.image_section(args.image, inputs, args.image_preset, **given)
+            fields["image"] = importflags.image_section(args.image, inputs, args.image_preset, **given)
         elif args.image_preset is not None or any(v is not None for v in given.values()):
             raise importer.ImportFailure("--image-*: give --image NAME too, the name clients send images under")
         if args.handler:
             fields["handler"] = {"code": args.handler}
+        if args.answer:
+            fields["answer"] = _answer(args.answer)
         result = importer.import_model(
             args.source,
             args.store,
@@ -311,7 +319,7 @@ def import_(args: argparse.Namespace) -> int:
             args.architecture,
             inputs,
             [importer.parse_tensor(t, "--output") for t in args.output] if args.output else None,
-            importer.parse_json_object(args.arch_kwargs, "--arch-kwargs"),
+            importflags.parse_json_object(args.arch_kwargs, "--arch-kwargs"),
             labels,
             args.calibration,
             args.samples,
@@ -333,25 +341,50 @@ def import_(args: argparse.Namespace) -> int:
     return 0
 
 
+def _answer(text: str) -> dict[str, object]:
+    """``--answer``: a shape's name (its outputs and threshold at their defaults), or the section as JSON."""
+    from halfserve import importer, importflags
+    from halfserve.answershapes import AnswerSection
+
+    if text in AnswerSection.model_fields:
+        return {text: {}}
+    if not text.lstrip().startswith("{"):
+        shapes = " or ".join(AnswerSection.model_fields)
+        raise importer.ImportFailure(f"--answer {text!r}: expected {shapes}, or the section as a JSON object")
+    return importflags.parse_json_object(text, "--answer")
+
+
 def _from_archive(args: argparse.Namespace, archive: Archive) -> None:
     """Fill what a TorchServe archive gives (:mod:`halfserve.mar`) where the command line did not."""
     from halfserve import mar
 
     args.source = archive.weights
     args.name = args.name or archive.name
-    try:  # before anything is written for it (the model file copied)
+    try:  # before anything is written for it (the model file copied, last)
         storage.check_name(args.name)
     except storage.StoreError as e:
         raise mar.MarError(f"{e}: the archive's modelName is not a store name; give --name") from None
+    if archive.handler == mar.OBJECT_DETECTOR:  # ToTensor alone: images of any size, which a batch cannot hold
+        if not args.input:
+            raise mar.MarError(
+                f"{archive.name}: object_detector takes images of any size, and a batch holds one: give --input "
+                "NAME:FP32:3xHEIGHTxWIDTH, the size images are resized to (boxes answer in its pixels)"
+            )
+        from halfserve import importer
+
+        shape = importer.parse_tensor(args.input[0], "--input").shape
+        args.image_resize = args.image_resize or f"{shape[-2]}x{shape[-1]}"
+    else:
+        args.input = args.input or [mar.IMAGE_INPUT]
+        args.image_preset = args.image_preset or "torchserve"
+    args.image = args.image or mar.IMAGE
+    args.answer = args.answer or mar.STOCK_ANSWERS[archive.handler]
     if args.architecture is None:
         if archive.model_file is None:
             raise mar.MarError(f"{archive.name}: the archive has no model file: give --architecture")
         if not args.trust_model_file:
             raise mar.refused_model_file(archive)
         args.architecture = mar.trust_model_file(archive, args.code_path or [])
-    args.input = args.input or [mar.IMAGE_INPUT]
-    args.image = args.image or mar.IMAGE
-    args.image_preset = args.image_preset or "torchserve"
     if args.labels is None and archive.labels is not None:
         args.labels = archive.labels
 

@@ -177,6 +177,8 @@ def scores_output(manifest: Manifest) -> str | None:
     """The output holding class scores, measured by top-1 agreement: the first output when the manifest has labels,
     else the first floating output of one dimension of 2 or more; ``None`` when there is none."""
     first = manifest.outputs[0]
+    if manifest.answer is not None:  # boxes, detection scores or pixels' classes: no one top class to agree on
+        return None
     if manifest.labels is not None and first.datatype.numpy.kind == "f":
         return first.name
     return next(

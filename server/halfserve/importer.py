@@ -41,7 +41,6 @@ from halfserve import (
 from halfserve.calibration import Samples
 from halfserve.engine.core import Engine
 from halfserve.engine.inputs import takes_positionally
-from halfserve.imageinput import ImagePreset
 from halfserve.instance import torch_dtype
 from halfserve.manifest import DataType, InputFormat, Manifest, Precision, TensorSpec, sent_inputs
 from halfserve.manifest import describe as describe_invalid
@@ -246,7 +245,8 @@ def import_model(
     if hugging_face != source.is_dir():
         want = "a Hugging Face model folder" if hugging_face else "a .pt, .pth or .safetensors file"
         raise ImportFailure(f"{source}: architecture {architecture!r} imports from {want}")
-    # The manifest's fields are checked before anything is built or written.
+    # The manifest's fields are checked before anything is built or written; the answer's, once the outputs are known.
+    answer = manifest_fields.pop("answer", None)
     draft = _manifest(
         {
             "name": name,
@@ -280,7 +280,9 @@ def import_model(
     outputs = outputs or derive_outputs(module, inputs)
     if hugging_face and labels is None:
         labels = hugging_face_labels(source, outputs[0])
-    manifest = _manifest({**draft.model_dump(exclude_none=True), "outputs": outputs, "labels": labels})
+    manifest = _manifest(
+        {**draft.model_dump(exclude_none=True), "outputs": outputs, "labels": labels, "answer": answer}
+    )
     given = _samples(calibration, manifest, module, samples, source if hugging_face else None)
     # Checked before anything is written: a refused model leaves no version behind.
     unsaved = store.LoadedModel(manifest, 0, module, source)
@@ -506,95 +508,3 @@ def describe(result: Imported) -> str:
             + ("" if p.invariant else ": ANSWERS CHANGE WITH PADDING, accepted by --accept-padding-variance")
         )
     return "\n".join(lines)
-
-
-def parse_json_object(text: str | None, option: str) -> dict[str, Any]:
-    if not text:
-        return {}
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ImportFailure(f"{option}: not valid JSON ({e})") from None
-    if not isinstance(value, dict):
-        raise ImportFailure(f"{option}: expected a JSON object, got {type(value).__name__}")
-    return value
-
-
-def read_labels(path: Path) -> list[str]:
-    """``--labels``: a text file of class names (one per line), or TorchServe's ``index_to_name.json``, an object of
-    class index to its name (``{"0": "tench"}``) or to ``[id, name]`` (``{"0": ["n01440764", "tench"]}``, the name
-    last, as TorchServe's handlers read it)."""
-    if path.suffix.lower() != ".json":
-        return path.read_text().split()
-    where = f"--labels {path}"
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ImportFailure(f"{where}: not valid JSON ({e})") from None
-    if not isinstance(data, dict) or not data:
-        raise ImportFailure(f'{where}: expected an object of class index to name, e.g. {{"0": "tench"}}')
-    names: dict[int, str] = {}
-    for key, value in data.items():
-        if not (key.isascii() and key.isdigit()):
-            raise ImportFailure(f"{where}: key {key!r} is not a class index (0, 1, ...)")
-        if isinstance(value, list) and value and all(isinstance(v, str) for v in value):
-            value = value[-1]
-        if not isinstance(value, str):
-            raise ImportFailure(f'{where}: class {key}: expected a name or ["id", "name"], got {value!r}')
-        names[int(key)] = value
-    missing = sorted(set(range(len(names))) - set(names))
-    if missing:
-        raise ImportFailure(f"{where}: classes 0 to {len(names) - 1} each need a name; missing {missing[:5]}")
-    return [names[i] for i in range(len(names))]
-
-
-def image_section(
-    name: str,
-    inputs: list[TensorSpec],
-    preset: str | None = None,
-    **given: str | None,
-) -> dict[str, Any]:
-    """The manifest's ``image`` section of ``halfserve import --image NAME``: ``preset``'s transforms (if any), with
-    the ``--image-*`` flags given (``given``, unparsed; None where not given) over them; it feeds the model's one
-    input. Checked against that input by the manifest."""
-    if len(inputs) != 1:
-        raise ImportFailure("--image: images feed a model with one input")
-    section: dict[str, Any] = {"input": name, "feeds": inputs[0].name}
-    if preset is not None:
-        try:
-            section |= ImagePreset(preset).transforms
-        except ValueError:
-            choices = ", ".join(p.value for p in ImagePreset)
-            raise ImportFailure(f"--image-preset {preset!r}: expected one of {choices}") from None
-    for field, text in given.items():
-        if text is None:
-            continue
-        option = f"--image-{field}"
-        if field in ("resize", "crop"):
-            section[field] = _size(text, option)
-        elif field in ("mean", "std"):
-            section[field] = [_number(v, option) for v in text.split(",")]
-        elif field == "scale":
-            section[field] = _number(text, option)
-        else:
-            section[field] = text
-    return section
-
-
-def _size(text: str, option: str) -> int | list[int]:
-    """``256`` (the shorter side, or a square crop) or ``HEIGHTxWIDTH``."""
-    parts = text.lower().split("x")
-    if len(parts) in (1, 2) and all(p.strip().isdigit() for p in parts):
-        sizes = [int(p) for p in parts]
-        return sizes[0] if len(sizes) == 1 else sizes
-    raise ImportFailure(f"{option} {text!r}: expected a size (256) or HEIGHTxWIDTH (224x224)")
-
-
-def _number(text: str, option: str) -> float:
-    try:
-        if "/" in text:  # 1/255, as the scale is usually written
-            top, bottom = text.split("/")
-            return float(top) / float(bottom)
-        return float(text)
-    except (ValueError, ZeroDivisionError):
-        raise ImportFailure(f"{option} {text!r}: expected a number (or a fraction such as 1/255)") from None

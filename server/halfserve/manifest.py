@@ -28,6 +28,7 @@ from pydantic import (
     model_validator,
 )
 
+from halfserve.answershapes import AnswerSection
 from halfserve.handlerinput import HandlerSection
 from halfserve.imageinput import ImageInput
 from halfserve.storage import MANIFEST, NAME_PATTERN, StoreError, read_json
@@ -432,6 +433,8 @@ class Manifest(BaseModel):
     text: TextInput | None = None
     image: ImageInput | None = None
     handler: HandlerSection | None = None
+    answer: AnswerSection | None = None
+    """``/predictions``' answer: TorchServe's detection or segmentation shape (:mod:`halfserve.answershapes`)."""
     precision: Precision = Precision.AUTO
     overflow: OverflowPolicy = OverflowPolicy.RERUN_FP32
     min_agreement: float | None = Field(default=None, gt=0.0, le=1.0)
@@ -524,7 +527,11 @@ class Manifest(BaseModel):
                 raise ValueError(f"outputs: {t.name!r}: format applies to inputs")
         if self.execution.compile is Compile.INDUCTOR and (len(self.inputs) > 1 or len(self.outputs) > 1):
             raise ValueError("execution.compile 'inductor' takes models with one input and one output")
-        if self.labels is not None and len(self.labels) != self.outputs[0].shape[-1]:
+        if self.answer is not None and self.handler is not None:
+            raise ValueError("answer and handler: a handler's postprocess answers /predictions itself; give one")
+        if self.answer is not None:
+            self.answer.check(self.outputs, self.labels)
+        elif self.labels is not None and len(self.labels) != self.outputs[0].shape[-1]:
             raise ValueError(
                 f"labels has {len(self.labels)} entries but the output's last dimension is {self.outputs[0].shape[-1]}"
             )

@@ -12,7 +12,9 @@ base name, and the extra files. Here:
   subclass (found by reading the file, not running it) becomes the architecture, ``mar_<name>:<Class>``; without the
   flag the import is refused with the reason and the fix (``--architecture`` of their own also does);
 * the stock ``image_classifier`` handler becomes the ``torchserve`` image preset on one input of 3x224x224,
-  with the archive's ``index_to_name.json`` as the labels; other handlers are refused with the reason.
+  with the archive's ``index_to_name.json`` as the labels; ``image_segmenter`` the same transforms with the
+  ``segmentation`` answer; ``object_detector`` (``ToTensor`` alone, on images of any size) a resize to the input the
+  operator gives and the ``detections`` answer; other handlers are refused with the reason.
 
 The zip is read within limits (:data:`MAX_MEMBERS`, :data:`MAX_BYTES`, :data:`MAX_RATIO`): no absolute paths, no
 ``..``, no links, and every byte counted as it is unpacked, never trusting the sizes the zip declares.
@@ -40,9 +42,15 @@ MAX_RATIO = 200
 """How many times its compressed size a file may unpack to (weights compress about 1.1x; a zip bomb 1,000x)."""
 MAX_MANIFEST_BYTES = 64 * 1024
 IMAGE_CLASSIFIER = "image_classifier"
+OBJECT_DETECTOR = "object_detector"
+STOCK_ANSWERS: dict[str, str | None] = {
+    IMAGE_CLASSIFIER: None,
+    "image_segmenter": "segmentation",
+    OBJECT_DETECTOR: "detections",
+}
+"""The stock image handlers imported, each with the manifest's ``answer`` it becomes (:mod:`halfserve.answershapes`;
+None: classification's top five)."""
 REFUSED_HANDLERS = {
-    "object_detector": "its answers (boxes per object) need torchvision's detection models",
-    "image_segmenter": "its answers (a class per pixel) are not a declared answer shape here yet",
     "text_classifier": "import the Hugging Face folder with --architecture transformers:<AutoClass> and --text instead",
     "base_handler": "it declares no transforms: give --input and, for photos, --image",
 }
@@ -161,7 +169,7 @@ def read(path: Path, folder: Path) -> Archive:
     if handler.removesuffix(".py") in REFUSED_HANDLERS:
         stock = handler.removesuffix(".py")
         raise MarError(f"{path}: handler {stock!r} is not imported: {REFUSED_HANDLERS[stock]}")
-    if handler != IMAGE_CLASSIFIER:
+    if handler not in STOCK_ANSWERS:
         raise MarError(
             f"{path}: handler {handler!r} is the archive's own code, which is not run here: port its preprocess and "
             "postprocess to a handler class on --code-path and import with --handler module:Class "

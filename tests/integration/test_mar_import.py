@@ -1,7 +1,7 @@
 """TorchServe archives (``.mar``) into the store: ``halfserve import model.mar`` reads the archive torch-model-archiver
-writes (a state dict, a model file, the stock ``image_classifier`` handler, ``index_to_name.json``), and a photo posted
-to ``/predictions`` is answered as TorchServe's handler would answer it; what cannot be imported safely is refused
-with the reason."""
+writes (a state dict, a model file, the stock ``image_classifier``, ``object_detector`` and ``image_segmenter``
+handlers, ``index_to_name.json``), and a photo posted to ``/predictions`` is answered as TorchServe's handler would
+answer it; what cannot be imported safely is refused with the reason."""
 
 from __future__ import annotations
 
@@ -81,18 +81,23 @@ def photo(fmt: str) -> bytes:
     return out.getvalue()
 
 
-def reference_top5(net: torch.nn.Module, data: bytes) -> dict[str, float]:
-    """TorchServe's image_classifier in Pillow and numpy: Resize(256), CenterCrop(224), ToTensor, Normalize, softmax
-    top 5, in fp32."""
+def torchserve_pixels(data: bytes) -> np.ndarray:
+    """TorchServe's image_classifier and image_segmenter transforms in Pillow and numpy: Resize(256),
+    CenterCrop(224), ToTensor, Normalize; ``[3, 224, 224]`` float32."""
     image = Image.open(io.BytesIO(data)).convert("RGB")
     w, h = image.size
     size = (int(256 * w / h), 256) if w >= h else (256, int(256 * h / w))
     image = image.resize(size, Image.Resampling.BILINEAR)
     left, top = int(round((size[0] - 224) / 2.0)), int(round((size[1] - 224) / 2.0))
     image = image.crop((left, top, left + 224, top + 224))
-    x = (np.asarray(image, dtype=np.float32) / 255 - MEAN) / STD
+    x: np.ndarray = ((np.asarray(image, dtype=np.float32) / 255 - MEAN) / STD).astype(np.float32)
+    return x.transpose(2, 0, 1)
+
+
+def reference_top5(net: torch.nn.Module, data: bytes) -> dict[str, float]:
+    """TorchServe's image_classifier in Pillow and numpy: its transforms, then softmax top 5, in fp32."""
     with torch.no_grad():
-        probs = torch.softmax(net(torch.from_numpy(x.transpose(2, 0, 1)).float()[None]), 1)[0]
+        probs = torch.softmax(net(torch.from_numpy(torchserve_pixels(data))[None]), 1)[0]
     values, indices = probs.topk(5)
     return {LABELS[str(int(i))]: float(v) for v, i in zip(values, indices, strict=True)}
 
@@ -140,7 +145,7 @@ def test_a_model_file_is_not_run_without_the_operator_s_word(
 @pytest.mark.parametrize(
     ("change", "named"),
     [
-        pytest.param({"handler": "object_detector"}, "handler 'object_detector' is not imported", id="detector"),
+        pytest.param({"handler": "text_classifier"}, "handler 'text_classifier' is not imported", id="text"),
         pytest.param({"handler": "my_handler.py"}, "is the archive's own code, which is not run here", id="custom"),
         pytest.param({"../evil.py": b"x"}, "is not a plain relative path", id="dot-dot"),
         pytest.param({"/etc/evil": b"x"}, "is not a plain relative path", id="absolute"),
@@ -212,3 +217,74 @@ def test_an_archive_name_that_is_no_store_name_is_refused_before_anything_is_wri
     assert import_mar(mar, tmp_path / "store", "--trust-model-file", "--code-path", str(code)) == 2
     assert "the archive's modelName is not a store name; give --name" in capsys.readouterr().err
     assert not code.exists()
+
+
+DETECTOR_FILE = """
+import torch
+from torch import nn
+
+
+class Detector(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.box = nn.Linear(3, 8)
+
+    def forward(self, x):
+        f = x.mean((2, 3))
+        scores = torch.tensor([0.9, 0.1], dtype=f.dtype, device=x.device).expand(len(x), 2)
+        labels = torch.tensor([3, 1], device=x.device).expand(len(x), 2)
+        return {"boxes": 32 * torch.sigmoid(self.box(f)).view(-1, 2, 4), "scores": scores, "labels": labels}
+"""
+SEGMENTER_FILE = """
+from torch import nn
+
+
+class Segmenter(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 10, 1)
+
+    def forward(self, x):
+        return {"out": self.conv(x)}
+"""
+
+
+def stock_archive(path: Path, handler: str, source: str) -> Path:
+    """An archive of ``handler`` whose model file is ``source`` (one nn.Module), with its weights."""
+    scope: dict[str, object] = {}
+    exec(source, scope)  # the test's own code, as the archive's model file holds it
+    net = next(v for k, v in scope.items() if k in ("Detector", "Segmenter"))()  # type: ignore[operator]
+    return archive(path, net, handler=handler, model_name=handler.replace("_", ""), **{"model.py": source.encode()})
+
+
+async def test_the_detector_and_segmenter_stock_handlers_become_their_answers(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, store = tmp_path / "code", tmp_path / "store"
+    detector = stock_archive(tmp_path / "det.mar", "object_detector", DETECTOR_FILE)
+    trust = ["--trust-model-file", "--code-path", str(code)]
+    assert import_mar(detector, store, *trust) == 2  # its images come in any size; a batch holds one
+    assert "object_detector takes images of any size" in capsys.readouterr().err
+    assert not code.exists()  # refused before the model file was copied
+    assert import_mar(detector, store, *trust, "--input", "input:FP32:3x32x40") == 0
+    segmenter = stock_archive(tmp_path / "seg.mar", "image_segmenter", SEGMENTER_FILE)
+    assert import_mar(segmenter, store, *trust) == 0
+    det = json.loads((store / "objectdetector" / "config.json").read_text())
+    assert det["image"]["resize"] == [32, 40]
+    assert "mean" not in det["image"]
+    assert det["answer"] == {"detections": {"boxes": "boxes", "scores": "scores", "labels": "labels", "threshold": 0.5}}
+    seg = json.loads((store / "imagesegmenter" / "config.json").read_text())
+    assert (seg["image"]["resize"], seg["image"]["crop"], seg["answer"]) == (
+        256,
+        224,
+        {"segmentation": {"output": "out"}},
+    )
+    async with serving(Settings(store=store, code_path=[code])) as client:
+        r = await client.put("/predictions/objectdetector", content=photo("JPEG"))  # type: ignore[attr-defined]
+        assert r.status_code == 200, r.text
+        [found] = r.json()  # the second detection scores 0.1, under TorchServe's 0.5
+        assert list(found) == ["class_3", "score"]
+        assert len(found["class_3"]) == 4
+        r = await client.put("/predictions/imagesegmenter", content=photo("PNG"))  # type: ignore[attr-defined]
+        assert r.status_code == 200, r.text
+        assert np.array(r.json()).shape == (224, 224, 2)

@@ -12,7 +12,8 @@ from PIL import Image
 from safetensors.numpy import load_file
 
 from halfserve import cli, images
-from halfserve.importer import ImportFailure, image_section, read_labels
+from halfserve.importer import ImportFailure
+from halfserve.importflags import image_section, read_labels
 from halfserve.manifest import TensorSpec, load_manifest
 from tests.conftest import DIGITS_CNN_IMPORT, DIGITS_PHOTO
 

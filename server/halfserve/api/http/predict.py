@@ -223,6 +223,6 @@ async def predict(request: Request) -> Response:
         "outputs": out if len(specs) == 1 else {t.name: result.outputs[t.name] for t in specs},
     }
     labels = served.manifest.labels
-    if labels is not None:
+    if labels is not None and served.manifest.answer is None:  # an answer's labels name detections, not columns
         body["labels"] = top_labels(out, labels)
     return Response(orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY), media_type="application/json")
