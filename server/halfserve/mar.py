@@ -68,9 +68,8 @@ class MarError(StoreError):
 class Archive:
     """What an unpacked ``.mar`` gives an import."""
 
-    folder: Path
     name: str
-    version: str | None
+    """The archive's ``modelName``, else its file's stem."""
     weights: Path
     handler: str
     model_file: Path | None
@@ -177,12 +176,9 @@ def read(path: Path, folder: Path) -> Archive:
         )
     labels = folder / "index_to_name.json"
     name = str(model.get("modelName") or path.stem)
-    version = model.get("modelVersion")
     model_file = _file(folder, model, "modelFile", path)
     return Archive(
-        folder,
         name,
-        None if version is None else str(version),
         weights,
         handler,
         model_file,
