@@ -27,6 +27,7 @@ Usage (the commands of the committed runs are in benchmarks/README.md):
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import shlex
@@ -42,11 +43,13 @@ from typing import Any
 import common
 import numpy as np
 import torch
+from closed_loop import closed_loop
 from common import IMAGENET, ROOT
 
 from halfserve import hostinfo, models, store
 from halfserve.compilation import tune_cudnn
 from halfserve.engine.core import Engine
+from halfserve.instance import bucket_for
 from halfserve.loadtest.config import LoadtestConfig
 from halfserve.loadtest.make_bench_model import calibrate
 from halfserve.loadtest.payload import Protocol
@@ -207,6 +210,41 @@ def instances_rate(
     return out
 
 
+def closed_loops(
+    loaded: LoadedModel,
+    precisions: list[str],
+    device: torch.device,
+    ex: Execution,
+    concurrency: list[int],
+    seconds: float,
+) -> dict[str, dict[str, dict[str, Any]]]:
+    """Per precision and concurrency c: c in-process clients in a closed loop through the Batcher and an Engine with
+    the server's execution (its instance count, graphs or not), the manifest's batching: what c clients can get at
+    all without HTTP (:mod:`closed_loop`)."""
+    batching = loaded.manifest.batching
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for prec in precisions:
+        engine = Engine(loaded, Precision(prec), device, execution=ex)
+        engine.warmup(batching.max_batch_size)
+        out[prec] = {}
+        for c in concurrency:
+            run = closed_loop(
+                engine,
+                c,
+                seconds,
+                max_batch_size=batching.max_batch_size,
+                max_delay=batching.max_delay_ms / 1000,
+                adaptive_delay=batching.adaptive_delay,
+                warmup=min(1.0, seconds),
+            )
+            out[prec][str(c)] = asyncio.run(run)
+            print(json.dumps({"closed_loop": prec, "instances": ex.instances, "c": c, **out[prec][str(c)]}), flush=True)
+        engine.close()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return out
+
+
 def serve_sweep(
     root: Path, args: argparse.Namespace, precisions: list[str], out: Path, extra: tuple[str, ...] = ()
 ) -> dict[str, Any]:
@@ -324,15 +362,30 @@ def best_upto(rates: dict[str, float], limit: int) -> float:
     return max(eligible) if eligible else max(rates.values())
 
 
+def forward_batch(concurrency: int, instances: int, sizes: list[int]) -> int:
+    """The batch the forward runs when ``concurrency`` requests are spread over ``instances``: c / instances rows
+    (rounded up), padded to the smallest measured batch size holding them (the engine pads to buckets), at most the
+    largest measured."""
+    rows = -(-concurrency // max(1, instances))
+    return min(bucket_for(rows, sorted(sizes)), max(sizes))
+
+
 def summarize(
-    sweep: dict[str, Any], ceilings: dict[str, dict[str, float]], half: str, instances: dict[str, Any] | None
+    sweep: dict[str, Any],
+    ceilings: dict[str, dict[str, float]],
+    half: str,
+    instances: dict[str, Any] | None,
+    loops: dict[str, dict[str, dict[str, Any]]] | None = None,
 ) -> dict[str, Any]:
     """Server / ceiling per precision and concurrency, and half / fp32 at each concurrency.
 
     The ceiling at concurrency c is the single-instance Engine's best rate at a batch size <= c (the largest batch
     c requests in flight can form); beside it, for the precision the instance sweep ran (the half one when
-    measured), the rate of as many in-process instances as the server runs, driven flat out at batch 64.
+    measured), the rate of as many in-process instances as the server runs, driven flat out at batch 64. The two
+    that match the question at c: the in-process closed loop of c clients with the server's instances
+    (``loops``, :func:`closed_loops`), and the forward at the batch c allows (:func:`forward_batch`, one instance).
     """
+    n_instances = int(instances["server_instances"]) if instances else 1
     table: list[dict[str, Any]] = []
     served: dict[tuple[str, int], float] = {}
     multi = instances["rows_per_s"].get(str(instances["server_instances"])) if instances else None
@@ -356,6 +409,16 @@ def summarize(
         }
         if p == swept and multi:
             row["server_over_instances_ceiling"] = round(r["rows_per_s"] / multi, 3)
+        b = forward_batch(c, n_instances, [int(k) for k in ceilings[p]])
+        row["forward_batch"] = b
+        row["forward_rows_per_s"] = round(ceilings[p][str(b)], 1)
+        row["server_over_forward"] = round(r["rows_per_s"] / ceilings[p][str(b)], 3)
+        loop = (loops or {}).get(p, {}).get(str(c))
+        if loop:
+            row["closed_loop_rows_per_s"] = loop["rows_per_s"]
+            row["closed_loop_p99_ms"] = loop["p99_ms"]
+            row["closed_loop_mean_batch"] = loop["mean_batch"]
+            row["server_over_closed_loop"] = round(r["rows_per_s"] / loop["rows_per_s"], 3)
         table.append(row)
     ratio = {
         str(c): round(served[(half, c)] / served[("fp32", c)], 3)
@@ -399,20 +462,28 @@ def markdown(result: dict[str, Any], half: str) -> str:
             f"batch {result['instances']['batch']}: {summary['instances_ceiling_rows_per_s'] or 0:.0f} rows/s.",
             "",
             "| precision | concurrency | rows/s | p50 ms | p99 ms | mean batch | server CPU % | ceiling "
-            "| server / ceiling | server / instances ceiling |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "| server / ceiling | server / instances ceiling | closed loop rows/s | closed loop p99 ms "
+            "| server / closed loop | forward batch | server / forward |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for r in summary["levels"]:
             mark = " (client-bound)" if r["client_bound"] else ""
-            multi = r.get("server_over_instances_ceiling")
             lines.append(
                 f"| {r['precision']} | {r['concurrency']} | {r['rows_per_s']:.0f}{mark} | {r['p50_ms']:.1f} "
                 f"| {r['p99_ms']:.1f} | {r['mean_batch'] or 0:.1f} | {r['server_cpu_percent'] or 0:.0f} "
                 f"| {r['ceiling_rows_per_s']:.0f} | {r['server_over_ceiling']:.3f} "
-                f"| {'' if multi is None else f'{multi:.3f}'} |"
+                f"| {cell(r.get('server_over_instances_ceiling'), '.3f')} "
+                f"| {cell(r.get('closed_loop_rows_per_s'), '.0f')} | {cell(r.get('closed_loop_p99_ms'), '.1f')} "
+                f"| {cell(r.get('server_over_closed_loop'), '.3f')} | {r.get('forward_batch', '')} "
+                f"| {cell(r.get('server_over_forward'), '.3f')} |"
             )
         lines += ["", f"{half} / fp32 (server rows/s): " + json.dumps(summary[f"{half}_over_fp32"])]
     return "\n".join(lines) + "\n"
+
+
+def cell(value: float | None, spec: str) -> str:
+    """A table cell: ``value`` formatted, or empty where a run did not measure it (older runs, a level skipped)."""
+    return "" if value is None else format(value, spec)
 
 
 def plot(result: dict[str, Any], path: Path, half: str) -> None:
@@ -643,6 +714,7 @@ def main() -> None:
                 (f"fp32, GIL switch interval {ms:g} ms", "fp32", (*flags, "--gil-switch-interval-ms", f"{ms:g}"))
             )
         wired_ceilings: dict[str, dict[str, dict[str, float]]] = {}  # measured once per wire, whatever the sweeps
+        result["closed_loop"] = {}  # per wire, as the ceilings: the same clients whatever the server's flags
         for label, wire, extra in [] if args.skip_server else plans:
             ceilings = {prec: result["ceiling"][prec]["best_engine_rows_per_s"] for prec in precisions}
             if wire != "fp32" and wire in wired_ceilings:
@@ -654,13 +726,20 @@ def main() -> None:
                     runs[run_label] = ceiling(wired, prec, device, sizes, args.seconds, mode_ex)
                     ceilings[prec] = runs[run_label]["engine_rows_per_s"]
                 wired_ceilings[wire] = ceilings
+            if wire not in result["closed_loop"]:
+                wired = LoadedModel(with_wire(loaded.manifest, wire), loaded.version, loaded.module, loaded.path)
+                loop_ex = mode_ex.model_copy(update={"instances": args.instances})
+                loop_seconds = max(args.seconds, 0.5)
+                result["closed_loop"][wire] = closed_loops(
+                    wired, precisions, device, loop_ex, args.concurrency, loop_seconds
+                )
             set_manifest(tmp, server_ex, wire)
             folder = args.out / ("loadtest-" + "".join(ch if ch.isalnum() else "-" for ch in label).strip("-"))
             if args.load_generator == "wrk":
                 sweep = wrk_sweep(tmp, args, precisions, wire, folder, extra)
             else:
                 sweep = serve_sweep(tmp, args, precisions, folder, extra)
-            summary = summarize(sweep, ceilings, half, result["instances"])
+            summary = summarize(sweep, ceilings, half, result["instances"], result["closed_loop"][wire])
             result["servers"][label] = {"wire": wire, "server_args": list(extra), "summary": summary, "loadtest": sweep}
             write(result, args.out, half)
         result["seconds"] = round(time.perf_counter() - t0, 1)

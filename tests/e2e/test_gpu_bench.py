@@ -8,6 +8,7 @@ with the other benchmarks) before one is spent on it. The numbers are not checke
 from __future__ import annotations
 
 import json
+import math
 import os
 import shlex
 import shutil
@@ -65,5 +66,13 @@ def test_gpu_bench_runs_on_a_cpu(tmp_path: Path, generator: str, wire: str, serv
         assert r["rows_per_s"] > 0, r
         assert r["errors"] == 0, r
         assert r["server_over_ceiling"] > 0, r
+        # The ceilings that match the question: the in-process closed loop of as many clients, and the forward at
+        # the batch that many requests allow.
+        for key in ("server_over_closed_loop", "server_over_forward", "closed_loop_p99_ms", "p99_ms"):
+            assert math.isfinite(r[key]) and r[key] > 0, (key, r)
+        assert r["forward_batch"] == r["concurrency"], r  # one instance, batch sizes 1 and 2 measured
+    assert result["closed_loop"][wire]["fp32"].keys() == {"1", "2"}
+    table = (out / "gpu_bench.md").read_text()
+    assert "| server / closed loop | forward batch | server / forward |" in table
     assert (out / "gpu_bench.md").read_text().startswith("# GPU fast path")
     assert (out / "gpu_bench.png").stat().st_size > 0
