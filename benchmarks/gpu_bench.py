@@ -42,6 +42,7 @@ from typing import Any
 
 import common
 import numpy as np
+import poisson
 import torch
 from closed_loop import closed_loop
 from common import IMAGENET, ROOT
@@ -284,10 +285,7 @@ def wrk_sweep(
     before and after each level, the server's CPU from ``/proc`` (the engine process and its front-ends).
     """
     out.mkdir(parents=True, exist_ok=True)
-    spec = load_manifest(root / MODEL).inputs[0]
-    image = np.random.default_rng(0).integers(0, 256, spec.shape)
-    sample = image if wire == "uint8" else image / 255
-    proto = common.make_protocol("v2-binary", MODEL, spec.name, sample, out, wire.upper())
+    proto = wire_protocol(root, wire, out)
     port, results = free_port(), []
     for prec in precisions:
         server = common.start_server(root, MODEL, port, "--precision", prec, "--no-tf32", *extra)
@@ -322,6 +320,71 @@ def wrk_sweep(
     sweep = {"load_generator": f"wrk -t{args.wrk_threads}", "server_args": list(extra), "results": results}
     (out / "sweep.json").write_text(json.dumps(sweep, indent=2) + "\n")
     return sweep
+
+
+def wire_protocol(root: Path, wire: str, out: Path) -> common.Protocol:
+    """The V2 binary request every load generator here sends: one seeded image of the input's ``wire`` datatype."""
+    spec = load_manifest(root / MODEL).inputs[0]
+    image = np.random.default_rng(0).integers(0, 256, spec.shape)
+    sample = image if wire == "uint8" else image / 255
+    return common.make_protocol("v2-binary", MODEL, spec.name, sample, out, wire.upper())
+
+
+def poisson_run(url: str, proto: common.Protocol, args: argparse.Namespace, start: float) -> dict[str, Any]:
+    """The Poisson sweep (:mod:`poisson`) against ``url``, from ``start`` requests/s, within the flags' bounds."""
+    body = proto.body.read_bytes()
+
+    def measure(rate: float) -> poisson.Trial:
+        trial = poisson.measure_rate(
+            url,
+            body,
+            proto.headers,
+            rate,
+            seconds=args.poisson_seconds,
+            warmup=args.poisson_warmup,
+            processes=args.poisson_processes,
+        )
+        print(json.dumps({"poisson": url, **trial.__dict__}), flush=True)
+        return trial
+
+    # A trial takes its warm-up and measured seconds, a second of client start-up, and the slowest answers' wait.
+    per_rate = args.poisson_warmup + args.poisson_seconds + 1.5
+    run = poisson.sweep(
+        measure,
+        args.p99_limit_ms,
+        start=start,
+        seconds_per_rate=per_rate,
+        budget_seconds=args.poisson_budget,
+        max_steps=args.poisson_steps,
+    )
+    run["client"] = (
+        f"Python open loop (httpx), {args.poisson_processes} process(es), exponential inter-arrival times (seed 0), "
+        f"latency from each request's scheduled send time; {args.poisson_warmup:g} s unmeasured + "
+        f"{args.poisson_seconds:g} s per rate"
+    )
+    return run
+
+
+def server_poisson(
+    root: Path, args: argparse.Namespace, prec: str, wire: str, extra: tuple[str, ...], start: float, out: Path
+) -> dict[str, Any]:
+    """The Poisson sweep against ``halfserve serve`` at ``prec`` with the server flags ``extra``."""
+    out.mkdir(parents=True, exist_ok=True)
+    proto, port = wire_protocol(root, wire, out), free_port()
+    server = common.start_server(root, MODEL, port, "--precision", prec, "--no-tf32", *extra)
+    try:
+        run = poisson_run(f"http://127.0.0.1:{port}{proto.path}", proto, args, start)
+    finally:
+        server.terminate()
+        server.wait(timeout=120)
+    return {"precision": prec, "wire": wire, "server_args": list(extra), **run}
+
+
+def poisson_start(summary: dict[str, Any], prec: str) -> float:
+    """Where the sweep starts unless told: half the server's rows/s at its lowest concurrency (a closed loop of
+    that many clients sustains it, so an open loop at half should pass), at least 1."""
+    levels = [r for r in summary["levels"] if r["precision"] == prec]
+    return max(1.0, min(levels, key=lambda r: r["concurrency"])["rows_per_s"] / 2) if levels else 10.0
 
 
 def _round(entries: list[str], i: int) -> str:
@@ -478,6 +541,25 @@ def markdown(result: dict[str, Any], half: str) -> str:
                 f"| {cell(r.get('server_over_forward'), '.3f')} |"
             )
         lines += ["", f"{half} / fp32 (server rows/s): " + json.dumps(summary[f"{half}_over_fp32"])]
+    for name, run in result.get("poisson", {}).items():
+        best = run["best_rate"]
+        lines += [
+            "",
+            f"## Poisson arrivals, {name}: highest rate with p99 <= {run['limit_ms']:g} ms: "
+            f"{'none passed' if best is None else f'{best:.0f} requests/s'}",
+            "",
+            f"{run['precision']}, one {run['wire'].upper()} image per request, server flags: "
+            f"{' '.join(run['server_args']) or 'defaults'}; {run['client']}; sweep ended: {run['stopped']} after "
+            f"{run['seconds']:g} s.",
+            "",
+            "| offered req/s | answered req/s | p50 ms | p99 ms | errors | client send lag p99 ms |",
+            "|---:|---:|---:|---:|---:|---:|",
+        ]
+        for t in run["trials"]:
+            lines.append(
+                f"| {t['rate']:.1f} | {t['answered_per_s']:.1f} | {cell(t['p50_ms'], '.1f')} "
+                f"| {cell(t['p99_ms'], '.1f')} | {t['errors']} | {t['send_lag_p99_ms']:.1f} |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -591,6 +673,21 @@ def main() -> None:
     )
     p.add_argument("--skip-server", action="store_true")
     p.add_argument(
+        "--poisson",
+        action="store_true",
+        help="also find the highest request rate with p99 <= --p99-limit-ms under Poisson arrivals (open loop), "
+        "against the first server swept, in its first precision",
+    )
+    p.add_argument("--p99-limit-ms", type=float, default=15.0, help="the Poisson sweep's p99 limit (default: 15)")
+    p.add_argument("--poisson-start", type=float, default=None, help="first rate (default: half the lowest level's)")
+    p.add_argument("--poisson-seconds", type=float, default=3.0, help="measured seconds per rate (default: 3)")
+    p.add_argument("--poisson-warmup", type=float, default=1.0, help="unmeasured seconds per rate (default: 1)")
+    p.add_argument("--poisson-budget", type=float, default=60.0, help="seconds for the whole sweep (default: 60)")
+    p.add_argument("--poisson-steps", type=int, default=8, help="at most this many rates (default: 8)")
+    p.add_argument(
+        "--poisson-processes", type=int, default=None, help="client processes (default: 4 on CUDA, 1 on a CPU)"
+    )
+    p.add_argument(
         "--inductor",
         action="store_true",
         help="also measure forwards compiled by TorchInductor in-process (execution.compile inductor)",
@@ -612,6 +709,8 @@ def main() -> None:
     )
     cuda = device.type == "cuda"
     args.device = str(device)
+    if args.poisson_processes is None:
+        args.poisson_processes = 4 if cuda else 1
     half = "fp16" if cuda else "bf16"
     precisions = args.precisions.split(",") if args.precisions else [half, "fp32"]
     sizes = args.batch_sizes or ([1, 2, 4, 8, 16, 32, 64, 128, 256] if cuda else [1, 2, 4, 8, 16])
@@ -742,6 +841,12 @@ def main() -> None:
             summary = summarize(sweep, ceilings, half, result["instances"], result["closed_loop"][wire])
             result["servers"][label] = {"wire": wire, "server_args": list(extra), "summary": summary, "loadtest": sweep}
             write(result, args.out, half)
+            if args.poisson and "poisson" not in result:
+                prec = precisions[0]
+                start = args.poisson_start or poisson_start(summary, prec)
+                run = server_poisson(tmp, args, prec, wire, extra, start, args.out / "poisson")
+                result["poisson"] = {"halfserve": run}
+                write(result, args.out, half)
         result["seconds"] = round(time.perf_counter() - t0, 1)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

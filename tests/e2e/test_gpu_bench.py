@@ -27,6 +27,12 @@ TINY = shlex.split(
     "--device cpu --image-size 32 --batch-sizes 1,2 --precisions fp32 --seconds 0.2 --instances 1 "
     "--instance-counts 1 --concurrency 1,2 --duration 1 --warmup 1 --client-processes 1 --wrk-threads 1"
 )
+# The Poisson sweep at a fixed first rate (so the seeded schedule, 20 requests in the measured 2 s, does not depend on
+# this host's speed), two rates, within 15 s.
+POISSON = shlex.split(
+    "--poisson --poisson-start 10 --p99-limit-ms 2000 --poisson-seconds 2 --poisson-warmup 0.5 --poisson-steps 2 "
+    "--poisson-budget 15"
+)
 WRK = os.environ.get("WRK", "wrk")  # what benchmarks/common.py runs
 
 
@@ -46,6 +52,8 @@ WRK = os.environ.get("WRK", "wrk")  # what benchmarks/common.py runs
 def test_gpu_bench_runs_on_a_cpu(tmp_path: Path, generator: str, wire: str, serve_args: str) -> None:
     out = tmp_path / "out"
     cmd = [sys.executable, "benchmarks/gpu_bench.py", *TINY, "--load-generator", generator, "--wires", wire]
+    if generator == "loadtest":
+        cmd += POISSON
     cmd.append(f"--serve-args={serve_args}")
     run = subprocess.run([*cmd, "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
@@ -69,10 +77,23 @@ def test_gpu_bench_runs_on_a_cpu(tmp_path: Path, generator: str, wire: str, serv
         # The ceilings that match the question: the in-process closed loop of as many clients, and the forward at
         # the batch that many requests allow.
         for key in ("server_over_closed_loop", "server_over_forward", "closed_loop_p99_ms", "p99_ms"):
-            assert math.isfinite(r[key]) and r[key] > 0, (key, r)
+            assert 0 < r[key] < math.inf, (key, r)  # NaN fails too
         assert r["forward_batch"] == r["concurrency"], r  # one instance, batch sizes 1 and 2 measured
     assert result["closed_loop"][wire]["fp32"].keys() == {"1", "2"}
     table = (out / "gpu_bench.md").read_text()
     assert "| server / closed loop | forward batch | server / forward |" in table
-    assert (out / "gpu_bench.md").read_text().startswith("# GPU fast path")
+    assert table.startswith("# GPU fast path")
+    if generator == "loadtest":
+        # Open-loop Poisson arrivals: every rate measured and answered; which rates pass is this host's business.
+        run = result["poisson"]["halfserve"]
+        assert run["precision"] == "fp32"
+        assert run["limit_ms"] == 2000
+        assert [t["rate"] for t in run["trials"]][:1] == [10]
+        assert len(run["trials"]) == 2
+        for t in run["trials"]:
+            assert t["requests"] > 0, t
+            assert t["errors"] == 0, t
+            assert 0 < t["p99_ms"] < math.inf, t
+        assert run["best_rate"] in (None, *[t["rate"] for t in run["trials"]])
+        assert "## Poisson arrivals, halfserve: highest rate with p99 <= 2000 ms" in table
     assert (out / "gpu_bench.png").stat().st_size > 0
