@@ -32,7 +32,9 @@ import json
 import os
 import shlex
 import shutil
+import signal
 import socket
+import subprocess
 import tempfile
 import threading
 import time
@@ -41,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 import common
+import httpx
 import numpy as np
 import poisson
 import torch
@@ -380,6 +383,109 @@ def server_poisson(
     return {"precision": prec, "wire": wire, "server_args": list(extra), **run}
 
 
+def free_ports(n: int) -> int:
+    """The first of ``n`` consecutive ports nothing listens on now (a peer takes HTTP, gRPC and metrics ports)."""
+    for _ in range(100):
+        first = free_port()
+        try:
+            for port in range(first + 1, first + n):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        return first
+    raise RuntimeError(f"no {n} consecutive free ports")
+
+
+def v2_output(response: httpx.Response) -> np.ndarray:
+    """The first output of a KServe V2 answer, binary (the binary tensor extension) or JSON."""
+    size = response.headers.get(common.HEADER_LENGTH)
+    header = json.loads(response.content[: int(size)] if size else response.content)
+    out = header["outputs"][0]
+    if size:
+        return np.frombuffer(response.content[int(size) :], dtype="<f4").reshape(out["shape"])
+    return np.asarray(out["data"], dtype=np.float32).reshape(out["shape"])
+
+
+def peer_pytriton(
+    root: Path, args: argparse.Namespace, prec: str, wire: str, device: torch.device, start: float, out: Path
+) -> dict[str, Any]:
+    """The same model from the same store served by PyTriton (:mod:`pytriton_peer`, under ``--pytriton-python``),
+    its answer checked against halfserve's Engine, then driven by the same clients as halfserve: the levels (wrk)
+    and the Poisson sweep."""
+    out.mkdir(parents=True, exist_ok=True)
+    proto, port = wire_protocol(root, wire, out), free_ports(3)
+    python = args.pytriton_python
+    # Triton's Python backend stub embeds libpython: it must find the interpreter's own.
+    libdir = subprocess.run(
+        [python, "-c", "import sysconfig; print(sysconfig.get_config_var('LIBDIR'))"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    env = {**os.environ, "LD_LIBRARY_PATH": os.pathsep.join(filter(None, [libdir, os.environ.get("LD_LIBRARY_PATH")]))}
+    cmd = [python, str(ROOT / "benchmarks" / "pytriton_peer.py"), "--store", str(root), "--model", MODEL]
+    cmd += ["--precision", prec, "--device", str(device), "--port", str(port), "--instances", str(args.instances)]
+    url = f"http://127.0.0.1:{port}"
+    began = time.perf_counter()
+    with (out / "pytriton.log").open("w") as log:
+        peer = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        while time.perf_counter() - began < args.peer_start_timeout:
+            if peer.poll() is not None:
+                raise RuntimeError(f"pytriton exited with {peer.returncode}: see {out / 'pytriton.log'}")
+            try:
+                # The model, not only the server: PyTriton loads it after Triton is up.
+                if httpx.get(f"{url}/v2/models/{MODEL}/ready", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        else:
+            raise RuntimeError(f"pytriton not ready within {args.peer_start_timeout:g} s: see {out / 'pytriton.log'}")
+        ready = time.perf_counter() - began
+        response = httpx.post(url + proto.path, content=proto.body.read_bytes(), headers=proto.headers, timeout=60)
+        if not response.is_success:
+            raise RuntimeError(f"pytriton answered {response.status_code}: {response.text[:500]}")
+        answer = v2_output(response)
+        loaded = store.load(root, MODEL)
+        engine = Engine(loaded, Precision(prec), device, execution=Execution(instances=1, compile=Compile.NONE))
+        header = int(proto.headers[common.HEADER_LENGTH])
+        sample = np.frombuffer(proto.body.read_bytes()[header:], dtype=common.WIRE_DTYPES[wire.upper()])
+        expected = engine.forward(sample.reshape(1, *engine.sample_shape))
+        engine.close()
+        run: dict[str, Any] = {
+            "precision": prec,
+            "wire": wire,
+            "server_args": [],
+            "instances": args.instances,
+            "ready_seconds": round(ready, 1),
+            "answer_max_abs_diff_from_halfserve": round(float(np.abs(answer - expected).max()), 6),
+            "answer_argmax_agrees": bool((answer.argmax(-1) == expected.argmax(-1)).all()),
+            "levels": [],
+        }
+        print(json.dumps({"peer": "pytriton", **run}), flush=True)
+        if args.load_generator == "wrk":
+            warm = min(64, max(args.concurrency))
+            common.wrk(url + proto.path, warm, args.warmup, proto.script, proto.body, min(args.wrk_threads, warm))
+            for c in args.concurrency:
+                r = common.wrk(url + proto.path, c, args.duration, proto.script, proto.body, min(args.wrk_threads, c))
+                row = {"concurrency": c, "rows_per_s": r["rps"], "p50_ms": r["p50_ms"], "p99_ms": r["p99_ms"]}
+                row["errors"] = r["non_2xx"]
+                print(json.dumps({"peer": "pytriton", **row}), flush=True)
+                run["levels"].append(row)
+        if args.poisson:
+            run["poisson"] = poisson_run(url + proto.path, proto, args, start)
+        return run
+    finally:
+        os.killpg(peer.pid, signal.SIGTERM)
+        try:
+            peer.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(peer.pid, signal.SIGKILL)
+            peer.wait()
+
+
 def poisson_start(summary: dict[str, Any], prec: str) -> float:
     """Where the sweep starts unless told: half the server's rows/s at its lowest concurrency (a closed loop of
     that many clients sustains it, so an open loop at half should pass), at least 1."""
@@ -541,6 +647,32 @@ def markdown(result: dict[str, Any], half: str) -> str:
                 f"| {cell(r.get('server_over_forward'), '.3f')} |"
             )
         lines += ["", f"{half} / fp32 (server rows/s): " + json.dumps(summary[f"{half}_over_fp32"])]
+    for name, peer in result.get("peers", {}).items():
+        ours = {
+            r["concurrency"]: r
+            for r in result["servers"][peer["beside"]]["summary"]["levels"]
+            if r["precision"] == peer["precision"]
+        }
+        lines += [
+            "",
+            f"## Peer {name}, {peer['precision']}, {peer['instances']} instance(s), one {peer['wire'].upper()} image "
+            f"per request, the same client; beside server {peer['beside']}",
+            "",
+            f"Ready in {peer['ready_seconds']:g} s (every batch size warmed); its answer against halfserve's Engine: "
+            f"max |diff| {peer['answer_max_abs_diff_from_halfserve']:g}, top class agrees: "
+            f"{peer['answer_argmax_agrees']}.",
+            "",
+            f"| concurrency | {name} rows/s | {name} p50 ms | {name} p99 ms | errors | halfserve rows/s "
+            f"| halfserve p99 ms | halfserve / {name} |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for r in peer["levels"]:
+            h = ours.get(r["concurrency"])
+            ratio = h["rows_per_s"] / r["rows_per_s"] if h and r["rows_per_s"] else None
+            lines.append(
+                f"| {r['concurrency']} | {r['rows_per_s']:.0f} | {r['p50_ms']:.1f} | {r['p99_ms']:.1f} | {r['errors']} "
+                f"| {cell(h and h['rows_per_s'], '.0f')} | {cell(h and h['p99_ms'], '.1f')} | {cell(ratio, '.3f')} |"
+            )
     for name, run in result.get("poisson", {}).items():
         best = run["best_rate"]
         lines += [
@@ -678,6 +810,19 @@ def main() -> None:
         help="also find the highest request rate with p99 <= --p99-limit-ms under Poisson arrivals (open loop), "
         "against the first server swept, in its first precision",
     )
+    p.add_argument(
+        "--peer",
+        choices=["pytriton"],
+        default=None,
+        help="also serve the same model with PyTriton (benchmarks/pytriton_peer.py; fp16 on CUDA, fp32 on a CPU) and "
+        "drive it with the same clients: the levels (with --load-generator wrk) and the Poisson sweep",
+    )
+    p.add_argument(
+        "--pytriton-python",
+        default=os.environ.get("PYTRITON_PYTHON", "python3"),
+        help="an interpreter with nvidia-pytriton, torch, safetensors and pydantic (default: $PYTRITON_PYTHON)",
+    )
+    p.add_argument("--peer-start-timeout", type=float, default=300.0, help="seconds for the peer to get ready")
     p.add_argument("--p99-limit-ms", type=float, default=15.0, help="the Poisson sweep's p99 limit (default: 15)")
     p.add_argument("--poisson-start", type=float, default=None, help="first rate (default: half the lowest level's)")
     p.add_argument("--poisson-seconds", type=float, default=3.0, help="measured seconds per rate (default: 3)")
@@ -847,6 +992,22 @@ def main() -> None:
                 run = server_poisson(tmp, args, prec, wire, extra, start, args.out / "poisson")
                 result["poisson"] = {"halfserve": run}
                 write(result, args.out, half)
+        if args.peer == "pytriton" and plans and not args.skip_server:
+            label, wire, extra = plans[0]
+            set_manifest(tmp, server_ex, wire)
+            halfserve_trials = result.get("poisson", {}).get("halfserve", {}).get("trials")
+            start = args.poisson_start or (halfserve_trials[0]["rate"] if halfserve_trials else 10.0)
+            peer_prec = "fp16" if cuda else "fp32"
+            peer = peer_pytriton(tmp, args, peer_prec, wire, device, start, args.out / "pytriton")
+            if "poisson" in peer:
+                result.setdefault("poisson", {})["pytriton"] = {
+                    "precision": peer_prec,
+                    "wire": wire,
+                    "server_args": [],
+                    **peer.pop("poisson"),
+                }
+            result["peers"] = {"pytriton": {**peer, "beside": label}}
+            write(result, args.out, half)
         result["seconds"] = round(time.perf_counter() - t0, 1)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

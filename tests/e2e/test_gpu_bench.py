@@ -97,3 +97,38 @@ def test_gpu_bench_runs_on_a_cpu(tmp_path: Path, generator: str, wire: str, serv
         assert run["best_rate"] in (None, *[t["rate"] for t in run["trials"]])
         assert "## Poisson arrivals, halfserve: highest rate with p99 <= 2000 ms" in table
     assert (out / "gpu_bench.png").stat().st_size > 0
+
+
+# An interpreter with nvidia-pytriton (and torch, safetensors, pydantic importable): docs/gpu.md's "PyTriton beside
+# halfserve" builds one. Where none is given, the peer's smoke test is skipped.
+PYTRITON = os.environ.get("PYTRITON_PYTHON", "")
+
+
+@pytest.mark.skipif(not Path(PYTRITON).is_file(), reason="PYTRITON_PYTHON names no interpreter with nvidia-pytriton")
+def test_gpu_bench_runs_pytriton_beside_halfserve_on_a_cpu(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    generator = "wrk" if shutil.which(WRK) else "loadtest"  # the peer's levels need wrk; the Poisson sweep does not
+    cmd = [sys.executable, "benchmarks/gpu_bench.py", *TINY, *POISSON, "--poisson-steps", "1"]
+    cmd += ["--load-generator", generator, "--peer", "pytriton", "--pytriton-python", PYTRITON, "--out", str(out)]
+    run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+
+    result = json.loads((out / "gpu_bench.json").read_text())
+    peer = result["peers"]["pytriton"]
+    assert peer["precision"] == "fp32"
+    assert peer["beside"] == "fp32"
+    # The same weights, normalisation and precision: the peer answers what halfserve's Engine does.
+    assert peer["answer_argmax_agrees"] is True
+    assert peer["answer_max_abs_diff_from_halfserve"] < 1e-3
+    assert [r["concurrency"] for r in peer["levels"]] == ([1, 2] if generator == "wrk" else [])
+    for r in peer["levels"]:
+        assert r["rows_per_s"] > 0, r
+        assert r["errors"] == 0, r
+    # Both servers on the same Poisson schedule.
+    ours, theirs = result["poisson"]["halfserve"], result["poisson"]["pytriton"]
+    assert [t["rate"] for t in theirs["trials"]] == [t["rate"] for t in ours["trials"]] == [10]
+    assert theirs["trials"][0]["requests"] == ours["trials"][0]["requests"] > 0
+    assert theirs["trials"][0]["errors"] == 0
+    table = (out / "gpu_bench.md").read_text()
+    assert "## Peer pytriton, fp32" in table
+    assert "## Poisson arrivals, pytriton" in table
