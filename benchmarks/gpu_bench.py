@@ -383,6 +383,10 @@ def server_poisson(
     return {"precision": prec, "wire": wire, "server_args": list(extra), **run}
 
 
+def loaded_max_batch(root: Path) -> int:
+    return load_manifest(root / MODEL).batching.max_batch_size
+
+
 def free_ports(n: int) -> int:
     """The first of ``n`` consecutive ports nothing listens on now (a peer takes HTTP, gRPC and metrics ports)."""
     for _ in range(100):
@@ -426,6 +430,8 @@ def peer_pytriton(
     env = {**os.environ, "LD_LIBRARY_PATH": os.pathsep.join(filter(None, [libdir, os.environ.get("LD_LIBRARY_PATH")]))}
     cmd = [python, str(ROOT / "benchmarks" / "pytriton_peer.py"), "--store", str(root), "--model", MODEL]
     cmd += ["--precision", prec, "--device", str(device), "--port", str(port), "--instances", str(args.instances)]
+    if args.peer_max_batch:
+        cmd += ["--max-batch-size", str(args.peer_max_batch)]
     url = f"http://127.0.0.1:{port}"
     began = time.perf_counter()
     with (out / "pytriton.log").open("w") as log:
@@ -459,6 +465,7 @@ def peer_pytriton(
             "wire": wire,
             "server_args": [],
             "instances": args.instances,
+            "max_batch_size": args.peer_max_batch or loaded_max_batch(root),
             "ready_seconds": round(ready, 1),
             "answer_max_abs_diff_from_halfserve": round(float(np.abs(answer - expected).max()), 6),
             "answer_argmax_agrees": bool((answer.argmax(-1) == expected.argmax(-1)).all()),
@@ -655,8 +662,9 @@ def markdown(result: dict[str, Any], half: str) -> str:
         }
         lines += [
             "",
-            f"## Peer {name}, {peer['precision']}, {peer['instances']} instance(s), one {peer['wire'].upper()} image "
-            f"per request, the same client; beside server {peer['beside']}",
+            f"## Peer {name}, {peer['precision']}, {peer['instances']} instance(s), max batch "
+            f"{peer['max_batch_size']}, one {peer['wire'].upper()} image per request, the same client; beside server "
+            f"{peer['beside']}",
             "",
             f"Ready in {peer['ready_seconds']:g} s (every batch size warmed); its answer against halfserve's Engine: "
             f"max |diff| {peer['answer_max_abs_diff_from_halfserve']:g}, top class agrees: "
@@ -821,6 +829,12 @@ def main() -> None:
         "--pytriton-python",
         default=os.environ.get("PYTRITON_PYTHON", "python3"),
         help="an interpreter with nvidia-pytriton, torch, safetensors and pydantic (default: $PYTRITON_PYTHON)",
+    )
+    p.add_argument(
+        "--peer-max-batch",
+        type=int,
+        default=None,
+        help="the peer's largest batch, every size up to it warmed before measuring (default: the manifest's)",
     )
     p.add_argument("--peer-start-timeout", type=float, default=300.0, help="seconds for the peer to get ready")
     p.add_argument("--p99-limit-ms", type=float, default=15.0, help="the Poisson sweep's p99 limit (default: 15)")

@@ -38,6 +38,7 @@ def main() -> None:
     p.add_argument("--device", default="cuda")
     p.add_argument("--port", type=int, default=8105, help="HTTP; gRPC on the next port, metrics on the one after")
     p.add_argument("--instances", type=int, default=1)
+    p.add_argument("--max-batch-size", type=int, default=None, help="default: the manifest's (every size is warmed)")
     args = p.parse_args()
 
     loaded = store.load(args.store, args.model)
@@ -65,10 +66,11 @@ def main() -> None:
             return y.float().cpu().numpy()
 
     wire = np.dtype(spec.datatype.numpy)
+    max_batch = args.max_batch_size or manifest.batching.max_batch_size
     began = time.perf_counter()
-    for size in range(1, manifest.batching.max_batch_size + 1):
+    for size in range(1, max_batch + 1):
         forward(np.zeros((size, *spec.shape), dtype=wire))
-    print(f"warmed batch sizes 1-{manifest.batching.max_batch_size} in {time.perf_counter() - began:.1f}s", flush=True)
+    print(f"warmed batch sizes 1-{max_batch} in {time.perf_counter() - began:.1f}s", flush=True)
 
     def instance() -> Any:
         @batch  # type: ignore[misc]
@@ -94,7 +96,7 @@ def main() -> None:
             inputs=[Tensor(name=spec.name, dtype=wire.type, shape=tuple(spec.shape))],
             outputs=[Tensor(name=out_spec.name, dtype=np.float32, shape=tuple(out_spec.shape))],
             config=ModelConfig(
-                max_batch_size=manifest.batching.max_batch_size,
+                max_batch_size=max_batch,
                 batcher=DynamicBatcher(max_queue_delay_microseconds=delay_us),
             ),
             strict=True,
