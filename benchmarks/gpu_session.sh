@@ -12,7 +12,8 @@
 #          wrk at c=16, 64 and 256, each level beside the in-process closed loop of as many clients and the forward
 #          at the batch it allows; the Poisson sweep (highest rate with p99 <= 15 ms, fp16, at most 60 s); and, where
 #          an interpreter imports pytriton, PyTriton serving the same model in fp16 driven by the same clients.
-#          About 6-8 minutes with the peer, 4-5 without
+#          About 7-8 minutes with the peer, 4-5 without: with the peer, run `tests` and `bench` in separate calls
+#          of a device whose commands stop at 10 minutes
 # Into $OUT (what the device tool brings back: at most 8 files, 2 folders deep): summary.txt, setup.log, tests.log,
 # bench-<variant>.log, bench.md (each run's gpu_bench.md) and bench.tgz (every bench output folder).
 #
@@ -127,13 +128,13 @@ bench_args() {
             "--wrk-threads 1 --poisson --poisson-start 10 --p99-limit-ms 2000 --poisson-seconds 2 --poisson-steps 2" \
             "$peer"
     else
-        # Batch sizes: every bucket c / 2 instances pads to at c = 16, 64, 256 (8, 32, 128), for server / forward.
+        # Batch sizes: the buckets c / 2 instances pads to at c = 16, 64, 256 (8, 32, 128), for server / forward.
         # The peer warms every batch size up to 128 (cudnn tunes each shape once), as many as c=256 over 2 instances
-        # forms; the Poisson sweep gets at most 60 s.
-        echo "--batch-sizes 1,8,16,32,64,128 --concurrency 16,64,256 --duration 4 --seconds 0.8 --wires uint8" \
+        # forms; each Poisson sweep gets at most 40 s.
+        echo "--batch-sizes 1,8,32,128 --concurrency 16,64,256 --duration 4 --seconds 0.8 --wires uint8" \
             "--http-workers 4 --load-generator wrk --instance-counts 1,2 --compile cuda_graphs" \
-            "--poisson --p99-limit-ms 15 --poisson-seconds 3 --poisson-budget 60 --peer-max-batch 128" \
-            "--peer-start-timeout 240 $peer"
+            "--poisson --p99-limit-ms 15 --poisson-seconds 2 --poisson-budget 40 --peer-max-batch 128" \
+            "--peer-start-timeout 180 $peer"
     fi
 }
 
