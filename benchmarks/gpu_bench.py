@@ -27,11 +27,14 @@ Usage (the commands of the committed runs are in benchmarks/README.md):
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import shlex
 import shutil
+import signal
 import socket
+import subprocess
 import tempfile
 import threading
 import time
@@ -40,13 +43,17 @@ from pathlib import Path
 from typing import Any
 
 import common
+import httpx
 import numpy as np
+import poisson
 import torch
+from closed_loop import closed_loop
 from common import IMAGENET, ROOT
 
 from halfserve import hostinfo, models, store
 from halfserve.compilation import tune_cudnn
 from halfserve.engine.core import Engine
+from halfserve.instance import bucket_for
 from halfserve.loadtest.config import LoadtestConfig
 from halfserve.loadtest.make_bench_model import calibrate
 from halfserve.loadtest.payload import Protocol
@@ -207,6 +214,41 @@ def instances_rate(
     return out
 
 
+def closed_loops(
+    loaded: LoadedModel,
+    precisions: list[str],
+    device: torch.device,
+    ex: Execution,
+    concurrency: list[int],
+    seconds: float,
+) -> dict[str, dict[str, dict[str, Any]]]:
+    """Per precision and concurrency c: c in-process clients in a closed loop through the Batcher and an Engine with
+    the server's execution (its instance count, graphs or not), the manifest's batching: what c clients can get at
+    all without HTTP (:mod:`closed_loop`)."""
+    batching = loaded.manifest.batching
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for prec in precisions:
+        engine = Engine(loaded, Precision(prec), device, execution=ex)
+        engine.warmup(batching.max_batch_size)
+        out[prec] = {}
+        for c in concurrency:
+            run = closed_loop(
+                engine,
+                c,
+                seconds,
+                max_batch_size=batching.max_batch_size,
+                max_delay=batching.max_delay_ms / 1000,
+                adaptive_delay=batching.adaptive_delay,
+                warmup=min(1.0, seconds),
+            )
+            out[prec][str(c)] = asyncio.run(run)
+            print(json.dumps({"closed_loop": prec, "instances": ex.instances, "c": c, **out[prec][str(c)]}), flush=True)
+        engine.close()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return out
+
+
 def serve_sweep(
     root: Path, args: argparse.Namespace, precisions: list[str], out: Path, extra: tuple[str, ...] = ()
 ) -> dict[str, Any]:
@@ -246,10 +288,7 @@ def wrk_sweep(
     before and after each level, the server's CPU from ``/proc`` (the engine process and its front-ends).
     """
     out.mkdir(parents=True, exist_ok=True)
-    spec = load_manifest(root / MODEL).inputs[0]
-    image = np.random.default_rng(0).integers(0, 256, spec.shape)
-    sample = image if wire == "uint8" else image / 255
-    proto = common.make_protocol("v2-binary", MODEL, spec.name, sample, out, wire.upper())
+    proto = wire_protocol(root, wire, out)
     port, results = free_port(), []
     for prec in precisions:
         server = common.start_server(root, MODEL, port, "--precision", prec, "--no-tf32", *extra)
@@ -284,6 +323,181 @@ def wrk_sweep(
     sweep = {"load_generator": f"wrk -t{args.wrk_threads}", "server_args": list(extra), "results": results}
     (out / "sweep.json").write_text(json.dumps(sweep, indent=2) + "\n")
     return sweep
+
+
+def wire_protocol(root: Path, wire: str, out: Path) -> common.Protocol:
+    """The V2 binary request every load generator here sends: one seeded image of the input's ``wire`` datatype."""
+    spec = load_manifest(root / MODEL).inputs[0]
+    image = np.random.default_rng(0).integers(0, 256, spec.shape)
+    sample = image if wire == "uint8" else image / 255
+    return common.make_protocol("v2-binary", MODEL, spec.name, sample, out, wire.upper())
+
+
+def poisson_run(url: str, proto: common.Protocol, args: argparse.Namespace, start: float) -> dict[str, Any]:
+    """The Poisson sweep (:mod:`poisson`) against ``url``, from ``start`` requests/s, within the flags' bounds."""
+    body = proto.body.read_bytes()
+
+    def measure(rate: float) -> poisson.Trial:
+        trial = poisson.measure_rate(
+            url,
+            body,
+            proto.headers,
+            rate,
+            seconds=args.poisson_seconds,
+            warmup=args.poisson_warmup,
+            processes=args.poisson_processes,
+        )
+        print(json.dumps({"poisson": url, **trial.__dict__}), flush=True)
+        return trial
+
+    # A trial takes its warm-up and measured seconds, a second of client start-up, and the slowest answers' wait.
+    per_rate = args.poisson_warmup + args.poisson_seconds + 1.5
+    run = poisson.sweep(
+        measure,
+        args.p99_limit_ms,
+        start=start,
+        seconds_per_rate=per_rate,
+        budget_seconds=args.poisson_budget,
+        max_steps=args.poisson_steps,
+    )
+    run["client"] = (
+        f"Python open loop (httpx), {args.poisson_processes} process(es), exponential inter-arrival times (seed 0), "
+        f"latency from each request's scheduled send time; {args.poisson_warmup:g} s unmeasured + "
+        f"{args.poisson_seconds:g} s per rate"
+    )
+    return run
+
+
+def server_poisson(
+    root: Path, args: argparse.Namespace, prec: str, wire: str, extra: tuple[str, ...], start: float, out: Path
+) -> dict[str, Any]:
+    """The Poisson sweep against ``halfserve serve`` at ``prec`` with the server flags ``extra``."""
+    out.mkdir(parents=True, exist_ok=True)
+    proto, port = wire_protocol(root, wire, out), free_port()
+    server = common.start_server(root, MODEL, port, "--precision", prec, "--no-tf32", *extra)
+    try:
+        run = poisson_run(f"http://127.0.0.1:{port}{proto.path}", proto, args, start)
+    finally:
+        server.terminate()
+        server.wait(timeout=120)
+    return {"precision": prec, "wire": wire, "server_args": list(extra), **run}
+
+
+def loaded_max_batch(root: Path) -> int:
+    return load_manifest(root / MODEL).batching.max_batch_size
+
+
+def free_ports(n: int) -> int:
+    """The first of ``n`` consecutive ports nothing listens on now (a peer takes HTTP, gRPC and metrics ports)."""
+    for _ in range(100):
+        first = free_port()
+        try:
+            for port in range(first + 1, first + n):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        return first
+    raise RuntimeError(f"no {n} consecutive free ports")
+
+
+def v2_output(response: httpx.Response) -> np.ndarray:
+    """The first output of a KServe V2 answer, binary (the binary tensor extension) or JSON."""
+    size = response.headers.get(common.HEADER_LENGTH)
+    header = json.loads(response.content[: int(size)] if size else response.content)
+    out = header["outputs"][0]
+    if size:
+        return np.frombuffer(response.content[int(size) :], dtype="<f4").reshape(out["shape"])
+    return np.asarray(out["data"], dtype=np.float32).reshape(out["shape"])
+
+
+def peer_pytriton(
+    root: Path, args: argparse.Namespace, prec: str, wire: str, device: torch.device, start: float, out: Path
+) -> dict[str, Any]:
+    """The same model from the same store served by PyTriton (:mod:`pytriton_peer`, under ``--pytriton-python``),
+    its answer checked against halfserve's Engine, then driven by the same clients as halfserve: the levels (wrk)
+    and the Poisson sweep."""
+    out.mkdir(parents=True, exist_ok=True)
+    proto, port = wire_protocol(root, wire, out), free_ports(3)
+    python = args.pytriton_python
+    # Triton's Python backend stub embeds libpython: it must find the interpreter's own.
+    libdir = subprocess.run(
+        [python, "-c", "import sysconfig; print(sysconfig.get_config_var('LIBDIR'))"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    env = {**os.environ, "LD_LIBRARY_PATH": os.pathsep.join(filter(None, [libdir, os.environ.get("LD_LIBRARY_PATH")]))}
+    cmd = [python, str(ROOT / "benchmarks" / "pytriton_peer.py"), "--store", str(root), "--model", MODEL]
+    cmd += ["--precision", prec, "--device", str(device), "--port", str(port), "--instances", str(args.instances)]
+    if args.peer_max_batch:
+        cmd += ["--max-batch-size", str(args.peer_max_batch)]
+    url = f"http://127.0.0.1:{port}"
+    began = time.perf_counter()
+    with (out / "pytriton.log").open("w") as log:
+        peer = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        while time.perf_counter() - began < args.peer_start_timeout:
+            if peer.poll() is not None:
+                raise RuntimeError(f"pytriton exited with {peer.returncode}: see {out / 'pytriton.log'}")
+            try:
+                # The model, not only the server: PyTriton loads it after Triton is up.
+                if httpx.get(f"{url}/v2/models/{MODEL}/ready", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        else:
+            raise RuntimeError(f"pytriton not ready within {args.peer_start_timeout:g} s: see {out / 'pytriton.log'}")
+        ready = time.perf_counter() - began
+        response = httpx.post(url + proto.path, content=proto.body.read_bytes(), headers=proto.headers, timeout=60)
+        if not response.is_success:
+            raise RuntimeError(f"pytriton answered {response.status_code}: {response.text[:500]}")
+        answer = v2_output(response)
+        loaded = store.load(root, MODEL)
+        engine = Engine(loaded, Precision(prec), device, execution=Execution(instances=1, compile=Compile.NONE))
+        header = int(proto.headers[common.HEADER_LENGTH])
+        sample = np.frombuffer(proto.body.read_bytes()[header:], dtype=common.WIRE_DTYPES[wire.upper()])
+        expected = engine.forward(sample.reshape(1, *engine.sample_shape))
+        engine.close()
+        run: dict[str, Any] = {
+            "precision": prec,
+            "wire": wire,
+            "server_args": [],
+            "instances": args.instances,
+            "max_batch_size": args.peer_max_batch or loaded_max_batch(root),
+            "ready_seconds": round(ready, 1),
+            "answer_max_abs_diff_from_halfserve": round(float(np.abs(answer - expected).max()), 6),
+            "answer_argmax_agrees": bool((answer.argmax(-1) == expected.argmax(-1)).all()),
+            "levels": [],
+        }
+        print(json.dumps({"peer": "pytriton", **run}), flush=True)
+        if args.load_generator == "wrk":
+            warm = min(64, max(args.concurrency))
+            common.wrk(url + proto.path, warm, args.warmup, proto.script, proto.body, min(args.wrk_threads, warm))
+            for c in args.concurrency:
+                r = common.wrk(url + proto.path, c, args.duration, proto.script, proto.body, min(args.wrk_threads, c))
+                row = {"concurrency": c, "rows_per_s": r["rps"], "p50_ms": r["p50_ms"], "p99_ms": r["p99_ms"]}
+                row["errors"] = r["non_2xx"]
+                print(json.dumps({"peer": "pytriton", **row}), flush=True)
+                run["levels"].append(row)
+        if args.poisson:
+            run["poisson"] = poisson_run(url + proto.path, proto, args, start)
+        return run
+    finally:
+        os.killpg(peer.pid, signal.SIGTERM)
+        try:
+            peer.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(peer.pid, signal.SIGKILL)
+            peer.wait()
+
+
+def poisson_start(summary: dict[str, Any], prec: str) -> float:
+    """Where the sweep starts unless told: half the server's rows/s at its lowest concurrency (a closed loop of
+    that many clients sustains it, so an open loop at half should pass), at least 1."""
+    levels = [r for r in summary["levels"] if r["precision"] == prec]
+    return max(1.0, min(levels, key=lambda r: r["concurrency"])["rows_per_s"] / 2) if levels else 10.0
 
 
 def _round(entries: list[str], i: int) -> str:
@@ -324,15 +538,30 @@ def best_upto(rates: dict[str, float], limit: int) -> float:
     return max(eligible) if eligible else max(rates.values())
 
 
+def forward_batch(concurrency: int, instances: int, sizes: list[int]) -> int:
+    """The batch the forward runs when ``concurrency`` requests are spread over ``instances``: c / instances rows
+    (rounded up), padded to the smallest measured batch size holding them (the engine pads to buckets), at most the
+    largest measured."""
+    rows = -(-concurrency // max(1, instances))
+    return min(bucket_for(rows, sorted(sizes)), max(sizes))
+
+
 def summarize(
-    sweep: dict[str, Any], ceilings: dict[str, dict[str, float]], half: str, instances: dict[str, Any] | None
+    sweep: dict[str, Any],
+    ceilings: dict[str, dict[str, float]],
+    half: str,
+    instances: dict[str, Any] | None,
+    loops: dict[str, dict[str, dict[str, Any]]] | None = None,
 ) -> dict[str, Any]:
     """Server / ceiling per precision and concurrency, and half / fp32 at each concurrency.
 
     The ceiling at concurrency c is the single-instance Engine's best rate at a batch size <= c (the largest batch
     c requests in flight can form); beside it, for the precision the instance sweep ran (the half one when
-    measured), the rate of as many in-process instances as the server runs, driven flat out at batch 64.
+    measured), the rate of as many in-process instances as the server runs, driven flat out at batch 64. The two
+    that match the question at c: the in-process closed loop of c clients with the server's instances
+    (``loops``, :func:`closed_loops`), and the forward at the batch c allows (:func:`forward_batch`, one instance).
     """
+    n_instances = int(instances["server_instances"]) if instances else 1
     table: list[dict[str, Any]] = []
     served: dict[tuple[str, int], float] = {}
     multi = instances["rows_per_s"].get(str(instances["server_instances"])) if instances else None
@@ -356,6 +585,16 @@ def summarize(
         }
         if p == swept and multi:
             row["server_over_instances_ceiling"] = round(r["rows_per_s"] / multi, 3)
+        b = forward_batch(c, n_instances, [int(k) for k in ceilings[p]])
+        row["forward_batch"] = b
+        row["forward_rows_per_s"] = round(ceilings[p][str(b)], 1)
+        row["server_over_forward"] = round(r["rows_per_s"] / ceilings[p][str(b)], 3)
+        loop = (loops or {}).get(p, {}).get(str(c))
+        if loop:
+            row["closed_loop_rows_per_s"] = loop["rows_per_s"]
+            row["closed_loop_p99_ms"] = loop["p99_ms"]
+            row["closed_loop_mean_batch"] = loop["mean_batch"]
+            row["server_over_closed_loop"] = round(r["rows_per_s"] / loop["rows_per_s"], 3)
         table.append(row)
     ratio = {
         str(c): round(served[(half, c)] / served[("fp32", c)], 3)
@@ -399,20 +638,74 @@ def markdown(result: dict[str, Any], half: str) -> str:
             f"batch {result['instances']['batch']}: {summary['instances_ceiling_rows_per_s'] or 0:.0f} rows/s.",
             "",
             "| precision | concurrency | rows/s | p50 ms | p99 ms | mean batch | server CPU % | ceiling "
-            "| server / ceiling | server / instances ceiling |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "| server / ceiling | server / instances ceiling | closed loop rows/s | closed loop p99 ms "
+            "| server / closed loop | forward batch | server / forward |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for r in summary["levels"]:
             mark = " (client-bound)" if r["client_bound"] else ""
-            multi = r.get("server_over_instances_ceiling")
             lines.append(
                 f"| {r['precision']} | {r['concurrency']} | {r['rows_per_s']:.0f}{mark} | {r['p50_ms']:.1f} "
                 f"| {r['p99_ms']:.1f} | {r['mean_batch'] or 0:.1f} | {r['server_cpu_percent'] or 0:.0f} "
                 f"| {r['ceiling_rows_per_s']:.0f} | {r['server_over_ceiling']:.3f} "
-                f"| {'' if multi is None else f'{multi:.3f}'} |"
+                f"| {cell(r.get('server_over_instances_ceiling'), '.3f')} "
+                f"| {cell(r.get('closed_loop_rows_per_s'), '.0f')} | {cell(r.get('closed_loop_p99_ms'), '.1f')} "
+                f"| {cell(r.get('server_over_closed_loop'), '.3f')} | {r.get('forward_batch', '')} "
+                f"| {cell(r.get('server_over_forward'), '.3f')} |"
             )
         lines += ["", f"{half} / fp32 (server rows/s): " + json.dumps(summary[f"{half}_over_fp32"])]
+    for name, peer in result.get("peers", {}).items():
+        ours = {
+            r["concurrency"]: r
+            for r in result["servers"][peer["beside"]]["summary"]["levels"]
+            if r["precision"] == peer["precision"]
+        }
+        lines += [
+            "",
+            f"## Peer {name}, {peer['precision']}, {peer['instances']} instance(s), max batch "
+            f"{peer['max_batch_size']}, one {peer['wire'].upper()} image per request, the same client; beside server "
+            f"{peer['beside']}",
+            "",
+            f"Ready in {peer['ready_seconds']:g} s (every batch size warmed); its answer against halfserve's Engine: "
+            f"max |diff| {peer['answer_max_abs_diff_from_halfserve']:g}, top class agrees: "
+            f"{peer['answer_argmax_agrees']}.",
+            "",
+            f"| concurrency | {name} rows/s | {name} p50 ms | {name} p99 ms | errors | halfserve rows/s "
+            f"| halfserve p99 ms | halfserve / {name} |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for r in peer["levels"]:
+            h = ours.get(r["concurrency"])
+            ratio = h["rows_per_s"] / r["rows_per_s"] if h and r["rows_per_s"] else None
+            lines.append(
+                f"| {r['concurrency']} | {r['rows_per_s']:.0f} | {r['p50_ms']:.1f} | {r['p99_ms']:.1f} | {r['errors']} "
+                f"| {cell(h and h['rows_per_s'], '.0f')} | {cell(h and h['p99_ms'], '.1f')} | {cell(ratio, '.3f')} |"
+            )
+    for name, run in result.get("poisson", {}).items():
+        best = run["best_rate"]
+        lines += [
+            "",
+            f"## Poisson arrivals, {name}: highest rate with p99 <= {run['limit_ms']:g} ms: "
+            f"{'none passed' if best is None else f'{best:.0f} requests/s'}",
+            "",
+            f"{run['precision']}, one {run['wire'].upper()} image per request, server flags: "
+            f"{' '.join(run['server_args']) or 'defaults'}; {run['client']}; sweep ended: {run['stopped']} after "
+            f"{run['seconds']:g} s.",
+            "",
+            "| offered req/s | answered req/s | p50 ms | p99 ms | errors | client send lag p99 ms |",
+            "|---:|---:|---:|---:|---:|---:|",
+        ]
+        for t in run["trials"]:
+            lines.append(
+                f"| {t['rate']:.1f} | {t['answered_per_s']:.1f} | {cell(t['p50_ms'], '.1f')} "
+                f"| {cell(t['p99_ms'], '.1f')} | {t['errors']} | {t['send_lag_p99_ms']:.1f} |"
+            )
     return "\n".join(lines) + "\n"
+
+
+def cell(value: float | None, spec: str) -> str:
+    """A table cell: ``value`` formatted, or empty where a run did not measure it (older runs, a level skipped)."""
+    return "" if value is None else format(value, spec)
 
 
 def plot(result: dict[str, Any], path: Path, half: str) -> None:
@@ -520,6 +813,40 @@ def main() -> None:
     )
     p.add_argument("--skip-server", action="store_true")
     p.add_argument(
+        "--poisson",
+        action="store_true",
+        help="also find the highest request rate with p99 <= --p99-limit-ms under Poisson arrivals (open loop), "
+        "against the first server swept, in its first precision",
+    )
+    p.add_argument(
+        "--peer",
+        choices=["pytriton"],
+        default=None,
+        help="also serve the same model with PyTriton (benchmarks/pytriton_peer.py; fp16 on CUDA, fp32 on a CPU) and "
+        "drive it with the same clients: the levels (with --load-generator wrk) and the Poisson sweep",
+    )
+    p.add_argument(
+        "--pytriton-python",
+        default=os.environ.get("PYTRITON_PYTHON", "python3"),
+        help="an interpreter with nvidia-pytriton, torch, safetensors and pydantic (default: $PYTRITON_PYTHON)",
+    )
+    p.add_argument(
+        "--peer-max-batch",
+        type=int,
+        default=None,
+        help="the peer's largest batch, every size up to it warmed before measuring (default: the manifest's)",
+    )
+    p.add_argument("--peer-start-timeout", type=float, default=300.0, help="seconds for the peer to get ready")
+    p.add_argument("--p99-limit-ms", type=float, default=15.0, help="the Poisson sweep's p99 limit (default: 15)")
+    p.add_argument("--poisson-start", type=float, default=None, help="first rate (default: half the lowest level's)")
+    p.add_argument("--poisson-seconds", type=float, default=3.0, help="measured seconds per rate (default: 3)")
+    p.add_argument("--poisson-warmup", type=float, default=1.0, help="unmeasured seconds per rate (default: 1)")
+    p.add_argument("--poisson-budget", type=float, default=60.0, help="seconds for the whole sweep (default: 60)")
+    p.add_argument("--poisson-steps", type=int, default=8, help="at most this many rates (default: 8)")
+    p.add_argument(
+        "--poisson-processes", type=int, default=None, help="client processes (default: 4 on CUDA, 1 on a CPU)"
+    )
+    p.add_argument(
         "--inductor",
         action="store_true",
         help="also measure forwards compiled by TorchInductor in-process (execution.compile inductor)",
@@ -541,6 +868,8 @@ def main() -> None:
     )
     cuda = device.type == "cuda"
     args.device = str(device)
+    if args.poisson_processes is None:
+        args.poisson_processes = 4 if cuda else 1
     half = "fp16" if cuda else "bf16"
     precisions = args.precisions.split(",") if args.precisions else [half, "fp32"]
     sizes = args.batch_sizes or ([1, 2, 4, 8, 16, 32, 64, 128, 256] if cuda else [1, 2, 4, 8, 16])
@@ -643,6 +972,7 @@ def main() -> None:
                 (f"fp32, GIL switch interval {ms:g} ms", "fp32", (*flags, "--gil-switch-interval-ms", f"{ms:g}"))
             )
         wired_ceilings: dict[str, dict[str, dict[str, float]]] = {}  # measured once per wire, whatever the sweeps
+        result["closed_loop"] = {}  # per wire, as the ceilings: the same clients whatever the server's flags
         for label, wire, extra in [] if args.skip_server else plans:
             ceilings = {prec: result["ceiling"][prec]["best_engine_rows_per_s"] for prec in precisions}
             if wire != "fp32" and wire in wired_ceilings:
@@ -654,14 +984,43 @@ def main() -> None:
                     runs[run_label] = ceiling(wired, prec, device, sizes, args.seconds, mode_ex)
                     ceilings[prec] = runs[run_label]["engine_rows_per_s"]
                 wired_ceilings[wire] = ceilings
+            if wire not in result["closed_loop"]:
+                wired = LoadedModel(with_wire(loaded.manifest, wire), loaded.version, loaded.module, loaded.path)
+                loop_ex = mode_ex.model_copy(update={"instances": args.instances})
+                loop_seconds = max(args.seconds, 0.5)
+                result["closed_loop"][wire] = closed_loops(
+                    wired, precisions, device, loop_ex, args.concurrency, loop_seconds
+                )
             set_manifest(tmp, server_ex, wire)
             folder = args.out / ("loadtest-" + "".join(ch if ch.isalnum() else "-" for ch in label).strip("-"))
             if args.load_generator == "wrk":
                 sweep = wrk_sweep(tmp, args, precisions, wire, folder, extra)
             else:
                 sweep = serve_sweep(tmp, args, precisions, folder, extra)
-            summary = summarize(sweep, ceilings, half, result["instances"])
+            summary = summarize(sweep, ceilings, half, result["instances"], result["closed_loop"][wire])
             result["servers"][label] = {"wire": wire, "server_args": list(extra), "summary": summary, "loadtest": sweep}
+            write(result, args.out, half)
+            if args.poisson and "poisson" not in result:
+                prec = precisions[0]
+                start = args.poisson_start or poisson_start(summary, prec)
+                run = server_poisson(tmp, args, prec, wire, extra, start, args.out / "poisson")
+                result["poisson"] = {"halfserve": run}
+                write(result, args.out, half)
+        if args.peer == "pytriton" and plans and not args.skip_server:
+            label, wire, extra = plans[0]
+            set_manifest(tmp, server_ex, wire)
+            halfserve_trials = result.get("poisson", {}).get("halfserve", {}).get("trials")
+            start = args.poisson_start or (halfserve_trials[0]["rate"] if halfserve_trials else 10.0)
+            peer_prec = "fp16" if cuda else "fp32"
+            peer = peer_pytriton(tmp, args, peer_prec, wire, device, start, args.out / "pytriton")
+            if "poisson" in peer:
+                result.setdefault("poisson", {})["pytriton"] = {
+                    "precision": peer_prec,
+                    "wire": wire,
+                    "server_args": [],
+                    **peer.pop("poisson"),
+                }
+            result["peers"] = {"pytriton": {**peer, "beside": label}}
             write(result, args.out, half)
         result["seconds"] = round(time.perf_counter() - t0, 1)
     finally:

@@ -9,7 +9,11 @@
 #   tests  the tests marked gpu (python -m pytest -m gpu -x), from the files that mark any: collecting the others
 #          would import packages the kit does not carry (tritonclient, schemathesis, scikit-learn)
 #   bench  benchmarks/gpu_bench.py: ResNet-50, UINT8 images over V2 binary, fp16 and fp32, CUDA graphs, 4 front-ends,
-#          wrk; docs/gpu.md's H100 run cut to about 3 minutes
+#          wrk at c=16, 64 and 256, each level beside the in-process closed loop of as many clients and the forward
+#          at the batch it allows; the Poisson sweep (highest rate with p99 <= 15 ms, fp16, at most 60 s); and, where
+#          an interpreter imports pytriton, PyTriton serving the same model in fp16 driven by the same clients.
+#          About 7-8 minutes with the peer, 4-5 without: with the peer, run `tests` and `bench` in separate calls
+#          of a device whose commands stop at 10 minutes
 # Into $OUT (what the device tool brings back: at most 8 files, 2 folders deep): summary.txt, setup.log, tests.log,
 # bench-<variant>.log, bench.md (each run's gpu_bench.md) and bench.tgz (every bench output folder).
 #
@@ -17,7 +21,13 @@
 #   PY               the interpreter (default: /opt/torch/.venv/bin/python3 where it exists, else python3)
 #   OUT              where logs and results go (default: a new temporary folder)
 #   WHL, SITE        the wheels to install and where (default: .whl and /tmp/site); nothing is installed without WHL
-#   TESTS_TIMEOUT    seconds for the tests (default 150); BENCH_TIMEOUT: seconds per bench run (default 300)
+#   TESTS_TIMEOUT    seconds for the tests (default 150); BENCH_TIMEOUT: seconds per bench run (default 540)
+#   PYTRITON_PYTHON  the interpreter the PyTriton peer runs under (default: $PY when it imports pytriton; none: no
+#                    peer). It needs nvidia-pytriton 0.7.0 (a wheel carrying tritonserver) with its dependencies
+#                    (tritonclient, pyzmq, sh, wrapt, typing-inspect, numpy<2), besides torch, safetensors, pydantic:
+#                      $PY -m pip install --target "$SITE" nvidia-pytriton==0.7.0   (from carried wheels: --no-index)
+#   PYTRITON_SITE    a folder on that interpreter's default site path (e.g. /usr/local/lib/python3.12/dist-packages):
+#                    a .pth file there names $SITE, since Triton's Python backend stub does not see PYTHONPATH
 #   BENCH_ARGS       replaces the bench's arguments; EXTRA_BENCH_ARGS is added to them (e.g. --precisions fp16)
 #   EXTRA_SERVE_ARGS runs the bench a second time, its servers given these halfserve serve flags (gpu_bench
 #                    --serve-args), into bench/extra: e.g. '--placement instance_threads' beside the default (processes
@@ -34,7 +44,7 @@ OUT=${OUT:-$(mktemp -d -t gpu_session.XXXXXX)}
 WHL=${WHL:-.whl}
 SITE=${SITE:-/tmp/site}
 TESTS_TIMEOUT=${TESTS_TIMEOUT:-150}
-BENCH_TIMEOUT=${BENCH_TIMEOUT:-300}
+BENCH_TIMEOUT=${BENCH_TIMEOUT:-540}
 steps=("$@")
 [[ ${#steps[@]} -gt 0 ]] || steps=(tests bench)
 mkdir -p "$OUT"
@@ -70,6 +80,13 @@ if [[ -f .devkit/bin/wrk ]]; then
     export PATH=$kit/bin:$PATH
 fi
 
+# The PyTriton peer: an interpreter that imports it, and (where the kit's packages live outside the default site path)
+# a .pth file its backend stub reads.
+if [[ -z ${PYTRITON_PYTHON:-} ]] && "$PY" -c 'import pytriton' >/dev/null 2>&1; then PYTRITON_PYTHON=$PY; fi
+if [[ -n ${PYTRITON_SITE:-} && -d ${PYTRITON_SITE} ]]; then
+    printf '%s\n' "$SITE" >"$PYTRITON_SITE/halfserve-kit.pth" || note "setup: cannot write $PYTRITON_SITE/halfserve-kit.pth"
+fi
+
 {
     commit=$(git rev-parse --short HEAD 2>/dev/null || echo "-")
     echo "host: $(hostname), $(nproc) cores, $(date -u +%FT%TZ), commit $commit"
@@ -77,6 +94,7 @@ fi
     "$PY" -c 'import sys, torch; c = torch.cuda.is_available(); print("python", sys.version.split()[0], "torch",
 torch.__version__, "cuda", torch.version.cuda, "available", c, torch.cuda.get_device_name() if c else "")' 2>&1
     echo "wrk: $(command -v wrk || echo none) $(wrk -v 2>&1 | head -1)"
+    echo "pytriton: ${PYTRITON_PYTHON:-none (no peer)}"
 } | tee -a "$summary"
 # A package missing from the kit fails here, in a line, rather than as a server that never became ready.
 if ! "$PY" -c 'import halfserve.cli, halfserve.api, halfserve.multiproc, halfserve.loadtest.runner, fastapi, uvicorn, orjson' \
@@ -100,15 +118,23 @@ run_tests() {
 }
 
 bench_args() {
+    local peer=""
+    [[ -n ${PYTRITON_PYTHON:-} ]] && peer="--peer pytriton --pytriton-python $PYTRITON_PYTHON"
     if [[ -n ${BENCH_ARGS:-} ]]; then
         echo "$BENCH_ARGS"
     elif [[ ${GPU_SESSION_CPU:-0} == 1 ]]; then
         echo "--device cpu --image-size 32 --batch-sizes 1,2 --precisions fp32 --seconds 0.2 --instances 1" \
             "--instance-counts 1 --concurrency 1,2 --duration 1 --warmup 1 --wires uint8 --load-generator wrk" \
-            "--wrk-threads 1"
+            "--wrk-threads 1 --poisson --poisson-start 10 --p99-limit-ms 2000 --poisson-seconds 2 --poisson-steps 2" \
+            "$peer"
     else
-        echo "--batch-sizes 1,16,64 --concurrency 16,64 --duration 4 --seconds 0.8 --wires uint8 --http-workers 4" \
-            "--load-generator wrk --instance-counts 1,2 --compile cuda_graphs"
+        # Batch sizes: the buckets c / 2 instances pads to at c = 16, 64, 256 (8, 32, 128), for server / forward.
+        # The peer warms every batch size up to 128 (cudnn tunes each shape once), as many as c=256 over 2 instances
+        # forms; each Poisson sweep gets at most 40 s.
+        echo "--batch-sizes 1,8,32,128 --concurrency 16,64,256 --duration 4 --seconds 0.8 --wires uint8" \
+            "--http-workers 4 --load-generator wrk --instance-counts 1,2 --compile cuda_graphs" \
+            "--poisson --p99-limit-ms 15 --poisson-seconds 2 --poisson-budget 40 --peer-max-batch 128" \
+            "--peer-start-timeout 180 $peer"
     fi
 }
 
@@ -137,7 +163,18 @@ for label, s in r.get("servers", {}).items():
     for x in s["summary"]["levels"]:
         print(f"  server {label} {x['precision']} c={x['concurrency']}: {x['rows_per_s']:.0f} rows/s, "
               f"p99 {x['p99_ms']:.1f} ms, batch {x['mean_batch'] or 0:.1f}, {x['server_over_ceiling']:.2f} of the "
-              f"ceiling, errors {x['errors']}")
+              f"ceiling, {x.get('server_over_closed_loop', 0):.2f} of the closed loop, "
+              f"{x.get('server_over_forward', 0):.2f} of the forward at batch {x.get('forward_batch')}, "
+              f"errors {x['errors']}")
+for name, p in r.get("peers", {}).items():
+    print(f"  peer {name} {p['precision']}: ready {p['ready_seconds']} s, answer max|diff| "
+          f"{p['answer_max_abs_diff_from_halfserve']}, top class agrees {p['answer_argmax_agrees']}")
+    for x in p["levels"]:
+        print(f"  peer {name} c={x['concurrency']}: {x['rows_per_s']:.0f} rows/s, p99 {x['p99_ms']:.1f} ms, "
+              f"errors {x['errors']}")
+for name, run in r.get("poisson", {}).items():
+    print(f"  poisson {name} {run['precision']}: best {run['best_rate']} req/s with p99 <= {run['limit_ms']} ms "
+          f"({len(run['trials'])} rates, {run['stopped']}, {run['seconds']} s)")
 PY
             { echo "# bench $name"; cat "$OUT/bench/$name/gpu_bench.md"; } >>"$OUT/bench.md"
         fi

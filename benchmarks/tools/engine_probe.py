@@ -2,7 +2,8 @@
 
 1. Instances driven back to back from their own threads at a fixed batch (what the device gives at that batch);
 2. a closed loop of C in-process clients, one image each, through the server's Batcher and Engine (what the
-   batching schedule gives without HTTP), with the mean batch and the mean runner time per batch.
+   batching schedule gives without HTTP; ``closed_loop.py``, which gpu_bench.py runs per level too), with the mean
+   batch and the mean runner time per batch.
 
 Run from the repository root with ``benchmarks`` on ``PYTHONPATH`` (for ``common`` and ``gpu_bench``):
 ``PYTHONPATH=benchmarks python benchmarks/tools/engine_probe.py``. Env: ``OUT`` (default /tmp/out; writes
@@ -19,9 +20,9 @@ from pathlib import Path
 import gpu_bench
 import numpy as np
 import torch
+from closed_loop import closed_loop
 
 from halfserve import store
-from halfserve.batching import Batcher
 from halfserve.compilation import tune_cudnn
 from halfserve.engine.core import Engine
 from halfserve.manifest import Compile, Execution, Precision
@@ -55,44 +56,6 @@ def engine_for(instances: int) -> Engine:
     return engine
 
 
-async def closed_loop(engine: Engine, conc: int, seconds: float, max_delay: float) -> dict[str, object]:
-    batcher = Batcher(
-        engine.run,
-        max_batch_size=MAX_BATCH,
-        max_delay=max_delay,
-        max_queue_rows=4096,
-        concurrency=len(engine.instances),
-    )
-    batcher.start()
-    rng = np.random.default_rng(0)
-    xs = [rng.integers(0, 256, (1, *engine.sample_shape), dtype=np.uint8) for _ in range(conc)]
-    done = 0
-    stop = False
-
-    async def client(i: int) -> None:
-        nonlocal done
-        while not stop:
-            await batcher.infer(xs[i])
-            done += 1
-
-    tasks = [asyncio.create_task(client(i)) for i in range(conc)]
-    await asyncio.sleep(1.0)
-    s0 = batcher.stats
-    base, b0, r0, c0 = done, s0.batches, s0.rows, s0.compute_seconds
-    start = time.perf_counter()
-    await asyncio.sleep(seconds)
-    n, elapsed = done - base, time.perf_counter() - start
-    batches, rows, compute = s0.batches - b0, s0.rows - r0, s0.compute_seconds - c0
-    stop = True
-    await asyncio.gather(*tasks)
-    await batcher.stop()
-    return {
-        "rows_per_s": round(n / elapsed, 1),
-        "mean_batch": round(rows / max(1, batches), 1),
-        "mean_runner_ms": round(1000 * compute / max(1, batches), 2),
-    }
-
-
 for n in (1, 2):
     engine = engine_for(n)
     for b in (16, 32, 64):
@@ -122,7 +85,7 @@ for n in (1, 2):
         emit({"probe": "instances", "instances": n, "batch": b, "rows_per_s": round(total * b / elapsed, 1)})
     for conc in (32, 64, 128, 256):
         for delay_ms in (0.0, 2.0):
-            r = asyncio.run(closed_loop(engine, conc, SECONDS, delay_ms / 1000))
+            r = asyncio.run(closed_loop(engine, conc, SECONDS, max_batch_size=MAX_BATCH, max_delay=delay_ms / 1000))
             emit({"probe": "closed_loop", "instances": n, "c": conc, "max_delay_ms": delay_ms, **r})
     engine.close()
     torch.cuda.empty_cache()
