@@ -40,8 +40,12 @@ import time
 from collections.abc import Iterator, Mapping
 from enum import Enum
 from pathlib import Path
+from typing import Protocol
 
 import torch
+
+from halfserve.hostinfo import cpu_model
+from halfserve.manifest import Compile, Manifest, Precision
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +74,17 @@ class CacheOutcome(str, Enum):
     """Its entry failed its digest, or torch refused it: compiled, and the entry written again."""
     OFF = "off"
     """No cache: ``--compile-cache off``, a folder that cannot be used, or an engine that does not compile."""
+
+
+class CompiledEngine(Protocol):
+    """What of an engine its key is made of (:class:`halfserve.engine.core.Engine`)."""
+
+    manifest: Manifest
+    version: int
+    precision: Precision
+    device: torch.device
+    fp32_modules: tuple[str, ...]
+    channels_last: bool
 
 
 class CorruptEntry(Exception):
@@ -105,6 +120,24 @@ def runtime_parts(device: torch.device, cpu_name: str) -> dict[str, object]:
     else:
         name = f"{cpu_name} ({torch.backends.cpu.get_cpu_capability()})"
     return {"device": name, "torch": torch.__version__, "python": f"{sys.version_info.major}.{sys.version_info.minor}"}
+
+
+def engine_key(engine: CompiledEngine, sizes: list[int]) -> str:
+    """The entry name of ``engine`` compiled at batch sizes ``sizes``."""
+    m = engine.manifest
+    parts = {
+        "model": m.name,
+        "version": engine.version,
+        "architecture": m.architecture,
+        "compile": Compile.INDUCTOR.value,  # the only mode cached
+        "precision": engine.precision.value,
+        "fp32_modules": sorted(engine.fp32_modules),
+        "buckets": sorted(sizes),
+        "channels_last": engine.channels_last,
+        "inputs": [t.model_dump(mode="json") for t in m.inputs],
+        "normalize": m.normalize.model_dump(mode="json") if m.normalize else None,
+    }
+    return key({**parts, **runtime_parts(engine.device, cpu_model())})
 
 
 def digest(data: bytes) -> str:
@@ -195,6 +228,7 @@ def _replace(path: Path, data: bytes) -> None:
         raise
 
 
+@functools.cache  # one per process, so its folder is checked (and a WARNING given) once
 def from_setting(setting: str, store: Path) -> CompileCache | None:
     """The compile cache the ``compile_cache`` setting names (None: ``off``): ``auto`` is ``<store>/.cache/compile``,
     beside the models and outside every model's folder (the store skips names that start with a dot)."""

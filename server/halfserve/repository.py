@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 from halfserve import (
     calibration,
+    compilecache,
     fidelity,
     handlers,
     livefidelity,
@@ -177,7 +178,10 @@ class ModelRepository:
         blocks, so run it off the event loop."""
         max_batch_size = served.batching.max_batch_size
         kept = served.plan_for(precision)
-        engine = Engine(loaded, precision, self.device, max_batch_size=max_batch_size, fp32_modules=kept)
+        cache = compilecache.from_setting(self.settings.compile_cache, self.settings.store)
+        engine = Engine(
+            loaded, precision, self.device, max_batch_size=max_batch_size, fp32_modules=kept, compile_cache=cache
+        )
         if self.settings.warmup:
             try:
                 served.warmup_seconds = engine.warmup(max_batch_size)

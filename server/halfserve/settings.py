@@ -239,9 +239,10 @@ class Settings(BaseSettings):
     warmup: bool = True
     """Warm every model up at load (each batch bucket, CUDA graphs, compiles) before it takes requests."""
     compile_cache: str = "auto"
-    """Where ``inductor`` models keep their compiled artifacts between starts (:mod:`halfserve.compilecache`): a
-    folder, ``auto`` (``<store>/.cache/compile``) or ``off``. A folder others can write to, or that cannot be written,
-    is not used (a WARNING at the first such model's warm-up)."""
+    """Where ``inductor`` models keep their compiled artifacts between starts: a folder, ``auto``
+    (``<store>/.cache/compile``) or ``off``. A folder others can write to, or that cannot be written, is not used (a
+    WARNING at the first such model's warm-up); one inside a model's folder is refused (:mod:`halfserve.compilecache`).
+    """
     admin_token: SecretStr | None = None
     """Bearer token for the management calls (load, unload, reload, precision); without one they answer 403. At
     least 16 characters. Prefer the environment or ``admin_token_file``: a command-line flag shows in ``ps``."""
