@@ -7,11 +7,15 @@ the code compiled: the model version, precision, device, torch and Python versio
 mixed-precision plan (:func:`key`). At the next warm-up under that key it goes back into torch's caches
 (:func:`torch.compiler.load_cache_artifacts`) before the first forward, and the FX graphs are found instead of built.
 
-What it saves, measured on the 2-core EPYC host (shared, so rough), a 64-32-10 MLP compiled at batches 1 and 8, each
-run in a fresh process with an empty ``TORCHINDUCTOR_CACHE_DIR``: first forwards 11.9, 13.3 and 18.0 s cold
-(``fxgraph_cache_miss`` 2), 10.4 and 13.3 s with the entry loaded (0.18-0.26 s to load 322 kB; ``fxgraph_cache_hit``
-2, no miss). Dynamo still traces the Python and AOTAutograd still runs on every start, which for a model this small
-is most of the time; the C++ (or Triton) kernels are what is no longer compiled.
+What it holds and what still runs: the entry has TorchInductor's FX graph artifacts (the generated wrapper code),
+AOTAutograd's and the autotuning results, and on a GPU the Triton kernels built (torch bundles them into the FX graph
+artifacts). Dynamo still traces the Python and AOTAutograd still runs at every start, and on a CPU the C++ kernels are
+not in the entry: torch builds them again unless its own kernel cache (``TORCHINDUCTOR_CACHE_DIR``, by default
+``/tmp/torchinductor_<user>``) still holds them. Measured on the 2-core EPYC host (shared, so rough), a 64-32-10 MLP
+compiled at batches 1 and 8 in a fresh process with an empty ``TORCHINDUCTOR_CACHE_DIR``: first forwards 11.9, 13.3
+and 18.0 s without an entry (``fxgraph_cache_miss`` 2), 10.4 and 13.3 s with it (0.18-0.26 s to load 322 kB;
+``fxgraph_cache_hit`` 2, no miss), and the 8 C++ kernels compiled again either way: on a CPU the kernel cache is
+what saves time (``benchmarks/compile_cache_bench.py``).
 
 Each entry has a digest file beside it, checked before torch sees its bytes: a torn, truncated or altered entry is
 rebuilt, never loaded. Torch's own caches key their artifacts by the graph they compile, so an entry that no longer
@@ -237,6 +241,21 @@ def from_setting(setting: str, store: Path) -> CompileCache | None:
     if setting == AUTO:
         return CompileCache(store / ".cache" / "compile")
     return CompileCache(Path(setting))
+
+
+KERNELS = "torchinductor"
+"""The folder, in the compile cache's, that holds torch's own kernel cache unless the operator named one."""
+
+
+def keep_kernels(cache: CompileCache) -> None:
+    """Put torch's own kernel cache (``TORCHINDUCTOR_CACHE_DIR``) in the compile cache's folder, unless the operator,
+    or an earlier ``torch.compile`` (torch sets it then: call this before), already named one.
+
+    On a CPU an entry does not hold the C++ kernels, and loaded without them every kernel is built again, one after
+    another: the digits MLP got ready in 57 s from an entry without its kernels, 33 s with no entry, 13 s from an entry
+    with its kernels (``benchmarks/results/compile-cache-cpu``). Kept with the entries, they outlive a container's
+    ``/tmp``. Torch names each kernel file by a hash of its source, and the server does not check them."""
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache.folder / KERNELS))
 
 
 # Torch's recording of cache artifacts and its counters are process-wide: one engine's warm-up at a time.

@@ -191,7 +191,6 @@ async def test_a_model_compiled_with_inductor_serves_in_bf16_and_reports_its_com
     assert entry["execution"]["buckets"] == [1, 2]
     assert entry["execution"]["inductor"] is True
     assert entry["execution"]["inductor_compile_seconds"] > 0
-    # Torch's own on-disk cache may hold these graphs from another test: the compile cache's entry is written anyway.
     assert entry["execution"]["compile_cache"] == "miss"
     assert len(list((tmp_path / ".cache" / "compile").glob("*.artifacts"))) == 1
 

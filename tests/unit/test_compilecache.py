@@ -11,9 +11,12 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from halfserve import compilecache
+from halfserve import compilecache, store
 from halfserve.compilecache import CacheOutcome, CacheUse, CompileCache, CorruptEntry
+from halfserve.engine.core import Engine
+from halfserve.manifest import Execution, Precision
 from halfserve.settings import Settings
+from tests.conftest import save_tiny_mlp
 
 PARTS = {"model": "digits", "version": 1, "precision": "bf16", "torch": "2.13.0", "buckets": [1, 8]}
 
@@ -137,3 +140,23 @@ def test_an_altered_entry_never_reaches_torch(
     assert use.outcome is CacheOutcome.CORRUPT
     assert seen == []
     assert "does not match its digest" in caplog.text
+
+
+def test_torchs_kernel_cache_goes_with_the_entries_unless_set(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    compilecache.keep_kernels(CompileCache(tmp_path))
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "torchinductor")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/operator/named")
+    compilecache.keep_kernels(CompileCache(tmp_path))
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == "/operator/named"
+
+
+def test_an_inductor_engine_moves_torchs_kernel_cache_before_it_compiles(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)  # torch.compile would set it to torch's default
+    save_tiny_mlp(tmp_path, execution=Execution(compile="inductor"))
+    cache = CompileCache(tmp_path / "cache")
+    engine = Engine(store.load(tmp_path, "tiny"), Precision.FP32, torch.device("cpu"), compile_cache=cache)
+    engine.close()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "cache" / "torchinductor")

@@ -225,6 +225,8 @@ class Engine:
         not compiled."""
         self._forward: Callable[[torch.Tensor], torch.Tensor] = self.eager
         if self.inductor:
+            if compile_cache is not None and compile_cache.usable:
+                compilecache.keep_kernels(compile_cache)  # before torch.compile, which settles torch's cache folder
             own = compilation.own_code(self.eager)
             self._compiled_code = own.__func__.__code__  # type: ignore[attr-defined]
             self._forward = torch.compile(own, dynamic=False)
