@@ -53,7 +53,7 @@ from halfserve.manifest import Compile, Manifest, Precision
 
 log = logging.getLogger(__name__)
 
-FORMAT = 1
+FORMAT = 2
 """The layout of a key's parts; a change makes every older entry a miss."""
 ENTRY_SUFFIX = ".artifacts"
 DIGEST_SUFFIX = ".sha256"
@@ -108,6 +108,30 @@ class CacheUse:
     """FX graphs found in torch's caches instead (``fxgraph_cache_hit``)."""
     key: str = ""
     """The key its entry is under (empty until its first warm-up)."""
+    saved: list[bytes] = dataclasses.field(default_factory=list, repr=False)
+    """What torch saved after each of its warm-ups under :attr:`key`: the entry holds them all (:func:`pack`)."""
+
+
+_LENGTH = 8
+
+
+def pack(parts: list[bytes]) -> bytes:
+    """One entry of several of torch's saves, each behind its length. Torch's own bytes hold every save since its
+    recording began, but it reads back only the last save's artifacts of each kind (torch 2.13): a recompile's save
+    would hide the first compile's, so each is a save of its own, loaded in turn."""
+    return b"".join(len(p).to_bytes(_LENGTH, "big") + p for p in parts)
+
+
+def unpack(data: bytes) -> list[bytes]:
+    parts, at = [], 0
+    while at < len(data):
+        size = int.from_bytes(data[at : at + _LENGTH], "big")
+        at += _LENGTH
+        if size == 0 or at + size > len(data):
+            raise CorruptEntry("an entry's parts do not add up to its length")
+        parts.append(data[at : at + size])
+        at += size
+    return parts
 
 
 def key(parts: Mapping[str, object]) -> str:
@@ -284,9 +308,10 @@ def _load(cache: CompileCache, name: str, use: CacheUse) -> None:
         if data is None:
             use.outcome = CacheOutcome.MISS
             return
-        # torch logs and returns None for bytes it cannot read; other failures raise.
-        if torch.compiler.load_cache_artifacts(data) is None:
-            raise CorruptEntry(f"torch {torch.__version__} could not read entry {name}")
+        for part in unpack(data):
+            # torch logs and returns None for bytes it cannot read; other failures raise.
+            if torch.compiler.load_cache_artifacts(part) is None:
+                raise CorruptEntry(f"torch {torch.__version__} could not read entry {name}")
         use.outcome = CacheOutcome.HIT
     except Exception as e:
         log.warning("compile cache: entry %s rebuilt, not used: %s", name, e)
@@ -295,13 +320,15 @@ def _load(cache: CompileCache, name: str, use: CacheUse) -> None:
         use.load_seconds += time.perf_counter() - start
 
 
-def _save(cache: CompileCache, name: str) -> None:
+def _save(cache: CompileCache, name: str, use: CacheUse) -> None:
     saved = torch.compiler.save_cache_artifacts()
+    _start_recording()  # the next save holds what is recorded after this one (see pack)
     if saved is None:
         log.warning("compile cache: torch recorded no artifacts to write under %s", name)
         return
+    use.saved.append(saved[0])
     try:
-        cache.write(name, saved[0])
+        cache.write(name, pack(use.saved))
     except OSError as e:
         log.warning("compile cache: entry %s not written: %s", name, e)
 
@@ -311,12 +338,13 @@ def compiling(cache: CompileCache | None, name: str, use: CacheUse) -> Iterator[
     """Around an engine's warm-up (which compiles): load its entry ``name`` the first time (under that key), count
     the FX graphs compiled and found, and write the entry unless it was a hit that compiled nothing.
 
-    A later warm-up under the same key (a recompile at another thread count) adds its artifacts to the entry:
-    torch's recording is kept from the first, so the entry written holds both."""
+    A later warm-up under the same key (a recompile at another thread count) adds its artifacts to the entry: the
+    entry written holds every save under the key (:func:`pack`). Torch records a graph found in its caches as well
+    as one compiled, so an entry written after a hit's warm-up holds that warm-up's graphs too."""
     with _recording:
         on = cache is not None and cache.usable
         if name != use.key:
-            use.key = name
+            use.key, use.saved = name, []
             if cache is not None and on:
                 _load(cache, name, use)
             else:
@@ -330,4 +358,4 @@ def compiling(cache: CompileCache | None, name: str, use: CacheUse) -> Iterator[
         if new_misses > misses and use.outcome is CacheOutcome.HIT:
             use.outcome = CacheOutcome.STALE
         if cache is not None and on and (new_misses > misses or use.outcome is not CacheOutcome.HIT):
-            _save(cache, name)
+            _save(cache, name, use)

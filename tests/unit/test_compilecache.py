@@ -116,7 +116,7 @@ def test_an_entry_torch_cannot_read_is_rebuilt_with_one_warning(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     cache = CompileCache(tmp_path)
-    cache.write("k", b"not torch's artifacts")  # its digest matches: torch is the one to refuse it
+    cache.write("k", compilecache.pack([b"not torch's artifacts"]))  # its digest matches: torch is to refuse it
     use = CacheUse()
     with caplog.at_level(logging.WARNING, logger="halfserve.compilecache"):
         compilecache._load(cache, "k", use)
@@ -160,3 +160,12 @@ def test_an_inductor_engine_moves_torchs_kernel_cache_before_it_compiles(
     engine = Engine(store.load(tmp_path, "tiny"), Precision.FP32, torch.device("cpu"), compile_cache=cache)
     engine.close()
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "cache" / "torchinductor")
+
+
+def test_an_entry_holds_each_save_whole() -> None:
+    parts = [b"first save", b"a recompile's save"]
+    assert compilecache.unpack(compilecache.pack(parts)) == parts
+    with pytest.raises(CorruptEntry, match="do not add up"):
+        compilecache.unpack(compilecache.pack(parts)[:-1])
+    with pytest.raises(CorruptEntry, match="do not add up"):
+        compilecache.unpack(bytes(8) + b"x")
