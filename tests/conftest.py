@@ -17,6 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
 from halfserve import models, store
 from halfserve.engine.core import Engine
@@ -31,6 +32,9 @@ os.environ["HALFSERVE_GRPC"] = "false"
 # the event loop's work on it: the tiny models' choice on a quiet host), not from one timed at warm-up, which
 # decides otherwise on a loaded host. Tests of other timings give their own (forward_seconds, settle_threads).
 os.environ["HALFSERVE_FORWARD_SECONDS"] = "1e-06"
+# Torch's kernel cache stays where torch puts it, for every test and the servers they start: a server would otherwise
+# move it into its store's compile cache (halfserve.compilecache.keep_kernels), each test's store a new and empty one.
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())
 
 PROCESS_ISOLATION = os.environ.get("HALFSERVE_PLACEMENT") == "instance_processes"
 """The suite runs with every engine's instances in processes of their own (.ci/run runs the integration tests so)."""

@@ -39,7 +39,7 @@ import torch
 
 from halfserve import calibration, store
 from halfserve.engine.core import Engine
-from halfserve.manifest import FidelityBar, Manifest, Precision
+from halfserve.manifest import Compile, FidelityBar, Manifest, Precision
 
 CALIBRATION = calibration.CALIBRATION
 RANDOM_SAMPLES = calibration.RANDOM_SAMPLES
@@ -295,12 +295,20 @@ def compare(
     return summarize(rows(want, got, manifest), precision, source, seconds)
 
 
+def fp32_reference(loaded: store.LoadedModel) -> Engine:
+    """The fp32 engine on the host that half precision is measured against: eager whatever the manifest's execution
+    (a compiled forward's kernels would be compiled at every load for a few rows, and an eager fp32 forward is the
+    reference a compiled one is held to)."""
+    eager = loaded.manifest.execution.model_copy(update={"compile": Compile.NONE})
+    return Engine(loaded, Precision.FP32, torch.device("cpu"), execution=eager)
+
+
 def measure(
     served: Computes, loaded: store.LoadedModel, x: np.ndarray, batch: int, source: Source = Source.CALIBRATION
 ) -> Fidelity:
     """Run ``x`` through ``served`` (a half-precision engine) and ``loaded``'s fp32 host weights, and compare."""
     started = time.perf_counter()
-    reference = Engine(loaded, Precision.FP32, torch.device("cpu"))
+    reference = fp32_reference(loaded)
     try:
         want = _run(reference, x, batch)
     finally:

@@ -39,7 +39,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 from halfserve import fidelity
 from halfserve.engine.core import Engine, set_intra_op_threads
@@ -299,7 +298,7 @@ class LiveFidelity:
         """Rerun ``sampled``'s rows in fp32, add their figures to the window, and tell ``on_shortfall`` when it first
         falls below the bar. Blocks (the worker thread's work; tests call it directly)."""
         if self._reference is None:
-            self._reference = Engine(self.loaded, Precision.FP32, torch.device("cpu"))
+            self._reference = fidelity.fp32_reference(self.loaded)
         want = self._reference.forward(sampled.inputs)
         measured = fidelity.rows(want, sampled.outputs, self.loaded.manifest)
         with self._lock:

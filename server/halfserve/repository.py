@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 from halfserve import (
     calibration,
+    compilecache,
     fidelity,
     handlers,
     livefidelity,
@@ -183,7 +184,10 @@ class ModelRepository:
         """An engine in this process, warmed up and its intra-op threads settled on a CPU (unless warm-up is off); it
         blocks, so run it off the event loop."""
         max_batch_size = served.batching.max_batch_size
-        engine = Engine(loaded, precision, self.device, max_batch_size=max_batch_size, fp32_modules=kept)
+        cache = compilecache.from_setting(self.settings.compile_cache, self.settings.store)
+        engine = Engine(
+            loaded, precision, self.device, max_batch_size=max_batch_size, fp32_modules=kept, compile_cache=cache
+        )
         if self.settings.warmup:
             try:
                 served.warmup_seconds = engine.warmup(max_batch_size)

@@ -316,5 +316,9 @@ def _execution(info: EngineInfo) -> dict[str, object]:
         "graph_capture_seconds": round(info.graph_capture_seconds, 4),
         "inductor": info.inductor,
         "inductor_compile_seconds": round(info.inductor_compile_seconds, 4),
+        "compile_cache": info.compile_cache.value,
+        "compile_cache_load_seconds": round(info.compile_cache_load_seconds, 4),
+        "compiled_graphs": info.compiled_graphs,
+        "cached_graphs": info.cached_graphs,
         "placement": info.placement.value,
     }

@@ -242,6 +242,11 @@ class Settings(BaseSettings):
     batch of a new shape may tune kernels for seconds."""
     warmup: bool = True
     """Warm every model up at load (each batch bucket, CUDA graphs, compiles) before it takes requests."""
+    compile_cache: str = "auto"
+    """Where ``inductor`` models keep their compiled artifacts between starts: a folder, ``auto``
+    (``<store>/.cache/compile``) or ``off``. A folder others can write to, or that cannot be written, is not used (a
+    WARNING at the first such model's warm-up); one inside a model's folder is refused (:mod:`halfserve.compilecache`).
+    """
     admin_token: SecretStr | None = None
     """Bearer token for the management calls (load, unload, reload, precision); without one they answer 403. At
     least 16 characters. Prefer the environment or ``admin_token_file``: a command-line flag shows in ``ps``."""
@@ -293,6 +298,11 @@ class Settings(BaseSettings):
                 f"torchserve_management_port ({self.torchserve_management_port}) is already "
                 f"{taken[self.torchserve_management_port]}: give it a port of its own"
             )
+        if self.compile_cache not in ("auto", "off"):
+            folder, store = Path(self.compile_cache).resolve(), self.store.resolve()
+            inside = folder.relative_to(store).parts if folder.is_relative_to(store) else ()
+            if inside and not inside[0].startswith("."):
+                raise ValueError(f"compile_cache: {self.compile_cache} is inside a model's folder in the store")
         if self.live_fidelity_min_rows > self.live_fidelity_window:
             raise ValueError(
                 f"live_fidelity_min_rows ({self.live_fidelity_min_rows}) must be at most live_fidelity_window "

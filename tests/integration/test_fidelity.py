@@ -13,8 +13,9 @@ from safetensors.numpy import save_file
 
 from halfserve import fidelity, models, storage, store
 from halfserve.fidelity import CALIBRATION
-from halfserve.manifest import Batching, Manifest, TensorSpec, load_manifest
+from halfserve.manifest import Batching, Execution, Manifest, TensorSpec, load_manifest
 from halfserve.settings import Settings
+from tests.conftest import save_tiny_mlp
 from tests.integration.conftest import serving
 
 
@@ -150,3 +151,18 @@ def test_min_agreement_and_its_newer_name_are_one_bar() -> None:
     assert (legacy.min_top1_agreement, legacy.min_cosine, legacy.max_rel_error) == (0.9, 0.5, 0.02)
     assert legacy.origin("min_top1_agreement") == "the manifest's min_agreement"
     assert legacy.origin("max_rel_error") == "the default max_rel_error"
+
+
+def test_the_fp32_reference_is_eager_whatever_the_manifest_s_execution(tmp_path: Path) -> None:
+    save_tiny_mlp(tmp_path, execution=Execution(compile="inductor"), batching=Batching(max_batch_size=2))
+    loaded = store.load(tmp_path, "tiny")
+    reference = fidelity.fp32_reference(loaded)
+    try:
+        assert loaded.manifest.execution.compile.value == "inductor"
+        assert reference.inductor is False  # not compiled at every load for a few rows, nor cached
+        x = np.random.default_rng(0).standard_normal((2, 16)).astype(np.float32)
+        with torch.no_grad():
+            want = loaded.module(torch.from_numpy(x)).numpy()
+        np.testing.assert_allclose(reference.compute(x), want, rtol=1e-5, atol=1e-6)
+    finally:
+        reference.close()

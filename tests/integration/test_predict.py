@@ -191,6 +191,8 @@ async def test_a_model_compiled_with_inductor_serves_in_bf16_and_reports_its_com
     assert entry["execution"]["buckets"] == [1, 2]
     assert entry["execution"]["inductor"] is True
     assert entry["execution"]["inductor_compile_seconds"] > 0
+    assert entry["execution"]["compile_cache"] == "miss"
+    assert len(list((tmp_path / ".cache" / "compile").glob("*.artifacts"))) == 1
 
 
 async def post_each_row(client: httpx.AsyncClient, x: np.ndarray, *batches: np.ndarray) -> np.ndarray:

@@ -17,6 +17,7 @@ Two faults are the engine's to recognise, because they need torch to see:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import logging
 import math
@@ -29,7 +30,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from halfserve import compilation, packing, records
+from halfserve import compilation, compilecache, packing, records
 from halfserve import precision as prec
 from halfserve.engine.inputs import Normalizer, has_conv2d, takes_positionally
 from halfserve.engine.protocol import BatchRunner, EngineError, EngineInfo, PrecisionOverflowError
@@ -129,8 +130,9 @@ class Engine:
         execution: Execution | None = None,
         max_batch_size: int | None = None,
         fp32_modules: tuple[str, ...] = (),
+        compile_cache: compilecache.CompileCache | None = None,
     ) -> None:
-        self.name = loaded.manifest.name
+        self.name, self.version = loaded.manifest.name, loaded.version
         self.device = device
         self.precision = prec.resolve(precision, device)
         self.overflow = OverflowPolicy(overflow or loaded.manifest.overflow)
@@ -223,10 +225,13 @@ class Engine:
         not compiled."""
         self._forward: Callable[[torch.Tensor], torch.Tensor] = self.eager
         if self.inductor:
+            if compile_cache is not None and compile_cache.usable:
+                compilecache.keep_kernels(compile_cache)  # before torch.compile, which settles torch's cache folder
             own = compilation.own_code(self.eager)
             self._compiled_code = own.__func__.__code__  # type: ignore[attr-defined]
             self._forward = torch.compile(own, dynamic=False)
         self.compile_seconds = 0.0
+        self._cache, self.cache_use = compile_cache, compilecache.CacheUse()
         self._room_made = False
         if self.inductor and self.buckets:
             self._make_room_for_compiles(self.buckets)  # before any batch: with --no-warmup they compile under load
@@ -255,6 +260,10 @@ class Engine:
             graph_capture_seconds=sum(g.capture_seconds for i in self.instances for g in i.graphs.values()),
             inductor=self.inductor,
             inductor_compile_seconds=self.compile_seconds,
+            compile_cache=self.cache_use.outcome,
+            compile_cache_load_seconds=self.cache_use.load_seconds,
+            compiled_graphs=self.cache_use.compiled_graphs,
+            cached_graphs=self.cache_use.cached_graphs,
             placement=self.placement,
         )
 
@@ -438,8 +447,11 @@ class Engine:
             self.buckets = sizes
         if self.inductor and not self._room_made:
             self._make_room_for_compiles(sizes)
-        for inst in self.instances:
-            inst.executor.submit(self._warm_instance, inst, sizes).result()
+        key = compilecache.engine_key(self, sizes) if self.inductor else ""
+        cached = compilecache.compiling(self._cache, key, self.cache_use) if key else contextlib.nullcontext()
+        with cached:  # the compile cache's entry is read before the compiles, and written after
+            for inst in self.instances:
+                inst.executor.submit(self._warm_instance, inst, sizes).result()
         self.real_elements = self.padded_elements = 0  # the padding of requests, not of warm-up batches
         return time.perf_counter() - start
 

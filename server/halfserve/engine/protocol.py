@@ -14,6 +14,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from halfserve.compilecache import CacheOutcome
 from halfserve.manifest import OverflowPolicy, Precision
 from halfserve.placement import Placement
 from halfserve.serving import Outcome
@@ -47,6 +48,13 @@ class EngineInfo:
     inductor: bool = False
     inductor_compile_seconds: float = 0.0
     """Time spent compiling with TorchInductor at warm-up (each bucket's first forward), all buckets together."""
+    compile_cache: CacheOutcome = CacheOutcome.OFF
+    """What the warm-up found in the compile cache (:mod:`halfserve.compilecache`)."""
+    compile_cache_load_seconds: float = 0.0
+    compiled_graphs: int = 0
+    """FX graphs TorchInductor compiled at warm-up (none when the compile cache had them)."""
+    cached_graphs: int = 0
+    """FX graphs found in torch's caches at warm-up instead of compiled."""
     placement: Placement = Placement.INSTANCE_THREADS
     """Where batches run (:mod:`halfserve.placement`)."""
 

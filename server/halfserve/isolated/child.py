@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from halfserve import logs, models, store
+from halfserve import compilecache, logs, models, store
 from halfserve import precision as prec
 from halfserve.compilation import tune_cudnn
 from halfserve.engine.core import Engine, fixed_timing, set_intra_op_threads
@@ -92,8 +92,15 @@ def _start(config: ChildConfig, memory: InstanceMemory, weights: bytes) -> tuple
     loaded = store.from_weights_bytes(settings.store, config.manifest, config.version, weights, config.hf_config)
     execution = loaded.manifest.execution.model_copy(update={"instances": 1})
     precision, kept = Precision(config.precision), config.fp32_modules
+    cache = compilecache.from_setting(settings.compile_cache, settings.store)
     engine = Engine(
-        loaded, precision, device, execution=execution, max_batch_size=config.max_batch_size, fp32_modules=kept
+        loaded,
+        precision,
+        device,
+        execution=execution,
+        max_batch_size=config.max_batch_size,
+        fp32_modules=kept,
+        compile_cache=cache,
     )
     # Page-locked, the input region's rows go straight to the device (Instance.upload), with no staging copy.
     pin_host(memory.map)

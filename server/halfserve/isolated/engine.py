@@ -27,6 +27,7 @@ import torch
 
 from halfserve import models, store
 from halfserve import precision as prec
+from halfserve.compilecache import CacheOutcome
 from halfserve.engine.protocol import EngineError, EngineInfo, PrecisionOverflowError
 from halfserve.ipc import exports
 from halfserve.ipc.frames import FrameReader, frame
@@ -372,6 +373,7 @@ class ProcessEngine:
         values = {k: v for k, v in info.items() if k in fields}
         values.update(
             precision=Precision(info["precision"]),
+            compile_cache=CacheOutcome(info["compile_cache"]),
             buckets=tuple(info["buckets"]),
             instances=len(readies),
             graph_capture_seconds=sum(r["info"]["graph_capture_seconds"] for r in readies),
