@@ -41,6 +41,13 @@ class ImageBusyError(ImageError):
 
 
 ACCEPTED = ", ".join(f.value for f in ImageFormat)
+MAX_JPEG_SCANS = 100
+"""Most scans a JPEG may have (libjpeg-turbo's advice, ``djpeg -maxscans``): a baseline photo has one, a progressive
+one about 10. Each scan passes over the whole image's coefficients again, so a file of a few KB declaring thousands
+costs a decoding thread minutes within the pixel limit."""
+_JPEG_SCAN = b"\xff\xda"
+"""The start-of-scan marker: in entropy-coded data 0xFF is always followed by 0x00 or a restart marker, so counting
+this counts the scans."""
 _BOMB_SIZE = re.compile(r"Image size \((\d+) pixels\)")
 _ADDRESS = re.compile(r"<[^<>]* at 0x[0-9a-f]+>")
 
@@ -158,6 +165,10 @@ def decode(data: bytes, spec: ImageInput, max_pixels: int, field: str) -> np.nda
         raise ImageError(f"{field}: not an image the server reads ({len(data)} bytes); send {ACCEPTED}")
     if kind not in ImageFormat.__members__:
         raise ImageError(f"{field}: a {kind} image; the server takes {ACCEPTED}")
+    if kind == ImageFormat.JPEG.value and (scans := data.count(_JPEG_SCAN)) > MAX_JPEG_SCANS:
+        raise ImageError(
+            f"{field}: a JPEG of {scans} scans; a photo has at most about 10 (the server decodes {MAX_JPEG_SCANS})"
+        )
     try:
         with Image.open(io.BytesIO(data), formats=[kind]) as image:
             width, height = image.size
@@ -165,6 +176,12 @@ def decode(data: bytes, spec: ImageInput, max_pixels: int, field: str) -> np.nda
                 raise ImageTooLargeError(
                     f"{field}: a {width}x{height} {kind} image, more than the {max_pixels} pixels an image may have "
                     "(max_image_pixels)"
+                )
+            resized = resized_size(width, height, spec.resize) if spec.resize is not None else (width, height)
+            if resized[0] * resized[1] > max_pixels:  # 1x65000 resized to a shorter side of 256 is 256x16.6M
+                raise ImageTooLargeError(
+                    f"{field}: a {width}x{height} {kind} image, which the model's resize makes {resized[0]}x"
+                    f"{resized[1]}, more than the {max_pixels} pixels an image may have (max_image_pixels)"
                 )
             if spec.draft and kind == ImageFormat.JPEG.value and spec.resize is not None:
                 image.draft(image.mode, draft_size(width, height, spec.resize))

@@ -63,6 +63,15 @@ def bomb() -> bytes:
     return grey_png(6000, 6000, rows)
 
 
+def many_scans(count: int) -> bytes:
+    """A real progressive JPEG whose last scan is repeated until it has ``count`` scans: a few KB that would hold a
+    decoding thread for seconds."""
+    noise = np.random.default_rng(1).integers(0, 256, (8, 8), dtype=np.uint8)
+    data = photo(noise, "JPEG", progressive=True)
+    last = data.rindex(b"\xff\xda")
+    return data[:-2] + data[last:-2] * (count - data.count(b"\xff\xda")) + data[-2:]
+
+
 @pytest.fixture(scope="module")
 def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """digits_cnn's weights imported with an image section (grey, exactly 8x8, nearest, each pixel / 255: the
@@ -184,6 +193,7 @@ def abusive() -> list[tuple[str, dict[str, object], int, str]]:
         (path, {"content": grey_png(9000, 9000, zlib.compress(b"\x00" * 9001))}, 413, "9000x9000 PNG image"),
         (path, {"content": bomb()}, 413, "6000x6000 PNG image, more than the 25000000 pixels"),
         (path, {"content": jpeg[: len(jpeg) // 2]}, 400, "body: cannot decode the JPEG image"),
+        (path, {"content": many_scans(2000)}, 400, "body: a JPEG of 2000 scans"),
         (path, {"content": b"\x00garbage" * 100}, 400, "body: not an image the server reads"),
         (path, {"content": encoded("GIF")}, 400, "body: a GIF image; the server takes JPEG, PNG, WEBP"),
         (path, {"content": encoded("TIFF")}, 400, "body: a TIFF image"),

@@ -316,3 +316,30 @@ def test_draft_leaves_small_jpegs_and_other_formats_exact() -> None:
 def test_draft_needs_a_resize() -> None:
     with pytest.raises(ValidationError, match="image.draft"):
         spec(crop=224, draft=True)
+
+
+def test_an_image_the_resize_would_blow_up_is_refused_before_decoding() -> None:
+    # 65,000 pixels, far under the limit; Resize(256) would make it 256 x 16,640,000 (12.8 GB of RGB).
+    thin = png_claiming(65000, 1)
+    with pytest.raises(images.ImageTooLargeError, match=r"body: a 65000x1 PNG image, which the model's resize makes "):
+        images.decode(thin, spec(**TORCHSERVE_PRESET), 25_000_000, "body")
+    wide = encoded(Image.new("RGB", (4000, 16)), "JPEG")  # 4000x16 resizes to 64000x256: 16.4M pixels, taken
+    assert images.decode(wide, spec(**TORCHSERVE_PRESET), 25_000_000, "body").shape == (3, 224, 224)
+
+
+def many_scans(count: int) -> bytes:
+    """A real progressive JPEG whose last scan is repeated until it has ``count`` scans (libjpeg decodes each)."""
+    data = encoded(photo(64, 48), "JPEG", progressive=True, quality=90)
+    last = data.rindex(b"\xff\xda")
+    scan, end = data[last:-2], data[-2:]
+    have = data.count(b"\xff\xda")
+    return data[:-2] + scan * (count - have) + end
+
+
+def test_a_jpeg_of_more_scans_than_a_photo_has_is_refused_before_decoding() -> None:
+    ordinary = encoded(photo(64, 48), "JPEG", progressive=True, quality=90)
+    assert 1 < ordinary.count(b"\xff\xda") <= 12  # what a progressive photo has
+    section = spec(resize=[8, 8])
+    assert images.decode(many_scans(images.MAX_JPEG_SCANS), section, LIMIT, "body").shape == (3, 8, 8)
+    with pytest.raises(images.ImageError, match=r"body: a JPEG of 2000 scans; a photo has at most about 10"):
+        images.decode(many_scans(2000), section, LIMIT, "body")

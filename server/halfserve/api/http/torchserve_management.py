@@ -14,6 +14,7 @@ from __future__ import annotations
 import datetime
 import functools
 import os
+import re
 from typing import Any, TypeVar
 
 import orjson
@@ -63,6 +64,19 @@ def error(status: int, message: str, kind: str | None = None, headers: dict[str,
     return Response(orjson.dumps(body), status_code=status, media_type="application/json", headers=headers)
 
 
+_INTEGER = re.compile(r"-?[0-9]+", re.ASCII)
+_VERSION = re.compile(r"(0|[1-9][0-9]{0,8})(\.0)?", re.ASCII)
+"""A version as this server spells it (``2``) or as TorchServe's archives do (``2.0``), in ASCII digits."""
+_DIGITS = 18
+_FAR: int = 10**_DIGITS
+"""Digits read of an integer query parameter: more is past any page (TorchServe's own parse would overflow)."""
+
+
+def _far(raw: str) -> int:
+    """An integer of more than :data:`_DIGITS` digits: as far as one of that many, with its sign."""
+    return -_FAR if raw.startswith("-") else _FAR
+
+
 def _json(obj: object) -> Response:
     return Response(orjson.dumps(obj), media_type="application/json")
 
@@ -73,10 +87,9 @@ def _query_int(request: Request, name: str, default: int) -> int:
     raw = request.query_params.get(name)
     if raw is None or raw == "":
         return default
-    try:
-        return int(raw)
-    except ValueError:
-        raise APIError(400, f"{name}: expected an integer, got {raw[:40]!r}") from None
+    if _INTEGER.fullmatch(raw) is None:  # int() takes "+1", "1_0", " 1" and other scripts' digits too
+        raise APIError(400, f"{name}: expected an integer (ASCII digits), got {raw[:40]!r}")
+    return int(raw) if len(raw.lstrip("-")) <= _DIGITS else _far(raw)
 
 
 def _torchserve_errors(endpoint: Endpoint) -> Endpoint:
@@ -134,10 +147,7 @@ async def describe_model(request: Request) -> Response:
 def same_version(asked: str, served: int) -> bool:
     """Whether ``asked`` names version ``served``: ``2`` as this server spells it, or ``2.0`` as TorchServe's
     archives do."""
-    try:
-        return float(asked) == served
-    except ValueError:
-        return False
+    return _VERSION.fullmatch(asked) is not None and int(asked.split(".")[0]) == served
 
 
 def _timestamp(seconds: float) -> str:
@@ -255,6 +265,9 @@ class ManagementApp:
     def __init__(self, state: AppState) -> None:
         self.state = State({"serving": state})
         self._app = Starlette(routes=ROUTES, exception_handlers={404: _not_found, 405: _not_found})
+        # TorchServe answers a trailing slash as any other path; Starlette's redirect would name a Location built
+        # from the request's Host header.
+        self._app.router.redirect_slashes = False
         self._app.state.serving = state
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
