@@ -455,6 +455,12 @@ def main() -> None:
     ap.add_argument("--warmup", type=float, default=3.0, help="seconds before each measured window")
     ap.add_argument("--duration", type=float, default=10.0, help="measured seconds per system, protocol and round")
     ap.add_argument("--no-torchserve", action="store_true", help="halfserve only (no TorchServe venv needed)")
+    ap.add_argument(
+        "--torchserve-threads",
+        type=int,
+        help="OMP_NUM_THREADS for TorchServe's workers (default: unset, torch's own count per worker, TorchServe's "
+        "default)",
+    )
     ap.add_argument("--draft", action="store_true", help="also time Pillow's draft decoding on the phone photos")
     ap.add_argument("--smoke", action="store_true", help="the tiny model, 2 s, one round, c=4")
     ap.add_argument("--out", type=Path, help="folder for results.json and results.md")
@@ -472,6 +478,7 @@ def main() -> None:
     store, code, ts_store = work / "store", work / "code", work / "ts-store"
     ts_store.mkdir()
     meta: dict[str, object] = {"command": " ".join(sys.argv), "torch": torch.__version__, "models": {}}
+    meta["torchserve_threads"] = args.torchserve_threads
     results: dict[str, dict[str, list[dict[str, float]]]] = {}
     photos: dict[str, list[bytes]] = {}
     try:
@@ -494,6 +501,8 @@ def main() -> None:
         hs = start(hs_cmd, work / "hs", env, f"http://127.0.0.1:{hs_port}/ready")
         servers = [hs]
         listing = httpx.get(f"http://127.0.0.1:{hs_port}/models", timeout=30).json()
+        for entry in listing["models"]:
+            entry.pop("labels", None)  # a thousand class names say nothing about the run
         meta["halfserve_models"] = listing
         ts = None
         if with_ts:
@@ -510,6 +519,8 @@ def main() -> None:
             ts_cmd += [str(config), "--model-store", str(ts_store), "--disable-token-auth", "--log-config", str(LOG4J)]
             ts_env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
             ts_env["PATH"] = f"{TS_VENV / 'bin'}:{ts_env['PATH']}"
+            if args.torchserve_threads:
+                ts_env["OMP_NUM_THREADS"] = str(args.torchserve_threads)
             ts = start(ts_cmd, work / "ts", ts_env, f"http://127.0.0.1:{ts_port}/ping")
             servers.append(ts)
             for spec in specs:  # ping answers before the workers load: wait for each model's first answer
