@@ -369,7 +369,8 @@ def top1(answer: object) -> str:
 
 
 def agreement(urls: dict[str, str], photos: list[bytes], uint8: Target | None = None) -> dict[str, object]:
-    """Top-1 labels of each photo from each server's ``/predictions``, and the fraction that agree with the first."""
+    """Top-1 labels of each photo from each server's ``/predictions`` (and the UINT8 entry's argmax), and on how many
+    photos every one agrees with the first."""
     labels = {s: [top1(httpx.post(u, content=p, timeout=120).json()) for p in photos] for s, u in urls.items()}
     if uint8 is not None:  # the same photos resized and cropped by the client, as V2 UINT8: the output's argmax
         answers = [
