@@ -210,10 +210,15 @@ def halfserve(*args: str | Path, capture: bool = True) -> str:
     return run.stdout
 
 
-def import_both(spec: Spec, mar: Path, store: Path, code: Path, calibration: Path) -> None:
-    """``halfserve import`` of the archive, then ``<name>_uint8``: the same weights taking UINT8 3x224x224 tensors,
-    normalised on the server (the manifest's ``normalize``), for clients that resize and crop themselves."""
-    halfserve("import", mar, "--store", store, "--trust-model-file", "--code-path", code, "--calibration", calibration)
+def import_both(spec: Spec, mar: Path, store: Path, code: Path, calibration: Path, draft: bool = False) -> None:
+    """``halfserve import`` of the archive (with ``--image-draft on`` where ``draft``), then ``<name>_uint8``: the same
+    weights taking UINT8 3x224x224 tensors, normalised on the server (the manifest's ``normalize``), for clients that
+    resize and crop themselves."""
+    drafted = ["--image-draft", "on"] if draft else []
+    halfserve(
+        "import", mar, "--store", store, "--trust-model-file", "--code-path", code, "--calibration", calibration,
+        *drafted,
+    )  # fmt: skip
     src = mar.parent.parent / f"{spec.name}-src"
     samples = src / "uint8-calibration.npy"  # the photos as such clients send them, 0-255
     np.save(samples, np.stack([cropped(p.read_bytes()) for p in sorted(calibration.iterdir())]).astype(np.float32))
@@ -463,6 +468,9 @@ def main() -> None:
         "default)",
     )
     ap.add_argument("--draft", action="store_true", help="also time Pillow's draft decoding on the phone photos")
+    ap.add_argument(
+        "--halfserve-draft", action="store_true", help="import with --image-draft on: halfserve decodes JPEGs reduced"
+    )
     ap.add_argument("--smoke", action="store_true", help="the tiny model, 2 s, one round, c=4")
     ap.add_argument("--out", type=Path, help="folder for results.json and results.md")
     args = ap.parse_args()
@@ -480,6 +488,7 @@ def main() -> None:
     ts_store.mkdir()
     meta: dict[str, object] = {"command": " ".join(sys.argv), "torch": torch.__version__, "models": {}}
     meta["torchserve_threads"] = args.torchserve_threads
+    meta["halfserve_draft"] = args.halfserve_draft
     results: dict[str, dict[str, list[dict[str, float]]]] = {}
     photos: dict[str, list[bytes]] = {}
     try:
@@ -491,7 +500,7 @@ def main() -> None:
                 (calibration / f"{i}.jpg").write_bytes(data)
             mar = archive(spec, work)
             shutil.copy(mar, ts_store)
-            import_both(spec, mar, store, code, calibration)
+            import_both(spec, mar, store, code, calibration, args.halfserve_draft)
             print(f"{spec.name}: archive {mar.stat().st_size / 1e6:.1f} MB, imported", flush=True)
 
         env = {**os.environ, "PYTHONPATH": os.environ["PYTHONPATH"]}
