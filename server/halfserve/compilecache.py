@@ -33,6 +33,7 @@ import contextlib
 import dataclasses
 import functools
 import hashlib
+import importlib
 import json
 import logging
 import os
@@ -287,10 +288,16 @@ _recording = threading.Lock()
 
 
 def _counts() -> tuple[int, int]:
-    from torch._dynamo.utils import counters  # not public API: read where it is
-
+    """Torch's FX graph cache hits and misses so far in this process: ``torch._dynamo.utils.counters``, not public
+    API, read where it is (as :mod:`halfserve.compilation` reads its limits), 0 and 0 where a release moved it."""
+    try:
+        counters = getattr(importlib.import_module("torch._dynamo.utils"), "counters", None)
+    except ImportError:
+        counters = None
+    if counters is None:
+        return 0, 0
     inductor = counters["inductor"]
-    return inductor["fxgraph_cache_hit"], inductor["fxgraph_cache_miss"]
+    return int(inductor["fxgraph_cache_hit"]), int(inductor["fxgraph_cache_miss"])
 
 
 def _start_recording() -> None:

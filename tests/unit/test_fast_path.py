@@ -236,6 +236,10 @@ async def test_the_repository_gives_the_batcher_one_slot_per_instance(tmp_path: 
         "inductor_compile_seconds": 0.0,
         # Several instances run batches side by side, each on its own thread (a CPU's default: threads, not processes).
         "placement": "instance_threads",
+        "compile_cache": "off",  # nothing compiled, nothing cached
+        "compile_cache_load_seconds": 0.0,
+        "compiled_graphs": 0,
+        "cached_graphs": 0,
     }
     name, out = served.manifest.inputs[0].name, served.manifest.outputs[0].name
     outs = await asyncio.gather(*(served.submit({name: rows(1, seed=i)}) for i in range(12)))
