@@ -30,7 +30,8 @@ import httpx
 from common import ROOT, write_results
 
 from halfserve import hostinfo, store
-from halfserve.manifest import Compile, load_manifest
+from halfserve.execution import Compile
+from halfserve.manifest import load_manifest
 
 STARTS = ("cold", "warm", "warm+kernels")
 """An empty compile cache and torch cache; the entry the first wrote, torch's cache empty; the entry, and torch's cache

@@ -53,11 +53,12 @@ from common import IMAGENET, ROOT
 from halfserve import hostinfo, models, store
 from halfserve.compilation import tune_cudnn
 from halfserve.engine.core import Engine
+from halfserve.execution import Batching, Compile, Execution
 from halfserve.instance import bucket_for
 from halfserve.loadtest.config import LoadtestConfig
 from halfserve.loadtest.make_bench_model import calibrate
 from halfserve.loadtest.payload import Protocol
-from halfserve.manifest import Batching, Compile, DataType, Execution, Manifest, Precision, TensorSpec, load_manifest
+from halfserve.manifest import DataType, Manifest, Precision, TensorSpec, load_manifest
 from halfserve.precision import set_tf32
 from halfserve.store import LoadedModel
 

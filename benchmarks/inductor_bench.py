@@ -25,7 +25,8 @@ from common import ROOT, write_results
 
 from halfserve import hostinfo, store
 from halfserve.engine.core import Engine
-from halfserve.manifest import Compile, Execution, Precision
+from halfserve.execution import Compile, Execution
+from halfserve.manifest import Precision
 
 
 def rate(engine: Engine, x: np.ndarray, seconds: float) -> float:

@@ -28,8 +28,9 @@ import httpx
 import numpy as np
 
 from halfserve import hostinfo, store
+from halfserve.execution import Batching
 from halfserve.loadtest.process import free_port
-from halfserve.manifest import Batching, Manifest, TensorSpec
+from halfserve.manifest import Manifest, TensorSpec
 
 TOOLS = common.ROOT / "benchmarks" / "tools"
 MODES = ("thread", "process")

@@ -52,7 +52,8 @@ import torch
 from common import IMAGENET
 
 from halfserve import hostinfo, models, store
-from halfserve.manifest import Batching, DataType, Manifest, TensorSpec, load_manifest
+from halfserve.execution import Batching
+from halfserve.manifest import DataType, Manifest, TensorSpec, load_manifest
 
 MODEL = "image_mlp"
 PARTS = ("event_loop", "engine_threads", "front_ends", "wrk")

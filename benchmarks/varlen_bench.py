@@ -29,7 +29,8 @@ import torch
 
 from halfserve import hostinfo, models, packing, store
 from halfserve.engine.core import Engine
-from halfserve.manifest import Batching, DataType, Manifest, Precision, TensorSpec
+from halfserve.execution import Batching
+from halfserve.manifest import DataType, Manifest, Precision, TensorSpec
 
 MODEL = "seq"
 VOCAB = 1000

@@ -21,7 +21,8 @@ from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
 from halfserve import models, store
 from halfserve.engine.core import Engine
-from halfserve.manifest import Batching, Execution, Manifest, Precision, TensorSpec
+from halfserve.execution import Batching, Execution
+from halfserve.manifest import Manifest, Precision, TensorSpec
 
 ROOT = Path(__file__).resolve().parent.parent
 

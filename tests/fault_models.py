@@ -8,7 +8,8 @@ import torch
 from torch import nn
 
 from halfserve import models, store
-from halfserve.manifest import Batching, Manifest, OverflowPolicy, TensorSpec
+from halfserve.execution import Batching
+from halfserve.manifest import Manifest, OverflowPolicy, TensorSpec
 
 OVERFLOW_WEIGHT = 200.0
 """Output 0 is ``200 * sum(x)``: past fp16's 65504 once the four inputs sum past 327.68, finite in fp32 and bf16."""

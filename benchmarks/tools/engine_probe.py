@@ -25,7 +25,8 @@ from closed_loop import closed_loop
 from halfserve import store
 from halfserve.compilation import tune_cudnn
 from halfserve.engine.core import Engine
-from halfserve.manifest import Compile, Execution, Precision
+from halfserve.execution import Compile, Execution
+from halfserve.manifest import Precision
 
 OUT = Path(os.environ.get("OUT", "/tmp/out"))
 OUT.mkdir(parents=True, exist_ok=True)

@@ -21,7 +21,7 @@ import httpx
 import numpy as np
 from common import ROOT
 
-from halfserve.manifest import Compile, Execution
+from halfserve.execution import Compile, Execution
 
 OUT = Path(os.environ.get("OUT", "/tmp/out"))
 OUT.mkdir(parents=True, exist_ok=True)

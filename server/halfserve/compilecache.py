@@ -49,8 +49,9 @@ from typing import Protocol
 
 import torch
 
+from halfserve.execution import Compile
 from halfserve.hostinfo import cpu_model
-from halfserve.manifest import Compile, Manifest, Precision
+from halfserve.manifest import Manifest, Precision
 
 log = logging.getLogger(__name__)
 

@@ -39,7 +39,8 @@ import torch
 
 from halfserve import calibration, store
 from halfserve.engine.core import Engine
-from halfserve.manifest import Compile, FidelityBar, Manifest, Precision
+from halfserve.execution import Compile
+from halfserve.manifest import FidelityBar, Manifest, Precision
 
 CALIBRATION = calibration.CALIBRATION
 RANDOM_SAMPLES = calibration.RANDOM_SAMPLES

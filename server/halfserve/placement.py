@@ -15,7 +15,7 @@ from collections.abc import Callable
 from enum import Enum
 from typing import Protocol
 
-from halfserve.manifest import Compile, Execution, Isolation
+from halfserve.execution import Compile, Execution, Isolation
 
 
 class Placement(str, Enum):

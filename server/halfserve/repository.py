@@ -25,11 +25,12 @@ from halfserve.engine import runners
 from halfserve.engine.core import Engine, fixed_timing, module_bytes
 from halfserve.engine.protocol import ModelEngine
 from halfserve.engine.traced import TraceRefused
+from halfserve.execution import Batching
 from halfserve.fallback import VersionFallback
 from halfserve.indices import index_limits
 from halfserve.isolated.engine import ProcessEngine
 from halfserve.loadfidelity import LoadFidelity
-from halfserve.manifest import Batching, Manifest, Precision, load_manifest
+from halfserve.manifest import Manifest, Precision, load_manifest
 from halfserve.placement import Placement, available_cores, choose, in_process, pads_to_buckets
 from halfserve.precision import resolve_device
 from halfserve.served import PrecisionSource, ServedModel

@@ -16,11 +16,12 @@ import numpy as np
 
 from halfserve.batching import Batcher
 from halfserve.engine.protocol import EngineInfo, ModelEngine
+from halfserve.execution import Batching
 from halfserve.fidelity import Fidelity
 from halfserve.indices import check_indices
 from halfserve.isolated.engine import ProcessEngine
 from halfserve.livefidelity import LiveFidelity
-from halfserve.manifest import Batching, Manifest, Precision
+from halfserve.manifest import Manifest, Precision
 from halfserve.mixed import Outcome
 from halfserve.packing import LENGTH, PackError, pack, packs_records, padded_length, sequence_input
 from halfserve.padding import PaddingCheck

@@ -26,7 +26,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypeVar
 import numpy as np
 
 if TYPE_CHECKING:
-    from halfserve.manifest import Batching, Manifest, Precision
+    from halfserve.execution import Batching
+    from halfserve.manifest import Manifest, Precision
     from halfserve.settings import Settings
 
 Tensors = Mapping[str, np.ndarray]

@@ -10,7 +10,8 @@ from typing import Annotated
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from halfserve.manifest import Isolation, Precision
+from halfserve.execution import Isolation
+from halfserve.manifest import Precision
 from halfserve.placement import PlacementSetting
 
 MIN_ADMIN_TOKEN = 16

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from halfserve.compilecache import DIGEST_SUFFIX, ENTRY_SUFFIX, CompileCache
-from halfserve.manifest import Batching, Execution
+from halfserve.execution import Batching, Execution
 from tests.conftest import needs_cxx, save_tiny_mlp, start_server
 
 pytestmark = [pytest.mark.slow, needs_cxx]

@@ -16,7 +16,8 @@ import torch
 
 from halfserve import store
 from halfserve.app import begin_drain
-from halfserve.manifest import Batching, OverflowPolicy
+from halfserve.execution import Batching
+from halfserve.manifest import OverflowPolicy
 from halfserve.served import ServedModel
 from halfserve.serving import Outcome
 from halfserve.settings import Settings

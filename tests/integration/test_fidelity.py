@@ -12,8 +12,9 @@ import torch
 from safetensors.numpy import save_file
 
 from halfserve import fidelity, models, storage, store
+from halfserve.execution import Batching, Execution
 from halfserve.fidelity import CALIBRATION
-from halfserve.manifest import Batching, Execution, Manifest, TensorSpec, load_manifest
+from halfserve.manifest import Manifest, TensorSpec, load_manifest
 from halfserve.settings import Settings
 from tests.conftest import save_tiny_mlp
 from tests.integration.conftest import serving

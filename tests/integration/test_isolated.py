@@ -16,8 +16,9 @@ import torch
 
 from halfserve import store
 from halfserve.engine.protocol import EngineError
+from halfserve.execution import Batching, Execution
 from halfserve.isolated.engine import ProcessEngine
-from halfserve.manifest import Batching, Execution, Manifest, OverflowPolicy, Precision, TensorSpec
+from halfserve.manifest import Manifest, OverflowPolicy, Precision, TensorSpec
 from halfserve.settings import Settings
 from tests.conftest import save_tiny_mlp
 from tests.fault_models import save_overflowing_linear

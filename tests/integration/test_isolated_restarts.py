@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from halfserve import store
-from halfserve.manifest import Batching, Manifest, TensorSpec
+from halfserve.execution import Batching
+from halfserve.manifest import Manifest, TensorSpec
 from tests.integration.conftest import serving
 from tests.integration.test_isolated import model, processes
 from tests.waiting import DEADLINE_S

@@ -20,7 +20,8 @@ from halfserve import models, packing, store
 from halfserve.api.dataplane.codec import HEADER_LENGTH
 from halfserve.engine.core import Engine
 from halfserve.engine.protocol import EngineError
-from halfserve.manifest import Batching, DataType, Execution, Manifest, OverflowPolicy, Precision, TensorSpec
+from halfserve.execution import Batching, Execution
+from halfserve.manifest import DataType, Manifest, OverflowPolicy, Precision, TensorSpec
 from halfserve.settings import Settings
 from tests.integration.conftest import serving
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from halfserve import precision, store
-from halfserve.manifest import Batching, Execution
+from halfserve.execution import Batching, Execution
 from halfserve.placement import LOOP_SECONDS_PER_ROW, available_cores
 from halfserve.settings import Settings
 from tests.conftest import needs_cxx, save_tiny_mlp

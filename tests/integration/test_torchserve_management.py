@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from halfserve.manifest import Execution
+from halfserve.execution import Execution
 from halfserve.settings import Settings
 from tests.conftest import PROCESS_ISOLATION, free_port, save_tiny_mlp
 from tests.integration.conftest import serving

@@ -14,7 +14,8 @@ from torch import nn
 
 from halfserve import models, packing, store
 from halfserve.engine.core import Engine
-from halfserve.manifest import Batching, DataType, Manifest, Precision, TensorSpec
+from halfserve.execution import Batching
+from halfserve.manifest import DataType, Manifest, Precision, TensorSpec
 from halfserve.models.transformer import attention_bias
 from halfserve.settings import Settings
 from tests.integration.conftest import serving

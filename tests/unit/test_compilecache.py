@@ -14,7 +14,8 @@ from pydantic import ValidationError
 from halfserve import compilecache, store
 from halfserve.compilecache import CacheOutcome, CacheUse, CompileCache, CorruptEntry
 from halfserve.engine.core import Engine
-from halfserve.manifest import Execution, Precision
+from halfserve.execution import Execution
+from halfserve.manifest import Precision
 from halfserve.settings import Settings
 from tests.conftest import save_tiny_mlp
 

@@ -19,8 +19,9 @@ from halfserve import models, store
 from halfserve.batching import Batcher
 from halfserve.compilation import tune_cudnn
 from halfserve.engine.core import Engine, fixed_timing, set_intra_op_threads
+from halfserve.execution import Batching, Compile, Execution
 from halfserve.instance import bucket_for, pin_host, pinned
-from halfserve.manifest import Batching, Compile, DataType, Execution, Manifest, Normalize, Precision, TensorSpec
+from halfserve.manifest import DataType, Manifest, Normalize, Precision, TensorSpec
 from halfserve.placement import LOOP_SECONDS_PER_ROW, pads_to_buckets
 from halfserve.serving import Output
 from tests.conftest import needs_cxx, save_tiny_mlp

@@ -15,10 +15,11 @@ import numpy as np
 import pytest
 
 from halfserve.api.dataplane.metadata import metadata
+from halfserve.execution import Batching
 from halfserve.ipc.frames import FrameReader, frame
 from halfserve.ipc.memory import Slots
 from halfserve.ipc.tensors import from_payload
-from halfserve.manifest import Batching, Manifest, Precision, TensorSpec
+from halfserve.manifest import Manifest, Precision, TensorSpec
 from halfserve.metrics import Metrics
 from halfserve.multiproc import engine_side
 from halfserve.multiproc.client import SLOT_BYTES, BackplaneClient, RemoteModel, RemoteService

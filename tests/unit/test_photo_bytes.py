@@ -21,8 +21,9 @@ from halfserve.api.dataplane.decode import decode, tokenize
 from halfserve.api.dataplane.json_request import read_request
 from halfserve.api.grpc.grpc_codec import infer_request
 from halfserve.api.http.predict import decode_inputs
+from halfserve.execution import Batching
 from halfserve.imageinput import ImageInput
-from halfserve.manifest import Batching, Manifest, Precision, TensorSpec
+from halfserve.manifest import Manifest, Precision, TensorSpec
 from halfserve.serving import InvalidInputError, ModelHandle, OverLimitError, QueueFullError
 from halfserve.settings import Settings
 

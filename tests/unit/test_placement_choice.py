@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from halfserve.manifest import Execution, Isolation
+from halfserve.execution import Execution, Isolation
 from halfserve.placement import LOOP_SECONDS_PER_ROW, Placement, PlacementSetting, choose
 from halfserve.settings import Settings
 

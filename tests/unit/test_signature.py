@@ -17,7 +17,8 @@ from halfserve.api.dataplane.json_request import read_request
 from halfserve.api.dataplane.request import BinaryData, InferRequest, RequestInput, SharedMemory, Texts
 from halfserve.api.grpc.grpc_codec import infer_request
 from halfserve.api.http.predict import decode_inputs
-from halfserve.manifest import Batching, DataType, Manifest, Precision, TensorSpec
+from halfserve.execution import Batching
+from halfserve.manifest import DataType, Manifest, Precision, TensorSpec
 from halfserve.serving import InvalidInputError, ModelHandle, OverLimitError, ServingError
 from halfserve.settings import Settings
 

@@ -35,8 +35,9 @@ from halfserve import precision as prec
 from halfserve.engine.inputs import Normalizer, has_conv2d, takes_positionally
 from halfserve.engine.protocol import BatchRunner, EngineError, EngineInfo, PrecisionOverflowError
 from halfserve.engine.threads import ThreadRunner
+from halfserve.execution import Compile, Execution
 from halfserve.instance import Instance, bucket_for, torch_dtype
-from halfserve.manifest import Compile, Execution, OverflowPolicy, Precision
+from halfserve.manifest import OverflowPolicy, Precision
 from halfserve.placement import (
     Placement,
     intra_op_threads,

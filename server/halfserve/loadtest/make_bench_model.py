@@ -20,7 +20,8 @@ import torch
 from torch import nn
 
 from halfserve import models, storage, store
-from halfserve.manifest import Batching, Manifest, Precision, TensorSpec
+from halfserve.execution import Batching
+from halfserve.manifest import Manifest, Precision, TensorSpec
 
 NAME = "resnet_bench"
 CALIBRATION_BATCHES = 8

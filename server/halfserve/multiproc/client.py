@@ -19,10 +19,11 @@ from typing import Any, cast
 
 import orjson
 
+from halfserve.execution import Batching
 from halfserve.ipc.frames import FrameReader, frame
 from halfserve.ipc.memory import Slots
 from halfserve.ipc.tensors import from_payload, inline, nbytes
-from halfserve.manifest import Batching, Manifest, Precision
+from halfserve.manifest import Manifest, Precision
 from halfserve.serving import (
     Interface,
     ModelNotReadyError,

@@ -15,7 +15,8 @@ from typing import Any
 from torch import nn
 
 from halfserve import models
-from halfserve.manifest import Batching, DataType, Manifest, Precision, TensorSpec
+from halfserve.execution import Batching
+from halfserve.manifest import DataType, Manifest, Precision, TensorSpec
 from halfserve.training import datasets
 from halfserve.training.datasets import Dataset
 from halfserve.training.errors import UnknownRecipeError

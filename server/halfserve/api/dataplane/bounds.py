@@ -18,7 +18,8 @@ from typing import Any
 import numpy as np
 import orjson
 
-from halfserve.manifest import Batching, sample_values
+from halfserve.execution import Batching
+from halfserve.manifest import sample_values
 from halfserve.serving import InvalidInputError, ModelHandle, OverLimitError
 from halfserve.settings import Settings
 

@@ -33,7 +33,8 @@ import grpc
 from halfserve.api.dataplane.bounds import row_limit
 from halfserve.api.dataplane.refusals import Refusal
 from halfserve.api.errors import RefusedError
-from halfserve.manifest import Batching, Manifest, sample_values
+from halfserve.execution import Batching
+from halfserve.manifest import Manifest, sample_values
 from halfserve.settings import Settings
 
 MESSAGE_OVERHEAD = 64 * 1024
