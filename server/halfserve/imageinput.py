@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from enum import Enum
-from typing import Any, Protocol
 
-import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from halfserve.declared import DeclaredTensor
 
 
 class ImageFormat(str, Enum):
@@ -54,24 +54,6 @@ class Layout(str, Enum):
     """Channels first, as torchvision's ``ToTensor`` (PyTorch's convolutions take it)."""
     HWC = "HWC"
     """Channels last, as the image's own pixels."""
-
-
-class _DataType(Protocol):
-    @property
-    def value(self) -> str: ...
-    @property
-    def numpy(self) -> np.dtype[Any]: ...
-
-
-class _Tensor(Protocol):
-    """What :meth:`ImageInput.check` reads of a manifest's input (its ``TensorSpec``, a module above this one)."""
-
-    @property
-    def name(self) -> str: ...
-    @property
-    def shape(self) -> list[int]: ...
-    @property
-    def datatype(self) -> _DataType: ...
 
 
 IMAGENET_MEAN = [0.485, 0.456, 0.406]
@@ -156,7 +138,7 @@ class ImageInput(BaseModel):
         channels = self.mode.channels
         return [channels, height, width] if self.layout is Layout.CHW else [height, width, channels]
 
-    def check(self, inputs: Sequence[_Tensor]) -> None:
+    def check(self, inputs: Sequence[DeclaredTensor]) -> None:
         """Raise ``ValueError`` naming the field unless the images can feed ``inputs``: their only input, floating, of
         the transforms' shape."""
         if any(t.name == self.input for t in inputs):
