@@ -14,6 +14,7 @@ from enum import Enum
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from halfserve.declared import DeclaredTensor
+from halfserve.imagedraft import DraftCheck
 
 
 class ImageFormat(str, Enum):
@@ -87,7 +88,12 @@ class ImageInput(BaseModel):
     draft: bool = False
     """Decode a JPEG larger than the resize needs at a reduced size (libjpeg's DCT scaling by 1/2, 1/4 or 1/8, Pillow's
     ``draft``), never below :data:`DRAFT_MARGIN` times the resized size, then resize it as declared: a phone photo's
-    decoding costs a fraction, its pixels within about a level. Off: every pixel is decoded, as torchvision does."""
+    decoding costs a fraction, its pixels within about a level. Off: every pixel is decoded, as torchvision does.
+    ``halfserve import`` chooses it on the calibration photos unless told (``draft_check``); a section written by
+    hand is off unless it says on."""
+    draft_check: DraftCheck | None = None
+    """Why ``draft`` is on or off where ``halfserve import`` chose it (:mod:`halfserve.draftcheck`); None: the
+    section named it."""
 
     @field_validator("resize", "crop")
     @classmethod

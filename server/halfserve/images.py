@@ -133,6 +133,18 @@ def drafted(width: int, height: int, resized: tuple[int, int]) -> bool:
     return width >= 2 * least[0] and height >= 2 * least[1]
 
 
+def jpeg_size(data: bytes) -> tuple[int, int] | None:
+    """The ``(width, height)`` a JPEG's header declares, read without decoding; None for another format or a header
+    Pillow does not read."""
+    if sniff(data) != ImageFormat.JPEG.value:
+        return None
+    try:
+        with Image.open(io.BytesIO(data), formats=[ImageFormat.JPEG.value]) as image:
+            return image.size
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError):
+        return None
+
+
 def transform(image: Image.Image, spec: ImageInput, resized: tuple[int, int] | None = None) -> np.ndarray:
     """A decoded image's pixels as ``spec`` declares them: float32 of shape ``spec.shape``. ``resized``: the size the
     resize gives the encoded image (:func:`resized_size`), where it was decoded reduced (``draft``): the resize is the
