@@ -27,8 +27,9 @@ from halfserve.manifest import Manifest, Precision
 MAX_MEAN_LEVELS = 1.0
 """The largest mean pixel difference draft may make, in levels of 0..255: libjpeg's reduced decoding of a photo is
 within about 0.2 (benchmarks/results/jpeg-draft-cpu); past a level the pixels are not those the model was shown."""
-MAX_PHOTOS = 256
-"""Calibration photos measured at most (the first by name): each is decoded twice, a 12 MP photo in about 0.2 s."""
+MAX_PHOTOS = 64
+"""Calibration photos measured at most (the first by name): enough for the default bar's one flipped answer in 50 to
+show, while each costs two decodes (a 12 MP photo's exact one about 0.15-0.2 s) and two fp32 forwards."""
 BATCH = 64
 
 
