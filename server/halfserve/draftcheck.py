@@ -55,7 +55,9 @@ def photos(folder: Path, spec: ImageInput) -> tuple[list[Path], list[Path]]:
         size = images.jpeg_size(file.read_bytes())
         if size is not None and images.drafted(*size, images.resized_size(*size, spec.resize)):
             reduced.append(file)
-    return given, reduced[:MAX_PHOTOS]
+            if len(reduced) == MAX_PHOTOS:
+                break
+    return given, reduced
 
 
 def _levels(diff: np.ndarray, spec: ImageInput) -> np.ndarray:
@@ -131,7 +133,11 @@ def decide(measured: Measured, held_to: fidelity.Bar) -> DraftCheck:
     if misses:
         reason, detail = DraftReason.DIFFERS, f"off: {on}, but draft changes too much: {'; '.join(misses)}"
     else:
-        answers = f"the model's answers are the exact decode's ({', '.join(shown)})" if shown else "the answers agree"
+        answers = (
+            f"the model's answers are the exact decode's ({', '.join(shown)})"
+            if shown
+            else "the model has no floating answers to compare"
+        )
         reason, detail = DraftReason.AGREES, f"on: {on}, and {answers}"
     return DraftCheck(
         reason=reason,
@@ -145,15 +151,6 @@ def decide(measured: Measured, held_to: fidelity.Bar) -> DraftCheck:
     )
 
 
-def no_photos() -> DraftCheck:
-    """Off: no folder of calibration photos to measure on."""
-    return DraftCheck(
-        reason=DraftReason.NO_PHOTOS,
-        detail="off: no calibration photos to measure it on; give --calibration a folder of photos as clients send "
-        "them (or --image-draft on)",
-    )
-
-
 def chosen(loaded: store.LoadedModel, folder: Path | None) -> Manifest:
     """``loaded``'s manifest with its image section's ``draft`` chosen on the calibration photos in ``folder`` (see the
     module), and the record of why beside it."""
@@ -162,7 +159,11 @@ def chosen(loaded: store.LoadedModel, folder: Path | None) -> Manifest:
     if manifest.image.resize is None:
         check = DraftCheck(reason=DraftReason.NO_RESIZE, detail="off: the section has no resize to decode toward")
     elif folder is None or not folder.is_dir():
-        check = no_photos()
+        check = DraftCheck(
+            reason=DraftReason.NO_PHOTOS,
+            detail="off: no calibration photos to measure it on; give --calibration a folder of photos as clients "
+            "send them (or --image-draft on)",
+        )
     else:
         check = decide(measure(loaded, folder), fidelity.bar(manifest))
     image = manifest.image.model_copy(update={"draft": check.on, "draft_check": check})

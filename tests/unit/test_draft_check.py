@@ -11,7 +11,8 @@ import pytest
 from PIL import Image
 from sklearn.datasets import load_digits
 
-from halfserve import cli, draftcheck, fidelity
+from benchmarks.photos import jpeg
+from halfserve import cli, draftcheck, fidelity, images
 from halfserve.draftcheck import Measured, decide
 from halfserve.imagedraft import DraftReason
 from halfserve.manifest import load_manifest
@@ -58,6 +59,13 @@ def test_draft_is_off_where_no_photo_is_large_enough_to_measure_on() -> None:
     check = decide(Measured(5, 0), fidelity.DEFAULT_BAR)
     assert (check.on, check.reason, check.photos) == (False, DraftReason.NO_LARGE_PHOTOS, 0)
     assert "none of the 5 calibration photos is a JPEG draft decodes reduced" in check.detail
+
+
+def test_only_a_jpeg_s_header_is_read_for_its_size() -> None:
+    photo = Image.new("L", (40, 30))
+    assert images.jpeg_size(jpeg(photo)) == (40, 30)
+    assert images.jpeg_size(b"\xff\xd8\xff\xe0 not a header") is None
+    assert images.jpeg_size(b"\x89PNG\r\n\x1a\n") is None
 
 
 def digit_photos(folder: Path, side: int, count: int = 6, fmt: str = "jpg") -> Path:
