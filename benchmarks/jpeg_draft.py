@@ -15,33 +15,19 @@ reports, on one core (as a decoding thread runs):
 from __future__ import annotations
 
 import argparse
-import io
 import time
 from pathlib import Path
 
 import common
 import numpy as np
 import torch
-from PIL import Image
+from photos import jpeg, photo
 
 from halfserve import hostinfo, images
 from halfserve.imageinput import ImageInput, ImagePreset
 
 SIZES = [(1280, 960), (2048, 1536), (4032, 3024), (4000, 3000)]
 """About 1.2, 3.1, 12.2 and 12 megapixels: a phone's reduced, default and full-resolution photos."""
-
-
-def photo(width: int, height: int, seed: int = 0) -> bytes:
-    rng = np.random.default_rng(seed)
-    y, x = np.mgrid[0:height, 0:width].astype(np.float32)
-    pixels = np.stack([255 * x / width, 255 * y / height, 128 + 100 * np.sin(x / 97 + y / 53)], axis=-1)
-    for _ in range(12):
-        cx, cy, r = rng.uniform(0, width), rng.uniform(0, height), rng.uniform(0.02, 0.2) * min(width, height)
-        pixels[(x - cx) ** 2 + (y - cy) ** 2 < r * r] = rng.uniform(0, 255, 3)
-    pixels += rng.normal(0, 6, pixels.shape)
-    buf = io.BytesIO()
-    Image.fromarray(pixels.clip(0, 255).astype(np.uint8)).save(buf, format="JPEG", quality=90)
-    return buf.getvalue()
 
 
 def section(draft: bool, normalised: bool) -> ImageInput:
@@ -68,7 +54,7 @@ def main() -> None:
     torch.set_num_threads(1)
     rows = []
     for width, height in SIZES:
-        data = photo(width, height)
+        data = jpeg(photo(width, height))
         exact_ms = best_ms(data, section(False, True), args.repeats)
         draft_ms = best_ms(data, section(True, True), args.repeats)
         exact = images.decode(data, section(False, False), 10**9, "photo")

@@ -211,10 +211,11 @@ def halfserve(*args: str | Path, capture: bool = True) -> str:
 
 
 def import_both(spec: Spec, mar: Path, store: Path, code: Path, calibration: Path, draft: bool = False) -> None:
-    """``halfserve import`` of the archive (with ``--image-draft on`` where ``draft``), then ``<name>_uint8``: the same
+    """``halfserve import`` of the archive (with ``--image-draft on`` where ``draft``, else ``off``: every pixel
+    decoded, whatever the calibration photos would choose), then ``<name>_uint8``: the same
     weights taking UINT8 3x224x224 tensors, normalised on the server (the manifest's ``normalize``), for clients that
     resize and crop themselves."""
-    drafted = ["--image-draft", "on"] if draft else []
+    drafted = ["--image-draft", "on" if draft else "off"]
     halfserve(
         "import", mar, "--store", store, "--trust-model-file", "--code-path", code, "--calibration", calibration,
         *drafted,

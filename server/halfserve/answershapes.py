@@ -18,31 +18,15 @@ Torch-free and numpy-only: the manifest imports it, and the routes call it on th
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from halfserve.declared import DeclaredTensor
+
 SCORE_THRESHOLD = 0.5
 """TorchServe's ``object_detector`` threshold: detections scoring at least this answer."""
-
-
-class _DataType(Protocol):
-    @property
-    def value(self) -> str: ...
-    @property
-    def numpy(self) -> np.dtype[Any]: ...
-
-
-class _Tensor(Protocol):
-    """What :meth:`AnswerSection.check` reads of a manifest's output (its ``TensorSpec``, a module above this one)."""
-
-    @property
-    def name(self) -> str: ...
-    @property
-    def shape(self) -> list[int]: ...
-    @property
-    def datatype(self) -> _DataType: ...
 
 
 _NAME = r"^[A-Za-z_][A-Za-z0-9_.-]*$"
@@ -87,12 +71,12 @@ class AnswerSection(BaseModel):
             raise ValueError("give one of detections or segmentation")
         return self
 
-    def check(self, outputs: Sequence[_Tensor], labels: Sequence[str] | None) -> None:
+    def check(self, outputs: Sequence[DeclaredTensor], labels: Sequence[str] | None) -> None:
         """Raise ``ValueError`` naming the field unless the outputs the section names exist with the shapes it
         reads."""
         by_name = {t.name: t for t in outputs}
 
-        def output(field: str, name: str, dims: int, floating: bool) -> _Tensor:
+        def output(field: str, name: str, dims: int, floating: bool) -> DeclaredTensor:
             t = by_name.get(name)
             if t is None:
                 raise ValueError(f"answer.{field}: {name!r} names no output (outputs: {', '.join(by_name)})")

@@ -380,6 +380,11 @@ def _texts(lines: list[str], manifest: Manifest, tokenizer: Path | None, where: 
     return _ragged(ids, encoder.spec, where)
 
 
+def photo_files(folder: Path) -> list[Path]:
+    """The image files in ``folder`` read as calibration samples: by name, at most :data:`MAX_SAMPLES`."""
+    return sorted(p for p in folder.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file())[:MAX_SAMPLES]
+
+
 def _images(folder: Path, specs: list[TensorSpec], manifest: Manifest, where: str) -> Samples:
     if manifest.image is not None:
         return _photos(folder, manifest, where)
@@ -393,7 +398,7 @@ def _images(folder: Path, specs: list[TensorSpec], manifest: Manifest, where: st
     channels, height, width = spec.shape if nchw else (spec.shape[2], spec.shape[0], spec.shape[1])
     if channels not in _MODES:
         raise CalibrationError(f"{where}: {spec.name!r} has {channels} channels; images have 1, 3 or 4")
-    files = sorted(p for p in folder.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file())[:MAX_SAMPLES]
+    files = photo_files(folder)
     if not files:
         raise CalibrationError(f"{where}: no image files ({', '.join(sorted(IMAGE_SUFFIXES))})")
     try:
@@ -420,7 +425,7 @@ def _images(folder: Path, specs: list[TensorSpec], manifest: Manifest, where: st
 def _photos(folder: Path, manifest: Manifest, where: str) -> Samples:
     """A folder of photos for a model with an image section: each decoded and transformed as a request's is."""
     assert manifest.image is not None
-    files = sorted(p for p in folder.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file())[:MAX_SAMPLES]
+    files = photo_files(folder)
     if not files:
         raise CalibrationError(f"{where}: no image files ({', '.join(sorted(IMAGE_SUFFIXES))})")
     spec = next(t for t in manifest.inputs if t.name == manifest.image.feeds)

@@ -255,8 +255,9 @@ IMAGE_FLAGS = {
     "mean": "comma-separated, one per channel: subtracted after the scale",
     "std": "comma-separated, one per channel: divided by after the mean",
     "layout": "CHW (default) or HWC: where the channels go in the input",
-    "draft": "on: decode a large JPEG reduced (libjpeg's DCT scaling) to twice the resize, then resize; a phone "
-    "photo's decoding costs a fraction, its pixels within about a level (default off: every pixel decoded)",
+    "draft": "auto (default), on or off: decode a large JPEG reduced (libjpeg's DCT scaling) to twice the resize, "
+    "then resize, a phone photo's decoding at a fraction; auto turns it on where the --calibration photos show the "
+    "model's answers unchanged, off (with the reason) where they do not or none is large enough",
 }
 """The ``--image-*`` flags of ``halfserve import``: the manifest's ``image`` section's fields."""
 

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from enum import Enum
-from typing import Any, Protocol
 
-import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from halfserve.declared import DeclaredTensor
+from halfserve.imagedraft import DraftCheck
 
 
 class ImageFormat(str, Enum):
@@ -56,24 +57,6 @@ class Layout(str, Enum):
     """Channels last, as the image's own pixels."""
 
 
-class _DataType(Protocol):
-    @property
-    def value(self) -> str: ...
-    @property
-    def numpy(self) -> np.dtype[Any]: ...
-
-
-class _Tensor(Protocol):
-    """What :meth:`ImageInput.check` reads of a manifest's input (its ``TensorSpec``, a module above this one)."""
-
-    @property
-    def name(self) -> str: ...
-    @property
-    def shape(self) -> list[int]: ...
-    @property
-    def datatype(self) -> _DataType: ...
-
-
 IMAGENET_MEAN = [0.485, 0.456, 0.406]
 IMAGENET_STD = [0.229, 0.224, 0.225]
 
@@ -105,7 +88,12 @@ class ImageInput(BaseModel):
     draft: bool = False
     """Decode a JPEG larger than the resize needs at a reduced size (libjpeg's DCT scaling by 1/2, 1/4 or 1/8, Pillow's
     ``draft``), never below :data:`DRAFT_MARGIN` times the resized size, then resize it as declared: a phone photo's
-    decoding costs a fraction, its pixels within about a level. Off: every pixel is decoded, as torchvision does."""
+    decoding costs a fraction, its pixels within about a level. Off: every pixel is decoded, as torchvision does.
+    ``halfserve import`` chooses it on the calibration photos unless told (``draft_check``); a section written by
+    hand is off unless it says on."""
+    draft_check: DraftCheck | None = None
+    """Why ``draft`` is on or off where ``halfserve import`` chose it (:mod:`halfserve.draftcheck`); None: the
+    section named it."""
 
     @field_validator("resize", "crop")
     @classmethod
@@ -156,7 +144,7 @@ class ImageInput(BaseModel):
         channels = self.mode.channels
         return [channels, height, width] if self.layout is Layout.CHW else [height, width, channels]
 
-    def check(self, inputs: Sequence[_Tensor]) -> None:
+    def check(self, inputs: Sequence[DeclaredTensor]) -> None:
         """Raise ``ValueError`` naming the field unless the images can feed ``inputs``: their only input, floating, of
         the transforms' shape."""
         if any(t.name == self.input for t in inputs):

@@ -119,23 +119,42 @@ SIXTEEN_BIT = frozenset({"I", "I;16", "I;16B", "I;16L", "I;16N"})
 photo's 16 bits scale onto 8 (``value >> 8``), as an 8-bit save of the same picture has them."""
 
 
-def draft_size(width: int, height: int, resize: int | list[int]) -> tuple[int, int]:
-    """The smallest ``(width, height)`` a JPEG of ``width`` x ``height`` is decoded at under ``draft``: the margin
-    (:data:`~halfserve.imageinput.DRAFT_MARGIN`) times its resized size. libjpeg scales by 1/2, 1/4 or 1/8 only, to no
-    less than this on either side, so an image under twice it is decoded whole."""
-    w, h = resized_size(width, height, resize)
-    return DRAFT_MARGIN * w, DRAFT_MARGIN * h
+def draft_size(resized: tuple[int, int]) -> tuple[int, int]:
+    """The smallest ``(width, height)`` a JPEG whose resize gives ``resized`` (:func:`resized_size`) is decoded at
+    under ``draft``: the margin (:data:`~halfserve.imageinput.DRAFT_MARGIN`) times it. libjpeg scales by 1/2, 1/4 or
+    1/8 only, to no less than this on either side, so an image under twice it is decoded whole."""
+    return DRAFT_MARGIN * resized[0], DRAFT_MARGIN * resized[1]
 
 
-def transform(image: Image.Image, spec: ImageInput, original: tuple[int, int] | None = None) -> np.ndarray:
-    """A decoded image's pixels as ``spec`` declares them: float32 of shape ``spec.shape``. ``original``: the size of
-    the encoded image where it was decoded reduced (``draft``): the resize is the one the full image would get."""
+def drafted(width: int, height: int, resized: tuple[int, int]) -> bool:
+    """Whether ``draft`` decodes a JPEG of ``width`` x ``height`` whose resize gives ``resized`` reduced: at least
+    twice :func:`draft_size` on both sides, the least libjpeg's halving takes."""
+    least = draft_size(resized)
+    return width >= 2 * least[0] and height >= 2 * least[1]
+
+
+def jpeg_size(data: bytes) -> tuple[int, int] | None:
+    """The ``(width, height)`` a JPEG's header declares, read without decoding; None for another format or a header
+    Pillow does not read."""
+    if sniff(data) != ImageFormat.JPEG.value:
+        return None
+    try:
+        with Image.open(io.BytesIO(data), formats=[ImageFormat.JPEG.value]) as image:
+            return image.size
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError):
+        return None
+
+
+def transform(image: Image.Image, spec: ImageInput, resized: tuple[int, int] | None = None) -> np.ndarray:
+    """A decoded image's pixels as ``spec`` declares them: float32 of shape ``spec.shape``. ``resized``: the size the
+    resize gives the encoded image (:func:`resized_size`), where it was decoded reduced (``draft``): the resize is the
+    one the full image would get; None: the one ``image`` gets."""
     if image.mode in SIXTEEN_BIT:
         image = Image.fromarray(np.right_shift(np.asarray(image).clip(0, 65535).astype(np.uint16), 8).astype(np.uint8))
     if image.mode != spec.mode.value:
         image = image.convert(spec.mode.value)
     if spec.resize is not None:
-        size = resized_size(*(original or image.size), spec.resize)
+        size = resized or resized_size(image.width, image.height, spec.resize)
         if size != image.size:  # torchvision returns the image itself at its own size
             image = image.resize(size, _FILTERS[spec.interpolation])
     if spec.crop is not None:
@@ -184,9 +203,9 @@ def decode(data: bytes, spec: ImageInput, max_pixels: int, field: str) -> np.nda
                     f"{resized[1]}, more than the {max_pixels} pixels an image may have (max_image_pixels)"
                 )
             if spec.draft and kind == ImageFormat.JPEG.value and spec.resize is not None:
-                image.draft(image.mode, draft_size(width, height, spec.resize))
+                image.draft(image.mode, draft_size(resized))
             image.load()
-            return transform(image, spec, (width, height))
+            return transform(image, spec, resized)
     except ImageError:
         raise
     except Image.DecompressionBombError as e:  # Pillow's guard, past twice Image.MAX_IMAGE_PIXELS, before the size

@@ -28,6 +28,7 @@ from torch import nn
 
 from halfserve import (
     calibration,
+    draftcheck,
     fidelity,
     handlers,
     mixed,
@@ -283,6 +284,8 @@ def import_model(
     manifest = _manifest(
         {**draft.model_dump(exclude_none=True), "outputs": outputs, "labels": labels, "answer": answer}
     )
+    if draft.image is not None and "draft" not in draft.image.model_fields_set:  # measured unless the section says
+        manifest = draftcheck.chosen(store.LoadedModel(manifest, 0, module, source), calibration)
     given = _samples(calibration, manifest, module, samples, source if hugging_face else None)
     # Checked before anything is written: a refused model leaves no version behind.
     unsaved = store.LoadedModel(manifest, 0, module, source)
@@ -471,6 +474,8 @@ def describe(result: Imported) -> str:
             f"  images  {i.input!r} (JPEG, PNG, WebP) -> {i.feeds}: {i.mode.value}, resize {i.resize}, crop {i.crop}, "
             f"scale {i.scale:.6g}, mean {i.mean}, std {i.std}, {i.layout.value}",
         )
+        chose = i.draft_check.detail if i.draft_check is not None else f"{'on' if i.draft else 'off'} (given)"
+        lines.insert(4, f"  JPEG draft {chose}")
     if m.handler is not None:
         lines.insert(3, f"  handler {m.handler.code} on /predictions (time limit {m.handler.timeout_s:g} s)")
     f = result.fidelity

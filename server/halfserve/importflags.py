@@ -81,6 +81,11 @@ def image_section(
             section[field] = [_number(v, option) for v in text.split(",")]
         elif field == "scale":
             section[field] = _number(text, option)
+        elif field == "draft":
+            if text not in ("on", "off", "auto"):
+                raise ImportFailure(f"{option} {text!r}: expected auto (measured on the calibration photos), on or off")
+            if text != "auto":  # auto leaves it out: the import measures it
+                section[field] = text == "on"
         else:
             section[field] = text
     return section

@@ -13,6 +13,7 @@ import pytest
 from PIL import Image
 from pydantic import ValidationError
 
+from benchmarks.photos import photo
 from halfserve import images, text
 from halfserve.imageinput import ImageInput, ImagePreset
 from halfserve.manifest import Manifest, TensorSpec
@@ -276,21 +277,11 @@ async def test_a_request_of_many_photos_takes_one_turn_per_photo(monkeypatch: py
     assert order.index("b0") < order.index("a2"), order
 
 
-def photo(width: int, height: int, seed: int = 0) -> Image.Image:
-    """A photo-like picture: smooth colour gradients, a few hard-edged discs and sensor-like noise."""
-    rng = np.random.default_rng(seed)
-    y, x = np.mgrid[0:height, 0:width].astype(np.float32)
-    pixels = np.stack([255 * x / width, 255 * y / height, 128 + 100 * np.sin(x / 97 + y / 53)], axis=-1)
-    for _ in range(12):
-        cx, cy, r = rng.uniform(0, width), rng.uniform(0, height), rng.uniform(0.02, 0.2) * min(width, height)
-        pixels[(x - cx) ** 2 + (y - cy) ** 2 < r * r] = rng.uniform(0, 255, 3)
-    pixels += rng.normal(0, 6, pixels.shape)
-    return Image.fromarray(pixels.clip(0, 255).astype(np.uint8))
-
-
 def test_draft_asks_libjpeg_for_twice_the_resized_size() -> None:
-    assert images.draft_size(4000, 3000, 256) == (682, 512)
-    assert images.draft_size(3000, 4000, [224, 224]) == (448, 448)
+    assert images.draft_size(images.resized_size(4000, 3000, 256)) == (682, 512)
+    assert images.draft_size(images.resized_size(3000, 4000, [224, 224])) == (448, 448)
+    assert images.drafted(1364, 1024, (341, 256))
+    assert not images.drafted(1363, 1024, (341, 256))
 
 
 def test_a_drafted_large_jpeg_is_within_about_a_level_of_the_exact_pixels() -> None:
