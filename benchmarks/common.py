@@ -18,6 +18,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 """The repository root."""
@@ -202,15 +203,43 @@ def start_server(
     full_env = {**os.environ, **(env or {})}
     quiet = subprocess.DEVNULL
     proc = subprocess.Popen([*cmd, *args], stdout=quiet, stderr=quiet, cwd=source, env=full_env)
-    for _ in range(600):
+    try:
+        wait_ready(f"http://127.0.0.1:{port}/ready", proc, 120)
+    except RuntimeError:
+        proc.kill()
+        raise
+    return proc
+
+
+def wait_ready(
+    url: str, proc: subprocess.Popen[Any], timeout: float, interval: float = 0.1, log: Path | None = None
+) -> float:
+    """Wait until ``url`` answers 200 while ``proc`` (the server that serves it) runs; the seconds it took.
+
+    Raises RuntimeError when ``proc`` exits first or ``timeout`` seconds pass, with the last lines of ``log`` (the
+    server's output) where one is given. The caller stops ``proc``.
+    """
+    began = time.perf_counter()
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{_name(proc)} exited with {proc.returncode} before {url} answered{_tail(log)}")
+        if time.perf_counter() - began > timeout:
+            raise RuntimeError(f"{_name(proc)}: {url} did not answer 200 within {timeout:g} s{_tail(log)}")
         try:
-            if httpx.get(f"http://127.0.0.1:{port}/ready", timeout=1).status_code == 200:
-                return proc
+            if httpx.get(url, timeout=1).status_code == 200:
+                return time.perf_counter() - began
         except httpx.TransportError:
             pass
-        time.sleep(0.1)
-    proc.kill()
-    raise RuntimeError("server did not become ready")
+        time.sleep(interval)
+
+
+def _name(proc: subprocess.Popen[Any]) -> str:
+    args = proc.args
+    return str(args[0] if isinstance(args, list | tuple) else args)
+
+
+def _tail(log: Path | None) -> str:
+    return f"; {log}:\n{log.read_text(errors='replace')[-3000:]}" if log is not None and log.exists() else ""
 
 
 def stats(port: int, model: str) -> dict[str, float]:

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from common import ROOT, write_results
+from common import ROOT, wait_ready, write_results
 
 from halfserve import hostinfo, store
 from halfserve.execution import Compile
@@ -63,17 +63,7 @@ def start(
     with (run / "server.log").open("wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **env})
     try:
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited:\n{(run / 'server.log').read_text()}")
-            if time.perf_counter() - began > timeout:
-                raise RuntimeError(f"not ready in {timeout} s")
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/ready", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.05)
+        wait_ready(f"http://127.0.0.1:{port}/ready", proc, timeout, interval=0.05, log=run / "server.log")
         ready = time.perf_counter() - began
         (entry,) = httpx.get(f"http://127.0.0.1:{port}/models").json()["models"]
     finally:

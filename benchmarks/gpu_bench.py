@@ -438,18 +438,8 @@ def peer_pytriton(
     with (out / "pytriton.log").open("w") as log:
         peer = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:
-        while time.perf_counter() - began < args.peer_start_timeout:
-            if peer.poll() is not None:
-                raise RuntimeError(f"pytriton exited with {peer.returncode}: see {out / 'pytriton.log'}")
-            try:
-                # The model, not only the server: PyTriton loads it after Triton is up.
-                if httpx.get(f"{url}/v2/models/{MODEL}/ready", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        else:
-            raise RuntimeError(f"pytriton not ready within {args.peer_start_timeout:g} s: see {out / 'pytriton.log'}")
+        # The model, not only the server: PyTriton loads it after Triton is up.
+        common.wait_ready(f"{url}/v2/models/{MODEL}/ready", peer, args.peer_start_timeout, 0.2, out / "pytriton.log")
         ready = time.perf_counter() - began
         response = httpx.post(url + proto.path, content=proto.body.read_bytes(), headers=proto.headers, timeout=60)
         if not response.is_success:

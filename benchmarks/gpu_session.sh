@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # A short session on a borrowed GPU machine with no internet, run from the repository root:
 #
-#   bash benchmarks/gpu_session.sh [tests] [bench]        (default: both, in that order)
+#   bash benchmarks/gpu_session.sh [tests] [bench] [probes]   (default: tests and bench, in that order)
 #
 # It installs the Python packages the machine lacks from wheels carried in .whl/ (into /tmp/site, first on
 # PYTHONPATH after this tree), puts the wrk carried in .devkit/ on PATH, prints the GPU and torch, then runs each step
@@ -14,8 +14,13 @@
 #          an interpreter imports pytriton, PyTriton serving the same model in fp16 driven by the same clients.
 #          About 7-8 minutes with the peer, 4-5 without: with the peer, run `tests` and `bench` in separate calls
 #          of a device whose commands stop at 10 minutes
+#   probes the path's levers at concurrency 64 (docs/gpu.md), about 30 s: benchmarks/tools/torch_calls.py (a batch's
+#          stream made current per batch, the output's copy and sync against one blocking copy, each idle and beside
+#          a busy event loop; the seconds and device memory of page-locking a front-end's 256 MiB in the engine
+#          process) and benchmarks/tools/output_copies.py (the copies of a batch's outputs out of an instance process)
 # Into $OUT (what the device tool brings back: at most 8 files, 2 folders deep): summary.txt, setup.log, tests.log,
-# bench-<variant>.log, bench.md (each run's gpu_bench.md) and bench.tgz (every bench output folder).
+# bench-<variant>.log, bench.md (each run's gpu_bench.md), bench.tgz (every bench output folder) and probes.log (each
+# probe's JSON).
 #
 # Environment:
 #   PY               the interpreter (default: /opt/torch/.venv/bin/python3 where it exists, else python3)
@@ -112,7 +117,7 @@ run_tests() {
     # Only the plugin the project's config needs: the machine's own may not load under the kit's pytest (anyio 4.14's
     # imports a name pytest 9 deprecates, an error under this project's filterwarnings).
     PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 timeout -k 10 "$TESTS_TIMEOUT" \
-        "$PY" -m pytest -p pytest_asyncio.plugin -p no:cacheprovider -m gpu -q -x "${files[@]}" >"$OUT/tests.log" 2>&1
+        "$PY" -m pytest -p pytest_asyncio.plugin -p pytest_timeout -p no:cacheprovider -m gpu -q -x "${files[@]}" >"$OUT/tests.log" 2>&1
     rc=$?
     note "tests: rc=$rc in $((SECONDS - start))s, ${#files[@]} files: $(tail -1 "$OUT/tests.log")"
 }
@@ -182,11 +187,23 @@ PY
     tar -czf "$OUT/bench.tgz" -C "$OUT" bench && rm -rf "$OUT/bench"
 }
 
+run_probes() {
+    local tool start=$SECONDS rc
+    for tool in torch_calls output_copies; do
+        # Their JSON goes into probes.log (OUT empty: no file of their own); REPS at a CPU's size: a smoke run.
+        OUT= REPS=$([[ ${GPU_SESSION_CPU:-0} == 1 ]] && echo 50 || echo 2000) PYTHONPATH=benchmarks:$PYTHONPATH \
+            timeout -k 10 120 "$PY" "benchmarks/tools/$tool.py" >>"$OUT/probes.log" 2>&1
+        rc=$?
+        note "probes $tool: rc=$rc in $((SECONDS - start))s"
+    done
+}
+
 for step in "${steps[@]}"; do
     case $step in
         tests) run_tests ;;
         bench) run_bench ;;
-        *) note "unknown step $step (tests, bench)" ;;
+        probes) run_probes ;;
+        *) note "unknown step $step (tests, bench, probes)" ;;
     esac
 done
 echo "results in $OUT: $(cd "$OUT" && echo *)"

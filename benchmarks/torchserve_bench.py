@@ -239,18 +239,12 @@ def start(cmd: list[str], cwd: Path, env: dict[str, str], ready: str) -> subproc
     answers 200."""
     log = open(cwd / "server.log", "wb")  # noqa: SIM115 - the server writes it for as long as it runs
     proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{cmd[0]} exited: {(cwd / 'server.log').read_text()[-3000:]}")
-        try:
-            if httpx.get(ready, timeout=2).status_code == 200:
-                return proc
-        except httpx.TransportError:
-            pass
-        time.sleep(0.5)
-    stop(proc)
-    raise RuntimeError(f"{cmd[0]} not ready within 300 s")
+    try:
+        common.wait_ready(ready, proc, 300, 0.5, cwd / "server.log")
+    except RuntimeError:
+        stop(proc)
+        raise
+    return proc
 
 
 def stop(proc: subprocess.Popen[bytes]) -> None:

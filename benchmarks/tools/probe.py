@@ -97,17 +97,8 @@ for prec in precs:
     cmd += ["--precision", prec, "--no-tf32", *extra]
     with (OUT / f"server-{prec}.log").open("wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    t = time.time()
-    while True:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/ready", timeout=1).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        if proc.poll() is not None:
-            raise SystemExit(f"server died: {(OUT / f'server-{prec}.log').read_text()[-3000:]}")
-        time.sleep(0.2)
-    print(prec, "ready in", round(time.time() - t, 1), flush=True)
+    waited = common.wait_ready(f"http://127.0.0.1:{port}/ready", proc, 600, 0.2, OUT / f"server-{prec}.log")
+    print(prec, "ready in", round(waited, 1), flush=True)
     url = f"http://127.0.0.1:{port}/v2/models/resnet50/infer"
     wenv = {**ENV, "HALFSERVE_BODY": str(OUT / "body")}
     subprocess.run([WRK, "-t4", "-c64", "-d3s", "-s", str(lua), url], env=wenv, capture_output=True)

@@ -165,25 +165,50 @@ def _batch(
     except Exception as e:  # the batch as a whole: the server process raises it to its batcher
         answer.update({"raise": True, "kind": type(e).__name__, "message": str(e), "counts": _counts(engine)})
         return answer, []
+    entries, used, parts = place_outputs(outcomes, memory)
+    answer.update({"outcomes": entries, "region_bytes": used, "counts": _counts(engine)})
+    return answer, parts
+
+
+def place_outputs(outcomes: list[Any], memory: InstanceMemory) -> tuple[list[list[Any]], int, list[bytes | memoryview]]:
+    """Each outcome's entry in the answer, its rows put in the output region (or the frame's payload past it), and
+    the bytes of the region used.
+
+    Outputs of one dtype and row shape lie back to back, and each such run is copied with one call: a batch's
+    outputs are one request's rows after another's, and a copy per request cost 1.3-2.3 us of Python each
+    (benchmarks/tools/output_copies.py). A run starts at a multiple of :data:`OUTPUT_ALIGN` bytes."""
     entries: list[list[Any]] = []
     parts: list[bytes | memoryview] = []
+    runs: list[tuple[int, list[np.ndarray]]] = []  # (start offset, outputs back to back from there)
     offset = inline = 0
+    last: tuple[np.dtype[Any], tuple[int, ...]] | None = None
     for o in outcomes:
         if isinstance(o, Exception):
             entries.append(["error", type(o).__name__, str(o)])
             continue
         data, tag = (o.data, o.precision) if isinstance(o, Output) else (o, None)
-        place = memory.output(data.dtype, data.shape, offset)
-        if place is not None:
-            np.copyto(place, data)
-            entries.append(["out", descr(data.dtype), data.shape, offset, tag, False])
-            offset += -(-data.nbytes // OUTPUT_ALIGN) * OUTPUT_ALIGN
+        kind = (data.dtype, data.shape[1:])
+        joins = kind == last and data.ndim > 0  # rows after the previous output's, of the same dtype and row shape
+        start = offset if joins else -(-offset // OUTPUT_ALIGN) * OUTPUT_ALIGN
+        if start + data.nbytes <= memory.output_bytes:
+            if not joins:
+                runs.append((start, []))
+            runs[-1][1].append(data)
+            entries.append(["out", descr(data.dtype), data.shape, start, tag, False])
+            offset, last = start + data.nbytes, kind
         else:
             entries.append(["out", descr(data.dtype), data.shape, inline, tag, True])
             parts.append(np.ascontiguousarray(data).view(np.uint8).reshape(-1).data)
             inline += data.nbytes
-    answer.update({"outcomes": entries, "counts": _counts(engine)})
-    return answer, parts
+    for start, arrays in runs:
+        first = arrays[0]
+        place = memory.output(first.dtype, (sum(map(len, arrays)), *first.shape[1:]) if first.ndim else (), start)
+        assert place is not None  # each output was checked to fit
+        if first.ndim:
+            np.concatenate(arrays, out=place)
+        else:
+            np.copyto(place, first)
+    return entries, offset, parts
 
 
 def _counts(engine: Engine) -> dict[str, int]:

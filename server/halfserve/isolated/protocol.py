@@ -14,9 +14,10 @@ Frames, shared memory and dtypes on the wire are :mod:`halfserve.ipc`'s: the fra
 * ``{"op": "exit"}``: finish the batch in hand and exit.
 
 The instance process sends ``{"op": "ready", "info", "warmup_seconds", "pid"}`` once warm (or ``{"op": "failed",
-"error"}`` and exits), then per batch ``{"id", "outcomes", "counts"}``, where each outcome is ``["out", dtype, shape,
-offset, precision]`` (rows at ``offset`` in the output region, or in the payload when ``inline``) or ``["error",
-kind, message]``; or ``{"id", "raise", "kind", "message"}`` when the batch as a whole failed.
+"error"}`` and exits), then per batch ``{"id", "outcomes", "region_bytes", "counts"}``, where each outcome is ``["out",
+dtype, shape, offset, precision]`` (rows at ``offset`` in the output region, or in the payload when ``inline``) or
+``["error", kind, message]``, and ``region_bytes`` is how much of the output region they use (copied out at once);
+or ``{"id", "raise", "kind", "message"}`` when the batch as a whole failed.
 """
 
 from __future__ import annotations
