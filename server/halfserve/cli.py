@@ -349,11 +349,11 @@ def import_(args: argparse.Namespace) -> int:
     finally:
         scratch.cleanup()
     print(importer.describe(result))
-    if args.trust_model_file and args.code_path:
+    if extra:  # the handler's folder, and the model file's where that is another
+        folders = " ".join(f"--code-path {p}" for p in dict.fromkeys(args.code_path))
+        print(f"  serve it with: halfserve serve --store {args.store} {folders} (its handler is there)")
+    elif args.trust_model_file and args.code_path:
         print(f"  serve it with --code-path {args.code_path[0]} (its model file is there)")
-    if extra:
-        serve = f"halfserve serve --store {args.store} --code-path {args.archive_code}"
-        print(f"  serve it with: {serve} (its handler is there)")
     return 0
 
 

@@ -99,7 +99,7 @@ async def test_an_image_classifier_subclass_answers_as_its_postprocess_says(
     pytest.importorskip("model_archiver", reason="torch-model-archiver is in the test extra")
     mar = archived(tmp_path / "top3", TOP3_HANDLER, ("answers.py", ANSWERS_HELPER))
     code, store = imported(tmp_path, mar)
-    assert f"--code-path {code}" in capsys.readouterr().out
+    assert f"halfserve serve --store {store} --code-path {code} (its handler is there)" in capsys.readouterr().out
     assert (code / "top3_handler.py").read_text() == TOP3_HANDLER
     assert (code / "answers.py").read_text() == ANSWERS_HELPER
     manifest = json.loads((store / "tinynet" / "config.json").read_text())

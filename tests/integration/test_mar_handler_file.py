@@ -5,6 +5,8 @@ tests/e2e/test_mar_handler_file.py)."""
 
 from __future__ import annotations
 
+import importlib
+import sys
 from pathlib import Path
 
 import pytest
@@ -95,13 +97,18 @@ def test_a_different_file_of_the_same_name_in_the_folder_is_kept_and_refused(
 
 
 def test_a_real_ts_package_installed_refuses_the_handler(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Its BaseHandler.initialize would load the model itself: the handler is refused, naming why."""
+    """Its BaseHandler.initialize would load the model itself: the handler is refused, naming why. A folder named
+    ts that is no package (a namespace package) is not one: the compatibility package goes before it."""
+    (tmp_path / "folder" / "ts").mkdir(parents=True)
+    monkeypatch.syspath_prepend(str(tmp_path / "folder"))
+    monkeypatch.delitem(sys.modules, "ts", raising=False)
+    with tscompat.shadowing():
+        assert Path(importlib.import_module("ts").__file__ or "").parent == tscompat.HERE / "ts"
+    monkeypatch.delitem(sys.modules, "ts")
     real = tmp_path / "site" / "ts"
     real.mkdir(parents=True)
     (real / "__init__.py").write_text("")
     monkeypatch.syspath_prepend(str(tmp_path / "site"))
-    monkeypatch.delitem(__import__("sys").modules, "ts", raising=False)
     section = HandlerSection(code="anything:Handler", style=HandlerStyle.TORCHSERVE)
     with pytest.raises(handlers.HandlerLoadError, match="TorchServe's own ts package is installed"):
         handlers.build(section)
-    assert tscompat.HERE.is_dir()

@@ -44,11 +44,12 @@ class TorchServeHandlerError(Exception):
 
 
 def _real_ts() -> str | None:
-    """Where an installed ``ts`` lies (not this one), or None."""
+    """Where an installed ``ts`` lies (not this one, nor a folder named ``ts`` that is no package: a namespace
+    package, which this one's ``__init__.py`` takes precedence over), or None."""
     found = sys.modules.get("ts")
     spec = found.__spec__ if found is not None else importlib.util.find_spec("ts")
     origins = list(spec.submodule_search_locations or []) if spec is not None else []
-    if spec is None or any(Path(o).resolve() == HERE / "ts" for o in origins):
+    if spec is None or spec.origin is None or any(Path(o).resolve() == HERE / "ts" for o in origins):
         return None
     return str(spec.origin or (origins[0] if origins else "ts"))
 
