@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from halfserve import handlers, tscompat
+from halfserve import mar as mar_module
 from halfserve.handlerinput import HandlerSection, HandlerStyle
 from halfserve.settings import Settings
 from tests.integration.conftest import serving
@@ -112,3 +113,20 @@ def test_a_real_ts_package_installed_refuses_the_handler(tmp_path: Path, monkeyp
     section = HandlerSection(code="anything:Handler", style=HandlerStyle.TORCHSERVE)
     with pytest.raises(handlers.HandlerLoadError, match="TorchServe's own ts package is installed"):
         handlers.build(section)
+
+
+def test_python_past_the_bound_or_a_copy_escaping_the_folder_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    mar, code = handler_archive(tmp_path, STRICT, "strict_handler"), tmp_path / "code"
+    code.mkdir()
+    (tmp_path / "elsewhere.py").write_text("# not the code folder's\n")
+    (code / "model.py").symlink_to(tmp_path / "elsewhere.py")  # a copy through it would land outside the folder
+    assert imports(tmp_path, mar, code) == 2
+    assert "model.py would land outside it" in capsys.readouterr().err
+    assert (tmp_path / "elsewhere.py").read_text() == "# not the code folder's\n"
+    (code / "model.py").unlink()
+    monkeypatch.setattr(mar_module, "MAX_CODE_BYTES", 100)  # the archive's two files hold more
+    assert imports(tmp_path, mar, code) == 2
+    assert "more than the 100 allowed" in capsys.readouterr().err
+    assert list(code.iterdir()) == []
