@@ -382,6 +382,8 @@ def _from_archive(args: argparse.Namespace, archive: Archive) -> None:
         raise mar.MarError(f"{e}: the archive's modelName is not a store name; give --name") from None
     if archive.handler_file is not None:
         _archive_handler(args, archive)
+    elif args.archive_code is not None:
+        raise mar.MarError(f"--archive-code: the archive's handler is the stock {archive.handler!r}, not a file")
     elif archive.handler == mar.OBJECT_DETECTOR:  # ToTensor alone: images of any size, which a batch cannot hold
         if not args.input:
             raise mar.MarError(

@@ -83,6 +83,9 @@ def test_the_handler_file_is_not_run_without_the_flag_nor_copied_into_the_store(
     assert "lies inside the store" in capsys.readouterr().err
     assert not (store / "code").exists()
     assert not (store / "tinynet").exists()
+    stock = archive(tmp_path / "stock.mar", tiny_net())
+    assert imports(tmp_path, stock, tmp_path / "code") == 2
+    assert "the archive's handler is the stock 'image_classifier', not a file" in capsys.readouterr().err
 
 
 def test_a_different_file_of_the_same_name_in_the_folder_is_kept_and_refused(
