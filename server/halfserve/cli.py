@@ -178,6 +178,13 @@ def _add_import(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         action="store_true",
         help="a .mar's model file is Python code: copy it into the first --code-path folder and build it",
     )
+    p.add_argument(
+        "--archive-code",
+        type=Path,
+        metavar="DIR",
+        help="a .mar's own handler file is Python code: copy it and the archive's other .py files into DIR, a folder "
+        "of yours outside the store, and run the handler (serve with --code-path DIR)",
+    )
     p.add_argument("--arch-kwargs", help="JSON object of the factory's keyword arguments")
     p.add_argument(
         "--input",
@@ -283,9 +290,14 @@ def import_(args: argparse.Namespace) -> int:
     from halfserve.precision import resolve_device
 
     scratch = tempfile.TemporaryDirectory(prefix="halfserve-mar-")
+    extra: dict[str, Path] = {}
     try:
         if args.source.suffix == ".mar":
-            _from_archive(args, mar.read(args.source, Path(scratch.name)))
+            archive = mar.read(args.source, Path(scratch.name))
+            _from_archive(args, archive)
+            extra = mar.extra_files(archive) if archive.handler_file is not None else {}
+        elif args.archive_code is not None:
+            raise importer.ImportFailure("--archive-code: only a .mar archive ships a handler file of its own")
         missing = [f"--{n}" for n in ("name", "architecture", "input") if not getattr(args, n)]
         if missing:
             raise importer.ImportFailure(f"give {', '.join(missing)}")
@@ -310,7 +322,7 @@ def import_(args: argparse.Namespace) -> int:
         elif args.image_preset is not None or any(v is not None for v in given.values()):
             raise importer.ImportFailure("--image-*: give --image NAME too, the name clients send images under")
         if args.handler:
-            fields["handler"] = {"code": args.handler}
+            fields["handler"] = {"code": args.handler, **({"style": "torchserve"} if extra else {})}
         if args.answer:
             fields["answer"] = _answer(args.answer)
         result = importer.import_model(
@@ -326,6 +338,7 @@ def import_(args: argparse.Namespace) -> int:
             args.samples,
             resolve_device(args.device),
             args.strict,
+            extra,
             **fields,
         )
     except ValidationError as e:
@@ -337,7 +350,10 @@ def import_(args: argparse.Namespace) -> int:
     finally:
         scratch.cleanup()
     print(importer.describe(result))
-    if args.trust_model_file and args.code_path:
+    if extra:  # the handler's folder, and the model file's where that is another
+        folders = " ".join(f"--code-path {p}" for p in dict.fromkeys(args.code_path))
+        print(f"  serve it with: halfserve serve --store {args.store} {folders} (its handler is there)")
+    elif args.trust_model_file and args.code_path:
         print(f"  serve it with --code-path {args.code_path[0]} (its model file is there)")
     return 0
 
@@ -365,7 +381,11 @@ def _from_archive(args: argparse.Namespace, archive: Archive) -> None:
         storage.check_name(args.name)
     except storage.StoreError as e:
         raise mar.MarError(f"{e}: the archive's modelName is not a store name; give --name") from None
-    if archive.handler == mar.OBJECT_DETECTOR:  # ToTensor alone: images of any size, which a batch cannot hold
+    if archive.handler_file is not None:
+        _archive_handler(args, archive)
+    elif args.archive_code is not None:
+        raise mar.MarError(f"--archive-code: the archive's handler is the stock {archive.handler!r}, not a file")
+    elif archive.handler == mar.OBJECT_DETECTOR:  # ToTensor alone: images of any size, which a batch cannot hold
         if not args.input:
             raise mar.MarError(
                 f"{archive.name}: object_detector takes images of any size, and a batch holds one: give --input "
@@ -378,8 +398,9 @@ def _from_archive(args: argparse.Namespace, archive: Archive) -> None:
     else:
         args.input = args.input or [mar.IMAGE_INPUT]
         args.image_preset = args.image_preset or "torchserve"
-    args.image = args.image or mar.IMAGE
-    args.answer = args.answer or mar.STOCK_ANSWERS[archive.handler]
+    if archive.handler_file is None:
+        args.image = args.image or mar.IMAGE
+        args.answer = args.answer or mar.STOCK_ANSWERS[archive.handler]
     if args.architecture is None:
         if archive.model_file is None:
             raise mar.MarError(f"{archive.name}: the archive has no model file: give --architecture")
@@ -388,6 +409,28 @@ def _from_archive(args: argparse.Namespace, archive: Archive) -> None:
         args.architecture = mar.trust_model_file(archive, args.code_path or [])
     if args.labels is None and archive.labels is not None:
         args.labels = archive.labels
+    if archive.handler_file is not None:  # last, as the model file is: copied once the rest is settled
+        args.handler = mar.extract_code(archive, args.archive_code, args.store)
+        args.code_path = [*(args.code_path or []), args.archive_code]
+
+
+def _archive_handler(args: argparse.Namespace, archive: Archive) -> None:
+    """An archive's own handler file: refused without ``--archive-code``; with it, copied there (after the checks
+    that need nothing copied) and named as the manifest's torchserve-style handler."""
+    from halfserve import mar
+
+    if args.archive_code is None:
+        raise mar.refused_handler_file(archive)
+    if args.handler is not None:
+        raise mar.MarError("--handler: the archive's handler file is the handler; give one or the other")
+    assert archive.handler_file is not None
+    _, image_classifier = mar.handler_class(archive.handler_file)
+    if not args.input and not image_classifier:
+        raise mar.MarError(
+            f"{archive.name}: give --input NAME:DTYPE:SHAPE, one row of what the handler's preprocess returns "
+            "(an ImageClassifier's is input:FP32:3x224x224, the default for one)"
+        )
+    args.input = args.input or [mar.IMAGE_INPUT]
 
 
 def build_parser() -> argparse.ArgumentParser:

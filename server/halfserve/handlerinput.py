@@ -7,6 +7,7 @@ Torch-free and import-free: the manifest imports it, and naming the code here ru
 
 from __future__ import annotations
 
+import enum
 import re
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -18,6 +19,17 @@ DEFAULT_TIMEOUT_S = 10.0
 MAX_TIMEOUT_S = 600.0
 
 
+class HandlerStyle(str, enum.Enum):
+    """Which contract the handler's class keeps."""
+
+    HALFSERVE = "halfserve"
+    """Built with no arguments; ``preprocess(requests)`` and ``postprocess(outputs, requests)`` (docs/handlers.md)."""
+    TORCHSERVE = "torchserve"
+    """A TorchServe handler class, as a ``.mar`` ships it: ``initialize(context)`` once, ``preprocess(data)`` and
+    ``postprocess(output)`` with the output as a torch tensor; the server runs the forward
+    (:mod:`halfserve.tscompat`)."""
+
+
 class HandlerSection(BaseModel):
     """Which code turns a request's payloads into the model's inputs and its outputs into answers
     (docs/handlers.md)."""
@@ -27,6 +39,7 @@ class HandlerSection(BaseModel):
     code: str = Field(max_length=256)
     """``package.module:Name``: called with no arguments once per loaded version; the object it returns has
     ``preprocess(requests)`` and ``postprocess(outputs, requests)``."""
+    style: HandlerStyle = HandlerStyle.HALFSERVE
     timeout_s: float = Field(default=DEFAULT_TIMEOUT_S, gt=0, le=MAX_TIMEOUT_S)
     """Longest a ``preprocess`` or a ``postprocess`` call may run before its request is answered 504."""
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import enum
 import os
 import re
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from halfserve.handlerinput import HandlerSection
+from halfserve.handlerinput import HandlerSection, HandlerStyle
 
 HANDLER_THREADS = max(2, os.cpu_count() or 2)
 """Threads that run handler calls, for all models together."""
@@ -80,21 +81,26 @@ _built: dict[tuple[str, str, int, str], Any] = {}
 _build_lock = threading.Lock()
 
 
-def build(section: HandlerSection, code_path: Sequence[Path] = ()) -> Any:
+def build(section: HandlerSection, code_path: Sequence[Path] = (), name: str = "", folder: Path | None = None) -> Any:
     """A fresh handler of ``section``: its ``code`` resolved under the trust rule (from ``code_path``, the operator's
-    folders, which a front-end process registers here first) and called with no arguments;
+    folders, which a front-end process registers here first) and called with no arguments, or for the ``torchserve``
+    style built and initialized as TorchServe does (model ``name``, its files in ``folder``: :mod:`halfserve.tscompat`);
     :class:`HandlerLoadError` says why not."""
-    from halfserve import models  # torch: only where a handler is built, never by the data plane's import
+    from halfserve import models, tscompat  # torch: only where a handler is built, never by the data plane's import
 
+    torchserve = section.style is HandlerStyle.TORCHSERVE
     try:
         models.add_code_path(code_path)
-        factory = models.resolve_code(section.code, "handler")
-    except models.UnknownArchitectureError as e:
+        with tscompat.shadowing() if torchserve else contextlib.nullcontext():
+            factory = models.resolve_code(section.code, "handler")
+    except (models.UnknownArchitectureError, tscompat.TorchServeHandlerError) as e:
         raise HandlerLoadError(str(e)) from None
     if not callable(factory):
         raise HandlerLoadError(f"handler {section.code!r}: {type(factory).__name__} object is not callable")
     try:
-        handler = factory()
+        handler = tscompat.build(factory, section.code, name, folder) if torchserve else factory()
+    except tscompat.TorchServeHandlerError as e:
+        raise HandlerLoadError(str(e)) from None
     except Exception as e:
         raise HandlerLoadError(f"handler {section.code!r}: building it failed: {one_line(e)}") from None
     missing = [s.value for s in Stage if not callable(getattr(handler, s.value, None))]
@@ -111,7 +117,7 @@ def handler(store: Path, name: str, version: int, section: HandlerSection, code_
     with _build_lock:
         found = _built.get(key)
         if found is None:
-            found = _built[key] = build(section, code_path)
+            found = _built[key] = build(section, code_path, name, store / name / str(version))
     return found
 
 

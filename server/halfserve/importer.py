@@ -17,6 +17,7 @@ import json
 import pickle
 import re
 import shutil
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -232,9 +233,11 @@ def import_model(
     samples: int = RANDOM_SAMPLES,
     device: torch.device | None = None,
     strict: bool = False,
+    extra_files: Mapping[str, Path] | None = None,
     **manifest_fields: Any,
 ) -> Imported:
-    """Write ``source``'s weights as the next version of ``name`` in the store at ``root`` (see the module).
+    """Write ``source``'s weights as the next version of ``name`` in the store at ``root`` (see the module), with
+    ``extra_files`` (a ``.mar``'s, by their path in the version's folder) beside them.
 
     With ``strict``, a model below its fidelity bar is an :class:`ImportFailure`, and nothing is left written."""
     arch_kwargs = arch_kwargs or {}
@@ -275,7 +278,7 @@ def import_model(
     module = module.float().eval()
     if draft.handler is not None:  # built once here, so a handler that cannot be built is refused before writing
         try:
-            handlers.build(draft.handler)
+            handlers.build(draft.handler, (), name, source if hugging_face else source.parent)
         except handlers.HandlerLoadError as e:
             raise ImportFailure(f"--handler: {e}") from None
     outputs = outputs or derive_outputs(module, inputs)
@@ -319,6 +322,7 @@ def import_model(
             if plan.plan is not None:  # stored with the version: a load measures it again rather than searching
                 record = dataclasses.replace(record, fp32_modules=list(plan.plan.modules))
                 precision_record.write(stage.path, record)
+        _copy_extra(extra_files or {}, stage.path)
         vdir = stage.install()
     except BaseException:
         stage.discard()  # a refused or failed import leaves no version behind, and no model folder it created
@@ -427,6 +431,19 @@ def _copy_files(source: Path, version_dir: Path, manifest: Manifest) -> None:
         if not (source / file).is_file():
             raise ImportFailure(f"{source / file}: not found (the model folder needs it)")
         shutil.copyfile(source / file, version_dir / file)
+
+
+def _copy_extra(files: Mapping[str, Path], version_dir: Path) -> None:
+    """A ``.mar``'s extra files into the version's folder, last, so that one named as a file the store writes is
+    refused rather than written over."""
+    for name, path in files.items():
+        target = version_dir / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            with path.open("rb") as src, target.open("xb") as dst:
+                shutil.copyfileobj(src, dst)
+        except FileExistsError:
+            raise ImportFailure(f"the archive's extra file {name} has the name of a file the store writes") from None
 
 
 def _measure(

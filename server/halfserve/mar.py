@@ -14,7 +14,11 @@ base name, and the extra files. Here:
 * the stock ``image_classifier`` handler becomes the ``torchserve`` image preset on one input of 3x224x224,
   with the archive's ``index_to_name.json`` as the labels; ``image_segmenter`` the same transforms with the
   ``segmentation`` answer; ``object_detector`` (``ToTensor`` alone, on images of any size) a resize to the input the
-  operator gives and the ``detections`` answer; other handlers are refused with the reason.
+  operator gives and the ``detections`` answer; ``text_classifier`` and ``base_handler`` are refused with the reason;
+* a handler file of the archive's own is code too: with ``--archive-code DIR`` it and the archive's other Python files
+  are copied into DIR, a folder of the operator's (:func:`extract_code`), and its one class becomes the manifest's
+  ``torchserve``-style handler, run by :mod:`halfserve.tscompat`; its other extra files go into the version's folder,
+  the handler's ``model_dir``. Without the flag the import is refused, naming it.
 
 The zip is read within limits (:data:`MAX_MEMBERS`, :data:`MAX_BYTES`, :data:`MAX_RATIO`): no absolute paths, no
 ``..``, no links, and every byte counted as it is unpacked, never trusting the sizes the zip declares.
@@ -41,6 +45,8 @@ MAX_BYTES = 8 * 1024**3
 MAX_RATIO = 200
 """How many times its compressed size a file may unpack to (weights compress about 1.1x; a zip bomb 1,000x)."""
 MAX_MANIFEST_BYTES = 64 * 1024
+MAX_CODE_BYTES = 16 * 1024**2
+"""Bytes of Python an archive may ship to ``--archive-code``, all its ``.py`` files together."""
 IMAGE_CLASSIFIER = "image_classifier"
 OBJECT_DETECTOR = "object_detector"
 STOCK_ANSWERS: dict[str, str | None] = {
@@ -74,6 +80,10 @@ class Archive:
     handler: str
     model_file: Path | None
     labels: Path | None
+    folder: Path
+    """Where the archive is unpacked."""
+    handler_file: Path | None = None
+    """The archive's own handler file (None: a stock handler)."""
 
 
 def _member_path(info: zipfile.ZipInfo, where: Path) -> PurePosixPath:
@@ -168,12 +178,16 @@ def read(path: Path, folder: Path) -> Archive:
     if handler.removesuffix(".py") in REFUSED_HANDLERS:
         stock = handler.removesuffix(".py")
         raise MarError(f"{path}: handler {stock!r} is not imported: {REFUSED_HANDLERS[stock]}")
+    handler_file = None
     if handler not in STOCK_ANSWERS:
-        raise MarError(
-            f"{path}: handler {handler!r} is the archive's own code, which is not run here: port its preprocess and "
-            "postprocess to a handler class on --code-path and import with --handler module:Class "
-            "(docs/handlers.md), giving --input and --architecture"
-        )
+        if ":" in handler:
+            raise MarError(
+                f"{path}: handler {handler!r} is a function entry point, which runs the model itself; the server runs "
+                "the forward, so only a handler class (its preprocess and postprocess) is imported"
+            )
+        handler_file = folder / PurePosixPath(handler if handler.endswith(".py") else handler + ".py").name
+        if not handler_file.is_file() or not handler_file.stem.isidentifier():
+            raise MarError(f"{path}: {MANIFEST} names handler {handler!r}, neither a stock handler nor a file it holds")
     labels = folder / "index_to_name.json"
     name = str(model.get("modelName") or path.stem)
     model_file = _file(folder, model, "modelFile", path)
@@ -183,6 +197,8 @@ def read(path: Path, folder: Path) -> Archive:
         handler,
         model_file,
         labels if labels.is_file() else None,
+        folder,
+        handler_file,
     )
 
 
@@ -233,3 +249,82 @@ def refused_model_file(archive: Archive) -> MarError:
         "so: read it, then import with --trust-model-file --code-path DIR (it is copied into DIR), or give "
         "--architecture of your own"
     )
+
+
+def refused_handler_file(archive: Archive) -> MarError:
+    """Why an archive whose handler is its own file is not imported without ``--archive-code``."""
+    name = archive.handler_file.name if archive.handler_file is not None else "(none)"
+    return MarError(
+        f"the archive's handler {name} is its own Python code, and nothing from an archive runs unless the operator "
+        "says so: read it (and the archive's other .py files), then import with --archive-code DIR: they are copied "
+        "into DIR, and the server runs the handler served with --code-path DIR"
+    )
+
+
+def handler_class(handler_file: Path) -> tuple[str, bool]:
+    """The one class ``handler_file`` defines, read from its syntax (the file is not run), as TorchServe takes it, and
+    whether it is an image classifier (its input is then TorchServe's 3x224x224)."""
+    try:
+        tree = ast.parse(handler_file.read_text(encoding="utf-8"), str(handler_file))
+    except (SyntaxError, UnicodeDecodeError) as e:
+        raise MarError(f"{handler_file.name}: not Python source: {e}") from None
+    found = [node for node in tree.body if isinstance(node, ast.ClassDef)]
+    if len(found) != 1:
+        names = ", ".join(c.name for c in found) or "none"
+        raise MarError(
+            f"{handler_file.name}: defines {len(found)} classes ({names}); TorchServe takes a handler file's one class"
+        )
+    bases = {ast.unparse(b).split(".")[-1] for b in found[0].bases}
+    return found[0].name, "ImageClassifier" in bases
+
+
+def code_files(archive: Archive) -> list[PurePosixPath]:
+    """The archive's Python files (its handler, its model file, extra ``.py`` files), by path in the archive."""
+    found = sorted(
+        PurePosixPath(p.relative_to(archive.folder).as_posix())
+        for p in archive.folder.rglob("*.py")
+        if p.is_file() and not p.relative_to(archive.folder).as_posix().startswith("MAR-INF/")
+    )
+    size = sum((archive.folder / p).stat().st_size for p in found)
+    if size > MAX_CODE_BYTES:
+        raise MarError(f"{archive.name}: its Python files hold {size} bytes, more than the {MAX_CODE_BYTES} allowed")
+    return found
+
+
+def extract_code(archive: Archive, code_dir: Path, store: Path) -> str:
+    """Copy the archive's Python files into ``code_dir`` (the operator's ``--archive-code``) and return the handler's
+    ``module:Class``. Refused where ``code_dir`` lies in the store (the server never runs code from there), where a
+    file would land outside it, or where a different file of that name is there already; nothing is copied then."""
+    assert archive.handler_file is not None
+    where = code_dir.resolve()
+    if where.is_relative_to(store.resolve()):
+        raise MarError(
+            f"--archive-code {code_dir}: lies inside the store {store}; code runs only from the operator's own "
+            "folders, never the store's: name a folder outside it"
+        )
+    if where.exists() and not where.is_dir():
+        raise MarError(f"--archive-code {code_dir}: is a file, not a folder")
+    cls, _ = handler_class(archive.handler_file)
+    copies = []
+    for name in code_files(archive):
+        source, target = archive.folder.joinpath(*name.parts), where.joinpath(*name.parts)
+        if not target.resolve().is_relative_to(where):
+            raise MarError(f"--archive-code {code_dir}: {name} would land outside it (a link there?); refused")
+        if target.exists() and (not target.is_file() or target.read_bytes() != source.read_bytes()):
+            raise MarError(f"{target} exists and differs from the archive's {name}; move it first")
+        copies.append((source, target))
+    for source, target in copies:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(source, target)
+    return f"{archive.handler_file.stem}:{cls}"
+
+
+def extra_files(archive: Archive) -> dict[str, Path]:
+    """The files an archive's own handler finds in its ``model_dir`` (the version's folder): all but its weights and
+    its Python files, by path in the archive (``MAR-INF/MANIFEST.json``, the handler's context's manifest,
+    included)."""
+    return {
+        p.relative_to(archive.folder).as_posix(): p
+        for p in sorted(archive.folder.rglob("*"))
+        if p.is_file() and p.suffix != ".py" and p != archive.weights
+    }

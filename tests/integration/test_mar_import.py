@@ -146,7 +146,13 @@ def test_a_model_file_is_not_run_without_the_operator_s_word(
     ("change", "named"),
     [
         pytest.param({"handler": "text_classifier"}, "handler 'text_classifier' is not imported", id="text"),
-        pytest.param({"handler": "my_handler.py"}, "is the archive's own code, which is not run here", id="custom"),
+        pytest.param(
+            {"handler": "my_handler.py", "my_handler.py": b"class Mine:\n    pass\n"},
+            "then import with --archive-code DIR",
+            id="custom",
+        ),
+        pytest.param({"handler": "gone.py"}, "neither a stock handler nor a file it holds", id="no-handler-file"),
+        pytest.param({"handler": "my_handler:handle"}, "is a function entry point", id="function"),
         pytest.param({"../evil.py": b"x"}, "is not a plain relative path", id="dot-dot"),
         pytest.param({"/etc/evil": b"x"}, "is not a plain relative path", id="absolute"),
     ],

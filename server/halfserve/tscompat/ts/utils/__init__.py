@@ -1,0 +1,1 @@
+"""TorchServe's ``ts.utils``: the helpers handlers import."""

@@ -1,0 +1,135 @@
+"""An archive's own handler file (``halfserve import model.mar --archive-code DIR``): what is refused, with the
+reason, before anything is written or copied, and a handler that raises is that request's error while the server keeps
+serving. Archives are laid out here as torch-model-archiver lays them out (the archiver's own are in
+tests/e2e/test_mar_handler_file.py)."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+
+import pytest
+
+from halfserve import handlers, tscompat
+from halfserve import mar as mar_module
+from halfserve.handlerinput import HandlerSection, HandlerStyle
+from halfserve.settings import Settings
+from tests.integration.conftest import serving
+from tests.integration.test_mar_import import archive, import_mar, photo, tiny_net
+
+STRICT = """
+from ts.torch_handler.image_classifier import ImageClassifier
+
+
+class Strict(ImageClassifier):
+    def preprocess(self, data):
+        if any((row.get("data") or row.get("body")) == b"reject" for row in data):
+            raise ValueError("this handler takes photos only")
+        return super().preprocess(data)
+"""
+INPUT = ("--input", "input:FP32:3x224x224")
+OWN_INFERENCE = """
+from ts.torch_handler.base_handler import BaseHandler
+
+
+class OwnInference(BaseHandler):
+    def inference(self, data):
+        return self.model(data) * 2
+"""
+
+
+def handler_archive(tmp_path: Path, source: str, name: str) -> Path:
+    files = {"handler": f"{name}.py", f"{name}.py": source.encode()}
+    return archive(tmp_path / f"{name}.mar", tiny_net(), **files)  # type: ignore[arg-type]
+
+
+def imports(tmp_path: Path, mar: Path, code: Path, *extra: str) -> int:
+    flags = ["--trust-model-file", "--code-path", str(tmp_path / "model_code"), "--archive-code", str(code)]
+    return import_mar(mar, tmp_path / "store", *flags, *extra)
+
+
+async def test_a_handler_that_raises_is_that_request_s_error(tmp_path: Path) -> None:
+    code, store = tmp_path / "code", tmp_path / "store"
+    assert imports(tmp_path, handler_archive(tmp_path, STRICT, "strict_handler"), code) == 0
+    async with serving(Settings(store=store, code_path=[tmp_path / "model_code", code])) as client:
+        r = await client.put("/predictions/tinynet", content=b"reject")  # type: ignore[attr-defined]
+        assert r.status_code == 400, r.text
+        assert r.json()["message"] == "handler preprocess failed: ValueError: this handler takes photos only"
+        r = await client.put("/predictions/tinynet", content=b"not a photo")  # type: ignore[attr-defined]
+        assert r.status_code == 400, r.text
+        assert "handler preprocess failed: UnidentifiedImageError" in r.json()["message"]
+        r = await client.put("/predictions/tinynet", content=photo("JPEG"))  # type: ignore[attr-defined]
+        assert r.status_code == 200, r.text
+        assert len(r.json()) == 5  # ImageClassifier's top 5
+
+
+def test_a_handler_overriding_inference_is_refused_at_import(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert imports(tmp_path, handler_archive(tmp_path, OWN_INFERENCE, "own_inference"), tmp_path / "code", *INPUT) == 2
+    err = capsys.readouterr().err
+    assert "OwnInference overrides inference, which is not called here: the server runs the forward" in err
+    assert not (tmp_path / "store" / "tinynet").exists()
+
+
+def test_the_handler_file_is_not_run_without_the_flag_nor_copied_into_the_store(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    mar, store = handler_archive(tmp_path, STRICT, "strict_handler"), tmp_path / "store"
+    assert import_mar(mar, store, "--trust-model-file", "--code-path", str(tmp_path / "model_code")) == 2
+    assert "import with --archive-code DIR" in capsys.readouterr().err
+    assert imports(tmp_path, mar, store / "code") == 2
+    assert "lies inside the store" in capsys.readouterr().err
+    assert not (store / "code").exists()
+    assert not (store / "tinynet").exists()
+    stock = archive(tmp_path / "stock.mar", tiny_net())
+    assert imports(tmp_path, stock, tmp_path / "code") == 2
+    assert "the archive's handler is the stock 'image_classifier', not a file" in capsys.readouterr().err
+
+
+def test_a_different_file_of_the_same_name_in_the_folder_is_kept_and_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = tmp_path / "code"
+    code.mkdir()
+    (code / "strict_handler.py").write_text("# the operator's own\n")
+    assert imports(tmp_path, handler_archive(tmp_path, STRICT, "strict_handler"), code) == 2
+    assert "exists and differs from the archive's strict_handler.py" in capsys.readouterr().err
+    assert (code / "strict_handler.py").read_text() == "# the operator's own\n"
+    assert not (code / "model.py").exists()  # nothing copied where one file is refused
+
+
+def test_a_real_ts_package_installed_refuses_the_handler(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its BaseHandler.initialize would load the model itself: the handler is refused, naming why. A folder named
+    ts that is no package (a namespace package) is not one: the compatibility package goes before it."""
+    (tmp_path / "folder" / "ts").mkdir(parents=True)
+    monkeypatch.syspath_prepend(str(tmp_path / "folder"))
+    monkeypatch.delitem(sys.modules, "ts", raising=False)
+    with tscompat.shadowing():
+        assert Path(importlib.import_module("ts").__file__ or "").parent == tscompat.HERE / "ts"
+    monkeypatch.delitem(sys.modules, "ts")
+    real = tmp_path / "site" / "ts"
+    real.mkdir(parents=True)
+    (real / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    section = HandlerSection(code="anything:Handler", style=HandlerStyle.TORCHSERVE)
+    with pytest.raises(handlers.HandlerLoadError, match="TorchServe's own ts package is installed"):
+        handlers.build(section)
+
+
+def test_python_past_the_bound_or_a_copy_escaping_the_folder_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    mar, code = handler_archive(tmp_path, STRICT, "strict_handler"), tmp_path / "code"
+    code.mkdir()
+    (tmp_path / "elsewhere.py").write_text("# not the code folder's\n")
+    (code / "model.py").symlink_to(tmp_path / "elsewhere.py")  # a copy through it would land outside the folder
+    assert imports(tmp_path, mar, code) == 2
+    assert "model.py would land outside it" in capsys.readouterr().err
+    assert (tmp_path / "elsewhere.py").read_text() == "# not the code folder's\n"
+    (code / "model.py").unlink()
+    monkeypatch.setattr(mar_module, "MAX_CODE_BYTES", 100)  # the archive's two files hold more
+    assert imports(tmp_path, mar, code) == 2
+    assert "more than the 100 allowed" in capsys.readouterr().err
+    assert list(code.iterdir()) == []
