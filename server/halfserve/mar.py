@@ -27,6 +27,7 @@ The zip is read within limits (:data:`MAX_MEMBERS`, :data:`MAX_BYTES`, :data:`MA
 from __future__ import annotations
 
 import ast
+import hashlib
 import json
 import re
 import shutil
@@ -305,9 +306,13 @@ def extract_code(archive: Archive, code_dir: Path, store: Path) -> str:
     if where.exists() and not where.is_dir():
         raise MarError(f"--archive-code {code_dir}: is a file, not a folder")
     cls, _ = handler_class(archive.handler_file)
+    module = handler_module(archive.handler_file)
     copies = []
     for name in code_files(archive):
-        source, target = archive.folder.joinpath(*name.parts), where.joinpath(*name.parts)
+        source = archive.folder.joinpath(*name.parts)
+        if source == archive.handler_file:
+            name = name.with_name(f"{module}.py")
+        target = where.joinpath(*name.parts)
         if not target.resolve().is_relative_to(where):
             raise MarError(f"--archive-code {code_dir}: {name} would land outside it (a link there?); refused")
         if target.exists() and (not target.is_file() or target.read_bytes() != source.read_bytes()):
@@ -316,7 +321,14 @@ def extract_code(archive: Archive, code_dir: Path, store: Path) -> str:
     for source, target in copies:
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(source, target)
-    return f"{archive.handler_file.stem}:{cls}"
+    return f"{module}:{cls}"
+
+
+def handler_module(handler_file: Path) -> str:
+    """The module name a handler file is copied as: its stem and the first 8 hex digits of its SHA-256. A module name
+    is one module per process, and archives' handler files are mostly ``handler.py``: two archives' different files
+    must not be one module, the second model silently running the first's code."""
+    return f"{handler_file.stem}_{hashlib.sha256(handler_file.read_bytes()).hexdigest()[:8]}"
 
 
 def extra_files(archive: Archive) -> dict[str, Path]:

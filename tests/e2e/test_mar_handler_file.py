@@ -7,6 +7,7 @@ through a helper module the archive ships), and a ``BaseHandler`` subclass with 
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import subprocess
@@ -100,10 +101,11 @@ async def test_an_image_classifier_subclass_answers_as_its_postprocess_says(
     mar = archived(tmp_path / "top3", TOP3_HANDLER, ("answers.py", ANSWERS_HELPER))
     code, store = imported(tmp_path, mar)
     assert f"halfserve serve --store {store} --code-path {code} (its handler is there)" in capsys.readouterr().out
-    assert (code / "top3_handler.py").read_text() == TOP3_HANDLER
+    module = f"top3_handler_{hashlib.sha256(TOP3_HANDLER.encode()).hexdigest()[:8]}"  # one module per file's bytes
+    assert (code / f"{module}.py").read_text() == TOP3_HANDLER
     assert (code / "answers.py").read_text() == ANSWERS_HELPER
     manifest = json.loads((store / "tinynet" / "config.json").read_text())
-    assert manifest["handler"]["code"] == "top3_handler:Top3Classifier"
+    assert manifest["handler"]["code"] == f"{module}:Top3Classifier"
     assert manifest["handler"]["style"] == "torchserve"
     jpeg = photo("JPEG")
     with torch.no_grad():  # the handler's logic in fp32: TorchServe's transforms, softmax, the top 3 by label

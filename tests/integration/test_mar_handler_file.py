@@ -93,11 +93,40 @@ def test_a_different_file_of_the_same_name_in_the_folder_is_kept_and_refused(
 ) -> None:
     code = tmp_path / "code"
     code.mkdir()
-    (code / "strict_handler.py").write_text("# the operator's own\n")
+    (code / "model.py").write_text("# the operator's own\n")
     assert imports(tmp_path, handler_archive(tmp_path, STRICT, "strict_handler"), code) == 2
-    assert "exists and differs from the archive's strict_handler.py" in capsys.readouterr().err
-    assert (code / "strict_handler.py").read_text() == "# the operator's own\n"
-    assert not (code / "model.py").exists()  # nothing copied where one file is refused
+    assert "exists and differs from the archive's model.py" in capsys.readouterr().err
+    assert (code / "model.py").read_text() == "# the operator's own\n"
+    assert [p.name for p in code.iterdir()] == ["model.py"]  # nothing copied where one file is refused
+
+
+def which(letter: str) -> str:
+    return f"""
+from ts.torch_handler.image_classifier import ImageClassifier
+
+
+class Which(ImageClassifier):
+    def postprocess(self, data):
+        return [{{"which": "{letter}"}} for _ in range(len(data))]
+"""
+
+
+async def test_two_archives_handler_py_files_are_two_modules(tmp_path: Path) -> None:
+    """TorchServe archives mostly ship ``handler.py``: each is copied under its own module name (its stem and its
+    digest), so the second model served runs its own code, not the first's, which a module name shared in the
+    process would give it."""
+    store, codes = tmp_path / "store", [tmp_path / "code_a", tmp_path / "code_b"]
+    for letter, code in zip("ab", codes, strict=True):
+        files = {"handler": "handler.py", "handler.py": which(letter).encode()}
+        mar = archive(tmp_path / f"{letter}.mar", tiny_net(), model_name=f"net_{letter}", **files)  # type: ignore[arg-type]
+        assert imports(tmp_path, mar, code) == 0
+    modules = [next(code.glob("handler_*.py")).stem for code in codes]
+    assert modules[0] != modules[1]
+    async with serving(Settings(store=store, code_path=[tmp_path / "model_code", *codes])) as client:
+        for letter in "ab":
+            r = await client.put(f"/predictions/net_{letter}", content=photo("JPEG"))  # type: ignore[attr-defined]
+            assert r.status_code == 200, r.text
+            assert r.json() == {"which": letter}
 
 
 def test_a_real_ts_package_installed_refuses_the_handler(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
