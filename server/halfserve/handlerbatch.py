@@ -40,10 +40,6 @@ Run = Callable[[list[J], float | None], Awaitable[Sequence[R]]]
 """A batch's run: the jobs in arrival order and the seconds left to the latest deadline (None: no deadline), to one
 result per job in the same order, or an exception that fails them all."""
 
-BATCHES_IN_FLIGHT = 2
-"""Batches of one model run at once: a second lets a batch's ``preprocess`` overlap the one before's forward and
-``postprocess``, while the requests that arrive meanwhile gather into the next batch."""
-
 
 @dataclass(eq=False)
 class _Queued(Generic[J, R]):
@@ -56,9 +52,9 @@ class _Queued(Generic[J, R]):
 
 
 class HandlerBatcher(Generic[J, R]):
-    """Gather jobs into batches for ``run``; see the module. Create it in a running event loop; it needs no start or
-    stop: its timers and batch tasks live on that loop, and a batch in flight at shutdown finishes as its callers'
-    requests are drained."""
+    """Gather jobs into batches for ``run``, at most ``concurrency`` running at once; see the module. Create it in a
+    running event loop; it needs no start or stop: its timers and batch tasks live on that loop, and a batch in flight
+    at shutdown finishes as its callers' requests are drained."""
 
     def __init__(
         self,
@@ -69,7 +65,7 @@ class HandlerBatcher(Generic[J, R]):
         max_batch_size: int,
         max_delay: float,
         max_queue_payloads: int,
-        concurrency: int = BATCHES_IN_FLIGHT,
+        concurrency: int,
         clock: Clock | None = None,
     ) -> None:
         if max_batch_size < 1 or max_queue_payloads < 1 or max_delay < 0 or concurrency < 1:

@@ -223,6 +223,11 @@ def _size(job: Job) -> int:
     return len(job.payloads)
 
 
+BATCHES_IN_FLIGHT = handlers.HANDLER_THREADS + 2
+"""Handler batches of one model running at once: one per handler thread in ``preprocess`` or ``postprocess``, and two
+more in the model meanwhile, so that neither the threads nor the model wait for the other. With one per thread (2 on
+the 2-core host), a small photo model at c=16 answered fewer rows/s in each of three interleaved rounds than with
+two more (benchmarks/handler_batch_bench.py's model)."""
 _batchers: dict[tuple[object, ...], HandlerBatcher[Job, Answered]] = {}
 
 
@@ -234,7 +239,13 @@ def _batcher(served: ModelHandle, settings: Settings, spec: HandlerSection) -> H
     found = _batchers.get(key)
     if found is None or found.loop is not loop:
         found = _batchers[key] = HandlerBatcher(
-            _run_batch, size=_size, alone=_alone, max_batch_size=1, max_delay=0.0, max_queue_payloads=1
+            _run_batch,
+            size=_size,
+            alone=_alone,
+            max_batch_size=1,
+            max_delay=0.0,
+            max_queue_payloads=1,
+            concurrency=BATCHES_IN_FLIGHT,
         )
     limits = served.batching
     found.max_batch_size = limits.max_batch_size
