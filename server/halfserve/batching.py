@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypeVar, overload
 import numpy as np
 
 from halfserve.batchcut import Chunk, Finish, Pending, Result, cut_batch, seconds_until_cut, split_rows
+from halfserve.clock import Clock, LoopClock, Timer
 
 if TYPE_CHECKING:
     from halfserve.manifest import Precision
@@ -56,35 +57,9 @@ from halfserve.serving import (
     ShuttingDownError,
 )
 
-__all__ = ["BatchObserver", "Batcher", "Clock", "LoopClock"]
+__all__ = ["BatchObserver", "Batcher"]
 
 T = TypeVar("T")
-
-
-class Timer(Protocol):
-    def cancel(self) -> None: ...
-
-
-class Clock(Protocol):
-    """The batcher's time: what it measures waits and deadlines with, and how it is woken later."""
-
-    def now(self) -> float:
-        """Seconds, on a clock that only moves forward."""
-
-    def call_later(self, delay: float, callback: Callable[[], object]) -> Timer:
-        """Call ``callback`` on the event loop once ``delay`` seconds have passed on this clock."""
-
-
-class LoopClock:
-    """``time.monotonic`` and the running event loop's timers (asyncio's loop time is ``time.monotonic``)."""
-
-    @staticmethod
-    def now() -> float:
-        return time.monotonic()
-
-    @staticmethod
-    def call_later(delay: float, callback: Callable[[], object]) -> Timer:
-        return asyncio.get_running_loop().call_later(delay, callback)
 
 
 class BatchObserver(Protocol):

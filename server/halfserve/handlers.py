@@ -81,7 +81,13 @@ _built: dict[tuple[str, str, int, str], Any] = {}
 _build_lock = threading.Lock()
 
 
-def build(section: HandlerSection, code_path: Sequence[Path] = (), name: str = "", folder: Path | None = None) -> Any:
+def build(
+    section: HandlerSection,
+    code_path: Sequence[Path] = (),
+    name: str = "",
+    folder: Path | None = None,
+    batch_size: int = 1,
+) -> Any:
     """A fresh handler of ``section``: its ``code`` resolved under the trust rule (from ``code_path``, the operator's
     folders, which a front-end process registers here first) and called with no arguments, or for the ``torchserve``
     style built and initialized as TorchServe does (model ``name``, its files in ``folder``: :mod:`halfserve.tscompat`);
@@ -98,7 +104,7 @@ def build(section: HandlerSection, code_path: Sequence[Path] = (), name: str = "
     if not callable(factory):
         raise HandlerLoadError(f"handler {section.code!r}: {type(factory).__name__} object is not callable")
     try:
-        handler = tscompat.build(factory, section.code, name, folder) if torchserve else factory()
+        handler = tscompat.build(factory, section.code, name, folder, batch_size) if torchserve else factory()
     except tscompat.TorchServeHandlerError as e:
         raise HandlerLoadError(str(e)) from None
     except Exception as e:
@@ -109,7 +115,14 @@ def build(section: HandlerSection, code_path: Sequence[Path] = (), name: str = "
     return handler
 
 
-def handler(store: Path, name: str, version: int, section: HandlerSection, code_path: Sequence[Path] = ()) -> Any:
+def handler(
+    store: Path,
+    name: str,
+    version: int,
+    section: HandlerSection,
+    code_path: Sequence[Path] = (),
+    batch_size: int = 1,
+) -> Any:
     """Model ``name``'s version's handler, built the first time it is asked for in this process (the load asks, so
     that one that cannot be built fails the load, not requests; a front-end process builds its own on its first
     request, importing torch then). It blocks while it builds: see :func:`built`."""
@@ -117,7 +130,7 @@ def handler(store: Path, name: str, version: int, section: HandlerSection, code_
     with _build_lock:
         found = _built.get(key)
         if found is None:
-            found = _built[key] = build(section, code_path, name, store / name / str(version))
+            found = _built[key] = build(section, code_path, name, store / name / str(version), batch_size)
     return found
 
 

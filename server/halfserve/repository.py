@@ -219,7 +219,13 @@ class ModelRepository:
         if loaded.manifest.handler is not None:  # built here, so one that cannot be built fails the load
             try:
                 await asyncio.to_thread(
-                    handlers.handler, self.settings.store, served.name, served.version, loaded.manifest.handler
+                    handlers.handler,
+                    self.settings.store,
+                    served.name,
+                    served.version,
+                    loaded.manifest.handler,
+                    (),
+                    loaded.manifest.batching.max_batch_size,
                 )
             except handlers.HandlerLoadError as e:
                 raise StoreError(str(e)) from None

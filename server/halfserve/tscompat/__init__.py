@@ -34,9 +34,6 @@ HERE = Path(__file__).resolve().parent
 ARCHIVE_MANIFEST = "MAR-INF/MANIFEST.json"
 SKIPPED = ("inference", "handle")
 """Methods the server does not call: a handler class of its own for either is refused."""
-BATCH_SIZE = 16
-"""``system_properties["batch_size"]``: the most payloads one ``preprocess`` call gets, the server's default
-``--max-request-images``."""
 
 
 class TorchServeHandlerError(Exception):
@@ -94,7 +91,7 @@ def check_class(factory: Any, code: str) -> type:
     return factory
 
 
-def context(name: str, folder: Path | None) -> Any:
+def context(name: str, folder: Path | None, batch_size: int) -> Any:
     """TorchServe's ``Context`` for the model ``name`` whose files lie in ``folder`` (its version folder; at import,
     the unpacked archive)."""
     from ts.context import Context  # this package's, under shadowing(): what the handler's module imported
@@ -102,7 +99,7 @@ def context(name: str, folder: Path | None) -> Any:
     manifest: dict[str, Any] = {"model": {"modelName": name}}
     if folder is not None and (folder / ARCHIVE_MANIFEST).is_file():
         manifest = json.loads((folder / ARCHIVE_MANIFEST).read_text(encoding="utf-8"))
-    return Context(name, str(folder or ""), manifest, BATCH_SIZE, None, __version__)
+    return Context(name, str(folder or ""), manifest, batch_size, None, __version__)
 
 
 class TorchServeHandler:
@@ -129,10 +126,10 @@ class TorchServeHandler:
             return self.handler.postprocess(given)
 
 
-def build(factory: Any, code: str, name: str, folder: Path | None) -> TorchServeHandler:
+def build(factory: Any, code: str, name: str, folder: Path | None, batch_size: int) -> TorchServeHandler:
     """``factory``'s handler, initialized with the model's context (:func:`context`)."""
     cls = check_class(factory, code)
     with shadowing():
         handler = cls()
-        handler.initialize(context(name, folder))
+        handler.initialize(context(name, folder, batch_size))
     return TorchServeHandler(handler)

@@ -1,7 +1,9 @@
 """A request answered through its model's own handler (the manifest's ``handler`` section, :mod:`halfserve.handlers`):
 the request's payloads through ``preprocess`` to the model's inputs, the outputs through ``postprocess`` to one answer
-per payload. Called per HTTP request (a form of several files is one call, a list of their payloads), because the
-batcher batches the rows the handler returns, after it.
+per payload. Called per batch: concurrent requests to one model gather into one handler batch
+(:mod:`halfserve.handlerbatch`, by the model's ``batching`` limits), whose payloads go to one ``preprocess`` in arrival
+order, one submit to the model and one ``postprocess``; each request gets its own answers back. A batch of several
+requests that fails in a way one request could cause is rerun one request per call, so only that request fails.
 
 Everything the handler does wrong is that request's answer, one line, never the server's: ``preprocess`` raising is
 the request's fault as far as the server can tell (400); inputs of the wrong names, shape or rows, an exception in
@@ -14,21 +16,27 @@ from __future__ import annotations
 import asyncio
 import functools
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import orjson
 
 from halfserve import handlers
+from halfserve.api.dataplane.infer import infer
 from halfserve.api.dataplane.photos import image_count
+from halfserve.api.dataplane.refusals import cut_off_by_shutdown
 from halfserve.api.dataplane.signature import Wording, check_shape
+from halfserve.handlerbatch import HandlerBatcher
 from halfserve.handlerinput import HandlerSection
 from halfserve.serving import (
+    AppState,
+    BatchFailedError,
     DeadlineExceededError,
     InternalError,
     InvalidInputError,
     ModelHandle,
     ModelUnavailableError,
+    Prediction,
     QueueFullError,
     Tensors,
 )
@@ -130,7 +138,9 @@ async def preprocess(served: ModelHandle, settings: Settings, payloads: list[Pay
     assert spec is not None, "called for a model with a handler section"
     key = (settings.store, served.name, served.version, spec)
     try:
-        handler = handlers.built(*key) or await asyncio.to_thread(handlers.handler, *key, settings.code_path)
+        handler = handlers.built(*key) or await asyncio.to_thread(
+            handlers.handler, *key, settings.code_path, served.batching.max_batch_size
+        )
     except handlers.HandlerLoadError as e:  # the load failed on it too: the model has no version to serve
         raise ModelUnavailableError(f"model {served.name!r}: {e}") from None
     requests = [p.as_request() for p in payloads]
@@ -168,3 +178,99 @@ async def postprocess(
     call = functools.partial(handler.postprocess, given, requests)
     value = await _call(served, handlers.Stage.POSTPROCESS, call, spec.timeout_s)
     return _answers(value, len(payloads))
+
+
+@dataclass(frozen=True)
+class Job:
+    """One HTTP request in a handler batch: its payloads, and the model and server it is answered by."""
+
+    app: AppState
+    served: ModelHandle
+    settings: Settings
+    payloads: list[Payload]
+
+
+class Answered(NamedTuple):
+    """A request's answers, one JSON body per payload, and the outputs of its rows (what its telemetry records)."""
+
+    answers: list[bytes]
+    prediction: Prediction
+
+
+async def _run_batch(jobs: list[Job], timeout: float | None) -> list[Answered]:
+    """One batch of requests (of one model version) through one ``preprocess``, one submit and one ``postprocess``."""
+    first = jobs[0]
+    payloads = [p for job in jobs for p in job.payloads]
+    inputs = preprocess(first.served, first.settings, payloads)
+    result = await infer(first.app, first.served, inputs, timeout)
+    answers = await postprocess(first.served, first.settings, result.outputs, payloads)
+    out = []
+    start = 0
+    for job in jobs:
+        stop = start + len(job.payloads)
+        rows = {name: array[start:stop] for name, array in result.outputs.items()}
+        out.append(Answered(answers[start:stop], Prediction(rows, result.precisions)))
+        start = stop
+    return out
+
+
+def _alone(e: BaseException) -> bool:
+    """Whether one request of a batch may have caused ``e``: the handler raised or returned what it should not (a
+    400 or a 500 naming it), or the forward failed on the batch's rows. Not a time limit, a full bound or a model
+    that cannot serve: rerunning each request alone would only repeat those for each."""
+    return isinstance(e, InvalidInputError | InternalError | BatchFailedError)
+
+
+def _size(job: Job) -> int:
+    return len(job.payloads)
+
+
+BATCHES_IN_FLIGHT = handlers.HANDLER_THREADS + 2
+"""Handler batches of one model running at once: one per handler thread in ``preprocess`` or ``postprocess``, and two
+more in the model meanwhile, so that neither the threads nor the model wait for the other. With one per thread (2 on
+the 2-core host), a small photo model at c=16 answered fewer rows/s in each of three interleaved rounds than with
+two more (benchmarks/handler_batch_bench.py's model)."""
+_batchers: dict[tuple[object, ...], HandlerBatcher[Job, Answered]] = {}
+
+
+def _batcher(served: ModelHandle, settings: Settings, spec: HandlerSection) -> HandlerBatcher[Job, Answered]:
+    """The model version's handler batcher on this event loop (made on its first request), with its model's
+    batching limits as they are now."""
+    key = (settings.store, served.name, served.version, spec)
+    loop = asyncio.get_running_loop()
+    found = _batchers.get(key)
+    if found is None or found.loop is not loop:
+        found = _batchers[key] = HandlerBatcher(
+            _run_batch,
+            size=_size,
+            alone=_alone,
+            max_batch_size=1,
+            max_delay=0.0,
+            max_queue_payloads=1,
+            concurrency=BATCHES_IN_FLIGHT,
+        )
+    limits = served.batching
+    found.max_batch_size = limits.max_batch_size
+    found.max_delay = limits.max_delay_ms / 1000
+    found.max_queue_payloads = limits.max_queue_rows
+    return found
+
+
+async def answer(
+    app: AppState, served: ModelHandle, settings: Settings, payloads: list[Payload], timeout: float | None
+) -> Answered:
+    """``payloads`` (one HTTP request's) answered through the model's handler, in a batch with the requests sent to
+    it at the same time. ``timeout`` (the client's) and the model's ``request_timeout_ms``, the shorter, bound the
+    wait in the handler queue and then for the model."""
+    spec = section(served)
+    assert spec is not None, "called for a model with a handler section"
+    batcher = _batcher(served, settings, spec)
+    model_ms = served.batching.request_timeout_ms
+    limits = [t for t in (timeout, None if model_ms is None else model_ms / 1000) if t is not None]
+    deadline = batcher.clock.now() + min(limits) if limits else None
+    try:
+        return await batcher.submit(Job(app, served, settings, payloads), deadline)
+    except asyncio.CancelledError:
+        if not app.draining:
+            raise
+        raise cut_off_by_shutdown() from None

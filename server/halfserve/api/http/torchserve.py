@@ -186,13 +186,13 @@ async def _shaped(served: ModelHandle, outputs: dict[str, np.ndarray]) -> bytes:
 async def _handled(
     request: Request, served: ModelHandle, payloads: list[handled.Payload], fields: list[str], timeout: float | None
 ) -> Response:
-    """A model with a handler section: its own preprocess and postprocess around the forward, the answers in the
-    payloads' order (one alone, as TorchServe answers one file)."""
-    settings = deps.state(request).settings
-    handled.payload_count(settings, served, len(payloads), fields[0] if len(fields) == 1 else "form")
-    result = await infer(deps.state(request), served, handled.preprocess(served, settings, payloads), timeout)
-    answered(request, result)
-    answers = await handled.postprocess(served, settings, result.outputs, payloads)
+    """A model with a handler section: its own preprocess and postprocess around the forward, called per batch of
+    concurrent requests, the answers in the payloads' order (one alone, as TorchServe answers one file)."""
+    app = deps.state(request)
+    handled.payload_count(app.settings, served, len(payloads), fields[0] if len(fields) == 1 else "form")
+    result = await handled.answer(app, served, app.settings, payloads, timeout)
+    answered(request, result.prediction)
+    answers = result.answers
     body = answers[0] if len(answers) == 1 else b"[" + b",".join(answers) + b"]"
     return Response(body, media_type="application/json")
 

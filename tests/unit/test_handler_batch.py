@@ -1,0 +1,194 @@
+"""The handler batcher alone (issue 51): a fake handler run and a made-up clock, no torch, no server. Batches form
+by size and delay in arrival order, a batch that fails for one request is rerun one request per call, and the queue,
+deadlines and callers that leave are bounded."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from halfserve.handlerbatch import HandlerBatcher
+from halfserve.serving import DeadlineExceededError, InternalError, QueueFullError, RequestTooLargeError
+from tests.unit.test_batching import FakeClock, settle
+
+Job = tuple[str, ...]
+"""A request's payloads: strings; ``"bad"`` makes the fake handler raise, as a payload it cannot parse would."""
+
+
+class FakeHandler:
+    """Answers each payload with its upper case; records each call's jobs and time left; can be held at a gate."""
+
+    def __init__(self) -> None:
+        self.calls: list[list[Job]] = []
+        self.timeouts: list[float | None] = []
+        self.gate = asyncio.Event()
+        self.gate.set()
+        self.short = False
+        """Return one result too few, as a handler returning the wrong number of answers."""
+
+    async def __call__(self, jobs: list[Job], timeout: float | None) -> list[list[str]]:
+        self.calls.append(jobs)
+        self.timeouts.append(timeout)
+        await self.gate.wait()
+        if any("bad" in job for job in jobs):
+            raise ValueError("handler preprocess failed: ValueError: 'bad' is not a number")
+        if self.short and len(jobs) > 1:
+            return [[p.upper() for p in job] for job in jobs[1:]]
+        return [[p.upper() for p in job] for job in jobs]
+
+
+def _alone(e: BaseException) -> bool:
+    return isinstance(e, ValueError | InternalError)
+
+
+def batcher(
+    handler: FakeHandler, clock: FakeClock, *, max_batch_size: int = 4, queue: int = 8, concurrency: int = 1
+) -> HandlerBatcher[Job, list[str]]:
+    return HandlerBatcher(
+        handler,
+        size=len,
+        alone=_alone,
+        max_batch_size=max_batch_size,
+        max_delay=0.010,
+        max_queue_payloads=queue,
+        concurrency=concurrency,
+        clock=clock,
+    )
+
+
+async def test_requests_within_the_delay_are_one_call_in_arrival_order() -> None:
+    handler, clock = FakeHandler(), FakeClock()
+    b = batcher(handler, clock, max_batch_size=5)
+    futures = [b.submit(("a",)), b.submit(("b", "c")), b.submit(("d",))]
+    await settle()
+    assert handler.calls == []  # 5 payloads fill the batch: 4 are queued
+    await clock.advance(0.009)
+    assert handler.calls == []
+    await clock.advance(0.001)
+    assert handler.calls == [[("a",), ("b", "c"), ("d",)]]
+    assert [f.result() for f in futures] == [["A"], ["B", "C"], ["D"]]
+    assert b.batch_sizes == [4]
+
+
+async def test_a_full_batch_runs_at_once_and_a_request_is_never_split() -> None:
+    handler, clock = FakeHandler(), FakeClock()
+    b = batcher(handler, clock, max_batch_size=3)
+    futures = [b.submit(("a", "b")), b.submit(("c", "d")), b.submit(("e",)), b.submit(("f", "g", "h", "i"))]
+    await settle()
+    # The first two do not fit in 3 together; a request over the batch size runs alone.
+    assert handler.calls == [[("a", "b")], [("c", "d"), ("e",)], [("f", "g", "h", "i")]]
+    assert b.batch_sizes == [2, 3, 4]
+    assert futures[3].result() == ["F", "G", "H", "I"]
+
+
+async def test_a_failing_batch_is_rerun_one_request_per_call() -> None:
+    handler, clock = FakeHandler(), FakeClock()
+    b = batcher(handler, clock)
+    good, bad, other = b.submit(("a",)), b.submit(("bad",)), b.submit(("c", "d"))
+    await settle()
+    assert handler.calls == [[("a",), ("bad",), ("c", "d")], [("a",)], [("bad",)], [("c", "d")]]
+    assert good.result() == ["A"]
+    assert other.result() == ["C", "D"]
+    with pytest.raises(ValueError, match="'bad' is not a number"):
+        bad.result()
+
+
+async def test_the_wrong_number_of_results_is_rerun_alone() -> None:
+    handler, clock = FakeHandler(), FakeClock()
+    handler.short = True
+    b = batcher(handler, clock, max_batch_size=2)
+    first, second = b.submit(("a",)), b.submit(("b",))
+    await settle()
+    assert handler.calls == [[("a",), ("b",)], [("a",)], [("b",)]]
+    assert (first.result(), second.result()) == (["A"], ["B"])
+
+
+async def test_a_failure_no_request_caused_fails_the_batch_without_reruns() -> None:
+    async def busy(jobs: list[Job], timeout: float | None) -> list[list[str]]:
+        calls.append(jobs)
+        raise QueueFullError("handler calls are all busy")
+
+    calls: list[list[Job]] = []
+    b = HandlerBatcher(  # no clock: the loop's own, as the server runs it
+        busy, size=len, alone=_alone, max_batch_size=2, max_delay=1, max_queue_payloads=4, concurrency=1
+    )
+    futures = [b.submit(("a",)), b.submit(("b",))]
+    await settle()
+    assert calls == [[("a",), ("b",)]]
+    for f in futures:
+        with pytest.raises(QueueFullError):
+            f.result()
+
+
+async def test_the_queue_is_bounded_in_payloads() -> None:
+    handler, clock = FakeHandler(), FakeClock()
+    handler.gate.clear()
+    b = batcher(handler, clock, max_batch_size=2, queue=3)
+    b.submit(("a", "b"))  # runs, held at the gate: it leaves the queue
+    await settle()
+    b.submit(("c", "d"))
+    with pytest.raises(QueueFullError, match=r"2 of 3 payloads queued, request has 2"):
+        b.submit(("e", "f"))
+    with pytest.raises(RequestTooLargeError, match="at most 3"):
+        b.submit(("1", "2", "3", "4"))
+    b.submit(("e",))  # what fits is taken
+    assert b.queued_payloads == 3
+    handler.gate.set()
+    await settle()
+    assert handler.calls[1] == [("c", "d")]
+    await clock.advance(0.010)  # the lone request left waits out the delay
+    assert handler.calls[2] == [("e",)]
+    assert b.queued_payloads == 0
+
+
+async def test_batches_in_flight_are_bounded_and_requests_gather_meanwhile() -> None:
+    handler, clock = FakeHandler(), FakeClock()
+    handler.gate.clear()
+    b = batcher(handler, clock, concurrency=2)
+    b.submit(("a",))
+    await clock.advance(0.010)
+    b.submit(("b",))
+    await clock.advance(0.010)
+    futures = [b.submit((p,)) for p in "cdef"[:3]]
+    await clock.advance(0.050)
+    assert handler.calls == [[("a",)], [("b",)]]  # two running: the rest wait past the delay
+    handler.gate.set()
+    await settle()
+    assert handler.calls[2] == [("c",), ("d",), ("e",)]
+    assert [f.result() for f in futures] == [["C"], ["D"], ["E"]]
+
+
+async def test_a_deadline_answers_a_queued_request_and_bounds_its_batch() -> None:
+    handler, clock = FakeHandler(), FakeClock()
+    handler.gate.clear()
+    b = batcher(handler, clock, max_batch_size=1)
+    b.submit(("a",))  # runs, held
+    await settle()
+    late = b.submit(("b",), deadline=clock.now() + 0.5)
+    kept = b.submit(("c",), deadline=clock.now() + 5.0)
+    await clock.advance(1.0)
+    with pytest.raises(DeadlineExceededError, match="while the request was queued"):
+        late.result()
+    handler.gate.set()
+    await settle()
+    assert handler.calls == [[("a",)], [("c",)]]  # the expired request never ran
+    assert handler.timeouts == [None, pytest.approx(4.0)]
+    assert kept.result() == ["C"]
+
+
+async def test_a_caller_that_leaves_is_withdrawn_or_its_answer_dropped() -> None:
+    handler, clock = FakeHandler(), FakeClock()
+    handler.gate.clear()
+    b = batcher(handler, clock, max_batch_size=2)
+    running, companion = b.submit(("a",)), b.submit(("b",))
+    await settle()
+    queued = b.submit(("c",))
+    queued.cancel()
+    running.cancel()  # the client went away while its batch runs
+    await settle()
+    assert b.queued_payloads == 0
+    handler.gate.set()
+    await settle()
+    assert companion.result() == ["B"]
+    assert handler.calls == [[("a",), ("b",)]]  # the withdrawn request never ran
