@@ -341,6 +341,14 @@ def _save(cache: CompileCache, name: str, use: CacheUse) -> None:
         log.warning("compile cache: entry %s not written: %s", name, e)
 
 
+def warming(
+    cache: CompileCache | None, use: CacheUse, engine: CompiledEngine | None, sizes: list[int]
+) -> contextlib.AbstractContextManager[None]:
+    """What an engine's warm-up runs in: for a torch.compile ``engine`` (None for one that is not), :func:`compiling`
+    under its key at batch sizes ``sizes``, so its entry is read before the compiles and written after."""
+    return contextlib.nullcontext() if engine is None else compiling(cache, engine_key(engine, sizes), use)
+
+
 @contextlib.contextmanager
 def compiling(cache: CompileCache | None, name: str, use: CacheUse) -> Iterator[None]:
     """Around an engine's warm-up (which compiles): load its entry ``name`` the first time (under that key), count

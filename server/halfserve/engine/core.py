@@ -17,7 +17,6 @@ Two faults are the engine's to recognise, because they need torch to see:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import copy
 import logging
 import math
@@ -226,11 +225,7 @@ class Engine:
         not compiled."""
         self._forward: Callable[[torch.Tensor], torch.Tensor] = self.eager
         if self.inductor:
-            if compile_cache is not None and compile_cache.usable:
-                compilecache.keep_kernels(compile_cache)  # before torch.compile, which settles torch's cache folder
-            own = compilation.own_code(self.eager)
-            self._compiled_code = own.__func__.__code__  # type: ignore[attr-defined]
-            self._forward = torch.compile(own, dynamic=False)
+            self._forward, self._compiled_code = compilation.compiled(self.eager, compile_cache)
         self.compile_seconds = 0.0
         self._cache, self.cache_use = compile_cache, compilecache.CacheUse()
         self._room_made = False
@@ -448,9 +443,7 @@ class Engine:
             self.buckets = sizes
         if self.inductor and not self._room_made:
             self._make_room_for_compiles(sizes)
-        key = compilecache.engine_key(self, sizes) if self.inductor else ""
-        cached = compilecache.compiling(self._cache, key, self.cache_use) if key else contextlib.nullcontext()
-        with cached:  # the compile cache's entry is read before the compiles, and written after
+        with compilecache.warming(self._cache, self.cache_use, self if self.inductor else None, sizes):
             for inst in self.instances:
                 inst.executor.submit(self._warm_instance, inst, sizes).result()
         self.real_elements = self.padded_elements = 0  # the padding of requests, not of warm-up batches
