@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # A short session on a borrowed GPU machine with no internet, run from the repository root:
 #
-#   bash benchmarks/gpu_session.sh [tests] [bench]        (default: both, in that order)
+#   bash benchmarks/gpu_session.sh [tests] [bench] [aoti]  (default: all three, in that order)
 #
 # It installs the Python packages the machine lacks from wheels carried in .whl/ (into /tmp/site, first on
 # PYTHONPATH after this tree), puts the wrk carried in .devkit/ on PATH, prints the GPU and torch, then runs each step
@@ -14,14 +14,18 @@
 #          an interpreter imports pytriton, PyTriton serving the same model in fp16 driven by the same clients.
 #          About 7-8 minutes with the peer, 4-5 without: with the peer, run `tests` and `bench` in separate calls
 #          of a device whose commands stop at 10 minutes
+#   aoti   compile: aoti against inductor: ready seconds cold and warm through the compile cache
+#          (benchmarks/compile_cache_bench.py, each mode), then rows/s at batch 1 and 64 of eager, inductor and aoti
+#          in-process (benchmarks/inductor_bench.py), fp16, digits_mlp and resnet_bench; a few minutes
 # Into $OUT (what the device tool brings back: at most 8 files, 2 folders deep): summary.txt, setup.log, tests.log,
-# bench-<variant>.log, bench.md (each run's gpu_bench.md) and bench.tgz (every bench output folder).
+# bench-<variant>.log, bench.md (each run's gpu_bench.md), bench.tgz (every bench output folder), aoti.log and aoti.md.
 #
 # Environment:
 #   PY               the interpreter (default: /opt/torch/.venv/bin/python3 where it exists, else python3)
 #   OUT              where logs and results go (default: a new temporary folder)
 #   WHL, SITE        the wheels to install and where (default: .whl and /tmp/site); nothing is installed without WHL
-#   TESTS_TIMEOUT    seconds for the tests (default 150); BENCH_TIMEOUT: seconds per bench run (default 540)
+#   TESTS_TIMEOUT    seconds for the tests (default 150); BENCH_TIMEOUT: seconds per bench run (default 540);
+#                    AOTI_TIMEOUT: seconds for the aoti step (default 400)
 #   PYTRITON_PYTHON  the interpreter the PyTriton peer runs under (default: $PY when it imports pytriton; none: no
 #                    peer). It needs nvidia-pytriton 0.7.0 (a wheel carrying tritonserver) with its dependencies
 #                    (tritonclient, pyzmq, sh, wrapt, typing-inspect, numpy<2), besides torch, safetensors, pydantic:
@@ -45,8 +49,9 @@ WHL=${WHL:-.whl}
 SITE=${SITE:-/tmp/site}
 TESTS_TIMEOUT=${TESTS_TIMEOUT:-150}
 BENCH_TIMEOUT=${BENCH_TIMEOUT:-540}
+AOTI_TIMEOUT=${AOTI_TIMEOUT:-400}
 steps=("$@")
-[[ ${#steps[@]} -gt 0 ]] || steps=(tests bench)
+[[ ${#steps[@]} -gt 0 ]] || steps=(tests bench aoti)
 mkdir -p "$OUT"
 summary=$OUT/summary.txt
 setup=$OUT/setup.log
@@ -182,11 +187,33 @@ PY
     tar -czf "$OUT/bench.tgz" -C "$OUT" bench && rm -rf "$OUT/bench"
 }
 
+run_aoti() {
+    local start=$SECONDS rc=0 mode models=digits_mlp,resnet_bench device=cuda precision=fp16 sizes=1,64
+    if [[ ${GPU_SESSION_CPU:-0} == 1 ]]; then
+        models=digits_mlp device=cpu precision=fp32 sizes=1,2
+    fi
+    mkdir -p "$OUT/aoti"
+    # One deadline for the whole step: its three runs share AOTI_TIMEOUT.
+    local deadline=$((SECONDS + AOTI_TIMEOUT))
+    for mode in inductor aoti; do
+        timeout -k 10 $((deadline - SECONDS)) "$PY" benchmarks/compile_cache_bench.py --compile "$mode" \
+            --models "$models" --precision "$precision" --serve-args="--device $device --threads 1" \
+            --out "$OUT/aoti/ready-$mode" >>"$OUT/aoti.log" 2>&1 || rc=$?
+    done
+    timeout -k 10 $((deadline - SECONDS)) "$PY" benchmarks/inductor_bench.py --compile inductor,aoti \
+        --models "$models" --precisions "$precision" --batch-sizes "$sizes" --device "$device" --rounds 3 \
+        --out "$OUT/aoti/forward" >>"$OUT/aoti.log" 2>&1 || rc=$?
+    note "aoti: rc=$rc in $((SECONDS - start))s"
+    cat "$OUT"/aoti/*.md >"$OUT/aoti.md" 2>/dev/null && tee -a "$summary" <"$OUT/aoti.md" >/dev/null
+    [[ $rc == 0 ]] || tail -5 "$OUT/aoti.log" | tee -a "$summary"
+}
+
 for step in "${steps[@]}"; do
     case $step in
         tests) run_tests ;;
         bench) run_bench ;;
-        *) note "unknown step $step (tests, bench)" ;;
+        aoti) run_aoti ;;
+        *) note "unknown step $step (tests, bench, aoti)" ;;
     esac
 done
 echo "results in $OUT: $(cd "$OUT" && echo *)"

@@ -91,6 +91,8 @@ class CompiledEngine(Protocol):
     device: torch.device
     fp32_modules: tuple[str, ...]
     channels_last: bool
+    inductor: bool
+    """Whether it compiles with torch.compile (else with AOTInductor: the other mode cached)."""
 
 
 class CorruptEntry(Exception):
@@ -159,7 +161,7 @@ def engine_key(engine: CompiledEngine, sizes: list[int]) -> str:
         "model": m.name,
         "version": engine.version,
         "architecture": m.architecture,
-        "compile": Compile.INDUCTOR.value,  # the only mode cached
+        "compile": (Compile.INDUCTOR if engine.inductor else Compile.AOTI).value,
         "precision": engine.precision.value,
         "fp32_modules": sorted(engine.fp32_modules),
         "buckets": sorted(sizes),
