@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from halfserve.compilecache import CacheOutcome, CacheUse, CompileCache, CorruptEntry, pack, unpack
+from halfserve.compilecache import CacheOutcome, CacheUse, CompileCache, CorruptEntry, keep_kernels, pack, unpack
 from halfserve.engine.protocol import EngineError
 
 log = logging.getLogger(__name__)
@@ -135,7 +135,7 @@ class Packaged:
         self.packages = {size: load(io.BytesIO(data), num_runners=runners) for size, data in packages.items()}
 
     def __call__(self, t: torch.Tensor) -> torch.Tensor:
-        package = self.packages.get(DYNAMIC) or self.packages.get(t.shape[0])
+        package = self.packages.get(DYNAMIC if DYNAMIC in self.packages else t.shape[0])
         if package is None or t.dtype != self.dtype:
             return self._eager(t)
         out: torch.Tensor = package(t.contiguous())
@@ -160,6 +160,10 @@ def packaged(
     folder, name = cache if cache is not None else (None, "")
     use.key = name
     if folder is not None:
+        # Loading a package on a CPU has torch compile probes of the vector instructions it may use (22 s of a first
+        # load on the 2-core host, against 4 s with them found), into its own cache: kept with the
+        # packages, they are found at the next start.
+        keep_kernels(folder)
         start = time.perf_counter()
         try:
             data = folder.read(name)
