@@ -18,7 +18,8 @@
 #          (benchmarks/compile_cache_bench.py, each mode), then rows/s at batch 1 and 64 of eager, inductor and aoti
 #          in-process (benchmarks/inductor_bench.py), fp16, digits_mlp and resnet_bench; a few minutes
 # Into $OUT (what the device tool brings back: at most 8 files, 2 folders deep): summary.txt, setup.log, tests.log,
-# bench-<variant>.log, bench.md (each run's gpu_bench.md), bench.tgz (every bench output folder), aoti.log and aoti.md.
+# bench-<variant>.log, bench.md (each run's gpu_bench.md), bench.tgz (every bench output folder), aoti.log and aoti.tgz
+# (the aoti step's results; their tables are in summary.txt).
 #
 # Environment:
 #   PY               the interpreter (default: /opt/torch/.venv/bin/python3 where it exists, else python3)
@@ -189,23 +190,26 @@ PY
 
 run_aoti() {
     local start=$SECONDS rc=0 mode models=digits_mlp,resnet_bench device=cuda precision=fp16 sizes=1,64
-    if [[ ${GPU_SESSION_CPU:-0} == 1 ]]; then
-        models=digits_mlp device=cpu precision=fp32 sizes=1,2
+    local modes=(inductor aoti) compiled=inductor,aoti rounds=3
+    if [[ ${GPU_SESSION_CPU:-0} == 1 ]]; then  # a smoke of the step: aoti alone, the small model
+        models=digits_mlp device=cpu precision=fp32 sizes=1,2 modes=(aoti) compiled=aoti rounds=1
     fi
     mkdir -p "$OUT/aoti"
-    # One deadline for the whole step: its three runs share AOTI_TIMEOUT.
+    # One deadline for the whole step: its runs share AOTI_TIMEOUT (never 0 s, which timeout reads as none).
     local deadline=$((SECONDS + AOTI_TIMEOUT))
-    for mode in inductor aoti; do
-        timeout -k 10 $((deadline - SECONDS)) "$PY" benchmarks/compile_cache_bench.py --compile "$mode" \
+    left() { local n=$((deadline - SECONDS)); echo $((n > 1 ? n : 1)); }
+    for mode in "${modes[@]}"; do
+        timeout -k 10 "$(left)" "$PY" benchmarks/compile_cache_bench.py --compile "$mode" \
             --models "$models" --precision "$precision" --serve-args="--device $device --threads 1" \
             --out "$OUT/aoti/ready-$mode" >>"$OUT/aoti.log" 2>&1 || rc=$?
     done
-    timeout -k 10 $((deadline - SECONDS)) "$PY" benchmarks/inductor_bench.py --compile inductor,aoti \
-        --models "$models" --precisions "$precision" --batch-sizes "$sizes" --device "$device" --rounds 3 \
+    timeout -k 10 "$(left)" "$PY" benchmarks/inductor_bench.py --compile "$compiled" \
+        --models "$models" --precisions "$precision" --batch-sizes "$sizes" --device "$device" --rounds "$rounds" \
         --out "$OUT/aoti/forward" >>"$OUT/aoti.log" 2>&1 || rc=$?
     note "aoti: rc=$rc in $((SECONDS - start))s"
-    cat "$OUT"/aoti/*.md >"$OUT/aoti.md" 2>/dev/null && tee -a "$summary" <"$OUT/aoti.md" >/dev/null
+    cat "$OUT"/aoti/*.md 2>/dev/null | tee -a "$summary"
     [[ $rc == 0 ]] || tail -5 "$OUT/aoti.log" | tee -a "$summary"
+    tar -czf "$OUT/aoti.tgz" -C "$OUT" aoti && rm -rf "$OUT/aoti"
 }
 
 for step in "${steps[@]}"; do
