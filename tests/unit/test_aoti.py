@@ -7,11 +7,13 @@ import json
 
 import pytest
 import torch
+from pydantic import ValidationError
 from torch import nn
 
 from halfserve import aoti
 from halfserve.compilecache import CorruptEntry, pack
 from halfserve.engine.protocol import EngineError
+from halfserve.manifest import Manifest
 
 
 def test_an_entry_gives_back_its_packages_by_batch_size() -> None:
@@ -52,3 +54,24 @@ def test_a_model_that_does_not_export_is_refused_with_torchs_reason() -> None:
     model = Branches().eval()
     with pytest.raises(EngineError, match=r"execution.compile 'aoti': the model does not export: \w+"):
         aoti.build(model, model.forward, torch.zeros(1, 4), [1, 2])
+
+
+def manifest(**execution: object) -> dict[str, object]:
+    return {
+        "name": "m",
+        "architecture": "mlp",
+        "inputs": [{"name": "a", "shape": [4]}, {"name": "b", "shape": [4]}],
+        "outputs": [{"name": "y", "shape": [2]}],
+        "execution": {"compile": "aoti", **execution},
+    }
+
+
+def test_a_manifest_asking_aoti_of_a_model_it_cannot_export_is_refused() -> None:
+    with pytest.raises(ValidationError, match="execution.compile 'aoti' takes models with one input and one output"):
+        Manifest.model_validate(manifest())
+    one = {**manifest(pad_to_bucket=False), "inputs": [{"name": "a", "shape": [4]}]}
+    with pytest.raises(ValidationError, match="compile 'aoti' runs fixed shapes: it needs pad_to_bucket"):
+        Manifest.model_validate(one)
+    variable = {**manifest(), "inputs": [{"name": "a", "shape": [-1], "max_length": 8}]}
+    with pytest.raises(ValidationError, match="a model with variable dimensions runs eagerly"):
+        Manifest.model_validate(variable)
