@@ -62,12 +62,17 @@ def test_a_cold_start_compiles_a_package_that_answers_as_eager_does(first: tuple
     np.testing.assert_allclose(start.answers, reference, atol=0.02 * np.abs(reference).max(), rtol=0)
 
 
-@pytest.mark.parametrize("placement", ["instance_threads", "instance_processes"])
+@pytest.mark.parametrize(
+    ("placement", "warmup"),
+    [("instance_threads", "--warmup"), ("instance_processes", "--warmup"), ("instance_threads", "--no-warmup")],
+)
 def test_a_second_start_loads_the_package_and_compiles_nothing(
-    first: tuple[Path, Path, Start], tmp_path: Path, placement: str
+    first: tuple[Path, Path, Start], tmp_path: Path, placement: str, warmup: str
 ) -> None:
+    """In instance threads, in instance processes, and at the first batch where nothing warms up."""
     store_path, cache, start = first
-    again = serve_once(store_path, copied(cache, tmp_path), tmp_path / "second", *BF16, "--placement", placement)
+    mine = copied(cache, tmp_path)
+    again = serve_once(store_path, mine, tmp_path / "second", *BF16, "--placement", placement, warmup)
     assert again.execution["placement"] == placement
     assert again.execution["compile_cache"] == "hit"
     assert again.execution["compiled_graphs"] == 0
