@@ -258,7 +258,8 @@ class Engine:
             self.padded_elements += padding.padded
 
     def _on_device(self, t: torch.Tensor) -> torch.Tensor:
-        """Cast and run a batch already on the device, under the precision's context (compiled with ``inductor``)."""
+        """Cast and run a batch already on the device, under the precision's context (compiled with ``inductor``, or
+        as ``aoti`` packages)."""
         if self.aoti and self._packaged is None:
             self._load_packages(self.buckets or [len(t)])  # not warmed up: the first batch loads (or builds) them
         with prec.inference(self.precision, self.device):
