@@ -1,15 +1,21 @@
-"""Ready time of an ``inductor`` model with a cold and a warm compile cache, through real ``halfserve serve`` starts.
+"""Ready time of an ``inductor`` (or ``aoti``) model with a cold and a warm compile cache, through real ``halfserve
+serve`` starts.
 
-For each model it copies the store entry with ``execution.compile: "inductor"`` into a scratch store, then starts the
-server three times on one ``--compile-cache`` folder, empty at first: the first start compiles and writes the entry
-(``cold``), the second loads it (``warm``); each gets an empty ``TORCHINDUCTOR_CACHE_DIR`` of its own, so torch's own
-cache cannot stand in for the compile cache. The third (``warm+kernels``) loads the entry with torch's cache as the
-second left it: on a CPU, where the entry does not hold the C++ kernels, that is what a restart on the same host
-gets from torch's default ``/tmp/torchinductor_<user>``. It reports the seconds from spawning the server to its
-``/ready``, the warm-up, the compile time and the compile cache fields of ``GET /models``.
+For each model it copies the store entry with ``execution.compile: "inductor"`` (``--compile``) into a scratch
+store, then starts the server three times on one ``--compile-cache`` folder, empty at first: the first start compiles
+and writes the entry (``cold``), the second loads it (``warm``); each gets an empty ``TORCHINDUCTOR_CACHE_DIR`` of its
+own, so torch's own cache cannot stand in for the compile cache. The third (``warm+kernels``) loads the entry with
+torch's cache as the second left it: on a CPU, where the entry does not hold the C++ kernels, that is what a restart
+on the same host gets from torch's default ``/tmp/torchinductor_<user>``. It reports the seconds from spawning the
+server to its ``/ready``, the warm-up, the compile time and the compile cache fields of ``GET /models``.
 
     python benchmarks/compile_cache_bench.py --models resnet_bench,digits_mlp \
         --out benchmarks/results/compile-cache-cpu/compile-cache
+    python benchmarks/compile_cache_bench.py --compile aoti --models digits_mlp,resnet_bench \
+        --out benchmarks/results/aoti-cpu/ready
+
+With ``--compile aoti`` the package holds its kernels, but loading one on a CPU first has torch find the vector
+instructions it may use by compiling probes into its own cache: ``warm`` pays for them, ``warm+kernels`` finds them.
 """
 
 from __future__ import annotations
@@ -39,12 +45,12 @@ as the second left it (the C++ kernels it built: TorchInductor's FX graph artifa
 FIELDS = ("compile_cache", "compile_cache_load_seconds", "compiled_graphs", "cached_graphs", "inductor_compile_seconds")
 
 
-def inductor_copy(source: Path, model: str, scratch: Path) -> Path:
-    """A store in ``scratch`` holding ``model`` from ``source`` with ``execution.compile: "inductor"``."""
+def compiled_copy(source: Path, model: str, scratch: Path, mode: Compile) -> Path:
+    """A store in ``scratch`` holding ``model`` from ``source`` with ``execution.compile`` ``mode``."""
     root = scratch / "store"
     shutil.copytree(source / model, root / model)
     manifest = load_manifest(root / model)
-    execution = manifest.execution.model_copy(update={"compile": Compile.INDUCTOR})
+    execution = manifest.execution.model_copy(update={"compile": mode})
     store.write_manifest(root, manifest.model_copy(update={"execution": execution}))
     return root
 
@@ -99,14 +105,20 @@ def main() -> None:
     p.add_argument("--precision", default="fp32", help="fp32: no fidelity check at load, whose reference compiles too")
     p.add_argument("--serve-args", default="--threads 1", help="more `halfserve serve` flags, space-separated")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds a start may take to be ready")
+    p.add_argument("--compile", default="inductor", type=Compile, help="inductor or aoti")
     p.add_argument("--out", type=Path, help="path prefix for .json and .md")
     args = p.parse_args()
     serve_args = ["--precision", args.precision, *args.serve_args.split()]
-    result: dict[str, Any] = {"machine": hostinfo.describe(), "serve_args": serve_args, "runs": []}
+    result: dict[str, Any] = {
+        "machine": hostinfo.describe(),
+        "compile": args.compile.value,
+        "serve_args": serve_args,
+        "runs": [],
+    }
     for model in args.models.split(","):
         with tempfile.TemporaryDirectory(prefix="compile-cache-bench-") as tmp:
             scratch = Path(tmp)
-            root = inductor_copy(args.store, model, scratch)
+            root = compiled_copy(args.store, model, scratch, args.compile)
             for name in STARTS:
                 run = scratch / name
                 kernels = scratch / ("warm" if name == "warm+kernels" else name) / "torchinductor"

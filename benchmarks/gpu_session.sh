@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # A short session on a borrowed GPU machine with no internet, run from the repository root:
 #
-#   bash benchmarks/gpu_session.sh [tests] [bench] [probes]   (default: tests and bench, in that order)
+#   bash benchmarks/gpu_session.sh [tests] [bench] [aoti] [probes]  (default: tests, bench and aoti, in that order)
 #
 # It installs the Python packages the machine lacks from wheels carried in .whl/ (into /tmp/site, first on
 # PYTHONPATH after this tree), puts the wrk carried in .devkit/ on PATH, prints the GPU and torch, then runs each step
@@ -14,19 +14,24 @@
 #          an interpreter imports pytriton, PyTriton serving the same model in fp16 driven by the same clients.
 #          About 7-8 minutes with the peer, 4-5 without: with the peer, run `tests` and `bench` in separate calls
 #          of a device whose commands stop at 10 minutes
+#   aoti   compile: aoti against inductor: ready seconds cold and warm through the compile cache
+#          (benchmarks/compile_cache_bench.py, each mode), then rows/s at batch 1 and 64 of eager, inductor and aoti
+#          in-process (benchmarks/inductor_bench.py), fp16, digits_mlp and resnet_bench; a few minutes
 #   probes the path's levers at concurrency 64 (docs/gpu.md), about 30 s: benchmarks/tools/torch_calls.py (a batch's
 #          stream made current per batch, the output's copy and sync against one blocking copy, each idle and beside
 #          a busy event loop; the seconds and device memory of page-locking a front-end's 256 MiB in the engine
 #          process) and benchmarks/tools/output_copies.py (the copies of a batch's outputs out of an instance process)
 # Into $OUT (what the device tool brings back: at most 8 files, 2 folders deep): summary.txt, setup.log, tests.log,
-# bench-<variant>.log, bench.md (each run's gpu_bench.md), bench.tgz (every bench output folder) and probes.log (each
-# probe's JSON).
+# bench-<variant>.log, bench.md (each run's gpu_bench.md), bench.tgz (every bench output folder), aoti.log and aoti.tgz
+# (the aoti step's results; their tables are in summary.txt) and probes.log (each probe's JSON): run the steps as
+# separate calls, each with an $OUT of its own.
 #
 # Environment:
 #   PY               the interpreter (default: /opt/torch/.venv/bin/python3 where it exists, else python3)
 #   OUT              where logs and results go (default: a new temporary folder)
 #   WHL, SITE        the wheels to install and where (default: .whl and /tmp/site); nothing is installed without WHL
-#   TESTS_TIMEOUT    seconds for the tests (default 150); BENCH_TIMEOUT: seconds per bench run (default 540)
+#   TESTS_TIMEOUT    seconds for the tests (default 150); BENCH_TIMEOUT: seconds per bench run (default 540);
+#                    AOTI_TIMEOUT: seconds for the aoti step (default 400)
 #   PYTRITON_PYTHON  the interpreter the PyTriton peer runs under (default: $PY when it imports pytriton; none: no
 #                    peer). It needs nvidia-pytriton 0.7.0 (a wheel carrying tritonserver) with its dependencies
 #                    (tritonclient, pyzmq, sh, wrapt, typing-inspect, numpy<2), besides torch, safetensors, pydantic:
@@ -50,8 +55,9 @@ WHL=${WHL:-.whl}
 SITE=${SITE:-/tmp/site}
 TESTS_TIMEOUT=${TESTS_TIMEOUT:-150}
 BENCH_TIMEOUT=${BENCH_TIMEOUT:-540}
+AOTI_TIMEOUT=${AOTI_TIMEOUT:-400}
 steps=("$@")
-[[ ${#steps[@]} -gt 0 ]] || steps=(tests bench)
+[[ ${#steps[@]} -gt 0 ]] || steps=(tests bench aoti)
 mkdir -p "$OUT"
 summary=$OUT/summary.txt
 setup=$OUT/setup.log
@@ -198,12 +204,37 @@ run_probes() {
     done
 }
 
+run_aoti() {
+    local start=$SECONDS rc=0 mode models=digits_mlp,resnet_bench device=cuda precision=fp16 sizes=1,64
+    local modes=(inductor aoti) compiled=inductor,aoti rounds=3
+    if [[ ${GPU_SESSION_CPU:-0} == 1 ]]; then  # a smoke of the step: aoti alone, the small model
+        models=digits_mlp device=cpu precision=fp32 sizes=1,2 modes=(aoti) compiled=aoti rounds=1
+    fi
+    mkdir -p "$OUT/aoti"
+    # One deadline for the whole step: its runs share AOTI_TIMEOUT (never 0 s, which timeout reads as none).
+    local deadline=$((SECONDS + AOTI_TIMEOUT))
+    left() { local n=$((deadline - SECONDS)); echo $((n > 1 ? n : 1)); }
+    for mode in "${modes[@]}"; do
+        timeout -k 10 "$(left)" "$PY" benchmarks/compile_cache_bench.py --compile "$mode" \
+            --models "$models" --precision "$precision" --serve-args="--device $device --threads 1" \
+            --out "$OUT/aoti/ready-$mode" >>"$OUT/aoti.log" 2>&1 || rc=$?
+    done
+    timeout -k 10 "$(left)" "$PY" benchmarks/inductor_bench.py --compile "$compiled" \
+        --models "$models" --precisions "$precision" --batch-sizes "$sizes" --device "$device" --rounds "$rounds" \
+        --out "$OUT/aoti/forward" >>"$OUT/aoti.log" 2>&1 || rc=$?
+    note "aoti: rc=$rc in $((SECONDS - start))s"
+    cat "$OUT"/aoti/*.md 2>/dev/null | tee -a "$summary"
+    [[ $rc == 0 ]] || tail -5 "$OUT/aoti.log" | tee -a "$summary"
+    tar -czf "$OUT/aoti.tgz" -C "$OUT" aoti && rm -rf "$OUT/aoti"
+}
+
 for step in "${steps[@]}"; do
     case $step in
         tests) run_tests ;;
         bench) run_bench ;;
+        aoti) run_aoti ;;
         probes) run_probes ;;
-        *) note "unknown step $step (tests, bench, probes)" ;;
+        *) note "unknown step $step (tests, bench, aoti, probes)" ;;
     esac
 done
 echo "results in $OUT: $(cd "$OUT" && echo *)"

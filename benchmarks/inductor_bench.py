@@ -1,11 +1,14 @@
 """TorchInductor against eager forwards, in-process through the server's Engine, per model, precision and batch size.
 
-For each model and precision it builds two engines from the same store entry, one eager and one with
-``execution.compile: "inductor"`` (compiled at warm-up, one shape per batch size asked for), reports the compile
+For each model and precision it builds engines from the same store entry, one eager and one per compiled mode of
+``--compile`` (``inductor``: ``torch.compile`` at warm-up, one shape per batch size asked for; ``aoti``: an
+AOTInductor package, batch dimension dynamic, built at warm-up with no compile cache), reports the compile
 time, then measures rows/s of both (numpy in, prepared, forward, float32 numpy out: what a batch costs the server)
 in interleaved rounds, best of each, and the largest output difference between them.
 
     python benchmarks/inductor_bench.py --models resnet_bench,digits_mlp --out benchmarks/results/inductor-cpu/inductor
+    python benchmarks/inductor_bench.py --compile inductor,aoti --batch-sizes 1,64 \
+        --out benchmarks/results/aoti-cpu/forward
 
 The allocator matters on a CPU (glibc malloc page-faults fresh pages in for every large activation; inductor plans
 its buffers): it is in the results' ``machine`` (``LD_PRELOAD=.../libjemalloc.so.2`` to compare).
@@ -38,54 +41,65 @@ def rate(engine: Engine, x: np.ndarray, seconds: float) -> float:
 
 
 def compare(
-    loaded: store.LoadedModel, precision: Precision, sizes: list[int], rounds: int, seconds: float
+    loaded: store.LoadedModel,
+    precision: Precision,
+    sizes: list[int],
+    rounds: int,
+    seconds: float,
+    modes: list[Compile],
+    device: torch.device,
 ) -> dict[str, Any]:
-    cpu = torch.device("cpu")
-    eager = Engine(loaded, precision, cpu, execution=Execution(pad_to_bucket=True, batch_buckets=sizes))
+    eager = Engine(loaded, precision, device, execution=Execution(pad_to_bucket=True, batch_buckets=sizes))
     eager.warmup(max(sizes))
-    compiled = Engine(loaded, precision, cpu, execution=Execution(compile=Compile.INDUCTOR, batch_buckets=sizes))
-    compiled.warmup(max(sizes))
+    engines = {"eager": eager}
+    for mode in modes:
+        engines[mode.value] = Engine(loaded, precision, device, execution=Execution(compile=mode, batch_buckets=sizes))
+        engines[mode.value].warmup(max(sizes))
     rng = np.random.default_rng(0)
     dtype = eager.input_dtype
     shape = (max(sizes), *eager.sample_shape)
     data = rng.integers(0, 256, shape) if dtype == np.uint8 else rng.uniform(0, 1, shape)
     inputs = {bs: np.ascontiguousarray(data[:bs]).astype(dtype) for bs in sizes}
-    best = {name: dict.fromkeys(map(str, sizes), 0.0) for name in ("eager", "inductor")}
+    best = {name: dict.fromkeys(map(str, sizes), 0.0) for name in engines}
     for _ in range(rounds):
         for bs, x in inputs.items():
-            for name, engine in (("eager", eager), ("inductor", compiled)):
+            for name, engine in engines.items():
                 best[name][str(bs)] = max(best[name][str(bs)], rate(engine, x, seconds))
     x = inputs[max(sizes)]
-    diff = float(np.abs(eager.forward(x) - compiled.forward(x)).max())
+    reference = eager.forward(x)
+    compiled = {m.value: engines[m.value] for m in modes}
     result = {
         "precision": precision.value,
-        "compile_seconds": compiled.info.inductor_compile_seconds,
+        "compile_seconds": {m: e.info.inductor_compile_seconds for m, e in compiled.items()},
         "rows_per_s": best,
-        "inductor_over_eager": {k: best["inductor"][k] / best["eager"][k] for k in best["eager"]},
-        "max_abs_output_difference": diff,
+        "over_eager": {m: {k: best[m][k] / best["eager"][k] for k in best["eager"]} for m in compiled},
+        "max_abs_output_difference": {m: float(np.abs(reference - e.forward(x)).max()) for m, e in compiled.items()},
     }
-    eager.close()
-    compiled.close()
+    for engine in engines.values():
+        engine.close()
     return result
 
 
 def markdown(result: dict[str, Any]) -> str:
-    sizes = result["batch_sizes"]
-    head = " | ".join(f"batch {s} eager / inductor" for s in sizes)
+    sizes, modes = result["batch_sizes"], result["modes"]
+    names = " / ".join(["eager", *modes])
+    head = " | ".join(f"batch {s} {names}" for s in sizes)
     lines = [
-        f"| model | precision | compile s | {head} | max abs diff |",
+        f"| model | precision | compile s ({', '.join(modes)}) | {head} | max abs diff |",
         "|---|---|---:|" + "---:|" * len(sizes) + "---:|",
     ]
     for run in result["runs"]:
         r = run["rows_per_s"]
         cells = " | ".join(
-            f"{r['eager'][str(s)]:,.0f} / {r['inductor'][str(s)]:,.0f} ({run['inductor_over_eager'][str(s)]:.2f}x)"
+            " / ".join(f"{r[n][str(s)]:,.0f}" for n in ["eager", *modes])
+            + " ("
+            + ", ".join(f"{run['over_eager'][m][str(s)]:.2f}x" for m in modes)
+            + ")"
             for s in sizes
         )
-        lines.append(
-            f"| {run['model']} | {run['precision']} | {run['compile_seconds']:.1f} | {cells} | "
-            f"{run['max_abs_output_difference']:.1e} |"
-        )
+        compile_s = ", ".join(f"{run['compile_seconds'][m]:.1f}" for m in modes)
+        diffs = ", ".join(f"{run['max_abs_output_difference'][m]:.1e}" for m in modes)
+        lines.append(f"| {run['model']} | {run['precision']} | {compile_s} | {cells} | {diffs} |")
     m = result["machine"]
     lines.append(
         f"\nrows/s, best of {result['rounds']} interleaved rounds of {result['seconds']:g} s; {m['cpu']} "
@@ -103,10 +117,14 @@ def main() -> None:
     p.add_argument("--batch-sizes", default="1,8,32", type=lambda s: [int(x) for x in s.split(",")])
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--seconds", type=float, default=0.4, help="per measurement")
+    p.add_argument("--device", default="cpu", type=torch.device)
+    p.add_argument("--compile", default="inductor", help="compiled modes to measure against eager: inductor,aoti")
     p.add_argument("--out", type=Path, help="path prefix for .json and .md")
     args = p.parse_args()
+    modes = [Compile(m) for m in args.compile.split(",")]
     result: dict[str, Any] = {
         "machine": hostinfo.describe(),
+        "modes": [m.value for m in modes],
         "batch_sizes": args.batch_sizes,
         "rounds": args.rounds,
         "seconds": args.seconds,
@@ -115,7 +133,10 @@ def main() -> None:
     for model in args.models.split(","):
         loaded = store.load(args.store, model)
         for precision in args.precisions.split(","):
-            run = {"model": model, **compare(loaded, Precision(precision), args.batch_sizes, args.rounds, args.seconds)}
+            measured = compare(
+                loaded, Precision(precision), args.batch_sizes, args.rounds, args.seconds, modes, args.device
+            )
+            run = {"model": model, **measured}
             print(json.dumps(run), flush=True)
             result["runs"].append(run)
     md = markdown(result)

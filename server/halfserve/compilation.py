@@ -8,6 +8,8 @@ from collections.abc import Callable
 
 import torch
 
+from halfserve import compilecache
+
 log = logging.getLogger(__name__)
 
 
@@ -23,6 +25,18 @@ def own_code(method: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.
     code = fn.__code__.replace()  # an equal code object, not the same one
     own = types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
     return types.MethodType(own, method.__self__)  # type: ignore[attr-defined]
+
+
+def compiled(
+    method: Callable[[torch.Tensor], torch.Tensor], cache: compilecache.CompileCache | None
+) -> tuple[Callable[[torch.Tensor], torch.Tensor], types.CodeType]:
+    """``method`` compiled with torch.compile, one fixed shape per batch size, and the code object whose compiled
+    shapes are its own (:func:`own_code`). With a usable compile ``cache``, torch's kernel cache goes in its folder
+    (:func:`halfserve.compilecache.keep_kernels`): set before torch.compile, which settles torch's cache folder."""
+    if cache is not None and cache.usable:
+        compilecache.keep_kernels(cache)
+    own = own_code(method)
+    return torch.compile(own, dynamic=False), own.__func__.__code__  # type: ignore[attr-defined]
 
 
 # torch.compile's limits and cache are torch._dynamo's, not public API: read where they are, with a way out when a

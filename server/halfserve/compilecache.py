@@ -91,6 +91,8 @@ class CompiledEngine(Protocol):
     device: torch.device
     fp32_modules: tuple[str, ...]
     channels_last: bool
+    inductor: bool
+    """Whether it compiles with torch.compile (else with AOTInductor: the other mode cached)."""
 
 
 class CorruptEntry(Exception):
@@ -159,7 +161,7 @@ def engine_key(engine: CompiledEngine, sizes: list[int]) -> str:
         "model": m.name,
         "version": engine.version,
         "architecture": m.architecture,
-        "compile": Compile.INDUCTOR.value,  # the only mode cached
+        "compile": (Compile.INDUCTOR if engine.inductor else Compile.AOTI).value,
         "precision": engine.precision.value,
         "fp32_modules": sorted(engine.fp32_modules),
         "buckets": sorted(sizes),
@@ -339,6 +341,14 @@ def _save(cache: CompileCache, name: str, use: CacheUse) -> None:
         cache.write(name, pack(use.saved))
     except OSError as e:
         log.warning("compile cache: entry %s not written: %s", name, e)
+
+
+def warming(
+    cache: CompileCache | None, use: CacheUse, engine: CompiledEngine | None, sizes: list[int]
+) -> contextlib.AbstractContextManager[None]:
+    """What an engine's warm-up runs in: for a torch.compile ``engine`` (None for one that is not), :func:`compiling`
+    under its key at batch sizes ``sizes``, so its entry is read before the compiles and written after."""
+    return contextlib.nullcontext() if engine is None else compiling(cache, engine_key(engine, sizes), use)
 
 
 @contextlib.contextmanager

@@ -48,6 +48,10 @@ class Compile(str, Enum):
     """``torch.compile`` (TorchInductor) of the input preparation and the forward, one fixed shape per batch bucket,
     compiled at warm-up: fused kernels and planned buffers. On a CPU it builds C++ kernels, so it needs a C++
     compiler where the server runs."""
+    AOTI = "aoti"
+    """AOTInductor: the input preparation and the forward exported (``torch.export``, batch dimension dynamic where
+    the model exports so) and compiled ahead of time into a package kept in the compile cache, so a start that finds
+    it loads a library and traces nothing (:mod:`halfserve.aoti`). Needs a C++ compiler to build, not to load."""
 
 
 class Isolation(str, Enum):

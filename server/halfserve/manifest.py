@@ -432,8 +432,12 @@ class Manifest(BaseModel):
         for t in self.outputs:
             if t.format is not None:
                 raise ValueError(f"outputs: {t.name!r}: format applies to inputs")
-        if self.execution.compile is Compile.INDUCTOR and (len(self.inputs) > 1 or len(self.outputs) > 1):
-            raise ValueError("execution.compile 'inductor' takes models with one input and one output")
+        if self.execution.compile in (Compile.INDUCTOR, Compile.AOTI) and (
+            len(self.inputs) > 1 or len(self.outputs) > 1
+        ):
+            raise ValueError(
+                f"execution.compile {self.execution.compile.value!r} takes models with one input and one output"
+            )
         if self.answer is not None and self.handler is not None:
             raise ValueError("answer and handler: a handler's postprocess answers /predictions itself; give one")
         if self.answer is not None:

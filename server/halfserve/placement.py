@@ -181,7 +181,7 @@ def pads_to_buckets(execution: Execution, device: OnDevice) -> bool:
     CUDA graphs) and wherever the forward is compiled (a compiled forward runs fixed shapes)."""
     if execution.pad_to_bucket is not None:
         return execution.pad_to_bucket
-    return device.type == "cuda" or execution.compile is Compile.INDUCTOR
+    return device.type == "cuda" or execution.compile in (Compile.INDUCTOR, Compile.AOTI)
 
 
 def available_cores() -> int:

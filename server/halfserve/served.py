@@ -316,6 +316,7 @@ def _execution(info: EngineInfo) -> dict[str, object]:
         "channels_last": info.channels_last,
         "graph_capture_seconds": round(info.graph_capture_seconds, 4),
         "inductor": info.inductor,
+        "aoti": info.aoti,
         "inductor_compile_seconds": round(info.inductor_compile_seconds, 4),
         "compile_cache": info.compile_cache.value,
         "compile_cache_load_seconds": round(info.compile_cache_load_seconds, 4),

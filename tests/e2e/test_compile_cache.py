@@ -4,6 +4,7 @@ entry, and a miss cannot hide in a cache of the process."""
 
 from __future__ import annotations
 
+import functools
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,8 +40,10 @@ def serve_once(store: Path, cache: Path, run: Path, *args: str) -> Start:
     # forward time), and the buckets compiled again at the count chosen go into the entry beside the first ones.
     server = start_server(store, run / "server.log", "--compile-cache", str(cache), *args, env=env)
     try:
-        rows = [httpx.post(f"{server.url}/predict", json={"inputs": ROWS[i : i + 1].tolist()}) for i in range(3)]
-        rows.append(httpx.post(f"{server.url}/predict", json={"inputs": ROWS[:2].tolist()}))
+        # Bounded, but long enough for a first batch that loads (or compiles) what --no-warmup left undone.
+        post = functools.partial(httpx.post, f"{server.url}/predict", timeout=120)
+        rows = [post(json={"inputs": ROWS[i : i + 1].tolist()}) for i in range(3)]
+        rows.append(post(json={"inputs": ROWS[:2].tolist()}))
         assert [r.status_code for r in rows] == [200] * 4
         (entry,) = httpx.get(f"{server.url}/models").json()["models"]
     finally:

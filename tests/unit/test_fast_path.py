@@ -234,6 +234,7 @@ async def test_the_repository_gives_the_batcher_one_slot_per_instance(tmp_path: 
         "channels_last": False,
         "graph_capture_seconds": 0.0,
         "inductor": False,
+        "aoti": False,
         "inductor_compile_seconds": 0.0,
         # Several instances run batches side by side, each on its own thread (a CPU's default: threads, not processes).
         "placement": "instance_threads",

@@ -17,7 +17,6 @@ Two faults are the engine's to recognise, because they need torch to see:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import copy
 import logging
 import math
@@ -30,10 +29,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from halfserve import compilation, compilecache, packing, records
+from halfserve import aoti, compilation, compilecache, packing, records
 from halfserve import precision as prec
 from halfserve.engine.inputs import Normalizer, has_conv2d, takes_positionally
 from halfserve.engine.protocol import BatchRunner, EngineError, EngineInfo, PrecisionOverflowError
+from halfserve.engine.rows import all_finite, checked, row_slices, rows_finite
 from halfserve.engine.threads import ThreadRunner
 from halfserve.execution import Compile, Execution
 from halfserve.instance import Instance, bucket_for, torch_dtype
@@ -70,39 +70,6 @@ def is_out_of_memory(e: BaseException) -> bool:
     if isinstance(e, torch.OutOfMemoryError):
         return True
     return isinstance(e, RuntimeError) and "DefaultCPUAllocator: can't allocate memory" in str(e)
-
-
-def _rows_finite(a: np.ndarray) -> np.ndarray:
-    """Per row: True when every value of the row is finite (integers always are), every field's of a record."""
-    if a.dtype.names is not None:
-        rows = np.ones(a.shape[0], dtype=bool)
-        for name in a.dtype.names:
-            rows &= _rows_finite(a[name])
-        return rows
-    if a.dtype.kind not in "fc":
-        return np.ones(a.shape[0], dtype=bool)
-    finite: np.ndarray = np.isfinite(a.reshape(a.shape[0], -1)).all(axis=1)
-    return finite
-
-
-def _row_slices(out: np.ndarray, chunks: list[np.ndarray]) -> list[np.ndarray]:
-    """``out``'s rows cut back into one view per chunk, in order: slices, which cost a fraction of ``np.split``'s
-    per-piece work when a batch holds dozens of one-row requests."""
-    if len(chunks) == 1:
-        return [out]
-    views, start = [], 0
-    for c in chunks:
-        stop = start + len(c)
-        views.append(out[start:stop])
-        start = stop
-    return views
-
-
-def _all_finite(a: np.ndarray) -> bool:
-    """Whether every value is finite, every field's of a record: one vectorised check per field."""
-    if a.dtype.names is not None:
-        return all(_all_finite(a[name]) for name in a.dtype.names)
-    return a.dtype.kind not in "fc" or bool(np.isfinite(a).all())
 
 
 def batch_buckets(max_batch_size: int, sizes: list[int] | None = None) -> list[int]:
@@ -171,6 +138,7 @@ class Engine:
             self.input_dtype = packing.input_records(loaded.manifest)
             self.sample_shape = ()  # a record holds each input's sample
         self.inductor = ex.compile is Compile.INDUCTOR
+        self.aoti = ex.compile is Compile.AOTI
         self.pad = pads_to_buckets(ex, device)
         # Graphs replay fixed shapes and fixed casts: autocast's weight cache cannot be captured, so it runs eagerly.
         self.cuda_graphs = (
@@ -226,14 +194,11 @@ class Engine:
         not compiled."""
         self._forward: Callable[[torch.Tensor], torch.Tensor] = self.eager
         if self.inductor:
-            if compile_cache is not None and compile_cache.usable:
-                compilecache.keep_kernels(compile_cache)  # before torch.compile, which settles torch's cache folder
-            own = compilation.own_code(self.eager)
-            self._compiled_code = own.__func__.__code__  # type: ignore[attr-defined]
-            self._forward = torch.compile(own, dynamic=False)
+            self._forward, self._compiled_code = compilation.compiled(self.eager, compile_cache)
         self.compile_seconds = 0.0
         self._cache, self.cache_use = compile_cache, compilecache.CacheUse()
         self._room_made = False
+        self._packaged: aoti.Packaged | None = None
         if self.inductor and self.buckets:
             self._make_room_for_compiles(self.buckets)  # before any batch: with --no-warmup they compile under load
         self.overflows = 0
@@ -260,6 +225,7 @@ class Engine:
             channels_last=self.channels_last,
             graph_capture_seconds=sum(g.capture_seconds for i in self.instances for g in i.graphs.values()),
             inductor=self.inductor,
+            aoti=self.aoti,
             inductor_compile_seconds=self.compile_seconds,
             compile_cache=self.cache_use.outcome,
             compile_cache_load_seconds=self.cache_use.load_seconds,
@@ -292,7 +258,10 @@ class Engine:
             self.padded_elements += padding.padded
 
     def _on_device(self, t: torch.Tensor) -> torch.Tensor:
-        """Cast and run a batch already on the device, under the precision's context (compiled with ``inductor``)."""
+        """Cast and run a batch already on the device, under the precision's context (compiled with ``inductor``, or
+        as ``aoti`` packages)."""
+        if self.aoti and self._packaged is None:
+            self._load_packages(self.buckets or [len(t)])  # not warmed up: the first batch loads (or builds) them
         with prec.inference(self.precision, self.device):
             return self._forward(t)
 
@@ -364,17 +333,17 @@ class Engine:
 
     def outcomes(self, chunks: list[np.ndarray], out: np.ndarray) -> list[Outcome]:
         """One outcome per chunk of a batch's output rows, after the overflow policy."""
-        outs = _row_slices(out, chunks)
+        outs = row_slices(out, chunks)
         tag = self.precision
         # One vectorised check over the whole batch: the per-chunk work below only runs when something is wrong.
-        if self.guarded and not _all_finite(out):
+        if self.guarded and not all_finite(out):
             return [self._guard(c, o) for c, o in zip(chunks, outs, strict=True)]
         return [Output(o, tag) for o in outs]
 
     def _guard(self, x: np.ndarray, out: np.ndarray) -> Outcome:
         """Apply the overflow policy to one chunk's half-precision output."""
         tag = self.precision
-        overflowed = _rows_finite(x) & ~_rows_finite(out)
+        overflowed = rows_finite(x) & ~rows_finite(out)
         if not overflowed.any():  # non-finite in, non-finite out: the input's doing, not the precision's
             return Output(out, tag)
         with self._lock:  # instances run on their own threads
@@ -424,7 +393,7 @@ class Engine:
         return (
             self.device.type == "cpu"
             and len(self.instances) == 1
-            and not (self.named or self.pad or self.inductor)
+            and not (self.named or self.pad or self.inductor or self.aoti)
             and self.precision is not Precision.AUTOCAST
         )
 
@@ -448,13 +417,29 @@ class Engine:
             self.buckets = sizes
         if self.inductor and not self._room_made:
             self._make_room_for_compiles(sizes)
-        key = compilecache.engine_key(self, sizes) if self.inductor else ""
-        cached = compilecache.compiling(self._cache, key, self.cache_use) if key else contextlib.nullcontext()
-        with cached:  # the compile cache's entry is read before the compiles, and written after
+        if self.aoti and self._packaged is None:
+            self._load_packages(sizes)
+        with compilecache.warming(self._cache, self.cache_use, self if self.inductor else None, sizes):
             for inst in self.instances:
                 inst.executor.submit(self._warm_instance, inst, sizes).result()
         self.real_elements = self.padded_elements = 0  # the padding of requests, not of warm-up batches
         return time.perf_counter() - start
+
+    def _load_packages(self, sizes: list[int]) -> None:
+        """Load the AOTInductor packages of this engine at batch sizes ``sizes`` from the compile cache, or build them
+        (:mod:`halfserve.aoti`); from here on its forward runs them."""
+        with self._lock:
+            if self._packaged is not None:
+                return
+            cached = (self._cache, compilecache.engine_key(self, sizes)) if self._cache and self._cache.usable else None
+            example = torch.zeros((1, *self.sample_shape), dtype=torch_dtype(self.input_dtype), device=self.device)
+            with prec.inference(self.precision, self.device):  # the exported program holds the precision's casts
+                packaged, self.compile_seconds = aoti.packaged(
+                    self.model, self.eager, example, sizes, len(self.instances), cached, self.cache_use
+                )
+            self._forward, self._packaged = packaged, packaged
+        if self.compile_seconds:
+            log.info("%s: compiled with AOTInductor in %.2fs", self.name, self.compile_seconds)
 
     def _make_room_for_compiles(self, sizes: list[int]) -> None:
         """Let each instance's thread keep every one of this engine's compiled shapes."""
@@ -586,11 +571,3 @@ def fixed_timing(seconds: float) -> ForwardTiming:
 def module_bytes(module: nn.Module) -> int:
     """Bytes held by ``module``'s parameters and buffers, in their current dtype."""
     return sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()))
-
-
-def checked(y: object, rows: int) -> torch.Tensor:
-    if not isinstance(y, torch.Tensor):
-        raise EngineError(f"model returned {type(y).__name__}, expected a tensor")
-    if y.shape[0] != rows:
-        raise EngineError(f"batch size mismatch: model returned {y.shape[0]} rows for {rows} inputs")
-    return y

@@ -11,7 +11,8 @@ import numpy as np
 import torch
 
 from halfserve import precision as prec
-from halfserve.engine.core import Engine, checked
+from halfserve.engine.core import Engine
+from halfserve.engine.rows import checked
 from halfserve.engine.traced import TracedForward
 from halfserve.placement import Placement
 from halfserve.serving import Outcome

@@ -46,8 +46,11 @@ class EngineInfo:
     graph_capture_seconds: float = 0.0
     """Time spent capturing CUDA graphs at warm-up, all buckets and instances together."""
     inductor: bool = False
+    aoti: bool = False
+    """Whether the forward runs AOTInductor packages (:mod:`halfserve.aoti`)."""
     inductor_compile_seconds: float = 0.0
-    """Time spent compiling with TorchInductor at warm-up (each bucket's first forward), all buckets together."""
+    """Time spent compiling with TorchInductor at warm-up (each bucket's first forward, or the AOTInductor
+    packages' build), all buckets together."""
     compile_cache: CacheOutcome = CacheOutcome.OFF
     """What the warm-up found in the compile cache (:mod:`halfserve.compilecache`)."""
     compile_cache_load_seconds: float = 0.0
