@@ -12,7 +12,7 @@ server to its ``/ready``, the warm-up, the compile time and the compile cache fi
     python benchmarks/compile_cache_bench.py --models resnet_bench,digits_mlp \
         --out benchmarks/results/compile-cache-cpu/compile-cache
     python benchmarks/compile_cache_bench.py --compile aoti --models digits_mlp,resnet_bench \
-        --out benchmarks/results/aoti-cpu/ready
+        --out benchmarks/results/aoti-cpu/ready-aoti
 
 With ``--compile aoti`` the package holds its kernels, but loading one on a CPU first has torch find the vector
 instructions it may use by compiling probes into its own cache: ``warm`` pays for them, ``warm+kernels`` finds them.
