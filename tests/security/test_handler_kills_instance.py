@@ -1,0 +1,31 @@
+"""A team's handler that kills the instance process it runs in (``os._exit`` in ``preprocess``, issue 51): that
+request is answered a 500 naming the process's end, the supervisor restarts the process, the server serves on, and
+the next request is answered by the restarted process."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.test_handlers import csv, digits_rows
+from tests.integration.test_handler_in_instance import NAME, build, processes
+from tests.security.test_model_code import started
+
+pytestmark = pytest.mark.slow
+
+
+async def test_a_handler_that_exits_is_its_request_s_500_and_the_next_request_is_answered(tmp_path: Path) -> None:
+    root, code = tmp_path / "store", tmp_path / "code"
+    build(root, code)
+    row = csv(digits_rows()[0])
+    async with started(processes(root, code), NAME) as client:
+        before = await client.put(f"/predictions/{NAME}", content=row)
+        assert before.status_code == 200, before.text
+        killed = await client.put(f"/predictions/{NAME}", content=b"exit")
+        after = await client.put(f"/predictions/{NAME}", content=row)
+    assert killed.status_code == 500, killed.text
+    assert "exited" in killed.json()["message"]
+    assert after.status_code == 200, after.text
+    assert after.json()["digit"] == before.json()["digit"]
+    assert after.json()["pid"] != before.json()["pid"]  # the restarted process answered
