@@ -209,10 +209,27 @@ class ServedModel:
             return None
         if packs_records(self.manifest) or self.index_limits:
             return None
-        return self._handled(engine.handle(list(payloads)))
+        return self._handled(engine.handle(list(payloads)), self.batcher.stats)
 
-    async def _handled(self, future: asyncio.Future[HandledOutcomes]) -> Handled:
-        answers, outcomes = await future
+    async def _handled(self, future: asyncio.Future[HandledOutcomes], stats: BatchStats) -> Handled:
+        # Counted in the model's statistics as the batcher counts a handler batch's one submit on handler threads.
+        start = time.perf_counter()
+        stats.requests += 1
+        try:
+            answers, outcomes = await future
+        except BaseException:
+            stats.failed_batches += 1
+            stats.failed += 1
+            raise
+        elapsed, rows = time.perf_counter() - start, len(answers)
+        stats.batches += 1
+        stats.rows += rows
+        stats.batch_sizes[rows] += 1
+        stats.compute_seconds += elapsed
+        stats.batch_compute_seconds[rows] = stats.batch_compute_seconds.get(rows, 0.0) + elapsed
+        stats.succeeded += 1
+        stats.success_seconds += elapsed
+        stats.last_inference = time.time()
         outs = [o for o in outcomes if isinstance(o, Output)]
         assert len(outs) == len(outcomes), "a handler batch's forwards failed as a whole or not at all"
         data = outs[0].data if len(outs) == 1 else np.concatenate([o.data for o in outs])

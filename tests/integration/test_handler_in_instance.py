@@ -93,7 +93,10 @@ async def test_the_handler_runs_in_the_instance_process_one_batch_for_concurrent
         expected = await expected_digits(client)
         assert len(set(expected)) > 2  # the rows differ, so answers crossed between requests would show
         answers = await asyncio.gather(*(client.put(f"/predictions/{NAME}", content=csv(row)) for row in rows))
+        stats = (await client.get(f"/models/{NAME}/stats")).json()
     assert [r.status_code for r in answers] == [200] * MAX_BATCH, [r.text for r in answers]
+    # The model's statistics count the handler batches run in the instance process: the form's, then this one.
+    assert (stats["batches"], stats["rows"], stats["batch_size_histogram"]) == (2, 2 * MAX_BATCH, {"4": 2})
     bodies = [r.json() for r in answers]
     assert [b["digit"] for b in bodies] == expected
     pids = {b["pid"] for b in bodies}
