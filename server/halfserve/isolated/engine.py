@@ -188,20 +188,25 @@ class InstanceProcess(asyncio.Protocol):
         head = {"op": "run", "dtype": descr(first.dtype), "shape": first.shape[1:], "chunks": places, "raw": raw}
         self._send(head, parts, future)
 
-    def _send(self, head: dict[str, Any], parts: list[memoryview] | list[bytes], future: asyncio.Future[Any]) -> None:
+    def _send(
+        self, head: dict[str, Any], parts: list[memoryview] | list[bytes], future: asyncio.Future[Any], extra: float = 0
+    ) -> None:
         assert self.transport is not None
         self._next_id += 1
         head["id"] = self._next_id
         self._pending[self._next_id] = future
         self.transport.writelines(frame(head, *parts))
-        self.watchdog.arm(self)
+        self.watchdog.arm(self, extra)
 
     def handle(self, payloads: list[HandlerPayload], future: asyncio.Future[HandledOutcomes]) -> None:
         """Tell the process to run a handler batch of ``payloads`` (:mod:`halfserve.isolated.handling`): their fields
         and content types in the header, their bytes in the frame."""
         described = [[field, content_type, len(data)] for field, data, content_type in payloads]
         head = {"op": "handle", "payloads": described}
-        self._send(head, [data for _, data, _ in payloads], future)
+        section = self.owner.handler
+        # Its preprocess and postprocess may each take their time limit (answered 504 then) besides the forward.
+        extra = 2 * section.timeout_s if section is not None else 0.0
+        self._send(head, [data for _, data, _ in payloads], future, extra)
 
     def _hand(self, region: exports.ExportedRegion) -> None:
         """Send the process a region's descriptor (on the side channel, before the frame that names it)."""
@@ -313,6 +318,8 @@ class ProcessEngine:
         self._settings = settings.model_copy(update={"admin_token": None, "admin_token_file": None})
         self.batch_timeout = settings.instance_batch_timeout
         self._manifest, self._version = manifest, loaded.version
+        self.handler = manifest.handler
+        """The model's handler section, which its handler batches run (:mod:`halfserve.isolated.handling`)."""
         self._registers = models.registered_in(manifest.architecture)
         # What the processes build from besides the weights, as loaded: a restart builds what the others serve.
         self._code = handover.operator_code(manifest.architecture, self._registers, settings.code_path)
