@@ -12,6 +12,12 @@ photo per request (rows/s is requests/s): p50 and p99, the server's CPU per requ
 ``/proc``) and the model's mean batch from its stats. Each run starts a fresh server.
 
     python benchmarks/handler_batch_bench.py --revs 0e21536,. --out benchmarks/results/handler-batch-cpu
+
+With ``--placement instance_processes``, the same against the revision before a handler batch ran in the instance
+process (its calls on the server process's handler threads):
+
+    python benchmarks/handler_batch_bench.py --revs c315fd9,. --calls "server threads,instance process" \
+      --placement instance_processes --out benchmarks/results/handler-instance-cpu
 """
 
 from __future__ import annotations
@@ -112,6 +118,8 @@ def measure(args: argparse.Namespace, tree: Path, store: Path, code: Path, body:
     port = args.port
     cmd = [sys.executable, "-m", "halfserve", "serve", "--store", str(store), "--models", MODEL, "--port", str(port)]
     cmd += ["--code-path", str(code)]
+    if args.placement is not None:
+        cmd += ["--placement", args.placement]
     env = {**os.environ, "PYTHONPATH": common.source_path(tree)}
     work.mkdir(exist_ok=True)  # the server's log goes here, never into a source tree
     proc = torchserve_bench.start(cmd, work, env, f"http://127.0.0.1:{port}/ready")
@@ -163,6 +171,7 @@ def main() -> None:
     p.add_argument("--warmup", type=float, default=2.0)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--port", type=int, default=8731)
+    p.add_argument("--placement", help="the servers' --placement (default: theirs)")
     p.add_argument("--out", type=Path, help="folder for handler_batch.{json,md}")
     args = p.parse_args()
     result: dict[str, Any] = {

@@ -30,6 +30,8 @@ HANDLER_THREADS = max(2, os.cpu_count() or 2)
 """Threads that run handler calls, for all models together."""
 HANDLER_QUEUE = 64
 """Handler calls that may wait for a thread; one more is refused busy."""
+CONTENT_TYPE = "content_type"
+"""The key of a payload's content type in a request as a handler is given it, beside its field's bytes."""
 REASON_CHARS = 300
 """Longest reason an answer quotes from a handler's exception."""
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
@@ -60,6 +62,12 @@ class HandlerBusyError(HandlerError):
 
 class HandlerTimeoutError(HandlerError):
     """A handler call ran past its section's ``timeout_s``."""
+
+
+def request(field: str, data: bytes, content_type: str) -> dict[str, Any]:
+    """TorchServe's shape of one request as a handler is given it: ``{"body": bytes}`` or ``{"data": bytes}``, with
+    the content type."""
+    return {field: data, CONTENT_TYPE: content_type}
 
 
 def one_line(e: BaseException, before: str = "") -> str:

@@ -7,7 +7,7 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import Hashable
+from collections.abc import Awaitable, Hashable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -19,7 +19,7 @@ from halfserve.engine.protocol import EngineInfo, ModelEngine
 from halfserve.execution import Batching
 from halfserve.fidelity import Fidelity
 from halfserve.indices import check_indices
-from halfserve.isolated.engine import ProcessEngine
+from halfserve.isolated.engine import HandledOutcomes, ProcessEngine
 from halfserve.livefidelity import LiveFidelity
 from halfserve.manifest import Manifest, Precision
 from halfserve.mixed import Outcome
@@ -27,9 +27,12 @@ from halfserve.packing import LENGTH, PackError, pack, packs_records, padded_len
 from halfserve.padding import PaddingCheck
 from halfserve.serving import (
     BatchStats,
+    Handled,
+    HandlerPayload,
     InvalidInputError,
     ModelNotReadyError,
     ModelState,
+    Output,
     Prediction,
     Tensors,
 )
@@ -196,6 +199,42 @@ class ServedModel:
         group, length = self._group(x)
         finish = self._prediction if length is None else functools.partial(self._prediction, length=length)
         return batcher.enqueue(x, deadline, finish, group)
+
+    def handle(self, payloads: Sequence[HandlerPayload]) -> Awaitable[Handled] | None:
+        """See :meth:`halfserve.serving.ModelHandle.handle`: in an instance process where its instances are processes
+        and it takes one input as one array; ``None`` otherwise (rows packed into records, or token ids whose range is
+        checked here, are built on this process's handler threads)."""
+        engine = self.engine
+        if not isinstance(engine, ProcessEngine) or self.batcher is None:
+            return None
+        if packs_records(self.manifest) or self.index_limits:
+            return None
+        return self._handled(engine.handle(list(payloads)), self.batcher.stats)
+
+    async def _handled(self, future: asyncio.Future[HandledOutcomes], stats: BatchStats) -> Handled:
+        # Counted in the model's statistics as the batcher counts a handler batch's one submit on handler threads.
+        start = time.perf_counter()
+        stats.requests += 1
+        try:
+            answers, outcomes = await future
+        except BaseException:
+            stats.failed_batches += 1
+            stats.failed += 1
+            raise
+        elapsed, rows = time.perf_counter() - start, len(answers)
+        stats.batches += 1
+        stats.rows += rows
+        stats.batch_sizes[rows] += 1
+        stats.compute_seconds += elapsed
+        stats.batch_compute_seconds[rows] = stats.batch_compute_seconds.get(rows, 0.0) + elapsed
+        stats.succeeded += 1
+        stats.success_seconds += elapsed
+        stats.last_inference = time.time()
+        outs = [o for o in outcomes if isinstance(o, Output)]
+        assert len(outs) == len(outcomes), "a handler batch's forwards failed as a whole or not at all"
+        data = outs[0].data if len(outs) == 1 else np.concatenate([o.data for o in outs])
+        tags = tuple(dict.fromkeys(o.precision for o in outs if o.precision is not None))
+        return Handled(answers, self._prediction(data, tags))
 
     def _input(self, inputs: Tensors) -> np.ndarray:
         """The request's rows as the batcher takes them: the one input's array, or the model's inputs packed into

@@ -198,6 +198,18 @@ class Output(NamedTuple):
     precision: Precision | None = None
 
 
+class Handled(NamedTuple):
+    """A batch of payloads answered through the model's handler where its instance runs it (an instance process):
+    one JSON answer per payload, and the outputs of all its rows in payload order (what telemetry records)."""
+
+    answers: list[bytes]
+    prediction: Prediction
+
+
+HandlerPayload = tuple[str, bytes, str]
+"""One payload as a handler is given it: its field (``body`` or ``data``), its bytes and its content type."""
+
+
 Outcome = np.ndarray | Output | Exception
 """What a runner gives back per chunk: its output rows, or the error that fails that chunk's request alone."""
 
@@ -326,6 +338,15 @@ class ModelHandle(Protocol):
         what refuses the request before queueing (:class:`ModelNotReadyError`, :class:`QueueFullError`, ...);
         cancelling the future withdraws the rows not yet running.
         """
+
+    def handle(self, payloads: Sequence[HandlerPayload]) -> Awaitable[Handled] | None:
+        """``payloads`` through the model's handler (its manifest's ``handler`` section), ``preprocess``, forward and
+        ``postprocess`` as one batch in an instance process; ``None`` where the handler runs in this process instead
+        (instances are threads, or this is a front-end), on its handler threads. Fails as those calls would:
+        :class:`InvalidInputError` (``preprocess`` raised), :class:`InternalError` (the handler's inputs or answers
+        are wrong, or ``postprocess`` raised), :class:`DeadlineExceededError` (a call ran past ``timeout_s``),
+        :class:`BatchFailedError` (the forward failed) or :class:`InstanceLostError` (the handler killed its
+        process)."""
 
 
 class ModelService(Protocol):

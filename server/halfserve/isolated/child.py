@@ -32,11 +32,19 @@ from halfserve.ipc.exports import ImportedRegions
 from halfserve.ipc.frames import FrameError
 from halfserve.ipc.memory import InstanceMemory
 from halfserve.ipc.tensors import descr, dtype_of
-from halfserve.isolated import handover
+from halfserve.isolated import handling, handover
+from halfserve.isolated.handling import InstanceHandler
 from halfserve.isolated.protocol import IN_FRAME, INPUT_REGION, ChildConfig
 from halfserve.manifest import Precision
 from halfserve.precision import resolve_device
-from halfserve.serving import Output
+from halfserve.serving import (
+    BatchFailedError,
+    DeadlineExceededError,
+    InternalError,
+    InvalidInputError,
+    ModelUnavailableError,
+    Output,
+)
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +79,7 @@ def run(config: ChildConfig, sock: socket.socket, side: socket.socket) -> None:
     channel.send({"op": "ready", "info": info, "warmup_seconds": warmup_seconds, "pid": os.getpid()})
     regions = ImportedRegions(side, pin_host if engine.device.type == "cuda" else None)
     try:
-        _serve(engine, engine.instances[0], memory, channel, regions)
+        _serve(config, engine, engine.instances[0], memory, channel, regions)
     except FrameError as e:  # the server process sent no frame, or died inside one: there is no one to answer
         log.error("instance %d of %s: %s; exiting", config.index, config.manifest.name, e)
 
@@ -113,9 +121,17 @@ def _start(config: ChildConfig, memory: InstanceMemory, weights: bytes) -> tuple
     return engine, time.perf_counter() - start
 
 
-def _serve(engine: Engine, inst: Instance, memory: InstanceMemory, channel: Channel, regions: ImportedRegions) -> None:
+def _serve(
+    config: ChildConfig,
+    engine: Engine,
+    inst: Instance,
+    memory: InstanceMemory,
+    channel: Channel,
+    regions: ImportedRegions,
+) -> None:
     """Run each batch sent until told to exit or the socket closes; one at a time, on the instance's own thread
     (cuDNN keeps its tuned algorithms per thread, and the warm-up ran there)."""
+    handler: InstanceHandler | Exception | None = None
     for head, payload in channel.frames():
         op = head.get("op")
         if op == "exit":
@@ -123,8 +139,55 @@ def _serve(engine: Engine, inst: Instance, memory: InstanceMemory, channel: Chan
         if op == "forget":
             regions.forget(head["region"])
             continue
-        answer, parts = _batch(engine, inst, memory, regions, head, payload)
+        if op == "handle":
+            handler = handler or _handler(config, engine, inst)
+            answer, parts = _handled(handler, engine, memory, head, payload)
+        else:
+            answer, parts = _batch(engine, inst, memory, regions, head, payload)
         channel.send(answer, *parts)
+
+
+def _handler(config: ChildConfig, engine: Engine, inst: Instance) -> InstanceHandler | Exception:
+    """The model's handler, built on the first handler batch (a model whose handler never runs here builds none),
+    or why it cannot be: every handler batch is answered with that."""
+    try:
+        return InstanceHandler(config, engine, inst)
+    except Exception as e:
+        return ModelUnavailableError(f"model {config.manifest.name!r}: {e}")
+
+
+def _handled(
+    handler: InstanceHandler | Exception,
+    engine: Engine,
+    memory: InstanceMemory,
+    head: dict[str, Any],
+    payload: bytearray,
+) -> tuple[dict[str, Any], list[bytes | memoryview]]:
+    """Run one handler batch (``{"op": "handle"}``); the answer's header and payload: the outputs as a batch's,
+    then each payload's JSON answer."""
+    answer: dict[str, Any] = {"id": head["id"]}
+    try:
+        if isinstance(handler, Exception):
+            raise ModelUnavailableError(str(handler))
+        answers, outs = handler.run(handling.requests(head, payload))
+    except (InvalidInputError, InternalError, DeadlineExceededError, BatchFailedError, ModelUnavailableError) as e:
+        answer.update({"raise": True, "kind": type(e).__name__, "message": str(e), "counts": _counts(engine)})
+        return answer, []
+    except Exception as e:  # a bug here is the batch's 500, never the process's end
+        message = f"{type(e).__name__}: {e}"
+        answer.update({"raise": True, "kind": "InternalError", "message": message, "counts": _counts(engine)})
+        return answer, []
+    entries, used, parts = place_outputs(list(outs), memory)
+    inline = sum(len(p) for p in parts)
+    answer.update(
+        {
+            "outcomes": entries,
+            "region_bytes": used,
+            "answers": [inline, [len(a) for a in answers]],
+            "counts": _counts(engine),
+        }
+    )
+    return answer, [*parts, *answers]
 
 
 def _chunks(

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 import math
 import multiprocessing
@@ -39,7 +40,19 @@ from halfserve.isolated.protocol import IN_FRAME, INPUT_REGION, ChildConfig, reg
 from halfserve.isolated.supervision import Supervisor, Watchdog
 from halfserve.manifest import OverflowPolicy, Precision
 from halfserve.placement import Placement, available_cores
-from halfserve.serving import BatchTooLargeError, InstanceLostError, ModelNotReadyError, Outcome, Output
+from halfserve.serving import (
+    BatchFailedError,
+    BatchTooLargeError,
+    DeadlineExceededError,
+    HandlerPayload,
+    InstanceLostError,
+    InternalError,
+    InvalidInputError,
+    ModelNotReadyError,
+    ModelUnavailableError,
+    Outcome,
+    Output,
+)
 from halfserve.settings import Settings
 from halfserve.store import LoadedModel
 
@@ -48,6 +61,12 @@ log = logging.getLogger(__name__)
 _ERRORS: dict[str, Callable[[str], Exception]] = {
     "BatchTooLargeError": BatchTooLargeError,
     "PrecisionOverflowError": PrecisionOverflowError,
+    # A handler batch's (:mod:`halfserve.isolated.handling`), answered as the data plane's handler threads answer.
+    "InvalidInputError": InvalidInputError,
+    "InternalError": InternalError,
+    "DeadlineExceededError": DeadlineExceededError,
+    "BatchFailedError": BatchFailedError,
+    "ModelUnavailableError": ModelUnavailableError,
 }
 
 
@@ -85,7 +104,8 @@ class InstanceProcess(asyncio.Protocol):
         self.regions: set[int] = set()
         """Regions the process has been handed (and not told to forget)."""
         self._reader = FrameReader()
-        self._pending: dict[int, asyncio.Future[list[Outcome]]] = {}
+        self._pending: dict[int, asyncio.Future[Any]] = {}
+        """Each op in flight's future: a batch's outcomes, or a handler batch's :data:`HandledOutcomes`."""
         self._next_id = 0
         self.watchdog = Watchdog(owner.name, owner.batch_timeout)
         self.hung = False
@@ -165,18 +185,28 @@ class InstanceProcess(asyncio.Protocol):
         else:
             for c, offset in copies:
                 np.copyto(self.memory.inputs(c.dtype, len(c), c.shape[1:], offset), c)
+        head = {"op": "run", "dtype": descr(first.dtype), "shape": first.shape[1:], "chunks": places, "raw": raw}
+        self._send(head, parts, future)
+
+    def _send(
+        self, head: dict[str, Any], parts: list[memoryview] | list[bytes], future: asyncio.Future[Any], extra: float = 0
+    ) -> None:
+        assert self.transport is not None
         self._next_id += 1
-        head = {
-            "op": "run",
-            "id": self._next_id,
-            "dtype": descr(first.dtype),
-            "shape": first.shape[1:],
-            "chunks": places,
-            "raw": raw,
-        }
+        head["id"] = self._next_id
         self._pending[self._next_id] = future
         self.transport.writelines(frame(head, *parts))
-        self.watchdog.arm(self)
+        self.watchdog.arm(self, extra)
+
+    def handle(self, payloads: list[HandlerPayload], future: asyncio.Future[HandledOutcomes]) -> None:
+        """Tell the process to run a handler batch of ``payloads`` (:mod:`halfserve.isolated.handling`): their fields
+        and content types in the header, their bytes in the frame."""
+        described = [[field, content_type, len(data)] for field, data, content_type in payloads]
+        head = {"op": "handle", "payloads": described}
+        section = self.owner.handler
+        # Its preprocess and postprocess may each take their time limit (answered 504 then) besides the forward.
+        extra = 2 * section.timeout_s if section is not None else 0.0
+        self._send(head, [data for _, data, _ in payloads], future, extra)
 
     def _hand(self, region: exports.ExportedRegion) -> None:
         """Send the process a region's descriptor (on the side channel, before the frame that names it)."""
@@ -212,7 +242,16 @@ class InstanceProcess(asyncio.Protocol):
             used = self.memory.output(np.dtype(np.uint8), (head.get("region_bytes", 0),), 0)
             assert used is not None
             region = used.copy()
-            future.set_result([self._outcome(entry, payload, region) for entry in head["outcomes"]])
+            outcomes = [self._outcome(entry, payload, region) for entry in head["outcomes"]]
+            if "answers" not in head:
+                future.set_result(outcomes)
+                return
+            offset, sizes = head["answers"]
+            answers = []
+            for size in sizes:
+                answers.append(bytes(payload[offset : offset + size]))
+                offset += size
+            future.set_result((answers, outcomes))
         finally:
             self.owner.idle_again(self)
 
@@ -227,6 +266,20 @@ class InstanceProcess(asyncio.Protocol):
         else:
             data = np.frombuffer(region, dtype, count, offset).reshape(shape)
         return Output(data, Precision(tag) if tag is not None else None)
+
+
+HandledOutcomes = tuple[list[bytes], list[Outcome]]
+"""A handler batch's answers, one JSON body per payload, and its outputs' outcomes, one per forward."""
+_Send = Callable[[InstanceProcess, asyncio.Future[Any]], None]
+"""An op for an instance process, sent once one is idle: a batch to run, or a handler batch."""
+
+
+def _run(instance: InstanceProcess, future: asyncio.Future[list[Outcome]], chunks: list[np.ndarray], raw: bool) -> None:
+    instance.send(chunks, future, raw)
+
+
+def _handle(instance: InstanceProcess, future: asyncio.Future[HandledOutcomes], payloads: list[HandlerPayload]) -> None:
+    instance.handle(payloads, future)
 
 
 class ProcessEngine:
@@ -265,6 +318,8 @@ class ProcessEngine:
         self._settings = settings.model_copy(update={"admin_token": None, "admin_token_file": None})
         self.batch_timeout = settings.instance_batch_timeout
         self._manifest, self._version = manifest, loaded.version
+        self.handler = manifest.handler
+        """The model's handler section, which its handler batches run (:mod:`halfserve.isolated.handling`)."""
         self._registers = models.registered_in(manifest.architecture)
         # What the processes build from besides the weights, as loaded: a restart builds what the others serve.
         self._code = handover.operator_code(manifest.architecture, self._registers, settings.code_path)
@@ -283,7 +338,7 @@ class ProcessEngine:
             self.name, self._spawn, self.idle_again, self._none_left
         )
         self._idle: list[InstanceProcess] = []
-        self._waiting: deque[tuple[list[np.ndarray], asyncio.Future[list[Outcome]], bool]] = deque()
+        self._waiting: deque[tuple[_Send, asyncio.Future[Any]]] = deque()
         self._info: EngineInfo | None = None
         self._loop = asyncio.get_running_loop()
         self._context = multiprocessing.get_context("spawn")
@@ -430,7 +485,14 @@ class ProcessEngine:
     def run(self, chunks: list[np.ndarray]) -> asyncio.Future[list[Outcome]]:
         """Send a batch to an idle instance process: the future of its outcomes (the runner contract)."""
         future: asyncio.Future[list[Outcome]] = self._loop.create_future()
-        self._dispatch(chunks, future, raw=False)
+        self._dispatch(functools.partial(_run, chunks=chunks, raw=False), future)
+        return future
+
+    def handle(self, payloads: list[HandlerPayload]) -> asyncio.Future[HandledOutcomes]:
+        """Send a handler batch to an idle instance process: the future of each payload's JSON answer and the outputs
+        of its rows (:mod:`halfserve.isolated.handling`)."""
+        future: asyncio.Future[HandledOutcomes] = self._loop.create_future()
+        self._dispatch(functools.partial(_handle, payloads=payloads), future)
         return future
 
     def compute(self, x: np.ndarray) -> np.ndarray:
@@ -439,24 +501,25 @@ class ProcessEngine:
 
         async def compute() -> np.ndarray:
             future: asyncio.Future[list[Outcome]] = self._loop.create_future()
-            self._dispatch([x], future, raw=True)
+            self._dispatch(functools.partial(_run, chunks=[x], raw=True), future)
             out = (await future)[0]
             assert isinstance(out, Output)
             return out.data
 
         return asyncio.run_coroutine_threadsafe(compute(), self._loop).result()
 
-    def _dispatch(self, chunks: list[np.ndarray], future: asyncio.Future[list[Outcome]], raw: bool) -> None:
+    def _dispatch(self, send: _Send, future: asyncio.Future[Any]) -> None:
+        """``send`` the op to an idle instance process, or keep it for the next one to be idle."""
         while self._idle:
             instance = self._idle.pop()
             if instance.alive and not instance.busy:
-                instance.send(chunks, future, raw)
+                send(instance, future)
                 self._update_elements()
                 return
         if self.supervisor.restarting or self.supervisor.any_alive():
             # Fewer processes up than batches in flight: one is restarting, and takes this batch once it is warm (a
             # batch that crashed one is rerun a request at a time, so its other requests are answered).
-            self._waiting.append((chunks, future, raw))
+            self._waiting.append((send, future))
             return
         future.set_exception(self._none_up("none is restarting"))
 
@@ -468,9 +531,9 @@ class ProcessEngine:
         """An instance answered its batch: give it the next waiting one, or mark it idle."""
         self._update_elements()
         while self._waiting:
-            chunks, future, raw = self._waiting.popleft()
+            send, future = self._waiting.popleft()
             if not future.done():
-                instance.send(chunks, future, raw)
+                send(instance, future)
                 return
         if instance not in self._idle:
             self._idle.append(instance)
@@ -486,7 +549,7 @@ class ProcessEngine:
 
     def _fail_waiting(self, error: Exception) -> None:
         while self._waiting:
-            _, future, _ = self._waiting.popleft()
+            _, future = self._waiting.popleft()
             if not future.done():
                 future.set_exception(error)
 

@@ -10,6 +10,9 @@ Frames, shared memory and dtypes on the wire are :mod:`halfserve.ipc`'s: the fra
   ``where`` is :data:`INPUT_REGION` (the instance's own input region), :data:`IN_FRAME` (the payload, one after
   another) or the id of an exported region (:mod:`halfserve.ipc.exports`) whose descriptor went before, on the side
   channel. ``raw`` asks for the model's outputs without the overflow policy (the fidelity check's forward);
+* ``{"op": "handle", "id", "payloads"}``: a batch of raw payloads for the model's handler
+  (:mod:`halfserve.isolated.handling`), each ``[field, content_type, size]``, their bytes one after another in the
+  payload;
 * ``{"op": "forget", "region"}``: unmap an exported region (no batch in it runs);
 * ``{"op": "exit"}``: finish the batch in hand and exit.
 
@@ -17,7 +20,10 @@ The instance process sends ``{"op": "ready", "info", "warmup_seconds", "pid"}`` 
 "error"}`` and exits), then per batch ``{"id", "outcomes", "region_bytes", "counts"}``, where each outcome is ``["out",
 dtype, shape, offset, precision]`` (rows at ``offset`` in the output region, or in the payload when ``inline``) or
 ``["error", kind, message]``, and ``region_bytes`` is how much of the output region they use (copied out at once);
-or ``{"id", "raise", "kind", "message"}`` when the batch as a whole failed.
+or ``{"id", "raise", "kind", "message"}`` when the batch as a whole failed. A handler batch's answer is a batch's
+(its outputs' outcomes, one per forward) with ``"answers": [offset, sizes]``: each payload's JSON answer, one after
+another in the payload from ``offset`` (past the outputs placed there); one that failed is ``raise`` with the kind of
+:class:`~halfserve.serving` error the handler threads would have raised.
 """
 
 from __future__ import annotations

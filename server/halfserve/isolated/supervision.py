@@ -83,10 +83,11 @@ class Watchdog:
         self.model, self.timeout = model, timeout
         self._timer: asyncio.TimerHandle | None = None
 
-    def arm(self, instance: Supervised) -> None:
-        """Start the wait for ``instance``'s answer to the batch just sent."""
+    def arm(self, instance: Supervised, extra: float = 0.0) -> None:
+        """Start the wait for ``instance``'s answer to the batch just sent: ``extra`` seconds more than the timeout
+        for a batch that runs more than the forward (a handler's calls, each bounded by its own limit)."""
         self.disarm()
-        self._timer = asyncio.get_running_loop().call_later(self.timeout, self._kill, instance)
+        self._timer = asyncio.get_running_loop().call_later(self.timeout + extra, self._kill, instance)
 
     def disarm(self) -> None:
         """The batch was answered, or the process is gone."""

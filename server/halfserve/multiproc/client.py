@@ -13,7 +13,7 @@ import itertools
 import os
 import socket
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -25,6 +25,7 @@ from halfserve.ipc.memory import Slots
 from halfserve.ipc.tensors import from_payload, inline, nbytes
 from halfserve.manifest import Manifest, Precision
 from halfserve.serving import (
+    HandlerPayload,
     Interface,
     ModelNotReadyError,
     ModelState,
@@ -215,6 +216,10 @@ class RemoteModel:
         if self.client is None:
             raise ModelNotReadyError("the engine process is not connected")
         return self.client.send(self, inputs, timeout)
+
+    def handle(self, payloads: Sequence[HandlerPayload]) -> None:
+        """None: a front-end runs its models' handlers on its own handler threads."""
+        return None
 
 
 class RemoteService:

@@ -4,6 +4,9 @@ per payload. Called per batch: concurrent requests to one model gather into one 
 (:mod:`halfserve.handlerbatch`, by the model's ``batching`` limits), whose payloads go to one ``preprocess`` in arrival
 order, one submit to the model and one ``postprocess``; each request gets its own answers back. A batch of several
 requests that fails in a way one request could cause is rerun one request per call, so only that request fails.
+Where the model's instances are processes, a batch's three steps run in one of them instead, given the raw payloads
+(:meth:`~halfserve.serving.ModelHandle.handle`, :mod:`halfserve.isolated.handling`), and answer alike; a handler that
+kills its process is its batch's 500.
 
 Everything the handler does wrong is that request's answer, one line, never the server's: ``preprocess`` raising is
 the request's fault as far as the server can tell (400); inputs of the wrong names, shape or rows, an exception in
@@ -15,23 +18,24 @@ from __future__ import annotations
 
 import asyncio
 import functools
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import numpy as np
-import orjson
 
-from halfserve import handlers
+from halfserve import handlercheck, handlers
 from halfserve.api.dataplane.infer import infer
 from halfserve.api.dataplane.photos import image_count
 from halfserve.api.dataplane.refusals import cut_off_by_shutdown
-from halfserve.api.dataplane.signature import Wording, check_shape
 from halfserve.handlerbatch import HandlerBatcher
 from halfserve.handlerinput import HandlerSection
 from halfserve.serving import (
     AppState,
     BatchFailedError,
     DeadlineExceededError,
+    Handled,
+    InstanceLostError,
     InternalError,
     InvalidInputError,
     ModelHandle,
@@ -41,9 +45,6 @@ from halfserve.serving import (
     Tensors,
 )
 from halfserve.settings import Settings
-
-CONTENT_TYPE = "content_type"
-"""The key of a payload's content type, beside its field's bytes."""
 
 
 @dataclass(frozen=True)
@@ -57,7 +58,7 @@ class Payload:
 
     def as_request(self) -> dict[str, Any]:
         """TorchServe's shape of one request: ``{"body": bytes}`` or ``{"data": bytes}``, with the content type."""
-        return {self.field: self.data, CONTENT_TYPE: self.content_type}
+        return handlers.request(self.field, self.data, self.content_type)
 
 
 def section(served: ModelHandle) -> HandlerSection | None:
@@ -85,53 +86,6 @@ async def _call(served: ModelHandle, stage: handlers.Stage, call: functools.part
         raise QueueFullError(f"{e}; retry shortly") from None
 
 
-def _array(value: object, where: str) -> np.ndarray:
-    """``value`` (a numpy array, a torch tensor, or nested lists of numbers) as an array."""
-    detach = getattr(value, "detach", None)
-    if callable(detach):  # a torch tensor, read without importing torch
-        value = detach().cpu().numpy()
-    try:
-        array = np.asarray(value)
-    except (TypeError, ValueError) as e:
-        raise InternalError(f"{where}: not an array: {handlers.one_line(e)}") from None
-    if array.dtype == object or array.dtype.kind not in "biuf":
-        raise InternalError(f"{where}: expected numbers, got an array of {array.dtype}")
-    return array
-
-
-def checked_inputs(value: object, served: ModelHandle, rows: int) -> Tensors:
-    """What ``preprocess`` returned as the model's inputs: an array (a model of one input) or a mapping by input name,
-    each ``rows`` rows of the input's shape, in a dtype that casts to the input's without changing kind (floats to
-    the input's floats, integers to its integers); an :class:`InternalError` naming what was expected and what came."""
-    specs = served.manifest.inputs
-    names = [t.name for t in specs]
-    if isinstance(value, dict):
-        given = value
-    elif len(specs) == 1:
-        given = {specs[0].name: value}
-    else:
-        raise InternalError(
-            f"handler preprocess returned {type(value).__name__}; expected a dict of the inputs {names}"
-        )
-    if sorted(map(str, given)) != sorted(names):
-        raise InternalError(f"handler preprocess returned inputs {sorted(map(str, given))}; expected {sorted(names)}")
-    out: dict[str, np.ndarray] = {}
-    for spec in specs:
-        where = f"handler preprocess returned {spec.name!r}"
-        array = _array(given[spec.name], where)
-        want = spec.datatype.numpy
-        if not np.can_cast(array.dtype, want, "same_kind"):
-            raise InternalError(f"{where} of {array.dtype}; expected {want} (the input's {spec.datatype.value})")
-        try:
-            check_shape(list(array.shape), spec, served, None, where, Wording.V2)
-        except InvalidInputError as e:
-            raise InternalError(str(e)) from None
-        if array.shape[0] != rows:
-            raise InternalError(f"{where} with {array.shape[0]} rows; expected {rows}, one per payload")
-        out[spec.name] = np.ascontiguousarray(array, dtype=want)
-    return out
-
-
 async def preprocess(served: ModelHandle, settings: Settings, payloads: list[Payload]) -> Tensors:
     """The model's inputs, by its handler's ``preprocess`` of the TorchServe-shaped requests, checked."""
     spec = section(served)
@@ -146,22 +100,7 @@ async def preprocess(served: ModelHandle, settings: Settings, payloads: list[Pay
     requests = [p.as_request() for p in payloads]
     call = functools.partial(handler.preprocess, requests)
     value = await _call(served, handlers.Stage.PREPROCESS, call, spec.timeout_s)
-    return checked_inputs(value, served, len(payloads))
-
-
-def _answers(value: object, count: int) -> list[bytes]:
-    """``postprocess``'s answers, each as JSON: a list of ``count``; an :class:`InternalError` naming what came."""
-    if not isinstance(value, list | tuple):
-        raise InternalError(f"handler postprocess returned {type(value).__name__}; expected a list of {count} answers")
-    if len(value) != count:
-        raise InternalError(f"handler postprocess returned {len(value)} answers; expected {count}, one per payload")
-    out = []
-    for i, answer in enumerate(value):
-        try:
-            out.append(orjson.dumps(answer, option=orjson.OPT_SERIALIZE_NUMPY))
-        except TypeError as e:
-            raise InternalError(f"handler postprocess answer {i} is not JSON-able: {handlers.one_line(e)}") from None
-    return out
+    return handlercheck.checked_inputs(value, served.manifest, len(payloads))
 
 
 async def postprocess(
@@ -177,7 +116,7 @@ async def postprocess(
     requests = [p.as_request() for p in payloads]
     call = functools.partial(handler.postprocess, given, requests)
     value = await _call(served, handlers.Stage.POSTPROCESS, call, spec.timeout_s)
-    return _answers(value, len(payloads))
+    return handlercheck.answers(value, len(payloads))
 
 
 @dataclass(frozen=True)
@@ -201,9 +140,13 @@ async def _run_batch(jobs: list[Job], timeout: float | None) -> list[Answered]:
     """One batch of requests (of one model version) through one ``preprocess``, one submit and one ``postprocess``."""
     first = jobs[0]
     payloads = [p for job in jobs for p in job.payloads]
-    inputs = preprocess(first.served, first.settings, payloads)
-    result = await infer(first.app, first.served, inputs, timeout)
-    answers = await postprocess(first.served, first.settings, result.outputs, payloads)
+    handled = first.served.handle([(p.field, p.data, p.content_type) for p in payloads])
+    if handled is not None:  # in the instance process that runs the forward
+        answers, result = await _in_instance(first, handled, timeout)
+    else:
+        inputs = preprocess(first.served, first.settings, payloads)
+        result = await infer(first.app, first.served, inputs, timeout)
+        answers = await postprocess(first.served, first.settings, result.outputs, payloads)
     out = []
     start = 0
     for job in jobs:
@@ -212,6 +155,22 @@ async def _run_batch(jobs: list[Job], timeout: float | None) -> list[Answered]:
         out.append(Answered(answers[start:stop], Prediction(rows, result.precisions)))
         start = stop
     return out
+
+
+async def _in_instance(job: Job, handled: Awaitable[Handled], timeout: float | None) -> Handled:
+    """A handler batch run in its instance process, within ``timeout``; a handler that killed the process is the
+    batch's 500 (its supervisor restarts it)."""
+    try:
+        return await asyncio.wait_for(handled, timeout)
+    except TimeoutError:
+        name = job.served.name
+        raise DeadlineExceededError(f"model {name!r}: its handler batch ran past the request's time limit") from None
+    except asyncio.CancelledError:
+        if not job.app.draining:
+            raise
+        raise cut_off_by_shutdown() from None
+    except InstanceLostError as e:
+        raise InternalError(f"model {job.served.name!r}: handler batch: {e}") from None
 
 
 def _alone(e: BaseException) -> bool:

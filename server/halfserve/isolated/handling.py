@@ -1,0 +1,102 @@
+"""A model's handler (its manifest's ``handler`` section, :mod:`halfserve.handlers`) run in its instance process: a
+handler batch's raw payloads come in (far fewer bytes than the float rows a photo becomes), go through ``preprocess``,
+the instance's forward and ``postprocess`` here, and one JSON answer per payload goes back.
+
+Built once, when the process starts, under the trust rule the server process applies (the operator's
+``--code-path``, which the process registers before anything else). Its calls run on threads of their own, each
+bounded by the section's ``timeout_s``, as :mod:`halfserve.handlers` bounds them in the server process; what goes wrong
+is answered with the same kinds as there (:mod:`halfserve.api.dataplane.handled`): ``preprocess`` raising an
+:class:`~halfserve.serving.InvalidInputError`, wrong inputs or answers or ``postprocess`` raising an
+:class:`~halfserve.serving.InternalError`, a call past its limit a :class:`~halfserve.serving.DeadlineExceededError`,
+the forward failing a :class:`~halfserve.serving.BatchFailedError`. A handler that kills the process is the batch's
+:class:`~halfserve.serving.InstanceLostError`, raised by the server process's side, whose supervisor restarts it.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from halfserve import handlercheck, handlers
+from halfserve.engine.core import Engine
+from halfserve.instance import Instance
+from halfserve.isolated.protocol import ChildConfig
+from halfserve.serving import BatchFailedError, DeadlineExceededError, InternalError, InvalidInputError, Output
+
+
+class InstanceHandler:
+    """The model's handler as its instance process runs it, with the engine instance its batches go through."""
+
+    def __init__(self, config: ChildConfig, engine: Engine, inst: Instance) -> None:
+        section = config.manifest.handler
+        assert section is not None, "built for a model with a handler section"
+        settings = config.settings
+        self.section, self.manifest = section, config.manifest
+        self.engine, self.inst = engine, inst
+        self.max_rows = config.max_batch_size
+        try:
+            self.handler = handlers.handler(
+                settings.store, config.manifest.name, config.version, section, settings.code_path, self.max_rows
+            )
+        except handlers.HandlerLoadError as e:  # the server process built it: only a changed file gets here
+            raise RuntimeError(str(e)) from None
+        # As many as the server process's handler threads: calls stuck past their limit hold theirs, and once all are
+        # held the next calls time out waiting rather than piling up threads.
+        self._threads = concurrent.futures.ThreadPoolExecutor(
+            handlers.HANDLER_THREADS, thread_name_prefix="halfserve-handler"
+        )
+
+    def _call(self, stage: handlers.Stage, call: Callable[[], Any]) -> Any:
+        future = self._threads.submit(call)
+        try:
+            return future.result(self.section.timeout_s)
+        except concurrent.futures.TimeoutError:
+            future.cancel()  # one still waiting for a thread never runs
+            raise DeadlineExceededError(
+                f"model {self.manifest.name!r}: handler {stage.value} ran past its time limit of "
+                f"{self.section.timeout_s:g} s (handler.timeout_s)"
+            ) from None
+        except BaseException as e:  # a SystemExit from the team's code is the batch's failure too
+            reason = handlers.one_line(e, f"handler {stage.value} failed: ")
+            raise (InvalidInputError if stage is handlers.Stage.PREPROCESS else InternalError)(reason) from None
+
+    def _forward(self, x: np.ndarray) -> list[Output]:
+        """``x``'s rows through the instance, at most a full batch per forward, after the overflow policy."""
+        if not x.flags.writeable:  # torch takes only writable memory
+            x = x.copy()
+        outs: list[Output] = []
+        for start in range(0, len(x), self.max_rows):
+            part = x[start : start + self.max_rows]
+            try:
+                [outcome] = self.inst.executor.submit(self.engine.run_batch, [part], self.inst).result()
+            except Exception as e:
+                raise BatchFailedError(f"{type(e).__name__}: {e}") from None
+            if isinstance(outcome, Exception):
+                raise BatchFailedError(f"{type(outcome).__name__}: {outcome}")
+            outs.append(outcome if isinstance(outcome, Output) else Output(outcome, self.engine.precision))
+        return outs
+
+    def run(self, requests: list[dict[str, Any]]) -> tuple[list[bytes], list[Output]]:
+        """The requests' answers, one JSON body each, and the outputs of their rows (one per forward, in order);
+        raises what fails the batch (see the module)."""
+        value = self._call(handlers.Stage.PREPROCESS, functools.partial(self.handler.preprocess, requests))
+        inputs = handlercheck.checked_inputs(value, self.manifest, len(requests))
+        outs = self._forward(inputs[self.manifest.inputs[0].name])
+        data = outs[0].data if len(outs) == 1 else np.concatenate([o.data for o in outs])
+        call = functools.partial(self.handler.postprocess, data, requests)
+        answers = handlercheck.answers(self._call(handlers.Stage.POSTPROCESS, call), len(requests))
+        return answers, outs
+
+
+def requests(head: dict[str, Any], payload: bytearray) -> list[dict[str, Any]]:
+    """The ``handle`` frame's payloads as TorchServe-shaped requests: ``[field, content_type, bytes]`` each in the
+    header, their bytes one after another in the frame's payload."""
+    out, offset = [], 0
+    for field, content_type, size in head["payloads"]:
+        out.append(handlers.request(field, bytes(payload[offset : offset + size]), content_type))
+        offset += size
+    return out
