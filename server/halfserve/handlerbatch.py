@@ -180,8 +180,13 @@ class HandlerBatcher(Generic[J, R]):
                 raise InternalError(f"handler batch returned {len(results)} results for {len(live)} requests")
         except Exception as e:
             if len(live) > 1 and self.alone(e):
-                # One request may have caused it: each alone, so only its own call fails.
-                await asyncio.gather(*(self._answer([q]) for q in live))
+                # One request may have caused it: each alone, so only its own call fails. Within the batch's own
+                # slot: one at a time where only one batch may run (a handler holding a batch's state on itself).
+                if self.concurrency == 1:
+                    for q in live:
+                        await self._answer([q])
+                else:
+                    await asyncio.gather(*(self._answer([q]) for q in live))
                 return
             for q in live:
                 _fail(q, e)

@@ -27,9 +27,9 @@ from typing import Any
 from halfserve.handlerinput import HandlerSection, HandlerStyle
 
 HANDLER_THREADS = max(2, os.cpu_count() or 2)
-"""Threads that run handler calls, for all models together."""
+"""Threads that run one model's handler calls (each model has its own, started as its calls need them)."""
 HANDLER_QUEUE = 64
-"""Handler calls that may wait for a thread; one more is refused busy."""
+"""One model's handler calls that may wait for a thread; one more is refused busy."""
 CONTENT_TYPE = "content_type"
 """The key of a payload's content type in a request as a handler is given it, beside its field's bytes."""
 REASON_CHARS = 300
@@ -86,7 +86,11 @@ class _Raised:
 
 
 _built: dict[tuple[str, str, int, str], Any] = {}
-_build_lock = threading.Lock()
+_build_locks: dict[tuple[str, str, int, str], threading.Lock] = {}
+_locks_lock = threading.Lock()
+BUILD_TIMEOUT_S = 120.0
+"""Longest a version's load waits for its handler to be built (a TorchServe handler's ``initialize`` included): past
+it the version fails to load, naming the handler; the build runs on, holding only its own model's lock."""
 
 
 def build(
@@ -135,7 +139,9 @@ def handler(
     that one that cannot be built fails the load, not requests; a front-end process builds its own on its first
     request, importing torch then). It blocks while it builds: see :func:`built`."""
     key = (str(store), name, version, section.code)
-    with _build_lock:
+    with _locks_lock:  # held only to find the model's own lock: a handler that hangs in its build holds no other's
+        lock = _build_locks.setdefault(key, threading.Lock())
+    with lock:
         found = _built.get(key)
         if found is None:
             found = _built[key] = build(section, code_path, name, store / name / str(version), batch_size)
@@ -147,15 +153,19 @@ def built(store: Path, name: str, version: int, section: HandlerSection) -> Any:
     return _built.get((str(store), name, version, section.code))
 
 
-_running = 0
-_executor: concurrent.futures.ThreadPoolExecutor | None = None
+_running: dict[str, int] = {}
+"""Calls running or waiting for a thread, per model: each has threads and a bound of its own, so a handler that hangs
+holds its own model's threads, never another model's."""
+_executors: dict[str, concurrent.futures.ThreadPoolExecutor] = {}
 
 
-def _threads() -> concurrent.futures.ThreadPoolExecutor:
-    global _executor
-    if _executor is None:
-        _executor = concurrent.futures.ThreadPoolExecutor(HANDLER_THREADS, thread_name_prefix="halfserve-handler")
-    return _executor
+def _threads(model: str) -> concurrent.futures.ThreadPoolExecutor:
+    found = _executors.get(model)
+    if found is None:  # threads start as calls need them: a model whose handler is idle holds none
+        found = _executors[model] = concurrent.futures.ThreadPoolExecutor(
+            HANDLER_THREADS, thread_name_prefix="halfserve-handler"
+        )
+    return found
 
 
 def _guarded(call: Callable[[], Any]) -> Any:
@@ -165,29 +175,29 @@ def _guarded(call: Callable[[], Any]) -> Any:
         return _Raised(e)
 
 
-def running() -> int:
-    """Handler calls running or waiting for a thread now, those past their time limit included."""
-    return _running
+def running(model: str) -> int:
+    """Model ``model``'s handler calls running or waiting for a thread now, those past their time limit included."""
+    return _running.get(model, 0)
 
 
-def _finished(_: object) -> None:
-    global _running
-    _running -= 1
-
-
-async def run(stage: Stage, call: Callable[[], Any], timeout_s: float) -> Any:
-    """``call()`` on a handler thread within ``timeout_s``: :class:`HandlerRaisedError` when it raises,
-    :class:`HandlerTimeoutError` past the limit (it runs on, see the module), :class:`HandlerBusyError` when the bound
-    is full."""
-    global _running
-    if _running >= HANDLER_THREADS + HANDLER_QUEUE:
+async def run(stage: Stage, call: Callable[[], Any], timeout_s: float, model: str) -> Any:
+    """``call()`` on one of model ``model``'s handler threads within ``timeout_s``: :class:`HandlerRaisedError` when
+    it raises, :class:`HandlerTimeoutError` past the limit (it runs on, see the module), :class:`HandlerBusyError`
+    when the model's bound is full."""
+    held = running(model)
+    if held >= HANDLER_THREADS + HANDLER_QUEUE:
         raise HandlerBusyError(
-            f"handler {stage.value}: {_running} handler calls are running or waiting, as many as the server holds"
+            f"handler {stage.value}: {held} handler calls of model {model!r} are running or waiting, as many as the "
+            "server holds for one model"
         )
     loop = asyncio.get_running_loop()
-    _running += 1
-    future = loop.run_in_executor(_threads(), _guarded, call)
-    future.add_done_callback(_finished)  # on the loop, when the thread returns: a stuck call keeps its place
+    _running[model] = held + 1
+
+    def finished(_: object) -> None:  # on the loop, when the thread returns: a stuck call keeps its place
+        _running[model] -= 1
+
+    future = loop.run_in_executor(_threads(model), _guarded, call)
+    future.add_done_callback(finished)
     try:
         result = await asyncio.wait_for(asyncio.shield(future), timeout_s)
     except TimeoutError:

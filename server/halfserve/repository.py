@@ -217,18 +217,24 @@ class ModelRepository:
             except text.TextError as e:
                 raise StoreError(str(e)) from None
         if loaded.manifest.handler is not None:  # built here, so one that cannot be built fails the load
+            built = asyncio.to_thread(
+                handlers.handler,
+                self.settings.store,
+                served.name,
+                served.version,
+                loaded.manifest.handler,
+                (),
+                loaded.manifest.batching.max_batch_size,
+            )
             try:
-                await asyncio.to_thread(
-                    handlers.handler,
-                    self.settings.store,
-                    served.name,
-                    served.version,
-                    loaded.manifest.handler,
-                    (),
-                    loaded.manifest.batching.max_batch_size,
-                )
+                await asyncio.wait_for(built, handlers.BUILD_TIMEOUT_S)
             except handlers.HandlerLoadError as e:
                 raise StoreError(str(e)) from None
+            except TimeoutError:  # the build runs on in its thread, holding only this model's handler lock
+                raise StoreError(
+                    f"handler {loaded.manifest.handler.code!r}: building it (its initialize) ran past "
+                    f"{handlers.BUILD_TIMEOUT_S:g} s"
+                ) from None
         await self._check_padding(served, loaded)
         served.index_limits = await asyncio.to_thread(index_limits, loaded.module, loaded.manifest)
         engine = await self._engine(served, loaded, precision)

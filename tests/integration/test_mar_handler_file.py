@@ -5,6 +5,7 @@ tests/e2e/test_mar_handler_file.py)."""
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import sys
 from pathlib import Path
@@ -162,3 +163,40 @@ def test_python_past_the_bound_or_a_copy_escaping_the_folder_is_refused(
     assert imports(tmp_path, mar, code) == 2
     assert "more than the 100 allowed" in capsys.readouterr().err
     assert list(code.iterdir()) == []
+
+
+STATEFUL = """
+import time
+
+import torch
+from ts.torch_handler.base_handler import BaseHandler
+
+
+class Stateful(BaseHandler):
+    def preprocess(self, data):
+        self.keys = [(row.get("data") or row.get("body")).decode() for row in data]
+        time.sleep(0.02)  # another batch's preprocess would overwrite self.keys here
+        return torch.zeros(len(data), 3, 224, 224)
+
+    def postprocess(self, data):
+        time.sleep(0.02)
+        return [{"key": key} for key in self.keys]
+"""
+
+
+async def test_a_torchserve_handler_keeps_its_batch_state_on_itself(tmp_path: Path) -> None:
+    """TorchServe ran one batch at a time per handler, so its handlers keep a batch's state on ``self`` from
+    preprocess to postprocess: concurrent requests each get their own answer back, never another batch's."""
+    code, store = tmp_path / "code", tmp_path / "store"
+    assert imports(tmp_path, handler_archive(tmp_path, STATEFUL, "stateful_handler"), code, *INPUT) == 0
+    async with serving(Settings(store=store, code_path=[tmp_path / "model_code", code])) as client:
+
+        async def one(i: int) -> tuple[str, object]:
+            key = f"request-{i}"
+            r = await client.put("/predictions/tinynet", content=key.encode())  # type: ignore[attr-defined]
+            assert r.status_code == 200, r.text
+            return key, r.json()
+
+        for _ in range(3):
+            for key, answer in await asyncio.gather(*(one(i) for i in range(12))):
+                assert answer == {"key": key}

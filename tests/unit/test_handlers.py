@@ -61,7 +61,7 @@ async def test_an_exception_is_the_calls_failure() -> None:
         raise SystemExit("the team's code exits")
 
     with pytest.raises(HandlerRaisedError, match="handler postprocess failed: SystemExit: the team's code exits"):
-        await handlers.run(Stage.POSTPROCESS, fails, 5)
+        await handlers.run(Stage.POSTPROCESS, fails, 5, "m")
 
 
 async def test_a_call_past_its_limit_keeps_its_place_until_it_returns(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -69,10 +69,52 @@ async def test_a_call_past_its_limit_keeps_its_place_until_it_returns(monkeypatc
     monkeypatch.setattr(handlers, "HANDLER_QUEUE", 0)
     release = threading.Event()
     with pytest.raises(HandlerTimeoutError, match=r"preprocess ran past its time limit of 0\.01 s"):
-        await handlers.run(Stage.PREPROCESS, release.wait, 0.01)
-    assert handlers.running() == 1
+        await handlers.run(Stage.PREPROCESS, release.wait, 0.01, "m")
+    assert handlers.running("m") == 1
     with pytest.raises(HandlerBusyError):
-        await handlers.run(Stage.PREPROCESS, lambda: 1, 5)
+        await handlers.run(Stage.PREPROCESS, lambda: 1, 5, "m")
     release.set()
-    await until(lambda: handlers.running() == 0, "the stuck call returned")
-    assert await handlers.run(Stage.PREPROCESS, lambda: 2, 5) == 2
+    await until(lambda: handlers.running("m") == 0, "the stuck call returned")
+    assert await handlers.run(Stage.PREPROCESS, lambda: 2, 5, "m") == 2
+
+
+async def test_a_model_whose_calls_hang_holds_only_its_own_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each model has its threads and its bound: one whose handler hangs is refused busy, another answers at once."""
+    monkeypatch.setattr(handlers, "HANDLER_THREADS", 1)
+    monkeypatch.setattr(handlers, "HANDLER_QUEUE", 0)
+    release = threading.Event()
+    with pytest.raises(HandlerTimeoutError):
+        await handlers.run(Stage.PREPROCESS, release.wait, 0.01, "hangs")
+    with pytest.raises(HandlerBusyError, match="of model 'hangs'"):
+        await handlers.run(Stage.PREPROCESS, lambda: 1, 5, "hangs")
+    assert await handlers.run(Stage.PREPROCESS, lambda: 3, 5, "other") == 3
+    release.set()
+    await until(lambda: handlers.running("hangs") == 0, "the stuck call returned")
+
+
+def test_a_handler_building_holds_only_its_own_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A build that hangs (a TorchServe handler's initialize) does not stop another model's handler from being found
+    or built: the load of that one, and requests to it, go on."""
+    release, started = threading.Event(), threading.Event()
+
+    def build(section: HandlerSection, *args: object) -> object:
+        if section.code == "slow_handler:H":
+            started.set()
+            release.wait()
+        return section.code
+
+    monkeypatch.setattr(handlers, "build", build)
+    slow = threading.Thread(target=handlers.handler, args=(tmp_path, "slow", 1, HandlerSection(code="slow_handler:H")))
+    slow.start()
+    assert started.wait(30)
+    found: list[object] = []
+    other = threading.Thread(
+        target=lambda: found.append(handlers.handler(tmp_path, "fast", 1, HandlerSection(code="fast_handler:H")))
+    )
+    other.start()
+    try:
+        other.join(30)  # bounded: with one lock for all models this waits for the slow build
+        assert found == ["fast_handler:H"]
+    finally:
+        release.set()
+        slow.join(30)

@@ -29,7 +29,7 @@ from halfserve.api.dataplane.infer import infer
 from halfserve.api.dataplane.photos import image_count
 from halfserve.api.dataplane.refusals import cut_off_by_shutdown
 from halfserve.handlerbatch import HandlerBatcher
-from halfserve.handlerinput import HandlerSection
+from halfserve.handlerinput import HandlerSection, HandlerStyle
 from halfserve.serving import (
     AppState,
     BatchFailedError,
@@ -75,7 +75,7 @@ def payload_count(settings: Settings, served: ModelHandle, count: int, field: st
 
 async def _call(served: ModelHandle, stage: handlers.Stage, call: functools.partial[Any], limit: float) -> Any:
     try:
-        return await handlers.run(stage, call, limit)
+        return await handlers.run(stage, call, limit, served.name)
     except handlers.HandlerRaisedError as e:
         if stage is handlers.Stage.PREPROCESS:
             raise InvalidInputError(str(e)) from None
@@ -110,7 +110,11 @@ async def postprocess(
     model of one output, else all by name) and the same requests ``preprocess`` had."""
     spec = section(served)
     assert spec is not None, "called for a model with a handler section"
-    handler = handlers.handler(settings.store, served.name, served.version, spec)  # built by preprocess
+    key = (settings.store, served.name, served.version, spec)
+    # Built by preprocess; never built here on the event loop, where waiting for a build would stall every request.
+    handler = handlers.built(*key) or await asyncio.to_thread(
+        handlers.handler, *key, settings.code_path, served.batching.max_batch_size
+    )
     names = [t.name for t in served.manifest.outputs]
     given: object = outputs[names[0]] if len(names) == 1 else outputs
     requests = [p.as_request() for p in payloads]
@@ -206,7 +210,9 @@ def _batcher(served: ModelHandle, settings: Settings, spec: HandlerSection) -> H
             max_batch_size=1,
             max_delay=0.0,
             max_queue_payloads=1,
-            concurrency=BATCHES_IN_FLIGHT,
+            # A TorchServe handler keeps a batch's state on itself from preprocess to postprocess, as its one worker
+            # ran one batch at a time: two batches in flight would give one batch's answers the other's state.
+            concurrency=1 if spec.style is HandlerStyle.TORCHSERVE else BATCHES_IN_FLIGHT,
         )
     limits = served.batching
     found.max_batch_size = limits.max_batch_size
