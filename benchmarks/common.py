@@ -256,3 +256,13 @@ def write_results(prefix: Path, result: object, md: str) -> None:
 
 if __name__ == "__main__":
     sample_protocols(sys.argv[1], sys.argv[3:], Path(sys.argv[2]))
+
+
+def emit(name: str, result: object) -> None:
+    """A probe's ``result`` printed as JSON, and written to ``$OUT/<name>.json`` where ``OUT`` is set."""
+    text = json.dumps(result, indent=2)
+    print(text)
+    if os.environ.get("OUT"):
+        out = Path(os.environ["OUT"])
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"{name}.json").write_text(text + "\n")

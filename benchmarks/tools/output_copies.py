@@ -17,15 +17,13 @@ Run from the repository root: ``PYTHONPATH=benchmarks python benchmarks/tools/ou
 The source buffer is page-locked where CUDA is available (as fetch's is), plain memory otherwise.
 """
 
-import json
 import math
 import os
 import statistics
 import time
 from collections.abc import Callable
-from pathlib import Path
 
-import common  # noqa: F401 - this tree's halfserve first on sys.path
+import common  # this tree's halfserve first on sys.path
 import numpy as np
 import torch
 
@@ -127,11 +125,7 @@ def main() -> None:
         "rounds": ROUNDS,
         "batches": rows,
     }
-    print(json.dumps(result, indent=2))
-    if os.environ.get("OUT"):
-        out = Path(os.environ["OUT"])
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "output_copies.json").write_text(json.dumps(result, indent=2) + "\n")
+    common.emit("output_copies", result)
 
 
 main()

@@ -25,9 +25,8 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 
-import common  # noqa: F401 - this tree's halfserve first on sys.path
+import common  # this tree's halfserve first on sys.path
 import torch
 
 from halfserve import hostinfo
@@ -144,11 +143,7 @@ def main() -> None:
             stop.set()
             loop.join()
         result["pin"] = pin()
-    print(json.dumps(result, indent=2))
-    if os.environ.get("OUT"):
-        out = Path(os.environ["OUT"])
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "torch_calls.json").write_text(json.dumps(result, indent=2) + "\n")
+    common.emit("torch_calls", result)
 
 
 main()
