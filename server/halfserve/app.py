@@ -86,6 +86,7 @@ def create_app(settings: Settings | None = None, frontends: Frontends | None = N
         # Process-wide settings, applied here once (never by a constructor).
         torch.set_num_threads(settings.threads or placement.available_cores())
         models.add_code_path(settings.code_path)
+        models.forbid_store(settings.store)
         precision.set_tf32(settings.tf32)
         metrics = Metrics()
         repo = ModelRepository(settings, observe=metrics.batch_observer)

@@ -91,6 +91,7 @@ def serve(args: argparse.Namespace) -> int:
     try:
         settings = Settings(**given)
         models.add_code_path(settings.code_path)
+        models.forbid_store(settings.store)
         # Validate every manifest and architecture before binding the port, so a bad store fails with the file and
         # field named.
         ModelRepository(settings).discover()
@@ -302,6 +303,7 @@ def import_(args: argparse.Namespace) -> int:
         if missing:
             raise importer.ImportFailure(f"give {', '.join(missing)}")
         models.add_code_path(args.code_path or [])
+        models.forbid_store(args.store)
         labels = importflags.read_labels(args.labels) if args.labels else None
         fields: dict[str, object] = {"min_agreement": args.min_agreement} if args.min_agreement is not None else {}
         if args.accept_padding_variance:

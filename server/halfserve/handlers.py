@@ -144,6 +144,9 @@ def handler(
     with lock:
         found = _built.get(key)
         if found is None:
+            from halfserve import models  # torch, as build imports it: only where a handler is built
+
+            models.forbid_store(store)  # a front-end process builds here first: its store's modules never run
             found = _built[key] = build(section, code_path, name, store / name / str(version), batch_size)
     return found
 

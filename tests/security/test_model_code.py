@@ -194,3 +194,20 @@ def test_hugging_face_arch_kwargs_are_allow_listed(tmp_path: Path, kwargs: dict[
         store.load(tmp_path, "bert")
     store.write_manifest(tmp_path, m.model_copy(update={"arch_kwargs": {"attn_implementation": "eager"}}))
     assert store.load(tmp_path, "bert").module.config._attn_implementation == "eager"
+
+
+async def test_a_store_inside_a_code_path_folder_runs_no_module_of_its_own(tmp_path: Path) -> None:
+    """With the store inside a ``--code-path`` folder, a model folder's ``.py`` is importable as ``store.<model>...``:
+    it is refused before it is imported, naming the store, and the other models serve."""
+    root = tmp_path / "store"
+    save_tiny_mlp(root)
+    marker = tmp_path / "ran"
+    write_hostile(root, "evil", "store.evil.pwn:Net", {})
+    (root / "evil" / "pwn.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\nNet = None\n")
+    async with started(Settings(store=root, code_path=[tmp_path]), "tiny") as client:
+        ok = await client.post("/predict", json={"model": "tiny", "inputs": np.zeros((2, 16)).tolist()})
+        assert ok.status_code == 200, ok.text
+        evil = await client.post("/predict", json={"model": "evil", "inputs": [[0, 0, 0, 0]]})
+        assert evil.status_code in (404, 503), evil.text
+        assert "lies in the model store" in evil.text, evil.text
+    assert not marker.exists()

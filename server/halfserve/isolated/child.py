@@ -90,6 +90,7 @@ def _start(config: ChildConfig, memory: InstanceMemory, weights: bytes) -> tuple
     settings = config.settings
     set_intra_op_threads(config.cores)
     models.add_code_path(settings.code_path)
+    models.forbid_store(settings.store)
     if config.code is not None:
         handover.install(config.code)  # from the source read at load, not the file as it is now
     if config.registers is not None and config.manifest.architecture not in models.names():

@@ -27,7 +27,7 @@ import importlib
 import importlib.util
 import re
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
@@ -87,6 +87,29 @@ def check_name(name: str) -> str:
     raise ValueError(f"{name!r} is not an architecture; expected {_forms()}")
 
 
+_STORES: list[Path] = []
+"""The model stores this process serves or imports into, resolved: no module whose file lies in one is run, whatever
+``--code-path`` folder the store lies in (:func:`forbid_store`)."""
+
+
+def forbid_store(store: Path) -> None:
+    """Refuse every module whose file lies in ``store``: a model folder runs no code, even where the store lies inside
+    a ``--code-path`` folder. Process-wide: called at start-up beside :func:`add_code_path`."""
+    folder = Path(store).resolve()
+    if folder not in _STORES:
+        _STORES.append(folder)
+
+
+def _in_store(location: str, rest: Sequence[str]) -> Path | None:
+    """The store that ``rest`` (a module's dotted path below its top-level package) found from ``location`` (that
+    package's file or folder) lies in, or None."""
+    where = Path(location).resolve()
+    if where.name == "__init__.py":
+        where = where.parent
+    candidate = where.joinpath(*rest)
+    return next((s for s in _STORES if where.is_relative_to(s) or candidate.is_relative_to(s)), None)
+
+
 def _under_code_path(location: str) -> bool:
     where = Path(location).resolve()
     return any(where.is_relative_to(folder) for folder in _CODE_PATHS)
@@ -124,6 +147,12 @@ def check_source(module_name: str, name: str, what: str = "architecture") -> Sou
     locations: list[str] = []
     if spec is not None:
         locations = [spec.origin] if spec.has_location and spec.origin else list(spec.submodule_search_locations or [])
+    in_store = next((s for p in locations if (s := _in_store(p, module_name.split(".")[1:]))), None)
+    if in_store is not None:
+        raise UnknownArchitectureError(
+            f"{what} {name!r}: module {module_name!r} lies in the model store {in_store}: a model folder runs no code, "
+            "even where the store lies in a --code-path folder; move the module to a --code-path folder outside it"
+        )
     if locations and all(_under_code_path(p) for p in locations):
         return Source.CODE_PATH
     if any(target.partition(":")[0] == module_name for target in _declared()):
