@@ -93,8 +93,9 @@ _STORES: list[Path] = []
 
 
 def forbid_store(store: Path) -> None:
-    """Refuse every module whose file lies in ``store``: a model folder runs no code, even where the store lies inside
-    a ``--code-path`` folder. Process-wide: called at start-up beside :func:`add_code_path`."""
+    """Refuse every module whose file lies in ``store`` (outside a ``--code-path`` folder named inside it): a model
+    folder runs no code, even where the store lies inside a ``--code-path`` folder. Process-wide: called at start-up
+    beside :func:`add_code_path`."""
     folder = Path(store).resolve()
     if folder not in _STORES:
         _STORES.append(folder)
@@ -107,7 +108,14 @@ def _in_store(location: str, rest: Sequence[str]) -> Path | None:
     if where.name == "__init__.py":
         where = where.parent
     candidate = where.joinpath(*rest)
-    return next((s for s in _STORES if where.is_relative_to(s) or candidate.is_relative_to(s)), None)
+    for store in _STORES:
+        if not (where.is_relative_to(store) or candidate.is_relative_to(store)):
+            continue
+        # A --code-path folder the operator named inside the store (not the store itself) is theirs; the rest is not.
+        named = [c for c in _CODE_PATHS if c.is_relative_to(store) and c != store]
+        if not any(where.is_relative_to(c) and candidate.is_relative_to(c) for c in named):
+            return store
+    return None
 
 
 def _under_code_path(location: str) -> bool:
