@@ -422,8 +422,10 @@ def _images(folder: Path, specs: list[TensorSpec], manifest: Manifest, where: st
         data = file.read_bytes()
         kind = images.sniff(data)
         if kind not in _FORMATS:
-            said = f"a {kind} file" if kind else "not a file of an image format read"
-            raise CalibrationError(f"{where}: {file.name}: {said} ({', '.join(sorted(_FORMATS))} are)")
+            said = f"a {kind} file" if kind else "not an image file"
+            raise CalibrationError(
+                f"{where}: {file.name}: {said}; calibration images are {', '.join(sorted(_FORMATS))}"
+            )
         try:
             with images.opened(data, kind, max_pixels, file.name) as image:
                 converted = image.convert(_MODES[channels]).resize((width, height), Image.Resampling.BILINEAR)

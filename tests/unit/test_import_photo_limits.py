@@ -97,7 +97,9 @@ def test_an_image_for_a_tensor_input_is_held_to_the_limit_too(
     assert "big.png: a 300x300 PNG image, more than the 1599 pixels" in err
     (folder / "big.png").write_bytes(b"%PDF-1.4 not a photo")
     err = refused(capsys, TENSOR_MODEL, folder, tmp_path / "s")
-    assert "big.png: a PDF file (BMP, GIF, JPEG, PNG, TIFF, WEBP are)" in err
+    assert "big.png: a PDF file; calibration images are BMP, GIF, JPEG, PNG, TIFF, WEBP" in err
+    (folder / "big.png").write_bytes(b"\x00" * 64)
+    assert "big.png: not an image file;" in refused(capsys, TENSOR_MODEL, folder, tmp_path / "s")
 
 
 def test_the_draft_check_holds_its_photos_to_the_limit(tmp_path: Path) -> None:
