@@ -14,7 +14,9 @@
   input's channels (grey, RGB or RGBA) and size and laid out as its ``format`` says; a ``UINT8`` input or one with
   ``normalize`` gets the pixel values as they are (the server normalises on the device, as for requests), any other
   floating input the values / 255. A model with an ``image`` section gets each through that section, as a request's
-  photo (:mod:`halfserve.images`: JPEG, PNG and WebP).
+  photo (:mod:`halfserve.images`: JPEG, PNG and WebP). Either way a photo is held to a pixel limit, read from its
+  header before it is decoded: the one requests are held to by default (``max_image_pixels``), raised with
+  ``halfserve import --max-image-pixels``.
 
 Without a file, samples are random (:func:`random_samples`), and everything that reports them says so.
 
@@ -27,7 +29,6 @@ from __future__ import annotations
 
 import json
 import re
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,7 @@ from torch import nn
 from halfserve import images, packing, storage, text
 from halfserve.manifest import InputFormat, Manifest, TensorSpec, sent_inputs
 from halfserve.packing import LENGTH
+from halfserve.settings import MAX_IMAGE_PIXELS, MOST_IMAGE_PIXELS
 from halfserve.storage import StoreError
 from halfserve.store import LoadedModel
 
@@ -55,6 +57,9 @@ INT_RANGE = 100
 """Random integer inputs of a model without an embedding are drawn from ``[0, INT_RANGE)`` (class indices, small
 counts); a model with one draws them below its first embedding table's size (token ids of its whole vocabulary)."""
 IMAGE_SUFFIXES = frozenset({".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff"})
+_FORMATS = frozenset({"BMP", "GIF", "JPEG", "PNG", "TIFF", "WEBP"})
+"""The formats of :data:`IMAGE_SUFFIXES` (by their first bytes, :func:`halfserve.images.sniff`): only their readers
+are reached."""
 _MODES = {1: "L", 3: "RGB", 4: "RGBA"}
 
 
@@ -172,14 +177,14 @@ def random_samples(specs: list[TensorSpec], count: int, high: int = INT_RANGE) -
     return Samples(arrays, source, random=True)
 
 
-def read(path: Path, manifest: Manifest, tokenizer: Path | None = None) -> Samples:
+def read(path: Path, manifest: Manifest, tokenizer: Path | None = None, max_pixels: int = MAX_IMAGE_PIXELS) -> Samples:
     """Samples from the file or folder ``path`` given to ``halfserve import --calibration`` (see the module), for
-    ``manifest``'s inputs; a text model's texts are tokenized with ``tokenizer``. Raises :class:`CalibrationError`
-    naming the option, the file and what does not fit."""
+    ``manifest``'s inputs; a text model's texts are tokenized with ``tokenizer``, a photo of more than ``max_pixels``
+    pixels is refused. Raises :class:`CalibrationError` naming the option, the file and what does not fit."""
     where = f"--calibration {path}"
     specs = sent_inputs(manifest)
     if path.is_dir():
-        return _images(path, specs, manifest, where)
+        return _images(path, specs, manifest, where, max_pixels)
     suffix = path.suffix.lower()
     try:
         if suffix == ".txt":
@@ -385,15 +390,22 @@ def photo_files(folder: Path) -> list[Path]:
     return sorted(p for p in folder.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file())[:MAX_SAMPLES]
 
 
-def _images(folder: Path, specs: list[TensorSpec], manifest: Manifest, where: str) -> Samples:
+def too_large(where: str, error: images.ImageTooLargeError) -> CalibrationError:
+    """A calibration photo over the pixel limit, with the flag that raises it (as ``serve``'s raises the requests')."""
+    return CalibrationError(
+        f"{where}: {error}; --max-image-pixels raises it (to at most {MOST_IMAGE_PIXELS}), as it does for requests"
+    )
+
+
+def _images(folder: Path, specs: list[TensorSpec], manifest: Manifest, where: str, max_pixels: int) -> Samples:
     if manifest.image is not None:
-        return _photos(folder, manifest, where)
-    images = [t for t in specs if t.image_format in (InputFormat.NCHW, InputFormat.NHWC)]
-    if len(specs) != 1 or not images:
+        return _photos(folder, manifest, where, max_pixels)
+    pictured = [t for t in specs if t.image_format in (InputFormat.NCHW, InputFormat.NHWC)]
+    if len(specs) != 1 or not pictured:
         raise CalibrationError(
             f"{where}: a folder of images feeds a model with one image input (three fixed dimensions, NCHW or NHWC)"
         )
-    spec = images[0]
+    spec = pictured[0]
     nchw = spec.image_format is InputFormat.NCHW
     channels, height, width = spec.shape if nchw else (spec.shape[2], spec.shape[0], spec.shape[1])
     if channels not in _MODES:
@@ -407,10 +419,19 @@ def _images(folder: Path, specs: list[TensorSpec], manifest: Manifest, where: st
         raise CalibrationError(f"{where}: reading images needs Pillow (pip install pillow)") from None
     pixels = np.empty((len(files), height, width, channels), dtype=np.uint8)
     for i, file in enumerate(files):
+        data = file.read_bytes()
+        kind = images.sniff(data)
+        if kind not in _FORMATS:
+            said = f"a {kind} file" if kind else "not an image file"
+            raise CalibrationError(
+                f"{where}: {file.name}: {said}; calibration images are {', '.join(sorted(_FORMATS))}"
+            )
         try:
-            with Image.open(file) as image:
+            with images.opened(data, kind, max_pixels, file.name) as image:
                 converted = image.convert(_MODES[channels]).resize((width, height), Image.Resampling.BILINEAR)
                 pixels[i] = np.asarray(converted).reshape(height, width, channels)
+        except images.ImageTooLargeError as e:
+            raise too_large(where, e) from None
         except Exception as e:  # Pillow raises many types for files that are not images it reads
             raise CalibrationError(f"{where}: {file.name}: cannot read it as an image ({e})") from None
     laid = pixels.transpose(0, 3, 1, 2) if nchw else pixels
@@ -422,7 +443,7 @@ def _images(folder: Path, specs: list[TensorSpec], manifest: Manifest, where: st
     return Samples({spec.name: np.ascontiguousarray(values.astype(spec.datatype.numpy))}, source)
 
 
-def _photos(folder: Path, manifest: Manifest, where: str) -> Samples:
+def _photos(folder: Path, manifest: Manifest, where: str, max_pixels: int) -> Samples:
     """A folder of photos for a model with an image section: each decoded and transformed as a request's is."""
     assert manifest.image is not None
     files = photo_files(folder)
@@ -430,10 +451,9 @@ def _photos(folder: Path, manifest: Manifest, where: str) -> Samples:
         raise CalibrationError(f"{where}: no image files ({', '.join(sorted(IMAGE_SUFFIXES))})")
     spec = next(t for t in manifest.inputs if t.name == manifest.image.feeds)
     try:
-        # The operator's own files: held to Pillow's decompression-bomb guard only, not to a request's limit.
-        pixels = images.decode_all(
-            [f.read_bytes() for f in files], manifest.image, sys.maxsize, [f.name for f in files]
-        )
+        pixels = images.decode_all([f.read_bytes() for f in files], manifest.image, max_pixels, [f.name for f in files])
+    except images.ImageTooLargeError as e:
+        raise too_large(where, e) from None
     except images.ImageError as e:
         raise CalibrationError(f"{where}: {e}") from None
     source = f"images from {folder} ({len(files)} files, through the manifest's image section as requests are)"

@@ -23,7 +23,7 @@ from pydantic_core import PydanticUndefined
 
 from halfserve import storage
 from halfserve.manifest import describe
-from halfserve.settings import Settings
+from halfserve.settings import MAX_IMAGE_PIXELS, MOST_IMAGE_PIXELS, Settings
 
 if TYPE_CHECKING:
     from halfserve.mar import Archive
@@ -234,6 +234,14 @@ def _add_import(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         type=Path,
         help=".npy (one input), .npz, .safetensors or .jsonl samples by input name, .txt texts, or a folder of images",
     )
+    p.add_argument(
+        "--max-image-pixels",
+        type=int,
+        default=MAX_IMAGE_PIXELS,
+        metavar="N",
+        help="most pixels (width times height, read from its header before decoding) a calibration photo may have, "
+        f"as serve's flag of the name holds requests' (default: {MAX_IMAGE_PIXELS}; at most {MOST_IMAGE_PIXELS})",
+    )
     p.add_argument("--samples", type=int, default=64, help="random calibration samples without --calibration")
     p.add_argument(
         "--min-agreement", type=float, help="serve in fp32 below this top-1 agreement (default: the default bar, 0.98)"
@@ -302,6 +310,8 @@ def import_(args: argparse.Namespace) -> int:
         missing = [f"--{n}" for n in ("name", "architecture", "input") if not getattr(args, n)]
         if missing:
             raise importer.ImportFailure(f"give {', '.join(missing)}")
+        if not 1 <= args.max_image_pixels <= MOST_IMAGE_PIXELS:
+            raise importer.ImportFailure(f"--max-image-pixels {args.max_image_pixels}: from 1 to {MOST_IMAGE_PIXELS}")
         models.add_code_path(args.code_path or [])
         models.forbid_store(args.store)
         labels = importflags.read_labels(args.labels) if args.labels else None
@@ -341,6 +351,7 @@ def import_(args: argparse.Namespace) -> int:
             resolve_device(args.device),
             args.strict,
             extra,
+            max_image_pixels=args.max_image_pixels,
             **fields,
         )
     except ValidationError as e:

@@ -13,7 +13,6 @@ the photos and the model; :func:`decide` is the decision on what it measured, a 
 from __future__ import annotations
 
 import math
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +22,7 @@ from halfserve import calibration, fidelity, images, store
 from halfserve.imagedraft import DraftCheck, DraftReason
 from halfserve.imageinput import DRAFT_MARGIN, ImageInput, Layout
 from halfserve.manifest import Manifest, Precision
+from halfserve.settings import MAX_IMAGE_PIXELS
 
 MAX_MEAN_LEVELS = 1.0
 """The largest mean pixel difference draft may make, in levels of 0..255: libjpeg's reduced decoding of a photo is
@@ -67,10 +67,10 @@ def _levels(diff: np.ndarray, spec: ImageInput) -> np.ndarray:
     return np.abs(diff.astype(np.float64)) * per_channel / spec.scale
 
 
-def measure(loaded: store.LoadedModel, folder: Path) -> Measured:
+def measure(loaded: store.LoadedModel, folder: Path, max_pixels: int = MAX_IMAGE_PIXELS) -> Measured:
     """The photos in ``folder`` that draft reduces, decoded both ways through ``loaded``'s image section and run
     through its fp32 weights. Raises :class:`~halfserve.calibration.CalibrationError` naming a photo that does not
-    decode."""
+    decode, or has more than ``max_pixels`` pixels."""
     manifest = loaded.manifest
     assert manifest.image is not None
     given, reduced = photos(folder, manifest.image)
@@ -81,8 +81,10 @@ def measure(loaded: store.LoadedModel, folder: Path) -> Measured:
     both = []
     for on in (False, True):
         spec = manifest.image.model_copy(update={"draft": on})
-        try:  # the operator's own files, held to Pillow's decompression-bomb guard only, as calibration photos are
-            both.append(images.decode_all(data, spec, sys.maxsize, names))
+        try:
+            both.append(images.decode_all(data, spec, max_pixels, names))
+        except images.ImageTooLargeError as e:
+            raise calibration.too_large(f"--calibration {folder}", e) from None
         except images.ImageError as e:
             raise calibration.CalibrationError(f"--calibration {folder}: {e}") from None
     exact, drafted = both
@@ -151,9 +153,9 @@ def decide(measured: Measured, held_to: fidelity.Bar) -> DraftCheck:
     )
 
 
-def chosen(loaded: store.LoadedModel, folder: Path | None) -> Manifest:
+def chosen(loaded: store.LoadedModel, folder: Path | None, max_pixels: int = MAX_IMAGE_PIXELS) -> Manifest:
     """``loaded``'s manifest with its image section's ``draft`` chosen on the calibration photos in ``folder`` (see the
-    module), and the record of why beside it."""
+    module; each held to ``max_pixels``), and the record of why beside it."""
     manifest = loaded.manifest
     assert manifest.image is not None
     if manifest.image.resize is None:
@@ -165,6 +167,6 @@ def chosen(loaded: store.LoadedModel, folder: Path | None) -> Manifest:
             "send them (or --image-draft on)",
         )
     else:
-        check = decide(measure(loaded, folder), fidelity.bar(manifest))
+        check = decide(measure(loaded, folder, max_pixels), fidelity.bar(manifest))
     image = manifest.image.model_copy(update={"draft": check.on, "draft_check": check})
     return manifest.model_copy(update={"image": image})

@@ -16,10 +16,11 @@ without torchvision installed.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import io
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 from PIL import Image, UnidentifiedImageError
@@ -175,6 +176,38 @@ def transform(image: Image.Image, spec: ImageInput, resized: tuple[int, int] | N
     return np.ascontiguousarray(pixels)
 
 
+def too_large(field: str, image: str, max_pixels: int) -> ImageTooLargeError:
+    """The refusal of ``image`` (what it is: its size and format) for having more than ``max_pixels`` pixels."""
+    return ImageTooLargeError(
+        f"{field}: {image}, more than the {max_pixels} pixels an image may have (max_image_pixels)"
+    )
+
+
+@contextlib.contextmanager
+def opened(data: bytes, kind: str, max_pixels: int, field: str) -> Iterator[Image.Image]:
+    """``data`` opened as a ``kind`` image (its header read, no pixel decoded), or :class:`ImageTooLargeError` naming
+    ``field``, its size and ``max_pixels`` where it has more pixels than that: Pillow's own guard, which refuses past
+    twice ``Image.MAX_IMAGE_PIXELS`` before the size can be read, is reported against ``max_pixels`` too."""
+    try:
+        image = Image.open(io.BytesIO(data), formats=[kind])
+    except Image.DecompressionBombError as e:
+        size = _BOMB_SIZE.search(str(e))
+        guard = 2 * (Image.MAX_IMAGE_PIXELS or 0)
+        pixels = int(size.group(1)) if size else guard + 1  # Pillow refuses only past its guard
+        said = f"a {kind} image of {pixels if size else f'over {guard}'} pixels"
+        if pixels > max_pixels:
+            raise too_large(field, said, max_pixels) from None
+        # Only where the caller's limit is above Pillow's guard: the guard is then what refused it, and is named.
+        raise ImageTooLargeError(
+            f"{field}: {said}, more than Pillow's decompression-bomb guard takes ({guard})"
+        ) from None
+    with image:
+        width, height = image.size
+        if width * height > max_pixels:
+            raise too_large(field, f"a {width}x{height} {kind} image", max_pixels)
+        yield image
+
+
 def decode(data: bytes, spec: ImageInput, max_pixels: int, field: str) -> np.ndarray:
     """One encoded image's pixels (:func:`transform`): :class:`ImageError` naming ``field`` for a format the server
     does not take or a file it cannot decode, :class:`ImageTooLargeError` for more than ``max_pixels`` pixels (read
@@ -189,32 +222,18 @@ def decode(data: bytes, spec: ImageInput, max_pixels: int, field: str) -> np.nda
             f"{field}: a JPEG of {scans} scans; a photo has at most about 10 (the server decodes {MAX_JPEG_SCANS})"
         )
     try:
-        with Image.open(io.BytesIO(data), formats=[kind]) as image:
+        with opened(data, kind, max_pixels, field) as image:
             width, height = image.size
-            if width * height > max_pixels:
-                raise ImageTooLargeError(
-                    f"{field}: a {width}x{height} {kind} image, more than the {max_pixels} pixels an image may have "
-                    "(max_image_pixels)"
-                )
             resized = resized_size(width, height, spec.resize) if spec.resize is not None else (width, height)
             if resized[0] * resized[1] > max_pixels:  # 1x65000 resized to a shorter side of 256 is 256x16.6M
-                raise ImageTooLargeError(
-                    f"{field}: a {width}x{height} {kind} image, which the model's resize makes {resized[0]}x"
-                    f"{resized[1]}, more than the {max_pixels} pixels an image may have (max_image_pixels)"
-                )
+                made = f"a {width}x{height} {kind} image, which the model's resize makes {resized[0]}x{resized[1]}"
+                raise too_large(field, made, max_pixels)
             if spec.draft and kind == ImageFormat.JPEG.value and spec.resize is not None:
                 image.draft(image.mode, draft_size(resized))
             image.load()
             return transform(image, spec, resized)
     except ImageError:
         raise
-    except Image.DecompressionBombError as e:  # Pillow's guard, past twice Image.MAX_IMAGE_PIXELS, before the size
-        size = _BOMB_SIZE.search(str(e))
-        pixels = f"{int(size.group(1))} pixels" if size else f"over {2 * (Image.MAX_IMAGE_PIXELS or 0)} pixels"
-        raise ImageTooLargeError(
-            f"{field}: a {kind} image of {pixels}, more than the {max_pixels} pixels an image may have "
-            "(max_image_pixels)"
-        ) from None
     except UnidentifiedImageError:  # its header is not one the format's reader takes
         raise ImageError(f"{field}: a broken {kind} image: its header is not a valid {kind} header") from None
     except (OSError, SyntaxError, ValueError, EOFError, IndexError, MemoryError) as e:

@@ -46,6 +46,7 @@ from halfserve.engine.inputs import takes_positionally
 from halfserve.instance import torch_dtype
 from halfserve.manifest import DataType, InputFormat, Manifest, Precision, TensorSpec, sent_inputs
 from halfserve.manifest import describe as describe_invalid
+from halfserve.settings import MAX_IMAGE_PIXELS
 from halfserve.storage import Stage, StoreError
 
 RANDOM_SAMPLES = calibration.RANDOM_SAMPLES
@@ -234,10 +235,12 @@ def import_model(
     device: torch.device | None = None,
     strict: bool = False,
     extra_files: Mapping[str, Path] | None = None,
+    max_image_pixels: int = MAX_IMAGE_PIXELS,
     **manifest_fields: Any,
 ) -> Imported:
     """Write ``source``'s weights as the next version of ``name`` in the store at ``root`` (see the module), with
-    ``extra_files`` (a ``.mar``'s, by their path in the version's folder) beside them.
+    ``extra_files`` (a ``.mar``'s, by their path in the version's folder) beside them. A calibration photo is held to
+    ``max_image_pixels``, as a request's is.
 
     With ``strict``, a model below its fidelity bar is an :class:`ImportFailure`, and nothing is left written."""
     arch_kwargs = arch_kwargs or {}
@@ -290,8 +293,8 @@ def import_model(
         {**draft.model_dump(exclude_none=True), "outputs": outputs, "labels": labels, "answer": answer}
     )
     if draft.image is not None and "draft" not in draft.image.model_fields_set:  # measured unless the section says
-        manifest = draftcheck.chosen(store.LoadedModel(manifest, 0, module, source), calibration)
-    given = _samples(calibration, manifest, module, samples, source if hugging_face else None)
+        manifest = draftcheck.chosen(store.LoadedModel(manifest, 0, module, source), calibration, max_image_pixels)
+    given = _samples(calibration, manifest, module, samples, source if hugging_face else None, max_image_pixels)
     # Checked before anything is written: a refused model leaves no version behind.
     unsaved = store.LoadedModel(manifest, 0, module, source)
     try:
@@ -343,12 +346,15 @@ def import_model(
     return Imported(vdir, manifest, given.source, measured, padded, shortfall, record, plan)
 
 
-def _samples(path: Path | None, manifest: Manifest, module: nn.Module, count: int, folder: Path | None) -> Samples:
-    """The calibration samples: read from ``path`` (texts tokenized with ``folder``'s tokenizer), else random."""
+def _samples(
+    path: Path | None, manifest: Manifest, module: nn.Module, count: int, folder: Path | None, max_pixels: int
+) -> Samples:
+    """The calibration samples: read from ``path`` (texts tokenized with ``folder``'s tokenizer, photos held to
+    ``max_pixels``), else random."""
     if path is None:
         return calibration.random_samples(sent_inputs(manifest), count, calibration.int_range(module))
     tokenizer = folder / manifest.text.tokenizer if folder is not None and manifest.text is not None else None
-    return calibration.read(path, manifest, tokenizer)
+    return calibration.read(path, manifest, tokenizer, max_pixels)
 
 
 GENERIC_LABEL = re.compile(r"LABEL_\d+")

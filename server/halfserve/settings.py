@@ -16,6 +16,12 @@ from halfserve.placement import PlacementSetting
 
 MIN_ADMIN_TOKEN = 16
 """Shortest admin token accepted."""
+MAX_IMAGE_PIXELS = 25_000_000
+"""The default ``max_image_pixels``: a request's photos are held to it, and ``halfserve import``'s calibration photos
+by default too (``--max-image-pixels``)."""
+MOST_IMAGE_PIXELS = 89_478_485
+"""The highest pixel limit either takes: Pillow's ``Image.MAX_IMAGE_PIXELS``, past which Pillow warns of a
+decompression bomb (and refuses past twice it), so that the limit, not Pillow's guard, is what bounds a photo."""
 
 
 class LogLevel(str, Enum):
@@ -162,7 +168,7 @@ class Settings(BaseSettings):
     max_text_bytes: int = Field(default=2**20, ge=1)
     """Most UTF-8 bytes of text one request to a text model may carry, all its rows together (each text is also held
     to its manifest's ``text.max_bytes``): what bounds the time one request keeps a tokenizing thread."""
-    max_image_pixels: int = Field(default=25_000_000, ge=1, le=89_478_485)
+    max_image_pixels: int = Field(default=MAX_IMAGE_PIXELS, ge=1, le=MOST_IMAGE_PIXELS)
     """Most pixels (width times height, read from its header before decoding) one image sent to an image model may
     have; more is a 413. At most Pillow's own decompression-bomb guard (``Image.MAX_IMAGE_PIXELS``)."""
     max_request_images: int = Field(default=16, ge=1)

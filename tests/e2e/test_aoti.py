@@ -4,7 +4,6 @@ instance processes), and an altered package is rebuilt, never loaded."""
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -15,7 +14,8 @@ from halfserve import store
 from halfserve.compilecache import DIGEST_SUFFIX, CompileCache
 from halfserve.execution import Batching, Execution
 from tests.conftest import needs_cxx, save_tiny_mlp
-from tests.e2e.test_compile_cache import ROWS, Start, entries, serve_once
+from tests.e2e.test_compile_cache import ROWS, Start, copied, entries, serve_once
+from tests.flipping import flipped
 
 pytestmark = [pytest.mark.slow, needs_cxx]
 
@@ -31,12 +31,6 @@ def first(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Start]:
     save_tiny_mlp(store_path, execution=Execution(compile="aoti", instances=2), batching=Batching(max_batch_size=2))
     cache = root / "cache"
     return store_path, cache, serve_once(store_path, cache, root / "first", *BF16)
-
-
-def copied(cache: Path, tmp_path: Path) -> Path:
-    mine = tmp_path / "cache"
-    shutil.copytree(cache, mine)
-    return mine
 
 
 def eager_fp32(store_path: Path) -> np.ndarray:
@@ -87,9 +81,7 @@ def test_an_altered_package_is_rebuilt_with_a_warning(first: tuple[Path, Path, S
     store_path, cache, start = first
     mine = copied(cache, tmp_path)
     (entry,) = entries(mine)
-    data = bytearray(entry.read_bytes())
-    data[len(data) // 2] ^= 0xFF  # inside the shared library: torch would load it without a word
-    entry.write_bytes(bytes(data))
+    flipped(entry)  # inside the shared library: torch would load it without a word
     again = serve_once(store_path, mine, tmp_path / "rebuilt", *BF16)
     assert again.execution["compile_cache"] == "corrupt"
     assert again.execution["compiled_graphs"] == 1

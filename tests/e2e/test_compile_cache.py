@@ -17,6 +17,7 @@ import pytest
 from halfserve.compilecache import DIGEST_SUFFIX, ENTRY_SUFFIX, CompileCache
 from halfserve.execution import Batching, Execution
 from tests.conftest import needs_cxx, save_tiny_mlp, start_server
+from tests.flipping import flipped
 
 pytestmark = [pytest.mark.slow, needs_cxx]
 
@@ -96,9 +97,7 @@ def test_a_corrupted_entry_is_rebuilt_with_a_warning(first: tuple[Path, Path, St
     store, cache, start = first
     mine = copied(cache, tmp_path)
     (entry,) = entries(mine)
-    data = bytearray(entry.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    entry.write_bytes(bytes(data))
+    flipped(entry)
     again = serve_once(store, mine, tmp_path / "rebuilt", "--precision", "fp32")
     assert again.execution["compile_cache"] == "corrupt"
     assert again.execution["compiled_graphs"] >= 2

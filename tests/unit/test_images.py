@@ -150,6 +150,9 @@ def test_a_header_claiming_too_many_pixels_is_refused_before_decoding() -> None:
     # Pillow's own guard stays on, ahead of the server's limit where that is set higher.
     with pytest.raises(images.ImageTooLargeError, match="a PNG image of 3600000000 pixels, more than the 1000000"):
         images.decode(png_claiming(60000, 60000), spec(crop=4), LIMIT, "body")
+    # A limit above the guard (a benchmark's own photos): the guard is what refused it, and the message says so.
+    with pytest.raises(images.ImageTooLargeError, match=r"3600000000 pixels, more than Pillow's .* \(178956970\)"):
+        images.decode(png_claiming(60000, 60000), spec(crop=4), 10**10, "body")
 
 
 def claiming(fmt: str, width: int, height: int) -> bytes:

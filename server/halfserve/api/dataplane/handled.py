@@ -86,17 +86,23 @@ async def _call(served: ModelHandle, stage: handlers.Stage, call: functools.part
         raise QueueFullError(f"{e}; retry shortly") from None
 
 
-async def preprocess(served: ModelHandle, settings: Settings, payloads: list[Payload]) -> Tensors:
-    """The model's inputs, by its handler's ``preprocess`` of the TorchServe-shaped requests, checked."""
-    spec = section(served)
-    assert spec is not None, "called for a model with a handler section"
+async def _handler(served: ModelHandle, settings: Settings, spec: HandlerSection) -> Any:
+    """The model version's handler: the one its load built, else built now on a thread, never on the event loop,
+    where waiting for a build would stall every request."""
     key = (settings.store, served.name, served.version, spec)
     try:
-        handler = handlers.built(*key) or await asyncio.to_thread(
+        return handlers.built(*key) or await asyncio.to_thread(
             handlers.handler, *key, settings.code_path, served.batching.max_batch_size
         )
     except handlers.HandlerLoadError as e:  # the load failed on it too: the model has no version to serve
         raise ModelUnavailableError(f"model {served.name!r}: {e}") from None
+
+
+async def preprocess(served: ModelHandle, settings: Settings, payloads: list[Payload]) -> Tensors:
+    """The model's inputs, by its handler's ``preprocess`` of the TorchServe-shaped requests, checked."""
+    spec = section(served)
+    assert spec is not None, "called for a model with a handler section"
+    handler = await _handler(served, settings, spec)
     requests = [p.as_request() for p in payloads]
     call = functools.partial(handler.preprocess, requests)
     value = await _call(served, handlers.Stage.PREPROCESS, call, spec.timeout_s)
@@ -110,11 +116,7 @@ async def postprocess(
     model of one output, else all by name) and the same requests ``preprocess`` had."""
     spec = section(served)
     assert spec is not None, "called for a model with a handler section"
-    key = (settings.store, served.name, served.version, spec)
-    # Built by preprocess; never built here on the event loop, where waiting for a build would stall every request.
-    handler = handlers.built(*key) or await asyncio.to_thread(
-        handlers.handler, *key, settings.code_path, served.batching.max_batch_size
-    )
+    handler = await _handler(served, settings, spec)  # the one preprocess had
     names = [t.name for t in served.manifest.outputs]
     given: object = outputs[names[0]] if len(names) == 1 else outputs
     requests = [p.as_request() for p in payloads]
