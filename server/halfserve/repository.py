@@ -22,7 +22,8 @@ from halfserve import (
 from halfserve import precision as prec
 from halfserve.batching import Batcher, BatchObserver
 from halfserve.engine import runners
-from halfserve.engine.core import Engine, fixed_timing, module_bytes
+from halfserve.engine.core import Engine, module_bytes
+from halfserve.engine.intraop import fixed_timing
 from halfserve.engine.protocol import ModelEngine
 from halfserve.engine.traced import TraceRefused
 from halfserve.execution import Batching

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from halfserve import store
-from halfserve.engine.core import Engine, fixed_timing, set_intra_op_threads
+from halfserve.engine.core import Engine
+from halfserve.engine.intraop import fixed_timing, set_intra_op_threads
 from halfserve.manifest import Precision
 from halfserve.placement import (
     LOOP_SECONDS_PER_ROW,

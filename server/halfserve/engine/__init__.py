@@ -5,6 +5,7 @@
 * :mod:`~halfserve.engine.core`: :class:`Engine`, the in-process engine (model, precision, staging, overflow
   rerun, warm-up, intra-op threads).
 * :mod:`~halfserve.engine.inputs`: how the model takes a batch (input order, normalisation).
+* :mod:`~halfserve.engine.intraop`: torch's intra-op threads per instance thread, settled on a timed forward.
 * :mod:`~halfserve.engine.threads`, :mod:`~halfserve.engine.loop`, :mod:`~halfserve.engine.pipelined`: the runners
   of :attr:`~halfserve.placement.Placement.INSTANCE_THREADS`, ``EVENT_LOOP`` and ``BESIDE_LOOP``, built by
   :mod:`~halfserve.engine.runners` (the traced graph of ``BESIDE_LOOP``: :mod:`~halfserve.engine.traced`); instance

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import functools
 import logging
-import math
 import threading
 import time
 import types
@@ -31,6 +31,7 @@ from torch import nn
 
 from halfserve import aoti, compilation, compilecache, packing, records
 from halfserve import precision as prec
+from halfserve.engine import intraop
 from halfserve.engine.inputs import Normalizer, has_conv2d, takes_positionally
 from halfserve.engine.protocol import BatchRunner, EngineError, EngineInfo, PrecisionOverflowError
 from halfserve.engine.rows import all_finite, checked, row_slices, rows_finite
@@ -38,30 +39,11 @@ from halfserve.engine.threads import ThreadRunner
 from halfserve.execution import Compile, Execution
 from halfserve.instance import Instance, bucket_for, torch_dtype
 from halfserve.manifest import OverflowPolicy, Precision
-from halfserve.placement import (
-    Placement,
-    intra_op_threads,
-    loop_bound,
-    pads_to_buckets,
-)
+from halfserve.placement import Placement, pads_to_buckets
 from halfserve.serving import BatchTooLargeError, Outcome, Output
 from halfserve.store import LoadedModel
 
 log = logging.getLogger(__name__)
-
-ForwardTiming = Callable[[int], float]
-"""The seconds a full batch's forward takes on a given count of intra-op threads (:meth:`Engine.settle_threads`)."""
-
-
-def set_intra_op_threads(count: int) -> None:
-    """Set the calling thread's torch intra-op threads to ``count``, for good.
-
-    torch gives a thread its count from the process's last setting (any thread's) when the thread first asks for it
-    or starts parallel work, overwriting a count set on the thread before that. Asking first spends that first time
-    here, so the count set is the thread's until it sets another.
-    """
-    torch.get_num_threads()
-    torch.set_num_threads(count)
 
 
 def is_out_of_memory(e: BaseException) -> bool:
@@ -379,7 +361,7 @@ class Engine:
         """Give the calling thread the intra-op threads this engine settled on (OpenMP's count is each thread's own
         setting, and threads torch starts take their starter's)."""
         if self.threads is not None and torch.get_num_threads() != self.threads:
-            set_intra_op_threads(self.threads)
+            intraop.set_intra_op_threads(self.threads)
 
     @property
     def instance_count(self) -> int:
@@ -477,15 +459,13 @@ class Engine:
                 x[name] = length
         return x
 
-    def settle_threads(self, max_batch_size: int, cores: int, timing: ForwardTiming | None = None) -> int:
-        """Set each instance's torch intra-op threads to :func:`intra_op_threads` of a timed forward of a full batch
-        on all ``cores`` (on a CPU; run after warm-up), and return the count chosen.
+    def settle_threads(self, max_batch_size: int, cores: int, timing: intraop.ForwardTiming | None = None) -> int:
+        """Set each instance's torch intra-op threads to :func:`~halfserve.placement.intra_op_threads` of a timed
+        forward of a full batch on all ``cores`` (:func:`halfserve.engine.intraop.settle`, on a CPU; run after
+        warm-up), and return the count chosen.
 
         ``timing`` gives that forward's seconds at a thread count instead of timing it (the ``forward_seconds``
         setting, and tests): what is decided from the timing then depends on it alone, not on the host's speed.
-
-        Set on the instance's own thread, the only one that runs its forwards: OpenMP's thread count is a setting of
-        the thread that starts a parallel region, so other threads (and other models' instances) keep theirs.
 
         A model with a variable input is timed at its ``max_length``: the longest batch it can be sent, which is what
         decides whether a batch may hold up the event loop (:attr:`loop_bound`). An engine compiled with TorchInductor
@@ -494,43 +474,22 @@ class Engine:
         """
         sequence = packing.sequence_input(self.manifest)
         x = self.warm_batch(max_batch_size, sequence.bounded()[0] if sequence is not None else 1)
-
-        def timed(inst: Instance, threads: int) -> float:
-            if timing is not None:
-                return timing(threads)
-            seconds = math.inf
-            for _ in range(3):
-                start = time.perf_counter()
-                self.forward(x, inst)
-                seconds = min(seconds, time.perf_counter() - start)
-            return seconds
-
-        warmed_at: list[int] = []  # each instance's count when it warmed up (and compiled)
-
-        def settle(inst: Instance) -> int:
-            warmed_at.append(torch.get_num_threads())
-            set_intra_op_threads(cores)
-            if timing is None:
-                self.forward(x, inst)  # the first at this count is not timed
-            seconds = timed(inst, cores)
-            self.loop_bound = loop_bound(seconds, max_batch_size)
-            threads = intra_op_threads(seconds, max_batch_size, cores)
-            log.info(
-                "%s[%d]: a forward of %d rows took %.2f ms on %d threads: %d intra-op threads",
-                self.name,
-                inst.index,
+        settled = [
+            inst.executor.submit(
+                intraop.settle,
+                functools.partial(self.forward, x, inst),
+                f"{self.name}[{inst.index}]",
                 max_batch_size,
-                seconds * 1000,
                 cores,
-                threads,
-            )
-            set_intra_op_threads(threads)
-            self.batch_seconds = seconds if threads == cores else timed(inst, threads)
-            self.batch_rows, self.cores = max_batch_size, cores
-            return threads
-
-        self.threads = min(inst.executor.submit(settle, inst).result() for inst in self.instances)
-        if self._compiled_code is not None and {*warmed_at, self.threads} != {cores}:
+                timing,
+            ).result()
+            for inst in self.instances
+        ]
+        self.threads = min(s.threads for s in settled)
+        # Every instance times the same batch: the last one's timing stands for the engine.
+        self.loop_bound, self.batch_seconds = settled[-1].loop_bound, settled[-1].batch_seconds
+        self.batch_rows, self.cores = max_batch_size, cores
+        if self._compiled_code is not None and {*(s.warmed_at for s in settled), self.threads} != {cores}:
             self._compile_again(self._compiled_code, self.threads, max_batch_size)
         self.real_elements = self.padded_elements = 0  # the padding of requests, not of these batches
         return self.threads
@@ -546,7 +505,7 @@ class Engine:
         """
         compilation.forget_compiled(code)
         for inst in self.instances:
-            inst.executor.submit(set_intra_op_threads, threads).result()
+            inst.executor.submit(intraop.set_intra_op_threads, threads).result()
         self.warmup(max_batch_size)
 
     def _warm_lengths(self) -> list[int]:
@@ -561,11 +520,6 @@ class Engine:
     def close(self) -> None:
         for inst in self.instances:
             inst.close()
-
-
-def fixed_timing(seconds: float) -> ForwardTiming:
-    """A :data:`ForwardTiming` that gives ``seconds`` at any thread count."""
-    return lambda threads: seconds
 
 
 def module_bytes(module: nn.Module) -> int:
