@@ -5,13 +5,9 @@ rows tagged with the precision that computed them, or the error that fails that 
 instance's thread, the event loop's, a traced graph beside it) is the engine's runner's
 (:mod:`halfserve.engine.runners`); the core stages, runs and checks it wherever that is.
 
-Two faults are the engine's to recognise, because they need torch to see:
-
-* Out of memory: the forward raises :class:`~halfserve.serving.BatchTooLargeError` instead, and the batcher (which
-  owns chunks and batch sizes) halves its batch size and reruns the rows in smaller batches.
-* Overflow: a half-precision forward whose output is not finite where the input was (fp16 tops out at 65504) is
-  handled per the model's :class:`~halfserve.manifest.OverflowPolicy`: rerun in fp32 on the host copy of the weights
-  (tagged ``fp32``), fail that chunk, or pass the non-finite values through.
+Two faults are the engine's to recognise, because they need torch to see (:mod:`halfserve.engine.faults`): out of
+memory, answered as a batch too large, and a half-precision output's overflow, handled per the model's overflow
+policy.
 """
 
 from __future__ import annotations
@@ -31,27 +27,19 @@ from torch import nn
 
 from halfserve import aoti, compilation, compilecache, packing, records
 from halfserve import precision as prec
-from halfserve.engine import intraop
+from halfserve.engine import faults, intraop
 from halfserve.engine.inputs import Normalizer, has_conv2d, takes_positionally
-from halfserve.engine.protocol import BatchRunner, EngineError, EngineInfo, PrecisionOverflowError
-from halfserve.engine.rows import all_finite, checked, row_slices, rows_finite
+from halfserve.engine.protocol import BatchRunner, EngineInfo
+from halfserve.engine.rows import checked
 from halfserve.engine.threads import ThreadRunner
 from halfserve.execution import Compile, Execution
 from halfserve.instance import Instance, bucket_for, torch_dtype
 from halfserve.manifest import OverflowPolicy, Precision
 from halfserve.placement import Placement, pads_to_buckets
-from halfserve.serving import BatchTooLargeError, Outcome, Output
+from halfserve.serving import BatchTooLargeError, Outcome
 from halfserve.store import LoadedModel
 
 log = logging.getLogger(__name__)
-
-
-def is_out_of_memory(e: BaseException) -> bool:
-    """True for torch's out-of-memory error (CUDA and other accelerators), and the CPU allocator's failure, which
-    torch raises as a plain RuntimeError."""
-    if isinstance(e, torch.OutOfMemoryError):
-        return True
-    return isinstance(e, RuntimeError) and "DefaultCPUAllocator: can't allocate memory" in str(e)
 
 
 def batch_buckets(max_batch_size: int, sizes: list[int] | None = None) -> list[int]:
@@ -95,12 +83,6 @@ class Engine:
         self.input_dtype = spec.datatype.numpy
         norm = loaded.manifest.normalize
         self._normalize = Normalizer(norm, len(self.sample_shape), device) if norm else None
-        # The fp32 overflow rerun runs on the host: on a CPU engine that is the same normaliser.
-        self._normalize_host = (
-            Normalizer(norm, len(self.sample_shape), torch.device("cpu"))
-            if norm and device.type != "cpu"
-            else self._normalize
-        )
         self.out_shape = tuple(loaded.manifest.outputs[0].shape)
         self.input_names = [t.name for t in loaded.manifest.inputs]
         self.output_names = [t.name for t in loaded.manifest.outputs]
@@ -148,13 +130,8 @@ class Engine:
         if self.channels_last:
             model = model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
         self.model: nn.Module = model
-
-        self.guarded = self.precision is not Precision.FP32
-        """Whether outputs are checked for overflow: only a reduced precision can overflow where fp32 would not."""
-        # The host's fp32 weights are kept only where they can be needed: reruns of overflowing half outputs.
-        self._fp32: nn.Module | None = (
-            loaded.module if self.guarded and self.overflow is OverflowPolicy.RERUN_FP32 else None
-        )
+        self.guard = faults.OverflowGuard(loaded, self.overflow, self.precision, self.positional)
+        """The overflow policy over this engine's output rows, with what it counted (:mod:`halfserve.engine.faults`)."""
         self.instances = [Instance(self.name, i, device) for i in range(ex.instances)]
         self.threads: int | None = None
         """Intra-op threads chosen by :meth:`settle_threads` (None: the process's setting)."""
@@ -183,10 +160,14 @@ class Engine:
         self._packaged: aoti.Packaged | None = None
         if self.inductor and self.buckets:
             self._make_room_for_compiles(self.buckets)  # before any batch: with --no-warmup they compile under load
-        self.overflows = 0
-        """Chunks whose half-precision output was not finite for a finite input, whatever the policy did."""
-        self.fp32_reruns = 0
-        """Chunks rerun in fp32 because of such an overflow."""
+
+    @property
+    def overflows(self) -> int:
+        return self.guard.overflows
+
+    @property
+    def fp32_reruns(self) -> int:
+        return self.guard.fp32_reruns
 
     @property
     def forwards(self) -> int:
@@ -200,7 +181,7 @@ class Engine:
             precision=self.precision,
             weight_dtype=str(prec.weight_dtype(self.precision)).removeprefix("torch."),
             weight_bytes=module_bytes(self.model),
-            fp32_fallback_bytes=module_bytes(self._fp32) if self._fp32 is not None else 0,
+            fp32_fallback_bytes=module_bytes(self.guard.fp32) if self.guard.fp32 is not None else 0,
             instances=len(self.instances),
             buckets=tuple(self.buckets),
             cuda_graphs=self.cuda_graphs,
@@ -228,11 +209,7 @@ class Engine:
         return t
 
     def eager(self, t: torch.Tensor) -> torch.Tensor:
-        return self._one(self.model(self._prepare(t)))
-
-    def _one(self, y: object) -> torch.Tensor:
-        """The output of a model with one (a tensor, most often, as it is)."""
-        return y if isinstance(y, torch.Tensor) else records.named_outputs(y, self.output_names)[self.output_names[0]]
+        return records.first_output(self.model(self._prepare(t)), self.output_names)
 
     def _count_padding(self, padding: records.Padding) -> None:
         with self._lock:  # instances run on their own threads
@@ -278,24 +255,6 @@ class Engine:
         inst = self.instances[0]
         return inst.executor.submit(self.forward, x, inst).result()
 
-    def _rerun_fp32(self, x: np.ndarray) -> np.ndarray:
-        """Run rows through the host's fp32 weights (the overflow fallback); returns float32 outputs."""
-        if self._fp32 is None:
-            raise EngineError("no fp32 weights are kept for reruns (the overflow policy is not rerun_fp32)")
-        if self.named:
-            with torch.inference_mode():
-                outs, _ = records.run(
-                    self.manifest, self._fp32, x, len(x), torch.device("cpu"), Precision.FP32, self.positional
-                )
-            return records.to_host(outs, len(x), self.output_records)
-        t = torch.from_numpy(x)
-        if self._normalize_host is not None:
-            t = self._normalize_host(t)
-        t = prec.cast_input(t, Precision.FP32)
-        with torch.inference_mode():
-            y = self._one(self._fp32(t))
-        return checked(y, len(x)).float().numpy()
-
     def run_batch(self, chunks: list[np.ndarray], inst: Instance | None = None) -> list[Outcome]:
         """Run the chunks of one batch as a single forward, synchronously; returns one outcome per chunk, after the
         overflow policy (:meth:`run` is the batcher's way in, on an instance's thread).
@@ -305,42 +264,13 @@ class Engine:
         try:
             out = self.forward(chunks, inst)
         except Exception as e:
-            if not is_out_of_memory(e):
+            if not faults.is_out_of_memory(e):
                 raise
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()  # give the failed batch's blocks back before the smaller reruns
             rows = sum(len(c) for c in chunks)
             raise BatchTooLargeError(f"out of memory on {self.device} running {rows} rows: {e}") from None
-        return self.outcomes(chunks, out)
-
-    def outcomes(self, chunks: list[np.ndarray], out: np.ndarray) -> list[Outcome]:
-        """One outcome per chunk of a batch's output rows, after the overflow policy."""
-        outs = row_slices(out, chunks)
-        tag = self.precision
-        # One vectorised check over the whole batch: the per-chunk work below only runs when something is wrong.
-        if self.guarded and not all_finite(out):
-            return [self._guard(c, o) for c, o in zip(chunks, outs, strict=True)]
-        return [Output(o, tag) for o in outs]
-
-    def _guard(self, x: np.ndarray, out: np.ndarray) -> Outcome:
-        """Apply the overflow policy to one chunk's half-precision output."""
-        tag = self.precision
-        overflowed = rows_finite(x) & ~rows_finite(out)
-        if not overflowed.any():  # non-finite in, non-finite out: the input's doing, not the precision's
-            return Output(out, tag)
-        with self._lock:  # instances run on their own threads
-            self.overflows += 1
-        if self.overflow is OverflowPolicy.ALLOW:
-            return Output(out, tag)
-        rows = np.flatnonzero(overflowed).tolist()
-        if self.overflow is OverflowPolicy.ERROR:
-            return PrecisionOverflowError(
-                f"{tag} overflow: the output of row(s) {rows[:8]} is not finite for finite input "
-                f"(the model's overflow policy is 'error'; 'rerun_fp32' would rerun them in fp32)"
-            )
-        with self._lock:
-            self.fp32_reruns += 1
-        return Output(self._rerun_fp32(x), Precision.FP32)
+        return self.guard.outcomes(chunks, out)
 
     @property
     def placement(self) -> Placement:
