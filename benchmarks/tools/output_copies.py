@@ -56,7 +56,7 @@ def per_batch_us(step: Callable[[], object]) -> float:
 def measure(rows: int, memory: InstanceMemory) -> dict[str, object]:
     cuda = torch.cuda.is_available()
     pinned = torch.rand(rows, WIDTH, pin_memory=cuda).numpy()  # fetch's reused output buffer
-    outs = [pinned[i : i + 1] for i in range(rows)]  # one view per one-row request (Engine.outcomes)
+    outs = [pinned[i : i + 1] for i in range(rows)]  # one view per one-row request (OverflowGuard.outcomes)
 
     outcomes = [Output(o, Precision.FP16) for o in outs]
     entries, used, _ = place_outputs(outcomes, memory)

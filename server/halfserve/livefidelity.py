@@ -41,7 +41,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from halfserve import fidelity
-from halfserve.engine.core import Engine, set_intra_op_threads
+from halfserve.engine.core import Engine
+from halfserve.engine.intraop import set_intra_op_threads
 from halfserve.manifest import Manifest, Precision
 from halfserve.serving import Outcome, Output
 from halfserve.settings import LiveFidelityAction, Settings

@@ -24,6 +24,11 @@ class OutputError(RuntimeError):
     """The model returned something other than the outputs its manifest declares, one row per input row."""
 
 
+def first_output(y: object, names: list[str]) -> torch.Tensor:
+    """The output of a model with one (a tensor, most often, as it is), from what its forward returned."""
+    return y if isinstance(y, torch.Tensor) else named_outputs(y, names)[names[0]]
+
+
 def named_outputs(y: object, names: list[str]) -> dict[str, torch.Tensor]:
     """The model's outputs by name, from what its forward returned: a tensor (one output), a tuple or list (in the
     manifest's order), or a mapping such as a Hugging Face ``ModelOutput`` (by name)."""

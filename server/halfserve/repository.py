@@ -10,10 +10,8 @@ from collections.abc import Callable
 from halfserve import (
     calibration,
     compilecache,
-    fidelity,
     handlers,
     livefidelity,
-    mixed,
     padding,
     storage,
     store,
@@ -22,13 +20,15 @@ from halfserve import (
 from halfserve import precision as prec
 from halfserve.batching import Batcher, BatchObserver
 from halfserve.engine import runners
-from halfserve.engine.core import Engine, fixed_timing, module_bytes
+from halfserve.engine.core import Engine, module_bytes
+from halfserve.engine.intraop import fixed_timing
 from halfserve.engine.protocol import ModelEngine
 from halfserve.engine.traced import TraceRefused
 from halfserve.execution import Batching
 from halfserve.fallback import VersionFallback
 from halfserve.indices import index_limits
 from halfserve.isolated.engine import ProcessEngine
+from halfserve.livedemotion import LiveDemotion
 from halfserve.loadfidelity import LoadFidelity
 from halfserve.manifest import Manifest, Precision, load_manifest
 from halfserve.placement import Placement, available_cores, choose, in_process, pads_to_buckets
@@ -41,7 +41,7 @@ from halfserve.serving import (
     find,
     why_model_not_ready,
 )
-from halfserve.settings import LiveFidelityAction, Settings
+from halfserve.settings import Settings
 from halfserve.storage import StoreError
 from halfserve.store import LoadedModel
 
@@ -84,8 +84,7 @@ class ModelRepository:
         self._locks: dict[str, asyncio.Lock] = {}
         self._fallback = VersionFallback(settings.store, self._register, self._load)
         self._fidelity = LoadFidelity(settings, self.device, self._engine)
-        self._demotions: set[asyncio.Task[None]] = set()
-        """Demotions under way (held so they are not collected before they finish)."""
+        self._demotion = LiveDemotion(settings, self.device, self.models, self._lock, self._swap)
 
     def _lock(self, name: str) -> asyncio.Lock:
         """Serialises the management calls (load, unload, precision switch) on one model."""
@@ -399,89 +398,11 @@ class ModelRepository:
             loop = asyncio.get_running_loop()
 
             def below(reason: str) -> None:  # on the live fidelity worker's thread
-                loop.call_soon_threadsafe(self._below_bar_live, served, reason)
+                loop.call_soon_threadsafe(self._demotion.below_bar, served, reason)
 
             served.live = livefidelity.LiveFidelity(served.name, loaded, held_to, settings, below)
             served.live.start()
         return served.live.tap(engine.run, engine.precision)
-
-    def _below_bar_live(self, served: ServedModel, reason: str) -> None:
-        """Live fidelity's window of ``served`` fell below its bar: demote it to fp32, or only say so."""
-        precision = served.precision.value if served.precision is not None else "?"
-        if self.settings.live_fidelity_action is LiveFidelityAction.ALERT:
-            log.warning(
-                "model %s: live fidelity: %s; still served in %s (--live-fidelity-action alert)",
-                served.name,
-                reason,
-                precision,
-            )
-            return
-        log.warning("model %s is demoted from %s by live fidelity: %s", served.name, precision, reason)
-        task = asyncio.get_running_loop().create_task(self._demote(served, reason))
-        self._demotions.add(task)
-        task.add_done_callback(self._demotions.discard)
-
-    async def _demote(self, served: ServedModel, reason: str) -> None:
-        """Serve ``served`` from now on (until it is reloaded or the operator switches its precision) with a
-        mixed-precision plan searched on the rows live fidelity sampled, where one meets its bar on them, else in fp32,
-        through the precision switch: no request fails."""
-        try:
-            async with self._lock(served.name):
-                batcher, old, loaded = served.batcher, served.engine, served.loaded
-                if self.models.get(served.name) is not served or batcher is None or old is None or loaded is None:
-                    return  # reloaded, unloaded or released meanwhile: the window was about another load
-                if old.precision is Precision.FP32:
-                    return  # the operator switched it meanwhile
-                found = await self._live_plan(served, loaded, old.precision, reason)
-                target: Precision
-                plan: tuple[str, ...] | None
-                if found is not None and found.plan is not None:
-                    target, plan = old.precision, found.plan.modules
-
-                    def demoted() -> None:
-                        served.mixed = found
-                        served.precision_source = PrecisionSource.LIVE_MIXED_PLAN
-
-                else:
-                    target, plan = Precision.FP32, None
-
-                    def demoted() -> None:
-                        served.fp32_fallback = f"live fidelity: {reason}"
-                        served.precision_source = PrecisionSource.LIVE_FIDELITY
-
-                await self._swap(served, batcher, old, loaded, target, demoted, plan)
-                log.warning(
-                    "model %s is demoted by live fidelity to %s",
-                    served.name,
-                    f"{target.value} with {', '.join(plan)} in fp32" if plan else "fp32",
-                )
-        except ModelNotReadyError:
-            return  # released while the new engine warmed up: nothing is served to demote
-        except Exception:
-            log.exception("model %s: the demotion by live fidelity failed; still served as before", served.name)
-
-    async def _live_plan(
-        self, served: ServedModel, loaded: LoadedModel, half: Precision, reason: str
-    ) -> mixed.Outcome | None:
-        """A mixed-precision plan for ``half`` searched on the rows live fidelity sampled, within
-        ``mixed_search_seconds``; ``None`` where none is searched: the search is off, ``half`` has no plans, or the
-        model is already served with one (which fell short too)."""
-        live, limit = served.live, self.settings.mixed_search_seconds
-        if live is None or limit <= 0 or half not in mixed.HALVES or served.plan_for(half):
-            return None
-        rows = await asyncio.to_thread(live.recent)
-        if rows is None:
-            return None
-        samples = fidelity.Samples(rows, fidelity.Source.LIVE)
-        batch = served.batching.max_batch_size
-        found = await asyncio.to_thread(
-            mixed.find, loaded, half, self.device, live.held_to, limit, batch, None, (), samples
-        )
-        if found.plan is None:
-            log.warning("model %s: no mixed-precision plan meets its bar on live rows: %s", served.name, found.reason)
-        else:
-            found.reason = f"searched on {len(rows)} rows of live traffic, after live fidelity's {reason}"
-        return found
 
     def _switch_target(self, served: ServedModel, precision: Precision) -> tuple[Precision, str | None]:
         """The precision a switch to ``precision`` serves, and the fallback reason when that is fp32 in its stead:
@@ -527,9 +448,7 @@ class ModelRepository:
 
     async def close(self) -> None:
         """Drain every batcher (queued requests are answered), then release the engines."""
-        # A demotion under way finishes its switch first (its new engine is warm in seconds), so it is not torn down
-        # half built.
-        await asyncio.gather(*self._demotions, return_exceptions=True)
+        await self._demotion.finish()  # a demotion under way finishes its switch first
         for served in self.models.values():
             await self._release(served)
 

@@ -19,7 +19,8 @@ from halfserve.engine.protocol import EngineInfo, ModelEngine
 from halfserve.execution import Batching
 from halfserve.fidelity import Fidelity
 from halfserve.indices import check_indices
-from halfserve.isolated.engine import HandledOutcomes, ProcessEngine
+from halfserve.isolated.engine import ProcessEngine
+from halfserve.isolated.handling import HandledOutcomes
 from halfserve.livefidelity import LiveFidelity
 from halfserve.manifest import Manifest, Precision
 from halfserve.mixed import Outcome

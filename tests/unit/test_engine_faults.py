@@ -11,7 +11,8 @@ import torch
 
 from halfserve import store
 from halfserve.batching import Batcher
-from halfserve.engine.core import Engine, is_out_of_memory
+from halfserve.engine.core import Engine
+from halfserve.engine.faults import is_out_of_memory
 from halfserve.engine.protocol import PrecisionOverflowError
 from halfserve.manifest import OverflowPolicy, Precision
 from halfserve.serving import BatchTooLargeError, Output
@@ -95,8 +96,8 @@ def test_bf16_has_fp32s_range_and_fp32_keeps_no_fallback_copy(tmp_path: Path) ->
     assert out.precision == "bf16"
     assert np.isfinite(out.data).all()
     fp32 = Engine(loaded, Precision.FP32, CPU)
-    assert not fp32.guarded
-    assert fp32._fp32 is None
+    assert not fp32.guard.guarded
+    assert fp32.guard.fp32 is None
     bf16.close()
     fp32.close()
 

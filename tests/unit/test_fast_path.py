@@ -18,7 +18,8 @@ from pydantic import ValidationError
 from halfserve import models, store
 from halfserve.batching import Batcher
 from halfserve.compilation import tune_cudnn
-from halfserve.engine.core import Engine, fixed_timing, set_intra_op_threads
+from halfserve.engine.core import Engine
+from halfserve.engine.intraop import fixed_timing, set_intra_op_threads
 from halfserve.execution import Batching, Compile, Execution
 from halfserve.instance import bucket_for, pin_host, pinned
 from halfserve.manifest import DataType, Manifest, Normalize, Precision, TensorSpec

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import threading
 from pathlib import Path
 
@@ -10,7 +11,8 @@ import pytest
 import torch
 
 from halfserve import store
-from halfserve.engine.core import Engine, fixed_timing, set_intra_op_threads
+from halfserve.engine.core import Engine
+from halfserve.engine.intraop import Settled, fixed_timing, set_intra_op_threads, settle
 from halfserve.manifest import Precision
 from halfserve.placement import (
     LOOP_SECONDS_PER_ROW,
@@ -39,6 +41,26 @@ def test_one_core_is_kept_for_the_event_loop_only_where_the_forward_is_shorter_t
 
 SHORT = fixed_timing(8 * LOOP_SECONDS_PER_ROW / 10)
 """A made-up forward of 8 rows, a tenth of the event loop's work on them."""
+
+
+def test_settling_one_thread_is_a_step_of_the_timing_given_and_sets_that_thread_alone() -> None:
+    """``settle`` without an engine: with a timing given, no forward runs; the thread it runs on gets the count
+    chosen, and says what it had before (the count it warmed up at)."""
+    forwards: list[int] = []
+
+    def on_a_thread() -> tuple[Settled, int]:
+        set_intra_op_threads(2)
+        settled = settle(lambda: forwards.append(1), "tiny[0]", 8, 4, SHORT)
+        return settled, torch.get_num_threads()
+
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    try:
+        settled, after = pool.submit(on_a_thread).result()
+    finally:
+        pool.shutdown()
+    assert settled == Settled(threads=3, warmed_at=2, loop_bound=True, batch_seconds=SHORT(3))
+    assert after == 3
+    assert forwards == []  # the made-up timing stands for every forward
 
 
 def test_an_engine_settles_its_threads_on_its_instance_thread_only(tmp_path: Path) -> None:

@@ -14,7 +14,8 @@ from torch import nn
 
 from halfserve import store
 from halfserve.engine import runners
-from halfserve.engine.core import Engine, fixed_timing
+from halfserve.engine.core import Engine
+from halfserve.engine.intraop import fixed_timing
 from halfserve.engine.traced import TracedForward, TraceRefused
 from halfserve.manifest import Precision
 from halfserve.placement import (

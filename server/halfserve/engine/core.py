@@ -5,21 +5,17 @@ rows tagged with the precision that computed them, or the error that fails that 
 instance's thread, the event loop's, a traced graph beside it) is the engine's runner's
 (:mod:`halfserve.engine.runners`); the core stages, runs and checks it wherever that is.
 
-Two faults are the engine's to recognise, because they need torch to see:
-
-* Out of memory: the forward raises :class:`~halfserve.serving.BatchTooLargeError` instead, and the batcher (which
-  owns chunks and batch sizes) halves its batch size and reruns the rows in smaller batches.
-* Overflow: a half-precision forward whose output is not finite where the input was (fp16 tops out at 65504) is
-  handled per the model's :class:`~halfserve.manifest.OverflowPolicy`: rerun in fp32 on the host copy of the weights
-  (tagged ``fp32``), fail that chunk, or pass the non-finite values through.
+Two faults are the engine's to recognise, because they need torch to see (:mod:`halfserve.engine.faults`): out of
+memory, answered as a batch too large, and a half-precision output's overflow, handled per the model's overflow
+policy.
 """
 
 from __future__ import annotations
 
 import asyncio
 import copy
+import functools
 import logging
-import math
 import threading
 import time
 import types
@@ -31,45 +27,19 @@ from torch import nn
 
 from halfserve import aoti, compilation, compilecache, packing, records
 from halfserve import precision as prec
+from halfserve.engine import faults, intraop
 from halfserve.engine.inputs import Normalizer, has_conv2d, takes_positionally
-from halfserve.engine.protocol import BatchRunner, EngineError, EngineInfo, PrecisionOverflowError
-from halfserve.engine.rows import all_finite, checked, row_slices, rows_finite
+from halfserve.engine.protocol import BatchRunner, EngineInfo
+from halfserve.engine.rows import checked
 from halfserve.engine.threads import ThreadRunner
 from halfserve.execution import Compile, Execution
 from halfserve.instance import Instance, bucket_for, torch_dtype
 from halfserve.manifest import OverflowPolicy, Precision
-from halfserve.placement import (
-    Placement,
-    intra_op_threads,
-    loop_bound,
-    pads_to_buckets,
-)
-from halfserve.serving import BatchTooLargeError, Outcome, Output
+from halfserve.placement import Placement, pads_to_buckets
+from halfserve.serving import BatchTooLargeError, Outcome
 from halfserve.store import LoadedModel
 
 log = logging.getLogger(__name__)
-
-ForwardTiming = Callable[[int], float]
-"""The seconds a full batch's forward takes on a given count of intra-op threads (:meth:`Engine.settle_threads`)."""
-
-
-def set_intra_op_threads(count: int) -> None:
-    """Set the calling thread's torch intra-op threads to ``count``, for good.
-
-    torch gives a thread its count from the process's last setting (any thread's) when the thread first asks for it
-    or starts parallel work, overwriting a count set on the thread before that. Asking first spends that first time
-    here, so the count set is the thread's until it sets another.
-    """
-    torch.get_num_threads()
-    torch.set_num_threads(count)
-
-
-def is_out_of_memory(e: BaseException) -> bool:
-    """True for torch's out-of-memory error (CUDA and other accelerators), and the CPU allocator's failure, which
-    torch raises as a plain RuntimeError."""
-    if isinstance(e, torch.OutOfMemoryError):
-        return True
-    return isinstance(e, RuntimeError) and "DefaultCPUAllocator: can't allocate memory" in str(e)
 
 
 def batch_buckets(max_batch_size: int, sizes: list[int] | None = None) -> list[int]:
@@ -113,12 +83,6 @@ class Engine:
         self.input_dtype = spec.datatype.numpy
         norm = loaded.manifest.normalize
         self._normalize = Normalizer(norm, len(self.sample_shape), device) if norm else None
-        # The fp32 overflow rerun runs on the host: on a CPU engine that is the same normaliser.
-        self._normalize_host = (
-            Normalizer(norm, len(self.sample_shape), torch.device("cpu"))
-            if norm and device.type != "cpu"
-            else self._normalize
-        )
         self.out_shape = tuple(loaded.manifest.outputs[0].shape)
         self.input_names = [t.name for t in loaded.manifest.inputs]
         self.output_names = [t.name for t in loaded.manifest.outputs]
@@ -166,13 +130,8 @@ class Engine:
         if self.channels_last:
             model = model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
         self.model: nn.Module = model
-
-        self.guarded = self.precision is not Precision.FP32
-        """Whether outputs are checked for overflow: only a reduced precision can overflow where fp32 would not."""
-        # The host's fp32 weights are kept only where they can be needed: reruns of overflowing half outputs.
-        self._fp32: nn.Module | None = (
-            loaded.module if self.guarded and self.overflow is OverflowPolicy.RERUN_FP32 else None
-        )
+        self.guard = faults.OverflowGuard(loaded, self.overflow, self.precision, self.positional)
+        """The overflow policy over this engine's output rows, with what it counted (:mod:`halfserve.engine.faults`)."""
         self.instances = [Instance(self.name, i, device) for i in range(ex.instances)]
         self.threads: int | None = None
         """Intra-op threads chosen by :meth:`settle_threads` (None: the process's setting)."""
@@ -201,10 +160,14 @@ class Engine:
         self._packaged: aoti.Packaged | None = None
         if self.inductor and self.buckets:
             self._make_room_for_compiles(self.buckets)  # before any batch: with --no-warmup they compile under load
-        self.overflows = 0
-        """Chunks whose half-precision output was not finite for a finite input, whatever the policy did."""
-        self.fp32_reruns = 0
-        """Chunks rerun in fp32 because of such an overflow."""
+
+    @property
+    def overflows(self) -> int:
+        return self.guard.overflows
+
+    @property
+    def fp32_reruns(self) -> int:
+        return self.guard.fp32_reruns
 
     @property
     def forwards(self) -> int:
@@ -218,7 +181,7 @@ class Engine:
             precision=self.precision,
             weight_dtype=str(prec.weight_dtype(self.precision)).removeprefix("torch."),
             weight_bytes=module_bytes(self.model),
-            fp32_fallback_bytes=module_bytes(self._fp32) if self._fp32 is not None else 0,
+            fp32_fallback_bytes=module_bytes(self.guard.fp32) if self.guard.fp32 is not None else 0,
             instances=len(self.instances),
             buckets=tuple(self.buckets),
             cuda_graphs=self.cuda_graphs,
@@ -246,11 +209,7 @@ class Engine:
         return t
 
     def eager(self, t: torch.Tensor) -> torch.Tensor:
-        return self._one(self.model(self._prepare(t)))
-
-    def _one(self, y: object) -> torch.Tensor:
-        """The output of a model with one (a tensor, most often, as it is)."""
-        return y if isinstance(y, torch.Tensor) else records.named_outputs(y, self.output_names)[self.output_names[0]]
+        return records.first_output(self.model(self._prepare(t)), self.output_names)
 
     def _count_padding(self, padding: records.Padding) -> None:
         with self._lock:  # instances run on their own threads
@@ -296,24 +255,6 @@ class Engine:
         inst = self.instances[0]
         return inst.executor.submit(self.forward, x, inst).result()
 
-    def _rerun_fp32(self, x: np.ndarray) -> np.ndarray:
-        """Run rows through the host's fp32 weights (the overflow fallback); returns float32 outputs."""
-        if self._fp32 is None:
-            raise EngineError("no fp32 weights are kept for reruns (the overflow policy is not rerun_fp32)")
-        if self.named:
-            with torch.inference_mode():
-                outs, _ = records.run(
-                    self.manifest, self._fp32, x, len(x), torch.device("cpu"), Precision.FP32, self.positional
-                )
-            return records.to_host(outs, len(x), self.output_records)
-        t = torch.from_numpy(x)
-        if self._normalize_host is not None:
-            t = self._normalize_host(t)
-        t = prec.cast_input(t, Precision.FP32)
-        with torch.inference_mode():
-            y = self._one(self._fp32(t))
-        return checked(y, len(x)).float().numpy()
-
     def run_batch(self, chunks: list[np.ndarray], inst: Instance | None = None) -> list[Outcome]:
         """Run the chunks of one batch as a single forward, synchronously; returns one outcome per chunk, after the
         overflow policy (:meth:`run` is the batcher's way in, on an instance's thread).
@@ -323,42 +264,13 @@ class Engine:
         try:
             out = self.forward(chunks, inst)
         except Exception as e:
-            if not is_out_of_memory(e):
+            if not faults.is_out_of_memory(e):
                 raise
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()  # give the failed batch's blocks back before the smaller reruns
             rows = sum(len(c) for c in chunks)
             raise BatchTooLargeError(f"out of memory on {self.device} running {rows} rows: {e}") from None
-        return self.outcomes(chunks, out)
-
-    def outcomes(self, chunks: list[np.ndarray], out: np.ndarray) -> list[Outcome]:
-        """One outcome per chunk of a batch's output rows, after the overflow policy."""
-        outs = row_slices(out, chunks)
-        tag = self.precision
-        # One vectorised check over the whole batch: the per-chunk work below only runs when something is wrong.
-        if self.guarded and not all_finite(out):
-            return [self._guard(c, o) for c, o in zip(chunks, outs, strict=True)]
-        return [Output(o, tag) for o in outs]
-
-    def _guard(self, x: np.ndarray, out: np.ndarray) -> Outcome:
-        """Apply the overflow policy to one chunk's half-precision output."""
-        tag = self.precision
-        overflowed = rows_finite(x) & ~rows_finite(out)
-        if not overflowed.any():  # non-finite in, non-finite out: the input's doing, not the precision's
-            return Output(out, tag)
-        with self._lock:  # instances run on their own threads
-            self.overflows += 1
-        if self.overflow is OverflowPolicy.ALLOW:
-            return Output(out, tag)
-        rows = np.flatnonzero(overflowed).tolist()
-        if self.overflow is OverflowPolicy.ERROR:
-            return PrecisionOverflowError(
-                f"{tag} overflow: the output of row(s) {rows[:8]} is not finite for finite input "
-                f"(the model's overflow policy is 'error'; 'rerun_fp32' would rerun them in fp32)"
-            )
-        with self._lock:
-            self.fp32_reruns += 1
-        return Output(self._rerun_fp32(x), Precision.FP32)
+        return self.guard.outcomes(chunks, out)
 
     @property
     def placement(self) -> Placement:
@@ -379,7 +291,7 @@ class Engine:
         """Give the calling thread the intra-op threads this engine settled on (OpenMP's count is each thread's own
         setting, and threads torch starts take their starter's)."""
         if self.threads is not None and torch.get_num_threads() != self.threads:
-            set_intra_op_threads(self.threads)
+            intraop.set_intra_op_threads(self.threads)
 
     @property
     def instance_count(self) -> int:
@@ -477,15 +389,13 @@ class Engine:
                 x[name] = length
         return x
 
-    def settle_threads(self, max_batch_size: int, cores: int, timing: ForwardTiming | None = None) -> int:
-        """Set each instance's torch intra-op threads to :func:`intra_op_threads` of a timed forward of a full batch
-        on all ``cores`` (on a CPU; run after warm-up), and return the count chosen.
+    def settle_threads(self, max_batch_size: int, cores: int, timing: intraop.ForwardTiming | None = None) -> int:
+        """Set each instance's torch intra-op threads to :func:`~halfserve.placement.intra_op_threads` of a timed
+        forward of a full batch on all ``cores`` (:func:`halfserve.engine.intraop.settle`, on a CPU; run after
+        warm-up), and return the count chosen.
 
         ``timing`` gives that forward's seconds at a thread count instead of timing it (the ``forward_seconds``
         setting, and tests): what is decided from the timing then depends on it alone, not on the host's speed.
-
-        Set on the instance's own thread, the only one that runs its forwards: OpenMP's thread count is a setting of
-        the thread that starts a parallel region, so other threads (and other models' instances) keep theirs.
 
         A model with a variable input is timed at its ``max_length``: the longest batch it can be sent, which is what
         decides whether a batch may hold up the event loop (:attr:`loop_bound`). An engine compiled with TorchInductor
@@ -494,43 +404,22 @@ class Engine:
         """
         sequence = packing.sequence_input(self.manifest)
         x = self.warm_batch(max_batch_size, sequence.bounded()[0] if sequence is not None else 1)
-
-        def timed(inst: Instance, threads: int) -> float:
-            if timing is not None:
-                return timing(threads)
-            seconds = math.inf
-            for _ in range(3):
-                start = time.perf_counter()
-                self.forward(x, inst)
-                seconds = min(seconds, time.perf_counter() - start)
-            return seconds
-
-        warmed_at: list[int] = []  # each instance's count when it warmed up (and compiled)
-
-        def settle(inst: Instance) -> int:
-            warmed_at.append(torch.get_num_threads())
-            set_intra_op_threads(cores)
-            if timing is None:
-                self.forward(x, inst)  # the first at this count is not timed
-            seconds = timed(inst, cores)
-            self.loop_bound = loop_bound(seconds, max_batch_size)
-            threads = intra_op_threads(seconds, max_batch_size, cores)
-            log.info(
-                "%s[%d]: a forward of %d rows took %.2f ms on %d threads: %d intra-op threads",
-                self.name,
-                inst.index,
+        settled = [
+            inst.executor.submit(
+                intraop.settle,
+                functools.partial(self.forward, x, inst),
+                f"{self.name}[{inst.index}]",
                 max_batch_size,
-                seconds * 1000,
                 cores,
-                threads,
-            )
-            set_intra_op_threads(threads)
-            self.batch_seconds = seconds if threads == cores else timed(inst, threads)
-            self.batch_rows, self.cores = max_batch_size, cores
-            return threads
-
-        self.threads = min(inst.executor.submit(settle, inst).result() for inst in self.instances)
-        if self._compiled_code is not None and {*warmed_at, self.threads} != {cores}:
+                timing,
+            ).result()
+            for inst in self.instances
+        ]
+        self.threads = min(s.threads for s in settled)
+        # Every instance times the same batch: the last one's timing stands for the engine.
+        self.loop_bound, self.batch_seconds = settled[-1].loop_bound, settled[-1].batch_seconds
+        self.batch_rows, self.cores = max_batch_size, cores
+        if self._compiled_code is not None and {*(s.warmed_at for s in settled), self.threads} != {cores}:
             self._compile_again(self._compiled_code, self.threads, max_batch_size)
         self.real_elements = self.padded_elements = 0  # the padding of requests, not of these batches
         return self.threads
@@ -546,7 +435,7 @@ class Engine:
         """
         compilation.forget_compiled(code)
         for inst in self.instances:
-            inst.executor.submit(set_intra_op_threads, threads).result()
+            inst.executor.submit(intraop.set_intra_op_threads, threads).result()
         self.warmup(max_batch_size)
 
     def _warm_lengths(self) -> list[int]:
@@ -561,11 +450,6 @@ class Engine:
     def close(self) -> None:
         for inst in self.instances:
             inst.close()
-
-
-def fixed_timing(seconds: float) -> ForwardTiming:
-    """A :data:`ForwardTiming` that gives ``seconds`` at any thread count."""
-    return lambda threads: seconds
 
 
 def module_bytes(module: nn.Module) -> int:

@@ -104,7 +104,7 @@ class PipelinedRunner:
                 continue
             try:
                 out = inst.fetch(checked(r.graph.value(), len(r.batch)), widen=engine.out_float)
-                r.future.set_result(engine.outcomes(r.chunks, out))
+                r.future.set_result(engine.guard.outcomes(r.chunks, out))
             except Exception as e:
                 r.future.set_exception(e)
         self._launched = running

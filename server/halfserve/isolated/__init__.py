@@ -16,6 +16,8 @@ work waits for no lock the loop holds.
 * :mod:`~halfserve.isolated.protocol`: what the process is told at start, the frames' meaning and the sizes of its
   shared memory, both ends' half of the protocol (frames and memory themselves are :mod:`halfserve.ipc`'s);
 * :mod:`~halfserve.isolated.child`: the instance process's main;
-* :mod:`~halfserve.isolated.engine`: the server process's side: each process's wire end and the dispatch of batches;
+* :mod:`~halfserve.isolated.engine`: the server process's side: the engine, and the dispatch of batches;
+* :mod:`~halfserve.isolated.wire`: each process's wire end in the server process (its socket, memory, op in flight);
+* :mod:`~halfserve.isolated.handling`: a team's handler run in the process, both ends of its ``handle`` op;
 * :mod:`~halfserve.isolated.supervision`: their start, readiness, batch watchdog, restarts with backoff, and end.
 """

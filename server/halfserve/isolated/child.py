@@ -25,7 +25,8 @@ import numpy as np
 from halfserve import compilecache, logs, models, store
 from halfserve import precision as prec
 from halfserve.compilation import tune_cudnn
-from halfserve.engine.core import Engine, fixed_timing, set_intra_op_threads
+from halfserve.engine.core import Engine
+from halfserve.engine.intraop import fixed_timing, set_intra_op_threads
 from halfserve.instance import Instance, pin_host
 from halfserve.ipc.channel import Channel
 from halfserve.ipc.exports import ImportedRegions

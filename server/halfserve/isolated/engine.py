@@ -1,7 +1,7 @@
 """The server process's side of instance processes: :class:`ProcessEngine`, the engine the batcher runs batches on
-when each instance is a process of its own, with each process's wire end (:class:`InstanceProcess`) and the dispatch
-of batches to idle ones. Starting, watching and restarting the processes is their supervisor's
-(:mod:`halfserve.isolated.supervision`).
+when each instance is a process of its own, and the dispatch of batches (and handler batches) to idle ones. Each
+process's wire end is :mod:`halfserve.isolated.wire`'s :class:`~halfserve.isolated.wire.InstanceProcess`; starting,
+watching and restarting the processes is their supervisor's (:mod:`halfserve.isolated.supervision`).
 
 Everything here runs on the event loop's thread and makes no torch call per batch: a batch costs one copy of its
 rows into an idle instance's shared memory (numpy lets go of the GIL for it), one small frame out and one back, and one
@@ -15,14 +15,13 @@ import contextlib
 import dataclasses
 import functools
 import logging
-import math
 import multiprocessing
 import multiprocessing.process
 import os
 import socket
 from collections import deque
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 import torch
@@ -30,49 +29,21 @@ import torch
 from halfserve import models, store
 from halfserve import precision as prec
 from halfserve.compilecache import CacheOutcome
-from halfserve.engine.protocol import EngineError, EngineInfo, PrecisionOverflowError
+from halfserve.engine.protocol import EngineError, EngineInfo
 from halfserve.ipc import exports
-from halfserve.ipc.frames import FrameReader, frame
 from halfserve.ipc.memory import InstanceMemory
-from halfserve.ipc.tensors import descr, dtype_of
 from halfserve.isolated import child, handover
-from halfserve.isolated.protocol import IN_FRAME, INPUT_REGION, ChildConfig, region_sizes
-from halfserve.isolated.supervision import Supervisor, Watchdog
+from halfserve.isolated.handling import HandledOutcomes
+from halfserve.isolated.protocol import ChildConfig, region_sizes
+from halfserve.isolated.supervision import Supervisor
+from halfserve.isolated.wire import InstanceProcess
 from halfserve.manifest import OverflowPolicy, Precision
 from halfserve.placement import Placement, available_cores
-from halfserve.serving import (
-    BatchFailedError,
-    BatchTooLargeError,
-    DeadlineExceededError,
-    HandlerPayload,
-    InstanceLostError,
-    InternalError,
-    InvalidInputError,
-    ModelNotReadyError,
-    ModelUnavailableError,
-    Outcome,
-    Output,
-)
+from halfserve.serving import HandlerPayload, ModelNotReadyError, Outcome, Output
 from halfserve.settings import Settings
 from halfserve.store import LoadedModel
 
 log = logging.getLogger(__name__)
-
-_ERRORS: dict[str, Callable[[str], Exception]] = {
-    "BatchTooLargeError": BatchTooLargeError,
-    "PrecisionOverflowError": PrecisionOverflowError,
-    # A handler batch's (:mod:`halfserve.isolated.handling`), answered as the data plane's handler threads answer.
-    "InvalidInputError": InvalidInputError,
-    "InternalError": InternalError,
-    "DeadlineExceededError": DeadlineExceededError,
-    "BatchFailedError": BatchFailedError,
-    "ModelUnavailableError": ModelUnavailableError,
-}
-
-
-def _error(kind: str, message: str) -> Exception:
-    """The exception an instance process reported, as the thread mode would have raised it for the batcher."""
-    return _ERRORS.get(kind, EngineError)(message)
 
 
 def _weights_memfd(loaded: LoadedModel) -> int:
@@ -85,191 +56,6 @@ def _weights_memfd(loaded: LoadedModel) -> int:
     return fd
 
 
-class InstanceProcess(asyncio.Protocol):
-    """One instance process, seen from the server process: its socket end, its shared memory, its batch in flight."""
-
-    def __init__(self, owner: ProcessEngine, index: int, memory: InstanceMemory) -> None:
-        self.owner, self.index, self.memory = owner, index, memory
-        self.process: multiprocessing.process.BaseProcess | None = None
-        self._pid: int | None = None
-        """The process's pid, kept: a closed ``Process`` no longer tells it."""
-        self.transport: asyncio.Transport | None = None
-        self.ready: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
-        self.alive = False
-        self.forwards = 0
-        """Forwards run in the process so far (warm-up included), as :attr:`Instance.forwards` counts them."""
-        self.counts: dict[str, int] = {}
-        self.side: socket.socket | None = None
-        """The blocking side channel that hands the process region descriptors."""
-        self.regions: set[int] = set()
-        """Regions the process has been handed (and not told to forget)."""
-        self._reader = FrameReader()
-        self._pending: dict[int, asyncio.Future[Any]] = {}
-        """Each op in flight's future: a batch's outcomes, or a handler batch's :data:`HandledOutcomes`."""
-        self._next_id = 0
-        self.watchdog = Watchdog(owner.name, owner.batch_timeout)
-        self.hung = False
-        """Whether the watchdog killed the process."""
-
-    @property
-    def pid(self) -> int | None:
-        return self._pid
-
-    @property
-    def busy(self) -> bool:
-        return bool(self._pending)
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = cast(asyncio.Transport, transport)  # uvloop's transports are not asyncio's classes
-
-    def data_received(self, data: bytes) -> None:
-        for head, payload in self._reader.feed(data):
-            if "id" in head:
-                self._answer(head, payload)
-            elif head.get("op") == "ready":
-                self.alive = True
-                if not self.ready.done():
-                    self.ready.set_result(head)
-            elif head.get("op") == "failed" and not self.ready.done():
-                self.ready.set_exception(EngineError(head.get("error", "failed to start")))
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        was_alive, self.alive = self.alive, False
-        self.watchdog.disarm()
-        what = f"instance process {self.index} of model {self.owner.name!r} (pid {self.pid}) exited"
-        if self.hung:
-            what = (
-                f"instance process {self.index} of model {self.owner.name!r} (pid {self.pid}) did not answer a batch "
-                f"within {self.owner.batch_timeout:g} s (instance_batch_timeout) and was killed"
-            )
-        if not self.ready.done():
-            self.ready.set_exception(EngineError(what + ("" if was_alive else " before it was ready")))
-        for future in self._pending.values():
-            if not future.done():
-                future.set_exception(InstanceLostError(what))
-        self._pending.clear()
-        with contextlib.suppress(BufferError):  # a view still held: the map goes with the last one
-            self.memory.close()
-        if self.side is not None:
-            self.side.close()
-        self.owner.lost(self, was_alive)
-
-    def send(self, chunks: list[np.ndarray], future: asyncio.Future[list[Outcome]], raw: bool = False) -> None:
-        """Tell the process to run a batch; ``future`` gets the outcomes. Chunks in a front-end's shared memory are
-        named where they lie (:mod:`halfserve.ipc.exports`); the others are copied into the input region.
-
-        The input region is free: an instance has one batch at a time, and its rows were read before it answered.
-        """
-        assert self.transport is not None
-        first = chunks[0]
-        places: list[list[int]] = []
-        copies: list[tuple[np.ndarray, int]] = []
-        copied = 0
-        for c in chunks:
-            found = exports.locate(c)
-            if found is None:
-                places.append([INPUT_REGION, copied, len(c)])
-                copies.append((c, copied))
-                copied += c.nbytes
-                continue
-            region, offset = found
-            if region.id not in self.regions:
-                self._hand(region)
-            places.append([region.id, offset, len(c)])
-        self.owner.copied_bytes += copied
-        self.owner.in_place_bytes += sum(c.nbytes for c in chunks) - copied
-        parts: list[memoryview] = []
-        if copied > self.memory.input_bytes:  # past the region's estimate (a model's longest rows): in the frame
-            places = [[IN_FRAME, *p[1:]] if p[0] == INPUT_REGION else p for p in places]
-            parts = [np.ascontiguousarray(c).view(np.uint8).reshape(-1).data for c, _ in copies]
-        else:
-            for c, offset in copies:
-                np.copyto(self.memory.inputs(c.dtype, len(c), c.shape[1:], offset), c)
-        head = {"op": "run", "dtype": descr(first.dtype), "shape": first.shape[1:], "chunks": places, "raw": raw}
-        self._send(head, parts, future)
-
-    def _send(
-        self, head: dict[str, Any], parts: list[memoryview] | list[bytes], future: asyncio.Future[Any], extra: float = 0
-    ) -> None:
-        assert self.transport is not None
-        self._next_id += 1
-        head["id"] = self._next_id
-        self._pending[self._next_id] = future
-        self.transport.writelines(frame(head, *parts))
-        self.watchdog.arm(self, extra)
-
-    def handle(self, payloads: list[HandlerPayload], future: asyncio.Future[HandledOutcomes]) -> None:
-        """Tell the process to run a handler batch of ``payloads`` (:mod:`halfserve.isolated.handling`): their fields
-        and content types in the header, their bytes in the frame."""
-        described = [[field, content_type, len(data)] for field, data, content_type in payloads]
-        head = {"op": "handle", "payloads": described}
-        section = self.owner.handler
-        # Its preprocess and postprocess may each take their time limit (answered 504 then) besides the forward.
-        extra = 2 * section.timeout_s if section is not None else 0.0
-        self._send(head, [data for _, data, _ in payloads], future, extra)
-
-    def _hand(self, region: exports.ExportedRegion) -> None:
-        """Send the process a region's descriptor (on the side channel, before the frame that names it)."""
-        assert self.side is not None
-        exports.hand(self.side, region)
-        self.regions.add(region.id)
-
-    def forget(self, region: int) -> None:
-        """Tell the process to unmap a region withdrawn (no batch in it is running)."""
-        if region in self.regions:
-            self.regions.discard(region)
-            if self.transport is not None and not self.transport.is_closing():
-                self.transport.writelines(frame({"op": "forget", "region": region}))
-
-    def stop(self) -> None:
-        """Tell the process to exit once its batch in hand is answered."""
-        if self.transport is not None and not self.transport.is_closing():
-            self.transport.writelines(frame({"op": "exit"}))
-
-    def _answer(self, head: dict[str, Any], payload: bytearray) -> None:
-        self.watchdog.disarm()
-        self.counts = head.get("counts", self.counts)
-        self.forwards = self.counts.get("forwards", self.forwards)
-        future = self._pending.pop(head["id"], None)
-        try:
-            if future is None or future.done():
-                return
-            if head.get("raise"):
-                future.set_exception(_error(head["kind"], head["message"]))
-                return
-            # The output region is the next batch's: the bytes the answer used are copied out at once, and each
-            # output is a view of that copy (a copy per request cost about 2 us of this loop's time).
-            used = self.memory.output(np.dtype(np.uint8), (head.get("region_bytes", 0),), 0)
-            assert used is not None
-            region = used.copy()
-            outcomes = [self._outcome(entry, payload, region) for entry in head["outcomes"]]
-            if "answers" not in head:
-                future.set_result(outcomes)
-                return
-            offset, sizes = head["answers"]
-            answers = []
-            for size in sizes:
-                answers.append(bytes(payload[offset : offset + size]))
-                offset += size
-            future.set_result((answers, outcomes))
-        finally:
-            self.owner.idle_again(self)
-
-    def _outcome(self, entry: list[Any], payload: bytearray, region: np.ndarray) -> Outcome:
-        if entry[0] == "error":
-            return _error(entry[1], entry[2])
-        _, description, shape, offset, tag, inline = entry
-        dtype, shape = dtype_of(description), tuple(shape)
-        count = math.prod(shape)
-        if inline:
-            data = np.frombuffer(payload, dtype, count, offset).reshape(shape).copy()
-        else:
-            data = np.frombuffer(region, dtype, count, offset).reshape(shape)
-        return Output(data, Precision(tag) if tag is not None else None)
-
-
-HandledOutcomes = tuple[list[bytes], list[Outcome]]
-"""A handler batch's answers, one JSON body per payload, and its outputs' outcomes, one per forward."""
 _Send = Callable[[InstanceProcess, asyncio.Future[Any]], None]
 """An op for an instance process, sent once one is idle: a batch to run, or a handler batch."""
 
@@ -422,7 +208,7 @@ class ProcessEngine:
             theirs.close()
             their_side.close()
             os.close(fd)
-        instance.process, instance.side, instance._pid = process, side, process.pid
+        instance.started(process, side)
         self._loop.create_task(self._loop.connect_accepted_socket(lambda: instance, ours))
         return instance
 

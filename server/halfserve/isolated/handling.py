@@ -10,6 +10,10 @@ is answered with the same kinds as there (:mod:`halfserve.api.dataplane.handled`
 :class:`~halfserve.serving.InternalError`, a call past its limit a :class:`~halfserve.serving.DeadlineExceededError`,
 the forward failing a :class:`~halfserve.serving.BatchFailedError`. A handler that kills the process is the batch's
 :class:`~halfserve.serving.InstanceLostError`, raised by the server process's side, whose supervisor restarts it.
+
+Both ends of the ``handle`` op are here: the frame the server process sends (:func:`handle_frame`) and its payloads
+read back as requests in the instance process (:func:`requests`), and the answers in the frame that comes back
+(:func:`answers`).
 """
 
 from __future__ import annotations
@@ -25,7 +29,18 @@ from halfserve import handlercheck, handlers
 from halfserve.engine.core import Engine
 from halfserve.instance import Instance
 from halfserve.isolated.protocol import ChildConfig
-from halfserve.serving import BatchFailedError, DeadlineExceededError, InternalError, InvalidInputError, Output
+from halfserve.serving import (
+    BatchFailedError,
+    DeadlineExceededError,
+    HandlerPayload,
+    InternalError,
+    InvalidInputError,
+    Outcome,
+    Output,
+)
+
+HandledOutcomes = tuple[list[bytes], list[Outcome]]
+"""A handler batch's answers, one JSON body per payload, and its outputs' outcomes, one per forward."""
 
 
 class InstanceHandler:
@@ -98,5 +113,23 @@ def requests(head: dict[str, Any], payload: bytearray) -> list[dict[str, Any]]:
     out, offset = [], 0
     for field, content_type, size in head["payloads"]:
         out.append(handlers.request(field, bytes(payload[offset : offset + size]), content_type))
+        offset += size
+    return out
+
+
+def handle_frame(payloads: list[HandlerPayload]) -> tuple[dict[str, Any], list[bytes]]:
+    """The ``handle`` frame's header and payload parts for a handler batch of ``payloads``: their fields and content
+    types in the header, their bytes in the frame (read back by :func:`requests`)."""
+    described = [[field, content_type, len(data)] for field, data, content_type in payloads]
+    return {"op": "handle", "payloads": described}, [data for _, data, _ in payloads]
+
+
+def answers(head: dict[str, Any], payload: bytearray) -> list[bytes]:
+    """A handler batch's answers, one JSON body per payload, from the frame that answered it: one after another in its
+    payload from the offset its header's ``answers`` names (past the outputs placed there)."""
+    offset, sizes = head["answers"]
+    out = []
+    for size in sizes:
+        out.append(bytes(payload[offset : offset + size]))
         offset += size
     return out

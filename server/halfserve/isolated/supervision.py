@@ -1,7 +1,7 @@
 """Supervision of a model's instance processes, seen from the server process: their start and readiness, the watchdog
 on a batch in hand, restarts (with a backoff for processes that die while starting), and their end.
 
-What crosses to a process (its socket, its shared memory, the frames) is :mod:`halfserve.isolated.engine`'s; this
+What crosses to a process (its socket, its shared memory, the frames) is :mod:`halfserve.isolated.wire`'s; this
 module knows a process only as :class:`Supervised`, and starts one only through the ``spawn`` it is given.
 """
 
