@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import shlex
@@ -476,7 +477,9 @@ def peer_pytriton(
             run["poisson"] = poisson_run(url + proto.path, proto, args, start)
         return run
     finally:
-        os.killpg(peer.pid, signal.SIGTERM)
+        # A peer that already exited (it failed to start: its log says why) has no process group left to signal.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(peer.pid, signal.SIGTERM)
         try:
             peer.wait(timeout=30)
         except subprocess.TimeoutExpired:

@@ -3,8 +3,9 @@
 #
 #   bash benchmarks/gpu_session.sh [tests] [bench] [aoti] [probes]  (default: tests, bench and aoti, in that order)
 #
-# It installs the Python packages the machine lacks from wheels carried in .whl/ (into /tmp/site, first on
-# PYTHONPATH after this tree), puts the wrk carried in .devkit/ on PATH, prints the GPU and torch, then runs each step
+# It installs the Python packages the machine lacks from wheels carried in .whl/ (`bash benchmarks/gpu_kit.sh` builds
+# .whl, .devkit and, with --peer, .kit: name them in the call's carry) into /tmp/site, first on
+# PYTHONPATH after this tree, puts the wrk carried in .devkit/ on PATH, prints the GPU and torch, then runs each step
 # under its own timeout:
 #   tests  the tests marked gpu (python -m pytest -m gpu -x), from the files that mark any: collecting the others
 #          would import packages the kit does not carry (tritonclient, schemathesis, scikit-learn)
@@ -32,12 +33,14 @@
 #   WHL, SITE        the wheels to install and where (default: .whl and /tmp/site); nothing is installed without WHL
 #   TESTS_TIMEOUT    seconds for the tests (default 150); BENCH_TIMEOUT: seconds per bench run (default 540);
 #                    AOTI_TIMEOUT: seconds for the aoti step (default 400)
-#   PYTRITON_PYTHON  the interpreter the PyTriton peer runs under (default: $PY when it imports pytriton; none: no
-#                    peer). It needs nvidia-pytriton 0.7.0 (a wheel carrying tritonserver) with its dependencies
-#                    (tritonclient, pyzmq, sh, wrapt, typing-inspect, numpy<2), besides torch, safetensors, pydantic:
-#                      $PY -m pip install --target "$SITE" nvidia-pytriton==0.7.0   (from carried wheels: --no-index)
-#   PYTRITON_SITE    a folder on that interpreter's default site path (e.g. /usr/local/lib/python3.12/dist-packages):
-#                    a .pth file there names $SITE, since Triton's Python backend stub does not see PYTHONPATH
+#   PYTRITON_PYTHON  the interpreter the PyTriton peer runs under (default: one built from .kit/, which
+#                    `bash benchmarks/gpu_kit.sh --peer` makes here, where the call carries .kit; else $PY when it
+#                    imports pytriton; else none: no peer). From .kit/: a venv over $PY's Python at /tmp/pytriton-peer,
+#                    nvidia-pytriton, numpy 1.26 (pytriton 0.7.0 answered empty tensors under numpy 2.4) and the
+#                    peer's other wheels in its own site-packages, then this tree, $SITE and $PY's packages (torch)
+#                    through a .pth file: Triton's Python backend stub sees that venv's path, not PYTHONPATH.
+#   PYTRITON_SITE    (a peer not from .kit/) a folder on that interpreter's default site path: a .pth file there
+#                    names $SITE, since Triton's Python backend stub does not see PYTHONPATH
 #   BENCH_ARGS       replaces the bench's arguments; EXTRA_BENCH_ARGS is added to them (e.g. --precisions fp16)
 #   EXTRA_SERVE_ARGS runs the bench a second time, its servers given these halfserve serve flags (gpu_bench
 #                    --serve-args), into bench/extra: e.g. '--placement instance_threads' beside the default (processes
@@ -93,6 +96,26 @@ fi
 
 # The PyTriton peer: an interpreter that imports it, and (where the kit's packages live outside the default site path)
 # a .pth file its backend stub reads.
+if [[ -z ${PYTRITON_PYTHON:-} && -f .kit/pytriton.tar.xz ]]; then
+    peer_venv=/tmp/pytriton-peer
+    rm -rf "$peer_venv"
+    if "$PY" -m venv --without-pip "$peer_venv" >>"$setup" 2>&1; then
+        peer_site=$("$peer_venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+        own_site=$("$PY" -c 'import sysconfig; p = sysconfig.get_paths(); print(p["purelib"]); print(p["platlib"])')
+        mkdir -p "$peer_site"
+        tar -C "$peer_site" -xJf .kit/pytriton.tar.xz && tar -C "$peer_site" -xJf .kit/numpy.tar.xz
+        for w in .kit/peer/*.whl; do "$PY" -m zipfile -e "$w" "$peer_site" >>"$setup" 2>&1; done
+        printf '%s\n' "$PWD/server" "$PWD" "$SITE" $own_site >"$peer_site/zz-halfserve-kit.pth"
+        if "$peer_venv/bin/python" -c 'import numpy, pytriton.triton, torch, safetensors, pydantic
+assert numpy.__version__.startswith("1."), numpy.__version__' >>"$setup" 2>&1; then
+            PYTRITON_PYTHON=$peer_venv/bin/python
+        else
+            note "setup: the PyTriton peer from .kit does not import; see setup.log"
+        fi
+    else
+        note "setup: no venv for the PyTriton peer ($PY -m venv failed); see setup.log"
+    fi
+fi
 if [[ -z ${PYTRITON_PYTHON:-} ]] && "$PY" -c 'import pytriton' >/dev/null 2>&1; then PYTRITON_PYTHON=$PY; fi
 if [[ -n ${PYTRITON_SITE:-} && -d ${PYTRITON_SITE} ]]; then
     printf '%s\n' "$SITE" >"$PYTRITON_SITE/halfserve-kit.pth" || note "setup: cannot write $PYTRITON_SITE/halfserve-kit.pth"
