@@ -299,6 +299,8 @@ def import_(args: argparse.Namespace) -> int:
             extra = mar.extra_files(archive) if archive.handler_file is not None else {}
         elif args.archive_code is not None:
             raise importer.ImportFailure("--archive-code: only a .mar archive ships a handler file of its own")
+        else:
+            _check_code_folders(args)
         missing = [f"--{n}" for n in ("name", "architecture", "input") if not getattr(args, n)]
         if missing:
             raise importer.ImportFailure(f"give {', '.join(missing)}")
@@ -383,6 +385,7 @@ def _from_archive(args: argparse.Namespace, archive: Archive) -> None:
         storage.check_name(args.name)
     except storage.StoreError as e:
         raise mar.MarError(f"{e}: the archive's modelName is not a store name; give --name") from None
+    _check_code_folders(args)
     if archive.handler_file is not None:
         _archive_handler(args, archive)
     elif args.archive_code is not None:
@@ -414,6 +417,17 @@ def _from_archive(args: argparse.Namespace, archive: Archive) -> None:
     if archive.handler_file is not None:  # last, as the model file is: copied once the rest is settled
         args.handler = mar.extract_code(archive, args.archive_code, args.store)
         args.code_path = [*(args.code_path or []), args.archive_code]
+
+
+def _check_code_folders(args: argparse.Namespace) -> None:
+    """Before anything is written: no ``--code-path`` folder that is the store or lies in a model folder of it (the
+    imported model's included), and no ``--archive-code`` folder in the store."""
+    from halfserve import mar, models
+
+    for folder in args.code_path or []:
+        models.check_code_folder(args.store, folder, "--code-path", args.name)
+    if args.archive_code is not None:
+        mar.check_archive_code(args.archive_code, args.store)
 
 
 def _archive_handler(args: argparse.Namespace, archive: Archive) -> None:

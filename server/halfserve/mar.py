@@ -297,14 +297,8 @@ def extract_code(archive: Archive, code_dir: Path, store: Path) -> str:
     ``module:Class``. Refused where ``code_dir`` lies in the store (the server never runs code from there), where a
     file would land outside it, or where a different file of that name is there already; nothing is copied then."""
     assert archive.handler_file is not None
+    check_archive_code(code_dir, store)
     where = code_dir.resolve()
-    if where.is_relative_to(store.resolve()):
-        raise MarError(
-            f"--archive-code {code_dir}: lies inside the store {store}; code runs only from the operator's own "
-            "folders, never the store's: name a folder outside it"
-        )
-    if where.exists() and not where.is_dir():
-        raise MarError(f"--archive-code {code_dir}: is a file, not a folder")
     cls, _ = handler_class(archive.handler_file)
     module = handler_module(archive.handler_file)
     copies = []
@@ -315,6 +309,8 @@ def extract_code(archive: Archive, code_dir: Path, store: Path) -> str:
         target = where.joinpath(*name.parts)
         if not target.resolve().is_relative_to(where):
             raise MarError(f"--archive-code {code_dir}: {name} would land outside it (a link there?); refused")
+        if target.resolve().is_relative_to(store.resolve()):  # DIR holding the store: the file would be the store's
+            raise MarError(f"--archive-code {code_dir}: the archive's {name} would land in the store {store}; refused")
         if target.exists() and (not target.is_file() or target.read_bytes() != source.read_bytes()):
             raise MarError(f"{target} exists and differs from the archive's {name}; move it first")
         copies.append((source, target))
@@ -322,6 +318,19 @@ def extract_code(archive: Archive, code_dir: Path, store: Path) -> str:
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(source, target)
     return f"{module}:{cls}"
+
+
+def check_archive_code(code_dir: Path, store: Path) -> None:
+    """Refuse an ``--archive-code`` folder that lies in the store (the store itself included): what an archive ships
+    runs only from the operator's own folders, never the store's, which imports write."""
+    where = code_dir.resolve()
+    if where.is_relative_to(store.resolve()):
+        raise MarError(
+            f"--archive-code {code_dir}: lies inside the store {store}; code runs only from the operator's own "
+            "folders, never the store's: name a folder outside it"
+        )
+    if where.exists() and not where.is_dir():
+        raise MarError(f"--archive-code {code_dir}: is a file, not a folder")
 
 
 def handler_module(handler_file: Path) -> str:
