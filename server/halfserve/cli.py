@@ -26,7 +26,7 @@ from halfserve.manifest import describe
 from halfserve.settings import Settings
 
 if TYPE_CHECKING:
-    from halfserve.mar import Archive
+    from halfserve.mar import Archive, CodeCopies
     from halfserve.multiproc.supervisor import Frontends
 
 
@@ -292,10 +292,11 @@ def import_(args: argparse.Namespace) -> int:
 
     scratch = tempfile.TemporaryDirectory(prefix="halfserve-mar-")
     extra: dict[str, Path] = {}
+    copies = mar.CodeCopies()  # an archive's code, in place only once the import is accepted
     try:
         if args.source.suffix == ".mar":
             archive = mar.read(args.source, Path(scratch.name))
-            _from_archive(args, archive)
+            _from_archive(args, archive, copies)
             extra = mar.extra_files(archive) if archive.handler_file is not None else {}
         elif args.archive_code is not None:
             raise importer.ImportFailure("--archive-code: only a .mar archive ships a handler file of its own")
@@ -305,6 +306,7 @@ def import_(args: argparse.Namespace) -> int:
         if missing:
             raise importer.ImportFailure(f"give {', '.join(missing)}")
         models.add_code_path(args.code_path or [])
+        models.add_code_path(copies.folders)  # first on the import path: the model and handler build from there
         models.forbid_store(args.store)
         labels = importflags.read_labels(args.labels) if args.labels else None
         fields: dict[str, object] = {"min_agreement": args.min_agreement} if args.min_agreement is not None else {}
@@ -345,6 +347,7 @@ def import_(args: argparse.Namespace) -> int:
             extra,
             **fields,
         )
+        copies.install()
     except ValidationError as e:
         print(f"halfserve import: {describe(e)}", file=sys.stderr)
         return 2
@@ -352,6 +355,7 @@ def import_(args: argparse.Namespace) -> int:
         print(f"halfserve import: {e}", file=sys.stderr)
         return 2
     finally:
+        copies.discard()  # a refused import leaves the code folders as they were
         scratch.cleanup()
     print(importer.describe(result))
     if extra:  # the handler's folder, and the model file's where that is another
@@ -375,7 +379,7 @@ def _answer(text: str) -> dict[str, object]:
     return importflags.parse_json_object(text, "--answer")
 
 
-def _from_archive(args: argparse.Namespace, archive: Archive) -> None:
+def _from_archive(args: argparse.Namespace, archive: Archive, copies: CodeCopies) -> None:
     """Fill what a TorchServe archive gives (:mod:`halfserve.mar`) where the command line did not."""
     from halfserve import mar
 
@@ -411,11 +415,11 @@ def _from_archive(args: argparse.Namespace, archive: Archive) -> None:
             raise mar.MarError(f"{archive.name}: the archive has no model file: give --architecture")
         if not args.trust_model_file:
             raise mar.refused_model_file(archive)
-        args.architecture = mar.trust_model_file(archive, args.code_path or [])
+        args.architecture = mar.trust_model_file(archive, args.code_path or [], copies)
     if args.labels is None and archive.labels is not None:
         args.labels = archive.labels
     if archive.handler_file is not None:  # last, as the model file is: copied once the rest is settled
-        args.handler = mar.extract_code(archive, args.archive_code, args.store)
+        args.handler = mar.extract_code(archive, args.archive_code, args.store, copies)
         args.code_path = [*(args.code_path or []), args.archive_code]
 
 
