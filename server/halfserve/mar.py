@@ -256,8 +256,14 @@ def read(path: Path, folder: Path) -> Archive:
                 f"{path}: handler {handler!r} is a function entry point, which runs the model itself; the server runs "
                 "the forward, so only a handler class (its preprocess and postprocess) is imported"
             )
-        handler_file = folder / PurePosixPath(handler if handler.endswith(".py") else handler + ".py").name
-        if not handler_file.is_file() or not handler_file.stem.isidentifier():
+        named = PurePosixPath(handler if handler.endswith(".py") else handler + ".py")
+        handler_file = folder / named.name
+        if not handler_file.is_file():
+            if len(named.parts) > 1 and not named.is_absolute() and ".." not in named.parts:
+                raise MarError(
+                    f"{path}: {MANIFEST} names handler {handler!r}: a handler file is found by its base name at the "
+                    f"archive's top level, where it holds no {named.name} (torch-model-archiver --handler puts it so)"
+                )
             raise MarError(f"{path}: {MANIFEST} names handler {handler!r}, neither a stock handler nor a file it holds")
     labels = folder / "index_to_name.json"
     name = str(model.get("modelName") or path.stem)
@@ -413,8 +419,14 @@ def check_archive_code(code_dir: Path, store: Path) -> None:
 def handler_module(handler_file: Path) -> str:
     """The module name a handler file is copied as: its stem and the first 8 hex digits of its SHA-256. A module name
     is one module per process, and archives' handler files are mostly ``handler.py``: two archives' different files
-    must not be one module, the second model silently running the first's code."""
-    return f"{handler_file.stem}_{hashlib.sha256(handler_file.read_bytes()).hexdigest()[:8]}"
+    must not be one module, the second model silently running the first's code. A stem that is no module name
+    (``my-handler``, ``1handler``, ``a.b``, which TorchServe loads by file) has its other characters as underscores and
+    a leading digit behind one (``my_handler_...``, ``_1handler_...``, ``a_b_...``): nothing imports a handler by its
+    name but the manifest, which names the copy."""
+    stem = re.sub(r"[^A-Za-z0-9_]", "_", handler_file.stem)
+    if stem[:1].isdigit():
+        stem = "_" + stem
+    return f"{stem}_{hashlib.sha256(handler_file.read_bytes()).hexdigest()[:8]}"
 
 
 def extra_files(archive: Archive) -> dict[str, Path]:
