@@ -129,9 +129,18 @@ class CodeCopies:
 
     def discard(self) -> None:
         """Remove the staging folders, and the folders made for the copies that hold nothing (after :meth:`install`,
-        they hold the copies)."""
-        for staging in self._staging.values():
+        they hold the copies). The modules imported from the staging folders are forgotten, and the folders taken off
+        the import path: a process that serves after importing (``cli.main`` called twice) imports them again from
+        where they were installed, and an instance process is handed their source from there."""
+        staged = list(self._staging.values())
+        for staging in staged:
             shutil.rmtree(staging, ignore_errors=True)
+            if str(staging) in sys.path:
+                sys.path.remove(str(staging))
+        for name, module in list(sys.modules.items()):
+            file = getattr(module, "__file__", None)
+            if file is not None and any(Path(file).is_relative_to(s) for s in staged):
+                del sys.modules[name]
         self._staging.clear()
         for folder in reversed(self._created):
             try:

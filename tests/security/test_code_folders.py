@@ -172,3 +172,7 @@ def test_an_archive_shipping_ts_leaves_the_folder_to_the_next_torchserve_handler
     strict = handler_archive(tmp_path, STRICT, "strict_handler")
     assert import_mar(strict, tmp_path / "store", *flags) == 0, capsys.readouterr().err
     assert [p.name for p in (tmp_path / "code").iterdir() if p.name.startswith((".", "ts"))] == []
+    # Built from the staging folder, the handler is imported again from the code folder by a server in this process
+    # (an instance process is handed its source from there).
+    staged = [n for n, m in sys.modules.items() if ".halfserve-import-" in str(getattr(m, "__file__", None))]
+    assert staged == []
