@@ -26,7 +26,7 @@ from halfserve.manifest import describe
 from halfserve.settings import MAX_IMAGE_PIXELS, MOST_IMAGE_PIXELS, Settings
 
 if TYPE_CHECKING:
-    from halfserve.mar import Archive
+    from halfserve.mar import Archive, CodeCopies
     from halfserve.multiproc.supervisor import Frontends
 
 
@@ -300,19 +300,23 @@ def import_(args: argparse.Namespace) -> int:
 
     scratch = tempfile.TemporaryDirectory(prefix="halfserve-mar-")
     extra: dict[str, Path] = {}
+    copies = mar.CodeCopies()  # an archive's code, in place only once the import is accepted
     try:
         if args.source.suffix == ".mar":
             archive = mar.read(args.source, Path(scratch.name))
-            _from_archive(args, archive)
+            _from_archive(args, archive, copies)
             extra = mar.extra_files(archive) if archive.handler_file is not None else {}
         elif args.archive_code is not None:
             raise importer.ImportFailure("--archive-code: only a .mar archive ships a handler file of its own")
+        else:
+            _check_code_folders(args)
         missing = [f"--{n}" for n in ("name", "architecture", "input") if not getattr(args, n)]
         if missing:
             raise importer.ImportFailure(f"give {', '.join(missing)}")
         if not 1 <= args.max_image_pixels <= MOST_IMAGE_PIXELS:
             raise importer.ImportFailure(f"--max-image-pixels {args.max_image_pixels}: from 1 to {MOST_IMAGE_PIXELS}")
         models.add_code_path(args.code_path or [])
+        models.add_code_path(copies.folders)  # first on the import path: the model and handler build from there
         models.forbid_store(args.store)
         labels = importflags.read_labels(args.labels) if args.labels else None
         fields: dict[str, object] = {"min_agreement": args.min_agreement} if args.min_agreement is not None else {}
@@ -354,6 +358,7 @@ def import_(args: argparse.Namespace) -> int:
             max_image_pixels=args.max_image_pixels,
             **fields,
         )
+        copies.install()
     except ValidationError as e:
         print(f"halfserve import: {describe(e)}", file=sys.stderr)
         return 2
@@ -361,6 +366,7 @@ def import_(args: argparse.Namespace) -> int:
         print(f"halfserve import: {e}", file=sys.stderr)
         return 2
     finally:
+        copies.discard()  # a refused import leaves the code folders as they were
         scratch.cleanup()
     print(importer.describe(result))
     if extra:  # the handler's folder, and the model file's where that is another
@@ -384,7 +390,7 @@ def _answer(text: str) -> dict[str, object]:
     return importflags.parse_json_object(text, "--answer")
 
 
-def _from_archive(args: argparse.Namespace, archive: Archive) -> None:
+def _from_archive(args: argparse.Namespace, archive: Archive, copies: CodeCopies) -> None:
     """Fill what a TorchServe archive gives (:mod:`halfserve.mar`) where the command line did not."""
     from halfserve import mar
 
@@ -394,6 +400,7 @@ def _from_archive(args: argparse.Namespace, archive: Archive) -> None:
         storage.check_name(args.name)
     except storage.StoreError as e:
         raise mar.MarError(f"{e}: the archive's modelName is not a store name; give --name") from None
+    _check_code_folders(args)
     if archive.handler_file is not None:
         _archive_handler(args, archive)
     elif args.archive_code is not None:
@@ -419,12 +426,23 @@ def _from_archive(args: argparse.Namespace, archive: Archive) -> None:
             raise mar.MarError(f"{archive.name}: the archive has no model file: give --architecture")
         if not args.trust_model_file:
             raise mar.refused_model_file(archive)
-        args.architecture = mar.trust_model_file(archive, args.code_path or [])
+        args.architecture = mar.trust_model_file(archive, args.code_path or [], copies)
     if args.labels is None and archive.labels is not None:
         args.labels = archive.labels
     if archive.handler_file is not None:  # last, as the model file is: copied once the rest is settled
-        args.handler = mar.extract_code(archive, args.archive_code, args.store)
+        args.handler = mar.extract_code(archive, args.archive_code, args.store, copies)
         args.code_path = [*(args.code_path or []), args.archive_code]
+
+
+def _check_code_folders(args: argparse.Namespace) -> None:
+    """Before anything is written: no ``--code-path`` folder that is the store or lies in a model folder of it (the
+    imported model's included), and no ``--archive-code`` folder in the store."""
+    from halfserve import mar, models
+
+    for folder in args.code_path or []:
+        models.check_code_folder(args.store, folder, "--code-path", args.name)
+    if args.archive_code is not None:
+        mar.check_archive_code(args.archive_code, args.store)
 
 
 def _archive_handler(args: argparse.Namespace, archive: Archive) -> None:

@@ -29,9 +29,12 @@ from __future__ import annotations
 import ast
 import hashlib
 import json
+import os
 import re
 import shutil
 import stat
+import sys
+import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -69,6 +72,82 @@ IMAGE = "image"
 
 class MarError(StoreError):
     """An archive refused, with why and what to do."""
+
+
+SHADOWED = frozenset({"ts", "halfserve", *sys.stdlib_module_names})
+"""Top-level names an archive's Python files may not take: on the import path before everything else, a ``ts``
+would shadow the compatibility package (and be taken for TorchServe's own, refusing every torchserve-style handler
+served from the folder), a ``halfserve`` the server, a standard library module the one the server imports."""
+
+
+class CodeCopies:
+    """The archive's code an import copies into the operator's folders (its model file, its handler and the modules
+    beside it): first into a hidden folder in each (:data:`STAGING`), which the import runs them from, then moved into
+    place once the import is accepted (:meth:`install`). :meth:`discard`, on a refusal or a failure, leaves each
+    folder as it was, and removes one the import created: a refused import copies nothing."""
+
+    STAGING = ".halfserve-import-"
+
+    def __init__(self) -> None:
+        self._staging: dict[Path, Path] = {}
+        """Each code folder (resolved) and its hidden staging folder."""
+        self._created: list[Path] = []
+        """The folders made for the copies, outermost first: removed again when empty."""
+        self._files: list[tuple[Path, Path]] = []
+        """Each copy: where it is staged, where it goes."""
+
+    @property
+    def folders(self) -> list[Path]:
+        """The staging folders, for the import path while the import builds the model and its handler."""
+        return list(self._staging.values())
+
+    def copy(self, source: Path, folder: Path, name: PurePosixPath) -> None:
+        """Stage ``source`` to be ``name`` under the code folder ``folder``."""
+        where = folder.resolve()
+        if where not in self._staging:
+            missing = [p for p in (where, *where.parents) if not p.exists()]
+            where.mkdir(parents=True, exist_ok=True)
+            self._created += reversed(missing)
+            self._staging[where] = Path(tempfile.mkdtemp(prefix=self.STAGING, dir=where))
+        staged = self._staging[where].joinpath(*name.parts)
+        staged.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(source, staged)
+        self._files.append((staged, where.joinpath(*name.parts)))
+
+    def install(self) -> None:
+        """Move the staged copies into place; a file of that name there already is kept (it was checked to be the
+        same when staged), and one that appeared since with other content is refused, not written over."""
+        for staged, target in self._files:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                with staged.open("rb") as src, target.open("xb") as dst:
+                    shutil.copyfileobj(src, dst)
+            except FileExistsError:
+                if target.read_bytes() != staged.read_bytes():
+                    raise MarError(f"{target} appeared during the import and differs from the archive's") from None
+        self._files.clear()
+
+    def discard(self) -> None:
+        """Remove the staging folders, and the folders made for the copies that hold nothing (after :meth:`install`,
+        they hold the copies). The modules imported from the staging folders are forgotten, and the folders taken off
+        the import path: a process that serves after importing (``cli.main`` called twice) imports them again from
+        where they were installed, and an instance process is handed their source from there."""
+        staged = list(self._staging.values())
+        for staging in staged:
+            shutil.rmtree(staging, ignore_errors=True)
+            if str(staging) in sys.path:
+                sys.path.remove(str(staging))
+        for name, module in list(sys.modules.items()):
+            file = getattr(module, "__file__", None)
+            if file is not None and any(Path(file).is_relative_to(s) for s in staged):
+                del sys.modules[name]
+        self._staging.clear()
+        for folder in reversed(self._created):
+            try:
+                os.rmdir(folder)
+            except OSError:  # not empty: the installed copies, or files of someone else's
+                continue
+        self._created.clear()
 
 
 @dataclass(frozen=True)
@@ -186,8 +265,14 @@ def read(path: Path, folder: Path) -> Archive:
                 f"{path}: handler {handler!r} is a function entry point, which runs the model itself; the server runs "
                 "the forward, so only a handler class (its preprocess and postprocess) is imported"
             )
-        handler_file = folder / PurePosixPath(handler if handler.endswith(".py") else handler + ".py").name
-        if not handler_file.is_file() or not handler_file.stem.isidentifier():
+        named = PurePosixPath(handler if handler.endswith(".py") else handler + ".py")
+        handler_file = folder / named.name
+        if not handler_file.is_file():
+            if len(named.parts) > 1 and not named.is_absolute() and ".." not in named.parts:
+                raise MarError(
+                    f"{path}: {MANIFEST} names handler {handler!r}: a handler file is found by its base name at the "
+                    f"archive's top level, where it holds no {named.name} (torch-model-archiver --handler puts it so)"
+                )
             raise MarError(f"{path}: {MANIFEST} names handler {handler!r}, neither a stock handler nor a file it holds")
     labels = folder / "index_to_name.json"
     name = str(model.get("modelName") or path.stem)
@@ -222,9 +307,10 @@ def module_class(model_file: Path) -> str:
     return found[0]
 
 
-def trust_model_file(archive: Archive, code_path: list[Path]) -> str:
-    """Copy the archive's model file into the operator's first ``--code-path`` folder and return its architecture
-    string; refuses where there is no such folder, or a different file of that name is there."""
+def trust_model_file(archive: Archive, code_path: list[Path], copies: CodeCopies) -> str:
+    """Copy the archive's model file into the operator's first ``--code-path`` folder (staged in ``copies``) and
+    return its architecture string; refuses where there is no such folder, or a different file of that name is
+    there."""
     assert archive.model_file is not None
     if not code_path:
         raise MarError(
@@ -237,8 +323,7 @@ def trust_model_file(archive: Archive, code_path: list[Path]) -> str:
     if target.exists() and target.read_bytes() != source:
         raise MarError(f"{target} exists and differs from the archive's {archive.model_file.name}; move it first")
     cls = module_class(archive.model_file)
-    code_path[0].mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(archive.model_file, target)
+    copies.copy(archive.model_file, code_path[0], PurePosixPath(target.name))
     return f"{module}:{cls}"
 
 
@@ -292,11 +377,44 @@ def code_files(archive: Archive) -> list[PurePosixPath]:
     return found
 
 
-def extract_code(archive: Archive, code_dir: Path, store: Path) -> str:
-    """Copy the archive's Python files into ``code_dir`` (the operator's ``--archive-code``) and return the handler's
-    ``module:Class``. Refused where ``code_dir`` lies in the store (the server never runs code from there), where a
-    file would land outside it, or where a different file of that name is there already; nothing is copied then."""
+def extract_code(archive: Archive, code_dir: Path, store: Path, copies: CodeCopies) -> str:
+    """Copy the archive's Python files into ``code_dir`` (the operator's ``--archive-code``; staged in ``copies``)
+    and return the handler's ``module:Class``. Refused where ``code_dir`` lies in the store (the server never runs
+    code from there), where a file would land outside it or in the store, where one would shadow a package
+    (:data:`SHADOWED`), or where a different file of that name is there already; nothing is copied then."""
     assert archive.handler_file is not None
+    check_archive_code(code_dir, store)
+    where = code_dir.resolve()
+    cls, _ = handler_class(archive.handler_file)
+    module = handler_module(archive.handler_file)
+    checked = []
+    for name in code_files(archive):
+        source = archive.folder.joinpath(*name.parts)
+        if source == archive.handler_file:
+            name = name.with_name(f"{module}.py")
+        top = name.parts[0] if len(name.parts) > 1 else name.stem
+        if top in SHADOWED:
+            what = {"ts": "the ts package halfserve runs TorchServe handlers with", "halfserve": "the server itself"}
+            raise MarError(
+                f"{archive.name}: the archive's {name} is a top-level module {top!r}, which would shadow "
+                f"{what.get(top, 'the standard library module')} on the import path; refused: rename it in the archive"
+            )
+        target = where.joinpath(*name.parts)
+        if not target.resolve().is_relative_to(where):
+            raise MarError(f"--archive-code {code_dir}: {name} would land outside it (a link there?); refused")
+        if target.resolve().is_relative_to(store.resolve()):  # DIR holding the store: the file would be the store's
+            raise MarError(f"--archive-code {code_dir}: the archive's {name} would land in the store {store}; refused")
+        if target.exists() and (not target.is_file() or target.read_bytes() != source.read_bytes()):
+            raise MarError(f"{target} exists and differs from the archive's {name}; move it first")
+        checked.append((source, target))
+    for source, target in checked:
+        copies.copy(source, where, PurePosixPath(target.relative_to(where).as_posix()))
+    return f"{module}:{cls}"
+
+
+def check_archive_code(code_dir: Path, store: Path) -> None:
+    """Refuse an ``--archive-code`` folder that lies in the store (the store itself included): what an archive ships
+    runs only from the operator's own folders, never the store's, which imports write."""
     where = code_dir.resolve()
     if where.is_relative_to(store.resolve()):
         raise MarError(
@@ -305,30 +423,19 @@ def extract_code(archive: Archive, code_dir: Path, store: Path) -> str:
         )
     if where.exists() and not where.is_dir():
         raise MarError(f"--archive-code {code_dir}: is a file, not a folder")
-    cls, _ = handler_class(archive.handler_file)
-    module = handler_module(archive.handler_file)
-    copies = []
-    for name in code_files(archive):
-        source = archive.folder.joinpath(*name.parts)
-        if source == archive.handler_file:
-            name = name.with_name(f"{module}.py")
-        target = where.joinpath(*name.parts)
-        if not target.resolve().is_relative_to(where):
-            raise MarError(f"--archive-code {code_dir}: {name} would land outside it (a link there?); refused")
-        if target.exists() and (not target.is_file() or target.read_bytes() != source.read_bytes()):
-            raise MarError(f"{target} exists and differs from the archive's {name}; move it first")
-        copies.append((source, target))
-    for source, target in copies:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(source, target)
-    return f"{module}:{cls}"
 
 
 def handler_module(handler_file: Path) -> str:
     """The module name a handler file is copied as: its stem and the first 8 hex digits of its SHA-256. A module name
     is one module per process, and archives' handler files are mostly ``handler.py``: two archives' different files
-    must not be one module, the second model silently running the first's code."""
-    return f"{handler_file.stem}_{hashlib.sha256(handler_file.read_bytes()).hexdigest()[:8]}"
+    must not be one module, the second model silently running the first's code. A stem that is no module name
+    (``my-handler``, ``1handler``, ``a.b``, which TorchServe loads by file) has its other characters as underscores and
+    a leading digit behind one (``my_handler_...``, ``_1handler_...``, ``a_b_...``): nothing imports a handler by its
+    name but the manifest, which names the copy."""
+    stem = re.sub(r"[^A-Za-z0-9_]", "_", handler_file.stem)
+    if stem[:1].isdigit():
+        stem = "_" + stem
+    return f"{stem}_{hashlib.sha256(handler_file.read_bytes()).hexdigest()[:8]}"
 
 
 def extra_files(archive: Archive) -> dict[str, Path]:

@@ -73,6 +73,17 @@ def model_folders(root: Path) -> list[str]:
     )
 
 
+def model_folder_holding(root: Path, path: Path, importing: str | None = None) -> Path | None:
+    """The model folder of the store ``root`` that ``path`` is or lies in (both resolved), or None: a folder of the
+    store's holding a manifest entry of any kind (as :func:`model_folders` counts one), or ``importing``'s, the model
+    an import is about to write."""
+    where, store = path.resolve(), root.resolve()
+    if where == store or not where.is_relative_to(store):
+        return None
+    top = store / where.relative_to(store).parts[0]
+    return top if top.name == importing or os.path.lexists(top / MANIFEST) else None
+
+
 def read_json(path: Path) -> Any:
     """The JSON value of a model folder's file ``path``, at most :data:`MAX_JSON_BYTES` long; a file that is too large,
     unreadable, not JSON or nested too deeply for the parser is a :class:`StoreError` naming it. Raises

@@ -140,3 +140,14 @@ async def test_a_base_handler_subclass_with_its_own_preprocess_answers_its_argma
         r = await client.put("/predictions/tinynet", content=jpeg)  # type: ignore[attr-defined]
         assert r.status_code == 200, r.text
         assert r.json() == {"class": LABELS[str(best)], "index": best}
+
+
+def test_a_handler_file_named_with_a_hyphen_is_imported(tmp_path: Path) -> None:
+    """``torch-model-archiver --handler argmax-1_handler.py``, which TorchServe imports by its file: the copy's module
+    name has an underscore for the hyphen."""
+    pytest.importorskip("model_archiver", reason="torch-model-archiver is in the test extra")
+    mar = archived(tmp_path / "argmax-1", ARGMAX_HANDLER)
+    code, store = imported(tmp_path, mar, "--input", "input:FP32:3x48x64")
+    module = f"argmax_1_handler_{hashlib.sha256(ARGMAX_HANDLER.encode()).hexdigest()[:8]}"
+    assert (code / f"{module}.py").read_text() == ARGMAX_HANDLER
+    assert json.loads((store / "tinynet" / "config.json").read_text())["handler"]["code"] == f"{module}:ArgmaxHandler"

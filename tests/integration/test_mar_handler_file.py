@@ -6,7 +6,9 @@ tests/e2e/test_mar_handler_file.py)."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import importlib
+import json
 import sys
 from pathlib import Path
 
@@ -99,6 +101,29 @@ def test_a_different_file_of_the_same_name_in_the_folder_is_kept_and_refused(
     assert "exists and differs from the archive's model.py" in capsys.readouterr().err
     assert (code / "model.py").read_text() == "# the operator's own\n"
     assert [p.name for p in code.iterdir()] == ["model.py"]  # nothing copied where one file is refused
+
+
+@pytest.mark.parametrize(
+    ("file", "stem"), [("my-handler.py", "my_handler"), ("1handler.py", "_1handler"), ("a.b.py", "a_b")]
+)
+def test_a_handler_file_named_as_no_module_is_copied_as_one(tmp_path: Path, file: str, stem: str) -> None:
+    """TorchServe imports such a file by its name; its copy gets a module name (the import builds the handler from
+    it, so it imports), made of the stem's letters, digits and underscores and the file's digest."""
+    mar = archive(tmp_path / "h.mar", tiny_net(), handler=file, **{file: STRICT.encode()})
+    assert imports(tmp_path, mar, tmp_path / "code") == 0
+    module = f"{stem}_{hashlib.sha256(STRICT.encode()).hexdigest()[:8]}"
+    manifest = json.loads((tmp_path / "store" / "tinynet" / "config.json").read_text())
+    assert manifest["handler"]["code"] == f"{module}:Strict"
+    assert (tmp_path / "code" / f"{module}.py").read_text() == STRICT
+
+
+async def test_a_handler_file_with_a_hyphen_serves(tmp_path: Path) -> None:
+    mar = archive(tmp_path / "h.mar", tiny_net(), handler="my-handler.py", **{"my-handler.py": STRICT.encode()})
+    assert imports(tmp_path, mar, tmp_path / "code") == 0
+    async with serving(Settings(store=tmp_path / "store", code_path=[tmp_path / "model_code", tmp_path / "code"])) as c:
+        r = await c.put("/predictions/tinynet", content=photo("JPEG"))  # type: ignore[attr-defined]
+        assert r.status_code == 200, r.text
+        assert len(r.json()) == 5  # ImageClassifier's top 5
 
 
 def which(letter: str) -> str:

@@ -152,6 +152,11 @@ def test_a_model_file_is_not_run_without_the_operator_s_word(
             id="custom",
         ),
         pytest.param({"handler": "gone.py"}, "neither a stock handler nor a file it holds", id="no-handler-file"),
+        pytest.param(
+            {"handler": "sub/h.py", "sub/h.py": b"class H:\n    pass\n"},
+            "a handler file is found by its base name at the archive's top level, where it holds no h.py",
+            id="handler-in-a-folder",
+        ),
         pytest.param({"handler": "my_handler:handle"}, "is a function entry point", id="function"),
         pytest.param({"../evil.py": b"x"}, "is not a plain relative path", id="dot-dot"),
         pytest.param({"/etc/evil": b"x"}, "is not a plain relative path", id="absolute"),

@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from halfserve import manifest as _manifest
+from halfserve import storage
 from halfserve.models.registry import _REGISTRY, ModelFactory, register
 
 _CODE_PATHS: list[Path] = []
@@ -95,10 +96,31 @@ _STORES: list[Path] = []
 def forbid_store(store: Path) -> None:
     """Refuse every module whose file lies in ``store`` (outside a ``--code-path`` folder named inside it): a model
     folder runs no code, even where the store lies inside a ``--code-path`` folder. Process-wide: called at start-up
-    beside :func:`add_code_path`."""
+    after :func:`add_code_path`, whose folders are held to :func:`check_code_folder` here (a
+    :class:`~halfserve.storage.StoreError` names the first refused)."""
     folder = Path(store).resolve()
     if folder not in _STORES:
         _STORES.append(folder)
+    for code in _CODE_PATHS:
+        check_code_folder(folder, code)
+
+
+def check_code_folder(store: Path, folder: Path, flag: str = "--code-path", importing: str | None = None) -> None:
+    """Refuse a code folder (``flag``'s) that is the model store itself or lies in one of its model folders
+    (``importing``'s, the model an import is about to write, included), naming the flag, the folder and why: an import
+    writes a model's folder from an archive (its extra files, in the version's folder), so a code folder there would
+    make the store's files code. A folder of the store's that is no model's (``<store>/code``) stays the operator's."""
+    root, where = Path(store).resolve(), Path(folder).resolve()
+    if where == root:
+        reason = "is the model store itself"
+    elif (model := storage.model_folder_holding(root, where, importing)) is not None:
+        reason = f"lies in the model folder {model} of the store {root}"
+    else:
+        return
+    raise storage.StoreError(
+        f"{flag} {folder}: {reason}; imports write the store's model folders, and code runs only from the operator's "
+        "own folders: name a folder outside the store"
+    )
 
 
 def _in_store(location: str, rest: Sequence[str]) -> Path | None:
@@ -111,8 +133,13 @@ def _in_store(location: str, rest: Sequence[str]) -> Path | None:
     for store in _STORES:
         if not (where.is_relative_to(store) or candidate.is_relative_to(store)):
             continue
-        # A --code-path folder the operator named inside the store (not the store itself) is theirs; the rest is not.
-        named = [c for c in _CODE_PATHS if c.is_relative_to(store) and c != store]
+        # A --code-path folder the operator named inside the store (not the store itself) is theirs while it lies in
+        # no model folder (an import may have made it one since start-up); the rest is not.
+        named = [
+            c
+            for c in _CODE_PATHS
+            if c.is_relative_to(store) and c != store and storage.model_folder_holding(store, c) is None
+        ]
         if not any(where.is_relative_to(c) and candidate.is_relative_to(c) for c in named):
             return store
     return None
@@ -382,6 +409,7 @@ __all__ = [
     "UnknownArchitectureError",
     "add_code_path",
     "build",
+    "check_code_folder",
     "check_source",
     "check_module",
     "check_name",
