@@ -19,10 +19,12 @@ from halfserve.loadtest.config import LoadtestConfig, default_precisions
 from halfserve.loadtest.payload import (
     HEADER_LENGTH,
     MAX_BODIES,
+    MAX_REQUEST_ELEMENTS,
     Protocol,
     RequestTemplate,
     Signature,
     build_template,
+    check_signature,
     encode_body,
     load_samples,
     random_sample_count,
@@ -262,6 +264,34 @@ def test_random_sample_count_is_bounded() -> None:
     big = Signature("image", "FP32", (3, 224, 224))
     assert random_sample_count(big, 1) == (1 << 20) // (3 * 224 * 224)
     assert random_sample_count(big, 64) == 64  # never less than one request
+
+
+def test_a_signature_past_the_bound_is_refused_before_allocating() -> None:
+    check_signature("m", Signature("image", "FP32", (3, 224, 224)), 64)
+    with pytest.raises(LoadtestError, match=r"model 'm': input 'x' declares shape \[40000, 40000\]"):
+        check_signature("m", Signature("x", "FP32", (40000, 40000)), 1)
+    # The bound is on a request: rows times a sample's values.
+    side = int(MAX_REQUEST_ELEMENTS**0.5)
+    check_signature("m", Signature("x", "FP32", (side, side)), 1)
+    with pytest.raises(LoadtestError, match="2 row"):
+        check_signature("m", Signature("x", "FP32", (side, side)), 2)
+    with pytest.raises(LoadtestError, match="every dimension fixed and at least 1"):
+        check_signature("m", Signature("x", "FP32", (-1, 3)), 1)
+
+
+@pytest.mark.parametrize(
+    "inputs",
+    [
+        [],
+        [{"name": "x"}],
+        [{"name": "x", "datatype": "FP32", "shape": "big"}],
+        [{"name": "x", "datatype": "FP32", "shape": [1.5]}],
+        [{"name": "x", "datatype": "FP32", "shape": [1] * 17}],
+    ],
+)
+def test_a_malformed_listing_is_a_clear_error(inputs: list[dict[str, object]]) -> None:
+    with pytest.raises(LoadtestError, match="model 'm': GET /models lists no usable input"):
+        Signature.from_listing({"name": "m", "inputs": inputs})
 
 
 @pytest.mark.parametrize("protocol", [p for p in Protocol if p is not Protocol.GRPC])

@@ -93,3 +93,47 @@ def test_errors_are_listed_by_kind(tmp_path: Path) -> None:
         )
     )
     assert "| 5 (503: 4, ReadTimeout: 1) |" in report.markdown(sweep)
+
+
+def test_a_level_without_a_success_is_written_not_a_crash(tmp_path: Path) -> None:
+    cfg = LoadtestConfig(model="m", url="http://127.0.0.1:1", concurrency=(1, 4), duration=1.0, out=tmp_path)
+    sweep = Sweep(cfg, model="m", signature=Signature("x", "FP32", (3,)), input_description="random")
+    for c, latencies in ((1, np.full(5, 0.002)), (4, np.empty(0))):
+        sample = LevelSample(latencies, errors_by_status={"503": 7}, elapsed_s=1.0, client_cpu_s=0.1)
+        sweep.results.append(
+            summarize(
+                sample,
+                precision="fp32",
+                served_precision="fp32",
+                protocol="predict",
+                concurrency=c,
+                rows_per_request=1,
+                server=ServerDelta(rows=5, batches=5),
+            )
+        )
+    sweep.finish()
+    paths = report.write(sweep, tmp_path / "out")
+    assert paths["plot"].read_bytes().startswith(PNG_MAGIC)
+    table = paths["table"].read_text()
+    assert "| fp32 | 4 | 7 | 0 | - | - | - | - |" in table
+    assert "! no successful request (no latency, see errors): fp32 c=4" in table
+    assert json.loads(paths["json"].read_text())["results"][1]["p99_ms"] is None
+
+
+def test_a_sweep_where_nothing_succeeded_still_plots(tmp_path: Path) -> None:
+    cfg = LoadtestConfig(model="m", url="http://127.0.0.1:1", concurrency=(1,), duration=1.0, out=tmp_path)
+    sweep = Sweep(cfg, model="m", signature=Signature("x", "FP32", (3,)), input_description="random")
+    sample = LevelSample(np.empty(0), errors_by_exception={"RequestTimeout": 1}, elapsed_s=3.0, client_cpu_s=0.1)
+    sweep.results.append(
+        summarize(
+            sample,
+            precision="fp32",
+            served_precision="fp32",
+            protocol="predict",
+            concurrency=1,
+            rows_per_request=1,
+            server=ServerDelta(rows=0, batches=0),
+        )
+    )
+    sweep.finish()
+    assert report.write(sweep, tmp_path / "out")["plot"].read_bytes().startswith(PNG_MAGIC)

@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from halfserve.loadtest.payload import Protocol, RequestTemplate, Signature, build_template, random_samples
-from halfserve.loadtest.worker import Users
+from halfserve.loadtest.worker import MAX_ANSWER_BYTES, Users
 
 SIG = Signature("features", "FP32", (3,))
 
@@ -80,3 +80,30 @@ async def test_exactly_one_stopping_rule() -> None:
             await users.run("infer", 1, duration=1.0, requests=5)
     finally:
         await users.close()
+
+
+async def test_an_answer_declared_past_the_cap_is_an_error_unread() -> None:
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, headers={"content-length": str(MAX_ANSWER_BYTES + 1)}, content=b"")
+
+    users = users_with(httpx.MockTransport(handler))
+    try:
+        sample = await users.run("infer", concurrency=1, duration=None, requests=3)
+    finally:
+        await users.close()
+    assert sample.successes == 0
+    assert sample.errors_by_exception == {"AnswerTooLarge": 3}
+
+
+async def test_a_request_is_bounded_as_a_whole() -> None:
+    async def handler(request: httpx.Request) -> httpx.Response:
+        await asyncio.sleep(3600)
+        return httpx.Response(200)
+
+    users = Users("http://127.0.0.1:1", timeout=0.05, transport=lambda: httpx.MockTransport(handler))
+    users.add_template("infer", template())
+    try:
+        sample = await users.run("infer", concurrency=2, duration=None, requests=2)
+    finally:
+        await users.close()
+    assert sample.errors_by_exception == {"RequestTimeout": 2}

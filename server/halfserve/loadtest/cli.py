@@ -128,7 +128,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     load.add_argument("--input", type=Path, metavar="FILE", help="JSON list of samples (default: random data)")
     load.add_argument("--rows-per-request", type=int, default=1, metavar="N", help="samples per request (default: 1)")
     load.add_argument("--seed", type=int, default=0, help="seed of the random samples (default: 0)")
-    load.add_argument("--timeout", type=float, default=30.0, metavar="S", help="per request (default: 30)")
+    load.add_argument("--timeout", type=float, default=30.0, metavar="S", help="per request as a whole (default: 30)")
 
     client = parser.add_argument_group("the client")
     client.add_argument(

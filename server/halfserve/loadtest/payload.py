@@ -27,6 +27,12 @@ MAX_BODIES = 64
 MAX_RANDOM_ELEMENTS = 1 << 20
 """Cap on random values generated (about 8 MB of JSON), which bounds the bodies of big inputs and big requests."""
 
+MAX_REQUEST_ELEMENTS = 1 << 24
+"""Most values one request may carry (16.8 M: 128 MiB as float64 samples, more as JSON): a signature past it is
+refused before anything is generated, so a server's listing cannot make the client allocate without bound."""
+MAX_DIMS = 16
+"""Most dimensions a listed input may have."""
+
 _FLOAT_TYPES = frozenset(t.value for t in SERVED_TYPES if t.is_float)
 _INT_TYPES = frozenset(t.value for t in SERVED_TYPES if t.is_integer)
 """The datatypes a model may declare, by kind: what an input's listed datatype is read as."""
@@ -60,8 +66,16 @@ class Signature:
     @classmethod
     def from_listing(cls, entry: dict[str, Any]) -> Signature:
         """The first input of one model's ``GET /models`` entry."""
-        spec = entry["inputs"][0]
-        return cls(name=str(spec["name"]), datatype=str(spec["datatype"]), shape=tuple(int(d) for d in spec["shape"]))
+        try:
+            spec = entry["inputs"][0]
+            shape = spec["shape"]
+            if not isinstance(shape, list) or len(shape) > MAX_DIMS or not all(type(d) is int for d in shape):
+                raise ValueError(f"shape {str(shape)[:100]}: expected a list of at most {MAX_DIMS} integers")
+            return cls(name=str(spec["name"]), datatype=str(spec["datatype"]), shape=tuple(shape))
+        except (KeyError, IndexError, TypeError, ValueError) as e:
+            raise LoadtestError(
+                f"model {str(entry.get('name'))[:100]!r}: GET /models lists no usable input ({type(e).__name__}: {e})"
+            ) from None
 
     @property
     def is_integer(self) -> bool:
@@ -106,6 +120,22 @@ class RequestTemplate:
 
 HEALTH = RequestTemplate("GET", "/health", rows_per_request=0)
 """The server's cheapest answer: the client's own ceiling is measured against it."""
+
+
+def check_signature(model: str, sig: Signature, rows_per_request: int) -> None:
+    """Refuse a listed signature the load test cannot send: a dimension below 1, or requests of more than
+    :data:`MAX_REQUEST_ELEMENTS` values."""
+    if any(d < 1 for d in sig.shape):
+        raise LoadtestError(
+            f"model {model!r}: input {sig.name!r} declares shape {list(sig.shape)}; the load test needs every "
+            "dimension fixed and at least 1"
+        )
+    values = int(np.prod(sig.shape, dtype=object)) * rows_per_request
+    if values > MAX_REQUEST_ELEMENTS:
+        raise LoadtestError(
+            f"model {model!r}: input {sig.name!r} declares shape {list(sig.shape)}, {values:,} values per request "
+            f"({rows_per_request} row(s)); the load test sends at most {MAX_REQUEST_ELEMENTS:,}"
+        )
 
 
 def random_samples(sig: Signature, count: int, seed: int = 0) -> np.ndarray:

@@ -135,6 +135,9 @@ def headline(sweep: Sweep) -> list[str]:
             f"client ceiling: {c.req_per_s:,.0f} req/s on GET /health with {c.concurrency} users "
             f"({c.client_cpu_percent:.0f}% client CPU, {c.client_cpu_us_per_request or 0:.0f} us per request)"
         )
+    failed = [f"{r.precision} c={r.concurrency}" for r in sweep.results if r.requests > 0 and r.successes == 0]
+    if failed:
+        lines.append(f"! no successful request (no latency, see errors): {', '.join(failed)}")
     if any(r.client_bound for r in sweep.results):
         lines.append("! client-bound levels: the load generator, not the server, may set these numbers")
     for name, per_level in sweep.ratios.items():
@@ -187,7 +190,18 @@ def plot(sweep: Sweep, path: Path) -> None:
         xs = [r.concurrency for r in rs]
         axes[0].plot(xs, [r.rows_per_s for r in rs], marker="o", label=name)
         p99 = [(r.concurrency, r.p99_ms) for r in rs if r.p99_ms is not None]
-        axes[1].plot([x for x, _ in p99], [y for _, y in p99], marker="o", label=name)
+        (line,) = axes[1].plot([x for x, _ in p99], [y for _, y in p99], marker="o", label=name)
+        # A level without one successful request has no latency: marked on the axis, not left out unseen.
+        failed = [r.concurrency for r in rs if r.p99_ms is None]
+        if failed:
+            axes[1].plot(
+                failed,
+                [0.0] * len(failed),
+                marker="x",
+                linestyle="none",
+                color=line.get_color(),
+                label=f"{name}: no successful request",
+            )
     ceiling = sweep.client_ceiling
     top = max((r.rows_per_s for r in sweep.results), default=0.0)
     if ceiling is not None and sweep.config.rows_per_request == 1 and ceiling.req_per_s <= 2 * top:
@@ -221,8 +235,11 @@ def plot(sweep: Sweep, path: Path) -> None:
         ax.set_ylabel("ratio of rows/s")
         top = max((v for per_level in sweep.ratios.values() for v in per_level.values()), default=1.0)
         ax.set_ylim(0, max(1.25, top * 1.2))
+    levels = sweep.config.concurrency
     for ax in axes:
         ax.set_xscale("log", base=2)
+        # Fixed limits: an axis with nothing plotted (no level succeeded) has no data to take a log scale from.
+        ax.set_xlim(min(levels) / 1.5, max(levels) * 1.5)
         ax.set_xticks(list(sweep.config.concurrency), [str(c) for c in sweep.config.concurrency])
         ax.set_xlabel("concurrency (virtual users)")
         ax.grid(True, alpha=0.3)

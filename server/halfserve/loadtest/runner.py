@@ -26,6 +26,7 @@ from halfserve.loadtest.payload import (
     RequestTemplate,
     Signature,
     build_template,
+    check_signature,
     load_samples,
     random_sample_count,
     random_samples,
@@ -34,6 +35,7 @@ from halfserve.loadtest.payload import (
 from halfserve.loadtest.process import ManagedServer, process_cpu_seconds
 from halfserve.loadtest.stats import LevelResult, ServerDelta, summarize, throughput_ratios
 from halfserve.loadtest.target import check_url, grpc_target
+from halfserve.loadtest.worker import MAX_ANSWER_BYTES
 from halfserve.storage import MANIFEST
 from halfserve.version import __version__
 
@@ -98,7 +100,10 @@ def _listing(http: httpx.Client, wanted: str | None) -> dict[str, Any]:
     response = _get(http, "/models")
     if response.status_code != 200:
         raise LoadtestError(f"GET {http.base_url}/models answered {response.status_code}: {response.text[:300]}")
-    models = {m["name"]: m for m in response.json()["models"]}
+    try:
+        models = {str(m["name"]): m for m in response.json()["models"]}
+    except (ValueError, KeyError, TypeError) as e:
+        raise LoadtestError(f"GET {http.base_url}/models: not a model listing ({type(e).__name__}: {e})") from None
     if wanted is None:
         if len(models) != 1:
             raise LoadtestError(f"the server serves {len(models)} models ({', '.join(models)}); name one with --model")
@@ -113,25 +118,49 @@ def _listing(http: httpx.Client, wanted: str | None) -> dict[str, Any]:
 
 def _get(http: httpx.Client, path: str) -> httpx.Response:
     try:
-        return http.get(path)
+        return _bounded(http, "GET", path)
     except httpx.TransportError as e:
         raise LoadtestError(f"GET {http.base_url}{path}: lost the server ({type(e).__name__}: {e})") from None
+
+
+_BODY_HEADERS = frozenset({"content-encoding", "content-length", "transfer-encoding"})
+"""Headers about the answer's body as it travelled, not as it was read: dropped from the bounded copy."""
+
+
+def _bounded(http: httpx.Client, method: str, path: str, **kwargs: Any) -> httpx.Response:
+    """The answer, read within ``http``'s read timeout as a whole (not only between bytes, as httpx bounds it) and to
+    at most :data:`MAX_ANSWER_BYTES`: a slow or hostile server fails the run instead of holding it."""
+    seconds = http.timeout.read or 30.0
+    end = time.monotonic() + seconds
+    body = bytearray()
+    with http.stream(method, path, **kwargs) as response:
+        for chunk in response.iter_bytes():
+            body += chunk
+            if len(body) > MAX_ANSWER_BYTES:
+                raise LoadtestError(f"{method} {http.base_url}{path}: answer over {MAX_ANSWER_BYTES} bytes")
+            if time.monotonic() > end:
+                raise LoadtestError(f"{method} {http.base_url}{path}: no whole answer within {seconds:g} s")
+    headers = [(k, v) for k, v in response.headers.items() if k.lower() not in _BODY_HEADERS]
+    return httpx.Response(response.status_code, headers=headers, content=bytes(body), request=response.request)
 
 
 def _stats(http: httpx.Client, model: str) -> tuple[int, int]:
     response = _get(http, f"/models/{model}/stats")
     if response.status_code != 200:
         raise LoadtestError(f"GET /models/{model}/stats answered {response.status_code}: {response.text[:300]}")
-    stats = response.json()
-    return int(stats["rows"]), int(stats["batches"])
+    try:
+        stats = response.json()
+        return int(stats["rows"]), int(stats["batches"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise LoadtestError(f"GET /models/{model}/stats: not the model's counts ({type(e).__name__}: {e})") from None
 
 
 def _probe(http: httpx.Client, template: RequestTemplate, protocol: Protocol) -> str | None:
     """Send one request before the load: a wrong input or a missing route fails here, with the server's answer."""
     if template.grpc_target is not None:
-        return _probe_grpc(template)
+        return _probe_grpc(template, http.timeout.read or 30.0)
     try:
-        response = http.request(template.method, template.path, content=template.bodies[0], headers=template.headers)
+        response = _bounded(http, template.method, template.path, content=template.bodies[0], headers=template.headers)
     except httpx.TransportError as e:
         raise LoadtestError(f"{template.method} {http.base_url}{template.path}: {type(e).__name__}: {e}") from None
     if response.status_code == 404 and protocol is not Protocol.PREDICT and "/v2/" in template.path:
@@ -146,11 +175,12 @@ def _probe(http: httpx.Client, template: RequestTemplate, protocol: Protocol) ->
     return served_precision(protocol, response.content, dict(response.headers))
 
 
-def _probe_grpc(template: RequestTemplate) -> str | None:
+def _probe_grpc(template: RequestTemplate, timeout: float) -> str | None:
     assert template.grpc_target is not None
-    with grpc.insecure_channel(template.grpc_target) as channel:
+    options = [("grpc.max_receive_message_length", MAX_ANSWER_BYTES)]
+    with grpc.insecure_channel(template.grpc_target, options=options) as channel:
         try:
-            answer = channel.unary_unary(template.path)(template.bodies[0], timeout=30)
+            answer = channel.unary_unary(template.path)(template.bodies[0], timeout=timeout)
         except grpc.RpcError as e:
             code, details = e.code(), e.details()
             raise LoadtestError(
@@ -227,10 +257,11 @@ class Runner:
 
     def _sweep_server(self, run: ServerRun, pid: int | None = None) -> None:
         cfg = self.config
-        with httpx.Client(base_url=run.url, timeout=30.0) as http:
+        with httpx.Client(base_url=run.url, timeout=cfg.timeout) as http:
             entry = _listing(http, cfg.model)
             model = str(entry["name"])
             sig = Signature.from_listing(entry)
+            check_signature(model, sig, cfg.rows_per_request)
             if self.sweep.signature is not None and sig != self.sweep.signature:
                 raise LoadtestError(f"model {model!r} changed its input signature between servers")
             self.sweep.model, self.sweep.signature = model, sig

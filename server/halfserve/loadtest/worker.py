@@ -16,6 +16,9 @@ Why it looks like this:
   no JSON is encoded and no headers are merged per request.
 * uvloop runs the event loop when it is installed (``--loop asyncio`` to compare).
 * Only the counters, the latencies and the CPU time go back to the parent, once per level.
+* Each request is bounded as a whole, not only between bytes: ``--timeout`` seconds from sending to the answer's last
+  byte (a server trickling one byte at a time would otherwise hold a user, and the level, for as long as it likes),
+  and an answer is read to at most :data:`MAX_ANSWER_BYTES`. So a level ends by its duration plus one timeout.
 """
 
 from __future__ import annotations
@@ -39,6 +42,18 @@ from halfserve.loadtest.payload import RequestTemplate
 from halfserve.loadtest.stats import LevelSample
 
 PROGRESS_INTERVAL_S = 0.25
+MAX_ANSWER_BYTES = 64 << 20
+"""The most of one answer a user reads (decoded): far above any inference answer the load test sends for, far
+below what would exhaust the client's memory; a longer answer is an error."""
+
+
+class AnswerTooLarge(Exception):
+    """The server's answer ran past :data:`MAX_ANSWER_BYTES`."""
+
+
+class RequestTimeout(Exception):
+    """The whole request, sending to the answer's last byte, took longer than ``--timeout``."""
+
 
 Sender = Callable[[int], Awaitable[str | None]]
 """One virtual user's way to send its ``k``-th request: None when answered, else what failed it (a status)."""
@@ -60,6 +75,7 @@ class Users:
     ) -> None:
         self.base_url = base_url
         self.timeout = httpx.Timeout(timeout)
+        self.total_timeout = timeout
         self._transport = transport
         self.clients: list[httpx.AsyncClient] = []
         self.templates: dict[str, list[httpx.Request]] = {}
@@ -112,8 +128,8 @@ class Users:
                 issued += 1
                 t0 = clock()
                 try:
-                    failure = await send(k)
-                except httpx.HTTPError as e:
+                    failure = await _within(send(k), self.total_timeout)
+                except (httpx.HTTPError, AnswerTooLarge, RequestTimeout) as e:
                     exceptions[type(e).__name__] += 1
                 else:
                     if failure is None:
@@ -139,7 +155,11 @@ class Users:
 
         def sender(client: httpx.AsyncClient) -> Sender:
             async def send(k: int) -> str | None:
-                response = await client.send(reqs[k % len(reqs)])
+                response = await client.send(reqs[k % len(reqs)], stream=True)
+                try:
+                    await _read_bounded(response)
+                finally:
+                    await response.aclose()
                 return None if response.status_code == 200 else str(response.status_code)
 
             return send
@@ -153,7 +173,7 @@ class Users:
         channels = self.channels.setdefault(template.grpc_target, [])
         while len(channels) < concurrency:
             # A subchannel pool of its own per channel, or channels to one target share one connection.
-            options = [("grpc.use_local_subchannel_pool", 1), ("grpc.max_receive_message_length", -1)]
+            options = [("grpc.use_local_subchannel_pool", 1), ("grpc.max_receive_message_length", MAX_ANSWER_BYTES)]
             channels.append(grpc.aio.insecure_channel(template.grpc_target, options=options))
         bodies, timeout = template.bodies, self.timeout.read
 
@@ -177,6 +197,27 @@ class Users:
         for channels in self.channels.values():
             for channel in channels:
                 await channel.close()
+
+
+async def _within(request: Awaitable[str | None], seconds: float) -> str | None:
+    """``request``'s outcome, or :class:`RequestTimeout` once it has run ``seconds`` (cancelled, its connection
+    closed)."""
+    try:
+        return await asyncio.wait_for(request, seconds)
+    except asyncio.TimeoutError:
+        raise RequestTimeout(f"no whole answer within {seconds:g} s") from None
+
+
+async def _read_bounded(response: httpx.Response) -> None:
+    """Read the answer, refusing one longer than :data:`MAX_ANSWER_BYTES` before more of it is read."""
+    declared = response.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_ANSWER_BYTES:
+        raise AnswerTooLarge(f"Content-Length {declared} is over {MAX_ANSWER_BYTES} bytes")
+    read = 0
+    async for chunk in response.aiter_bytes():
+        read += len(chunk)
+        if read > MAX_ANSWER_BYTES:
+            raise AnswerTooLarge(f"answer over {MAX_ANSWER_BYTES} bytes")
 
 
 def _to_numpy(values: array[float]) -> np.ndarray:
