@@ -16,8 +16,6 @@ from tests.conftest import ROOT, SHIPPED_STORE, ServerProcess, free_port
 
 MODEL = "tabular"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-HAS_V2 = (ROOT / "server" / "halfserve" / "api" / "v2.py").is_file()
-
 pytestmark = pytest.mark.slow
 
 StartServer = Callable[..., ServerProcess]
@@ -90,21 +88,7 @@ def running_server(server_factory: StartServer) -> ServerProcess:
     return server_factory(SHIPPED_STORE, "--models", MODEL, "--precision", "fp32", *grpc)
 
 
-@pytest.mark.parametrize(
-    "protocol",
-    [
-        "predict",
-        pytest.param(
-            "v2-json",
-            marks=pytest.mark.skipif(not HAS_V2, reason="no POST /v2/models/{m}/infer (api/http/v2.py)"),
-        ),
-        pytest.param(
-            "v2-binary",
-            marks=pytest.mark.skipif(not HAS_V2, reason="no POST /v2/models/{m}/infer (api/http/v2.py)"),
-        ),
-        "grpc",
-    ],
-)
+@pytest.mark.parametrize("protocol", ["predict", "v2-json", "v2-binary", "grpc"])
 def test_against_a_running_server(running_server: ServerProcess, tmp_path: Path, protocol: str) -> None:
     url = running_server.url.replace("127.0.0.1", "localhost")
     argv = ["--url", url, "--concurrency", "2,8", "--requests", "40", "--rows-per-request", "3"]
