@@ -44,6 +44,8 @@ PUBLISH_WAIT_S = 10.0
 itself gives up after :data:`~halfserve.multiproc.engine_side.PUBLISH_TIMEOUT_S`)."""
 HOP_BY_HOP = {b"connection", b"keep-alive", b"transfer-encoding", b"content-length", b"upgrade", b"te", b"trailer"}
 """Headers that describe one connection, not the message: the relay sets its own."""
+FRONTEND_SETS = {b"date", b"server"}
+"""Headers the front-end's own HTTP server adds to every answer: the engine process's copies would repeat them."""
 
 
 class FrontendApp:
@@ -177,13 +179,37 @@ class FrontendApp:
                 # client's next request may reach any of them.
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(self.client.publish(), PUBLISH_WAIT_S)
-            out_headers = [(k, v) for k, v in response.headers.raw if k.lower() not in HOP_BY_HOP]
+            out_headers = _answer_headers(response.headers.raw)
+            if "content-length" not in response.headers and _has_body(scope["method"], response.status_code):
+                # An answer the engine process streamed: gathered (as sent: still compressed, if it is), so it too
+                # goes out with a length.
+                body = b"".join([chunk async for chunk in response.aiter_raw()])
+                out_headers.append((b"content-length", str(len(body)).encode()))
+                await send({"type": "http.response.start", "status": response.status_code, "headers": out_headers})
+                await send({"type": "http.response.body", "body": body})
+                return
             await send({"type": "http.response.start", "status": response.status_code, "headers": out_headers})
             async for chunk in response.aiter_raw():
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             await send({"type": "http.response.body", "body": b""})
         finally:
             await response.aclose()
+
+
+def _answer_headers(raw: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    """The engine process's answer headers as the client gets them. Its ``content-length`` is kept (the body is
+    relayed as its raw bytes, so the length holds): without one the front-end would send the answer chunked, which an
+    HTTP/1.0 client cannot read (RFC 9112 section 6.1), where a single-process server sends a length."""
+    out: list[tuple[bytes, bytes]] = []
+    for key, value in raw:
+        name = key.lower()
+        if name == b"content-length" or (name not in HOP_BY_HOP and name not in FRONTEND_SETS):
+            out.append((name, value))
+    return out
+
+
+def _has_body(method: str, status: int) -> bool:
+    return method != "HEAD" and status >= 200 and status not in (204, 304)
 
 
 RELAY_BODY_BYTES = MANAGEMENT_BODY_BYTES

@@ -14,7 +14,10 @@ that comes to point at 127.0.0.1) read its listings and metrics. Three checks cl
   none.
 * **``Host``**: a name that is not an IP address, ``localhost`` (or a ``.localhost`` name), the name the server binds
   to or one of ``allowed_hosts`` is a 400, so a rebound name reads nothing: the browser sends the attacker's name, and
-  an address cannot be rebound. ``allowed_hosts = *`` answers any. Health and readiness probes are exempt.
+  an address cannot be rebound. ``allowed_hosts = *`` answers any. Health and readiness probes are exempt. A request
+  with more than one ``Host`` is a 400 everywhere (RFC 9112 section 3.2).
+
+With ``--http-workers`` these checks run once, in the front-end that took the request, on what the client sent.
 """
 
 from __future__ import annotations
@@ -44,6 +47,14 @@ JSON_OR_BINARY = ("application/json", "application/octet-stream")
 def check(scope: Scope, settings: Settings) -> None:
     """Fail with 400 for a Host this server does not answer to (:func:`host_allowed`), 403 for a browser's
     cross-origin request that could change or run something."""
+    if sum(1 for key, _ in scope["headers"] if key == b"host") > 1:
+        # RFC 9112 section 3.2: which one a proxy in front acted on is unknown, so neither is trusted.
+        raise APIError(400, "Host: more than one Host header; send one")
+    if scope.get("client") is None:
+        # Relayed by an --http-workers front-end over the engine process's Unix socket (the only way in without a
+        # client address): the front-end ran this check on what the client sent, Host or none; the Host here is
+        # the relay's own.
+        return
     # The probes are answered whatever the Host: a Kubernetes probe addresses the pod by its IP, and they disclose
     # nothing.
     if scope["path"] not in PROBE_PATHS:
