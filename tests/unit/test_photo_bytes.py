@@ -163,3 +163,44 @@ async def test_a_full_decoding_queue_is_a_503(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setattr(text, "TOKENIZER_QUEUE", -text.TOKENIZER_THREADS)
     with pytest.raises(QueueFullError, match=r"inputs\[0\]\[0\]: the server is decoding"):
         await via_grpc(PHOTOS[:1])
+
+
+async def binary_body(body: bytes, shape: list[int]) -> np.ndarray:
+    entry = {"name": "photo", "datatype": "BYTES", "shape": shape, "parameters": {"binary_data_size": len(body)}}
+    req = decode(read_request({"inputs": [entry]}, memoryview(body), SERVED), SERVED, SETTINGS)
+    return (await tokenize(req, SERVED, SETTINGS)).x
+
+
+async def raw_contents(body: bytes, shape: list[int]) -> np.ndarray:
+    message = pb.ModelInferRequest(model_name="m")
+    message.inputs.add(name="photo", datatype="BYTES", shape=shape)
+    message.raw_input_contents.append(body)
+    typed = await infer_request(message, SERVED, SETTINGS)
+    return (await tokenize(decode(typed, SERVED, SETTINGS), SERVED, SETTINGS)).x
+
+
+async def test_bytes_elements_past_the_shapes_count_are_named_by_the_element_where_they_part() -> None:
+    """A first element's length too short leaves the photo's bytes after it: refused as bytes past the shape's one
+    element, not as a second element whose length is four bytes of the PNG (issue 4); gRPC names its own field."""
+    body = struct.pack("<I", 10) + PHOTOS[0]
+    extra = len(body) - 14
+    for send, field in (
+        (binary_body, r"inputs\[0\]\.parameters\.binary_data_size"),
+        (raw_contents, r"raw_input_contents\[0\]"),
+    ):
+        with pytest.raises(
+            InvalidInputError,
+            match=rf"^{field}: {extra} bytes follow BYTES element 0, the last of the 1 elements of shape \[1\]",
+        ):
+            await send(body, [1])
+        short = elements(PHOTOS[:2])[:-4]
+        with pytest.raises(
+            InvalidInputError,
+            match=rf"^{field}: BYTES element 1 of shape \[2\] declares {len(PHOTOS[1])} bytes, but "
+            rf"{len(PHOTOS[1]) - 4} bytes follow its length",
+        ):
+            await send(short, [2])
+        with pytest.raises(InvalidInputError, match=rf"^{field}: BYTES element 1 of shape \[2\] ends inside its"):
+            await send(elements(PHOTOS[:1]) + b"\0\0", [2])
+        with pytest.raises(InvalidInputError, match=rf"^{field}: 1 BYTES elements, but shape \[2\] holds 2"):
+            await send(elements(PHOTOS[:1]), [2])

@@ -137,7 +137,7 @@ def _decode_input(
     shape = _input_shape(item.shape, spec, f"{field}.shape", served, settings)
     data = item.data
     if type(data) is BinaryData:
-        arr = decode_binary(data.view, wire, shape, f"{field}.parameters.binary_data_size")
+        arr = decode_binary(data.view, wire, shape, data.source or f"{field}.parameters.binary_data_size")
     elif type(data) is SharedMemory:
         where = f"{field}.parameters"
         # A copy of the client's bytes, so the batcher's array stays as it was read whatever the client does next.
@@ -311,7 +311,7 @@ def _bytes_elements(
         (image_count if photos else check_size)(settings, served, rows, f"{field}.shape")
     data = item.data
     if type(data) is BinaryData:
-        return _binary_texts(data.view, rows, shape, field)
+        return _binary_texts(data.view, rows, shape, data.source or f"{field}.parameters.binary_data_size")
     if type(data) is Texts:
         if len(data.items) != rows:
             raise InvalidInputError(f"{field}: {len(data.items)} BYTES elements, but shape {shape} holds {rows}")
@@ -332,21 +332,33 @@ def from_base64(value: str, field: str) -> bytes:
 
 
 def _binary_texts(view: memoryview, rows: int, shape: list[int], field: str) -> list[bytes]:
-    """BYTES binary data (each element's 4-byte little-endian length, then the element) as ``rows`` elements."""
-    texts, at, raw = [], 0, bytes(view)
+    """BYTES binary data (each element's 4-byte little-endian length, then the element) as ``rows`` elements, the
+    count ``shape`` gives; ``field`` holds the data. A refusal names the element where the data and the shape part:
+    reading past the shape's elements would take the bytes of one element as the next one's length."""
+    texts: list[bytes] = []
+    at, raw = 0, bytes(view)
     size = len(raw)
-    while at < size:
+    while at < size and len(texts) < rows:
+        j = len(texts)
         if at + 4 > size:
-            raise InvalidInputError(f"{field}: binary BYTES data ends inside an element's 4-byte length")
+            raise InvalidInputError(
+                f"{field}: BYTES element {j} of shape {shape} ends inside its 4-byte length ({size - at} bytes left)"
+            )
         n = int.from_bytes(raw[at : at + 4], "little")
         if at + 4 + n > size:
-            raise InvalidInputError(f"{field}: a BYTES element of {n} bytes runs past the input's binary_data_size")
+            raise InvalidInputError(
+                f"{field}: BYTES element {j} of shape {shape} declares {n} bytes, but {size - at - 4} bytes follow "
+                "its length",
+            )
         texts.append(raw[at + 4 : at + 4 + n])
         at += 4 + n
-        if len(texts) > rows:  # stop at once: a body of empty elements would otherwise be parsed to its end
-            break
-    if len(texts) != rows:
+    if len(texts) < rows:
         raise InvalidInputError(f"{field}: {len(texts)} BYTES elements, but shape {shape} holds {rows}")
+    if at < size:
+        raise InvalidInputError(
+            f"{field}: {size - at} bytes follow BYTES element {rows - 1}, the last of the {rows} elements of shape "
+            f"{shape} ({at} of the {size} bytes make them); check element {rows - 1}'s 4-byte length",
+        )
     return texts
 
 

@@ -125,7 +125,7 @@ def _request(request: Any) -> InferRequest:
                 )
             if taken >= len(raw):
                 raise InvalidInputError(f"raw_input_contents: {len(raw)} entries, but input {i} needs one too")
-            data = BinaryData(memoryview(raw[taken]))
+            data = BinaryData(memoryview(raw[taken]), f"raw_input_contents[{taken}]")
             taken += 1
         else:
             data = _typed_data(tensor, field)
