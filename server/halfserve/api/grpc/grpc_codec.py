@@ -162,6 +162,11 @@ def _typed_data(tensor: Any, field: str) -> InputData:
     values = getattr(contents, name)
     if len(values) != want:
         shape = list(tensor.shape)
+        given = [f.name for f, _ in contents.ListFields() if f.name != name]
+        if not values and given:  # values in another datatype's field: say which field this datatype reads
+            raise InvalidInputError(
+                f"{field}.contents: {', '.join(given)} given, but a {tensor.datatype} input reads {name}",
+            )
         raise InvalidInputError(f"{field}.contents.{name}: {len(values)} values, but shape {shape} holds {want}")
     arr = np.asarray(values, dtype=dtype)
     wire = DataType(tensor.datatype)
