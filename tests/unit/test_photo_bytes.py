@@ -131,8 +131,10 @@ async def test_a_broken_photo_is_a_400_naming_its_element() -> None:
         await via_grpc([PHOTOS[0][:40]])
     with pytest.raises(InvalidInputError, match=r"inputs\[0\]\.data\[1\]: not base64"):
         await via_json([b64(PHOTOS[0]), "not base64!"])
-    with pytest.raises(InvalidInputError, match=r"inputs\[0\]\.data: expected 1 base64 strings"):
+    with pytest.raises(InvalidInputError, match=r"inputs\[0\]\.data: nested lists that do not match shape \[1\]"):
         await via_json([[1, 2]])
+    with pytest.raises(InvalidInputError, match=r"inputs\[0\]\.data: expected 1 base64 strings"):
+        await via_json([1])
     with pytest.raises(InvalidInputError, match=r"inputs\[1\]\.b64: not base64"):
         await decode_inputs([{"b64": b64(PHOTOS[0])}, {"b64": "@@"}], SERVED, SETTINGS)
     with pytest.raises(InvalidInputError, match=r"inputs\[0\]\.b64: a GIF image"):
@@ -204,3 +206,16 @@ async def test_bytes_elements_past_the_shapes_count_are_named_by_the_element_whe
             await send(elements(PHOTOS[:1]) + b"\0\0", [2])
         with pytest.raises(InvalidInputError, match=rf"^{field}: 1 BYTES elements, but shape \[2\] holds 2"):
             await send(elements(PHOTOS[:1]), [2])
+
+
+async def test_json_data_nested_as_its_shape_is_read_as_flat_data() -> None:
+    """V2 allows data nested as the shape (row-major), as numbers are: ``[N, 1]`` as N lists of one (issue 2); a
+    nesting that is not the shape's is refused naming the field."""
+    strings = [b64(p) for p in PHOTOS[:2]]
+    nested = {"name": "photo", "datatype": "BYTES", "shape": [2, 1], "data": [[s] for s in strings]}
+    req = await tokenize(decode(read_request({"inputs": [nested]}, None, SERVED), SERVED, SETTINGS), SERVED, SETTINGS)
+    np.testing.assert_array_equal(req.x, EXPECTED[:2])
+    for shape, data in (([2], [[s] for s in strings]), ([2, 1], [strings]), ([2, 1], [[strings[0]], strings[1]])):
+        bad = {"name": "photo", "datatype": "BYTES", "shape": shape, "data": data}
+        with pytest.raises(InvalidInputError, match=rf"^inputs\[0\]\.data: nested lists that do not match shape"):
+            decode(read_request({"inputs": [bad]}, None, SERVED), SERVED, SETTINGS)

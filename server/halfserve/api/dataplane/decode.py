@@ -316,11 +316,24 @@ def _bytes_elements(
         if len(data.items) != rows:
             raise InvalidInputError(f"{field}: {len(data.items)} BYTES elements, but shape {shape} holds {rows}")
         return data.items
-    values = data.values if type(data) is JsonValues else None
+    strings = "base64 strings" if photos else "strings"
+    values = _unnested(data.values if type(data) is JsonValues else None, shape, f"{field}.data", strings)
     if not isinstance(values, list) or len(values) != rows or not all(isinstance(t, str) for t in values):
-        strings = "base64 strings" if photos else "strings"
         raise InvalidInputError(f"{field}.data: expected {rows} {strings}, {per_row}")
     return [from_base64(v, f"{field}.data[{j}]") for j, v in enumerate(values)] if photos else values
+
+
+def _unnested(values: object, shape: list[int], field: str, strings: str) -> object:
+    """BYTES JSON ``data`` nested as its shape ``[N, 1]`` (row-major, as numbers may be) made flat; flat data as it
+    is. Lists nested otherwise are refused naming how they are nested."""
+    if not (isinstance(values, list) and any(type(v) is list for v in values)):
+        return values
+    if len(shape) == 2 and len(values) == shape[0] and all(type(v) is list and len(v) == 1 for v in values):
+        return [v[0] for v in values]
+    raise InvalidInputError(
+        f"{field}: nested lists that do not match shape {shape}; send {shape[0]} {strings} flat, or for shape "
+        f"[{shape[0]}, 1] {shape[0]} lists of one each",
+    )
 
 
 def from_base64(value: str, field: str) -> bytes:
