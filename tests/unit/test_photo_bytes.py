@@ -217,5 +217,5 @@ async def test_json_data_nested_as_its_shape_is_read_as_flat_data() -> None:
     np.testing.assert_array_equal(req.x, EXPECTED[:2])
     for shape, data in (([2], [[s] for s in strings]), ([2, 1], [strings]), ([2, 1], [[strings[0]], strings[1]])):
         bad = {"name": "photo", "datatype": "BYTES", "shape": shape, "data": data}
-        with pytest.raises(InvalidInputError, match=rf"^inputs\[0\]\.data: nested lists that do not match shape"):
+        with pytest.raises(InvalidInputError, match=r"^inputs\[0\]\.data: nested lists that do not match shape"):
             decode(read_request({"inputs": [bad]}, None, SERVED), SERVED, SETTINGS)
