@@ -20,6 +20,7 @@ from halfserve import images, text
 from halfserve.api.dataplane.decode import decode, tokenize
 from halfserve.api.dataplane.json_request import read_request
 from halfserve.api.grpc.grpc_codec import infer_request
+from halfserve.api.grpc.grpc_limits import check_infer_request
 from halfserve.api.http.predict import decode_inputs
 from halfserve.execution import Batching
 from halfserve.imageinput import ImageInput
@@ -219,3 +220,21 @@ async def test_json_data_nested_as_its_shape_is_read_as_flat_data() -> None:
         bad = {"name": "photo", "datatype": "BYTES", "shape": shape, "data": data}
         with pytest.raises(InvalidInputError, match=r"^inputs\[0\]\.data: nested lists that do not match shape"):
             decode(read_request({"inputs": [bad]}, None, SERVED), SERVED, SETTINGS)
+
+
+async def test_a_scalar_shape_is_refused_alike_on_every_path() -> None:
+    """Shape ``[]`` for one photo: the same 400 over HTTP as JSON and as binary data, and over gRPC as BYTES elements
+    (the message's prescan counting one value for it, as the shape holds) and as a raw entry (issue 1)."""
+    refusal = r"^inputs\[0\]\.shape: expected \[N\] or \[N, 1\] \(one encoded photo per row\), got \[\]$"
+    with pytest.raises(InvalidInputError, match=refusal):
+        await binary_body(elements(PHOTOS[:1]), [])
+    with pytest.raises(InvalidInputError, match=refusal):
+        await raw_contents(elements(PHOTOS[:1]), [])
+    payload = {"inputs": [{"name": "photo", "datatype": "BYTES", "shape": [], "data": [b64(PHOTOS[0])]}]}
+    with pytest.raises(InvalidInputError, match=refusal):
+        decode(read_request(payload, None, SERVED), SERVED, SETTINGS)
+    message = pb.ModelInferRequest(model_name="m")
+    message.inputs.add(name="photo", datatype="BYTES", shape=[]).contents.bytes_contents.append(PHOTOS[0])
+    check_infer_request(message.SerializeToString(), lambda _: (100, "max_request_rows"))
+    with pytest.raises(InvalidInputError, match=refusal):
+        decode(await infer_request(message, SERVED, SETTINGS), SERVED, SETTINGS)

@@ -141,8 +141,9 @@ def _request(request: Any) -> InferRequest:
 def _typed_data(tensor: Any, field: str) -> InputData:
     """An input's typed ``contents``: BYTES elements, or the binary data of its datatype."""
     contents = tensor.contents
-    # Python's integers, not numpy's: a shape of huge dimensions must not wrap around to a small count.
-    want = element_count(list(tensor.shape)) if len(tensor.shape) else 0
+    # Python's integers, not numpy's: a shape of huge dimensions must not wrap around to a small count. A shape of no
+    # dimensions holds one value, as over HTTP, so the decoder judges it as it judges HTTP's (it has no batch dim).
+    want = element_count(list(tensor.shape))
     if tensor.datatype == "BYTES":
         entries = contents.bytes_contents
         if len(entries) != want:  # counted before a bytes object is made for each
