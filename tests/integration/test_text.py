@@ -100,6 +100,18 @@ async def test_v2_bytes_as_json_and_as_binary_give_the_same_answer(tmp_path: Pat
         as_binary = await client.post(INFER, content=body, headers=headers)
         assert as_binary.status_code == 200, as_binary.text
         assert as_binary.json()["outputs"] == as_json.json()["outputs"]
+        # nested as the shape [2, 1], row-major as the V2 spec allows for any datatype (issue 2)
+        nested = [[t] for t in TEXTS]
+        as_nested = await client.post(
+            INFER, json={"inputs": [{"name": "text", "datatype": "BYTES", "shape": [2, 1], "data": nested}]}
+        )
+        assert as_nested.status_code == 200, as_nested.text
+        assert as_nested.json()["outputs"] == as_json.json()["outputs"]
+        mismatched = await client.post(
+            INFER, json={"inputs": [{"name": "text", "datatype": "BYTES", "shape": [2], "data": nested}]}
+        )
+        assert mismatched.status_code == 400, mismatched.text
+        assert mismatched.json()["error"].startswith("inputs[0].data: nested lists that do not match shape [2]")
 
 
 @pytest.mark.parametrize(
