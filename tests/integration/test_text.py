@@ -100,6 +100,18 @@ async def test_v2_bytes_as_json_and_as_binary_give_the_same_answer(tmp_path: Pat
         as_binary = await client.post(INFER, content=body, headers=headers)
         assert as_binary.status_code == 200, as_binary.text
         assert as_binary.json()["outputs"] == as_json.json()["outputs"]
+        # nested as the shape [2, 1], row-major as the V2 spec allows for any datatype (issue 2)
+        nested = [[t] for t in TEXTS]
+        as_nested = await client.post(
+            INFER, json={"inputs": [{"name": "text", "datatype": "BYTES", "shape": [2, 1], "data": nested}]}
+        )
+        assert as_nested.status_code == 200, as_nested.text
+        assert as_nested.json()["outputs"] == as_json.json()["outputs"]
+        mismatched = await client.post(
+            INFER, json={"inputs": [{"name": "text", "datatype": "BYTES", "shape": [2], "data": nested}]}
+        )
+        assert mismatched.status_code == 400, mismatched.text
+        assert mismatched.json()["error"].startswith("inputs[0].data: nested lists that do not match shape [2]")
 
 
 @pytest.mark.parametrize(
@@ -140,7 +152,7 @@ async def test_a_body_of_many_empty_bytes_elements_stops_at_the_declared_rows(tm
     async with serving(Settings(store=save_texty(tmp_path), precision="fp32")) as client:
         r = await client.post(INFER, content=body, headers=headers)
         assert r.status_code == 400, r.text
-        assert "BYTES elements, but shape [1] holds 1" in r.json()["error"]
+        assert "3999996 bytes follow BYTES element 0, the last of the 1 elements of shape [1]" in r.json()["error"]
 
 
 async def test_a_missing_tokenizer_fails_the_models_load_not_its_requests(tmp_path: Path) -> None:

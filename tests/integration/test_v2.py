@@ -469,6 +469,8 @@ def _input(**fields: Any) -> dict[str, Any]:
 
 ROW = np.zeros(16, np.float32).tobytes()
 JSON_ROW = [0.0] * 16
+_HEADER = orjson.dumps(_input(parameters={"binary_data_size": 64}))
+_NEGATIVE_ROW = np.full(16, -1.0, np.float32).tobytes()  # 00 00 80 bf: its third byte is no UTF-8 start
 BAD_REQUESTS: list[tuple[str, bytes, dict[str, str], int, str]] = [
     ("truncated binary", *_with_header(_input(parameters={"binary_data_size": 64}), ROW[:32]), 400, "declare 64 bytes"),
     ("extra binary", *_with_header(_input(parameters={"binary_data_size": 64}), ROW + b"xx"), 400, "66 bytes follow"),
@@ -550,6 +552,14 @@ BAD_REQUESTS: list[tuple[str, bytes, dict[str, str], int, str]] = [
         "expected a class count, got -1",
     ),
     ("malformed JSON", b'{"inputs": [', {}, 400, "malformed JSON"),
+    (
+        "header length 5 bytes too long",  # the JSON takes 5 bytes of binary data: named by offset, not column 1
+        _HEADER + _NEGATIVE_ROW,
+        {"Inference-Header-Content-Length": str(len(_HEADER) + 5)},
+        400,
+        f"body: not valid UTF-8 JSON (byte {len(_HEADER) + 2} of its {len(_HEADER) + 5} is not UTF-8); "
+        f"check Inference-Header-Content-Length ({len(_HEADER) + 5}): the bytes of JSON before the binary data",
+    ),
     ("not an object", b"[1, 2]", {}, 400, "expected a JSON object"),
     ("brotli", orjson.dumps(_input(data=JSON_ROW)), {"Content-Encoding": "br"}, 415, "'br' is not supported; send"),
     ("not gzip", orjson.dumps(_input(data=JSON_ROW)), {"Content-Encoding": "gzip"}, 400, "not valid gzip data"),

@@ -20,6 +20,7 @@ from halfserve import images, text
 from halfserve.api.dataplane.decode import decode, tokenize
 from halfserve.api.dataplane.json_request import read_request
 from halfserve.api.grpc.grpc_codec import infer_request
+from halfserve.api.grpc.grpc_limits import check_infer_request
 from halfserve.api.http.predict import decode_inputs
 from halfserve.execution import Batching
 from halfserve.imageinput import ImageInput
@@ -131,8 +132,10 @@ async def test_a_broken_photo_is_a_400_naming_its_element() -> None:
         await via_grpc([PHOTOS[0][:40]])
     with pytest.raises(InvalidInputError, match=r"inputs\[0\]\.data\[1\]: not base64"):
         await via_json([b64(PHOTOS[0]), "not base64!"])
-    with pytest.raises(InvalidInputError, match=r"inputs\[0\]\.data: expected 1 base64 strings"):
+    with pytest.raises(InvalidInputError, match=r"inputs\[0\]\.data: nested lists that do not match shape \[1\]"):
         await via_json([[1, 2]])
+    with pytest.raises(InvalidInputError, match=r"inputs\[0\]\.data: expected 1 base64 strings"):
+        await via_json([1])
     with pytest.raises(InvalidInputError, match=r"inputs\[1\]\.b64: not base64"):
         await decode_inputs([{"b64": b64(PHOTOS[0])}, {"b64": "@@"}], SERVED, SETTINGS)
     with pytest.raises(InvalidInputError, match=r"inputs\[0\]\.b64: a GIF image"):
@@ -163,3 +166,75 @@ async def test_a_full_decoding_queue_is_a_503(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setattr(text, "TOKENIZER_QUEUE", -text.TOKENIZER_THREADS)
     with pytest.raises(QueueFullError, match=r"inputs\[0\]\[0\]: the server is decoding"):
         await via_grpc(PHOTOS[:1])
+
+
+async def binary_body(body: bytes, shape: list[int]) -> np.ndarray:
+    entry = {"name": "photo", "datatype": "BYTES", "shape": shape, "parameters": {"binary_data_size": len(body)}}
+    req = decode(read_request({"inputs": [entry]}, memoryview(body), SERVED), SERVED, SETTINGS)
+    return (await tokenize(req, SERVED, SETTINGS)).x
+
+
+async def raw_contents(body: bytes, shape: list[int]) -> np.ndarray:
+    message = pb.ModelInferRequest(model_name="m")
+    message.inputs.add(name="photo", datatype="BYTES", shape=shape)
+    message.raw_input_contents.append(body)
+    typed = await infer_request(message, SERVED, SETTINGS)
+    return (await tokenize(decode(typed, SERVED, SETTINGS), SERVED, SETTINGS)).x
+
+
+async def test_bytes_elements_past_the_shapes_count_are_named_by_the_element_where_they_part() -> None:
+    """A first element's length too short leaves the photo's bytes after it: refused as bytes past the shape's one
+    element, not as a second element whose length is four bytes of the PNG (issue 4); gRPC names its own field."""
+    body = struct.pack("<I", 10) + PHOTOS[0]
+    extra = len(body) - 14
+    for send, field in (
+        (binary_body, r"inputs\[0\]\.parameters\.binary_data_size"),
+        (raw_contents, r"raw_input_contents\[0\]"),
+    ):
+        with pytest.raises(
+            InvalidInputError,
+            match=rf"^{field}: {extra} bytes follow BYTES element 0, the last of the 1 elements of shape \[1\]",
+        ):
+            await send(body, [1])
+        short = elements(PHOTOS[:2])[:-4]
+        with pytest.raises(
+            InvalidInputError,
+            match=rf"^{field}: BYTES element 1 of shape \[2\] declares {len(PHOTOS[1])} bytes, but "
+            rf"{len(PHOTOS[1]) - 4} bytes follow its length",
+        ):
+            await send(short, [2])
+        with pytest.raises(InvalidInputError, match=rf"^{field}: BYTES element 1 of shape \[2\] ends inside its"):
+            await send(elements(PHOTOS[:1]) + b"\0\0", [2])
+        with pytest.raises(InvalidInputError, match=rf"^{field}: 1 BYTES elements, but shape \[2\] holds 2"):
+            await send(elements(PHOTOS[:1]), [2])
+
+
+async def test_json_data_nested_as_its_shape_is_read_as_flat_data() -> None:
+    """V2 allows data nested as the shape (row-major), as numbers are: ``[N, 1]`` as N lists of one (issue 2); a
+    nesting that is not the shape's is refused naming the field."""
+    strings = [b64(p) for p in PHOTOS[:2]]
+    nested = {"name": "photo", "datatype": "BYTES", "shape": [2, 1], "data": [[s] for s in strings]}
+    req = await tokenize(decode(read_request({"inputs": [nested]}, None, SERVED), SERVED, SETTINGS), SERVED, SETTINGS)
+    np.testing.assert_array_equal(req.x, EXPECTED[:2])
+    for shape, data in (([2], [[s] for s in strings]), ([2, 1], [strings]), ([2, 1], [[strings[0]], strings[1]])):
+        bad = {"name": "photo", "datatype": "BYTES", "shape": shape, "data": data}
+        with pytest.raises(InvalidInputError, match=r"^inputs\[0\]\.data: nested lists that do not match shape"):
+            decode(read_request({"inputs": [bad]}, None, SERVED), SERVED, SETTINGS)
+
+
+async def test_a_scalar_shape_is_refused_alike_on_every_path() -> None:
+    """Shape ``[]`` for one photo: the same 400 over HTTP as JSON and as binary data, and over gRPC as BYTES elements
+    (the message's prescan counting one value for it, as the shape holds) and as a raw entry (issue 1)."""
+    refusal = r"^inputs\[0\]\.shape: expected \[N\] or \[N, 1\] \(one encoded photo per row\), got \[\]$"
+    with pytest.raises(InvalidInputError, match=refusal):
+        await binary_body(elements(PHOTOS[:1]), [])
+    with pytest.raises(InvalidInputError, match=refusal):
+        await raw_contents(elements(PHOTOS[:1]), [])
+    payload = {"inputs": [{"name": "photo", "datatype": "BYTES", "shape": [], "data": [b64(PHOTOS[0])]}]}
+    with pytest.raises(InvalidInputError, match=refusal):
+        decode(read_request(payload, None, SERVED), SERVED, SETTINGS)
+    message = pb.ModelInferRequest(model_name="m")
+    message.inputs.add(name="photo", datatype="BYTES", shape=[]).contents.bytes_contents.append(PHOTOS[0])
+    check_infer_request(message.SerializeToString(), lambda _: (100, "max_request_rows"))
+    with pytest.raises(InvalidInputError, match=refusal):
+        decode(await infer_request(message, SERVED, SETTINGS), SERVED, SETTINGS)

@@ -68,23 +68,24 @@ def check_finite(x: np.ndarray, served: ModelHandle, field: str) -> None:
     )
 
 
-async def parse_json(body: bytes, max_values: int) -> Any:
+async def parse_json(body: bytes, max_values: int, hint: str = "") -> Any:
     """Decode a JSON body, or fail with a 400 naming the problem, or a 413 when it holds more than ``max_values``
     values and containers (``max_json_values``), counted before anything is parsed.
 
     Counting is a few passes of ``bytes.count``, which no body can make expensive. Parsing is bounded by the count:
     with the default, 2^18 empty lists or 2^19 floats, each parsed in 20-45 ms on a 2-core AVX2 host with the
     collector paused. A body over 1 MiB is counted in slices in a worker thread, so the event loop gets the GIL
-    between slices; orjson holds the GIL while it parses, which the count bounds.
+    between slices; orjson holds the GIL while it parses, which the count bounds. ``hint`` ends the refusal of
+    malformed JSON (what to check).
     """
     if not body:
         raise InvalidInputError("body: empty; expected a JSON object")
     if len(body) <= INLINE_BYTES:
-        return _loads(body, max_values)
-    return await asyncio.to_thread(_loads, body, max_values)
+        return _loads(body, max_values, hint)
+    return await asyncio.to_thread(_loads, body, max_values, hint)
 
 
-def _loads(body: bytes, max_values: int) -> Any:
+def _loads(body: bytes, max_values: int, hint: str) -> Any:
     found = 0
     # Every counted byte is one byte of the body, so a body no longer than the limit is under it without a count.
     for start in range(0, len(body) if len(body) > max_values else 0, INLINE_BYTES):
@@ -102,7 +103,17 @@ def _loads(body: bytes, max_values: int) -> Any:
     try:
         return orjson.loads(body)
     except orjson.JSONDecodeError as e:
-        raise InvalidInputError(f"body: malformed JSON ({e})") from None
+        raise InvalidInputError(_malformed(body, e) + (f"; {hint}" if hint else "")) from None
     finally:
         if collecting:
             gc.enable()
+
+
+def _malformed(body: bytes, e: orjson.JSONDecodeError) -> str:
+    """Why ``body`` is not JSON: bytes that are not UTF-8 named by their offset, since orjson's position for them
+    (line 1 column 1) is not where they are."""
+    try:
+        body.decode("utf-8")
+    except UnicodeDecodeError as u:
+        return f"body: not valid UTF-8 JSON (byte {u.start} of its {len(body)} is not UTF-8)"
+    return f"body: malformed JSON ({e})"

@@ -137,7 +137,7 @@ def _decode_input(
     shape = _input_shape(item.shape, spec, f"{field}.shape", served, settings)
     data = item.data
     if type(data) is BinaryData:
-        arr = decode_binary(data.view, wire, shape, f"{field}.parameters.binary_data_size")
+        arr = decode_binary(data.view, wire, shape, data.source or f"{field}.parameters.binary_data_size")
     elif type(data) is SharedMemory:
         where = f"{field}.parameters"
         # A copy of the client's bytes, so the batcher's array stays as it was read whatever the client does next.
@@ -311,16 +311,29 @@ def _bytes_elements(
         (image_count if photos else check_size)(settings, served, rows, f"{field}.shape")
     data = item.data
     if type(data) is BinaryData:
-        return _binary_texts(data.view, rows, shape, field)
+        return _binary_texts(data.view, rows, shape, data.source or f"{field}.parameters.binary_data_size")
     if type(data) is Texts:
         if len(data.items) != rows:
             raise InvalidInputError(f"{field}: {len(data.items)} BYTES elements, but shape {shape} holds {rows}")
         return data.items
-    values = data.values if type(data) is JsonValues else None
+    strings = "base64 strings" if photos else "strings"
+    values = _unnested(data.values if type(data) is JsonValues else None, shape, f"{field}.data", strings)
     if not isinstance(values, list) or len(values) != rows or not all(isinstance(t, str) for t in values):
-        strings = "base64 strings" if photos else "strings"
         raise InvalidInputError(f"{field}.data: expected {rows} {strings}, {per_row}")
     return [from_base64(v, f"{field}.data[{j}]") for j, v in enumerate(values)] if photos else values
+
+
+def _unnested(values: object, shape: list[int], field: str, strings: str) -> object:
+    """BYTES JSON ``data`` nested as its shape ``[N, 1]`` (row-major, as numbers may be) made flat; flat data as it
+    is. Lists nested otherwise are refused naming how they are nested."""
+    if not (isinstance(values, list) and any(type(v) is list for v in values)):
+        return values
+    if len(shape) == 2 and len(values) == shape[0] and all(type(v) is list and len(v) == 1 for v in values):
+        return [v[0] for v in values]
+    raise InvalidInputError(
+        f"{field}: nested lists that do not match shape {shape}; send {shape[0]} {strings} flat, or for shape "
+        f"[{shape[0]}, 1] {shape[0]} lists of one each",
+    )
 
 
 def from_base64(value: str, field: str) -> bytes:
@@ -332,21 +345,33 @@ def from_base64(value: str, field: str) -> bytes:
 
 
 def _binary_texts(view: memoryview, rows: int, shape: list[int], field: str) -> list[bytes]:
-    """BYTES binary data (each element's 4-byte little-endian length, then the element) as ``rows`` elements."""
-    texts, at, raw = [], 0, bytes(view)
+    """BYTES binary data (each element's 4-byte little-endian length, then the element) as ``rows`` elements, the
+    count ``shape`` gives; ``field`` holds the data. A refusal names the element where the data and the shape part:
+    reading past the shape's elements would take the bytes of one element as the next one's length."""
+    texts: list[bytes] = []
+    at, raw = 0, bytes(view)
     size = len(raw)
-    while at < size:
+    while at < size and len(texts) < rows:
+        j = len(texts)
         if at + 4 > size:
-            raise InvalidInputError(f"{field}: binary BYTES data ends inside an element's 4-byte length")
+            raise InvalidInputError(
+                f"{field}: BYTES element {j} of shape {shape} ends inside its 4-byte length ({size - at} bytes left)"
+            )
         n = int.from_bytes(raw[at : at + 4], "little")
         if at + 4 + n > size:
-            raise InvalidInputError(f"{field}: a BYTES element of {n} bytes runs past the input's binary_data_size")
+            raise InvalidInputError(
+                f"{field}: BYTES element {j} of shape {shape} declares {n} bytes, but {size - at - 4} bytes follow "
+                "its length",
+            )
         texts.append(raw[at + 4 : at + 4 + n])
         at += 4 + n
-        if len(texts) > rows:  # stop at once: a body of empty elements would otherwise be parsed to its end
-            break
-    if len(texts) != rows:
+    if len(texts) < rows:
         raise InvalidInputError(f"{field}: {len(texts)} BYTES elements, but shape {shape} holds {rows}")
+    if at < size:
+        raise InvalidInputError(
+            f"{field}: {size - at} bytes follow BYTES element {rows - 1}, the last of the {rows} elements of shape "
+            f"{shape} ({at} of the {size} bytes make them); check element {rows - 1}'s 4-byte length",
+        )
     return texts
 
 

@@ -12,7 +12,7 @@ from typing import cast
 import numpy as np
 
 from halfserve.api.dataplane.bounds import check_size, parse_json
-from halfserve.api.dataplane.codec import decode_binary, wire_type
+from halfserve.api.dataplane.codec import HEADER_LENGTH, decode_binary, wire_type
 from halfserve.api.dataplane.decode import checked_input, decode, tokenize
 from halfserve.api.dataplane.json_request import read_request
 from halfserve.api.dataplane.request import BinaryData, BinaryInput, Inference, InferRequest, OutputRequest, RequestPlan
@@ -101,7 +101,9 @@ async def decode_request(
     if plan is not None and plan.holds(served, settings, binary):
         assert binary is not None
         return planned_request(plan, binary, served)
-    request = read_request(await parse_json(header, settings.max_json_values), binary, served)
+    # A header length that is wrong cuts the JSON short or takes binary data into it: the refusal says what to check.
+    hint = "" if binary is None else f"check {HEADER_LENGTH} ({len(header)}): the bytes of JSON before the binary data"
+    request = read_request(await parse_json(header, settings.max_json_values, hint), binary, served)
     req = await tokenize(decode(request, served, settings, regions), served, settings)
     if len(header) <= PLAN_HEADER_BYTES:
         plan = _plan(request, req, served, settings)

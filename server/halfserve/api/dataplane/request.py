@@ -29,6 +29,9 @@ class BinaryData:
     ``raw_input_contents`` entry (or typed ``contents``, as bytes) of a gRPC request."""
 
     view: memoryview
+    source: str = ""
+    """The request field that holds the bytes, as a refusal names it (gRPC's ``raw_input_contents[k]``); empty: the
+    input's ``parameters.binary_data_size`` (HTTP's binary data)."""
 
 
 @dataclass(slots=True)

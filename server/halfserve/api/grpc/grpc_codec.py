@@ -125,7 +125,7 @@ def _request(request: Any) -> InferRequest:
                 )
             if taken >= len(raw):
                 raise InvalidInputError(f"raw_input_contents: {len(raw)} entries, but input {i} needs one too")
-            data = BinaryData(memoryview(raw[taken]))
+            data = BinaryData(memoryview(raw[taken]), f"raw_input_contents[{taken}]")
             taken += 1
         else:
             data = _typed_data(tensor, field)
@@ -141,8 +141,9 @@ def _request(request: Any) -> InferRequest:
 def _typed_data(tensor: Any, field: str) -> InputData:
     """An input's typed ``contents``: BYTES elements, or the binary data of its datatype."""
     contents = tensor.contents
-    # Python's integers, not numpy's: a shape of huge dimensions must not wrap around to a small count.
-    want = element_count(list(tensor.shape)) if len(tensor.shape) else 0
+    # Python's integers, not numpy's: a shape of huge dimensions must not wrap around to a small count. A shape of no
+    # dimensions holds one value, as over HTTP, so the decoder judges it as it judges HTTP's (it has no batch dim).
+    want = element_count(list(tensor.shape))
     if tensor.datatype == "BYTES":
         entries = contents.bytes_contents
         if len(entries) != want:  # counted before a bytes object is made for each
@@ -162,6 +163,11 @@ def _typed_data(tensor: Any, field: str) -> InputData:
     values = getattr(contents, name)
     if len(values) != want:
         shape = list(tensor.shape)
+        given = [f.name for f, _ in contents.ListFields() if f.name != name]
+        if not values and given:  # values in another datatype's field: say which field this datatype reads
+            raise InvalidInputError(
+                f"{field}.contents: {', '.join(given)} given, but a {tensor.datatype} input reads {name}",
+            )
         raise InvalidInputError(f"{field}.contents.{name}: {len(values)} values, but shape {shape} holds {want}")
     arr = np.asarray(values, dtype=dtype)
     wire = DataType(tensor.datatype)

@@ -351,7 +351,8 @@ def _check_input(raw: bytes, start: int, end: int, field: str, limit: tuple[int,
         return
     # Negative dimensions are the shape check's to name; here they allow nothing.
     signed = [d - (1 << 64) if d >= 1 << 63 else d for d in dims]
-    holds = math.prod(max(d, 0) for d in signed) if dims else 0
+    # A shape of no dimensions holds one value, as over HTTP: the decoder refuses it as HTTP's does (no batch dim).
+    holds = math.prod(max(d, 0) for d in signed)
     most, setting = limit
     allowed = min(holds, most)
     values = 0

@@ -54,6 +54,7 @@ from halfserve.metrics import request_labels
 from halfserve.serving import (
     AppState,
     Interface,
+    InvalidInputError,
     LocalModel,
     ModelAdmin,
     ModelHandle,
@@ -145,8 +146,13 @@ class InferenceService:
     def _admin(self, context: grpc.aio.ServicerContext) -> None:
         check_admin(self.state, _client(context), _authorization(context))
 
-    def _model(self, name: str, version: str) -> ModelHandle:
-        return of_version(self.state.service.get(name or None), version)
+    def _model(self, name: str, version: str, field: str = "name") -> ModelHandle:
+        """The model ``name`` (the request's ``field``; empty: the only one served) at ``version``."""
+        service = self.state.service
+        models = service.models
+        if not name and len(models) > 1:  # the request's field named, not HTTP's "model"
+            raise InvalidInputError(f"{field}: several models are served ({', '.join(models)}); name one in {field}")
+        return of_version(service.get(name or None), version)
 
     def _repository(self) -> ModelAdmin:
         repo = self.state.repository
@@ -222,7 +228,7 @@ class InferenceService:
         result: Prediction | None = None
         status = 200
         try:
-            served = self._model(request.model_name, request.model_version)
+            served = self._model(request.model_name, request.model_version, "model_name")
             check_ready(served, request.model_version or None)
             settings = self.state.settings
             typed = await infer_request(request, served, settings)

@@ -48,6 +48,17 @@ def _precision(body: dict[str, object], required: bool = False) -> Precision | N
     return Precision(value)
 
 
+async def _body(request: Request, *known: str) -> dict[str, object]:
+    """The call's JSON object body, holding only the ``known`` keys: a misspelt key (``"precison"``) would otherwise
+    be ignored and the call done as if it were not there."""
+    body = await json_object(request)
+    unknown = [k for k in body if k not in known]
+    if unknown:
+        keys = ", ".join(map(repr, unknown))
+        raise APIError(400, f"body: unknown key {keys}; this call takes {' and '.join(map(repr, known))}")
+    return body
+
+
 def _version(body: dict[str, object]) -> int | None:
     value = body.get("version")
     if value is None:
@@ -76,7 +87,7 @@ async def load(name: str, request: Request) -> Response:
     """Load a model (or another version of it) from the store, warmed up before it serves. A model being served
     answers from its old instance until the new one is ready; one that is not shows as loading meanwhile."""
     require_admin(request)
-    body = await json_object(request)
+    body = await _body(request, "version", "precision")
     served = await load_from_store(repository(request), name, _version(body), _precision(body))
     return json_response(served.describe())
 
@@ -95,7 +106,7 @@ async def load(name: str, request: Request) -> Response:
 async def reload(name: str, request: Request) -> Response:
     """Read the version a model serves (or last served) again from the store, e.g. after its file was replaced."""
     require_admin(request)
-    body = await json_object(request)
+    body = await _body(request, "precision")
     repo = repository(request)
     try:
         version = repo.get(name).version
@@ -140,7 +151,7 @@ async def set_precision(name: str, request: Request) -> Response:
     new engine is cast from the fp32 weights kept on the host and warmed up while the old one serves, and no
     request fails over the switch."""
     require_admin(request)
-    precision = _precision(await json_object(request), required=True)
+    precision = _precision(await _body(request, "precision"), required=True)
     assert precision is not None
     try:
         served = await repository(request).set_precision(name, precision)
