@@ -299,6 +299,11 @@ class Settings(BaseSettings):
                 "make one with: python -c 'import secrets; print(secrets.token_urlsafe(32))'"
             )
         self._take_placement_aliases()
+        if self.grpc and self.grpc_port == self.port:
+            # Said here rather than as the second listener's "address already in use" after the models loaded.
+            raise ValueError(
+                f"grpc_port ({self.grpc_port}) is also the HTTP port: give --grpc-port another port, or --no-grpc"
+            )
         taken = {self.port: "port", **({self.grpc_port: "grpc_port"} if self.grpc else {})}
         if self.torchserve_management_port in taken:
             raise ValueError(

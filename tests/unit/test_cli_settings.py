@@ -70,3 +70,10 @@ def test_the_http_limits_defaults_are_the_settings() -> None:
     limits = HttpLimits()
     for name in ("header_timeout", "body_timeout", "max_url_bytes", "max_header_bytes", "max_connections"):
         assert getattr(limits, name) == Settings.model_fields[name].default
+
+
+def test_an_http_port_that_is_the_grpc_port_is_refused_before_anything_loads() -> None:
+    with pytest.raises(ValueError, match=r"grpc_port \(8001\) is also the HTTP port: give --grpc-port"):
+        Settings(port=8001, grpc=True)
+    assert Settings(port=8001, grpc=False).port == 8001
+    assert Settings(port=8001, grpc=True, grpc_port=8011).grpc_port == 8011

@@ -267,6 +267,21 @@ def test_every_shell_block_is_valid_bash(doc: Path) -> None:
             assert run.returncode == 0, f"{doc_id(doc)}:\n{block.text}\n{run.stderr}"
 
 
+@pytest.mark.parametrize("doc", DOCS, ids=doc_id)
+def test_a_server_started_in_the_background_is_waited_for_and_stopped(doc: Path) -> None:
+    # A request sent the moment `halfserve serve ... &` returns finds no server yet (the models load first), and a
+    # server left behind holds its ports against the next example.
+    for block in code_blocks(read(doc)):
+        if block.language not in SHELLS:
+            continue
+        lines = block.text.replace("\\\n", " ").splitlines()
+        for i, line in enumerate(lines):
+            if re.search(r"\bhalfserve serve\b.*&\s*(#.*)?$", line):
+                rest = "\n".join(lines[i + 1 :])
+                assert "/ready" in rest, f"{doc_id(doc)}: nothing waits for /ready after: {line}"
+                assert re.search(r"^kill ", rest, re.M), f"{doc_id(doc)}: nothing stops the server of: {line}"
+
+
 # The import table -------------------------------------------------------------------------------------------------
 
 
