@@ -316,7 +316,7 @@ def import_(args: argparse.Namespace) -> int:
         if not 1 <= args.max_image_pixels <= MOST_IMAGE_PIXELS:
             raise importer.ImportFailure(f"--max-image-pixels {args.max_image_pixels}: from 1 to {MOST_IMAGE_PIXELS}")
         models.add_code_path(args.code_path or [])
-        models.add_code_path(copies.folders)  # first on the import path: the model and handler build from there
+        models.add_code_path(copies.folders)  # the model and handler build from there
         models.forbid_store(args.store)
         labels = importflags.read_labels(args.labels) if args.labels else None
         fields: dict[str, object] = {"min_agreement": args.min_agreement} if args.min_agreement is not None else {}

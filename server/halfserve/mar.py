@@ -27,11 +27,14 @@ The zip is read within limits (:data:`MAX_MEMBERS`, :data:`MAX_BYTES`, :data:`MA
 from __future__ import annotations
 
 import ast
+import fcntl
 import hashlib
+import importlib.machinery
 import json
 import os
 import re
 import shutil
+import site
 import stat
 import sys
 import tempfile
@@ -95,6 +98,24 @@ class CodeCopies:
         """The folders made for the copies, outermost first: removed again when empty."""
         self._files: list[tuple[Path, Path]] = []
         """Each copy: where it is staged, where it goes."""
+        self._held: dict[Path, int] = {}
+        """Each code folder this import holds (:meth:`hold`), and the descriptor its lock is on."""
+
+    def hold(self, folder: Path) -> None:
+        """Hold ``folder`` (or, where it is still to be made, the nearest folder above it that exists) for this import
+        alone until :meth:`discard`: two imports into one code folder run their checks and copies one after the
+        other, so neither finds the other's files appearing midway and refuses after its model was written. An
+        exclusive ``flock`` on the folder itself: nothing is written there, and a killed import's lock goes with it."""
+        where = next(p for p in (folder.resolve(), *folder.resolve().parents) if p.is_dir())
+        if where in self._held:
+            return
+        fd = os.open(where, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"halfserve import: waiting for another import into {where} to finish", file=sys.stderr)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        self._held[where] = fd
 
     @property
     def folders(self) -> list[Path]:
@@ -148,6 +169,9 @@ class CodeCopies:
             except OSError:  # not empty: the installed copies, or files of someone else's
                 continue
         self._created.clear()
+        for fd in self._held.values():
+            os.close(fd)  # the lock goes with it
+        self._held.clear()
 
 
 @dataclass(frozen=True)
@@ -319,6 +343,7 @@ def trust_model_file(archive: Archive, code_path: list[Path], copies: CodeCopies
         )
     module = "mar_" + re.sub(r"\W", "_", archive.name).lower()
     target = code_path[0] / f"{module}.py"
+    copies.hold(code_path[0])
     source = archive.model_file.read_bytes()
     if target.exists() and target.read_bytes() != source:
         raise MarError(f"{target} exists and differs from the archive's {archive.model_file.name}; move it first")
@@ -384,6 +409,7 @@ def extract_code(archive: Archive, code_dir: Path, store: Path, copies: CodeCopi
     (:data:`SHADOWED`), or where a different file of that name is there already; nothing is copied then."""
     assert archive.handler_file is not None
     check_archive_code(code_dir, store)
+    copies.hold(code_dir)
     where = code_dir.resolve()
     cls, _ = handler_class(archive.handler_file)
     module = handler_module(archive.handler_file)
@@ -399,6 +425,12 @@ def extract_code(archive: Archive, code_dir: Path, store: Path, copies: CodeCopi
                 f"{archive.name}: the archive's {name} is a top-level module {top!r}, which would shadow "
                 f"{what.get(top, 'the standard library module')} on the import path; refused: rename it in the archive"
             )
+        if installed(top, where):
+            raise MarError(
+                f"{archive.name}: the archive's {name} is a top-level module {top!r}, the name of a module this "
+                "environment has installed (the server or a library it uses imports it, and an archive's file never "
+                "runs in its place); refused: rename it in the archive"
+            )
         target = where.joinpath(*name.parts)
         if not target.resolve().is_relative_to(where):
             raise MarError(f"--archive-code {code_dir}: {name} would land outside it (a link there?); refused")
@@ -410,6 +442,28 @@ def extract_code(archive: Archive, code_dir: Path, store: Path, copies: CodeCopi
     for source, target in checked:
         copies.copy(source, where, PurePosixPath(target.relative_to(where).as_posix()))
     return f"{module}:{cls}"
+
+
+def installed(top: str, code_dir: Path) -> bool:
+    """Whether ``top`` is a top-level module this environment has outside ``code_dir`` (an installed package, a
+    module on the import path): an archive's file of that name would never run (the operator's folders come after
+    the installed packages on the import path), or, put first, would replace what the server imports."""
+    where = code_dir.resolve()
+    path = [p for p in _environment_path() if not Path(p).resolve().is_relative_to(where)]
+    return top in sys.builtin_module_names or importlib.machinery.PathFinder.find_spec(top, path) is not None
+
+
+def _environment_path() -> list[str]:
+    """The import path's folders the environment itself gives (its standard library and site-packages, the user's,
+    ``PYTHONPATH``), without the operator's code folders a process adds: what the server and its libraries import."""
+    roots = {Path(p).resolve() for p in (sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix)}
+    roots.add(Path(site.getusersitepackages()).resolve())
+    given = {Path(p).resolve() for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p}
+    return [
+        p
+        for p in sys.path
+        if p and (Path(p).resolve() in given or any(Path(p).resolve().is_relative_to(r) for r in roots))
+    ]
 
 
 def check_archive_code(code_dir: Path, store: Path) -> None:

@@ -74,8 +74,8 @@ class Settings(BaseSettings):
     store: Path = Path("model_store")
     """The model store folder."""
     code_path: Annotated[list[Path], NoDecode] = Field(default_factory=list)
-    """Folders put first on the import path at start-up, for ``package.module:factory`` architectures
-    (``os.pathsep``-separated in the environment, like ``PYTHONPATH``)."""
+    """Folders put on the import path at start-up, after the installed packages, for ``package.module:factory``
+    architectures (``os.pathsep``-separated in the environment, like ``PYTHONPATH``)."""
     models: Annotated[list[str], NoDecode] = Field(default_factory=list)
     """Serve only these models (comma-separated in the environment); empty serves every model in the store."""
     host: str = "127.0.0.1"

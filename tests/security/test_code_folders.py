@@ -10,13 +10,15 @@ handlers run with), ``halfserve`` or a standard library module is refused with t
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
 
-from halfserve import models, storage
+from halfserve import mar, models, storage
 from halfserve.app import create_app
 from halfserve.settings import Settings
 from halfserve.storage import StoreError
@@ -125,7 +127,7 @@ def refused_late(tmp_path: Path, case: str) -> tuple[Path, list[str]]:
     if case == "weights":  # the model file builds a net the weights do not fit
         mar = archive(tmp_path / "x.mar", tiny_net(), **{"model.py": OTHER_NET.encode()})
         return mar, code[:3]
-    package = {"ts": "ts/__init__.py", "halfserve": "halfserve.py", "stdlib": "csv.py"}[case]
+    package = {"ts": "ts/__init__.py", "halfserve": "halfserve.py", "stdlib": "csv.py", "installed": "numpy.py"}[case]
     files = {"strict_handler.py": STRICT.encode(), package: b"print('ran')\n"}
     return archive(tmp_path / "x.mar", tiny_net(), handler="strict_handler.py", **files), code
 
@@ -139,6 +141,7 @@ def refused_late(tmp_path: Path, case: str) -> tuple[Path, list[str]]:
         ("ts", "the archive's ts/__init__.py is a top-level module 'ts', which would shadow the ts package"),
         ("halfserve", "the archive's halfserve.py is a top-level module 'halfserve', which would shadow the server"),
         ("stdlib", "the archive's csv.py is a top-level module 'csv', which would shadow the standard library module"),
+        ("installed", "the archive's numpy.py is a top-level module 'numpy', the name of a module this environment"),
     ],
 )
 def test_a_refused_import_leaves_the_code_folder_as_it_was(
@@ -176,3 +179,50 @@ def test_an_archive_shipping_ts_leaves_the_folder_to_the_next_torchserve_handler
     # (an instance process is handed its source from there).
     staged = [n for n, m in sys.modules.items() if ".halfserve-import-" in str(getattr(m, "__file__", None))]
     assert staged == []
+
+
+def test_a_code_folder_comes_after_the_installed_packages(tmp_path: Path) -> None:
+    """A file in a --code-path folder named as a module the server imports (uvloop.py, numpy.py) is never what the
+    server, a library or a spawned process (which starts from this path) gets; the folder's own modules still import."""
+    code = tmp_path / "code"
+    code.mkdir()
+    (code / "orjson.py").write_text("raise SystemExit('the code folder shadowed an installed module')\n")
+    (code / "opcode_own_module.py").write_text("VALUE = 7\n")
+    before = list(sys.path)
+    try:
+        models.add_code_path([code])
+        spec = importlib.util.find_spec("orjson")
+        assert spec is not None
+        assert spec.origin is not None
+        assert not Path(spec.origin).resolve().is_relative_to(code.resolve()), spec.origin
+        own = importlib.util.find_spec("opcode_own_module")
+        assert own is not None
+        assert own.origin == str(code.resolve() / "opcode_own_module.py")
+    finally:
+        sys.path[:] = before
+
+
+def test_two_imports_into_one_code_folder_run_one_after_the_other(tmp_path: Path) -> None:
+    """The second import's checks and copies wait for the first to finish (install or discard): it never finds the
+    first's files appearing midway, and never refuses after its model was written."""
+    code = tmp_path / "code"
+    code.mkdir()
+    first, second = mar.CodeCopies(), mar.CodeCopies()
+    first.hold(code)
+    held = threading.Event()
+
+    def hold() -> None:
+        second.hold(code / "not-yet-made")  # the nearest folder that exists is the one held
+        held.set()
+
+    waiter = threading.Thread(target=hold)
+    waiter.start()
+    try:
+        assert not held.wait(0.5)  # cannot pass while the first holds it, however slow the host
+        first.discard()
+        assert held.wait(30)
+    finally:
+        first.discard()
+        waiter.join(30)
+        second.discard()
+    assert listing(code) == []

@@ -384,15 +384,17 @@ def names() -> list[str]:
 
 
 def add_code_path(paths: Iterable[Path]) -> None:
-    """Put the operator's folders first on the import path (once each), so ``module:factory`` architectures in them
-    import, and make them the folders such architectures may come from (:func:`check_source`). Process-wide: called
-    once at start-up, before manifests are resolved."""
-    for path in reversed(list(paths)):
+    """Put the operator's folders on the import path (once each, in order), so ``module:factory`` architectures in
+    them import, and make them the folders such architectures may come from (:func:`check_source`). After the
+    installed packages, never before: a file there named as a module the server or a library imports (``numpy.py``,
+    ``uvloop.py``) is never what they get, in this process or the processes it spawns (which start from its path).
+    Process-wide: called once at start-up, before manifests are resolved."""
+    for path in paths:
         folder = Path(path).resolve()
         if not folder.is_dir():
             raise UnknownArchitectureError(f"code path {str(path)!r} is not a folder")
         if str(folder) not in sys.path:
-            sys.path.insert(0, str(folder))
+            sys.path.append(str(folder))
         if folder not in _CODE_PATHS:
             _CODE_PATHS.append(folder)
     importlib.invalidate_caches()
