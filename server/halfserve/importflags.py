@@ -94,7 +94,7 @@ def image_section(
 def _size(text: str, option: str) -> int | list[int]:
     """``256`` (the shorter side, or a square crop) or ``HEIGHTxWIDTH``."""
     parts = text.lower().split("x")
-    if len(parts) in (1, 2) and all(p.strip().isdigit() for p in parts):
+    if len(parts) in (1, 2) and all(p.strip().isascii() and p.strip().isdigit() for p in parts):
         sizes = [int(p) for p in parts]
         return sizes[0] if len(sizes) == 1 else sizes
     raise ImportFailure(f"{option} {text!r}: expected a size (256) or HEIGHTxWIDTH (224x224)")

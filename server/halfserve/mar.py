@@ -116,6 +116,11 @@ class CodeCopies:
             print(f"halfserve import: waiting for another import into {where} to finish", file=sys.stderr)
             fcntl.flock(fd, fcntl.LOCK_EX)
         self._held[where] = fd
+        if where == folder.resolve():
+            # Held, the folder has no import in progress: a staging folder left in it is a killed import's.
+            for stale in set(where.glob(f"{self.STAGING}*")) - set(self._staging.values()):
+                print(f"halfserve import: removing {stale}, left by an import that did not finish", file=sys.stderr)
+                shutil.rmtree(stale, ignore_errors=True)
 
     @property
     def folders(self) -> list[Path]:

@@ -158,6 +158,7 @@ async def test_a_failed_load_leaves_the_served_model_alone(tiny_store: Path) -> 
         ("/models/nope/precision", {"precision": "fp32"}, 404, "unknown model"),
         ("/models/tiny/load", {"version": 7}, 404, "no version 7"),
         ("/models/tiny/load", {"version": True}, 400, "version: expected a positive integer"),
+        ("/models/tiny/load", {"version": "\u0661"}, 400, "version: expected a positive integer"),
         ("/models/tiny/load", {"foo": 1}, 400, "body: unknown key 'foo'; this call takes 'version' and 'precision'"),
         ("/models/tiny/load", {"version": 1, "precison": "fp32"}, 400, "body: unknown key 'precison'"),
         ("/models/tiny/reload", {"version": 1}, 400, "body: unknown key 'version'; this call takes 'precision'"),

@@ -226,3 +226,17 @@ def test_two_imports_into_one_code_folder_run_one_after_the_other(tmp_path: Path
         waiter.join(30)
         second.discard()
     assert listing(code) == []
+
+
+def test_a_staging_folder_a_killed_import_left_is_removed_by_the_next(tmp_path: Path) -> None:
+    code = tmp_path / "code"
+    stale = code / f"{mar.CodeCopies.STAGING}killed"
+    stale.mkdir(parents=True)
+    (stale / "mar_x.py").write_text("# staged by an import killed with -9\n")
+    (code / "mine.py").write_text("# the operator's own\n")
+    copies = mar.CodeCopies()
+    try:
+        copies.hold(code)
+    finally:
+        copies.discard()
+    assert listing(code) == ["mine.py"]

@@ -63,8 +63,8 @@ def _version(body: dict[str, object]) -> int | None:
     value = body.get("version")
     if value is None:
         return None
-    if isinstance(value, str) and value.isdigit():
-        value = int(value)  # V2 spells versions as strings
+    if isinstance(value, str) and value.isascii() and value.isdigit():
+        value = int(value)  # V2 spells versions as strings: ASCII digits, as folders are named ("١" is no version)
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise APIError(400, f"version: expected a positive integer, got {value!r}")
     return value
