@@ -395,11 +395,13 @@ def _from_archive(args: argparse.Namespace, archive: Archive, copies: CodeCopies
     from halfserve import mar
 
     args.source = archive.weights
+    given = args.name is not None
     args.name = args.name or archive.name
     try:  # before anything is written for it (the model file copied, last)
         storage.check_name(args.name)
     except storage.StoreError as e:
-        raise mar.MarError(f"{e}: the archive's modelName is not a store name; give --name") from None
+        where = "--name" if given else "the archive's modelName is not a store name; give --name"
+        raise mar.MarError(f"{e}: {where}") from None
     _check_code_folders(args)
     if archive.handler_file is not None:
         _archive_handler(args, archive)

@@ -228,6 +228,10 @@ def test_an_archive_name_that_is_no_store_name_is_refused_before_anything_is_wri
     assert import_mar(mar, tmp_path / "store", "--trust-model-file", "--code-path", str(code)) == 2
     assert "the archive's modelName is not a store name; give --name" in capsys.readouterr().err
     assert not code.exists()
+    assert import_mar(mar, tmp_path / "store", "--trust-model-file", "--code-path", str(code), "--name", ".cache") == 2
+    err = capsys.readouterr().err
+    assert err.rstrip().endswith(": --name"), err  # the name given is what is wrong, not the archive's
+    assert not code.exists()
 
 
 DETECTOR_FILE = """
