@@ -389,12 +389,15 @@ def add_code_path(paths: Iterable[Path]) -> None:
     installed packages, never before: a file there named as a module the server or a library imports (``numpy.py``,
     ``uvloop.py``) is never what they get, in this process or the processes it spawns (which start from its path).
     Process-wide: called once at start-up, before manifests are resolved."""
-    for path in paths:
+    # Before the folders added earlier (the last given is the one a process serves from), after everything else.
+    earlier = [i for i, entry in enumerate(sys.path) if entry and Path(entry).resolve() in _CODE_PATHS]
+    at = earlier[0] if earlier else len(sys.path)
+    for path in reversed(list(paths)):
         folder = Path(path).resolve()
         if not folder.is_dir():
             raise UnknownArchitectureError(f"code path {str(path)!r} is not a folder")
         if str(folder) not in sys.path:
-            sys.path.append(str(folder))
+            sys.path.insert(at, str(folder))
         if folder not in _CODE_PATHS:
             _CODE_PATHS.append(folder)
     importlib.invalidate_caches()
