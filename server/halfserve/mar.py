@@ -78,9 +78,7 @@ class MarError(StoreError):
 
 
 SHADOWED = frozenset({"ts", "halfserve", *sys.stdlib_module_names})
-"""Top-level names an archive's Python files may not take: on the import path before everything else, a ``ts``
-would shadow the compatibility package (and be taken for TorchServe's own, refusing every torchserve-style handler
-served from the folder), a ``halfserve`` the server, a standard library module the one the server imports."""
+"""Top-level names an archive's Python files may not take, whatever is installed (:func:`_shadowed`)."""
 
 
 class CodeCopies:
@@ -418,23 +416,18 @@ def extract_code(archive: Archive, code_dir: Path, store: Path, copies: CodeCopi
     where = code_dir.resolve()
     cls, _ = handler_class(archive.handler_file)
     module = handler_module(archive.handler_file)
+    environment = _environment_path(where)  # once: each file's name is looked up on it
     checked = []
     for name in code_files(archive):
         source = archive.folder.joinpath(*name.parts)
         if source == archive.handler_file:
             name = name.with_name(f"{module}.py")
         top = name.parts[0] if len(name.parts) > 1 else name.stem
-        if top in SHADOWED:
-            what = {"ts": "the ts package halfserve runs TorchServe handlers with", "halfserve": "the server itself"}
+        shadowed = _shadowed(top, environment)
+        if shadowed is not None:
             raise MarError(
-                f"{archive.name}: the archive's {name} is a top-level module {top!r}, which would shadow "
-                f"{what.get(top, 'the standard library module')} on the import path; refused: rename it in the archive"
-            )
-        if installed(top, where):
-            raise MarError(
-                f"{archive.name}: the archive's {name} is a top-level module {top!r}, the name of a module this "
-                "environment has installed (the server or a library it uses imports it, and an archive's file never "
-                "runs in its place); refused: rename it in the archive"
+                f"{archive.name}: the archive's {name} is a top-level module {top!r}, {shadowed}; refused: rename "
+                "it in the archive"
             )
         target = where.joinpath(*name.parts)
         if not target.resolve().is_relative_to(where):
@@ -449,26 +442,37 @@ def extract_code(archive: Archive, code_dir: Path, store: Path, copies: CodeCopi
     return f"{module}:{cls}"
 
 
-def installed(top: str, code_dir: Path) -> bool:
-    """Whether ``top`` is a top-level module this environment has outside ``code_dir`` (an installed package, a
-    module on the import path): an archive's file of that name would never run (the operator's folders come after
-    the installed packages on the import path), or, put first, would replace what the server imports."""
-    where = code_dir.resolve()
-    path = [p for p in _environment_path() if not Path(p).resolve().is_relative_to(where)]
-    return top in sys.builtin_module_names or importlib.machinery.PathFinder.find_spec(top, path) is not None
+def _shadowed(top: str, environment: list[str]) -> str | None:
+    """What an archive's top-level module ``top`` would shadow, said as a refusal ends it, or None. First on the
+    import path, a ``ts`` would shadow the compatibility package (and be taken for TorchServe's own, refusing every
+    torchserve-style handler served from the folder), a ``halfserve`` the server, a standard library module the one
+    the server imports. Any other module the ``environment`` path has (:func:`_environment_path`), an installed
+    package, is what the server or its libraries import: the operator's folders come after it on the import path, so
+    the archive's file would never run in its place."""
+    if top in SHADOWED:
+        what = {"ts": "the ts package halfserve runs TorchServe handlers with", "halfserve": "the server itself"}
+        return f"which would shadow {what.get(top, 'the standard library module')} on the import path"
+    if top in sys.builtin_module_names or importlib.machinery.PathFinder.find_spec(top, environment) is not None:
+        return (
+            "the name of a module this environment has installed (the server or a library it uses imports it, and "
+            "an archive's file never runs in its place)"
+        )
+    return None
 
 
-def _environment_path() -> list[str]:
+def _environment_path(code_dir: Path) -> list[str]:
     """The import path's folders the environment itself gives (its standard library and site-packages, the user's,
-    ``PYTHONPATH``), without the operator's code folders a process adds: what the server and its libraries import."""
+    ``PYTHONPATH``), without the operator's code folders a process adds (``code_dir`` among them): what the server and
+    its libraries import."""
     roots = {Path(p).resolve() for p in (sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix)}
     roots.add(Path(site.getusersitepackages()).resolve())
     given = {Path(p).resolve() for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p}
-    return [
-        p
-        for p in sys.path
-        if p and (Path(p).resolve() in given or any(Path(p).resolve().is_relative_to(r) for r in roots))
-    ]
+    found = []
+    for entry in filter(None, sys.path):
+        where = Path(entry).resolve()
+        if not where.is_relative_to(code_dir) and (where in given or any(where.is_relative_to(r) for r in roots)):
+            found.append(entry)
+    return found
 
 
 def check_archive_code(code_dir: Path, store: Path) -> None:

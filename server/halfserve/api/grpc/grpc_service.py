@@ -149,8 +149,7 @@ class InferenceService:
     def _model(self, name: str, version: str, field: str = "name") -> ModelHandle:
         """The model ``name`` (the request's ``field``; empty: the only one served) at ``version``."""
         service = self.state.service
-        models = service.models
-        if not name and len(models) > 1:  # the request's field named, not HTTP's "model"
+        if not name and len(models := service.models) > 1:  # the request's field named, not HTTP's "model"
             raise InvalidInputError(f"{field}: several models are served ({', '.join(models)}); name one in {field}")
         return of_version(service.get(name or None), version)
 
