@@ -79,15 +79,7 @@ download .whl $(pinned constraints.txt "${server[@]}")
 echo "gpu_kit: .whl: ${#server[@]} wheels, $(du -sh .whl | cut -f1)"
 
 # wrk: the bench's load generator; Debian's build links LuaJIT, which the image lacks.
-(cd "$tmp" && apt-get download wrk libluajit2-5.1-2 >/dev/null 2>&1) || { echo "gpu_kit: apt-get download wrk failed" >&2; exit 1; }
-for deb in "$tmp"/*.deb; do dpkg -x "$deb" .devkit/root; done
-mkdir -p .devkit/bin
-cat >.devkit/bin/wrk <<'SH'
-#!/bin/sh
-here=$(cd "$(dirname "$0")/.." && pwd)
-LD_LIBRARY_PATH=$here/root/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} exec "$here/root/usr/bin/wrk" "$@"
-SH
-chmod +x .devkit/bin/wrk
+bash benchmarks/wrk_kit.sh .devkit
 echo "gpu_kit: .devkit: $(.devkit/bin/wrk -v 2>&1 | head -1)"
 
 if ((peer)); then
