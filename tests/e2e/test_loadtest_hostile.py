@@ -40,6 +40,15 @@ class Misbehaviour(str, Enum):
     """Later answers are 503."""
     HUGE_SHAPE = "huge-shape"
     """The listing declares an input of shape [40000, 40000]."""
+    TRICKLE_HEAD = "trickle-head"
+    """The listing's answer head never ends: a header's bytes come one every 0.2 s, each within httpx's read timeout."""
+    NESTED = "nested"
+    """The listing is JSON nested 100,000 deep, past any parser's recursion limit."""
+    BAD_NAME = "bad-name"
+    """The listing's one model is named with a path and a terminal escape."""
+
+
+BAD_NAME = "\x1b[2J../../admin"
 
 
 def _listing(shape: list[int]) -> dict[str, Any]:
@@ -95,6 +104,19 @@ class HostileServer:
             writer.close()
 
     async def _answer(self, method: str, path: str, writer: asyncio.StreamWriter) -> None:
+        if path == "/models" and self.mode is Misbehaviour.TRICKLE_HEAD:
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\nx-slow: ")
+            while True:
+                writer.write(b"a")
+                await writer.drain()
+                await asyncio.sleep(0.2)
+        if path == "/models" and self.mode is Misbehaviour.NESTED:
+            depth = 100_000
+            return await self._raw(writer, 200, b"[" * depth + b"]" * depth)
+        if path == "/models" and self.mode is Misbehaviour.BAD_NAME:
+            listing = _listing([4])
+            listing["models"][0]["name"] = BAD_NAME
+            return await self._json(writer, 200, listing)
         if path == "/models":
             shape = [40000, 40000] if self.mode is Misbehaviour.HUGE_SHAPE else [4]
             return await self._json(writer, 200, _listing(shape))
@@ -126,7 +148,10 @@ class HostileServer:
 
     @staticmethod
     async def _json(writer: asyncio.StreamWriter, status: int, body: dict[str, Any]) -> None:
-        data = json.dumps(body).encode()
+        await HostileServer._raw(writer, status, json.dumps(body).encode())
+
+    @staticmethod
+    async def _raw(writer: asyncio.StreamWriter, status: int, data: bytes) -> None:
         head = f"HTTP/1.1 {status} X\r\ncontent-type: application/json\r\ncontent-length: {len(data)}\r\n\r\n"
         writer.write(head.encode() + data)
         await writer.drain()
@@ -141,9 +166,12 @@ def hostile(request: pytest.FixtureRequest) -> Iterator[HostileServer]:
         server.stop()
 
 
-def loadtest(server: HostileServer, out: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+def loadtest(
+    server: HostileServer, out: Path, *extra: str, model: str | None = MODEL
+) -> subprocess.CompletedProcess[str]:
     cmd = [sys.executable, "-m", "halfserve", "loadtest", "--url", f"http://127.0.0.1:{server.port}"]
-    cmd += ["--model", MODEL, "--concurrency", "1", "--duration", "1", "--warmup", "0", "--timeout", "2"]
+    cmd += ["--model", model] if model is not None else []
+    cmd += ["--concurrency", "1", "--duration", "1", "--warmup", "0", "--timeout", "2"]
     cmd += ["--client-ceiling", "0", "--no-progress", "--out", str(out), *extra]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=RUN_LIMIT_S, cwd=ROOT)
 
@@ -206,4 +234,41 @@ def test_an_absurd_signature_is_refused_before_allocating(hostile: HostileServer
         "halfserve loadtest: error: model 'm': input 'x' declares shape [40000, 40000], 1,600,000,000 values per "
         "request (1 row(s)); the load test sends at most 16,777,216"
     ]
+    assert hostile.predicts == 0
+
+
+@pytest.mark.parametrize("hostile", [Misbehaviour.TRICKLE_HEAD], indirect=True)
+def test_a_listing_whose_head_never_ends_fails_the_run_at_the_timeout(hostile: HostileServer, tmp_path: Path) -> None:
+    # Each byte comes well within httpx's 2 s read timeout: only a bound on the request as a whole ends it (before,
+    # the run was held until RUN_LIMIT_S).
+    proc = loadtest(hostile, tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        f"halfserve loadtest: error: GET http://127.0.0.1:{hostile.port}/models: no whole answer within 2 s"
+    ]
+
+
+@pytest.mark.parametrize("hostile", [Misbehaviour.NESTED], indirect=True)
+def test_a_listing_nested_past_the_parser_s_limit_is_refused_in_one_line(
+    hostile: HostileServer, tmp_path: Path
+) -> None:
+    proc = loadtest(hostile, tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    [line] = proc.stderr.strip().splitlines()
+    assert line.startswith(
+        f"halfserve loadtest: error: GET http://127.0.0.1:{hostile.port}/models: not a model listing (RecursionError: "
+    )
+
+
+@pytest.mark.parametrize("hostile", [Misbehaviour.BAD_NAME], indirect=True)
+def test_a_listed_name_that_is_no_model_name_is_refused_before_any_request(
+    hostile: HostileServer, tmp_path: Path
+) -> None:
+    proc = loadtest(hostile, tmp_path, model=None)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        f"halfserve loadtest: error: GET http://127.0.0.1:{hostile.port}/models: model name {BAD_NAME!r} is invalid: "
+        "use letters, digits, '_', '.', '-' (max 64)"
+    ]
+    assert "\x1b" not in proc.stderr
     assert hostile.predicts == 0

@@ -7,6 +7,7 @@ before, the level itself (by duration or by request count), the same after. The 
 
 from __future__ import annotations
 
+import asyncio
 import platform
 import time
 from dataclasses import dataclass, field
@@ -36,7 +37,7 @@ from halfserve.loadtest.process import ManagedServer, process_cpu_seconds
 from halfserve.loadtest.stats import LevelResult, ServerDelta, summarize, throughput_ratios
 from halfserve.loadtest.target import check_url, grpc_target
 from halfserve.loadtest.worker import MAX_ANSWER_BYTES
-from halfserve.storage import MANIFEST
+from halfserve.storage import MANIFEST, StoreError, check_name
 from halfserve.version import __version__
 
 if TYPE_CHECKING:
@@ -99,21 +100,44 @@ def _listing(http: httpx.Client, wanted: str | None) -> dict[str, Any]:
     """The ``GET /models`` entry of the model to load-test (the only one served when none is named)."""
     response = _get(http, "/models")
     if response.status_code != 200:
-        raise LoadtestError(f"GET {http.base_url}/models answered {response.status_code}: {response.text[:300]}")
+        raise LoadtestError(f"GET {http.base_url}/models answered {response.status_code}: {_shown(response.text)}")
     try:
         models = {str(m["name"]): m for m in response.json()["models"]}
-    except (ValueError, KeyError, TypeError) as e:
-        raise LoadtestError(f"GET {http.base_url}/models: not a model listing ({type(e).__name__}: {e})") from None
+    except (ValueError, KeyError, TypeError, RecursionError) as e:
+        raise LoadtestError(
+            f"GET {http.base_url}/models: not a model listing ({type(e).__name__}: {_shown(e)})"
+        ) from None
     if wanted is None:
         if len(models) != 1:
-            raise LoadtestError(f"the server serves {len(models)} models ({', '.join(models)}); name one with --model")
+            raise LoadtestError(f"the server serves {len(models)} models ({_names(models)}); name one with --model")
         wanted = next(iter(models))
     if wanted not in models:
-        raise LoadtestError(f"the server does not serve {wanted!r} (it serves: {', '.join(models) or 'nothing'})")
+        raise LoadtestError(f"the server does not serve {wanted!r} (it serves: {_names(models) or 'nothing'})")
+    try:
+        # The name goes into every request's path: one the server could not have been given (``/``, ``..``,
+        # control characters) would send the load elsewhere.
+        check_name(wanted)
+    except StoreError as e:
+        raise LoadtestError(f"GET {http.base_url}/models: {e}") from None
     entry = models[wanted]
+    if not isinstance(entry, dict):
+        raise LoadtestError(f"GET {http.base_url}/models: the entry of {wanted!r} is not an object")
     if entry.get("state") != "ready":
-        raise LoadtestError(f"model {wanted!r} is {entry.get('state')}: {entry.get('error') or 'not ready'}")
+        state, error = _shown(entry.get("state")), _shown(entry.get("error") or "not ready")
+        raise LoadtestError(f"model {wanted!r} is {state}: {error}")
     return dict(entry)
+
+
+def _shown(value: object, limit: int = 300) -> str:
+    """What a server said, cut to ``limit`` characters and quoted where it holds a control character, so that an
+    answer cannot write over the terminal's lines."""
+    text = str(value)[:limit]
+    return text if text.isprintable() else repr(text)
+
+
+def _names(models: dict[str, Any], limit: int = 10) -> str:
+    names = [repr(name) for name in list(models)[:limit]]
+    return ", ".join(names) + (f" and {len(models) - limit} more" if len(models) > limit else "")
 
 
 def _get(http: httpx.Client, path: str) -> httpx.Response:
@@ -128,18 +152,28 @@ _BODY_HEADERS = frozenset({"content-encoding", "content-length", "transfer-encod
 
 
 def _bounded(http: httpx.Client, method: str, path: str, **kwargs: Any) -> httpx.Response:
-    """The answer, read within ``http``'s read timeout as a whole (not only between bytes, as httpx bounds it) and to
-    at most :data:`MAX_ANSWER_BYTES`: a slow or hostile server fails the run instead of holding it."""
+    """The answer, read whole within ``http``'s read timeout, from sending to the last byte (httpx bounds only each
+    wait for a byte, so a server trickling its head or body would hold the run), and to at most
+    :data:`MAX_ANSWER_BYTES`: a slow or hostile server fails the run instead of holding it."""
     seconds = http.timeout.read or 30.0
-    end = time.monotonic() + seconds
+    try:
+        # Cancelling the request's task at the deadline ends it wherever it waits, in the head as in the body, and
+        # closes its connection: a thread blocked in a read could not be stopped that way.
+        return asyncio.run(asyncio.wait_for(_read_whole(http, method, path, **kwargs), seconds))
+    except TimeoutError:
+        raise LoadtestError(f"{method} {http.base_url}{path}: no whole answer within {seconds:g} s") from None
+
+
+async def _read_whole(http: httpx.Client, method: str, path: str, **kwargs: Any) -> httpx.Response:
     body = bytearray()
-    with http.stream(method, path, **kwargs) as response:
-        for chunk in response.iter_bytes():
+    async with (
+        httpx.AsyncClient(base_url=http.base_url, timeout=http.timeout) as client,
+        client.stream(method, path, **kwargs) as response,
+    ):
+        async for chunk in response.aiter_bytes():
             body += chunk
             if len(body) > MAX_ANSWER_BYTES:
                 raise LoadtestError(f"{method} {http.base_url}{path}: answer over {MAX_ANSWER_BYTES} bytes")
-            if time.monotonic() > end:
-                raise LoadtestError(f"{method} {http.base_url}{path}: no whole answer within {seconds:g} s")
     headers = [(k, v) for k, v in response.headers.items() if k.lower() not in _BODY_HEADERS]
     return httpx.Response(response.status_code, headers=headers, content=bytes(body), request=response.request)
 
@@ -147,12 +181,14 @@ def _bounded(http: httpx.Client, method: str, path: str, **kwargs: Any) -> httpx
 def _stats(http: httpx.Client, model: str) -> tuple[int, int]:
     response = _get(http, f"/models/{model}/stats")
     if response.status_code != 200:
-        raise LoadtestError(f"GET /models/{model}/stats answered {response.status_code}: {response.text[:300]}")
+        raise LoadtestError(f"GET /models/{model}/stats answered {response.status_code}: {_shown(response.text)}")
     try:
         stats = response.json()
         return int(stats["rows"]), int(stats["batches"])
-    except (ValueError, KeyError, TypeError) as e:
-        raise LoadtestError(f"GET /models/{model}/stats: not the model's counts ({type(e).__name__}: {e})") from None
+    except (ValueError, KeyError, TypeError, RecursionError) as e:
+        raise LoadtestError(
+            f"GET /models/{model}/stats: not the model's counts ({type(e).__name__}: {_shown(e)})"
+        ) from None
 
 
 def _probe(http: httpx.Client, template: RequestTemplate, protocol: Protocol) -> str | None:
@@ -166,11 +202,11 @@ def _probe(http: httpx.Client, template: RequestTemplate, protocol: Protocol) ->
     if response.status_code == 404 and protocol is not Protocol.PREDICT and "/v2/" in template.path:
         raise LoadtestError(
             f"POST {template.path} answered 404: the server has no V2 inference route, or not this model "
-            f"({response.text[:200]}); use --protocol predict"
+            f"({_shown(response.text, 200)}); use --protocol predict"
         )
     if response.status_code != 200:
         raise LoadtestError(
-            f"a first {template.method} {template.path} answered {response.status_code}: {response.text[:300]}"
+            f"a first {template.method} {template.path} answered {response.status_code}: {_shown(response.text)}"
         )
     return served_precision(protocol, response.content, dict(response.headers))
 
@@ -184,7 +220,7 @@ def _probe_grpc(template: RequestTemplate, timeout: float) -> str | None:
         except grpc.RpcError as e:
             code, details = e.code(), e.details()
             raise LoadtestError(
-                f"a first gRPC ModelInfer to {template.grpc_target} answered {code}: {details}"
+                f"a first gRPC ModelInfer to {template.grpc_target} answered {code}: {_shown(details)}"
             ) from None
     return served_precision(Protocol.GRPC, answer, {})
 
@@ -276,7 +312,8 @@ class Runner:
             run.warmup_seconds = entry.get("warmup_seconds")
             self.sweep.servers.append(run)
             self.progress.note(
-                f"{run.url}: {model} v{entry.get('version')} on {run.device} in {run.served_precision}, "
+                f"{run.url}: {model} v{_shown(entry.get('version'), 40)} on {_shown(run.device, 40)} "
+                f"in {_shown(run.served_precision, 40)}, "
                 f"{cfg.protocol} with {cfg.rows_per_request} row(s) per request"
             )
             with LoadClient(run.url, processes=cfg.client_processes, timeout=cfg.timeout, loop=cfg.loop) as client:
