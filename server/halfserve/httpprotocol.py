@@ -328,6 +328,7 @@ class LimitedHttpProtocol(CoalescingHttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         self._in_head, self._in_body = False, True
+        self._host_from_target()
         if self._standby:
             if not self._is_probe():
                 self._refuse_busy()
@@ -362,6 +363,16 @@ class LimitedHttpProtocol(CoalescingHttpToolsProtocol):
         )
         self._close_after_early_answer()
         self._start_asgi_task(self.cycle, handler)  # type: ignore[arg-type]
+
+    def _host_from_target(self) -> None:
+        """For a request target in absolute form (``GET http://name/path``), its name in place of every ``Host`` the
+        request sent (RFC 9112 section 3.2.2: a server MUST ignore them and use the target's): the Host check then
+        judges the name the request is for, not one it added beside it."""
+        scheme, absolute, rest = self.url.partition(b"#")[0].partition(b"://")
+        if absolute and scheme.lower() in (b"http", b"https"):
+            authority = rest.partition(b"/")[0].partition(b"?")[0]
+            self.headers[:] = [(name, value) for name, value in self.headers if name != b"host"]
+            self.headers.append((b"host", authority))
 
     def _close_after_early_answer(self) -> None:
         """An answer sent before the request's body is read whole closes the connection (``connection: close``,

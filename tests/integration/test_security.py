@@ -61,8 +61,8 @@ async def asgi_status(app: Any, method: str, raw_path: str, headers: dict[str, s
         "raw_path": raw_path.encode(),
         "query_string": b"",
         "root_path": "",
-        "headers": [(b"content-type", b"application/json")]
-        + [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()],
+        "headers": [(k.lower().encode(), v.encode()) for k, v in ({"Host": "127.0.0.1", **(headers or {})}).items()]
+        + [(b"content-type", b"application/json")],
         "server": ("test", 80),
         "client": ("127.0.0.1", 1),
     }

@@ -97,3 +97,83 @@ def test_two_host_headers_are_refused_in_both_modes(relayed: ServerProcess, sing
             assert orjson.loads(body)["error"] == "Host: more than one Host header; send one"
         # The server goes on serving.
         assert exchange(server.url, ["GET /v2/models/tiny HTTP/1.0", "Host: 127.0.0.1"])[0] == 200
+
+
+GET_ROUTES = ("/v2/health/ready", "/v2/models/tiny", "/v2", "/health", "/ping")
+"""GET routes, relayed and answered by a front-end alike, whose answers do not change from one request to the next."""
+
+
+def close_head(method: str, path: str, *extra: str) -> list[str]:
+    return [f"{method} {path} HTTP/1.1", "Host: 127.0.0.1", "Connection: close", *extra]
+
+
+@pytest.mark.parametrize("path", GET_ROUTES)
+def test_head_is_answered_wherever_get_is_with_get_s_headers_and_no_body(
+    relayed: ServerProcess, single: ServerProcess, path: str
+) -> None:
+    """RFC 9110 section 9.3.2 (it was a 405)."""
+    for server in (relayed, single):
+        get_status, get_headers, get_body = exchange(server.url, close_head("GET", path))
+        status, headers, body = exchange(server.url, close_head("HEAD", path))
+        assert (status, body) == (get_status, b""), (server.url, path, status, body)
+        for name in ("content-type", "content-length"):
+            assert dict(headers)[name] == dict(get_headers)[name], (server.url, path, name)
+        assert int(dict(headers)["content-length"]) == len(get_body) > 0
+
+
+def test_a_method_a_get_route_does_not_take_is_a_405_naming_get_and_head(
+    relayed: ServerProcess, single: ServerProcess
+) -> None:
+    for server in (relayed, single):
+        status, headers, body = exchange(server.url, close_head("DELETE", "/v2/models/tiny"))
+        assert status == 405, (server.url, body)
+        assert dict(headers)["allow"] == "GET, HEAD"
+
+
+@pytest.mark.parametrize("path", ["/models", "/v2/models/tiny", "/health", "/v2/health/ready"])
+def test_an_http_1_1_request_without_a_host_is_a_400_in_both_modes(
+    relayed: ServerProcess, single: ServerProcess, path: str
+) -> None:
+    """RFC 9112 section 3.2 (it was served); HTTP/1.0 needs none (above)."""
+    for server in (relayed, single):
+        status, _, body = exchange(server.url, [f"GET {path} HTTP/1.1", "Connection: close"])
+        assert status == 400, (server.url, path, body)
+        assert orjson.loads(body)["error"] == "Host: missing; an HTTP/1.1 request must send one (RFC 9112 section 3.2)"
+        assert exchange(server.url, close_head("GET", path))[0] == 200
+
+
+@pytest.mark.parametrize(
+    ("host", "error"),
+    [
+        ("127.0.0.1:99999", "Host: '127.0.0.1:99999' names port 99999, past 65535"),
+        ("127.0.0.1:abc", "Host: '127.0.0.1:abc' is not a host and optional port"),
+        ("user@127.0.0.1", "Host: 'user@127.0.0.1' is not a host and optional port"),
+        ("127.0.0.1/x", "Host: '127.0.0.1/x' is not a host and optional port"),
+    ],
+)
+def test_a_host_that_is_no_host_and_port_is_a_400_on_every_route(
+    relayed: ServerProcess, single: ServerProcess, host: str, error: str
+) -> None:
+    """RFC 9112 section 3.2 (each was served where the name before the colon was allowed); the probes included."""
+    for server in (relayed, single):
+        for path in ("/models", "/health"):
+            status, _, body = exchange(server.url, [f"GET {path} HTTP/1.1", f"Host: {host}", "Connection: close"])
+            assert status == 400, (server.url, path, body)
+            assert orjson.loads(body)["error"] == error
+
+
+def test_an_absolute_form_target_is_judged_by_its_own_name(relayed: ServerProcess, single: ServerProcess) -> None:
+    """RFC 9112 section 3.2.2: the target's name stands in for the Host header (before, a foreign name in the target
+    was served beside an allowed Host)."""
+    for server in (relayed, single):
+        port = server.url.rsplit(":", 1)[1]
+        foreign = close_head("GET", "http://rebound.example/v2/models/tiny")
+        status, _, body = exchange(server.url, foreign)
+        assert status == 400, (server.url, body)
+        assert orjson.loads(body)["error"] == (
+            "Host: 'rebound.example' is not a name this server answers to (allowed_hosts)"
+        )
+        own = [f"GET http://127.0.0.1:{port}/v2/models/tiny HTTP/1.1", "Host: rebound.example", "Connection: close"]
+        status, _, body = exchange(server.url, own)
+        assert status == 200, (server.url, body)
+        assert orjson.loads(body)["name"] == "tiny"

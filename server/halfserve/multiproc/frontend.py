@@ -26,6 +26,7 @@ from halfserve.api.http import (
     answer_first,
     direct_routes,
     error_response,
+    head_as_get,
     scope_header,
 )
 from halfserve.httpserver import DrainingServer, uvicorn_config
@@ -78,6 +79,7 @@ class FrontendApp:
             return
         if scope["type"] != "http":
             return
+        scope = head_as_get(scope)
         if not await answer_first(self, scope, receive, send):
             await self._relay(scope, receive, send)
 

@@ -69,8 +69,10 @@ class App(FastAPI):
     """
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and await answer_first(self, scope, receive, send):
-            return
+        if scope["type"] == "http":
+            scope = head_as_get(scope)
+            if await answer_first(self, scope, receive, send):
+                return
         await super().__call__(scope, receive, send)
 
     def direct_routes(self) -> Callable[[Scope], DirectHandler | None]:
@@ -81,6 +83,14 @@ class App(FastAPI):
 class _HasState(Protocol):
     state: State
     """Holds the app's :class:`~halfserve.serving.AppState` as ``serving``."""
+
+
+def head_as_get(scope: Scope) -> Scope:
+    """A HEAD request's scope as the GET it asks about, every other request's as it is. RFC 9110 section 9.3.2: a
+    server answers HEAD wherever it answers GET, with GET's status and headers; the routes declare GET alone (FastAPI
+    adds no HEAD), and uvicorn, which holds the request's own scope, sends no body for a HEAD. A copy, so that the
+    request stays a HEAD to uvicorn."""
+    return {**scope, "method": "GET"} if scope["method"] == "HEAD" else scope
 
 
 def hot_route(scope: Scope) -> tuple[telemetry.Endpoint, dict[str, Any]] | None:
@@ -183,6 +193,7 @@ __all__ = [
     "answer_first",
     "direct_routes",
     "error_response",
+    "head_as_get",
     "install",
     "scope_header",
 ]

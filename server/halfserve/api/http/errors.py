@@ -62,7 +62,11 @@ def install(app: FastAPI) -> None:
 
     async def http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, StarletteHTTPException)
-        return error_response(exc.status_code, str(exc.detail), dict(exc.headers) if exc.headers else None)
+        headers = dict(exc.headers) if exc.headers else None
+        if headers is not None and "GET" in headers.get("Allow", "").split(", "):
+            # A GET route answers HEAD too (halfserve.api.http.head_as_get), which its declaration does not name.
+            headers["Allow"] += ", HEAD"
+        return error_response(exc.status_code, str(exc.detail), headers)
 
     async def validation_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, RequestValidationError)

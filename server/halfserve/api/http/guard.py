@@ -14,8 +14,11 @@ that comes to point at 127.0.0.1) read its listings and metrics. Three checks cl
   none.
 * **``Host``**: a name that is not an IP address, ``localhost`` (or a ``.localhost`` name), the name the server binds
   to or one of ``allowed_hosts`` is a 400, so a rebound name reads nothing: the browser sends the attacker's name, and
-  an address cannot be rebound. ``allowed_hosts = *`` answers any. Health and readiness probes are exempt. A request
-  with more than one ``Host`` is a 400 everywhere (RFC 9112 section 3.2).
+  an address cannot be rebound. ``allowed_hosts = *`` answers any. Health and readiness probes are exempt. On every
+  route, the probes included, a request with more than one ``Host``, an HTTP/1.1 request with none, and a ``Host``
+  that is no host and port (``127.0.0.1:99999``) are a 400 (RFC 9112 section 3.2). A request whose target is in
+  absolute form (``GET http://name/path``) is judged by the target's name, which stands in for its ``Host`` (RFC 9112
+  section 3.2.2; the HTTP protocol, :mod:`halfserve.httpprotocol`, puts it there).
 
 With ``--http-workers`` these checks run once, in the front-end that took the request, on what the client sent.
 """
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import ipaddress
+import re
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
@@ -40,6 +44,9 @@ if TYPE_CHECKING:
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 LONGEST_HOST = 300
 """Longest ``Host`` worth checking: a DNS name is at most 253 characters, and a port adds six."""
+_HOST_SYNTAX = re.compile(rb"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._~!$&'()*+,;=%-]*)(:[0-9]{0,5})?")
+"""RFC 9110 section 7.2's ``uri-host [ ":" port ]``: an IPv6 address in brackets or a name of the URI's characters,
+and a port of digits (checked for 65535 apart)."""
 JSON = ("application/json",)
 JSON_OR_BINARY = ("application/json", "application/octet-stream")
 
@@ -55,12 +62,14 @@ def check(scope: Scope, settings: Settings) -> None:
         # client address): the front-end ran this check on what the client sent, Host or none; the Host here is
         # the relay's own.
         return
+    raw = scope_header(scope, b"host")
+    problem = host_problem(raw, scope.get("http_version", "1.1"))
+    if problem is not None:
+        raise APIError(400, problem)
     # The probes are answered whatever the Host: a Kubernetes probe addresses the pod by its IP, and they disclose
     # nothing.
-    if scope["path"] not in PROBE_PATHS:
-        raw = scope_header(scope, b"host")
-        if not host_allowed(raw, tuple(settings.allowed_hosts), settings.host):
-            raise APIError(400, f"Host: {host_name(raw)[:200]!r} is not a name this server answers to (allowed_hosts)")
+    if scope["path"] not in PROBE_PATHS and not host_allowed(raw, tuple(settings.allowed_hosts), settings.host):
+        raise APIError(400, f"Host: {host_name(raw)[:200]!r} is not a name this server answers to (allowed_hosts)")
     if scope["method"] in SAFE_METHODS:
         return
     site = scope_header(scope, b"sec-fetch-site")
@@ -85,6 +94,26 @@ async def admitted(scope: Scope, receive: Receive, send: Send, settings: Setting
         await error_response(e.status, e.message, e.headers)(scope, receive, send)
         return False
     return True
+
+
+@functools.lru_cache(maxsize=256)
+def host_problem(raw: bytes | None, http_version: str) -> str | None:
+    """What is wrong with a request's ``Host`` (``raw``, None when it sent none) whatever the server's name: an
+    HTTP/1.1 request without one, or one that is no host and optional port (RFC 9112 section 3.2: a server MUST answer
+    400 to either); None when nothing is. HTTP/1.0 needs none. Cached as :func:`_host_allowed` is."""
+    if raw is None:
+        return (
+            None if http_version == "1.0" else "Host: missing; an HTTP/1.1 request must send one (RFC 9112 section 3.2)"
+        )
+    if len(raw) > LONGEST_HOST:
+        return f"Host: {len(raw)} bytes, more than a name and port take ({LONGEST_HOST})"
+    found = _HOST_SYNTAX.fullmatch(raw)
+    if found is None:
+        return f"Host: {raw.decode('latin-1')!r} is not a host and optional port"
+    port = found.group(2)
+    if port is not None and len(port) > 1 and int(port[1:]) > 65535:
+        return f"Host: {raw.decode('latin-1')!r} names port {int(port[1:])}, past 65535"
+    return None
 
 
 def host_allowed(raw: bytes | None, allowed_hosts: tuple[str, ...], bound: str) -> bool:
