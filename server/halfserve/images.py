@@ -205,7 +205,38 @@ def opened(data: bytes, kind: str, max_pixels: int, field: str) -> Iterator[Imag
         width, height = image.size
         if width * height > max_pixels:
             raise too_large(field, f"a {width}x{height} {kind} image", max_pixels)
+        problem = cut_short(data, kind, width, height)
+        if problem is not None:
+            raise ImageError(f"{field}: {problem}")
         yield image
+
+
+JPEG_PIXELS_PER_BYTE = 2048
+"""A Huffman-coded JPEG codes each 8x8 block of its full-resolution component in one bit at least (the code of its DC
+difference), so W x H pixels take W*H/512 bytes at least; this allows four times fewer, for any sampling layout."""
+PNG_INFLATION = 1032
+"""deflate's most: no zlib stream inflates to more than 1,032 times its size."""
+_ARITHMETIC_SOF = re.compile(rb"\xff[\xc9\xca\xcb\xcd\xce\xcf]")
+"""The frame headers of arithmetic-coded JPEGs, which can code a block in less than a bit: not held to the bound."""
+
+
+def cut_short(data: bytes, kind: str, width: int, height: int) -> str | None:
+    """Why ``data``, a ``kind`` image whose header says ``width`` x ``height``, holds too few bytes for its pixels to
+    be in it, or None. Such a file ends its image data early (or holds none): libjpeg and Pillow's PNG reader fill
+    the rest in grey, with no error, so a few hundred bytes would be served as a 24-megapixel grey photo. Checked from
+    the header, before anything is decoded."""
+    if kind == ImageFormat.JPEG.value:
+        least = width * height // JPEG_PIXELS_PER_BYTE
+    elif kind == ImageFormat.PNG.value:
+        least = height * (1 + (width + 7) // 8) // PNG_INFLATION  # its rows at one bit a pixel, each with its filter
+    else:
+        return None  # libwebp refuses image data cut short itself
+    if len(data) >= least or (kind == ImageFormat.JPEG.value and _ARITHMETIC_SOF.search(data)):
+        return None
+    return (
+        f"a {width}x{height} {kind} image in {len(data)} bytes, fewer than its pixels take ({least} at least): "
+        "its image data is cut short or missing"
+    )
 
 
 def decode(data: bytes, spec: ImageInput, max_pixels: int, field: str) -> np.ndarray:

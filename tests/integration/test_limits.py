@@ -88,6 +88,22 @@ async def test_a_compressed_body_is_held_to_max_body_bytes_as_it_inflates(tiny_s
     assert ok.status_code == 200, ok.text
 
 
+async def test_gzip_members_are_held_to_max_body_bytes_together(tiny_store: Path) -> None:
+    """Many gzip members, each far under the limit, inflate past it together: refused as one member would be, and
+    after the first 100 KB + 1 of output."""
+    member = gzip.compress(b" " * 30_000, compresslevel=9)
+    body = gzip.compress(b"[") + member * 500 + gzip.compress(b"]")
+    assert len(body) < 100_000
+    gz = {"content-type": "application/json", "content-encoding": "gzip"}
+    async with serving(Settings(store=tiny_store, max_body_bytes=100_000, max_compression_ratio=1_000)) as client:
+        predict = await client.post("/predict", content=body, headers=gz)
+        v2 = await client.post(INFER, content=body, headers=gz)
+    assert predict.status_code == v2.status_code == 413
+    assert (
+        predict.json()["error"] == v2.json()["error"] == "body: decompresses to more than 100000 bytes (max_body_bytes)"
+    )
+
+
 async def test_rows_and_values_over_their_limits_are_413s_naming_field_and_setting(tiny_store: Path) -> None:
     x = np.zeros((5, 16), np.float32)
     content, headers = binary_body(x)

@@ -219,6 +219,17 @@ async def test_gzip_and_deflate_bodies_are_decompressed(tiny_store: Path) -> Non
         r = await client.post("/predict", content=body, headers={"Content-Encoding": "gzip"})
         assert r.status_code == 200, r.text
         np.testing.assert_allclose(r.json()["outputs"], want, rtol=1e-6)
+        # Several gzip members one after another are one body (RFC 1952 section 2.2; `cat a.gz b.gz`): each request
+        # below was a 400 "has bytes after its compressed stream".
+        content, headers = binary_request(x.tobytes(), [3, 16])
+        members = b"".join(gzip.compress(content[i : i + 50]) for i in range(0, len(content), 50))
+        r = await client.post(INFER, content=members, headers={**headers, "Content-Encoding": "gzip"})
+        np.testing.assert_allclose(read_response(r)[1], want, rtol=1e-6)
+        as_json = orjson.dumps({"inputs": x.tolist()})
+        members = gzip.compress(as_json[:10]) + gzip.compress(b"") + gzip.compress(as_json[10:])
+        r = await client.post("/predict", content=members, headers={"Content-Encoding": "x-gzip"})
+        assert r.status_code == 200, r.text
+        np.testing.assert_allclose(r.json()["outputs"], want, rtol=1e-6)
 
 
 async def test_fp16_and_bf16_binary_inputs(tmp_path: Path) -> None:
@@ -567,6 +578,27 @@ BAD_REQUESTS: list[tuple[str, bytes, dict[str, str], int, str]] = [
     (
         "bytes after gzip",
         gzip.compress(orjson.dumps(_input(data=JSON_ROW))) + b"tail",
+        {"Content-Encoding": "gzip"},
+        400,
+        "body: has bytes after its compressed stream (Content-Encoding: gzip)",
+    ),
+    (
+        "a cut second gzip member",
+        gzip.compress(orjson.dumps(_input(data=JSON_ROW))) + gzip.compress(b" ")[:-3],
+        {"Content-Encoding": "gzip"},
+        400,
+        "body: ends before its compressed stream does (Content-Encoding: gzip)",
+    ),
+    (
+        "two zlib streams as deflate",
+        zlib.compress(orjson.dumps(_input(data=JSON_ROW))) + zlib.compress(b" "),
+        {"Content-Encoding": "deflate"},
+        400,
+        "body: has bytes after its compressed stream (Content-Encoding: deflate)",
+    ),
+    (
+        "bytes after two gzip members",
+        gzip.compress(orjson.dumps(_input(data=JSON_ROW))) + gzip.compress(b" ") + b"tail",
         {"Content-Encoding": "gzip"},
         400,
         "body: has bytes after its compressed stream (Content-Encoding: gzip)",

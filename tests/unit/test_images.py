@@ -173,6 +173,53 @@ def test_each_format_s_header_is_held_to_the_pixel_limit(fmt: str) -> None:
         images.decode(claiming(fmt, 9000, 9000), spec(crop=4), LIMIT, "body")
 
 
+def jpeg_without_its_data(width: int, height: int) -> bytes:
+    """A JPEG's headers, its scan's header and its end: no image data at all (a few hundred bytes)."""
+    data = encoded(Image.new("RGB", (width, height), (10, 200, 30)), "JPEG", quality=50)
+    scan = data.index(b"\xff\xda")
+    return data[: scan + 2 + int.from_bytes(data[scan + 2 : scan + 4], "big")] + b"\xff\xd9"
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        (jpeg_without_its_data(6000, 4000), r"a 6000x4000 JPEG image in \d{3} bytes, fewer than its pixels take"),
+        (png_claiming(4000, 4000), r"a 4000x4000 PNG image in \d{2,3} bytes, fewer than its pixels take"),
+    ],
+    ids=["JPEG", "PNG"],
+)
+def test_a_file_too_small_for_the_pixels_its_header_claims_is_refused_before_decoding(
+    data: bytes, message: str
+) -> None:
+    """Pillow decoded each, filling what was missing in grey, into a photo of 24 and 16 megapixels."""
+    with Image.open(io.BytesIO(data)) as image:
+        image.load()  # what the server did before: no error
+    with pytest.raises(images.ImageError, match=f"body: {message} .* its image data is cut short or missing"):
+        images.decode(data, spec(crop=4), 25_000_000, "body")
+    with (
+        pytest.raises(images.ImageError, match="cut short or missing"),
+        images.opened(data, "PNG" if data.startswith(b"\x89") else "JPEG", 25_000_000, "f"),
+    ):
+        pass
+
+
+@pytest.mark.parametrize(
+    ("mode", "fmt", "options"),
+    [
+        ("1", "PNG", {"optimize": True}),
+        ("L", "PNG", {"compress_level": 9}),
+        ("L", "JPEG", {"quality": 1, "optimize": True, "progressive": True}),
+        ("RGB", "JPEG", {"quality": 1, "optimize": True, "subsampling": 2}),
+    ],
+)
+def test_the_most_compressible_whole_files_are_under_the_bound(mode: str, fmt: str, options: dict[str, object]) -> None:
+    """One colour over 2000x2000, compressed as hard as Pillow can: decoded, not refused (the bound is what the format
+    cannot go below)."""
+    data = encoded(Image.new(mode, (2000, 2000)), fmt, **options)
+    assert images.cut_short(data, fmt, 2000, 2000) is None
+    assert images.decode(data, spec(mode="L", crop=4), 25_000_000, "body").shape == (1, 4, 4)
+
+
 def test_the_pixel_limit_is_width_times_height() -> None:
     data = encoded(Image.new("L", (100, 100)), "PNG")
     assert images.decode(data, spec(mode="L", crop=4), 10_000, "body").shape == (1, 4, 4)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import io
 import struct
+from collections.abc import Awaitable, Callable
 from types import SimpleNamespace
 from typing import cast
 
@@ -27,6 +28,7 @@ from halfserve.imageinput import ImageInput
 from halfserve.manifest import Manifest, Precision, TensorSpec
 from halfserve.serving import InvalidInputError, ModelHandle, OverLimitError, QueueFullError
 from halfserve.settings import Settings
+from tests.unit.test_images import png_claiming
 
 SETTINGS = Settings(max_request_images=3, max_image_pixels=10_000)
 SECTION = ImageInput.model_validate({"input": "photo", "feeds": "pixels", "mode": "L", "resize": [8, 8]})
@@ -142,6 +144,25 @@ async def test_a_broken_photo_is_a_400_naming_its_element() -> None:
         await decode_inputs([{"b64": b64(gif())}], SERVED, SETTINGS)
     with pytest.raises(InvalidInputError, match=r'inputs\[0\]: expected \{"b64"'):
         await decode_inputs([{"b64": 3}], SERVED, SETTINGS)
+
+
+async def test_a_photo_too_small_for_its_header_s_pixels_is_a_400_on_every_transport(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Its header says 4000x4000, its data is a few rows: decoded before, the other rows grey (16 megapixels)."""
+    monkeypatch.setattr(f"{__name__}.SETTINGS", Settings(max_request_images=3, max_image_pixels=25_000_000))
+    short = png_claiming(4000, 4000)
+    said = r"a 4000x4000 PNG image in \d+ bytes, fewer than its pixels take \(1941 at least\): its image data is cut"
+    attempts: list[tuple[str, Callable[[], Awaitable[object]]]] = [
+        (r"inputs\[0\]\[1\]", lambda: via_binary([PHOTOS[0], short])),
+        (r"inputs\[0\]\[0\]", lambda: via_grpc([short])),
+        (r"inputs\[0\]\[0\]", lambda: via_grpc([short], raw=True)),
+        (r"inputs\[0\]\[0\]", lambda: via_json([b64(short)])),
+        (r"inputs\[0\]\.b64", lambda: decode_inputs([{"b64": b64(short)}], SERVED, SETTINGS)),
+    ]
+    for field, attempt in attempts:
+        with pytest.raises(InvalidInputError, match=f"{field}: {said}"):
+            await attempt()
 
 
 async def test_too_many_photos_or_pixels_is_a_413() -> None:

@@ -133,22 +133,38 @@ def _codec(encoding: bytes | None) -> int | None:
 
 def _decompress(body: bytes, wbits: int, encoding: str, limit: int, setting: str) -> bytes:
     """``body`` decompressed, refused with a 413 as soon as it grows past ``limit`` (a small body can inflate a
-    thousandfold) and with a 400 when it is not one whole stream of its encoding."""
-    d = zlib.decompressobj(wbits)
-    try:
-        out = d.decompress(body, limit + 1)
-        if len(out) <= limit and not d.eof:
-            out += d.flush()
-    except zlib.error as e:
-        if wbits == zlib.MAX_WBITS:  # deflate sent raw, without zlib's header (some clients do)
-            return _decompress(body, -zlib.MAX_WBITS, encoding, limit, setting)
-        raise APIError(400, f"body: not valid {encoding} data (Content-Encoding: {encoding}): {e}") from None
-    if len(out) > limit:
-        raise APIError(413, f"body: decompresses to more than {limit} bytes ({setting})")
-    if not d.eof or d.unused_data:
-        what = "ends before its compressed stream does" if not d.eof else "has bytes after its compressed stream"
-        raise APIError(400, f"body: {what} (Content-Encoding: {encoding})")
-    return out
+    thousandfold) and with a 400 when it is not whole streams of its encoding. gzip's may be several members one after
+    another (RFC 1952 section 2.2, as ``cat a.gz b.gz`` and streaming compressors make them), read as one body, the
+    limit counted over all of them."""
+    parts: list[bytes] = []
+    size = 0
+    rest = body
+    while True:
+        d = zlib.decompressobj(wbits)
+        try:
+            out = d.decompress(rest, limit - size + 1)
+            if size + len(out) <= limit and not d.eof:
+                out += d.flush()
+        except zlib.error as e:
+            if wbits == zlib.MAX_WBITS:  # deflate sent raw, without zlib's header (some clients do)
+                return _decompress(body, -zlib.MAX_WBITS, encoding, limit, setting)
+            raise APIError(400, f"body: not valid {encoding} data (Content-Encoding: {encoding}): {e}") from None
+        size += len(out)
+        if size > limit:
+            raise APIError(413, f"body: decompresses to more than {limit} bytes ({setting})")
+        parts.append(out)
+        if not d.eof:
+            raise APIError(400, f"body: ends before its compressed stream does (Content-Encoding: {encoding})")
+        rest = d.unused_data
+        if not rest:
+            return parts[0] if len(parts) == 1 else b"".join(parts)
+        if wbits != _GZIP or not rest.startswith(_GZIP_MAGIC):
+            raise APIError(400, f"body: has bytes after its compressed stream (Content-Encoding: {encoding})")
+
+
+_GZIP = 16 + zlib.MAX_WBITS
+_GZIP_MAGIC = b"\x1f\x8b"
+"""How every gzip member begins (RFC 1952 section 2.3.1)."""
 
 
 def client_timeout(request: Request) -> float | None:

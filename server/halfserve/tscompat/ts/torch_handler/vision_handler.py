@@ -10,6 +10,8 @@ from typing import Any
 import torch
 from PIL import Image
 
+from halfserve.images import cut_short
+
 from .base_handler import BaseHandler
 
 MAX_PIXELS = 25_000_000
@@ -34,6 +36,9 @@ class VisionHandler(BaseHandler):
                     raise ValueError(
                         f"image of {opened.width}x{opened.height} pixels, more than the {MAX_PIXELS} allowed"
                     )
+                problem = cut_short(bytes(image), str(opened.format), opened.width, opened.height)
+                if problem is not None:
+                    raise ValueError(problem)
                 images.append(self.image_processing(opened))
             else:
                 images.append(torch.FloatTensor(image))
