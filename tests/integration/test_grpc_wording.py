@@ -3,6 +3,7 @@ reads; never HTTP's ``model`` or ``parameters.binary_data_size``, which a gRPC c
 
 from __future__ import annotations
 
+import struct
 from pathlib import Path
 
 import grpc
@@ -33,6 +34,25 @@ def _ints_for_floats() -> service_pb2.ModelInferRequest:
     return request
 
 
+_NAN_ROW = [1.0, float("nan")] + [0.0] * 14
+
+
+def _nan_raw() -> service_pb2.ModelInferRequest:
+    request = _request("tiny")
+    request.inputs.add(name="features", datatype="FP32", shape=[1, 16])
+    request.raw_input_contents.append(struct.pack("<16f", *_NAN_ROW))
+    return request
+
+
+def _nan_contents() -> service_pb2.ModelInferRequest:
+    request = _request("tiny")
+    request.inputs.add(name="features", datatype="FP32", shape=[1, 16]).contents.fp32_contents.extend(_NAN_ROW)
+    return request
+
+
+_NAN = "row 0 holds a NaN or infinite value (or one beyond the range of float32); model 'tiny' does not accept them"
+
+
 def _no_model_name() -> service_pb2.ModelInferRequest:
     request = _request("")
     request.inputs.add(name="features", datatype="FP32", shape=[1, 16]).contents.fp32_contents.extend([1.0] * 16)
@@ -45,8 +65,11 @@ def _no_model_name() -> service_pb2.ModelInferRequest:
         (_short_raw, "raw_input_contents[0]: 60 bytes of binary data, but shape [1, 16] of FP32 takes 64 bytes"),
         (_ints_for_floats, "inputs[0].contents: int_contents given, but a FP32 input reads fp32_contents"),
         (_no_model_name, "model_name: several models are served (other, tiny); name one in model_name"),
+        # Both were named "inputs[0] (binary data)", HTTP's words for the bytes after its JSON header.
+        (_nan_raw, f"raw_input_contents[0]: {_NAN} (allow_nonfinite_inputs)"),
+        (_nan_contents, f"inputs[0].contents.fp32_contents: {_NAN} (allow_nonfinite_inputs)"),
     ],
-    ids=["short-raw", "ints-for-floats", "no-model-name"],
+    ids=["short-raw", "ints-for-floats", "no-model-name", "nan-raw", "nan-contents"],
 )
 async def test_a_refusal_names_the_grpc_field(tiny_store: Path, message: object, error: str) -> None:
     assert callable(message)

@@ -147,17 +147,20 @@ def _decode_input(
         arr = decode_json(data.values, wire, shape, f"{field}.data")
     else:  # BYTES elements for a datatype that is not BYTES
         raise InvalidInputError(f"{field}.datatype: {wire.value} data cannot be given as BYTES elements")
-    # A non-finite value is named as binary data when the body (or a raw_input_contents entry) held it, else as
-    # ``data``: shared memory's refusal keeps the field clients of it have always been given.
-    return checked_input(arr, wire, spec, served, field, json=type(data) is not BinaryData), spec
+    # A non-finite value is named where the request held it: the body's binary data, the gRPC field (a
+    # raw_input_contents entry, or typed contents) or ``data``; shared memory's refusal keeps the field clients of it
+    # have always been given.
+    values = (data.source or f"{field} (binary data)") if type(data) is BinaryData else f"{field}.data"
+    return checked_input(arr, wire, spec, served, field, values), spec
 
 
 def checked_input(
-    arr: np.ndarray, wire: DataType, spec: TensorSpec, served: ModelHandle, field: str, json: bool
+    arr: np.ndarray, wire: DataType, spec: TensorSpec, served: ModelHandle, field: str, values: str
 ) -> np.ndarray:
-    """A decoded input entry as the batcher's array for ``spec``: converted to its dtype, checked to be finite."""
+    """A decoded input entry as the batcher's array for ``spec``: converted to its dtype, checked to be finite (a
+    refusal names ``values``, the request field that held them)."""
     x = to_input_dtype(arr, wire, spec, served.precision is Precision.FP16, f"{field}.datatype", served.name)
-    check_finite(x, served, f"{field}.data" if json else f"{field} (binary data)")
+    check_finite(x, served, values)
     return x
 
 

@@ -36,7 +36,7 @@ def planned_request(plan: RequestPlan, binary: memoryview, served: ModelHandle) 
         check_size(plan.settings, served, i.shape[0], f"{i.field}.shape")
         data = binary[i.start : i.start + i.size]
         arr = decode_binary(data, i.wire, i.shape, f"{i.field}.parameters.binary_data_size")
-        tensors[i.spec.name] = checked_input(arr, i.wire, i.spec, served, i.field, json=False)
+        tensors[i.spec.name] = checked_input(arr, i.wire, i.spec, served, i.field, f"{i.field} (binary data)")
     return Inference(
         tensors, plan.request_id, plan.binary_output, plan.timeout_us, plan.classes, None, plan.outputs, plan
     )

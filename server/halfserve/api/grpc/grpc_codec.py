@@ -173,7 +173,7 @@ def _typed_data(tensor: Any, field: str) -> InputData:
     wire = DataType(tensor.datatype)
     if wire.wire_dtype != dtype:
         check_range(arr, wire.wire_dtype, f"{field}.contents.{name}")
-    return BinaryData(memoryview(arr.astype(wire.wire_dtype, copy=False).tobytes()))
+    return BinaryData(memoryview(arr.astype(wire.wire_dtype, copy=False).tobytes()), f"{field}.contents.{name}")
 
 
 def infer_response(served: ModelHandle, req: Inference, result: Prediction) -> Any:
