@@ -26,7 +26,8 @@ from halfserve.manifest import describe
 from halfserve.settings import MAX_IMAGE_PIXELS, MOST_IMAGE_PIXELS, Settings
 
 if TYPE_CHECKING:
-    from halfserve.mar import Archive, CodeCopies
+    from halfserve.codecopies import CodeCopies
+    from halfserve.mar import Archive
     from halfserve.multiproc.supervisor import Frontends
 
 
@@ -296,11 +297,12 @@ def _add_image_flags(p: argparse.ArgumentParser) -> None:
 
 def import_(args: argparse.Namespace) -> int:
     from halfserve import importer, importflags, mar, models
+    from halfserve.codecopies import CodeCopies
     from halfserve.precision import resolve_device
 
     scratch = tempfile.TemporaryDirectory(prefix="halfserve-mar-")
     extra: dict[str, Path] = {}
-    copies = mar.CodeCopies()  # an archive's code, in place only once the import is accepted
+    copies = CodeCopies()  # an archive's code, in place only once the import is accepted
     try:
         if args.source.suffix == ".mar":
             archive = mar.read(args.source, Path(scratch.name))

@@ -18,8 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from halfserve import mar, models, storage
+from halfserve import models, storage
 from halfserve.app import create_app
+from halfserve.codecopies import CodeCopies
 from halfserve.settings import Settings
 from halfserve.storage import StoreError
 from tests.conftest import save_tiny_mlp
@@ -207,7 +208,7 @@ def test_two_imports_into_one_code_folder_run_one_after_the_other(tmp_path: Path
     first's files appearing midway, and never refuses after its model was written."""
     code = tmp_path / "code"
     code.mkdir()
-    first, second = mar.CodeCopies(), mar.CodeCopies()
+    first, second = CodeCopies(), CodeCopies()
     first.hold(code)
     held = threading.Event()
 
@@ -230,11 +231,11 @@ def test_two_imports_into_one_code_folder_run_one_after_the_other(tmp_path: Path
 
 def test_a_staging_folder_a_killed_import_left_is_removed_by_the_next(tmp_path: Path) -> None:
     code = tmp_path / "code"
-    stale = code / f"{mar.CodeCopies.STAGING}killed"
+    stale = code / f"{CodeCopies.STAGING}killed"
     stale.mkdir(parents=True)
     (stale / "mar_x.py").write_text("# staged by an import killed with -9\n")
     (code / "mine.py").write_text("# the operator's own\n")
-    copies = mar.CodeCopies()
+    copies = CodeCopies()
     try:
         copies.hold(code)
     finally:
