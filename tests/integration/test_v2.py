@@ -597,6 +597,13 @@ BAD_REQUESTS: list[tuple[str, bytes, dict[str, str], int, str]] = [
         "body: has bytes after its compressed stream (Content-Encoding: deflate)",
     ),
     (
+        "more gzip members than a body may hold",
+        gzip.compress(orjson.dumps(_input(data=JSON_ROW))) + gzip.compress(b"") * 4096,
+        {"Content-Encoding": "gzip"},
+        400,
+        "body: more than 4096 gzip members (Content-Encoding: gzip)",
+    ),
+    (
         "bytes after two gzip members",
         gzip.compress(orjson.dumps(_input(data=JSON_ROW))) + gzip.compress(b" ") + b"tail",
         {"Content-Encoding": "gzip"},

@@ -134,34 +134,48 @@ def _codec(encoding: bytes | None) -> int | None:
 def _decompress(body: bytes, wbits: int, encoding: str, limit: int, setting: str) -> bytes:
     """``body`` decompressed, refused with a 413 as soon as it grows past ``limit`` (a small body can inflate a
     thousandfold) and with a 400 when it is not whole streams of its encoding. gzip's may be several members one after
-    another (RFC 1952 section 2.2, as ``cat a.gz b.gz`` and streaming compressors make them), read as one body, the
-    limit counted over all of them."""
+    another (RFC 1952 section 2.2, as ``cat a.gz b.gz`` and block compressors make them), read as one body, the limit
+    counted over all of them, and at most :data:`MAX_GZIP_MEMBERS`."""
+    view = memoryview(body)
     parts: list[bytes] = []
-    size = 0
-    rest = body
+    size = pos = members = 0
     while True:
+        members += 1
+        if members > MAX_GZIP_MEMBERS:
+            raise APIError(400, f"body: more than {MAX_GZIP_MEMBERS} gzip members (Content-Encoding: {encoding})")
         d = zlib.decompressobj(wbits)
         try:
-            out = d.decompress(rest, limit - size + 1)
-            if size + len(out) <= limit and not d.eof:
-                out += d.flush()
+            while not d.eof:
+                # At most a chunk at a time: what zlib keeps of the input after a member ends (unused_data) is then
+                # one chunk at most, not a copy of the rest of the body per member.
+                if d.unconsumed_tail:
+                    chunk: bytes | memoryview = d.unconsumed_tail
+                elif pos < len(view):
+                    chunk, pos = view[pos : pos + _INFLATE_CHUNK], min(pos + _INFLATE_CHUNK, len(view))
+                else:
+                    break
+                out = d.decompress(chunk, limit - size + 1)
+                size += len(out)
+                if size > limit:
+                    raise APIError(413, f"body: decompresses to more than {limit} bytes ({setting})")
+                parts.append(out)
         except zlib.error as e:
             if wbits == zlib.MAX_WBITS:  # deflate sent raw, without zlib's header (some clients do)
                 return _decompress(body, -zlib.MAX_WBITS, encoding, limit, setting)
             raise APIError(400, f"body: not valid {encoding} data (Content-Encoding: {encoding}): {e}") from None
-        size += len(out)
-        if size > limit:
-            raise APIError(413, f"body: decompresses to more than {limit} bytes ({setting})")
-        parts.append(out)
         if not d.eof:
             raise APIError(400, f"body: ends before its compressed stream does (Content-Encoding: {encoding})")
-        rest = d.unused_data
-        if not rest:
+        pos -= len(d.unused_data)
+        if pos == len(view):
             return parts[0] if len(parts) == 1 else b"".join(parts)
-        if wbits != _GZIP or not rest.startswith(_GZIP_MAGIC):
+        if wbits != _GZIP or view[pos : pos + 2] != _GZIP_MAGIC:
             raise APIError(400, f"body: has bytes after its compressed stream (Content-Encoding: {encoding})")
 
 
+MAX_GZIP_MEMBERS = 4096
+"""The most gzip members a body may be made of: a block compressor's 64 KiB blocks fill a 64 MiB body with 1,024,
+and each member costs a decompressor of its own, whatever it holds (an empty one is 20 bytes)."""
+_INFLATE_CHUNK = 1 << 16
 _GZIP = 16 + zlib.MAX_WBITS
 _GZIP_MAGIC = b"\x1f\x8b"
 """How every gzip member begins (RFC 1952 section 2.3.1)."""
