@@ -20,6 +20,7 @@ probes, and the process is not restarted or taken out of its service for what it
 from __future__ import annotations
 
 import asyncio
+import re
 import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -80,6 +81,10 @@ class _Census:
     """Connections under ``max_connections`` (a refused one, closing, until it is closed)."""
     standby: dict[LimitedHttpProtocol, None] = field(default_factory=dict)
     """Connections past it, waiting for a probe's head or answering it, oldest first."""
+
+
+_SCHEME = re.compile(rb"[A-Za-z][A-Za-z0-9+.-]*")
+"""RFC 3986 section 3.1's ``scheme``: what comes before ``://`` in a request target in absolute form."""
 
 
 class _Refused(Exception):
@@ -365,14 +370,25 @@ class LimitedHttpProtocol(CoalescingHttpToolsProtocol):
         self._start_asgi_task(self.cycle, handler)  # type: ignore[arg-type]
 
     def _host_from_target(self) -> None:
-        """For a request target in absolute form (``GET http://name/path``), its name in place of every ``Host`` the
-        request sent (RFC 9112 section 3.2.2: a server MUST ignore them and use the target's): the Host check then
-        judges the name the request is for, not one it added beside it."""
-        scheme, absolute, rest = self.url.partition(b"#")[0].partition(b"://")
-        if absolute and scheme.lower() in (b"http", b"https"):
-            authority = rest.partition(b"/")[0].partition(b"?")[0]
-            self.headers[:] = [(name, value) for name, value in self.headers if name != b"host"]
-            self.headers.append((b"host", authority))
+        """For a request target in absolute form (``GET http://name/path``, any scheme), its name in place of every
+        ``Host`` the request sent (RFC 9112 section 3.2.2: a server MUST ignore them and use the target's), and its
+        path and query as the target: the Host check then judges the name the request is for, not one it added beside
+        it, and answers a name the URL parser would refuse (``http://name:99999/``) in JSON, naming ``Host``. An empty
+        path is ``/`` (RFC 9110 section 4.2.3: ``http://name`` was a parser error); an ``http`` or ``https`` target
+        that names no host is a 400 (RFC 9110 section 4.2.1)."""
+        url = self.url.partition(b"#")[0]
+        scheme, absolute, rest = url.partition(b"://")
+        if not absolute or _SCHEME.fullmatch(scheme) is None:  # origin-form ("/a://b" has no scheme) or asterisk
+            return
+        end = min((i for i in (rest.find(b"/"), rest.find(b"?")) if i >= 0), default=len(rest))
+        authority, target = rest[:end], rest[end:]
+        if not authority and scheme.lower() in (b"http", b"https"):
+            shown = url[:200].decode("latin-1")
+            self._refuse(400, f"request target: {shown!r} names no host (RFC 9110 section 4.2.1)")
+            raise _Refused
+        self.headers[:] = [(name, value) for name, value in self.headers if name != b"host"]
+        self.headers.append((b"host", authority))
+        self.url = target if target.startswith(b"/") else b"/" + target
 
     def _close_after_early_answer(self) -> None:
         """An answer sent before the request's body is read whole closes the connection (``connection: close``,
@@ -391,7 +407,7 @@ class LimitedHttpProtocol(CoalescingHttpToolsProtocol):
         if self.limit_concurrency is not None or (self.cycle is not None and not self.cycle.response_complete):
             return None
         url = self.url.partition(b"#")[0]
-        if not url.startswith(b"/") or not url.isascii():  # absolute-form, or bytes uvicorn refuses: its parsing
+        if not url.startswith(b"/") or not url.isascii():  # a target uvicorn refuses, and answers: its parsing
             return None
         raw_path, _, query = url.partition(b"?")
         path = raw_path.decode("ascii")

@@ -98,23 +98,45 @@ async def test_unknown_models_and_versions_are_torchserve_s_404s(management: htt
 
 
 @pytest.mark.parametrize(
-    ("method", "path", "instead"),
+    ("method", "path", "instead", "allow"),
     [
-        ("POST", "/models?url=squeezenet.mar", "/models/{name}/load"),
-        ("PUT", "/models/alpha?min_worker=3", "/models/alpha/reload"),
-        ("DELETE", "/models/alpha/1", "/models/alpha/unload"),
-        ("PUT", "/models/alpha/1/set-default", '{"version": N}'),
+        ("POST", "/models?url=squeezenet.mar", "/models/{name}/load", "GET, HEAD"),
+        ("PUT", "/models/alpha?min_worker=3", "/models/alpha/reload", "GET, HEAD"),
+        ("DELETE", "/models/alpha/1", "/models/alpha/unload", "GET, HEAD"),
+        ("PUT", "/models/alpha/1/set-default", '{"version": N}', ""),
     ],
 )
 async def test_calls_that_change_something_are_refused_naming_the_call_to_use(
-    management: httpx.AsyncClient, method: str, path: str, instead: str
+    management: httpx.AsyncClient, method: str, path: str, instead: str, allow: str
 ) -> None:
+    """``Allow`` names what is answered there (RFC 9110 section 15.5.6): HEAD too, as Starlette answers it wherever
+    GET is (it named GET alone), and nothing on set-default (it named GET, itself a 405 there)."""
     r = await management.request(method, path)
     assert r.status_code == 405
     assert r.json()["type"] == "MethodNotAllowedException"
     assert instead in r.json()["message"]
-    assert r.headers["allow"] == "GET"
+    assert r.headers["allow"] == allow
     assert (await management.get("/models/alpha")).status_code == 200  # and it still serves
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "allow"),
+    [
+        ("PATCH", "/models", "GET, HEAD"),
+        ("PATCH", "/models/alpha/1", "GET, HEAD"),
+        ("GET", "/models/alpha/1/set-default", ""),
+    ],
+)
+async def test_a_method_no_route_takes_is_a_405_naming_what_is_allowed(
+    management: httpx.AsyncClient, method: str, path: str, allow: str
+) -> None:
+    """RFC 9110 section 15.5.6: a 405 MUST carry ``Allow`` (it had none)."""
+    r = await management.request(method, path)
+    assert r.status_code == 405
+    assert r.json()["type"] == "MethodNotAllowedException"
+    assert r.headers["allow"] == allow
+    r = await management.head(path.replace("/set-default", ""))
+    assert (r.status_code, r.content) == (200, b"")
 
 
 async def test_abusive_requests_are_refused_and_it_keeps_serving(management: httpx.AsyncClient) -> None:

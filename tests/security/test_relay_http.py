@@ -177,3 +177,42 @@ def test_an_absolute_form_target_is_judged_by_its_own_name(relayed: ServerProces
         status, _, body = exchange(server.url, own)
         assert status == 200, (server.url, body)
         assert orjson.loads(body)["name"] == "tiny"
+
+
+@pytest.mark.parametrize(
+    ("target", "status", "error"),
+    [
+        # A port the URL parser refuses, and a target without a path, were uvicorn's text/plain "Invalid HTTP request
+        # received."; another scheme's foreign name was served.
+        ("http://127.0.0.1:99999/v2/models/tiny", 400, "Host: '127.0.0.1:99999' names port 99999, past 65535"),
+        ("http://127.0.0.1:99999/health", 400, "Host: '127.0.0.1:99999' names port 99999, past 65535"),
+        ("http://rebound.example", 400, "Host: 'rebound.example' is not a name this server answers to (allowed_hosts)"),
+        (
+            "http://rebound.example?a=1",
+            400,
+            "Host: 'rebound.example' is not a name this server answers to (allowed_hosts)",
+        ),
+        (
+            "ftp://rebound.example/models",
+            400,
+            "Host: 'rebound.example' is not a name this server answers to (allowed_hosts)",
+        ),
+        (
+            "http:///v2/models/tiny",
+            400,
+            "request target: 'http:///v2/models/tiny' names no host (RFC 9110 section 4.2.1)",
+        ),
+        ("http://127.0.0.1?a=1", 200, None),
+    ],
+)
+def test_an_absolute_form_target_s_name_is_judged_in_json_whatever_the_url_parser_makes_of_it(
+    relayed: ServerProcess, single: ServerProcess, target: str, status: int, error: str | None
+) -> None:
+    """RFC 9112 section 3.2.2 for every absolute-form target, RFC 9110 section 4.2.3 (an empty path is ``/``) and
+    4.2.1 (an ``http`` URI names a host)."""
+    for server in (relayed, single):
+        got, headers, body = exchange(server.url, close_head("GET", target))
+        assert got == status, (server.url, target, body)
+        if error is not None:
+            assert dict(headers)["content-type"] == "application/json"
+            assert orjson.loads(body)["error"] == error

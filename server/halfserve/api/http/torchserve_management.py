@@ -23,7 +23,7 @@ from starlette.datastructures import State
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.routing import Route
+from starlette.routing import Match, Route
 from starlette.types import Receive, Scope, Send
 
 from halfserve.api.errors import APIError
@@ -237,12 +237,21 @@ async def refuse_change(request: Request) -> Response:
         f"{method} {path[:200]}: this port serves TorchServe's management API read side only (GET /models, "
         f"GET /models/{{name}}); use {instead}"
     )
-    return error(405, message, "MethodNotAllowedException", {"Allow": "GET"})
+    return error(405, message, "MethodNotAllowedException", _allow(request.scope))
+
+
+def _allow(scope: Scope) -> dict[str, str]:
+    """A 405's ``Allow`` for the path of ``scope`` (RFC 9110 section 15.5.6: the origin server MUST send one): the
+    methods answered there rather than refused, ``GET, HEAD`` on the read routes (Starlette answers HEAD wherever
+    GET is), none on set-default, whose one method is refused."""
+    readable = any(route.matches({**scope, "method": "GET"})[0] is Match.FULL for route in ROUTES)
+    return {"Allow": "GET, HEAD" if readable else ""}
 
 
 async def _not_found(request: Request, exc: Exception) -> Response:
     if isinstance(exc, HTTPException) and exc.status_code == 405:
-        return error(405, "Requested method is not allowed, please refer to API document.", "MethodNotAllowedException")
+        message = "Requested method is not allowed, please refer to API document."
+        return error(405, message, "MethodNotAllowedException", _allow(request.scope))
     return error(404, NOT_FOUND_MESSAGE, "ResourceNotFoundException")
 
 
