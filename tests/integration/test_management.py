@@ -178,6 +178,23 @@ async def test_management_errors_name_the_problem(
     assert error in r.json()["error"]
 
 
+@pytest.mark.parametrize(
+    ("body", "said"),
+    [
+        (b'{"version": 1e23}', "1e+23"),
+        (b'{"version": true}', "true"),
+        (b'{"version": [1]}', "[1]"),
+        (b'{"version": 1.5}', "1.5"),
+    ],
+)
+async def test_a_version_that_is_no_positive_integer_is_named_in_json(tiny_store: Path, body: bytes, said: str) -> None:
+    """In JSON's words (``true``, ``[1]``), not Python's (``True``); a number as JSON spells it (``1e+23``)."""
+    async with serving(settings(tiny_store)) as client:
+        r = await client.post("/models/tiny/load", content=body, headers={**AUTH, "content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"] == f"version: expected a positive integer, got {said}"
+
+
 async def test_switching_an_unloaded_model_is_a_conflict(tiny_store: Path) -> None:
     async with serving(settings(tiny_store)) as client:
         await client.post("/models/tiny/unload", headers=AUTH)
