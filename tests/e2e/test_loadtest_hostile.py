@@ -46,9 +46,21 @@ class Misbehaviour(str, Enum):
     """The listing is JSON nested 100,000 deep, past any parser's recursion limit."""
     BAD_NAME = "bad-name"
     """The listing's one model is named with a path and a terminal escape."""
+    NESTED_DEVICE = "nested-device"
+    """The listing names the model's device with an array nested 500 deep: within the parser's depth."""
+    ESCAPED_PRECISION = "escaped-precision"
+    """Every ``/predict`` answer says it was served in a precision holding a terminal escape."""
+    ESCAPED_SHAPE = "escaped-shape"
+    """The listing declares the input's shape as a string holding a terminal escape."""
+    ESCAPED_DATATYPE = "escaped-datatype"
+    """The listing declares the input's datatype as a string holding a terminal escape."""
 
 
 BAD_NAME = "\x1b[2J../../admin"
+ESCAPE = "\x1b[2J"
+"""Clears the terminal: what a server's words must not do when printed."""
+NESTED_DEPTH = 500
+"""Parsed by any JSON parser here; past what a recursive copy of the parsed value can follow."""
 
 
 def _listing(shape: list[int]) -> dict[str, Any]:
@@ -117,6 +129,14 @@ class HostileServer:
             listing = _listing([4])
             listing["models"][0]["name"] = BAD_NAME
             return await self._json(writer, 200, listing)
+        if path == "/models" and self.mode is Misbehaviour.NESTED_DEVICE:
+            listing = json.dumps(_listing([4])).replace('"cpu"', "[" * NESTED_DEPTH + "]" * NESTED_DEPTH)
+            return await self._raw(writer, 200, listing.encode())
+        if path == "/models" and self.mode in (Misbehaviour.ESCAPED_SHAPE, Misbehaviour.ESCAPED_DATATYPE):
+            listing = _listing([4])
+            key = "shape" if self.mode is Misbehaviour.ESCAPED_SHAPE else "datatype"
+            listing["models"][0]["inputs"][0][key] = f"{ESCAPE}{key}"
+            return await self._json(writer, 200, listing)
         if path == "/models":
             shape = [40000, 40000] if self.mode is Misbehaviour.HUGE_SHAPE else [4]
             return await self._json(writer, 200, _listing(shape))
@@ -144,7 +164,8 @@ class HostileServer:
             return await writer.drain()
         if self.mode is Misbehaviour.UNAVAILABLE and not first:
             return await self._json(writer, 503, {"detail": "unavailable"})
-        return await self._json(writer, 200, {"model": MODEL, "outputs": [[0.0]], "precision": "fp32"})
+        precision = f"{ESCAPE}fp32" if self.mode is Misbehaviour.ESCAPED_PRECISION else "fp32"
+        return await self._json(writer, 200, {"model": MODEL, "outputs": [[0.0]], "precision": precision})
 
     @staticmethod
     async def _json(writer: asyncio.StreamWriter, status: int, body: dict[str, Any]) -> None:
@@ -271,4 +292,48 @@ def test_a_listed_name_that_is_no_model_name_is_refused_before_any_request(
         "use letters, digits, '_', '.', '-' (max 64)"
     ]
     assert "\x1b" not in proc.stderr
+    assert hostile.predicts == 0
+
+
+@pytest.mark.parametrize("hostile", [Misbehaviour.NESTED_DEVICE], indirect=True)
+def test_a_listed_field_nested_within_the_parser_s_depth_is_refused_in_one_line(
+    hostile: HostileServer, tmp_path: Path
+) -> None:
+    # Before, it was parsed, swept, and then crashed the report with a RecursionError (exit 1, a long traceback).
+    proc = loadtest(hostile, tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        f"halfserve loadtest: error: GET http://127.0.0.1:{hostile.port}/models: the entry of 'm': device is an "
+        "array, expected a string or a number"
+    ]
+    assert hostile.predicts == 0
+
+
+@pytest.mark.parametrize("hostile", [Misbehaviour.ESCAPED_PRECISION], indirect=True)
+def test_a_served_precision_with_a_control_character_is_printed_and_recorded_quoted(
+    hostile: HostileServer, tmp_path: Path
+) -> None:
+    proc = loadtest(hostile, tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "\x1b" not in proc.stdout + proc.stderr
+    assert level(tmp_path)["served_precision"] == repr(f"{ESCAPE}fp32")
+    assert "\x1b" not in (tmp_path / "loadtest.md").read_text()
+
+
+@pytest.mark.parametrize(
+    ("hostile", "protocol", "said"),
+    [
+        (Misbehaviour.ESCAPED_SHAPE, "predict", "model 'm': GET /models lists no usable input (ValueError: shape "),
+        (Misbehaviour.ESCAPED_DATATYPE, "v2-json", "input 'x': datatype "),
+    ],
+    indirect=["hostile"],
+)
+def test_a_listed_input_with_a_control_character_is_refused_quoted(
+    hostile: HostileServer, protocol: str, said: str, tmp_path: Path
+) -> None:
+    proc = loadtest(hostile, tmp_path, "--protocol", protocol)
+    assert proc.returncode == 2, proc.stderr
+    [line] = proc.stderr.strip().splitlines()
+    key = "shape" if hostile.mode is Misbehaviour.ESCAPED_SHAPE else "datatype"
+    assert line.startswith(f"halfserve loadtest: error: {said}{f'{ESCAPE}{key}'!r}")
     assert hostile.predicts == 0

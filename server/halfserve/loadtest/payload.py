@@ -70,7 +70,8 @@ class Signature:
             spec = entry["inputs"][0]
             shape = spec["shape"]
             if not isinstance(shape, list) or len(shape) > MAX_DIMS or not all(type(d) is int for d in shape):
-                raise ValueError(f"shape {str(shape)[:100]}: expected a list of at most {MAX_DIMS} integers")
+                # repr: a shape listed as a string is printed quoted, so its control characters never reach a terminal.
+                raise ValueError(f"shape {shape!r:.100}: expected a list of at most {MAX_DIMS} integers")
             return cls(name=str(spec["name"]), datatype=str(spec["datatype"]), shape=tuple(shape))
         except (KeyError, IndexError, TypeError, ValueError) as e:
             raise LoadtestError(
@@ -194,7 +195,7 @@ def _wire(sig: Signature) -> tuple[str, str]:
         return DataType.FP16.value, "<f2"
     if sig.datatype in _FLOAT_TYPES:
         return DataType.FP32.value, "<f4"
-    raise LoadtestError(f"input {sig.name!r}: datatype {sig.datatype} cannot be generated")
+    raise LoadtestError(f"input {sig.name!r}: datatype {sig.datatype[:40]!r} cannot be generated")
 
 
 def encode_body(protocol: Protocol, model: str, sig: Signature, batch: np.ndarray) -> tuple[bytes, dict[str, str]]:

@@ -135,6 +135,40 @@ def _shown(value: object, limit: int = 300) -> str:
     return text if text.isprintable() else repr(text)
 
 
+def _text(entry: dict[str, Any], key: str, where: str) -> str | None:
+    """A listed field the run records and prints (device, version, precision): null, or a string or number, cut and
+    quoted as :func:`_shown` does. Anything else is refused: an array nested near the parser's depth passes the
+    parse and then crashed the report, whose copy of the sweep recurses into it."""
+    value = entry.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, str | int | float):
+        raise LoadtestError(f"{where}: {key} is {_json_type(value)}, expected a string or a number")
+    return _shown(value, 40)
+
+
+def _seconds(entry: dict[str, Any], key: str, where: str) -> float | None:
+    """A listed duration the run records (``warmup_seconds``): null or a number; anything else is refused, as
+    :func:`_text` refuses."""
+    value = entry.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise LoadtestError(f"{where}: {key} is {_json_type(value)}, expected a number")
+    return float(value)
+
+
+def _json_type(value: object) -> str:
+    """What a parsed JSON value is, in JSON's words."""
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, dict):
+        return "an object"
+    if isinstance(value, list):
+        return "an array"
+    return "a string" if isinstance(value, str) else "a number"
+
+
 def _names(models: dict[str, Any], limit: int = 10) -> str:
     names = [repr(name) for name in list(models)[:limit]]
     return ", ".join(names) + (f" and {len(models) - limit} more" if len(models) > limit else "")
@@ -296,6 +330,10 @@ class Runner:
         with httpx.Client(base_url=run.url, timeout=cfg.timeout) as http:
             entry = _listing(http, cfg.model)
             model = str(entry["name"])
+            where = f"GET {http.base_url}/models: the entry of {model!r}"
+            version, listed_precision = _text(entry, "version", where), _text(entry, "precision", where)
+            run.device = _text(entry, "device", where)
+            run.warmup_seconds = _seconds(entry, "warmup_seconds", where)
             sig = Signature.from_listing(entry)
             check_signature(model, sig, cfg.rows_per_request)
             if self.sweep.signature is not None and sig != self.sweep.signature:
@@ -305,15 +343,13 @@ class Runner:
             template = build_template(
                 cfg.protocol, model, sig, samples, cfg.rows_per_request, grpc_target=run.grpc_target
             )
-            served = _probe(http, template, cfg.protocol) or entry.get("precision")
-            run.served_precision = str(served) if served is not None else None
+            # The precision labels each level in the report and on the terminal: quoted like the listed fields.
+            served = _probe(http, template, cfg.protocol)
+            run.served_precision = _shown(served, 40) if served else listed_precision
             run.precision = run.precision or run.served_precision or "unknown"
-            run.device = entry.get("device")
-            run.warmup_seconds = entry.get("warmup_seconds")
             self.sweep.servers.append(run)
             self.progress.note(
-                f"{run.url}: {model} v{_shown(entry.get('version'), 40)} on {_shown(run.device, 40)} "
-                f"in {_shown(run.served_precision, 40)}, "
+                f"{run.url}: {model} v{version} on {run.device} in {run.served_precision}, "
                 f"{cfg.protocol} with {cfg.rows_per_request} row(s) per request"
             )
             with LoadClient(run.url, processes=cfg.client_processes, timeout=cfg.timeout, loop=cfg.loop) as client:
