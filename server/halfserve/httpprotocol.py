@@ -20,8 +20,6 @@ probes, and the process is not restarted or taken out of its service for what it
 from __future__ import annotations
 
 import asyncio
-import re
-import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from http import HTTPStatus
@@ -30,10 +28,12 @@ from typing import Any, ClassVar
 import orjson
 from uvicorn.protocols.http.flow_control import HIGH_WATER_LIMIT
 
+from halfserve.bodybudget import BodyBudget
+from halfserve.httptarget import NoHost, absolute_form, is_probe, origin_path
 from halfserve.settings import Settings
 from halfserve.transport import (
     BODY_TIMED_OUT,
-    PROBE_PATHS,
+    ClosedByProtocol,
     CoalescedWrites,
     CoalescingHttpToolsProtocol,
     Direct,
@@ -70,6 +70,8 @@ class HttpLimits:
     max_header_bytes: int = _default("max_header_bytes")
     max_connections: int = _default("max_connections")
     min_body_rate: int = _default("min_body_rate")
+    http_pending_bytes: int = _default("http_pending_bytes")
+    http_peer_share: float = _default("http_peer_share")
     send_timeout: float = _default("send_timeout")
 
 
@@ -83,31 +85,8 @@ class _Census:
     """Connections past it, waiting for a probe's head or answering it, oldest first."""
 
 
-_SCHEME = re.compile(rb"[A-Za-z][A-Za-z0-9+.-]*")
-"""RFC 3986 section 3.1's ``scheme``: what comes before ``://`` in a request target in absolute form."""
-
-
 class _Refused(Exception):
     """Raised from a parser callback to stop parsing; the refusal itself is already recorded on the protocol."""
-
-
-class _ConnectionWrites(CoalescedWrites):
-    """A connection's writes, closed by its protocol (:meth:`LimitedHttpProtocol.close_connection`): uvicorn closes
-    a connection through its transport, after an answer or once idle."""
-
-    def __init__(self, transport: asyncio.BaseTransport, protocol: LimitedHttpProtocol) -> None:
-        super().__init__(transport)
-        self.socket: Any = transport
-        """The socket's own transport, which this one writes to and closes."""
-        self.lingering = False
-        """Closing: its answer is sent and its FIN, and what still arrives is read and dropped for a moment."""
-        self._protocol = protocol
-
-    def close(self) -> None:
-        self._protocol.close_connection()
-
-    def is_closing(self) -> bool:
-        return self.lingering or bool(self.socket.is_closing())
 
 
 class LimitedHttpProtocol(CoalescingHttpToolsProtocol):
@@ -118,6 +97,8 @@ class LimitedHttpProtocol(CoalescingHttpToolsProtocol):
     """The app's routes answered without going through the ASGI app (:class:`DirectCycle`)."""
     census: ClassVar[_Census] = _Census()
     """The server's connections (one per :meth:`with_limits` class, so one per server)."""
+    budget: ClassVar[BodyBudget] = BodyBudget.of(HttpLimits.http_pending_bytes, HttpLimits.http_peer_share)
+    """The bytes of the server's bodies still arriving (one per :meth:`with_limits` class)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -136,7 +117,7 @@ class LimitedHttpProtocol(CoalescingHttpToolsProtocol):
         self._keep_alive_after_body = False
         """Whether the connection stays open after its request's answer, once the body is read (until then it
         cannot: see :meth:`_close_after_early_answer`)."""
-        self._out: _ConnectionWrites
+        self._out: ClosedByProtocol
         """The connection's transport (``self.transport``, as uvicorn types it)."""
         self._send_timer: asyncio.TimerHandle | None = None
         """Armed while what the connection has to send waits for the client to read it (``send_timeout``)."""
@@ -154,21 +135,31 @@ class LimitedHttpProtocol(CoalescingHttpToolsProtocol):
         """Bytes read but not parsed yet: the connection's pipelined requests past what it may queue (``_held``)."""
         self._next_due = False
         """A request was answered and the next queued one is still to be started (:meth:`_start_pipelined`)."""
+        self.peer = ""
+        """The client's address, whose bodies share the budget's ``http_peer_share`` (:class:`BodyBudget`)."""
+        self.pending, self.arriving_since = 0, 0.0
+        """Bytes of the arriving body the budget counts, and since when."""
 
     @classmethod
     def with_limits(cls, limits: HttpLimits, direct: Direct | None = None) -> type[LimitedHttpProtocol]:
         # A staticmethod: a function stored on the class is not bound to the protocol instance.
-        attributes = {"limits": limits, "direct": None if direct is None else staticmethod(direct), "census": _Census()}
+        attributes = {
+            "limits": limits,
+            "direct": None if direct is None else staticmethod(direct),
+            "census": _Census(),
+            "budget": BodyBudget.of(limits.http_pending_bytes, limits.http_peer_share),
+        }
         return type(cls.__name__, (cls,), attributes)
 
     # Connection ----------------------------------------------------------------------------------------------------
 
     def writes(self, transport: asyncio.BaseTransport) -> CoalescedWrites:
-        self._out = _ConnectionWrites(transport, self)
+        self._out = ClosedByProtocol(transport, self.close_connection)
         return self._out
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
+        self.peer = self.client[0] if self.client else ""
         census = self.census
         if len(census.admitted) < self.limits.max_connections:
             census.admitted.add(self)
@@ -190,6 +181,7 @@ class LimitedHttpProtocol(CoalescingHttpToolsProtocol):
         self._refuse(503, f"server busy: {self.limits.max_connections} connections are open (max_connections)", True)
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self.budget.release(self)
         self.census.admitted.discard(self)
         self.census.standby.pop(self, None)
         self._disarm()
@@ -335,7 +327,7 @@ class LimitedHttpProtocol(CoalescingHttpToolsProtocol):
         self._in_head, self._in_body = False, True
         self._host_from_target()
         if self._standby:
-            if not self._is_probe():
+            if not is_probe(self.parser.get_method(), self.url):
                 self._refuse_busy()
                 raise _Refused
             super().on_headers_complete()
@@ -370,25 +362,17 @@ class LimitedHttpProtocol(CoalescingHttpToolsProtocol):
         self._start_asgi_task(self.cycle, handler)  # type: ignore[arg-type]
 
     def _host_from_target(self) -> None:
-        """For a request target in absolute form (``GET http://name/path``, any scheme), its name in place of every
-        ``Host`` the request sent (RFC 9112 section 3.2.2: a server MUST ignore them and use the target's), and its
-        path and query as the target: the Host check then judges the name the request is for, not one it added beside
-        it, and answers a name the URL parser would refuse (``http://name:99999/``) in JSON, naming ``Host``. An empty
-        path is ``/`` (RFC 9110 section 4.2.3: ``http://name`` was a parser error); an ``http`` or ``https`` target
-        that names no host is a 400 (RFC 9110 section 4.2.1)."""
-        url = self.url.partition(b"#")[0]
-        scheme, absolute, rest = url.partition(b"://")
-        if not absolute or _SCHEME.fullmatch(scheme) is None:  # origin-form ("/a://b" has no scheme) or asterisk
-            return
-        end = min((i for i in (rest.find(b"/"), rest.find(b"?")) if i >= 0), default=len(rest))
-        authority, target = rest[:end], rest[end:]
-        if not authority and scheme.lower() in (b"http", b"https"):
-            shown = url[:200].decode("latin-1")
-            self._refuse(400, f"request target: {shown!r} names no host (RFC 9110 section 4.2.1)")
-            raise _Refused
-        self.headers[:] = [(name, value) for name, value in self.headers if name != b"host"]
-        self.headers.append((b"host", authority))
-        self.url = target if target.startswith(b"/") else b"/" + target
+        """An absolute-form target's host in place of every ``Host`` the request sent (:func:`absolute_form`): the
+        Host check then judges the name the request is for, and answers one the URL parser would refuse in JSON."""
+        try:
+            found = absolute_form(self.url)
+        except NoHost as e:
+            self._refuse(400, str(e))
+            raise _Refused from None
+        if found is not None:
+            authority, self.url = found
+            self.headers[:] = [(name, value) for name, value in self.headers if name != b"host"]
+            self.headers.append((b"host", authority))
 
     def _close_after_early_answer(self) -> None:
         """An answer sent before the request's body is read whole closes the connection (``connection: close``,
@@ -406,13 +390,9 @@ class LimitedHttpProtocol(CoalescingHttpToolsProtocol):
             return None
         if self.limit_concurrency is not None or (self.cycle is not None and not self.cycle.response_complete):
             return None
-        url = self.url.partition(b"#")[0]
-        if not url.startswith(b"/") or not url.isascii():  # a target uvicorn refuses, and answers: its parsing
+        if (target := origin_path(self.url)) is None:
             return None
-        raw_path, _, query = url.partition(b"?")
-        path = raw_path.decode("ascii")
-        if "%" in path:
-            path = urllib.parse.unquote(path)
+        path, raw_path, query = target
         scope: Any = self.scope  # as uvicorn sets it (and sets it again for a request that is not direct)
         scope["method"] = "POST"
         scope["path"] = self.root_path + path
@@ -420,17 +400,32 @@ class LimitedHttpProtocol(CoalescingHttpToolsProtocol):
         scope["query_string"] = query
         return direct(scope)
 
-    def _is_probe(self) -> bool:
-        if self.parser.get_method() not in (b"GET", b"HEAD"):
-            return False
-        path = self.url.partition(b"?")[0].partition(b"#")[0]
-        return path.decode("latin-1") in PROBE_PATHS
-
     def on_body(self, body: bytes) -> None:
         self._body_bytes += len(body)
+        # Counted where a client sent it; a socket with no address is the front-ends' relay, which counted it.
+        if self.peer and (refusal := self.budget.claim(self, len(body), self.loop.time())) is not None:
+            self.give_up(refusal.message, refusal.status)
+            raise _Refused
         super().on_body(body)
 
+    def paused(self) -> bool:
+        return bool(self.flow.read_paused)
+
+    def give_up(self, why: str, status: int = 503, linger: bool = True) -> None:
+        """The body may not go on arriving (it holds bytes the :class:`BodyBudget` needs, or it is too slow): the
+        request ends and is answered ``status``, the connection closed (``linger``: once the client has stopped
+        sending)."""
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete:
+            cycle.disconnected = True  # the app's receive() now answers http.disconnect; its own answer is lost
+            cycle.message_event.set()
+            if cycle.response_started:
+                self.transport.close()
+                return
+        self._refuse(status, why, linger)
+
     def on_message_complete(self) -> None:
+        self.budget.release(self)
         self._in_body = False
         self._body_since, self._body_bytes = None, 0
         self._disarm()
@@ -493,23 +488,19 @@ class LimitedHttpProtocol(CoalescingHttpToolsProtocol):
             return
         scope: dict[str, Any] = cycle.scope  # type: ignore[assignment]
         scope[BODY_TIMED_OUT] = True
-        # The app's receive() now answers http.disconnect, so the request ends; its own answer would be lost.
-        cycle.disconnected = True
-        cycle.message_event.set()
-        if cycle.response_started:
-            self.transport.close()
-        elif self._cut_by_rate:
+        if self._cut_by_rate:
             since = self.loop.time() - (self._body_since or 0.0)
             rate = self.limits.min_body_rate
             what = f"body: {self._body_bytes} bytes in {since:.0f} s, under {rate} bytes/s (min_body_rate)"
-            self._refuse(408, what, linger=True)  # it is still sending: its answer must not be lost to a reset
+            self.give_up(what, 408)  # it is still sending: its answer must not be lost to a reset
         else:
-            self._refuse(408, f"body: no byte received for {self.limits.body_timeout:g} s (body_timeout)")
+            self.give_up(f"body: no byte received for {self.limits.body_timeout:g} s (body_timeout)", 408, False)
 
     def _refuse(self, status: int, message: str, linger: bool = False) -> None:
         """Answer ``status`` with the API's JSON error and close the connection (``linger``: once the client has
         had a moment to stop sending)."""
         self._refused = True
+        self.budget.release(self)
         self.census.standby.pop(self, None)  # its place is free for a probe, while it closes
         self._disarm()
         if self.transport.is_closing():
@@ -519,7 +510,7 @@ class LimitedHttpProtocol(CoalescingHttpToolsProtocol):
             f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\ncontent-type: application/json\r\n"
             f"content-length: {len(body)}\r\nconnection: close\r\n"
         )
-        if status == 503:
+        if status in (429, 503):
             head += "retry-after: 1\r\n"
         self.transport.write(head.encode("latin-1") + b"\r\n" + body)
         if linger:

@@ -66,6 +66,25 @@ class CoalescedWrites:
         return getattr(self._transport, name)
 
 
+class ClosedByProtocol(CoalescedWrites):
+    """A connection's writes, closed by its protocol (``close``, which then closes :attr:`socket`): uvicorn closes a
+    connection through its transport, after an answer or once idle."""
+
+    def __init__(self, transport: asyncio.BaseTransport, close: Callable[[], None]) -> None:
+        super().__init__(transport)
+        self.socket: Any = transport
+        """The socket's own transport, which this one writes to and closes."""
+        self.lingering = False
+        """Closing: its answer is sent and its FIN, and what still arrives is read and dropped for a moment."""
+        self._close = close
+
+    def close(self) -> None:
+        self._close()
+
+    def is_closing(self) -> bool:
+        return self.lingering or bool(self.socket.is_closing())
+
+
 class CoalescingHttpToolsProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol over :class:`CoalescedWrites`: a response's head and body in one write."""
 

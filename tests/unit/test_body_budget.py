@@ -1,0 +1,122 @@
+"""The bytes of HTTP bodies still arriving, shared between clients (:class:`halfserve.bodybudget.BodyBudget`), over
+made-up bodies and a made-up clock: who is refused, who gives way, and that every byte counted is given back."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+
+from halfserve.bodybudget import BodyBudget
+
+
+@dataclass(eq=False)
+class FakeBody:
+    peer: str
+    pending: int = 0
+    arriving_since: float = 0.0
+    held_by_server: bool = False
+    given_up: list[str] = field(default_factory=list)
+
+    def paused(self) -> bool:
+        return self.held_by_server
+
+    def give_up(self, why: str) -> None:
+        self.given_up.append(why)
+
+
+def test_one_address_is_held_to_its_share_and_others_are_not() -> None:
+    budget = BodyBudget.of(1000, 0.5)
+    a1, a2, b = FakeBody("a"), FakeBody("a"), FakeBody("b")
+    assert budget.claim(a1, 300, now=0.0) is None
+    assert budget.claim(a2, 200, now=0.0) is None
+    refusal = budget.claim(a2, 1, now=0.5)
+    assert refusal is not None
+    assert refusal.status == 429
+    assert "requests of a have 501 bytes" in refusal.message
+    assert "over 500 (http_peer_share" in refusal.message
+    assert budget.claim(b, 500, now=0.5) is None  # another address has a share of its own
+    assert (budget.held, budget.by_peer) == (1000, {"a": 500, "b": 500})
+
+
+def test_a_full_budget_refuses_the_body_asking_while_none_is_late() -> None:
+    budget = BodyBudget.of(1000, 1.0)
+    bodies = [FakeBody(p) for p in "abc"]
+    for body in bodies:
+        assert budget.claim(body, 300, now=0.0) is None
+    newcomer = FakeBody("d")
+    refusal = budget.claim(newcomer, 200, now=budget.grace - 0.1)
+    assert refusal is not None
+    assert refusal.status == 503
+    assert refusal.message.endswith(
+        "900 bytes of request bodies are arriving, and 200 more would pass 1000 (http_pending_bytes)"
+    )
+    assert not any(b.given_up for b in bodies)
+    assert budget.held == 900
+    assert newcomer.pending == 0
+
+
+def test_the_slowest_late_body_gives_way_and_its_bytes_are_released() -> None:
+    budget = BodyBudget.of(1000, 1.0)
+    slow, fast = FakeBody("slow"), FakeBody("fast")
+    assert budget.claim(slow, 100, now=0.0) is None
+    assert budget.claim(fast, 100, now=0.0) is None
+    assert budget.claim(fast, 600, now=1.0) is None  # fast: 700 bytes in 3 s, slow: 100 in 3 s
+    newcomer = FakeBody("new")
+    assert budget.claim(newcomer, 250, now=3.0) is None
+    assert len(slow.given_up) == 1
+    assert not fast.given_up
+    assert "arrived at 33 bytes/s, and its bytes went to a faster one (http_pending_bytes: 1000" in slow.given_up[0]
+    assert (budget.held, budget.by_peer) == (950, {"fast": 700, "new": 250})
+    assert slow.pending == 0
+    assert slow not in budget.bodies
+
+
+def test_only_as_many_give_way_as_the_asking_body_needs() -> None:
+    budget = BodyBudget.of(1000, 1.0)
+    bodies = [FakeBody(f"p{i}") for i in range(4)]
+    for i, body in enumerate(bodies):
+        assert budget.claim(body, 200 + 10 * i, now=0.0) is None  # p0 the slowest
+    assert budget.claim(FakeBody("new"), 300, now=5.0) is None  # 860 held: 160 free, 140 more needed
+    assert [bool(b.given_up) for b in bodies] == [True, False, False, False]
+    assert budget.held == 960
+
+
+def test_a_body_the_server_stopped_reading_never_gives_way() -> None:
+    budget = BodyBudget.of(1000, 1.0)
+    waiting = FakeBody("a", held_by_server=True)
+    assert budget.claim(waiting, 900, now=0.0) is None
+    refusal = budget.claim(FakeBody("b"), 200, now=60.0)
+    assert refusal is not None
+    assert refusal.status == 503
+    assert not waiting.given_up
+
+
+def test_an_address_over_its_share_gives_up_its_own_slow_body_first() -> None:
+    budget = BodyBudget.of(1000, 0.5)
+    own_slow, other = FakeBody("a"), FakeBody("b")
+    assert budget.claim(own_slow, 400, now=0.0) is None
+    assert budget.claim(other, 50, now=0.0) is None  # slower, but another address's: not the share's to take
+    upload = FakeBody("a")
+    assert budget.claim(upload, 300, now=10.0) is None
+    assert own_slow.given_up
+    assert not other.given_up
+    assert budget.by_peer == {"a": 300, "b": 50}
+
+
+@pytest.mark.parametrize("order", ["whole", "refused", "twice"])
+def test_release_gives_every_byte_back_once(order: str) -> None:
+    budget = BodyBudget.of(1000, 1.0)
+    body, other = FakeBody("a"), FakeBody("a")
+    budget.claim(body, 100, now=0.0)
+    budget.claim(other, 50, now=0.0)
+    budget.claim(body, 100, now=0.1)
+    budget.release(body)
+    if order == "twice":
+        budget.release(body)  # a refused body's connection is lost after
+    if order == "refused":
+        assert budget.claim(body, 2000, now=0.2) is not None
+    assert (budget.held, budget.by_peer, body.pending) == (50, {"a": 50}, 0)
+    budget.release(other)
+    assert (budget.held, budget.by_peer, budget.bodies) == (0, {}, {})
+    assert budget.claim(FakeBody("a"), 1000, now=1.0) is None
