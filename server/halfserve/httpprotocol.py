@@ -12,16 +12,20 @@ reading none grew a server by gigabytes before the send timeout dropped them. A 
 before its body was read whole (refused from its headers) closes its connection: uvicorn would go on reading the body,
 with no timer left, for as long as the client takes to send it.
 
-Past the connection cap, :data:`PROBE_CONNECTIONS` more connections are read for a health or readiness probe, which is
-answered; any other request on them gets the 503. So a cap held by slow clients does not fail the orchestrator's
-probes, and the process is not restarted or taken out of its service for what its clients do.
+Past the connection cap, a few more connections are read for a health or readiness probe (:mod:`halfserve.httpcensus`),
+which is answered; any other request on them gets the 503. So a cap held by slow clients does not fail the
+orchestrator's probes, and the process is not restarted or taken out of its service for what its clients do.
+
+Bodies still arriving share a budget (:mod:`halfserve.bodybudget`), and a request that cannot be parsed is answered
+in JSON after the requests pipelined before it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import sys
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any, ClassVar
 
@@ -29,6 +33,7 @@ import orjson
 from uvicorn.protocols.http.flow_control import HIGH_WATER_LIMIT
 
 from halfserve.bodybudget import BodyBudget
+from halfserve.httpcensus import Census
 from halfserve.httptarget import NoHost, absolute_form, is_probe, origin_path
 from halfserve.settings import Settings
 from halfserve.transport import (
@@ -43,11 +48,6 @@ from halfserve.transport import (
 
 LINGER_S = 2.0
 """How long a connection refused mid-head goes on being read (and dropped) before it is closed."""
-PROBE_CONNECTIONS = 32
-"""Connections past ``max_connections`` read for a probe (a place each; when they are all taken, the one waiting
-longest for its request's head gives its place up with a 503): a probe's head arrives in its first packet, so a
-client holding these places with silent connections delays a probe by a round trip at most."""
-
 MAX_PIPELINED = 16
 """Requests a connection may have queued behind the one being answered; past it the connection is not read further."""
 FEED_BYTES = 4096
@@ -75,16 +75,6 @@ class HttpLimits:
     send_timeout: float = _default("send_timeout")
 
 
-@dataclass
-class _Census:
-    """A server's connections, as its protocol counts them for the cap."""
-
-    admitted: set[LimitedHttpProtocol] = field(default_factory=set)
-    """Connections under ``max_connections`` (a refused one, closing, until it is closed)."""
-    standby: dict[LimitedHttpProtocol, None] = field(default_factory=dict)
-    """Connections past it, waiting for a probe's head or answering it, oldest first."""
-
-
 class _Refused(Exception):
     """Raised from a parser callback to stop parsing; the refusal itself is already recorded on the protocol."""
 
@@ -95,7 +85,7 @@ class LimitedHttpProtocol(CoalescingHttpToolsProtocol):
     limits: ClassVar[HttpLimits] = HttpLimits()
     direct: ClassVar[Direct | None] = None
     """The app's routes answered without going through the ASGI app (:class:`DirectCycle`)."""
-    census: ClassVar[_Census] = _Census()
+    census: ClassVar[Census] = Census(HttpLimits.max_connections)
     """The server's connections (one per :meth:`with_limits` class, so one per server)."""
     budget: ClassVar[BodyBudget] = BodyBudget.of(HttpLimits.http_pending_bytes, HttpLimits.http_peer_share)
     """The bytes of the server's bodies still arriving (one per :meth:`with_limits` class)."""
@@ -135,6 +125,8 @@ class LimitedHttpProtocol(CoalescingHttpToolsProtocol):
         """Bytes read but not parsed yet: the connection's pipelined requests past what it may queue (``_held``)."""
         self._next_due = False
         """A request was answered and the next queued one is still to be started (:meth:`_start_pipelined`)."""
+        self._malformed: str | None = None
+        """The 400 owed to a request that could not be parsed, sent once the requests before it are answered."""
         self.peer = ""
         """The client's address, whose bodies share the budget's ``http_peer_share`` (:class:`BodyBudget`)."""
         self.pending, self.arriving_since = 0, 0.0
@@ -146,7 +138,7 @@ class LimitedHttpProtocol(CoalescingHttpToolsProtocol):
         attributes = {
             "limits": limits,
             "direct": None if direct is None else staticmethod(direct),
-            "census": _Census(),
+            "census": Census(limits.max_connections),
             "budget": BodyBudget.of(limits.http_pending_bytes, limits.http_peer_share),
         }
         return type(cls.__name__, (cls,), attributes)
@@ -160,30 +152,21 @@ class LimitedHttpProtocol(CoalescingHttpToolsProtocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
         self.peer = self.client[0] if self.client else ""
-        census = self.census
-        if len(census.admitted) < self.limits.max_connections:
-            census.admitted.add(self)
-            self._arm_head()
+        place = self.census.admit(self)
+        if place is None:  # every place past the cap answers a probe (for a moment): this connection gets the 503
+            self.refuse_busy()
             return
-        if len(census.standby) >= PROBE_CONNECTIONS:
-            waiting = next((c for c in census.standby if c.cycle is None), None)
-            if waiting is None:  # every place answers a probe (for a moment): this connection gets the 503 now
-                self._refuse_busy()
-                return
-            waiting._refuse_busy()
-        census.standby[self] = None
-        self._standby = True
+        self._standby = not place
         self._arm_head()
 
-    def _refuse_busy(self) -> None:
+    def refuse_busy(self) -> None:
         """The connection cap's 503, after which the client may still be sending its request: a lingering close, so
         that the answer is read rather than lost to a reset."""
         self._refuse(503, f"server busy: {self.limits.max_connections} connections are open (max_connections)", True)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.budget.release(self)
-        self.census.admitted.discard(self)
-        self.census.standby.pop(self, None)
+        self.census.leave(self)
         self._disarm()
         if self._send_timer is not None:
             self._send_timer.cancel()
@@ -252,9 +235,28 @@ class LimitedHttpProtocol(CoalescingHttpToolsProtocol):
             self._arm_body()
 
     def send_400_response(self, msg: str) -> None:
-        if not self._refused:
-            super().send_400_response(msg)
-        # else: a callback refused the request (and answered it); the parser error is that refusal
+        """A request httptools cannot parse is a 400 in JSON naming what is wrong (uvicorn's was text/plain), sent
+        once the requests pipelined before it are answered (they were read whole: their answers are not lost to it);
+        then the connection is closed. Where it is the body of the request in progress, that request ends with it."""
+        if self._refused:
+            return  # a callback refused the request (and answered it); the parser error is that refusal
+        error = sys.exc_info()[1]  # uvicorn calls this handling httptools' error, whose words name the problem
+        message = f"request: not valid HTTP/1.1 ({error if error is not None else msg})"
+        cycle = self.cycle
+        # Its body is what is malformed, its head read behind a request in progress: it never starts.
+        queued = next((entry for entry in self.pipeline if entry[0] is cycle), None) if self._in_body else None
+        if queued is not None:
+            self.pipeline.remove(queued)
+            idle = not self.pipeline and self._next_due  # the one before it is answered, and none is to start
+        elif self._in_body and cycle is not None and not cycle.response_complete:
+            self.give_up(message, 400)  # the request in progress
+            return
+        else:
+            idle = (cycle is None or cycle.response_complete) and not self.pipeline
+        if idle:
+            self._refuse(400, message, linger=True)
+        else:
+            self._malformed, self._refused = message, True  # nothing after it is read; on_response_complete answers
 
     # Keep-alive ----------------------------------------------------------------------------------------------------
     # uvicorn arms a keep-alive timer after every response and cancels it when the next request's bytes arrive: a
@@ -265,6 +267,9 @@ class LimitedHttpProtocol(CoalescingHttpToolsProtocol):
         """uvicorn's: count the request, start a pipelined one or wait idle for the next; without a timer each."""
         self.server_state.total_requests += 1
         if self.transport.is_closing():
+            return
+        if self._malformed is not None and not self.pipeline:
+            self._refuse(400, self._malformed, linger=True)
             return
         if self.pipeline:
             # Once this iteration's writes are sent: the next request is not started while they wait to be read.
@@ -328,7 +333,7 @@ class LimitedHttpProtocol(CoalescingHttpToolsProtocol):
         self._host_from_target()
         if self._standby:
             if not is_probe(self.parser.get_method(), self.url):
-                self._refuse_busy()
+                self.refuse_busy()
                 raise _Refused
             super().on_headers_complete()
             self.cycle.keep_alive = False  # its place is for the next probe
@@ -471,7 +476,7 @@ class LimitedHttpProtocol(CoalescingHttpToolsProtocol):
         if self._unparsed:
             return  # the next head has arrived and waits for the client to read the answers before it
         if self._standby:
-            self._refuse_busy()
+            self.refuse_busy()
             return
         self._refuse(
             408, f"request line and headers not received within {self.limits.header_timeout:g} s (header_timeout)"
@@ -501,7 +506,8 @@ class LimitedHttpProtocol(CoalescingHttpToolsProtocol):
         had a moment to stop sending)."""
         self._refused = True
         self.budget.release(self)
-        self.census.standby.pop(self, None)  # its place is free for a probe, while it closes
+        if self._standby:
+            self.census.leave(self)  # its place is free for a probe, while it closes
         self._disarm()
         if self.transport.is_closing():
             return

@@ -150,7 +150,8 @@ async def test_configured_request_timeout_applies_and_a_client_may_only_shorten_
     }
 
 
-@pytest.mark.parametrize("value", ["0", "-5", "soon", "nan", "inf", "1e12"])
+# A decimal number only: Python's float() also read "1_000", "1e3", "+5" and " 5".
+@pytest.mark.parametrize("value", ["0", "-5", "soon", "nan", "inf", "1e12", "1_000", "1e3", "+5", "5.", "3600000.5"])
 async def test_a_malformed_deadline_header_is_a_400_naming_it(tiny_store: Path, value: str) -> None:
     async with serving(Settings(store=tiny_store)) as client:
         r = await client.post("/predict", json={"inputs": [ROW]}, headers={"X-Request-Timeout-Ms": value})
@@ -162,6 +163,17 @@ async def test_a_malformed_deadline_header_is_a_400_naming_it(tiny_store: Path, 
     for resp in (r, v2):
         assert resp.status_code == 400, resp.text
         assert resp.json()["error"].startswith("X-Request-Timeout-Ms: expected milliseconds")
+
+
+@pytest.mark.parametrize(("micros", "status"), [(3_600_000_000, 200), (3_600_000_001, 400), (2**64 - 1, 400)])
+async def test_parameters_timeout_is_held_to_the_hour_the_header_is(tiny_store: Path, micros: int, status: int) -> None:
+    async with serving(Settings(store=tiny_store)) as client:
+        x = np.zeros((1, 16), np.float32)
+        r = await client.post("/v2/models/tiny/infer", json=v2_json(x, parameters={"timeout": micros}))
+        ms = await client.post("/predict", json={"inputs": [ROW]}, headers={"X-Request-Timeout-Ms": str(micros / 1000)})
+    assert (r.status_code, ms.status_code) == (status, status), (r.text, ms.text)
+    if status == 400:
+        assert r.json()["error"] == f"parameters.timeout: expected microseconds in [0, 3600000000], got {micros}"
 
 
 # Fault isolation -------------------------------------------------------------------------------------------------

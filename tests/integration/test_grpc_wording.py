@@ -53,6 +53,13 @@ def _nan_contents() -> service_pb2.ModelInferRequest:
 _NAN = "row 0 holds a NaN or infinite value (or one beyond the range of float32); model 'tiny' does not accept them"
 
 
+def _timeout_past_an_hour() -> service_pb2.ModelInferRequest:
+    request = _request("tiny")
+    request.inputs.add(name="features", datatype="FP32", shape=[1, 16]).contents.fp32_contents.extend([1.0] * 16)
+    request.parameters["timeout"].int64_param = 3_600_000_001
+    return request
+
+
 def _no_model_name() -> service_pb2.ModelInferRequest:
     request = _request("")
     request.inputs.add(name="features", datatype="FP32", shape=[1, 16]).contents.fp32_contents.extend([1.0] * 16)
@@ -68,8 +75,10 @@ def _no_model_name() -> service_pb2.ModelInferRequest:
         # Both were named "inputs[0] (binary data)", HTTP's words for the bytes after its JSON header.
         (_nan_raw, f"raw_input_contents[0]: {_NAN} (allow_nonfinite_inputs)"),
         (_nan_contents, f"inputs[0].contents.fp32_contents: {_NAN} (allow_nonfinite_inputs)"),
+        # As over HTTP, and as its X-Request-Timeout-Ms header: at most an hour (2^63 - 1 microseconds was taken).
+        (_timeout_past_an_hour, "parameters.timeout: expected microseconds in [0, 3600000000], got 3600000001"),
     ],
-    ids=["short-raw", "ints-for-floats", "no-model-name", "nan-raw", "nan-contents"],
+    ids=["short-raw", "ints-for-floats", "no-model-name", "nan-raw", "nan-contents", "timeout"],
 )
 async def test_a_refusal_names_the_grpc_field(tiny_store: Path, message: object, error: str) -> None:
     assert callable(message)

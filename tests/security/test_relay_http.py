@@ -216,3 +216,47 @@ def test_an_absolute_form_target_s_name_is_judged_in_json_whatever_the_url_parse
         if error is not None:
             assert dict(headers)["content-type"] == "application/json"
             assert orjson.loads(body)["error"] == error
+
+
+def answers(url: str, data: bytes) -> list[tuple[int, bytes]]:
+    """Send ``data`` (requests, pipelined) on one connection; each answer's status and body, until the server closes."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(data)
+        stream = b""
+        while chunk := sock.recv(65536):
+            stream += chunk
+    found = []
+    while stream:
+        top, _, rest = stream.partition(b"\r\n\r\n")
+        status_line, *lines = top.decode("latin-1").split("\r\n")
+        length = next(int(v) for k, _, v in (line.partition(":") for line in lines) if k.lower() == "content-length")
+        found.append((int(status_line.split()[1]), rest[:length]))
+        stream = rest[length:]
+    return found
+
+
+MALFORMED = {
+    "method": b"GARBAGE\r\n\r\n",
+    "Content-Length and Transfer-Encoding": b"POST /predict HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 3\r\n"
+    b"Transfer-Encoding: chunked\r\n\r\nabc",
+    "signed Content-Length": b"POST /predict HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: +3\r\n\r\nabc",
+    "chunk size": b"POST /predict HTTP/1.1\r\nHost: 127.0.0.1\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
+}
+
+
+@pytest.mark.parametrize("kind", MALFORMED)
+def test_a_malformed_request_is_a_json_400_after_the_answers_to_those_pipelined_before_it(
+    relayed: ServerProcess, single: ServerProcess, kind: str
+) -> None:
+    row = b'{"inputs": [[0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5]]}'
+    predict = b"POST /predict HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: %d\r\n\r\n%s" % (len(row), row)
+    health = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+    for server in (relayed, single):
+        found = answers(server.url, predict + health + MALFORMED[kind] + health)
+        assert [status for status, _ in found] == [200, 200, 400], (server.url, found)
+        assert orjson.loads(found[0][1])["outputs"]
+        error = orjson.loads(found[2][1])["error"]
+        assert error.startswith("request: not valid HTTP/1.1 ("), error
+        # Alone on its connection, it is answered at once, in the same words.
+        assert answers(server.url, MALFORMED[kind]) == [(400, found[2][1])]

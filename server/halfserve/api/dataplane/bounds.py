@@ -25,6 +25,9 @@ from halfserve.settings import Settings
 
 INLINE_BYTES = 1 << 20
 """Bodies up to this size are checked and parsed on the event loop; larger ones in a worker thread."""
+MAX_TIMEOUT_US = 3_600_000_000
+"""The longest a request may ask to wait for its rows to start, in microseconds (an hour, as ``request_timeout_ms``):
+``parameters.timeout`` over HTTP or gRPC, and HTTP's ``X-Request-Timeout-Ms`` header, are held to it alike."""
 
 
 def row_limit(s: Settings, batching: Batching) -> tuple[int, str]:

@@ -27,7 +27,7 @@ from typing import cast
 
 import numpy as np
 
-from halfserve.api.dataplane.bounds import check_finite, check_size
+from halfserve.api.dataplane.bounds import MAX_TIMEOUT_US, check_finite, check_size
 from halfserve.api.dataplane.codec import (
     HEADER_LENGTH,
     check_range,
@@ -201,6 +201,8 @@ def decode(
     specs = sent_inputs(served.manifest)
     binary_output = flag(req.parameters, "binary_data_output", "parameters", False)
     timeout = count(req.parameters.get("timeout", 0), "parameters.timeout", "non-negative microseconds")
+    if timeout > MAX_TIMEOUT_US:
+        raise InvalidInputError(f"parameters.timeout: expected microseconds in [0, {MAX_TIMEOUT_US}], got {timeout}")
     inputs = req.inputs
     if not inputs:
         raise no_inputs(served, specs)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import re
 import zlib
 from typing import Any
 
@@ -18,7 +19,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.types import Scope
 
 from halfserve import text
-from halfserve.api.dataplane.bounds import INLINE_BYTES
+from halfserve.api.dataplane.bounds import INLINE_BYTES, MAX_TIMEOUT_US
 from halfserve.api.dataplane.codec import COMPRESSED_BYTES
 from halfserve.api.errors import APIError
 from halfserve.serving import AppState
@@ -27,7 +28,9 @@ TIMEOUT_HEADER = "X-Request-Timeout-Ms"
 """A client's deadline in milliseconds: a request whose rows have not all started by then is answered 504."""
 
 _TIMEOUT_KEY = TIMEOUT_HEADER.lower().encode()
-MAX_TIMEOUT_MS = 3_600_000.0
+MAX_TIMEOUT_MS = MAX_TIMEOUT_US / 1000
+_MILLISECONDS = re.compile(r"[0-9]+(?:\.[0-9]+)?")
+"""A decimal number, as the header's value must be: no sign, exponent, underscore or name (``inf``)."""
 
 TIMEOUT_PARAMETER: dict[str, Any] = {
     "name": TIMEOUT_HEADER,
@@ -188,10 +191,7 @@ def client_timeout(request: Request) -> float | None:
     if raw is None:
         return None
     text = raw.decode("latin-1")
-    try:
-        ms = float(text)
-    except ValueError:
-        ms = math.nan
+    ms = float(text) if _MILLISECONDS.fullmatch(text) else math.nan
     if not 0 < ms <= MAX_TIMEOUT_MS:  # also refuses NaN
         raise APIError(400, f"{TIMEOUT_HEADER}: expected milliseconds in (0, {MAX_TIMEOUT_MS:.0f}], got {text!r}")
     return ms / 1000.0

@@ -1,0 +1,60 @@
+"""JSON integers against an integer input's range, at its edges (:mod:`halfserve.api.dataplane.codec`): what numpy
+makes of them (past int64, floats) must neither wrap nor be called fractional."""
+
+from __future__ import annotations
+
+import numpy as np
+import orjson
+import pytest
+
+from halfserve.api.dataplane.codec import cast_json_numbers, decode_json
+from halfserve.manifest import DataType
+from halfserve.serving import InvalidInputError
+
+BEYOND = "^inputs: values beyond the range of {}$"
+"""Integers the parser handed over as floats (past int64), or floats."""
+OUTSIDE = r"^inputs: values in \[.*\] do not fit {}$"
+"""Integers the parser handed over as integers: their least and greatest are named."""
+
+
+@pytest.mark.parametrize(
+    ("literal", "dtype", "refusal"),
+    [
+        (b"9223372036854775807", np.int64, None),
+        (b"-9223372036854775808", np.int64, None),
+        (b"9223372036854775808", np.int64, BEYOND),  # was wrapped to -9223372036854775808
+        (b"-9223372036854775809", np.int64, BEYOND),  # was rounded to -2^63 and taken
+        (b"18446744073709551617", np.uint64, BEYOND),
+        (b"-1", np.uint64, OUTSIDE),
+        (b"-128", np.int8, None),
+        (b"-128.0", np.int8, None),
+        (b"255.0", np.uint8, None),
+        (b"256.0", np.uint8, BEYOND),
+        (b"2147483648", np.int32, OUTSIDE),
+    ],
+)
+def test_json_integers_at_the_edges_of_a_range(literal: bytes, dtype: type, refusal: str | None) -> None:
+    arr = np.asarray(orjson.loads(b"[[1, " + literal + b"]]"))
+    if refusal is None:
+        out = cast_json_numbers(arr, np.dtype(dtype), "inputs")
+        assert int(out[0, 1]) == int(float(literal) if b"." in literal else int(literal))
+    else:
+        with pytest.raises(InvalidInputError, match=refusal.format(np.dtype(dtype).name)):
+            cast_json_numbers(arr, np.dtype(dtype), "inputs")
+
+
+@pytest.mark.parametrize(
+    ("literal", "message"),
+    [
+        (b"9223372036854775808", "inputs[0].data: values beyond the range of INT64"),
+        (b"-9223372036854775809", "inputs[0].data: values beyond the range of INT64"),
+        (b"1.5", "inputs[0].data: INT64 data must be integers"),
+        (b"2.0", "inputs[0].data: INT64 data must be integers"),  # as Triton: a float is no INT64, whole or not
+    ],
+)
+def test_v2_names_an_out_of_range_integer_so_and_a_float_as_one(literal: bytes, message: str) -> None:
+    with pytest.raises(InvalidInputError) as info:
+        decode_json(orjson.loads(b"[1, " + literal + b"]"), DataType.INT64, [1, 2], "inputs[0].data")
+    assert str(info.value) == message
+    edge = decode_json(orjson.loads(b"[1, 9223372036854775807]"), DataType.INT64, [1, 2], "inputs[0].data")
+    assert edge[0, 1] == 2**63 - 1
