@@ -518,7 +518,8 @@ class LimitedHttpProtocol(CoalescingHttpToolsProtocol):
         )
         if status in (429, 503):
             head += "retry-after: 1\r\n"
-        self.transport.write(head.encode("latin-1") + b"\r\n" + body)
+        default = b"".join(b"%s: %s\r\n" % header for header in self.server_state.default_headers)  # date, server
+        self.transport.write(head.encode("latin-1") + default + b"\r\n" + body)
         if linger:
             self._linger()  # the client may still be sending its request
         else:

@@ -460,6 +460,15 @@ UNKNOWN_MODEL = "Request for unknown model: "
 (Triton's example clients check that an unknown model's error starts with it)."""
 
 
+SHOWN_NAME = 200
+"""Characters of a name or version a client sent that an answer repeats: the rest is cut (a 10 KB name was echoed)."""
+
+
+def shown(name: str) -> str:
+    """A name or version from a request as an answer quotes it: its ``repr``, cut past :data:`SHOWN_NAME`."""
+    return repr(name) if len(name) <= SHOWN_NAME else f"{name[:SHOWN_NAME]!r}... ({len(name)} characters)"
+
+
 class NoModels:
     """The service of an app whose models are not discovered yet: none is known, so none is ready."""
 
@@ -467,7 +476,8 @@ class NoModels:
     ready = False
 
     def get(self, name: str | None) -> ModelHandle:
-        raise ModelNotFoundError(f"{UNKNOWN_MODEL}{name!r} is not found (no model is served yet: the server starts)")
+        what = "None" if name is None else shown(name)
+        raise ModelNotFoundError(f"{UNKNOWN_MODEL}{what} is not found (no model is served yet: the server starts)")
 
 
 def find(models: Mapping[str, M], name: str | None) -> M:
@@ -481,7 +491,7 @@ def find(models: Mapping[str, M], name: str | None) -> M:
     try:
         return models[name]
     except KeyError:
-        raise ModelNotFoundError(f"{UNKNOWN_MODEL}{name!r} is not found (served: {', '.join(models)})") from None
+        raise ModelNotFoundError(f"{UNKNOWN_MODEL}{shown(name)} is not found (served: {', '.join(models)})") from None
 
 
 def why_model_not_ready(model: ModelHandle) -> str | None:

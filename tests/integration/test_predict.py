@@ -171,6 +171,18 @@ async def test_highest_version_is_served_unless_pinned(tmp_path: Path) -> None:
     save_tiny_mlp(tmp_path, seed=2, version=1)  # rewrites the manifest with a pin
     async with serving(Settings(store=tmp_path)) as client:
         assert (await client.post("/predict", json={"inputs": [[0.0] * 16]})).json()["version"] == 1
+        # A version asked for must be the one served, as on V2's /versions/{v} (it was ignored).
+        served = await client.post("/predict", json={"version": 1, "inputs": [[0.0] * 16]})
+        as_text = await client.post("/predict", json={"version": "1", "inputs": [[0.0] * 16]})
+        other = await client.post("/predict", json={"version": 2, "inputs": [[0.0] * 16]})
+        v2 = await client.post("/v2/models/tiny/versions/2/infer", json={"inputs": []})
+        wrong = await client.post("/predict", json={"version": True, "inputs": [[0.0] * 16]})
+    assert served.status_code == as_text.status_code == 200
+    assert other.status_code == v2.status_code == 404
+    assert other.json()["error"] == v2.json()["error"]
+    assert other.json()["error"].endswith("'tiny' version 2 is not found (it serves version 1)")
+    assert wrong.status_code == 400
+    assert wrong.json()["error"] == "version: expected an integer, got true"
 
 
 @needs_cxx

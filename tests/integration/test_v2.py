@@ -776,3 +776,22 @@ async def test_openapi_documents_the_v2_endpoints(tiny_store: Path) -> None:
     infer = paths["/v2/models/{model_name}/infer"]["post"]
     assert set(infer["requestBody"]["content"]) == {"application/json", "application/octet-stream"}
     assert any(p["name"] == HEADER for p in infer["parameters"])
+
+
+async def test_a_long_unknown_name_or_version_is_quoted_cut(tiny_store: Path) -> None:
+    name = "n" * 5000
+    async with serving(Settings(store=tiny_store)) as client:
+        by_url = await client.get(f"/v2/models/{name}")
+        by_body = await client.post("/predict", json={"model": "m" * 10_000, "inputs": [[0.0] * 16]})
+        version = await client.post("/predict", json={"version": "9" * 10_000, "inputs": [[0.0] * 16]})
+        short = await client.post("/predict", json={"version": "1.0", "inputs": [[0.0] * 16]})
+    assert by_url.status_code == by_body.status_code == version.status_code == short.status_code == 404
+    cut = "Request for unknown model: '" + "n" * 200 + "'... (5000 characters) is not found (served: tiny)"
+    assert by_url.json()["error"] == cut
+    assert by_body.json()["error"].endswith("'... (10000 characters) is not found (served: tiny)")
+    assert len(by_body.json()["error"]) < 300
+    assert version.json()["error"] == (
+        "Request for unknown model: 'tiny' version '" + "9" * 200 + "'... (10000 characters) is not found "
+        "(it serves version 1)"
+    )
+    assert short.json()["error"] == "Request for unknown model: 'tiny' version '1.0' is not found (it serves version 1)"

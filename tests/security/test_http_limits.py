@@ -83,6 +83,10 @@ def test_an_idle_connection_is_closed_after_the_header_timeout(server: ServerPro
     assert status == 408
     assert b"(header_timeout)" in data
     assert took < 5
+    # The protocol's own answers carry date and server as the app's do (they had neither).
+    head = data.partition(b"\r\n\r\n")[0].lower().split(b"\r\n")
+    names = sorted(line.split(b":")[0] for line in head if line.startswith((b"date:", b"server:")))
+    assert names == [b"date", b"server"]
     still_serving(server)
 
 

@@ -17,7 +17,15 @@ from typing import TypeVar
 from halfserve.api import lockout
 from halfserve.api.dataplane.refusals import Refusal
 from halfserve.api.errors import HeldError, RefusedError
-from halfserve.serving import UNKNOWN_MODEL, AppState, LocalModel, ModelHandle, SharedRegions, why_model_not_ready
+from halfserve.serving import (
+    UNKNOWN_MODEL,
+    AppState,
+    LocalModel,
+    ModelHandle,
+    SharedRegions,
+    shown,
+    why_model_not_ready,
+)
 
 log = logging.getLogger(__name__)
 
@@ -27,9 +35,10 @@ H = TypeVar("H", ModelHandle, LocalModel)
 def of_version(served: H, version: str | None) -> H:
     """``served`` when ``version`` (None or empty: any) is the version it serves, else refused as not found."""
     if version and version != str(served.version):
+        asked = version if version.isdigit() and len(version) <= 20 else shown(version)  # else quoted, and cut
         raise RefusedError(
             Refusal.NOT_FOUND,
-            f"{UNKNOWN_MODEL}{served.name!r} version {version} is not found (it serves version {served.version})",
+            f"{UNKNOWN_MODEL}{served.name!r} version {asked} is not found (it serves version {served.version})",
         )
     return served
 

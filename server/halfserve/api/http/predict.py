@@ -10,6 +10,7 @@ import orjson
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
+from halfserve.api.access import of_version
 from halfserve.api.dataplane.bounds import check_size, parse_json
 from halfserve.api.dataplane.codec import decode_samples, encode_texts
 from halfserve.api.dataplane.decode import from_base64
@@ -37,6 +38,10 @@ PREDICT_SCHEMA: dict[str, Any] = {
                     "required": ["inputs"],
                     "properties": {
                         "model": {"type": "string", "description": "Optional when one model is served."},
+                        "version": {
+                            "anyOf": [{"type": "integer"}, {"type": "string"}],
+                            "description": "Optional: the version the model must be serving (any other is a 404).",
+                        },
                         "inputs": {
                             "anyOf": [{"type": "array", "minItems": 1, "items": {}}, {"type": "object"}],
                             "description": "Samples, each a nested list of the model's per-sample input shape; for "
@@ -209,7 +214,10 @@ async def predict(request: Request) -> Response:
     if "inputs" not in payload:
         raise InvalidInputError('inputs: missing; send {"inputs": [sample, ...]}')
     samples = payload["inputs"]
-    served = app.service.get(name)
+    version = payload.get("version")
+    if version is not None and (isinstance(version, bool) or not isinstance(version, int | str)):
+        raise InvalidInputError(f"version: expected an integer, got {orjson.dumps(version).decode()[:100]}")
+    served = of_version(app.service.get(name), None if version is None else str(version))
     note(request, served)
     # No finiteness check: JSON carries no NaN or infinity, and decoding refuses numbers the dtype cannot hold.
     result = await infer(app, served, decode_inputs(samples, served, settings), timeout)
