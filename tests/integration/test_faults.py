@@ -165,6 +165,13 @@ async def test_a_malformed_deadline_header_is_a_400_naming_it(tiny_store: Path, 
         assert resp.json()["error"].startswith("X-Request-Timeout-Ms: expected milliseconds")
 
 
+async def test_a_deadline_header_in_utf_8_is_quoted_as_sent(tiny_store: Path) -> None:
+    async with serving(Settings(store=tiny_store)) as client:
+        r = await client.post("/predict", json={"inputs": [ROW]}, headers=[("X-Request-Timeout-Ms", "５０".encode())])
+    assert r.status_code == 400
+    assert r.json()["error"] == "X-Request-Timeout-Ms: expected milliseconds in (0, 3600000], got '５０'"
+
+
 @pytest.mark.parametrize(("micros", "status"), [(3_600_000_000, 200), (3_600_000_001, 400), (2**64 - 1, 400)])
 async def test_parameters_timeout_is_held_to_the_hour_the_header_is(tiny_store: Path, micros: int, status: int) -> None:
     async with serving(Settings(store=tiny_store)) as client:

@@ -193,5 +193,6 @@ def client_timeout(request: Request) -> float | None:
     text = raw.decode("latin-1")
     ms = float(text) if _MILLISECONDS.fullmatch(text) else math.nan
     if not 0 < ms <= MAX_TIMEOUT_MS:  # also refuses NaN
-        raise APIError(400, f"{TIMEOUT_HEADER}: expected milliseconds in (0, {MAX_TIMEOUT_MS:.0f}], got {text!r}")
+        sent = raw[:100].decode("utf-8", "replace")  # as the client wrote it: UTF-8 read as Latin-1 was garbled
+        raise APIError(400, f"{TIMEOUT_HEADER}: expected milliseconds in (0, {MAX_TIMEOUT_MS:.0f}], got {sent!r}")
     return ms / 1000.0
