@@ -281,31 +281,28 @@ def test_a_listing_nested_past_the_parser_s_limit_is_refused_in_one_line(
     )
 
 
-@pytest.mark.parametrize("hostile", [Misbehaviour.BAD_NAME], indirect=True)
-def test_a_listed_name_that_is_no_model_name_is_refused_before_any_request(
-    hostile: HostileServer, tmp_path: Path
+NAME_REFUSAL = f"model name {BAD_NAME!r} is invalid: use letters, digits, '_', '.', '-' (max 64)"
+
+
+@pytest.mark.parametrize(
+    ("hostile", "model", "said"),
+    [
+        (Misbehaviour.BAD_NAME, None, NAME_REFUSAL),
+        # Before, it was parsed, swept, and then crashed the report with a RecursionError (exit 1, a long traceback).
+        (Misbehaviour.NESTED_DEVICE, MODEL, "the entry of 'm': device is an array, expected a string or a number"),
+    ],
+    indirect=["hostile"],
+    ids=["name", "nested-device"],
+)
+def test_a_listing_the_run_cannot_use_is_refused_in_one_line_before_any_request(
+    hostile: HostileServer, tmp_path: Path, model: str | None, said: str
 ) -> None:
-    proc = loadtest(hostile, tmp_path, model=None)
+    proc = loadtest(hostile, tmp_path, model=model)
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().splitlines() == [
-        f"halfserve loadtest: error: GET http://127.0.0.1:{hostile.port}/models: model name {BAD_NAME!r} is invalid: "
-        "use letters, digits, '_', '.', '-' (max 64)"
+        f"halfserve loadtest: error: GET http://127.0.0.1:{hostile.port}/models: {said}"
     ]
     assert "\x1b" not in proc.stderr
-    assert hostile.predicts == 0
-
-
-@pytest.mark.parametrize("hostile", [Misbehaviour.NESTED_DEVICE], indirect=True)
-def test_a_listed_field_nested_within_the_parser_s_depth_is_refused_in_one_line(
-    hostile: HostileServer, tmp_path: Path
-) -> None:
-    # Before, it was parsed, swept, and then crashed the report with a RecursionError (exit 1, a long traceback).
-    proc = loadtest(hostile, tmp_path)
-    assert proc.returncode == 2, proc.stderr
-    assert proc.stderr.strip().splitlines() == [
-        f"halfserve loadtest: error: GET http://127.0.0.1:{hostile.port}/models: the entry of 'm': device is an "
-        "array, expected a string or a number"
-    ]
     assert hostile.predicts == 0
 
 
