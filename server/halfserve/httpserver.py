@@ -69,6 +69,10 @@ def uvicorn_config(
         app,
         **where,
         http=LimitedHttpProtocol.with_limits(http_limits(settings), direct),
+        # No route is a WebSocket: an Upgrade request is answered as plain HTTP. With uvicorn's default ("auto", and
+        # the websockets package installed), it was handed to a WebSocket protocol that has none of the connection's
+        # limits, and the app, which answers only HTTP, left it open and unanswered.
+        ws="none",
         log_level=settings.log_level.value,
         log_config=log_config,
         access_log=settings.access_log,

@@ -260,3 +260,14 @@ def test_a_malformed_request_is_a_json_400_after_the_answers_to_those_pipelined_
         assert error.startswith("request: not valid HTTP/1.1 ("), error
         # Alone on its connection, it is answered at once, in the same words.
         assert answers(server.url, MALFORMED[kind]) == [(400, found[2][1])]
+
+
+def test_a_websocket_upgrade_is_answered_as_plain_http(relayed: ServerProcess, single: ServerProcess) -> None:
+    # No route is a WebSocket. The request went to uvicorn's WebSocket protocol, outside every connection limit, and
+    # was left open and unanswered for as long as the client kept it.
+    upgrade = (
+        b"GET /v2/health/live HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: Upgrade, close\r\nUpgrade: websocket\r\n"
+        b"Sec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n"
+    )
+    for server in (relayed, single):
+        assert answers(server.url, upgrade) == [(200, b'{"live":true}')], server.url
