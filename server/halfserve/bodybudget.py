@@ -21,9 +21,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-GRACE_S = 2.0
+GRACE_S = 0.5
 """How long a body arrives before it may give its bytes up to another: a client's body follows its headers, so a
-fast one is whole long before."""
+fast one is whole long before. Short, as it is what a client holding the budget must beat: one that reconnects to
+keep its bodies younger than this must send the whole budget (256 MiB by default) every half second, 4 Gbit/s."""
 
 
 class Body(Protocol):
@@ -75,6 +76,12 @@ class BodyBudget:
         share or the budget and no other body, slow and arriving for long enough, gives its bytes up."""
         if size <= 0:
             return None
+        if body.pending + size > self.per_peer:  # never: a 413, not a refusal that retrying could lift
+            return Refusal(
+                413,
+                f"body: more than {self.per_peer} bytes, the most one client address's bodies may hold while they "
+                f"arrive (http_peer_share of http_pending_bytes)",
+            )
         mine = self.by_peer.get(body.peer, 0)
         if mine + size > self.per_peer:
             ours = [b for b in self.bodies if b.peer == body.peer]

@@ -23,18 +23,18 @@ in JSON after the requests pipelined before it.
 from __future__ import annotations
 
 import asyncio
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any, ClassVar
 
+import httptools
 import orjson
 from uvicorn.protocols.http.flow_control import HIGH_WATER_LIMIT
 
 from halfserve.bodybudget import BodyBudget
 from halfserve.httpcensus import Census
-from halfserve.httptarget import NoHost, absolute_form, is_probe, origin_path
+from halfserve.httptarget import NoHost, absolute_form, framing_problem, is_probe, origin_path
 from halfserve.settings import Settings
 from halfserve.transport import (
     BODY_TIMED_OUT,
@@ -214,7 +214,13 @@ class LimitedHttpProtocol(CoalescingHttpToolsProtocol):
 
     def _parse(self, data: bytes) -> None:
         continuing = self._in_head
-        super().data_received(data)
+        self._unset_keepalive_if_required()
+        try:  # uvicorn's data_received, without its warning for every refusal a callback raised
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            pass  # no route upgrades: what follows the head is dropped, and the connection closes after its answer
+        except httptools.HttpParserError as e:
+            self.send_400_response(str(e))
         if continuing and self._in_head and not self._refused:
             # httptools holds a header's name and value until it ends, so the head's size is checked here too, by
             # the reads that arrived whole inside it (the read it began in, and the limit, are the most it can
@@ -235,13 +241,11 @@ class LimitedHttpProtocol(CoalescingHttpToolsProtocol):
             self._arm_body()
 
     def send_400_response(self, msg: str) -> None:
-        """A request httptools cannot parse is a 400 in JSON naming what is wrong (uvicorn's was text/plain), sent
-        once the requests pipelined before it are answered (they were read whole: their answers are not lost to it);
-        then the connection is closed. Where it is the body of the request in progress, that request ends with it."""
+        """A request httptools cannot parse: a 400 in JSON naming what is wrong, once the requests pipelined before it
+        are answered (not lost to it), then the connection is closed. A request in progress whose body it is ends."""
         if self._refused:
             return  # a callback refused the request (and answered it); the parser error is that refusal
-        error = sys.exc_info()[1]  # uvicorn calls this handling httptools' error, whose words name the problem
-        message = f"request: not valid HTTP/1.1 ({error if error is not None else msg})"
+        message = f"request: not valid HTTP/1.1 ({msg})"  # httptools' words name the problem
         cycle = self.cycle
         # Its body is what is malformed, its head read behind a request in progress: it never starts.
         queued = next((entry for entry in self.pipeline if entry[0] is cycle), None) if self._in_body else None
@@ -331,6 +335,9 @@ class LimitedHttpProtocol(CoalescingHttpToolsProtocol):
     def on_headers_complete(self) -> None:
         self._in_head, self._in_body = False, True
         self._host_from_target()
+        if (problem := framing_problem(self.headers, bool(self.parser.should_upgrade()))) is not None:
+            self._refuse(*problem, linger=True)
+            raise _Refused
         if self._standby:
             if not is_probe(self.parser.get_method(), self.url):
                 self.refuse_busy()

@@ -1,6 +1,7 @@
-"""A request's target, as the HTTP protocol (:mod:`halfserve.httpprotocol`) reads it before any route sees it: an
+"""A request's head, as the HTTP protocol (:mod:`halfserve.httpprotocol`) reads it before any route sees it: an
 absolute-form target's host standing in for ``Host``, the path a route answered straight from the protocol is matched
-on, and whether a request is a health or readiness probe."""
+on, whether a request is a health or readiness probe, and whether its body's framing is one the server reads as the
+client meant it."""
 
 from __future__ import annotations
 
@@ -51,3 +52,26 @@ def is_probe(method: bytes, url: bytes) -> bool:
     if method not in (b"GET", b"HEAD"):
         return False
     return url.partition(b"?")[0].partition(b"#")[0].decode("latin-1") in PROBE_PATHS
+
+
+def framing_problem(headers: list[tuple[bytes, bytes]], upgrade: bool) -> tuple[int, str] | None:
+    """The status and words of a refusal for a head whose body the server would read otherwise than the client (or a
+    proxy in front) meant, None for one it reads as meant (``headers`` as uvicorn keeps them, names lower case):
+
+    - a transfer coding other than ``chunked`` alone, which the parser would ignore and read the body as plain chunks
+      (``gzip, chunked`` as JSON): 501, as RFC 9112 section 6.1 asks;
+    - a body on a request asking to upgrade (``Connection: upgrade``): the parser takes what follows the head as the
+      new protocol's, so the body, and any request pipelined after it, would be lost.
+    """
+    for name, value in headers:
+        if name == b"transfer-encoding" and value.strip().lower() != b"chunked":
+            sent = value[:100].decode("latin-1")
+            return 501, f"Transfer-Encoding: {sent!r} is not supported; send the body chunked alone or with a length"
+    if upgrade and any(
+        (name == b"content-length" and value.strip() != b"0") or name == b"transfer-encoding" for name, value in headers
+    ):
+        return 400, (
+            "Upgrade: a request asking to upgrade cannot carry a body here (the server speaks HTTP/1.1 only); "
+            "send it without Connection: upgrade"
+        )
+    return None

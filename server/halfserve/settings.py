@@ -186,7 +186,7 @@ class Settings(BaseSettings):
     The gap of ``body_timeout`` alone is no bound: a byte every 20 s would hold a connection for ever."""
     http_pending_bytes: int = Field(default=256 * 2**20, ge=2**20)
     """Bytes that HTTP request bodies still arriving may hold in all, in each process that reads them (the server, or
-    each of ``http_workers``), counted as they arrive. Past it, the slowest body arriving for 2 s or more gives its
+    each of ``http_workers``), counted as they arrive. Past it, the slowest body arriving for 0.5 s or more gives its
     bytes up (503) to one that needs them, or, where none is that slow, the body asking is refused (503)."""
     http_peer_share: float = Field(default=0.5, gt=0.0, le=1.0)
     """The share of ``http_pending_bytes`` that the bodies of one client address may hold (429 past it), so one client

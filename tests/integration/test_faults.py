@@ -165,6 +165,25 @@ async def test_a_malformed_deadline_header_is_a_400_naming_it(tiny_store: Path, 
         assert resp.json()["error"].startswith("X-Request-Timeout-Ms: expected milliseconds")
 
 
+async def test_a_deadline_given_twice_is_a_400_and_a_fractional_one_names_the_range(tiny_store: Path) -> None:
+    x = np.zeros((1, 16), np.float32)
+    async with serving(Settings(store=tiny_store)) as client:
+        twice = await client.post(
+            "/predict", json={"inputs": [ROW]}, headers=[("X-Request-Timeout-Ms", "1"), ("X-Request-Timeout-Ms", "9")]
+        )
+        fractional = [
+            await client.post("/v2/models/tiny/infer", json=v2_json(x, parameters={"timeout": value}))
+            for value in (1.5, 1e20)
+        ]
+    # The first was used, silently: a proxy's shorter deadline appended after the client's was lost.
+    assert twice.status_code == 400
+    assert twice.json()["error"] == "X-Request-Timeout-Ms: given 2 times; send it once"
+    assert [r.json()["error"] for r in fractional] == [
+        "parameters.timeout: expected microseconds in [0, 3600000000], got 1.5",
+        "parameters.timeout: expected microseconds in [0, 3600000000], got 1e+20",
+    ]
+
+
 async def test_a_deadline_header_in_utf_8_is_quoted_as_sent(tiny_store: Path) -> None:
     async with serving(Settings(store=tiny_store)) as client:
         r = await client.post("/predict", json={"inputs": [ROW]}, headers=[("X-Request-Timeout-Ms", "５０".encode())])

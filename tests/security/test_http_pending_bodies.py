@@ -1,5 +1,5 @@
 """Bodies still arriving share one budget per process (``--http-pending-bytes``), one client address at most a share
-of it (``--http-peer-share``): past its share a client's body is a 429, and where the budget is full a slow body gives
+of it (``--http-peer-share``): a body alone past that share is a 413, and where the budget is full a slow body gives
 its bytes up (503) to a fast one. Over a real server, single-process and behind ``--http-workers`` front-ends, with
 clients on several loopback addresses."""
 
@@ -60,29 +60,33 @@ def still_serving(server: ServerProcess) -> None:
     assert r.status_code == 200
 
 
-def test_one_address_past_its_share_is_a_429_and_other_addresses_are_served(server: ServerProcess) -> None:
+def test_a_body_past_one_address_s_share_is_a_413_and_other_addresses_are_served(server: ServerProcess) -> None:
+    # Whether a second body of the same address gets a 429 or its first body gives way depends on the first's age: the
+    # unit tests (tests/unit/test_body_budget.py) decide that on a made-up clock. A single body past the share is a
+    # 413 whatever the clock says, as retrying could not help.
     with contextlib.ExitStack() as stack:
-        stack.enter_context(start_body(server, "127.0.0.2", 900_000, b" " * 400_000))
-        # Its own share, not the first's to take:
         whole = padded_request(500_000)
         other = stack.enter_context(start_body(server, "127.0.0.3", 500_000, whole[:400_000]))
-        second = stack.enter_context(start_body(server, "127.0.0.2", 300_000, b" " * 200_000))  # 600,000 in all
-        status, headers, body = answer(second)
-        assert status == 429, body
+        big = stack.enter_context(start_body(server, "127.0.0.2", 900_000, b" " * 600_000))
+        status, headers, body = answer(big)
+        assert status == 413, body
         assert headers["content-type"] == "application/json"
-        assert headers["retry-after"] == "1"
         error = orjson.loads(body)["error"]
-        assert "requests of 127.0.0.2 have" in error
-        assert "over 524288 (http_peer_share of http_pending_bytes)" in error
+        assert error == (
+            "body: more than 524288 bytes, the most one client address's bodies may hold while they arrive "
+            "(http_peer_share of http_pending_bytes)"
+        )
         other.sendall(whole[400_000:])
         assert answer(other)[0] == 200  # sent whole: answered
     still_serving(server)
+    # Each refusal added uvicorn's warning for a request it could not parse, which this was not.
+    assert "Invalid HTTP request received" not in server.log.read_text()
 
 
 def test_a_slow_body_gives_its_bytes_up_to_a_fast_one_when_the_budget_is_full(server: ServerProcess) -> None:
     with contextlib.ExitStack() as stack:
         slow = [stack.enter_context(start_body(server, f"127.0.0.{i}", 1_000_000, b" " * 400_000)) for i in (4, 5)]
-        time.sleep(3.0)  # past the 2 s grace: both arrive at under 140 KB/s
+        time.sleep(2.0)  # past the 0.5 s grace: both arrive at under 140 KB/s
         # 1,100,000 bytes arriving: over 1,048,576
         fast = stack.enter_context(start_body(server, "127.0.0.6", 300_000, padded_request(300_000)))
         status, _, body = answer(fast)

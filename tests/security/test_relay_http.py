@@ -271,3 +271,39 @@ def test_a_websocket_upgrade_is_answered_as_plain_http(relayed: ServerProcess, s
     )
     for server in (relayed, single):
         assert answers(server.url, upgrade) == [(200, b'{"live":true}')], server.url
+
+
+ROW = b'{"inputs": [[0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5]]}'
+CHUNKED_ROW = b"%x\r\n%s\r\n0\r\n\r\n" % (len(ROW), ROW)
+
+
+@pytest.mark.parametrize(
+    ("head", "body", "status", "error"),
+    [
+        # The parser ignored the coding and read the body as plain chunks: foo was served, gzip'd JSON a bad-JSON 400.
+        (
+            b"Transfer-Encoding: gzip, chunked",
+            CHUNKED_ROW,
+            501,
+            "Transfer-Encoding: 'gzip, chunked' is not supported; send the body chunked alone or with a length",
+        ),
+        # What follows the head was taken as the new protocol's: the body was lost (a 400 "body: empty").
+        (
+            b"Connection: upgrade\r\nUpgrade: foo\r\nContent-Length: %d" % len(ROW),
+            ROW,
+            400,
+            "Upgrade: a request asking to upgrade cannot carry a body here (the server speaks HTTP/1.1 only); "
+            "send it without Connection: upgrade",
+        ),
+    ],
+    ids=["transfer-coding", "upgrade-with-body"],
+)
+def test_a_body_framed_otherwise_than_it_would_be_read_is_refused(
+    relayed: ServerProcess, single: ServerProcess, head: bytes, body: bytes, status: int, error: str
+) -> None:
+    request = b"POST /predict HTTP/1.1\r\nHost: 127.0.0.1\r\n" + head + b"\r\n\r\n" + body
+    plain = b"POST /predict HTTP/1.1\r\nHost: 127.0.0.1\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n"
+    for server in (relayed, single):
+        [(got, answer)] = answers(server.url, request)
+        assert (got, orjson.loads(answer)) == (status, {"error": error}), server.url
+        assert answers(server.url, plain + CHUNKED_ROW)[0][0] == 200  # chunked alone is read

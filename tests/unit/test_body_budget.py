@@ -30,13 +30,26 @@ def test_one_address_is_held_to_its_share_and_others_are_not() -> None:
     a1, a2, b = FakeBody("a"), FakeBody("a"), FakeBody("b")
     assert budget.claim(a1, 300, now=0.0) is None
     assert budget.claim(a2, 200, now=0.0) is None
-    refusal = budget.claim(a2, 1, now=0.5)
+    refusal = budget.claim(a2, 1, now=budget.grace / 2)  # a1 too young to give way
     assert refusal is not None
     assert refusal.status == 429
     assert "requests of a have 501 bytes" in refusal.message
     assert "over 500 (http_peer_share" in refusal.message
-    assert budget.claim(b, 500, now=0.5) is None  # another address has a share of its own
+    assert budget.claim(b, 500, now=budget.grace / 2) is None  # another address has a share of its own
     assert (budget.held, budget.by_peer) == (1000, {"a": 500, "b": 500})
+
+
+def test_a_body_past_one_address_s_share_is_a_413_whatever_else_arrives() -> None:
+    budget = BodyBudget.of(1000, 0.5)
+    body = FakeBody("a")
+    assert budget.claim(body, 500, now=0.0) is None
+    refusal = budget.claim(body, 1, now=0.1)
+    assert refusal is not None
+    assert refusal.status == 413  # retrying cannot help: not a 429 with Retry-After
+    assert refusal.message == (
+        "body: more than 500 bytes, the most one client address's bodies may hold while they arrive "
+        "(http_peer_share of http_pending_bytes)"
+    )
 
 
 def test_a_full_budget_refuses_the_body_asking_while_none_is_late() -> None:

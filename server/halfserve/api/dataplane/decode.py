@@ -200,7 +200,7 @@ def decode(
     the shared memory regions it may name, asked only when it names one."""
     specs = sent_inputs(served.manifest)
     binary_output = flag(req.parameters, "binary_data_output", "parameters", False)
-    timeout = count(req.parameters.get("timeout", 0), "parameters.timeout", "non-negative microseconds")
+    timeout = count(req.parameters.get("timeout", 0), "parameters.timeout", f"microseconds in [0, {MAX_TIMEOUT_US}]")
     if timeout > MAX_TIMEOUT_US:
         raise InvalidInputError(f"parameters.timeout: expected microseconds in [0, {MAX_TIMEOUT_US}], got {timeout}")
     inputs = req.inputs

@@ -187,9 +187,12 @@ _GZIP_MAGIC = b"\x1f\x8b"
 def client_timeout(request: Request) -> float | None:
     """The ``X-Request-Timeout-Ms`` header in seconds, ``None`` without one; a 400 when it is not a positive number
     of milliseconds."""
-    raw = raw_header(request, _TIMEOUT_KEY)
-    if raw is None:
+    given = [bytes(value) for key, value in request.scope["headers"] if key == _TIMEOUT_KEY]
+    if not given:
         return None
+    if len(given) > 1:  # which one would be meant? A proxy's shorter deadline appended after the client's was lost
+        raise APIError(400, f"{TIMEOUT_HEADER}: given {len(given)} times; send it once")
+    raw = given[0]
     text = raw.decode("latin-1")
     ms = float(text) if _MILLISECONDS.fullmatch(text) else math.nan
     if not 0 < ms <= MAX_TIMEOUT_MS:  # also refuses NaN
