@@ -349,8 +349,9 @@ class LimitedHttpProtocol(CoalescingHttpToolsProtocol):
         if handler is None:
             before = self.cycle
             super().on_headers_complete()
-            if self.cycle is not before:  # not an upgrade
+            if self.cycle is not before:  # not a WebSocket upgrade (none is served)
                 self._close_after_early_answer()
+                self._keep_alive_after_body &= not self.parser.should_upgrade()  # what followed its head was dropped
             return
         # What uvicorn's on_headers_complete does for a plain request on an idle connection, with a DirectCycle.
         scope: Any = self.scope
@@ -424,9 +425,8 @@ class LimitedHttpProtocol(CoalescingHttpToolsProtocol):
         return bool(self.flow.read_paused)
 
     def give_up(self, why: str, status: int = 503, linger: bool = True) -> None:
-        """The body may not go on arriving (it holds bytes the :class:`BodyBudget` needs, or it is too slow): the
-        request ends and is answered ``status``, the connection closed (``linger``: once the client has stopped
-        sending)."""
+        """The body may not go on arriving (its bytes went to another, or it is too slow): the request ends, answered
+        ``status``, and the connection is closed (``linger``: once the client has stopped sending)."""
         cycle = self.cycle
         if cycle is not None and not cycle.response_complete:
             cycle.disconnected = True  # the app's receive() now answers http.disconnect; its own answer is lost

@@ -307,3 +307,21 @@ def test_a_body_framed_otherwise_than_it_would_be_read_is_refused(
         [(got, answer)] = answers(server.url, request)
         assert (got, orjson.loads(answer)) == (status, {"error": error}), server.url
         assert answers(server.url, plain + CHUNKED_ROW)[0][0] == 200  # chunked alone is read
+
+
+def test_a_request_asking_to_upgrade_is_answered_then_its_connection_closed(
+    relayed: ServerProcess, single: ServerProcess
+) -> None:
+    # What follows the head of a request asking to upgrade is taken as the new protocol's and dropped: the request
+    # behind it is not answered, so the answer says the connection closes (it stayed open, idle, until the keep-alive
+    # timeout, and the client could not tell the request behind it was lost).
+    health = b"GET /v2/health/live HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+    for server in (relayed, single):
+        host, port = server.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=30) as sock:
+            sock.sendall(health + b"Connection: upgrade\r\nUpgrade: h2c\r\n\r\n" + health + b"\r\n")
+            data = b""
+            while chunk := sock.recv(65536):
+                data += chunk
+        assert data.count(b"HTTP/1.1 ") == 1, data
+        assert b"\r\nconnection: close\r\n" in data.lower(), data
