@@ -122,14 +122,19 @@ class BodyBudget:
         """Whether ``size`` bytes fit under ``limit`` (``used`` of it taken), once the slowest of ``candidates``
         arriving for at least the grace have given theirs up, one at a time, the slowest first."""
         late = [b for b in candidates if b is not asking and now - b.arriving_since >= self.grace and not b.paused()]
-        late.sort(key=lambda b: b.pending / max(now - b.arriving_since, 1e-9))
+        late.sort(key=lambda b: _rate(b, now))
         for victim in late:
             if used() + size <= limit:
                 break
-            rate = victim.pending / max(now - victim.arriving_since, 1e-9)
+            rate = _rate(victim, now)  # before its bytes are released
             self.release(victim)
             victim.give_up(
                 f"server busy: this body arrived at {rate:.0f} bytes/s, and its bytes went to a faster one "
                 f"(http_pending_bytes: {self.total} bytes of bodies may be arriving at once)"
             )
         return used() + size <= limit
+
+
+def _rate(body: Body, now: float) -> float:
+    """The bytes per second ``body`` has arrived at since its first byte counted."""
+    return body.pending / max(now - body.arriving_since, 1e-9)

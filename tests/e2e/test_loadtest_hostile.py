@@ -187,6 +187,13 @@ def hostile(request: pytest.FixtureRequest) -> Iterator[HostileServer]:
         server.stop()
 
 
+def refusal(proc: subprocess.CompletedProcess[str]) -> str:
+    """The one line a run refused before its sweep prints: exit 2, and nothing else on stderr."""
+    assert proc.returncode == 2, proc.stderr
+    [line] = proc.stderr.strip().splitlines()
+    return line
+
+
 def loadtest(
     server: HostileServer, out: Path, *extra: str, model: str | None = MODEL
 ) -> subprocess.CompletedProcess[str]:
@@ -218,10 +225,9 @@ def test_a_trickled_answer_times_out_as_a_whole(hostile: HostileServer, tmp_path
 @pytest.mark.parametrize("hostile", [Misbehaviour.TRICKLE_ALL], indirect=True)
 def test_a_trickled_probe_fails_the_run_in_one_line(hostile: HostileServer, tmp_path: Path) -> None:
     proc = loadtest(hostile, tmp_path)
-    assert proc.returncode == 2, proc.stderr
-    assert proc.stderr.strip().splitlines() == [
+    assert refusal(proc) == (
         f"halfserve loadtest: error: POST http://127.0.0.1:{hostile.port}/predict: no whole answer within 2 s"
-    ]
+    )
 
 
 @pytest.mark.parametrize("hostile", [Misbehaviour.HUGE], indirect=True)
@@ -250,11 +256,10 @@ def test_a_level_without_a_success_is_reported(hostile: HostileServer, tmp_path:
 @pytest.mark.parametrize("hostile", [Misbehaviour.HUGE_SHAPE], indirect=True)
 def test_an_absurd_signature_is_refused_before_allocating(hostile: HostileServer, tmp_path: Path) -> None:
     proc = loadtest(hostile, tmp_path)
-    assert proc.returncode == 2, proc.stderr
-    assert proc.stderr.strip().splitlines() == [
+    assert refusal(proc) == (
         "halfserve loadtest: error: model 'm': input 'x' declares shape [40000, 40000], 1,600,000,000 values per "
         "request (1 row(s)); the load test sends at most 16,777,216"
-    ]
+    )
     assert hostile.predicts == 0
 
 
@@ -263,10 +268,9 @@ def test_a_listing_whose_head_never_ends_fails_the_run_at_the_timeout(hostile: H
     # Each byte comes well within httpx's 2 s read timeout: only a bound on the request as a whole ends it (before,
     # the run was held until RUN_LIMIT_S).
     proc = loadtest(hostile, tmp_path)
-    assert proc.returncode == 2, proc.stderr
-    assert proc.stderr.strip().splitlines() == [
+    assert refusal(proc) == (
         f"halfserve loadtest: error: GET http://127.0.0.1:{hostile.port}/models: no whole answer within 2 s"
-    ]
+    )
 
 
 @pytest.mark.parametrize("hostile", [Misbehaviour.NESTED], indirect=True)
@@ -274,8 +278,7 @@ def test_a_listing_nested_past_the_parser_s_limit_is_refused_in_one_line(
     hostile: HostileServer, tmp_path: Path
 ) -> None:
     proc = loadtest(hostile, tmp_path)
-    assert proc.returncode == 2, proc.stderr
-    [line] = proc.stderr.strip().splitlines()
+    line = refusal(proc)
     assert line.startswith(
         f"halfserve loadtest: error: GET http://127.0.0.1:{hostile.port}/models: not a model listing (RecursionError: "
     )
@@ -298,10 +301,7 @@ def test_a_listing_the_run_cannot_use_is_refused_in_one_line_before_any_request(
     hostile: HostileServer, tmp_path: Path, model: str | None, said: str
 ) -> None:
     proc = loadtest(hostile, tmp_path, model=model)
-    assert proc.returncode == 2, proc.stderr
-    assert proc.stderr.strip().splitlines() == [
-        f"halfserve loadtest: error: GET http://127.0.0.1:{hostile.port}/models: {said}"
-    ]
+    assert refusal(proc) == f"halfserve loadtest: error: GET http://127.0.0.1:{hostile.port}/models: {said}"
     assert "\x1b" not in proc.stderr
     assert hostile.predicts == 0
 
@@ -329,8 +329,7 @@ def test_a_listed_input_with_a_control_character_is_refused_quoted(
     hostile: HostileServer, protocol: str, said: str, tmp_path: Path
 ) -> None:
     proc = loadtest(hostile, tmp_path, "--protocol", protocol)
-    assert proc.returncode == 2, proc.stderr
-    [line] = proc.stderr.strip().splitlines()
+    line = refusal(proc)
     key = "shape" if hostile.mode is Misbehaviour.ESCAPED_SHAPE else "datatype"
     assert line.startswith(f"halfserve loadtest: error: {said}{f'{ESCAPE}{key}'!r}")
     assert hostile.predicts == 0

@@ -38,6 +38,15 @@ Responses = dict[int | str, dict[str, Any]]
 """OpenAPI ``responses`` entries by status, as FastAPI's route decorators take them."""
 
 
+def as_json(value: object) -> str:
+    """A value from a request body, as a refusal quotes it: in the JSON the client wrote (``true``, ``null``), not in
+    Python's words (``True``); cut to 200 characters."""
+    try:
+        return orjson.dumps(value).decode()[:200]
+    except TypeError:  # an integer past 64 bits
+        return repr(value)[:200]
+
+
 def error_responses(descriptions: dict[int, str]) -> Responses:
     """OpenAPI ``responses`` entries for error statuses, each with the ``{"error": ...}`` body."""
     responses: Responses = {}

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 from typing import Any
 
-import orjson
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from halfserve.api.admin import load_from_store
 from halfserve.api.errors import APIError, from_exception
 from halfserve.api.http.deps import AUTH_ERRORS, BEARER, json_object, json_response, repository, require_admin
-from halfserve.api.http.errors import error_responses, json_ok
+from halfserve.api.http.errors import as_json, error_responses, json_ok
 from halfserve.manifest import Precision
 from halfserve.serving import ModelNotFoundError, ModelNotReadyError
 
@@ -67,17 +66,8 @@ def _version(body: dict[str, object]) -> int | None:
     if isinstance(value, str) and value.isascii() and value.isdigit():
         value = int(value)  # V2 spells versions as strings: ASCII digits, as folders are named ("١" is no version)
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise APIError(400, f"version: expected a positive integer, got {_as_json(value)}")
+        raise APIError(400, f"version: expected a positive integer, got {as_json(value)}")
     return value
-
-
-def _as_json(value: object) -> str:
-    """``value`` in the JSON the client wrote (``true``, ``null``), not in Python's words (``True``); cut to 200
-    characters."""
-    try:
-        return orjson.dumps(value).decode()[:200]
-    except TypeError:  # an integer past 64 bits
-        return repr(value)[:200]
 
 
 @router.post(

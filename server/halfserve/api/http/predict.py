@@ -18,7 +18,7 @@ from halfserve.api.dataplane.infer import infer
 from halfserve.api.dataplane.photos import decode_photos, image_count
 from halfserve.api.dataplane.signature import Wording, check_shape
 from halfserve.api.http import deps, guard
-from halfserve.api.http.errors import error_responses
+from halfserve.api.http.errors import as_json, error_responses
 from halfserve.api.http.limits import TIMEOUT_PARAMETER, client_timeout, read_body
 from halfserve.api.http.telemetry import answered, metered, note
 from halfserve.manifest import TensorSpec, sent_inputs
@@ -216,7 +216,7 @@ async def predict(request: Request) -> Response:
     samples = payload["inputs"]
     version = payload.get("version")
     if version is not None and (isinstance(version, bool) or not isinstance(version, int | str)):
-        raise InvalidInputError(f"version: expected an integer, got {orjson.dumps(version).decode()[:100]}")
+        raise InvalidInputError(f"version: expected an integer, got {as_json(version)}")
     served = of_version(app.service.get(name), None if version is None else str(version))
     note(request, served)
     # No finiteness check: JSON carries no NaN or infinity, and decoding refuses numbers the dtype cannot hold.
