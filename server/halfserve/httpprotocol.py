@@ -2,10 +2,11 @@
 server that runs an app over it is :mod:`halfserve.httpserver`'s.
 
 The protocol also holds each connection to :class:`HttpLimits`: how long its request line and headers, and each gap
-in its body, may take, and how slowly its body may arrive (408), how long its request target (414) and headers (431)
-may be, how long its answers may wait for the client to read them (then it is dropped), and how many connections a
-process keeps open (503). uvicorn has none of these but a keep-alive timeout, so an idle or trickling connection, a
-client that reads no answer, or 200 MiB of headers, would be held for as long as the client likes. A connection's
+in its body, may take, and how slowly its body may arrive (408, :mod:`halfserve.httpdeadline`), how long its request
+target (414) and headers (431) may be, how long its answers may wait for the client to read them (then it is
+dropped), and how many connections a process keeps open (503). uvicorn has none of these but a keep-alive timeout,
+so an idle or trickling connection, a client that reads no answer, or 200 MiB of headers, would be held for as long
+as the client likes. A connection's
 pipelined requests are read and queued :data:`MAX_PIPELINED` at most, and none while its answers wait for the client
 to read them: uvicorn read and queued every one a client sent, and clients pipelining requests for large answers and
 reading none grew a server by gigabytes before the send timeout dropped them. A request answered
@@ -23,7 +24,6 @@ in JSON after the requests pipelined before it.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any, ClassVar
@@ -34,6 +34,7 @@ from uvicorn.protocols.http.flow_control import HIGH_WATER_LIMIT
 
 from halfserve.bodybudget import BodyBudget
 from halfserve.httpcensus import Census
+from halfserve.httpdeadline import ReadDeadline
 from halfserve.httptarget import NoHost, absolute_form, framing_problem, is_probe, origin_path
 from halfserve.settings import Settings
 from halfserve.transport import (
@@ -92,9 +93,15 @@ class LimitedHttpProtocol(CoalescingHttpToolsProtocol):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._timer: asyncio.TimerHandle | None = None
-        self._timing_head = False
-        """The timer is the head's (its deadline stands however many reads the head takes)."""
+        limits = self.limits
+        self._deadline = ReadDeadline(
+            self.loop,
+            limits.header_timeout,
+            limits.body_timeout,
+            limits.min_body_rate,
+            self._head_timed_out,
+            self._body_timed_out,
+        )
         self._in_head = False
         """Inside a request's line and headers: from its first byte until its headers are complete."""
         self._in_body = False
@@ -115,12 +122,6 @@ class LimitedHttpProtocol(CoalescingHttpToolsProtocol):
         """When the connection's last response went out with no request after it; None while one is arriving."""
         self._standby = False
         """Past the connection cap: only a probe is answered, then the connection is closed."""
-        self._body_since: float | None = None
-        """When the current body was first read incomplete (its rate is counted from then); None outside one."""
-        self._body_bytes = 0
-        """Bytes of the current body read so far."""
-        self._cut_by_rate = False
-        """The armed body timer is the body's rate deadline, not its gap."""
         self._unparsed = b""
         """Bytes read but not parsed yet: the connection's pipelined requests past what it may queue (``_held``)."""
         self._next_due = False
@@ -157,7 +158,7 @@ class LimitedHttpProtocol(CoalescingHttpToolsProtocol):
             self.refuse_busy()
             return
         self._standby = not place
-        self._arm_head()
+        self._deadline.head()
 
     def refuse_busy(self) -> None:
         """The connection cap's 503, after which the client may still be sending its request: a lingering close, so
@@ -167,7 +168,7 @@ class LimitedHttpProtocol(CoalescingHttpToolsProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.budget.release(self)
         self.census.leave(self)
-        self._disarm()
+        self._deadline.stop()
         if self._send_timer is not None:
             self._send_timer.cancel()
             self._send_timer = None
@@ -230,15 +231,14 @@ class LimitedHttpProtocol(CoalescingHttpToolsProtocol):
             if self._head_bytes > limit:
                 what = f"request line and headers: more than {limit} bytes (max_url_bytes + max_header_bytes)"
                 self._refuse(431, what, linger=True)
-        # Timers are armed for a request still incomplete when a read has been parsed, not at each parser event: a
-        # request that arrives whole in one read (nearly all of them) costs no timer at all.
+        # The deadline is armed for a request still incomplete once a read is parsed, not at each parser event.
         if self._refused:
             return
         if self._in_head:
-            if not self._timing_head:
-                self._arm_head()
+            if not self._deadline.timing_head:
+                self._deadline.head()
         elif self._in_body:
-            self._arm_body()
+            self._deadline.body()
 
     def send_400_response(self, msg: str) -> None:
         """A request httptools cannot parse: a 400 in JSON naming what is wrong, once the requests pipelined before it
@@ -414,7 +414,7 @@ class LimitedHttpProtocol(CoalescingHttpToolsProtocol):
         return direct(scope)
 
     def on_body(self, body: bytes) -> None:
-        self._body_bytes += len(body)
+        self._deadline.body_bytes += len(body)
         # Counted where a client sent it; a socket with no address is the front-ends' relay, which counted it.
         if self.peer and (refusal := self.budget.claim(self, len(body), self.loop.time())) is not None:
             self.give_up(refusal.message, refusal.status)
@@ -439,45 +439,14 @@ class LimitedHttpProtocol(CoalescingHttpToolsProtocol):
     def on_message_complete(self) -> None:
         self.budget.release(self)
         self._in_body = False
-        self._body_since, self._body_bytes = None, 0
-        self._disarm()
+        self._deadline.body_ended()
         if self.cycle is not None and not self.cycle.response_started:
             self.cycle.keep_alive = self._keep_alive_after_body
         super().on_message_complete()
 
     # Timeouts and refusals -----------------------------------------------------------------------------------------
 
-    def _arm(self, seconds: float, then: Callable[[], None]) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-        self._timer = self.loop.call_later(seconds, then)
-        self._timing_head = False
-
-    def _arm_head(self) -> None:
-        self._arm(self.limits.header_timeout, self._head_timed_out)
-        self._timing_head = True
-
-    def _disarm(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        self._timing_head = False
-
-    def _arm_body(self) -> None:
-        """Bytes of a body arrived: its timer is the gap from now (``body_timeout``) or the body's deadline, whichever
-        comes first. A body must arrive at ``min_body_rate`` on average, after a first ``body_timeout`` that any body
-        may take: a gap alone is no bound, as a byte every ``body_timeout`` would hold the connection for ever."""
-        now = self.loop.time()
-        if self._body_since is None:
-            self._body_since = now
-        limits = self.limits
-        deadline = self._body_since + limits.body_timeout + self._body_bytes / limits.min_body_rate
-        gap = limits.body_timeout
-        self._arm(min(gap, max(deadline - now, 0.0)), self._body_timed_out)
-        self._cut_by_rate = deadline - now < gap
-
     def _head_timed_out(self) -> None:
-        self._timer, self._timing_head = None, False
         if self.cycle is not None and not self.cycle.response_complete:
             return  # a request is being answered; the next one's head has not begun
         if self._unparsed:
@@ -490,23 +459,16 @@ class LimitedHttpProtocol(CoalescingHttpToolsProtocol):
         )
 
     def _body_timed_out(self) -> None:
-        self._timer = None
         cycle = self.cycle
         if cycle is None or cycle.response_complete or not cycle.more_body:
             return
         if self.flow.read_paused:  # the app is not reading yet: the wait is the server's, not the client's
-            self._body_since, self._body_bytes, self._cut_by_rate = None, 0, False  # nor is the rate the client's
-            self._arm(self.limits.body_timeout, self._body_timed_out)
+            self._deadline.server_waits()
             return
         scope: dict[str, Any] = cycle.scope  # type: ignore[assignment]
         scope[BODY_TIMED_OUT] = True
-        if self._cut_by_rate:
-            since = self.loop.time() - (self._body_since or 0.0)
-            rate = self.limits.min_body_rate
-            what = f"body: {self._body_bytes} bytes in {since:.0f} s, under {rate} bytes/s (min_body_rate)"
-            self.give_up(what, 408)  # it is still sending: its answer must not be lost to a reset
-        else:
-            self.give_up(f"body: no byte received for {self.limits.body_timeout:g} s (body_timeout)", 408, False)
+        why, still_sending = self._deadline.body_refusal()
+        self.give_up(why, 408, still_sending)  # one still sending must not lose its answer to a reset
 
     def _refuse(self, status: int, message: str, linger: bool = False) -> None:
         """Answer ``status`` with the API's JSON error and close the connection (``linger``: once the client has
@@ -515,7 +477,7 @@ class LimitedHttpProtocol(CoalescingHttpToolsProtocol):
         self.budget.release(self)
         if self._standby:
             self.census.leave(self)  # its place is free for a probe, while it closes
-        self._disarm()
+        self._deadline.stop()
         if self.transport.is_closing():
             return
         body = orjson.dumps({"error": message})
@@ -549,7 +511,7 @@ class LimitedHttpProtocol(CoalescingHttpToolsProtocol):
     def _linger(self) -> None:
         """Closing with unread bytes would reset the connection and lose the answer on its way: send the answer and
         a FIN, read and drop what still comes for ``LINGER_S`` (a "lingering close", as nginx does), then close."""
-        self._disarm()
+        self._deadline.stop()
         out = self._out
         out.flush()
         if out.socket.can_write_eof():
