@@ -17,7 +17,6 @@ asking refused.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -74,6 +73,18 @@ class BodyBudget:
     def claim(self, body: Body, size: int, now: float) -> Refusal | None:
         """Count ``size`` more bytes of ``body``, received at ``now``; a refusal where they are over its address's
         share or the budget and no other body, slow and arriving for long enough, gives its bytes up."""
+        return self._judge(body, size, now, None)
+
+    def ask(self, body: Body, size: int, now: float) -> Refusal | None:
+        """The refusal ``claim`` would answer were all ``size`` bytes of ``body`` to arrive at ``now``, with nothing
+        counted or given up: for a request that declares its length and waits to be told to send it (``Expect:
+        100-continue``), which is then refused before it sends anything. The bodies that would give way count as
+        room; they give it up only once bytes that need it arrive."""
+        return self._judge(body, size, now, [])
+
+    def _judge(self, body: Body, size: int, now: float, spared: list[Body] | None) -> Refusal | None:
+        """``claim`` (``spared`` None), or ``ask``: the bodies that would give way are listed in ``spared``, not
+        given up, and nothing is counted."""
         if size <= 0:
             return None
         if body.pending + size > self.per_peer:  # never: a 413, not a refusal that retrying could lift
@@ -85,18 +96,20 @@ class BodyBudget:
         mine = self.by_peer.get(body.peer, 0)
         if mine + size > self.per_peer:
             ours = [b for b in self.bodies if b.peer == body.peer]
-            if not self._make_room(ours, body, size, now, lambda: self.by_peer.get(body.peer, 0), self.per_peer):
+            if not self._make_room(ours, body, size, now, body.peer, spared):
                 return Refusal(
                     429,
                     f"body: the requests of {body.peer} have {mine + size} bytes of bodies arriving, over "
                     f"{self.per_peer} (http_peer_share of http_pending_bytes)",
                 )
-        if not self._make_room(list(self.bodies), body, size, now, lambda: self.held, self.total):
+        if not self._make_room(list(self.bodies), body, size, now, None, spared):
             return Refusal(
                 503,
                 f"server busy: {self.held} bytes of request bodies are arriving, and {size} more would pass "
                 f"{self.total} (http_pending_bytes)",
             )
+        if spared is not None:
+            return None
         if body not in self.bodies:
             self.bodies[body] = None
             body.arriving_since = now
@@ -117,15 +130,30 @@ class BodyBudget:
         body.pending = 0
 
     def _make_room(
-        self, candidates: list[Body], asking: Body, size: int, now: float, used: Callable[[], int], limit: int
+        self, candidates: list[Body], asking: Body, size: int, now: float, peer: str | None, spared: list[Body] | None
     ) -> bool:
-        """Whether ``size`` bytes fit under ``limit`` (``used`` of it taken), once the slowest of ``candidates``
-        arriving for at least the grace have given theirs up, one at a time, the slowest first."""
-        late = [b for b in candidates if b is not asking and now - b.arriving_since >= self.grace and not b.paused()]
+        """Whether ``size`` bytes fit under ``peer``'s share (the whole budget where None), once the slowest of
+        ``candidates`` arriving for at least the grace have given theirs up, one at a time, the slowest first (or,
+        where ``spared`` is a list, been added to it as if they had)."""
+        limit = self.total if peer is None else self.per_peer
+        gone = spared if spared is not None else []
+
+        def used() -> int:
+            taken = self.held if peer is None else self.by_peer.get(peer, 0)
+            return taken - sum(b.pending for b in gone if peer is None or b.peer == peer)
+
+        late = [
+            b
+            for b in candidates
+            if b is not asking and b not in gone and now - b.arriving_since >= self.grace and not b.paused()
+        ]
         late.sort(key=lambda b: _rate(b, now))
         for victim in late:
             if used() + size <= limit:
                 break
+            if spared is not None:
+                spared.append(victim)
+                continue
             rate = _rate(victim, now)  # before its bytes are released
             self.release(victim)
             victim.give_up(

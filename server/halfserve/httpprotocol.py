@@ -32,7 +32,7 @@ import httptools
 import orjson
 from uvicorn.protocols.http.flow_control import HIGH_WATER_LIMIT
 
-from halfserve.bodybudget import BodyBudget
+from halfserve.bodybudget import BodyBudget, Refusal
 from halfserve.httpcensus import Census
 from halfserve.httpdeadline import ReadDeadline
 from halfserve.httptarget import NoHost, absolute_form, framing_problem, is_probe, origin_path
@@ -338,6 +338,9 @@ class LimitedHttpProtocol(CoalescingHttpToolsProtocol):
         if (problem := framing_problem(self.headers, bool(self.parser.should_upgrade()))) is not None:
             self._refuse(*problem, linger=True)
             raise _Refused
+        if self.expect_100_continue and (refusal := self._refusal_before_body()) is not None:
+            self._refuse(refusal.status, refusal.message, linger=True)  # not told to go on: it sends no body
+            raise _Refused
         if self._standby:
             if not is_probe(self.parser.get_method(), self.url):
                 self.refuse_busy()
@@ -386,6 +389,14 @@ class LimitedHttpProtocol(CoalescingHttpToolsProtocol):
             authority, self.url = found
             self.headers[:] = [(name, value) for name, value in self.headers if name != b"host"]
             self.headers.append((b"host", authority))
+
+    def _refusal_before_body(self) -> Refusal | None:
+        """A request waiting for ``100 Continue`` is refused from its ``Content-Length`` where the budget has no room
+        for its body (:meth:`BodyBudget.ask`), rather than asked for the body and refused once it arrives."""
+        length = next((value for name, value in self.headers if name == b"content-length"), b"")
+        if not self.peer or not length.isdigit():
+            return None  # the relay's (counted by its front-end), or a chunked body, counted as it arrives
+        return self.budget.ask(self, int(length), self.loop.time())
 
     def _close_after_early_answer(self) -> None:
         """An answer sent before the request's body is read whole closes the connection (``connection: close``,

@@ -102,3 +102,28 @@ def test_a_slow_body_gives_its_bytes_up_to_a_fast_one_when_the_budget_is_full(se
     assert len(given_up) == 1, outcomes
     assert "its bytes went to a faster one (http_pending_bytes" in orjson.loads(given_up[0][2])["error"]
     still_serving(server)
+
+
+def expecting(server: ServerProcess, source: str, length: int) -> socket.socket:
+    """A /predict request from ``source`` declaring a ``length``-byte body and waiting for ``100 Continue``."""
+    host, port = server.url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)), timeout=20, source_address=(source, 0))
+    head = (
+        f"POST /predict HTTP/1.1\r\nHost: {host}\r\ncontent-type: application/json\r\ncontent-length: {length}\r\n"
+        "expect: 100-continue\r\n\r\n"
+    )
+    sock.sendall(head.encode())
+    return sock
+
+
+def test_a_request_waiting_to_send_a_body_past_its_share_is_refused_before_it_sends_it(server: ServerProcess) -> None:
+    with expecting(server, "127.0.0.7", 600_000) as sock:
+        status, headers, body = answer(sock)  # closed after the answer: no 100 Continue came first
+    assert status == 413, body
+    assert headers["content-type"] == "application/json"
+    assert orjson.loads(body)["error"].startswith("body: more than 524288 bytes, the most one client address's")
+    with expecting(server, "127.0.0.7", 300_000) as sock:  # one that fits is told to go on, and served
+        assert sock.recv(100) == b"HTTP/1.1 100 Continue\r\n\r\n"
+        sock.sendall(padded_request(300_000))
+        assert sock.recv(12) == b"HTTP/1.1 200"
+    still_serving(server)

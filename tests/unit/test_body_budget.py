@@ -133,3 +133,36 @@ def test_release_gives_every_byte_back_once(order: str) -> None:
     budget.release(other)
     assert (budget.held, budget.by_peer, budget.bodies) == (0, {}, {})
     assert budget.claim(FakeBody("a"), 1000, now=1.0) is None
+
+
+def test_asking_for_a_declared_length_counts_nothing_and_gives_nothing_up() -> None:
+    # Expect: 100-continue: the answer decides whether the client sends its body at all.
+    budget = BodyBudget.of(1000, 0.5)
+    slow_a, slow_b, young = FakeBody("a"), FakeBody("b"), FakeBody("c")
+    assert budget.claim(slow_a, 300, now=0.0) is None
+    assert budget.claim(slow_b, 100, now=0.0) is None
+    assert budget.claim(young, 400, now=9.9) is None
+    asking = FakeBody("d")
+    assert budget.ask(asking, 500, now=10.0) is None  # fits once the two slow bodies (400 bytes) give way
+    assert (budget.held, asking.pending, slow_a.given_up, slow_b.given_up) == (800, 0, [], [])
+    refusal = budget.ask(asking, 501, now=10.0)  # over its address's share
+    assert refusal is not None
+    assert refusal.status == 413
+    # Past what even both slow bodies would free: the young one has not had its grace.
+    assert budget.claim(FakeBody("d"), 200, now=10.0) is None  # 1000 held, 600 of them young
+    refusal = budget.ask(FakeBody("e"), 500, now=10.0)
+    assert refusal is not None
+    assert refusal.status == 503
+    assert (slow_a.given_up, slow_b.given_up) == ([], [])
+
+
+def test_asking_over_an_address_s_share_counts_its_own_slow_bodies_as_room() -> None:
+    budget = BodyBudget.of(1000, 0.5)
+    own_slow = FakeBody("a")
+    assert budget.claim(own_slow, 400, now=0.0) is None
+    assert budget.ask(FakeBody("a"), 300, now=10.0) is None  # its slow body would give way
+    assert not own_slow.given_up
+    refusal = budget.ask(FakeBody("a"), 300, now=0.1)  # too young to
+    assert refusal is not None
+    assert refusal.status == 429
+    assert refusal.message.startswith("body: the requests of a have 700 bytes of bodies arriving, over 500")
