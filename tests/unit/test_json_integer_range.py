@@ -7,8 +7,8 @@ import numpy as np
 import orjson
 import pytest
 
-from halfserve.api.dataplane.codec import cast_json_numbers, decode_json
-from halfserve.manifest import DataType
+from halfserve.api.dataplane.codec import cast_json_numbers, decode_json, decode_samples
+from halfserve.manifest import DataType, TensorSpec
 from halfserve.serving import InvalidInputError
 
 BEYOND = "^inputs: values beyond the range of {}$"
@@ -46,7 +46,7 @@ def test_json_integers_at_the_edges_of_a_range(literal: bytes, dtype: type, refu
 @pytest.mark.parametrize(
     ("literal", "message"),
     [
-        (b"9223372036854775808", "inputs[0].data: values beyond the range of INT64"),
+        (b"9223372036854775808", "inputs[0].data: values in [1, 9223372036854775808] do not fit int64"),
         (b"-9223372036854775809", "inputs[0].data: values beyond the range of INT64"),
         (b"1.5", "inputs[0].data: INT64 data must be integers"),
         (b"2.0", "inputs[0].data: INT64 data must be integers"),  # as Triton: a float is no INT64, whole or not
@@ -58,3 +58,41 @@ def test_v2_names_an_out_of_range_integer_so_and_a_float_as_one(literal: bytes, 
     assert str(info.value) == message
     edge = decode_json(orjson.loads(b"[1, 9223372036854775807]"), DataType.INT64, [1, 2], "inputs[0].data")
     assert edge[0, 1] == 2**63 - 1
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        [1, 2**64 - 1],  # int64's and uint64's: numpy made them float64, 2^64 - 1 rounded to 2^64 and refused
+        [[0, 2**63], [2**64 - 2, 7]],
+        [2**63 + 1, 0],  # float64 rounded it to 2^63
+    ],
+)
+def test_uint64_values_mixed_with_small_ones_are_read_exactly(values: list[object]) -> None:
+    data = orjson.loads(orjson.dumps(values))
+    assert np.asarray(data).dtype == np.float64  # what made them inexact
+    arr = decode_json(data, DataType.UINT64, list(np.shape(values)), "inputs[0].data")
+    assert arr.dtype == np.uint64
+    assert arr.tolist() == values
+
+
+def test_integers_past_2_53_beside_a_whole_float_are_exact_for_predict_and_v2_takes_no_float() -> None:
+    data = orjson.loads(b"[1.0, 1152921504606846977, -1152921504606846977]")  # +-(2^60 + 1): as float64, +-2^60
+    spec = TensorSpec(name="x", datatype=DataType.INT64, shape=[3])
+    assert decode_samples([data], spec).tolist() == [[1, 2**60 + 1, -(2**60) - 1]]
+    with pytest.raises(InvalidInputError, match=r"^inputs\[0\].data: INT64 data must be integers$"):
+        decode_json(data, DataType.INT64, [3], "inputs[0].data")
+    with pytest.raises(InvalidInputError, match="fractional"):  # a fraction is still refused
+        decode_samples([orjson.loads(b"[1.5, 1152921504606846977]")], spec.model_copy(update={"shape": [2]}))
+
+
+def test_values_no_64_bit_type_holds_together_are_refused_as_out_of_range() -> None:
+    data = orjson.loads(orjson.dumps([-1, 2**64 - 1]))
+    with pytest.raises(InvalidInputError, match=r"^inputs\[0\].data: values beyond the range of UINT64$"):
+        decode_json(data, DataType.UINT64, [2], "inputs[0].data")
+    spec = TensorSpec(name="x", datatype=DataType.INT64, shape=[2])
+    with pytest.raises(InvalidInputError, match="^inputs: values beyond the range of int64$"):
+        decode_samples([data], spec)
+    # A float past 2^53 was rounded by the parser (-2^63 - 1 to -2^63): it is not taken as the integer it became.
+    with pytest.raises(InvalidInputError, match="^inputs: values beyond the range of int64$"):
+        decode_samples([orjson.loads(b"[0, -9223372036854775809]")], spec)

@@ -116,10 +116,13 @@ def decode_json(data: object, wire: DataType, shape: list[int], field: str) -> n
     elif arr.dtype.kind not in "iuf" and arr.size:
         raise InvalidInputError(f"{field}: values must be numbers, got {_kind_name(arr)}")
     elif wire.is_integer and arr.dtype.kind == "f":
-        # Integers past int64 (2^63, -2^63 - 1) come out of numpy as floats: whole, they are out of range, not floats.
-        if arr.size and np.array_equal(arr, np.trunc(arr)) and not _fits(arr, wire.wire_dtype):
-            raise InvalidInputError(f"{field}: values beyond the range of {wire.value}")
-        raise InvalidInputError(f"{field}: {wire.value} data must be integers")
+        exact = exact_integers(data, arr, floats=False)
+        if exact is None:
+            # Integers past int64 (2^63, -2^63 - 1) come out of numpy as floats: whole, they are out of range.
+            if arr.size and np.array_equal(arr, np.trunc(arr)) and not _fits(arr, wire.wire_dtype):
+                raise InvalidInputError(f"{field}: values beyond the range of {wire.value}")
+            raise InvalidInputError(f"{field}: {wire.value} data must be integers")
+        arr = exact
     if arr.size != element_count(shape):
         raise InvalidInputError(f"{field}: {arr.size} values, but shape {shape} holds {element_count(shape)}")
     if arr.ndim > 1 and list(arr.shape) != shape:
@@ -240,7 +243,38 @@ def decode_samples(samples: Any, spec: TensorSpec, field: str = "inputs") -> np.
         return arr
     if arr.dtype.kind not in "iuf":
         raise InvalidInputError(f"{field}: values must be numbers, got {_kind_name(arr)}")
+    if spec.datatype.numpy.kind in "iu" and arr.dtype.kind == "f":
+        exact = exact_integers(samples, arr, floats=True)
+        arr = arr if exact is None else exact
     return cast_json_numbers(arr, spec.datatype.numpy, field)
+
+
+def exact_integers(data: list[Any], arr: np.ndarray, floats: bool) -> np.ndarray | None:
+    """The whole numbers of JSON ``data`` that numpy read as floats (``arr``), read exactly, for an integer input.
+
+    numpy reads a list as float64 where integers past int64 are mixed with others (``[1, 2**64 - 1]``), or integers
+    with floats (``[1.0, 2**60 + 1]``), and float64 rounds integers past 2^53: UINT64's largest became 2^64 and was
+    refused as out of range, 2^60 + 1 became 2^60. Here they are int64, or uint64 where that holds them all.
+
+    None where float64 is exact (no value past 2^53), where some value is not a whole number, or a float past 2^53
+    (or a float at all, unless ``floats``: V2's integer data takes none), or where no 64-bit type holds them all: the
+    caller refuses.
+    """
+    if not arr.size or float(np.abs(arr).max()) < 2.0**53:
+        return None
+    values = np.asarray(data, dtype=object).ravel().tolist()
+    if floats:
+        if not all(type(v) is int or (type(v) is float and v.is_integer() and abs(v) < 2.0**53) for v in values):
+            return None  # a fraction, or a float past 2^53, which the parser already rounded (-2^63 - 1 to -2^63)
+        values = [int(v) for v in values]
+    elif not all(type(v) is int for v in values):
+        return None
+    low, high = min(values), max(values)
+    if low >= -(2**63) and high < 2**63:
+        return np.array(values, dtype=np.int64).reshape(arr.shape)
+    if low >= 0 and high < 2**64:
+        return np.array(values, dtype=np.uint64).reshape(arr.shape)
+    return None
 
 
 def cast_json_numbers(arr: np.ndarray, dtype: np.dtype[Any], field: str) -> np.ndarray:
