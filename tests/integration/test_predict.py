@@ -177,12 +177,15 @@ async def test_highest_version_is_served_unless_pinned(tmp_path: Path) -> None:
         other = await client.post("/predict", json={"version": 2, "inputs": [[0.0] * 16]})
         v2 = await client.post("/v2/models/tiny/versions/2/infer", json={"inputs": []})
         wrong = await client.post("/predict", json={"version": True, "inputs": [[0.0] * 16]})
+        empty = await client.post("/predict", json={"version": "", "inputs": [[0.0] * 16]})  # it meant any
     assert served.status_code == as_text.status_code == 200
     assert other.status_code == v2.status_code == 404
     assert other.json()["error"] == v2.json()["error"]
     assert other.json()["error"].endswith("'tiny' version 2 is not found (it serves version 1)")
     assert wrong.status_code == 400
     assert wrong.json()["error"] == "version: expected an integer, got true"
+    assert empty.status_code == 400
+    assert empty.json()["error"] == 'version: expected an integer, got ""'
 
 
 @needs_cxx
