@@ -184,23 +184,33 @@ def too_large(field: str, image: str, max_pixels: int) -> ImageTooLargeError:
 
 
 @contextlib.contextmanager
-def opened(data: bytes, kind: str, max_pixels: int, field: str) -> Iterator[Image.Image]:
+def opened(data: bytes, kind: str | None, max_pixels: int, field: str) -> Iterator[Image.Image]:
     """``data`` opened as a ``kind`` image (its header read, no pixel decoded), or :class:`ImageTooLargeError` naming
     ``field``, its size and ``max_pixels`` where it has more pixels than that: Pillow's own guard, which refuses past
-    twice ``Image.MAX_IMAGE_PIXELS`` before the size can be read, is reported against ``max_pixels`` too."""
+    twice ``Image.MAX_IMAGE_PIXELS`` before the size can be read, is reported against ``max_pixels`` too. A file cut
+    short is an :class:`ImageError` (:func:`cut_short`).
+
+    ``kind`` None opens any format Pillow decodes itself (:func:`in_process_formats`), as TorchServe's image handlers
+    do, or is Pillow's ``UnidentifiedImageError`` naming ``field``."""
     try:
-        image = Image.open(io.BytesIO(data), formats=[kind])
+        image = Image.open(io.BytesIO(data), formats=[kind] if kind is not None else in_process_formats())
+    except UnidentifiedImageError:
+        if kind is not None:
+            raise
+        # Pillow's error, as TorchServe's handlers raise it (a subclass may catch it), naming the field.
+        raise UnidentifiedImageError(f"{field}: not an image Pillow reads") from None
     except Image.DecompressionBombError as e:
         size = _BOMB_SIZE.search(str(e))
         guard = 2 * (Image.MAX_IMAGE_PIXELS or 0)
         pixels = int(size.group(1)) if size else guard + 1  # Pillow refuses only past its guard
-        said = f"a {kind} image of {pixels if size else f'over {guard}'} pixels"
+        said = f"{f'a {kind}' if kind else 'an'} image of {pixels if size else f'over {guard}'} pixels"
         if pixels > max_pixels:
             raise too_large(field, said, max_pixels) from None
         # Only where the caller's limit is above Pillow's guard: the guard is then what refused it, and is named.
         raise ImageTooLargeError(
             f"{field}: {said}, more than Pillow's decompression-bomb guard takes ({guard})"
         ) from None
+    kind = kind or str(image.format)
     with image:
         width, height = image.size
         if width * height > max_pixels:
@@ -209,6 +219,13 @@ def opened(data: bytes, kind: str, max_pixels: int, field: str) -> Iterator[Imag
         if problem is not None:
             raise ImageError(f"{field}: {problem}")
         yield image
+
+
+@functools.cache
+def in_process_formats() -> tuple[str, ...]:
+    """Every format Pillow opens but EPS, which it reads by running Ghostscript on the file."""
+    Image.init()
+    return tuple(name for name in Image.OPEN if name != "EPS")
 
 
 JPEG_PIXELS_PER_BYTE = 2048

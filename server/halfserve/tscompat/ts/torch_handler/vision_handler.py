@@ -4,13 +4,11 @@
 from __future__ import annotations
 
 import base64
-import io
 from typing import Any
 
 import torch
-from PIL import Image
 
-from halfserve.images import cut_short
+from halfserve.images import opened
 
 from .base_handler import BaseHandler
 
@@ -31,15 +29,10 @@ class VisionHandler(BaseHandler):
             if isinstance(image, str):
                 image = base64.b64decode(image)
             if isinstance(image, (bytearray, bytes)):
-                opened = Image.open(io.BytesIO(image))
-                if opened.width * opened.height > MAX_PIXELS:
-                    raise ValueError(
-                        f"image of {opened.width}x{opened.height} pixels, more than the {MAX_PIXELS} allowed"
-                    )
-                problem = cut_short(bytes(image), str(opened.format), opened.width, opened.height)
-                if problem is not None:
-                    raise ValueError(problem)
-                images.append(self.image_processing(opened))
+                # Any format Pillow decodes itself (not EPS, run through Ghostscript), held to the server's default
+                # pixels, and refused cut short rather than filled in grey.
+                with opened(bytes(image), None, MAX_PIXELS, "data") as picture:
+                    images.append(self.image_processing(picture))
             else:
                 images.append(torch.FloatTensor(image))
         return torch.stack(images).to(self.device)

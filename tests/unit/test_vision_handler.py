@@ -1,0 +1,60 @@
+"""TorchServe's ``VisionHandler`` (halfserve's compatibility copy): any format Pillow decodes itself is taken, as
+TorchServe's is, but an image is held to the server's default pixels and refused cut short, as the server's own image
+path refuses them, and EPS (which Pillow reads by running Ghostscript) is not opened."""
+
+from __future__ import annotations
+
+import base64
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image, UnidentifiedImageError
+
+from halfserve import images
+from halfserve.tscompat.ts.torch_handler.vision_handler import MAX_PIXELS, VisionHandler
+from tests.unit.test_images import claiming, encoded, jpeg_without_its_data, png_claiming
+
+
+class Grey(VisionHandler):
+    """A handler whose transform is the image's grey pixels, as floats."""
+
+    def image_processing(self, image: Image.Image) -> torch.Tensor:  # type: ignore[override]
+        return torch.from_numpy(np.asarray(image.convert("L"), dtype=np.float32))
+
+
+def rows(*data: Any) -> list[dict[str, Any]]:
+    return [{"data": d} for d in data]
+
+
+def test_formats_other_than_the_server_s_three_are_decoded_as_torchserve_decodes_them() -> None:
+    pixels = np.arange(64, dtype=np.uint8).reshape(8, 8)
+    picture = Image.fromarray(pixels, mode="L")
+    batch = Grey().preprocess(rows(encoded(picture, "BMP"), base64.b64encode(encoded(picture, "TIFF")).decode()))
+    assert batch.shape == (2, 8, 8)
+    assert torch.equal(batch[0], torch.from_numpy(pixels.astype(np.float32)))
+    assert torch.equal(batch[1], batch[0])
+
+
+def test_an_eps_file_is_not_handed_to_ghostscript() -> None:
+    eps = b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 10 10\nshowpage\n"
+    with pytest.raises(UnidentifiedImageError, match="^data: not an image Pillow reads$"):  # Pillow's, as in TorchServe
+        Grey().preprocess(rows(eps))
+
+
+@pytest.mark.parametrize("fmt", ["PNG", "JPEG", "WEBP"])
+def test_a_header_claiming_more_than_the_default_pixels_is_refused_before_decoding(fmt: str) -> None:
+    with pytest.raises(images.ImageTooLargeError, match=f"^data: a 6000x6000 {fmt} image, more than the {MAX_PIXELS}"):
+        Grey().preprocess(rows(claiming(fmt, 6000, 6000)))
+
+
+def test_a_claim_past_pillow_s_own_guard_is_refused_as_too_large() -> None:
+    with pytest.raises(images.ImageTooLargeError, match="^data: an image of 3600000000 pixels, more than the"):
+        Grey().preprocess(rows(png_claiming(60000, 60000)))
+
+
+@pytest.mark.parametrize("data", [jpeg_without_its_data(4000, 3000), png_claiming(4000, 4000)], ids=["JPEG", "PNG"])
+def test_a_file_cut_short_is_refused_not_decoded_grey(data: bytes) -> None:
+    with pytest.raises(images.ImageError, match="its image data is cut short or missing"):
+        Grey().preprocess(rows(data))
