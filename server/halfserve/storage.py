@@ -160,6 +160,20 @@ def versions(model_dir: Path) -> list[int]:
     return sorted(found)
 
 
+def next_version(model_dir: Path) -> int:
+    """The number a new version in ``model_dir`` takes: past every name there that reads as a version, a folder or
+    not (a stray file named ``2`` would make the version folder ``2`` impossible to create). Past
+    :data:`MAX_VERSION_DIGITS` digits, which the server would not read as a version, a :class:`StoreError`."""
+    taken = [int(p.name) for p in model_dir.iterdir() if _VERSION_NAME.fullmatch(p.name)] if model_dir.is_dir() else []
+    number = max(taken, default=0) + 1
+    if len(str(number)) > MAX_VERSION_DIGITS:
+        raise StoreError(
+            f"{model_dir}: {number - 1} is the highest number a version may have ({MAX_VERSION_DIGITS} digits): "
+            "no new version can be numbered; move the highest away"
+        )
+    return number
+
+
 def stored_versions(root: Path, name: str) -> list[int] | None:
     """The versions the store ``root`` holds of model ``name``, ascending; ``None`` when it holds no such model (no
     manifest file). Raises :class:`StoreError` for an invalid name."""
@@ -218,14 +232,13 @@ class Stage:
         model_dir = self.path.parent
         self.path.chmod(created_mode(0o777))  # mkdtemp makes it owner-only; a version folder is as others are
         while True:
-            present = versions(model_dir)
-            vdir = model_dir / str(present[-1] + 1 if present else 1)
+            vdir = model_dir / str(next_version(model_dir))
             try:
                 self.path.rename(vdir)
             except OSError:
-                if not vdir.exists():
+                if not os.path.lexists(vdir):
                     raise
-                continue  # another import took that number meanwhile
+                continue  # another import took that number meanwhile: the next is higher
             return vdir
 
     def discard(self) -> None:

@@ -33,10 +33,10 @@ from halfserve.storage import (
     StoreError,
     check_name,
     created_mode,
+    next_version,
     read_json,
     readable_path,
     resolve_version,
-    versions,
 )
 
 __all__ = [
@@ -322,10 +322,17 @@ def save(root: Path, manifest: Manifest, module: nn.Module, version: int | None 
     model_dir = root / check_name(manifest.name)
     model_dir.mkdir(parents=True, exist_ok=True)
     if version is None:
-        present = versions(model_dir)
-        version = present[-1] + 1 if present else 1
-    vdir = model_dir / str(version)
-    vdir.mkdir(parents=True, exist_ok=True)
+        while True:  # a number of its own, though another run saves beside this one
+            version = next_version(model_dir)
+            vdir = model_dir / str(version)
+            try:
+                vdir.mkdir()
+                break
+            except FileExistsError:
+                continue
+    else:
+        vdir = model_dir / str(version)
+        vdir.mkdir(parents=True, exist_ok=True)
     write_weights(vdir, module, {"name": manifest.name, "version": str(version)})
     write_manifest(root, manifest)
     return vdir

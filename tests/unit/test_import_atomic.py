@@ -69,3 +69,20 @@ def test_what_a_killed_import_left_is_ignored_and_removed_by_the_next_import(tmp
     assert running.exists()
     assert sorted(p.name for p in (root / "net").iterdir()) == [running.name, "1", "2", storage.MANIFEST]
     assert store.load(root, "net").version == 2
+
+
+def test_an_import_numbers_its_version_past_a_stray_file_and_stops_at_the_highest_number(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    path, root = tmp_path / "weights.pth", tmp_path / "store"
+    torch.save(models.build("mlp", **MLP).state_dict(), path)
+    import_model(path, root, "net", "mlp", FEATURES, arch_kwargs=MLP, device=CPU)
+    (root / "net" / "2").write_text("not a version")  # the rename onto it failed, and the import retried 2 for ever
+    (root / "net" / "3").symlink_to(tmp_path / "nowhere")
+    result = import_model(path, root, "net", "mlp", FEATURES, arch_kwargs=MLP, device=CPU)
+    assert result.version_dir == root / "net" / "4"
+    assert store.load(root, "net").version == 4
+    (root / "net" / "4").rename(root / "net" / "999999999")  # the highest a version may be
+    with pytest.raises(storage.StoreError, match=r"999999999 is the highest number a version may have \(9 digits\)"):
+        import_model(path, root, "net", "mlp", FEATURES, arch_kwargs=MLP, device=CPU)
+    assert not [p for p in (root / "net").iterdir() if p.name.startswith(STAGE_PREFIX)]  # its stage removed
+    assert storage.versions(root / "net") == [1, 999999999]

@@ -231,3 +231,49 @@ def test_resume_refuses_a_state_that_is_not_plain_data(tmp_path: Path, capsys: p
     err = _fails(["tabular", "--store", str(tmp_path), "--resume"], capsys)
     assert "cannot read training state" in err
     assert "shutil.copy" in err
+
+
+def test_a_new_version_keeps_the_serving_settings_the_operator_wrote(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    train("tabular", tmp_path, max_steps=1, device="cpu", save_state=False)
+    path = tmp_path / "tabular" / storage.MANIFEST
+    written = json.loads(path.read_text())
+    written.update(version=1, precision="fp32", fidelity={"min_top1_agreement": 0.999})
+    written["batching"]["max_batch_size"] = 8
+    path.write_text(json.dumps(written))
+    code = train_cli.main(["tabular", "--store", str(tmp_path), "--max-steps", "1", "--no-progress", "--no-state"])
+    assert code == 0
+    assert 'config.json pins version 1: the server goes on serving it (remove its "version" to serve v2)' in (
+        capsys.readouterr().out
+    )
+    kept = load_manifest(tmp_path / "tabular")
+    assert (kept.version, kept.precision.value, kept.batching.max_batch_size) == (1, "fp32", 8)
+    assert kept.fidelity is not None
+    assert kept.fidelity.min_top1_agreement == 0.999
+    assert kept.training is not None
+    assert kept.training["steps"] == 1  # the recipe's own fields are the new run's
+    assert storage.versions(tmp_path / "tabular") == [1, 2]
+
+
+def test_a_manifest_training_would_overwrite_unread_stops_it_before_it_trains(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    train("tabular", tmp_path, max_steps=1, device="cpu", save_state=False)
+    path = tmp_path / "tabular" / storage.MANIFEST
+    path.write_text('{"name": "tabular", "precision": "fp32",')  # cut short while being edited
+    err = _fails(["tabular", "--store", str(tmp_path), "--max-steps", "1", "--no-progress"], capsys)
+    assert f"{path}: " in err
+    assert "fix it, or move it away for the recipe's own, before training" in err
+    assert path.read_text() == '{"name": "tabular", "precision": "fp32",'
+    assert storage.versions(tmp_path / "tabular") == [1]
+
+
+def test_training_past_the_highest_version_number_stops_before_it_trains(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    train("tabular", tmp_path, max_steps=1, device="cpu", save_state=False)
+    (tmp_path / "tabular" / "1").rename(tmp_path / "tabular" / "999999999")
+    err = _fails(["tabular", "--store", str(tmp_path), "--max-steps", "1", "--no-progress"], capsys)
+    assert "999999999 is the highest number a version may have (9 digits)" in err
+    assert sorted(p.name for p in (tmp_path / "tabular").iterdir()) == ["999999999", storage.MANIFEST]

@@ -11,7 +11,7 @@ import sys
 from collections.abc import Sequence
 
 from halfserve.precision import DTYPE_NAMES
-from halfserve.storage import StoreError
+from halfserve.storage import MANIFEST, StoreError
 from halfserve.training.errors import TrainingError
 from halfserve.training.recipes import RECIPES
 from halfserve.training.trainer import TrainResult, train
@@ -123,6 +123,12 @@ def summary(result: TrainResult) -> str:
         f"  top-1 agreement with fp32: {agreement}",
         f"  report: {result.version_dir / 'report'}",
     ]
+    pinned = result.manifest.version
+    if pinned is not None and pinned != result.version:
+        lines.append(
+            f'  {MANIFEST} pins version {pinned}: the server goes on serving it (remove its "version" to serve '
+            f"v{result.version})"
+        )
     if result.state_file is None:
         lines.append("  no train_state.pt written (--no-state): this version cannot be resumed")
     return "\n".join(lines)

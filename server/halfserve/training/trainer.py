@@ -20,10 +20,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from pydantic import ValidationError
 from torch import nn
 
 from halfserve import storage, store
-from halfserve.manifest import Manifest
+from halfserve.manifest import Manifest, describe, load_manifest
 from halfserve.precision import grad_scaler
 from halfserve.storage import StoreError
 from halfserve.training import checkpoint, evaluation, report
@@ -130,6 +131,42 @@ class _Counters:
         self.last_loss = loss
 
 
+KEPT_SETTINGS = frozenset(
+    {
+        "version",
+        "precision",
+        "overflow",
+        "min_agreement",
+        "fidelity",
+        "padding_invariant",
+        "allow_nonfinite_inputs",
+        "batching",
+        "execution",
+        "handler",
+        "answer",
+    }
+)
+"""A manifest's fields that say how its model is served, not what the recipe trains: set by the operator (a version
+pin, a precision, batching, a fidelity bar, ...), a new version keeps them."""
+
+
+def operator_settings(root: Path, name: str) -> dict[str, Any]:
+    """The serving settings (:data:`KEPT_SETTINGS`) of the manifest the store holds for ``name``, as JSON; none for a
+    model not in the store yet. A manifest that cannot be read is a :class:`TrainingError`: the run would overwrite
+    what the operator wrote in it."""
+    model_dir = root / name
+    if not (model_dir / storage.MANIFEST).is_file():
+        return {}
+    try:
+        existing = load_manifest(model_dir)
+    except StoreError as e:
+        raise TrainingError(
+            f"{e}; fix it, or move it away for the recipe's own, before training a new version"
+        ) from None
+    kept: dict[str, Any] = existing.model_dump(mode="json", include=set(KEPT_SETTINGS), exclude_none=True)
+    return kept
+
+
 class _Run:
     def __init__(self, config: TrainConfig, data: Dataset) -> None:
         self.config = config
@@ -138,6 +175,11 @@ class _Run:
         self.standardize = self.recipe.preprocessor(data)
         self.previous: TrainState | None = None
         self.previous_version: int | None = None
+        self.kept = operator_settings(config.store, self.recipe.name)  # before training: an unreadable one stops it
+        try:
+            storage.next_version(config.store / self.recipe.name)  # as is no number left for the new version
+        except StoreError as e:
+            raise TrainingError(str(e)) from None
         if config.resume:
             self.module, self.history = self._resume()
         else:
@@ -159,6 +201,20 @@ class _Run:
             except (ValueError, KeyError, TypeError, RuntimeError) as e:
                 where = config.store / self.recipe.name / str(self.previous_version) / checkpoint.STATE_FILE
                 raise TrainingError(f"{where}: optimizer/scaler state does not fit the model ({e})") from None
+
+    def _manifest(self, **extra: Any) -> Manifest:
+        """The recipe's manifest (``extra`` fills ``training`` / ``evaluation``) with the store's serving settings
+        kept (:func:`operator_settings`)."""
+        fresh = self.recipe.manifest(self.data, **extra)
+        if not self.kept:
+            return fresh
+        where = self.config.store / self.recipe.name / storage.MANIFEST
+        try:
+            return Manifest.model_validate({**fresh.model_dump(mode="json", exclude_none=True), **self.kept})
+        except ValidationError as e:
+            raise TrainingError(
+                f"{where}: its settings do not fit recipe {self.recipe.name!r}: {describe(e)}"
+            ) from None
 
     def _resume(self) -> tuple[nn.Module, History]:
         root, name = self.config.store, self.recipe.name
@@ -306,7 +362,7 @@ class _Run:
         if self.previous_version is not None:
             training["resumed_from_version"] = self.previous_version
         try:
-            version_dir = store.save(config.store, recipe.manifest(data, training=training), module)
+            version_dir = store.save(config.store, self._manifest(training=training), module)
         except (OSError, StoreError) as e:
             raise TrainingError(f"cannot save to model store {config.store}: {e}") from None
         version = int(version_dir.name)
@@ -326,7 +382,7 @@ class _Run:
             state_file = checkpoint.save(version_dir, state)
 
         result = evaluation.evaluate(config.store, recipe.name, version, data.x_test, data.y_test, config.device)
-        manifest = recipe.manifest(data, training=training, evaluation=result.as_dict())
+        manifest = self._manifest(training=training, evaluation=result.as_dict())
         store.write_manifest(config.store, manifest)
         files = report.write(
             version_dir,
