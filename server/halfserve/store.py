@@ -50,6 +50,7 @@ __all__ = [
     "load",
     "load_folder",
     "load_weights",
+    "nonfinite_parameter",
     "save",
     "weights_bytes",
     "write_manifest",
@@ -90,7 +91,22 @@ def load_folder(model_dir: Path, manifest: Manifest, version_dir: Path, version:
     except Exception as e:  # safetensors raises its own error types for corrupt headers
         raise StoreError(f"{path}: cannot read safetensors checkpoint ({e})") from None
     load_weights(module, state, path, manifest.architecture)
+    if (bad := nonfinite_parameter(module)) is not None:
+        raise StoreError(
+            f"{path}: parameter {bad!r} holds NaN or infinite values: the checkpoint is damaged (a training run that "
+            "diverged?), and every answer would be NaN"
+        )
     return LoadedModel(manifest=manifest, version=version, module=module.float().eval(), path=path)
+
+
+def nonfinite_parameter(module: nn.Module) -> str | None:
+    """The name of ``module``'s first floating parameter holding a NaN or an infinity, or None. Parameters only: a
+    buffer may hold ``-inf`` by design (an attention mask)."""
+    with torch.no_grad():
+        for name, param in module.named_parameters():
+            if param.is_floating_point() and not bool(torch.isfinite(param).all()):
+                return name
+    return None
 
 
 def weights_bytes(module: nn.Module) -> bytes:

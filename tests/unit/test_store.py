@@ -127,3 +127,32 @@ def test_a_manifest_declares_only_the_datatypes_a_model_is_served_in(datatype: s
     with pytest.raises(ValidationError, match=f"{datatype} is not a datatype a model may declare; one of FP32"):
         TensorSpec(name="x", datatype=DataType(datatype), shape=[4])
     assert TensorSpec(name="x", datatype=DataType.UINT8, shape=[4]).datatype.numpy == "uint8"
+
+
+def test_a_checkpoint_whose_parameters_hold_nan_is_refused_naming_the_parameter(tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    save_tiny_mlp(tmp_path, seed=0)
+    vdir = save_tiny_mlp(tmp_path, seed=1)
+    weights = load_file(vdir / storage.WEIGHTS)
+    name = next(k for k in weights if k.endswith("weight"))
+    weights[name][0, 0] = float("nan")  # one value is enough: it reaches every row it feeds
+    save_file(weights, vdir / storage.WEIGHTS)
+    with pytest.raises(
+        StoreError, match=rf"parameter '{name}' holds NaN or infinite values: the checkpoint is damaged"
+    ):
+        store.load(tmp_path, "tiny")
+    assert store.load(tmp_path, "tiny", 1).version == 1  # the version before it loads
+    weights[name][0, 0] = float("inf")
+    save_file(weights, vdir / storage.WEIGHTS)
+    with pytest.raises(StoreError, match="holds NaN or infinite values"):
+        store.load(tmp_path, "tiny")
+
+
+def test_a_buffer_may_hold_an_infinity_by_design() -> None:
+    module = torch.nn.Linear(2, 2)
+    module.register_buffer("mask", torch.tensor([0.0, -float("inf")]))  # as an attention mask does
+    assert store.nonfinite_parameter(module) is None
+    with torch.no_grad():
+        module.bias[1] = float("nan")
+    assert store.nonfinite_parameter(module) == "bias"

@@ -154,6 +154,10 @@ def test_default_precision_is_bf16_on_cpu() -> None:
         ({"epochs": 0}, "epochs must be at least 1"),
         ({"max_steps": 0}, "max_steps must be at least 1"),
         ({"lr": -1.0}, "lr must be a positive number"),
+        (
+            {"lr": 1e39},
+            r"lr must be a positive number up to 1e\+06, got 1e\+39",
+        ),  # AdamW's step overflowed: a traceback
         ({"precision": "fp8"}, "unknown precision"),
         ({"device": "nonsense"}, "invalid device"),
     ],

@@ -24,6 +24,11 @@ def dtype_name(dtype: torch.dtype) -> str:
     return next(name for name, d in DTYPE_NAMES.items() if d is dtype)
 
 
+MAX_LR = 1e6
+"""The largest learning rate taken: far past any that trains, and well inside float32, whose optimizer steps a larger
+one overflows (1e39 crashed AdamW)."""
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     """Everything one training run needs, resolved and validated; built by :meth:`create`."""
@@ -86,8 +91,8 @@ class TrainConfig:
                 raise TrainingError(f"{name} must be at least 1, got {getattr(config, name)}")
         if max_steps is not None and max_steps < 1:
             raise TrainingError(f"max_steps must be at least 1, got {max_steps}")
-        if not (math.isfinite(config.lr) and config.lr > 0):
-            raise TrainingError(f"lr must be a positive number, got {config.lr}")
+        if not (math.isfinite(config.lr) and 0 < config.lr <= MAX_LR):
+            raise TrainingError(f"lr must be a positive number up to {MAX_LR:g}, got {config.lr}")
         return config
 
     @property
