@@ -367,6 +367,12 @@ def test_repository_calls_need_the_admin_token(client: tg.InferenceServerClient)
     assert client.infer(MODEL, [grpc_input(features(2))]).as_numpy("logits").shape == (2, 4)
     e = refusal(lambda: client.load_model("absent", headers=AUTH))
     assert e.status() == "StatusCode.NOT_FOUND"
+    load = service_pb2.RepositoryModelLoadRequest(model_name=MODEL)
+    load.parameters["version"].string_param = "1"  # not a load parameter: it was ignored unseen, as over HTTP
+    with pytest.raises(grpc.RpcError) as info:
+        client._client_stub.RepositoryModelLoad(load, metadata=list(AUTH.items()))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.details().startswith("parameters: 'version': not a parameter a load takes;")
 
 
 def test_a_server_without_a_token_refuses_management(server_factory: StartServer, store_dir: Path) -> None:

@@ -752,6 +752,17 @@ async def test_unload_and_load_round_trip(tmp_path: Path) -> None:
         )
         assert override.status_code == 400
         assert "not supported" in override.json()["error"]
+        # Not load parameters: each was ignored, and the store's served version loaded as if asked for.
+        for parameters, named in [({"version": "1"}, "'version'"), ({"verison": 1, "b": 2}, "'b', 'verison'")]:
+            r = await client.post("/v2/repository/models/tiny/load", headers=AUTH, json={"parameters": parameters})
+            assert r.status_code == 400
+            assert r.json()["error"].startswith(f"parameters: {named}: not a parameter a load takes;")
+        for parameters in [[], "", 0, False]:  # were taken as no parameters
+            r = await client.post("/v2/repository/models/tiny/load", headers=AUTH, json={"parameters": parameters})
+            assert r.status_code == 400
+            assert r.json()["error"].startswith("parameters: expected an object, got ")
+        r = await client.post("/v2/repository/models/tiny/load", headers=AUTH, json={"parameters": None})
+        assert r.status_code == 200
 
 
 async def test_openapi_documents_the_v2_endpoints(tiny_store: Path) -> None:

@@ -12,7 +12,7 @@ from halfserve.api.dataplane.metadata import PLATFORM
 from halfserve.api.dataplane.refusals import Refusal
 from halfserve.api.errors import RefusedError, from_exception
 from halfserve.manifest import InputFormat, Manifest, Precision, TensorSpec, sent_inputs
-from halfserve.serving import BatchStats, LocalModel, ModelAdmin, ModelState
+from halfserve.serving import BatchStats, LocalModel, ModelAdmin, ModelState, shown
 from halfserve.storage import StoreError
 
 BACKEND = "pytorch"
@@ -39,11 +39,20 @@ def index_entry(served: LocalModel) -> dict[str, object]:
 
 def refuse_overrides(parameters: Iterable[str]) -> None:
     """Refuse as invalid a load whose parameters would override the model's configuration (``config``,
-    ``file:...``), which is not supported, naming them."""
-    overrides = sorted(k for k in parameters if k == "config" or k.startswith("file:"))
+    ``file:...``), which is not supported, or that are no load parameter at all (``version``, a misspelling), which
+    would otherwise be ignored unseen, naming them."""
+    names = sorted(parameters)
+    overrides = [k for k in names if k == "config" or k.startswith("file:")]
     if overrides:
         raise RefusedError(
             Refusal.INVALID, f"parameters: {', '.join(overrides)}: overriding a model's configuration is not supported"
+        )
+    if names:
+        unknown = ", ".join(shown(k) for k in names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+        raise RefusedError(
+            Refusal.INVALID,
+            f"parameters: {unknown}: not a parameter a load takes; it loads the version the store serves "
+            '(another: POST /models/{name}/load with {"version": N})',
         )
 
 

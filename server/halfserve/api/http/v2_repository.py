@@ -67,7 +67,8 @@ async def load_model(model_name: str, request: Request) -> Response:
     """Load (or reload) a model from the store: the served version is read again, and a loaded model keeps
     answering from its old instance until the new one is warm. Overriding the configuration is not supported."""
     require_admin(request)
-    params = (await json_object(request)).get("parameters") or {}
+    params = (await json_object(request)).get("parameters")
+    params = {} if params is None else params
     if not isinstance(params, dict):
         raise APIError(400, f"parameters: expected an object, got {type(params).__name__}")
     refuse_overrides(params)
