@@ -72,7 +72,10 @@ class BodyBudget:
 
     def claim(self, body: Body, size: int, now: float) -> Refusal | None:
         """Count ``size`` more bytes of ``body``, received at ``now``; a refusal where they are over its address's
-        share or the budget and no other body, slow and arriving for long enough, gives its bytes up."""
+        share or the budget and no other body, slow and arriving for long enough, gives its bytes up. Bodies give
+        their bytes up only where that makes room: judged first as :meth:`ask` judges."""
+        if (refusal := self._judge(body, size, now, [])) is not None:
+            return refusal
         return self._judge(body, size, now, None)
 
     def ask(self, body: Body, size: int, now: float) -> Refusal | None:
@@ -142,6 +145,8 @@ class BodyBudget:
             taken = self.held if peer is None else self.by_peer.get(peer, 0)
             return taken - sum(b.pending for b in gone if peer is None or b.peer == peer)
 
+        if used() + size <= limit:
+            return True  # nearly every claim: no pass over the bodies
         late = [
             b
             for b in candidates

@@ -166,3 +166,38 @@ def test_asking_over_an_address_s_share_counts_its_own_slow_bodies_as_room() -> 
     assert refusal is not None
     assert refusal.status == 429
     assert refusal.message.startswith("body: the requests of a have 700 bytes of bodies arriving, over 500")
+
+
+def test_no_body_gives_way_where_that_would_not_make_room() -> None:
+    budget = BodyBudget.of(1000, 1.0)
+    slow, young = FakeBody("a"), FakeBody("b")
+    assert budget.claim(slow, 100, now=0.0) is None
+    assert budget.claim(young, 800, now=9.9) is None  # within its grace
+    refusal = budget.claim(FakeBody("c"), 300, now=10.0)  # even with the slow body's 100 bytes, 200 short
+    assert refusal is not None
+    assert refusal.status == 503
+    assert slow.given_up == []  # it was given up, and the body asking refused all the same
+    assert budget.held == 900
+
+
+def test_claim_and_ask_judge_alike_over_made_up_traffic() -> None:
+    import random
+
+    rng = random.Random(0)
+    for _ in range(300):
+        budget = BodyBudget.of(1000, rng.choice([0.5, 1.0]))
+        bodies = [FakeBody(rng.choice("abc"), held_by_server=rng.random() < 0.2) for _ in range(6)]
+        now = 0.0
+        for body in bodies:
+            now += rng.random()
+            budget.claim(body, rng.randrange(1, 400), now)
+        asking = FakeBody(rng.choice("abcd"))
+        size, now = rng.randrange(1, 600), now + rng.random()
+        before = [len(b.given_up) for b in bodies]
+        asked = budget.ask(asking, size, now)
+        assert [len(b.given_up) for b in bodies] == before  # asking gives nothing up
+        claimed = budget.claim(asking, size, now)
+        assert (asked is None) == (claimed is None)
+        assert asked is None or claimed is None or asked.status == claimed.status
+        if claimed is not None:
+            assert [len(b.given_up) for b in bodies] == before  # refused: nobody gave way for it
