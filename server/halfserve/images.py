@@ -49,6 +49,9 @@ costs a decoding thread minutes within the pixel limit."""
 _JPEG_SCAN = b"\xff\xda"
 """The start-of-scan marker: in entropy-coded data 0xFF is always followed by 0x00 or a restart marker, so counting
 this counts the scans."""
+_AS_FORMAT = {"MPO": ImageFormat.JPEG.value}
+"""Pillow's formats that are one of the server's in the checks of :func:`opened`: an MPO (a JPEG with more pictures
+after it) is a JPEG."""
 _BOMB_SIZE = re.compile(r"Image size \((\d+) pixels\)")
 _ADDRESS = re.compile(r"<[^<>]* at 0x[0-9a-f]+>")
 
@@ -210,8 +213,12 @@ def opened(data: bytes, kind: str | None, max_pixels: int, field: str) -> Iterat
         raise ImageTooLargeError(
             f"{field}: {said}, more than Pillow's decompression-bomb guard takes ({guard})"
         ) from None
-    kind = kind or str(image.format)
+    kind = kind or _AS_FORMAT.get(str(image.format), str(image.format))
     with image:
+        if kind == ImageFormat.JPEG.value and (scans := data.count(_JPEG_SCAN)) > MAX_JPEG_SCANS:
+            raise ImageError(
+                f"{field}: a JPEG of {scans} scans; a photo has at most about 10 (the server decodes {MAX_JPEG_SCANS})"
+            )
         width, height = image.size
         if width * height > max_pixels:
             raise too_large(field, f"a {width}x{height} {kind} image", max_pixels)
@@ -223,9 +230,11 @@ def opened(data: bytes, kind: str | None, max_pixels: int, field: str) -> Iterat
 
 @functools.cache
 def in_process_formats() -> tuple[str, ...]:
-    """Every format Pillow opens but EPS, which it reads by running Ghostscript on the file."""
+    """Every format Pillow opens but EPS, which it reads by running Ghostscript on the file, and ICO, whose opening
+    decodes an image its directory may say is 16x16 (up to Pillow's guard, 179 megapixels) before its size can be
+    checked."""
     Image.init()
-    return tuple(name for name in Image.OPEN if name != "EPS")
+    return tuple(name for name in Image.OPEN if name not in ("EPS", "ICO"))
 
 
 JPEG_PIXELS_PER_BYTE = 2048
@@ -265,10 +274,6 @@ def decode(data: bytes, spec: ImageInput, max_pixels: int, field: str) -> np.nda
         raise ImageError(f"{field}: not an image the server reads ({len(data)} bytes); send {ACCEPTED}")
     if kind not in ImageFormat.__members__:
         raise ImageError(f"{field}: a {kind} image; the server takes {ACCEPTED}")
-    if kind == ImageFormat.JPEG.value and (scans := data.count(_JPEG_SCAN)) > MAX_JPEG_SCANS:
-        raise ImageError(
-            f"{field}: a JPEG of {scans} scans; a photo has at most about 10 (the server decodes {MAX_JPEG_SCANS})"
-        )
     try:
         with opened(data, kind, max_pixels, field) as image:
             width, height = image.size

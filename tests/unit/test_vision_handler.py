@@ -5,6 +5,7 @@ path refuses them, and EPS (which Pillow reads by running Ghostscript) is not op
 from __future__ import annotations
 
 import base64
+import io
 from typing import Any
 
 import numpy as np
@@ -14,7 +15,7 @@ from PIL import Image, UnidentifiedImageError
 
 from halfserve import images
 from halfserve.tscompat.ts.torch_handler.vision_handler import MAX_PIXELS, VisionHandler
-from tests.unit.test_images import claiming, encoded, jpeg_without_its_data, png_claiming
+from tests.unit.test_images import claiming, encoded, jpeg_without_its_data, many_scans, png_claiming
 
 
 class Grey(VisionHandler):
@@ -54,7 +55,34 @@ def test_a_claim_past_pillow_s_own_guard_is_refused_as_too_large() -> None:
         Grey().preprocess(rows(png_claiming(60000, 60000)))
 
 
-@pytest.mark.parametrize("data", [jpeg_without_its_data(4000, 3000), png_claiming(4000, 4000)], ids=["JPEG", "PNG"])
+def mpo_without_its_data(width: int, height: int) -> bytes:
+    """An MPO (a JPEG with another picture after it), cut after its first scan's header: Pillow opens it as MPO."""
+    buf = io.BytesIO()
+    Image.new("RGB", (width, height)).save(buf, "MPO", save_all=True, append_images=[Image.new("RGB", (8, 8))])
+    data = buf.getvalue()
+    scan = data.index(b"\xff\xda")
+    cut = data[: scan + 2 + int.from_bytes(data[scan + 2 : scan + 4], "big")] + b"\xff\xd9"
+    assert Image.open(io.BytesIO(cut)).format == "MPO"
+    return cut
+
+
+@pytest.mark.parametrize(
+    "data",
+    [jpeg_without_its_data(4000, 3000), png_claiming(4000, 4000), mpo_without_its_data(2000, 1500)],
+    ids=["JPEG", "PNG", "MPO"],
+)
 def test_a_file_cut_short_is_refused_not_decoded_grey(data: bytes) -> None:
     with pytest.raises(images.ImageError, match="its image data is cut short or missing"):
         Grey().preprocess(rows(data))
+
+
+def test_a_jpeg_of_more_scans_than_a_photo_has_is_refused_before_decoding() -> None:
+    with pytest.raises(images.ImageError, match="^data: a JPEG of 2000 scans; a photo has at most about 10"):
+        Grey().preprocess(rows(many_scans(2000)))
+
+
+def test_an_ico_is_not_opened_as_its_opening_decodes_what_it_holds() -> None:
+    ico = encoded(Image.new("RGB", (32, 32)), "ICO")
+    assert Image.open(io.BytesIO(ico)).format == "ICO"
+    with pytest.raises(UnidentifiedImageError, match="^data: not an image Pillow reads$"):
+        Grey().preprocess(rows(ico))
