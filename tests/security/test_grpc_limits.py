@@ -9,12 +9,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 import grpc
+import httpx
 import numpy as np
 import pytest
 import tritonclient.grpc as tg
 from tritonclient.grpc import service_pb2
 from tritonclient.utils import InferenceServerException
 
+from halfserve.execution import Batching
 from tests.conftest import ServerProcess, free_port, save_tiny_mlp
 
 pytestmark = pytest.mark.slow
@@ -190,3 +192,25 @@ def test_typed_contents_with_a_shape_whose_count_overflows_64_bits_are_refused(a
     assert e.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert f"0 values, but shape [1, {2**62}, 16] holds {2**66}" in str(e.details())
     one_row(address)
+
+
+def test_a_model_loaded_after_start_takes_over_grpc_the_requests_it_takes_over_http(
+    server_factory: StartServer, tmp_path: Path
+) -> None:
+    # grpcio's message limit is set once, at start: it was sized to the models served then, so a model with larger
+    # requests loaded later (one --models left out) had them refused over gRPC and answered over HTTP.
+    save_tiny_mlp(tmp_path)
+    save_tiny_mlp(tmp_path, "wide", batching=Batching(max_batch_size=4096, max_delay_ms=5))
+    token = "grpc-limits-admin-token-0123456789"
+    port = free_port()
+    server = server_factory(
+        tmp_path, "--grpc", "--grpc-port", str(port), "--precision", "fp32", "--models", "tiny", "--admin-token", token
+    )
+    loaded = httpx.post(f"{server.url}/models/wide/load", json={}, headers={"authorization": f"Bearer {token}"})
+    assert loaded.status_code == 200, loaded.text
+    x = np.ones((2000, 16), np.float32)  # 128 KB: past what tiny's 8 rows need
+    inp = tg.InferInput("features", list(x.shape), "FP32")
+    inp.set_data_from_numpy(x)
+    with tg.InferenceServerClient(f"127.0.0.1:{port}") as c:
+        out = c.infer("wide", [inp], client_timeout=30).as_numpy("logits")
+    assert out.shape == (2000, 4)

@@ -30,12 +30,14 @@ from typing import Any
 
 import grpc
 
+from halfserve import storage
 from halfserve.api.dataplane.bounds import row_limit
 from halfserve.api.dataplane.refusals import Refusal
 from halfserve.api.errors import RefusedError
 from halfserve.execution import Batching
-from halfserve.manifest import Manifest, sample_values
+from halfserve.manifest import Manifest, load_manifest, sample_values
 from halfserve.settings import Settings
+from halfserve.storage import StoreError
 
 MESSAGE_OVERHEAD = 64 * 1024
 """Bytes a message may hold besides its tensors' data: names, ids, parameters, shapes."""
@@ -85,6 +87,19 @@ def message_cap(settings: Settings, models: Iterable[tuple[Manifest, Batching]])
         rows = min(rows, max(1, settings.max_request_elements // max(sample_values(manifest), 1)))
         largest = max(largest, rows * wire_bytes(manifest))
     return min(settings.max_body_bytes, largest + MESSAGE_OVERHEAD)
+
+
+def store_models(settings: Settings, served: Iterable[tuple[Manifest, Batching]]) -> list[tuple[Manifest, Batching]]:
+    """``served``, and every other model whose manifest the store holds and reads at start: grpcio's message limit is
+    set once, so it is sized for a model loaded later through the repository API too (one ``--models`` left out, or
+    one unloaded), which would otherwise take over HTTP requests that gRPC refuses."""
+    models = list(served)
+    with contextlib.suppress(StoreError, OSError):
+        for name in storage.model_folders(settings.store):
+            with contextlib.suppress(StoreError, OSError, ValueError):
+                manifest = load_manifest(settings.store / name)
+                models.append((manifest, manifest.batching))
+    return models
 
 
 def server_options(settings: Settings, cap: int) -> list[tuple[str, int]]:

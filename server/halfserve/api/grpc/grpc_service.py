@@ -47,7 +47,7 @@ from halfserve.api.dataplane.metadata import EXTENSIONS, SERVER_NAME, metadata
 from halfserve.api.dataplane.refusals import Refusal, refused
 from halfserve.api.errors import APIError, RefusedError, from_exception, held
 from halfserve.api.grpc.grpc_codec import infer_request, infer_response
-from halfserve.api.grpc.grpc_limits import PROBES, Admission, message_cap, parse, server_options
+from halfserve.api.grpc.grpc_limits import PROBES, Admission, message_cap, parse, server_options, store_models
 from halfserve.api.grpc.grpc_peers import PeerConnections
 from halfserve.manifest import sample_values
 from halfserve.metrics import request_labels
@@ -489,7 +489,9 @@ class GrpcServer:
     def __init__(self, state: AppState) -> None:
         settings = state.settings
         repo = state.repository
-        models = [] if repo is None else [(m.manifest, m.batching) for m in repo.models.values()]
+        models = (
+            [] if repo is None else store_models(settings, [(m.manifest, m.batching) for m in repo.models.values()])
+        )
         self.message_cap = message_cap(settings, models) if models else settings.max_body_bytes
         # No maximum_concurrent_rpcs: grpcio counts every call in it, a silent one and a health check alike, and
         # refuses them all once it is reached; Admission counts only what costs.
