@@ -294,6 +294,10 @@ def import_model(
     )
     if draft.image is not None and "draft" not in draft.image.model_fields_set:  # measured unless the section says
         manifest = draftcheck.chosen(store.LoadedModel(manifest, 0, module, source), calibration, max_image_pixels)
+    try:
+        store.manifest_bytes(manifest)  # before the work: the version it would write could never be served
+    except StoreError as e:
+        raise ImportFailure(str(e)) from None
     given = _samples(calibration, manifest, module, samples, source if hugging_face else None, max_image_pixels)
     # Checked before anything is written: a refused model leaves no version behind.
     unsaved = store.LoadedModel(manifest, 0, module, source)

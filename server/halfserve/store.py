@@ -29,6 +29,7 @@ from halfserve import models
 from halfserve.manifest import Manifest, load_manifest
 from halfserve.storage import (
     MANIFEST,
+    MAX_JSON_BYTES,
     WEIGHTS,
     StoreError,
     check_name,
@@ -50,6 +51,7 @@ __all__ = [
     "load",
     "load_folder",
     "load_weights",
+    "manifest_bytes",
     "nonfinite_parameter",
     "save",
     "weights_bytes",
@@ -320,12 +322,25 @@ def atomic_write(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
+def manifest_bytes(manifest: Manifest) -> bytes:
+    """``manifest`` as its ``config.json`` holds it; a :class:`StoreError` where that is past what the store reads
+    (:data:`~halfserve.storage.MAX_JSON_BYTES`), so that nothing writes a manifest the server then refuses."""
+    data = (manifest.model_dump_json(indent=2, exclude_none=True) + "\n").encode()
+    if len(data) > MAX_JSON_BYTES:
+        raise StoreError(
+            f"{manifest.name}: its {MANIFEST} would be {len(data)} bytes, over the {MAX_JSON_BYTES}-byte limit on a "
+            "model folder's JSON files (thousands of labels?)"
+        )
+    return data
+
+
 def write_manifest(root: Path, manifest: Manifest) -> Path:
     """Write ``<root>/<name>/config.json`` (atomically)."""
+    data = manifest_bytes(manifest)
     model_dir = root / check_name(manifest.name)
     model_dir.mkdir(parents=True, exist_ok=True)
     path = model_dir / MANIFEST
-    atomic_write(path, (manifest.model_dump_json(indent=2, exclude_none=True) + "\n").encode())
+    atomic_write(path, data)
     return path
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from halfserve import cli, models, storage, store
-from halfserve.importer import import_model
+from halfserve.importer import ImportFailure, import_model
 from halfserve.manifest import TensorSpec
 
 MLP = {"in_features": 6, "hidden": [8], "out_features": 4}
@@ -86,3 +86,13 @@ def test_an_import_numbers_its_version_past_a_stray_file_and_stops_at_the_highes
         import_model(path, root, "net", "mlp", FEATURES, arch_kwargs=MLP, device=CPU)
     assert not [p for p in (root / "net").iterdir() if p.name.startswith(STAGE_PREFIX)]  # its stage removed
     assert storage.versions(root / "net") == [1, 999999999]
+
+
+def test_an_import_whose_manifest_the_server_would_refuse_writes_nothing(tmp_path: Path) -> None:
+    wide = {"in_features": 6, "hidden": [8], "out_features": 100_000}
+    path, root = tmp_path / "weights.pth", tmp_path / "store"
+    torch.save(models.build("mlp", **wide).state_dict(), path)
+    labels = [f"a rather long class name, number {i:08d}" for i in range(100_000)]  # about 5 MB of JSON
+    with pytest.raises(ImportFailure, match=r"config.json would be \d+ bytes, over the 4194304-byte limit"):
+        import_model(path, root, "net", "mlp", FEATURES, arch_kwargs=wide, labels=labels, device=CPU)
+    assert not (root / "net").exists()  # it had been written, and serve refused it
