@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -232,9 +233,23 @@ def test_resume_refuses_a_state_that_is_not_plain_data(tmp_path: Path, capsys: p
     result = train("tabular", tmp_path, max_steps=1, device="cpu")
     # Anything beyond tensors and containers needs full unpickling, which weights_only refuses.
     torch.save({"format": 1, "payload": shutil.copy}, result.version_dir / STATE_FILE)
-    err = _fails(["tabular", "--store", str(tmp_path), "--resume"], capsys)
+    err = _fails(["tabular", "--store", str(tmp_path), "--resume"], capsys)  # one line: no warning before it
     assert "cannot read training state" in err
     assert "shutil.copy" in err
+
+
+@pytest.mark.parametrize("kind", ["folder", "fifo"])
+def test_resume_names_a_state_that_is_not_a_regular_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], kind: str
+) -> None:
+    result = train("tabular", tmp_path, max_steps=1, device="cpu", save_state=False)
+    state = result.version_dir / STATE_FILE
+    if kind == "folder":
+        state.mkdir()
+    else:
+        os.mkfifo(state)  # a read of it would block for ever
+    err = _fails(["tabular", "--store", str(tmp_path), "--resume"], capsys)
+    assert f"{state}: not a regular file; the training state is one" in err
 
 
 def test_a_new_version_keeps_the_serving_settings_the_operator_wrote(

@@ -8,6 +8,8 @@ refuses to unpickle anything else. The model's weights are *not* duplicated here
 
 from __future__ import annotations
 
+import os
+import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -65,9 +67,13 @@ def load(version_dir: Path) -> TrainState:
     """Read ``<version_dir>/train_state.pt`` safely; errors name the file and what is wrong."""
     path = version_dir / STATE_FILE
     if not path.is_file():
+        if os.path.lexists(path):  # a folder, a device, a pipe (which would block the read), a broken link
+            raise TrainingError(f"{path}: not a regular file; the training state is one")
         raise TrainingError(f"{path}: no training state to resume from (was that version trained with --no-state?)")
     try:
-        raw = torch.load(path, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():  # torch warns of a crafted file's pickle protocol before refusing it
+            warnings.simplefilter("ignore")
+            raw = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # unpickling errors come in many types; all mean the file is unusable
         raise TrainingError(f"{path}: cannot read training state ({type(e).__name__}: {_essence(e)})") from None
     if not isinstance(raw, dict):
