@@ -317,8 +317,10 @@ class ModelRepository:
                 raise
             self.models[name] = served
             if old is not None:
-                # Newer versions that failed are still passed over: a reload of the one served keeps naming them.
-                passed_over = {v: e for v, e in old.failed_versions.items() if v > served.version}
+                # Newer versions that failed are still passed over: a reload of the one served keeps naming those
+                # the store still holds.
+                present = set(storage.versions(self.settings.store / name))
+                passed_over = {v: e for v, e in old.failed_versions.items() if v > served.version and v in present}
                 served.failed_versions = {**passed_over, **served.failed_versions}
                 if old is not served:
                     old.successor = served

@@ -3,6 +3,7 @@ and a load or reload that fails leaves the serving version answering; ``/models`
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import httpx
@@ -94,6 +95,10 @@ async def test_a_load_or_reload_that_fails_leaves_the_served_version_answering(t
         assert r.json()["version"] == 1
         assert [f["version"] for f in r.json()["failed_versions"]] == [2]  # still passed over
         await answers(client)
+        shutil.rmtree(tmp_path / "tiny" / "2")  # gone from the store: no longer named as failing
+        r = await client.post("/models/tiny/reload", json={}, headers=AUTH)
+        assert r.status_code == 200, r.text
+        assert r.json()["failed_versions"] == []
 
 
 async def test_loading_a_model_not_served_takes_its_newest_version_that_loads(tmp_path: Path) -> None:
