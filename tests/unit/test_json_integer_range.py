@@ -96,3 +96,12 @@ def test_values_no_64_bit_type_holds_together_are_refused_as_out_of_range() -> N
     # A float past 2^53 was rounded by the parser (-2^63 - 1 to -2^63): it is not taken as the integer it became.
     with pytest.raises(InvalidInputError, match="^inputs: values beyond the range of int64$"):
         decode_samples([orjson.loads(b"[0, -9223372036854775809]")], spec)
+
+
+def test_an_integer_past_2_53_beside_a_float_past_it_is_refused_not_rounded() -> None:
+    spec = TensorSpec(name="x", datatype=DataType.INT64, shape=[2])
+    with pytest.raises(InvalidInputError, match=r"^inputs: integers past 2\^53 beside floats past it cannot all be"):
+        decode_samples([orjson.loads(b"[1e17, 1152921504606846977]")], spec)  # was taken as 2^60
+    assert decode_samples([orjson.loads(b"[1e17, 5]")], spec).tolist() == [[10**17, 5]]  # floats alone: as before
+    three = TensorSpec(name="x", datatype=DataType.INT64, shape=[3])
+    assert decode_samples([orjson.loads(b"[true, 1152921504606846977, 1.0]")], three).tolist() == [[1, 2**60 + 1, 1]]

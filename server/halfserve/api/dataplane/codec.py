@@ -116,7 +116,7 @@ def decode_json(data: object, wire: DataType, shape: list[int], field: str) -> n
     elif arr.dtype.kind not in "iuf" and arr.size:
         raise InvalidInputError(f"{field}: values must be numbers, got {_kind_name(arr)}")
     elif wire.is_integer and arr.dtype.kind == "f":
-        exact = exact_integers(data, arr, floats=False)
+        exact = exact_integers(data, arr, floats=False, field=field)
         if exact is None:
             # Integers past int64 (2^63, -2^63 - 1) come out of numpy as floats: whole, they are out of range.
             if arr.size and np.array_equal(arr, np.trunc(arr)) and not _fits(arr, wire.wire_dtype):
@@ -244,28 +244,36 @@ def decode_samples(samples: Any, spec: TensorSpec, field: str = "inputs") -> np.
     if arr.dtype.kind not in "iuf":
         raise InvalidInputError(f"{field}: values must be numbers, got {_kind_name(arr)}")
     if spec.datatype.numpy.kind in "iu" and arr.dtype.kind == "f":
-        exact = exact_integers(samples, arr, floats=True)
+        exact = exact_integers(samples, arr, floats=True, field=field)
         arr = arr if exact is None else exact
     return cast_json_numbers(arr, spec.datatype.numpy, field)
 
 
-def exact_integers(data: list[Any], arr: np.ndarray, floats: bool) -> np.ndarray | None:
+def exact_integers(data: list[Any], arr: np.ndarray, floats: bool, field: str) -> np.ndarray | None:
     """The whole numbers of JSON ``data`` that numpy read as floats (``arr``), read exactly, for an integer input.
 
     numpy reads a list as float64 where integers past int64 are mixed with others (``[1, 2**64 - 1]``), or integers
     with floats (``[1.0, 2**60 + 1]``), and float64 rounds integers past 2^53: UINT64's largest became 2^64 and was
     refused as out of range, 2^60 + 1 became 2^60. Here they are int64, or uint64 where that holds them all.
 
-    None where float64 is exact (no value past 2^53), where some value is not a whole number, or a float past 2^53
-    (or a float at all, unless ``floats``: V2's integer data takes none), or where no 64-bit type holds them all: the
-    caller refuses.
+    None where float64 is exact (no value past 2^53), where some value is not a whole number (or is a float at all,
+    unless ``floats``: V2's integer data takes none), or where no 64-bit type holds them all: the caller refuses those
+    or takes the floats. A float past 2^53 was already rounded by the parser (-2^63 - 1 to -2^63): beside one, an
+    integer past 2^53 cannot be read exactly, and is refused naming ``field`` rather than rounded.
     """
     if not arr.size or float(np.abs(arr).max()) < 2.0**53:
         return None
     values = np.asarray(data, dtype=object).ravel().tolist()
     if floats:
-        if not all(type(v) is int or (type(v) is float and v.is_integer() and abs(v) < 2.0**53) for v in values):
-            return None  # a fraction, or a float past 2^53, which the parser already rounded (-2^63 - 1 to -2^63)
+        if not all(isinstance(v, int) or (type(v) is float and v.is_integer()) for v in values):
+            return None  # a fraction: refused as one
+        if any(type(v) is float and abs(v) >= 2.0**53 for v in values):
+            if any(isinstance(v, int) and abs(v) > 2**53 for v in values):
+                raise InvalidInputError(
+                    f"{field}: integers past 2^53 beside floats past it cannot all be read exactly; send every value "
+                    "as an integer (no decimal point or exponent)"
+                )
+            return None  # floats alone: as float64 holds them
         values = [int(v) for v in values]
     elif not all(type(v) is int for v in values):
         return None
