@@ -179,22 +179,24 @@ def transform(image: Image.Image, spec: ImageInput, resized: tuple[int, int] | N
     return np.ascontiguousarray(pixels)
 
 
-def too_large(field: str, image: str, max_pixels: int) -> ImageTooLargeError:
-    """The refusal of ``image`` (what it is: its size and format) for having more than ``max_pixels`` pixels."""
-    return ImageTooLargeError(
-        f"{field}: {image}, more than the {max_pixels} pixels an image may have (max_image_pixels)"
-    )
+def too_large(field: str, image: str, max_pixels: int, setting: str = "max_image_pixels") -> ImageTooLargeError:
+    """The refusal of ``image`` (what it is: its size and format) for having more than ``max_pixels`` pixels (the
+    ``setting`` named)."""
+    return ImageTooLargeError(f"{field}: {image}, more than the {max_pixels} pixels an image may have ({setting})")
 
 
 @contextlib.contextmanager
-def opened(data: bytes, kind: str | None, max_pixels: int, field: str) -> Iterator[Image.Image]:
+def opened(
+    data: bytes, kind: str | None, max_pixels: int, field: str, setting: str = "max_image_pixels"
+) -> Iterator[Image.Image]:
     """``data`` opened as a ``kind`` image (its header read, no pixel decoded), or :class:`ImageTooLargeError` naming
     ``field``, its size and ``max_pixels`` where it has more pixels than that: Pillow's own guard, which refuses past
     twice ``Image.MAX_IMAGE_PIXELS`` before the size can be read, is reported against ``max_pixels`` too. A file cut
     short is an :class:`ImageError` (:func:`cut_short`).
 
-    ``kind`` None opens any format Pillow decodes itself (:func:`in_process_formats`), as TorchServe's image handlers
-    do, or is Pillow's ``UnidentifiedImageError`` naming ``field``."""
+    ``setting`` is what sets ``max_pixels``, as a refusal names it. ``kind`` None opens any format Pillow decodes
+    itself (:func:`in_process_formats`), as TorchServe's image handlers do, or is Pillow's ``UnidentifiedImageError``
+    naming ``field``."""
     try:
         image = Image.open(io.BytesIO(data), formats=[kind] if kind is not None else in_process_formats())
     except UnidentifiedImageError:
@@ -208,7 +210,7 @@ def opened(data: bytes, kind: str | None, max_pixels: int, field: str) -> Iterat
         pixels = int(size.group(1)) if size else guard + 1  # Pillow refuses only past its guard
         said = f"{f'a {kind}' if kind else 'an'} image of {pixels if size else f'over {guard}'} pixels"
         if pixels > max_pixels:
-            raise too_large(field, said, max_pixels) from None
+            raise too_large(field, said, max_pixels, setting) from None
         # Only where the caller's limit is above Pillow's guard: the guard is then what refused it, and is named.
         raise ImageTooLargeError(
             f"{field}: {said}, more than Pillow's decompression-bomb guard takes ({guard})"
@@ -221,7 +223,7 @@ def opened(data: bytes, kind: str | None, max_pixels: int, field: str) -> Iterat
             )
         width, height = image.size
         if width * height > max_pixels:
-            raise too_large(field, f"a {width}x{height} {kind} image", max_pixels)
+            raise too_large(field, f"a {width}x{height} {kind} image", max_pixels, setting)
         problem = cut_short(data, kind, width, height)
         if problem is not None:
             raise ImageError(f"{field}: {problem}")

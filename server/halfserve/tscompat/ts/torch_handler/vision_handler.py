@@ -15,6 +15,9 @@ from .base_handler import BaseHandler
 MAX_PIXELS = 25_000_000
 """Most pixels (width times height, read from its header before decoding) an image may have: the server's default
 ``--max-image-pixels``."""
+SETTING = "MAX_PIXELS of TorchServe's VisionHandler"
+"""What a refusal names as setting :data:`MAX_PIXELS`: not the server's ``--max-image-pixels``, which it does not
+follow."""
 
 
 class VisionHandler(BaseHandler):
@@ -31,7 +34,9 @@ class VisionHandler(BaseHandler):
             if isinstance(image, (bytearray, bytes)):
                 # Any format Pillow decodes itself (not EPS, run through Ghostscript), held to the server's default
                 # pixels, and refused cut short rather than filled in grey.
-                with opened(bytes(image), None, MAX_PIXELS, "data") as picture:
+                with opened(
+                    bytes(image), None, MAX_PIXELS, "data", "MAX_PIXELS of TorchServe's VisionHandler"
+                ) as picture:
                     images.append(self.image_processing(picture))
             else:
                 images.append(torch.FloatTensor(image))
