@@ -74,8 +74,9 @@ class BodyBudget:
         """Count ``size`` more bytes of ``body``, received at ``now``; a refusal where they are over its address's
         share or the budget and no other body, slow and arriving for long enough, gives its bytes up. Bodies give
         their bytes up only where that makes room: judged first as :meth:`ask` judges."""
-        if (refusal := self._judge(body, size, now, [])) is not None:
-            return refusal
+        tight = self.held + size > self.total or self.by_peer.get(body.peer, 0) + size > self.per_peer
+        if tight and (refusal := self._judge(body, size, now, [])) is not None:
+            return refusal  # judged once more only where some body might give way: not on the common path
         return self._judge(body, size, now, None)
 
     def ask(self, body: Body, size: int, now: float) -> Refusal | None:

@@ -94,8 +94,11 @@ def store_models(settings: Settings, served: Iterable[tuple[Manifest, Batching]]
     set once, so it is sized for a model loaded later through the repository API too (one ``--models`` left out, or
     one unloaded), which would otherwise take over HTTP requests that gRPC refuses."""
     models = list(served)
+    read = {manifest.name for manifest, _ in models}
     with contextlib.suppress(StoreError, OSError):
         for name in storage.model_folders(settings.store):
+            if name in read:
+                continue  # served: its manifest is read already, and its batching is the one in force
             with contextlib.suppress(StoreError, OSError, ValueError):
                 manifest = load_manifest(settings.store / name)
                 models.append((manifest, manifest.batching))

@@ -215,10 +215,9 @@ async def predict(request: Request) -> Response:
         raise InvalidInputError('inputs: missing; send {"inputs": [sample, ...]}')
     samples = payload["inputs"]
     version = payload.get("version")
+    # "" is no version either: a client asking for any version leaves the field out.
     if version is not None and (isinstance(version, bool) or not isinstance(version, int | str) or version == ""):
-        raise InvalidInputError(
-            f"version: expected an integer, got {as_json(version)}"
-        )  # "" is no version: leave it out
+        raise InvalidInputError(f"version: expected an integer, got {as_json(version)}")
     served = of_version(app.service.get(name), None if version is None else str(version))
     note(request, served)
     # No finiteness check: JSON carries no NaN or infinity, and decoding refuses numbers the dtype cannot hold.

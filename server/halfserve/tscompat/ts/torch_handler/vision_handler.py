@@ -32,11 +32,9 @@ class VisionHandler(BaseHandler):
             if isinstance(image, str):
                 image = base64.b64decode(image)
             if isinstance(image, (bytearray, bytes)):
-                # Any format Pillow decodes itself (not EPS, run through Ghostscript), held to the server's default
-                # pixels, and refused cut short rather than filled in grey.
-                with opened(
-                    bytes(image), None, MAX_PIXELS, "data", "MAX_PIXELS of TorchServe's VisionHandler"
-                ) as picture:
+                # Any format Pillow decodes itself but EPS and ICO (images.in_process_formats), held to MAX_PIXELS,
+                # and refused cut short rather than filled in grey.
+                with opened(bytes(image), None, MAX_PIXELS, "data", SETTING) as picture:
                     images.append(self.image_processing(picture))
             else:
                 images.append(torch.FloatTensor(image))
