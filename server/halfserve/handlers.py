@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from halfserve.handlerinput import HandlerSection, HandlerStyle
+from halfserve.settings import MAX_IMAGE_PIXELS
 
 HANDLER_THREADS = max(2, os.cpu_count() or 2)
 """Threads that run one model's handler calls (each model has its own, started as its calls need them)."""
@@ -85,8 +86,8 @@ class _Raised:
     error: BaseException
 
 
-_built: dict[tuple[str, str, int, str], Any] = {}
-_build_locks: dict[tuple[str, str, int, str], threading.Lock] = {}
+_built: dict[tuple[str, str, int, str, int], Any] = {}
+_build_locks: dict[tuple[str, str, int, str, int], threading.Lock] = {}
 _locks_lock = threading.Lock()
 BUILD_TIMEOUT_S = 120.0
 """Longest a version's load waits for its handler to be built (a TorchServe handler's ``initialize`` included): past
@@ -99,10 +100,12 @@ def build(
     name: str = "",
     folder: Path | None = None,
     batch_size: int = 1,
+    max_image_pixels: int = MAX_IMAGE_PIXELS,
 ) -> Any:
     """A fresh handler of ``section``: its ``code`` resolved under the trust rule (from ``code_path``, the operator's
     folders, which a front-end process registers here first) and called with no arguments, or for the ``torchserve``
-    style built and initialized as TorchServe does (model ``name``, its files in ``folder``: :mod:`halfserve.tscompat`);
+    style built and initialized as TorchServe does (model ``name``, its files in ``folder``, the server's
+    ``max_image_pixels``: :mod:`halfserve.tscompat`);
     :class:`HandlerLoadError` says why not."""
     from halfserve import models, tscompat  # torch: only where a handler is built, never by the data plane's import
 
@@ -116,7 +119,11 @@ def build(
     if not callable(factory):
         raise HandlerLoadError(f"handler {section.code!r}: {type(factory).__name__} object is not callable")
     try:
-        handler = tscompat.build(factory, section.code, name, folder, batch_size) if torchserve else factory()
+        handler = (
+            tscompat.build(factory, section.code, name, folder, batch_size, max_image_pixels)
+            if torchserve
+            else factory()
+        )
     except tscompat.TorchServeHandlerError as e:
         raise HandlerLoadError(str(e)) from None
     except Exception as e:
@@ -134,11 +141,12 @@ def handler(
     section: HandlerSection,
     code_path: Sequence[Path] = (),
     batch_size: int = 1,
+    max_image_pixels: int = MAX_IMAGE_PIXELS,
 ) -> Any:
     """Model ``name``'s version's handler, built the first time it is asked for in this process (the load asks, so
     that one that cannot be built fails the load, not requests; a front-end process builds its own on its first
     request, importing torch then). It blocks while it builds: see :func:`built`."""
-    key = (str(store), name, version, section.code)
+    key = (str(store), name, version, section.code, max_image_pixels)
     with _locks_lock:  # held only to find the model's own lock: a handler that hangs in its build holds no other's
         lock = _build_locks.setdefault(key, threading.Lock())
     with lock:
@@ -147,13 +155,14 @@ def handler(
             from halfserve import models  # torch, as build imports it: only where a handler is built
 
             models.forbid_store(store)  # a front-end process builds here first: its store's modules never run
-            found = _built[key] = build(section, code_path, name, store / name / str(version), batch_size)
+            folder = store / name / str(version)
+            found = _built[key] = build(section, code_path, name, folder, batch_size, max_image_pixels)
     return found
 
 
-def built(store: Path, name: str, version: int, section: HandlerSection) -> Any:
+def built(store: Path, name: str, version: int, section: HandlerSection, max_image_pixels: int) -> Any:
     """The handler :func:`handler` built already, or ``None`` (then build it off the event loop)."""
-    return _built.get((str(store), name, version, section.code))
+    return _built.get((str(store), name, version, section.code, max_image_pixels))
 
 
 _running: dict[str, int] = {}

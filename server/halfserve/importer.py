@@ -281,9 +281,8 @@ def import_model(
     module = module.float().eval()
     if draft.handler is not None:  # built once here, so a handler that cannot be built is refused before writing
         try:
-            handlers.build(
-                draft.handler, (), name, source if hugging_face else source.parent, draft.batching.max_batch_size
-            )
+            folder = source if hugging_face else source.parent
+            handlers.build(draft.handler, (), name, folder, draft.batching.max_batch_size, max_image_pixels)
         except handlers.HandlerLoadError as e:
             raise ImportFailure(f"--handler: {e}") from None
     outputs = outputs or derive_outputs(module, inputs)

@@ -224,6 +224,7 @@ class ModelRepository:
                 loaded.manifest.handler,
                 (),
                 loaded.manifest.batching.max_batch_size,
+                self.settings.max_image_pixels,
             )
             try:
                 await asyncio.wait_for(built, handlers.BUILD_TIMEOUT_S)

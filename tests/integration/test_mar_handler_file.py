@@ -69,6 +69,29 @@ async def test_a_handler_that_raises_is_that_request_s_error(tmp_path: Path) -> 
         assert len(r.json()) == 5  # ImageClassifier's top 5
 
 
+@pytest.mark.parametrize("placement", ["instance_threads", pytest.param("instance_processes", marks=pytest.mark.slow)])
+async def test_the_archive_s_vision_handler_holds_photos_to_the_server_s_pixel_setting(
+    tmp_path: Path, placement: str
+) -> None:
+    """The photo has 400 x 300 pixels: a server held to fewer refuses it, naming the setting, wherever the handler
+    runs (on the server's handler threads, or in the instance process)."""
+    code, store = tmp_path / "code", tmp_path / "store"
+    assert imports(tmp_path, handler_archive(tmp_path, STRICT, "strict_handler"), code) == 0
+    paths = [tmp_path / "model_code", code]
+    held = Settings(store=store, code_path=paths, max_image_pixels=119_999, placement=placement)  # type: ignore[arg-type]
+    async with serving(held) as client:
+        r = await client.put("/predictions/tinynet", content=photo("JPEG"))  # type: ignore[attr-defined]
+        assert r.status_code == 400, r.text
+        assert r.json()["message"] == (
+            "handler preprocess failed: ImageTooLargeError: data: a 400x300 JPEG image, more than the 119999 pixels "
+            "an image may have (max_image_pixels)"
+        )
+    enough = Settings(store=store, code_path=paths, max_image_pixels=120_000, placement=placement)  # type: ignore[arg-type]
+    async with serving(enough) as client:
+        r = await client.put("/predictions/tinynet", content=photo("JPEG"))  # type: ignore[attr-defined]
+        assert r.status_code == 200, r.text
+
+
 def test_a_handler_overriding_inference_is_refused_at_import(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

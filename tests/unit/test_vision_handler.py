@@ -1,6 +1,6 @@
 """TorchServe's ``VisionHandler`` (halfserve's compatibility copy): any format Pillow decodes itself is taken, as
-TorchServe's is, but an image is held to the server's default pixels and refused cut short, as the server's own image
-path refuses them, and EPS (which Pillow reads by running Ghostscript) is not opened."""
+TorchServe's is, but an image is held to the server's ``--max-image-pixels`` (from the context) and refused cut short,
+as the server's own image path refuses them, and EPS (which Pillow reads by running Ghostscript) is not opened."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 import torch
 from PIL import Image, UnidentifiedImageError
 
-from halfserve import images
+from halfserve import images, tscompat
 from halfserve.tscompat.ts.torch_handler.vision_handler import MAX_PIXELS, VisionHandler
 from tests.unit.test_images import claiming, encoded, jpeg_without_its_data, many_scans, png_claiming
 
@@ -46,9 +46,29 @@ def test_an_eps_file_is_not_handed_to_ghostscript() -> None:
 
 @pytest.mark.parametrize("fmt", ["PNG", "JPEG", "WEBP"])
 def test_a_header_claiming_more_than_the_default_pixels_is_refused_before_decoding(fmt: str) -> None:
-    refusal = rf"^data: a 6000x6000 {fmt} image, more than the {MAX_PIXELS} pixels an image may have \(MAX_PIXELS of"
+    refusal = rf"^data: a 6000x6000 {fmt} image, more than the {MAX_PIXELS} pixels an image may have \(max_image_pixels"
     with pytest.raises(images.ImageTooLargeError, match=refusal):
         Grey().preprocess(rows(claiming(fmt, 6000, 6000)))
+
+
+def initialized(max_image_pixels: int) -> Grey:
+    handler = Grey()
+    with tscompat.shadowing():  # the context the server gives a handler's initialize
+        handler.initialize(tscompat.context("m", None, 1, max_image_pixels))
+    return handler
+
+
+def test_an_image_is_held_to_the_server_s_setting_the_context_gives() -> None:
+    picture = encoded(Image.new("RGB", (300, 200)), "PNG")
+    assert initialized(60_000).preprocess(rows(picture)).shape == (1, 200, 300)
+    refusal = r"^data: a 300x200 PNG image, more than the 59999 pixels an image may have \(max_image_pixels\)$"
+    with pytest.raises(images.ImageTooLargeError, match=refusal):
+        initialized(59_999).preprocess(rows(picture))
+    big = claiming("PNG", 6000, 6000)
+    with pytest.raises(images.ImageTooLargeError, match="^data: a 6000x6000 PNG image"):
+        initialized(MAX_PIXELS).preprocess(rows(big))
+    with pytest.raises(images.ImageError, match="cut short or missing"):  # past the default, read up to its pixels
+        initialized(40_000_000).preprocess(rows(big))
 
 
 def test_a_claim_past_pillow_s_own_guard_is_refused_as_too_large() -> None:

@@ -55,7 +55,13 @@ class InstanceHandler:
         self.max_rows = config.max_batch_size
         try:
             self.handler = handlers.handler(
-                settings.store, config.manifest.name, config.version, section, settings.code_path, self.max_rows
+                settings.store,
+                config.manifest.name,
+                config.version,
+                section,
+                settings.code_path,
+                self.max_rows,
+                settings.max_image_pixels,
             )
         except handlers.HandlerLoadError as e:  # the server process built it: only a changed file gets here
             raise RuntimeError(str(e)) from None

@@ -91,15 +91,15 @@ def check_class(factory: Any, code: str) -> type:
     return factory
 
 
-def context(name: str, folder: Path | None, batch_size: int) -> Any:
+def context(name: str, folder: Path | None, batch_size: int, max_image_pixels: int) -> Any:
     """TorchServe's ``Context`` for the model ``name`` whose files lie in ``folder`` (its version folder; at import,
-    the unpacked archive)."""
+    the unpacked archive), with the server's ``max_image_pixels``."""
     from ts.context import Context  # this package's, under shadowing(): what the handler's module imported
 
     manifest: dict[str, Any] = {"model": {"modelName": name}}
     if folder is not None and (folder / ARCHIVE_MANIFEST).is_file():
         manifest = json.loads((folder / ARCHIVE_MANIFEST).read_text(encoding="utf-8"))
-    return Context(name, str(folder or ""), manifest, batch_size, None, __version__)
+    return Context(name, str(folder or ""), manifest, batch_size, None, __version__, max_image_pixels=max_image_pixels)
 
 
 class TorchServeHandler:
@@ -126,10 +126,12 @@ class TorchServeHandler:
             return self.handler.postprocess(given)
 
 
-def build(factory: Any, code: str, name: str, folder: Path | None, batch_size: int) -> TorchServeHandler:
+def build(
+    factory: Any, code: str, name: str, folder: Path | None, batch_size: int, max_image_pixels: int
+) -> TorchServeHandler:
     """``factory``'s handler, initialized with the model's context (:func:`context`)."""
     cls = check_class(factory, code)
     with shadowing():
         handler = cls()
-        handler.initialize(context(name, folder, batch_size))
+        handler.initialize(context(name, folder, batch_size, max_image_pixels))
     return TorchServeHandler(handler)

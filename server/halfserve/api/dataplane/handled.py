@@ -90,9 +90,10 @@ async def _handler(served: ModelHandle, settings: Settings, spec: HandlerSection
     """The model version's handler: the one its load built, else built now on a thread, never on the event loop,
     where waiting for a build would stall every request."""
     key = (settings.store, served.name, served.version, spec)
+    pixels = settings.max_image_pixels
     try:
-        return handlers.built(*key) or await asyncio.to_thread(
-            handlers.handler, *key, settings.code_path, served.batching.max_batch_size
+        return handlers.built(*key, pixels) or await asyncio.to_thread(
+            handlers.handler, *key, settings.code_path, served.batching.max_batch_size, pixels
         )
     except handlers.HandlerLoadError as e:  # the load failed on it too: the model has no version to serve
         raise ModelUnavailableError(f"model {served.name!r}: {e}") from None

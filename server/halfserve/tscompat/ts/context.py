@@ -7,8 +7,9 @@ from typing import Any
 
 class Context:
     """The model's name, its folder (``model_dir``: the archive's extra files), the archive's manifest and the
-    system properties, as TorchServe's worker builds them; no request headers (``/predictions`` does not carry them
-    to handlers)."""
+    system properties, as TorchServe's worker builds them, with the server's ``--max-image-pixels`` as
+    ``max_image_pixels`` (``VisionHandler`` holds images to it); no request headers (``/predictions`` does not carry
+    them to handlers)."""
 
     def __init__(
         self,
@@ -21,6 +22,7 @@ class Context:
         limit_max_image_pixels: bool = True,
         metrics: Any = None,
         model_yaml_config: dict[str, Any] | None = None,
+        max_image_pixels: int | None = None,
     ) -> None:
         self.model_name = model_name
         self.manifest = manifest
@@ -31,6 +33,7 @@ class Context:
             "server_name": "halfserve",
             "server_version": mms_version,
             "limit_max_image_pixels": limit_max_image_pixels,
+            "max_image_pixels": max_image_pixels,
         }
         self.request_ids: dict[int, str] | None = None
         self.request_processor: Any = None

@@ -13,11 +13,9 @@ from halfserve.images import opened
 from .base_handler import BaseHandler
 
 MAX_PIXELS = 25_000_000
-"""Most pixels (width times height, read from its header before decoding) an image may have: the server's default
-``--max-image-pixels``."""
-SETTING = "MAX_PIXELS of TorchServe's VisionHandler"
-"""What a refusal names as setting :data:`MAX_PIXELS`: not the server's ``--max-image-pixels``, which it does not
-follow."""
+"""Most pixels (width times height, read from its header before decoding) an image may have where the context does
+not say (a handler whose ``initialize`` does not call ``BaseHandler``'s): the server's default
+``--max-image-pixels``. The server gives its own setting as the context's ``max_image_pixels`` system property."""
 
 
 class VisionHandler(BaseHandler):
@@ -25,16 +23,22 @@ class VisionHandler(BaseHandler):
 
     image_processing: Any = None
 
+    def max_pixels(self) -> int:
+        """The server's ``--max-image-pixels``, from the context ``initialize`` was given, else :data:`MAX_PIXELS`."""
+        properties = self.context.system_properties if self.context is not None else {}
+        return int(properties.get("max_image_pixels") or MAX_PIXELS)
+
     def preprocess(self, data: list[dict[str, Any]]) -> torch.Tensor:
         images = []
+        limit = self.max_pixels()
         for row in data:
             image = row.get("data") or row.get("body")
             if isinstance(image, str):
                 image = base64.b64decode(image)
             if isinstance(image, (bytearray, bytes)):
-                # Any format Pillow decodes itself but EPS and ICO (images.in_process_formats), held to MAX_PIXELS,
-                # and refused cut short rather than filled in grey.
-                with opened(bytes(image), None, MAX_PIXELS, "data", SETTING) as picture:
+                # Any format Pillow decodes itself but EPS and ICO (images.in_process_formats), held to the server's
+                # pixel limit, and refused cut short rather than filled in grey.
+                with opened(bytes(image), None, limit, "data") as picture:
                     images.append(self.image_processing(picture))
             else:
                 images.append(torch.FloatTensor(image))
