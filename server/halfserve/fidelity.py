@@ -10,7 +10,8 @@ Each floating output is measured by what its kind of answer needs:
 
 * class scores (the first output when the manifest has labels, else the first floating output of one dimension of 2
   or more): ``top1_agreement``, the share of samples whose highest score is at the same index in both; a user sees a
-  classifier change only where its top class does, however its scores move;
+  classifier change only where its top class does, however its scores move; a sample whose scores are NaN or infinite
+  in one precision where the other has a number does not agree (NaN's argmax is the first NaN's index);
 * other outputs with several values per row (embeddings, per-token outputs, hidden states): ``min_cosine``, the lowest
   cosine similarity of a sample's half-precision row with its fp32 row; what such outputs are used for (nearest
   neighbours, a downstream head) depends on their direction far more than on each value;
@@ -210,7 +211,8 @@ class Rows:
     or live fidelity's window of the last rows compared) are those :func:`compare` gives for them together."""
 
     top1: np.ndarray | None
-    """Per row, whether its highest class score is at the same index in both (None: no class scores output)."""
+    """Per row, whether its highest class score is at the same index in both and its scores are finite at the same
+    places (None: no class scores output)."""
     cosine: np.ndarray | None
     """Per row, its lowest cosine similarity over the outputs of several values per row (None: there are none)."""
     abs_error: np.ndarray
@@ -253,10 +255,11 @@ def rows(want: np.ndarray, got: np.ndarray, manifest: Manifest) -> Rows:
     got_rows = _floating(got, names)
     for name, w in _floating(want, names).items():
         g = got_rows[name]
-        diff = np.abs(w - g)
+        with np.errstate(invalid="ignore"):  # inf - inf: NaN, counted as an infinite error below
+            diff = np.abs(w - g)
         abs_err = np.maximum(abs_err, np.where(np.isfinite(diff).all(1), diff.max(1, initial=0.0), math.inf))
-        if name == scores:
-            top1 = w.argmax(1) == g.argmax(1)
+        if name == scores:  # a NaN or infinity where the other has a number is no agreement, whatever its argmax
+            top1 = (w.argmax(1) == g.argmax(1)) & (np.isfinite(w) == np.isfinite(g)).all(1)
         elif w.shape[1] > 1:
             cos = _cosines(w, g)
             cosine = cos if cosine is None else np.minimum(cosine, cos)

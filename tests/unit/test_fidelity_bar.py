@@ -45,6 +45,20 @@ def test_cosines_of_rows() -> None:
     np.testing.assert_allclose(fidelity._cosines(w, g), [0.0, 1.0, 1.0, 0.0, -1.0])
 
 
+def test_scores_not_finite_in_one_precision_where_the_other_has_numbers_do_not_agree() -> None:
+    """NaN's argmax is its first NaN's index: a half-precision row of NaNs agreed with every fp32 row whose top class
+    was the first, as many as one in ten with ten classes."""
+    scores = manifest([{"name": "scores", "shape": [3]}])
+    nan, inf = math.nan, math.inf
+    w = np.array([[3.0, 1.0, 2.0], [3.0, 1.0, 2.0], [nan, 1.0, 2.0], [nan, 1.0, 2.0], [inf, 1.0, 2.0], [0, 5, 1.0]])
+    g = np.array([[nan, nan, nan], [inf, 1.0, 2.0], [nan, 0.0, 3.0], [2.0, 1.0, 0.0], [inf, 0.0, 2.0], [0, 4, 1.0]])
+    measured = fidelity.rows(w.astype(np.float32), g.astype(np.float32), scores)
+    assert measured.top1 is not None
+    assert measured.top1.tolist() == [False, False, True, False, True, True]
+    assert list(measured.abs_error[-1:]) == [1.0]
+    assert measured.abs_error[:5].tolist() == [math.inf] * 5
+
+
 def test_a_manifest_s_bar_overrides_the_default_field_by_field() -> None:
     plain = fidelity.bar(manifest([{"name": "y", "shape": [3]}]))
     assert plain.as_dict() == DEFAULT_BAR.as_dict()
