@@ -5,11 +5,15 @@ A request is one HTTP request's job (its payloads, one or several files); a batc
 order, up to ``max_batch_size`` payloads (a request of more payloads than that runs alone, never split: its payloads
 are one call's), and is cut once that many are queued or ``max_delay`` has passed since the first queued request
 arrived. The queue holds at most ``max_queue_payloads``; one more is refused at once (:class:`QueueFullError`, a 503
-to retry).
+to retry). The payloads' bytes are held to ``max_queue_bytes`` from a request's arrival until its batch has run (or
+it left the queue): a request past it is refused at once too, so large payloads waiting for the handler cannot fill
+the memory that a count of payloads would let them.
 
 Faults stay with the request that causes them, which TorchServe's batching does not do: a batch of several requests
 whose run fails in a way one request could cause (``alone`` of the exception: the handler raised, returned the wrong
-inputs or the wrong number of answers) is rerun one request per call, so only the bad request gets its error.
+inputs or the wrong number of answers, or ran past its time limit on payloads one request made slow) is rerun one
+request per call, one at a time, so only the bad request gets its error. Reruns go lightest first (fewest bytes),
+so a small request caught in a batch with a heavy one is answered before the heavy one runs again.
 
 A request's deadline is kept while it is queued here (answered :class:`DeadlineExceededError` at once, never run);
 once its batch runs, the run is given the longest time left of the batch's requests, which bounds its wait for the
@@ -45,10 +49,14 @@ result per job in the same order, or an exception that fails them all."""
 class _Queued(Generic[J, R]):
     job: J
     size: int
+    weight: int
     future: asyncio.Future[R]
     enqueued: float
     deadline: float | None
     timer: Timer | None = field(default=None)
+    running: bool = False
+    """In a batch that has started: its bytes are held until the batch is over, answered or not."""
+    released: bool = False
 
 
 class HandlerBatcher(Generic[J, R]):
@@ -66,12 +74,17 @@ class HandlerBatcher(Generic[J, R]):
         max_delay: float,
         max_queue_payloads: int,
         concurrency: int,
+        weight: Callable[[J], int] = lambda _: 0,
+        max_queue_bytes: int | None = None,
         clock: Clock | None = None,
     ) -> None:
         if max_batch_size < 1 or max_queue_payloads < 1 or max_delay < 0 or concurrency < 1:
             raise ValueError("max_batch_size, max_queue_payloads and concurrency must be >= 1 and max_delay >= 0")
         self.run = run
         self.size = size
+        self.weight = weight
+        self.max_queue_bytes = max_queue_bytes
+        """Bytes (``weight``) of the requests queued or in a batch running that a request may join (None: no bound)."""
         self.alone = alone
         self.max_batch_size = max_batch_size
         self.max_delay = max_delay
@@ -84,6 +97,7 @@ class HandlerBatcher(Generic[J, R]):
         read."""
         self._queue: deque[_Queued[J, R]] = deque()
         self._queued_payloads = 0
+        self._held_bytes = 0
         self._running = 0
         self._cut_timer: Timer | None = None
         self._tasks: set[asyncio.Task[None]] = set()
@@ -91,6 +105,11 @@ class HandlerBatcher(Generic[J, R]):
     @property
     def queued_payloads(self) -> int:
         return self._queued_payloads
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of the requests queued or in a batch running."""
+        return self._held_bytes
 
     def submit(self, job: J, deadline: float | None = None) -> asyncio.Future[R]:
         """Queue ``job``; the future of its result. ``deadline`` is a time on :attr:`clock`. Raises
@@ -107,11 +126,23 @@ class HandlerBatcher(Generic[J, R]):
                 f"handler queue full ({self._queued_payloads} of {self.max_queue_payloads} payloads queued, "
                 f"request has {size})"
             )
+        weight = self.weight(job)
+        most = self.max_queue_bytes
+        if most is not None and weight > most:
+            raise RequestTooLargeError(
+                f"request has {weight} bytes of payloads; the handler queue holds at most {most} (handler_queue_bytes)"
+            )
+        if most is not None and self._held_bytes + weight > most:
+            raise QueueFullError(
+                f"handler queue full ({self._held_bytes} bytes of payloads queued or running, request has {weight}; "
+                f"at most {most}: handler_queue_bytes)"
+            )
         now = self.clock.now()
         future: asyncio.Future[R] = self.loop.create_future()
-        queued = _Queued(job, size, future, now, deadline)
+        queued = _Queued(job, size, weight, future, now, deadline)
         self._queue.append(queued)
         self._queued_payloads += size
+        self._held_bytes += weight
         if deadline is not None:
             queued.timer = self.clock.call_later(max(0.0, deadline - now), lambda: self._expire(queued))
         future.add_done_callback(lambda _: self._settled(queued))
@@ -125,6 +156,13 @@ class HandlerBatcher(Generic[J, R]):
         with contextlib.suppress(ValueError):
             self._queue.remove(queued)
             self._queued_payloads -= queued.size
+        if not queued.running:  # a running batch holds its requests' bytes until it is over
+            self._release(queued)
+
+    def _release(self, queued: _Queued[J, R]) -> None:
+        if not queued.released:
+            queued.released = True
+            self._held_bytes -= queued.weight
 
     def _expire(self, queued: _Queued[J, R]) -> None:
         if not queued.future.done() and queued in self._queue:
@@ -147,6 +185,8 @@ class HandlerBatcher(Generic[J, R]):
                 batch.append(self._queue.popleft())
                 taken += batch[-1].size
             self._queued_payloads -= taken
+            for q in batch:
+                q.running = True
             self._running += 1
             self.batch_sizes.append(taken)
             # A task of its own: a caller that stops waiting cancels its future, never the batch its companions wait on.
@@ -167,6 +207,8 @@ class HandlerBatcher(Generic[J, R]):
             for q in batch:
                 _fail(q, InternalError(f"{type(e).__name__}: {e}"))
         finally:
+            for q in batch:
+                self._release(q)
             self._running -= 1
             self._cut()
 
@@ -181,12 +223,12 @@ class HandlerBatcher(Generic[J, R]):
         except Exception as e:
             if len(live) > 1 and self.alone(e):
                 # One request may have caused it: each alone, so only its own call fails. Within the batch's own
-                # slot: one at a time where only one batch may run (a handler holding a batch's state on itself).
-                if self.concurrency == 1:
-                    for q in live:
-                        await self._answer([q])
-                else:
-                    await asyncio.gather(*(self._answer([q]) for q in live))
+                # slot, one at a time (a handler may hold a batch's state on itself, and a call past its time limit
+                # still holds a handler thread: side by side, a heavy request's call would take the thread a light
+                # one's postprocess waits for), the lightest first, so a small request is not kept waiting behind a
+                # heavy one's second run.
+                for q in sorted(live, key=lambda q: q.weight):
+                    await self._answer([q])
                 return
             for q in live:
                 _fail(q, e)

@@ -92,6 +92,11 @@ class DeadlineExceededError(BatchingError):
     """The request's deadline passed while it was queued; it was never run."""
 
 
+class HandlerTimeLimitError(DeadlineExceededError):
+    """A handler's ``preprocess`` or ``postprocess`` call ran past its ``timeout_s``: a 504 as a deadline is, but one
+    request of a batch of several may have caused it (its payloads the slow ones), so each is rerun alone."""
+
+
 class ShuttingDownError(BatchingError):
     """The batcher is draining and accepts no new requests, or a drain's timeout cut the request off.
 

@@ -173,6 +173,10 @@ class Settings(BaseSettings):
     have; more is a 413. At most Pillow's own decompression-bomb guard (``Image.MAX_IMAGE_PIXELS``)."""
     max_request_images: int = Field(default=16, ge=1)
     """Most images one request to an image model may carry (each is also a row, held to ``max_request_rows``)."""
+    handler_queue_bytes: int = Field(default=256 * 2**20, ge=2**20)
+    """Bytes of payloads that the requests to one handler model (its manifest's ``handler`` section) may hold while
+    they are queued or in a batch running, in each process that answers them: a request past it is refused 503 (413
+    where it alone is larger), as a full queue is."""
     header_timeout: float = Field(default=10.0, gt=0.0, le=3600.0)
     """Seconds a connection may take to send a request's line and headers, from when it opens or the request's first
     byte arrives; then 408 and the connection is closed (an idle or trickling connection holds a socket)."""

@@ -41,7 +41,7 @@ CODE = HANDLER_CODE + textwrap.dedent(
             bodies = [r.get("data") or r.get("body") for r in requests]
             if b"exit" in bodies:
                 os._exit(1)  # the process dies, as a crash in a native decoder would take it
-            if b"slow" in bodies:
+            if any(b.startswith(b"slow") for b in bodies):
                 time.sleep(3)
             if b"rows" in bodies:
                 return np.zeros((len(requests) + 1, 1, 8, 8), dtype=np.float32)
@@ -65,8 +65,8 @@ def build(root: Path, code: Path) -> None:
     manifest_file.write_text(json.dumps(manifest))
 
 
-def processes(root: Path, code: Path) -> Settings:
-    return Settings(store=root, code_path=[code], placement="instance_processes")  # type: ignore[arg-type]
+def processes(root: Path, code: Path, placement: str = "instance_processes") -> Settings:
+    return Settings(store=root, code_path=[code], placement=placement)  # type: ignore[arg-type]
 
 
 @pytest.fixture(scope="module")
@@ -136,3 +136,23 @@ async def test_a_handler_wrong_in_the_instance_process_is_answered_as_on_handler
     assert "handler preprocess returned 'pixels' with 2 rows; expected 1, one per payload" in rows.json()["message"]
     assert good.status_code == 200, good.text
     assert good.json()["pid"] != os.getpid()
+
+
+@pytest.mark.parametrize("placement", ["instance_processes", "instance_threads"])
+async def test_a_light_request_batched_with_one_past_the_time_limit_is_answered_from_its_own_call(
+    store: tuple[Path, Path], placement: str
+) -> None:
+    """The heavy request's payload makes the batch's ``preprocess`` run past its limit: the batch is rerun one request
+    per call, the light one first, so only the heavy one gets the 504."""
+    root, code = store
+    heavy = b"slow" + b" " * 10_000
+    async with started(processes(root, code, placement), NAME) as client:
+        expected = await expected_digits(client)
+        sent = [heavy, *(csv(row) for row in digits_rows()[1:MAX_BATCH])]  # one batch: MAX_BATCH payloads
+        answers = await asyncio.gather(*(client.put(f"/predictions/{NAME}", content=b) for b in sent))
+    assert [r.status_code for r in answers] == [504, 200, 200, 200], [r.text for r in answers]
+    limit = f"model {NAME!r}: handler preprocess ran past its time limit of {TIMEOUT_S:g} s (handler.timeout_s)"
+    assert answers[0].json()["message"] == limit
+    good = [r.json() for r in answers[1:]]
+    assert [a["digit"] for a in good] == expected[1:]
+    assert [a["batch"] for a in good] == [1, 1, 1]  # each from a call of its own

@@ -92,6 +92,21 @@ async def test_the_archive_s_vision_handler_holds_photos_to_the_server_s_pixel_s
         assert r.status_code == 200, r.text
 
 
+async def test_payloads_past_the_handler_queue_s_bytes_are_refused_before_the_handler_runs(tmp_path: Path) -> None:
+    code, store = tmp_path / "code", tmp_path / "store"
+    assert imports(tmp_path, handler_archive(tmp_path, STRICT, "strict_handler"), code) == 0
+    held = Settings(store=store, code_path=[tmp_path / "model_code", code], handler_queue_bytes=2**20)
+    async with serving(held) as client:
+        r = await client.put("/predictions/tinynet", content=b"reject" + bytes(2**20))  # type: ignore[attr-defined]
+        assert r.status_code == 413, r.text
+        assert r.json()["message"] == (
+            "inputs: request has 1048582 bytes of payloads; the handler queue holds at most 1048576 "
+            "(handler_queue_bytes)"
+        )
+        r = await client.put("/predictions/tinynet", content=photo("JPEG"))  # type: ignore[attr-defined]
+        assert r.status_code == 200, r.text
+
+
 def test_a_handler_overriding_inference_is_refused_at_import(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

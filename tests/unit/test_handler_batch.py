@@ -42,17 +42,29 @@ def _alone(e: BaseException) -> bool:
     return isinstance(e, ValueError | InternalError)
 
 
+def _bytes(job: Job) -> int:
+    return sum(len(p) for p in job)
+
+
 def batcher(
-    handler: FakeHandler, clock: FakeClock, *, max_batch_size: int = 4, queue: int = 8, concurrency: int = 1
+    handler: FakeHandler,
+    clock: FakeClock,
+    *,
+    max_batch_size: int = 4,
+    queue: int = 8,
+    concurrency: int = 1,
+    queue_bytes: int | None = None,
 ) -> HandlerBatcher[Job, list[str]]:
     return HandlerBatcher(
         handler,
         size=len,
+        weight=_bytes,
         alone=_alone,
         max_batch_size=max_batch_size,
         max_delay=0.010,
         max_queue_payloads=queue,
         concurrency=concurrency,
+        max_queue_bytes=queue_bytes,
         clock=clock,
     )
 
@@ -87,9 +99,26 @@ async def test_a_failing_batch_is_rerun_one_request_per_call() -> None:
     b = batcher(handler, clock)
     good, bad, other = b.submit(("a",)), b.submit(("bad",)), b.submit(("c", "d"))
     await settle()
-    assert handler.calls == [[("a",), ("bad",), ("c", "d")], [("a",)], [("bad",)], [("c", "d")]]
+    # Rerun one by one, the lightest (fewest bytes) first.
+    assert handler.calls == [[("a",), ("bad",), ("c", "d")], [("a",)], [("c", "d")], [("bad",)]]
     assert good.result() == ["A"]
     assert other.result() == ["C", "D"]
+    with pytest.raises(ValueError, match="'bad' is not a number"):
+        bad.result()
+
+
+@pytest.mark.parametrize("concurrency", [1, 3])
+async def test_reruns_go_lightest_first(concurrency: int) -> None:
+    """A light request caught in a batch with heavy ones is run again before them, one at a time whether or not other
+    batches may run beside."""
+    handler, clock = FakeHandler(), FakeClock()
+    b = batcher(handler, clock, max_batch_size=8, concurrency=concurrency)
+    heavy_job, bad_job = ("x" * 50, "y" * 50), ("bad", "z" * 20)
+    heavy, bad, light = b.submit(heavy_job), b.submit(bad_job), b.submit(("a",))
+    await clock.advance(0.010)
+    assert handler.calls == [[heavy_job, bad_job, ("a",)], [("a",)], [bad_job], [heavy_job]]
+    assert light.result() == ["A"]
+    assert heavy.result() == ["X" * 50, "Y" * 50]
     with pytest.raises(ValueError, match="'bad' is not a number"):
         bad.result()
 
@@ -140,6 +169,34 @@ async def test_the_queue_is_bounded_in_payloads() -> None:
     await clock.advance(0.010)  # the lone request left waits out the delay
     assert handler.calls[2] == [("e",)]
     assert b.queued_payloads == 0
+
+
+async def test_payload_bytes_are_bounded_from_arrival_until_the_batch_is_over() -> None:
+    handler, clock = FakeHandler(), FakeClock()
+    handler.gate.clear()
+    b = batcher(handler, clock, max_batch_size=2, queue=8, queue_bytes=100)
+    running, gone = b.submit(("a" * 30,)), b.submit(("b" * 30,))  # a batch of two, held at the gate
+    await settle()
+    assert (b.queued_payloads, b.held_bytes) == (0, 60)  # out of the queue, still held
+    gone.cancel()  # its client left: its bytes stay with the running batch
+    await settle()
+    assert b.held_bytes == 60
+    queued = b.submit(("c" * 40,))
+    full = r"handler queue full \(100 bytes of payloads queued or running, request has 1; at most 100: handler_queue"
+    with pytest.raises(QueueFullError, match=full):
+        b.submit(("d",))
+    with pytest.raises(RequestTooLargeError, match=r"request has 101 bytes of payloads; .* at most 100 \(handler_q"):
+        b.submit(("e" * 101,))
+    queued.cancel()  # withdrawn from the queue: its bytes are free at once
+    await settle()
+    assert b.held_bytes == 60
+    later = b.submit(("f" * 40,))
+    handler.gate.set()
+    await settle()
+    await clock.advance(0.010)
+    assert running.result() == ["A" * 30]
+    assert later.result() == ["F" * 40]
+    assert b.held_bytes == 0
 
 
 async def test_batches_in_flight_are_bounded_and_requests_gather_meanwhile() -> None:

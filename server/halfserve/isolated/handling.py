@@ -7,7 +7,7 @@ Built once, when the process starts, under the trust rule the server process app
 bounded by the section's ``timeout_s``, as :mod:`halfserve.handlers` bounds them in the server process; what goes wrong
 is answered with the same kinds as there (:mod:`halfserve.api.dataplane.handled`): ``preprocess`` raising an
 :class:`~halfserve.serving.InvalidInputError`, wrong inputs or answers or ``postprocess`` raising an
-:class:`~halfserve.serving.InternalError`, a call past its limit a :class:`~halfserve.serving.DeadlineExceededError`,
+:class:`~halfserve.serving.InternalError`, a call past its limit a :class:`~halfserve.serving.HandlerTimeLimitError`,
 the forward failing a :class:`~halfserve.serving.BatchFailedError`. A handler that kills the process is the batch's
 :class:`~halfserve.serving.InstanceLostError`, raised by the server process's side, whose supervisor restarts it.
 
@@ -31,8 +31,8 @@ from halfserve.instance import Instance
 from halfserve.isolated.protocol import ChildConfig
 from halfserve.serving import (
     BatchFailedError,
-    DeadlineExceededError,
     HandlerPayload,
+    HandlerTimeLimitError,
     InternalError,
     InvalidInputError,
     Outcome,
@@ -77,7 +77,7 @@ class InstanceHandler:
             return future.result(self.section.timeout_s)
         except concurrent.futures.TimeoutError:
             future.cancel()  # one still waiting for a thread never runs
-            raise DeadlineExceededError(
+            raise HandlerTimeLimitError(
                 f"model {self.manifest.name!r}: handler {stage.value} ran past its time limit of "
                 f"{self.section.timeout_s:g} s (handler.timeout_s)"
             ) from None

@@ -34,6 +34,7 @@ from halfserve.serving import (
     BatchTooLargeError,
     DeadlineExceededError,
     HandlerPayload,
+    HandlerTimeLimitError,
     InstanceLostError,
     InternalError,
     InvalidInputError,
@@ -49,6 +50,7 @@ _ERRORS: dict[str, Callable[[str], Exception]] = {
     "InvalidInputError": InvalidInputError,
     "InternalError": InternalError,
     "DeadlineExceededError": DeadlineExceededError,
+    "HandlerTimeLimitError": HandlerTimeLimitError,
     "BatchFailedError": BatchFailedError,
     "ModelUnavailableError": ModelUnavailableError,
 }

@@ -35,6 +35,7 @@ from halfserve.serving import (
     BatchFailedError,
     DeadlineExceededError,
     Handled,
+    HandlerTimeLimitError,
     InstanceLostError,
     InternalError,
     InvalidInputError,
@@ -81,7 +82,7 @@ async def _call(served: ModelHandle, stage: handlers.Stage, call: functools.part
             raise InvalidInputError(str(e)) from None
         raise InternalError(str(e)) from None
     except handlers.HandlerTimeoutError as e:
-        raise DeadlineExceededError(f"model {served.name!r}: {e}") from None
+        raise HandlerTimeLimitError(f"model {served.name!r}: {e}") from None
     except handlers.HandlerBusyError as e:
         raise QueueFullError(f"{e}; retry shortly") from None
 
@@ -182,13 +183,18 @@ async def _in_instance(job: Job, handled: Awaitable[Handled], timeout: float | N
 
 def _alone(e: BaseException) -> bool:
     """Whether one request of a batch may have caused ``e``: the handler raised or returned what it should not (a
-    400 or a 500 naming it), or the forward failed on the batch's rows. Not a time limit, a full bound or a model
-    that cannot serve: rerunning each request alone would only repeat those for each."""
-    return isinstance(e, InvalidInputError | InternalError | BatchFailedError)
+    400 or a 500 naming it), ran past its own time limit (a few heavy photos batched with a light one: the light one
+    then gets its answer from its own call), or the forward failed on the batch's rows. Not the requests' deadline, a
+    full bound or a model that cannot serve: rerunning each request alone would only repeat those for each."""
+    return isinstance(e, InvalidInputError | InternalError | BatchFailedError | HandlerTimeLimitError)
 
 
 def _size(job: Job) -> int:
     return len(job.payloads)
+
+
+def _weight(job: Job) -> int:
+    return sum(len(p.data) for p in job.payloads)
 
 
 BATCHES_IN_FLIGHT = handlers.HANDLER_THREADS + 2
@@ -209,6 +215,7 @@ def _batcher(served: ModelHandle, settings: Settings, spec: HandlerSection) -> H
         found = _batchers[key] = HandlerBatcher(
             _run_batch,
             size=_size,
+            weight=_weight,
             alone=_alone,
             max_batch_size=1,
             max_delay=0.0,
@@ -221,6 +228,7 @@ def _batcher(served: ModelHandle, settings: Settings, spec: HandlerSection) -> H
     found.max_batch_size = limits.max_batch_size
     found.max_delay = limits.max_delay_ms / 1000
     found.max_queue_payloads = limits.max_queue_rows
+    found.max_queue_bytes = settings.handler_queue_bytes
     return found
 
 
