@@ -240,3 +240,36 @@ async def test_a_flood_from_one_address_delays_another_by_one_request_per_thread
     assert started.index("other") <= text.TOKENIZER_THREADS + 1, started
     assert text._turns.count == 0
     assert text._turns.busy == 0
+
+
+async def test_a_request_s_deadline_bounds_its_wait_for_the_tokenizing_threads(
+    tmp_path: Path, recording: dict[str, Recording]
+) -> None:
+    """Every tokenizing thread is held: a request with a deadline is answered 504 when it passes, not once a thread
+    frees; the held requests and the next ones are served."""
+    async with serving(Settings(store=save_texty(tmp_path), precision="fp32")) as client:
+        held = [
+            asyncio.create_task(client.post("/predict", json={"inputs": [f"hold the text {i}"]}))
+            for i in range(text.TOKENIZER_THREADS)
+        ]
+        await until(lambda: text._turns.count == text.TOKENIZER_THREADS, "the held requests to take every thread")
+        late = [
+            client.post("/predict", json={"inputs": ["in time?"]}, headers={"X-Request-Timeout-Ms": "200"}),
+            client.post(
+                "/v2/models/texty/infer",
+                json={
+                    "parameters": {"timeout": 200_000},
+                    "inputs": [{"name": "text", "datatype": "BYTES", "shape": [1], "data": ["in time?"]}],
+                },
+            ),
+        ]
+        for refused in await asyncio.gather(*late):
+            assert refused.status_code == 504, refused.text
+            assert "deadline passed while the request waited to be decoded" in refused.text
+        recording["tokenizer"].release.set()
+        for answer in await asyncio.gather(*held):
+            assert answer.status_code == 200, answer.text
+        timely = await client.post(
+            "/predict", json={"inputs": ["a short text"]}, headers={"X-Request-Timeout-Ms": "60000"}
+        )
+        assert timely.status_code == 200, timely.text

@@ -20,6 +20,7 @@ from halfserve import grpc_messages as pb
 from halfserve import images, text
 from halfserve.api.dataplane.decode import decode, tokenize
 from halfserve.api.dataplane.json_request import read_request
+from halfserve.api.dataplane.request import Inference
 from halfserve.api.grpc.grpc_codec import infer_request
 from halfserve.api.grpc.grpc_limits import check_infer_request
 from halfserve.api.http.predict import decode_inputs
@@ -259,3 +260,11 @@ async def test_a_scalar_shape_is_refused_alike_on_every_path() -> None:
     check_infer_request(message.SerializeToString(), lambda _: (100, "max_request_rows"))
     with pytest.raises(InvalidInputError, match=refusal):
         decode(await infer_request(message, SERVED, SETTINGS), SERVED, SETTINGS)
+
+
+def test_the_time_decoding_took_is_spent_from_the_request_s_deadline() -> None:
+    req = Inference({}, None, False, timeout_us=1_000_000, decoding_s=0.25)
+    assert req.timeout(None) == pytest.approx(0.75)
+    assert req.timeout(0.5) == pytest.approx(0.25)  # the client's, as it was on arrival, is the shorter
+    assert req.timeout(0.1) == 0.0
+    assert Inference({}, None, False, decoding_s=0.25).timeout(None) is None

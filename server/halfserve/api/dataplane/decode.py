@@ -20,6 +20,7 @@ FP16/BF16 output must be requested as binary.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 from collections.abc import Sequence
@@ -37,6 +38,7 @@ from halfserve.api.dataplane.codec import (
     encode_texts,
     wire_type,
 )
+from halfserve.api.dataplane.infer import within
 from halfserve.api.dataplane.outputs import check_room, requested_output, requested_outputs
 from halfserve.api.dataplane.photos import decode_photos, image_count
 from halfserve.api.dataplane.refusals import count
@@ -270,9 +272,21 @@ def no_inputs(served: ModelHandle, specs: list[TensorSpec]) -> InvalidInputError
     return InvalidInputError(f"inputs: expected a non-empty list; the model takes {_takes(specs, served.manifest)}")
 
 
-async def tokenize(req: Inference, served: ModelHandle, settings: Settings) -> Inference:
-    """``req`` with its texts (if any) tokenized off the event loop into the inputs they feed
-    (:func:`~halfserve.api.dataplane.codec.encode_texts`)."""
+async def tokenize(req: Inference, served: ModelHandle, settings: Settings, client: float | None = None) -> Inference:
+    """``req`` with its texts (if any) tokenized, or its photos decoded, off the event loop into the inputs they feed
+    (:func:`~halfserve.api.dataplane.codec.encode_texts`), within its deadline (``client``'s, the transport's, and its
+    own: :func:`~halfserve.api.dataplane.infer.within`), the time it took spent from it
+    (:attr:`Inference.decoding_s`)."""
+    if req.texts is None and req.photos is None:
+        return req
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    await within(served, _decoded(req, served, settings), req.timeout(client))
+    req.decoding_s = loop.time() - start
+    return req
+
+
+async def _decoded(req: Inference, served: ModelHandle, settings: Settings) -> None:
     if req.texts is not None:
         texts, field = req.texts
         req.inputs.update(await encode_texts(texts, field, served, settings))
@@ -281,7 +295,6 @@ async def tokenize(req: Inference, served: ModelHandle, settings: Settings) -> I
         photos, fields = req.photos
         req.inputs.update(await decode_photos(photos, fields, served, settings))
         req.photos = None
-    return req
 
 
 def _pending(req: Inference, pending: tuple[Sequence[bytes | str], str] | None, served: ModelHandle) -> Inference:

@@ -91,11 +91,17 @@ def _plan(request: InferRequest, req: Inference, served: ModelHandle, settings: 
 
 
 async def decode_request(
-    header: bytes, binary: memoryview | None, served: ModelHandle, settings: Settings, regions: RegionSource
+    header: bytes,
+    binary: memoryview | None,
+    served: ModelHandle,
+    settings: Settings,
+    regions: RegionSource,
+    client: float | None = None,
 ) -> Inference:
     """The V2 inference request of ``header`` (its JSON) and ``binary``, from the plan kept for the header when there
     is one (:class:`RequestPlan`), else read (:func:`~halfserve.api.dataplane.json_request.read_request`) and
-    checked (:func:`decode`), and its plan kept."""
+    checked (:func:`decode`), and its plan kept; its texts or photos decoded within its deadline (``client``'s, the
+    transport's, and its own)."""
     key = (served.name, served.version, header)
     plan = _plans.get(key)
     if plan is not None and plan.holds(served, settings, binary):
@@ -104,7 +110,7 @@ async def decode_request(
     # A header length that is wrong cuts the JSON short or takes binary data into it: the refusal says what to check.
     hint = "" if binary is None else f"check {HEADER_LENGTH} ({len(header)}): the bytes of JSON before the binary data"
     request = read_request(await parse_json(header, settings.max_json_values, hint), binary, served)
-    req = await tokenize(decode(request, served, settings, regions), served, settings)
+    req = await tokenize(decode(request, served, settings, regions), served, settings, client)
     if len(header) <= PLAN_HEADER_BYTES:
         plan = _plan(request, req, served, settings)
         if plan is not None:

@@ -233,9 +233,10 @@ class InferenceService:
             typed = await infer_request(request, served, settings)
             text.CLIENT.set(_client(context))  # whose turn its texts take on the tokenizing threads
             regions = partial(admitted_regions, self.state, _client(context), _authorization(context))
-            req = await tokenize(decode(typed, served, settings, regions), served, settings)
+            client = context.time_remaining()  # before decoding: what that takes is spent from it (req.timeout)
+            req = await tokenize(decode(typed, served, settings, regions), served, settings, client)
             try:
-                result = await infer(self.state, served, req.inputs, req.timeout(context.time_remaining()))
+                result = await infer(self.state, served, req.inputs, req.timeout(client))
             except asyncio.CancelledError:  # the client went away (a drain's cut-off is an APIError)
                 status = 499
                 raise

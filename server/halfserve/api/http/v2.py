@@ -116,7 +116,8 @@ async def infer(request: Request) -> Response:
     length = raw_header(request, _HEADER_LENGTH_KEY)
     header, binary = split_body(body, None if length is None else length.decode("latin-1"))
     if header is not None:
-        req = await decode_request(header, binary, served, settings, partial(authorised_regions, request))
+        regions = partial(authorised_regions, request)
+        req = await decode_request(header, binary, served, settings, regions, timeout)
     else:
         assert binary is not None
         if (raw_header(request, b"content-type") or b"").startswith(b"application/json"):
