@@ -107,6 +107,20 @@ async def test_payloads_past_the_handler_queue_s_bytes_are_refused_before_the_ha
         assert r.status_code == 200, r.text
 
 
+async def test_an_empty_form_part_is_refused_naming_it_before_the_handler_runs(tmp_path: Path) -> None:
+    """TorchServe's handlers read ``row.get("data") or row.get("body")``: an empty part reached them as None and
+    failed with a TypeError."""
+    code, store = tmp_path / "code", tmp_path / "store"
+    assert imports(tmp_path, handler_archive(tmp_path, STRICT, "strict_handler"), code) == 0
+    async with serving(Settings(store=store, code_path=[tmp_path / "model_code", code])) as client:
+        files = [("data", ("a.jpg", photo("JPEG"), "image/jpeg")), ("data", ("b.jpg", b"", "image/jpeg"))]
+        r = await client.post("/predictions/tinynet", files=files)  # type: ignore[attr-defined]
+        assert r.status_code == 400, r.text
+        assert r.json()["message"] == "form.data[1]: empty; send the bytes the model's handler reads"
+        r = await client.post("/predictions/tinynet", files=files[:1])  # type: ignore[attr-defined]
+        assert r.status_code == 200, r.text
+
+
 def test_a_handler_overriding_inference_is_refused_at_import(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -66,12 +66,17 @@ def section(served: ModelHandle) -> HandlerSection | None:
     return served.manifest.handler
 
 
-def payload_count(settings: Settings, served: ModelHandle, count: int, field: str) -> None:
-    """Refuse a request of no payload (400) and one of more than a request may carry (413), before the handler
-    runs."""
-    if count == 0:
+def payload_count(settings: Settings, served: ModelHandle, payloads: list[Payload], fields: list[str]) -> None:
+    """Refuse a request of no payload or an empty one (400) and one of more than a request may carry (413), before
+    the handler runs: TorchServe's handlers read a payload as ``row.get("data") or row.get("body")``, which an empty
+    one fails with a ``TypeError`` the client cannot act on. ``fields`` name the payloads."""
+    field = fields[0] if len(fields) == 1 else "form"
+    if not payloads:
         raise InvalidInputError(f"{field}: empty; send the body the model's handler reads")
-    image_count(settings, served, count, field)
+    image_count(settings, served, len(payloads), field)
+    for payload, name in zip(payloads, fields, strict=True):
+        if not payload.data:
+            raise InvalidInputError(f"{name}: empty; send the bytes the model's handler reads")
 
 
 async def _call(served: ModelHandle, stage: handlers.Stage, call: functools.partial[Any], limit: float) -> Any:

@@ -189,7 +189,7 @@ async def _handled(
     """A model with a handler section: its own preprocess and postprocess around the forward, called per batch of
     concurrent requests, the answers in the payloads' order (one alone, as TorchServe answers one file)."""
     app = deps.state(request)
-    handled.payload_count(app.settings, served, len(payloads), fields[0] if len(fields) == 1 else "form")
+    handled.payload_count(app.settings, served, payloads, fields)
     result = await handled.answer(app, served, app.settings, payloads, timeout)
     answered(request, result.prediction)
     answers = result.answers
