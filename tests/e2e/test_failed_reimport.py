@@ -67,6 +67,7 @@ def served(url: str) -> dict[str, object]:
     return entry
 
 
+@pytest.mark.slow
 def test_v1_answers_through_failed_and_killed_reimports_and_reloads(
     server_factory: StartServer, tmp_path: Path
 ) -> None:
