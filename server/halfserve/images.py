@@ -191,8 +191,9 @@ def opened(
 ) -> Iterator[Image.Image]:
     """``data`` opened as a ``kind`` image (its header read, no pixel decoded), or :class:`ImageTooLargeError` naming
     ``field``, its size and ``max_pixels`` where it has more pixels than that: Pillow's own guard, which refuses past
-    twice ``Image.MAX_IMAGE_PIXELS`` before the size can be read, is reported against ``max_pixels`` too. A file cut
-    short is an :class:`ImageError` (:func:`cut_short`).
+    twice ``Image.MAX_IMAGE_PIXELS`` before the size can be read, is reported against ``max_pixels`` too. A file of
+    fewer bytes than its pixels take (cut short, or a WebP of next to no image) is an :class:`ImageError`
+    (:func:`cut_short`).
 
     ``setting`` is what sets ``max_pixels``, as a refusal names it. ``kind`` None opens any format Pillow decodes
     itself (:func:`in_process_formats`), as TorchServe's image handlers do, or is Pillow's ``UnidentifiedImageError``
@@ -252,19 +253,24 @@ def cut_short(data: bytes, kind: str, width: int, height: int) -> str | None:
     """Why ``data``, a ``kind`` image whose header says ``width`` x ``height``, holds too few bytes for its pixels to
     be in it, or None. Such a file ends its image data early (or holds none): libjpeg and Pillow's PNG reader fill
     the rest in grey, with no error, so a few hundred bytes would be served as a 24-megapixel grey photo. Checked from
-    the header, before anything is decoded."""
+    the header, before anything is decoded.
+
+    libwebp refuses a WebP cut short itself, but the format has no floor: lossless WebP codes a one-colour image of
+    any size in a few dozen bytes, and an animation's first frame (what is decoded, onto its whole canvas) may be
+    smaller than the canvas. A WebP is held to the PNG's bound, over the whole file: no photo, at any quality, comes
+    near it (docs/images.md); a one-colour one may be refused, holding next to none of its image."""
     if kind == ImageFormat.JPEG.value:
         least = width * height // JPEG_PIXELS_PER_BYTE
-    elif kind == ImageFormat.PNG.value:
+    elif kind in (ImageFormat.PNG.value, ImageFormat.WEBP.value):
         least = height * (1 + (width + 7) // 8) // PNG_INFLATION  # its rows at one bit a pixel, each with its filter
     else:
-        return None  # libwebp refuses image data cut short itself
+        return None
     if len(data) >= least or (kind == ImageFormat.JPEG.value and _ARITHMETIC_SOF.search(data)):
         return None
-    return (
-        f"a {width}x{height} {kind} image in {len(data)} bytes, fewer than its pixels take ({least} at least): "
-        "its image data is cut short or missing"
-    )
+    said = f"a {width}x{height} {kind} image in {len(data)} bytes"
+    if kind == ImageFormat.WEBP.value:
+        return f"{said}, fewer than a photo's pixels take ({least} at least): it holds next to none of its image"
+    return f"{said}, fewer than its pixels take ({least} at least): its image data is cut short or missing"
 
 
 def decode(data: bytes, spec: ImageInput, max_pixels: int, field: str) -> np.ndarray:

@@ -220,6 +220,61 @@ def test_the_most_compressible_whole_files_are_under_the_bound(mode: str, fmt: s
     assert images.decode(data, spec(mode="L", crop=4), 25_000_000, "body").shape == (1, 4, 4)
 
 
+def webp_of_no_image(animated: bool) -> bytes:
+    """A one-colour WebP of 16383x1525 (25 megapixels), as Pillow saves it: lossless, a few dozen bytes, or an animation
+    of two frames, a little over 100. Each decodes, with no error, into its whole size."""
+    width, height = 16383, 1525
+    if not animated:
+        return encoded(Image.new("RGB", (width, height)), "WEBP", lossless=True, method=0)
+    frames = [Image.new("RGB", (width, height), (10 * i, 0, 0)) for i in (1, 2)]
+    return encoded(frames[0], "WEBP", save_all=True, append_images=frames[1:], lossless=True, method=0)
+
+
+@pytest.mark.parametrize("animated", [False, True], ids=["lossless", "animated"])
+def test_a_webp_of_next_to_no_image_claiming_25_megapixels_is_refused_before_decoding(animated: bool) -> None:
+    """16 such files in a request cost seconds of decoding for 3 KB; the bound is the PNG's, over the whole file."""
+    data = webp_of_no_image(animated)
+    assert len(data) < 200
+    with Image.open(io.BytesIO(data)) as image:
+        assert getattr(image, "n_frames", 1) == (2 if animated else 1)
+        image.load()  # what the server did before: no error; an animation's first frame is what is decoded
+        assert image.getpixel((8000, 700)) == ((10, 0, 0) if animated else (0, 0, 0))
+    refusal = (
+        rf"^body: a 16383x1525 WEBP image in {len(data)} bytes, fewer than a photo's pixels take \(3027 at least\)"
+    )
+    with pytest.raises(images.ImageError, match=f"{refusal}: it holds next to none of its image$"):
+        images.decode(data, spec(crop=4), 25_000_000, "body")
+    with (
+        pytest.raises(images.ImageError, match="next to none of its image"),
+        images.opened(data, "WEBP", 25_000_000, "f"),
+    ):
+        pass
+
+
+def gradient(width: int, height: int) -> Image.Image:
+    y, x = np.mgrid[0:height, 0:width].astype(np.float32)
+    return Image.fromarray(np.stack([255 * x / width, 255 * y / height, 128 + 0 * x], axis=-1).astype(np.uint8))
+
+
+@pytest.mark.parametrize(
+    ("picture", "options"),
+    [
+        (photo(1024, 768), {"quality": 1, "method": 6}),
+        (photo(1024, 768), {"quality": 0, "save_all": True, "append_images": [photo(1024, 768, seed=1)]}),
+        (photo(1024, 768), {"lossless": True, "method": 0}),
+        (gradient(1024, 768), {"quality": 1}),
+        (gradient(1024, 768), {"lossless": True, "quality": 100, "method": 6}),  # about 400 bytes: its fewest
+    ],
+    ids=["lossy", "animated", "lossless", "gradient-lossy", "gradient-lossless"],
+)
+def test_webp_photos_at_their_fewest_bytes_are_over_the_bound(picture: Image.Image, options: dict[str, object]) -> None:
+    """Photos lossy at the lowest quality take a byte per 130 pixels, 60 times the bound; the smoothest gradient, coded
+    lossless as hard as Pillow can, a byte per 1,900, four times it."""
+    data = encoded(picture, "WEBP", **options)
+    assert images.cut_short(data, "WEBP", 1024, 768) is None
+    assert images.decode(data, spec(crop=4), 25_000_000, "body").shape == (3, 4, 4)
+
+
 def test_the_pixel_limit_is_width_times_height() -> None:
     data = encoded(Image.new("L", (100, 100)), "PNG")
     assert images.decode(data, spec(mode="L", crop=4), 10_000, "body").shape == (1, 4, 4)

@@ -15,7 +15,14 @@ from PIL import Image, UnidentifiedImageError
 
 from halfserve import images, tscompat
 from halfserve.tscompat.ts.torch_handler.vision_handler import MAX_PIXELS, VisionHandler
-from tests.unit.test_images import claiming, encoded, jpeg_without_its_data, many_scans, png_claiming
+from tests.unit.test_images import (
+    claiming,
+    encoded,
+    jpeg_without_its_data,
+    many_scans,
+    png_claiming,
+    webp_of_no_image,
+)
 
 
 class Grey(VisionHandler):
@@ -95,6 +102,11 @@ def mpo_without_its_data(width: int, height: int) -> bytes:
 def test_a_file_cut_short_is_refused_not_decoded_grey(data: bytes) -> None:
     with pytest.raises(images.ImageError, match="its image data is cut short or missing"):
         Grey().preprocess(rows(data))
+
+
+def test_a_webp_of_next_to_no_image_is_refused_not_decoded() -> None:
+    with pytest.raises(images.ImageError, match=r"^data: a 16383x1525 WEBP image in \d+ bytes, fewer than a photo's"):
+        Grey().preprocess(rows(webp_of_no_image(animated=True)))
 
 
 def test_a_jpeg_of_more_scans_than_a_photo_has_is_refused_before_decoding() -> None:
