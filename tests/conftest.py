@@ -22,6 +22,7 @@ from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 from halfserve import models, store
 from halfserve.engine.core import Engine
 from halfserve.execution import Batching, Execution
+from halfserve.imageinput import ColorMode, ImageInput
 from halfserve.manifest import Manifest, Precision, TensorSpec
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -89,6 +90,22 @@ def save_tiny_mlp(root: Path, name: str = "tiny", seed: int = 0, **manifest_fiel
     }
     fields.update(manifest_fields)
     return store.save(root, Manifest.model_validate(fields), module)
+
+
+def save_photo_cnn(root: Path, name: str = "photo") -> Path:
+    """A small CNN with random weights that takes photos as ``photo`` (grey, exactly 8x8) for its input ``pixels``,
+    saved through the real store code."""
+    torch.manual_seed(0)
+    kwargs = {"in_channels": 1, "num_classes": 10, "width": 8}
+    manifest = Manifest(
+        name=name,
+        architecture="small_cnn",
+        arch_kwargs=kwargs,
+        inputs=[TensorSpec(name="pixels", shape=[1, 8, 8])],
+        outputs=[TensorSpec(name="logits", shape=[10])],
+        image=ImageInput(input="photo", feeds="pixels", mode=ColorMode.L, resize=[8, 8]),
+    )
+    return store.save(root, manifest, models.build("small_cnn", **kwargs))
 
 
 def tiny_engines(root: Path) -> tuple[Engine, Engine]:

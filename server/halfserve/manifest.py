@@ -467,6 +467,13 @@ def sent_inputs(manifest: Manifest) -> list[TensorSpec]:
     return [t for t in manifest.inputs if t.mask_for is None]
 
 
+def bytes_input(manifest: Manifest) -> str | None:
+    """The ``BYTES`` input clients may send instead of the tensor it feeds: a text model's texts or an image model's
+    encoded photos, one per row; None for a model that takes neither."""
+    section = manifest.text or manifest.image
+    return section.input if section is not None else None
+
+
 def describe(err: ValidationError) -> str:
     """A manifest's validation errors on one line, each as ``field: problem``."""
     parts = []

@@ -3,6 +3,7 @@ binary); each text answered as if it came alone; not UTF-8, too many bytes and t
 
 from __future__ import annotations
 
+from multiprocessing import shared_memory
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +15,9 @@ from halfserve import models, store
 from halfserve.api.dataplane.codec import HEADER_LENGTH, encode_bytes
 from halfserve.manifest import DataType, Manifest, TensorSpec, TextInput
 from halfserve.settings import Settings
+from tests.conftest import shm_key
 from tests.integration.conftest import serving
+from tests.integration.test_shm import AUTH, TOKEN, register
 from tests.waiting import until
 
 tokenizers = pytest.importorskip("tokenizers")
@@ -112,6 +115,28 @@ async def test_v2_bytes_as_json_and_as_binary_give_the_same_answer(tmp_path: Pat
         )
         assert mismatched.status_code == 400, mismatched.text
         assert mismatched.json()["error"].startswith("inputs[0].data: nested lists that do not match shape [2]")
+
+
+async def test_texts_in_shared_memory_are_read_as_binary_texts_are_behind_the_admin_token(
+    tmp_path: Path, segment: shared_memory.SharedMemory
+) -> None:
+    data = encode_bytes([t.encode() for t in TEXTS])
+    segment.buf[: len(data)] = data
+    params = {"shared_memory_region": "r", "shared_memory_byte_size": len(data)}
+    in_memory = {"inputs": [{"name": "text", "datatype": "BYTES", "shape": [2], "parameters": params}]}
+    settings = Settings(store=save_texty(tmp_path), precision="fp32", admin_token=TOKEN)
+    async with serving(settings) as client:
+        anonymous = await client.post(INFER, json=in_memory)
+        await register(client, "r", {"key": shm_key(segment), "byte_size": 4096})
+        read = await client.post(INFER, json=in_memory, headers=AUTH)
+        body, headers = binary_texts(data, 2)
+        want = await client.post(INFER, content=body, headers=headers)
+    # As a tensor input: the region had been passed over and the missing data refused ("expected 2 strings").
+    assert anonymous.status_code == 401, anonymous.text
+    assert "shared_memory_region: using a shared memory region needs the admin token" in anonymous.json()["error"]
+    assert read.status_code == 200, read.text
+    assert want.status_code == 200, want.text
+    assert read.json()["outputs"] == want.json()["outputs"]
 
 
 @pytest.mark.parametrize(

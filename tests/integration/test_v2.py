@@ -481,6 +481,7 @@ def _input(**fields: Any) -> dict[str, Any]:
 ROW = np.zeros(16, np.float32).tobytes()
 JSON_ROW = [0.0] * 16
 _HEADER = orjson.dumps(_input(parameters={"binary_data_size": 64}))
+CLASSES_2 = {"parameters": {"classification": 2}}
 _NEGATIVE_ROW = np.full(16, -1.0, np.float32).tobytes()  # 00 00 80 bf: its third byte is no UTF-8 start
 BAD_REQUESTS: list[tuple[str, bytes, dict[str, str], int, str]] = [
     ("truncated binary", *_with_header(_input(parameters={"binary_data_size": 64}), ROW[:32]), 400, "declare 64 bytes"),
@@ -546,6 +547,13 @@ BAD_REQUESTS: list[tuple[str, bytes, dict[str, str], int, str]] = [
     ("strings", orjson.dumps(_input(data=["a"] * 16)), {}, 400, "must be numbers, got strings"),
     ("float data, INT64", orjson.dumps(_input(datatype="INT64", data=[0.5] * 16)), {}, 400, "must be integers"),
     ("unknown output", orjson.dumps({**_input(data=JSON_ROW), "outputs": [{"name": "probs"}]}), {}, 400, "'probs'"),
+    (
+        "output twice",  # the last had won: its classes answered, the first's plain logits dropped
+        orjson.dumps({**_input(data=JSON_ROW), "outputs": [{"name": "logits"}, {"name": "logits", **CLASSES_2}]}),
+        {},
+        400,
+        "outputs[1].name: output 'logits' is requested twice",
+    ),
     ("id not a string", orjson.dumps({**_input(data=JSON_ROW), "id": 7}), {}, 400, "id: expected a string"),
     ("bad flag", orjson.dumps({**_input(data=JSON_ROW), "parameters": {"binary_data_output": 1}}), {}, 400, "true or"),
     (

@@ -11,7 +11,7 @@ from enum import Enum
 from halfserve.api.dataplane.metadata import PLATFORM
 from halfserve.api.dataplane.refusals import Refusal
 from halfserve.api.errors import RefusedError, from_exception
-from halfserve.manifest import InputFormat, Manifest, Precision, TensorSpec, sent_inputs
+from halfserve.manifest import InputFormat, Manifest, Precision, TensorSpec, bytes_input, sent_inputs
 from halfserve.serving import BatchStats, LocalModel, ModelAdmin, ModelState, shown
 from halfserve.storage import StoreError
 
@@ -96,12 +96,12 @@ def _tensor_config(spec: TensorSpec) -> dict[str, object]:
 
 def input_configs(manifest: Manifest) -> list[dict[str, object]]:
     """The inputs clients send as Triton's ``ModelInput``: each with its ``format`` (Triton's image clients lay out
-    the pixels they send by it), and the text input a text model takes (``TYPE_STRING``, one text per row), as the
-    metadata lists it."""
+    the pixels they send by it), and the ``BYTES`` input a text or photo model takes (``TYPE_STRING``, one text or
+    encoded photo per row), as the metadata lists them."""
     configs = [{**_tensor_config(s), "format": s.image_format.value} for s in sent_inputs(manifest)]
-    if manifest.text is not None:
-        text = {"name": manifest.text.input, "data_type": "TYPE_STRING", "dims": [1]}
-        configs.append({**text, "format": InputFormat.NONE.value})
+    sent = bytes_input(manifest)
+    if sent is not None:
+        configs.append({"name": sent, "data_type": "TYPE_STRING", "dims": [1], "format": InputFormat.NONE.value})
     return configs
 
 

@@ -217,7 +217,8 @@ def decode(
     for i, item in enumerate(inputs):
         field = f"inputs[{i}]"
         if text is not None and item.name == text.input:
-            texts = _bytes_elements(item, field, served, settings, photos=served.manifest.image is not None)
+            photos = served.manifest.image is not None
+            texts = _bytes_elements(item, field, served, settings, regions, photos)
             if text.feeds in tensors or pending is not None:
                 raise InvalidInputError(f"{field}.name: give {text.input!r} or {text.feeds!r}, not both")
             if settings is None:
@@ -310,12 +311,17 @@ def _pending(req: Inference, pending: tuple[Sequence[bytes | str], str] | None, 
 
 
 def _bytes_elements(
-    item: RequestInput, field: str, served: ModelHandle, settings: Settings | None, photos: bool
+    item: RequestInput,
+    field: str,
+    served: ModelHandle,
+    settings: Settings | None,
+    regions: RegionSource | None,
+    photos: bool,
 ) -> Sequence[bytes | str]:
     """A ``BYTES`` input of texts, or of encoded photos (``photos``), shape ``[N]`` or ``[N, 1]``, one per row, its
-    rows held to their limits before any is read (photos to ``max_request_images`` too): binary data or BYTES
-    elements as they are; JSON ``data`` as strings, which for photos are base64 (a JSON string cannot hold a photo's
-    bytes)."""
+    rows held to their limits before any is read (photos to ``max_request_images`` too): binary data, in the body or
+    in shared memory (``regions``, as a tensor's), or BYTES elements as they are; JSON ``data`` as strings, which for
+    photos are base64 (a JSON string cannot hold a photo's bytes)."""
     kind, per_row = ("image", "one encoded photo per row") if photos else ("text", "one text per row")
     if item.datatype != "BYTES":
         raise InvalidInputError(f"{field}.datatype: {kind} input {item.name!r} is BYTES, got {item.datatype!r}")
@@ -330,6 +336,10 @@ def _bytes_elements(
     data = item.data
     if type(data) is BinaryData:
         return _binary_texts(data.view, rows, shape, data.source or f"{field}.parameters.binary_data_size")
+    if type(data) is SharedMemory:
+        where = f"{field}.parameters"
+        raw = memoryview(span(regions, item.parameters, where).read())
+        return _binary_texts(raw, rows, shape, f"{where}.shared_memory_byte_size")
     if type(data) is Texts:
         if len(data.items) != rows:
             raise InvalidInputError(f"{field}: {len(data.items)} BYTES elements, but shape {shape} holds {rows}")

@@ -71,7 +71,7 @@ def _data(
     """Where input ``i``'s tensor is: its ``binary_data_size`` bytes of ``binary`` after the ``taken`` bytes of the
     inputs before it, a shared memory region, or its JSON ``data`` (a text input's texts among them)."""
     size = params.get("binary_data_size")
-    if "shared_memory_region" in params and not text:
+    if "shared_memory_region" in params:
         if size is not None or "data" in item:
             raise InvalidInputError(f"inputs[{i}]: give one of data, binary_data_size or shared_memory_region")
         return SHARED_MEMORY

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from halfserve.manifest import TensorSpec, sent_inputs
+from halfserve.manifest import TensorSpec, bytes_input, sent_inputs
 from halfserve.serving import ModelHandle
 
 SERVER_NAME = "halfserve"
@@ -26,14 +26,16 @@ def tensor_metadata(spec: TensorSpec) -> dict[str, object]:
 
 def metadata(served: ModelHandle) -> dict[str, Any]:
     """The protocol's model metadata of ``served``: versions, platform, and each input and output with its datatype
-    and shape (batch first, as -1)."""
+    and shape (batch first, as -1); the inputs are those a client sends, a text or photo model's ``BYTES`` input
+    among them."""
     m = served.manifest
+    sent = bytes_input(m)
     return {
         "name": served.name,
         "versions": [str(served.version)],
         "platform": PLATFORM,
         "inputs": [tensor_metadata(s) for s in sent_inputs(m)]
-        + ([{"name": m.text.input, "datatype": "BYTES", "shape": [-1, 1]}] if m.text is not None else []),
+        + ([{"name": sent, "datatype": "BYTES", "shape": [-1, 1]}] if sent is not None else []),
         "outputs": [tensor_metadata(s) for s in m.outputs],
         "parameters": parameters(served),
     }

@@ -21,6 +21,11 @@ def unknown_output(field: str, got: object, model: str, names: list[str]) -> Inv
     )
 
 
+def _twice(i: int, name: str) -> InvalidInputError:
+    """The refusal of entry ``i`` of ``outputs`` naming an output an entry before it names (Triton refuses it too)."""
+    return InvalidInputError(f"outputs[{i}].name: output {name!r} is requested twice")
+
+
 def requested_output(
     requested: list[RequestOutput] | None,
     default: bool,
@@ -35,6 +40,8 @@ def requested_output(
     for i, item in enumerate(requested or ()):
         if item.name != out_spec.name:
             raise unknown_output(f"outputs[{i}]", item.name, model, [out_spec.name])
+        if i:  # as for a model of several outputs: the second entry would silently override the first
+            raise _twice(i, item.name)
         params = item.parameters
         binary, classes = _how(params, i, default)
         if "shared_memory_region" in params:
@@ -70,7 +77,7 @@ def requested_outputs(
             if got not in names:
                 raise unknown_output(f"outputs[{i}]", got, model, names)
             if got in wanted:
-                raise InvalidInputError(f"outputs[{i}].name: output {got!r} is requested twice")
+                raise _twice(i, got)
             params = item.parameters
             out = OutputRequest(*_how(params, i, default))
             if "shared_memory_region" in params:

@@ -1,0 +1,128 @@
+"""A photo model as V2 clients see it: its metadata and configuration list the ``BYTES`` input photos are sent under,
+over HTTP and gRPC alike; photos in shared memory are read as a tensor there is, behind the same token."""
+
+from __future__ import annotations
+
+import base64
+import io
+import struct
+from multiprocessing import shared_memory
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+import tritonclient.grpc.model_config_pb2 as mc
+from PIL import Image
+from tritonclient.grpc import service_pb2
+
+from halfserve.settings import Settings
+from tests.conftest import free_port, save_photo_cnn, shm_key
+from tests.integration.conftest import serving
+from tests.integration.test_shm import AUTH, TOKEN, register
+
+INFER = "/v2/models/photo/infer"
+SERVICE = "/inference.GRPCInferenceService/"
+
+
+def png(value: int) -> bytes:
+    buf = io.BytesIO()
+    Image.new("L", (16, 16), value).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+async def call(channel: grpc.aio.Channel, method: str, request: Any, answer: Any, **options: Any) -> Any:
+    """The gRPC service's ``method`` called with ``request``, its answer read as ``answer``."""
+    rpc = channel.unary_unary(
+        SERVICE + method, request_serializer=type(request).SerializeToString, response_deserializer=answer.FromString
+    )
+    return await rpc(request, timeout=20, **options)
+
+
+async def test_metadata_and_config_list_the_photo_input_over_http_and_grpc(tmp_path: Path) -> None:
+    save_photo_cnn(tmp_path)
+    port = free_port()
+    settings = Settings(store=tmp_path, precision="fp32", grpc=True, grpc_port=port, host="127.0.0.1")
+    async with serving(settings) as client, grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        meta = (await client.get("/v2/models/photo")).json()
+        config = (await client.get("/v2/models/photo/config")).json()
+        named = service_pb2.ModelMetadataRequest(name="photo")
+        grpc_meta = await call(channel, "ModelMetadata", named, service_pb2.ModelMetadataResponse)
+        asked = service_pb2.ModelConfigRequest(name="photo")
+        grpc_config = (await call(channel, "ModelConfig", asked, service_pb2.ModelConfigResponse)).config
+    # The photo input had been missing: a client reading them found only the pixels it feeds.
+    assert meta["inputs"] == [
+        {"name": "pixels", "datatype": "FP32", "shape": [-1, 1, 8, 8]},
+        {"name": "photo", "datatype": "BYTES", "shape": [-1, 1]},
+    ]
+    assert [(i["name"], i["data_type"], i["dims"], i["format"]) for i in config["input"]] == [
+        ("pixels", "TYPE_FP32", [1, 8, 8], "FORMAT_NCHW"),
+        ("photo", "TYPE_STRING", [1], "FORMAT_NONE"),
+    ]
+    assert [(i.name, i.datatype, list(i.shape)) for i in grpc_meta.inputs] == [
+        (i["name"], i["datatype"], i["shape"]) for i in meta["inputs"]
+    ]
+    assert [(i.name, mc.DataType.Name(i.data_type), list(i.dims)) for i in grpc_config.input] == [
+        (i["name"], i["data_type"], i["dims"]) for i in config["input"]
+    ]
+
+
+def elements(photos: list[bytes]) -> bytes:
+    """Photos as ``BYTES`` binary data: each one's 4-byte little-endian length, then the photo."""
+    return b"".join(struct.pack("<I", len(p)) + p for p in photos)
+
+
+def in_memory(region: str, size: int) -> dict[str, Any]:
+    params = {"shared_memory_region": region, "shared_memory_byte_size": size}
+    return {"inputs": [{"name": "photo", "datatype": "BYTES", "shape": [2], "parameters": params}]}
+
+
+def grpc_in_memory(size: int) -> service_pb2.ModelInferRequest:
+    request = service_pb2.ModelInferRequest(model_name="photo")
+    photo = request.inputs.add(name="photo", datatype="BYTES", shape=[2])
+    photo.parameters["shared_memory_region"].string_param = "r"
+    photo.parameters["shared_memory_byte_size"].int64_param = size
+    return request
+
+
+async def test_photos_in_shared_memory_are_read_as_a_tensor_is_behind_the_same_token(
+    tmp_path: Path, segment: shared_memory.SharedMemory
+) -> None:
+    save_photo_cnn(tmp_path)
+    photos = [png(0), png(200)]
+    data = elements(photos)
+    segment.buf[: len(data)] = data
+    as_json = [
+        {"name": "photo", "datatype": "BYTES", "shape": [2], "data": [base64.b64encode(p).decode() for p in photos]}
+    ]
+    port = free_port()
+    settings = Settings(
+        store=tmp_path, precision="fp32", admin_token=TOKEN, grpc=True, grpc_port=port, host="127.0.0.1"
+    )
+    async with serving(settings) as client, grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        anonymous = await client.post(INFER, json=in_memory("r", len(data)))
+        await register(client, "r", {"key": shm_key(segment), "byte_size": 4096})
+        unknown = await client.post(INFER, json=in_memory("nope", len(data)), headers=AUTH)
+        cut = await client.post(INFER, json=in_memory("r", len(data) - 1), headers=AUTH)
+        read = await client.post(INFER, json=in_memory("r", len(data)), headers=AUTH)
+        want = await client.post(INFER, json={"inputs": as_json})
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await call(channel, "ModelInfer", grpc_in_memory(len(data)), service_pb2.ModelInferResponse)
+        token = (("authorization", AUTH["Authorization"]),)
+        answer = await call(
+            channel, "ModelInfer", grpc_in_memory(len(data)), service_pb2.ModelInferResponse, metadata=token
+        )
+    # A tensor input's refusal, which these inputs had not given: they read "expected 2 base64 strings" instead.
+    assert anonymous.status_code == 401, anonymous.text
+    assert "shared_memory_region: using a shared memory region needs the admin token" in anonymous.json()["error"]
+    assert refused.value.code() is grpc.StatusCode.UNAUTHENTICATED
+    assert unknown.status_code == 400
+    assert "inputs[0].parameters.shared_memory_region: no shared memory region 'nope'" in unknown.json()["error"]
+    assert cut.status_code == 400
+    assert cut.json()["error"].startswith("inputs[0].parameters.shared_memory_byte_size: BYTES element 1 of shape [2]")
+    assert read.status_code == 200, read.text
+    assert want.status_code == 200, want.text
+    assert read.json()["outputs"] == want.json()["outputs"]
+    logits = np.frombuffer(answer.raw_output_contents[0], np.float32)
+    np.testing.assert_array_equal(logits, np.asarray(want.json()["outputs"][0]["data"], np.float32))
