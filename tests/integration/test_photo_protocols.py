@@ -1,5 +1,7 @@
-"""A photo model as V2 clients see it: its metadata and configuration list the ``BYTES`` input photos are sent under,
-over HTTP and gRPC alike; photos in shared memory are read as a tensor there is, behind the same token."""
+"""A photo model as V2 and TorchServe clients see it: its metadata and configuration list the ``BYTES`` input photos
+are sent under, over HTTP and gRPC alike; photos in shared memory are read as a tensor there is, behind the same
+token; TorchServe's inference API takes its archives' ``1.0`` for version 1, as its management API does, allows both
+its methods, and answers ``/explanations`` in TorchServe's shape."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import httpx
 import numpy as np
 import pytest
 import tritonclient.grpc.model_config_pb2 as mc
@@ -126,3 +129,34 @@ async def test_photos_in_shared_memory_are_read_as_a_tensor_is_behind_the_same_t
     assert read.json()["outputs"] == want.json()["outputs"]
     logits = np.frombuffer(answer.raw_output_contents[0], np.float32)
     np.testing.assert_array_equal(logits, np.asarray(want.json()["outputs"][0]["data"], np.float32))
+
+
+async def test_torchserve_s_inference_api_takes_its_version_spelling_methods_and_paths(tmp_path: Path) -> None:
+    save_photo_cnn(tmp_path)
+    port = free_port()
+    settings = Settings(store=tmp_path, precision="fp32", torchserve_management_port=port)
+    versions = ["1", "1.0", "01", "1.1", "2.0"]
+    async with serving(settings) as client, httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as management:
+        plain = await client.put("/predictions/photo", content=png(100))
+        answered = {v: await client.put(f"/predictions/photo/{v}", content=png(100)) for v in versions}
+        described = {v: (await management.get(f"/models/photo/{v}")).status_code for v in versions}
+        get = await client.get("/predictions/photo/1")
+        explained = [await client.post(p, content=png(100)) for p in ("/explanations/photo", "/explanations/photo/1")]
+        still = await client.post("/predictions/photo", content=png(100))
+    assert plain.status_code == 200, plain.text
+    for v, r in answered.items():
+        # 1.0 had been a 404 here while the management API took it.
+        assert r.status_code == described[v] == (200 if v in ("1", "1.0") else 404), (v, r.text)
+        if r.status_code == 200:
+            assert r.json() == plain.json()
+        else:
+            assert r.json()["type"] == "ModelNotFoundException"
+    assert get.status_code == 405
+    assert {m.strip() for m in get.headers["allow"].split(",")} == {"POST", "PUT"}  # POST alone had been named
+    for r in explained:  # had been this server's {"error": "Not Found"}
+        assert r.status_code == 404
+        body = r.json()
+        assert (body["code"], body["type"]) == (404, "ResourceNotFoundException")
+        assert body["message"].startswith("Requested resource is not found, please refer to API document.")
+        assert body["error"] == body["message"]
+    assert still.status_code == 200

@@ -14,6 +14,7 @@ import torch
 from PIL import Image, UnidentifiedImageError
 
 from halfserve import images, tscompat
+from halfserve.tscompat.ts.torch_handler.image_classifier import ImageClassifier
 from halfserve.tscompat.ts.torch_handler.vision_handler import MAX_PIXELS, VisionHandler
 from tests.unit.test_images import (
     claiming,
@@ -119,3 +120,12 @@ def test_an_ico_is_not_opened_as_its_opening_decodes_what_it_holds() -> None:
     assert Image.open(io.BytesIO(ico)).format == "ICO"
     with pytest.raises(UnidentifiedImageError, match="^data: not an image Pillow reads$"):
         Grey().preprocess(rows(ico))
+
+
+def test_an_image_classifier_of_fewer_classes_than_its_top_k_answers_every_class() -> None:
+    handler = ImageClassifier()
+    handler.mapping = {"0": "cat", "1": "dog", "2": "bird"}
+    logits = torch.tensor([[0.0, 2.0, 1.0], [3.0, 0.0, 0.0]])
+    answers = handler.postprocess(logits)  # torch.topk of 5 of 3 had raised: every request a 500
+    assert [list(a) for a in answers] == [["dog", "bird", "cat"], ["cat", "dog", "bird"]]
+    assert sum(answers[0].values()) == pytest.approx(1.0)

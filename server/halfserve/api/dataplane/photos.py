@@ -26,6 +26,15 @@ def image_count(settings: Settings, served: ModelHandle, count: int, field: str)
     check_size(settings, served, count, field)
 
 
+def no_images(served: ModelHandle, field: str = "") -> InvalidInputError:
+    """The refusal of photos sent to a model without an image section (``field``: the request field that holds them,
+    where the route names one)."""
+    where = f"{field}: " if field else ""
+    return InvalidInputError(
+        f"{where}model {served.name!r} takes no images: its manifest has no image section (halfserve import --image)"
+    )
+
+
 async def decode_photos(
     photos: Sequence[bytes], fields: Sequence[str], served: ModelHandle, settings: Settings
 ) -> dict[str, np.ndarray]:
@@ -34,9 +43,7 @@ async def decode_photos(
     ``max_image_pixels``, a 503 with ``Retry-After`` when more requests wait to be decoded than the queue holds."""
     spec = served.manifest.image
     if spec is None:
-        raise InvalidInputError(
-            f"model {served.name!r} takes no images: its manifest has no image section (halfserve import --image)"
-        )
+        raise no_images(served)
     try:
         pixels = await images.decode_off_loop(photos, spec, settings.max_image_pixels, fields)
     except images.ImageTooLargeError as e:

@@ -42,13 +42,19 @@ _ANSWERED_FIRST: dict[object, telemetry.Endpoint] = {
 }
 """The inference routes' FastAPI endpoints, and the plain endpoints that answer in their place."""
 
-HOT_PATHS: list[Route] = [
-    Route(r.path, _ANSWERED_FIRST[r.endpoint], methods=sorted(r.methods or ()), include_in_schema=False)
-    for r in (*predict.router.routes, *v2.router.routes, *torchserve.router.routes)
-    if isinstance(r, APIRoute) and r.endpoint in _ANSWERED_FIRST
-]
+
+def _hot_paths() -> list[Route]:
+    methods: dict[tuple[str, telemetry.Endpoint], set[str]] = {}
+    for r in (*predict.router.routes, *v2.router.routes, *torchserve.router.routes):
+        if isinstance(r, APIRoute) and r.endpoint in _ANSWERED_FIRST:
+            methods.setdefault((r.path, _ANSWERED_FIRST[r.endpoint]), set()).update(r.methods or ())
+    return [Route(path, run, methods=sorted(m), include_in_schema=False) for (path, run), m in methods.items()]
+
+
+HOT_PATHS: list[Route] = _hot_paths()
 """The inference routes, each declared once (in its route module, for the OpenAPI schema) and answered here as a
-plain Starlette route ahead of FastAPI.
+plain Starlette route ahead of FastAPI: one route a path, with every method declared for it, so that a 405 there
+allows them all (TorchServe's ``/predictions`` is declared once for ``POST`` and once for ``PUT``).
 
 FastAPI's per-request dependency solving and nested-router matching cost about a third of the event loop's time
 on a small model (profiled); the FastAPI declarations give the schema and answer nothing in practice.

@@ -15,7 +15,7 @@ from halfserve.api.dataplane.bounds import check_size, parse_json
 from halfserve.api.dataplane.codec import decode_samples, encode_texts
 from halfserve.api.dataplane.decode import from_base64
 from halfserve.api.dataplane.infer import infer
-from halfserve.api.dataplane.photos import decode_photos, image_count
+from halfserve.api.dataplane.photos import decode_photos, image_count, no_images
 from halfserve.api.dataplane.signature import Wording, check_shape
 from halfserve.api.http import deps, guard
 from halfserve.api.http.errors import as_json, error_responses
@@ -117,8 +117,11 @@ async def decode_inputs(samples: object, served: ModelHandle, settings: Settings
             decoded = {t.name: _samples(rest.get(t.name), t, served, f"inputs.{t.name}") for t in others}
             field = f"inputs.{text.input}"
             return await encode_texts(texts, field, served, settings) | decoded
-    if served.manifest.image is not None and isinstance(samples, list) and samples and isinstance(samples[0], dict):
-        return await _photos(samples, served, settings)
+    if isinstance(samples, list) and samples and isinstance(samples[0], dict):
+        if served.manifest.image is not None:
+            return await _photos(samples, served, settings)
+        if "b64" in samples[0]:  # KServe v1's photo, named as /predictions names photos a model cannot take
+            raise no_images(served, "inputs[0].b64")
     if len(specs) == 1 and not isinstance(samples, dict):  # a mapping is checked by name, as for several inputs
         if isinstance(samples, list):
             check_size(settings, served, len(samples), "inputs")

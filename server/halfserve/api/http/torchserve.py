@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import re
 from typing import Any
 
 import numpy as np
@@ -49,6 +50,10 @@ ERROR_TYPES = {
 }
 """The ``type`` of an error by its status: TorchServe's own exception names for 400, 404, 408, 500 and 503, and names
 in their style for the statuses it has no exception of its own for."""
+NOT_FOUND_MESSAGE = "Requested resource is not found, please refer to API document."
+"""TorchServe's answer to a path it has no route for."""
+_VERSION = re.compile(r"(0|[1-9][0-9]{0,8})\.0", re.ASCII)
+"""A version as TorchServe's archives spell it (``2.0``), in ASCII digits."""
 
 _IMAGE_BODY = {"schema": {"type": "string", "format": "binary"}}
 PREDICTIONS_SCHEMA: dict[str, Any] = {
@@ -99,6 +104,19 @@ def top_classes(row: np.ndarray, labels: list[str], k: int = TOP_K) -> dict[str,
     return {labels[i]: float(probabilities[i]) for i in order}
 
 
+def error(status: int, message: str, kind: str | None = None, headers: dict[str, str] | None = None) -> Response:
+    """An error in TorchServe's shape (``code``, ``type``, ``message``), with this server's ``error`` too."""
+    kind = kind or ERROR_TYPES.get(status, "InternalServerException" if status >= 500 else "BadRequestException")
+    body = {"code": status, "type": kind, "message": message, "error": message}
+    return Response(orjson.dumps(body), status_code=status, media_type="application/json", headers=headers)
+
+
+def version_named(asked: str) -> str:
+    """``asked`` as this server spells a version: ``2.0``, as TorchServe's archives spell it, is ``2``; any other is
+    as it is (the management API takes the same two spellings)."""
+    return asked[:-2] if _VERSION.fullmatch(asked) else asked
+
+
 def torchserve_errors(endpoint: Endpoint) -> Endpoint:
     """Answer ``endpoint``'s errors (already this server's ``{"error": ...}``) with TorchServe's fields too."""
 
@@ -108,11 +126,8 @@ def torchserve_errors(endpoint: Endpoint) -> Endpoint:
         if response.status_code < 400:
             return response
         message = orjson.loads(bytes(response.body)).get("error", "")
-        status = response.status_code
-        kind = ERROR_TYPES.get(status, "InternalServerException" if status >= 500 else "BadRequestException")
-        body = orjson.dumps({"code": status, "type": kind, "message": message, "error": message})
         kept = [(k, v) for k, v in response.raw_headers if k.lower() not in (b"content-length", b"content-type")]
-        out = Response(body, status_code=status, media_type="application/json")
+        out = error(response.status_code, message)
         out.raw_headers.extend(kept)
         return out
 
@@ -126,7 +141,10 @@ async def predictions(request: Request) -> Response:
     app = deps.state(request)
     settings = app.settings
     timeout = client_timeout(request)
-    served = deps.served_model(request, request.path_params["model"], request.path_params.get("version"))
+    version = request.path_params.get("version")
+    served = deps.served_model(
+        request, request.path_params["model"], None if version is None else version_named(version)
+    )
     note(request, served)
     body = await read_body(request, settings.max_body_bytes)
     content_type = (raw_header(request, b"content-type") or b"").decode("latin-1")
@@ -197,10 +215,19 @@ async def _handled(
     return Response(body, media_type="application/json")
 
 
+async def explanations(request: Request) -> Response:
+    """TorchServe's explanations API, which this server does not serve: TorchServe's answer to a path it has no
+    route for, saying so, rather than the main port's own 404."""
+    message = f"{NOT_FOUND_MESSAGE} Explanations are not served here; /predictions/<model> answers the model."
+    return error(404, message, "ResourceNotFoundException")
+
+
 PATHS = {"/predictions/{model}": "predictions", "/predictions/{model}/{version}": "version_predictions"}
 """The routes, and each one's OpenAPI operation name."""
+METHODS = ("POST", "PUT")
+"""The methods of TorchServe's inference API: ``PUT`` is what ``curl -T`` sends."""
 for _path, _name in PATHS.items():
-    for _method in ("POST", "PUT"):  # PUT: curl -T
+    for _method in METHODS:
         router.add_api_route(
             _path,
             predictions,
@@ -209,6 +236,8 @@ for _path, _name in PATHS.items():
             openapi_extra=PREDICTIONS_SCHEMA,
             response_class=Response,
         )
+    _explained = _path.replace("/predictions/", "/explanations/")
+    router.add_api_route(_explained, explanations, methods=list(METHODS), include_in_schema=False)
 
 
 @router.get(

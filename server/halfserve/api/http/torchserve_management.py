@@ -29,7 +29,7 @@ from starlette.types import Receive, Scope, Send
 from halfserve.api.errors import APIError
 from halfserve.api.http import deps, guard
 from halfserve.api.http.telemetry import Endpoint
-from halfserve.api.http.torchserve import ERROR_TYPES
+from halfserve.api.http.torchserve import NOT_FOUND_MESSAGE, error, version_named
 from halfserve.serving import AppState, LocalModel, ModelState
 
 DEFAULT_LIMIT = 100
@@ -39,8 +39,6 @@ ALL_VERSIONS = "all"
 """The version segment that describes every version of a model."""
 RUNTIME = "python"
 """``runtime``: TorchServe's name for a model its Python backend serves."""
-NOT_FOUND_MESSAGE = "Requested resource is not found, please refer to API document."
-"""TorchServe's answer to a path it has no route for."""
 WORKER_READY = "READY"
 WORKER_NOT_SERVING = "UNLOADING"
 """TorchServe's two worker statuses: a worker serving its model, and any other."""
@@ -56,17 +54,7 @@ _USE_INSTEAD = {
 """This server's management call for each of TorchServe's calls that change something."""
 
 
-def error(status: int, message: str, kind: str | None = None, headers: dict[str, str] | None = None) -> Response:
-    """An error in TorchServe's shape (``code``, ``type``, ``message``), with this server's ``error`` too, as the
-    inference API answers (:func:`~halfserve.api.http.torchserve.torchserve_errors`)."""
-    kind = kind or ERROR_TYPES.get(status, "InternalServerException" if status >= 500 else "BadRequestException")
-    body = {"code": status, "type": kind, "message": message, "error": message}
-    return Response(orjson.dumps(body), status_code=status, media_type="application/json", headers=headers)
-
-
 _INTEGER = re.compile(r"-?[0-9]+", re.ASCII)
-_VERSION = re.compile(r"(0|[1-9][0-9]{0,8})(\.0)?", re.ASCII)
-"""A version as this server spells it (``2``) or as TorchServe's archives do (``2.0``), in ASCII digits."""
 _DIGITS = 18
 _FAR: int = 10**_DIGITS
 """Digits read of an integer query parameter: more is past any page (TorchServe's own parse would overflow)."""
@@ -147,7 +135,7 @@ async def describe_model(request: Request) -> Response:
 def same_version(asked: str, served: int) -> bool:
     """Whether ``asked`` names version ``served``: ``2`` as this server spells it, or ``2.0`` as TorchServe's
     archives do."""
-    return _VERSION.fullmatch(asked) is not None and int(asked.split(".")[0]) == served
+    return version_named(asked) == str(served)
 
 
 def _timestamp(seconds: float) -> str:

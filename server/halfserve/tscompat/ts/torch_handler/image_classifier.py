@@ -27,7 +27,8 @@ class TorchServeTransforms:
 
 
 class ImageClassifier(VisionHandler):
-    """Softmax, then the ``topk`` most likely classes of each row, named by ``index_to_name.json``."""
+    """Softmax, then the ``topk`` most likely classes of each row (every class of a model of fewer, as the server's
+    own ``image_classifier`` answers), named by ``index_to_name.json``."""
 
     topk = 5
     image_processing: Any = TorchServeTransforms()
@@ -40,5 +41,5 @@ class ImageClassifier(VisionHandler):
 
     def postprocess(self, data: torch.Tensor) -> list[Any]:
         ps = F.softmax(data, dim=1)
-        probs, classes = torch.topk(ps, self.topk, dim=1)
+        probs, classes = torch.topk(ps, min(self.topk, ps.shape[1]), dim=1)
         return map_class_to_label(probs.tolist(), self.mapping, classes.tolist())
