@@ -124,13 +124,21 @@ async def test_texts_in_shared_memory_are_read_as_binary_texts_are_behind_the_ad
     segment.buf[: len(data)] = data
     params = {"shared_memory_region": "r", "shared_memory_byte_size": len(data)}
     in_memory = {"inputs": [{"name": "text", "datatype": "BYTES", "shape": [2], "parameters": params}]}
-    settings = Settings(store=save_texty(tmp_path), precision="fp32", admin_token=TOKEN)
+    settings = Settings(store=save_texty(tmp_path), precision="fp32", admin_token=TOKEN, max_body_bytes=2048)
+    past_a_body = {"shared_memory_region": "r", "shared_memory_byte_size": 2049}
+    too_many = {"inputs": [{"name": "text", "datatype": "BYTES", "shape": [2], "parameters": past_a_body}]}
     async with serving(settings) as client:
         anonymous = await client.post(INFER, json=in_memory)
         await register(client, "r", {"key": shm_key(segment), "byte_size": 4096})
         read = await client.post(INFER, json=in_memory, headers=AUTH)
         body, headers = binary_texts(data, 2)
         want = await client.post(INFER, content=body, headers=headers)
+        large = await client.post(INFER, json=too_many, headers=AUTH)
+    assert large.status_code == 413, large.text  # before a byte is read: as many bytes as a body may hold
+    assert large.json()["error"] == (
+        "inputs[0].parameters.shared_memory_byte_size: 2049 bytes, more than the 2048 a request's body may hold "
+        "(max_body_bytes)"
+    )
     # As a tensor input: the region had been passed over and the missing data refused ("expected 2 strings").
     assert anonymous.status_code == 401, anonymous.text
     assert "shared_memory_region: using a shared memory region needs the admin token" in anonymous.json()["error"]

@@ -80,16 +80,21 @@ def element_count(shape: list[int]) -> int:
     return math.prod(shape)
 
 
+def check_binary_size(size: int, wire: DataType, shape: list[int], field: str) -> None:
+    """Refuse ``size`` bytes of binary data for a tensor of ``shape`` and ``wire`` that takes another number."""
+    want = element_count(shape) * wire.wire_dtype.itemsize
+    if size != want:
+        raise InvalidInputError(
+            f"{field}: {size} bytes of binary data, but shape {shape} of {wire.value} takes {want} bytes"
+        )
+
+
 def decode_binary(buf: memoryview | bytes | bytearray, wire: DataType, shape: list[int], field: str) -> np.ndarray:
     """``buf`` as an array of ``shape``; BF16 is widened to float32 exactly (its bits are float32's top half).
 
     The result may be a read-only view of ``buf``.
     """
-    want = element_count(shape) * wire.wire_dtype.itemsize
-    if len(buf) != want:
-        raise InvalidInputError(
-            f"{field}: {len(buf)} bytes of binary data, but shape {shape} of {wire.value} takes {want} bytes",
-        )
+    check_binary_size(len(buf), wire, shape, field)
     arr = np.frombuffer(buf, dtype=wire.wire_dtype)
     if wire is DataType.BF16:
         arr = (arr.astype(np.uint32) << 16).view(np.float32)

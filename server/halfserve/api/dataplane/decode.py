@@ -31,6 +31,7 @@ import numpy as np
 from halfserve.api.dataplane.bounds import MAX_TIMEOUT_US, check_finite, check_size
 from halfserve.api.dataplane.codec import (
     HEADER_LENGTH,
+    check_binary_size,
     check_range,
     decode_binary,
     decode_json,
@@ -55,7 +56,7 @@ from halfserve.api.dataplane.request import (
 from halfserve.api.dataplane.signature import Wording, check_shape
 from halfserve.api.dataplane.spans import RegionSource, span
 from halfserve.manifest import DataType, Manifest, Precision, TensorSpec, sent_inputs
-from halfserve.serving import InvalidInputError, ModelHandle
+from halfserve.serving import InvalidInputError, ModelHandle, OverLimitError
 from halfserve.settings import Settings
 
 
@@ -142,9 +143,10 @@ def _decode_input(
         arr = decode_binary(data.view, wire, shape, data.source or f"{field}.parameters.binary_data_size")
     elif type(data) is SharedMemory:
         where = f"{field}.parameters"
+        region = span(regions, item.parameters, where)
+        check_binary_size(region.size, wire, shape, f"{where}.shared_memory_byte_size")  # before a byte is read
         # A copy of the client's bytes, so the batcher's array stays as it was read whatever the client does next.
-        raw = span(regions, item.parameters, where).read()
-        arr = decode_binary(raw, wire, shape, f"{where}.shared_memory_byte_size")
+        arr = decode_binary(region.read(), wire, shape, f"{where}.shared_memory_byte_size")
     elif type(data) is JsonValues:
         arr = decode_json(data.values, wire, shape, f"{field}.data")
     else:  # BYTES elements for a datatype that is not BYTES
@@ -338,8 +340,14 @@ def _bytes_elements(
         return _binary_texts(data.view, rows, shape, data.source or f"{field}.parameters.binary_data_size")
     if type(data) is SharedMemory:
         where = f"{field}.parameters"
-        raw = memoryview(span(regions, item.parameters, where).read())
-        return _binary_texts(raw, rows, shape, f"{where}.shared_memory_byte_size")
+        region = span(regions, item.parameters, where)
+        most = settings.max_body_bytes if settings is not None else None
+        if most is not None and region.size > most:  # refused before a byte is read, as a body that large would be
+            raise OverLimitError(
+                f"{where}.shared_memory_byte_size: {region.size} bytes, more than the {most} a request's body may "
+                "hold (max_body_bytes)"
+            )
+        return _binary_texts(memoryview(region.read()), rows, shape, f"{where}.shared_memory_byte_size")
     if type(data) is Texts:
         if len(data.items) != rows:
             raise InvalidInputError(f"{field}: {len(data.items)} BYTES elements, but shape {shape} holds {rows}")
