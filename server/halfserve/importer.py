@@ -5,7 +5,8 @@ never code; ``{"state_dict": ...}`` and ``{"model": ...}`` wrappers are unwrappe
 prefixes stripped), a ``.safetensors`` file, or a Hugging Face model folder (``config.json`` + ``model.safetensors``).
 
 The architecture is built and the weights loaded strictly; the output signature comes from one fp32 forward on the
-declared input shape unless given; calibration samples (given, else random inputs of the declared shape) are stored
+declared input shape, or where given is checked against it (:mod:`halfserve.outputcheck`); a text model's tokenizer is
+copied from beside the weights; calibration samples (given, else random inputs of the declared shape) are stored
 with the version and run in fp32 and in the half precision, and the agreement is printed and recorded in the
 manifest's ``evaluation``. The version is written as the next one, with its manifest.
 """
@@ -13,6 +14,7 @@ manifest's ``evaluation``. The version is written as the next one, with its mani
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import pickle
 import re
@@ -34,6 +36,7 @@ from halfserve import (
     handlers,
     mixed,
     models,
+    outputcheck,
     padding,
     precision,
     precision_record,
@@ -42,16 +45,12 @@ from halfserve import (
 )
 from halfserve.calibration import Samples
 from halfserve.engine.core import Engine
-from halfserve.engine.inputs import takes_positionally
-from halfserve.instance import torch_dtype
-from halfserve.manifest import DataType, InputFormat, Manifest, Precision, TensorSpec, sent_inputs
+from halfserve.manifest import DataType, InputFormat, Manifest, Normalize, Precision, TensorSpec, sent_inputs
 from halfserve.manifest import describe as describe_invalid
 from halfserve.settings import MAX_IMAGE_PIXELS
 from halfserve.storage import Stage, StoreError
 
 RANDOM_SAMPLES = calibration.RANDOM_SAMPLES
-SAMPLE_LENGTH = calibration.SAMPLE_LENGTH
-"""The length of the forward that derives outputs, for a variable input."""
 _DTYPES = {
     torch.float32: DataType.FP32,
     torch.float16: DataType.FP32,
@@ -148,46 +147,59 @@ def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
     return obj
 
 
-def _call(module: nn.Module, specs: list[TensorSpec], tensors: list[torch.Tensor]) -> Any:
-    """The forward as the server runs it: one input positionally, several by keyword (or ``*args``)."""
-    names = [t.name for t in specs]
-    if len(names) == 1 or takes_positionally(module, names):
-        return module(*tensors)
-    return module(**dict(zip(names, tensors, strict=True)))
+def _forward(module: nn.Module, inputs: list[TensorSpec], normalize: Normalize | None = None) -> object:
+    """What the fp32 model returns for two rows of zeros of ``inputs`` (:func:`halfserve.outputcheck.forward`)."""
+    try:
+        return outputcheck.forward(module, inputs, normalize)
+    except (RuntimeError, ValueError, TypeError, IndexError) as e:  # the declared inputs do not fit the model
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ImportFailure(
+            f"--input {_listed(inputs)}: the model's forward fails on rows of it ({reason}); {_first_layer(module)}"
+        ) from None
+
+
+def _listed(specs: list[TensorSpec]) -> str:
+    return ", ".join(f"{t.name} {t.datatype.value} {t.shape}" for t in specs)
+
+
+def check_outputs(module: nn.Module, manifest: Manifest) -> None:
+    """An :class:`ImportFailure` naming ``--output`` where the model's forward does not return ``manifest``'s outputs
+    as declared (how many, each one's shape per row, floating or integer: :mod:`halfserve.outputcheck`)."""
+    y = _forward(module, manifest.inputs, manifest.normalize)
+    reason = outputcheck.mismatch(y, manifest)
+    if reason is not None:
+        raise ImportFailure(
+            f"--output {_listed(manifest.outputs)}: {reason}; the model's forward returns {outputcheck.returned(y)} "
+            f"(for {outputcheck.ROWS} rows); declare what it returns, or leave --output out to derive it"
+        )
 
 
 def derive_outputs(module: nn.Module, inputs: list[TensorSpec]) -> list[TensorSpec]:
     """The output signature from one fp32 forward of two rows of zeros: a tensor is ``output``; a tuple's entries are
     ``output0``, ``output1``...; a mapping's (a Hugging Face ``ModelOutput``) keep their names."""
-    x = [
-        (torch.ones if t.mask_for else torch.zeros)((2, *t.bounded(SAMPLE_LENGTH)), dtype=torch_dtype(t.datatype.numpy))
-        for t in inputs
-    ]
-    try:
-        with torch.inference_mode():
-            y = _call(module, inputs, x)
-    except (RuntimeError, ValueError, TypeError, IndexError) as e:  # the declared inputs do not fit the model
-        declared = ", ".join(f"{t.name} {t.datatype.value} {t.shape}" for t in inputs)
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ImportFailure(
-            f"--input {declared}: the model's forward fails on rows of it ({reason}); {_first_layer(module)}"
-        ) from None
+    y = _forward(module, inputs)
     if isinstance(y, torch.Tensor):
         named = {"output": y}
     elif isinstance(y, dict):  # ModelOutput is an OrderedDict
         named = {k: v for k, v in y.items() if isinstance(v, torch.Tensor)}
-    elif isinstance(y, tuple | list):
-        named = {f"output{i}": v for i, v in enumerate(y) if isinstance(v, torch.Tensor)}
+    elif isinstance(y, tuple | list):  # served by position: the entries before the first the server cannot batch
+        named = {f"output{i}": v for i, v in enumerate(itertools.takewhile(_batched, y))}
     else:
         raise ImportFailure(f"the model returned {type(y).__name__}; give its outputs with --output")
     specs = []
     for name, t in named.items():
-        if t.ndim < 2 or t.shape[0] != 2:
-            continue  # not one row per input row (a loss, a scalar): not an output the server can batch
+        if not _batched(t):
+            continue
         specs.append(TensorSpec(name=name, datatype=_DTYPES.get(t.dtype, DataType.FP32), shape=list(t.shape[1:])))
     if not specs:
         raise ImportFailure("the model returned no tensor with one row per input row; give its outputs with --output")
     return specs
+
+
+def _batched(t: object) -> bool:
+    """Whether ``t`` has one row per input row and a dimension beside it (not a loss, a scalar per row or the like):
+    an output the server can batch."""
+    return isinstance(t, torch.Tensor) and t.ndim >= 2 and t.shape[0] == outputcheck.ROWS
 
 
 def _first_layer(module: nn.Module) -> str:
@@ -249,6 +261,7 @@ def import_model(
     # An image input's layout is written as derived, so the manifest shows what the model config reports to clients.
     inputs = [t if t.format is not None else t.model_copy(update={"format": _derived(t)}) for t in inputs]
     hugging_face = architecture.startswith(models.TRANSFORMERS)
+    folder = source if hugging_face else source.parent
     if hugging_face != source.is_dir():
         want = "a Hugging Face model folder" if hugging_face else "a .pt, .pth or .safetensors file"
         raise ImportFailure(f"{source}: architecture {architecture!r} imports from {want}")
@@ -265,6 +278,7 @@ def import_model(
         }
     )
     model_dir = root / storage.check_name(name)
+    tokenizer = _tokenizer(folder, draft)
     if hugging_face:
         if not (auto := architecture.removeprefix(models.TRANSFORMERS)).startswith("Auto"):
             raise ImportFailure(_auto_class_needed(source, auto))
@@ -281,10 +295,11 @@ def import_model(
     module = module.float().eval()
     if draft.handler is not None:  # built once here, so a handler that cannot be built is refused before writing
         try:
-            folder = source if hugging_face else source.parent
             handlers.build(draft.handler, (), name, folder, draft.batching.max_batch_size, max_image_pixels)
         except handlers.HandlerLoadError as e:
             raise ImportFailure(f"--handler: {e}") from None
+    if outputs:
+        check_outputs(module, draft)
     outputs = outputs or derive_outputs(module, inputs)
     if hugging_face and labels is None:
         labels = hugging_face_labels(source, outputs[0])
@@ -297,7 +312,7 @@ def import_model(
         store.manifest_bytes(manifest)  # before the work: the version it would write could never be served
     except StoreError as e:
         raise ImportFailure(str(e)) from None
-    given = _samples(calibration, manifest, module, samples, source if hugging_face else None, max_image_pixels)
+    given = _samples(calibration, manifest, module, samples, folder, max_image_pixels)
     # Checked before anything is written: a refused model leaves no version behind.
     unsaved = store.LoadedModel(manifest, 0, module, source)
     try:
@@ -312,6 +327,8 @@ def import_model(
             _copy_files(source, stage.path, manifest)
         else:
             store.write_weights(stage.path, module, {"name": manifest.name})
+            if tokenizer is not None and tokenizer.name not in (extra_files or {}):  # an archive's comes with it
+                shutil.copyfile(tokenizer, stage.path / tokenizer.name)
         given.save(stage.path)
         on = device or precision.default_device()
         measured, loaded, rows = _measure(model_dir, manifest, stage.path, on)
@@ -349,14 +366,28 @@ def import_model(
     return Imported(vdir, manifest, given.source, measured, padded, shortfall, record, plan)
 
 
+def _tokenizer(folder: Path, manifest: Manifest) -> Path | None:
+    """A text model's tokenizer file, beside its weights (in a Hugging Face model's folder), which the import copies
+    into the version; an :class:`ImportFailure` naming it and the fix where it is not there."""
+    if manifest.text is None:
+        return None
+    path = folder / manifest.text.tokenizer
+    if not path.is_file():
+        raise ImportFailure(
+            f"--text {manifest.text.input}: {path}: not found; a text model is served with the {path.name} beside its "
+            f"weights, which the import copies into the version: put the model's tokenizer there"
+        )
+    return path
+
+
 def _samples(
-    path: Path | None, manifest: Manifest, module: nn.Module, count: int, folder: Path | None, max_pixels: int
+    path: Path | None, manifest: Manifest, module: nn.Module, count: int, folder: Path, max_pixels: int
 ) -> Samples:
-    """The calibration samples: read from ``path`` (texts tokenized with ``folder``'s tokenizer, photos held to
-    ``max_pixels``), else random."""
+    """The calibration samples: read from ``path`` (texts tokenized with the tokenizer in ``folder``, the weights',
+    photos held to ``max_pixels``), else random."""
     if path is None:
         return calibration.random_samples(sent_inputs(manifest), count, calibration.int_range(module))
-    tokenizer = folder / manifest.text.tokenizer if folder is not None and manifest.text is not None else None
+    tokenizer = folder / manifest.text.tokenizer if manifest.text is not None else None
     return calibration.read(path, manifest, tokenizer, max_pixels)
 
 

@@ -12,6 +12,7 @@ from halfserve import (
     compilecache,
     handlers,
     livefidelity,
+    outputcheck,
     padding,
     storage,
     store,
@@ -236,6 +237,7 @@ class ModelRepository:
                     f"{handlers.BUILD_TIMEOUT_S:g} s"
                 ) from None
         await self._check_padding(served, loaded)
+        await asyncio.to_thread(outputcheck.at_load, loaded)  # a manifest that lies to clients fails here, not requests
         served.index_limits = await asyncio.to_thread(index_limits, loaded.module, loaded.manifest)
         engine = await self._engine(served, loaded, precision)
         held_to = self._fidelity.held_to(loaded.manifest)

@@ -1,5 +1,6 @@
 """A version that fails to load never replaces one that serves: at start-up the newest version that loads is served,
-and a load or reload that fails leaves the serving version answering; ``/models`` names the versions that failed."""
+and a load or reload that fails leaves the serving version answering; ``/models`` names the versions that failed. A
+model whose forward does not return the outputs its manifest declares fails its load, not each of its requests."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import httpx
 from safetensors.torch import save_file
 
 from halfserve import models, storage
+from halfserve.manifest import TensorSpec
 from halfserve.settings import Settings
 from tests.conftest import save_tiny_mlp
 from tests.integration.conftest import serving
@@ -115,4 +117,24 @@ async def test_loading_a_model_not_served_takes_its_newest_version_that_loads(tm
         r = await client.post("/models/tiny/load", json={"version": 2}, headers=AUTH)
         assert r.status_code == 400, r.text
         assert "size mismatch" in r.json()["error"]
+        await answers(client)
+
+
+async def test_a_model_that_does_not_return_its_declared_outputs_fails_its_load_not_its_requests(
+    tmp_path: Path,
+) -> None:
+    save_tiny_mlp(tmp_path)
+    async with serving(settings(tmp_path)) as client:
+        # Its forward returns 4 values a row; the manifest says 2, and labels them.
+        save_tiny_mlp(tmp_path, "liar", outputs=[TensorSpec(name="logits", shape=[2])], labels=["a", "b"])
+        r = await client.post("/models/liar/load", json={}, headers=AUTH)
+        assert r.status_code == 400, r.text
+        assert r.json()["error"] == (
+            f"failed to load 'liar': {tmp_path / 'liar' / storage.MANIFEST}: outputs: output 'logits' has rows of "
+            "shape [4], declared [2]; "
+            "the model's forward returns one tensor, rows of shape [4] float32 (for 2 rows): the manifest's outputs "
+            "must say what it returns"
+        )
+        r = await client.post("/predict", json={"model": "liar", "inputs": [[0.5] * 16]})
+        assert r.status_code == 404, r.text  # not served, rather than a 500 on every request
         await answers(client)

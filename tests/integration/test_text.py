@@ -3,6 +3,7 @@ binary); each text answered as if it came alone; not UTF-8, too many bytes and t
 
 from __future__ import annotations
 
+import json
 from multiprocessing import shared_memory
 from pathlib import Path
 
@@ -10,8 +11,9 @@ import numpy as np
 import orjson
 import pytest
 import torch
+from safetensors.torch import save_file
 
-from halfserve import models, store
+from halfserve import cli, models, store
 from halfserve.api.dataplane.codec import HEADER_LENGTH, encode_bytes
 from halfserve.manifest import DataType, Manifest, TensorSpec, TextInput
 from halfserve.settings import Settings
@@ -219,3 +221,35 @@ async def test_a_tokenizer_gone_after_load_is_the_servers_problem_not_the_reques
             assert r.status_code == 503, r.text  # as a missing checkpoint: the server's files, not the client's text
             assert "model 'texty' cannot take text now" in r.json()["error"]
             assert "tokenizer.json: the model's tokenizer is missing" in r.json()["error"]
+
+
+async def test_a_state_dict_imports_with_the_tokenizer_beside_it_and_answers_texts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    source, root = tmp_path / "trained", tmp_path / "store"
+    source.mkdir()
+    tokenizer = source / "tokenizer.json"
+    kwargs = {"vocab": wordpiece(tokenizer), "classes": 3, "dim": 32, "heads": 2, "layers": 1, "hidden": 64}
+    torch.manual_seed(0)
+    model = models.build("transformer_classifier", **kwargs, max_length=MAX)
+    save_file(model.state_dict(), str(source / "model.safetensors"))
+    (tmp_path / "texts.txt").write_text("\n".join(CORPUS[:5]))
+    args = ["import", str(source / "model.safetensors"), "--store", str(root), "--name", "texty", "--device", "cpu"]
+    args += ["--architecture", "transformer_classifier", "--arch-kwargs", json.dumps({**kwargs, "max_length": MAX})]
+    args += ["--input", "tokens:INT64:-1", "--max-length", str(MAX), "--mask", "mask", "--text", "text"]
+    tokenizer.rename(tmp_path / "elsewhere.json")
+    assert cli.main(args) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line == (
+        f"halfserve import: --text text: {tokenizer}: not found; a text model is served with the tokenizer.json "
+        "beside its weights, which the import copies into the version: put the model's tokenizer there"
+    )
+    assert not root.exists(), "nothing written"
+    (tmp_path / "elsewhere.json").rename(tokenizer)
+    assert cli.main([*args, "--calibration", str(tmp_path / "texts.txt")]) == 0  # tokenized with it
+    assert "calibration: texts from" in capsys.readouterr().out
+    assert (root / "texty" / "1" / "tokenizer.json").read_bytes() == tokenizer.read_bytes()
+    async with serving(Settings(store=root, precision="fp32")) as client:
+        r = await client.post("/predict", json={"inputs": TEXTS})
+        assert r.status_code == 200, r.text
+        assert len(r.json()["outputs"]) == 2

@@ -3,6 +3,7 @@ output signature derived; calibration samples stored and the agreement recorded.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -113,6 +114,17 @@ def test_outputs_are_derived_from_one_forward_by_name_and_dtype() -> None:
         ("sum", DataType.FP32, [3]),
         ("argmax", DataType.INT64, [1]),
     ]
+
+
+class LossBetween(nn.Module):
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return x * 2, x.sum(), x[:, :2]
+
+
+def test_a_tuples_outputs_are_derived_up_to_its_first_entry_the_server_cannot_batch() -> None:
+    # The server takes a tuple's entries by position: after the loss, "output2" would be served the loss.
+    (derived,) = derive_outputs(LossBetween(), [TensorSpec(name="x", shape=[3])])
+    assert (derived.name, derived.shape) == ("output0", [3])
 
 
 @pytest.mark.parametrize(
@@ -270,3 +282,37 @@ def test_a_hugging_face_model_class_is_told_its_auto_class(tmp_path: Path, capsy
     assert line.endswith("use --architecture transformers:AutoModelForSequenceClassification")
     assert "config.json:" not in line  # no file of the store, not written yet, is named as the culprit
     assert not (tmp_path / "s").exists()
+
+
+@pytest.mark.parametrize(
+    ("outputs", "message"),
+    [
+        (
+            ["logits:FP32:2"],
+            "--output logits FP32 [2]: output 'logits' has rows of shape [4], declared [2]; the model's forward "
+            "returns one tensor, rows of shape [4] float32 (for 2 rows)",
+        ),
+        (
+            ["logits:INT64:4"],
+            "--output logits INT64 [4]: output 'logits' is floating (float32), declared INT64 (integer)",
+        ),
+        (
+            ["a:FP32:4", "b:FP32:4"],
+            "--output a FP32 [4], b FP32 [4]: model returned one tensor; the manifest declares 2 outputs ['a', 'b']",
+        ),
+    ],
+)
+def test_outputs_the_forward_does_not_return_as_declared_are_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], outputs: list[str], message: str
+) -> None:
+    torch.save(mlp().state_dict(), tmp_path / "w.pth")
+    args = ["import", str(tmp_path / "w.pth"), "--store", str(tmp_path / "s"), "--name", "n", "--architecture", "mlp"]
+    args += ["--arch-kwargs", json.dumps(MLP), "--input", "features:FP32:6"]
+    assert cli.main([*args, *(a for o in outputs for a in ("--output", o)), "--device", "cpu"]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"halfserve import: {message}")
+    assert line.endswith("declare what it returns, or leave --output out to derive it")
+    assert not (tmp_path / "s").exists(), "nothing written"
+    # Declared as the forward returns them, the same weights import.
+    assert cli.main([*args, "--output", "logits:FP32:4", "--device", "cpu"]) == 0
+    assert [t.shape for t in store.load(tmp_path / "s", "n").manifest.outputs] == [[4]]

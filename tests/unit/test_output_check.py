@@ -1,0 +1,86 @@
+"""A forward's outputs against the declared ones: how many, each one's shape per row (fewer values along the first
+dimension where the server pads them; any where it is variable), and floating, integer or boolean."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from halfserve.manifest import DataType, Manifest, TensorSpec
+from halfserve.outputcheck import mismatch, returned
+
+ROWS = 2
+
+
+def declaring(*outputs: TensorSpec) -> Manifest:
+    """A manifest of ``outputs``, with a variable input where one of them is variable (it follows that input)."""
+    variable = any(t.variable for t in outputs)
+    x = (
+        TensorSpec(name="x", datatype=DataType.INT64, shape=[-1], max_length=8)
+        if variable
+        else TensorSpec(name="x", shape=[4])
+    )
+    return Manifest(name="m", architecture="mlp", inputs=[x], outputs=list(outputs))
+
+
+BOXES = TensorSpec(name="boxes", shape=[5, 4])
+SCORES = TensorSpec(name="scores", shape=[5])
+
+
+@pytest.mark.parametrize(
+    ("y", "outputs"),
+    [
+        (torch.zeros(ROWS, 3), [TensorSpec(name="y", shape=[3])]),
+        ((torch.zeros(ROWS, 3), torch.zeros(())), [TensorSpec(name="y", shape=[3])]),  # a loss after it: not served
+        ({"boxes": torch.zeros(ROWS, 2, 4), "scores": torch.zeros(ROWS, 2)}, [BOXES, SCORES]),  # padded to 5 rows
+        ({"tokens": torch.zeros(ROWS, 7, 3), "n": torch.zeros(ROWS, 1)}, [TensorSpec(name="tokens", shape=[-1, 3])]),
+        (torch.zeros(ROWS, 1, dtype=torch.int32), [TensorSpec(name="y", datatype=DataType.INT64, shape=[1])]),
+        (torch.zeros(ROWS, 1, dtype=torch.bool), [TensorSpec(name="y", datatype=DataType.BOOL, shape=[1])]),
+    ],
+)
+def test_outputs_returned_as_declared_fit(y: object, outputs: list[TensorSpec]) -> None:
+    assert mismatch(y, declaring(*outputs)) is None
+
+
+@pytest.mark.parametrize(
+    ("y", "outputs", "reason"),
+    [
+        (torch.zeros(ROWS), [TensorSpec(name="y", shape=[1])], "output 'y' has rows of shape [], declared [1]"),
+        (torch.zeros(ROWS, 2), [TensorSpec(name="y", shape=[3])], "output 'y' has rows of shape [2], declared [3]"),
+        (torch.zeros(3, 3), [TensorSpec(name="y", shape=[3])], "output 'y' has 3 rows for 2 input rows"),
+        (torch.zeros(()), [TensorSpec(name="y", shape=[3])], "output 'y' has a scalar for 2 input rows"),
+        (
+            {"boxes": torch.zeros(ROWS, 6, 4), "scores": torch.zeros(ROWS, 6)},
+            [BOXES, SCORES],
+            "output 'boxes' has rows of shape [6, 4], declared [5, 4]",
+        ),
+        (
+            torch.zeros(ROWS, 1, dtype=torch.int64),
+            [TensorSpec(name="y", shape=[1])],
+            "output 'y' is integer (int64), declared FP32 (floating)",
+        ),
+        (
+            torch.zeros(ROWS, 1, dtype=torch.int64),
+            [TensorSpec(name="y", datatype=DataType.BOOL, shape=[1])],
+            "output 'y' is integer (int64), declared BOOL (boolean)",
+        ),
+        ({"a": torch.zeros(ROWS, 3)}, [TensorSpec(name="b", shape=[3])], "no output named 'b' (it returned ['a'])"),
+        (
+            (torch.zeros(ROWS, 3),),
+            [TensorSpec(name="a", shape=[3]), TensorSpec(name="b", shape=[3])],
+            "returned 1 values",
+        ),
+    ],
+)
+def test_outputs_not_returned_as_declared_are_named(y: object, outputs: list[TensorSpec], reason: str) -> None:
+    got = mismatch(y, declaring(*outputs))
+    assert got is not None
+    assert reason in got
+
+
+def test_what_a_forward_returned_is_told_tensor_by_tensor() -> None:
+    y = {"logits": torch.zeros(ROWS, 3), "loss": torch.zeros(()), "extra": None}
+    assert returned(y) == (
+        "a mapping: logits rows of shape [3] float32, loss shape [] float32 (not one row per input row), extra NoneType"
+    )
+    assert returned(torch.zeros(ROWS, dtype=torch.int64)) == "one tensor, rows of shape [] int64"
