@@ -10,8 +10,9 @@ Each floating output is measured by what its kind of answer needs:
 
 * class scores (the first output when the manifest has labels, else the first floating output of one dimension of 2
   or more): ``top1_agreement``, the share of samples whose highest score is at the same index in both; a user sees a
-  classifier change only where its top class does, however its scores move; a sample whose scores are NaN or infinite
-  in one precision where the other has a number does not agree (NaN's argmax is the first NaN's index);
+  classifier change only where its top class does, however its scores move; a sample with a NaN in one precision
+  where the other has a number, or a top score infinite in one and finite in the other, does not agree
+  (:func:`top1_agrees`);
 * other outputs with several values per row (embeddings, per-token outputs, hidden states): ``min_cosine``, the lowest
   cosine similarity of a sample's half-precision row with its fp32 row; what such outputs are used for (nearest
   neighbours, a downstream head) depends on their direction far more than on each value;
@@ -195,6 +196,18 @@ def _floating(out: np.ndarray, names: list[str]) -> dict[str, np.ndarray]:
     return {n: f.reshape(len(f), -1).astype(np.float64) for n, f in fields.items() if f.dtype.kind == "f"}
 
 
+def top1_agrees(want: np.ndarray, got: np.ndarray) -> np.ndarray:
+    """Per row of class scores, whether ``got``'s top class is ``want``'s. NaN's argmax is its first NaN's index, so
+    a row with a NaN agrees only where the other has its NaNs at the same places, and a top score finite in one and
+    not in the other does not agree; an infinity elsewhere does (a mask's -1e9 is -inf in fp16, its class last in
+    both)."""
+    wi, gi = want.argmax(1), got.argmax(1)
+    rows = np.arange(len(want))
+    same_nans = (np.isnan(want) == np.isnan(got)).all(1)
+    top_alike = np.isfinite(want[rows, wi]) == np.isfinite(got[rows, gi])
+    return np.asarray((wi == gi) & same_nans & top_alike)
+
+
 def _cosines(w: np.ndarray, g: np.ndarray) -> np.ndarray:
     """Each row's cosine similarity (1 where both rows are zero, 0 where one is; -1 where a value is not finite)."""
     with np.errstate(all="ignore"):
@@ -211,8 +224,8 @@ class Rows:
     or live fidelity's window of the last rows compared) are those :func:`compare` gives for them together."""
 
     top1: np.ndarray | None
-    """Per row, whether its highest class score is at the same index in both and its scores are finite at the same
-    places (None: no class scores output)."""
+    """Per row, whether its highest class score is at the same index in both (:func:`top1_agrees`; None: no class
+    scores output)."""
     cosine: np.ndarray | None
     """Per row, its lowest cosine similarity over the outputs of several values per row (None: there are none)."""
     abs_error: np.ndarray
@@ -258,8 +271,8 @@ def rows(want: np.ndarray, got: np.ndarray, manifest: Manifest) -> Rows:
         with np.errstate(invalid="ignore"):  # inf - inf: NaN, counted as an infinite error below
             diff = np.abs(w - g)
         abs_err = np.maximum(abs_err, np.where(np.isfinite(diff).all(1), diff.max(1, initial=0.0), math.inf))
-        if name == scores:  # a NaN or infinity where the other has a number is no agreement, whatever its argmax
-            top1 = (w.argmax(1) == g.argmax(1)) & (np.isfinite(w) == np.isfinite(g)).all(1)
+        if name == scores:
+            top1 = top1_agrees(w, g)
         elif w.shape[1] > 1:
             cos = _cosines(w, g)
             cosine = cos if cosine is None else np.minimum(cosine, cos)

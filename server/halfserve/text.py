@@ -293,16 +293,31 @@ async def run_in_turn(who: str, call: Callable[[], T]) -> T:
     if _turns.count >= TOKENIZER_THREADS + TOKENIZER_QUEUE:
         raise TokenizerBusyError(f"the server is tokenizing {_turns.count} requests' texts, as many as it holds")
     _turns.admitted[who] += 1
+    running = False
     try:
         await _turns.take(who)
-        try:
-            return await asyncio.get_running_loop().run_in_executor(_executor(), call)
-        finally:
-            _turns.give()
+        future = asyncio.get_running_loop().run_in_executor(_executor(), call)
+        running = True
+        # The thread is handed on, and the request stops counting, when the call returns: a caller that stops waiting
+        # (its deadline passed, its client gone) leaves it running on a thread that is not free until then.
+        future.add_done_callback(lambda done: _returned(who, done))
+        return await asyncio.shield(future)
     finally:
-        _turns.admitted[who] -= 1
-        if not _turns.admitted[who]:
-            del _turns.admitted[who]
+        if not running:
+            _left(who)
+
+
+def _returned(who: str, done: asyncio.Future[Any]) -> None:
+    if not done.cancelled():
+        done.exception()  # retrieved: a caller that stopped waiting never will
+    _turns.give()
+    _left(who)
+
+
+def _left(who: str) -> None:
+    _turns.admitted[who] -= 1
+    if not _turns.admitted[who]:
+        del _turns.admitted[who]
 
 
 async def encode_off_loop(

@@ -50,12 +50,14 @@ def test_scores_not_finite_in_one_precision_where_the_other_has_numbers_do_not_a
     was the first, as many as one in ten with ten classes."""
     scores = manifest([{"name": "scores", "shape": [3]}])
     nan, inf = math.nan, math.inf
-    w = np.array([[3.0, 1.0, 2.0], [3.0, 1.0, 2.0], [nan, 1.0, 2.0], [nan, 1.0, 2.0], [inf, 1.0, 2.0], [0, 5, 1.0]])
-    g = np.array([[nan, nan, nan], [inf, 1.0, 2.0], [nan, 0.0, 3.0], [2.0, 1.0, 0.0], [inf, 0.0, 2.0], [0, 4, 1.0]])
+    w = np.array([[3, 1, 2], [3, 1, 2], [nan, 1, 2], [nan, 1, 2], [inf, 1, 2], [0, 5, 1], [2, 0.5, -1e9]])
+    g = np.array([[nan, nan, nan], [inf, 1, 2], [nan, 0, 3], [2, 1, 0], [inf, 0, 2], [0, 4, 1], [2, 0.5, -inf]])
     measured = fidelity.rows(w.astype(np.float32), g.astype(np.float32), scores)
     assert measured.top1 is not None
-    assert measured.top1.tolist() == [False, False, True, False, True, True]
-    assert list(measured.abs_error[-1:]) == [1.0]
+    # An infinity away from the top (a mask's -1e9, -inf in fp16) agrees; a NaN or an infinite top where the other
+    # has a number does not.
+    assert measured.top1.tolist() == [False, False, True, False, True, True, True]
+    assert list(measured.abs_error[5:6]) == [1.0]
     assert measured.abs_error[:5].tolist() == [math.inf] * 5
 
 

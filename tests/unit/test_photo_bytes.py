@@ -262,9 +262,21 @@ async def test_a_scalar_shape_is_refused_alike_on_every_path() -> None:
         decode(await infer_request(message, SERVED, SETTINGS), SERVED, SETTINGS)
 
 
-def test_the_time_decoding_took_is_spent_from_the_request_s_deadline() -> None:
-    req = Inference({}, None, False, timeout_us=1_000_000, decoding_s=0.25)
-    assert req.timeout(None) == pytest.approx(0.75)
-    assert req.timeout(0.5) == pytest.approx(0.25)  # the client's, as it was on arrival, is the shorter
-    assert req.timeout(0.1) == 0.0
-    assert Inference({}, None, False, decoding_s=0.25).timeout(None) is None
+def test_once_decoded_the_request_waits_what_was_left_of_its_deadline() -> None:
+    assert Inference({}, None, False, timeout_us=1_000_000).timeout(0.5) == 0.5  # the client's is the shorter
+    assert Inference({}, None, False, timeout_us=1_000_000).timeout(None) == 1.0
+    assert Inference({}, None, False).timeout(None) is None
+    decoded = Inference({}, None, False, timeout_us=1_000_000, left=0.25)
+    assert decoded.timeout(0.5) == 0.25  # what decoding left of the shortest, the model's own among them
+
+
+async def test_the_model_s_own_limit_is_spent_by_decoding_too() -> None:
+    """A request with no deadline of its own, to a model with ``request_timeout_ms``: what decoding took is spent from
+    the model's limit, not granted again in the queue."""
+    limited = SERVED.batching.model_copy(update={"request_timeout_ms": 10_000.0})
+    served = cast(ModelHandle, SimpleNamespace(**{**vars(SERVED), "batching": limited}))
+    payload = {"inputs": [{"name": "photo", "datatype": "BYTES", "shape": [1], "data": [b64(PHOTOS[0])]}]}
+    req = await tokenize(decode(read_request(payload, None, served), served, SETTINGS), served, SETTINGS)
+    assert req.left is not None
+    assert 0 < req.left < 10.0
+    assert req.timeout(None) == req.left

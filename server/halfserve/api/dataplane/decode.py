@@ -20,7 +20,6 @@ FP16/BF16 output must be requested as binary.
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import binascii
 from collections.abc import Sequence
@@ -39,7 +38,7 @@ from halfserve.api.dataplane.codec import (
     encode_texts,
     wire_type,
 )
-from halfserve.api.dataplane.infer import within
+from halfserve.api.dataplane.deadline import within
 from halfserve.api.dataplane.outputs import check_room, requested_output, requested_outputs
 from halfserve.api.dataplane.photos import decode_photos, image_count
 from halfserve.api.dataplane.refusals import count
@@ -277,15 +276,12 @@ def no_inputs(served: ModelHandle, specs: list[TensorSpec]) -> InvalidInputError
 
 async def tokenize(req: Inference, served: ModelHandle, settings: Settings, client: float | None = None) -> Inference:
     """``req`` with its texts (if any) tokenized, or its photos decoded, off the event loop into the inputs they feed
-    (:func:`~halfserve.api.dataplane.codec.encode_texts`), within its deadline (``client``'s, the transport's, and its
-    own: :func:`~halfserve.api.dataplane.infer.within`), the time it took spent from it
-    (:attr:`Inference.decoding_s`)."""
+    (:func:`~halfserve.api.dataplane.codec.encode_texts`), within its deadline (``client``'s, the transport's as it was
+    on arrival, its own and the model's: :func:`~halfserve.api.dataplane.deadline.within`), what is left of it then
+    kept (:attr:`Inference.left`)."""
     if req.texts is None and req.photos is None:
         return req
-    loop = asyncio.get_running_loop()
-    start = loop.time()
-    await within(served, _decoded(req, served, settings), req.timeout(client))
-    req.decoding_s = loop.time() - start
+    _, req.left = await within(served, _decoded(req, served, settings), req.timeout(client))
     return req
 
 

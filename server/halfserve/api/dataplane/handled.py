@@ -25,6 +25,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from halfserve import handlercheck, handlers
+from halfserve.api.dataplane.deadline import shortest
 from halfserve.api.dataplane.infer import infer
 from halfserve.api.dataplane.photos import image_count
 from halfserve.api.dataplane.refusals import cut_off_by_shutdown
@@ -157,7 +158,14 @@ async def _run_batch(jobs: list[Job], timeout: float | None) -> list[Answered]:
     if handled is not None:  # in the instance process that runs the forward
         answers, result = await _in_instance(first, handled, timeout)
     else:
-        inputs = preprocess(first.served, first.settings, payloads)
+        # Awaited here, not by infer: the handler's call is held to its own timeout_s, not to the decoding threads'
+        # deadline (a batch's run is cut off by a drain as its wait for the model would be).
+        try:
+            inputs = await preprocess(first.served, first.settings, payloads)
+        except asyncio.CancelledError:
+            if not first.app.draining:
+                raise
+            raise cut_off_by_shutdown() from None
         result = await infer(first.app, first.served, inputs, timeout)
         answers = await postprocess(first.served, first.settings, result.outputs, payloads)
     out = []
@@ -246,9 +254,8 @@ async def answer(
     spec = section(served)
     assert spec is not None, "called for a model with a handler section"
     batcher = _batcher(served, settings, spec)
-    model_ms = served.batching.request_timeout_ms
-    limits = [t for t in (timeout, None if model_ms is None else model_ms / 1000) if t is not None]
-    deadline = batcher.clock.now() + min(limits) if limits else None
+    limit = shortest(served, timeout)
+    deadline = None if limit is None else batcher.clock.now() + limit
     try:
         return await batcher.submit(Job(app, served, settings, payloads), deadline)
     except asyncio.CancelledError:

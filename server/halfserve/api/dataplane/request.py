@@ -112,17 +112,19 @@ class Inference:
     photos: tuple[list[bytes], list[str]] | None = None
     """An image model's encoded photos and each one's field, checked against the limits but not yet decoded:
     :func:`tokenize` decodes them off the event loop into the input they feed."""
-    decoding_s: float = 0.0
-    """Seconds its texts or photos took to be tokenized or decoded (waiting for a thread included): spent from its
-    deadline."""
+    left: float | None = None
+    """Seconds left of its deadline (the client's as it was on arrival, its own and the model's, the shortest) once its
+    texts or photos were tokenized or decoded (:func:`tokenize`); None: none were, or it has no deadline."""
 
     def timeout(self, client: float | None) -> float | None:
         """Seconds the request may wait in the queue: the shorter of ``client`` (the transport's: a header, a gRPC
-        deadline, as they were when the request arrived) and ``parameters.timeout``, less :attr:`decoding_s`; None for
-        neither."""
+        deadline, as they were when the request arrived) and ``parameters.timeout``; once its texts or photos were
+        decoded, what was left then (:attr:`left`, the model's limit in it); None for neither."""
+        if self.left is not None:
+            return self.left
         own = self.timeout_us / 1e6 if self.timeout_us else None
         limits = [t for t in (client, own) if t is not None]
-        return max(0.0, min(limits) - self.decoding_s) if limits else None
+        return min(limits) if limits else None
 
     @property
     def x(self) -> np.ndarray:
