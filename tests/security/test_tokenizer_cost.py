@@ -9,6 +9,7 @@ test lets it go, so the checks are on what was tokenized and in what order, not 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import gzip
 import json
@@ -240,6 +241,31 @@ async def test_a_flood_from_one_address_delays_another_by_one_request_per_thread
     assert started.index("other") <= text.TOKENIZER_THREADS + 1, started
     assert text._turns.count == 0
     assert text._turns.busy == 0
+
+
+async def test_a_call_its_caller_stopped_waiting_for_holds_its_thread_until_it_returns() -> None:
+    """A request cut off by its deadline while its text is tokenized leaves the call running: its thread stays busy,
+    and the request counted against the queue, until the call returns, so the turns and the queue's 503 go on
+    counting what the threads hold (a cut-off had handed the thread on at once, to wait in the executor's queue)."""
+    gates = [threading.Event() for _ in range(text.TOKENIZER_THREADS)]
+    calls = [
+        asyncio.ensure_future(text.run_in_turn(f"client-{i}", functools.partial(gate.wait, DEADLINE_S)))
+        for i, gate in enumerate(gates)
+    ]
+    await until(lambda: text._turns.busy == text.TOKENIZER_THREADS, "every thread to be taken")
+    calls[0].cancel()  # as asyncio.wait_for cancels it at a deadline
+    with contextlib.suppress(asyncio.CancelledError):
+        await calls[0]
+    assert (text._turns.busy, text._turns.count) == (text.TOKENIZER_THREADS, text.TOKENIZER_THREADS)
+    waiting = asyncio.ensure_future(text.run_in_turn("next", lambda: "ran"))
+    await asyncio.sleep(0.05)
+    assert not waiting.done()  # no thread is free: it waits for its turn, not in the executor's hidden queue
+    gates[0].set()  # the cut-off call returns: its thread goes to the next in turn
+    assert await asyncio.wait_for(waiting, DEADLINE_S) == "ran"
+    for gate in gates:
+        gate.set()
+    await asyncio.wait_for(asyncio.gather(*calls[1:]), DEADLINE_S)
+    await until(lambda: (text._turns.busy, text._turns.count) == (0, 0), "every thread to be given back")
 
 
 async def test_a_request_s_deadline_bounds_its_wait_for_the_tokenizing_threads(
