@@ -193,9 +193,11 @@ def running(model: str) -> int:
 
 
 async def run(stage: Stage, call: Callable[[], Any], timeout_s: float, model: str) -> Any:
-    """``call()`` on one of model ``model``'s handler threads within ``timeout_s``: :class:`HandlerRaisedError` when
-    it raises, :class:`HandlerTimeoutError` past the limit (it runs on, see the module), :class:`HandlerBusyError`
-    when the model's bound is full."""
+    """``call()`` on one of model ``model``'s handler threads within ``timeout_s`` of its start:
+    :class:`HandlerRaisedError` when it raises, :class:`HandlerTimeoutError` past the limit (it runs on, see the
+    module), :class:`HandlerBusyError` when the model's bound is full or no thread came free within ``timeout_s``
+    (calls past their limit hold them all; the call is withdrawn, never run): the time limit is the call's own, not
+    its wait for a thread, which another request's call may hold."""
     held = running(model)
     if held >= HANDLER_THREADS + HANDLER_QUEUE:
         raise HandlerBusyError(
@@ -208,8 +210,23 @@ async def run(stage: Stage, call: Callable[[], Any], timeout_s: float, model: st
     def finished(_: object) -> None:  # on the loop, when the thread returns: a stuck call keeps its place
         _running[model] -= 1
 
-    future = loop.run_in_executor(_threads(model), _guarded, call)
+    began = asyncio.Event()
+
+    def started() -> Any:  # on the handler thread
+        loop.call_soon_threadsafe(began.set)
+        return _guarded(call)
+
+    queued = _threads(model).submit(started)
+    future = asyncio.wrap_future(queued, loop=loop)
     future.add_done_callback(finished)
+    try:
+        await asyncio.wait_for(began.wait(), timeout_s)
+    except TimeoutError:
+        if queued.cancel():  # still waiting for a thread: withdrawn, it never runs (False: it has just started)
+            raise HandlerBusyError(
+                f"handler {stage.value}: no handler thread of model {model!r} came free within {timeout_s:g} s "
+                "(calls past their time limit hold them)"
+            ) from None
     try:
         result = await asyncio.wait_for(asyncio.shield(future), timeout_s)
     except TimeoutError:

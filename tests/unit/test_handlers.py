@@ -78,6 +78,24 @@ async def test_a_call_past_its_limit_keeps_its_place_until_it_returns(monkeypatc
     assert await handlers.run(Stage.PREPROCESS, lambda: 2, 5, "m") == 2
 
 
+async def test_a_call_that_gets_no_thread_within_its_limit_is_busy_and_never_runs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The time limit is the call's own: one queued behind a call past its limit (which holds the only thread) is
+    refused busy (a 503 to retry), not answered as past its time limit, and is withdrawn, never run."""
+    monkeypatch.setattr(handlers, "HANDLER_THREADS", 1)
+    monkeypatch.setattr(handlers, "HANDLER_QUEUE", 1)
+    release, ran = threading.Event(), threading.Event()
+    with pytest.raises(HandlerTimeoutError):
+        await handlers.run(Stage.PREPROCESS, release.wait, 0.01, "held")
+    with pytest.raises(HandlerBusyError, match=r"no handler thread of model 'held' came free within 0\.05 s"):
+        await handlers.run(Stage.PREPROCESS, ran.set, 0.05, "held")
+    release.set()
+    await until(lambda: handlers.running("held") == 0, "the stuck call returned")
+    assert await handlers.run(Stage.PREPROCESS, lambda: 4, 5, "held") == 4
+    assert not ran.is_set()
+
+
 async def test_a_model_whose_calls_hang_holds_only_its_own_threads(monkeypatch: pytest.MonkeyPatch) -> None:
     """Each model has its threads and its bound: one whose handler hangs is refused busy, another answers at once."""
     monkeypatch.setattr(handlers, "HANDLER_THREADS", 1)

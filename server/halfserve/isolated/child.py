@@ -45,6 +45,7 @@ from halfserve.serving import (
     InvalidInputError,
     ModelUnavailableError,
     Output,
+    QueueFullError,
 )
 
 log = logging.getLogger(__name__)
@@ -172,7 +173,14 @@ def _handled(
         if isinstance(handler, Exception):
             raise ModelUnavailableError(str(handler))
         answers, outs = handler.run(handling.requests(head, payload))
-    except (InvalidInputError, InternalError, DeadlineExceededError, BatchFailedError, ModelUnavailableError) as e:
+    except (
+        InvalidInputError,
+        InternalError,
+        DeadlineExceededError,
+        BatchFailedError,
+        ModelUnavailableError,
+        QueueFullError,
+    ) as e:
         answer.update({"raise": True, "kind": type(e).__name__, "message": str(e), "counts": _counts(engine)})
         return answer, []
     except Exception as e:  # a bug here is the batch's 500, never the process's end

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -37,6 +38,7 @@ from halfserve.serving import (
     InvalidInputError,
     Outcome,
     Output,
+    QueueFullError,
 )
 
 HandledOutcomes = tuple[list[bytes], list[Outcome]]
@@ -72,9 +74,21 @@ class InstanceHandler:
         )
 
     def _call(self, stage: handlers.Stage, call: Callable[[], Any]) -> Any:
-        future = self._threads.submit(call)
+        began = threading.Event()
+
+        def started() -> Any:
+            began.set()
+            return call()
+
+        future = self._threads.submit(started)
+        limit = self.section.timeout_s
+        if not began.wait(limit) and future.cancel():  # the limit is the call's own, not its wait for a thread
+            raise QueueFullError(
+                f"model {self.manifest.name!r}: handler {stage.value}: no handler thread came free within {limit:g} s "
+                "(calls past their time limit hold them); retry shortly"
+            )
         try:
-            return future.result(self.section.timeout_s)
+            return future.result(limit)
         except concurrent.futures.TimeoutError:
             future.cancel()  # one still waiting for a thread never runs
             raise HandlerTimeLimitError(

@@ -41,6 +41,7 @@ from halfserve.serving import (
     ModelUnavailableError,
     Outcome,
     Output,
+    QueueFullError,
 )
 
 _ERRORS: dict[str, Callable[[str], Exception]] = {
@@ -51,6 +52,7 @@ _ERRORS: dict[str, Callable[[str], Exception]] = {
     "InternalError": InternalError,
     "DeadlineExceededError": DeadlineExceededError,
     "HandlerTimeLimitError": HandlerTimeLimitError,
+    "QueueFullError": QueueFullError,
     "BatchFailedError": BatchFailedError,
     "ModelUnavailableError": ModelUnavailableError,
 }
