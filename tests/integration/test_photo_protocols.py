@@ -59,15 +59,16 @@ async def test_metadata_and_config_list_the_photo_input_over_http_and_grpc(tmp_p
         {"name": "pixels", "datatype": "FP32", "shape": [-1, 1, 8, 8]},
         {"name": "photo", "datatype": "BYTES", "shape": [-1, 1]},
     ]
-    assert [(i["name"], i["data_type"], i["dims"], i["format"]) for i in config["input"]] == [
-        ("pixels", "TYPE_FP32", [1, 8, 8], "FORMAT_NCHW"),
-        ("photo", "TYPE_STRING", [1], "FORMAT_NONE"),
+    # Each optional, as a request gives one or the other: a client filling every input not optional gives neither.
+    assert [(i["name"], i["data_type"], i["dims"], i["format"], i.get("optional")) for i in config["input"]] == [
+        ("pixels", "TYPE_FP32", [1, 8, 8], "FORMAT_NCHW", True),
+        ("photo", "TYPE_STRING", [1], "FORMAT_NONE", True),
     ]
     assert [(i.name, i.datatype, list(i.shape)) for i in grpc_meta.inputs] == [
         (i["name"], i["datatype"], i["shape"]) for i in meta["inputs"]
     ]
-    assert [(i.name, mc.DataType.Name(i.data_type), list(i.dims)) for i in grpc_config.input] == [
-        (i["name"], i["data_type"], i["dims"]) for i in config["input"]
+    assert [(i.name, mc.DataType.Name(i.data_type), list(i.dims), i.optional) for i in grpc_config.input] == [
+        (i["name"], i["data_type"], i["dims"], i["optional"]) for i in config["input"]
     ]
 
 

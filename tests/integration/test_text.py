@@ -89,10 +89,10 @@ async def test_texts_over_predict_are_answered_as_if_each_came_alone(tmp_path: P
         meta = (await client.get("/v2/models/texty")).json()
         assert {"name": "text", "datatype": "BYTES", "shape": [-1, 1]} in meta["inputs"]
         config = (await client.get("/v2/models/texty/config")).json()
-        assert [(i["name"], i["data_type"], i["dims"]) for i in config["input"]] == [
-            ("tokens", "TYPE_INT64", [-1]),
-            ("text", "TYPE_STRING", [1]),
-        ]  # the inputs a client sends, as the metadata lists them (the mask is built by the server)
+        assert [(i["name"], i["data_type"], i["dims"], i.get("optional")) for i in config["input"]] == [
+            ("tokens", "TYPE_INT64", [-1], True),
+            ("text", "TYPE_STRING", [1], True),
+        ]  # the inputs a client sends, as the metadata lists them (the mask is built by the server), either one
 
 
 async def test_v2_bytes_as_json_and_as_binary_give_the_same_answer(tmp_path: Path) -> None:

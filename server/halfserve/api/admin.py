@@ -97,11 +97,22 @@ def _tensor_config(spec: TensorSpec) -> dict[str, object]:
 def input_configs(manifest: Manifest) -> list[dict[str, object]]:
     """The inputs clients send as Triton's ``ModelInput``: each with its ``format`` (Triton's image clients lay out
     the pixels they send by it), and the ``BYTES`` input a text or photo model takes (``TYPE_STRING``, one text or
-    encoded photo per row), as the metadata lists them."""
-    configs = [{**_tensor_config(s), "format": s.image_format.value} for s in sent_inputs(manifest)]
+    encoded photo per row), as the metadata lists them. That input and the tensor it feeds are each ``optional``: a
+    request gives one or the other, and a client that fills every input not optional (perf_analyzer) gives neither
+    twice."""
+    section = manifest.text or manifest.image
+    either = set() if section is None else {section.input, section.feeds}
+    configs: list[dict[str, object]] = []
+    for s in sent_inputs(manifest):
+        config: dict[str, object] = {**_tensor_config(s), "format": s.image_format.value}
+        if s.name in either:
+            config["optional"] = True
+        configs.append(config)
     sent = bytes_input(manifest)
     if sent is not None:
-        configs.append({"name": sent, "data_type": "TYPE_STRING", "dims": [1], "format": InputFormat.NONE.value})
+        configs.append(
+            {"name": sent, "data_type": "TYPE_STRING", "dims": [1], "format": InputFormat.NONE.value, "optional": True}
+        )
     return configs
 
 
