@@ -15,7 +15,7 @@ import orjson
 from halfserve.handlers import one_line
 from halfserve.manifest import Manifest, TensorSpec
 from halfserve.packing import PackError, check_length
-from halfserve.serving import InternalError, Tensors
+from halfserve.serving import InternalError, InvalidInputError, Tensors
 
 
 def _array(value: object, where: str) -> np.ndarray:
@@ -55,7 +55,8 @@ def _check_shape(dims: list[int], spec: TensorSpec, model: str, where: str) -> N
 def checked_inputs(value: object, manifest: Manifest, rows: int) -> Tensors:
     """What ``preprocess`` returned as the model's inputs: an array (a model of one input) or a mapping by input name,
     each ``rows`` rows of the input's shape, in a dtype that casts to the input's without changing kind (floats to
-    the input's floats, integers to its integers); an :class:`InternalError` naming what was expected and what came."""
+    the input's floats, integers to its integers); an :class:`InternalError` naming what was expected and what came,
+    an :class:`InvalidInputError` for NaN or infinite values the model does not accept."""
     specs = manifest.inputs
     names = [t.name for t in specs]
     if isinstance(value, dict):
@@ -78,8 +79,22 @@ def checked_inputs(value: object, manifest: Manifest, rows: int) -> Tensors:
         _check_shape(list(array.shape), spec, manifest.name, where)
         if array.shape[0] != rows:
             raise InternalError(f"{where} with {array.shape[0]} rows; expected {rows}, one per payload")
-        out[spec.name] = np.ascontiguousarray(array, dtype=want)
+        with np.errstate(over="ignore"):  # a value past the input's floats is infinite there: refused just below
+            out[spec.name] = np.ascontiguousarray(array, dtype=want)
+        _check_finite(out[spec.name], manifest, where)
     return out
+
+
+def _check_finite(x: np.ndarray, manifest: Manifest, where: str) -> None:
+    """A 400 (the payload's: a NaN read from a CSV cell) where ``x`` holds NaN or infinite values the model does not
+    accept, as the data plane refuses them in a request's own tensors."""
+    if x.dtype.kind != "f" or manifest.allow_nonfinite_inputs or np.isfinite(x).all():
+        return
+    row = int(np.flatnonzero(~np.isfinite(x).reshape(x.shape[0], -1).all(axis=1))[0])
+    raise InvalidInputError(
+        f"{where}: row {row} holds a NaN or infinite value (or one beyond the range of {x.dtype.name}); model "
+        f"{manifest.name!r} does not accept them (allow_nonfinite_inputs)"
+    )
 
 
 def answers(value: object, count: int) -> list[bytes]:

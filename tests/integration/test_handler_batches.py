@@ -116,3 +116,22 @@ async def test_one_bad_payload_among_good_ones_fails_alone(store: tuple[Path, Pa
     made = calls(log)
     assert made[0] == f"pre {MAX_BATCH}"
     assert sorted(made[1:]) == ["post 1"] * 4 + ["pre 1"] * 5
+
+
+async def test_a_payload_the_handler_makes_nan_or_infinite_is_refused_alone(store: tuple[Path, Path, Path]) -> None:
+    """A CSV cell of ``nan``, or of ``1e308`` (infinite as float32), read by the handler into the model's input: a 400
+    for that request as for a tensor holding one (the model takes no such values), the others answered."""
+    root, code, _ = store
+    rows = digits_rows()[:MAX_BATCH]
+    bodies = [csv(row) for row in rows]
+    bodies[1] = b"nan," + bodies[1].split(b",", 1)[1]
+    bodies[2] = b"1e308," + bodies[2].split(b",", 1)[1]
+    async with started(Settings(store=root, code_path=[code]), BATCHED) as client:
+        expected = await expected_digits(client)
+        answers = await asyncio.gather(*(client.put(f"/predictions/{BATCHED}", content=b) for b in bodies))
+    assert [r.status_code for r in answers] == [200, 400, 400, 200], [r.text for r in answers]
+    assert answers[1].json()["message"] == (
+        "handler preprocess returned 'pixels': row 0 holds a NaN or infinite value (or one beyond the range of "
+        f"float32); model {BATCHED!r} does not accept them (allow_nonfinite_inputs)"
+    )
+    assert [answers[i].json()["digit"] for i in (0, 3)] == [expected[0], expected[3]]
