@@ -42,6 +42,7 @@ from halfserve import (
     precision_record,
     storage,
     store,
+    text,
 )
 from halfserve.calibration import Samples
 from halfserve.engine.core import Engine
@@ -368,15 +369,23 @@ def import_model(
 
 def _tokenizer(folder: Path, manifest: Manifest) -> Path | None:
     """A text model's tokenizer file, beside its weights (in a Hugging Face model's folder), which the import copies
-    into the version; an :class:`ImportFailure` naming it and the fix where it is not there."""
+    into the version; an :class:`ImportFailure` naming it and the fix where it is not there, is not a regular file or
+    does not read as a tokenizer (the version would fail its load)."""
     if manifest.text is None:
         return None
     path = folder / manifest.text.tokenizer
-    if not path.is_file():
+    where = f"--text {manifest.text.input}: {path}"
+    if not path.exists() and not path.is_symlink():
         raise ImportFailure(
-            f"--text {manifest.text.input}: {path}: not found; a text model is served with the {path.name} beside its "
-            f"weights, which the import copies into the version: put the model's tokenizer there"
+            f"{where}: not found; a text model is served with the {path.name} beside its weights, which the import "
+            f"copies into the version: put the model's tokenizer there"
         )
+    if path.is_symlink():  # copied, it would be the linked file's bytes, whatever it is
+        raise ImportFailure(f"{where}: a symbolic link; put the tokenizer file itself there")
+    try:
+        text.encoder_at(path, manifest)  # read as the server will read it: a file that does not is refused now
+    except text.TextError as e:
+        raise ImportFailure(f"--text {manifest.text.input}: {e}") from None
     return path
 
 

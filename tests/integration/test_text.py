@@ -245,6 +245,16 @@ async def test_a_state_dict_imports_with_the_tokenizer_beside_it_and_answers_tex
         "beside its weights, which the import copies into the version: put the model's tokenizer there"
     )
     assert not root.exists(), "nothing written"
+    tokenizer.symlink_to(tmp_path / "elsewhere.json")  # copied, it would be whatever file it links to
+    assert cli.main(args) == 2
+    assert (
+        capsys.readouterr().err.strip().endswith(f"{tokenizer}: a symbolic link; put the tokenizer file itself there")
+    )
+    tokenizer.unlink()
+    tokenizer.write_text('{"not": "a tokenizer"}')  # the version would fail its load: refused now
+    assert cli.main(args) == 2
+    assert f"--text text: {tokenizer}: cannot read the tokenizer" in capsys.readouterr().err
+    assert not root.exists(), "nothing written"
     (tmp_path / "elsewhere.json").rename(tokenizer)
     assert cli.main([*args, "--calibration", str(tmp_path / "texts.txt")]) == 0  # tokenized with it
     assert "calibration: texts from" in capsys.readouterr().out
