@@ -129,3 +129,16 @@ def test_an_image_classifier_of_fewer_classes_than_its_top_k_answers_every_class
     answers = handler.postprocess(logits)  # torch.topk of 5 of 3 had raised: every request a 500
     assert [list(a) for a in answers] == [["dog", "bird", "cat"], ["cat", "dog", "bird"]]
     assert sum(answers[0].values()) == pytest.approx(1.0)
+
+
+def test_a_jpeg_2000_of_next_to_no_image_is_refused_not_decoded() -> None:
+    """Held to the PNG's bound, as every format but JPEG is: a 5000x5000 JPEG 2000 of one colour is 562 bytes, and
+    took 0.6 s to decode; a GIF of as many flat pixels takes six times the bound, and a photo far more."""
+    flat = encoded(Image.new("RGB", (5000, 5000)), "JPEG2000")
+    with pytest.raises(images.ImageError, match=r"^data: a 5000x5000 JPEG2000 image in \d+ bytes, fewer than a photo"):
+        Grey().preprocess(rows(flat))
+    photo = np.random.default_rng(0).integers(0, 256, (48, 64), dtype=np.uint8)
+    batch = Grey().preprocess(
+        rows(encoded(Image.fromarray(photo), "JPEG2000"), encoded(Image.new("L", (64, 48)), "GIF"))
+    )
+    assert batch.shape == (2, 48, 64)
