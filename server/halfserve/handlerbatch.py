@@ -76,6 +76,7 @@ class HandlerBatcher(Generic[J, R]):
         concurrency: int,
         weight: Callable[[J], int] = lambda _: 0,
         max_queue_bytes: int | None = None,
+        also_held: Callable[[], int] = lambda: 0,
         clock: Clock | None = None,
     ) -> None:
         if max_batch_size < 1 or max_queue_payloads < 1 or max_delay < 0 or concurrency < 1:
@@ -85,6 +86,9 @@ class HandlerBatcher(Generic[J, R]):
         self.weight = weight
         self.max_queue_bytes = max_queue_bytes
         """Bytes (``weight``) of the requests queued or in a batch running that a request may join (None: no bound)."""
+        self.also_held = also_held
+        """Bytes held besides, counted against ``max_queue_bytes`` too: a call past its time limit still reads its
+        payloads after its batch is over."""
         self.alone = alone
         self.max_batch_size = max_batch_size
         self.max_delay = max_delay
@@ -108,8 +112,8 @@ class HandlerBatcher(Generic[J, R]):
 
     @property
     def held_bytes(self) -> int:
-        """Bytes of the requests queued or in a batch running."""
-        return self._held_bytes
+        """Bytes of the requests queued or in a batch running, and those :attr:`also_held`."""
+        return self._held_bytes + self.also_held()
 
     def submit(self, job: J, deadline: float | None = None) -> asyncio.Future[R]:
         """Queue ``job``; the future of its result. ``deadline`` is a time on :attr:`clock`. Raises
@@ -132,9 +136,10 @@ class HandlerBatcher(Generic[J, R]):
             raise RequestTooLargeError(
                 f"request has {weight} bytes of payloads; the handler queue holds at most {most} (handler_queue_bytes)"
             )
-        if most is not None and self._held_bytes + weight > most:
+        held = self.held_bytes
+        if most is not None and held + weight > most:
             raise QueueFullError(
-                f"handler queue full ({self._held_bytes} bytes of payloads queued or running, request has {weight}; "
+                f"handler queue full ({held} bytes of payloads queued or running, request has {weight}; "
                 f"at most {most}: handler_queue_bytes)"
             )
         now = self.clock.now()

@@ -192,12 +192,26 @@ def running(model: str) -> int:
     return _running.get(model, 0)
 
 
-async def run(stage: Stage, call: Callable[[], Any], timeout_s: float, model: str) -> Any:
+_stuck: dict[str, int] = {}
+"""Bytes of payloads that calls past their time limit still hold, per model, until they return."""
+
+
+def _unstuck(model: str, weight: int) -> None:
+    _stuck[model] -= weight
+
+
+def stuck_bytes(model: str) -> int:
+    """Bytes of payloads model ``model``'s calls past their time limit still hold (``weight`` of :func:`run`)."""
+    return _stuck.get(model, 0)
+
+
+async def run(stage: Stage, call: Callable[[], Any], timeout_s: float, model: str, weight: int = 0) -> Any:
     """``call()`` on one of model ``model``'s handler threads within ``timeout_s`` of its start:
     :class:`HandlerRaisedError` when it raises, :class:`HandlerTimeoutError` past the limit (it runs on, see the
     module), :class:`HandlerBusyError` when the model's bound is full or no thread came free within ``timeout_s``
     (calls past their limit hold them all; the call is withdrawn, never run): the time limit is the call's own, not
-    its wait for a thread, which another request's call may hold."""
+    its wait for a thread, which another request's call may hold. ``weight`` (the bytes of the payloads the call
+    reads) is counted in :func:`stuck_bytes` from its time limit until it returns."""
     held = running(model)
     if held >= HANDLER_THREADS + HANDLER_QUEUE:
         raise HandlerBusyError(
@@ -230,6 +244,9 @@ async def run(stage: Stage, call: Callable[[], Any], timeout_s: float, model: st
     try:
         result = await asyncio.wait_for(asyncio.shield(future), timeout_s)
     except TimeoutError:
+        if weight and not future.done():
+            _stuck[model] = _stuck.get(model, 0) + weight
+            future.add_done_callback(lambda _: _unstuck(model, weight))
         raise HandlerTimeoutError(
             f"handler {stage.value} ran past its time limit of {timeout_s:g} s (handler.timeout_s)"
         ) from None

@@ -190,6 +190,10 @@ async def test_payload_bytes_are_bounded_from_arrival_until_the_batch_is_over() 
     queued.cancel()  # withdrawn from the queue: its bytes are free at once
     await settle()
     assert b.held_bytes == 60
+    b.also_held = lambda: 1  # a call past its limit still reading a byte of payloads
+    with pytest.raises(QueueFullError, match=r"\(61 bytes of payloads queued or running, request has 40"):
+        b.submit(("f" * 40,))
+    b.also_held = lambda: 0
     later = b.submit(("f" * 40,))
     handler.gate.set()
     await settle()

@@ -96,6 +96,17 @@ async def test_a_call_that_gets_no_thread_within_its_limit_is_busy_and_never_run
     assert not ran.is_set()
 
 
+async def test_a_call_past_its_limit_holds_its_payload_bytes_until_it_returns() -> None:
+    release = threading.Event()
+    with pytest.raises(HandlerTimeoutError):
+        await handlers.run(Stage.PREPROCESS, release.wait, 0.01, "stuck", 100)
+    assert handlers.stuck_bytes("stuck") == 100
+    release.set()
+    await until(lambda: handlers.stuck_bytes("stuck") == 0, "the stuck call returned")
+    assert await handlers.run(Stage.PREPROCESS, lambda: 5, 5, "stuck", 100) == 5
+    assert handlers.stuck_bytes("stuck") == 0  # a call within its limit is not counted
+
+
 async def test_a_model_whose_calls_hang_holds_only_its_own_threads(monkeypatch: pytest.MonkeyPatch) -> None:
     """Each model has its threads and its bound: one whose handler hangs is refused busy, another answers at once."""
     monkeypatch.setattr(handlers, "HANDLER_THREADS", 1)

@@ -80,9 +80,12 @@ def payload_count(settings: Settings, served: ModelHandle, payloads: list[Payloa
             raise InvalidInputError(f"{name}: empty; send the bytes the model's handler reads")
 
 
-async def _call(served: ModelHandle, stage: handlers.Stage, call: functools.partial[Any], limit: float) -> Any:
+async def _call(
+    served: ModelHandle, stage: handlers.Stage, call: functools.partial[Any], limit: float, payloads: list[Payload]
+) -> Any:
+    weight = sum(len(p.data) for p in payloads)  # held by a call past its limit until it returns
     try:
-        return await handlers.run(stage, call, limit, served.name)
+        return await handlers.run(stage, call, limit, served.name, weight)
     except handlers.HandlerRaisedError as e:
         if stage is handlers.Stage.PREPROCESS:
             raise InvalidInputError(str(e)) from None
@@ -113,7 +116,7 @@ async def preprocess(served: ModelHandle, settings: Settings, payloads: list[Pay
     handler = await _handler(served, settings, spec)
     requests = [p.as_request() for p in payloads]
     call = functools.partial(handler.preprocess, requests)
-    value = await _call(served, handlers.Stage.PREPROCESS, call, spec.timeout_s)
+    value = await _call(served, handlers.Stage.PREPROCESS, call, spec.timeout_s, payloads)
     return handlercheck.checked_inputs(value, served.manifest, len(payloads))
 
 
@@ -129,7 +132,7 @@ async def postprocess(
     given: object = outputs[names[0]] if len(names) == 1 else outputs
     requests = [p.as_request() for p in payloads]
     call = functools.partial(handler.postprocess, given, requests)
-    value = await _call(served, handlers.Stage.POSTPROCESS, call, spec.timeout_s)
+    value = await _call(served, handlers.Stage.POSTPROCESS, call, spec.timeout_s, payloads)
     return handlercheck.answers(value, len(payloads))
 
 
@@ -229,6 +232,8 @@ def _batcher(served: ModelHandle, settings: Settings, spec: HandlerSection) -> H
             _run_batch,
             size=_size,
             weight=_weight,
+            # Payloads a call past its limit still reads hold memory as queued ones do, until the call returns.
+            also_held=functools.partial(handlers.stuck_bytes, served.name),
             alone=_alone,
             max_batch_size=1,
             max_delay=0.0,
