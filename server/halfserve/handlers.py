@@ -227,7 +227,8 @@ async def run(stage: Stage, call: Callable[[], Any], timeout_s: float, model: st
     began = asyncio.Event()
 
     def started() -> Any:  # on the handler thread
-        loop.call_soon_threadsafe(began.set)
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile (a shutdown): nobody waits for it
+            loop.call_soon_threadsafe(began.set)
         return _guarded(call)
 
     queued = _threads(model).submit(started)
