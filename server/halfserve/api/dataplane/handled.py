@@ -83,7 +83,7 @@ def payload_count(settings: Settings, served: ModelHandle, payloads: list[Payloa
 async def _call(
     served: ModelHandle, stage: handlers.Stage, call: functools.partial[Any], limit: float, payloads: list[Payload]
 ) -> Any:
-    weight = sum(len(p.data) for p in payloads)  # held by a call past its limit until it returns
+    weight = _bytes(payloads)  # held by a call past its limit until it returns
     try:
         return await handlers.run(stage, call, limit, served.name, weight)
     except handlers.HandlerRaisedError as e:
@@ -209,8 +209,12 @@ def _size(job: Job) -> int:
     return len(job.payloads)
 
 
+def _bytes(payloads: list[Payload]) -> int:
+    return sum(len(p.data) for p in payloads)
+
+
 def _weight(job: Job) -> int:
-    return sum(len(p.data) for p in job.payloads)
+    return _bytes(job.payloads)
 
 
 BATCHES_IN_FLIGHT = handlers.HANDLER_THREADS + 2
