@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from halfserve import images
 from halfserve.handlerinput import HandlerSection, HandlerStyle
 from halfserve.settings import MAX_IMAGE_PIXELS
 
@@ -55,6 +56,16 @@ class HandlerLoadError(HandlerError):
 
 class HandlerRaisedError(HandlerError):
     """The handler's own code raised; the message is ``handler <stage> failed: <type>: <reason>``."""
+
+
+class HandlerInputTooLargeError(HandlerRaisedError):
+    """The handler refused an image over the server's pixel limit (TorchServe's ``VisionHandler`` holds images to
+    ``--max-image-pixels``): the request's excess, answered as the server's own image decoding answers it (413)."""
+
+
+def too_large(error: BaseException) -> bool:
+    """Whether a handler's exception is an image over the server's pixel limit (:class:`HandlerInputTooLargeError`)."""
+    return isinstance(error, images.ImageTooLargeError)
 
 
 class HandlerBusyError(HandlerError):
@@ -252,5 +263,6 @@ async def run(stage: Stage, call: Callable[[], Any], timeout_s: float, model: st
             f"handler {stage.value} ran past its time limit of {timeout_s:g} s (handler.timeout_s)"
         ) from None
     if isinstance(result, _Raised):
-        raise HandlerRaisedError(one_line(result.error, f"handler {stage.value} failed: "))
+        kind = HandlerInputTooLargeError if too_large(result.error) else HandlerRaisedError
+        raise kind(one_line(result.error, f"handler {stage.value} failed: "))
     return result

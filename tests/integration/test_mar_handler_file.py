@@ -6,6 +6,7 @@ tests/e2e/test_mar_handler_file.py)."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import hashlib
 import importlib
 import json
@@ -73,15 +74,16 @@ async def test_a_handler_that_raises_is_that_request_s_error(tmp_path: Path) -> 
 async def test_the_archive_s_vision_handler_holds_photos_to_the_server_s_pixel_setting(
     tmp_path: Path, placement: str
 ) -> None:
-    """The photo has 400 x 300 pixels: a server held to fewer refuses it, naming the setting, wherever the handler
-    runs (on the server's handler threads, or in the instance process)."""
+    """The photo has 400 x 300 pixels: a server held to fewer refuses it with a 413 (as its own image decoding
+    does), naming the setting, wherever the handler runs (on the server's handler threads, or in the instance
+    process)."""
     code, store = tmp_path / "code", tmp_path / "store"
     assert imports(tmp_path, handler_archive(tmp_path, STRICT, "strict_handler"), code) == 0
     paths = [tmp_path / "model_code", code]
     held = Settings(store=store, code_path=paths, max_image_pixels=119_999, placement=placement)  # type: ignore[arg-type]
     async with serving(held) as client:
         r = await client.put("/predictions/tinynet", content=photo("JPEG"))  # type: ignore[attr-defined]
-        assert r.status_code == 400, r.text
+        assert r.status_code == 413, r.text
         assert r.json()["message"] == (
             "handler preprocess failed: ImageTooLargeError: data: a 400x300 JPEG image, more than the 119999 pixels "
             "an image may have (max_image_pixels)"
@@ -118,6 +120,23 @@ async def test_an_empty_form_part_is_refused_naming_it_before_the_handler_runs(t
         assert r.status_code == 400, r.text
         assert r.json()["message"] == "form.data[1]: empty; send the bytes the model's handler reads"
         r = await client.post("/predictions/tinynet", files=files[:1])  # type: ignore[attr-defined]
+        assert r.status_code == 200, r.text
+
+
+async def test_a_photo_sent_to_predict_is_pointed_to_the_route_that_runs_the_handler(tmp_path: Path) -> None:
+    """``/predict`` feeds tensors, not the handler: a photo there had read "takes no images: its manifest has no image
+    section (halfserve import --image)", of a model that reads photos."""
+    code, store = tmp_path / "code", tmp_path / "store"
+    assert imports(tmp_path, handler_archive(tmp_path, STRICT, "strict_handler"), code) == 0
+    async with serving(Settings(store=store, code_path=[tmp_path / "model_code", code])) as client:
+        sent = {"inputs": [{"b64": base64.b64encode(photo("JPEG")).decode()}]}
+        r = await client.post("/predict", json=sent)  # type: ignore[attr-defined]
+        assert r.status_code == 400, r.text
+        assert r.json()["error"] == (
+            "inputs[0].b64: model 'tinynet' reads photos through its handler: send them to /predictions/tinynet (the "
+            "raw body, or form fields named data or body)"
+        )
+        r = await client.put("/predictions/tinynet", content=photo("JPEG"))  # type: ignore[attr-defined]
         assert r.status_code == 200, r.text
 
 

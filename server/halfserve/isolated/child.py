@@ -45,6 +45,7 @@ from halfserve.serving import (
     InvalidInputError,
     ModelUnavailableError,
     Output,
+    OverLimitError,
     QueueFullError,
 )
 
@@ -175,6 +176,7 @@ def _handled(
         answers, outs = handler.run(handling.requests(head, payload))
     except (
         InvalidInputError,
+        OverLimitError,
         InternalError,
         DeadlineExceededError,
         BatchFailedError,

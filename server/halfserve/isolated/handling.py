@@ -38,6 +38,7 @@ from halfserve.serving import (
     InvalidInputError,
     Outcome,
     Output,
+    OverLimitError,
     QueueFullError,
 )
 
@@ -97,6 +98,8 @@ class InstanceHandler:
             ) from None
         except BaseException as e:  # a SystemExit from the team's code is the batch's failure too
             reason = handlers.one_line(e, f"handler {stage.value} failed: ")
+            if handlers.too_large(e):
+                raise OverLimitError(reason) from None
             raise (InvalidInputError if stage is handlers.Stage.PREPROCESS else InternalError)(reason) from None
 
     def _forward(self, x: np.ndarray) -> list[Output]:

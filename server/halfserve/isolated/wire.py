@@ -41,6 +41,7 @@ from halfserve.serving import (
     ModelUnavailableError,
     Outcome,
     Output,
+    OverLimitError,
     QueueFullError,
 )
 
@@ -49,6 +50,7 @@ _ERRORS: dict[str, Callable[[str], Exception]] = {
     "PrecisionOverflowError": PrecisionOverflowError,
     # A handler batch's (:mod:`halfserve.isolated.handling`), answered as the data plane's handler threads answer.
     "InvalidInputError": InvalidInputError,
+    "OverLimitError": OverLimitError,
     "InternalError": InternalError,
     "DeadlineExceededError": DeadlineExceededError,
     "HandlerTimeLimitError": HandlerTimeLimitError,

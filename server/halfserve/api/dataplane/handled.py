@@ -9,9 +9,9 @@ Where the model's instances are processes, a batch's three steps run in one of t
 kills its process is its batch's 500.
 
 Everything the handler does wrong is that request's answer, one line, never the server's: ``preprocess`` raising is
-the request's fault as far as the server can tell (400); inputs of the wrong names, shape or rows, an exception in
-``postprocess``, or answers of the wrong number or not JSON-able are the handler's (500); past the time limit a 504,
-and a full bound a 503 to retry.
+the request's fault as far as the server can tell (400; 413 for an image over ``--max-image-pixels``); inputs of the
+wrong names, shape or rows, an exception in ``postprocess``, or answers of the wrong number or not JSON-able are the
+handler's (500); past the time limit a 504, and a full bound a 503 to retry.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ from halfserve.serving import (
     InvalidInputError,
     ModelHandle,
     ModelUnavailableError,
+    OverLimitError,
     Prediction,
     QueueFullError,
     Tensors,
@@ -86,6 +87,8 @@ async def _call(
     weight = _bytes(payloads)  # held by a call past its limit until it returns
     try:
         return await handlers.run(stage, call, limit, served.name, weight)
+    except handlers.HandlerInputTooLargeError as e:
+        raise OverLimitError(str(e)) from None
     except handlers.HandlerRaisedError as e:
         if stage is handlers.Stage.PREPROCESS:
             raise InvalidInputError(str(e)) from None
@@ -199,10 +202,11 @@ async def _in_instance(job: Job, handled: Awaitable[Handled], timeout: float | N
 
 def _alone(e: BaseException) -> bool:
     """Whether one request of a batch may have caused ``e``: the handler raised or returned what it should not (a
-    400 or a 500 naming it), ran past its own time limit (a few heavy photos batched with a light one: the light one
-    then gets its answer from its own call), or the forward failed on the batch's rows. Not the requests' deadline, a
-    full bound or a model that cannot serve: rerunning each request alone would only repeat those for each."""
-    return isinstance(e, InvalidInputError | InternalError | BatchFailedError | HandlerTimeLimitError)
+    400 or a 500 naming it; a 413 for an image over the pixel limit), ran past its own time limit (a few heavy photos
+    batched with a light one: the light one then gets its answer from its own call), or the forward failed on the
+    batch's rows. Not the requests' deadline, a full bound or a model that cannot serve: rerunning each request alone
+    would only repeat those for each."""
+    return isinstance(e, InvalidInputError | OverLimitError | InternalError | BatchFailedError | HandlerTimeLimitError)
 
 
 def _size(job: Job) -> int:

@@ -28,8 +28,13 @@ def image_count(settings: Settings, served: ModelHandle, count: int, field: str)
 
 def no_images(served: ModelHandle, field: str = "") -> InvalidInputError:
     """The refusal of photos sent to a model without an image section (``field``: the request field that holds them,
-    where the route names one)."""
+    where the route names one); a model with a handler section is pointed to the route that runs its handler."""
     where = f"{field}: " if field else ""
+    if served.manifest.handler is not None:  # a TorchServe archive's: its handler reads the photos, not this route
+        return InvalidInputError(
+            f"{where}model {served.name!r} reads photos through its handler: send them to /predictions/{served.name} "
+            "(the raw body, or form fields named data or body)"
+        )
     return InvalidInputError(
         f"{where}model {served.name!r} takes no images: its manifest has no image section (halfserve import --image)"
     )
