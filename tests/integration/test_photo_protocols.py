@@ -142,6 +142,7 @@ async def test_torchserve_s_inference_api_takes_its_version_spelling_methods_and
         answered = {v: await client.put(f"/predictions/photo/{v}", content=png(100)) for v in versions}
         described = {v: (await management.get(f"/models/photo/{v}")).status_code for v in versions}
         get = await client.get("/predictions/photo/1")
+        nowhere = await client.post("/predictions/photo/1/more", content=png(100))
         explained = [await client.post(p, content=png(100)) for p in ("/explanations/photo", "/explanations/photo/1")]
         still = await client.post("/predictions/photo", content=png(100))
     assert plain.status_code == 200, plain.text
@@ -153,11 +154,37 @@ async def test_torchserve_s_inference_api_takes_its_version_spelling_methods_and
         else:
             assert r.json()["type"] == "ModelNotFoundException"
     assert get.status_code == 405
+    # Had been this server's {"error": "Method Not Allowed"}: TorchServe's clients read the type.
+    assert get.json() == {
+        "code": 405,
+        "type": "MethodNotAllowedException",
+        "message": "Requested method is not allowed, please refer to API document.",
+        "error": "Requested method is not allowed, please refer to API document.",
+    }
     assert {m.strip() for m in get.headers["allow"].split(",")} == {"POST", "PUT"}  # POST alone had been named
-    for r in explained:  # had been this server's {"error": "Not Found"}
+    for r in [*explained, nowhere]:  # had been this server's {"error": "Not Found"}
         assert r.status_code == 404
         body = r.json()
         assert (body["code"], body["type"]) == (404, "ResourceNotFoundException")
         assert body["message"].startswith("Requested resource is not found, please refer to API document.")
         assert body["error"] == body["message"]
     assert still.status_code == 200
+
+
+async def test_a_photo_given_with_the_pixels_it_feeds_is_refused_in_the_same_words_in_either_order(
+    tmp_path: Path,
+) -> None:
+    """Which came first had chosen the message: pixels then the photo read "give 'photo' or 'pixels', not both", the
+    photo then the pixels "input 'pixels' is given twice". Two photo inputs are the one given twice."""
+    save_photo_cnn(tmp_path)
+    photo = {"name": "photo", "datatype": "BYTES", "shape": [1], "data": [base64.b64encode(png(100)).decode()]}
+    pixels = {"name": "pixels", "datatype": "FP32", "shape": [1, 1, 8, 8], "data": [0.0] * 64}
+    async with serving(Settings(store=tmp_path, precision="fp32")) as client:
+        orders = [await client.post(INFER, json={"inputs": given}) for given in ([pixels, photo], [photo, pixels])]
+        twice = await client.post(INFER, json={"inputs": [photo, photo]})
+        alone = await client.post(INFER, json={"inputs": [photo]})
+    assert [r.status_code for r in orders] == [400, 400]
+    assert [r.json()["error"] for r in orders] == ["inputs[1].name: give 'photo' or 'pixels', not both"] * 2
+    assert twice.status_code == 400
+    assert twice.json()["error"] == "inputs[1].name: input 'photo' is given twice"
+    assert alone.status_code == 200, alone.text  # the check is on the pairing, not on the photo

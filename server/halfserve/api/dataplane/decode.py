@@ -220,7 +220,9 @@ def decode(
         if text is not None and item.name == text.input:
             photos = served.manifest.image is not None
             texts = _bytes_elements(item, field, served, settings, regions, photos)
-            if text.feeds in tensors or pending is not None:
+            if pending is not None:
+                raise InvalidInputError(f"{field}.name: input {text.input!r} is given twice")
+            if text.feeds in tensors:
                 raise InvalidInputError(f"{field}.name: give {text.input!r} or {text.feeds!r}, not both")
             if settings is None:
                 kind = "image" if served.manifest.image is not None else "text"
@@ -233,8 +235,10 @@ def decode(
             pending = (texts, field)
             continue
         x, spec = _decode_input(item, field, served, settings, regions, specs)
-        if spec.name in tensors or (pending is not None and text is not None and spec.name == text.feeds):
+        if spec.name in tensors:
             raise InvalidInputError(f"{field}.name: input {spec.name!r} is given twice")
+        if pending is not None and text is not None and spec.name == text.feeds:  # the same words in either order
+            raise InvalidInputError(f"{field}.name: give {text.input!r} or {text.feeds!r}, not both")
         first = next(iter(tensors.items()), None)
         if first is not None and len(x) != len(first[1]):
             raise InvalidInputError(

@@ -3,6 +3,7 @@ entries, and FastAPI's own errors answered in the same shape."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import orjson
@@ -66,8 +67,14 @@ def json_ok(description: str, schema: dict[str, Any] | None = None) -> Responses
     return {"200": {"description": description, "content": {"application/json": {"schema": schema or {}}}}}
 
 
-def install(app: FastAPI) -> None:
-    """Make FastAPI's own errors (404, 405, validation) speak the same JSON shape."""
+RoutingShape = Callable[[int, dict[str, str] | None], Response]
+"""An API's own answer to the router's 404 or 405 (the status, and the headers the router gave, ``Allow``)."""
+
+
+def install(app: FastAPI, shapes: Mapping[str, RoutingShape] | None = None) -> None:
+    """Make FastAPI's own errors (404, 405, validation) speak the same JSON shape; a router 404 or 405 on a path
+    that starts with a prefix of ``shapes`` in that API's own (TorchServe's on ``/predictions/``)."""
+    shaped = dict(shapes or {})
 
     async def http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, StarletteHTTPException)
@@ -75,6 +82,11 @@ def install(app: FastAPI) -> None:
         if headers is not None and "GET" in headers.get("Allow", "").split(", "):
             # A GET route answers HEAD too (halfserve.api.http.head_as_get), which its declaration does not name.
             headers["Allow"] += ", HEAD"
+        if exc.status_code in (404, 405):
+            path = request.scope["path"]
+            for prefix, shape in shaped.items():
+                if path.startswith(prefix):
+                    return shape(exc.status_code, headers)
         return error_response(exc.status_code, str(exc.detail), headers)
 
     async def validation_error(request: Request, exc: Exception) -> Response:

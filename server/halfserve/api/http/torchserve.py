@@ -52,6 +52,8 @@ ERROR_TYPES = {
 in their style for the statuses it has no exception of its own for."""
 NOT_FOUND_MESSAGE = "Requested resource is not found, please refer to API document."
 """TorchServe's answer to a path it has no route for."""
+NOT_ALLOWED_MESSAGE = "Requested method is not allowed, please refer to API document."
+"""TorchServe's answer to a method a path has no route for."""
 _VERSION = re.compile(r"(0|[1-9][0-9]{0,8})\.0", re.ASCII)
 """A version as TorchServe's archives spell it (``2.0``), in ASCII digits."""
 
@@ -109,6 +111,18 @@ def error(status: int, message: str, kind: str | None = None, headers: dict[str,
     kind = kind or ERROR_TYPES.get(status, "InternalServerException" if status >= 500 else "BadRequestException")
     body = {"code": status, "type": kind, "message": message, "error": message}
     return Response(orjson.dumps(body), status_code=status, media_type="application/json", headers=headers)
+
+
+def routing_error(status: int, headers: dict[str, str] | None) -> Response:
+    """The router's 404 or 405 on TorchServe's inference paths, as TorchServe answers them (its clients read
+    ``type``), with the ``Allow`` the router named."""
+    if status == 405:
+        return error(405, NOT_ALLOWED_MESSAGE, "MethodNotAllowedException", headers)
+    return error(status, NOT_FOUND_MESSAGE, "ResourceNotFoundException", headers)
+
+
+ROUTING_SHAPES = {"/predictions/": routing_error, "/explanations/": routing_error}
+"""The path prefixes whose routing errors answer in TorchServe's shape (:func:`halfserve.api.http.errors.install`)."""
 
 
 def version_named(asked: str) -> str:

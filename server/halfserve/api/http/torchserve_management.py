@@ -29,7 +29,7 @@ from starlette.types import Receive, Scope, Send
 from halfserve.api.errors import APIError
 from halfserve.api.http import deps, guard
 from halfserve.api.http.telemetry import Endpoint
-from halfserve.api.http.torchserve import NOT_FOUND_MESSAGE, error, version_named
+from halfserve.api.http.torchserve import NOT_ALLOWED_MESSAGE, NOT_FOUND_MESSAGE, error, version_named
 from halfserve.serving import AppState, LocalModel, ModelState
 
 DEFAULT_LIMIT = 100
@@ -238,8 +238,7 @@ def _allow(scope: Scope) -> dict[str, str]:
 
 async def _not_found(request: Request, exc: Exception) -> Response:
     if isinstance(exc, HTTPException) and exc.status_code == 405:
-        message = "Requested method is not allowed, please refer to API document."
-        return error(405, message, "MethodNotAllowedException", _allow(request.scope))
+        return error(405, NOT_ALLOWED_MESSAGE, "MethodNotAllowedException", _allow(request.scope))
     return error(404, NOT_FOUND_MESSAGE, "ResourceNotFoundException")
 
 
