@@ -122,6 +122,9 @@ BAD_REQUESTS = [
     (b'{"inputs": [[1, null, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16]]}', 400, "must be numbers"),
     (b'{"inputs": [[1, 2], [1]]}', 400, "ragged"),
     (b'{"model": 7, "inputs": [[1]]}', 400, "model: expected a string"),
+    # Fields /predict does not read had been left out silently: a misspelt one, or KServe v1's instances.
+    (b'{"instances": [[1]]}', 400, "instances: unexpected field; /predict reads inputs, and model and version if"),
+    (b'{"inputs": [[0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]], "verison": 1}', 400, "verison: unexpected field"),
     # As /predictions names them; the numbers' refusal ("values must be numbers") had been given.
     (b'{"inputs": [{"b64": "iVBORw0KGgo="}]}', 400, "inputs[0].b64: model 'tiny' takes no images: its manifest has no"),
     (b'{"model": "nope", "inputs": [[1]]}', 404, "Request for unknown model: 'nope' is not found"),

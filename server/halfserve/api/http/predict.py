@@ -27,6 +27,9 @@ from halfserve.settings import Settings
 
 router = APIRouter()
 
+FIELDS = frozenset({"model", "version", "inputs"})
+"""The fields of a ``/predict`` body: any other is refused, naming it."""
+
 PREDICT_SCHEMA: dict[str, Any] = {
     "parameters": [TIMEOUT_PARAMETER],
     "requestBody": {
@@ -36,6 +39,7 @@ PREDICT_SCHEMA: dict[str, Any] = {
                 "schema": {
                     "type": "object",
                     "required": ["inputs"],
+                    "additionalProperties": False,
                     "properties": {
                         "model": {"type": "string", "description": "Optional when one model is served."},
                         "version": {
@@ -211,6 +215,11 @@ async def predict(request: Request) -> Response:
     payload = await parse_json(await read_body(request, settings.max_body_bytes), settings.max_json_values)
     if not isinstance(payload, dict):
         raise InvalidInputError(f"body: expected a JSON object, got {type(payload).__name__}")
+    for key in payload:
+        if key not in FIELDS:  # a misspelt field had been left out silently (KServe v1's "instances" too)
+            raise InvalidInputError(
+                f"{as_json(key)[1:-1]}: unexpected field; /predict reads inputs, and model and version if given"
+            )
     name = payload.get("model")
     if name is not None and not isinstance(name, str):
         raise InvalidInputError(f"model: expected a string, got {type(name).__name__}")
