@@ -327,10 +327,10 @@ def import_(args: argparse.Namespace) -> int:
         if args.fidelity is not None:
             fields["fidelity"] = importflags.parse_json_object(args.fidelity, "--fidelity")
         inputs = importer.sequence_inputs(
-            [importer.parse_tensor(t, "--input") for t in args.input], args.max_length, args.mask, args.truncate
+            [importflags.parse_tensor(t, "--input") for t in args.input], args.max_length, args.mask, args.truncate
         )
         if args.input_format is not None:
-            inputs = importer.with_format(inputs, args.input_format)
+            inputs = importflags.with_format(inputs, args.input_format)
         if args.text:
             feeds = next((t.name for t in inputs if t.variable), None)
             fields["text"] = {"input": args.text, "feeds": feeds}
@@ -349,7 +349,7 @@ def import_(args: argparse.Namespace) -> int:
             args.name,
             args.architecture,
             inputs,
-            [importer.parse_tensor(t, "--output") for t in args.output] if args.output else None,
+            [importflags.parse_tensor(t, "--output") for t in args.output] if args.output else None,
             importflags.parse_json_object(args.arch_kwargs, "--arch-kwargs"),
             labels,
             args.calibration,
@@ -394,7 +394,7 @@ def _answer(text: str) -> dict[str, object]:
 
 def _from_archive(args: argparse.Namespace, archive: Archive, copies: CodeCopies) -> None:
     """Fill what a TorchServe archive gives (:mod:`halfserve.mar`) where the command line did not."""
-    from halfserve import mar
+    from halfserve import importflags, mar
 
     args.source = archive.weights
     given = args.name is not None
@@ -415,9 +415,8 @@ def _from_archive(args: argparse.Namespace, archive: Archive, copies: CodeCopies
                 f"{archive.name}: object_detector takes images of any size, and a batch holds one: give --input "
                 "NAME:FP32:3xHEIGHTxWIDTH, the size images are resized to (boxes answer in its pixels)"
             )
-        from halfserve import importer
 
-        shape = importer.parse_tensor(args.input[0], "--input").shape
+        shape = importflags.parse_tensor(args.input[0], "--input").shape
         args.image_resize = args.image_resize or f"{shape[-2]}x{shape[-1]}"
     else:
         args.input = args.input or [mar.IMAGE_INPUT]

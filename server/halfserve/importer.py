@@ -73,36 +73,6 @@ class ImportFailure(StoreError):
     """A source that cannot become a store entry; the message names the file or option and the reason."""
 
 
-def parse_tensor(text: str, option: str) -> TensorSpec:
-    """``NAME:DTYPE:SHAPE`` (``image:FP32:3x224x224``; DTYPE may be left out for FP32: ``features:64``)."""
-    parts = text.split(":")
-    if len(parts) == 2:
-        parts = [parts[0], "FP32", parts[1]]
-    if len(parts) != 3:
-        raise ImportFailure(f"{option} {text!r}: expected NAME:DTYPE:SHAPE, e.g. image:FP32:3x224x224")
-    name, dtype, shape = parts
-    try:
-        dims = [int(d) for d in shape.lower().split("x")]  # -1 first: a variable length (give --max-length)
-        return TensorSpec(name=name, datatype=DataType(dtype.upper()), shape=dims)
-    except ValidationError as e:
-        raise ImportFailure(f"{option} {text!r}: {describe_invalid(e)}") from None
-    except ValueError as e:
-        raise ImportFailure(f"{option} {text!r}: {e}") from None
-
-
-def with_format(inputs: list[TensorSpec], text: str) -> list[TensorSpec]:
-    """``inputs`` with the image layout ``text`` (``NCHW``, ``NHWC`` or ``NONE``) on those of three dimensions."""
-    try:
-        layout = InputFormat.parse(text)
-    except ValueError as e:
-        raise ImportFailure(f"--input-format: {e}") from None
-    images = [t.name for t in inputs if len(t.shape) == 3 and not t.variable]
-    if not images:
-        shapes = ", ".join(f"{t.name} {t.shape}" for t in inputs)
-        raise ImportFailure(f"--input-format: no input has three fixed dimensions (an image): {shapes}")
-    return [TensorSpec.model_validate({**t.model_dump(), "format": layout}) if t.name in images else t for t in inputs]
-
-
 def sequence_inputs(
     inputs: list[TensorSpec], max_length: int | None, mask: str | None, truncate: bool = False
 ) -> list[TensorSpec]:

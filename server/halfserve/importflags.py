@@ -1,6 +1,6 @@
-"""What ``halfserve import``'s flags say, read into the manifest's fields: JSON objects (``--arch-kwargs``,
-``--fidelity``, ``--answer``), the labels (``--labels``) and the image section (``--image`` and ``--image-*``); each
-refusal names its flag."""
+"""What ``halfserve import``'s flags say, read into the manifest's fields: tensors (``--input``, ``--output``) and
+their layout (``--input-format``), JSON objects (``--arch-kwargs``, ``--fidelity``, ``--answer``), the labels
+(``--labels``) and the image section (``--image`` and ``--image-*``); each refusal names its flag."""
 
 from __future__ import annotations
 
@@ -8,9 +8,51 @@ import json
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
+
 from halfserve.imageinput import ImagePreset
 from halfserve.importer import ImportFailure
-from halfserve.manifest import TensorSpec
+from halfserve.manifest import DataType, InputFormat, TensorSpec
+from halfserve.manifest import describe as describe_invalid
+
+
+def parse_tensor(text: str, option: str) -> TensorSpec:
+    """``NAME:DTYPE:SHAPE`` (``image:FP32:3x224x224``; DTYPE may be left out for FP32: ``features:64``)."""
+    parts = text.split(":")
+    expected = "expected NAME:DTYPE:SHAPE, e.g. image:FP32:3x224x224"
+    if len(parts) == 2:
+        if parts[1].upper() in DataType.__members__:
+            raise ImportFailure(f"{option} {text!r}: no shape after the dtype; {expected}")
+        parts = [parts[0], "FP32", parts[1]]
+    if len(parts) != 3:
+        raise ImportFailure(f"{option} {text!r}: {expected}")
+    name, dtype, shape = parts
+    if dtype.upper() not in DataType.__members__:
+        names = ", ".join(DataType.__members__)
+        raise ImportFailure(f"{option} {text!r}: dtype {dtype!r}: expected one of {names}")
+    sizes = shape.lower().split("x")
+    # -1 first: a variable length (give --max-length)
+    if not all(d.strip().removeprefix("-").isascii() and d.strip().removeprefix("-").isdigit() for d in sizes):
+        raise ImportFailure(f"{option} {text!r}: shape {shape!r}: expected sizes joined by x, e.g. 3x224x224")
+    try:
+        return TensorSpec(name=name, datatype=DataType(dtype.upper()), shape=[int(d) for d in sizes])
+    except ValidationError as e:
+        raise ImportFailure(f"{option} {text!r}: {describe_invalid(e)}") from None
+    except ValueError as e:
+        raise ImportFailure(f"{option} {text!r}: {e}") from None
+
+
+def with_format(inputs: list[TensorSpec], text: str) -> list[TensorSpec]:
+    """``inputs`` with the image layout ``text`` (``NCHW``, ``NHWC`` or ``NONE``) on those of three dimensions."""
+    try:
+        layout = InputFormat.parse(text)
+    except ValueError as e:
+        raise ImportFailure(f"--input-format: {e}") from None
+    images = [t.name for t in inputs if len(t.shape) == 3 and not t.variable]
+    if not images:
+        shapes = ", ".join(f"{t.name} {t.shape}" for t in inputs)
+        raise ImportFailure(f"--input-format: no input has three fixed dimensions (an image): {shapes}")
+    return [TensorSpec.model_validate({**t.model_dump(), "format": layout}) if t.name in images else t for t in inputs]
 
 
 def parse_json_object(text: str | None, option: str) -> dict[str, Any]:

@@ -13,14 +13,8 @@ from safetensors.torch import save_file
 from torch import nn
 
 from halfserve import cli, fidelity, models, storage, store
-from halfserve.importer import (
-    ImportFailure,
-    derive_outputs,
-    import_model,
-    parse_tensor,
-    read_state_dict,
-    with_format,
-)
+from halfserve.importer import ImportFailure, derive_outputs, import_model, read_state_dict
+from halfserve.importflags import parse_tensor, with_format
 from halfserve.manifest import DataType, InputFormat, Manifest, TensorSpec
 
 MLP = {"in_features": 6, "hidden": [8], "out_features": 4}
@@ -144,6 +138,22 @@ def test_tensor_options_parse(text: str, want: tuple[str, DataType, list[int]]) 
 def test_bad_tensor_options_are_named(text: str) -> None:
     with pytest.raises(ImportFailure, match=f"--input {text!r}"):
         parse_tensor(text, "--input")
+
+
+@pytest.mark.parametrize(
+    ("text", "reason"),
+    [
+        # Each had read Python's "invalid literal for int() with base 10: 'int64'" (or "''").
+        ("y:INT64", "no shape after the dtype; expected NAME:DTYPE:SHAPE, e.g. image:FP32:3x224x224"),
+        ("y:FP32:", "shape '': expected sizes joined by x, e.g. 3x224x224"),
+        ("y:FP32:3x", "shape '3x': expected sizes joined by x, e.g. 3x224x224"),
+        ("y::3", "dtype '': expected one of FP32, FP16, BF16, FP64, INT64"),
+    ],
+)
+def test_a_tensor_option_s_mistake_is_named_in_its_own_words(text: str, reason: str) -> None:
+    with pytest.raises(ImportFailure) as e:
+        parse_tensor(text, "--output")
+    assert str(e.value).startswith(f"--output {text!r}: {reason}")
 
 
 def test_a_folder_needs_a_hugging_face_architecture_and_a_file_needs_another(tmp_path: Path) -> None:
