@@ -9,13 +9,15 @@ import asyncio
 import base64
 import hashlib
 import importlib
+import io
 import json
 import sys
 from pathlib import Path
 
 import pytest
+from PIL import Image
 
-from halfserve import handlers, tscompat
+from halfserve import handlers, storage, tscompat
 from halfserve import mar as mar_module
 from halfserve.handlerinput import HandlerSection, HandlerStyle
 from halfserve.settings import Settings
@@ -92,6 +94,28 @@ async def test_the_archive_s_vision_handler_holds_photos_to_the_server_s_pixel_s
     async with serving(enough) as client:
         r = await client.put("/predictions/tinynet", content=photo("JPEG"))  # type: ignore[attr-defined]
         assert r.status_code == 200, r.text
+
+
+async def test_a_photo_over_the_pixel_limit_fails_alone_in_its_handler_batch(tmp_path: Path) -> None:
+    """A 400x300 photo and a 200x150 one in one handler batch of a server held to 119,999 pixels: the batch's 413 is
+    rerun one request per call, so only the large photo's request gets it."""
+    code, store = tmp_path / "code", tmp_path / "store"
+    assert imports(tmp_path, handler_archive(tmp_path, STRICT, "strict_handler"), code) == 0
+    manifest_file = store / "tinynet" / storage.MANIFEST
+    manifest = json.loads(manifest_file.read_text())
+    manifest["batching"] = {"max_batch_size": 2, "max_delay_ms": 5000.0}  # cut when both are queued
+    manifest_file.write_text(json.dumps(manifest))
+    small = io.BytesIO()
+    Image.open(io.BytesIO(photo("JPEG"))).resize((200, 150)).save(small, "JPEG")
+    held = Settings(store=store, code_path=[tmp_path / "model_code", code], max_image_pixels=119_999)
+    async with serving(held) as client:
+        big, alone = await asyncio.gather(
+            client.put("/predictions/tinynet", content=photo("JPEG")),  # type: ignore[attr-defined]
+            client.put("/predictions/tinynet", content=small.getvalue()),  # type: ignore[attr-defined]
+        )
+    assert big.status_code == 413, big.text
+    assert big.json()["type"] == "RequestTooLargeException"
+    assert alone.status_code == 200, alone.text
 
 
 async def test_payloads_past_the_handler_queue_s_bytes_are_refused_before_the_handler_runs(tmp_path: Path) -> None:
