@@ -42,7 +42,9 @@ def _help(name: str, field: FieldInfo) -> str:
     if isinstance(default, bool):
         default = "on" if default else "off"
     shown = "" if default is None or default is PydanticUndefined or default == [] else f" (default: {default})"
-    return (first[0].lower() + first[1:] + shown).replace("%", "%%")
+    # Lowered as argparse's own help lines are, but not an acronym's first letter ("HTTP front-end processes").
+    lowered = first if first[:2].isupper() else first[0].lower() + first[1:]
+    return (lowered + shown).replace("%", "%%")
 
 
 def add_settings_flags(p: argparse.ArgumentParser) -> None:

@@ -77,3 +77,9 @@ def test_an_http_port_that_is_the_grpc_port_is_refused_before_anything_loads() -
         Settings(port=8001, grpc=True)
     assert Settings(port=8001, grpc=False).port == 8001
     assert Settings(port=8001, grpc=True, grpc_port=8011).grpc_port == 8011
+
+
+def test_a_flags_help_keeps_an_acronym_and_lowers_a_word() -> None:
+    helps = {a.dest: str(a.help) for a in serve_parser()._actions}
+    assert helps["http_workers"].startswith("HTTP front-end processes")  # had read "hTTP front-end processes"
+    assert helps["port"][0].islower()
