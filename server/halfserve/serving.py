@@ -542,6 +542,8 @@ class Interface(str, Enum):
     """``inference.GRPCInferenceService/ModelInfer`` (and its stream), the KServe V2 protocol over gRPC."""
     TORCHSERVE = "torchserve"
     """``POST /predictions/{model}``, TorchServe's inference API (an image in the body, or images in a form)."""
+    KSERVE_V1 = "v1"
+    """``POST /v1/models/{model}:predict``, KServe's V1 data plane (TensorFlow Serving's REST API)."""
 
 
 class RequestRecorder(Protocol):

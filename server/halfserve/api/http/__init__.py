@@ -20,6 +20,7 @@ from halfserve.api.http import (
     errors,
     guard,
     health,
+    kserve_v1,
     management,
     monitoring,
     predict,
@@ -182,6 +183,7 @@ def install(app: FastAPI) -> None:
         monitoring.router,
         v2_triton.router,
         shm.router,
+        kserve_v1.router,
     ]
     if app.state.serving.settings.docs:
         routers.append(docs.router)

@@ -1,0 +1,173 @@
+"""KServe's V1 data plane, TensorFlow Serving's REST API, which KServe's V1 predictors speak: ``GET /v1/models``,
+``GET /v1/models/{name}`` (readiness) and ``POST /v1/models/{name}:predict``, so a client written for a KServe V1
+InferenceService works unchanged.
+
+A predict's ``instances`` (the row format: one sample per entry; for a model of several inputs, one object of input
+name to its sample) or ``inputs`` (the column format: ``/predict``'s ``inputs``) are decoded by ``/predict``'s rules
+(texts, ``{"b64": ...}`` photos, the same limits) and batched with every other request. The answer is
+``{"predictions": [...]}``, one per instance (for a model of several outputs, an object of output name to its row).
+Errors are KServe's ``{"error": "..."}``, naming the field.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+from fastapi import APIRouter, Request
+from starlette.responses import Response
+
+from halfserve.api.dataplane.bounds import parse_json
+from halfserve.api.dataplane.infer import infer
+from halfserve.api.errors import APIError
+from halfserve.api.http import deps, guard
+from halfserve.api.http.errors import as_json, error_responses, json_ok
+from halfserve.api.http.limits import TIMEOUT_PARAMETER, client_timeout, read_body
+from halfserve.api.http.predict import decode_inputs
+from halfserve.api.http.telemetry import answered, metered, note
+from halfserve.serving import Interface, InvalidInputError, why_model_not_ready
+
+router = APIRouter()
+
+FIELDS = ("instances", "inputs")
+"""The fields of a V1 predict body, one of them given: any other is refused, naming it."""
+
+VERBS = (":predict", ":explain")
+"""The verbs of V1's model paths (``/v1/models/{name}:predict``)."""
+_OBJECT: dict[str, Any] = {"type": "object"}
+PREDICT_SCHEMA: dict[str, Any] = {
+    "parameters": [TIMEOUT_PARAMETER],
+    "requestBody": {
+        "required": True,
+        "content": {
+            "application/json": {
+                "schema": {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "properties": {
+                        "instances": {
+                            "type": "array",
+                            "minItems": 1,
+                            "description": "One entry per sample: the sample (a nested list, a text, or "
+                            '{"b64": "<base64 of a photo>"}), or an object of input name to the sample for a model '
+                            "of several inputs.",
+                        },
+                        "inputs": {
+                            "anyOf": [{"type": "array", "minItems": 1}, {"type": "object"}],
+                            "description": "The samples by column: a list of samples, or an object of input name "
+                            "to its samples (as /predict's inputs). Give instances or inputs.",
+                        },
+                    },
+                }
+            }
+        },
+    },
+    "responses": {
+        **json_ok("One prediction per instance.", _OBJECT),
+        **error_responses(
+            {
+                400: "Malformed request; the error names the field.",
+                404: "Unknown model.",
+                413: "Body, JSON values, rows or input values over the limits.",
+                500: "The model failed on this request's rows.",
+                503: "Queue full, model not loaded, or the request cut off by shutdown (with Retry-After).",
+                504: "The request's deadline passed before its rows had all started.",
+            }
+        ),
+    },
+}
+
+
+@router.get("/v1/models", response_class=Response, responses=json_ok("The served models' names.", _OBJECT))
+async def list_models(request: Request) -> Response:
+    """The names of the models served, as KServe lists them."""
+    return deps.json_response({"models": sorted(deps.service(request).models)})
+
+
+@router.get(
+    "/v1/models/{model_name}",
+    response_class=Response,
+    responses={
+        **json_ok("Ready.", _OBJECT),
+        **error_responses({404: "Unknown model.", 503: "Known but not ready: loading, failed or unloaded."}),
+    },
+)
+async def model_ready(model_name: str, request: Request) -> Response:
+    """The model's readiness: 200 when it is ready, 503 with the reason when it is not (KServe's ``ModelNotReady``),
+    404 when it is unknown."""
+    if model_name.endswith(VERBS):  # a GET of the predict route, which this one matches with the verb in the name
+        verb = model_name[model_name.rindex(":") :]
+        raise APIError(405, f"{request.method} /v1/models/{{model}}{verb}: use POST", {"Allow": "POST"})
+    served = deps.served_model(request, model_name, None)
+    why = why_model_not_ready(served)
+    if why is not None:
+        raise APIError(503, f"model {served.name!r} is not ready: {why}")
+    return deps.json_response({"name": served.name, "ready": True})
+
+
+def as_columns(instances: object) -> object:
+    """The row format's ``instances`` as ``/predict``'s ``inputs``: a list of samples as it is; a list of objects of
+    input name to sample (not a ``{"b64": ...}`` photo) as an object of input name to its samples, every instance
+    naming the same inputs."""
+    if not isinstance(instances, list) or not instances:
+        shown = "an empty list" if instances == [] else type(instances).__name__
+        raise InvalidInputError(f"instances: expected a list of samples, one per instance, got {shown}")
+    first = instances[0]
+    if not isinstance(first, dict) or "b64" in first:
+        return instances
+    names = list(first)
+    columns: dict[str, list[Any]] = {name: [] for name in names}
+    for i, instance in enumerate(instances):
+        if not isinstance(instance, dict) or instance.keys() != first.keys():
+            given = sorted(instance) if isinstance(instance, dict) else type(instance).__name__
+            raise InvalidInputError(
+                f"instances[{i}]: names {given}, but instances[0] names {sorted(names)}; every instance names the "
+                "same inputs"
+            )
+        for name in names:
+            columns[name].append(instance[name])
+    return columns
+
+
+@router.post("/v1/models/{model_name}:predict", openapi_extra=PREDICT_SCHEMA, response_class=Response)
+@metered(Interface.KSERVE_V1)
+async def predict(request: Request) -> Response:
+    """Run the instances through the model; concurrent calls (of every protocol) are batched together."""
+    guard.content_type(request.scope, guard.JSON)
+    app = deps.state(request)
+    settings = app.settings
+    timeout = client_timeout(request)
+    served = deps.served_model(request, request.path_params["model_name"], None)
+    note(request, served)
+    payload = await parse_json(await read_body(request, settings.max_body_bytes), settings.max_json_values)
+    if not isinstance(payload, dict):
+        raise InvalidInputError(f"body: expected a JSON object, got {type(payload).__name__}")
+    for key in payload:
+        if key not in FIELDS:
+            raise InvalidInputError(f"{as_json(key)[1:-1]}: unexpected field; send instances (or inputs)")
+    if len(payload) != 1:
+        raise InvalidInputError(
+            "body: give instances (one sample per entry) or inputs (samples by column), not both"
+            if payload
+            else 'instances: missing; send {"instances": [sample, ...]}'
+        )
+    field, given = next(iter(payload.items()))
+    samples = as_columns(given) if field == "instances" else given
+    result = await infer(app, served, decode_inputs(samples, served, settings, field), timeout)
+    answered(request, result)
+    specs = served.manifest.outputs
+    if len(specs) == 1:
+        predictions: Any = result.outputs[specs[0].name]
+    else:
+        columns = [(t.name, result.outputs[t.name]) for t in specs]
+        predictions = [{name: rows[i] for name, rows in columns} for i in range(len(columns[0][1]))]
+    return Response(
+        orjson.dumps({"predictions": predictions}, option=orjson.OPT_SERIALIZE_NUMPY), media_type="application/json"
+    )
+
+
+@router.post("/v1/models/{model_name}:explain", response_class=Response, include_in_schema=False)
+async def explain(model_name: str) -> Response:
+    """KServe's explanations, which this server does not serve: a 404 saying so, rather than the readiness route's
+    405."""
+    raise APIError(404, f"explanations are not served here; /v1/models/{model_name[:200]}:predict answers the model")

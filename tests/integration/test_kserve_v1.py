@@ -1,0 +1,134 @@
+"""KServe's V1 data plane (``/v1/models``, ``/v1/models/{name}``, ``/v1/models/{name}:predict``) on the app with its
+lifespan: the answers ``/predict`` gives, in V1's shape; the row format's instances of several inputs; photos;
+readiness; and each refusal naming its field, with the server serving on."""
+
+from __future__ import annotations
+
+import base64
+import io
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from halfserve.settings import Settings
+from tests.conftest import save_photo_cnn, save_tiny_mlp
+from tests.integration.conftest import serving
+from tests.integration.test_named_tensors import pair, save_simple
+from tests.integration.test_v2 import AUTH, TOKEN
+
+PREDICT = "/v1/models/tiny:predict"
+
+
+async def test_instances_and_inputs_are_answered_as_predict_answers_them(tiny_store: Path) -> None:
+    x = np.random.default_rng(1).standard_normal((5, 16)).astype(np.float32)
+    async with serving(Settings(store=tiny_store, precision="fp32")) as client:
+        plain = await client.post("/predict", json={"inputs": x.tolist()})
+        rows = await client.post(PREDICT, json={"instances": x.tolist()})
+        named = await client.post(PREDICT, json={"instances": [{"features": r} for r in x.tolist()]})
+        columns = await client.post(PREDICT, json={"inputs": x.tolist()})
+    assert plain.status_code == 200, plain.text
+    for r in (rows, named, columns):
+        assert r.status_code == 200, r.text
+        assert list(r.json()) == ["predictions"]
+        np.testing.assert_array_equal(np.array(r.json()["predictions"]), np.array(plain.json()["outputs"]))
+
+
+async def test_instances_of_several_inputs_are_rows_of_named_samples(tmp_path: Path) -> None:
+    a, b = pair(3, seed=4)
+    instances = [{"INPUT0": a[i].tolist(), "INPUT1": b[i].tolist()} for i in range(3)]
+    async with serving(Settings(store=save_simple(tmp_path))) as client:
+        r = await client.post("/v1/models/simple:predict", json={"instances": instances})
+        assert r.status_code == 200, r.text
+        predictions = r.json()["predictions"]
+        assert [sorted(p) for p in predictions] == [["OUTPUT0", "OUTPUT1", "SCALED"]] * 3
+        np.testing.assert_array_equal([p["OUTPUT0"] for p in predictions], a + b)  # integer sums, exact
+        np.testing.assert_array_equal([p["OUTPUT1"] for p in predictions], a - b)
+        mixed = [instances[0], {"INPUT0": instances[1]["INPUT0"]}]
+        r = await client.post("/v1/models/simple:predict", json={"instances": mixed})
+        assert r.status_code == 400
+        assert r.json()["error"] == (
+            "instances[1]: names ['INPUT0'], but instances[0] names ['INPUT0', 'INPUT1']; every instance names the "
+            "same inputs"
+        )
+
+
+async def test_photos_as_b64_instances(tmp_path: Path) -> None:
+    save_photo_cnn(tmp_path)
+    photos = []
+    for value in (30, 200):
+        buf = io.BytesIO()
+        Image.new("L", (8, 8), value).save(buf, format="PNG")
+        photos.append({"b64": base64.b64encode(buf.getvalue()).decode()})
+    async with serving(Settings(store=tmp_path, precision="fp32")) as client:
+        plain = await client.post("/predict", json={"inputs": photos})
+        r = await client.post("/v1/models/photo:predict", json={"instances": photos})
+        broken = await client.post("/v1/models/photo:predict", json={"instances": [photos[0], {"b64": "bm90IGEgcG5n"}]})
+    assert r.status_code == 200, r.text
+    assert r.json()["predictions"] == plain.json()["outputs"]
+    assert r.json()["predictions"][0] != r.json()["predictions"][1]
+    assert broken.status_code == 400
+    assert broken.json()["error"].startswith("instances[1].b64: ")
+
+
+async def test_models_are_listed_and_readiness_follows_unload(tmp_path: Path) -> None:
+    save_tiny_mlp(tmp_path)
+    async with serving(Settings(store=tmp_path, admin_token=TOKEN)) as client:
+        listed = await client.get("/v1/models")
+        ready = await client.get("/v1/models/tiny")
+        unknown = await client.get("/v1/models/nope")
+        wrong_method = await client.get(PREDICT)
+        explained = await client.post("/v1/models/tiny:explain", json={"instances": [[0.0] * 16]})
+        assert (await client.post("/v2/repository/models/tiny/unload", headers=AUTH)).status_code == 200
+        unloaded = await client.get("/v1/models/tiny")
+    assert listed.json() == {"models": ["tiny"]}
+    assert (ready.status_code, ready.json()) == (200, {"name": "tiny", "ready": True})
+    assert unknown.status_code == 404
+    assert unknown.json()["error"].startswith("Request for unknown model: 'nope' is not found")
+    assert wrong_method.status_code == 405  # had read as readiness of a model named "tiny:predict"
+    assert wrong_method.headers["allow"] == "POST"
+    assert explained.status_code == 404
+    assert explained.json()["error"] == "explanations are not served here; /v1/models/tiny:predict answers the model"
+    assert unloaded.status_code == 503  # KServe's ModelNotReady: a probe reading it sees the model out
+    assert unloaded.json()["error"] == "model 'tiny' is not ready: unloaded"
+
+
+SAMPLE = [0.0] * 16
+REFUSALS = [
+    (b'{"instances": []}', 400, "instances: expected a list of samples, one per instance, got an empty list"),
+    (b'{"instances": 5}', 400, "instances: expected a list of samples, one per instance, got int"),
+    (b"{}", 400, 'instances: missing; send {"instances": [sample, ...]}'),
+    (b'{"instances": [[1, 2]]}', 400, "instances: each sample must have shape [16], got [2]"),
+    (b'{"instances": [[0]], "inputs": [[0]]}', 400, "body: give instances (one sample per entry) or inputs"),
+    (b'{"instances": [[0]], "signature_name": "serving_default"}', 400, "signature_name: unexpected field"),
+    (b'{"instances": [{"b64": "aGk="}]}', 400, "instances[0].b64: model 'tiny' takes no images"),
+    (b"[1]", 400, "body: expected a JSON object, got list"),
+    (b"{", 400, "body: malformed JSON"),
+]
+
+
+@pytest.mark.parametrize(("body", "status", "message"), REFUSALS)
+async def test_refusals_name_the_field_and_serving_goes_on(
+    tiny_store: Path, body: bytes, status: int, message: str
+) -> None:
+    async with serving(Settings(store=tiny_store)) as client:
+        r = await client.post(PREDICT, content=body, headers={"content-type": "application/json"})
+        assert r.status_code == status, r.text
+        assert r.json()["error"].startswith(message), r.text
+        assert (await client.post(PREDICT, json={"instances": [SAMPLE]})).status_code == 200
+
+
+async def test_instances_past_the_limits_are_refused_before_decoding(tiny_store: Path) -> None:
+    """A request of more rows than any batch takes, and one of more JSON values than the server parses: a 413 naming
+    the setting, as /predict's, and the next request is served."""
+    settings = Settings(store=tiny_store, max_json_values=100_000)
+    async with serving(settings) as client:
+        rows = await client.post(PREDICT, json={"instances": [SAMPLE] * 5_000})
+        values = await client.post(PREDICT, json={"instances": [{"features": SAMPLE}] * 7_000})
+        after = await client.post(PREDICT, json={"instances": [SAMPLE]})
+    assert rows.status_code == 413, rows.text
+    assert rows.json()["error"].startswith("instances: 5000 rows exceed the limit of")
+    assert values.status_code == 413, values.text
+    assert "max_json_values" in values.json()["error"]
+    assert after.status_code == 200
