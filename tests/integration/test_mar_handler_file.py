@@ -160,6 +160,12 @@ async def test_a_photo_sent_to_predict_is_pointed_to_the_route_that_runs_the_han
             "inputs[0].b64: model 'tinynet' reads photos through its handler: send them to /predictions/tinynet (the "
             "raw body, or form fields named data or body)"
         )
+        r = await client.post("/v1/models/tinynet:predict", json={"instances": [{"data": sent["inputs"][0]["b64"]}]})  # type: ignore[attr-defined]
+        assert r.status_code == 400, r.text
+        assert r.json()["error"] == (
+            "instances: model 'tinynet' reads its requests through its handler (a TorchServe archive's); send them "
+            "to /predictions/tinynet, TorchServe's inference API"
+        )
         r = await client.put("/predictions/tinynet", content=photo("JPEG"))  # type: ignore[attr-defined]
         assert r.status_code == 200, r.text
 

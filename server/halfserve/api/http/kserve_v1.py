@@ -6,7 +6,8 @@ A predict's ``instances`` (the row format: one sample per entry; for a model of 
 name to its sample) or ``inputs`` (the column format: ``/predict``'s ``inputs``) are decoded by ``/predict``'s rules
 (texts, ``{"b64": ...}`` photos, the same limits) and batched with every other request. The answer is
 ``{"predictions": [...]}``, one per instance (for a model of several outputs, an object of output name to its row).
-Errors are KServe's ``{"error": "..."}``, naming the field.
+Errors are KServe's ``{"error": "..."}``, naming the field. A model with a TorchServe handler is refused, pointed to
+``/predictions``: TorchServe's KServe envelope hands each instance to the handler as it is (a base64 text, not bytes).
 """
 
 from __future__ import annotations
@@ -139,6 +140,11 @@ async def predict(request: Request) -> Response:
     timeout = client_timeout(request)
     served = deps.served_model(request, request.path_params["model_name"], None)
     note(request, served)
+    if served.manifest.handler is not None:  # TorchServe's KServe envelope hands each instance to the handler as is
+        raise InvalidInputError(
+            f"instances: model {served.name!r} reads its requests through its handler (a TorchServe archive's); send "
+            f"them to /predictions/{served.name}, TorchServe's inference API"
+        )
     payload = await parse_json(await read_body(request, settings.max_body_bytes), settings.max_json_values)
     if not isinstance(payload, dict):
         raise InvalidInputError(f"body: expected a JSON object, got {type(payload).__name__}")
