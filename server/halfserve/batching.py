@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypeVar, overload
 import numpy as np
 
 from halfserve.batchcut import Chunk, Finish, Pending, Result, cut_batch, seconds_until_cut, split_rows
+from halfserve.batchstats import BatchStats
 from halfserve.clock import Clock, LoopClock, Timer
 
 if TYPE_CHECKING:
@@ -44,7 +45,6 @@ if TYPE_CHECKING:
 
 from halfserve.serving import (
     BatchFailedError,
-    BatchStats,
     BatchTooLargeError,
     DeadlineExceededError,
     InstanceLostError,

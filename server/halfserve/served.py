@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from halfserve.batching import Batcher
+from halfserve.batchstats import BatchStats
 from halfserve.engine.protocol import EngineInfo, ModelEngine
 from halfserve.execution import Batching
 from halfserve.fidelity import Fidelity
@@ -27,7 +28,6 @@ from halfserve.mixed import Outcome
 from halfserve.packing import LENGTH, PackError, pack, packs_records, padded_length, sequence_input
 from halfserve.padding import PaddingCheck
 from halfserve.serving import (
-    BatchStats,
     Handled,
     HandlerPayload,
     InvalidInputError,

@@ -11,8 +11,9 @@ from enum import Enum
 from halfserve.api.dataplane.metadata import PLATFORM
 from halfserve.api.dataplane.refusals import Refusal
 from halfserve.api.errors import RefusedError, from_exception
+from halfserve.batchstats import BatchStats
 from halfserve.manifest import InputFormat, Manifest, Precision, TensorSpec, bytes_input, sent_inputs
-from halfserve.serving import BatchStats, LocalModel, ModelAdmin, ModelState, shown
+from halfserve.serving import LocalModel, ModelAdmin, ModelState, shown
 from halfserve.storage import StoreError
 
 BACKEND = "pytorch"
