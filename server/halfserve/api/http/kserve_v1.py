@@ -119,11 +119,15 @@ def as_columns(instances: object) -> object:
     names = list(first)
     columns: dict[str, list[Any]] = {name: [] for name in names}
     for i, instance in enumerate(instances):
-        if not isinstance(instance, dict) or instance.keys() != first.keys():
-            given = sorted(instance) if isinstance(instance, dict) else type(instance).__name__
+        if not isinstance(instance, dict):
             raise InvalidInputError(
-                f"instances[{i}]: names {given}, but instances[0] names {sorted(names)}; every instance names the "
-                "same inputs"
+                f"instances[{i}]: expected an object of input name to sample, as instances[0] is, got "
+                f"{type(instance).__name__}"
+            )
+        if instance.keys() != first.keys():
+            raise InvalidInputError(
+                f"instances[{i}]: names {sorted(instance)}, but instances[0] names {sorted(names)}; every instance "
+                "names the same inputs"
             )
         for name in names:
             columns[name].append(instance[name])
