@@ -16,6 +16,7 @@ from halfserve.settings import Settings
 from tests.conftest import save_photo_cnn, save_tiny_mlp
 from tests.integration.conftest import serving
 from tests.integration.test_named_tensors import pair, save_simple
+from tests.integration.test_text import TEXTS, save_texty
 from tests.integration.test_v2 import AUTH, TOKEN
 
 PREDICT = "/v1/models/tiny:predict"
@@ -70,6 +71,20 @@ async def test_photos_as_b64_instances(tmp_path: Path) -> None:
     assert r.json()["predictions"][0] != r.json()["predictions"][1]
     assert broken.status_code == 400
     assert broken.json()["error"].startswith("instances[1].b64: ")
+
+
+async def test_texts_as_instances_plain_or_named(tmp_path: Path) -> None:
+    async with serving(Settings(store=save_texty(tmp_path), precision="fp32")) as client:
+        plain = await client.post("/predict", json={"inputs": TEXTS})
+        rows = await client.post("/v1/models/texty:predict", json={"instances": TEXTS})
+        named = await client.post("/v1/models/texty:predict", json={"instances": [{"text": t} for t in TEXTS]})
+        long = await client.post("/v1/models/texty:predict", json={"instances": ["x" * 401]})
+    assert plain.status_code == 200, plain.text
+    for r in (rows, named):
+        assert r.status_code == 200, r.text
+        assert r.json()["predictions"] == plain.json()["outputs"]
+    assert long.status_code == 400, long.text
+    assert long.json()["error"] == "instances.text[0]: 401 bytes, more than the 400 a text may have"
 
 
 async def test_models_are_listed_and_readiness_follows_unload(tmp_path: Path) -> None:
