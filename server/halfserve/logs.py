@@ -51,6 +51,22 @@ class SkipInference(logging.Filter):
         return not (method == "POST" and (path == "/predict" or path.endswith("/infer")))
 
 
+_CONTROLS = {c: f"\\x{c:02x}" if c < 0x100 else f"\\u{c:04x}" for c in (*range(0x20), 0x7F, 0x85, 0x2028, 0x2029)}
+"""Control characters and line separators as the escapes a log line shows for them (``\\x0d``)."""
+
+
+class EscapeControls(logging.Filter):
+    """Writes the control characters of a record's string arguments as escapes: uvicorn's access line quotes the
+    request's decoded path, in which ``%0d%0a`` is a line break that would let a client write a line of its own into a
+    text log."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if isinstance(args, tuple) and any(isinstance(a, str) and not a.isprintable() for a in args):
+            record.args = tuple(a.translate(_CONTROLS) if isinstance(a, str) else a for a in args)
+        return True
+
+
 def configure(fmt: LogFormat, level: str, access_log: bool = False) -> dict[str, Any] | None:
     """Set up the root logger for ``fmt`` at ``level``; returns the ``log_config`` to hand uvicorn.
 
@@ -71,5 +87,8 @@ def configure(fmt: LogFormat, level: str, access_log: bool = False) -> dict[str,
         config = uvicorn.config.LOGGING_CONFIG
     root.handlers = [handler]
     logging.getLogger(ACCESS_LOGGER).setLevel(logging.INFO if access_log else logging.WARNING)
-    logging.getLogger("uvicorn.access").addFilter(SkipInference())
+    access = logging.getLogger("uvicorn.access")
+    for kind in (SkipInference, EscapeControls):
+        if not any(isinstance(f, kind) for f in access.filters):  # configured once per process, called per server
+            access.addFilter(kind())
     return config

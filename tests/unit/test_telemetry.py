@@ -11,7 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from starlette.requests import Request
 
 from halfserve.api.http.telemetry import request_id
-from halfserve.logs import JsonFormatter, SkipInference
+from halfserve.logs import EscapeControls, JsonFormatter, SkipInference
 from halfserve.metrics import Metrics, observe_all
 from halfserve.serving import Interface
 
@@ -145,3 +145,16 @@ def test_uvicorn_access_lines_of_inference_requests_are_dropped(method: str, pat
     args = ("127.0.0.1:1", method, path, "1.1", 200)
     record = logging.LogRecord("uvicorn.access", logging.INFO, __file__, 1, '%s - "%s %s HTTP/%s" %d', args, None)
     assert SkipInference().filter(record) is kept
+
+
+def test_control_characters_of_an_access_line_s_arguments_are_escaped() -> None:
+    """uvicorn's access line quotes the decoded path: ``%0d%0a`` in it had started a line of the client's own in a text
+    log."""
+    forged = "/predictions/x\r\n2026-11-29 10:00:00,000 CRITICAL halfserve.app: FORGED\u2028"
+    args = ("127.0.0.1:1", "POST", forged, "1.1", 404)
+    record = logging.LogRecord("uvicorn.access", logging.INFO, __file__, 1, '%s - "%s %s HTTP/%s" %d', args, None)
+    assert EscapeControls().filter(record) is True
+    line = logging.Formatter("%(message)s").format(record)
+    assert line.splitlines() == [line]
+    assert "/predictions/x\\x0d\\x0a2026-11-29 10:00:00,000 CRITICAL halfserve.app: FORGED\\u2028" in line
+    assert record.args[4] == 404  # type: ignore[index]  # not a string: as it was
