@@ -64,6 +64,45 @@ class LiveFidelityAction(str, Enum):
     """Log a WARNING and count it in the metrics; the model keeps its precision."""
 
 
+MAX_THREADS = 1024
+"""Most torch intra-op threads ``threads`` may ask for: more than any host's cores; 100,000 had exhausted the host's
+processes (forks failed machine-wide) before the server aborted."""
+MAX_TOKEN_FILE_BYTES = 4096
+"""Most bytes ``admin_token_file`` may hold: a token is tens of characters, and a file past this (``/dev/zero``, a
+log named by mistake) is refused rather than read into memory."""
+
+
+def _token_file(path: Path) -> str:
+    """The token ``path`` holds: one line, surrounding whitespace dropped; a file that is not a regular file (a FIFO
+    would block the start), larger than :data:`MAX_TOKEN_FILE_BYTES`, or not UTF-8 is refused, naming it."""
+    where = f"admin_token_file: {path}"
+    try:
+        if path.exists() and not path.is_file():
+            raise ValueError(f"{where}: not a regular file")
+        with path.open("rb") as f:
+            data = f.read(MAX_TOKEN_FILE_BYTES + 1)
+        if len(data) > MAX_TOKEN_FILE_BYTES:
+            raise ValueError(f"{where}: more than {MAX_TOKEN_FILE_BYTES} bytes; expected one line, the token")
+        return data.decode().strip()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"admin_token_file: cannot read {path}: {e}") from None
+
+
+def _check_token(token: str) -> None:
+    """A token a client can send as ``Authorization: Bearer <token>``, long enough not to be guessed."""
+    if len(token) < MIN_ADMIN_TOKEN:
+        raise ValueError(
+            f"admin_token: at least {MIN_ADMIN_TOKEN} characters (a guessable token is no protection); "
+            "make one with: python -c 'import secrets; print(secrets.token_urlsafe(32))'"
+        )
+    if not (token.isascii() and token.isprintable()) or any(c.isspace() for c in token):
+        # A second line in a token file had been taken into the token, which no client can send: every call a 401.
+        raise ValueError(
+            "admin_token: printable ASCII without spaces or line breaks, as a bearer token is sent (a token file "
+            "holds one line)"
+        )
+
+
 class Settings(BaseSettings):
     """Everything the server reads at start-up. Per-model settings live in each model's manifest."""
 
@@ -224,7 +263,7 @@ class Settings(BaseSettings):
     http_workers: int = Field(default=1, ge=1, le=64)
     """HTTP front-end processes. Above 1, that many processes accept connections and decode and encode requests,
     and this one runs the engines and batches their requests together (see :mod:`halfserve.multiproc`)."""
-    threads: int | None = Field(default=None, ge=1)
+    threads: int | None = Field(default=None, ge=1, le=MAX_THREADS)
     """torch intra-op threads. Unset: on a CPU, each model's engine times a forward of a full batch at warm-up and
     takes every core this process may run on, or every core but one where that forward is shorter than the event
     loop's work on the batch's requests (:func:`halfserve.placement.intra_op_threads`): on 2 cores the benchmark MLP
@@ -257,7 +296,7 @@ class Settings(BaseSettings):
     instance_isolation: Isolation | None = None
     """Deprecated (one release): ``placement``. ``process`` is ``instance_processes``, ``thread``
     ``instance_threads``."""
-    instance_batch_timeout: float = Field(default=300.0, gt=0.0, le=86400.0)
+    instance_batch_timeout: float = Field(default=300.0, ge=1.0, le=86400.0)
     """Seconds an instance process may take over one batch before it is taken for hung (stopped, deadlocked, in an
     endless kernel): then it is killed and restarted, and its batch rerun one request per batch. Generous: a first
     batch of a new shape may tune kernels for seconds."""
@@ -272,8 +311,8 @@ class Settings(BaseSettings):
     """Bearer token for the management calls (load, unload, reload, precision); without one they answer 403. At
     least 16 characters. Prefer the environment or ``admin_token_file``: a command-line flag shows in ``ps``."""
     admin_token_file: Path | None = None
-    """A file holding the admin token (a Kubernetes or Docker secret), read once at start; surrounding whitespace is
-    dropped."""
+    """A file holding the admin token (a Kubernetes or Docker secret), read once at start: one line, surrounding
+    whitespace dropped, at most 4096 bytes."""
     docs: bool = True
     """Serve Swagger UI at ``/docs`` (a pinned release with subresource integrity, loaded by the browser from
     jsDelivr). ``/openapi.json`` is served either way."""
@@ -303,15 +342,9 @@ class Settings(BaseSettings):
         if self.admin_token_file is not None:
             if self.admin_token is not None:
                 raise ValueError("admin_token and admin_token_file: give one, not both")
-            try:
-                self.admin_token = SecretStr(self.admin_token_file.read_text().strip())
-            except (OSError, UnicodeDecodeError) as e:
-                raise ValueError(f"admin_token_file: cannot read {self.admin_token_file}: {e}") from None
-        if self.admin_token is not None and len(self.admin_token.get_secret_value()) < MIN_ADMIN_TOKEN:
-            raise ValueError(
-                f"admin_token: at least {MIN_ADMIN_TOKEN} characters (a guessable token is no protection); "
-                "make one with: python -c 'import secrets; print(secrets.token_urlsafe(32))'"
-            )
+            self.admin_token = SecretStr(_token_file(self.admin_token_file))
+        if self.admin_token is not None:
+            _check_token(self.admin_token.get_secret_value())
         self._take_placement_aliases()
         if self.grpc and self.grpc_port == self.port:
             # Said here rather than as the second listener's "address already in use" after the models loaded.

@@ -38,6 +38,24 @@ def test_short_tokens_and_two_sources_are_refused_and_a_file_is_read(tmp_path: P
         Settings(admin_token_file=secret)
 
 
+def test_a_token_file_of_two_lines_or_past_its_size_or_not_a_file_is_refused(tmp_path: Path) -> None:
+    """A second line had been taken into the token, which no client can send (every call a 401, nothing logged);
+    /dev/zero had been read until memory ran out."""
+    secret = tmp_path / "token"
+    secret.write_text(f"{TOKEN}\nsecond\n")
+    with pytest.raises(ValidationError, match="admin_token: printable ASCII without spaces or line breaks"):
+        Settings(admin_token_file=secret)
+    secret.write_bytes(b"x" * 4097)
+    with pytest.raises(ValidationError, match="more than 4096 bytes; expected one line, the token"):
+        Settings(admin_token_file=secret)
+    with pytest.raises(ValidationError, match="admin_token_file: /dev/zero: not a regular file"):
+        Settings(admin_token_file=Path("/dev/zero"))
+    with pytest.raises(ValidationError, match="admin_token: printable ASCII"):
+        Settings(admin_token=f"{TOKEN} with spaces")
+    secret.write_text(f"  {TOKEN}\n")
+    assert Settings(admin_token_file=secret).admin_token.get_secret_value() == TOKEN  # type: ignore[union-attr]
+
+
 def test_the_cli_refuses_a_short_token_before_binding(tiny_store: Path) -> None:
     cmd = [sys.executable, "-m", "halfserve", "serve", "--store", str(tiny_store), "--admin-token", "change-me"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=60)

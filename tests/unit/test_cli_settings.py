@@ -83,3 +83,13 @@ def test_a_flags_help_keeps_an_acronym_and_lowers_a_word() -> None:
     helps = {a.dest: str(a.help) for a in serve_parser()._actions}
     assert helps["http_workers"].startswith("HTTP front-end processes")  # had read "hTTP front-end processes"
     assert helps["port"][0].islower()
+
+
+def test_threads_and_the_instance_batch_timeout_have_bounds() -> None:
+    """--threads 100000 had exhausted the host's processes before the server aborted; an instance batch timeout of a
+    millisecond had failed every request."""
+    with pytest.raises(ValueError, match="less than or equal to 1024"):
+        Settings(threads=100_000)
+    with pytest.raises(ValueError, match="greater than or equal to 1"):
+        Settings(instance_batch_timeout=0.001)
+    assert Settings(threads=1024, instance_batch_timeout=1.0).threads == 1024
