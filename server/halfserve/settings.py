@@ -346,13 +346,13 @@ class Settings(BaseSettings):
         if self.admin_token is not None:
             _check_token(self.admin_token.get_secret_value())
         self._take_placement_aliases()
-        if self.grpc and self.grpc_port == self.port:
+        if self.grpc and self.grpc_port == self.port != 0:  # port 0 is any free port: each listener gets its own
             # Said here rather than as the second listener's "address already in use" after the models loaded.
             raise ValueError(
                 f"grpc_port ({self.grpc_port}) is also the HTTP port: give --grpc-port another port, or --no-grpc"
             )
         taken = {self.port: "port", **({self.grpc_port: "grpc_port"} if self.grpc else {})}
-        if self.torchserve_management_port in taken:
+        if self.torchserve_management_port in taken.keys() - {0}:
             raise ValueError(
                 f"torchserve_management_port ({self.torchserve_management_port}) is already "
                 f"{taken[self.torchserve_management_port]}: give it a port of its own"

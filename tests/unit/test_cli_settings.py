@@ -77,6 +77,7 @@ def test_an_http_port_that_is_the_grpc_port_is_refused_before_anything_loads() -
         Settings(port=8001, grpc=True)
     assert Settings(port=8001, grpc=False).port == 8001
     assert Settings(port=8001, grpc=True, grpc_port=8011).grpc_port == 8011
+    assert Settings(port=0, grpc=True, grpc_port=0).grpc_port == 0  # any free port, each its own: had been refused
 
 
 def test_a_flags_help_keeps_an_acronym_and_lowers_a_word() -> None:

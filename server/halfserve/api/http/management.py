@@ -55,7 +55,8 @@ async def _body(request: Request, *known: str) -> dict[str, object]:
     unknown = [k for k in body if k not in known]
     if unknown:
         keys = ", ".join(map(repr, unknown))
-        raise APIError(400, f"body: unknown key {keys}; this call takes {' and '.join(map(repr, known))}")
+        takes = " and ".join(map(repr, known)) if known else "none"
+        raise APIError(400, f"body: unknown key {keys}; this call takes {takes}")
     return body
 
 
@@ -63,8 +64,10 @@ def _version(body: dict[str, object]) -> int | None:
     value = body.get("version")
     if value is None:
         return None
-    if isinstance(value, str) and value.isascii() and value.isdigit():
-        value = int(value)  # V2 spells versions as strings: ASCII digits, as folders are named ("١" is no version)
+    if isinstance(value, str) and value.isascii() and value.isdigit() and not value.startswith("0"):
+        # V2 spells versions as strings: ASCII digits, as folders are named ("١" is no version, nor "01", which V2's
+        # and TorchServe's routes take for an unknown version)
+        value = int(value)
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise APIError(400, f"version: expected a positive integer, got {as_json(value)}")
     return value
@@ -125,6 +128,7 @@ async def reload(name: str, request: Request) -> Response:
 async def unload(name: str, request: Request) -> Response:
     """Stop serving a model: requests already queued are answered, then its engine is released."""
     require_admin(request)
+    await _body(request)  # a body, if any, of no keys: one given had been ignored
     repo = repository(request)
     try:
         await repo.unload(name)
