@@ -40,13 +40,14 @@ _ANSWERED_FIRST: dict[object, telemetry.Endpoint] = {
     predict.predict: predict.predict,
     v2.model_infer: v2.infer,
     torchserve.predictions: torchserve.predictions,
+    kserve_v1.predict: kserve_v1.predict,
 }
 """The inference routes' FastAPI endpoints, and the plain endpoints that answer in their place."""
 
 
 def _hot_paths() -> list[Route]:
     methods: dict[tuple[str, telemetry.Endpoint], set[str]] = {}
-    for r in (*predict.router.routes, *v2.router.routes, *torchserve.router.routes):
+    for r in (*predict.router.routes, *v2.router.routes, *torchserve.router.routes, *kserve_v1.router.routes):
         if isinstance(r, APIRoute) and r.endpoint in _ANSWERED_FIRST:
             methods.setdefault((r.path, _ANSWERED_FIRST[r.endpoint]), set()).update(r.methods or ())
     return [Route(path, run, methods=sorted(m), include_in_schema=False) for (path, run), m in methods.items()]
