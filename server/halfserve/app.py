@@ -79,7 +79,7 @@ def create_app(settings: Settings | None = None, frontends: Frontends | None = N
     the backplane (:mod:`halfserve.multiproc`), and on shutdown lets them drain before draining its batchers.
     """
     settings = settings or Settings()
-    regions = Regions()
+    regions = Regions(settings.max_shm_regions)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

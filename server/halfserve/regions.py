@@ -6,11 +6,18 @@ always leaves a window. So the server never maps a client's object: it reads wit
 and writes with ``pwrite``, and a shrunk object is a short read (:class:`~halfserve.serving.RegionError`), a full tmpfs
 ``ENOSPC`` (:class:`~halfserve.serving.RegionFullError`). The routes that register regions and name them in requests are
 :mod:`halfserve.api.http.shm`.
+
+Each region keeps a descriptor open in the engine process and in each front-end, so their number is held to
+``max_shm_regions`` (:class:`Regions`), and a name to :data:`MAX_REGION_NAME` printable characters: a descriptor table
+filled by regions would leave none for new connections. A descriptor the server cannot get for a region (its open-file
+limit reached all the same) is its own shortage, :class:`~halfserve.serving.ServerResourceError` (503), not the
+client's mistake.
 """
 
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import re
 import stat
@@ -19,10 +26,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from halfserve.serving import RegionError, RegionFullError
+from halfserve.serving import OverLimitError, RegionError, RegionFullError, ServerResourceError
+
+log = logging.getLogger(__name__)
 
 SHM_DIR = Path("/dev/shm")
 _KEY = re.compile(r"/[^/\x00]{1,254}")
+MAX_REGION_NAME = 128
+"""Most characters of a region's name: tritonclient's and perf_analyzer's names are a tensor's name and a suffix, and
+every name shows in the status listing."""
+_NAME = re.compile(r"[!-~]+")
+"""Printable ASCII without spaces, so that a name quoted in a log line or a refusal cannot forge or hide anything."""
+_OUT_OF_DESCRIPTORS = (errno.EMFILE, errno.ENFILE)
 
 
 @dataclass(frozen=True)
@@ -80,14 +95,30 @@ class Region:
             )
 
 
+def check_name(name: str) -> None:
+    """A 400 when ``name`` is empty, longer than :data:`MAX_REGION_NAME`, or holds other than printable ASCII."""
+    if not 0 < len(name) <= MAX_REGION_NAME:
+        raise RegionError(f"shared memory region name: expected 1 to {MAX_REGION_NAME} characters, got {len(name)}")
+    if not _NAME.fullmatch(name):
+        raise RegionError(
+            f"shared memory region name: expected printable ASCII characters without spaces, got {name!r}"
+        )
+
+
 def open_region(name: str, key: str, offset: int, byte_size: int) -> Region:
-    """Map ``key`` and check that it holds ``byte_size`` bytes from ``offset``; a 400 naming the problem if not."""
+    """Open ``key`` and check that it holds ``byte_size`` bytes from ``offset``; a 400 naming the problem if not, a
+    503 when the server has no descriptor to spare."""
     if not _KEY.fullmatch(key):
         raise RegionError(f"key: expected a POSIX shared memory name such as '/input0', got {key!r}")
     path = SHM_DIR / key[1:]
     try:
         fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as e:
+        if e.errno in _OUT_OF_DESCRIPTORS:
+            raise ServerResourceError(
+                f"cannot open shared memory {key!r}: the server is out of file descriptors ({e.strerror}); "
+                "its open-file limit is too low for its connections and max_shm_regions"
+            ) from None
         raise RegionError(f"key: cannot open shared memory {key!r}: {e.strerror}") from None
     try:
         info = os.fstat(fd)
@@ -106,18 +137,25 @@ def open_region(name: str, key: str, offset: int, byte_size: int) -> Region:
 
 
 class Regions:
-    """The registered regions, by name. Unregistering drops a region from the table; its descriptor is closed once
-    no request still reads or writes it."""
+    """The registered regions, by name, at most ``most`` of them (``max_shm_regions``). Unregistering drops a region
+    from the table; its descriptor is closed once no request still reads or writes it."""
 
-    def __init__(self) -> None:
+    def __init__(self, most: int) -> None:
+        self.most = most
         self.regions: dict[str, Region] = {}
         self.generation = 0
         """Counts changes, so that the engine process knows when to tell its front-ends."""
 
     def register(self, name: str, key: str, offset: int, byte_size: int) -> None:
         """Open ``byte_size`` bytes from ``offset`` into the shared memory object ``key`` as region ``name``."""
+        check_name(name)
         if name in self.regions:
             raise RegionError(f"shared memory region {name!r} is already registered; unregister it first")
+        if len(self.regions) >= self.most:
+            raise OverLimitError(
+                f"cannot register shared memory region {name!r}: {len(self.regions)} regions are registered, the "
+                "limit (max_shm_regions); unregister one first"
+            )
         self.regions[name] = open_region(name, key, offset, byte_size)
         self.generation += 1
 
@@ -150,4 +188,6 @@ class Regions:
                 fresh[entry["name"]] = open_region(entry["name"], entry["key"], entry["offset"], entry["byte_size"])
             except RegionError:
                 continue  # gone since the engine process mapped it: requests naming it fail as unregistered
+            except ServerResourceError as e:
+                log.warning("shared memory region %r not mirrored in this process: %s", entry["name"], e)
         self.regions = fresh

@@ -77,7 +77,7 @@ class InvalidInputError(ServingError, ValueError):
 
 class OverLimitError(ServingError):
     """The request carries more than one of the server's limits allows (rows, values, text bytes), refused before it
-    is queued; the message names the field and the setting."""
+    is queued, or a registration would pass one (``max_shm_regions``); the message names the field and the setting."""
 
 
 class BatchingError(ServingError):
@@ -125,6 +125,11 @@ class RegionFullError(RegionError):
     """The file system holding a shared memory object has no room for an output written into it."""
 
 
+class ServerResourceError(ServingError):
+    """The server is out of a resource of its own (file descriptors, at its open-file limit) that the request needs:
+    its shortage, not the client's mistake, and one that may pass as other clients' connections close."""
+
+
 _WIRE_ERRORS: dict[str, type[ServingError]] = {
     cls.__name__: cls
     for cls in (
@@ -140,6 +145,7 @@ _WIRE_ERRORS: dict[str, type[ServingError]] = {
         RequestTooLargeError,
         RegionError,
         RegionFullError,
+        ServerResourceError,
     )
 }
 

@@ -2,21 +2,29 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import resource
 import secrets
+from collections.abc import Iterator
 from multiprocessing import shared_memory
 from pathlib import Path
 from typing import Any
 
+import grpc
 import httpx
 import numpy as np
+import pytest
+from tritonclient.grpc import service_pb2
 
 from halfserve.settings import Settings
-from tests.conftest import shm_key
+from tests.conftest import free_port, shm_key
 from tests.integration.conftest import serving
 
 TOKEN = "shm-admin-token-for-tests"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
+GRPC_AUTH = (("authorization", f"Bearer {TOKEN}"),)
+GRPC_REGISTER = "/inference.GRPCInferenceService/SystemSharedMemoryRegister"
 INFER = "/v2/models/tiny/infer"
 
 
@@ -204,3 +212,115 @@ async def test_bad_shared_memory_requests_are_400s_and_unregistered_regions_are_
     assert after.status_code == 400
     assert "no shared memory region 'r' is registered" in after.json()["error"]
     assert left == []
+
+
+async def test_regions_are_capped_by_max_shm_regions_over_http_and_grpc(
+    tiny_store: Path, segment: shared_memory.SharedMemory
+) -> None:
+    """Each region keeps a descriptor open in the server: past the cap, one more is refused by its setting on either
+    transport (the server had registered 19,956 and then dropped every new connection), and unregistering frees a
+    place."""
+    body = {"key": shm_key(segment), "byte_size": 1024}
+    port = free_port()
+    settings = Settings(
+        store=tiny_store, admin_token=TOKEN, max_shm_regions=2, grpc=True, grpc_port=port, host="127.0.0.1"
+    )
+    async with serving(settings) as client, grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        grpc_register = channel.unary_unary(
+            GRPC_REGISTER, request_serializer=service_pb2.SystemSharedMemoryRegisterRequest.SerializeToString
+        )
+        registered = [(await register(client, name, body)).status_code for name in ("a", "b")]
+        over_http = await register(client, "c", body)
+        with pytest.raises(grpc.aio.AioRpcError) as over_grpc:
+            await grpc_register(
+                service_pb2.SystemSharedMemoryRegisterRequest(name="c", key=body["key"], byte_size=1024),
+                metadata=GRPC_AUTH,
+                timeout=20,
+            )
+        await client.post("/v2/systemsharedmemory/region/a/unregister", headers=AUTH)
+        again = await register(client, "c", body)
+        listed = [r["name"] for r in (await client.get("/v2/systemsharedmemory/status", headers=AUTH)).json()]
+    full = "cannot register shared memory region 'c': 2 regions are registered, the limit (max_shm_regions)"
+    assert registered == [200, 200]
+    assert over_http.status_code == 413, over_http.text
+    assert over_http.json()["error"] == f"{full}; unregister one first"
+    assert over_grpc.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert over_grpc.value.details() == f"{full}; unregister one first"
+    assert again.status_code == 200, again.text
+    assert listed == ["b", "c"]
+
+
+async def test_a_region_name_is_short_printable_ascii_over_http_and_grpc(
+    tiny_store: Path, segment: shared_memory.SharedMemory
+) -> None:
+    body = {"key": shm_key(segment), "byte_size": 1024}
+    port = free_port()
+    settings = Settings(store=tiny_store, admin_token=TOKEN, grpc=True, grpc_port=port, host="127.0.0.1")
+    async with serving(settings) as client, grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        grpc_register = channel.unary_unary(
+            GRPC_REGISTER, request_serializer=service_pb2.SystemSharedMemoryRegisterRequest.SerializeToString
+        )
+        refused = {
+            "3,000 characters": await register(client, "x" * 3000, body),
+            "a newline": await register(client, "a%0Ab", body),
+            "a space": await register(client, "a%20b", body),
+        }
+        longest = await register(client, "x" * 128, body)
+        refused_grpc = {}
+        for what, name in {"empty": "", "129 characters": "y" * 129}.items():
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await grpc_register(
+                    service_pb2.SystemSharedMemoryRegisterRequest(name=name, key=body["key"], byte_size=1024),
+                    metadata=GRPC_AUTH,
+                    timeout=20,
+                )
+            refused_grpc[what] = info.value
+        listed = [r["name"] for r in (await client.get("/v2/systemsharedmemory/status", headers=AUTH)).json()]
+    messages = {what: (r.status_code, r.json()["error"]) for what, r in refused.items()}
+    assert messages == {
+        "3,000 characters": (400, "shared memory region name: expected 1 to 128 characters, got 3000"),
+        "a newline": (
+            400,
+            "shared memory region name: expected printable ASCII characters without spaces, got 'a\\nb'",
+        ),
+        "a space": (400, "shared memory region name: expected printable ASCII characters without spaces, got 'a b'"),
+    }
+    assert longest.status_code == 200, longest.text
+    assert {what: (e.code(), e.details()) for what, e in refused_grpc.items()} == {
+        "empty": (grpc.StatusCode.INVALID_ARGUMENT, "shared memory region name: expected 1 to 128 characters, got 0"),
+        "129 characters": (
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "shared memory region name: expected 1 to 128 characters, got 129",
+        ),
+    }
+    assert listed == ["x" * 128]
+
+
+@contextlib.contextmanager
+def no_descriptor_to_spare() -> Iterator[None]:
+    """This process's open-file limit lowered to its lowest free descriptor, so the next ``open`` fails ``EMFILE``."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    lowest_free = os.dup(0)
+    os.close(lowest_free)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (lowest_free, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+async def test_a_server_out_of_descriptors_answers_503_not_the_client_s_400(
+    tiny_store: Path, segment: shared_memory.SharedMemory
+) -> None:
+    body = {"key": shm_key(segment), "byte_size": 1024}
+    async with serving(Settings(store=tiny_store, admin_token=TOKEN)) as client:
+        with no_descriptor_to_spare():
+            short = await register(client, "r", body)
+        after = await register(client, "r", body)
+    assert short.status_code == 503, short.text
+    assert short.headers["retry-after"] == "1"
+    assert short.json()["error"] == (
+        f"cannot open shared memory {body['key']!r}: the server is out of file descriptors (Too many open files); "
+        "its open-file limit is too low for its connections and max_shm_regions"
+    )
+    assert after.status_code == 200, after.text

@@ -112,7 +112,8 @@ async def test_wrong_tokens_are_answered_429_but_the_right_one_always_gets_in(ti
 def test_guesses_from_many_addresses_are_bounded_together_and_the_right_token_still_gets_in(tiny_store: Path) -> None:
     """Per-address counts alone let a guesser with many addresses go on at full speed: past 100 wrong tokens a
     minute from every address together, a wrong one from an address never seen is a 429 too."""
-    app = AppState(Settings(store=tiny_store, admin_token=TOKEN), NoModels(), Regions())
+    settings = Settings(store=tiny_store, admin_token=TOKEN)
+    app = AppState(settings, NoModels(), Regions(settings.max_shm_regions))
     for i in range(100):
         with pytest.raises(APIError) as failed:
             check_admin(app, f"10.0.{i // 256}.{i % 256}", "Bearer guess")

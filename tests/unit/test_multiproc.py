@@ -143,7 +143,7 @@ async def test_a_table_pushed_with_a_number_is_applied_then_acknowledged(connect
 def backplane_with(connections: int) -> tuple[Backplane, list[tuple[_Connection, RecordingTransport]]]:
     """The engine process's end with ``connections`` front-ends connected over recording transports."""
     repo = cast(ModelRepository, SimpleNamespace(models={}))
-    backplane = Backplane("/nonexistent", repo, cast(Metrics, None), connections, Regions(), "secret")
+    backplane = Backplane("/nonexistent", repo, cast(Metrics, None), connections, Regions(most=256), "secret")
     made = []
     for _ in range(connections):
         c = _Connection(backplane, cast(Slots, None))

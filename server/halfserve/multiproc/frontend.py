@@ -59,7 +59,7 @@ class FrontendApp:
         self.secret = secret
         self.index = index
         self.service = RemoteService(settings)
-        self.regions = Regions()
+        self.regions = Regions(settings.max_shm_regions)
         """The engine process's shared memory regions, mapped here too: this process decodes and encodes."""
         self.serving = AppState(settings, self.service, self.regions)
         self.state = State({"serving": self.serving})

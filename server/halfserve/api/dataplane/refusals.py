@@ -22,6 +22,7 @@ from halfserve.serving import (
     RegionError,
     RegionFullError,
     RequestTooLargeError,
+    ServerResourceError,
     ShuttingDownError,
 )
 
@@ -43,7 +44,7 @@ class Refusal(Enum):
     TOO_SLOW = "too slow"
     """The client sent its request too slowly, or nothing for too long."""
     UNAVAILABLE = "unavailable"
-    """Not now: a model loading, a full queue, a drain."""
+    """Not now: a model loading, a full queue, a drain, the server out of file descriptors."""
     TIMED_OUT = "timed out"
     NO_ROOM = "no room"
     """A shared memory object's file system is full."""
@@ -76,6 +77,8 @@ def refused(e: Exception) -> Refused:
         return Refused(Refusal.INVALID, str(e))
     if isinstance(e, InternalError):
         return Refused(Refusal.FAILED, f"internal error: {e}")
+    if isinstance(e, ServerResourceError):
+        return Refused(Refusal.UNAVAILABLE, str(e), retry=True)
     if isinstance(e, QueueFullError):
         return Refused(Refusal.UNAVAILABLE, str(e), retry=True)
     if isinstance(e, RequestTooLargeError):

@@ -9,7 +9,9 @@ output's give the same, and the server writes the output there and answers with 
 
 Registering opens the object in the server (and in each front-end, which decode requests themselves), so it is a
 management call: it needs the admin token, and a server without one cannot be made to open anything. Keys are POSIX
-shared memory names (``/name``), opened in ``/dev/shm`` without following links, and must hold the region.
+shared memory names (``/name``), opened in ``/dev/shm`` without following links, and must hold the region. Each region
+holds a descriptor open, so at most ``max_shm_regions`` are registered at once (one more is a 413 naming the setting),
+a name is at most 128 printable ASCII characters, and a server out of descriptors answers 503, its own shortage.
 
 The regions themselves, and how they are read and written without mapping a client's object, are
 :mod:`halfserve.regions`: a shrunk object is a 400, a full tmpfs ``ENOSPC`` a 507.
@@ -59,6 +61,17 @@ _STATUS = {
     **error_responses({404: "No region of that name is registered."}),
 }
 _CHANGE = {**json_ok("Done.", {"type": "object"}), **AUTH_ERRORS}
+_REGISTER = {
+    **_CHANGE,
+    **error_responses(
+        {
+            400: "Malformed body; a key that is no shared memory object, a range it does not hold, a name taken or "
+            "malformed.",
+            413: "A body over 64 KiB, or max_shm_regions regions registered already.",
+            503: "The server is out of file descriptors.",
+        }
+    ),
+}
 
 
 @router.get("/v2/systemsharedmemory/status", response_class=Response, responses=_STATUS, dependencies=BEARER)
@@ -86,7 +99,7 @@ async def system_region_status(region_name: str, request: Request) -> Response:
 @router.post(
     "/v2/systemsharedmemory/region/{region_name}/register",
     response_class=Response,
-    responses=_CHANGE,
+    responses=_REGISTER,
     dependencies=BEARER,
     openapi_extra=OPTIONAL_JSON_BODY,
 )
