@@ -9,6 +9,7 @@ drains every front-end's requests before the engine process exits.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import time
@@ -126,6 +127,21 @@ def test_v2_binary_through_a_front_end_including_a_request_larger_than_a_slot(wo
         tensor.set_data_from_numpy(x, binary_data=True)
         result = client.infer(MODEL, [tensor], outputs=[triton.InferRequestedOutput("logits", binary_data=True)])
         np.testing.assert_allclose(result.as_numpy("logits"), fp32_reference(x), rtol=1e-4, atol=1e-4)
+
+
+def test_kserve_v1_is_answered_by_the_front_ends_including_a_body_past_the_relay_cap(
+    workers_server: ServerProcess,
+) -> None:
+    """V1's predict had been relayed to the engine process as a listing is, its body held to 64 KiB: 40 rows of the
+    MLP were a 413 ("exceed a management call's limit") that /predict served."""
+    x = samples(40)
+    body = {"instances": x.tolist()}
+    assert len(json.dumps(body)) > 64 * 1024
+    r = httpx.post(f"{workers_server.url}/v1/models/{MODEL}:predict", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    np.testing.assert_allclose(np.array(r.json()["predictions"]), fp32_reference(x), rtol=1e-4, atol=1e-4)
+    ready = httpx.get(f"{workers_server.url}/v1/models/{MODEL}", timeout=30)
+    assert (ready.status_code, ready.json()) == (200, {"name": MODEL, "ready": True})
 
 
 def _region_found(url: str, x: np.ndarray, connections: int = 8) -> list[bool]:
