@@ -65,10 +65,18 @@ async def test_photos_as_b64_instances(tmp_path: Path) -> None:
     async with serving(Settings(store=tmp_path, precision="fp32")) as client:
         plain = await client.post("/predict", json={"inputs": photos})
         r = await client.post("/v1/models/photo:predict", json={"instances": photos})
+        # By the name V2's metadata lists for the photo input: had been "the model takes ['pixels']".
+        named = await client.post("/v1/models/photo:predict", json={"instances": [{"photo": p} for p in photos]})
+        by_name = await client.post("/predict", json={"inputs": {"photo": photos}})
+        both = await client.post("/predict", json={"inputs": {"photo": photos, "pixels": [[[[0.0] * 8] * 8]]}})
         broken = await client.post("/v1/models/photo:predict", json={"instances": [photos[0], {"b64": "bm90IGEgcG5n"}]})
     assert r.status_code == 200, r.text
     assert r.json()["predictions"] == plain.json()["outputs"]
     assert r.json()["predictions"][0] != r.json()["predictions"][1]
+    assert named.json()["predictions"] == r.json()["predictions"], named.text
+    assert by_name.json()["outputs"] == plain.json()["outputs"], by_name.text
+    assert both.status_code == 400
+    assert both.json()["error"] == "inputs: give 'photo' (photos) or 'pixels', not both"
     assert broken.status_code == 400
     assert broken.json()["error"].startswith("instances[1].b64: ")
 

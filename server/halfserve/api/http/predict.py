@@ -124,8 +124,16 @@ async def decode_inputs(
             others = [t for t in specs if t.name != text.feeds]
             decoded = {t.name: _samples(rest.get(t.name), t, served, f"{field}.{t.name}") for t in others}
             return await encode_texts(texts, f"{field}.{text.input}", served, settings) | decoded
+    image = served.manifest.image
+    if image is not None and isinstance(samples, dict) and image.input in samples:  # the photos by their input's name
+        if len(samples) > 1:
+            raise InvalidInputError(f"{field}: give {image.input!r} (photos) or {image.feeds!r}, not both")
+        photos = samples[image.input]
+        if not isinstance(photos, list) or not photos:
+            raise InvalidInputError(f'{field}.{image.input}: expected a list of {{"b64": "<base64 of a photo>"}}')
+        return await _photos(photos, served, settings, f"{field}.{image.input}")
     if isinstance(samples, list) and samples and isinstance(samples[0], dict):
-        if served.manifest.image is not None:
+        if image is not None:
             return await _photos(samples, served, settings, field)
         if "b64" in samples[0]:  # KServe v1's photo, named as /predictions names photos a model cannot take
             raise no_images(served, f"{field}[0].b64")
