@@ -198,17 +198,17 @@ against 0.7 us.
 
 def top_labels(out: np.ndarray, labels: list[str]) -> list[Any]:
     """The label of each sample's highest output (of each position's, for an output with positions between the rows
-    and the classes), picked as numpy's ``argmax`` picks: the first of equal maxima, and the first NaN of a row that
-    has one."""
+    and the classes), picked as numpy's ``argmax`` picks: the first of equal maxima; None for a row holding a NaN,
+    which has no highest (argmax names its first NaN's class: a confident label for no answer)."""
     scores = out.reshape(len(out), -1, out.shape[-1]) if out.ndim > 2 else out
     flat = scores.reshape(-1, scores.shape[-1])
     rows: list[list[float]] = flat.tolist() if flat.size <= PYTHON_ARGMAX_VALUES else []
     # A row's sum is NaN when it holds a NaN (or infinities of both signs): those rows go to numpy.
     if rows and not any(math.isnan(sum(row)) for row in rows):
-        top = [row.index(max(row)) for row in rows]
+        named: list[str | None] = [labels[row.index(max(row))] for row in rows]
     else:
-        top = flat.argmax(-1).tolist()
-    named = [labels[i] for i in top]
+        nan = np.isnan(flat).any(-1).tolist()
+        named = [None if n else labels[i] for i, n in zip(flat.argmax(-1).tolist(), nan, strict=True)]
     if scores.ndim == 2:
         return named
     width = scores.shape[1]
