@@ -46,6 +46,12 @@ async def test_instances_of_several_inputs_are_rows_of_named_samples(tmp_path: P
         assert [sorted(p) for p in predictions] == [["OUTPUT0", "OUTPUT1", "SCALED"]] * 3
         np.testing.assert_array_equal([p["OUTPUT0"] for p in predictions], a + b)  # integer sums, exact
         np.testing.assert_array_equal([p["OUTPUT1"] for p in predictions], a - b)
+        rows = await client.post("/v1/models/simple:predict", json={"instances": [a[0].tolist()]})
+        assert rows.status_code == 400
+        assert rows.json()["error"] == (  # had named /predict's column format
+            "instances[0]: model 'simple' takes several inputs; send each instance as {\"INPUT0\": sample, "
+            '"INPUT1": sample}'
+        )
         mixed = [instances[0], {"INPUT0": instances[1]["INPUT0"]}]
         r = await client.post("/v1/models/simple:predict", json={"instances": mixed})
         assert r.status_code == 400
@@ -87,12 +93,15 @@ async def test_texts_as_instances_plain_or_named(tmp_path: Path) -> None:
         rows = await client.post("/v1/models/texty:predict", json={"instances": TEXTS})
         named = await client.post("/v1/models/texty:predict", json={"instances": [{"text": t} for t in TEXTS]})
         long = await client.post("/v1/models/texty:predict", json={"instances": ["x" * 401]})
+        odd = await client.post("/v1/models/texty:predict", json={"instances": ["hi", 5]})
     assert plain.status_code == 200, plain.text
     for r in (rows, named):
         assert r.status_code == 200, r.text
         assert r.json()["predictions"] == plain.json()["outputs"]
     assert long.status_code == 400, long.text
     assert long.json()["error"] == "instances.text[0]: 401 bytes, more than the 400 a text may have"
+    assert odd.status_code == 400
+    assert odd.json()["error"] == "instances[1]: expected a text, as instances[0] is, got int"  # had been "numbers"
 
 
 async def test_models_are_listed_and_readiness_follows_unload(tmp_path: Path) -> None:
@@ -117,10 +126,25 @@ async def test_models_are_listed_and_readiness_follows_unload(tmp_path: Path) ->
     assert unloaded.json()["error"] == "model 'tiny' is not ready: unloaded"
 
 
+async def test_a_wrong_method_or_verb_on_a_model_s_verb_path_says_what_is_served(tiny_store: Path) -> None:
+    async with serving(Settings(store=tiny_store)) as client:
+        deleted = await client.delete(PREDICT)
+        unknown = await client.post("/v1/models/tiny:PREDICT", json={"instances": [[0.0] * 16]})
+    assert deleted.status_code == 405  # had named the readiness route's GET, itself a 405 there
+    assert deleted.headers["allow"] == "POST"
+    assert deleted.json()["error"] == "DELETE /v1/models/{model}:predict: use POST"
+    assert unknown.status_code == 404  # had been a bare "Method Not Allowed"
+    assert unknown.json()["error"] == (
+        "/v1/models/tiny:PREDICT: no verb ':PREDICT' here; V1 serves /v1/models/{model}:predict"
+    )
+
+
 SAMPLE = [0.0] * 16
 REFUSALS = [
-    (b'{"instances": []}', 400, "instances: expected a list of samples, one per instance, got an empty list"),
-    (b'{"instances": 5}', 400, "instances: expected a list of samples, one per instance, got int"),
+    (b'{"instances": []}', 400, "instances: empty; send at least one instance"),
+    (b'{"instances": 5}', 400, "instances: expected a list of instances, got int"),
+    # Mixed: had been "samples are ragged".
+    (b'{"instances": [[0], {"features": [0]}]}', 400, "instances[1]: an object of input name to sample, but"),
     (b"{}", 400, 'instances: missing; send {"instances": [sample, ...]}'),
     (b'{"instances": [[1, 2]]}', 400, "instances: each sample must have shape [16], got [2]"),
     (b'{"instances": [[0]], "inputs": [[0]]}', 400, "body: give instances (one sample per entry) or inputs"),

@@ -163,9 +163,12 @@ async def test_a_photo_sent_to_predict_is_pointed_to_the_route_that_runs_the_han
         r = await client.post("/v1/models/tinynet:predict", json={"instances": [{"data": sent["inputs"][0]["b64"]}]})  # type: ignore[attr-defined]
         assert r.status_code == 400, r.text
         assert r.json()["error"] == (
-            "instances: model 'tinynet' reads its requests through its handler (a TorchServe archive's); send them "
-            "to /predictions/tinynet, TorchServe's inference API"
+            "instances[0]: model 'tinynet' reads its requests through its handler; send them to /predictions/tinynet, "
+            "TorchServe's inference API (V1 feeds the model tensors)"
         )
+        tensor = {"instances": [[[[0.0] * 224] * 224] * 3]}  # fed to the model, as /predict and V2 feed it
+        r = await client.post("/v1/models/tinynet:predict", json=tensor)  # type: ignore[attr-defined]
+        assert r.status_code == 200, r.text
         r = await client.put("/predictions/tinynet", content=photo("JPEG"))  # type: ignore[attr-defined]
         assert r.status_code == 200, r.text
 

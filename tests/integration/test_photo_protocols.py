@@ -143,6 +143,7 @@ async def test_torchserve_s_inference_api_takes_its_version_spelling_methods_and
         described = {v: (await management.get(f"/models/photo/{v}")).status_code for v in versions}
         get = await client.get("/predictions/photo/1")
         nowhere = await client.post("/predictions/photo/1/more", content=png(100))
+        bare = [await client.post("/predictions", content=png(100)), await client.get("/explanations")]
         explained = [await client.post(p, content=png(100)) for p in ("/explanations/photo", "/explanations/photo/1")]
         still = await client.post("/predictions/photo", content=png(100))
     assert plain.status_code == 200, plain.text
@@ -162,7 +163,7 @@ async def test_torchserve_s_inference_api_takes_its_version_spelling_methods_and
         "error": "Requested method is not allowed, please refer to API document.",
     }
     assert {m.strip() for m in get.headers["allow"].split(",")} == {"POST", "PUT"}  # POST alone had been named
-    for r in [*explained, nowhere]:  # had been this server's {"error": "Not Found"}
+    for r in [*explained, nowhere, *bare]:  # had been this server's {"error": "Not Found"}
         assert r.status_code == 404
         body = r.json()
         assert (body["code"], body["type"]) == (404, "ResourceNotFoundException")

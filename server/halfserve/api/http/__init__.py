@@ -173,7 +173,7 @@ async def _run(
 
 def install(app: FastAPI) -> None:
     """Add every route, the JSON error handlers and request ids to ``app``."""
-    errors.install(app, torchserve.ROUTING_SHAPES)
+    errors.install(app, torchserve.ROUTING_SHAPES | kserve_v1.ROUTING_SHAPES)
     app.add_middleware(telemetry.RequestIdMiddleware)
     # v2_triton ahead of v2: its /v2/models/stats must match before v2's /v2/models/{model_name}.
     routers = [

@@ -11,6 +11,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
+from starlette.types import Scope
 
 from halfserve.api.errors import APIError, from_exception, held
 from halfserve.serving import ServingError
@@ -67,8 +68,9 @@ def json_ok(description: str, schema: dict[str, Any] | None = None) -> Responses
     return {"200": {"description": description, "content": {"application/json": {"schema": schema or {}}}}}
 
 
-RoutingShape = Callable[[int, dict[str, str] | None], Response]
-"""An API's own answer to the router's 404 or 405 (the status, and the headers the router gave, ``Allow``)."""
+RoutingShape = Callable[[int, dict[str, str] | None, Scope], Response | None]
+"""An API's own answer to the router's 404 or 405 (the status, the headers the router gave, ``Allow``, and the
+request's scope), or None for the server's own."""
 
 
 def install(app: FastAPI, shapes: Mapping[str, RoutingShape] | None = None) -> None:
@@ -85,8 +87,10 @@ def install(app: FastAPI, shapes: Mapping[str, RoutingShape] | None = None) -> N
         if exc.status_code in (404, 405):
             path = request.scope["path"]
             for prefix, shape in shaped.items():
-                if path.startswith(prefix):
-                    return shape(exc.status_code, headers)
+                if path.startswith(prefix) or path == prefix.rstrip("/"):  # "/predictions" as "/predictions/"
+                    answer = shape(exc.status_code, headers, request.scope)
+                    if answer is not None:
+                        return answer
         return error_response(exc.status_code, str(exc.detail), headers)
 
     async def validation_error(request: Request, exc: Exception) -> Response:

@@ -6,8 +6,9 @@ A predict's ``instances`` (the row format: one sample per entry; for a model of 
 name to its sample) or ``inputs`` (the column format: ``/predict``'s ``inputs``) are decoded by ``/predict``'s rules
 (texts, ``{"b64": ...}`` photos, the same limits) and batched with every other request. The answer is
 ``{"predictions": [...]}``, one per instance (for a model of several outputs, an object of output name to its row).
-Errors are KServe's ``{"error": "..."}``, naming the field. A model with a TorchServe handler is refused, pointed to
-``/predictions``: TorchServe's KServe envelope hands each instance to the handler as it is (a base64 text, not bytes).
+Errors are KServe's ``{"error": "..."}``, naming the field. A model with a handler is fed tensors, as ``/predict`` and
+V2 feed it; TorchServe's KServe envelope (``[{"data": ...}]``, each instance handed to the handler as it is) is pointed
+to ``/predictions``.
 """
 
 from __future__ import annotations
@@ -17,22 +18,26 @@ from typing import Any
 import orjson
 from fastapi import APIRouter, Request
 from starlette.responses import Response
+from starlette.types import Scope
 
 from halfserve.api.dataplane.bounds import parse_json
 from halfserve.api.dataplane.infer import infer
 from halfserve.api.errors import APIError
 from halfserve.api.http import deps, guard
-from halfserve.api.http.errors import as_json, error_responses, json_ok
+from halfserve.api.http.errors import RoutingShape, as_json, error_response, error_responses, json_ok
 from halfserve.api.http.limits import TIMEOUT_PARAMETER, client_timeout, read_body
 from halfserve.api.http.predict import decode_inputs
 from halfserve.api.http.telemetry import answered, metered, note
-from halfserve.serving import Interface, InvalidInputError, why_model_not_ready
+from halfserve.manifest import sent_inputs
+from halfserve.serving import Interface, InvalidInputError, ModelHandle, why_model_not_ready
 
 router = APIRouter()
 
 FIELDS = ("instances", "inputs")
 """The fields of a V1 predict body, one of them given: any other is refused, naming it."""
 
+FIELDS_TS = frozenset({"data", "body"})
+"""The fields of an instance in TorchServe's KServe envelope, which its handlers read."""
 VERBS = (":predict", ":explain")
 """The verbs of V1's model paths (``/v1/models/{name}:predict``)."""
 _OBJECT: dict[str, Any] = {"type": "object"}
@@ -102,19 +107,33 @@ async def model_ready(model_name: str, request: Request) -> Response:
     served = deps.served_model(request, model_name, None)
     why = why_model_not_ready(served)
     if why is not None:
-        raise APIError(503, f"model {served.name!r} is not ready: {why}")
+        detail = f": {served.error}" if served.error else ""  # a failed load's reason, as V2's readiness gives it
+        raise APIError(503, f"model {served.name!r} is not ready: {why}{detail}")
     return deps.json_response({"name": served.name, "ready": True})
 
 
-def as_columns(instances: object) -> object:
+def as_columns(instances: object, served: ModelHandle) -> object:
     """The row format's ``instances`` as ``/predict``'s ``inputs``: a list of samples as it is; a list of objects of
     input name to sample (not a ``{"b64": ...}`` photo) as an object of input name to its samples, every instance
-    naming the same inputs."""
-    if not isinstance(instances, list) or not instances:
-        shown = "an empty list" if instances == [] else type(instances).__name__
-        raise InvalidInputError(f"instances: expected a list of samples, one per instance, got {shown}")
+    naming the same inputs. A model of several inputs takes only the second."""
+    if not isinstance(instances, list):
+        raise InvalidInputError(f"instances: expected a list of instances, got {type(instances).__name__}")
+    if not instances:  # as /predict words an empty inputs
+        raise InvalidInputError("instances: empty; send at least one instance")
     first = instances[0]
     if not isinstance(first, dict) or "b64" in first:
+        names = [t.name for t in sent_inputs(served.manifest)]
+        if len(names) > 1 and served.manifest.text is None:
+            example = ", ".join(f'"{n}": sample' for n in names)
+            raise InvalidInputError(
+                f"instances[0]: model {served.name!r} takes several inputs; send each instance as {{{example}}}"
+            )
+        for i, instance in enumerate(instances):
+            if isinstance(instance, dict) and "b64" not in first:  # the first is a sample: a named one is no row
+                raise InvalidInputError(
+                    f"instances[{i}]: an object of input name to sample, but instances[0] is a sample; give every "
+                    "instance alike"
+                )
         return instances
     names = list(first)
     columns: dict[str, list[Any]] = {name: [] for name in names}
@@ -144,11 +163,6 @@ async def predict(request: Request) -> Response:
     timeout = client_timeout(request)
     served = deps.served_model(request, request.path_params["model_name"], None)
     note(request, served)
-    if served.manifest.handler is not None:  # TorchServe's KServe envelope hands each instance to the handler as is
-        raise InvalidInputError(
-            f"instances: model {served.name!r} reads its requests through its handler (a TorchServe archive's); send "
-            f"them to /predictions/{served.name}, TorchServe's inference API"
-        )
     payload = await parse_json(await read_body(request, settings.max_body_bytes), settings.max_json_values)
     if not isinstance(payload, dict):
         raise InvalidInputError(f"body: expected a JSON object, got {type(payload).__name__}")
@@ -162,7 +176,15 @@ async def predict(request: Request) -> Response:
             else 'instances: missing; send {"instances": [sample, ...]}'
         )
     field, given = next(iter(payload.items()))
-    samples = as_columns(given) if field == "instances" else given
+    if served.manifest.handler is not None and _enveloped(given):
+        # TorchServe's KServe envelope hands each instance to the handler as it is, a base64 text where this server's
+        # handlers are given bytes: such requests go to the route that runs the handler. Tensors are fed to the model,
+        # as /predict and V2 feed them.
+        raise InvalidInputError(
+            f"{field}[0]: model {served.name!r} reads its requests through its handler; send them to "
+            f"/predictions/{served.name}, TorchServe's inference API (V1 feeds the model tensors)"
+        )
+    samples = as_columns(given, served) if field == "instances" else given
     result = await infer(app, served, decode_inputs(samples, served, settings, field), timeout)
     answered(request, result)
     specs = served.manifest.outputs
@@ -174,6 +196,32 @@ async def predict(request: Request) -> Response:
     return Response(
         orjson.dumps({"predictions": predictions}, option=orjson.OPT_SERIALIZE_NUMPY), media_type="application/json"
     )
+
+
+def routing_error(status: int, headers: dict[str, str] | None, scope: Scope) -> Response | None:
+    """The router's 405 on a model's verb path (``/v1/models/{name}:predict``), which the readiness route matches
+    too: POST is its method (the readiness route's ``Allow: GET`` had been named); an unknown verb is a 404 naming the
+    ones served. None elsewhere, for the server's own answer."""
+    path: str = scope["path"]
+    name = path.removeprefix(ROUTES_PREFIX)
+    if "/" in name or ":" not in name:
+        return None
+    verb = name[name.rindex(":") :]
+    if verb not in VERBS:
+        return error_response(404, f"{path[:200]}: no verb {verb[:40]!r} here; V1 serves /v1/models/{{model}}:predict")
+    if status == 405:
+        return error_response(405, f"{scope['method']} /v1/models/{{model}}{verb}: use POST", {"Allow": "POST"})
+    return None
+
+
+ROUTES_PREFIX = "/v1/models/"
+ROUTING_SHAPES: dict[str, RoutingShape] = {ROUTES_PREFIX: routing_error}
+"""The path prefixes whose routing errors this module answers (:func:`halfserve.api.http.errors.install`)."""
+
+
+def _enveloped(given: object) -> bool:
+    """Whether instances are TorchServe's KServe envelope's (``[{"data": ...}]`` or ``[{"body": ...}]``)."""
+    return isinstance(given, list) and bool(given) and isinstance(given[0], dict) and bool(given[0].keys() & FIELDS_TS)
 
 
 @router.post("/v1/models/{model_name}:explain", response_class=Response, include_in_schema=False)

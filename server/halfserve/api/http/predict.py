@@ -111,7 +111,10 @@ async def decode_inputs(
     specs = sent_inputs(served.manifest)
     text = served.manifest.text
     if text is not None:
-        if len(specs) == 1 and isinstance(samples, list) and samples and all(isinstance(t, str) for t in samples):
+        if len(specs) == 1 and isinstance(samples, list) and samples and isinstance(samples[0], str):
+            for i, t in enumerate(samples):
+                if not isinstance(t, str):  # a list of texts with one that is not had read "values must be numbers"
+                    raise InvalidInputError(f"{field}[{i}]: expected a text, as {field}[0] is, got {type(t).__name__}")
             samples = {text.input: samples}
         if isinstance(samples, dict) and text.input in samples:
             texts = samples[text.input]

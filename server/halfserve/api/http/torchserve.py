@@ -21,6 +21,7 @@ import numpy as np
 import orjson
 from fastapi import APIRouter, Request
 from starlette.responses import Response
+from starlette.types import Scope
 
 from halfserve.api.dataplane import handled
 from halfserve.api.dataplane.infer import infer
@@ -28,7 +29,7 @@ from halfserve.api.dataplane.photos import decode_photos, image_count
 from halfserve.api.dataplane.refusals import Refusal
 from halfserve.api.errors import APIError, RefusedError
 from halfserve.api.http import deps, multipart
-from halfserve.api.http.errors import error_responses, json_ok
+from halfserve.api.http.errors import RoutingShape, error_responses, json_ok
 from halfserve.api.http.limits import TIMEOUT_PARAMETER, client_timeout, raw_header, read_body
 from halfserve.api.http.telemetry import Endpoint, answered, metered, note
 from halfserve.serving import Interface, ModelHandle
@@ -113,7 +114,7 @@ def error(status: int, message: str, kind: str | None = None, headers: dict[str,
     return Response(orjson.dumps(body), status_code=status, media_type="application/json", headers=headers)
 
 
-def routing_error(status: int, headers: dict[str, str] | None) -> Response:
+def routing_error(status: int, headers: dict[str, str] | None, scope: Scope) -> Response:
     """The router's 404 or 405 on TorchServe's inference paths, as TorchServe answers them (its clients read
     ``type``), with the ``Allow`` the router named."""
     if status == 405:
@@ -121,7 +122,7 @@ def routing_error(status: int, headers: dict[str, str] | None) -> Response:
     return error(status, NOT_FOUND_MESSAGE, "ResourceNotFoundException", headers)
 
 
-ROUTING_SHAPES = {"/predictions/": routing_error, "/explanations/": routing_error}
+ROUTING_SHAPES: dict[str, RoutingShape] = {"/predictions/": routing_error, "/explanations/": routing_error}
 """The path prefixes whose routing errors answer in TorchServe's shape (:func:`halfserve.api.http.errors.install`)."""
 
 
