@@ -57,6 +57,9 @@ log = logging.getLogger(__name__)
 
 MAX_TENSORS = 16
 """Inputs or outputs a model may declare."""
+MAX_SAMPLE_VALUES = 2**28
+"""Most values one sample of a tensor may hold (1 GiB in fp32; a 3x8192x8192 image is 201 million): a shape past it
+is a typing slip (``30x30x30x30x30x30``, 729 million) whose probe forward at import would allocate gigabytes."""
 
 
 class DataType(str, Enum):
@@ -201,6 +204,12 @@ class TensorSpec(BaseModel):
     def _positive(cls, shape: list[int]) -> list[int]:
         if any(d <= 0 for d in shape[1:]) or shape[0] == 0 or shape[0] < -1:
             raise ValueError(f"every dimension must be a positive integer (the first may be -1, variable), got {shape}")
+        values = math.prod(d for d in shape if d > 0)
+        if values > MAX_SAMPLE_VALUES:
+            raise ValueError(
+                f"{shape} is {values} values a sample, more than the {MAX_SAMPLE_VALUES} a tensor may hold (the "
+                "import's and the load's probes would allocate them per row)"
+            )
         return shape
 
     @model_serializer(mode="wrap")

@@ -148,6 +148,9 @@ def test_bad_tensor_options_are_named(text: str) -> None:
         ("y:FP32:", "shape '': expected sizes joined by x, e.g. 3x224x224"),
         ("y:FP32:3x", "shape '3x': expected sizes joined by x, e.g. 3x224x224"),
         ("y::3", "dtype '': expected one of FP32, FP16, BF16, FP64, INT64"),
+        # A typing slip had reached the probe forward: 5.8 GB allocated, or torch's "Overflow when unpacking long".
+        ("y:FP32:30x30x30x30x30x30", "shape: [30, 30, 30, 30, 30, 30] is 729000000 values a sample, more than the"),
+        ("y:FP32:999999999999999999999", "shape: [999999999999999999999] is 999999999999999999999 values a sample"),
     ],
 )
 def test_a_tensor_option_s_mistake_is_named_in_its_own_words(text: str, reason: str) -> None:
