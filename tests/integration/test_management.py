@@ -236,3 +236,31 @@ async def test_a_request_that_looked_the_model_up_before_a_reload_is_answered_by
         await repo.unload("tiny")
         with pytest.raises(ModelNotReadyError, match="unloaded"):
             again.submit({again.manifest.inputs[0].name: x})
+
+
+async def test_an_unforeseen_failure_of_a_route_is_answered_as_json(
+    tiny_store: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The process's open files running out under a reload (its store read fails with EMFILE) had been answered by
+    Starlette's last resort, a plain-text 500: now the API's JSON, the exception still logged."""
+    from halfserve.api.http import management
+    from halfserve.app import create_app
+
+    async def out_of_files(*args: object, **kwargs: object) -> object:
+        raise OSError(24, "Too many open files")
+
+    app = create_app(settings(tiny_store))
+    transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+    async with (
+        app.router.lifespan_context(app),
+        httpx.AsyncClient(transport=transport, base_url="http://localhost") as client,
+    ):
+        deadline = time.monotonic() + DEADLINE_S
+        while (await client.get("/ready")).status_code != 200:
+            assert time.monotonic() < deadline, "not ready"
+            await asyncio.sleep(0.05)
+        monkeypatch.setattr(management, "load_from_store", out_of_files)
+        r = await client.post("/models/tiny/reload", headers=AUTH)
+        assert (await client.get("/health")).status_code == 200
+    assert r.status_code == 500
+    assert r.json() == {"error": "internal error: OSError: [Errno 24] Too many open files"}

@@ -107,6 +107,12 @@ def install(app: FastAPI, shapes: Mapping[str, RoutingShape] | None = None) -> N
         err = from_exception(exc)
         return error_response(err.status, err.message, err.headers)
 
+    async def unexpected(request: Request, exc: Exception) -> Response:
+        # Starlette's last resort answers this and still raises the exception on, for the server's log (a route that
+        # failed on something unforeseen, such as the process's open files running out, had answered plain text).
+        return error_response(500, f"internal error: {type(exc).__name__}: {exc}")
+
+    app.add_exception_handler(Exception, unexpected)
     app.add_exception_handler(StarletteHTTPException, http_error)
     app.add_exception_handler(RequestValidationError, validation_error)
     app.add_exception_handler(APIError, api_error)
