@@ -2,13 +2,15 @@
 
 What must hold: answers equal the single-process server's (same model, same rows), requests from both front-ends are
 batched together, bad input is a 4xx naming the field while the rest are answered, the routes relayed to the engine
-process (listings, metrics, management) behave as without front-ends, a killed front-end is replaced, and SIGTERM
-drains every front-end's requests before the engine process exits.
+process (listings, metrics, management) behave as without front-ends, a killed front-end is replaced, SIGTERM
+drains every front-end's requests before the engine process exits, and a killed engine process takes its front-ends
+(and so the port) with it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -24,10 +26,12 @@ import tritonclient.http as triton
 import tritonclient.utils.shared_memory as shm
 from tritonclient.utils import InferenceServerException
 
+from halfserve.cli import listen
 from halfserve.ipc.frames import FrameReader, frame
 from halfserve.multiproc.client import SLOT_BYTES
 from tests.conftest import SHIPPED_STORE, ServerProcess, free_port, start_server
 from tests.e2e.test_server import fp32_reference, samples
+from tests.e2e.test_startup_failures import running
 from tests.listening import listening_ports
 from tests.waiting import DEADLINE_S, wait_until
 
@@ -327,6 +331,35 @@ def test_sigterm_answers_every_front_ends_requests_then_exits(tmp_path: Path) ->
     assert [r.status_code for r in responses] == [200] * len(bodies)
     assert all(not Path(f"/proc/{pid}").exists() for pid in workers)
     assert "24 requests accepted, 24 answered with outputs" in server.log.read_text()
+
+
+def can_listen(port: int) -> bool:
+    try:
+        listen("127.0.0.1", port).close()  # as the server binds it
+    except OSError:
+        return False
+    return True
+
+
+def test_a_killed_engine_process_takes_its_front_ends_and_the_port_with_it(tmp_path: Path) -> None:
+    """SIGKILL of the engine process (the OOM killer's) leaves no front-end behind holding the port and answering 503:
+    each exits, saying why, and a server can listen on the port again."""
+    server = start_server(SHIPPED_STORE, tmp_path / "server.log", "--models", MODEL, "--http-workers", "2")
+    workers = frontends(server)
+    port = int(server.url.rsplit(":", 1)[1])
+    assert len(workers) == 2
+    try:
+        server.proc.kill()
+        server.proc.wait(timeout=DEADLINE_S)
+        wait_until(lambda: not any(running(pid) for pid in workers), "the front-ends' exit")
+        wait_until(lambda: can_listen(port), f"port {port} free to listen on")
+    finally:
+        for pid in workers:  # left behind: not this test's to leave running
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    log = server.log.read_text()
+    for pid in workers:
+        assert f"(pid {pid}): the engine process (pid {server.proc.pid}) is gone; exiting" in log
 
 
 def test_frames_split_anywhere_are_reassembled() -> None:

@@ -7,7 +7,9 @@ import asyncio
 import json
 import logging
 import os
+import socket
 from collections.abc import Iterator
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, cast
 
@@ -21,7 +23,7 @@ from halfserve.ipc.memory import Slots
 from halfserve.ipc.tensors import from_payload
 from halfserve.manifest import Manifest, Precision, TensorSpec
 from halfserve.metrics import Metrics
-from halfserve.multiproc import engine_side
+from halfserve.multiproc import engine_side, frontend
 from halfserve.multiproc.client import SLOT_BYTES, BackplaneClient, RemoteModel, RemoteService
 from halfserve.multiproc.engine_side import Backplane, _Connection
 from halfserve.regions import Regions
@@ -29,6 +31,7 @@ from halfserve.repository import ModelRepository
 from halfserve.serving import DeadlineExceededError, InternalError, ModelNotReadyError, ModelState, error_to_wire
 from halfserve.settings import Settings
 from tests.unit.test_transport import RecordingTransport
+from tests.waiting import DEADLINE_S
 
 
 def joined(parts: list[bytes | memoryview]) -> bytes:
@@ -251,3 +254,59 @@ def test_a_front_end_s_metadata_carries_the_engine_process_s_precision_record() 
     shown = {"check": "trusted", "differs": [], "problem": None, "record": {"precision": "bf16"}}
     service.update([{**entry("a", precision="bf16"), "precision_record": shown}])  # the same version, reloaded
     assert json.loads(metadata(service.get("a"))["parameters"]["precision_record"]) == shown
+
+
+@pytest.mark.parametrize(("orphaned", "said"), [(True, "is gone"), (False, "lost its connection")])
+async def test_a_front_end_exits_once_its_engine_connection_is_lost_unless_it_is_stopping(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, orphaned: bool, said: str
+) -> None:
+    monkeypatch.setattr(frontend, "ORPHANED_WAIT_S", 0.0)
+    parent = os.getppid()
+    engine = parent + 1 if orphaned else parent  # a parent that is no longer the engine process: it is gone
+    app = frontend.FrontendApp(Settings(), "/nonexistent", "/nonexistent", "secret", 0, engine)
+    exits: list[None] = []
+    app.exit = lambda: exits.append(None)
+    with caplog.at_level(logging.ERROR, logger=frontend.__name__):
+        app._lost()
+        assert app._leaving is not None
+        await app._leaving
+    assert exits == [None]
+    assert app.engine_lost
+    assert f"front-end 0 (pid {os.getpid()}): " in caplog.text
+    assert said in caplog.text
+    assert f"engine process (pid {engine})" in caplog.text
+
+    draining = frontend.FrontendApp(Settings(), "/nonexistent", "/nonexistent", "secret", 1, engine)
+    draining.exit = lambda: exits.append(None)
+    draining.begin_drain()  # it closes the connection itself as it stops
+    draining._lost()
+    assert draining._leaving is None
+    assert not draining.engine_lost
+
+
+async def test_a_front_end_whose_engine_process_hangs_up_before_its_table_fails_to_start_at_once(
+    tmp_path: Path,
+) -> None:
+    path = str(tmp_path / "backplane.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(1)
+    listener.setblocking(False)
+    loop = asyncio.get_running_loop()
+
+    async def hang_up() -> None:  # the engine process, killed once it has read the hello
+        conn, _ = await loop.sock_accept(listener)
+        await loop.sock_recv(conn, 4096)
+        conn.close()
+
+    engine = asyncio.create_task(hang_up())
+    lost: list[None] = []
+    client = BackplaneClient(lambda models: None, lambda regions: None, lambda: lost.append(None))
+    try:
+        with pytest.raises(ConnectionError, match="closed the backplane connection before sending its table"):
+            await client.connect(path, 0, "secret", timeout=DEADLINE_S)
+        await engine
+    finally:
+        listener.close()
+        client.slots.memory.close()
+    assert lost == [None]

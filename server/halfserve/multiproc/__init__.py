@@ -28,6 +28,7 @@ cross as the contract's domain errors (:func:`halfserve.serving.error_to_wire`):
 * :mod:`~halfserve.multiproc.engine_side`: the engine process's end
   (:class:`~halfserve.multiproc.engine_side.Backplane`);
 * :mod:`~halfserve.multiproc.client`: a front-end's end, as a :class:`~halfserve.serving.ModelService`;
-* :mod:`~halfserve.multiproc.frontend`: the front-end's ASGI app, which relays what it does not answer;
+* :mod:`~halfserve.multiproc.frontend`: the front-end's ASGI app, which relays what it does not answer, and exits
+  once its connection to the engine process is lost;
 * :mod:`~halfserve.multiproc.supervisor`: spawning, restarting and stopping the front-ends.
 """

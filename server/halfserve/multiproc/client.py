@@ -59,10 +59,15 @@ class BackplaneClient(asyncio.Protocol):
     """A front-end's connection to the engine process, with its shared-memory slots."""
 
     def __init__(
-        self, on_table: Callable[[list[dict[str, Any]]], None], on_regions: Callable[[list[dict[str, Any]]], None]
+        self,
+        on_table: Callable[[list[dict[str, Any]]], None],
+        on_regions: Callable[[list[dict[str, Any]]], None],
+        on_lost: Callable[[], None] | None = None,
     ) -> None:
         self.on_table = on_table
         self.on_regions = on_regions
+        self.on_lost = on_lost
+        """Called when the connection is lost, however it was closed: the engine process gone, or this end closed."""
         self.reader = FrameReader()
         self.transport: asyncio.Transport | None = None
         self.pending: dict[int, _Pending] = {}
@@ -92,6 +97,8 @@ class BackplaneClient(asyncio.Protocol):
         sock.setblocking(False)
         await loop.connect_accepted_socket(lambda: self, sock=sock)
         await asyncio.wait_for(self.table_seen.wait(), timeout)
+        if self.transport is None:
+            raise ConnectionError("the engine process closed the backplane connection before sending its table")
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # Requests sent in one iteration go out in one write. (The cast: uvloop's transports are not asyncio's either.)
@@ -103,6 +110,9 @@ class BackplaneClient(asyncio.Protocol):
             if not p.future.done():
                 p.future.set_exception(ModelNotReadyError("the engine process is gone"))
         self.pending.clear()
+        self.table_seen.set()  # a connect() still waiting for the first table raises at once, not at its timeout
+        if self.on_lost is not None:
+            self.on_lost()
 
     def data_received(self, data: bytes) -> None:
         for header, payload in self.reader.feed(data):

@@ -5,14 +5,24 @@ encoding, through :func:`halfserve.api.http.answer_first`), but a model's
 :meth:`~halfserve.multiproc.client.RemoteModel.submit` hands the decoded inputs to the engine process over the backplane
 (:mod:`halfserve.multiproc.client`) instead of to a local batcher. Every other request (health, readiness, listings,
 model metadata, statistics, metrics, management, the status page) is relayed unchanged to the engine process's own HTTP
-server on a Unix socket, so there is one source of truth for the models' state."""
+server on a Unix socket, so there is one source of truth for the models' state.
+
+A front-end lives no longer than its connection to the engine process: when it is lost while the front-end is not
+draining (the engine process was killed: the kernel closed its end), the front-end drains and exits, so that no
+process outlives the engine process holding the port. If the engine process still runs, its supervisor starts a new
+front-end in its place."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
+import os
+import signal
 import socket
+import sys
+import time
+from collections.abc import Callable
 
 import httpx
 from starlette.datastructures import State
@@ -47,17 +57,30 @@ HOP_BY_HOP = {b"connection", b"keep-alive", b"transfer-encoding", b"content-leng
 """Headers that describe one connection, not the message: the relay sets its own."""
 FRONTEND_SETS = {b"date", b"server"}
 """Headers the front-end's own HTTP server adds to every answer: the engine process's copies would repeat them."""
+ORPHANED_WAIT_S = 2.0
+"""How long a front-end whose connection was lost looks for itself handed to another parent before it says the engine
+process still runs: the kernel closes a killed process's sockets before it re-parents its children."""
 
 
 class FrontendApp:
     """The front-end's ASGI app: inference routes here, everything else relayed to the engine process."""
 
-    def __init__(self, settings: Settings, api_socket: str, backplane_socket: str, secret: str, index: int) -> None:
+    def __init__(
+        self, settings: Settings, api_socket: str, backplane_socket: str, secret: str, index: int, engine_pid: int
+    ) -> None:
         self.settings = settings
         self.api_socket = api_socket
         self.backplane_socket = backplane_socket
         self.secret = secret
         self.index = index
+        self.engine_pid = engine_pid
+        """The engine process, which spawned this one: while it runs, it is this process's parent."""
+        self.exit: Callable[[], None] | None = None
+        """Stops this front-end's HTTP server (a drain, as on SIGTERM): called once its engine connection is lost."""
+        self.engine_lost = False
+        """Whether this front-end stops because its connection to the engine process was lost."""
+        self._closing = False
+        self._leaving: asyncio.Task[None] | None = None
         self.service = RemoteService(settings)
         self.regions = Regions(settings.max_shm_regions)
         """The engine process's shared memory regions, mapped here too: this process decodes and encodes."""
@@ -100,7 +123,7 @@ class FrontendApp:
                 return
 
     async def _start(self) -> None:
-        self.client = BackplaneClient(self.service.update, self.regions.sync)
+        self.client = BackplaneClient(self.service.update, self.regions.sync, self._lost)
         self.service.client = self.client
         self.serving.metrics = RemoteMetrics(self.client)
         await self.client.connect(self.backplane_socket, self.index, self.secret)
@@ -119,7 +142,28 @@ class FrontendApp:
             await asyncio.sleep(RECORD_FLUSH_S)
             self.client.flush()
 
+    def _lost(self) -> None:
+        """The connection to the engine process is lost: unless this front-end closed it (it is stopping), every
+        inference request from now on would fail, and the port would stay held after the engine process is gone."""
+        if self._closing or self.serving.draining or self._leaving is not None:
+            return
+        self._leaving = asyncio.get_running_loop().create_task(self._leave(), name="engine-lost")
+
+    async def _leave(self) -> None:
+        deadline = time.monotonic() + ORPHANED_WAIT_S
+        while os.getppid() == self.engine_pid and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if os.getppid() != self.engine_pid:
+            why = "the engine process (pid %d) is gone; exiting, which frees the port"
+        else:
+            why = "lost its connection to the engine process (pid %d); exiting, to be restarted"
+        log.error("front-end %d (pid %d): " + why, self.index, os.getpid(), self.engine_pid)
+        self.engine_lost = True
+        if self.exit is not None:
+            self.exit()
+
     async def _stop(self) -> None:
+        self._closing = True
         if self._flusher is not None:
             self._flusher.cancel()
         if self.client is not None:
@@ -244,11 +288,22 @@ async def _body(receive: Receive) -> bytes:
 
 
 def run(
-    settings: Settings, sock: socket.socket, api_socket: str, backplane_socket: str, secret: str, index: int
+    settings: Settings,
+    sock: socket.socket,
+    api_socket: str,
+    backplane_socket: str,
+    secret: str,
+    index: int,
+    engine_pid: int,
 ) -> None:
-    """A front-end process's main: serve ``sock`` (the listening socket every front-end shares) until told to stop."""
+    """A front-end process's main: serve ``sock`` (the listening socket every front-end shares) until told to stop,
+    or until its connection to the engine process ``engine_pid`` is lost (then it exits with status 1)."""
 
     log_config = logs.configure(settings.log_format, settings.log_level.value, settings.access_log)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per relayed request otherwise
-    app = FrontendApp(settings, api_socket, backplane_socket, secret, index)
-    DrainingServer(uvicorn_config(app, settings, log_config, direct_routes(app)), app.begin_drain).run(sockets=[sock])
+    app = FrontendApp(settings, api_socket, backplane_socket, secret, index, engine_pid)
+    server = DrainingServer(uvicorn_config(app, settings, log_config, direct_routes(app)), app.begin_drain)
+    app.exit = lambda: server.handle_exit(signal.SIGTERM, None)
+    server.run(sockets=[sock])
+    if app.engine_lost:
+        sys.exit(1)

@@ -1,5 +1,6 @@
-"""The front-end processes: spawned with the listening socket and the run's secret, restarted if one dies after it
-started, stopped on a drain; one that dies before it started fails the whole server."""
+"""The front-end processes: spawned with the listening socket, the run's secret and this process's pid (a front-end
+exits once it has lost its connection to this process), restarted if one dies after it started, stopped on a drain;
+one that dies before it started fails the whole server."""
 
 from __future__ import annotations
 
@@ -47,7 +48,7 @@ class Frontends:
             self._spawn(i)
 
     def _spawn(self, index: int) -> None:
-        args = (self.settings, self.sock, self.api_socket, self.backplane_socket, self.secret, index)
+        args = (self.settings, self.sock, self.api_socket, self.backplane_socket, self.secret, index, os.getpid())
         process = self._context.Process(target=frontend.run, args=args, name=f"halfserve-http-{index}", daemon=False)
         process.start()
         self.processes[index] = process
