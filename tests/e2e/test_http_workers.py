@@ -2,9 +2,9 @@
 
 What must hold: answers equal the single-process server's (same model, same rows), requests from both front-ends are
 batched together, bad input is a 4xx naming the field while the rest are answered, the routes relayed to the engine
-process (listings, metrics, management) behave as without front-ends, a killed front-end is replaced, SIGTERM
-drains every front-end's requests before the engine process exits, and a killed engine process takes its front-ends
-(and so the port) with it.
+process (listings, metrics, management) behave as without front-ends, an unloaded model is refused as without them, a
+killed front-end is replaced, SIGTERM drains every front-end's requests before the engine process exits, and a killed
+engine process takes its front-ends (and so the port) with it.
 """
 
 from __future__ import annotations
@@ -331,6 +331,47 @@ def test_sigterm_answers_every_front_ends_requests_then_exits(tmp_path: Path) ->
     assert [r.status_code for r in responses] == [200] * len(bodies)
     assert all(not Path(f"/proc/{pid}").exists() for pid in workers)
     assert "24 requests accepted, 24 answered with outputs" in server.log.read_text()
+
+
+def unloaded_answers(url: str, model: str, tries: int) -> set[tuple[str, int, str]]:
+    """Each inference route's answers (route, status, error) for ``model`` once it is unloaded, each asked ``tries``
+    times on a new connection (front-ends take them in turn)."""
+    v2 = {"inputs": [{"name": "image", "shape": [1, 1, 8, 8], "datatype": "FP32", "data": [0.5] * 64}]}
+    requests = {
+        "/predict": {"model": model, "inputs": [[[[0.5] * 8] * 8]]},
+        f"/v2/models/{model}/versions/1/infer": v2,
+        f"/v2/models/{model}/infer": v2,
+        f"/v1/models/{model}:predict": {"instances": [[[[0.5] * 8] * 8]]},
+    }
+    return {
+        (route, r.status_code, r.json()["error"])
+        for route, body in requests.items()
+        for r in (httpx.post(url + route, json=body, timeout=30) for _ in range(tries))
+    }
+
+
+def test_an_unloaded_model_is_refused_as_without_front_ends(
+    workers_server: ServerProcess, server_factory: StartServer
+) -> None:
+    """The routes refuse an unloaded model with the single process's status and words (`/predict` 503 "is unloaded",
+    V2 503 with a version in the path, 404 without one), whichever process takes the request."""
+    model = "digits_cnn"
+    single = server_factory(SHIPPED_STORE, "--models", model, "--admin-token", TOKEN)
+    for server in (single, workers_server):
+        r = httpx.post(f"{server.url}/models/{model}/unload", headers=AUTH, timeout=60)
+        assert r.status_code == 200, r.text
+    try:
+        expected = unloaded_answers(single.url, model, 1)
+        assert {(route, status) for route, status, _ in expected} == {
+            ("/predict", 503),
+            (f"/v2/models/{model}/versions/1/infer", 503),
+            (f"/v2/models/{model}/infer", 404),
+            (f"/v1/models/{model}:predict", 503),
+        }
+        assert unloaded_answers(workers_server.url, model, 4) == expected
+    finally:
+        r = httpx.post(f"{workers_server.url}/models/{model}/load", headers=AUTH, timeout=120)
+        assert r.status_code == 200, r.text
 
 
 def can_listen(port: int) -> bool:

@@ -20,7 +20,7 @@ from halfserve.api.dataplane.metadata import metadata
 from halfserve.execution import Batching
 from halfserve.ipc.frames import FrameReader, frame
 from halfserve.ipc.memory import Slots
-from halfserve.ipc.tensors import from_payload
+from halfserve.ipc.tensors import from_payload, inline
 from halfserve.manifest import Manifest, Precision, TensorSpec
 from halfserve.metrics import Metrics
 from halfserve.multiproc import engine_side, frontend
@@ -28,7 +28,16 @@ from halfserve.multiproc.client import SLOT_BYTES, BackplaneClient, RemoteModel,
 from halfserve.multiproc.engine_side import Backplane, _Connection
 from halfserve.regions import Regions
 from halfserve.repository import ModelRepository
-from halfserve.serving import DeadlineExceededError, InternalError, ModelNotReadyError, ModelState, error_to_wire
+from halfserve.served import ServedModel
+from halfserve.serving import (
+    DeadlineExceededError,
+    InternalError,
+    ModelNotReadyError,
+    ModelState,
+    ModelUnavailableError,
+    check_ready,
+    error_to_wire,
+)
 from halfserve.settings import Settings
 from tests.unit.test_transport import RecordingTransport
 from tests.waiting import DEADLINE_S
@@ -143,9 +152,13 @@ async def test_a_table_pushed_with_a_number_is_applied_then_acknowledged(connect
     assert [h for h, _ in sent(transport)] == [{"op": "ack", "ack": 7}]
 
 
-def backplane_with(connections: int) -> tuple[Backplane, list[tuple[_Connection, RecordingTransport]]]:
-    """The engine process's end with ``connections`` front-ends connected over recording transports."""
-    repo = cast(ModelRepository, SimpleNamespace(models={}))
+def backplane_with(
+    connections: int, *served: ServedModel
+) -> tuple[Backplane, list[tuple[_Connection, RecordingTransport]]]:
+    """The engine process's end, serving ``served``, with ``connections`` front-ends connected over recording
+    transports."""
+    models = {s.name: s for s in served}
+    repo = cast(ModelRepository, SimpleNamespace(models=models, get=models.__getitem__))
     backplane = Backplane("/nonexistent", repo, cast(Metrics, None), connections, Regions(most=256), "secret")
     made = []
     for _ in range(connections):
@@ -254,6 +267,36 @@ def test_a_front_end_s_metadata_carries_the_engine_process_s_precision_record() 
     shown = {"check": "trusted", "differs": [], "problem": None, "record": {"precision": "bf16"}}
     service.update([{**entry("a", precision="bf16"), "precision_record": shown}])  # the same version, reloaded
     assert json.loads(metadata(service.get("a"))["parameters"]["precision_record"]) == shown
+
+
+def test_a_front_end_refuses_an_unloaded_or_failed_model_as_one_process_does_and_leaves_the_rest_to_the_engine() -> (
+    None
+):
+    service = RemoteService(Settings())
+    failed = {**entry("broken", state="failed"), "error": "bad checkpoint"}
+    service.update([entry("loading", state="loading"), entry("ready"), entry("gone", state="unloaded"), failed])
+    check_ready(service.get("loading"), None)  # it may have finished loading since this table was pushed
+    check_ready(service.get("ready"), "1")
+    with pytest.raises(ModelUnavailableError, match=r"'gone' has no available versions \(unloaded\)"):
+        check_ready(service.get("gone"), None)
+    with pytest.raises(ModelNotReadyError, match=r"'gone' version 1 is not at ready state \(unloaded\)") as refused:
+        check_ready(service.get("gone"), "1")
+    assert not refused.value.retry
+    with pytest.raises(ModelUnavailableError, match=r"'broken' has no available versions \(bad checkpoint\)"):
+        check_ready(service.get("broken"), None)
+
+
+async def test_the_engine_process_refuses_a_request_for_an_unloaded_model_as_submit_does_in_one_process() -> None:
+    manifest = Manifest.model_validate(entry("tiny")["manifest"])
+    unloaded = ServedModel("tiny", manifest, 1, Batching(), state=ModelState.UNLOADED)
+    _, [(connection, transport)] = backplane_with(1, unloaded)
+    places, parts = inline({"features": np.ones((1, 16), np.float32)})
+    head = {"op": "infer", "id": 5, "model": "tiny", "version": 1, "timeout": None, "slot": -1, "inputs": places}
+    connection.data_received(joined(frame(head, *parts)))
+    await asyncio.sleep(0)
+    answers = [h for h, _ in sent(transport) if h.get("id") == 5]
+    error = {"kind": "ModelNotReadyError", "message": "model 'tiny' is unloaded", "retry": True}
+    assert answers == [{"id": 5, "error": error}]
 
 
 @pytest.mark.parametrize(("orphaned", "said"), [(True, "is gone"), (False, "lost its connection")])

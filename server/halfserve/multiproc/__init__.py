@@ -14,8 +14,9 @@ travel inline on the socket instead. Frames are ``<II`` (header length, payload 
 payload; a connection's requests are answered out of order, by id. Requests carry named tensors, as the serving
 contract does (:mod:`halfserve.serving`), and failures the contract's domain errors, by name.
 
-The engine process stays authoritative: it checks the model, version and readiness of every request itself, so a
-front-end's copy of the model table only has to be recent enough to decode requests. It is pushed within
+The engine process stays authoritative: it checks the model and version of every request itself, and its model's
+``submit`` refuses one it cannot take now, so a front-end's copy of the model table only has to be recent enough to
+decode requests (and to refuse a model unloaded or failed as the routes do in one process). It is pushed within
 :data:`TABLE_POLL_S` of any change; a change made through the API is answered only once every front-end has applied it
 (:meth:`~halfserve.multiproc.engine_side.Backplane.publish`), so a client's next request finds it whichever front-end
 takes it. Front-ends send the per-request metrics (status, rows, latency) here in batches, so ``/metrics`` counts every

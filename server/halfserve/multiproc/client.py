@@ -2,7 +2,8 @@
 
 The routes in a front-end decode and validate requests as in a single process, against the model table the engine
 process pushes here; :meth:`RemoteModel.submit` hands the named inputs to the engine process instead of to a local
-batcher. The engine process stays authoritative: it checks the model, version and readiness of every request again.
+batcher. The engine process stays authoritative: it checks the model and version of every request again, and its
+model's ``submit`` refuses what it cannot take now, as in one process.
 """
 
 from __future__ import annotations
@@ -219,8 +220,11 @@ class RemoteModel:
 
     @property
     def serving(self) -> bool:
-        # The engine process decides readiness (its answer is never stale); a table pushed a moment ago may be.
-        return True
+        """False for a model unloaded or failed, so that the routes refuse it here as they do in one process; true
+        otherwise. The engine process decides the rest (its answer is never stale; a table pushed a moment ago may
+        be): a model may have finished loading since. Leaving either state takes a call to the API, which is answered
+        only once every front-end has the new table."""
+        return self.state not in (ModelState.UNLOADED, ModelState.FAILED)
 
     def submit(self, inputs: Tensors, timeout: float | None = None) -> asyncio.Future[Prediction]:
         if self.client is None:

@@ -26,7 +26,7 @@ from halfserve.metrics import Metrics
 from halfserve.packing import LENGTH
 from halfserve.regions import Regions
 from halfserve.repository import ModelRepository
-from halfserve.serving import Interface, ModelNotReadyError, Prediction, Tensors, check_ready, error_to_wire
+from halfserve.serving import Interface, ModelNotReadyError, Prediction, Tensors, error_to_wire
 from halfserve.transport import CoalescedWrites
 
 log = logging.getLogger(__name__)
@@ -150,7 +150,8 @@ class _Connection(asyncio.Protocol):
             served = self.backplane.repo.get(head["model"])
             if head["version"] != served.version:
                 raise ModelNotReadyError(f"model {served.name!r} was reloaded as version {served.version}; retry")
-            check_ready(served, None)
+            # Readiness as in one process: the route checked its own rule (V2's names the version asked for) on the
+            # front-end's table, and submit refuses a model that cannot take the request now, saying why.
             future = served.submit(self._inputs(store.sent_inputs(served.manifest), head, payload), head.get("timeout"))
         except Exception as e:
             self._fail(head["id"], e)
