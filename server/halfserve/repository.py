@@ -23,7 +23,7 @@ from halfserve.batching import Batcher, BatchObserver
 from halfserve.engine import runners
 from halfserve.engine.core import Engine, module_bytes
 from halfserve.engine.intraop import fixed_timing
-from halfserve.engine.protocol import ModelEngine
+from halfserve.engine.protocol import EngineError, ModelEngine
 from halfserve.engine.traced import TraceRefused
 from halfserve.execution import Batching
 from halfserve.fallback import VersionFallback
@@ -166,9 +166,14 @@ class ModelRepository:
         placement = await asyncio.to_thread(choose, setting, served.manifest.execution, self.device, measured)
         if placement is Placement.INSTANCE_PROCESSES:
             fixed = self.fixed_shapes()
-            processes = await ProcessEngine.start(
-                self.settings, loaded, precision, self.device, max_batch_size, fixed, kept
-            )
+            try:
+                processes = await ProcessEngine.start(
+                    self.settings, loaded, precision, self.device, max_batch_size, fixed, kept
+                )
+            except (
+                EngineError
+            ) as e:  # died, failed or ran out of time starting: a failed load, the old engine serves on
+                raise StoreError(str(e)) from None
             served.warmup_seconds = processes.warmup_seconds
             return processes
         engine = measured()

@@ -62,12 +62,14 @@ class ModelUnavailableError(ModelNotFoundError):
 class ModelNotReadyError(ServingError, RuntimeError):
     """The model is known but cannot take requests now (loading, draining, or reloaded under the request).
 
-    ``retry`` says whether the same request may succeed if sent again in a moment (a ``Retry-After``).
+    ``retry`` says whether the same request may succeed if sent again in a moment (a ``Retry-After``), and
+    ``retry_after`` in how many seconds.
     """
 
-    def __init__(self, message: str, retry: bool = True) -> None:
+    def __init__(self, message: str, retry: bool = True, retry_after: int = 1) -> None:
         super().__init__(message)
         self.retry = retry
+        self.retry_after = retry_after
 
 
 class InvalidInputError(ServingError, ValueError):
@@ -156,6 +158,7 @@ def error_to_wire(e: BaseException) -> dict[str, object]:
         wire: dict[str, object] = {"kind": type(e).__name__, "message": str(e)}
         if isinstance(e, ModelNotReadyError):
             wire["retry"] = e.retry
+            wire["retry_after"] = e.retry_after
         return wire
     # Anything else failed inside the server: it answers as an internal error, under its own type's name.
     return {"kind": "internal", "message": f"{type(e).__name__}: {e}"}
@@ -166,7 +169,8 @@ def error_from_wire(wire: Mapping[str, object]) -> Exception:
     kind, message = wire.get("kind"), str(wire.get("message"))
     cls = _WIRE_ERRORS.get(kind) if isinstance(kind, str) else None
     if cls is ModelNotReadyError:
-        return ModelNotReadyError(message, retry=bool(wire.get("retry", True)))
+        after = wire.get("retry_after", 1)
+        return ModelNotReadyError(message, bool(wire.get("retry", True)), after if isinstance(after, int) else 1)
     if cls is not None:
         return cls(message)
     return InternalError(message)

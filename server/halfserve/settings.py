@@ -306,6 +306,11 @@ class Settings(BaseSettings):
     """Seconds an instance process may take over one batch before it is taken for hung (stopped, deadlocked, in an
     endless kernel): then it is killed and restarted, and its batch rerun one request per batch. Generous: a first
     batch of a new shape may tune kernels for seconds."""
+    instance_start_timeout: float = Field(default=900.0, gt=0.0, le=86400.0)
+    """Seconds an instance process may take to start: to load, warm up and say it is ready (a start, a restart, a
+    precision switch's or a reload's new processes). Past it the process is killed and its start failed: a load or a
+    switch answers as a failed load, the engine it would have replaced serving on, and a restart is tried again after
+    its back-off. Generous: CUDA graphs, compiles and cuDNN tuning of a large model on a slow host take minutes."""
     warmup: bool = True
     """Warm every model up at load (each batch bucket, CUDA graphs, compiles) before it takes requests."""
     compile_cache: str = "auto"

@@ -1,10 +1,12 @@
 """Instance processes that die or hang, in-process app, real instance processes: readiness follows whether an instance
 can serve, a request never gets a 500 for a restart, a request that kills its process fails alone and the process is
-restarted at once, a hung process is killed and restarted."""
+restarted at once, a hung process is killed and restarted, requests during a restart's back-off are refused at once,
+and a precision switch whose new process dies while starting fails as a load does."""
 
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
 import os
 import re
 import signal
@@ -19,9 +21,10 @@ import torch
 
 from halfserve import store
 from halfserve.execution import Batching
+from halfserve.isolated import supervision
 from halfserve.manifest import Manifest, TensorSpec
 from tests.integration.conftest import serving
-from tests.integration.test_isolated import model, processes
+from tests.integration.test_isolated import AUTH, model, processes
 from tests.waiting import DEADLINE_S
 
 pytestmark = pytest.mark.slow
@@ -223,3 +226,62 @@ async def test_a_hung_process_is_killed_by_the_watchdog_and_its_requests_answere
         assert (await client.get("/ready")).status_code == 200
         stats = (await model(client, "crashing"))["stats"]
         assert stats["instance_restarts"] == 1  # type: ignore[index]
+
+
+async def test_while_every_process_waits_out_its_back_off_requests_get_a_503_at_once_with_the_time_left(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(supervision, "RESPAWN_DELAYS_S", (600.0,))  # far longer than the test: it never ends here
+    code, gate, _ = save_crashing(tmp_path)
+    async with serving(processes(store=tmp_path / "store", code_path=[code], precision="fp32")) as client:
+        first = await pid_of(client)
+        gate.touch()  # every restart now holds while starting
+        os.kill(first, signal.SIGKILL)
+        second = await replaced(client, first)
+        waiting = asyncio.ensure_future(predict(client, 1.0))  # waits for the restart, or is refused as below
+        await asyncio.sleep(0.2)  # let it reach the engine
+        os.kill(second, signal.SIGKILL)  # the restart dies while starting: 600 s of back-off
+        failed = f"a restart failed: instance process 0 of model 'crashing' (pid {second}) exited before it was ready"
+        for r in (await waiting, await predict(client, 2.0), await predict(client, 3.0)):
+            # Told when to come back, rather than held until the client gives up.
+            assert r.status_code == 503, r.text
+            assert 590 <= int(r.headers["Retry-After"]) <= 600
+            assert r.json()["error"].startswith(f"model 'crashing' has no instance process able to serve ({failed}; ")
+            assert "the next start in " in r.json()["error"]
+        await not_ready(client)
+        stats = (await model(client, "crashing"))["stats"]
+        assert stats["instance_start_failures"] == 1  # type: ignore[index]
+
+
+async def test_a_switch_whose_new_process_dies_while_starting_fails_as_a_load_and_the_old_engine_serves_on(
+    tmp_path: Path,
+) -> None:
+    code, gate, _ = save_crashing(tmp_path)
+    async with serving(processes(store=tmp_path / "store", code_path=[code], precision="fp32")) as client:
+        old = await pid_of(client)
+        gate.touch()  # the switch's new process holds while starting
+        switch = asyncio.ensure_future(
+            client.post("/models/crashing/precision", json={"precision": "bf16"}, headers=AUTH, timeout=DEADLINE_S)
+        )
+        new: list[int] = []
+
+        async def started() -> bool:
+            new[:] = [p.pid for p in multiprocessing.active_children() if p.name == "halfserve-crashing-0"]
+            new[:] = [p for p in new if p != old]
+            return bool(new)
+
+        await eventually(started, "the switch's new instance process started")
+        os.kill(new[0], signal.SIGKILL)
+        r = await switch
+        assert r.status_code == 400, r.text
+        assert r.json()["error"] == (
+            f"failed to load 'crashing' in bf16: instance process 0 of model 'crashing' (pid {new[0]}) exited before "
+            "it was ready; it goes on serving in fp32"
+        )
+        gate.unlink()
+        listing = await model(client, "crashing")
+        assert listing["precision"] == "fp32"
+        assert await pid_of(client) == old
+        r = await predict(client, 1.0)
+        assert (r.status_code, r.json()["precision"]) == (200, "fp32")
+        assert (await client.get("/ready")).status_code == 200

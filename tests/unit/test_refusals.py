@@ -23,6 +23,8 @@ from halfserve.serving import (
     QueueFullError,
     RegionFullError,
     RequestTooLargeError,
+    error_from_wire,
+    error_to_wire,
 )
 
 ANSWERS = [
@@ -124,3 +126,13 @@ def test_a_domain_error_is_answered_alike_on_both_transports(
     assert (http.headers is not None) == retry
     assert refused(error).retry == retry
     assert _refusal(error) == (CODE_OF[status], message)
+
+
+def test_a_model_not_ready_says_when_to_retry_across_a_process_and_in_retry_after() -> None:
+    # An engine whose every instance process waits out a 30 s back-off; a front-end process answers the client.
+    carried = error_from_wire(error_to_wire(ModelNotReadyError("restarting", retry_after=30)))
+    assert isinstance(carried, ModelNotReadyError)
+    assert carried.retry_after == 30
+    assert from_exception(carried).headers == {"Retry-After": "30"}
+    assert from_exception(ModelNotReadyError("loading")).headers == {"Retry-After": "1"}
+    assert from_exception(ModelNotReadyError("no text", retry=False, retry_after=30)).headers is None

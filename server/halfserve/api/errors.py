@@ -85,4 +85,4 @@ def from_exception(e: Exception) -> APIError:
     if isinstance(e, APIError):
         return e
     answer = refused(e)
-    return RefusedError(answer.refusal, answer.message, "1" if answer.retry else None)
+    return RefusedError(answer.refusal, answer.message, str(answer.retry_after) if answer.retry else None)

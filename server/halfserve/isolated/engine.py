@@ -15,6 +15,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import math
 import multiprocessing
 import multiprocessing.process
 import os
@@ -121,7 +122,7 @@ class ProcessEngine:
         cores = settings.threads or available_cores()
         self._cores = cores
         self.supervisor: Supervisor[InstanceProcess] = Supervisor(
-            self.name, self._spawn, self.idle_again, self._none_left
+            self.name, self._spawn, self.idle_again, self._none_left, settings.instance_start_timeout
         )
         self._idle: list[InstanceProcess] = []
         self._waiting: deque[tuple[_Send, asyncio.Future[Any]]] = deque()
@@ -302,16 +303,26 @@ class ProcessEngine:
                 send(instance, future)
                 self._update_elements()
                 return
-        if self.supervisor.restarting or self.supervisor.any_alive():
+        if self.supervisor.starting or self.supervisor.any_alive():
             # Fewer processes up than batches in flight: one is restarting, and takes this batch once it is warm (a
             # batch that crashed one is rerun a request at a time, so its other requests are answered).
             self._waiting.append((send, future))
             return
-        future.set_exception(self._none_up("none is restarting"))
+        left = self.supervisor.backoff_left()
+        if left is None:
+            future.set_exception(self._none_up("none is restarting"))
+            return
+        # Every process waits out its back-off after failed starts: a batch would wait up to 30 s, past most clients'
+        # patience, so it is refused now, to be sent again once the next start may have succeeded.
+        why = f"{self.supervisor.last_failure}; the next start in {left:.1f} s"
+        future.set_exception(self._none_up(why, math.ceil(left)))
 
-    def _none_up(self, why: str) -> ModelNotReadyError:
-        """The error for a batch no instance process can take: the model is not ready for now (503, retry)."""
-        return ModelNotReadyError(f"model {self.name!r} has no instance process able to serve ({why})")
+    def _none_up(self, why: str, retry_after: int = 1) -> ModelNotReadyError:
+        """The error for a batch no instance process can take: the model is not ready for now (503, retry in
+        ``retry_after`` seconds)."""
+        return ModelNotReadyError(
+            f"model {self.name!r} has no instance process able to serve ({why})", retry_after=max(1, retry_after)
+        )
 
     def idle_again(self, instance: InstanceProcess) -> None:
         """An instance answered its batch: give it the next waiting one, or mark it idle."""
@@ -343,8 +354,8 @@ class ProcessEngine:
         self.real_elements = sum(i.counts.get("real_elements", 0) for i in self.instances)
         self.padded_elements = sum(i.counts.get("padded_elements", 0) for i in self.instances)
 
-    def _none_left(self, why: str) -> None:
-        self._fail_waiting(self._none_up(why))
+    def _none_left(self, why: str, retry_after: int) -> None:
+        self._fail_waiting(self._none_up(why, retry_after))
 
     def lost(self, instance: InstanceProcess, was_ready: bool) -> None:
         """An instance process's socket closed: it takes no more batches; its supervisor restarts it."""

@@ -10,17 +10,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import multiprocessing.process
 import threading
 import time
 from collections.abc import Callable
 from typing import Any, Generic, Protocol, TypeVar
 
+from halfserve.engine.protocol import EngineError
+
 log = logging.getLogger(__name__)
 
-READY_TIMEOUT_S = 900.0
-"""How long an instance process may take to load and warm up (CUDA graphs and cuDNN tuning of a large model on a
-slow host take minutes)."""
 EXIT_TIMEOUT_S = 10.0
 """How long a closing instance process has to finish its batch and exit before it is killed."""
 KILL_TIMEOUT_S = 5.0
@@ -114,8 +114,10 @@ class Supervisor(Generic[P]):
     """Starts a model's instance processes, restarts each one that dies, and ends them.
 
     ``spawn(index)`` starts instance process ``index`` (ready once its :attr:`Supervised.ready` is set);
-    ``restarted(instance)`` is told of each restarted process once it is warm; ``none_left(why)`` is told when a
-    restart failed and no other process is up to take the batches waiting meanwhile.
+    ``restarted(instance)`` is told of each restarted process once it is warm; ``none_left(why, retry_after)`` is told
+    when a restart failed and no other process is up to take the batches waiting meanwhile, with the seconds until
+    the next start. A process not ready within ``start_timeout`` seconds (``instance_start_timeout``) is killed, and
+    its start failed.
     """
 
     def __init__(
@@ -123,10 +125,12 @@ class Supervisor(Generic[P]):
         model: str,
         spawn: Callable[[int], P],
         restarted: Callable[[P], None],
-        none_left: Callable[[str], None],
+        none_left: Callable[[str, int], None],
+        start_timeout: float,
     ) -> None:
         self.model = model
         self._spawn, self._restarted, self._none_left = spawn, restarted, none_left
+        self.start_timeout = start_timeout
         self.instances: list[P] = []
         self.crashes = 0
         """Instance processes that died while starting, in a row (the restart's backoff)."""
@@ -137,18 +141,55 @@ class Supervisor(Generic[P]):
         self.closing = False
         """Set once the engine closes: no process is restarted from then on."""
         self._respawning: set[asyncio.Task[None]] = set()
+        self._due: dict[int, float] = {}
+        """When each process waiting out its back-off starts again (the loop's time), by index."""
+        self._starting: set[int] = set()
+        """The processes being restarted now (past any back-off), by index."""
+        self.last_failure = ""
+        """Why the last restart failed."""
         self._loop = asyncio.get_running_loop()
         self._loop_thread = threading.get_ident()
 
     async def start(self, count: int) -> list[dict[str, Any]]:
-        """Start ``count`` instance processes and wait until every one is ready: their ready messages, in order."""
+        """Start ``count`` instance processes and wait until every one is ready: their ready messages, in order.
+        Raises the error of the first that failed to start (:class:`~halfserve.engine.protocol.EngineError`), or one
+        naming a process not ready within the start timeout."""
         self.instances = [self._spawn(i) for i in range(count)]
-        return await asyncio.wait_for(asyncio.gather(*(i.ready for i in self.instances)), timeout=READY_TIMEOUT_S)
+        return await self._ready(self.instances)
+
+    async def _ready(self, instances: list[P]) -> list[dict[str, Any]]:
+        for instance in instances:
+            # Read here whatever happens: a start given up on (one of several failed, or the timeout) may still fail.
+            instance.ready.add_done_callback(_retrieve)
+        readies = [i.ready for i in instances]
+        await asyncio.wait(readies, timeout=self.start_timeout, return_when=asyncio.FIRST_EXCEPTION)
+        for ready in readies:
+            if ready.done() and not ready.cancelled() and (error := ready.exception()) is not None:
+                raise error
+        late = [i for i in instances if not i.ready.done()]
+        if late:
+            error = EngineError(
+                f"instance process {late[0].index} of model {self.model!r} (pid {late[0].pid}) was not ready within "
+                f"{self.start_timeout:g} s (instance_start_timeout)"
+            )
+            for instance in late:
+                instance.ready.set_exception(error)  # its end, which follows, is no news
+                if instance.process is not None:
+                    instance.process.kill()  # stopped or stuck: it would ignore a SIGTERM
+            raise error
+        return [r.result() for r in readies]
 
     @property
-    def restarting(self) -> bool:
-        """Whether a process is being restarted (and will take batches once it is warm)."""
-        return bool(self._respawning)
+    def starting(self) -> bool:
+        """Whether a process is being restarted now, past any back-off (it takes batches once it is warm)."""
+        return bool(self._starting)
+
+    def backoff_left(self) -> float | None:
+        """While no process is up and every one is waiting out its back-off: the seconds until the first starts again
+        (None otherwise)."""
+        if not self._due or self.starting or self.any_alive():
+            return None
+        return max(0.0, min(self._due.values()) - self._loop.time())
 
     def any_alive(self) -> bool:
         return any(i.alive for i in self.instances)
@@ -180,12 +221,26 @@ class Supervisor(Generic[P]):
 
     def _schedule_respawn(self, index: int, delay: float) -> None:
         """Restart instance process ``index`` after ``delay`` seconds."""
+        if delay > 0:
+            self._due[index] = self._loop.time() + delay
+        else:
+            self._starting.add(index)
         task = self._loop.create_task(self._respawn(index, delay))
         self._respawning.add(task)
         task.add_done_callback(self._respawning.discard)
 
     async def _respawn(self, index: int, delay: float) -> None:
-        await asyncio.sleep(delay)
+        try:
+            await asyncio.sleep(delay)
+        finally:
+            self._due.pop(index, None)
+        self._starting.add(index)
+        try:
+            await self._restart(index)
+        finally:
+            self._starting.discard(index)
+
+    async def _restart(self, index: int) -> None:
         if self.closing:
             return
         old = self.instances[index].process
@@ -195,10 +250,11 @@ class Supervisor(Generic[P]):
         try:
             instance = self._spawn(index)
             self.instances[index] = instance
-            await asyncio.wait_for(instance.ready, timeout=READY_TIMEOUT_S)
+            await self._ready([instance])
         except Exception as e:
-            if not self.any_alive():  # nothing else can take them meanwhile: sent again later
-                self._none_left(f"one died while restarting: {e}")
+            self._starting.discard(index)  # waiting out its back-off from now on
+            delay = 1.0
+            self.last_failure = f"a restart failed: {e}"
             if not self.closing:
                 self.start_failures += 1
                 delay = RESPAWN_DELAYS_S[min(self.crashes, len(RESPAWN_DELAYS_S) - 1)]
@@ -207,6 +263,8 @@ class Supervisor(Generic[P]):
                 log.error(
                     "instance process %d of model %s did not restart (%s); again in %.1fs", index, self.model, e, delay
                 )
+            if not self.any_alive():  # nothing else can take them meanwhile: sent again after the back-off
+                self._none_left(f"{self.last_failure}; the next start in {delay:g} s", math.ceil(delay))
             return
         if self.closing:
             instance.stop()
@@ -231,5 +289,15 @@ class Supervisor(Generic[P]):
             process = instance.process
             if process is None or instance.pid is None:
                 continue
+            if not instance.alive:
+                # Starting (or gone): no batch in hand to finish, and one stopped while it starts ignores a SIGTERM.
+                with contextlib.suppress(ValueError):  # closed already
+                    process.kill()
             end(process, max(0.0, deadline - time.monotonic()), f"instance process {instance.index} of {self.model}")
             instance.process = None  # closed: a second close passes it by
+
+
+def _retrieve(ready: asyncio.Future[Any]) -> None:
+    """Mark a start's failure as read: asyncio logs one never read, and a start given up on is not news."""
+    if not ready.cancelled():
+        ready.exception()

@@ -54,11 +54,13 @@ class Refusal(Enum):
 
 @dataclass(frozen=True)
 class Refused:
-    """A refusal as a client is told it: its kind, the message, and whether sending it again shortly may succeed."""
+    """A refusal as a client is told it: its kind, the message, and whether sending it again may succeed, in how many
+    seconds."""
 
     refusal: Refusal
     message: str
     retry: bool = False
+    retry_after: int = 1
 
 
 def refused(e: Exception) -> Refused:
@@ -66,7 +68,7 @@ def refused(e: Exception) -> Refused:
     if isinstance(e, ModelNotFoundError):  # ModelUnavailableError too: Triton's "no available versions"
         return Refused(Refusal.NOT_FOUND, str(e))
     if isinstance(e, ModelNotReadyError):
-        return Refused(Refusal.UNAVAILABLE, str(e), e.retry)
+        return Refused(Refusal.UNAVAILABLE, str(e), e.retry, e.retry_after)
     if isinstance(e, InvalidInputError):
         return Refused(Refusal.INVALID, str(e))
     if isinstance(e, OverLimitError):

@@ -19,6 +19,7 @@ from halfserve.api.http.deps import AUTH_ERRORS, BEARER, json_object, json_respo
 from halfserve.api.http.errors import as_json, error_responses, json_ok
 from halfserve.manifest import Precision
 from halfserve.serving import ModelNotFoundError, ModelNotReadyError
+from halfserve.storage import StoreError
 
 router = APIRouter()
 
@@ -144,7 +145,11 @@ async def unload(name: str, request: Request) -> Response:
         **_LISTING,
         **AUTH_ERRORS,
         **error_responses(
-            {400: "Malformed body or unknown precision.", 404: "No such model.", 409: "The model is not being served."}
+            {
+                400: "Malformed body or unknown precision, or the new engine failed to load (the old one serves on).",
+                404: "No such model.",
+                409: "The model is not being served.",
+            }
         ),
     },
     openapi_extra=_body_schema({"precision": _PRECISION}, required=["precision"]),
@@ -157,10 +162,15 @@ async def set_precision(name: str, request: Request) -> Response:
     require_admin(request)
     precision = _precision(await _body(request, "precision"), required=True)
     assert precision is not None
+    repo = repository(request)
     try:
-        served = await repository(request).set_precision(name, precision)
+        served = await repo.set_precision(name, precision)
     except ModelNotReadyError as e:
         raise APIError(409, str(e)) from None
+    except StoreError as e:  # the new engine did not start: the old one serves on
+        serving = repo.get(name).precision
+        still = f"; it goes on serving in {serving.value}" if serving is not None else ""
+        raise APIError(400, f"failed to load {name!r} in {precision.value}: {e}{still}") from None
     except Exception as e:
         raise from_exception(e) from None
     return json_response(served.describe())
