@@ -166,13 +166,13 @@ class ModelRepository:
         placement = await asyncio.to_thread(choose, setting, served.manifest.execution, self.device, measured)
         if placement is Placement.INSTANCE_PROCESSES:
             fixed = self.fixed_shapes()
+            # A process that died, failed or ran out of time starting fails the load as a checkpoint that fails
+            # does (a 400, the engine it would have replaced serving on), not as the server's own error.
             try:
                 processes = await ProcessEngine.start(
                     self.settings, loaded, precision, self.device, max_batch_size, fixed, kept
                 )
-            except (
-                EngineError
-            ) as e:  # died, failed or ran out of time starting: a failed load, the old engine serves on
+            except EngineError as e:
                 raise StoreError(str(e)) from None
             served.warmup_seconds = processes.warmup_seconds
             return processes

@@ -253,7 +253,6 @@ class Supervisor(Generic[P]):
             await self._ready([instance])
         except Exception as e:
             self._starting.discard(index)  # waiting out its back-off from now on
-            delay = 1.0
             self.last_failure = f"a restart failed: {e}"
             if not self.closing:
                 self.start_failures += 1
@@ -263,8 +262,8 @@ class Supervisor(Generic[P]):
                 log.error(
                     "instance process %d of model %s did not restart (%s); again in %.1fs", index, self.model, e, delay
                 )
-            if not self.any_alive():  # nothing else can take them meanwhile: sent again after the back-off
-                self._none_left(f"{self.last_failure}; the next start in {delay:g} s", math.ceil(delay))
+                if not self.any_alive():  # nothing else can take them meanwhile: sent again after the back-off
+                    self._none_left(f"{self.last_failure}; the next start in {delay:g} s", math.ceil(delay))
             return
         if self.closing:
             instance.stop()
