@@ -245,7 +245,7 @@ async def test_while_every_process_waits_out_its_back_off_requests_get_a_503_at_
         for r in (await waiting, await predict(client, 2.0), await predict(client, 3.0)):
             # Told when to come back, rather than held until the client gives up.
             assert r.status_code == 503, r.text
-            assert 590 <= int(r.headers["Retry-After"]) <= 600
+            assert 300 <= int(r.headers["Retry-After"]) <= 600  # the back-off left, not the default 1 (a slow host)
             assert r.json()["error"].startswith(f"model 'crashing' has no instance process able to serve ({failed}; ")
             assert "the next start in " in r.json()["error"]
         await not_ready(client)
