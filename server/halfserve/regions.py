@@ -145,6 +145,9 @@ class Regions:
         self.regions: dict[str, Region] = {}
         self.generation = 0
         """Counts changes, so that the engine process knows when to tell its front-ends."""
+        self.unmirrored: dict[str, dict[str, Any]] = {}
+        """A front-end's regions the engine process registered that it could not open for want of file descriptors:
+        opened again when a request names one, and a 503 while that fails (not the client's "not registered")."""
 
     def register(self, name: str, key: str, offset: int, byte_size: int) -> None:
         """Open ``byte_size`` bytes from ``offset`` into the shared memory object ``key`` as region ``name``."""
@@ -172,6 +175,15 @@ class Regions:
 
     def get(self, name: object, field: str) -> Region:
         region = self.regions.get(name) if isinstance(name, str) else None
+        if region is None and isinstance(name, str) and name in self.unmirrored:
+            entry = self.unmirrored[name]
+            try:  # raises ServerResourceError (503) while the descriptors are still short
+                region = open_region(name, entry["key"], entry["offset"], entry["byte_size"])
+            except RegionError:
+                del self.unmirrored[name]  # gone since: as unregistered
+            else:
+                del self.unmirrored[name]
+                self.regions[name] = region
         if region is None:
             raise RegionError(f"{field}: no shared memory region {name!r} is registered")
         return region
@@ -179,6 +191,7 @@ class Regions:
     def sync(self, listing: list[dict[str, Any]]) -> None:
         """Mirror the engine process's regions (a front-end's copy): open the new ones, drop the gone ones."""
         fresh: dict[str, Region] = {}
+        self.unmirrored = {}
         for entry in listing:
             old = self.regions.get(entry["name"])
             if old is not None and old.status() == entry:
@@ -190,4 +203,5 @@ class Regions:
                 continue  # gone since the engine process mapped it: requests naming it fail as unregistered
             except ServerResourceError as e:
                 log.warning("shared memory region %r not mirrored in this process: %s", entry["name"], e)
+                self.unmirrored[entry["name"]] = entry
         self.regions = fresh

@@ -324,3 +324,22 @@ async def test_a_server_out_of_descriptors_answers_503_not_the_client_s_400(
         "its open-file limit is too low for its connections and max_shm_regions"
     )
     assert after.status_code == 200, after.text
+
+
+def test_a_front_end_that_cannot_mirror_a_region_answers_503_until_it_can(segment: shared_memory.SharedMemory) -> None:
+    """A front-end's copy of a region it had no file descriptor for had been dropped: requests naming it read "no
+    shared memory region 'r' is registered", blaming the client for the server's shortage."""
+    from halfserve.regions import Regions
+    from halfserve.serving import ServerResourceError
+
+    engine = Regions(most=4)
+    engine.register("r", shm_key(segment), 0, 1024)
+    front_end = Regions(most=4)
+    with no_descriptor_to_spare():
+        front_end.sync(engine.status())
+        with pytest.raises(ServerResourceError, match="out of file descriptors"):
+            front_end.get("r", "inputs[0]")
+    assert front_end.get("r", "inputs[0]").status() == engine.status()[0]  # opened once a descriptor is free
+    front_end.sync([])
+    with pytest.raises(Exception, match="no shared memory region 'r' is registered"):
+        front_end.get("r", "inputs[0]")
