@@ -82,7 +82,7 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 
 def serve(args: argparse.Namespace) -> int:
-    from halfserve import logs, models
+    from halfserve import logs, models, openfiles
     from halfserve.app import begin_drain, create_app
     from halfserve.httpserver import DrainingServer, uvicorn_config
     from halfserve.multiproc.supervisor import Frontends
@@ -102,6 +102,7 @@ def serve(args: argparse.Namespace) -> int:
         print(f"halfserve serve: {e}", file=sys.stderr)
         return 2
     log_config = logs.configure(settings.log_format, settings.log_level.value, settings.access_log)
+    openfiles.raise_limit(settings)
     if args.admin_token is not None:
         logging.getLogger(__name__).warning(
             "--admin-token shows in the process list (ps, /proc); pass HALFSERVE_ADMIN_TOKEN or --admin-token-file"

@@ -218,9 +218,10 @@ class Settings(BaseSettings):
     max_shm_regions: int = Field(default=256, ge=1, le=65536)
     """Most system shared memory regions registered at once; one more is refused (413) until one is unregistered.
     Each region keeps a file descriptor open in the engine process and in each front-end, and a process out of
-    descriptors drops new connections, so the default stays well inside the common open-file limit of 1024 beside the
-    connections. Triton's clients register a region or two per tensor they hand over (tritonclient's examples two per
-    client process, perf_analyzer one per input and output), so 256 is dozens of client processes on the host."""
+    descriptors drops new connections: the server raises its soft open-file limit to the hard one at start and warns
+    when that cannot hold the connections and regions together (:mod:`halfserve.openfiles`). Triton's clients
+    register a region or two per tensor they hand over (tritonclient's examples two per client process,
+    perf_analyzer one per input and output), so 256 is dozens of client processes on the host."""
     handler_queue_bytes: int = Field(default=256 * 2**20, ge=2**20)
     """Bytes of payloads that the requests to one handler model (its manifest's ``handler`` section) may hold while
     they are queued or in a batch running, in each process that answers them: a request past it is refused 503 (413
