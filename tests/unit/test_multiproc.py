@@ -295,7 +295,7 @@ async def test_the_engine_process_refuses_a_request_for_an_unloaded_model_as_sub
     connection.data_received(joined(frame(head, *parts)))
     await asyncio.sleep(0)
     answers = [h for h, _ in sent(transport) if h.get("id") == 5]
-    error = {"kind": "ModelNotReadyError", "message": "model 'tiny' is unloaded", "retry": True}
+    error = {"kind": "ModelNotReadyError", "message": "model 'tiny' is unloaded", "retry": True, "retry_after": 1}
     assert answers == [{"id": 5, "error": error}]
 
 
