@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import select
 import signal
 import socket
 import sys
@@ -62,6 +63,14 @@ ORPHANED_WAIT_S = 2.0
 process still runs: the kernel closes a killed process's sockets before it re-parents its children."""
 
 
+def _pidfd(pid: int) -> int | None:
+    """A pidfd of ``pid`` (Linux 5.3 and newer), or None where there is none to be had."""
+    try:
+        return os.pidfd_open(pid)
+    except (AttributeError, OSError):  # an older kernel or another platform; the process gone already
+        return None
+
+
 class FrontendApp:
     """The front-end's ASGI app: inference routes here, everything else relayed to the engine process."""
 
@@ -75,6 +84,8 @@ class FrontendApp:
         self.index = index
         self.engine_pid = engine_pid
         """The engine process, which spawned this one: while it runs, it is this process's parent."""
+        self._engine_fd = _pidfd(engine_pid)
+        """A descriptor that polls readable once the engine process has exited (Linux's pidfd), or None."""
         self.exit: Callable[[], None] | None = None
         """Stops this front-end's HTTP server (a drain, as on SIGTERM): called once its engine connection is lost."""
         self.engine_lost = False
@@ -149,11 +160,18 @@ class FrontendApp:
             return
         self._leaving = asyncio.get_running_loop().create_task(self._leave(), name="engine-lost")
 
+    def _engine_gone(self) -> bool:
+        """Whether the engine process has exited: its pidfd says so at once; without one, this process was handed to
+        another parent (which the kernel does after closing the dead process's sockets, so it may lag)."""
+        if self._engine_fd is not None and select.select([self._engine_fd], [], [], 0)[0]:
+            return True
+        return os.getppid() != self.engine_pid
+
     async def _leave(self) -> None:
         deadline = time.monotonic() + ORPHANED_WAIT_S
-        while os.getppid() == self.engine_pid and time.monotonic() < deadline:
+        while not self._engine_gone() and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        if os.getppid() != self.engine_pid:
+        if self._engine_gone():
             why = "the engine process (pid %d) is gone; exiting, which frees the port"
         else:
             why = "lost its connection to the engine process (pid %d); exiting, to be restarted"
