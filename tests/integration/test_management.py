@@ -260,7 +260,8 @@ async def test_an_unforeseen_failure_of_a_route_is_answered_as_json(
             assert time.monotonic() < deadline, "not ready"
             await asyncio.sleep(0.05)
         monkeypatch.setattr(management, "load_from_store", out_of_files)
-        r = await client.post("/models/tiny/reload", headers=AUTH)
+        r = await client.post("/models/tiny/reload", headers={**AUTH, "X-Request-Id": "reload-1"})
         assert (await client.get("/health")).status_code == 200
+    assert r.headers["x-request-id"] == "reload-1"  # as every other answer carries it
     assert r.status_code == 500
     assert r.json() == {"error": "internal error: OSError: [Errno 24] Too many open files"}

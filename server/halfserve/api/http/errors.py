@@ -68,6 +68,9 @@ def json_ok(description: str, schema: dict[str, Any] | None = None) -> Responses
     return {"200": {"description": description, "content": {"application/json": {"schema": schema or {}}}}}
 
 
+REQUEST_ID = "halfserve.request_id"
+"""The scope key of a request's id, as the request id layer (:class:`~halfserve.api.http.telemetry.RequestIdMiddleware`)
+chose it."""
 RoutingShape = Callable[[int, dict[str, str] | None, Scope], Response | None]
 """An API's own answer to the router's 404 or 405 (the status, the headers the router gave, ``Allow``, and the
 request's scope), or None for the server's own."""
@@ -110,7 +113,9 @@ def install(app: FastAPI, shapes: Mapping[str, RoutingShape] | None = None) -> N
     async def unexpected(request: Request, exc: Exception) -> Response:
         # Starlette's last resort answers this and still raises the exception on, for the server's log (a route that
         # failed on something unforeseen, such as the process's open files running out, had answered plain text).
-        return error_response(500, f"internal error: {type(exc).__name__}: {exc}")
+        rid = request.scope.get(REQUEST_ID)  # answered outside the layer that adds it
+        headers = {"X-Request-Id": rid.decode()} if isinstance(rid, bytes) else None
+        return error_response(500, f"internal error: {type(exc).__name__}: {exc}", headers)
 
     app.add_exception_handler(Exception, unexpected)
     app.add_exception_handler(StarletteHTTPException, http_error)

@@ -21,7 +21,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from halfserve.api.errors import APIError, from_exception, held
-from halfserve.api.http.errors import error_response
+from halfserve.api.http.errors import REQUEST_ID, error_response
 from halfserve.api.http.limits import raw_header
 from halfserve.logs import ACCESS_LOGGER
 from halfserve.metrics import request_labels
@@ -72,6 +72,7 @@ class RequestIdMiddleware:
             await self.app(scope, receive, send)
             return
         rid = _sane_or_new(next((bytes(v) for k, v in scope["headers"] if k == _REQUEST_ID_KEY), None))
+        scope[REQUEST_ID] = rid  # for an answer made outside this layer (errors.install's last resort)
 
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":
