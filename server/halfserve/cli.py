@@ -43,7 +43,7 @@ def _help(name: str, field: FieldInfo) -> str:
         default = "on" if default else "off"
     shown = "" if default is None or default is PydanticUndefined or default == [] else f" (default: {default})"
     # Lowered as argparse's own help lines are, but not an acronym's first letter ("HTTP front-end processes").
-    lowered = first if first[:2].isupper() else first[0].lower() + first[1:]
+    lowered = first if re.match(r"[A-Z]{2}", first) else first[0].lower() + first[1:]
     return (lowered + shown).replace("%", "%%")
 
 

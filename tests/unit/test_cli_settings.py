@@ -84,6 +84,7 @@ def test_a_flags_help_keeps_an_acronym_and_lowers_a_word() -> None:
     helps = {a.dest: str(a.help) for a in serve_parser()._actions}
     assert helps["http_workers"].startswith("HTTP front-end processes")  # had read "hTTP front-end processes"
     assert helps["port"][0].islower()
+    assert helps["admin_token_file"].startswith("a file holding")  # "A file": a word, not an acronym
 
 
 def test_threads_and_the_instance_batch_timeout_have_bounds() -> None:
