@@ -112,6 +112,8 @@ async def test_models_are_listed_and_readiness_follows_unload(tmp_path: Path) ->
         unknown = await client.get("/v1/models/nope")
         wrong_method = await client.get(PREDICT)
         explained = await client.post("/v1/models/tiny:explain", json={"instances": [[0.0] * 16]})
+        # Every method: a GET had been a 405 "use POST", whose POST is this 404.
+        others = [await client.request(m, "/v1/models/tiny:explain") for m in ("GET", "DELETE")]
         assert (await client.post("/v2/repository/models/tiny/unload", headers=AUTH)).status_code == 200
         unloaded = await client.get("/v1/models/tiny")
     assert listed.json() == {"models": ["tiny"]}
@@ -122,6 +124,7 @@ async def test_models_are_listed_and_readiness_follows_unload(tmp_path: Path) ->
     assert wrong_method.headers["allow"] == "POST"
     assert explained.status_code == 404
     assert explained.json()["error"] == "explanations are not served here; /v1/models/tiny:predict answers the model"
+    assert [(r.status_code, r.json()) for r in others] == [(404, explained.json())] * 2
     assert unloaded.status_code == 503  # KServe's ModelNotReady: a probe reading it sees the model out
     assert unloaded.json()["error"] == "model 'tiny' is not ready: unloaded"
 

@@ -101,8 +101,10 @@ async def list_models(request: Request) -> Response:
 async def model_ready(model_name: str, request: Request) -> Response:
     """The model's readiness: 200 when it is ready, 503 with the reason when it is not (KServe's ``ModelNotReady``),
     404 when it is unknown."""
-    if model_name.endswith(VERBS):  # a GET of the predict route, which this one matches with the verb in the name
+    if model_name.endswith(VERBS):  # a GET of a verb's route, which this one matches with the verb in the name
         verb = model_name[model_name.rindex(":") :]
+        if verb == ":explain":
+            raise _not_explained(model_name.removesuffix(verb))
         raise APIError(405, f"{request.method} /v1/models/{{model}}{verb}: use POST", {"Allow": "POST"})
     served = deps.served_model(request, model_name, None)
     why = why_model_not_ready(served)
@@ -209,6 +211,9 @@ def routing_error(status: int, headers: dict[str, str] | None, scope: Scope) -> 
     verb = name[name.rindex(":") :]
     if verb not in VERBS:
         return error_response(404, f"{path[:200]}: no verb {verb[:40]!r} here; V1 serves /v1/models/{{model}}:predict")
+    if verb == ":explain":
+        e = _not_explained(name.removesuffix(verb))
+        return error_response(e.status, e.message)
     if status == 405:
         return error_response(405, f"{scope['method']} /v1/models/{{model}}{verb}: use POST", {"Allow": "POST"})
     return None
@@ -228,4 +233,9 @@ def _enveloped(given: object) -> bool:
 async def explain(model_name: str) -> Response:
     """KServe's explanations, which this server does not serve: a 404 saying so, rather than the readiness route's
     405."""
-    raise APIError(404, f"explanations are not served here; /v1/models/{model_name[:200]}:predict answers the model")
+    raise _not_explained(model_name)
+
+
+def _not_explained(name: str) -> APIError:
+    """The 404 of ``:explain``, whatever the method: explanations are not served."""
+    return APIError(404, f"explanations are not served here; /v1/models/{name[:200]}:predict answers the model")
