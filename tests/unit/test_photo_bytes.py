@@ -21,9 +21,9 @@ from halfserve import images, text
 from halfserve.api.dataplane.decode import decode, tokenize
 from halfserve.api.dataplane.json_request import read_request
 from halfserve.api.dataplane.request import Inference
+from halfserve.api.dataplane.samples import decode_inputs
 from halfserve.api.grpc.grpc_codec import infer_request
 from halfserve.api.grpc.grpc_limits import check_infer_request
-from halfserve.api.http.predict import decode_inputs
 from halfserve.execution import Batching
 from halfserve.imageinput import ImageInput
 from halfserve.manifest import Manifest, Precision, TensorSpec

@@ -15,8 +15,8 @@ from halfserve import grpc_messages as pb
 from halfserve.api.dataplane.decode import decode
 from halfserve.api.dataplane.json_request import read_request
 from halfserve.api.dataplane.request import BinaryData, InferRequest, RequestInput, SharedMemory, Texts
+from halfserve.api.dataplane.samples import decode_inputs
 from halfserve.api.grpc.grpc_codec import infer_request
-from halfserve.api.http.predict import decode_inputs
 from halfserve.execution import Batching
 from halfserve.manifest import DataType, Manifest, Precision, TensorSpec
 from halfserve.serving import InvalidInputError, ModelHandle, OverLimitError, ServingError

@@ -20,13 +20,12 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 from starlette.types import Scope
 
-from halfserve.api.dataplane.bounds import parse_json
 from halfserve.api.dataplane.infer import infer
+from halfserve.api.dataplane.samples import decode_inputs
 from halfserve.api.errors import APIError
 from halfserve.api.http import deps, guard
-from halfserve.api.http.errors import RoutingShape, as_json, error_response, error_responses, json_ok
-from halfserve.api.http.limits import TIMEOUT_PARAMETER, client_timeout, read_body
-from halfserve.api.http.predict import decode_inputs
+from halfserve.api.http.errors import RoutingShape, error_response, error_responses, json_ok
+from halfserve.api.http.limits import TIMEOUT_PARAMETER, client_timeout, read_fields
 from halfserve.api.http.telemetry import answered, metered, note
 from halfserve.manifest import sent_inputs
 from halfserve.serving import Interface, InvalidInputError, ModelHandle, why_model_not_ready
@@ -165,12 +164,7 @@ async def predict(request: Request) -> Response:
     timeout = client_timeout(request)
     served = deps.served_model(request, request.path_params["model_name"], None)
     note(request, served)
-    payload = await parse_json(await read_body(request, settings.max_body_bytes), settings.max_json_values)
-    if not isinstance(payload, dict):
-        raise InvalidInputError(f"body: expected a JSON object, got {type(payload).__name__}")
-    for key in payload:
-        if key not in FIELDS:
-            raise InvalidInputError(f"{as_json(key)[1:-1]}: unexpected field; send instances (or inputs)")
+    payload = await read_fields(request, settings, FIELDS, "send instances (or inputs)")
     if len(payload) != 1:
         raise InvalidInputError(
             "body: give instances (one sample per entry) or inputs (samples by column), not both"

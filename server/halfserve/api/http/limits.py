@@ -13,16 +13,19 @@ import asyncio
 import math
 import re
 import zlib
+from collections.abc import Collection
 from typing import Any
 
+import orjson
 from starlette.requests import ClientDisconnect, Request
 from starlette.types import Scope
 
 from halfserve import text
-from halfserve.api.dataplane.bounds import INLINE_BYTES, MAX_TIMEOUT_US
+from halfserve.api.dataplane.bounds import INLINE_BYTES, MAX_TIMEOUT_US, parse_json
 from halfserve.api.dataplane.codec import COMPRESSED_BYTES
 from halfserve.api.errors import APIError
-from halfserve.serving import AppState
+from halfserve.serving import AppState, InvalidInputError
+from halfserve.settings import Settings
 
 TIMEOUT_HEADER = "X-Request-Timeout-Ms"
 """A client's deadline in milliseconds: a request whose rows have not all started by then is answered 504."""
@@ -57,6 +60,20 @@ def scope_header(scope: Scope, name: bytes) -> bytes | None:
         if key == name:
             return bytes(value)
     return None
+
+
+async def read_fields(request: Request, settings: Settings, fields: Collection[str], hint: str) -> dict[str, Any]:
+    """An inference route's JSON object body, held to ``max_body_bytes`` and ``max_json_values``: a 400 for anything
+    but an object and for a key not among ``fields``, named (``hint`` says what the route reads): a misspelt field
+    would otherwise be left out silently."""
+    payload = await parse_json(await read_body(request, settings.max_body_bytes), settings.max_json_values)
+    if not isinstance(payload, dict):
+        raise InvalidInputError(f"body: expected a JSON object, got {type(payload).__name__}")
+    for key in payload:
+        if key not in fields:
+            shown = orjson.dumps(key[:200]).decode()[1:-1]  # as the client wrote it, escapes and all
+            raise InvalidInputError(f"{shown}: unexpected field; {hint}")
+    return payload
 
 
 async def read_body(request: Request, limit: int, setting: str = "max_body_bytes") -> bytes:
