@@ -35,8 +35,10 @@ _KEY = re.compile(r"/[^/\x00]{1,254}")
 MAX_REGION_NAME = 128
 """Most characters of a region's name: tritonclient's and perf_analyzer's names are a tensor's name and a suffix, and
 every name shows in the status listing."""
-_NAME = re.compile(r"[!-~]+")
-"""Printable ASCII without spaces, so that a name quoted in a log line or a refusal cannot forge or hide anything."""
+_NAME = re.compile(r"(?!\.\.?$)[!-.0-~]+")
+"""Printable ASCII without spaces, so that a name quoted in a log line or a refusal cannot forge or hide anything;
+without ``/`` and other than ``.`` and ``..``, so that it is one segment of the HTTP routes' paths (a region ``..`` was
+unregistered by ``/v2/systemsharedmemory/region/../unregister``, which a client resolves to unregister every region)."""
 _OUT_OF_DESCRIPTORS = (errno.EMFILE, errno.ENFILE)
 
 
@@ -101,7 +103,8 @@ def check_name(name: str) -> None:
         raise RegionError(f"shared memory region name: expected 1 to {MAX_REGION_NAME} characters, got {len(name)}")
     if not _NAME.fullmatch(name):
         raise RegionError(
-            f"shared memory region name: expected printable ASCII characters without spaces, got {name!r}"
+            "shared memory region name: expected printable ASCII characters without spaces or '/', other than '.' "
+            f"and '..' (one segment of a URL path), got {name!r}"
         )
 
 

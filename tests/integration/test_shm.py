@@ -250,6 +250,12 @@ async def test_regions_are_capped_by_max_shm_regions_over_http_and_grpc(
     assert listed == ["b", "c"]
 
 
+NAMED = (
+    "shared memory region name: expected printable ASCII characters without spaces or '/', other than '.' and '..' "
+    "(one segment of a URL path), got "
+)
+
+
 async def test_a_region_name_is_short_printable_ascii_over_http_and_grpc(
     tiny_store: Path, segment: shared_memory.SharedMemory
 ) -> None:
@@ -267,7 +273,9 @@ async def test_a_region_name_is_short_printable_ascii_over_http_and_grpc(
         }
         longest = await register(client, "x" * 128, body)
         refused_grpc = {}
-        for what, name in {"empty": "", "129 characters": "y" * 129}.items():
+        # A region ".." was unregistered by .../region/../unregister, which clients resolve to unregister every
+        # region; a "/" cannot be one segment of the routes' paths.
+        for what, name in {"empty": "", "129 characters": "y" * 129, "dot-dot": "..", "a slash": "a/b"}.items():
             with pytest.raises(grpc.aio.AioRpcError) as info:
                 await grpc_register(
                     service_pb2.SystemSharedMemoryRegisterRequest(name=name, key=body["key"], byte_size=1024),
@@ -279,11 +287,8 @@ async def test_a_region_name_is_short_printable_ascii_over_http_and_grpc(
     messages = {what: (r.status_code, r.json()["error"]) for what, r in refused.items()}
     assert messages == {
         "3,000 characters": (400, "shared memory region name: expected 1 to 128 characters, got 3000"),
-        "a newline": (
-            400,
-            "shared memory region name: expected printable ASCII characters without spaces, got 'a\\nb'",
-        ),
-        "a space": (400, "shared memory region name: expected printable ASCII characters without spaces, got 'a b'"),
+        "a newline": (400, f"{NAMED}'a\\nb'"),
+        "a space": (400, f"{NAMED}'a b'"),
     }
     assert longest.status_code == 200, longest.text
     assert {what: (e.code(), e.details()) for what, e in refused_grpc.items()} == {
@@ -292,6 +297,8 @@ async def test_a_region_name_is_short_printable_ascii_over_http_and_grpc(
             grpc.StatusCode.INVALID_ARGUMENT,
             "shared memory region name: expected 1 to 128 characters, got 129",
         ),
+        "dot-dot": (grpc.StatusCode.INVALID_ARGUMENT, f"{NAMED}'..'"),
+        "a slash": (grpc.StatusCode.INVALID_ARGUMENT, f"{NAMED}'a/b'"),
     }
     assert listed == ["x" * 128]
 
