@@ -56,9 +56,9 @@ _CONTROLS = {c: f"\\x{c:02x}" if c < 0x100 else f"\\u{c:04x}" for c in (*range(0
 
 
 class EscapeControls(logging.Filter):
-    """Writes the control characters of a record's string arguments as escapes: uvicorn's access line quotes the
-    request's decoded path, in which ``%0d%0a`` is a line break that would let a client write a line of its own into a
-    text log."""
+    """Writes the control characters of a record's string arguments as escapes: the access lines (uvicorn's and the
+    server's own) quote the request's decoded path, in which ``%0d%0a`` is a line break that would let a client write
+    a line of its own into a text log, and ``%1b`` a terminal's escape sequence."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         args = record.args
@@ -87,8 +87,9 @@ def configure(fmt: LogFormat, level: str, access_log: bool = False) -> dict[str,
         config = uvicorn.config.LOGGING_CONFIG
     root.handlers = [handler]
     logging.getLogger(ACCESS_LOGGER).setLevel(logging.INFO if access_log else logging.WARNING)
-    access = logging.getLogger("uvicorn.access")
-    for kind in (SkipInference, EscapeControls):
-        if not any(isinstance(f, kind) for f in access.filters):  # configured once per process, called per server
-            access.addFilter(kind())
+    for name, kinds in (("uvicorn.access", (SkipInference, EscapeControls)), (ACCESS_LOGGER, (EscapeControls,))):
+        logger = logging.getLogger(name)
+        for kind in kinds:
+            if not any(isinstance(f, kind) for f in logger.filters):  # configured once per process, called per server
+                logger.addFilter(kind())
     return config

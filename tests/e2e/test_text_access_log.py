@@ -22,7 +22,7 @@ def test_line_breaks_in_a_path_are_escaped_in_the_text_access_log(
 ) -> None:
     save_tiny_mlp(tmp_path)
     server = server_factory(tmp_path, "--access-log")
-    r = httpx.post(f"{server.url}/predictions/x%0d%0a{quote(FORGED)}%0d%0a", content=b"x", timeout=30)
+    r = httpx.post(f"{server.url}/predictions/x%0d%0a{quote(FORGED)}%0d%0a%1b[31m", content=b"x", timeout=30)
     assert r.status_code == 404, r.text
     deadline = time.monotonic() + 30
     while "/predictions/x" not in server.log.read_text():
@@ -30,6 +30,8 @@ def test_line_breaks_in_a_path_are_escaped_in_the_text_access_log(
         time.sleep(0.05)
     lines = server.log.read_text().splitlines()
     assert not [line for line in lines if line.startswith(FORGED)]  # had been a line of its own
-    # uvicorn's line (the server's own, halfserve.access, drops the control characters)
-    (logged,) = [line for line in lines if '"POST /predictions/x' in line]
-    assert f"/predictions/x\\x0d\\x0a{FORGED}\\x0d\\x0a HTTP/1.1" in logged
+    # uvicorn's line, and the server's own (halfserve.access): an escape (ESC, %1b) had reached the latter raw
+    (uvicorn,) = [line for line in lines if '"POST /predictions/x' in line]
+    assert f"/predictions/x\\x0d\\x0a{FORGED}\\x0d\\x0a\\x1b[31m HTTP/1.1" in uvicorn
+    (own,) = [line for line in lines if "halfserve.access: POST /predictions/x" in line]
+    assert f"POST /predictions/x{FORGED}\\x1b[31m 404" in own  # its line breaks dropped, as before
