@@ -106,7 +106,10 @@ def _check_token(token: str) -> None:
 class Settings(BaseSettings):
     """Everything the server reads at start-up. Per-model settings live in each model's manifest."""
 
-    model_config = SettingsConfigDict(env_prefix="HALFSERVE_", extra="forbid", use_attribute_docstrings=True)
+    # Inputs are left out of errors: a refused admin token had been printed in the refusal ("input_value=...").
+    model_config = SettingsConfigDict(
+        env_prefix="HALFSERVE_", extra="forbid", use_attribute_docstrings=True, hide_input_in_errors=True
+    )
     # Each field's docstring is its description: the first sentence is its ``halfserve serve --help`` line
     # (halfserve.cli builds the flags from these fields), the rest its documentation.
 

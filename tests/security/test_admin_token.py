@@ -56,6 +56,16 @@ def test_a_token_file_of_two_lines_or_past_its_size_or_not_a_file_is_refused(tmp
     assert Settings(admin_token_file=secret).admin_token.get_secret_value() == TOKEN  # type: ignore[union-attr]
 
 
+def test_a_refused_token_is_not_printed(tiny_store: Path) -> None:
+    """A token refused for a trailing space had been printed in the refusal (pydantic's ``input_value``)."""
+    token = "a-long-enough-but-secret-token "
+    cmd = [sys.executable, "-m", "halfserve", "serve", "--store", str(tiny_store), "--admin-token", token]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2
+    assert "admin_token: printable ASCII without spaces" in r.stderr
+    assert "secret" not in r.stderr
+
+
 def test_the_cli_refuses_a_short_token_before_binding(tiny_store: Path) -> None:
     cmd = [sys.executable, "-m", "halfserve", "serve", "--store", str(tiny_store), "--admin-token", "change-me"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
