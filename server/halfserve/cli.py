@@ -118,6 +118,11 @@ def serve(args: argparse.Namespace) -> int:
                 f"halfserve serve: cannot listen on {settings.host}:{settings.port}: {e.strerror or e}", file=sys.stderr
             )
             return STARTUP_FAILURE
+        # The front-ends' uvicorn logs no address of its own: a port 0 (any free one) is known only from here.
+        bound = sock.getsockname()
+        logging.getLogger(__name__).info(
+            "HTTP on %s:%d, answered by %d front-end processes", bound[0], bound[1], settings.http_workers
+        )
         frontends = Frontends(settings, sock, tempfile.mkdtemp(prefix="halfserve-"))
         where = {"uds": frontends.api_socket}
     app = create_app(settings, frontends)

@@ -120,6 +120,8 @@ def test_two_front_ends_answer_like_one_process_and_batch_together(workers_serve
     log = workers_server.log.read_text()
     assert "front-end 0 (pid" in log
     assert "front-end 1 (pid" in log
+    # The address, which the front-ends' servers do not log (a port 0 had been known only to ss).
+    assert f"HTTP on {workers_server.url.removeprefix('http://')}, answered by 2 front-end processes" in log
 
 
 def test_v2_binary_through_a_front_end_including_a_request_larger_than_a_slot(workers_server: ServerProcess) -> None:
