@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import signal
 import time
 from collections.abc import Callable
@@ -403,6 +404,9 @@ def test_a_killed_engine_process_takes_its_front_ends_and_the_port_with_it(tmp_p
     log = server.log.read_text()
     for pid in workers:
         assert f"(pid {pid}): the engine process (pid {server.proc.pid}) is gone; exiting" in log
+    # The engine process's temporary folder (its sockets), which it could not remove, had been left in /tmp.
+    (folder,) = set(re.findall(r"unix socket (/\S+)/api\.sock", log))
+    wait_until(lambda: not Path(folder).exists(), f"{folder} removed")
 
 
 def test_frames_split_anywhere_are_reassembled() -> None:

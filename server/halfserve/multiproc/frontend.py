@@ -19,6 +19,7 @@ import contextlib
 import logging
 import os
 import select
+import shutil
 import signal
 import socket
 import sys
@@ -160,7 +161,7 @@ class FrontendApp:
             return
         self._leaving = asyncio.get_running_loop().create_task(self._leave(), name="engine-lost")
 
-    def _engine_gone(self) -> bool:
+    def engine_gone(self) -> bool:
         """Whether the engine process has exited: its pidfd says so at once; without one, this process was handed to
         another parent (which the kernel does after closing the dead process's sockets, so it may lag)."""
         if self._engine_fd is not None and select.select([self._engine_fd], [], [], 0)[0]:
@@ -169,9 +170,9 @@ class FrontendApp:
 
     async def _leave(self) -> None:
         deadline = time.monotonic() + ORPHANED_WAIT_S
-        while not self._engine_gone() and time.monotonic() < deadline:
+        while not self.engine_gone() and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        if self._engine_gone():
+        if self.engine_gone():
             why = "the engine process (pid %d) is gone; exiting, which frees the port"
         else:
             why = "lost its connection to the engine process (pid %d); exiting, to be restarted"
@@ -324,4 +325,6 @@ def run(
     app.exit = lambda: server.handle_exit(signal.SIGTERM, None)
     server.run(sockets=[sock])
     if app.engine_lost:
+        if app.engine_gone():  # its temporary folder (the two sockets) is left to nobody else
+            shutil.rmtree(os.path.dirname(api_socket), ignore_errors=True)
         sys.exit(1)
