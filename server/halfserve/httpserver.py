@@ -5,6 +5,8 @@ app's event loop."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
 import logging
 import signal
@@ -43,17 +45,49 @@ class DrainingServer(uvicorn.Server):
         super().handle_exit(sig, frame)
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
-        """uvicorn's shutdown, then ``on_shutdown``; a SIGTERM that was drained is not raised again.
+        """uvicorn's shutdown, after taking the connections waiting to be accepted; then ``on_shutdown``; a SIGTERM
+        that was drained is not raised again.
+
+        A connection the kernel had accepted (the client's request written on it, perhaps) but this process had not
+        yet taken was reset when the listening socket closed: with front-ends, the connections that one front-end's
+        drain had just closed were opened again into the backlog while another was closing its copy. They are taken
+        and drained as the others are (their request answered with ``connection: close``).
 
         uvicorn re-raises the signal it caught once it has shut down, so that the default handler ends the process:
         no ``finally`` after :meth:`run` would then run (the front-ends' temporary directory was left behind), and
         the exit status was -SIGTERM rather than the 0 a drained shutdown promises. SIGINT is still re-raised.
         """
+        await self._take_backlog()
         await super().shutdown(sockets)
         if self._on_shutdown is not None:
             self._on_shutdown()
         captured: list[int] = getattr(self, "_captured_signals", [])
         captured[:] = [sig for sig in captured if sig != signal.SIGTERM]
+
+    async def _take_backlog(self) -> None:
+        backlog: list[socket.socket] = []
+        for server in self.servers:
+            for listening in server.sockets:
+                # A duplicate: the loop's own object for it (uvloop's) cannot accept.
+                with socket.fromfd(listening.fileno(), listening.family, listening.type) as sock:
+                    sock.setblocking(False)
+                    with contextlib.suppress(OSError):  # BlockingIOError once the backlog is empty
+                        while True:
+                            connection = sock.accept()[0]
+                            connection.setblocking(False)
+                            backlog.append(connection)
+            server.close()  # at once: nothing more is let in between the last accept and the close
+        if backlog:
+            log.info("drain: %d connection(s) still waiting to be accepted are answered too", len(backlog))
+        config = self.config
+
+        def protocol() -> asyncio.Protocol:  # as uvicorn's startup makes each connection's
+            return config.http_protocol_class(  # type: ignore[call-arg]
+                config=config, server_state=self.server_state, app_state=self.lifespan.state
+            )
+
+        for connection in backlog:
+            await asyncio.get_running_loop().connect_accepted_socket(protocol, connection, ssl=config.ssl)
 
 
 def http_limits(settings: Settings) -> HttpLimits:

@@ -16,6 +16,7 @@ import os
 import re
 import signal
 import time
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
@@ -34,7 +35,7 @@ from tests.conftest import SHIPPED_STORE, ServerProcess, free_port, start_server
 from tests.e2e.test_server import fp32_reference, samples
 from tests.e2e.test_startup_failures import running
 from tests.listening import listening_ports
-from tests.waiting import DEADLINE_S, wait_until
+from tests.waiting import DEADLINE_S, until, wait_until
 
 MODEL = "digits_mlp"
 TOKEN = "workers-admin-token"
@@ -334,6 +335,49 @@ def test_sigterm_answers_every_front_ends_requests_then_exits(tmp_path: Path) ->
     assert [r.status_code for r in responses] == [200] * len(bodies)
     assert all(not Path(f"/proc/{pid}").exists() for pid in workers)
     assert "24 requests accepted, 24 answered with outputs" in server.log.read_text()
+
+
+def test_keep_alive_clients_sending_through_sigterm_lose_no_request(tmp_path: Path) -> None:
+    """Clients sending without a pause on keep-alive connections get answers through a SIGTERM, then a refused
+    connection once the port is closed: never a request written and left unanswered (a ReadError or a
+    RemoteProtocolError). The engine process held the listening socket until its front-ends had drained, so a client
+    whose connection the drain closed connected again into a backlog nobody accepted from, and lost its request to a
+    reset; and the drain closed a connection between two requests at once, losing the one its client had written."""
+    server = start_server(SHIPPED_STORE, tmp_path / "server.log", "--models", MODEL, "--http-workers", "2")
+    clients, body = 8, {"model": MODEL, "inputs": samples(1).tolist()}
+    answered = [0] * clients
+    statuses: Counter[int] = Counter()
+    lost: list[str] = []
+
+    async def send_until_refused(http: httpx.AsyncClient, i: int) -> None:
+        deadline = time.monotonic() + DEADLINE_S
+        while time.monotonic() < deadline:
+            try:
+                r = await http.post("/predict", json=body)
+            except httpx.ConnectError:
+                return  # the port is closed
+            except httpx.TransportError as e:
+                lost.append(f"{type(e).__name__}: {e}")
+                continue
+            statuses[r.status_code] += 1
+            answered[i] += 1
+        lost.append(f"client {i}: never refused")
+
+    async def send_through_sigterm() -> None:
+        limits = httpx.Limits(max_connections=clients)
+        async with httpx.AsyncClient(base_url=server.url, limits=limits, timeout=DEADLINE_S) as http:
+            sending = asyncio.gather(*(send_until_refused(http, i) for i in range(clients)))
+            await until(lambda: min(answered) >= 3, "every client answered on a kept connection")
+            server.proc.send_signal(signal.SIGTERM)
+            await sending
+
+    try:
+        asyncio.run(send_through_sigterm())
+        assert server.proc.wait(timeout=DEADLINE_S) == 0
+    finally:
+        server.stop()
+    assert lost == []
+    assert set(statuses) == {200}
 
 
 def unloaded_answers(url: str, model: str, tries: int) -> set[tuple[str, int, str]]:

@@ -121,3 +121,65 @@ def test_a_closed_connection_whose_last_bytes_are_not_read_is_dropped_after_the_
 
     events = asyncio.run(scenario())
     assert events[-2:] == ["close", "abort"]
+
+
+class ReadingTransport(StuckTransport):
+    """A socket whose client reads what is sent: flow control is the protocol's only."""
+
+    def get_write_buffer_size(self) -> int:
+        return 0
+
+    def pause_reading(self) -> None:
+        pass
+
+    def resume_reading(self) -> None:
+        pass
+
+    def write_eof(self) -> None:
+        self.events.append("eof")
+
+
+async def _answer(scope: Any, receive: Any, send: Any) -> None:
+    if scope["type"] == "http":
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+
+REQUEST = b"GET /health HTTP/1.1\r\nhost: 127.0.0.1\r\n\r\n"
+
+
+async def _drained(transport: ReadingTransport, before_drain: bytes) -> list[object]:
+    """A keep-alive connection answers ``before_drain`` (none: it was just opened) and is idle when the server's drain
+    begins (uvicorn's ``shutdown``), after which its client writes a request; what it wrote, up to its close."""
+    config = uvicorn_config(_answer, Settings(), None, host="127.0.0.1", port=0)  # type: ignore[arg-type]
+    config.load()
+    protocol = config.http(config=config, server_state=ServerState(), app_state={})  # type: ignore[operator]
+    protocol.connection_made(transport)
+    if before_drain:
+        protocol.data_received(before_drain)
+        await until(lambda: any(isinstance(e, bytes) for e in transport.events), "the first answer")
+    protocol.shutdown()
+    if not transport.closing:
+        protocol.data_received(REQUEST)
+    await until(lambda: transport.closing, "the connection closed")
+    protocol.connection_lost(None)
+    return transport.events
+
+
+def test_a_drain_answers_the_request_a_keep_alive_client_writes_next_with_connection_close() -> None:
+    """uvicorn closed an idle connection at once when the drain began: the request its client had just written on it
+    met a reset (a ReadError), though the server was still answering."""
+    events = asyncio.run(_drained(ReadingTransport(), REQUEST))
+    answers = [e for e in events if isinstance(e, bytes)]
+    assert [a.startswith(b"HTTP/1.1 200 OK") for a in answers] == [True, True]
+    assert b"connection: close" not in answers[0]
+    assert b"connection: close" in answers[1]  # the client writes no further request on it
+    assert events[-1] == "close"
+
+
+def test_a_drain_answers_the_first_request_of_a_connection_just_opened() -> None:
+    events = asyncio.run(_drained(ReadingTransport(), b""))
+    (answer,) = (e for e in events if isinstance(e, bytes))
+    assert answer.startswith(b"HTTP/1.1 200 OK")
+    assert b"connection: close" in answer
+    assert events[-1] == "close"

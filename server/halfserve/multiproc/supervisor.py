@@ -74,10 +74,17 @@ class Frontends:
                 self._spawn(index)
 
     def stop(self) -> None:
-        """Tell every front-end to drain: it stops accepting, answers what it holds, and exits."""
+        """Tell every front-end to drain: it stops accepting, answers what it holds, and exits.
+
+        This process's copy of the listening socket is closed first (it only ever handed it to front-ends), so that
+        the port refuses connections once the front-ends have closed theirs, as a single process's does. Held until
+        they had exited, it kept listening through their drain with nobody accepting: each client whose connection a
+        drain closed connected again, wrote its request into the backlog and lost it to a reset when the socket
+        finally closed (a ``ReadError``, one per keep-alive client)."""
         if self.stopping:
             return
         self.stopping = True
+        self.sock.close()
         for process in self.processes.values():
             if process.pid is not None and process.is_alive():
                 with contextlib.suppress(ProcessLookupError):
