@@ -1,7 +1,8 @@
 """Instance processes that die or hang, in-process app, real instance processes: readiness follows whether an instance
 can serve, a request never gets a 500 for a restart, a request that kills its process fails alone and the process is
-restarted at once, a hung process is killed and restarted, requests during a restart's back-off are refused at once,
-and a precision switch whose new process dies while starting fails as a load does."""
+restarted at once, a request sent to a process already dead runs on the restarted one, a hung process is killed and
+restarted, requests during a restart's back-off are refused at once, and a precision switch whose new process dies
+while starting fails as a load does."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import asyncio
 import multiprocessing
 import os
 import re
+import select
 import signal
 import textwrap
 import time
@@ -22,8 +24,11 @@ import torch
 from halfserve import store
 from halfserve.execution import Batching
 from halfserve.isolated import supervision
+from halfserve.isolated.engine import ProcessEngine
+from halfserve.isolated.wire import InstanceProcess
 from halfserve.manifest import Manifest, TensorSpec
 from tests.integration.conftest import serving
+from tests.integration.test_faults import served
 from tests.integration.test_isolated import AUTH, model, processes
 from tests.waiting import DEADLINE_S
 
@@ -99,6 +104,14 @@ def dead(pid: int) -> bool:
     except FileNotFoundError:
         return True
     return stat.rpartition(")")[2].split()[0] in ("Z", "X")
+
+
+def hung_up(instance: InstanceProcess) -> bool:
+    """Whether ``instance``'s process closed its end of the socket (polled, not read: the reads are the server's)."""
+    assert instance.transport is not None
+    poller = select.poll()
+    poller.register(instance.transport.get_extra_info("socket").fileno(), select.POLLRDHUP)
+    return any(event & (select.POLLHUP | select.POLLRDHUP) for _, event in poller.poll(0))
 
 
 def module_name(root: Path) -> str:
@@ -205,6 +218,36 @@ async def test_a_request_that_kills_its_process_fails_alone_and_the_process_rest
         assert (await predict(client, 1.0)).status_code == 200
 
 
+async def test_a_request_sent_to_a_process_killed_before_its_end_is_seen_is_run_on_the_restarted_one(
+    tmp_path: Path,
+) -> None:
+    code, _, deaths = save_crashing(tmp_path)
+    async with serving(processes(store=tmp_path / "store", code_path=[code], precision="fp32")) as client:
+        first = await pid_of(client)
+        engine = served(client, "crashing").engine
+        assert isinstance(engine, ProcessEngine)
+        [instance] = engine.instances
+        assert instance.transport is not None
+        # Its socket unread, the server does not see the process end (as in the moments after the OOM killer's
+        # SIGKILL): the batch below goes to it, and finds it dead.
+        instance.transport.pause_reading()
+        os.kill(first, signal.SIGKILL)
+
+        async def gone() -> bool:
+            # Its pid may show a zombie while its other threads still hold the socket: its end is the socket's.
+            return hung_up(instance)
+
+        await eventually(gone, f"instance process {first} gone and its socket closed")
+        r = await predict(client, 1.0)
+        # The process never took the batch: no request of it killed the process, and it runs on the restarted one.
+        assert r.status_code == 200, r.text
+        assert await pid_of(client) != first
+        assert not deaths.exists()
+        stats = (await model(client, "crashing"))["stats"]
+        assert stats["instance_restarts"] == 1  # type: ignore[index]
+        assert stats["failed_batches"] == 0  # type: ignore[index]
+
+
 async def test_a_hung_process_is_killed_by_the_watchdog_and_its_requests_answered_by_the_restarted_one(
     tmp_path: Path,
 ) -> None:
@@ -219,7 +262,7 @@ async def test_a_hung_process_is_killed_by_the_watchdog_and_its_requests_answere
         finally:
             if not dead(first):
                 os.kill(first, signal.SIGKILL)
-        # The watchdog killed it; the batch was rerun on the restarted process, a request at a time.
+        # The watchdog killed it; the batch, which it never took, ran on the restarted process.
         assert [r.status_code for r in replies] == [200] * 3, [r.text for r in replies]
         assert dead(first)
         assert await pid_of(client) != first

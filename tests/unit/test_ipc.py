@@ -173,6 +173,23 @@ def test_an_instance_memory_refuses_outputs_past_its_region() -> None:
         memory.close()
 
 
+def test_the_op_an_instance_took_is_read_by_the_other_end_and_spares_its_regions() -> None:
+    memory, other = InstanceMemory.create("halfserve-test-instance", 64, 32)
+    theirs = InstanceMemory(other, 64, 32)  # the instance process's mapping of the same memfd
+    try:
+        assert memory.taken == 0  # none yet
+        out = theirs.output(np.dtype(np.uint8), (32,), 0)
+        assert out is not None
+        out[:] = 7
+        theirs.took(3)
+        assert memory.taken == 3
+        assert (memory.output(np.dtype(np.uint8), (32,), 0) == 7).all()  # the id lies past the output region
+        del out
+    finally:
+        theirs.close()
+        memory.close()
+
+
 @pytest.mark.parametrize(
     ("header", "error"),
     [

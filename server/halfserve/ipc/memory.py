@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import mmap
 import os
+import struct
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,19 +54,23 @@ class Slots:
         return {name: self.view(slot, np.dtype(dtype), shape, offset) for name, dtype, shape, offset in places}
 
 
+_TAKEN = struct.Struct("<q")
+
+
 class InstanceMemory:
-    """An instance's shared memory: its input region, then its output region (one ``memfd``, mapped by both ends)."""
+    """An instance's shared memory: its input region, then its output region, then the id of the last op the instance
+    took (one ``memfd``, mapped by both ends)."""
 
     def __init__(self, fd: int, input_bytes: int, output_bytes: int) -> None:
         self.input_bytes, self.output_bytes = input_bytes, output_bytes
-        self.map = mmap.mmap(fd, input_bytes + output_bytes)
+        self.map = mmap.mmap(fd, input_bytes + output_bytes + _TAKEN.size)
         os.close(fd)
 
     @staticmethod
     def create(name: str, input_bytes: int, output_bytes: int) -> tuple[InstanceMemory, int]:
         """A new memfd of the regions' size, mapped here; returns it and a duplicate of its fd to hand the other end."""
         fd = os.memfd_create(name)
-        os.ftruncate(fd, input_bytes + output_bytes)
+        os.ftruncate(fd, input_bytes + output_bytes + _TAKEN.size)
         other = os.dup(fd)
         return InstanceMemory(fd, input_bytes, output_bytes), other
 
@@ -79,6 +84,18 @@ class InstanceMemory:
         if offset + count * dtype.itemsize > self.output_bytes:
             return None
         return np.frombuffer(self.map, dtype, count, self.input_bytes + offset).reshape(shape)
+
+    def took(self, op: int) -> None:
+        """The instance took op ``op`` off its socket and runs it (ids rise; 0, the memfd's zeros: none yet)."""
+        _TAKEN.pack_into(self.map, self.input_bytes + self.output_bytes, op)
+
+    @property
+    def taken(self) -> int:
+        """The id of the last op the instance took. Read once its process is gone, it tells an op it never reached
+        (no request's fault) from one it died running: a store to shared memory, where an acknowledgement frame
+        would cost a send and a read per batch."""
+        (op,) = _TAKEN.unpack_from(self.map, self.input_bytes + self.output_bytes)
+        return int(op)
 
     def close(self) -> None:
         self.map.close()

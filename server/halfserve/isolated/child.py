@@ -143,6 +143,7 @@ def _serve(
         if op == "forget":
             regions.forget(head["region"])
             continue
+        memory.took(head["id"])  # from here on, a death is this op's (the server process reruns one not taken)
         if op == "handle":
             handler = handler or _handler(config, engine, inst)
             answer, parts = _handled(handler, engine, memory, head, payload)

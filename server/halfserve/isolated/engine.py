@@ -40,7 +40,7 @@ from halfserve.isolated.supervision import Supervisor
 from halfserve.isolated.wire import InstanceProcess
 from halfserve.manifest import OverflowPolicy, Precision
 from halfserve.placement import Placement, available_cores
-from halfserve.serving import HandlerPayload, ModelNotReadyError, Outcome, Output
+from halfserve.serving import HandlerPayload, InstanceLostError, ModelNotReadyError, Outcome, Output
 from halfserve.settings import Settings
 from halfserve.store import LoadedModel
 
@@ -74,8 +74,9 @@ class ProcessEngine:
 
     A :class:`~halfserve.engine.protocol.ModelEngine`, as the in-process :class:`~halfserve.engine.core.Engine` is:
     :meth:`run` (the runner contract), :meth:`compute`, :meth:`batches`, :attr:`info`, the counters and :meth:`close`.
-    Start one with :meth:`start`. A process that dies fails its batch in flight (the batcher isolates the fault as for
-    any failed batch) and is restarted by its :attr:`supervisor`; the others go on serving.
+    Start one with :meth:`start`. A process that dies fails the batch it was running (the batcher isolates the fault as
+    for any failed batch) and is restarted by its :attr:`supervisor`; the others go on serving. A batch sent to it
+    after it died, before its end was seen, had not started: it runs on the next process idle.
     """
 
     def __init__(
@@ -126,6 +127,9 @@ class ProcessEngine:
         )
         self._idle: list[InstanceProcess] = []
         self._waiting: deque[tuple[_Send, asyncio.Future[Any]]] = deque()
+        self._in_hand: dict[InstanceProcess, tuple[_Send, asyncio.Future[Any]]] = {}
+        """The op each instance process was sent and has not answered (one at a time), to send again should the
+        process turn out to have died before it took it."""
         self._info: EngineInfo | None = None
         self._loop = asyncio.get_running_loop()
         self._context = multiprocessing.get_context("spawn")
@@ -295,18 +299,22 @@ class ProcessEngine:
 
         return asyncio.run_coroutine_threadsafe(compute(), self._loop).result()
 
-    def _dispatch(self, send: _Send, future: asyncio.Future[Any]) -> None:
-        """``send`` the op to an idle instance process, or keep it for the next one to be idle."""
+    def _dispatch(self, send: _Send, future: asyncio.Future[Any], again: bool = False) -> None:
+        """``send`` the op to an idle instance process, or keep it for the next one to be idle (``again``: first, as
+        an op sent before and never run)."""
         while self._idle:
             instance = self._idle.pop()
             if instance.alive and not instance.busy:
-                send(instance, future)
+                self._give(instance, send, future)
                 self._update_elements()
                 return
         if self.supervisor.starting or self.supervisor.any_alive():
             # Fewer processes up than batches in flight: one is restarting, and takes this batch once it is warm (a
             # batch that crashed one is rerun a request at a time, so its other requests are answered).
-            self._waiting.append((send, future))
+            if again:
+                self._waiting.appendleft((send, future))
+            else:
+                self._waiting.append((send, future))
             return
         left = self.supervisor.backoff_left()
         if left is None:
@@ -324,13 +332,18 @@ class ProcessEngine:
             f"model {self.name!r} has no instance process able to serve ({why})", retry_after=max(1, retry_after)
         )
 
+    def _give(self, instance: InstanceProcess, send: _Send, future: asyncio.Future[Any]) -> None:
+        send(instance, future)
+        self._in_hand[instance] = (send, future)
+
     def idle_again(self, instance: InstanceProcess) -> None:
         """An instance answered its batch: give it the next waiting one, or mark it idle."""
+        self._in_hand.pop(instance, None)
         self._update_elements()
         while self._waiting:
             send, future = self._waiting.popleft()
             if not future.done():
-                send(instance, future)
+                self._give(instance, send, future)
                 return
         if instance not in self._idle:
             self._idle.append(instance)
@@ -357,11 +370,19 @@ class ProcessEngine:
     def _none_left(self, why: str, retry_after: int) -> None:
         self._fail_waiting(self._none_up(why, retry_after))
 
-    def lost(self, instance: InstanceProcess, was_ready: bool) -> None:
-        """An instance process's socket closed: it takes no more batches; its supervisor restarts it."""
+    def lost(self, instance: InstanceProcess, was_ready: bool, unrun: list[asyncio.Future[Any]]) -> None:
+        """An instance process's socket closed: it takes no more batches; its supervisor restarts it. Its op in hand,
+        if it never took it (``unrun``: it died before, as one the OOM killer ends), goes to the next process idle,
+        the restarted one at the latest, as any op waiting does."""
         if instance in self._idle:
             self._idle.remove(instance)
-        self.supervisor.lost(instance, was_ready)
+        held = self._in_hand.pop(instance, None)
+        self.supervisor.lost(instance, was_ready)  # restarting it from now: the op sent again waits for it
+        for future in unrun:
+            if held is not None and held[1] is future:
+                self._dispatch(held[0], future, again=True)
+            else:  # not an op this engine holds (it sends one at a time): answered as one the process died running
+                future.set_exception(InstanceLostError(f"instance process {instance.index} of {self.name!r} exited"))
 
     def close(self) -> None:
         """Fail the batches waiting for an instance, and end the instance processes

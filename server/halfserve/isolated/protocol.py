@@ -24,6 +24,9 @@ or ``{"id", "raise", "kind", "message"}`` when the batch as a whole failed. A ha
 (its outputs' outcomes, one per forward) with ``"answers": [offset, sizes]``: each payload's JSON answer, one after
 another in the payload from ``offset`` (past the outputs placed there); one that failed is ``raise`` with the kind of
 :class:`~halfserve.serving` error the handler threads would have raised.
+
+Before it runs a batch or a handler batch, the instance process writes its id past its output region
+(:meth:`~halfserve.ipc.memory.InstanceMemory.took`): once the process is gone, an op with a later id never reached it.
 """
 
 from __future__ import annotations

@@ -77,7 +77,9 @@ class Owner(Protocol):
 
     def idle_again(self, instance: InstanceProcess) -> None: ...
 
-    def lost(self, instance: InstanceProcess, was_ready: bool) -> None: ...
+    def lost(self, instance: InstanceProcess, was_ready: bool, unrun: list[asyncio.Future[Any]]) -> None:
+        """``instance``'s socket closed; ``unrun`` are the futures of the ops it never took, the owner's to answer or
+        send again."""
 
 
 class InstanceProcess(asyncio.Protocol):
@@ -143,15 +145,24 @@ class InstanceProcess(asyncio.Protocol):
             )
         if not self.ready.done():
             self.ready.set_exception(EngineError(what + ("" if was_alive else " before it was ready")))
-        for future in self._pending.values():
-            if not future.done():
+        # An op sent after the process died (killed from outside, its end not seen yet: the write failed, or went into
+        # a socket closing with it) never ran, and no request of it is to blame: its owner sends it again. Only one
+        # the process took may have killed it.
+        taken = self.memory.taken
+        unrun = []
+        for op, future in self._pending.items():
+            if future.done():
+                continue
+            if op > taken:
+                unrun.append(future)
+            else:
                 future.set_exception(InstanceLostError(what))
         self._pending.clear()
         with contextlib.suppress(BufferError):  # a view still held: the map goes with the last one
             self.memory.close()
         if self.side is not None:
             self.side.close()
-        self.owner.lost(self, was_alive)
+        self.owner.lost(self, was_alive, unrun)
 
     def send(self, chunks: list[np.ndarray], future: asyncio.Future[list[Outcome]], raw: bool = False) -> None:
         """Tell the process to run a batch; ``future`` gets the outcomes. Chunks in a front-end's shared memory are
