@@ -101,10 +101,7 @@ async def model_ready(model_name: str, request: Request) -> Response:
     """The model's readiness: 200 when it is ready, 503 with the reason when it is not (KServe's ``ModelNotReady``),
     404 when it is unknown."""
     if model_name.endswith(VERBS):  # a GET of a verb's route, which this one matches with the verb in the name
-        verb = model_name[model_name.rindex(":") :]
-        if verb == ":explain":
-            raise _not_explained(model_name.removesuffix(verb))
-        raise APIError(405, f"{request.method} /v1/models/{{model}}{verb}: use POST", {"Allow": "POST"})
+        raise _verb_refused(model_name, request.method)
     served = deps.served_model(request, model_name, None)
     why = why_model_not_ready(served)
     if why is not None:
@@ -205,12 +202,19 @@ def routing_error(status: int, headers: dict[str, str] | None, scope: Scope) -> 
     verb = name[name.rindex(":") :]
     if verb not in VERBS:
         return error_response(404, f"{path[:200]}: no verb {verb[:40]!r} here; V1 serves /v1/models/{{model}}:predict")
-    if verb == ":explain":
-        e = _not_explained(name.removesuffix(verb))
-        return error_response(e.status, e.message)
-    if status == 405:
-        return error_response(405, f"{scope['method']} /v1/models/{{model}}{verb}: use POST", {"Allow": "POST"})
+    if status == 405 or verb == ":explain":
+        e = _verb_refused(name, scope["method"])
+        return error_response(e.status, e.message, e.headers)
     return None
+
+
+def _verb_refused(name: str, method: str) -> APIError:
+    """The answer to ``method`` on a verb's path other than ``POST ...:predict`` (``name`` ends with the verb):
+    ``:explain`` a 404 whatever the method, ``:predict`` a 405 naming POST."""
+    verb = name[name.rindex(":") :]
+    if verb == ":explain":
+        return _not_explained(name.removesuffix(verb))
+    return APIError(405, f"{method} /v1/models/{{model}}{verb}: use POST", {"Allow": "POST"})
 
 
 ROUTES_PREFIX = "/v1/models/"
