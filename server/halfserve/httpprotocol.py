@@ -17,8 +17,9 @@ Past the connection cap, a few more connections are read for a health or readine
 which is answered; any other request on them gets the 503. So a cap held by slow clients does not fail the
 orchestrator's probes, and the process is not restarted or taken out of its service for what its clients do.
 
-Bodies still arriving share a budget (:mod:`halfserve.bodybudget`), and a request that cannot be parsed is answered
-in JSON after the requests pipelined before it.
+Bodies still arriving share a budget (:mod:`halfserve.bodybudget`), a request that cannot be parsed is answered in
+JSON after the requests pipelined before it, and a connection with no request on it is closed once idle for the
+keep-alive timeout, sooner in a drain (:mod:`halfserve.httpkeepalive`).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from uvicorn.protocols.http.flow_control import HIGH_WATER_LIMIT
 from halfserve.bodybudget import BodyBudget, Refusal
 from halfserve.httpcensus import Census
 from halfserve.httpdeadline import ReadDeadline
+from halfserve.httpkeepalive import KeepAlive
 from halfserve.httptarget import NoHost, absolute_form, framing_problem, is_probe, origin_path
 from halfserve.settings import Settings
 from halfserve.transport import (
@@ -51,11 +53,6 @@ LINGER_S = 2.0
 """How long a connection refused mid-head goes on being read (and dropped) before it is closed."""
 MAX_PIPELINED = 16
 """Requests a connection may have queued behind the one being answered; past it the connection is not read further."""
-DRAIN_IDLE_S = 1.0
-"""In a drain, how long a connection with no request on it is kept open after its last answer (or since it was
-opened), for the request its client may be writing: that request is answered, with ``connection: close``. uvicorn
-closed such a connection at once, and a keep-alive client that had just written its next request on it lost it to a
-reset (a ``ReadError``)."""
 FEED_BYTES = 4096
 """What is parsed at a time outside a request's body, so that one read of pipelined requests (uvloop reads up to
 256 KiB: thousands of small requests) queues no more than :data:`MAX_PIPELINED` and a read's worth past it."""
@@ -123,11 +120,7 @@ class LimitedHttpProtocol(CoalescingHttpToolsProtocol):
         """The connection's transport (``self.transport``, as uvicorn types it)."""
         self._send_timer: asyncio.TimerHandle | None = None
         """Armed while what the connection has to send waits for the client to read it (``send_timeout``)."""
-        self._idle_since: float | None = self.loop.time()
-        """When the connection's last response went out (or it was opened) with no request after it; None while one
-        is arriving."""
-        self._draining = False
-        """The server is shutting down: the request in progress, or the next one to arrive, is the last answered."""
+        self._keep_alive = KeepAlive(self.loop, self.timeout_keep_alive, self.timeout_keep_alive_handler)
         self._standby = False
         """Past the connection cap: only a probe is answered, then the connection is closed."""
         self._unparsed = b""
@@ -182,9 +175,7 @@ class LimitedHttpProtocol(CoalescingHttpToolsProtocol):
             self._send_timer = None
         self._unparsed = b""
         super().connection_lost(exc)
-        if self.timeout_keep_alive_task is not None:
-            self.timeout_keep_alive_task.cancel()
-            self.timeout_keep_alive_task = None
+        self._keep_alive.stop()
 
     def data_received(self, data: bytes) -> None:
         if self._refused:
@@ -270,10 +261,7 @@ class LimitedHttpProtocol(CoalescingHttpToolsProtocol):
         else:
             self._malformed, self._refused = message, True  # nothing after it is read; on_response_complete answers
 
-    # Keep-alive ----------------------------------------------------------------------------------------------------
-    # uvicorn arms a keep-alive timer after every response and cancels it when the next request's bytes arrive: a
-    # call_later and a cancel per request. Here one timer covers a connection's idle stretches: when it fires it
-    # closes the connection if it has been idle for the whole keep-alive timeout, and otherwise waits for the rest.
+    # Between requests ----------------------------------------------------------------------------------------------
 
     def on_response_complete(self) -> None:
         """uvicorn's: count the request, start a pipelined one or wait idle for the next; without a timer each."""
@@ -288,9 +276,7 @@ class LimitedHttpProtocol(CoalescingHttpToolsProtocol):
             self._next_due = True
             self.loop.call_soon(self._start_pipelined)
             return
-        self._idle_since = self.loop.time()
-        if self.timeout_keep_alive_task is None:
-            self.timeout_keep_alive_task = self.loop.call_later(self._idle_limit(), self._keep_alive_expired)
+        self._keep_alive.idle()
         self._resume()  # after: a request it parses marks the connection busy again
 
     def _start_pipelined(self) -> None:
@@ -305,34 +291,18 @@ class LimitedHttpProtocol(CoalescingHttpToolsProtocol):
 
     def shutdown(self) -> None:
         """A drain (uvicorn calls it on every connection): the request in progress, or else the next one to arrive
-        within :data:`DRAIN_IDLE_S` of the last answer, is answered with ``connection: close``, and the connection
-        closes after it; one idle that long already closes now. Requests pipelined behind the last one answered are
-        dropped unanswered, as uvicorn drops them (its ``connection: close`` tells the client)."""
-        self._draining = True
+        within :data:`~halfserve.httpkeepalive.DRAIN_IDLE_S` of the last answer, is answered with ``connection:
+        close``, and the connection closes after it; one idle that long already closes now. Requests pipelined behind
+        the last one answered are dropped unanswered, as uvicorn drops them (its ``connection: close`` tells the
+        client)."""
         self._keep_alive_after_body = False  # nor once its body is read
         if self.cycle is not None and not self.cycle.response_complete:
             self.cycle.keep_alive = False
-        elif self._idle_since is not None and not self._out.is_closing():
-            if self.timeout_keep_alive_task is not None:
-                self.timeout_keep_alive_task.cancel()
-            self._keep_alive_expired()  # closes it, or waits for the rest of DRAIN_IDLE_S
+        self._keep_alive.drain()  # an idle one closes now, or once idle for DRAIN_IDLE_S
         # Otherwise a request's head or a pipelined one is arriving: on_headers_complete makes its answer the last.
 
-    def _idle_limit(self) -> float:
-        return min(self.timeout_keep_alive, DRAIN_IDLE_S) if self._draining else self.timeout_keep_alive
-
     def _unset_keepalive_if_required(self) -> None:
-        self._idle_since = None  # bytes arrived: the connection is busy until its next response
-
-    def _keep_alive_expired(self) -> None:
-        self.timeout_keep_alive_task = None
-        if self._idle_since is None:
-            return  # busy: its next response waits again
-        left = self._idle_since + self._idle_limit() - self.loop.time()
-        if left > 0:
-            self.timeout_keep_alive_task = self.loop.call_later(left, self._keep_alive_expired)
-        else:
-            self.timeout_keep_alive_handler()
+        self._keep_alive.busy()
 
     # Parser callbacks ----------------------------------------------------------------------------------------------
 
@@ -425,7 +395,10 @@ class LimitedHttpProtocol(CoalescingHttpToolsProtocol):
         then a lingering close): the rest of the body would otherwise have to be read, for as long as the client
         takes, before the next request could begin. Until its body is whole, the request's cycle is told the
         connection is not kept; :meth:`on_message_complete` tells it what the request asked for."""
-        self._keep_alive_after_body, self.cycle.keep_alive = self.cycle.keep_alive and not self._draining, False
+        self._keep_alive_after_body, self.cycle.keep_alive = (
+            self.cycle.keep_alive and not self._keep_alive.draining,
+            False,
+        )
 
     def _direct_handler(self) -> DirectHandler | None:
         """The :attr:`direct` handler for the request whose headers just ended, with its scope's method and path set;
