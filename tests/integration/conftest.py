@@ -17,10 +17,13 @@ the suite's 300 s per test."""
 
 
 @contextlib.asynccontextmanager
-async def serving(settings: Settings) -> AsyncIterator[httpx.AsyncClient]:
-    """The app in-process with its lifespan, through httpx's ASGI transport, once ``/ready`` answers 200."""
+async def serving(
+    settings: Settings, peer: tuple[str, int] | None = ("127.0.0.1", 123)
+) -> AsyncIterator[httpx.AsyncClient]:
+    """The app in-process with its lifespan, through httpx's ASGI transport, once ``/ready`` answers 200; requests
+    come from ``peer`` (None: no address, as on the front-ends' relay socket)."""
     app = create_app(settings)
-    transport = httpx.ASGITransport(app=app)
+    transport = httpx.ASGITransport(app=app, client=peer)  # type: ignore[arg-type]
     client = httpx.AsyncClient(transport=transport, base_url="http://localhost")
     async with app.router.lifespan_context(app), client:
         deadline = time.monotonic() + READY_DEADLINE_S

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from halfserve import storage
+from halfserve.api.http import ROUTE_ONLY
 from halfserve.serving import ModelNotReadyError
 from halfserve.settings import Settings
 from tests.conftest import save_tiny_mlp
@@ -215,6 +216,29 @@ async def test_management_needs_the_admin_token(tiny_store: Path) -> None:
         off = await client.post("/models/tiny/reload", headers=AUTH)
     assert (missing.status_code, wrong.status_code, off.status_code) == (401, 401, 403)
     assert listing["state"] == "ready"
+
+
+async def test_a_front_end_asking_which_route_takes_a_request_runs_none(tiny_store: Path) -> None:
+    """A front-end asks the engine process which route takes a request whose body is past its relay cap, without the
+    body (:data:`ROUTE_ONLY`): the answer runs no route (an unload would have unloaded the model), and where no route
+    takes the request it is the router's own, as with the body."""
+    asking = {ROUTE_ONLY.decode(): "1", **AUTH}
+    async with serving(settings(tiny_store), peer=None) as client:
+        unload = await client.post("/models/tiny/unload", headers=asking)
+        listing = (await client.get("/models")).json()["models"][0]
+        nowhere = await client.post("/nonexistent", headers=asking)
+        verb = await client.post("/v1/models/tiny:frobnicate", headers=asking)
+    assert (unload.status_code, unload.headers[ROUTE_ONLY.decode()], unload.content) == (204, "routed", b"")
+    assert listing["state"] == "ready"
+    assert (nowhere.status_code, nowhere.json()) == (404, {"error": "Not Found"})
+    assert verb.status_code == 404
+    assert "no verb ':frobnicate' here" in verb.json()["error"]
+
+
+async def test_a_client_cannot_ask_which_route_takes_its_request(tiny_store: Path) -> None:
+    async with serving(settings(tiny_store)) as client:  # a client with an address: not the relay
+        unload = await client.post("/models/tiny/unload", headers={ROUTE_ONLY.decode(): "1", **AUTH})
+    assert (unload.status_code, unload.json()["state"]) == (200, "unloaded")
 
 
 async def test_a_request_that_looked_the_model_up_before_a_reload_is_answered_by_the_new_load(tiny_store: Path) -> None:

@@ -30,11 +30,11 @@ def single(server_factory: StartServer, served_tiny_store: Path) -> ServerProces
     return server_factory(served_tiny_store)
 
 
-def exchange(url: str, head: list[str]) -> tuple[int, list[tuple[str, str]], bytes]:
-    """Send one request made of ``head`` (no body), read until the server closes: status, headers as sent, body."""
+def exchange(url: str, head: list[str], body: bytes = b"") -> tuple[int, list[tuple[str, str]], bytes]:
+    """Send one request made of ``head`` and ``body``, read until the server closes: status, headers as sent, body."""
     host, port = url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=30) as sock:
-        sock.sendall("\r\n".join(head).encode() + b"\r\n\r\n")
+        sock.sendall("\r\n".join(head).encode() + b"\r\n\r\n" + body)
         data = b""
         while chunk := sock.recv(65536):
             data += chunk
@@ -128,6 +128,71 @@ def test_a_method_a_get_route_does_not_take_is_a_405_naming_get_and_head(
         status, headers, body = exchange(server.url, close_head("DELETE", "/v2/models/tiny"))
         assert status == 405, (server.url, body)
         assert dict(headers)["allow"] == "GET, HEAD"
+
+
+PAST_THE_CAP = b"x" * (100 * 2**10)
+"""A body past the relay's cap (64 KiB): a front-end reads no more of a request it relays."""
+FRAMINGS = {
+    "length": ([f"Content-Length: {len(PAST_THE_CAP)}"], PAST_THE_CAP),
+    "chunked": (["Transfer-Encoding: chunked"], b"%x\r\n%s\r\n0\r\n\r\n" % (len(PAST_THE_CAP), PAST_THE_CAP)),
+}
+"""The body declared (the relay refuses it from its head) or chunked (once it has read its cap of it)."""
+PER_ANSWER = ("date", "x-request-id")
+"""Headers whose values differ from one answer to the next."""
+
+
+def same_in_both(name: str, value: str) -> str:
+    """A header's value as both modes must agree on it: none for :data:`PER_ANSWER`, ``Allow``'s methods in order
+    (Starlette names a route's methods from a set, whose order differs from one process to the next)."""
+    if name in PER_ANSWER:
+        return ""
+    return ", ".join(sorted(value.split(", "))) if name == "allow" else value
+
+
+@pytest.mark.parametrize("framing", FRAMINGS)
+@pytest.mark.parametrize(
+    ("method", "path"),
+    [
+        ("POST", "/v1/models/tiny:frobnicate"),  # KServe V1's 404 naming the verb it serves
+        ("DELETE", "/predictions/tiny"),  # TorchServe's 405, in its own shape
+        ("PUT", "/v2/models/tiny/infer"),  # a 405 naming POST
+        ("POST", "/v2/models/tiny/versions/1/frobnicate"),
+        ("POST", "/nonexistent"),
+    ],
+)
+def test_a_large_body_for_no_route_gets_the_router_s_answer_not_the_relay_s_413(
+    relayed: ServerProcess, single: ServerProcess, method: str, path: str, framing: str
+) -> None:
+    """A front-end refused the body of a request it relays past its cap with a 413 ("body: 102400 bytes exceed a
+    management call's limit") before asking whether any route takes the request: "too large" where one process
+    answers that there is no such route, or that it takes another method."""
+    extra, body = FRAMINGS[framing]
+    found = []
+    for server in (relayed, single):
+        status, headers, answer = exchange(server.url, close_head(method, path, *extra), body)
+        found.append((status, orjson.loads(answer), [(k, same_in_both(k, v)) for k, v in headers]))
+    assert found[0] == found[1], found
+    assert found[0][0] in (404, 405), found
+    assert exchange(relayed.url, close_head("GET", "/v2/models/tiny"))[0] == 200
+
+
+@pytest.mark.parametrize("framing", FRAMINGS)
+def test_a_relayed_route_still_refuses_a_body_past_the_relay_cap(relayed: ServerProcess, framing: str) -> None:
+    extra, body = FRAMINGS[framing]
+    head = close_head("POST", "/v2/repository/models/tiny/load", *extra)
+    status, _, answer = exchange(relayed.url, head, body)
+    assert status == 413, answer
+    assert "a management call's limit" in orjson.loads(answer)["error"]
+
+
+def test_a_client_asking_which_route_takes_its_request_is_answered_as_any_other(
+    relayed: ServerProcess, single: ServerProcess
+) -> None:
+    """The header a front-end sends to ask the engine process which route takes a request without running it is
+    dropped from what clients send, as the client address header is."""
+    for server in (relayed, single):
+        status, _, body = exchange(server.url, close_head("GET", "/v2/models/tiny", "X-Halfserve-Route-Only: 1"))
+        assert (status, orjson.loads(body)["name"]) == (200, "tiny"), (server.url, status, body)
 
 
 @pytest.mark.parametrize("path", ["/models", "/v2/models/tiny", "/health", "/v2/health/ready"])

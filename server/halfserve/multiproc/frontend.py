@@ -35,6 +35,7 @@ from halfserve.api.http import (
     MANAGEMENT_BODY_BYTES,
     MANAGEMENT_LIMIT,
     RELAYED_CLIENT,
+    ROUTE_ONLY,
     answer_first,
     direct_routes,
     error_response,
@@ -202,63 +203,96 @@ class FrontendApp:
         body timeout and rate): a slow upload then holds only its own connection, never one of the few to the engine
         process that every relayed route shares. The engine process learns the client's address from
         :data:`RELAYED_CLIENT`, for its admin token checks.
+
+        A body past the limit is refused only where a route takes the request: the engine process is asked that,
+        without the body (:data:`ROUTE_ONLY`), and where none does, its 404 or 405 is the answer, as without
+        front-ends (a 413 had said "too large" of a request that no route takes).
         """
-        assert self.http is not None
-        assert self.probes is not None
-        assert self.client is not None
         declared = scope_header(scope, b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > RELAY_BODY_BYTES:
-            message = f"body: {declared.decode()} bytes exceed {MANAGEMENT_LIMIT}"
-            await error_response(413, message)(scope, receive, send)
-            return
-        target = scope.get("raw_path") or scope["path"].encode()
-        if scope.get("query_string"):
-            target += b"?" + scope["query_string"]
-        headers = [(k, v) for k, v in scope["headers"] if k not in HOP_BY_HOP and k != RELAYED_CLIENT]
-        if declared is not None:
-            headers.append((b"content-length", declared))  # the body goes on as sent, not re-chunked
+        headers = [(k, v) for k, v in scope["headers"] if k not in HOP_BY_HOP and k not in (RELAYED_CLIENT, ROUTE_ONLY)]
         client = scope.get("client")
         if client:
             headers.append((RELAYED_CLIENT, str(client[0]).encode("latin-1")))
+        if declared is not None and declared.isdigit() and int(declared) > RELAY_BODY_BYTES:
+            too_large = f"body: {declared.decode()} bytes exceed {MANAGEMENT_LIMIT}"
+            await self._refuse_body(scope, receive, send, headers, too_large)
+            return
+        if declared is not None:
+            headers.append((b"content-length", declared))  # the body goes on as sent, not re-chunked
         has_body = declared is not None or scope_header(scope, b"transfer-encoding") is not None
-        url = target.decode("latin-1")
         try:
             content = await _body(receive) if has_body else None
         except _ClientGone:
             return  # nobody to answer
         except _TooLarge:
-            message = f"body: more than {RELAY_BODY_BYTES} bytes ({MANAGEMENT_LIMIT})"
-            await error_response(413, message)(scope, receive, send)
+            too_large = f"body: more than {RELAY_BODY_BYTES} bytes ({MANAGEMENT_LIMIT})"
+            await self._refuse_body(scope, receive, send, headers, too_large)
             return
-        http = self.probes if scope["path"] in PROBE_PATHS else self.http
-        request = http.build_request(scope["method"], url, headers=headers, content=content)
-        try:
-            response = await http.send(request, stream=True)
-        except httpx.TransportError as e:
-            message = f"the engine process is not answering ({type(e).__name__})"
-            await error_response(503, message)(scope, receive, send)
+        response = await self._ask(scope, receive, send, headers, content)
+        if response is None:
             return
         try:
             if scope["method"] not in ("GET", "HEAD") and response.status_code < 400:
                 # A change (a model loaded, a region registered) is answered once every front-end knows it: the
                 # client's next request may reach any of them.
+                assert self.client is not None
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(self.client.publish(), PUBLISH_WAIT_S)
-            out_headers = _answer_headers(response.headers.raw)
-            if "content-length" not in response.headers and _has_body(scope["method"], response.status_code):
-                # An answer the engine process streamed: gathered (as sent: still compressed, if it is), so it too
-                # goes out with a length.
-                body = b"".join([chunk async for chunk in response.aiter_raw()])
-                out_headers.append((b"content-length", str(len(body)).encode()))
-                await send({"type": "http.response.start", "status": response.status_code, "headers": out_headers})
-                await send({"type": "http.response.body", "body": body})
-                return
-            await send({"type": "http.response.start", "status": response.status_code, "headers": out_headers})
-            async for chunk in response.aiter_raw():
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            await send({"type": "http.response.body", "body": b""})
+            await _pass_on(scope, send, response)
         finally:
             await response.aclose()
+
+    async def _refuse_body(
+        self, scope: Scope, receive: Receive, send: Send, headers: list[tuple[bytes, bytes]], too_large: str
+    ) -> None:
+        """A body past :data:`RELAY_BODY_BYTES`: the 413 ``too_large`` where a route takes the request, or else the
+        engine process's answer to it without the body (the router's 404 or 405: no route ran)."""
+        response = await self._ask(scope, receive, send, [*headers, (ROUTE_ONLY, b"1")], b"")
+        if response is None:
+            return
+        try:
+            if ROUTE_ONLY.decode() in response.headers:
+                await error_response(413, too_large)(scope, receive, send)
+            else:
+                await _pass_on(scope, send, response)
+        finally:
+            await response.aclose()
+
+    async def _ask(
+        self, scope: Scope, receive: Receive, send: Send, headers: list[tuple[bytes, bytes]], content: bytes | None
+    ) -> httpx.Response | None:
+        """The engine process's answer to the request, streamed; None where it is not answering (the client has had
+        a 503 saying so)."""
+        assert self.http is not None
+        assert self.probes is not None
+        target = scope.get("raw_path") or scope["path"].encode()
+        if scope.get("query_string"):
+            target += b"?" + scope["query_string"]
+        http = self.probes if scope["path"] in PROBE_PATHS else self.http
+        request = http.build_request(scope["method"], target.decode("latin-1"), headers=headers, content=content)
+        try:
+            return await http.send(request, stream=True)
+        except httpx.TransportError as e:
+            message = f"the engine process is not answering ({type(e).__name__})"
+            await error_response(503, message)(scope, receive, send)
+            return None
+
+
+async def _pass_on(scope: Scope, send: Send, response: httpx.Response) -> None:
+    """The engine process's answer, sent on to the client."""
+    out_headers = _answer_headers(response.headers.raw)
+    if "content-length" not in response.headers and _has_body(scope["method"], response.status_code):
+        # An answer the engine process streamed: gathered (as sent: still compressed, if it is), so it too goes out
+        # with a length.
+        body = b"".join([chunk async for chunk in response.aiter_raw()])
+        out_headers.append((b"content-length", str(len(body)).encode()))
+        await send({"type": "http.response.start", "status": response.status_code, "headers": out_headers})
+        await send({"type": "http.response.body", "body": body})
+        return
+    await send({"type": "http.response.start", "status": response.status_code, "headers": out_headers})
+    async for chunk in response.aiter_raw():
+        await send({"type": "http.response.body", "body": chunk, "more_body": True})
+    await send({"type": "http.response.body", "body": b""})
 
 
 def _answer_headers(raw: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:

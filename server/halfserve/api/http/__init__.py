@@ -31,7 +31,7 @@ from halfserve.api.http import (
     v2_repository,
     v2_triton,
 )
-from halfserve.api.http.deps import MANAGEMENT_BODY_BYTES, MANAGEMENT_LIMIT, RELAYED_CLIENT
+from halfserve.api.http.deps import MANAGEMENT_BODY_BYTES, MANAGEMENT_LIMIT, RELAYED_CLIENT, ROUTE_ONLY
 from halfserve.api.http.errors import error_response
 from halfserve.api.http.limits import scope_header
 from halfserve.transport import Answer, DirectHandler
@@ -79,6 +79,9 @@ class App(FastAPI):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
             scope = head_as_get(scope)
+            if _route_only(scope) and any(route.matches(scope)[0] is Match.FULL for route in self.router.routes):
+                await Response(status_code=204, headers={ROUTE_ONLY.decode(): "routed"})(scope, receive, send)
+                return
             if await answer_first(self, scope, receive, send):
                 return
         await super().__call__(scope, receive, send)
@@ -91,6 +94,12 @@ class App(FastAPI):
 class _HasState(Protocol):
     state: State
     """Holds the app's :class:`~halfserve.serving.AppState` as ``serving``."""
+
+
+def _route_only(scope: Scope) -> bool:
+    """Whether a front-end asks only which route takes the request (:data:`~halfserve.api.http.deps.ROUTE_ONLY`):
+    where none does, the router's answer is the same without the body it left behind."""
+    return scope.get("client") is None and scope_header(scope, ROUTE_ONLY) is not None
 
 
 def head_as_get(scope: Scope) -> Scope:
@@ -198,6 +207,7 @@ __all__ = [
     "MANAGEMENT_BODY_BYTES",
     "MANAGEMENT_LIMIT",
     "RELAYED_CLIENT",
+    "ROUTE_ONLY",
     "App",
     "answer_first",
     "direct_routes",

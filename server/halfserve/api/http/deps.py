@@ -131,6 +131,11 @@ BEARER = [Depends(HTTPBearer(auto_error=False))]
 RELAYED_CLIENT = b"x-halfserve-relayed-client"
 """The client's address on a request a front-end relays (``--http-workers``), which reaches this process over a Unix
 socket that has no client address; a front-end drops the header from what clients send."""
+ROUTE_ONLY = b"x-halfserve-route-only"
+"""On a request a front-end relays without its body (one past the relay's cap, :data:`MANAGEMENT_BODY_BYTES`): the
+engine process runs no route for it, and answers ``204`` with this header where a route takes it (the front-end then
+refuses the body), or else the router's own 404 or 405, as the request with its body would have had. Honoured only
+on the relay's Unix socket (no client address); a front-end drops the header from what clients send."""
 
 
 def client_address(request: Request) -> str:
