@@ -84,9 +84,11 @@ def install(app: FastAPI, shapes: Mapping[str, RoutingShape] | None = None) -> N
     async def http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, StarletteHTTPException)
         headers = dict(exc.headers) if exc.headers else None
-        if headers is not None and "GET" in headers.get("Allow", "").split(", "):
-            # A GET route answers HEAD too (halfserve.api.http.head_as_get), which its declaration does not name.
-            headers["Allow"] += ", HEAD"
+        if headers is not None and "Allow" in headers:
+            # A GET route answers HEAD too (halfserve.api.http.head_as_get), which its declaration does not name; and
+            # Starlette keeps a route's methods in a set, so their order had changed from one start to the next.
+            methods = set(headers["Allow"].split(", "))
+            headers["Allow"] = ", ".join(sorted(methods | {"HEAD"} if "GET" in methods else methods))
         if exc.status_code in (404, 405):
             path = request.scope["path"]
             for prefix, shape in shaped.items():
