@@ -76,9 +76,9 @@ class HandlerTimeoutError(HandlerError):
     """A handler call ran past its section's ``timeout_s``."""
 
 
-def request(field: str, data: bytes, content_type: str) -> dict[str, Any]:
-    """TorchServe's shape of one request as a handler is given it: ``{"body": bytes}`` or ``{"data": bytes}``, with
-    the content type."""
+def request(field: str, data: bytes | str, content_type: str) -> dict[str, Any]:
+    """TorchServe's shape of one request as a handler is given it: ``{"body": bytes}`` or ``{"data": bytes}`` (a
+    text in place of the bytes where TorchServe hands one), with the content type."""
     return {field: data, CONTENT_TYPE: content_type}
 
 

@@ -221,8 +221,9 @@ class Handled(NamedTuple):
     prediction: Prediction
 
 
-HandlerPayload = tuple[str, bytes, str]
-"""One payload as a handler is given it: its field (``body`` or ``data``), its bytes and its content type."""
+HandlerPayload = tuple[str, bytes | str, str]
+"""One payload as a handler is given it: its field (``body`` or ``data``), its bytes (a text where TorchServe hands
+its handlers one: a KServe V1 instance's ``data`` to a ``torchserve``-style handler) and its content type."""
 
 
 Outcome = np.ndarray | Output | Exception

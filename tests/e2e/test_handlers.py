@@ -6,6 +6,7 @@ load, where that model fails with the reason while the others serve."""
 
 from __future__ import annotations
 
+import base64
 import json
 import shutil
 import textwrap
@@ -173,6 +174,29 @@ def test_several_files_in_a_form_are_answered_in_order(server: ServerProcess) ->
     answers = r.json()
     assert [a["digit"] for a in answers] == expected
     assert len(set(expected)) > 3  # the rows differ, so an order lost would show
+
+
+def test_kserve_v1_instances_are_answered_by_the_handler_in_instance_processes(
+    server_factory: StartServer, store: tuple[Path, Path]
+) -> None:
+    """KServe's TorchServe predictor's ``{"instances": [{"data": "<base64>"}]}``, over the wire to a server whose
+    handler runs in the model's instance processes: one prediction per instance, in order, as the form's answers."""
+    root, code = store
+    processes = server_factory(root, "--code-path", str(code), "--models", MODEL, "--placement", "instance_processes")
+    rows = digits_rows()
+    expected = tensor_digits(processes.url, rows)
+    instances = [{"data": base64.b64encode(csv(row)).decode()} for row in rows]
+    r = httpx.post(f"{processes.url}/v1/models/{MODEL}:predict", json={"instances": instances}, timeout=TIMEOUT)
+    assert r.status_code == 200, r.text
+    assert [a["digit"] for a in r.json()["predictions"]] == expected
+    assert len(set(expected)) > 3  # the rows differ, so an order lost would show
+    bad = httpx.post(
+        f"{processes.url}/v1/models/{MODEL}:predict", json={"instances": [{"data": "1,2"}]}, timeout=TIMEOUT
+    )
+    assert (bad.status_code, bad.json()) == (
+        400,
+        {"error": "instances[0].data: not base64 (standard alphabet, padded)"},
+    )
 
 
 async def test_a_handler_in_the_model_folder_fails_its_model_at_load_and_runs_nothing(

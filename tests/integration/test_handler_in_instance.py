@@ -6,12 +6,15 @@ good ones fails alone (the batch is rerun one request per call, in the instance 
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import os
+import shutil
 import textwrap
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
 
 from halfserve import storage
@@ -50,8 +53,31 @@ CODE = HANDLER_CODE + textwrap.dedent(
         def postprocess(self, outputs, requests):
             answers = super().postprocess(outputs, requests)
             return [{**a, "pid": os.getpid(), "batch": len(requests)} for a in answers]
+
+
+    # TorchServe's contract, reading a payload as TorchServe's text handlers do: a text as it is, bytes decoded.
+    class TextDigits:
+
+        def initialize(self, context):
+            self.given = []
+
+        def preprocess(self, data):
+            rows, self.given = [], []
+            for row in data:
+                text = row.get("data") or row.get("body")
+                self.given.append(type(text).__name__)
+                if isinstance(text, (bytes, bytearray)):
+                    text = text.decode()
+                rows.append([float(v) / 16 for v in text.split(",")])
+            return np.asarray(rows, dtype=np.float32).reshape(len(rows), 1, 8, 8)
+
+        def postprocess(self, data):
+            digits = data.argmax(1).tolist()
+            return [{"digit": d, "given": g, "pid": os.getpid()} for d, g in zip(digits, self.given, strict=True)]
     """
 )
+TEXT_NAME = "digits_text"
+"""A model answered by ``TextDigits``, a ``torchserve``-style handler (made by the test that serves it)."""
 
 
 def build(root: Path, code: Path) -> None:
@@ -156,3 +182,72 @@ async def test_a_light_request_batched_with_one_past_the_time_limit_is_answered_
     good = [r.json() for r in answers[1:]]
     assert [a["digit"] for a in good] == expected[1:]
     assert [a["batch"] for a in good] == [1, 1, 1]  # each from a call of its own
+
+
+def b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+@pytest.mark.parametrize("placement", ["instance_processes", "instance_threads"])
+async def test_kserve_v1_instances_of_torchserve_s_envelope_are_the_handler_s_payloads(
+    store: tuple[Path, Path], placement: str
+) -> None:
+    """KServe's TorchServe predictor sends ``{"instances": [{"data": "<base64>"}]}``: each instance is one payload of
+    the handler batch, as a file of a form is, its base64 decoded to the bytes a ``halfserve``-style handler reads;
+    the answer is ``{"predictions": [...]}`` in order. A bad instance is a 400 naming it, and serving goes on."""
+    root, code = store
+    rows = digits_rows()[:MAX_BATCH]
+    instances = [{"data": b64(csv(row))} for row in rows]
+    async with started(processes(root, code, placement), NAME) as client:
+        expected = await expected_digits(client)
+        r = await client.post(f"/v1/models/{NAME}:predict", json={"instances": instances})
+        assert r.status_code == 200, r.text
+        predictions = r.json()["predictions"]
+        assert [p["digit"] for p in predictions] == expected
+        assert [p["batch"] for p in predictions] == [MAX_BATCH] * MAX_BATCH  # one preprocess for the four
+        assert ({p["pid"] for p in predictions} == {os.getpid()}) == (placement == "instance_threads")
+        bad = await client.post(f"/v1/models/{NAME}:predict", json={"instances": [instances[0], {"data": "x,1"}]})
+        number = await client.post(f"/v1/models/{NAME}:predict", json={"instances": [{"body": 7}]})
+        other = await client.post(f"/v1/models/{NAME}:predict", json={"instances": [{"data": "eA==", "id": 1}]})
+        again = await client.post(f"/v1/models/{NAME}:predict", json={"instances": [{"body": instances[2]["data"]}]})
+    assert (bad.status_code, bad.json()) == (
+        400,
+        {"error": "instances[1].data: not base64 (standard alphabet, padded)"},
+    )
+    assert (number.status_code, number.json()) == (
+        400,
+        {"error": "instances[0].body: expected a string (base64 of bytes, or a text), got int"},
+    )
+    assert (other.status_code, other.json()) == (
+        400,
+        {"error": "instances[0]: names data, id; give one of data or body, the request's payload"},
+    )
+    assert again.status_code == 200, again.text
+    assert [p["digit"] for p in again.json()["predictions"]] == [expected[2]]
+
+
+async def test_a_torchserve_style_handler_in_an_instance_process_is_given_a_v1_instance_s_text_as_sent(
+    store: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """TorchServe hands a KServe instance's ``data`` to its handler as it is: a text model's handler reads the text
+    (a photo handler base64-decodes it). Carried to the instance process, it stays a text; a raw body stays bytes."""
+    root, code = store
+    shutil.copytree(root, tmp_path / "store")
+    with_handler(tmp_path / "store", TEXT_NAME, f"{MODULE}:TextDigits", style="torchserve")
+    rows = digits_rows()[:MAX_BATCH]
+    settings = Settings(store=tmp_path / "store", code_path=[code], placement="instance_processes", models=[TEXT_NAME])  # type: ignore[arg-type]
+    async with started(settings, TEXT_NAME) as client:
+        tensors = (rows.astype(np.float32) / 16).reshape(-1, 1, 8, 8).tolist()
+        fed = await client.post("/predict", json={"model": TEXT_NAME, "inputs": tensors})  # the model, unhandled
+        assert fed.status_code == 200, fed.text
+        expected = [int(np.argmax(o)) for o in fed.json()["outputs"]]
+        instances = [{"data": csv(row).decode()} for row in rows[:-1]] + [{"body": csv(rows[-1]).decode()}]
+        r = await client.post(f"/v1/models/{TEXT_NAME}:predict", json={"instances": instances})
+        raw = await client.put(f"/predictions/{TEXT_NAME}", content=csv(rows[0]))
+    assert r.status_code == 200, r.text
+    predictions = r.json()["predictions"]
+    assert [p["digit"] for p in predictions] == expected
+    assert [p["given"] for p in predictions] == ["str"] * MAX_BATCH
+    assert {p["pid"] for p in predictions} != {os.getpid()}  # run in the instance process
+    assert raw.status_code == 200, raw.text
+    assert (raw.json()["digit"], raw.json()["given"]) == (expected[0], "bytes")

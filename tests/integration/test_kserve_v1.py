@@ -153,6 +153,8 @@ REFUSALS = [
     (b'{"instances": [[0]], "inputs": [[0]]}', 400, "body: give instances (one sample per entry) or inputs"),
     (b'{"instances": [[0]], "signature_name": "serving_default"}', 400, "signature_name: unexpected field"),
     (b'{"instances": [{"b64": "aGk="}]}', 400, "instances[0].b64: model 'tiny' takes no images"),
+    # TorchServe's KServe envelope, which a model with a handler reads: a model without one takes tensors.
+    (b'{"instances": [{"data": "aGk="}]}', 400, "instances.data: unexpected input; the model takes ['features']"),
     (b"[1]", 400, "body: expected a JSON object, got list"),
     (b'{"instances": [{"features": []}, [0]]}', 400, "instances[1]: expected an object of input name to sample, as"),
     (b"{", 400, "body: malformed JSON"),

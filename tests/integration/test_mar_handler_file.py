@@ -160,17 +160,42 @@ async def test_a_photo_sent_to_predict_is_pointed_to_the_route_that_runs_the_han
             "inputs[0].b64: model 'tinynet' reads photos through its handler: send them to /predictions/tinynet (the "
             "raw body, or form fields named data or body)"
         )
-        r = await client.post("/v1/models/tinynet:predict", json={"instances": [{"data": sent["inputs"][0]["b64"]}]})  # type: ignore[attr-defined]
-        assert r.status_code == 400, r.text
-        assert r.json()["error"] == (
-            "instances[0]: model 'tinynet' reads its requests through its handler; send them to /predictions/tinynet, "
-            "TorchServe's inference API (V1 feeds the model tensors)"
-        )
         tensor = {"instances": [[[[0.0] * 224] * 224] * 3]}  # fed to the model, as /predict and V2 feed it
         r = await client.post("/v1/models/tinynet:predict", json=tensor)  # type: ignore[attr-defined]
         assert r.status_code == 200, r.text
         r = await client.put("/predictions/tinynet", content=photo("JPEG"))  # type: ignore[attr-defined]
         assert r.status_code == 200, r.text
+
+
+async def test_kserve_v1_instances_of_torchserve_s_envelope_are_answered_by_the_handler(tmp_path: Path) -> None:
+    """KServe's TorchServe predictor sends photos as ``{"instances": [{"data": "<base64>"}]}``: each instance goes to
+    the handler as TorchServe hands it (the text, which its ``VisionHandler`` base64-decodes), answered as
+    ``/predictions`` answers it, one prediction per instance in order; a bad one is that request's 400."""
+    code, store = tmp_path / "code", tmp_path / "store"
+    assert imports(tmp_path, handler_archive(tmp_path, STRICT, "strict_handler"), code) == 0
+    jpeg, png = photo("JPEG"), photo("PNG")
+    instances = [{"data": base64.b64encode(jpeg).decode()}, {"body": base64.b64encode(png).decode()}]
+    async with serving(Settings(store=store, code_path=[tmp_path / "model_code", code])) as client:
+        form = await client.post("/predictions/tinynet", files=[("data", jpeg), ("data", png)])  # type: ignore[attr-defined]
+        assert form.status_code == 200, form.text
+        r = await client.post("/v1/models/tinynet:predict", json={"instances": instances})  # type: ignore[attr-defined]
+        assert r.status_code == 200, r.text
+        assert r.json() == {"predictions": form.json()}
+        broken = await client.post("/v1/models/tinynet:predict", json={"instances": [instances[0], {"data": "x"}]})  # type: ignore[attr-defined]
+        assert broken.status_code == 400, broken.text
+        assert broken.json()["error"] == (
+            "handler preprocess failed: ValueError: data: not base64 (Invalid base64-encoded string: number of data "
+            "characters (1) cannot be 1 more than a multiple of 4)"
+        )
+        columns = await client.post("/v1/models/tinynet:predict", json={"inputs": instances})  # type: ignore[attr-defined]
+        assert columns.status_code == 400, columns.text
+        assert columns.json()["error"] == (
+            'inputs[0]: TorchServe\'s KServe envelope is sent as instances: {"instances": [{"data": ...}]}, each '
+            "instance one request to the handler of model 'tinynet'"
+        )
+        again = await client.post("/v1/models/tinynet:predict", json={"instances": instances[:1]})  # type: ignore[attr-defined]
+        assert again.status_code == 200, again.text
+        assert again.json() == {"predictions": form.json()[:1]}
 
 
 def test_a_handler_overriding_inference_is_refused_at_import(

@@ -15,11 +15,20 @@ def through_the_wire(head: dict[str, object], *parts: bytes) -> tuple[dict[str, 
 
 
 def test_the_payloads_sent_are_the_requests_the_handler_is_given_in_order() -> None:
-    payloads = [("body", b"\xff\xd8photo", "image/jpeg"), ("data", b"", "text/plain"), ("body", b"{}", "")]
+    """A text (a KServe V1 instance's data for a ``torchserve``-style handler) is given back as the text, its length
+    in UTF-8 bytes on the wire, so the payloads after it are read from where they lie."""
+    payloads: list[tuple[str, bytes | str, str]] = [
+        ("body", b"\xff\xd8photo", "image/jpeg"),
+        ("data", b"", "text/plain"),
+        ("data", "caf\u00e9 \u2603", ""),
+        ("body", b"{}", ""),
+    ]
     head, parts = handle_frame(payloads)
     assert head["op"] == "handle"
     got, payload = through_the_wire(head, *parts)
-    assert requests(got, payload) == [handlers.request(f, data, kind) for f, data, kind in payloads]
+    given = requests(got, payload)
+    assert given == [handlers.request(f, data, kind) for f, data, kind in payloads]
+    assert [type(r[f]) for r, (f, _, _) in zip(given, payloads, strict=True)] == [bytes, bytes, str, bytes]
 
 
 def test_the_answers_are_read_from_their_offset_past_the_outputs() -> None:

@@ -131,11 +131,12 @@ class InstanceHandler:
 
 
 def requests(head: dict[str, Any], payload: bytearray) -> list[dict[str, Any]]:
-    """The ``handle`` frame's payloads as TorchServe-shaped requests: ``[field, content_type, bytes]`` each in the
-    header, their bytes one after another in the frame's payload."""
+    """The ``handle`` frame's payloads as TorchServe-shaped requests: ``[field, content_type, size, text]`` each in
+    the header, their bytes one after another in the frame's payload (a text's in UTF-8, given back as the text)."""
     out, offset = [], 0
-    for field, content_type, size in head["payloads"]:
-        out.append(handlers.request(field, bytes(payload[offset : offset + size]), content_type))
+    for field, content_type, size, text in head["payloads"]:
+        data = bytes(payload[offset : offset + size])
+        out.append(handlers.request(field, data.decode() if text else data, content_type))
         offset += size
     return out
 
@@ -143,8 +144,12 @@ def requests(head: dict[str, Any], payload: bytearray) -> list[dict[str, Any]]:
 def handle_frame(payloads: list[HandlerPayload]) -> tuple[dict[str, Any], list[bytes]]:
     """The ``handle`` frame's header and payload parts for a handler batch of ``payloads``: their fields and content
     types in the header, their bytes in the frame (read back by :func:`requests`)."""
-    described = [[field, content_type, len(data)] for field, data, content_type in payloads]
-    return {"op": "handle", "payloads": described}, [data for _, data, _ in payloads]
+    sent = [data.encode() if isinstance(data, str) else data for _, data, _ in payloads]
+    described = [
+        [field, content_type, len(raw), isinstance(data, str)]
+        for (field, data, content_type), raw in zip(payloads, sent, strict=True)
+    ]
+    return {"op": "handle", "payloads": described}, sent
 
 
 def answers(head: dict[str, Any], payload: bytearray) -> list[bytes]:

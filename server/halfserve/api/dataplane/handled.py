@@ -56,7 +56,9 @@ class Payload:
 
     field: str
     """``body`` for a raw body, else the form field's name (``data`` or ``body``), as TorchServe keys them."""
-    data: bytes
+    data: bytes | str
+    """The bytes sent; a text where TorchServe hands its handlers one (a KServe V1 instance's ``data`` to a
+    ``torchserve``-style handler)."""
     content_type: str
 
     def as_request(self) -> dict[str, Any]:

@@ -7,8 +7,9 @@ name to its sample) or ``inputs`` (the column format: ``/predict``'s ``inputs``)
 (texts, ``{"b64": ...}`` photos, the same limits) and batched with every other request. The answer is
 ``{"predictions": [...]}``, one per instance (for a model of several outputs, an object of output name to its row).
 Errors are KServe's ``{"error": "..."}``, naming the field. A model with a handler is fed tensors, as ``/predict`` and
-V2 feed it; TorchServe's KServe envelope (``[{"data": ...}]``, each instance handed to the handler as it is) is pointed
-to ``/predictions``.
+V2 feed it, except for TorchServe's KServe envelope (``{"instances": [{"data": ...}]}``, which KServe's TorchServe
+predictor sends): each instance is one payload of a handler batch, as a file of ``/predictions``' form is
+(:func:`envelope`), and the answer is the handler's, one prediction per instance.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 from starlette.types import Scope
 
+from halfserve.api.dataplane import handled
+from halfserve.api.dataplane.decode import from_base64
 from halfserve.api.dataplane.infer import infer
 from halfserve.api.dataplane.samples import decode_inputs
 from halfserve.api.errors import APIError
@@ -27,6 +30,7 @@ from halfserve.api.http import deps, guard
 from halfserve.api.http.errors import RoutingShape, error_response, error_responses, json_ok
 from halfserve.api.http.limits import TIMEOUT_PARAMETER, client_timeout, read_fields
 from halfserve.api.http.telemetry import answered, metered, note
+from halfserve.handlerinput import HandlerStyle
 from halfserve.manifest import sent_inputs
 from halfserve.serving import Interface, InvalidInputError, ModelHandle, why_model_not_ready
 
@@ -169,14 +173,18 @@ async def predict(request: Request) -> Response:
             else 'instances: missing; send {"instances": [sample, ...]}'
         )
     field, given = next(iter(payload.items()))
-    if served.manifest.handler is not None and _enveloped(given):
-        # TorchServe's KServe envelope hands each instance to the handler as it is, a base64 text where this server's
-        # handlers are given bytes: such requests go to the route that runs the handler. Tensors are fed to the model,
-        # as /predict and V2 feed them.
-        raise InvalidInputError(
-            f"{field}[0]: model {served.name!r} reads its requests through its handler; send them to "
-            f"/predictions/{served.name}, TorchServe's inference API (V1 feeds the model tensors)"
-        )
+    spec = handled.section(served)
+    if spec is not None and _enveloped(given):  # tensors are fed to the model, as /predict and V2 feed them
+        if field != "instances":
+            raise InvalidInputError(
+                f'inputs[0]: TorchServe\'s KServe envelope is sent as instances: {{"instances": [{{"data": ...}}]}}, '
+                f"each instance one request to the handler of model {served.name!r}"
+            )
+        payloads = envelope(given, spec.style)
+        handled.payload_count(settings, served, payloads, [f"instances[{i}].{p.field}" for i, p in enumerate(payloads)])
+        answer = await handled.answer(app, served, settings, payloads, timeout)
+        answered(request, answer.prediction)
+        return Response(b'{"predictions":[' + b",".join(answer.answers) + b"]}", media_type="application/json")
     samples = as_columns(given, served) if field == "instances" else given
     result = await infer(app, served, decode_inputs(samples, served, settings, field), timeout)
     answered(request, result)
@@ -220,6 +228,32 @@ def _verb_refused(name: str, method: str) -> APIError:
 ROUTES_PREFIX = "/v1/models/"
 ROUTING_SHAPES: dict[str, RoutingShape] = {ROUTES_PREFIX: routing_error}
 """The path prefixes whose routing errors this module answers (:func:`halfserve.api.http.errors.install`)."""
+
+
+def envelope(instances: list[Any], style: HandlerStyle) -> list[handled.Payload]:
+    """TorchServe's KServe envelope's instances (``[{"data": ...}]`` or ``[{"body": ...}]``, one text each) as one
+    handler payload each, carried as TorchServe carries them to a ``torchserve``-style handler: the text as it is (its
+    ``VisionHandler`` base64-decodes a text; a text model's handler reads it as sent). A ``halfserve``-style handler
+    is given bytes wherever it runs, so there the text is base64, decoded here."""
+    payloads = []
+    for i, instance in enumerate(instances):
+        if not isinstance(instance, dict):
+            raise InvalidInputError(
+                f'instances[{i}]: expected {{"data": ...}}, as instances[0] is, got {type(instance).__name__}'
+            )
+        fields = sorted(instance)
+        if len(fields) != 1 or fields[0] not in FIELDS_TS:
+            named = ", ".join(fields[:8]) or "nothing"
+            raise InvalidInputError(f"instances[{i}]: names {named}; give one of data or body, the request's payload")
+        name = fields[0]
+        value = instance[name]
+        if not isinstance(value, str):
+            raise InvalidInputError(
+                f"instances[{i}].{name}: expected a string (base64 of bytes, or a text), got {type(value).__name__}"
+            )
+        data = value if style is HandlerStyle.TORCHSERVE else from_base64(value, f"instances[{i}].{name}")
+        payloads.append(handled.Payload(name, data, ""))
+    return payloads
 
 
 def _enveloped(given: object) -> bool:

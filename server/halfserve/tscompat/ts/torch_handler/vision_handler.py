@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import base64
+import binascii
 from typing import Any
 
 import torch
@@ -33,8 +34,11 @@ class VisionHandler(BaseHandler):
         limit = self.max_pixels()
         for row in data:
             image = row.get("data") or row.get("body")
-            if isinstance(image, str):
-                image = base64.b64decode(image)
+            if isinstance(image, str):  # a KServe V1 instance's data, as TorchServe's KServe envelope hands it
+                try:
+                    image = base64.b64decode(image)
+                except binascii.Error as e:  # its own message names neither the value nor base64
+                    raise ValueError(f"data: not base64 ({e})") from None
             if isinstance(image, (bytearray, bytes)):
                 # Any format Pillow decodes itself but EPS and ICO (images.in_process_formats), held to the server's
                 # pixel limit, and refused cut short rather than filled in grey.
