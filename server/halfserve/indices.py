@@ -19,7 +19,7 @@ from torch import nn
 from halfserve.engine.inputs import takes_positionally
 from halfserve.instance import torch_dtype
 from halfserve.manifest import Manifest
-from halfserve.serving import InvalidInputError, Tensors
+from halfserve.serving import IdOutOfRangeError, Tensors
 
 log = logging.getLogger(__name__)
 
@@ -73,8 +73,9 @@ def index_limits(module: nn.Module, manifest: Manifest) -> dict[str, int]:
 
 
 def check_indices(limits: Mapping[str, int], manifest: Manifest, inputs: Tensors) -> None:
-    """An :class:`InvalidInputError` (a 400) naming the input, its first bad row and value and the valid range when an
-    input of ``limits`` holds an id outside it. Values a variable input's ``truncate`` cuts off are not looked at."""
+    """An :class:`~halfserve.serving.IdOutOfRangeError` (a 400) naming the input, its first bad row and value and the
+    valid range when an input of ``limits`` holds an id outside it. Values a variable input's ``truncate`` cuts off are
+    not looked at."""
     for name, rows in limits.items():
         a = inputs.get(name)
         if a is None or a.size == 0 or a.dtype.kind not in "iu":
@@ -87,7 +88,4 @@ def check_indices(limits: Mapping[str, int], manifest: Manifest, inputs: Tensors
         bad = (a < 0) | (a >= rows)
         row = int(np.flatnonzero(bad.reshape(len(a), -1).any(axis=1))[0])
         value = int(a[row][bad[row]].flat[0])
-        raise InvalidInputError(
-            f"inputs: input {name!r} row {row} holds {value}, outside 0..{rows - 1}: the ids the model's embedding "
-            f"of {rows} rows takes"
-        )
+        raise IdOutOfRangeError(name, row, value, rows)

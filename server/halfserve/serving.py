@@ -20,7 +20,7 @@ import asyncio
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypeVar, cast
 
 import numpy as np
 
@@ -75,6 +75,23 @@ class ModelNotReadyError(ServingError, RuntimeError):
 class InvalidInputError(ServingError, ValueError):
     """The request does not match the model or the protocol: a missing, unexpected or misshapen tensor, a malformed
     field (the message names it)."""
+
+
+class IdOutOfRangeError(InvalidInputError):
+    """An integer input holds an id outside the embedding table it indexes (:mod:`halfserve.indices`), found where the
+    request's rows reach the model, below the routes: the message names the row by the column format's ``inputs``;
+    :meth:`in_rows` names it as a route of the row format does (KServe V1's ``instances``)."""
+
+    def __init__(self, name: str, row: int, value: int, rows: int) -> None:
+        self.name, self.row, self.value, self.rows = name, row, value, rows
+        super().__init__(f"inputs: input {name!r} row {row} holds {value}, {self._outside()}")
+
+    def _outside(self) -> str:
+        return f"outside 0..{self.rows - 1}: the ids the model's embedding of {self.rows} rows takes"
+
+    def in_rows(self, field: str) -> InvalidInputError:
+        """The refusal naming the row as ``field[row]``."""
+        return InvalidInputError(f"{field}[{self.row}]: input {self.name!r} holds {self.value}, {self._outside()}")
 
 
 class OverLimitError(ServingError):
@@ -140,6 +157,7 @@ _WIRE_ERRORS: dict[str, type[ServingError]] = {
         ModelUnavailableError,
         ModelNotReadyError,
         InvalidInputError,
+        IdOutOfRangeError,
         QueueFullError,
         DeadlineExceededError,
         ShuttingDownError,
@@ -159,6 +177,8 @@ def error_to_wire(e: BaseException) -> dict[str, object]:
         if isinstance(e, ModelNotReadyError):
             wire["retry"] = e.retry
             wire["retry_after"] = e.retry_after
+        if isinstance(e, IdOutOfRangeError):
+            wire["id"] = [e.name, e.row, e.value, e.rows]
         return wire
     # Anything else failed inside the server: it answers as an internal error, under its own type's name.
     return {"kind": "internal", "message": f"{type(e).__name__}: {e}"}
@@ -171,6 +191,9 @@ def error_from_wire(wire: Mapping[str, object]) -> Exception:
     if cls is ModelNotReadyError:
         after = wire.get("retry_after", 1)
         return ModelNotReadyError(message, bool(wire.get("retry", True)), after if isinstance(after, int) else 1)
+    if cls is IdOutOfRangeError:
+        name, row, value, rows = cast(list[Any], wire["id"])
+        return IdOutOfRangeError(str(name), int(row), int(value), int(rows))
     if cls is not None:
         return cls(message)
     return InternalError(message)

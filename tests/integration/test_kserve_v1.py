@@ -104,6 +104,24 @@ async def test_texts_as_instances_plain_or_named(tmp_path: Path) -> None:
     assert odd.json()["error"] == "instances[1]: expected a text, as instances[0] is, got int"  # had been "numbers"
 
 
+async def test_token_ids_outside_the_embedding_are_named_by_the_v1_field_that_holds_them(tmp_path: Path) -> None:
+    """The check runs where the rows reach the model, below the routes, whose refusal names the column format's
+    ``inputs``: V1's row format names the instance (it had read ``inputs: input 'tokens' row 1``)."""
+    pytest.importorskip("tokenizers")
+    ids = [[2, 3, 4], [5, 100_000, 7]]
+    async with serving(Settings(store=save_texty(tmp_path), precision="fp32")) as client:
+        rows = await client.post("/v1/models/texty:predict", json={"instances": ids})
+        columns = await client.post("/v1/models/texty:predict", json={"inputs": ids})
+        after = await client.post("/v1/models/texty:predict", json={"instances": ids[:1]})
+    assert rows.status_code == 400, rows.text
+    error = rows.json()["error"]
+    assert error.startswith("instances[1]: input 'tokens' holds 100000, outside 0.."), error
+    assert error.endswith(" rows takes"), error
+    assert columns.status_code == 400, columns.text
+    assert columns.json()["error"].startswith("inputs: input 'tokens' row 1 holds 100000, outside 0..")
+    assert after.status_code == 200, after.text
+
+
 async def test_models_are_listed_and_readiness_follows_unload(tmp_path: Path) -> None:
     save_tiny_mlp(tmp_path)
     async with serving(Settings(store=tmp_path, admin_token=TOKEN)) as client:

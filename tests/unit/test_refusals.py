@@ -15,6 +15,7 @@ from halfserve.api.grpc.grpc_service import CODES, _refusal
 from halfserve.serving import (
     BatchFailedError,
     DeadlineExceededError,
+    IdOutOfRangeError,
     InternalError,
     InvalidInputError,
     ModelNotReadyError,
@@ -136,3 +137,17 @@ def test_a_model_not_ready_says_when_to_retry_across_a_process_and_in_retry_afte
     assert from_exception(carried).headers == {"Retry-After": "30"}
     assert from_exception(ModelNotReadyError("loading")).headers == {"Retry-After": "1"}
     assert from_exception(ModelNotReadyError("no text", retry=False, retry_after=30)).headers is None
+
+
+def test_a_token_id_out_of_range_keeps_its_row_across_a_process() -> None:
+    """A front-end process answers a V1 request whose ids the engine process refused: it names the instance."""
+    carried = error_from_wire(error_to_wire(IdOutOfRangeError("tokens", 1, 100_000, 50)))
+    assert isinstance(carried, IdOutOfRangeError)
+    assert (
+        str(carried)
+        == "inputs: input 'tokens' row 1 holds 100000, outside 0..49: the ids the model's embedding of 50 rows takes"
+    )
+    assert str(carried.in_rows("instances")) == (
+        "instances[1]: input 'tokens' holds 100000, outside 0..49: the ids the model's embedding of 50 rows takes"
+    )
+    assert from_exception(carried).status == 400

@@ -32,7 +32,7 @@ from halfserve.api.http.limits import TIMEOUT_PARAMETER, client_timeout, read_fi
 from halfserve.api.http.telemetry import answered, metered, note
 from halfserve.handlerinput import HandlerStyle
 from halfserve.manifest import sent_inputs
-from halfserve.serving import Interface, InvalidInputError, ModelHandle, why_model_not_ready
+from halfserve.serving import IdOutOfRangeError, Interface, InvalidInputError, ModelHandle, why_model_not_ready
 
 router = APIRouter()
 
@@ -186,7 +186,12 @@ async def predict(request: Request) -> Response:
         answered(request, answer.prediction)
         return Response(b'{"predictions":[' + b",".join(answer.answers) + b"]}", media_type="application/json")
     samples = as_columns(given, served) if field == "instances" else given
-    result = await infer(app, served, decode_inputs(samples, served, settings, field), timeout)
+    try:
+        result = await infer(app, served, decode_inputs(samples, served, settings, field), timeout)
+    except IdOutOfRangeError as e:  # found below the routes, which name rows by inputs
+        if field != "instances":
+            raise
+        raise e.in_rows(field) from None
     answered(request, result)
     specs = served.manifest.outputs
     if len(specs) == 1:
