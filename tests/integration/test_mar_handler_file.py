@@ -193,6 +193,16 @@ async def test_kserve_v1_instances_of_torchserve_s_envelope_are_answered_by_the_
             'inputs[0]: TorchServe\'s KServe envelope is sent as instances: {"instances": [{"data": ...}]}, each '
             "instance one request to the handler of model 'tinynet'"
         )
+        empty = await client.post("/v1/models/tinynet:predict", json={"instances": [instances[0], {"body": ""}]})  # type: ignore[attr-defined]
+        assert (empty.status_code, empty.json()) == (
+            400,
+            {"error": "instances[1].body: empty; send the bytes the model's handler reads"},
+        )
+        many = await client.post("/v1/models/tinynet:predict", json={"instances": instances[:1] * 17})  # type: ignore[attr-defined]
+        assert (many.status_code, many.json()) == (
+            413,
+            {"error": "instances: 17 images, more than the 16 one request may carry (max_request_images)"},
+        )
         again = await client.post("/v1/models/tinynet:predict", json={"instances": instances[:1]})  # type: ignore[attr-defined]
         assert again.status_code == 200, again.text
         assert again.json() == {"predictions": form.json()[:1]}

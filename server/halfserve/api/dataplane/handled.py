@@ -70,11 +70,14 @@ def section(served: ModelHandle) -> HandlerSection | None:
     return served.manifest.handler
 
 
-def payload_count(settings: Settings, served: ModelHandle, payloads: list[Payload], fields: list[str]) -> None:
+def payload_count(
+    settings: Settings, served: ModelHandle, payloads: list[Payload], fields: list[str], whole: str = "form"
+) -> None:
     """Refuse a request of no payload or an empty one (400) and one of more than a request may carry (413), before
     the handler runs: TorchServe's handlers read a payload as ``row.get("data") or row.get("body")``, which an empty
-    one fails with a ``TypeError`` the client cannot act on. ``fields`` name the payloads."""
-    field = fields[0] if len(fields) == 1 else "form"
+    one fails with a ``TypeError`` the client cannot act on. ``fields`` name the payloads, ``whole`` the field that
+    holds several."""
+    field = fields[0] if len(fields) == 1 else whole
     if not payloads:
         raise InvalidInputError(f"{field}: empty; send the body the model's handler reads")
     image_count(settings, served, len(payloads), field)

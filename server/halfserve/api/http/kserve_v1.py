@@ -59,7 +59,8 @@ PREDICT_SCHEMA: dict[str, Any] = {
                             "minItems": 1,
                             "description": "One entry per sample: the sample (a nested list, a text, or "
                             '{"b64": "<base64 of a photo>"}), or an object of input name to the sample for a model '
-                            "of several inputs.",
+                            "of several inputs; for a model with a handler, TorchServe's KServe envelope: "
+                            '{"data": "<base64 of the bytes, or a text>"}, one request to the handler each.',
                         },
                         "inputs": {
                             "anyOf": [{"type": "array", "minItems": 1}, {"type": "object"}],
@@ -181,7 +182,8 @@ async def predict(request: Request) -> Response:
                 f"each instance one request to the handler of model {served.name!r}"
             )
         payloads = envelope(given, spec.style)
-        handled.payload_count(settings, served, payloads, [f"instances[{i}].{p.field}" for i, p in enumerate(payloads)])
+        fields = [f"instances[{i}].{p.field}" for i, p in enumerate(payloads)]
+        handled.payload_count(settings, served, payloads, fields, "instances")
         answer = await handled.answer(app, served, settings, payloads, timeout)
         answered(request, answer.prediction)
         return Response(b'{"predictions":[' + b",".join(answer.answers) + b"]}", media_type="application/json")
