@@ -24,6 +24,7 @@ from starlette.types import Scope
 from halfserve.api.dataplane import handled
 from halfserve.api.dataplane.decode import from_base64
 from halfserve.api.dataplane.infer import infer
+from halfserve.api.dataplane.photos import image_count
 from halfserve.api.dataplane.samples import decode_inputs
 from halfserve.api.errors import APIError
 from halfserve.api.http import deps, guard
@@ -181,6 +182,7 @@ async def predict(request: Request) -> Response:
                 f'inputs[0]: TorchServe\'s KServe envelope is sent as instances: {{"instances": [{{"data": ...}}]}}, '
                 f"each instance one request to the handler of model {served.name!r}"
             )
+        image_count(settings, served, len(given), field)  # before any instance is decoded
         payloads = envelope(given, spec.style)
         fields = [f"instances[{i}].{p.field}" for i, p in enumerate(payloads)]
         handled.payload_count(settings, served, payloads, fields, "instances")
@@ -250,7 +252,7 @@ def envelope(instances: list[Any], style: HandlerStyle) -> list[handled.Payload]
             )
         fields = sorted(instance)
         if len(fields) != 1 or fields[0] not in FIELDS_TS:
-            named = ", ".join(fields[:8]) or "nothing"
+            named = ", ".join(f[:40] for f in fields[:8]) or "nothing"
             raise InvalidInputError(f"instances[{i}]: names {named}; give one of data or body, the request's payload")
         name = fields[0]
         value = instance[name]
