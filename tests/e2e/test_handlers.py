@@ -104,6 +104,11 @@ def csv(row: np.ndarray) -> bytes:
     return ",".join(str(int(v)) for v in row).encode()
 
 
+def b64(row: np.ndarray) -> str:
+    """A row's CSV as a KServe V1 instance's ``data`` carries bytes."""
+    return base64.b64encode(csv(row)).decode()
+
+
 def digits_rows() -> np.ndarray:
     return load_digits().data[:ROWS]
 
@@ -185,7 +190,7 @@ def test_kserve_v1_instances_are_answered_by_the_handler_in_instance_processes(
     processes = server_factory(root, "--code-path", str(code), "--models", MODEL, "--placement", "instance_processes")
     rows = digits_rows()
     expected = tensor_digits(processes.url, rows)
-    instances = [{"data": base64.b64encode(csv(row)).decode()} for row in rows]
+    instances = [{"data": b64(row)} for row in rows]
     r = httpx.post(f"{processes.url}/v1/models/{MODEL}:predict", json={"instances": instances}, timeout=TIMEOUT)
     assert r.status_code == 200, r.text
     assert [a["digit"] for a in r.json()["predictions"]] == expected
@@ -245,5 +250,8 @@ def test_front_end_processes_answer_through_the_handler_too(
     for i, row in enumerate(rows[:6]):  # new connections: both front-ends answer some
         with httpx.Client(timeout=TIMEOUT) as client:
             r = client.put(f"{workers.url}/predictions/{MODEL}", content=csv(row))
+            v1 = client.post(f"{workers.url}/v1/models/{MODEL}:predict", json={"instances": [{"data": b64(row)}]})
         assert r.status_code == 200, r.text
         assert r.json()["digit"] == expected[i]
+        assert v1.status_code == 200, v1.text
+        assert v1.json()["predictions"][0]["digit"] == expected[i]

@@ -6,7 +6,6 @@ good ones fails alone (the batch is rerun one request per call, in the instance 
 from __future__ import annotations
 
 import asyncio
-import base64
 import json
 import os
 import shutil
@@ -19,7 +18,7 @@ import pytest
 
 from halfserve import storage
 from halfserve.settings import Settings
-from tests.e2e.test_handlers import HANDLER_CODE, build_store, csv, digits_rows, with_handler
+from tests.e2e.test_handlers import HANDLER_CODE, b64, build_store, csv, digits_rows, with_handler
 from tests.security.test_model_code import started
 
 pytestmark = pytest.mark.slow
@@ -184,10 +183,6 @@ async def test_a_light_request_batched_with_one_past_the_time_limit_is_answered_
     assert [a["batch"] for a in good] == [1, 1, 1]  # each from a call of its own
 
 
-def b64(data: bytes) -> str:
-    return base64.b64encode(data).decode()
-
-
 @pytest.mark.parametrize("placement", ["instance_processes", "instance_threads"])
 async def test_kserve_v1_instances_of_torchserve_s_envelope_are_the_handler_s_payloads(
     store: tuple[Path, Path], placement: str
@@ -197,7 +192,7 @@ async def test_kserve_v1_instances_of_torchserve_s_envelope_are_the_handler_s_pa
     the answer is ``{"predictions": [...]}`` in order. A bad instance is a 400 naming it, and serving goes on."""
     root, code = store
     rows = digits_rows()[:MAX_BATCH]
-    instances = [{"data": b64(csv(row))} for row in rows]
+    instances = [{"data": b64(row)} for row in rows]
     async with started(processes(root, code, placement), NAME) as client:
         expected = await expected_digits(client)
         r = await client.post(f"/v1/models/{NAME}:predict", json={"instances": instances})
