@@ -76,6 +76,17 @@ async def test_photos_as_b64_instances(tmp_path: Path) -> None:
         by_name = await client.post("/predict", json={"inputs": {"photo": photos}})
         both = await client.post("/predict", json={"inputs": {"photo": photos, "pixels": [[[[0.0] * 8] * 8]]}})
         broken = await client.post("/v1/models/photo:predict", json={"instances": [photos[0], {"b64": "bm90IGEgcG5n"}]})
+        # TorchServe's KServe envelope, as KServe's TorchServe predictor sends an image_classifier archive's photos.
+        enveloped = [{"data": photos[0]["b64"]}, {"body": photos[1]["b64"]}]
+        torchserve = await client.post("/v1/models/photo:predict", json={"instances": enveloped})
+        not_photo = await client.post("/v1/models/photo:predict", json={"instances": [enveloped[0], {"data": "aGk="}]})
+        not_b64 = await client.post("/v1/models/photo:predict", json={"instances": [{"data": "?"}]})
+    assert torchserve.status_code == 200, torchserve.text  # had been "instances.data: unexpected input"
+    assert torchserve.json()["predictions"] == plain.json()["outputs"]
+    assert not_photo.status_code == 400
+    assert not_photo.json()["error"].startswith("instances[1].data: "), not_photo.text
+    assert not_b64.status_code == 400
+    assert not_b64.json()["error"].startswith("instances[0].data: "), not_b64.text
     assert r.status_code == 200, r.text
     assert r.json()["predictions"] == plain.json()["outputs"]
     assert r.json()["predictions"][0] != r.json()["predictions"][1]
@@ -92,10 +103,12 @@ async def test_texts_as_instances_plain_or_named(tmp_path: Path) -> None:
         plain = await client.post("/predict", json={"inputs": TEXTS})
         rows = await client.post("/v1/models/texty:predict", json={"instances": TEXTS})
         named = await client.post("/v1/models/texty:predict", json={"instances": [{"text": t} for t in TEXTS]})
+        # TorchServe's KServe envelope, as KServe's TorchServe predictor sends a text classifier's texts.
+        enveloped = await client.post("/v1/models/texty:predict", json={"instances": [{"data": t} for t in TEXTS]})
         long = await client.post("/v1/models/texty:predict", json={"instances": ["x" * 401]})
         odd = await client.post("/v1/models/texty:predict", json={"instances": ["hi", 5]})
     assert plain.status_code == 200, plain.text
-    for r in (rows, named):
+    for r in (rows, named, enveloped):
         assert r.status_code == 200, r.text
         assert r.json()["predictions"] == plain.json()["outputs"]
     assert long.status_code == 400, long.text

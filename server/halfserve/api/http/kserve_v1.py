@@ -9,11 +9,14 @@ name to its sample) or ``inputs`` (the column format: ``/predict``'s ``inputs``)
 Errors are KServe's ``{"error": "..."}``, naming the field. A model with a handler is fed tensors, as ``/predict`` and
 V2 feed it, except for TorchServe's KServe envelope (``{"instances": [{"data": ...}]}``, which KServe's TorchServe
 predictor sends): each instance is one payload of a handler batch, as a file of ``/predictions``' form is
-(:func:`envelope`), and the answer is the handler's, one prediction per instance.
+(:func:`envelope`), and the answer is the handler's, one prediction per instance. A model without a handler whose
+manifest decodes photos or texts through one input (an imported stock ``image_classifier`` archive) takes the
+envelope too, its payloads as photos or texts.
 """
 
 from __future__ import annotations
 
+from collections.abc import Awaitable
 from typing import Any
 
 import orjson
@@ -24,7 +27,7 @@ from starlette.types import Scope
 from halfserve.api.dataplane import handled
 from halfserve.api.dataplane.decode import from_base64
 from halfserve.api.dataplane.infer import infer
-from halfserve.api.dataplane.photos import image_count
+from halfserve.api.dataplane.photos import decode_photos, image_count
 from halfserve.api.dataplane.samples import decode_inputs
 from halfserve.api.errors import APIError
 from halfserve.api.http import deps, guard
@@ -33,7 +36,14 @@ from halfserve.api.http.limits import TIMEOUT_PARAMETER, client_timeout, read_fi
 from halfserve.api.http.telemetry import answered, metered, note
 from halfserve.handlerinput import HandlerStyle
 from halfserve.manifest import sent_inputs
-from halfserve.serving import IdOutOfRangeError, Interface, InvalidInputError, ModelHandle, why_model_not_ready
+from halfserve.serving import (
+    IdOutOfRangeError,
+    Interface,
+    InvalidInputError,
+    ModelHandle,
+    Tensors,
+    why_model_not_ready,
+)
 
 router = APIRouter()
 
@@ -60,8 +70,8 @@ PREDICT_SCHEMA: dict[str, Any] = {
                             "minItems": 1,
                             "description": "One entry per sample: the sample (a nested list, a text, or "
                             '{"b64": "<base64 of a photo>"}), or an object of input name to the sample for a model '
-                            "of several inputs; for a model with a handler, TorchServe's KServe envelope: "
-                            '{"data": "<base64 of the bytes, or a text>"}, one request to the handler each.',
+                            "of several inputs; for a model with a handler, or one of photos or texts, TorchServe's "
+                            'KServe envelope: {"data": "<base64 of the bytes, or a text>"}, one request each.',
                         },
                         "inputs": {
                             "anyOf": [{"type": "array", "minItems": 1}, {"type": "object"}],
@@ -189,9 +199,23 @@ async def predict(request: Request) -> Response:
         answer = await handled.answer(app, served, settings, payloads, timeout)
         answered(request, answer.prediction)
         return Response(b'{"predictions":[' + b",".join(answer.answers) + b"]}", media_type="application/json")
-    samples = as_columns(given, served) if field == "instances" else given
+    decoding: Awaitable[Tensors]
+    if field == "instances" and _enveloped(given) and _reads_envelope(served):
+        # An imported archive whose handler this server runs itself (a stock image_classifier's photos, a text
+        # classifier's texts): the envelope's texts are its photos' base64, or its texts, as that handler reads them.
+        if served.manifest.image is not None:
+            image_count(settings, served, len(given), field)  # before any instance is decoded
+            photos = envelope(given, HandlerStyle.HALFSERVE)  # the base64 decoded, a 400 naming instances[i].data
+            fields = [f"instances[{i}].{p.field}" for i, p in enumerate(photos)]
+            decoding = decode_photos([p.data for p in photos if isinstance(p.data, bytes)], fields, served, settings)
+        else:
+            texts = [p.data for p in envelope(given, HandlerStyle.TORCHSERVE)]
+            decoding = decode_inputs(texts, served, settings, field)
+    else:
+        samples = as_columns(given, served) if field == "instances" else given
+        decoding = decode_inputs(samples, served, settings, field)
     try:
-        result = await infer(app, served, decode_inputs(samples, served, settings, field), timeout)
+        result = await infer(app, served, decoding, timeout)
     except IdOutOfRangeError as e:  # found below the routes, which name rows by inputs
         if field != "instances":
             raise
@@ -263,6 +287,13 @@ def envelope(instances: list[Any], style: HandlerStyle) -> list[handled.Payload]
         data = value if style is HandlerStyle.TORCHSERVE else from_base64(value, f"instances[{i}].{name}")
         payloads.append(handled.Payload(name, data, ""))
     return payloads
+
+
+def _reads_envelope(served: ModelHandle) -> bool:
+    """Whether a model without a handler takes TorchServe's KServe envelope: one whose manifest decodes what a stock
+    handler would read (photos, or texts), with one input of them, so the envelope's payload is a whole instance."""
+    manifest = served.manifest
+    return (manifest.image is not None or manifest.text is not None) and len(sent_inputs(manifest)) == 1
 
 
 def _enveloped(given: object) -> bool:
