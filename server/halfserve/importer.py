@@ -14,7 +14,6 @@ manifest's ``evaluation``. The version is written as the next one, with its mani
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import json
 import pickle
 import re
@@ -31,6 +30,7 @@ from torch import nn
 
 from halfserve import (
     calibration,
+    derivedoutputs,
     draftcheck,
     fidelity,
     handlers,
@@ -52,16 +52,6 @@ from halfserve.settings import MAX_IMAGE_PIXELS
 from halfserve.storage import Stage, StoreError
 
 RANDOM_SAMPLES = calibration.RANDOM_SAMPLES
-_DTYPES = {
-    torch.float32: DataType.FP32,
-    torch.float16: DataType.FP32,
-    torch.bfloat16: DataType.FP32,
-    torch.float64: DataType.FP64,
-    torch.int64: DataType.INT64,
-    torch.int32: DataType.INT32,
-    torch.uint8: DataType.UINT8,
-    torch.bool: DataType.BOOL,
-}
 FULL_MODEL = (
     "{path}: holds a pickled model object, not a state dict. Unpickling it could run any code, so it is refused. "
     "Where the model is defined, save its weights instead: torch.save(model.state_dict(), 'weights.pth'), and import "
@@ -145,32 +135,13 @@ def check_outputs(module: nn.Module, manifest: Manifest) -> None:
         )
 
 
-def derive_outputs(module: nn.Module, inputs: list[TensorSpec]) -> list[TensorSpec]:
-    """The output signature from one fp32 forward of two rows of zeros: a tensor is ``output``; a tuple's entries are
-    ``output0``, ``output1``...; a mapping's (a Hugging Face ``ModelOutput``) keep their names."""
-    y = _forward(module, inputs)
-    if isinstance(y, torch.Tensor):
-        named = {"output": y}
-    elif isinstance(y, dict):  # ModelOutput is an OrderedDict
-        named = {k: v for k, v in y.items() if isinstance(v, torch.Tensor)}
-    elif isinstance(y, tuple | list):  # served by position: the entries before the first the server cannot batch
-        named = {f"output{i}": v for i, v in enumerate(itertools.takewhile(_batched, y))}
-    else:
-        raise ImportFailure(f"the model returned {type(y).__name__}; give its outputs with --output")
-    specs = []
-    for name, t in named.items():
-        if not _batched(t):
-            continue
-        specs.append(TensorSpec(name=name, datatype=_DTYPES.get(t.dtype, DataType.FP32), shape=list(t.shape[1:])))
-    if not specs:
-        raise ImportFailure("the model returned no tensor with one row per input row; give its outputs with --output")
-    return specs
-
-
-def _batched(t: object) -> bool:
-    """Whether ``t`` has one row per input row and a dimension beside it (not a loss, a scalar per row or the like):
-    an output the server can batch."""
-    return isinstance(t, torch.Tensor) and t.ndim >= 2 and t.shape[0] == outputcheck.ROWS
+def derive_outputs(module: nn.Module, inputs: list[TensorSpec]) -> tuple[list[TensorSpec], list[str]]:
+    """The outputs from one fp32 forward of two rows of zeros, and what the forward returns that they leave out, each
+    with why (:mod:`halfserve.derivedoutputs`)."""
+    try:
+        return derivedoutputs.derive(_forward(module, inputs))
+    except derivedoutputs.NothingServableError as e:
+        raise ImportFailure(f"{e}; return one row per input row, or give its outputs with --output") from None
 
 
 def _first_layer(module: nn.Module) -> str:
@@ -202,6 +173,8 @@ class Imported:
     """The version's precision record, written as its ``precision.json``."""
     mixed: mixed.Outcome | None = None
     """The search for a mixed-precision plan, where the model falls below its bar."""
+    dropped: list[str] = dataclasses.field(default_factory=list)
+    """What the forward returned that the derived outputs leave out, each with why (clients will not get it)."""
 
 
 def import_model(
@@ -271,7 +244,9 @@ def import_model(
             raise ImportFailure(f"--handler: {e}") from None
     if outputs:
         check_outputs(module, draft)
-    outputs = outputs or derive_outputs(module, inputs)
+    dropped: list[str] = []
+    if not outputs:
+        outputs, dropped = derive_outputs(module, inputs)
     if hugging_face and labels is None:
         labels = hugging_face_labels(source, outputs[0])
     manifest = _manifest(
@@ -334,7 +309,7 @@ def import_model(
     # After the version is in place: killed in between, the store holds the new version under the old manifest, and
     # the server passes over a version that does not load for the one before it.
     store.write_manifest(root, manifest)
-    return Imported(vdir, manifest, given.source, measured, padded, shortfall, record, plan)
+    return Imported(vdir, manifest, given.source, measured, padded, shortfall, record, plan, dropped)
 
 
 def _tokenizer(folder: Path, manifest: Manifest) -> Path | None:
@@ -386,6 +361,8 @@ def hugging_face_labels(folder: Path, output: TensorSpec) -> list[str] | None:
     try:
         by_id = {int(k): v for k, v in id2label.items()}
     except (TypeError, ValueError):
+        return None
+    if not output.shape:  # one value per row: no classes to name
         return None
     classes = output.shape[-1]
     if sorted(by_id) != list(range(classes)) or not all(isinstance(v, str) and v for v in by_id.values()):
@@ -516,6 +493,10 @@ def describe(result: Imported) -> str:
         lines.insert(4, f"  JPEG draft {chose}")
     if m.handler is not None:
         lines.insert(3, f"  handler {m.handler.code} on /predictions (time limit {m.handler.timeout_s:g} s)")
+    if result.dropped:
+        lines.append(
+            "  WARNING: returned by the forward but not served (clients will not get it): " + "; ".join(result.dropped)
+        )
     f = result.fidelity
     if f is None:
         return "\n".join(lines)

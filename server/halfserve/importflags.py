@@ -17,7 +17,8 @@ from halfserve.manifest import describe as describe_invalid
 
 
 def parse_tensor(text: str, option: str) -> TensorSpec:
-    """``NAME:DTYPE:SHAPE`` (``image:FP32:3x224x224``; DTYPE may be left out for FP32: ``features:64``)."""
+    """``NAME:DTYPE:SHAPE`` (``image:FP32:3x224x224``; DTYPE may be left out for FP32: ``features:64``); an output's
+    SHAPE may be empty (``value:FP32:``): one value per row, a tensor of shape ``[B]``."""
     parts = text.split(":")
     expected = "expected NAME:DTYPE:SHAPE, e.g. image:FP32:3x224x224"
     if len(parts) == 2:
@@ -30,10 +31,13 @@ def parse_tensor(text: str, option: str) -> TensorSpec:
     if dtype.upper() not in DataType.__members__:
         names = ", ".join(DataType.__members__)
         raise ImportFailure(f"{option} {text!r}: dtype {dtype!r}: expected one of {names}")
-    sizes = shape.lower().split("x")
+    sizes = shape.lower().split("x") if shape.strip() else []  # nothing: one value per row (an output's shape [])
+    if not sizes and option == "--input":
+        raise ImportFailure(f"{option} {text!r}: no shape; an input has sizes joined by x, e.g. 3x224x224")
     # -1 first: a variable length (give --max-length)
     if not all(d.strip().removeprefix("-").isascii() and d.strip().removeprefix("-").isdigit() for d in sizes):
-        raise ImportFailure(f"{option} {text!r}: shape {shape!r}: expected sizes joined by x, e.g. 3x224x224")
+        also = " (or nothing for one value per row, e.g. value:FP32:)" if option == "--output" else ""
+        raise ImportFailure(f"{option} {text!r}: shape {shape!r}: expected sizes joined by x, e.g. 3x224x224{also}")
     try:
         return TensorSpec(name=name, datatype=DataType(dtype.upper()), shape=[int(d) for d in sizes])
     except ValidationError as e:

@@ -57,6 +57,8 @@ log = logging.getLogger(__name__)
 
 MAX_TENSORS = 16
 """Inputs or outputs a model may declare."""
+TENSOR_NAME = r"^[A-Za-z_][A-Za-z0-9_.-]*$"
+"""What an input or output may be called."""
 MAX_SAMPLE_VALUES = 2**28
 """Most values one sample of a tensor may hold (1 GiB in fp32; a 3x8192x8192 image is 201 million): a shape past it
 is a typing slip (``30x30x30x30x30x30``, 729 million) whose probe forward at import would allocate gigabytes."""
@@ -174,11 +176,13 @@ class TensorSpec(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    name: str = Field(pattern=r"^[A-Za-z_][A-Za-z0-9_.-]*$")
+    name: str = Field(pattern=TENSOR_NAME)
     datatype: DataType = DataType.FP32
-    shape: list[int] = Field(min_length=1)
+    shape: list[int]
     """Per sample. A first dimension of -1 is variable (a sequence length): requests of different lengths share a
-    batch, padded to its longest with ``pad``."""
+    batch, padded to its longest with ``pad``. An output's may be empty, ``[]``: one value per row (a regression's
+    value, a class index), which the model returns as a tensor of shape ``[B]``; an input has at least one
+    dimension."""
     max_length: int | None = Field(default=None, ge=1, le=65536)
     """An input's longest variable dimension; longer requests are a 400, or cut to it with ``truncate``."""
     truncate: bool = False
@@ -202,7 +206,7 @@ class TensorSpec(BaseModel):
     @field_validator("shape")
     @classmethod
     def _positive(cls, shape: list[int]) -> list[int]:
-        if any(d <= 0 for d in shape[1:]) or shape[0] == 0 or shape[0] < -1:
+        if shape and (any(d <= 0 for d in shape[1:]) or shape[0] == 0 or shape[0] < -1):
             raise ValueError(f"every dimension must be a positive integer (the first may be -1, variable), got {shape}")
         values = math.prod(d for d in shape if d > 0)
         if values > MAX_SAMPLE_VALUES:
@@ -238,7 +242,7 @@ class TensorSpec(BaseModel):
     @property
     def variable(self) -> bool:
         """Whether its first per-sample dimension is variable."""
-        return self.shape[0] == -1
+        return bool(self.shape) and self.shape[0] == -1
 
     @property
     def image_format(self) -> InputFormat:
@@ -255,6 +259,13 @@ class TensorSpec(BaseModel):
         if last and not first:
             return InputFormat.NHWC
         return InputFormat.NONE
+
+    @property
+    def wire_shape(self) -> list[int]:
+        """Its per-row shape as the V2 protocol presents it (metadata, responses, the model configuration's ``dims``):
+        ``[1]`` for one value per row (shape ``[]``), as Triton presents an output its model returns as ``[B]``
+        (``dims: [1]`` with ``reshape: {shape: []}``: Triton's dims may not be empty)."""
+        return list(self.shape) or [1]
 
     def bounded(self, length: int | None = None) -> list[int]:
         """The shape with the variable dimension at ``length`` (default: its ``max_length``)."""
@@ -290,7 +301,7 @@ class TextInput(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    input: str = Field(pattern=r"^[A-Za-z_][A-Za-z0-9_.-]*$")
+    input: str = Field(pattern=TENSOR_NAME)
     """The ``BYTES`` input's name: one UTF-8 text per row (V2), or ``/predict`` ``{"inputs": ["text", ...]}``."""
     feeds: str
     """The variable integer input the token ids go to (its ``max_length`` and ``truncate`` apply)."""
@@ -392,6 +403,14 @@ class Manifest(BaseModel):
                 raise ValueError(f"evaluation.{key}: unexpected value {value!r}")
         return block
 
+    @field_validator("inputs")
+    @classmethod
+    def _input_shapes(cls, inputs: list[TensorSpec]) -> list[TensorSpec]:
+        for t in inputs:
+            if not t.shape:
+                raise ValueError(f"{t.name!r}: shape [] (one value per row) is for outputs; an input has dimensions")
+        return inputs
+
     @field_validator("architecture")
     @classmethod
     def _architecture(cls, name: str) -> str:
@@ -451,6 +470,11 @@ class Manifest(BaseModel):
             raise ValueError("answer and handler: a handler's postprocess answers /predictions itself; give one")
         if self.answer is not None:
             self.answer.check(self.outputs, self.labels)
+        elif self.labels is not None and not self.outputs[0].shape:
+            raise ValueError(
+                f"labels name the classes of the first output's last dimension; {self.outputs[0].name!r} has one "
+                "value per row (shape [])"
+            )
         elif self.labels is not None and len(self.labels) != self.outputs[0].shape[-1]:
             raise ValueError(
                 f"labels has {len(self.labels)} entries but the output's last dimension is {self.outputs[0].shape[-1]}"

@@ -129,6 +129,8 @@ def _kind(t: torch.Tensor) -> str:
 def _fits(declared: list[int], rows: list[int], pads: bool) -> bool:
     if len(declared) != len(rows) or declared[1:] != rows[1:]:
         return False
+    if not declared:  # one value per row
+        return True
     first = declared[0]
     return first == -1 or rows[0] == first or (pads and rows[0] < first)
 

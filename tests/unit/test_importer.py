@@ -103,11 +103,12 @@ class Heads(nn.Module):
 
 def test_outputs_are_derived_from_one_forward_by_name_and_dtype() -> None:
     specs = [TensorSpec(name="a", shape=[3]), TensorSpec(name="b", shape=[3])]
-    derived = derive_outputs(Heads(), specs)
+    derived, dropped = derive_outputs(Heads(), specs)
     assert [(t.name, t.datatype, t.shape) for t in derived] == [
         ("sum", DataType.FP32, [3]),
         ("argmax", DataType.INT64, [1]),
     ]
+    assert dropped == ["loss (None, not a tensor)"]
 
 
 class LossBetween(nn.Module):
@@ -117,8 +118,88 @@ class LossBetween(nn.Module):
 
 def test_a_tuples_outputs_are_derived_up_to_its_first_entry_the_server_cannot_batch() -> None:
     # The server takes a tuple's entries by position: after the loss, "output2" would be served the loss.
-    (derived,) = derive_outputs(LossBetween(), [TensorSpec(name="x", shape=[3])])
+    (derived,), dropped = derive_outputs(LossBetween(), [TensorSpec(name="x", shape=[3])])
     assert (derived.name, derived.shape) == ("output0", [3])
+    assert dropped == [
+        "output1 (one value for 2 input rows, not one row per input row)",
+        "output2 (after output1: a tuple's outputs are served by position)",
+    ]
+
+
+@models.register("test_value_per_row")
+class ValuePerRow(nn.Module):
+    """A regression head as teams write it: ``Linear(n, 1)`` squeezed to one value per row, ``[B]``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(6, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(x).squeeze(-1)
+
+
+@models.register("test_scores_and_class")
+class ScoresAndClass(nn.Module):
+    """Class scores, the class index and an offset index (INT64, one value per row) beside them, and what no client
+    can be served: a loss over the batch, a count, an int16 tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(6, 4)
+
+    def forward(self, x: torch.Tensor) -> dict[str, object]:
+        y = self.head(x)
+        cls = y.argmax(-1)
+        return {"logits": y, "cls": cls, "big": cls + 2**40, "loss": y.sum(), "n": 3, "small": cls.to(torch.int16)}
+
+
+def test_a_value_per_row_output_imports_as_shape_empty_measured_by_relative_error(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    torch.save(ValuePerRow().state_dict(), tmp_path / "w.pth")
+    result = import_model(tmp_path / "w.pth", tmp_path / "store", "reg", "test_value_per_row", FEATURES, device=CPU)
+    assert [(t.name, t.datatype, t.shape) for t in result.manifest.outputs] == [("output", DataType.FP32, [])]
+    assert result.dropped == []
+    f = result.fidelity
+    assert f is not None
+    assert (f.top1_agreement, f.min_cosine) == (None, None)
+    assert f.max_rel_error is not None
+    assert f.max_rel_error > 0  # bf16 is not fp32
+    assert store.load(tmp_path / "store", "reg").manifest.outputs[0].shape == []  # its load's output check passes
+    # Declared, it is spelled with nothing after the dtype.
+    args = ["import", str(tmp_path / "w.pth"), "--store", str(tmp_path / "store"), "--name", "reg", "--device", "cpu"]
+    args += ["--architecture", "test_value_per_row", "--input", "features:FP32:6", "--output", "value:FP32:"]
+    assert cli.main(args) == 0
+    assert [(t.name, t.shape) for t in store.load(tmp_path / "store", "reg").manifest.outputs] == [("value", [])]
+
+
+def test_every_output_of_a_row_each_is_kept_and_those_not_are_named_in_a_warning(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    torch.manual_seed(0)
+    torch.save(ScoresAndClass().state_dict(), tmp_path / "w.pth")
+    args = ["import", str(tmp_path / "w.pth"), "--store", str(tmp_path / "s"), "--name", "n", "--device", "cpu"]
+    assert cli.main([*args, "--architecture", "test_scores_and_class", "--input", "features:FP32:6"]) == 0
+    manifest = store.load(tmp_path / "s", "n").manifest
+    assert [(t.name, t.datatype, t.shape) for t in manifest.outputs] == [
+        ("logits", DataType.FP32, [4]),
+        ("cls", DataType.INT64, []),
+        ("big", DataType.INT64, []),
+    ]
+    (warning,) = [line for line in capsys.readouterr().out.splitlines() if "WARNING" in line]
+    assert warning == (
+        "  WARNING: returned by the forward but not served (clients will not get it): "
+        "loss (one value for 2 input rows, not one row per input row); n (int, not a tensor); "
+        "small (dtype int16, not one the server returns (float32, float16, bfloat16, float64, int64, int32, uint8, "
+        "bool): cast it in the forward)"
+    )
+
+
+def test_an_output_of_one_value_per_row_is_given_with_no_shape_and_an_input_never() -> None:
+    value = parse_tensor("value:FP32:", "--output")
+    assert (value.name, value.datatype, value.shape) == ("value", DataType.FP32, [])
+    assert parse_tensor("cls:INT64:", "--output").shape == []
+    with pytest.raises(ImportFailure, match=r"^--input 'x:FP32:': no shape; an input has sizes joined by x"):
+        parse_tensor("x:FP32:", "--input")
 
 
 @pytest.mark.parametrize(
@@ -145,7 +226,6 @@ def test_bad_tensor_options_are_named(text: str) -> None:
     [
         # Each had read Python's "invalid literal for int() with base 10: 'int64'" (or "''").
         ("y:INT64", "no shape after the dtype; expected NAME:DTYPE:SHAPE, e.g. image:FP32:3x224x224"),
-        ("y:FP32:", "shape '': expected sizes joined by x, e.g. 3x224x224"),
         ("y:FP32:3x", "shape '3x': expected sizes joined by x, e.g. 3x224x224"),
         ("y::3", "dtype '': expected one of FP32, FP16, BF16, FP64, INT64"),
         # A typing slip had reached the probe forward: 5.8 GB allocated, or torch's "Overflow when unpacking long".

@@ -36,6 +36,11 @@ SCORES = TensorSpec(name="scores", shape=[5])
         ({"tokens": torch.zeros(ROWS, 7, 3), "n": torch.zeros(ROWS, 1)}, [TensorSpec(name="tokens", shape=[-1, 3])]),
         (torch.zeros(ROWS, 1, dtype=torch.int32), [TensorSpec(name="y", datatype=DataType.INT64, shape=[1])]),
         (torch.zeros(ROWS, 1, dtype=torch.bool), [TensorSpec(name="y", datatype=DataType.BOOL, shape=[1])]),
+        (torch.zeros(ROWS), [TensorSpec(name="y", shape=[])]),  # one value per row
+        (
+            {"logits": torch.zeros(ROWS, 3), "cls": torch.zeros(ROWS, dtype=torch.int64)},
+            [TensorSpec(name="logits", shape=[3]), TensorSpec(name="cls", datatype=DataType.INT64, shape=[])],
+        ),
     ],
 )
 def test_outputs_returned_as_declared_fit(y: object, outputs: list[TensorSpec]) -> None:
@@ -47,6 +52,7 @@ def test_outputs_returned_as_declared_fit(y: object, outputs: list[TensorSpec]) 
     [
         (torch.zeros(ROWS), [TensorSpec(name="y", shape=[1])], "output 'y' has rows of shape [], declared [1]"),
         (torch.zeros(ROWS, 2), [TensorSpec(name="y", shape=[3])], "output 'y' has rows of shape [2], declared [3]"),
+        (torch.zeros(ROWS, 1), [TensorSpec(name="y", shape=[])], "output 'y' has rows of shape [1], declared []"),
         (torch.zeros(3, 3), [TensorSpec(name="y", shape=[3])], "output 'y' has 3 rows for 2 input rows"),
         (torch.zeros(()), [TensorSpec(name="y", shape=[3])], "output 'y' has a scalar for 2 input rows"),
         (

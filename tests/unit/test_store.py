@@ -55,6 +55,12 @@ def test_next_save_gets_the_next_version_and_highest_is_served(tmp_path: Path) -
         ({"precision": "fp8"}, "precision", "Input should be"),
         ({"inputs": []}, "inputs", "at least 1 item"),
         ({"inputs": [{"name": "x", "shape": [0]}]}, "inputs.0.shape", "positive integer"),
+        ({"inputs": [{"name": "x", "shape": []}]}, "inputs", "'x': shape [] (one value per row) is for outputs"),
+        (
+            {"outputs": [{"name": "value", "shape": []}]},
+            "(top level)",
+            "labels name the classes of the first output's last dimension; 'value' has one value per row",
+        ),
         ({"labels": ["only", "three", "labels"]}, "(top level)", "labels has 3 entries"),
         ({"unexpected": 1}, "unexpected", "Extra inputs are not permitted"),
         ({"version": 7}, "version", "7 is pinned but not present"),

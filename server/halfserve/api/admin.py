@@ -92,7 +92,10 @@ def index_entries(repo: ModelAdmin, ready_only: bool) -> list[dict[str, object]]
 
 
 def _tensor_config(spec: TensorSpec) -> dict[str, object]:
-    return {"name": spec.name, "data_type": f"TYPE_{spec.datatype.value}", "dims": list(spec.shape)}
+    config: dict[str, object] = {"name": spec.name, "data_type": f"TYPE_{spec.datatype.value}", "dims": spec.wire_shape}
+    if not spec.shape:  # the model returns [B]: Triton's spelling of it
+        config["reshape"] = {"shape": []}
+    return config
 
 
 def input_configs(manifest: Manifest) -> list[dict[str, object]]:

@@ -86,7 +86,8 @@ def _encode_output(
 ) -> tuple[dict[str, Any], bytes]:
     """One output's entry in the response, and its binary data (empty when it goes as JSON or to shared memory)."""
     wire = spec.datatype
-    output: dict[str, Any] = {"name": spec.name, "datatype": wire.value, "shape": list(out.shape)}
+    shape = list(out.shape) if spec.shape else [len(out), *spec.wire_shape]  # one value per row: [B, 1]
+    output: dict[str, Any] = {"name": spec.name, "datatype": wire.value, "shape": shape}
     tail = b""
     if how.span is not None:
         data = wire_values(out, wire).reshape(-1).view(np.uint8)

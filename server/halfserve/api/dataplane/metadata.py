@@ -21,7 +21,7 @@ EXTENSIONS = [
 
 
 def tensor_metadata(spec: TensorSpec) -> dict[str, object]:
-    return {"name": spec.name, "datatype": spec.datatype.value, "shape": [-1, *spec.shape]}
+    return {"name": spec.name, "datatype": spec.datatype.value, "shape": [-1, *spec.wire_shape]}
 
 
 def metadata(served: ModelHandle) -> dict[str, Any]:

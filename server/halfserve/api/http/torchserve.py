@@ -188,7 +188,7 @@ async def predictions(request: Request) -> Response:
     if labels is not None and out.ndim == 2:
         answers = [top_classes(row, labels) for row in out]
     else:  # orjson writes a NaN or an infinity (overflow policy allow) as null
-        answers = out.reshape(len(out), -1).tolist()
+        answers = out.tolist() if out.ndim == 1 else out.reshape(len(out), -1).tolist()  # ndim 1: a value per row
     answer = answers[0] if len(answers) == 1 else answers
     return Response(orjson.dumps(answer), media_type="application/json")
 
