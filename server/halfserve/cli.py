@@ -208,7 +208,12 @@ def _add_import(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         help="NCHW, NHWC or NONE: the layout of the image inputs (three dimensions), as Triton's model config reports "
         "it to clients; default: from the shape where unambiguous (3x224x224 is NCHW, 224x224x3 NHWC)",
     )
-    p.add_argument("--output", action="append", metavar="NAME:DTYPE:SHAPE", help="default: from one forward")
+    p.add_argument(
+        "--output",
+        action="append",
+        metavar="NAME:DTYPE:SHAPE",
+        help="default: from one forward; no SHAPE (value:FP32:) for one value per row, a [B] tensor",
+    )
     p.add_argument("--max-length", type=int, help="the longest length of variable (-1) inputs")
     p.add_argument("--mask", metavar="NAME", help="an attention mask input the server builds for the variable input")
     p.add_argument(
