@@ -9,10 +9,13 @@ declared input shapes, drawn the same way on every load.
 Each floating output is measured by what its kind of answer needs:
 
 * class scores (the first output when the manifest has labels, else the first floating output of one dimension of 2
-  or more): ``top1_agreement``, the share of samples whose highest score is at the same index in both; a user sees a
-  classifier change only where its top class does, however its scores move; a sample with a NaN in one precision
-  where the other has a number, or a top score infinite in one and finite in the other, does not agree
-  (:func:`top1_agrees`);
+  or more): ``top1_agreement``, the share of samples whose highest score is at the same index in both; a sample with
+  a NaN in one precision where the other has a number, or a top score infinite in one and finite in the other, does
+  not agree (:func:`top1_agrees`). A labelled output is a classifier's by the manifest's word, and a user sees a
+  classifier change only where its top class does, however its scores move: top-1 agreement alone. An unlabelled one
+  is class scores by its shape only (it may as well be a box, probabilities or a regression head of several values,
+  read value by value), so it is held to ``min_cosine`` too: a top index that holds by luck does not pass a ruined
+  vector;
 * other outputs with several values per row (embeddings, per-token outputs, hidden states): ``min_cosine``, the lowest
   cosine similarity of a sample's half-precision row with its fp32 row; what such outputs are used for (nearest
   neighbours, a downstream head) depends on their direction far more than on each value;
@@ -138,7 +141,7 @@ class Fidelity:
     max_rel_error: float | None
     """Over the outputs of one value per row; None when there are none."""
     min_cosine: float | None = None
-    """Over the other outputs of several values per row; None when there are none."""
+    """Over the outputs of several values per row but a labelled class scores one; None when there are none."""
     source: str = Source.CALIBRATION.value
     seconds: float = 0.0
     """How long the measurement took (both forwards of every sample): what it added to the model's load."""
@@ -178,7 +181,8 @@ def _run(engine: Computes, x: np.ndarray, batch: int) -> np.ndarray:
 
 def scores_output(manifest: Manifest) -> str | None:
     """The output holding class scores, measured by top-1 agreement: the first output when the manifest has labels,
-    else the first floating output of one dimension of 2 or more; ``None`` when there is none."""
+    else the first floating output of one dimension of 2 or more (held to cosine similarity too, see the module);
+    ``None`` when there is none."""
     first = manifest.outputs[0]
     if manifest.answer is not None:  # boxes, detection scores or pixels' classes: no one top class to agree on
         return None
@@ -227,7 +231,8 @@ class Rows:
     """Per row, whether its highest class score is at the same index in both (:func:`top1_agrees`; None: no class
     scores output)."""
     cosine: np.ndarray | None
-    """Per row, its lowest cosine similarity over the outputs of several values per row (None: there are none)."""
+    """Per row, its lowest cosine similarity over the outputs of several values per row but a labelled class scores
+    one (None: there are none)."""
     abs_error: np.ndarray
     """Per row, its largest absolute difference over every floating output (inf where one is not finite)."""
     rel_diff: np.ndarray | None
@@ -273,10 +278,10 @@ def rows(want: np.ndarray, got: np.ndarray, manifest: Manifest) -> Rows:
         abs_err = np.maximum(abs_err, np.where(np.isfinite(diff).all(1), diff.max(1, initial=0.0), math.inf))
         if name == scores:
             top1 = top1_agrees(w, g)
-        elif w.shape[1] > 1:
+        if w.shape[1] > 1 and not (name == scores and manifest.labels is not None):  # unlabelled scores too
             cos = _cosines(w, g)
             cosine = cos if cosine is None else np.minimum(cosine, cos)
-        else:
+        elif name != scores:
             diffs.append(np.where(np.isfinite(diff[:, 0]), diff[:, 0], math.inf))
             scales.append(np.abs(w[:, 0]))
     rel_diff = np.stack(diffs, 1) if diffs else None

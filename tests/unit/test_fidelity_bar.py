@@ -12,7 +12,7 @@ from pydantic import ValidationError
 from halfserve import fidelity
 from halfserve.cli import build_parser
 from halfserve.fidelity import DEFAULT_BAR, Fidelity, scores_output, shortfall
-from halfserve.manifest import Manifest
+from halfserve.manifest import Manifest, Precision
 from halfserve.settings import FidelityCheck, Settings
 
 
@@ -37,6 +37,27 @@ def test_class_scores_are_the_labelled_output_else_the_first_one_dimensional_flo
     assert scores_output(manifest([{"name": "ids", "shape": [5], "datatype": "INT64"}])) is None
     labelled = manifest([{"name": "logits", "shape": [2, 3]}, scores], labels=["a", "b", "c"])
     assert scores_output(labelled) == "logits"
+
+
+def test_unlabelled_class_scores_are_held_to_cosine_too_labelled_ones_to_top1_alone() -> None:
+    """Three values per row without labels may be a box, probabilities or a regression head read value by value: a
+    top index that holds while the values are ruined (fp32 [0.31, 0.11, -0.11], served [0.66, -0.54, -0.40]) must not
+    pass. A labelled classifier's user sees only its top class."""
+    want = np.array([[0.31, 0.11, -0.11], [0.2, 0.5, 0.1]], np.float32)
+    got = np.array([[0.66, -0.54, -0.40], [0.2, 0.5, 0.1]], np.float32)
+    unlabelled = manifest([{"name": "y", "shape": [3]}])
+    f = fidelity.compare(want, got, unlabelled, Precision.FP16)
+    assert f.top1_agreement == 1.0
+    assert f.min_cosine is not None
+    assert f.min_cosine < 0.6
+    reason = shortfall(f, DEFAULT_BAR)
+    assert reason is not None
+    assert "lowest cosine similarity with fp32 is" in reason
+    assert "top-1" not in reason
+    labelled = manifest([{"name": "y", "shape": [3]}], labels=["a", "b", "c"])
+    f = fidelity.compare(want, got, labelled, Precision.FP16)
+    assert (f.top1_agreement, f.min_cosine) == (1.0, None)
+    assert shortfall(f, DEFAULT_BAR) is None
 
 
 def test_cosines_of_rows() -> None:
