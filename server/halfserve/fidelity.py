@@ -362,6 +362,18 @@ def shortfall(fidelity: Fidelity, held_to: Bar) -> str | None:
     return f"{fidelity.precision} " + "; ".join(misses) if misses else None
 
 
+def caveat(measured: Fidelity) -> str | None:
+    """What figures measured on random samples leave open, and how to close it (None: the samples were the operator's,
+    or live rows). A model whose real inputs sit elsewhere (another scale, an offset) can meet its bar on random
+    samples and miss it on every real one."""
+    if measured.source != Source.RANDOM.value:
+        return None
+    return (
+        f"measured on {measured.samples} random samples, not your data: import it again with --calibration FILE to "
+        "measure it on real inputs"
+    )
+
+
 def how_to_override(precision: str) -> str:
     """What an operator does to serve a model below its bar in ``precision`` anyway."""
     return (

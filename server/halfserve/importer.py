@@ -504,6 +504,11 @@ def describe(result: Imported) -> str:
     held_to = fidelity.bar(m)
     if not held_to.check:
         lines.append('  fidelity bar: off (the manifest\'s "fidelity": {"check": false})')
+    elif result.shortfall is None and f.source == fidelity.Source.RANDOM.value:
+        lines.append(
+            f"  fidelity bar ({held_to.describe()}): met on {f.samples} random samples, not your data (give "
+            f"--calibration FILE to measure on real inputs), so the server serves it in {f.precision}"
+        )
     elif result.shortfall is None:
         lines.append(f"  fidelity bar ({held_to.describe()}): met, so the server serves it in {f.precision}")
     else:
@@ -512,6 +517,10 @@ def describe(result: Imported) -> str:
             *mixed.said(result.mixed, f.precision, _figures),
             "  halfserve import --strict refuses such a model instead.",
         ]
+        if f.source == fidelity.Source.RANDOM.value:
+            lines.append(
+                "  Those were random samples, not your data: give --calibration FILE to measure on real inputs."
+            )
     r = result.record
     if r is not None:
         device = r.device

@@ -10,6 +10,13 @@ fp32 later. Here:
   ``rate`` of its rows, and only those are copied, inputs and outputs, into a bounded queue. A full queue drops
   them (counted). The tap never raises into the batch and never waits: the request is answered as if it were not
   there;
+* each engine tapped starts on **probation**: its first rows answered are all sampled until ``min_rows`` of them are
+  compared or queued, then ``rate`` applies. At the default rate a model whose half precision does not hold on the
+  real inputs (measured at load on random samples, on calibration samples unlike the traffic, or switched to a half
+  precision unmeasured) would serve about ``min_rows / rate`` rows before its first decision; on probation it serves
+  about ``min_rows``. It applies to every engine: it costs ``min_rows`` fp32 reruns of one row, held to the CPU share
+  like any others, and no more rows are copied than it needs, so a flood during probation copies no more than a
+  trickle;
 * one **worker thread** per model reruns the queued rows through the fp32 weights already kept on the host
   (``loaded.module``, as the check at load does), on one intra-op thread, and then waits :func:`pause` so that the
   reruns take at most ``cpu_share`` of one core. On a GPU the reference runs on the host CPU too: it costs no device
@@ -144,6 +151,13 @@ class LiveSettings:
     window: int
     min_rows: int
     action: LiveFidelityAction
+    probation: int | None = None
+    """Rows of a newly tapped engine that are all sampled (see the module); ``None``: ``min_rows``, the rows of its
+    first decision."""
+
+    @property
+    def probation_rows(self) -> int:
+        return self.min_rows if self.probation is None else self.probation
 
     @staticmethod
     def of(settings: Settings) -> LiveSettings:
@@ -208,6 +222,10 @@ class LiveFidelity:
         """The half precision whose rows the window holds (None: none tapped yet)."""
         self.taps = 0
         """Engines tapped so far: rows sampled from an earlier one are not added to the window."""
+        self._tap_compared = 0
+        """Rows of the current tap compared: its probation ends once they are ``settings.probation_rows``."""
+        self._tap_queued = 0
+        """Rows of the current tap waiting in the queue for their rerun."""
         self._recent: deque[np.ndarray] | None = None
         """The inputs of the last rows compared (see :data:`RECENT_BYTES`), made on the first."""
         self._queue: queue.Queue[Sampled | None] = queue.Queue(QUEUE_ENTRIES)
@@ -225,6 +243,7 @@ class LiveFidelity:
             self.window.clear()
             self.shortfall = None
             self.precision = precision
+            self._tap_compared = self._tap_queued = 0
             tap = self.taps
 
         def run(chunks: list[np.ndarray]) -> asyncio.Future[list[Outcome]]:
@@ -251,7 +270,11 @@ class LiveFidelity:
             log.exception("model %s: live fidelity could not sample a batch", self.name)
 
     def _offer(self, chunks: Sequence[np.ndarray], outcomes: Sequence[Outcome], precision: Precision, tap: int) -> None:
-        picked = self.sampler.take(sum(len(c) for c in chunks))
+        rows = sum(len(c) for c in chunks)
+        picked = self.sampler.take(rows)
+        owed = self._probation_owed(tap)
+        if owed:
+            picked = sorted(set(range(min(owed, rows))).union(picked))
         if not picked or self._closed.is_set():
             return
         inputs, outputs = [], []
@@ -268,10 +291,22 @@ class LiveFidelity:
             outputs.append(out[mine])
         if not inputs:
             return
+        sampled = Sampled(np.concatenate(inputs), np.concatenate(outputs), precision, tap)
         try:
-            self._queue.put_nowait(Sampled(np.concatenate(inputs), np.concatenate(outputs), precision, tap))
+            self._queue.put_nowait(sampled)
         except queue.Full:
-            self.rows_dropped += sum(len(i) for i in inputs)
+            self.rows_dropped += len(sampled.inputs)
+            return
+        with self._lock:
+            if tap == self.taps:
+                self._tap_queued += len(sampled.inputs)
+
+    def _probation_owed(self, tap: int) -> int:
+        """Rows ``tap`` still samples whatever the rate: its probation's, less those compared or queued already."""
+        with self._lock:
+            if tap != self.taps:
+                return 0
+            return max(0, self.settings.probation_rows - self._tap_compared - self._tap_queued)
 
     def start(self) -> None:
         """Start the worker thread that reruns the queued rows (until then they wait in the queue)."""
@@ -283,17 +318,23 @@ class LiveFidelity:
         # One intra-op thread: the share caps one core's time, and the serving engines keep the others.
         set_intra_op_threads(1)
         while (sampled := self._queue.get()) is not None:
-            started = time.perf_counter()
-            try:
-                self.compare(sampled)
-            except Exception:
-                self.rows_dropped += len(sampled.inputs)
-                log.exception(
-                    "model %s: live fidelity could not rerun %d row(s) in fp32", self.name, len(sampled.inputs)
-                )
-            took = time.perf_counter() - started
-            self.rerun_seconds += took
-            self._closed.wait(pause(took, self.settings.cpu_share))
+            self._closed.wait(pause(self.rerun(sampled), self.settings.cpu_share))
+
+    def rerun(self, sampled: Sampled) -> float:
+        """:meth:`compare` a batch's sampled rows taken from the queue (a failure counts them dropped); the seconds it
+        took. Blocks (the worker thread's work)."""
+        started = time.perf_counter()
+        try:
+            self.compare(sampled)
+        except Exception:
+            self.rows_dropped += len(sampled.inputs)
+            log.exception("model %s: live fidelity could not rerun %d row(s) in fp32", self.name, len(sampled.inputs))
+        with self._lock:
+            if sampled.tap == self.taps:  # out of the queue: a probation still owed rows samples them again
+                self._tap_queued = max(0, self._tap_queued - len(sampled.inputs))
+        took = time.perf_counter() - started
+        self.rerun_seconds += took
+        return took
 
     def compare(self, sampled: Sampled) -> None:
         """Rerun ``sampled``'s rows in fp32, add their figures to the window, and tell ``on_shortfall`` when it first
@@ -307,6 +348,7 @@ class LiveFidelity:
                 return  # sampled from an engine since replaced
             self.window.add(measured)
             self.rows_compared += len(measured)
+            self._tap_compared += len(measured)
             self._keep(sampled.inputs)
             if self.shortfall is not None or len(self.window) < self.settings.min_rows:
                 return
@@ -340,6 +382,12 @@ class LiveFidelity:
         """Rows in the window now."""
         return len(self.window)
 
+    @property
+    def probation_rows_left(self) -> int:
+        """Rows the engine served now must still have compared before its probation ends (0: sampled at ``rate``)."""
+        with self._lock:
+            return max(0, self.settings.probation_rows - self._tap_compared)
+
     def figures(self) -> fidelity.Fidelity | None:
         """The window's figures now (None while it is empty)."""
         with self._lock:
@@ -356,6 +404,7 @@ class LiveFidelity:
             "window": s.window,
             "min_rows": s.min_rows,
             "window_rows": len(self.window),
+            "probation_rows_left": self.probation_rows_left,
             "rows_compared": self.rows_compared,
             "rows_dropped": self.rows_dropped,
             "rerun_seconds": round(self.rerun_seconds, 3),

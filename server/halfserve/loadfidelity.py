@@ -66,6 +66,8 @@ class LoadFidelity:
             reason, own = await self._measure(served, loaded, engine, held_to, samples, record.under)
         served.precision_record = record.shown(own)
         if reason is None:
+            if served.fidelity is not None and (open_question := fidelity.caveat(served.fidelity)) is not None:
+                log.info("model %s: %s meets its bar, %s", served.name, half, open_question)
             return engine
         stored = tuple(record.stored.fp32_modules) if record.stored is not None else ()
         planned = await self._mixed_plan(served, loaded, engine, held_to, stored, samples)

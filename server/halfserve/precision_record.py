@@ -23,7 +23,7 @@ import pydantic
 import torch
 
 from halfserve import storage, store
-from halfserve.fidelity import Bar, Fidelity
+from halfserve.fidelity import Bar, Fidelity, caveat
 from halfserve.manifest import Manifest, Precision
 from halfserve.precision import DeviceKind
 
@@ -176,7 +176,8 @@ class AtLoad:
     def shown(self, own: PrecisionRecord | None, plan: Sequence[str] | None = None) -> dict[str, Any]:
         """``/models``' ``precision_record``: the check and the record the model is served under (the stored one where
         trusted, else the load's own, kept in memory only), with ``plan`` as its ``fp32_modules`` where the load serves
-        a mixed-precision plan (found at load, or the stored one measured again)."""
+        a mixed-precision plan (found at load, or the stored one measured again), and what its figures leave open where
+        they were measured on random samples (:func:`halfserve.fidelity.caveat`)."""
         served = self.trusted or own
         if served is not None and plan is not None:
             served = replace(served, fp32_modules=list(plan))
@@ -185,6 +186,7 @@ class AtLoad:
             "differs": self.differs,
             "problem": self.problem,
             "record": served.as_dict() if served is not None else None,
+            "caveat": caveat(served.fidelity) if served is not None else None,
         }
 
 

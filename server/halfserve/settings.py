@@ -175,14 +175,16 @@ class Settings(BaseSettings):
     fidelity demotion may search one on live rows; 0: no search, a model below its bar is served in fp32 as it is."""
     live_fidelity_rate: float = Field(default=0.001, ge=0.0, le=1.0)
     """Share of the rows answered in a half precision that are rerun in fp32 off the request path and compared (live
-    fidelity, :mod:`halfserve.livefidelity`); 0 turns it off. Models whose fidelity is not checked are not sampled."""
+    fidelity, :mod:`halfserve.livefidelity`), after each newly served half precision's first ``live_fidelity_min_rows``
+    rows, which are all (its probation); 0 turns it off. Models whose fidelity is not checked are not sampled."""
     live_fidelity_cpu_share: float = Field(default=0.1, gt=0.0, le=1.0)
     """Share of one CPU core the fp32 reruns of live fidelity may take: after each rerun the worker waits in
     proportion to the rerun's time."""
     live_fidelity_window: int = Field(default=1000, ge=1, le=1_000_000)
     """Rows compared per model that live fidelity's figures are taken over (the last ones)."""
     live_fidelity_min_rows: int = Field(default=100, ge=1)
-    """Rows the window must hold before its figures can demote a model (or alert), so a few odd rows cannot."""
+    """Rows the window must hold before its figures can demote a model (or alert), so a few odd rows cannot; a newly
+    served half precision's first this many rows are all compared (its probation)."""
     live_fidelity_action: LiveFidelityAction = LiveFidelityAction.DEMOTE
     """What a window below the model's fidelity bar does: ``demote`` serves the model in fp32 from then on (until it
     is reloaded or the operator switches its precision); ``alert`` logs a WARNING and counts it in the metrics."""

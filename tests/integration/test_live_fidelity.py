@@ -269,3 +269,54 @@ async def test_drift_on_one_layer_demotes_to_a_plan_searched_on_the_live_rows(tm
         assert again["shortfall"] is None
         assert again["figures"]["top1_agreement"] == 1.0  # type: ignore[index]
         assert (await listing(client))["precision_source"] == "live_mixed_plan"
+
+
+OFFSET = 1000.0
+"""Where the offset model's real inputs sit: bf16 holds values near 1000 to steps of 4, so their small parts vanish."""
+
+
+def offset_model(root: Path, capsys: pytest.CaptureFixture[str]) -> Path:
+    """A model of inputs near :data:`OFFSET` (``relu(x - 1000)`` then a linear head, no bias), imported without
+    calibration samples: on the random N(0, 1) samples every row is 0 both ways, so it meets its bar, while on its
+    real inputs bf16 rounds ``x`` to 1000 or 1004 and answers zeros where fp32 answers ``relu(x - 1000)``'s scores."""
+    torch.manual_seed(0)
+    module = models.build("mlp", **BODY)
+    with torch.no_grad():
+        module.net[0].weight.copy_(torch.eye(FEATURES))
+        module.net[0].bias.fill_(-OFFSET)
+        module.net[2].bias.zero_()
+    torch.save(module.state_dict(), root / "offset.pth")
+    args = ["import", str(root / "offset.pth"), "--store", str(root / "store"), "--name", "drift"]
+    args += ["--architecture", "mlp", "--arch-kwargs", json.dumps(BODY), "--input", f"x:{FEATURES}"]
+    assert cli.main([*args, "--device", "cpu"]) == 0
+    printed = capsys.readouterr().out
+    assert "met on 64 random samples, not your data (give --calibration FILE to measure on real inputs)" in printed
+    return root / "store"
+
+
+async def test_a_default_met_on_random_samples_only_is_demoted_on_probation_at_the_default_rate(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """At rate 0.001 its first decision took about WINDOW / 0.001 rows answered wrong; a new engine's first rows are
+    all sampled, so the rows of one burst decide."""
+    store = offset_model(tmp_path, capsys)
+    real = (OFFSET + np.random.default_rng(0).normal(size=(2 * WINDOW, FEATURES))).astype(np.float32)
+    async with serving(live_settings(store, live_fidelity_rate=0.001)) as client:
+        listed = await listing(client)
+        assert (listed["precision"], listed["precision_source"]) == ("bf16", "server")
+        record = listed["precision_record"]
+        assert isinstance(record, dict)
+        assert record["check"] == "trusted"
+        assert str(record["caveat"]).startswith("measured on 64 random samples, not your data: import it again with ")
+        found = await live(client)
+        assert (found["rate"], found["probation_rows_left"]) == (0.001, WINDOW)
+
+        assert await burst(client, real, 2 * WINDOW) == [200] * (2 * WINDOW)  # every row answered, no more sent
+        await until_listed(client, "the demotion", lambda m: m["precision"] == "fp32", None)
+        listed = await listing(client)
+        assert listed["precision_source"] == "live_fidelity"
+        assert f"on {WINDOW} live samples" in str(listed["fp32_fallback"])
+        found = await live(client)
+        assert found["probation_rows_left"] == 0
+        r = await client.post("/predict", json={"inputs": [real[0].tolist()]})
+        assert (r.status_code, r.json()["precision"]) == (200, "fp32")

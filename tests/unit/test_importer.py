@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from halfserve import cli, fidelity, models, storage, store
-from halfserve.importer import ImportFailure, derive_outputs, import_model, read_state_dict
+from halfserve.importer import ImportFailure, derive_outputs, describe, import_model, read_state_dict
 from halfserve.importflags import parse_tensor, with_format
 from halfserve.manifest import DataType, InputFormat, Manifest, TensorSpec
 
@@ -76,6 +76,30 @@ def test_a_safetensors_file_and_given_calibration_samples(tmp_path: Path) -> Non
     stored = fidelity.read_samples(result.version_dir, result.manifest)
     np.testing.assert_array_equal(stored, calibration)
     same_weights(store.load(tmp_path / "store", "net").module, source)
+
+
+def test_the_report_says_a_bar_met_on_random_samples_is_not_met_on_your_data_and_what_to_do(tmp_path: Path) -> None:
+    path = tmp_path / "w.pth"
+    torch.save(mlp().state_dict(), path)
+    random = import_model(path, tmp_path / "store", "net", "mlp", FEATURES, arch_kwargs=MLP, device=CPU)
+    assert random.shortfall is None
+    said = describe(random)
+    assert "met on 64 random samples, not your data (give --calibration FILE to measure on real inputs), so " in said
+    assert random.record is not None
+    assert fidelity.caveat(random.record.fidelity) == (
+        "measured on 64 random samples, not your data: import it again with --calibration FILE to measure it on real "
+        "inputs"
+    )
+    np.save(tmp_path / "cal.npy", np.random.default_rng(1).standard_normal((10, 6)).astype(np.float32))
+    given = import_model(
+        path, tmp_path / "store", "net", "mlp", FEATURES, arch_kwargs=MLP, calibration=tmp_path / "cal.npy", device=CPU
+    )
+    assert "fidelity bar (top-1 agreement >= 0.98, cosine >= 0.999, relative error <= 0.02): met, so " in describe(
+        given
+    )
+    assert "random" not in describe(given)
+    assert given.record is not None
+    assert fidelity.caveat(given.record.fidelity) is None
 
 
 def test_a_pickled_model_is_refused_with_how_to_save_a_state_dict(tmp_path: Path) -> None:

@@ -140,7 +140,8 @@ def test_a_full_queue_drops_the_sampled_rows_and_counts_them(loaded: store.Loade
 
 
 def test_the_tap_answers_the_batch_unchanged_and_copies_only_sampled_rows(loaded: store.LoadedModel) -> None:
-    live = LiveFidelity("tiny", loaded, fidelity.DEFAULT_BAR, live_settings(rate=0.5), lambda _: None, lambda: 0.5)
+    settings = live_settings(rate=0.5, probation=0)  # the rate alone
+    live = LiveFidelity("tiny", loaded, fidelity.DEFAULT_BAR, settings, lambda _: None, lambda: 0.5)
     outcomes = [np.arange(8, dtype=np.float32).reshape(2, 4), np.ones((3, 4), np.float32)]
 
     async def answered() -> object:
@@ -242,3 +243,67 @@ def test_the_settings_come_from_the_environment(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setenv("HALFSERVE_LIVE_FIDELITY_ACTION", "alert")
     settings = LiveSettings.of(Settings())
     assert (settings.rate, settings.action) == (0.0, LiveFidelityAction.ALERT)
+
+
+RARELY = 0.5
+"""A made-up draw at rate 0.001: a gap of floor(log 0.5 / log 0.999) = 692 rows before each sampled row."""
+
+
+def rerun_queued(live: LiveFidelity) -> None:
+    """What the worker thread does with each queued batch, here and now."""
+    while not live._queue.empty():
+        sampled = live._queue.get_nowait()
+        assert sampled is not None
+        live.rerun(sampled)
+
+
+def test_a_new_engine_s_first_rows_are_all_sampled_until_its_first_decision(loaded: store.LoadedModel) -> None:
+    """At rate 0.001 a model wrong on every real row was decided on after about min_rows / rate rows answered; on
+    probation, after min_rows."""
+    told: list[str] = []
+    settings = live_settings(rate=0.001, window=10, min_rows=4)
+    live = LiveFidelity("tiny", loaded, fidelity.DEFAULT_BAR, settings, told.append, lambda: RARELY)
+    live.tap(never, Precision.BF16)
+    assert live.describe()["probation_rows_left"] == 4
+    x = np.random.default_rng(0).normal(size=(3, 16)).astype(np.float32)
+    with torch.inference_mode():
+        wrong = np.roll(loaded.module(torch.from_numpy(x)).numpy(), 1, axis=1)  # every top class moved
+    live.offer([x], [wrong], Precision.BF16, live.taps)  # rows 0-2: all sampled
+    live.offer([x], [wrong], Precision.BF16, live.taps)  # row 3: the probation's last; rows 4-5 are not
+    rerun_queued(live)
+    assert live.rows_compared == 4
+    assert len(told) == 1
+    assert "top-1 agreement with fp32 is 0.0000 on 4 live samples" in told[0]
+    assert live.describe()["probation_rows_left"] == 0
+    for _ in range(100):  # rows 6 to 305: below the rate's first pick (row 692)
+        live.offer([x], [wrong], Precision.BF16, live.taps)
+    assert live._queue.empty()
+    live.tap(never, Precision.BF16)  # another engine: another probation
+    assert live.describe()["probation_rows_left"] == 4
+    live.offer([x], [wrong], Precision.BF16, live.taps)
+    rerun_queued(live)
+    assert (live.rows_compared, live.describe()["probation_rows_left"]) == (7, 1)
+    live.close()
+
+
+def test_a_flood_on_probation_copies_only_the_rows_it_owes_and_a_failed_rerun_is_owed_again(
+    loaded: store.LoadedModel,
+) -> None:
+    live = LiveFidelity(
+        "tiny", loaded, fidelity.DEFAULT_BAR, live_settings(rate=0.001, min_rows=4), lambda _: None, lambda: RARELY
+    )
+    live.tap(never, Precision.BF16)
+    x = np.zeros((3, 16), np.float32)
+    out = np.zeros((3, 4), np.float32)
+    for _ in range(200):  # no worker yet: the owed rows wait in the queue, and no more are copied meanwhile
+        live.offer([x], [out], Precision.BF16, live.taps)
+    assert live._queue.qsize() == 2  # rows 0-2 and row 3
+    assert live.rows_dropped == 0
+    broken = Sampled(np.zeros((3, 5), np.float32), out, Precision.BF16, live.taps)  # rows the reference cannot take
+    live._queue.get_nowait()
+    live.rerun(broken)  # failed: dropped, and owed again
+    assert live.rows_dropped == 3
+    live.offer([x], [out], Precision.BF16, live.taps)
+    rerun_queued(live)
+    assert (live.rows_compared, live.describe()["probation_rows_left"]) == (4, 0)
+    live.close()

@@ -110,4 +110,4 @@ def test_a_version_without_a_record_measures(imported: Path) -> None:
     assert precision_record.read(imported) is None
     check = precision_record.at_load(imported, conditions_now(imported), measure_always=False)
     assert check.check is RecordCheck.MEASURED
-    assert check.shown(None) == {"check": "measured", "differs": [], "problem": None, "record": None}
+    assert check.shown(None) == {"check": "measured", "differs": [], "problem": None, "record": None, "caveat": None}
