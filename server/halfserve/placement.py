@@ -71,6 +71,36 @@ BESIDE_LOOP_MIN_ROWS = 32
 tiny forward's fixed cost makes its share of a few rows' loop work look large and unsteady."""
 
 
+LOOP_STALL_FACTOR = 10.0
+"""How many times its warm-up forward of a full batch a forward on the event loop may take before its model's batches
+leave the loop (:func:`loop_stall_bound`): a batch of real rows may take a few times longer than the warm-up's zeros
+(other values, a half precision's overflow rerun in fp32, a descheduled thread), never tens of times."""
+
+LOOP_STALL_FLOOR_SECONDS = 0.05
+"""The least :func:`loop_stall_bound`: a forward placed on the loop is shorter than the loop's work on its rows
+(:data:`LOOP_SECONDS_PER_ROW`), so well under a millisecond for most batches, where a pause of the host (the
+scheduler's latency period, a collection) alone can reach several ms. 50 ms is past any such pause and still short
+beside a liveness probe's one-second timeout; a batch past it held up every other request on the server for a
+thousand times the loop's work on a request."""
+
+
+def loop_stall_bound(batch_seconds: float | None) -> float:
+    """The longest a forward on the event loop's thread may take before its model's batches move to an instance
+    thread for good (:func:`leaves_loop`): :data:`LOOP_STALL_FACTOR` times the warm-up's forward of a full batch
+    (``batch_seconds``; None where warm-up did not time one), and never under :data:`LOOP_STALL_FLOOR_SECONDS`."""
+    if batch_seconds is None:
+        return LOOP_STALL_FLOOR_SECONDS
+    return max(LOOP_STALL_FACTOR * batch_seconds, LOOP_STALL_FLOOR_SECONDS)
+
+
+def leaves_loop(forward_seconds: float, bound: float) -> bool:
+    """Whether a forward on the event loop that took ``forward_seconds`` ran so far past what placed it there
+    (``bound``, :func:`loop_stall_bound`) that its model's batches should leave the loop: the loop answered nothing
+    else meanwhile, and an input that makes the forward slow once can do so again. It is measured after the forward:
+    no bound applies before it (what a forward will cost is known only once it ran, and nothing stops one running)."""
+    return forward_seconds > bound
+
+
 class Timed(Protocol):
     """What :func:`choose` reads of an engine: its device and instances, and what warm-up timed
     (:meth:`halfserve.engine.core.Engine.settle_threads`)."""

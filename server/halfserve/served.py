@@ -363,4 +363,5 @@ def _execution(info: EngineInfo) -> dict[str, object]:
         "compiled_graphs": info.compiled_graphs,
         "cached_graphs": info.cached_graphs,
         "placement": info.placement.value,
+        "placement_changed": info.placement_changed,
     }

@@ -14,9 +14,10 @@ from halfserve import store
 from halfserve.engine import runners
 from halfserve.engine.core import Engine, batch_buckets
 from halfserve.engine.inputs import Normalizer
+from halfserve.engine.loop import LoopRunner
 from halfserve.engine.protocol import EngineError
 from halfserve.manifest import DataType, Normalize, Precision, TensorSpec
-from halfserve.placement import Placement
+from halfserve.placement import LOOP_STALL_FLOOR_SECONDS, Placement
 from halfserve.precision import resolve_device
 from halfserve.serving import Output
 from tests.conftest import save_tiny_mlp
@@ -116,6 +117,47 @@ async def test_forward_runs_off_the_event_loop_thread(loaded: store.LoadedModel)
     assert seen[0].startswith("engine-tiny")
     assert seen[0] != threading.current_thread().name  # not the event loop's thread
     engine.close()
+
+
+async def test_a_forward_on_the_event_loop_past_its_bound_moves_the_engines_batches_to_its_instance_thread(
+    loaded: store.LoadedModel, caplog: pytest.LogCaptureFixture
+) -> None:
+    engine = Engine(loaded, Precision.FP32, CPU)
+    engine.batch_seconds = 0.2e-3  # the warm-up's forward of a full batch, made up: its bound is the floor
+    runners.place(engine, Placement.EVENT_LOOP, 8)
+    runner = engine.runner
+    assert isinstance(runner, LoopRunner)
+    assert runner.bound == LOOP_STALL_FLOOR_SECONDS
+    seen: list[str] = []
+    original = engine.model.forward
+
+    def spy(x: torch.Tensor) -> torch.Tensor:
+        seen.append(threading.current_thread().name)
+        return original(x)
+
+    engine.model.forward = spy  # type: ignore[method-assign]
+    x = np.zeros((2, 16), dtype=np.float32)
+    try:
+        await engine.run([x])  # a fast forward stays on the loop
+        assert engine.placement is Placement.EVENT_LOOP
+        assert engine.info.placement_changed is None
+        with caplog.at_level("WARNING", logger="halfserve.engine.loop"):
+            runner.leave(6.1, 2)  # what run does after a forward that took 6.1 s
+        assert engine.placement is Placement.INSTANCE_THREADS
+        assert engine.info.placement == Placement.INSTANCE_THREADS
+        why = engine.info.placement_changed
+        assert why is not None
+        assert "took 6.100 s, past its bound of 50 ms" in why
+        assert "10x its warm-up forward of 0.20 ms" in why
+        assert [r.levelname for r in caplog.records] == ["WARNING"]
+        assert "model tiny:" in caplog.text
+        assert "6.100 s" in caplog.text
+        out = await engine.run([x])
+        assert len(out) == 1
+        assert seen[0] == threading.current_thread().name
+        assert seen[1].startswith("engine-tiny")  # the instance's thread, not the loop's
+    finally:
+        engine.close()
 
 
 @pytest.mark.parametrize("threads", [None, 1])

@@ -8,7 +8,16 @@ from dataclasses import dataclass
 import pytest
 
 from halfserve.execution import Execution, Isolation
-from halfserve.placement import LOOP_SECONDS_PER_ROW, Placement, PlacementSetting, choose
+from halfserve.placement import (
+    LOOP_SECONDS_PER_ROW,
+    LOOP_STALL_FACTOR,
+    LOOP_STALL_FLOOR_SECONDS,
+    Placement,
+    PlacementSetting,
+    choose,
+    leaves_loop,
+    loop_stall_bound,
+)
 from halfserve.settings import Settings
 
 
@@ -125,3 +134,21 @@ def test_the_deprecated_flags_are_aliases_of_placement(alias: dict[str, object],
 def test_placement_flags_that_disagree_are_refused(alias: dict[str, object]) -> None:
     with pytest.raises(ValueError, match="placement"):
         Settings(**alias)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("batch_seconds", "bound"),
+    [
+        (None, LOOP_STALL_FLOOR_SECONDS),  # not timed at warm-up
+        (0.25e-3, LOOP_STALL_FLOOR_SECONDS),  # a loop-bound forward: ten times it is still under the floor
+        (0.02, LOOP_STALL_FACTOR * 0.02),  # a forward placed on the loop by the operator, longer than the floor's tenth
+    ],
+)
+def test_a_forward_on_the_event_loop_leaves_it_past_ten_times_its_warm_up_and_at_least_the_floor(
+    batch_seconds: float | None, bound: float
+) -> None:
+    assert loop_stall_bound(batch_seconds) == pytest.approx(bound)
+    assert not leaves_loop(bound, loop_stall_bound(batch_seconds))
+    assert not leaves_loop(bound / 2, loop_stall_bound(batch_seconds))
+    assert leaves_loop(bound * 1.01, loop_stall_bound(batch_seconds))
+    assert leaves_loop(6.1, loop_stall_bound(batch_seconds))  # a request that made an iterating model loop 6 s

@@ -141,6 +141,9 @@ class Engine:
         self.runner: BatchRunner = ThreadRunner(self.instances, self.run_batch)
         """How batches run: on the instances' threads until :func:`halfserve.engine.runners.place` gives it another
         placement's runner (the repository, as :func:`halfserve.placement.choose` decided)."""
+        self.placement_changed: str | None = None
+        """Why batches no longer run where the repository placed them (None while they do): a forward on the event
+        loop that ran past its bound (:class:`halfserve.engine.loop.LoopRunner`)."""
         self.batch_seconds: float | None = None
         """A full batch's forward (:attr:`batch_rows`) on the settled intra-op threads, timed by :meth:`settle_threads`
         (None until)."""
@@ -195,6 +198,7 @@ class Engine:
             compiled_graphs=self.cache_use.compiled_graphs,
             cached_graphs=self.cache_use.cached_graphs,
             placement=self.placement,
+            placement_changed=self.placement_changed,
         )
 
     def _prepare(self, t: torch.Tensor) -> torch.Tensor:

@@ -60,6 +60,8 @@ class EngineInfo:
     """FX graphs found in torch's caches at warm-up instead of compiled."""
     placement: Placement = Placement.INSTANCE_THREADS
     """Where batches run (:mod:`halfserve.placement`)."""
+    placement_changed: str | None = None
+    """Why :attr:`placement` is no longer the one chosen at load (None while it is)."""
 
 
 class BatchRunner(Protocol):
