@@ -243,6 +243,13 @@ def test_bad_requests_get_4xx_naming_the_problem_while_good_ones_are_answered(wo
     assert "no_such_model" in statuses[1][1]
     assert statuses[2][0] == 400
     assert statuses[2][1].startswith("inputs:")
+    # One model's entry, relayed to the engine process as the listing is.
+    one = httpx.get(f"{workers_server.url}/models/{MODEL}", timeout=30)
+    assert one.status_code == 200, one.text
+    assert (one.json()["name"], one.json()["execution"]["instances"]) == (MODEL, 1)
+    unknown = httpx.get(f"{workers_server.url}/models/no_such_model", timeout=30)
+    assert unknown.status_code == 404
+    assert unknown.json()["error"].startswith("Request for unknown model: 'no_such_model' is not found")
 
 
 def test_metrics_count_the_front_ends_requests(workers_server: ServerProcess) -> None:

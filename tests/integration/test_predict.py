@@ -43,6 +43,20 @@ async def test_model_name_is_optional_with_one_model(tiny_store: Path) -> None:
     assert r.json()["model"] == "tiny"
 
 
+async def test_one_models_entry_is_the_listings_and_an_unknown_model_a_404(tmp_path: Path) -> None:
+    save_tiny_mlp(tmp_path, "halfmodel", precision="bf16")
+    save_tiny_mlp(tmp_path, "fullmodel", precision="fp32")
+    async with serving(Settings(store=tmp_path)) as client:
+        listing = {m["name"]: m for m in (await client.get("/models")).json()["models"]}
+        one = {name: await client.get(f"/models/{name}") for name in listing}
+        unknown = await client.get("/models/nope")
+    assert {name: r.status_code for name, r in one.items()} == {"halfmodel": 200, "fullmodel": 200}
+    assert {name: r.json() for name, r in one.items()} == listing
+    assert listing["halfmodel"]["precision"] != listing["fullmodel"]["precision"]
+    assert unknown.status_code == 404
+    assert unknown.json()["error"] == "Request for unknown model: 'nope' is not found (served: fullmodel, halfmodel)"
+
+
 async def test_fp32_switch_serves_fp32_weights(tiny_store: Path) -> None:
     async with serving(Settings(store=tiny_store, precision="fp32")) as client:
         listing = (await client.get("/models")).json()["models"][0]

@@ -61,6 +61,16 @@ async def list_models(request: Request) -> Response:
 
 
 @router.get(
+    "/models/{name}",
+    response_class=Response,
+    responses={**json_ok("The model's entry, as in the listing.", _OBJECT), **error_responses({404: "Unknown model."})},
+)
+async def describe_model(name: str, request: Request) -> Response:
+    """One model's entry of ``GET /models``: the same object, the listing's fields and values."""
+    return json_response(repository(request).get(name).describe())
+
+
+@router.get(
     "/models/{name}/stats",
     response_class=Response,
     responses={
