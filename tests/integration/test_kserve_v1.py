@@ -135,6 +135,17 @@ async def test_token_ids_outside_the_embedding_are_named_by_the_v1_field_that_ho
     assert after.status_code == 200, after.text
 
 
+async def test_a_true_among_an_instances_numbers_is_refused_not_read_as_1(tmp_path: Path) -> None:
+    save_tiny_mlp(tmp_path)
+    row = [0.5] * 15
+    async with serving(Settings(store=tmp_path)) as client:
+        refused = await client.post(PREDICT, json={"instances": [[True, *row]]})
+        taken = await client.post(PREDICT, json={"instances": [[1, *row]]})
+    assert refused.status_code == 400, refused.text
+    assert refused.json()["error"] == "instances: the 'features' input takes numbers (FP32), got true or false"
+    assert taken.status_code == 200, taken.text
+
+
 async def test_models_are_listed_and_readiness_follows_unload(tmp_path: Path) -> None:
     save_tiny_mlp(tmp_path)
     async with serving(Settings(store=tmp_path, admin_token=TOKEN)) as client:

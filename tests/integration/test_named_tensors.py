@@ -259,6 +259,16 @@ async def test_concurrent_requests_batch_and_each_gets_its_own_rows(tmp_path: Pa
             "inputs[0].datatype: inference input 'INPUT0' data-type is 'FP32', but model 'simple' expects 'INT32'",
         ),
         (
+            "a true among integers",
+            {
+                "inputs": [
+                    {"name": "INPUT0", "datatype": "INT32", "shape": [1, 16], "data": [1] * 15 + [True]},
+                    {"name": "INPUT1", "datatype": "INT32", "shape": [1, 16], "data": [1] * 16},
+                ]
+            },
+            "inputs[0].data: INT32 data must be numbers, got true or false",
+        ),
+        (
             "unknown output",
             {**v2_json(*pair(1)), "outputs": [{"name": "OUTPUT7"}]},
             "unexpected inference output 'OUTPUT7' for model 'simple'",
@@ -282,6 +292,12 @@ async def test_v2_refusals_name_the_input(tmp_path: Path, what: str, body: dict[
         ({"INPUT0": [[1] * 16], "INPUT1": [[1] * 16, [2] * 16]}, "inputs.INPUT1: 2 samples, but 'INPUT0' has 1"),
         ({"INPUT0": [[1] * 16], "INPUT1": [[1] * 16], "X": [[1]]}, "inputs.X: unexpected input"),
         ({"INPUT0": [[1.5] * 16], "INPUT1": [[1] * 16]}, "inputs.INPUT0: the input takes integers"),
+        # numpy reads a true beside numbers as 1: it had been taken as an integer 1.
+        (
+            {"INPUT0": [[True] + [1] * 15], "INPUT1": [[1] * 16]},
+            "inputs.INPUT0: the 'INPUT0' input takes numbers (INT32), got true or false",
+        ),
+        ({"INPUT0": [[1] * 16], "INPUT1": [[False] * 16]}, "inputs.INPUT1: values must be numbers, got booleans"),
     ],
 )
 async def test_predict_refusals_name_the_input(tmp_path: Path, inputs: object, message: str) -> None:

@@ -1,5 +1,5 @@
 """JSON integers against an integer input's range, at its edges (:mod:`halfserve.api.dataplane.codec`): what numpy
-makes of them (past int64, floats) must neither wrap nor be called fractional."""
+makes of them (past int64, floats) must neither wrap nor be called fractional; nor may it read a true as 1."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import numpy as np
 import orjson
 import pytest
 
+from halfserve.api.dataplane.bounds import JSON_LITERALS, holds_literals
 from halfserve.api.dataplane.codec import cast_json_numbers, decode_json, decode_samples
 from halfserve.manifest import DataType, TensorSpec
 from halfserve.serving import InvalidInputError
@@ -104,4 +105,46 @@ def test_an_integer_past_2_53_beside_a_float_past_it_is_refused_not_rounded() ->
         decode_samples([orjson.loads(b"[1e17, 1152921504606846977]")], spec)  # was taken as 2^60
     assert decode_samples([orjson.loads(b"[1e17, 5]")], spec).tolist() == [[10**17, 5]]  # floats alone: as before
     three = TensorSpec(name="x", datatype=DataType.INT64, shape=[3])
-    assert decode_samples([orjson.loads(b"[true, 1152921504606846977, 1.0]")], three).tolist() == [[1, 2**60 + 1, 1]]
+    assert decode_samples([orjson.loads(b"[2, 1152921504606846977, 1.0]")], three).tolist() == [[2, 2**60 + 1, 1]]
+    with pytest.raises(InvalidInputError, match="^inputs: the 'x' input takes numbers .INT64., got true or false$"):
+        decode_samples([orjson.loads(b"[true, 1152921504606846977, 1.0]")], three)  # had been read as 1
+
+
+@pytest.mark.parametrize("pad", [0, 40_000])  # a body searched byte by byte, and one searched with numpy
+def test_a_body_holds_literals_where_true_or_false_is_written_in_it(pad: int) -> None:
+    spaces = b" " * pad
+    for body, holds in [
+        (b'{"inputs": [[true, 1]]}', True),
+        (b'{"inputs": [[1, false]]}', True),
+        (b'{"text": "it is true"}', True),  # in a string: only the exact look follows
+        (b"false", True),
+        (b'{"inputs": [[1, 2.5e-05, -3E+2]]}', False),
+        (b'{"a": "tru", "b": "fals", "c": "rue"}', False),
+    ]:
+        assert holds_literals(spaces + body + spaces) is holds, body
+
+
+@pytest.mark.parametrize(
+    ("data", "spec", "refusal"),
+    [
+        ([[True, 1, 2]], TensorSpec(name="ids", datatype=DataType.INT64, shape=[3]), "the 'ids' input takes numbers"),
+        ([[0.5, False, 2]], TensorSpec(name="x", shape=[3]), "the 'x' input takes numbers \\(FP32\\)"),
+        ([[1, 0, 1]], TensorSpec(name="keep", datatype=DataType.BOOL, shape=[3]), "the 'keep' input takes true or"),
+    ],
+)
+def test_a_boolean_among_numbers_or_a_number_for_a_bool_is_refused_naming_the_field(
+    data: list[list[object]], spec: TensorSpec, refusal: str
+) -> None:
+    with pytest.raises(InvalidInputError, match=f"^inputs: {refusal}"):
+        decode_samples(data, spec)
+    wire = spec.datatype
+    flat = data[0]
+    said = "BOOL data must be true/false" if wire is DataType.BOOL else f"{wire.value} data must be numbers, got true"
+    with pytest.raises(InvalidInputError, match=f"^inputs: {said}"):
+        decode_json(flat, wire, [1, 3], "inputs")
+    token = JSON_LITERALS.set(False)  # a body without a true or false: its numbers are not looked at one by one
+    try:
+        if wire is not DataType.BOOL:
+            assert decode_samples(data, spec).tolist() == np.asarray(data).astype(wire.numpy).tolist()
+    finally:
+        JSON_LITERALS.reset(token)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import math
+from contextvars import ContextVar
 from typing import Any
 
 import numpy as np
@@ -28,6 +29,41 @@ INLINE_BYTES = 1 << 20
 MAX_TIMEOUT_US = 3_600_000_000
 """The longest a request may ask to wait for its rows to start, in microseconds (an hour, as ``request_timeout_ms``):
 ``parameters.timeout`` over HTTP or gRPC, and HTTP's ``X-Request-Timeout-Ms`` header, are held to it alike."""
+
+JSON_LITERALS: ContextVar[bool] = ContextVar("halfserve_json_literals", default=True)
+"""Whether the JSON body parsed for the request being answered (:func:`parse_json`) may hold a ``true`` or ``false``
+(True where none was parsed): only then do the decoders of its numbers look for one among them
+(:func:`halfserve.api.dataplane.codec.refuse_booleans`), since numpy reads one beside numbers as 1 or 0."""
+
+_LITERALS = ((b"true", 2), (b"false", 3))
+"""The JSON literals, each with the index of a letter that no JSON number holds and few keys do (``u``, ``s``)."""
+
+
+_LITERALS_BY_NUMPY = 32 << 10
+"""Bodies from this size are searched for literals with numpy, whose fixed cost (about 27 us on the 2-core EPYC) a
+byte search of both literals (about 1 ns a byte) passes there."""
+
+
+def holds_literals(body: bytes) -> bool:
+    """Whether ``body`` holds the text ``true`` or ``false`` (in a string too: that only costs the exact look).
+
+    A large body by numpy over its bytes: a pass for each literal's rare letter, then its neighbours at the few places
+    found (0.4 ms for a JSON body of 4 MB of floats on the 2-core EPYC, beside 8 ms to parse it; a byte search takes 4
+    ms, and a look at every value's type 3 ms)."""
+    if len(body) < _LITERALS_BY_NUMPY:
+        return b"true" in body or b"false" in body
+    b = np.frombuffer(body, dtype=np.uint8)
+    for word, at in _LITERALS:
+        where = np.flatnonzero(b == word[at])
+        where = where[(where >= at) & (where < len(b) - (len(word) - 1 - at))] - at
+        if not where.size:
+            continue
+        found = np.ones(where.size, dtype=bool)
+        for k, letter in enumerate(word):
+            found &= b[where + k] == letter
+        if found.any():
+            return True
+    return False
 
 
 def row_limit(s: Settings, batching: Batching) -> tuple[int, str]:
@@ -84,11 +120,14 @@ async def parse_json(body: bytes, max_values: int, hint: str = "") -> Any:
     if not body:
         raise InvalidInputError("body: empty; expected a JSON object")
     if len(body) <= INLINE_BYTES:
-        return _loads(body, max_values, hint)
-    return await asyncio.to_thread(_loads, body, max_values, hint)
+        payload, literals = _loads(body, max_values, hint)
+    else:
+        payload, literals = await asyncio.to_thread(_loads, body, max_values, hint)
+    JSON_LITERALS.set(literals)  # in the request's own context: the worker thread's is a copy
+    return payload
 
 
-def _loads(body: bytes, max_values: int, hint: str) -> Any:
+def _loads(body: bytes, max_values: int, hint: str) -> tuple[Any, bool]:
     found = 0
     # Every counted byte is one byte of the body, so a body no longer than the limit is under it without a count.
     for start in range(0, len(body) if len(body) > max_values else 0, INLINE_BYTES):
@@ -104,7 +143,7 @@ def _loads(body: bytes, max_values: int, hint: str) -> Any:
     collecting = gc.isenabled()
     gc.disable()
     try:
-        return orjson.loads(body)
+        return orjson.loads(body), holds_literals(body)
     except orjson.JSONDecodeError as e:
         raise InvalidInputError(_malformed(body, e) + (f"; {hint}" if hint else "")) from None
     finally:

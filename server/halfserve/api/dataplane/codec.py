@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from halfserve import text
+from halfserve.api.dataplane.bounds import JSON_LITERALS
 from halfserve.manifest import DataType, TensorSpec
 from halfserve.packing import PackError, check_length
 from halfserve.serving import InvalidInputError, ModelHandle, ModelNotReadyError, OverLimitError, QueueFullError
@@ -120,14 +121,16 @@ def decode_json(data: object, wire: DataType, shape: list[int], field: str) -> n
             raise InvalidInputError(f"{field}: BOOL data must be true/false")
     elif arr.dtype.kind not in "iuf" and arr.size:
         raise InvalidInputError(f"{field}: values must be numbers, got {_kind_name(arr)}")
-    elif wire.is_integer and arr.dtype.kind == "f":
-        exact = exact_integers(data, arr, floats=False, field=field)
-        if exact is None:
-            # Integers past int64 (2^63, -2^63 - 1) come out of numpy as floats: whole, they are out of range.
-            if arr.size and np.array_equal(arr, np.trunc(arr)) and not _fits(arr, wire.wire_dtype):
-                raise InvalidInputError(f"{field}: values beyond the range of {wire.value}")
-            raise InvalidInputError(f"{field}: {wire.value} data must be integers")
-        arr = exact
+    else:
+        refuse_booleans(data, arr, f"{field}: {wire.value} data must be numbers")
+        if wire.is_integer and arr.dtype.kind == "f":
+            exact = exact_integers(data, arr, floats=False, field=field)
+            if exact is None:
+                # Integers past int64 (2^63, -2^63 - 1) come out of numpy as floats: whole, they are out of range.
+                if arr.size and np.array_equal(arr, np.trunc(arr)) and not _fits(arr, wire.wire_dtype):
+                    raise InvalidInputError(f"{field}: values beyond the range of {wire.value}")
+                raise InvalidInputError(f"{field}: {wire.value} data must be integers")
+            arr = exact
     if arr.size != element_count(shape):
         raise InvalidInputError(f"{field}: {arr.size} values, but shape {shape} holds {element_count(shape)}")
     if arr.ndim > 1 and list(arr.shape) != shape:
@@ -248,10 +251,20 @@ def decode_samples(samples: Any, spec: TensorSpec, field: str = "inputs") -> np.
         return arr
     if arr.dtype.kind not in "iuf":
         raise InvalidInputError(f"{field}: values must be numbers, got {_kind_name(arr)}")
+    refuse_booleans(samples, arr, f"{field}: the {spec.name!r} input takes numbers ({spec.datatype.value})")
     if spec.datatype.numpy.kind in "iu" and arr.dtype.kind == "f":
         exact = exact_integers(samples, arr, floats=True, field=field)
         arr = arr if exact is None else exact
     return cast_json_numbers(arr, spec.datatype.numpy, field)
+
+
+def refuse_booleans(data: Any, arr: np.ndarray, wanted: str) -> None:
+    """A 400 (``wanted``, then what came) where JSON ``data``, numbers as numpy read them (``arr``), holds a ``true``
+    or ``false``: numpy reads one beside numbers as 1 or 0 (a token id 1), and alone as booleans, which are refused as
+    not numbers. Only where the body may hold one (:data:`~halfserve.api.dataplane.bounds.JSON_LITERALS`): the look
+    is at every value's type."""
+    if arr.size and JSON_LITERALS.get() and bool in map(type, np.asarray(data, dtype=object).ravel()):
+        raise InvalidInputError(f"{wanted}, got true or false")
 
 
 def exact_integers(data: list[Any], arr: np.ndarray, floats: bool, field: str) -> np.ndarray | None:
