@@ -6,7 +6,7 @@ come from :func:`samples`: the version's calibration samples where it has them (
 one tensor per input, rows first; ``halfserve import`` writes it), else :data:`RANDOM_SAMPLES` random samples of the
 declared input shapes, drawn the same way on every load.
 
-Each floating output is measured by what its kind of answer needs:
+Each output is measured by what its kind of answer needs:
 
 * class scores (the first output when the manifest has labels, else the first floating output of one dimension of 2
   or more): ``top1_agreement``, the share of samples whose highest score is at the same index in both; a sample with
@@ -20,7 +20,10 @@ Each floating output is measured by what its kind of answer needs:
   cosine similarity of a sample's half-precision row with its fp32 row; what such outputs are used for (nearest
   neighbours, a downstream head) depends on their direction far more than on each value;
 * outputs of one value per row (regression): ``max_rel_error``, the largest difference relative to the output's
-  largest fp32 magnitude on the samples (a scale-free figure that a value near zero cannot blow up).
+  largest fp32 magnitude on the samples (a scale-free figure that a value near zero cannot blow up);
+* integer and boolean outputs (an argmax, a class id, a mask), which a half precision computes from values it
+  rounded: counted in ``top1_agreement``, a sample agreeing only where every such value is fp32's too (a model whose
+  only output is its argmax had passed unmeasured).
 
 ``max_abs_error`` (the largest absolute difference over every floating output) is reported too. The default bar
 (:data:`DEFAULT_BAR`) holds each figure to what rounding alone gives a healthy model and keeps what a user would
@@ -200,6 +203,12 @@ def _floating(out: np.ndarray, names: list[str]) -> dict[str, np.ndarray]:
     return {n: f.reshape(len(f), -1).astype(np.float64) for n, f in fields.items() if f.dtype.kind == "f"}
 
 
+def _exact(out: np.ndarray, names: list[str]) -> dict[str, np.ndarray]:
+    """The integer and boolean outputs of an engine's rows by name (an argmax, a class id, a mask), each as rows."""
+    fields = {names[0]: out} if out.dtype.names is None else {n: out[n] for n in names}
+    return {n: f.reshape(len(f), -1) for n, f in fields.items() if f.dtype.kind in "iub"}
+
+
 def top1_agrees(want: np.ndarray, got: np.ndarray) -> np.ndarray:
     """Per row of class scores, whether ``got``'s top class is ``want``'s. NaN's argmax is its first NaN's index, so
     a row with a NaN agrees only where the other has its NaNs at the same places, and a top score finite in one and
@@ -284,6 +293,10 @@ def rows(want: np.ndarray, got: np.ndarray, manifest: Manifest) -> Rows:
         elif name != scores:
             diffs.append(np.where(np.isfinite(diff[:, 0]), diff[:, 0], math.inf))
             scales.append(np.abs(w[:, 0]))
+    exact = _exact(got, names)
+    for name, w in _exact(want, names).items():  # a class id computed from scores: the same answer or not
+        same = (w == exact[name]).all(1)
+        top1 = same if top1 is None else top1 & same
     rel_diff = np.stack(diffs, 1) if diffs else None
     rel_scale = np.stack(scales, 1) if scales else None
     return Rows(top1, cosine, abs_err, rel_diff, rel_scale)

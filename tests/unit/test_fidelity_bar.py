@@ -60,6 +60,26 @@ def test_unlabelled_class_scores_are_held_to_cosine_too_labelled_ones_to_top1_al
     assert shortfall(f, DEFAULT_BAR) is None
 
 
+def test_integer_outputs_agree_only_where_every_value_is_fp32_s() -> None:
+    """A model whose only output is its argmax (or a class id beside its scores) had passed unmeasured: a half
+    precision computes such values from scores it rounded, and a changed id is a changed answer."""
+    argmax_only = manifest([{"name": "cls", "shape": [], "datatype": "INT64"}])
+    want = np.array([0, 1, 2, 1], np.int64)
+    f = fidelity.compare(want, np.array([0, 2, 2, 1], np.int64), argmax_only, Precision.BF16)
+    assert f.top1_agreement == 0.75
+    reason = shortfall(f, DEFAULT_BAR)
+    assert reason is not None
+    assert "top-1 agreement with fp32 is 0.7500" in reason
+    assert fidelity.compare(want, want.copy(), argmax_only, Precision.BF16).top1_agreement == 1.0
+    both = manifest([{"name": "y", "shape": [2]}, {"name": "ids", "shape": [2], "datatype": "INT64"}])
+    rows = np.dtype([("y", np.float32, (2,)), ("ids", np.int64, (2,))])
+    want_rows = np.array([([1.0, 0.0], [0, 1]), ([0.0, 1.0], [1, 1])], rows)
+    got_rows = want_rows.copy()
+    got_rows["ids"][1] = [1, 0]  # the scores' top holds in both rows; the second row's ids do not
+    f = fidelity.compare(want_rows, got_rows, both, Precision.BF16)
+    assert f.top1_agreement == 0.5
+
+
 def test_cosines_of_rows() -> None:
     w = np.array([[1.0, 0.0], [1.0, 1.0], [0.0, 0.0], [3.0, 4.0], [1.0, 2.0]])
     g = np.array([[0.0, 1.0], [2.0, 2.0], [0.0, 0.0], [0.0, 0.0], [np.inf, 2.0]])
