@@ -22,6 +22,9 @@ what counts as "too large" is the runner's call (the engine maps torch's out-of-
 A request's deadline is enforced by a timer: when it passes while any of the request's rows are still queued, the
 request is answered with :class:`DeadlineExceededError` at once and its queued rows never run; rows of it already in
 a running batch finish with that batch and are discarded. A request whose rows are all running is left to finish.
+Rows in a batch the runner holds before an instance takes it (a :class:`~halfserve.serving.HeldAnswer` not yet
+started: an instance process restarting) count as queued: the request is answered so, and the batch goes on for its
+other requests, the expired one's outputs discarded.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ from halfserve.serving import (
     BatchFailedError,
     BatchTooLargeError,
     DeadlineExceededError,
+    HeldAnswer,
     InstanceLostError,
     ModelNotReadyError,
     Outcome,
@@ -126,7 +130,8 @@ class Batcher:
         self._queued_rows = 0
         self._wakeup = asyncio.Event()
         self._slots = asyncio.Semaphore(concurrency)
-        self._inflight: set[asyncio.Task[None]] = set()
+        self._inflight: dict[asyncio.Task[None], _Launched] = {}
+        """Each batch task in flight, and the batch it has handed to the runner last (a part rerun, after a failure)."""
         self._closing = False
         self._task: asyncio.Task[None] | None = None
         self._answered_rows = 0
@@ -234,9 +239,12 @@ class Batcher:
 
     def _expire(self, req: Pending) -> None:
         """The deadline timer: answer ``req`` unless it is answered or all its rows are running."""
-        if req.future.done() or not req.remaining:
+        if req.future.done():
             return
-        started = req.taken
+        held = self._held_rows(req) if req.taken else 0
+        if not req.remaining and not held:
+            return
+        started = req.taken - held
         with contextlib.suppress(ValueError):
             self._queue.remove(req)
             self._queued_rows -= req.remaining
@@ -244,6 +252,15 @@ class Batcher:
         self.stats.expired += 1
         detail = f" ({started} of its {req.rows} rows had started; their outputs are discarded)" if started else ""
         req.future.set_exception(DeadlineExceededError(f"deadline passed while the request was queued{detail}"))
+
+    def _held_rows(self, req: Pending) -> int:
+        """Rows of ``req`` in batches the runner holds that no instance has taken yet (:class:`HeldAnswer`)."""
+        held = 0
+        for launched in self._inflight.values():
+            answer = launched.outcomes
+            if isinstance(answer, HeldAnswer) and not answer.done() and not answer.started():
+                held += sum(c.rows for c in launched.chunks if c.request is req)
+        return held
 
     async def _loop(self) -> None:
         loop = asyncio.get_running_loop()
@@ -260,9 +277,10 @@ class Batcher:
             # The batch goes to the runner here, not when its task first runs: an engine's run hands it to the
             # instance's thread at once, while the task's first step would wait behind every callback the event loop
             # has queued (the requests of the batch before, answering).
-            task = loop.create_task(self._execute(self._launch(chunks)))
-            self._inflight.add(task)
-            task.add_done_callback(self._inflight.discard)
+            launched = self._launch(chunks)
+            task = loop.create_task(self._execute(launched))
+            self._inflight[task] = launched
+            task.add_done_callback(self._inflight.pop)
 
     async def _next_batch(self) -> list[Chunk] | None:
         while True:
@@ -355,7 +373,11 @@ class Batcher:
     ) -> None:
         """Run one batch (``launched``: already handed to the runner); on failure, rerun its chunks in smaller batches
         until the failure is isolated. ``free`` is called once the runner has answered the whole batch."""
-        launched = launched or self._launch(chunks)
+        if launched is None:
+            launched = self._launch(chunks)
+            task = asyncio.current_task()
+            if task is not None and task in self._inflight:  # a part rerun: its rows' deadlines look at it now
+                self._inflight[task] = launched
         chunks = launched.chunks
         if launched.outcomes is None:
             return

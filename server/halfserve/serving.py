@@ -253,7 +253,25 @@ Outcome = np.ndarray | Output | Exception
 """What a runner gives back per chunk: its output rows, or the error that fails that chunk's request alone."""
 
 Runner = Callable[[list[np.ndarray]], Awaitable[Sequence[Outcome]]]
-"""Runs one batch, given as the chunks (row slices of requests) it is made of; one outcome per chunk."""
+"""Runs one batch, given as the chunks (row slices of requests) it is made of; one outcome per chunk. A batch whose
+answer is a plain awaitable started when the runner was called; one whose answer is a :class:`HeldAnswer` may not
+have."""
+
+
+class HeldAnswer(asyncio.Future[list[Outcome]]):
+    """A runner's answer for a batch its engine may hold before an instance takes it: instance processes
+    (:mod:`halfserve.isolated`) hold a batch while every process is restarting, and until the process it was sent to
+    takes it.
+
+    Until :meth:`started`, the batch's rows are as good as queued: a request's deadline that passes meanwhile answers
+    it as one in the queue does (:mod:`halfserve.batching`), and its rows' outputs are discarded; the batch's other
+    requests go on."""
+
+    __slots__ = ()
+
+    def started(self) -> bool:
+        """Whether an instance has taken the batch: from then on it runs to its end."""
+        return True
 
 
 class BatchTooLargeError(Exception):

@@ -191,6 +191,52 @@ async def test_a_process_killed_while_restarting_never_fails_a_request_with_500_
         assert (await predict(client, 1.0)).status_code == 200
 
 
+async def test_a_deadline_passing_while_the_batch_waits_for_a_restarting_process_is_a_504_and_the_rest_runs(
+    tmp_path: Path,
+) -> None:
+    code, gate, _ = save_crashing(tmp_path, max_delay_ms=10_000)  # a batch is cut once its 16 rows are queued
+    async with serving(processes(store=tmp_path / "store", code_path=[code], precision="fp32")) as client:
+        first = await pid_of(client)
+        gate.touch()  # every restart now holds while starting
+        os.kill(first, signal.SIGKILL)
+        await replaced(client, first)
+        batcher = served(client, "crashing").batcher
+        assert batcher is not None
+
+        def queued(n: int) -> Callable[[], Awaitable[bool]]:
+            async def check() -> bool:
+                return batcher.queued_rows == n
+
+            return check
+
+        def samples(n: int) -> list[list[float]]:
+            return [[1.0, 2.0, 3.0, float(i)] for i in range(n)]
+
+        plain = asyncio.ensure_future(client.post("/predict", json={"inputs": samples(4)}, timeout=DEADLINE_S))
+        await eventually(queued(4), "the request without a deadline queued")
+        body = {
+            "inputs": [{"name": "x", "shape": [4, 4], "datatype": "FP32", "data": sum(samples(4), [])}],
+            "parameters": {"timeout": 3_000_000},
+        }
+        v2 = asyncio.ensure_future(client.post("/v2/models/crashing/infer", json=body, timeout=DEADLINE_S))
+        await eventually(queued(8), "the V2 request queued")
+        headers = {"X-Request-Timeout-Ms": "3000"}
+        timed = client.post("/predict", json={"inputs": samples(8)}, headers=headers, timeout=DEADLINE_S)
+        # Its 8 rows fill the batch, cut at once and handed to the engine, which holds it for the restarting process.
+        answers = await asyncio.gather(timed, v2)
+        assert batcher.stats.queued_chunks == 3  # all three were cut into the batch: none expired in the queue
+        for r in answers:  # at their deadlines: no process had taken the batch, so it had not started
+            assert r.status_code == 504, r.text
+            assert r.json()["error"] == "deadline passed while the request was queued"
+        assert not plain.done()
+        await not_ready(client)  # answered while the process was still starting
+        gate.unlink()
+        r = await plain  # the rest of the batch ran once the process was up
+        assert r.status_code == 200, r.text
+        assert len(r.json()["outputs"]) == 4
+        assert (await model(client, "crashing"))["stats"]["instance_restarts"] == 1  # type: ignore[index]
+
+
 async def test_a_request_that_kills_its_process_fails_alone_and_the_process_restarts_at_once(tmp_path: Path) -> None:
     code, _, deaths = save_crashing(tmp_path, max_delay_ms=200)  # the eight requests make one batch
     async with serving(processes(store=tmp_path / "store", code_path=[code], precision="fp32")) as client:

@@ -17,12 +17,14 @@ from halfserve.serving import (
     BatchFailedError,
     BatchTooLargeError,
     DeadlineExceededError,
+    HeldAnswer,
     InstanceLostError,
     ModelNotReadyError,
     Outcome,
     Output,
     RequestTooLargeError,
 )
+from tests.waiting import until
 
 POISON = -1.0
 
@@ -263,6 +265,80 @@ async def test_a_request_whose_rows_all_started_is_left_to_finish() -> None:
     await asyncio.sleep(0.05)  # past the deadline, with every row in the running batch
     runner.gate.set()
     np.testing.assert_array_equal(await fut, rows(3) * 2)
+    assert batcher.stats.expired == 0
+    await batcher.stop()
+
+
+class Held(HeldAnswer):
+    """An answer the runner holds until the test says an instance took its batch (as instance processes hold one
+    while every process restarts)."""
+
+    __slots__ = ("chunks", "taken")
+
+    def __init__(self, chunks: list[np.ndarray]) -> None:
+        super().__init__(loop=asyncio.get_running_loop())
+        self.chunks, self.taken = chunks, False
+
+    def started(self) -> bool:
+        return self.taken
+
+    def run(self) -> None:
+        self.taken = True
+        self.set_result([c * 2 for c in self.chunks])
+
+
+class Holding:
+    """A runner whose every batch waits in a :class:`Held` answer."""
+
+    def __init__(self) -> None:
+        self.held: list[Held] = []
+
+    def __call__(self, chunks: list[np.ndarray]) -> Held:
+        self.held.append(Held(chunks))
+        return self.held[-1]
+
+
+async def test_a_deadline_passing_while_the_runner_holds_the_batch_answers_as_queued_and_the_batch_goes_on() -> None:
+    runner = Holding()
+    batcher = await started(Batcher(runner, max_batch_size=4, max_delay=0.0, max_queue_rows=64))
+    timed = batcher.enqueue(rows(2), deadline=time.monotonic() + 0.05)
+    plain = batcher.enqueue(rows(1, 100))  # no deadline: in the same batch
+    await until(timed.done, "answered at its deadline, with its batch still held: it had not started")
+    with pytest.raises(DeadlineExceededError) as caught:
+        timed.result()
+    assert str(caught.value) == "deadline passed while the request was queued"
+    [held] = runner.held
+    assert [len(c) for c in held.chunks] == [2, 1]
+    assert not plain.done()
+    held.run()  # an instance takes the batch: the other request is answered, the expired one's outputs discarded
+    np.testing.assert_array_equal((await plain).data, rows(1, 100) * 2)
+    assert batcher.stats.expired == 1
+    await batcher.stop()
+
+
+async def test_a_request_with_rows_taken_and_rows_held_counts_only_the_taken_as_started() -> None:
+    runner = Holding()
+    batcher = await started(Batcher(runner, max_batch_size=4, max_delay=0.0, max_queue_rows=64, concurrency=2))
+    big = batcher.enqueue(rows(6), deadline=time.monotonic() + 0.05)
+    await until(lambda: len(runner.held) == 2, "both batches handed to the runner")
+    runner.held[0].taken = True  # its first 4 rows started; the other 2 wait for an instance
+    await until(big.done, "answered at its deadline, 2 of its rows still held")
+    with pytest.raises(DeadlineExceededError, match=r"4 of its 6 rows had started"):
+        big.result()
+    for held in runner.held:
+        held.run()
+    await batcher.stop()
+
+
+async def test_a_request_whose_held_batch_an_instance_took_is_left_to_finish() -> None:
+    runner = Holding()
+    batcher = await started(Batcher(runner, max_batch_size=4, max_delay=0.0, max_queue_rows=64))
+    fut = batcher.enqueue(rows(3), deadline=time.monotonic() + 0.02)
+    await until(lambda: runner.held, "the batch handed to the runner")
+    runner.held[0].taken = True
+    await asyncio.sleep(0.05)  # past the deadline, with the batch taken
+    runner.held[0].run()
+    np.testing.assert_array_equal((await fut).data, rows(3) * 2)
     assert batcher.stats.expired == 0
     await batcher.stop()
 

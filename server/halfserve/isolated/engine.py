@@ -40,7 +40,7 @@ from halfserve.isolated.supervision import Supervisor
 from halfserve.isolated.wire import InstanceProcess
 from halfserve.manifest import OverflowPolicy, Precision
 from halfserve.placement import Placement, available_cores
-from halfserve.serving import HandlerPayload, InstanceLostError, ModelNotReadyError, Outcome, Output
+from halfserve.serving import HandlerPayload, HeldAnswer, InstanceLostError, ModelNotReadyError, Outcome, Output
 from halfserve.settings import Settings
 from halfserve.store import LoadedModel
 
@@ -57,16 +57,35 @@ def _weights_memfd(loaded: LoadedModel) -> int:
     return fd
 
 
-_Send = Callable[[InstanceProcess, asyncio.Future[Any]], None]
-"""An op for an instance process, sent once one is idle: a batch to run, or a handler batch."""
+_Send = Callable[[InstanceProcess, asyncio.Future[Any]], int]
+"""An op for an instance process, sent once one is idle: a batch to run, or a handler batch; returns the op's id."""
 
 
-def _run(instance: InstanceProcess, future: asyncio.Future[list[Outcome]], chunks: list[np.ndarray], raw: bool) -> None:
-    instance.send(chunks, future, raw)
+def _run(instance: InstanceProcess, future: asyncio.Future[list[Outcome]], chunks: list[np.ndarray], raw: bool) -> int:
+    return instance.send(chunks, future, raw)
 
 
-def _handle(instance: InstanceProcess, future: asyncio.Future[HandledOutcomes], payloads: list[HandlerPayload]) -> None:
-    instance.handle(payloads, future)
+def _handle(instance: InstanceProcess, future: asyncio.Future[HandledOutcomes], payloads: list[HandlerPayload]) -> int:
+    return instance.handle(payloads, future)
+
+
+class _Answer(HeldAnswer):
+    """A batch's answer from an instance process: started once the process it was sent to took it (noted its op's id
+    in shared memory); held, not started, while it waits for a process idle or restarting."""
+
+    __slots__ = ("_instance", "_op")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__(loop=loop)
+        self._instance: InstanceProcess | None = None
+        self._op = 0
+
+    def sent(self, instance: InstanceProcess | None, op: int = 0) -> None:
+        """Sent to ``instance`` as op ``op``; ``None``: held for the next process idle."""
+        self._instance, self._op = instance, op
+
+    def started(self) -> bool:
+        return self._instance is not None and self._instance.took(self._op)
 
 
 class ProcessEngine:
@@ -76,7 +95,9 @@ class ProcessEngine:
     :meth:`run` (the runner contract), :meth:`compute`, :meth:`batches`, :attr:`info`, the counters and :meth:`close`.
     Start one with :meth:`start`. A process that dies fails the batch it was running (the batcher isolates the fault as
     for any failed batch) and is restarted by its :attr:`supervisor`; the others go on serving. A batch sent to it
-    after it died, before its end was seen, had not started: it runs on the next process idle.
+    after it died, before its end was seen, had not started: it runs on the next process idle. Nor has a batch held
+    for a process (every one restarting) or sent to one that has not taken it yet: its answer says so
+    (:class:`~halfserve.serving.HeldAnswer`), and a request's deadline that passes meanwhile answers it as queued.
     """
 
     def __init__(
@@ -274,8 +295,9 @@ class ProcessEngine:
         return max_batch_size, len(self.instances)
 
     def run(self, chunks: list[np.ndarray]) -> asyncio.Future[list[Outcome]]:
-        """Send a batch to an idle instance process: the future of its outcomes (the runner contract)."""
-        future: asyncio.Future[list[Outcome]] = self._loop.create_future()
+        """Send a batch to an idle instance process: the future of its outcomes (the runner contract), a
+        :class:`~halfserve.serving.HeldAnswer` started once a process took the batch."""
+        future = _Answer(self._loop)
         self._dispatch(functools.partial(_run, chunks=chunks, raw=False), future)
         return future
 
@@ -315,6 +337,8 @@ class ProcessEngine:
                 self._waiting.appendleft((send, future))
             else:
                 self._waiting.append((send, future))
+            if isinstance(future, _Answer):
+                future.sent(None)  # not started: a deadline that passes meanwhile answers its request as queued
             return
         left = self.supervisor.backoff_left()
         if left is None:
@@ -333,8 +357,10 @@ class ProcessEngine:
         )
 
     def _give(self, instance: InstanceProcess, send: _Send, future: asyncio.Future[Any]) -> None:
-        send(instance, future)
+        op = send(instance, future)
         self._in_hand[instance] = (send, future)
+        if isinstance(future, _Answer):
+            future.sent(instance, op)
 
     def idle_again(self, instance: InstanceProcess) -> None:
         """An instance answered its batch: give it the next waiting one, or mark it idle."""

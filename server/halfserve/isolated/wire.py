@@ -120,6 +120,13 @@ class InstanceProcess(asyncio.Protocol):
     def busy(self) -> bool:
         return bool(self._pending)
 
+    def took(self, op: int) -> bool:
+        """Whether the process took op ``op`` (noted its id in shared memory): from then on, it runs it to its end."""
+        try:
+            return self.memory.taken >= op
+        except ValueError:  # unmapped: the process is gone, and an op it had not taken is held for the next one
+            return False
+
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's transports are not asyncio's classes
 
@@ -164,9 +171,10 @@ class InstanceProcess(asyncio.Protocol):
             self.side.close()
         self.owner.lost(self, was_alive, unrun)
 
-    def send(self, chunks: list[np.ndarray], future: asyncio.Future[list[Outcome]], raw: bool = False) -> None:
-        """Tell the process to run a batch; ``future`` gets the outcomes. Chunks in a front-end's shared memory are
-        named where they lie (:mod:`halfserve.ipc.exports`); the others are copied into the input region.
+    def send(self, chunks: list[np.ndarray], future: asyncio.Future[list[Outcome]], raw: bool = False) -> int:
+        """Tell the process to run a batch; ``future`` gets the outcomes; returns the op's id. Chunks in a
+        front-end's shared memory are named where they lie (:mod:`halfserve.ipc.exports`); the others are copied into
+        the input region.
 
         The input region is free: an instance has one batch at a time, and its rows were read before it answered.
         """
@@ -196,25 +204,27 @@ class InstanceProcess(asyncio.Protocol):
             for c, offset in copies:
                 np.copyto(self.memory.inputs(c.dtype, len(c), c.shape[1:], offset), c)
         head = {"op": "run", "dtype": descr(first.dtype), "shape": first.shape[1:], "chunks": places, "raw": raw}
-        self._send(head, parts, future)
+        return self._send(head, parts, future)
 
     def _send(
         self, head: dict[str, Any], parts: list[memoryview] | list[bytes], future: asyncio.Future[Any], extra: float = 0
-    ) -> None:
+    ) -> int:
         assert self.transport is not None
         self._next_id += 1
         head["id"] = self._next_id
         self._pending[self._next_id] = future
         self.transport.writelines(frame(head, *parts))
         self.watchdog.arm(self, extra)
+        return self._next_id
 
-    def handle(self, payloads: list[HandlerPayload], future: asyncio.Future[HandledOutcomes]) -> None:
-        """Tell the process to run a handler batch of ``payloads`` (:mod:`halfserve.isolated.handling`)."""
+    def handle(self, payloads: list[HandlerPayload], future: asyncio.Future[HandledOutcomes]) -> int:
+        """Tell the process to run a handler batch of ``payloads`` (:mod:`halfserve.isolated.handling`); returns the
+        op's id."""
         head, parts = handling.handle_frame(payloads)
         section = self.owner.handler
         # Its preprocess and postprocess may each take their time limit (answered 504 then) besides the forward.
         extra = 2 * section.timeout_s if section is not None else 0.0
-        self._send(head, parts, future, extra)
+        return self._send(head, parts, future, extra)
 
     def _hand(self, region: exports.ExportedRegion) -> None:
         """Send the process a region's descriptor (on the side channel, before the frame that names it)."""
