@@ -4,6 +4,7 @@ back-off after failed restarts, which the engine turns into a 503 with the time 
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
 import pytest
@@ -11,6 +12,7 @@ import pytest
 from halfserve.engine.protocol import EngineError
 from halfserve.isolated import supervision
 from halfserve.isolated.supervision import Supervisor
+from tests.waiting import until
 
 
 class FakeProcess:
@@ -19,6 +21,8 @@ class FakeProcess:
     def __init__(self, pid: int) -> None:
         self.pid = pid
         self.exitcode: int | None = None
+        self.exits_with: int | None = None
+        """The exit code it has once joined (reaped); until then, None, as for a process whose end is not seen yet."""
         self.killed = False
 
     def kill(self) -> None:
@@ -28,7 +32,8 @@ class FakeProcess:
         self.killed = True
 
     def join(self, timeout: float | None = None) -> None:
-        pass
+        if self.exits_with is not None:
+            self.exitcode = self.exits_with
 
     def is_alive(self) -> bool:
         return False
@@ -144,3 +149,19 @@ async def test_no_back_off_is_told_while_another_process_serves(monkeypatch: pyt
     assert told == []  # the other process takes the batches meanwhile
     assert watched.backoff_left() is None
     watched.close()
+
+
+@pytest.mark.parametrize(("code", "said"), [(-9, "was killed by SIGKILL"), (3, "exited with code 3")])
+async def test_a_process_that_dies_serving_is_logged_with_how_it_ended_once_reaped(
+    code: int, said: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    spawn = Spawner()
+    watching = supervisor(spawn, [])
+    await watching.start(1)
+    [instance] = spawn.spawned
+    instance.process.exits_with = code  # its socket closed before its exit code could be read (had logged "None")
+    instance.alive = False
+    with caplog.at_level(logging.ERROR, logger="halfserve.isolated.supervision"):
+        watching.lost(instance, was_ready=True)
+        await until(lambda: len(spawn.spawned) == 2, "the process restarted")
+    assert f"instance process 0 of model m (pid 1000) {said}; restarting it" in caplog.messages

@@ -12,6 +12,7 @@ import contextlib
 import logging
 import math
 import multiprocessing.process
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -55,9 +56,10 @@ class Supervised(Protocol):
 P = TypeVar("P", bound=Supervised)
 
 
-def end(process: multiprocessing.process.BaseProcess, timeout: float, what: str) -> None:
+def end(process: multiprocessing.process.BaseProcess, timeout: float, what: str) -> int | None:
     """Wait up to ``timeout`` for ``process`` to exit, then terminate it, then kill it; then release its pipe and
-    sentinel (``Process.close``) now, not when a garbage collection finds it."""
+    sentinel (``Process.close``) now, not when a garbage collection finds it. Returns its exit code (None: it would
+    not end)."""
     process.join(timeout)
     for step in (process.terminate, process.kill):
         if not process.is_alive():
@@ -70,8 +72,23 @@ def end(process: multiprocessing.process.BaseProcess, timeout: float, what: str)
         )
         step()
         process.join(KILL_TIMEOUT_S)
-    if not process.is_alive():
-        process.close()
+    if process.is_alive():
+        return None
+    code = process.exitcode
+    process.close()
+    return code
+
+
+def ending(code: int | None) -> str:
+    """How a process with exit code ``code`` ended, for a log line (a negative code is the signal that killed it)."""
+    if code is None:
+        return "exited (its exit code unknown)"
+    if code >= 0:
+        return f"exited with code {code}"
+    try:
+        return f"was killed by {signal.Signals(-code).name}"
+    except ValueError:
+        return f"was killed by signal {-code}"
 
 
 class Watchdog:
@@ -208,45 +225,45 @@ class Supervisor(Generic[P]):
         starting is :meth:`_respawn`'s to retry, with the backoff)."""
         if self.closing or not was_ready:
             return
-        code = instance.process.exitcode if instance.process is not None else None
-        log.error(
-            "instance process %d of model %s (pid %s) exited with %s; restarting it",
-            instance.index,
-            self.model,
-            instance.pid,
-            code,
-        )
         self.restarts += 1
-        self._schedule_respawn(instance.index, 0.0)
+        self._schedule_respawn(instance.index, 0.0, died=True)
 
-    def _schedule_respawn(self, index: int, delay: float) -> None:
-        """Restart instance process ``index`` after ``delay`` seconds."""
+    def _schedule_respawn(self, index: int, delay: float, died: bool = False) -> None:
+        """Restart instance process ``index`` after ``delay`` seconds (``died``: it died serving, which is logged
+        once it is reaped and its exit code known)."""
         if delay > 0:
             self._due[index] = self._loop.time() + delay
         else:
             self._starting.add(index)
-        task = self._loop.create_task(self._respawn(index, delay))
+        task = self._loop.create_task(self._respawn(index, delay, died))
         self._respawning.add(task)
         task.add_done_callback(self._respawning.discard)
 
-    async def _respawn(self, index: int, delay: float) -> None:
+    async def _respawn(self, index: int, delay: float, died: bool) -> None:
         try:
             await asyncio.sleep(delay)
         finally:
             self._due.pop(index, None)
         self._starting.add(index)
         try:
-            await self._restart(index)
+            await self._restart(index, died)
         finally:
             self._starting.discard(index)
 
-    async def _restart(self, index: int) -> None:
+    async def _restart(self, index: int, died: bool) -> None:
         if self.closing:
             return
-        old = self.instances[index].process
+        gone = self.instances[index]
+        old, code = gone.process, None
         if old is not None:  # reaped and its pipes released now, not at a garbage collection
             with contextlib.suppress(ValueError):  # already closed
-                await asyncio.to_thread(end, old, KILL_TIMEOUT_S, f"instance process {index} of model {self.model}")
+                what = f"instance process {index} of model {self.model}"
+                code = await asyncio.to_thread(end, old, KILL_TIMEOUT_S, what)
+        if died:
+            # Logged once reaped: when its socket closes, a process may not have ended yet, nor have an exit code.
+            log.error(
+                "instance process %d of model %s (pid %s) %s; restarting it", index, self.model, gone.pid, ending(code)
+            )
         try:
             instance = self._spawn(index)
             self.instances[index] = instance
