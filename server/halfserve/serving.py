@@ -148,6 +148,10 @@ class ServerResourceError(ServingError):
     """The server is out of a resource of its own (file descriptors, at its open-file limit) that the request needs:
     its shortage, not the client's mistake, and one that may pass as other clients' connections close."""
 
+    retry_after = 5
+    """The seconds a client is told to wait (``Retry-After``): a shortage passes as connections close, which takes
+    longer than a full queue's moment, and clients sent back sooner would only find it again."""
+
 
 _WIRE_ERRORS: dict[str, type[ServingError]] = {
     cls.__name__: cls

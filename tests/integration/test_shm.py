@@ -325,7 +325,7 @@ async def test_a_server_out_of_descriptors_answers_503_not_the_client_s_400(
             short = await register(client, "r", body)
         after = await register(client, "r", body)
     assert short.status_code == 503, short.text
-    assert short.headers["retry-after"] == "1"
+    assert short.headers["retry-after"] == "5"  # a shortage that passes as connections close, not in a moment
     assert short.json()["error"] == (
         f"cannot open shared memory {body['key']!r}: the server is out of file descriptors (Too many open files); "
         "its open-file limit is too low for its connections and max_shm_regions"

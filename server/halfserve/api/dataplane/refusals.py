@@ -80,7 +80,7 @@ def refused(e: Exception) -> Refused:
     if isinstance(e, InternalError):
         return Refused(Refusal.FAILED, f"internal error: {e}")
     if isinstance(e, ServerResourceError):
-        return Refused(Refusal.UNAVAILABLE, str(e), retry=True)
+        return Refused(Refusal.UNAVAILABLE, str(e), retry=True, retry_after=e.retry_after)
     if isinstance(e, QueueFullError):
         return Refused(Refusal.UNAVAILABLE, str(e), retry=True)
     if isinstance(e, RequestTooLargeError):
