@@ -31,11 +31,11 @@ from halfserve.serving import (
     Handled,
     HandlerPayload,
     InvalidInputError,
-    ModelNotReadyError,
     ModelState,
     Output,
     Prediction,
     Tensors,
+    not_serving,
 )
 from halfserve.store import LoadedModel
 
@@ -184,8 +184,7 @@ class ServedModel:
             # now served takes it where the signature is the same; otherwise the client is told to send it again.
             if successor is not None and successor.manifest.inputs == self.manifest.inputs:
                 return successor.submit(inputs, timeout)
-            state = "draining" if self.state is ModelState.READY else self.state.value  # released while ready
-            raise ModelNotReadyError(f"model {self.name!r} is {state}" + (f": {self.error}" if self.error else ""))
+            raise not_serving(self)
         if self.index_limits:
             check_indices(self.index_limits, self.manifest, inputs)
         x = self._input(inputs)

@@ -511,6 +511,13 @@ def why_model_not_ready(model: ModelHandle) -> str | None:
     return None
 
 
+def not_serving(model: ModelHandle) -> ModelNotReadyError:
+    """The refusal of a request to ``model`` while it takes none (loading, unloaded, failed; released while ready: the
+    server draining), in the words its queue answers with."""
+    state = "draining" if model.state is ModelState.READY else model.state.value
+    return ModelNotReadyError(f"model {model.name!r} is {state}" + (f": {model.error}" if model.error else ""))
+
+
 def check_ready(model: ModelHandle, version: str | None) -> None:
     """The readiness rule: return when ``model`` takes requests now, else raise why not, in Triton's words.
 

@@ -21,7 +21,7 @@ from PIL import Image
 from tritonclient.grpc import service_pb2
 
 from halfserve.settings import Settings
-from tests.conftest import free_port, save_photo_cnn, shm_key
+from tests.conftest import free_port, save_photo_cnn, save_tiny_mlp, shm_key
 from tests.integration.conftest import serving
 from tests.integration.test_shm import AUTH, TOKEN, register
 
@@ -190,3 +190,21 @@ async def test_a_photo_given_with_the_pixels_it_feeds_is_refused_in_the_same_wor
     assert twice.status_code == 400
     assert twice.json()["error"] == "inputs[1].name: input 'photo' is given twice"
     assert alone.status_code == 200, alone.text  # the check is on the pairing, not on the photo
+
+
+async def test_torchserve_s_inference_api_answers_an_unloaded_model_s_state_before_judging_the_body(
+    tmp_path: Path,
+) -> None:
+    save_photo_cnn(tmp_path)
+    save_tiny_mlp(tmp_path)  # takes no images: had answered "model 'tiny' takes no images" once unloaded too
+    async with serving(Settings(store=tmp_path, precision="fp32", admin_token=TOKEN)) as client:
+        for name in ("photo", "tiny"):
+            assert (await client.post(f"/v2/repository/models/{name}/unload", headers=AUTH)).status_code == 200
+        answers = {
+            (name, len(body)): await client.post(f"/predictions/{name}", content=body)
+            for name in ("photo", "tiny")
+            for body in (png(0), b"")
+        }
+    for (name, _), r in answers.items():  # whatever the body, as a photo model's well-formed request is answered
+        assert r.status_code == 503, r.text
+        assert r.json()["error"] == f"model {name!r} is unloaded"

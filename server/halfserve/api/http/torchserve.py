@@ -32,7 +32,7 @@ from halfserve.api.http import deps, multipart
 from halfserve.api.http.errors import RoutingShape, error_responses, json_ok
 from halfserve.api.http.limits import TIMEOUT_PARAMETER, client_timeout, raw_header, read_body
 from halfserve.api.http.telemetry import Endpoint, answered, metered, note
-from halfserve.serving import Interface, ModelHandle
+from halfserve.serving import Interface, ModelHandle, ModelState, not_serving
 
 router = APIRouter()
 
@@ -161,6 +161,10 @@ async def predictions(request: Request) -> Response:
         request, request.path_params["model"], None if version is None else version_named(version)
     )
     note(request, served)
+    if served.state in (ModelState.UNLOADED, ModelState.FAILED):
+        # Its state answers first, as V2's routes answer it: a body judged against the manifest of a version no longer
+        # served (one that takes no images) would read as the client's mistake.
+        raise not_serving(served)
     body = await read_body(request, settings.max_body_bytes)
     content_type = (raw_header(request, b"content-type") or b"").decode("latin-1")
     if multipart.is_multipart(content_type):
