@@ -1,8 +1,9 @@
 """Instance processes that die or hang, in-process app, real instance processes: readiness follows whether an instance
 can serve, a request never gets a 500 for a restart, a request that kills its process fails alone and the process is
-restarted at once, a request sent to a process already dead runs on the restarted one, a hung process is killed and
-restarted, requests during a restart's back-off are refused at once, and a precision switch whose new process dies
-while starting fails as a load does."""
+restarted at once, a request sent to a process already dead runs on the restarted one, a request whose deadline
+passes while its batch waits for a restarting process is answered 504 (HTTP and gRPC) as in the queue while the rest of
+its batch runs, a hung process is killed and restarted, requests during a restart's back-off are refused at once, and
+a precision switch whose new process dies while starting fails as a load does."""
 
 from __future__ import annotations
 
@@ -17,9 +18,11 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+import grpc
 import httpx
 import pytest
 import torch
+from tritonclient.grpc import service_pb2
 
 from halfserve import store
 from halfserve.execution import Batching
@@ -27,6 +30,7 @@ from halfserve.isolated import supervision
 from halfserve.isolated.engine import ProcessEngine
 from halfserve.isolated.wire import InstanceProcess
 from halfserve.manifest import Manifest, TensorSpec
+from tests.conftest import free_port
 from tests.integration.conftest import serving
 from tests.integration.test_faults import served
 from tests.integration.test_isolated import AUTH, model, processes
@@ -195,7 +199,11 @@ async def test_a_deadline_passing_while_the_batch_waits_for_a_restarting_process
     tmp_path: Path,
 ) -> None:
     code, gate, _ = save_crashing(tmp_path, max_delay_ms=10_000)  # a batch is cut once its 16 rows are queued
-    async with serving(processes(store=tmp_path / "store", code_path=[code], precision="fp32")) as client:
+    port = free_port()
+    settings = processes(
+        store=tmp_path / "store", code_path=[code], precision="fp32", grpc=True, grpc_port=port, host="127.0.0.1"
+    )
+    async with serving(settings) as client, grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
         first = await pid_of(client)
         gate.touch()  # every restart now holds while starting
         os.kill(first, signal.SIGKILL)
@@ -203,31 +211,43 @@ async def test_a_deadline_passing_while_the_batch_waits_for_a_restarting_process
         batcher = served(client, "crashing").batcher
         assert batcher is not None
 
-        def queued(n: int) -> Callable[[], Awaitable[bool]]:
+        async def queued(n: int, what: str) -> None:
             async def check() -> bool:
                 return batcher.queued_rows == n
 
-            return check
+            await eventually(check, what)
 
-        def samples(n: int) -> list[list[float]]:
-            return [[1.0, 2.0, 3.0, float(i)] for i in range(n)]
-
-        plain = asyncio.ensure_future(client.post("/predict", json={"inputs": samples(4)}, timeout=DEADLINE_S))
-        await eventually(queued(4), "the request without a deadline queued")
+        rows = [[1.0, 2.0, 3.0, float(i)] for i in range(4)]
+        plain = asyncio.ensure_future(client.post("/predict", json={"inputs": rows}, timeout=DEADLINE_S))
+        await queued(4, "the request without a deadline queued")
         body = {
-            "inputs": [{"name": "x", "shape": [4, 4], "datatype": "FP32", "data": sum(samples(4), [])}],
+            "inputs": [{"name": "x", "shape": [4, 4], "datatype": "FP32", "data": sum(rows, [])}],
             "parameters": {"timeout": 3_000_000},
         }
         v2 = asyncio.ensure_future(client.post("/v2/models/crashing/infer", json=body, timeout=DEADLINE_S))
-        await eventually(queued(8), "the V2 request queued")
+        await queued(8, "the V2 request queued")
+        request = service_pb2.ModelInferRequest(model_name="crashing")
+        request.inputs.add(name="x", datatype="FP32", shape=[4, 4]).contents.fp32_contents.extend(sum(rows, []))
+        request.parameters["timeout"].int64_param = 3_000_000
+        infer = channel.unary_unary(
+            "/inference.GRPCInferenceService/ModelInfer",
+            request_serializer=service_pb2.ModelInferRequest.SerializeToString,
+            response_deserializer=service_pb2.ModelInferResponse.FromString,
+        )
+        over_grpc = asyncio.ensure_future(infer(request, timeout=DEADLINE_S))
+        await queued(12, "the gRPC request queued")
         headers = {"X-Request-Timeout-Ms": "3000"}
-        timed = client.post("/predict", json={"inputs": samples(8)}, headers=headers, timeout=DEADLINE_S)
-        # Its 8 rows fill the batch, cut at once and handed to the engine, which holds it for the restarting process.
+        timed = client.post("/predict", json={"inputs": rows}, headers=headers, timeout=DEADLINE_S)
+        # Its rows fill the batch, cut at once and handed to the engine, which holds it for the restarting process.
         answers = await asyncio.gather(timed, v2)
-        assert batcher.stats.queued_chunks == 3  # all three were cut into the batch: none expired in the queue
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await over_grpc
+        assert batcher.stats.queued_chunks == 4  # all four were cut into the batch: none expired in the queue
         for r in answers:  # at their deadlines: no process had taken the batch, so it had not started
             assert r.status_code == 504, r.text
             assert r.json()["error"] == "deadline passed while the request was queued"
+        assert refused.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert refused.value.details() == "deadline passed while the request was queued"
         assert not plain.done()
         await not_ready(client)  # answered while the process was still starting
         gate.unlink()
