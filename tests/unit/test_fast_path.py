@@ -239,6 +239,7 @@ async def test_the_repository_gives_the_batcher_one_slot_per_instance(tmp_path: 
         "inductor_compile_seconds": 0.0,
         # Several instances run batches side by side, each on its own thread (a CPU's default: threads, not processes).
         "placement": "instance_threads",
+        "placement_changed": None,  # placed at load and kept
         "compile_cache": "off",  # nothing compiled, nothing cached
         "compile_cache_load_seconds": 0.0,
         "compiled_graphs": 0,
