@@ -1,10 +1,11 @@
 """A version's precision record: what its half precision measured against fp32, and under what conditions.
 
 ``halfserve import`` measures the version and writes ``<version>/precision.json``. A load reads it back: where the
-record was measured under the same conditions as the load (torch version, device kind, precision, fidelity bar and
-the version's files), the load trusts its figures instead of measuring again, so a start is as fast as a store allows;
-where any differs, or the file is missing, unreadable or too large, the load measures as it always has and says why.
-The load never writes the file (the store may be read-only when serving); its own record lives in memory.
+record was measured under the same conditions as the load (torch and halfserve versions, device kind, precision,
+fidelity bar, the version's files and the code that builds its model: :mod:`halfserve.codedigest`), the load trusts
+its figures instead of measuring again, so a start is as fast as a store allows; where any differs, or the file is
+missing, unreadable or too large, the load measures as it always has and says why. The load never writes the file
+(the store may be read-only when serving); its own record lives in memory.
 """
 
 from __future__ import annotations
@@ -22,10 +23,11 @@ from typing import Any
 import pydantic
 import torch
 
-from halfserve import storage, store
+from halfserve import codedigest, storage, store
 from halfserve.fidelity import Bar, Fidelity, caveat
 from halfserve.manifest import Manifest, Precision
 from halfserve.precision import DeviceKind
+from halfserve.version import __version__
 
 log = logging.getLogger(__name__)
 
@@ -69,10 +71,19 @@ class Conditions:
     """:meth:`halfserve.precision.DeviceKind.as_dict` of the device it runs on."""
     files_digest: str
     """sha256 over the version's files and the manifest fields that change what it computes (:func:`files_digest`)."""
+    code: str | None = field(default=None, kw_only=True)
+    """:func:`halfserve.codedigest.of` the architecture: the code that builds the model. ``None`` (a record written
+    before records held it, or code too large to digest) matches nothing, so such a record is measured again."""
+    halfserve: str | None = field(default=None, kw_only=True)
+    """The halfserve version that measured it (its own models' code, its casts and its measures)."""
 
     def differs(self, other: Conditions) -> list[str]:
         """The names of the conditions in which ``other`` is not this."""
-        return [name for name, _ in _NAMED if getattr(self, name) != getattr(other, name)]
+        return [
+            name
+            for name, _ in _NAMED
+            if getattr(self, name) != getattr(other, name) or (name == "code" and self.code is None)
+        ]
 
 
 _NAMED = [
@@ -81,6 +92,8 @@ _NAMED = [
     ("torch", "torch version"),
     ("device", "device kind"),
     ("files_digest", "version's files"),
+    ("code", "architecture's code"),
+    ("halfserve", "halfserve version"),
 ]
 
 
@@ -100,7 +113,15 @@ class PrecisionRecord(Conditions):
         return asdict(self)
 
     def conditions(self) -> Conditions:
-        return Conditions(self.precision, self.bar, self.torch, self.device, self.files_digest)
+        return Conditions(
+            self.precision,
+            self.bar,
+            self.torch,
+            self.device,
+            self.files_digest,
+            code=self.code,
+            halfserve=self.halfserve,
+        )
 
 
 _ADAPTER = pydantic.TypeAdapter(PrecisionRecord)
@@ -134,6 +155,8 @@ def conditions(
         torch=torch.__version__,
         device=device.as_dict(),
         files_digest=files_digest(version_dir, manifest),
+        code=codedigest.of(manifest.architecture),
+        halfserve=__version__,
     )
 
 

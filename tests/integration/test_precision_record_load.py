@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -145,3 +147,48 @@ async def test_a_version_without_a_record_measures_as_before(store_dir: Path) ->
         entry = await listed(client)
     assert entry["precision_record"]["check"] == "measured"  # type: ignore[index]
     assert entry["fidelity"]["samples"] == 64  # type: ignore[index]
+
+
+TEAM_NET = """
+    from torch import nn
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.l = nn.Linear(6, 4)
+
+        def forward(self, x):
+            return self.l(x)
+
+    def build() -> nn.Module:
+        return Net()
+"""
+
+
+async def test_a_record_of_code_since_changed_is_measured_again(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    code = tmp_path / "code"
+    code.mkdir()
+    (code / "opstale_net.py").write_text(textwrap.dedent(TEAM_NET))
+    store_dir = tmp_path / "store"
+    torch.manual_seed(0)
+    torch.save({"l.weight": torch.randn(4, 6), "l.bias": torch.randn(4)}, tmp_path / "w.pth")
+    args = ["import", str(tmp_path / "w.pth"), "--store", str(store_dir), "--name", "net", "--code-path", str(code)]
+    assert cli.main([*args, "--architecture", "opstale_net:build", "--input", "x:6", "--device", "cpu"]) == 0
+    assert json.loads((store_dir / "net" / "1" / "precision.json").read_text())["fidelity"]["top1_agreement"] == 1.0
+    # The team's edit: the same answers in fp32, none left in bf16 (1000 + x rounds x to a multiple of 4 there).
+    source = code / "opstale_net.py"
+    source.write_text(source.read_text().replace("self.l(x)", "self.l((x + 1000.0) - 1000.0)"))
+    del sys.modules["opstale_net"]  # as a restarted server imports it afresh
+    caplog.set_level(logging.INFO, logger="halfserve.repository")
+    settings = Settings(store=store_dir, code_path=[code], precision=Precision.BF16, mixed_search_seconds=0)
+    async with serving(settings) as client:
+        entry = await listed(client)
+    shown = entry["precision_record"]
+    assert isinstance(shown, dict)
+    assert shown["check"] == "remeasured"
+    assert shown["differs"] == ["code"]
+    assert entry["precision"] == "fp32"
+    assert "bf16 top-1 agreement with fp32" in str(entry["fp32_fallback"])
+    assert any("measured with another architecture's code" in r.getMessage() for r in caplog.records)

@@ -3,16 +3,22 @@ conditions, and a corrupt, oversized or foreign file refused as a record, never 
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
 import json
+import sys
+import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
-from halfserve import fidelity, models, precision, precision_record
+from halfserve import codedigest, fidelity, models, precision, precision_record
 from halfserve.importer import describe, import_model
 from halfserve.manifest import Precision, TensorSpec, load_manifest
 from halfserve.precision_record import RecordCheck, RecordError
+from halfserve.version import __version__
 
 MLP = {"in_features": 6, "hidden": [8], "out_features": 4}
 FEATURES = [TensorSpec(name="features", shape=[6])]
@@ -45,6 +51,8 @@ def test_import_writes_the_record_and_it_reads_back_whole(imported: Path) -> Non
     assert record.fidelity.source == "random"
     assert record.fp32_modules == []
     assert record.measured_at.endswith("+00:00")
+    assert record.code == codedigest.OWN  # halfserve's own model: its code is the version's
+    assert record.halfserve == __version__
     # the load under the same conditions trusts it
     check = precision_record.at_load(imported, conditions_now(imported), measure_always=False)
     assert check.check is RecordCheck.TRUSTED
@@ -60,6 +68,8 @@ def test_import_writes_the_record_and_it_reads_back_whole(imported: Path) -> Non
         ("precision", "fp16", "precision"),
         ("bar", {**fidelity.DEFAULT_BAR.as_dict(), "min_cosine": 0.5}, "bar"),
         ("files_digest", "0" * 64, "files_digest"),
+        ("code", "sha256:" + "0" * 64, "code"),
+        ("halfserve", "0.0.1", "halfserve"),
     ],
 )
 def test_a_record_measured_under_other_conditions_is_not_trusted(
@@ -111,3 +121,88 @@ def test_a_version_without_a_record_measures(imported: Path) -> None:
     check = precision_record.at_load(imported, conditions_now(imported), measure_always=False)
     assert check.check is RecordCheck.MEASURED
     assert check.shown(None) == {"check": "measured", "differs": [], "problem": None, "record": None, "caveat": None}
+
+
+def test_a_record_from_before_records_held_the_code_is_measured_again(imported: Path) -> None:
+    raw = json.loads((imported / "precision.json").read_text())
+    del raw["code"], raw["halfserve"]
+    (imported / "precision.json").write_text(json.dumps(raw))
+    check = precision_record.at_load(imported, conditions_now(imported), measure_always=False)
+    assert check.check is RecordCheck.REMEASURED
+    assert check.differs == ["code", "halfserve"]
+    assert "measured with another architecture's code, halfserve version" in check.why()
+
+
+@pytest.fixture
+def code_dir(tmp_path: Path) -> Iterator[Path]:
+    """A --code-path folder of the operator's, with a package and a single-file module beside a helper."""
+    folder = tmp_path / "code"
+    (folder / "opdigest_pkg" / "layers").mkdir(parents=True)
+    (folder / "opdigest_pkg" / "__init__.py").write_text("")
+    (folder / "opdigest_pkg" / "layers" / "__init__.py").write_text("SHIFT = 0.0\n")
+    net = """
+        from torch import nn
+
+        class Net(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.l = nn.Linear(6, 4)
+
+            def forward(self, x):
+                return self.l(x)
+
+        def build() -> nn.Module:
+            return Net()
+    """
+    (folder / "opdigest_pkg" / "net.py").write_text(textwrap.dedent(net))
+    (folder / "opdigest_one.py").write_text(textwrap.dedent(net))
+    (folder / "opdigest_helper.py").write_text("SCALE = 1.0\n")
+    importlib.invalidate_caches()
+    models.add_code_path([folder])
+    before = list(sys.path)
+    yield folder
+    sys.path[:] = before
+    for name in [m for m in sys.modules if m.startswith("opdigest_")]:
+        del sys.modules[name]
+
+
+@pytest.mark.parametrize(
+    ("architecture", "edited", "digested"),
+    [
+        ("opdigest_pkg.net:build", "opdigest_pkg/net.py", True),
+        ("opdigest_pkg.net:build", "opdigest_pkg/layers/__init__.py", True),  # a module of its package it imports
+        ("opdigest_pkg.net:build", "opdigest_helper.py", False),  # outside its package
+        ("opdigest_one:build", "opdigest_one.py", True),
+        ("opdigest_one:build", "opdigest_helper.py", True),  # a helper beside it it may import
+        ("opdigest_one:build", "opdigest_pkg/net.py", False),
+    ],
+)
+def test_the_operators_code_is_digested_so_an_edit_is_seen(
+    code_dir: Path, architecture: str, edited: str, digested: bool
+) -> None:
+    models.build(architecture)  # imported, as a load has built it
+    before = codedigest.of(architecture)
+    assert before is not None
+    assert before.startswith("sha256:")
+    assert codedigest.of(architecture) == before
+    path = code_dir / edited
+    path.write_text(path.read_text().replace("return self.l(x)", "return self.l((x + 1000.0) - 1000.0)") + "\n# 2\n")
+    assert (codedigest.of(architecture) != before) is digested
+
+
+def test_too_much_code_to_digest_is_never_trusted(code_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    models.build("opdigest_pkg.net:build")
+    monkeypatch.setattr(codedigest, "MAX_FILES", 2)  # the package holds 3 source files
+    assert codedigest.of("opdigest_pkg.net:build") is None
+    monkeypatch.setattr(codedigest, "MAX_FILES", 100)
+    monkeypatch.setattr(codedigest, "MAX_BYTES", 10)
+    assert codedigest.of("opdigest_pkg.net:build") is None
+    monkeypatch.undo()
+    under = conditions_of("opdigest_pkg.net:build")
+    untold = dataclasses.replace(under, code=None)
+    record = precision_record.measured(untold, fidelity.Fidelity(64, "bf16", 1.0, 0.0, None))
+    assert record.conditions().differs(untold) == ["code"]  # not even by a load that cannot tell either
+
+
+def conditions_of(architecture: str) -> precision_record.Conditions:
+    return precision_record.Conditions("bf16", {}, torch.__version__, {}, "0", code=codedigest.of(architecture))
