@@ -49,6 +49,7 @@ from halfserve import calibration, store
 from halfserve.engine.core import Engine
 from halfserve.execution import Compile
 from halfserve.manifest import FidelityBar, Manifest, Precision
+from halfserve.storage import StoreError
 
 CALIBRATION = calibration.CALIBRATION
 RANDOM_SAMPLES = calibration.RANDOM_SAMPLES
@@ -348,9 +349,47 @@ def measure(
         want = _run(reference, x, batch)
     finally:
         reference.close()
+    if (broken := unanswerable(want, loaded.manifest, source)) is not None:
+        raise UnanswerableError(f"{loaded.path}: {broken}", broken)
     got = _run(served, x, batch)
     measured = rows(want, got, loaded.manifest)
     return summarize(measured, served.precision, source, round(time.perf_counter() - started, 3))
+
+
+class UnanswerableError(StoreError):
+    """fp32's own answers on the samples at load are NaN in every row: no answer of the model can be trusted."""
+
+    def __init__(self, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+        """The message without the checkpoint's path."""
+
+
+def unanswerable(want: np.ndarray, manifest: Manifest, source: Source) -> str | None:
+    """Why ``manifest``'s model is not to be served, where ``want`` (fp32's output rows on the samples at load) holds,
+    in every row, a NaN or no finite value at all (a NaN running statistic, a forward that always returns NaN); a
+    share less than every row is left to the model (a log of a negative input answers NaN for that input alone), and
+    an infinity beside finite values may be by design (a mask's -inf)."""
+    floating = _floating(want, [t.name for t in manifest.outputs])
+    if not floating or not len(want):
+        return None
+    nan = np.zeros(len(want), dtype=bool)
+    finite = np.zeros(len(want), dtype=bool)
+    for f in floating.values():
+        nan |= np.isnan(f).any(1)
+        finite |= np.isfinite(f).any(1)
+    if not (nan | ~finite).all():
+        return None
+    hint = (
+        "; if the model takes only some values, give calibration samples of its real inputs"
+        if source is Source.RANDOM
+        else ""
+    )
+    return (
+        f"in fp32 the model answers NaN or nothing finite for every one of the {len(want)} {source.value} "
+        f"samples, so every answer would be NaN: the checkpoint is damaged (a training run that diverged?) or the "
+        f"forward is broken{hint}"
+    )
 
 
 def shortfall(fidelity: Fidelity, held_to: Bar) -> str | None:

@@ -236,6 +236,8 @@ def import_model(
             raise ImportFailure(f"--architecture: {e}") from None
         module = store.build(model_dir, draft, source.parent)
         store.load_weights(module, read_state_dict(source), source, architecture)
+    if (why := store.damaged(module)) is not None:  # named as the file given, before anything is written
+        raise ImportFailure(f"{source}: {why}")
     module = module.float().eval()
     if draft.handler is not None:  # built once here, so a handler that cannot be built is refused before writing
         try:
@@ -277,7 +279,10 @@ def import_model(
                 shutil.copyfile(tokenizer, stage.path / tokenizer.name)
         given.save(stage.path)
         on = device or precision.default_device()
-        measured, loaded, rows = _measure(model_dir, manifest, stage.path, on)
+        try:
+            measured, loaded, rows = _measure(model_dir, manifest, stage.path, on)
+        except fidelity.UnanswerableError as e:
+            raise ImportFailure(f"{source}: {e.reason}") from None
         held_to = fidelity.bar(manifest)
         half = Precision(measured.precision)
         under = precision_record.conditions(stage.path, manifest, half, held_to, precision.device_kind(on))

@@ -137,6 +137,8 @@ class LoadFidelity:
             measured = await asyncio.to_thread(
                 fidelity.measure, engine, loaded, samples.rows, served.batching.max_batch_size, samples.source
             )
+        except fidelity.UnanswerableError:
+            raise  # fp32's own answers: no precision serves this model
         except Exception as e:
             if samples.source is not fidelity.Source.RANDOM:
                 raise  # the operator's own samples fail the model: as any load failure

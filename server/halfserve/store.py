@@ -46,12 +46,14 @@ __all__ = [
     "LoadedModel",
     "build",
     "check_architecture",
+    "damaged",
     "from_weights_bytes",
     "key_mismatch",
     "load",
     "load_folder",
     "load_weights",
     "manifest_bytes",
+    "nonfinite_buffer",
     "nonfinite_parameter",
     "save",
     "weights_bytes",
@@ -93,11 +95,8 @@ def load_folder(model_dir: Path, manifest: Manifest, version_dir: Path, version:
     except Exception as e:  # safetensors raises its own error types for corrupt headers
         raise StoreError(f"{path}: cannot read safetensors checkpoint ({e})") from None
     load_weights(module, state, path, manifest.architecture)
-    if (bad := nonfinite_parameter(module)) is not None:
-        raise StoreError(
-            f"{path}: parameter {bad!r} holds NaN or infinite values: the checkpoint is damaged (a training run that "
-            "diverged?), and every answer would be NaN"
-        )
+    if (why := damaged(module)) is not None:
+        raise StoreError(f"{path}: {why}")
     return LoadedModel(manifest=manifest, version=version, module=module.float().eval(), path=path)
 
 
@@ -107,6 +106,36 @@ def nonfinite_parameter(module: nn.Module) -> str | None:
     with torch.no_grad():
         for name, param in module.named_parameters():
             if param.is_floating_point() and not bool(torch.isfinite(param).all()):
+                return name
+    return None
+
+
+def damaged(module: nn.Module) -> str | None:
+    """Why ``module``'s weights cannot give a finite answer (a parameter or buffer that holds NaN where none may:
+    :func:`nonfinite_parameter`, :func:`nonfinite_buffer`), or None."""
+    for kind, bad in (("parameter", nonfinite_parameter(module)), ("buffer", nonfinite_buffer(module))):
+        if bad is not None:
+            return (
+                f"{kind} {bad!r} holds NaN or infinite values: the checkpoint is damaged (a training run that "
+                "diverged?), and every answer would be NaN"
+            )
+    return None
+
+
+RUNNING_STATISTICS = ("running_mean", "running_var")
+"""A normalization layer's buffers, finite in any model that trained: an infinity there is damage, as in a weight."""
+
+
+def nonfinite_buffer(module: nn.Module) -> str | None:
+    """The name of ``module``'s first floating buffer holding a NaN (no design puts one there: a BatchNorm's
+    ``running_var`` of a diverged run), or a running statistic (:data:`RUNNING_STATISTICS`) holding an infinity, or
+    None. An infinity in another buffer may be by design (an attention mask's ``-inf``)."""
+    with torch.no_grad():
+        for name, buffer in module.named_buffers():
+            if not buffer.is_floating_point():
+                continue
+            statistic = name.rpartition(".")[2] in RUNNING_STATISTICS
+            if bool(torch.isnan(buffer).any()) or (statistic and not bool(torch.isfinite(buffer).all())):
                 return name
     return None
 

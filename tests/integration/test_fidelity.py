@@ -18,6 +18,7 @@ from halfserve.manifest import Manifest, TensorSpec, load_manifest
 from halfserve.settings import Settings
 from tests.conftest import save_tiny_mlp
 from tests.integration.conftest import serving
+from tests.integration.test_padding_invariance import listed, started
 
 
 def save_linear(root: Path, bias: float, min_agreement: float | None, samples: np.ndarray | None) -> Path:
@@ -167,3 +168,32 @@ def test_the_fp32_reference_is_eager_whatever_the_manifest_s_execution(tmp_path:
         np.testing.assert_allclose(reference.compute(x), want, rtol=1e-5, atol=1e-6)
     finally:
         reference.close()
+
+
+async def test_a_model_whose_fp32_answers_are_all_not_finite_fails_to_load_naming_why(tmp_path: Path) -> None:
+    """Finite weights that overflow fp32 for every input (a diverged run): every answer would be null, so the load
+    fails rather than serve them, and the other models serve."""
+    kwargs = {"in_features": 6, "hidden": [8], "out_features": 4}
+    module = models.build("mlp", **kwargs)
+    with torch.no_grad():
+        module.net[0].weight.copy_(torch.tensor([[1e30], [-1e30]]).repeat(4, 6))  # one row of each pair passes the ReLU
+        module.net[-1].weight.fill_(1e30)
+    manifest = Manifest(
+        name="diverged",
+        architecture="mlp",
+        arch_kwargs=kwargs,
+        inputs=[TensorSpec(name="x", shape=[6])],
+        outputs=[TensorSpec(name="y", shape=[4])],
+        precision="bf16",
+    )
+    vdir = store.save(tmp_path, manifest, module)
+    save_linear(tmp_path, 50.0, None, None)
+    async with started(Settings(store=tmp_path)) as client:
+        models_ = await listed(client)
+        assert (await client.post("/predict", json={"model": "lin", "inputs": [[1.0] * 4]})).status_code == 200
+    assert models_["lin"]["state"] == "ready"
+    assert models_["diverged"]["state"] == "failed"
+    assert str(models_["diverged"]["error"]).startswith(
+        f"{vdir / storage.WEIGHTS}: in fp32 the model answers NaN or nothing finite for every one of the 64 random "
+        "samples, so every answer would be NaN"
+    )

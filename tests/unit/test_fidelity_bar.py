@@ -148,3 +148,21 @@ def test_the_server_s_switch_from_flag_and_environment(monkeypatch: pytest.Monke
     monkeypatch.setenv("HALFSERVE_FIDELITY_BAR", "sometimes")
     with pytest.raises(ValidationError, match="fidelity_bar"):
         Settings()
+
+
+def test_answers_nan_or_not_finite_in_every_row_make_a_model_unanswerable() -> None:
+    m = manifest([{"name": "y", "shape": [3]}])
+    nan, inf = math.nan, math.inf
+    everywhere = np.array([[nan, 1.0, 2.0], [nan, nan, nan], [inf, -inf, inf]], np.float32)
+    why = fidelity.unanswerable(everywhere, m, fidelity.Source.RANDOM)
+    assert why is not None
+    assert why.startswith("in fp32 the model answers NaN or nothing finite for every one of the 3 random samples")
+    assert why.endswith("if the model takes only some values, give calibration samples of its real inputs")
+    calibrated = fidelity.unanswerable(everywhere, m, fidelity.Source.CALIBRATION)
+    assert calibrated is not None
+    assert "3 calibration samples" in calibrated
+    assert "give calibration samples" not in calibrated
+    # One row answered is the model's own range: a NaN for some inputs (a log of a negative one) is left to it.
+    assert fidelity.unanswerable(np.vstack([everywhere, [[0.0, 1.0, 2.0]]]), m, fidelity.Source.RANDOM) is None
+    # An infinity beside finite values may be by design (a mask's -inf).
+    assert fidelity.unanswerable(np.array([[-inf, 1.0, 2.0]] * 4, np.float32), m, fidelity.Source.RANDOM) is None

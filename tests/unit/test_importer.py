@@ -383,6 +383,47 @@ def test_an_input_shape_the_model_cannot_take_is_one_line(tmp_path: Path, capsys
     assert not (tmp_path / "s" / "n").exists()
 
 
+def diverged_mlp() -> nn.Module:
+    """An MLP whose finite weights overflow fp32 for every input: a training run that diverged."""
+    module = mlp()
+    with torch.no_grad():
+        first, last = module.net[0], module.net[-1]
+        first.weight.copy_(torch.tensor([[1e30], [-1e30]]).repeat(4, 6))  # one row of each pair passes the ReLU
+        last.weight.fill_(1e30)
+    return module
+
+
+def test_a_model_whose_fp32_answers_are_all_not_finite_is_refused_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    torch.save(diverged_mlp().state_dict(), tmp_path / "w.pth")
+    args = ["import", str(tmp_path / "w.pth"), "--store", str(tmp_path / "s"), "--name", "n", "--architecture", "mlp"]
+    assert cli.main([*args, "--arch-kwargs", json.dumps(MLP), "--input", "features:6", "--device", "cpu"]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith(
+        f"halfserve import: {tmp_path / 'w.pth'}: in fp32 the model answers NaN or nothing finite for every one of "
+        "the 64 random samples, so every answer would be NaN"
+    )
+    assert not (tmp_path / "s" / "n").exists()
+
+
+def test_a_checkpoint_holding_a_nan_buffer_is_refused_naming_the_file_given(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    state = models.build("small_cnn", width=4).state_dict()
+    state["features.1.running_var"][2] = float("nan")
+    torch.save(state, tmp_path / "w.pth")
+    args = ["import", str(tmp_path / "w.pth"), "--store", str(tmp_path / "s"), "--name", "n"]
+    args += ["--architecture", "small_cnn", "--arch-kwargs", '{"width": 4}', "--input", "image:FP32:1x8x8"]
+    assert cli.main(args) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line == (
+        f"halfserve import: {tmp_path / 'w.pth'}: buffer 'features.1.running_var' holds NaN or infinite values: the "
+        "checkpoint is damaged (a training run that diverged?), and every answer would be NaN"
+    )
+    assert not (tmp_path / "s" / "n").exists()
+
+
 def test_an_empty_state_dict_is_called_empty(tmp_path: Path) -> None:
     torch.save({}, tmp_path / "empty.pth")
     with pytest.raises(ImportFailure, match=r"empty\.pth: an empty state dict \(no tensors\)"):

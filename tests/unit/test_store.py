@@ -159,6 +159,42 @@ def test_a_buffer_may_hold_an_infinity_by_design() -> None:
     module = torch.nn.Linear(2, 2)
     module.register_buffer("mask", torch.tensor([0.0, -float("inf")]))  # as an attention mask does
     assert store.nonfinite_parameter(module) is None
+    assert store.nonfinite_buffer(module) is None
     with torch.no_grad():
         module.bias[1] = float("nan")
     assert store.nonfinite_parameter(module) == "bias"
+    module.mask[0] = float("nan")  # no design puts a NaN in a buffer
+    assert store.nonfinite_buffer(module) == "mask"
+
+
+@pytest.mark.parametrize(
+    ("buffer", "value"),
+    [("features.1.running_var", float("nan")), ("features.4.running_mean", float("inf"))],
+    ids=["nan-variance", "infinite-mean"],
+)
+def test_a_checkpoint_whose_running_statistics_are_not_finite_is_refused_naming_the_buffer(
+    tmp_path: Path, buffer: str, value: float
+) -> None:
+    """A BatchNorm's statistics from a diverged run: every answer would be NaN, as with a NaN weight."""
+    from safetensors.torch import load_file, save_file
+
+    from halfserve import models
+    from halfserve.manifest import Manifest, TensorSpec
+
+    manifest = Manifest(
+        name="cnn",
+        architecture="small_cnn",
+        arch_kwargs={"width": 4},
+        inputs=[TensorSpec(name="image", shape=[1, 8, 8])],
+        outputs=[TensorSpec(name="logits", shape=[10])],
+    )
+    vdir = store.save(tmp_path, manifest, models.build("small_cnn", width=4))
+    weights = load_file(vdir / storage.WEIGHTS)
+    weights[buffer][0] = value
+    save_file(weights, vdir / storage.WEIGHTS)
+    with pytest.raises(StoreError) as caught:
+        store.load(tmp_path, "cnn")
+    assert str(caught.value) == (
+        f"{vdir / storage.WEIGHTS}: buffer {buffer!r} holds NaN or infinite values: the checkpoint is damaged (a "
+        "training run that diverged?), and every answer would be NaN"
+    )
