@@ -118,6 +118,50 @@ def tiny_engines(root: Path) -> tuple[Engine, Engine]:
     return one, Engine(store.load(root, "pair"), Precision.FP32, cpu, max_batch_size=8)
 
 
+HALF_FAILS = "opcode_halffails"
+"""A module of the operator's whose model runs in fp32 and raises in a half precision: its forward casts a boolean
+input with ``.float()`` into weights of the half dtype."""
+
+
+@pytest.fixture
+def half_fails_code(tmp_path: Path) -> Iterator[Path]:
+    """A --code-path folder holding :data:`HALF_FAILS` (``opcode_halffails:build``: inputs ``ids`` INT64 [6] and
+    ``keep`` BOOL [6], output [3]); its module is forgotten afterwards."""
+    folder = tmp_path / "code"
+    folder.mkdir()
+    (folder / f"{HALF_FAILS}.py").write_text(
+        "from torch import nn\n\n\n"
+        "class Net(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.emb, self.out = nn.Embedding(50, 8), nn.Linear(8, 3)\n\n"
+        "    def forward(self, ids, keep):\n"
+        "        return self.out((self.emb(ids) * keep.unsqueeze(-1).float()).sum(1))\n\n\n"
+        "def build():\n"
+        "    return Net()\n"
+    )
+    yield folder
+    sys.modules.pop(HALF_FAILS, None)
+
+
+def save_half_fails(root: Path, **manifest_fields: object) -> Path:
+    """:data:`HALF_FAILS`'s model with random weights, saved through the real store code as ``halffails`` (its folder
+    must be on the code path: :func:`halfserve.models.add_code_path`)."""
+    torch.manual_seed(0)
+    fields: dict[str, object] = {
+        "name": "halffails",
+        "architecture": f"{HALF_FAILS}:build",
+        "inputs": [
+            TensorSpec(name="ids", datatype="INT64", shape=[6]),
+            TensorSpec(name="keep", datatype="BOOL", shape=[6]),
+        ],
+        "outputs": [TensorSpec(name="output", shape=[3])],
+        "precision": "bf16",
+        **manifest_fields,
+    }
+    return store.save(root, Manifest.model_validate(fields), models.build(f"{HALF_FAILS}:build"))
+
+
 @pytest.fixture
 def tiny_store(tmp_path: Path) -> Path:
     save_tiny_mlp(tmp_path)

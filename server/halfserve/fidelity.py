@@ -351,9 +351,21 @@ def measure(
         reference.close()
     if (broken := unanswerable(want, loaded.manifest, source)) is not None:
         raise UnanswerableError(f"{loaded.path}: {broken}", broken)
-    got = _run(served, x, batch)
+    try:
+        got = _run(served, x, batch)
+    except Exception as e:  # fp32 answered these samples: the half precision's failure, not the samples'
+        raise HalfForwardError(forward_fails(served.precision, e)) from e
     measured = rows(want, got, loaded.manifest)
     return summarize(measured, served.precision, source, round(time.perf_counter() - started, 3))
+
+
+class HalfForwardError(Exception):
+    """A half precision's forward raised where fp32's did not: a fidelity failure (the model is served in fp32)."""
+
+
+def forward_fails(precision: Precision, error: BaseException) -> str:
+    """Why a model whose forward in ``precision`` raised ``error`` is not served in it."""
+    return f"{precision.value} forward fails where fp32's does not: {type(error).__name__}: {error}"
 
 
 class UnanswerableError(StoreError):

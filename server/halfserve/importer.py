@@ -279,42 +279,65 @@ def import_model(
                 shutil.copyfile(tokenizer, stage.path / tokenizer.name)
         given.save(stage.path)
         on = device or precision.default_device()
+        held_to = fidelity.bar(manifest)
+        record, plan = None, None
+        measured: fidelity.Fidelity | None
+        shortfall: str | None
         try:
             measured, loaded, rows = _measure(model_dir, manifest, stage.path, on)
         except fidelity.UnanswerableError as e:
             raise ImportFailure(f"{source}: {e.reason}") from None
-        held_to = fidelity.bar(manifest)
-        half = Precision(measured.precision)
-        under = precision_record.conditions(stage.path, manifest, half, held_to, precision.device_kind(on))
-        record = precision_record.measured(under, measured)
-        precision_record.write(stage.path, record)
-        shortfall = fidelity.shortfall(measured, held_to) if held_to.check else None
-        if shortfall is not None and strict:
-            raise ImportFailure(f"--strict: below the fidelity bar: {shortfall}; nothing was written to {model_dir}")
-        plan = None
-        if shortfall is not None:
-            batch = min(64, fidelity.RANDOM_SAMPLES)
-            plan = mixed.find(loaded, half, on, held_to, mixed.IMPORT_LIMIT_S, batch, None, (), rows)
-            if plan.plan is not None:  # stored with the version: a load measures it again rather than searching
-                record = dataclasses.replace(record, fp32_modules=list(plan.plan.modules))
-                precision_record.write(stage.path, record)
+        except fidelity.HalfForwardError as e:  # nothing measured, so no record: a load finds it so again
+            measured, shortfall = None, _unrunnable(str(e), held_to, strict, model_dir)
+        else:
+            assert measured is not None
+            half = Precision(measured.precision)
+            under = precision_record.conditions(stage.path, manifest, half, held_to, precision.device_kind(on))
+            record = precision_record.measured(under, measured)
+            precision_record.write(stage.path, record)
+            shortfall = fidelity.shortfall(measured, held_to) if held_to.check else None
+            if shortfall is not None and strict:
+                raise ImportFailure(
+                    f"--strict: below the fidelity bar: {shortfall}; nothing was written to {model_dir}"
+                )
+            if shortfall is not None:
+                batch = min(64, fidelity.RANDOM_SAMPLES)
+                plan = mixed.find(loaded, half, on, held_to, mixed.IMPORT_LIMIT_S, batch, None, (), rows)
+                if plan.plan is not None:  # stored with the version: a load measures it again rather than searching
+                    record = dataclasses.replace(record, fp32_modules=list(plan.plan.modules))
+                    precision_record.write(stage.path, record)
         _copy_extra(extra_files or {}, stage.path)
         vdir = stage.install()
     except BaseException:
         stage.discard()  # a refused or failed import leaves no version behind, and no model folder it created
         raise
-    evaluation = {
-        "calibration_samples": measured.samples,
-        f"{half.value}_top1_agreement": measured.top1_agreement,
-        f"{half.value}_max_abs_error": measured.max_abs_error,
-        f"{half.value}_max_rel_error": measured.max_rel_error,
-        f"{half.value}_min_cosine": measured.min_cosine,
-    }
-    manifest = manifest.model_copy(update={"evaluation": evaluation})
+    if measured is not None:
+        half = Precision(measured.precision)
+        evaluation = {
+            "calibration_samples": measured.samples,
+            f"{half.value}_top1_agreement": measured.top1_agreement,
+            f"{half.value}_max_abs_error": measured.max_abs_error,
+            f"{half.value}_max_rel_error": measured.max_rel_error,
+            f"{half.value}_min_cosine": measured.min_cosine,
+        }
+        manifest = manifest.model_copy(update={"evaluation": evaluation})
     # After the version is in place: killed in between, the store holds the new version under the old manifest, and
     # the server passes over a version that does not load for the one before it.
     store.write_manifest(root, manifest)
     return Imported(vdir, manifest, given.source, measured, padded, shortfall, record, plan, dropped)
+
+
+def _unrunnable(reason: str, held_to: fidelity.Bar, strict: bool, model_dir: Path) -> str:
+    """Why the server will serve in fp32 a model whose half-precision forward raises (``reason``), or an
+    :class:`ImportFailure` where it would not serve it at all (its check off) or ``strict`` refuses it."""
+    if not held_to.check:
+        raise ImportFailure(
+            f"{reason}; its fidelity check is off, so the server would serve it in that precision alone and its load "
+            f"would fail: leave the check on to have it served in fp32; nothing was written to {model_dir}"
+        )
+    if strict:
+        raise ImportFailure(f"--strict: {reason}; nothing was written to {model_dir}")
+    return reason
 
 
 def _tokenizer(folder: Path, manifest: Manifest) -> Path | None:
@@ -503,6 +526,8 @@ def describe(result: Imported) -> str:
             "  WARNING: returned by the forward but not served (clients will not get it): " + "; ".join(result.dropped)
         )
     f = result.fidelity
+    if f is None and result.shortfall is not None:
+        lines.append(f"  WARNING: {result.shortfall}: the server serves it in fp32")
     if f is None:
         return "\n".join(lines)
     lines.append(f"  {f.precision} vs fp32 on {f.samples} {f.source} samples: {_figures(f)}")

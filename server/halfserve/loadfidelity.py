@@ -63,7 +63,12 @@ class LoadFidelity:
         else:
             log.info("model %s: %s measured against fp32 at load: %s", served.name, half, record.why())
             samples = await asyncio.to_thread(fidelity.samples, loaded)
-            reason, own = await self._measure(served, loaded, engine, held_to, samples, record.under)
+            try:
+                reason, own = await self._measure(served, loaded, engine, held_to, samples, record.under)
+            except fidelity.HalfForwardError as e:
+                served.precision_record = record.shown(None)
+                engine.close()
+                return await self.unrunnable(served, loaded, engine.precision, held_to, str(e))
         served.precision_record = record.shown(own)
         if reason is None:
             if served.fidelity is not None and (open_question := fidelity.caveat(served.fidelity)) is not None:
@@ -82,6 +87,17 @@ class LoadFidelity:
         )
         served.fp32_fallback = reason
         engine.close()
+        return await self._engine(served, loaded, Precision.FP32)
+
+    async def unrunnable(
+        self, served: ServedModel, loaded: LoadedModel, half: Precision, held_to: fidelity.Bar, reason: str
+    ) -> ModelEngine:
+        """An fp32 engine for a model whose forward in ``half`` raises (``reason``): a fidelity failure, shown and
+        logged as one; no mixed-precision plan is searched (each try would run the forward that raises)."""
+        served.fidelity_bar = held_to.as_dict()
+        served.fidelity_shortfall, served.shortfall_precision = reason, half
+        log.warning("model %s is served in fp32, not %s: %s", served.name, half.value, reason)
+        served.fp32_fallback = reason
         return await self._engine(served, loaded, Precision.FP32)
 
     async def _mixed_plan(
@@ -137,8 +153,8 @@ class LoadFidelity:
             measured = await asyncio.to_thread(
                 fidelity.measure, engine, loaded, samples.rows, served.batching.max_batch_size, samples.source
             )
-        except fidelity.UnanswerableError:
-            raise  # fp32's own answers: no precision serves this model
+        except (fidelity.UnanswerableError, fidelity.HalfForwardError):
+            raise  # fp32's own answers (no precision serves the model), or the half forward's failure (fp32 does)
         except Exception as e:
             if samples.source is not fidelity.Source.RANDOM:
                 raise  # the operator's own samples fail the model: as any load failure

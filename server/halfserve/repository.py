@@ -10,6 +10,7 @@ from collections.abc import Callable
 from halfserve import (
     calibration,
     compilecache,
+    fidelity,
     handlers,
     livefidelity,
     outputcheck,
@@ -244,8 +245,20 @@ class ModelRepository:
         await self._check_padding(served, loaded)
         await asyncio.to_thread(outputcheck.at_load, loaded)  # a manifest that lies to clients fails here, not requests
         served.index_limits = await asyncio.to_thread(index_limits, loaded.module, loaded.manifest)
-        engine = await self._engine(served, loaded, precision)
         held_to = self._fidelity.held_to(loaded.manifest)
+        try:
+            engine = await self._engine(served, loaded, precision)
+        except Exception as e:  # its warm-up: the model's forward in that precision (fp32's ran in outputcheck)
+            half = prec.resolve(precision, self.device)
+            if half is Precision.FP32:
+                raise
+            reason = fidelity.forward_fails(half, e)
+            if held_to is None:  # served in its half precision unmeasured, as the operator asked: it cannot be
+                raise StoreError(
+                    f"{reason}; the fidelity check is off for it, so it is served in {half.value} or not at all: "
+                    "serve it in fp32 (--precision fp32, or the manifest's precision), or turn the check on"
+                ) from None
+            engine = await self._fidelity.unrunnable(served, loaded, half, held_to, reason)
         if engine.precision is not Precision.FP32 and held_to is not None:
             try:
                 engine = await self._fidelity.check(served, loaded, engine, held_to)

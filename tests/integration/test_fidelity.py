@@ -16,7 +16,7 @@ from halfserve.execution import Batching, Execution
 from halfserve.fidelity import CALIBRATION
 from halfserve.manifest import Manifest, TensorSpec, load_manifest
 from halfserve.settings import Settings
-from tests.conftest import save_tiny_mlp
+from tests.conftest import save_half_fails, save_tiny_mlp
 from tests.integration.conftest import serving
 from tests.integration.test_padding_invariance import listed, started
 
@@ -197,3 +197,37 @@ async def test_a_model_whose_fp32_answers_are_all_not_finite_fails_to_load_namin
         f"{vdir / storage.WEIGHTS}: in fp32 the model answers NaN or nothing finite for every one of the 64 random "
         "samples, so every answer would be NaN"
     )
+
+
+@pytest.mark.parametrize("warmup", [True, False], ids=["its-warm-up-raises", "its-measurement-raises"])
+async def test_a_model_whose_half_forward_raises_is_served_in_fp32_with_the_reason(
+    tmp_path: Path, half_fails_code: Path, warmup: bool
+) -> None:
+    models.add_code_path([half_fails_code])
+    root = tmp_path / "store"
+    save_half_fails(root)
+    body = {"model": "halffails", "inputs": {"ids": [[1, 2, 3, 4, 5, 6]], "keep": [[True] * 6]}}
+    async with serving(Settings(store=root, code_path=[half_fails_code], warmup=warmup)) as client:
+        entry = await listing(client)
+        assert (await client.post("/predict", json=body)).status_code == 200
+    assert entry["precision"] == "fp32"
+    assert entry["precision_source"] == "fidelity_fallback"
+    assert str(entry["fp32_fallback"]).startswith("bf16 forward fails where fp32's does not: RuntimeError: ")
+    assert entry["fidelity_shortfall"] == entry["fp32_fallback"]
+
+
+async def test_a_model_whose_half_forward_raises_unmeasured_fails_to_load_naming_why(
+    tmp_path: Path, half_fails_code: Path
+) -> None:
+    """Its fidelity check off, the operator asked for bf16 unmeasured: there is nothing else to serve."""
+    models.add_code_path([half_fails_code])
+    root = tmp_path / "store"
+    save_half_fails(root, fidelity={"check": False})
+    save_tiny_mlp(root)
+    async with started(Settings(store=root, code_path=[half_fails_code])) as client:
+        models_ = await listed(client)
+    assert models_["tiny"]["state"] == "ready"
+    assert models_["halffails"]["state"] == "failed"
+    error = str(models_["halffails"]["error"])
+    assert error.startswith("bf16 forward fails where fp32's does not: RuntimeError: ")
+    assert "the fidelity check is off for it, so it is served in bf16 or not at all" in error

@@ -16,6 +16,7 @@ from halfserve import cli, fidelity, models, storage, store
 from halfserve.importer import ImportFailure, derive_outputs, describe, import_model, read_state_dict
 from halfserve.importflags import parse_tensor, with_format
 from halfserve.manifest import DataType, InputFormat, Manifest, TensorSpec
+from tests.conftest import HALF_FAILS
 
 MLP = {"in_features": 6, "hidden": [8], "out_features": 4}
 FEATURES = [TensorSpec(name="features", shape=[6])]
@@ -474,3 +475,38 @@ def test_outputs_the_forward_does_not_return_as_declared_are_refused(
     # Declared as the forward returns them, the same weights import.
     assert cli.main([*args, "--output", "logits:FP32:4", "--device", "cpu"]) == 0
     assert [t.shape for t in store.load(tmp_path / "s", "n").manifest.outputs] == [[4]]
+
+
+@pytest.mark.parametrize(
+    ("flags", "said"),
+    [
+        ([], None),
+        (["--strict"], "halfserve import: --strict: bf16 forward fails where fp32's does not: RuntimeError: "),
+        (
+            ["--fidelity", '{"check": false}'],
+            "halfserve import: bf16 forward fails where fp32's does not: RuntimeError",
+        ),
+    ],
+    ids=["served-in-fp32", "strict", "check-off"],
+)
+def test_a_model_whose_half_forward_raises_is_a_fidelity_failure_not_a_traceback(
+    tmp_path: Path, half_fails_code: Path, capsys: pytest.CaptureFixture[str], flags: list[str], said: str | None
+) -> None:
+    models.add_code_path([half_fails_code])
+    torch.save(models.build(f"{HALF_FAILS}:build").state_dict(), tmp_path / "w.pth")
+    args = ["import", str(tmp_path / "w.pth"), "--store", str(tmp_path / "s"), "--name", "n", "--code-path"]
+    args += [str(half_fails_code), "--architecture", f"{HALF_FAILS}:build", "--input", "ids:INT64:6"]
+    args += ["--input", "keep:BOOL:6", "--device", "cpu", *flags]
+    code = cli.main(args)
+    out, err = capsys.readouterr()
+    if said is None:
+        assert code == 0
+        assert "  WARNING: bf16 forward fails where fp32's does not: RuntimeError: " in out
+        assert out.rstrip().endswith(": the server serves it in fp32")
+        assert (tmp_path / "s" / "n" / "1" / "model.safetensors").is_file()
+        assert not (tmp_path / "s" / "n" / "1" / "precision.json").exists()  # nothing measured: a load finds out
+    else:
+        assert code == 2
+        (line,) = err.splitlines()
+        assert line.startswith(said)
+        assert not (tmp_path / "s" / "n").exists()
