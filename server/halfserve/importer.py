@@ -108,10 +108,10 @@ def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
     return obj
 
 
-def _forward(module: nn.Module, inputs: list[TensorSpec], normalize: Normalize | None = None) -> object:
-    """What the fp32 model returns for two rows of zeros of ``inputs`` (:func:`halfserve.outputcheck.forward`)."""
+def _forward(module: nn.Module, inputs: list[TensorSpec], normalize: Normalize | None = None, rows: int = 2) -> object:
+    """What the fp32 model returns for ``rows`` rows of zeros of ``inputs`` (:func:`halfserve.outputcheck.forward`)."""
     try:
-        return outputcheck.forward(module, inputs, normalize)
+        return outputcheck.forward(module, inputs, normalize, rows)
     except (RuntimeError, ValueError, TypeError, IndexError) as e:  # the declared inputs do not fit the model
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ImportFailure(
@@ -249,6 +249,9 @@ def import_model(
     dropped: list[str] = []
     if not outputs:
         outputs, dropped = derive_outputs(module, inputs)
+    one = _forward(module, inputs, draft.normalize, 1)
+    if (reason := outputcheck.mismatch(one, draft.model_copy(update={"outputs": outputs}), 1)) is not None:
+        raise ImportFailure(f"{reason}; its forward returns {outputcheck.returned(one, 1)}: {outputcheck.ONE_ROW}")
     if hugging_face and labels is None:
         labels = hugging_face_labels(source, outputs[0])
     manifest = _manifest(

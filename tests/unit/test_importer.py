@@ -510,3 +510,22 @@ def test_a_model_whose_half_forward_raises_is_a_fidelity_failure_not_a_traceback
         (line,) = err.splitlines()
         assert line.startswith(said)
         assert not (tmp_path / "s" / "n").exists()
+
+
+def test_a_forward_that_drops_the_batch_dimension_of_one_row_is_refused_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = tmp_path / "code"
+    code.mkdir()
+    (code / "opcode_squeezed.py").write_text(
+        "from torch import nn\n\n\nclass Net(nn.Module):\n    def __init__(self):\n        super().__init__()\n"
+        "        self.l = nn.Linear(4, 2)\n\n    def forward(self, x):\n        return self.l(x).squeeze()\n\n\n"
+        "def build():\n    return Net()\n"
+    )
+    torch.save({"l.weight": torch.randn(2, 4), "l.bias": torch.randn(2)}, tmp_path / "w.pth")
+    args = ["import", str(tmp_path / "w.pth"), "--store", str(tmp_path / "s"), "--name", "n", "--code-path", str(code)]
+    assert cli.main([*args, "--architecture", "opcode_squeezed:build", "--input", "x:4", "--device", "cpu"]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("halfserve import: output 'output' has 2 rows for 1 input row, not one row per input row")
+    assert line.endswith("keep the batch dimension (squeeze() drops it)")
+    assert not (tmp_path / "s" / "n").exists()

@@ -3,11 +3,14 @@ dimension where the server pads them; any where it is variable), and floating, i
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
 from halfserve.manifest import DataType, Manifest, TensorSpec
-from halfserve.outputcheck import mismatch, returned
+from halfserve.outputcheck import InputMismatchError, OutputMismatchError, at_load, mismatch, returned
+from halfserve.store import LoadedModel
 
 ROWS = 2
 
@@ -90,3 +93,43 @@ def test_what_a_forward_returned_is_told_tensor_by_tensor() -> None:
         "a mapping: logits rows of shape [3] float32, loss shape [] float32 (not one row per input row), extra NoneType"
     )
     assert returned(torch.zeros(ROWS, dtype=torch.int64)) == "one tensor, rows of shape [] int64"
+
+
+class Squeezed(torch.nn.Module):
+    """A forward that drops the batch dimension of a batch of one (``squeeze()``), as a team might ship it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l = torch.nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.l(x).squeeze()
+
+
+def loaded_as(tmp_path: Path, module: torch.nn.Module, inputs: list[TensorSpec]) -> LoadedModel:
+    manifest = Manifest(name="m", architecture="mlp", inputs=inputs, outputs=[TensorSpec(name="y", shape=[2])])
+    return LoadedModel(manifest, 1, module.eval(), tmp_path / "m" / "1" / "model.safetensors")
+
+
+def test_declared_inputs_the_model_cannot_take_fail_the_load_naming_the_manifest_and_inputs(tmp_path: Path) -> None:
+    loaded = loaded_as(tmp_path, torch.nn.Linear(4, 2), [TensorSpec(name="x", shape=[5])])
+    with pytest.raises(InputMismatchError) as caught:
+        at_load(loaded)
+    assert str(caught.value).startswith(
+        f"{tmp_path / 'm' / 'config.json'}: inputs: the declared inputs (x FP32 [5]) did not run through the model "
+        "(2 rows of zeros, fp32): RuntimeError: mat1 and mat2 shapes cannot be multiplied"
+    )
+
+
+def test_a_forward_that_drops_the_batch_dimension_of_one_row_fails_the_load_naming_the_manifest(
+    tmp_path: Path,
+) -> None:
+    loaded = loaded_as(tmp_path, Squeezed(), [TensorSpec(name="x", shape=[4])])
+    with pytest.raises(OutputMismatchError) as caught:
+        at_load(loaded)
+    assert str(caught.value) == (
+        f"{tmp_path / 'm' / 'config.json'}: outputs: output 'y' has 2 rows for 1 input row, not one row per input "
+        "row; the model's forward returns one tensor, shape [2] float32 (not one row per input row) (for 1 row): "
+        "a batch of one (a lone request) must be answered with one row: keep the batch dimension (squeeze() drops it)"
+    )
+    at_load(loaded_as(tmp_path, torch.nn.Linear(4, 2), [TensorSpec(name="x", shape=[4])]))  # a forward that keeps it
