@@ -189,7 +189,10 @@ class AtLoad:
         if self.check is RecordCheck.TRUSTED:
             return f"its {RECORD} matches this load (measured {self.stored and self.stored.measured_at}), so trusted"
         if self.check is RecordCheck.REMEASURED:
-            return f"its {RECORD} was measured with another " + ", ".join(_label(n) for n in self.differs)
+            said = f"its {RECORD} was measured with another " + ", ".join(_label(n) for n in self.differs)
+            if self.under.code is None:
+                said += " (this load cannot digest the architecture's code, so no record of it is trusted)"
+            return said
         if self.check is RecordCheck.IGNORED:
             return f"its {RECORD} was ignored: {self.problem}"
         if self.check is RecordCheck.ALWAYS:

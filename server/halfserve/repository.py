@@ -381,7 +381,12 @@ class ModelRepository:
                 self.precisions[name] = precision
                 served.switched(precision, target, fallback)
 
-            await self._swap(served, batcher, old, loaded, target, switched, None)
+            try:
+                await self._swap(served, batcher, old, loaded, target, switched, None)
+            except (StoreError, ModelNotReadyError):
+                raise
+            except Exception as e:  # its forward in that precision (its warm-up): the old engine serves on
+                raise StoreError(f"its forward fails in {target.value}: {type(e).__name__}: {e}") from None
             return served
 
     async def _swap(

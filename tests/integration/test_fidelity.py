@@ -231,3 +231,24 @@ async def test_a_model_whose_half_forward_raises_unmeasured_fails_to_load_naming
     error = str(models_["halffails"]["error"])
     assert error.startswith("bf16 forward fails where fp32's does not: RuntimeError: ")
     assert "the fidelity check is off for it, so it is served in bf16 or not at all" in error
+
+
+async def test_a_switch_to_a_precision_whose_forward_raises_is_refused_naming_it(
+    tmp_path: Path, half_fails_code: Path
+) -> None:
+    """The operator's explicit choice is not a fidelity failure: the switch fails (its warm-up runs the forward) and
+    fp32 serves on."""
+    models.add_code_path([half_fails_code])
+    root = tmp_path / "store"
+    save_half_fails(root)
+    body = {"model": "halffails", "inputs": {"ids": [[1, 2, 3, 4, 5, 6]], "keep": [[True] * 6]}}
+    token = "half-fails-admin-token"
+    auth = {"Authorization": f"Bearer {token}"}
+    async with serving(Settings(store=root, code_path=[half_fails_code], admin_token=token)) as client:
+        r = await client.post("/models/halffails/precision", json={"precision": "bf16"}, headers=auth)
+        assert r.status_code == 400
+        error = r.json()["error"]
+        assert error.startswith("failed to load 'halffails' in bf16: its forward fails in bf16: RuntimeError: ")
+        assert error.endswith("; it goes on serving in fp32")
+        assert (await client.post("/predict", json=body)).status_code == 200
+        assert (await listing(client))["precision"] == "fp32"

@@ -202,6 +202,8 @@ def test_too_much_code_to_digest_is_never_trusted(code_dir: Path, monkeypatch: p
     untold = dataclasses.replace(under, code=None)
     record = precision_record.measured(untold, fidelity.Fidelity(64, "bf16", 1.0, 0.0, None))
     assert record.conditions().differs(untold) == ["code"]  # not even by a load that cannot tell either
+    check = precision_record.AtLoad(RecordCheck.REMEASURED, untold, record, ["code"])
+    assert check.why().endswith("(this load cannot digest the architecture's code, so no record of it is trusted)")
 
 
 def conditions_of(architecture: str) -> precision_record.Conditions:
