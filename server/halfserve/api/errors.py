@@ -79,6 +79,22 @@ async def held(e: BaseException) -> None:
         await e.hold()
 
 
+def forget(e: BaseException) -> None:
+    """Drop the tracebacks of ``e`` and of the errors it was raised from, once it is answered. Each holds the frames it
+    passed through, and they the request's payload (a refused photo's bytes, a handler's payloads); where one of those
+    frames holds the error in turn (an awaited future that failed with it), they make a cycle that only a collection of
+    the garbage collector's older generations frees, seldom on a busy server. Kept, every refused photo had grown
+    the server by its size (2.6 GB after 36 requests of 46 MB of refused photos)."""
+    todo, seen = [e], set()
+    while todo:
+        err = todo.pop()
+        if id(err) in seen:
+            continue
+        seen.add(id(err))
+        err.__traceback__ = None
+        todo.extend(x for x in (err.__cause__, err.__context__) if x is not None)
+
+
 def from_exception(e: Exception) -> APIError:
     """``e`` when it is an :class:`APIError`, else the refusal an error raised below the routes
     (:mod:`halfserve.serving`'s domain errors) means."""

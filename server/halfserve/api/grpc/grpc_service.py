@@ -45,7 +45,7 @@ from halfserve.api.dataplane.decode import decode, tokenize
 from halfserve.api.dataplane.infer import infer
 from halfserve.api.dataplane.metadata import EXTENSIONS, SERVER_NAME, metadata
 from halfserve.api.dataplane.refusals import Refusal, refused
-from halfserve.api.errors import APIError, RefusedError, from_exception, held
+from halfserve.api.errors import APIError, RefusedError, forget, from_exception, held
 from halfserve.api.grpc.grpc_codec import infer_request, infer_response
 from halfserve.api.grpc.grpc_limits import PROBES, Admission, message_cap, parse, server_options, store_models
 from halfserve.api.grpc.grpc_peers import PeerConnections
@@ -247,6 +247,7 @@ class InferenceService:
             err = e if isinstance(e, APIError) else GrpcRefusal.of(e)
             if status >= 500:
                 log.warning("gRPC ModelInfer failed: %s", err)
+            forget(e)  # the payload its tracebacks hold is freed with the request, not by a later collection
             try:
                 raise err from None
             finally:

@@ -13,7 +13,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 from starlette.types import Scope
 
-from halfserve.api.errors import APIError, from_exception, held
+from halfserve.api.errors import APIError, forget, from_exception, held
 from halfserve.serving import ServingError
 
 
@@ -110,6 +110,7 @@ def install(app: FastAPI, shapes: Mapping[str, RoutingShape] | None = None) -> N
         assert isinstance(exc, (APIError, ServingError))
         await held(exc)
         err = from_exception(exc)
+        forget(exc)
         return error_response(err.status, err.message, err.headers)
 
     async def unexpected(request: Request, exc: Exception) -> Response:

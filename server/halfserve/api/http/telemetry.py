@@ -20,7 +20,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from halfserve.api.errors import APIError, from_exception, held
+from halfserve.api.errors import APIError, forget, from_exception, held
 from halfserve.api.http.errors import REQUEST_ID, error_response
 from halfserve.api.http.limits import raw_header
 from halfserve.logs import ACCESS_LOGGER
@@ -105,9 +105,11 @@ def metered(interface: Interface) -> Callable[[Endpoint], Endpoint]:
             except APIError as e:
                 await held(e)
                 response = error_response(e.status, e.message, e.headers)
+                forget(e)
             except (ServingError, InternalError) as e:  # raised below the routes: the status it maps onto
                 err = from_exception(e)
                 response = error_response(err.status, err.message, err.headers)
+                forget(e)
             except ClientDisconnect:
                 # The client went away before its body arrived (499, nginx's "client closed request"), or let it
                 # stall past the body timeout (408, already answered by the protocol): nothing to answer now, and

@@ -161,9 +161,10 @@ async def predictions(request: Request) -> Response:
         request, request.path_params["model"], None if version is None else version_named(version)
     )
     note(request, served)
-    if served.state in (ModelState.UNLOADED, ModelState.FAILED):
+    if served.state is ModelState.UNLOADED:
         # Its state answers first, as V2's routes answer it: a body judged against the manifest of a version no longer
-        # served (one that takes no images) would read as the client's mistake.
+        # served (one that takes no images) would read as the client's mistake. A failed load is TorchServe's 404,
+        # with its reason, below.
         raise not_serving(served)
     body = await read_body(request, settings.max_body_bytes)
     content_type = (raw_header(request, b"content-type") or b"").decode("latin-1")
