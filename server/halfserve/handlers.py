@@ -195,6 +195,10 @@ def _guarded(call: Callable[[], Any]) -> Any:
     try:
         return call()
     except BaseException as e:  # a SystemExit from the team's code is that request's failure too
+        # Only its type and words are read. Its traceback held this thread's frames, one of which the _Raised in turn,
+        # and the payloads they read: a cycle only a collection of the older generations freed, seldom on a busy
+        # server (60 requests of 16 failing payloads of 160 KB had grown it by 166 MB).
+        e.__traceback__ = e.__context__ = e.__cause__ = None
         return _Raised(e)
 
 

@@ -6,6 +6,7 @@ bad payload among good ones fails alone: its batch is rerun one request per call
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import textwrap
 from pathlib import Path
@@ -135,3 +136,26 @@ async def test_a_payload_the_handler_makes_nan_or_infinite_is_refused_alone(stor
         f"float32); model {BATCHED!r} does not accept them (allow_nonfinite_inputs)"
     )
     assert [answers[i].json()["digit"] for i in (0, 3)] == [expected[0], expected[3]]
+
+
+async def test_a_payload_the_handler_refuses_is_freed_with_its_answer(store: tuple[Path, Path, Path]) -> None:
+    """The handler's error held, through its traceback, the handler thread's frames, one of which the error in turn,
+    and the payloads they read: a cycle only a collection of the collector's older generations freed, and a server
+    refusing 16 payloads of 160 KB a request grew by 166 MB in 60 requests. The collector is off here, so what a
+    collection would free shows as still alive."""
+    root, code, _ = store
+    marker = "q" * 17
+    bad = f"x{marker},".encode() + csv(digits_rows()[0])
+    async with started(Settings(store=root, code_path=[code]), BATCHED) as client:
+        gc.collect()
+        gc.disable()
+        try:
+            for _ in range(3):
+                refused = await client.put(f"/predictions/{BATCHED}", content=bad)
+                assert refused.status_code == 400, refused.text
+                assert marker in refused.json()["message"]
+            for _ in range(3):  # the callbacks a request left (a failed future's wake-up)
+                await asyncio.sleep(0)
+            assert sum(isinstance(o, ValueError) and marker in str(o) for o in gc.get_objects()) == 0
+        finally:
+            gc.enable()
