@@ -10,8 +10,11 @@ from pathlib import Path
 import numpy as np
 import orjson
 import pytest
+import torch
+from torch import nn
 
-from halfserve.manifest import DataType, TensorSpec
+from halfserve import models, store
+from halfserve.manifest import DataType, Manifest, TensorSpec
 from halfserve.settings import Settings
 from tests.conftest import save_tiny_mlp
 from tests.integration.conftest import serving
@@ -162,11 +165,32 @@ async def test_json_numbers_beyond_the_inputs_range_are_refused(tiny_store: Path
     assert fp64.json()["error"].startswith("inputs[0].data: row 0 holds a NaN or infinite value (or one beyond")
 
 
+@models.register("test_mlp_of_integers")
+class MlpOfIntegers(nn.Module):
+    """A linear model of 16 integer features, cast to floats first (a model that takes counts or codes)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x.float())
+
+
+def save_integer_mlp(root: Path, datatype: DataType) -> Path:
+    torch.manual_seed(0)
+    manifest = Manifest(
+        name="tiny",
+        architecture="test_mlp_of_integers",
+        inputs=[TensorSpec(name="features", datatype=datatype, shape=[16])],
+        outputs=[TensorSpec(name="logits", shape=[4])],
+    )
+    return store.save(root, manifest, models.build("test_mlp_of_integers"))
+
+
 async def test_json_numbers_beyond_an_integer_inputs_range_are_refused(tmp_path: Path) -> None:
-    save_tiny_mlp(tmp_path, inputs=[TensorSpec(name="features", datatype=DataType.INT32, shape=[16])])
-    # No warm-up: it would run int32 rows, as requests send them, through an MLP that takes floats; the refusal
-    # tested here comes before any forward.
-    async with serving(Settings(store=tmp_path, warmup=False)) as client:
+    save_integer_mlp(tmp_path, DataType.INT32)
+    async with serving(Settings(store=tmp_path)) as client:
         r = await client.post("/predict", json={"inputs": [[0] * 15 + [1e20]]})
     assert r.status_code == 400, r.text
     assert r.json()["error"] == "inputs: values beyond the range of int32"  # not wrapped around
@@ -187,10 +211,10 @@ async def test_json_numbers_beyond_an_integer_inputs_range_are_refused(tmp_path:
 async def test_json_integers_past_int64_are_refused_as_out_of_range_alike(
     tmp_path: Path, value: int, refusal: str
 ) -> None:
-    save_tiny_mlp(tmp_path, inputs=[TensorSpec(name="features", datatype=DataType.INT64, shape=[16])])
+    save_integer_mlp(tmp_path, DataType.INT64)
     row = b"[" + b"0, " * 15 + str(value).encode() + b"]"
     v2 = b'{"inputs": [{"name": "features", "shape": [1, 16], "datatype": "INT64", "data": %s}]}' % row
-    async with serving(Settings(store=tmp_path, warmup=False)) as client:
+    async with serving(Settings(store=tmp_path)) as client:
         predict = await client.post("/predict", content=b'{"inputs": [%s]}' % row)
         infer = await client.post(INFER, content=v2)
     assert predict.status_code == infer.status_code == 400
