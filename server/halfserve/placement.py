@@ -11,7 +11,9 @@ The choice for a CPU model rests on one comparison: a full batch's forward, time
 from __future__ import annotations
 
 import os
+from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from enum import Enum
 from typing import Protocol
 
@@ -72,33 +74,104 @@ tiny forward's fixed cost makes its share of a few rows' loop work look large an
 
 
 LOOP_STALL_FACTOR = 10.0
-"""How many times its warm-up forward of a full batch a forward on the event loop may take before its model's batches
-leave the loop (:func:`loop_stall_bound`): a batch of real rows may take a few times longer than the warm-up's zeros
-(other values, a half precision's overflow rerun in fp32, a descheduled thread), never tens of times."""
+"""How many times its warm-up forward of a full batch a forward on the event loop may take before it runs long
+(:func:`loop_stall_bound`): a batch of real rows may take a few times longer than the warm-up's zeros (other values, a
+half precision's overflow rerun in fp32, a descheduled thread), never tens of times."""
 
-LOOP_STALL_FLOOR_SECONDS = 0.05
+LOOP_STALL_FLOOR_SECONDS = 0.01
 """The least :func:`loop_stall_bound`: a forward placed on the loop is shorter than the loop's work on its rows
 (:data:`LOOP_SECONDS_PER_ROW`), so well under a millisecond for most batches, where a pause of the host (the
-scheduler's latency period, a collection) alone can reach several ms. 50 ms is past any such pause and still short
-beside a liveness probe's one-second timeout; a batch past it held up every other request on the server for a
-thousand times the loop's work on a request."""
+scheduler's latency period, a collection) alone can reach several ms. Such pauses mostly stay under it, and the few
+past it are too rare to reach :data:`LOOP_STALL_BUDGET_SECONDS`; a forward past it held up every other request on the
+server for two hundred times the loop's work on one."""
+
+LOOP_STALL_BUDGET_SECONDS = 0.1
+"""How long forwards that run long (:func:`loop_stall_bound`), less the longest of them, may hold up the event loop
+within :data:`LOOP_STALL_WINDOW_SECONDS` before their model's batches leave it (:class:`LoopStalls`): a tenth of a
+liveness probe's one-second timeout, past what the few host pauses over 10 ms sum to in that time."""
+
+LOOP_STALL_WINDOW_SECONDS = 10.0
+"""The time within which :data:`LOOP_STALL_BUDGET_SECONDS` applies; over a longer one, long forwards may hold up
+the loop for the same share of it (1%)."""
 
 
 def loop_stall_bound(batch_seconds: float | None) -> float:
-    """The longest a forward on the event loop's thread may take before its model's batches move to an instance
-    thread for good (:func:`leaves_loop`): :data:`LOOP_STALL_FACTOR` times the warm-up's forward of a full batch
-    (``batch_seconds``; None where warm-up did not time one), and never under :data:`LOOP_STALL_FLOOR_SECONDS`."""
+    """The longest a forward on the event loop's thread may take before it runs long (:class:`LoopStalls`):
+    :data:`LOOP_STALL_FACTOR` times the warm-up's forward of a full batch (``batch_seconds``; None where warm-up did
+    not time one), and never under :data:`LOOP_STALL_FLOOR_SECONDS`."""
     if batch_seconds is None:
         return LOOP_STALL_FLOOR_SECONDS
     return max(LOOP_STALL_FACTOR * batch_seconds, LOOP_STALL_FLOOR_SECONDS)
 
 
-def leaves_loop(forward_seconds: float, bound: float) -> bool:
-    """Whether a forward on the event loop that took ``forward_seconds`` ran so far past what placed it there
-    (``bound``, :func:`loop_stall_bound`) that its model's batches should leave the loop: the loop answered nothing
-    else meanwhile, and an input that makes the forward slow once can do so again. It is measured after the forward:
-    no bound applies before it (what a forward will cost is known only once it ran, and nothing stops one running)."""
-    return forward_seconds > bound
+@dataclass(frozen=True)
+class StallRun:
+    """The latest forwards that ran long on the event loop, which together held it up past their budget
+    (:class:`LoopStalls`)."""
+
+    count: int
+    seconds: float
+    """Their durations' sum."""
+    longest: float
+    """The longest one's duration, which the budget leaves out."""
+    span: float
+    """From the first one's start to the last one's end (seconds)."""
+
+
+class LoopStalls:
+    """Whether a model's forwards on the event loop hold it up for so long that its batches should leave it.
+
+    A forward runs long past ``bound`` (:func:`loop_stall_bound`). The model leaves the loop once its latest forwards
+    that ran long, less the longest of them, took more than :data:`LOOP_STALL_BUDGET_SECONDS` together, and more than
+    1% of the time from the first one's start where that is past :data:`LOOP_STALL_WINDOW_SECONDS`:
+
+    - not one forward alone, however long: a pause of the host (a full collection of a large heap, a thread
+      descheduled on a busy machine) makes one forward long, and leaving the loop would cost every later batch its
+      hand-over to a thread; an input that makes a forward slow does so again. The longest is left out rather than
+      two forwards asked for, so that such a pause and a hiccup just past the bound do not add up to a move;
+    - a budget, not a bound on each forward: forwards of 45 ms each, under a bound that a pause could not reach, held
+      up ``/health`` ten times over as long as they came;
+    - a budget that grows with the time: two forwards of 6 s with a few seconds between, or a minute, held up the loop
+      for much of that time, and a budget for 10 s alone would never see them together.
+
+    Long forwards from before a stretch of over :data:`LOOP_STALL_WINDOW_SECONDS` in which long forwards (the longest
+    counted) took no more than 1% of the time are forgotten, and at most :attr:`KEPT` are kept. Measured after each
+    forward (what one will cost is known only once it ran, and nothing stops one running); the caller compares each
+    forward with :attr:`bound` before it calls :meth:`note`, so a short forward costs a compare.
+    """
+
+    KEPT = 64
+    """The most long forwards remembered: a bound on the memory, and on the work of a :meth:`note`, where long forwards
+    keep coming at about 1% of the time beside one far longer that keeps them from being forgotten."""
+
+    def __init__(self, bound: float) -> None:
+        self.bound = bound
+        """A forward longer than this (seconds) runs long."""
+        self._long: deque[tuple[float, float]] = deque()
+        """Each long forward remembered: its start and duration (seconds), the latest last."""
+
+    def note(self, now: float, seconds: float) -> StallRun | None:
+        """A forward that took ``seconds`` ended at ``now`` (a monotonic clock's reading in seconds, later than the
+        last one noted): the run of latest long forwards past its budget, where there is one (its model's batches
+        then leave the loop), else None."""
+        if seconds <= self.bound:
+            return None
+        self._long.append((now - seconds, seconds))
+        share = LOOP_STALL_BUDGET_SECONDS / LOOP_STALL_WINDOW_SECONDS
+        total = longest = 0.0
+        for count, (start, duration) in enumerate(reversed(self._long), start=1):
+            total += duration
+            longest = max(longest, duration)
+            span = now - start
+            if total - longest > max(LOOP_STALL_BUDGET_SECONDS, share * span):
+                return StallRun(count=count, seconds=total, longest=longest, span=span)
+        while len(self._long) > self.KEPT or (
+            len(self._long) > 1
+            and now - self._long[0][0] > LOOP_STALL_WINDOW_SECONDS
+            and total <= share * (now - self._long[0][0])
+        ):
+            total -= self._long.popleft()[1]
+        return None
 
 
 class Timed(Protocol):

@@ -12,10 +12,11 @@ from halfserve.placement import (
     LOOP_SECONDS_PER_ROW,
     LOOP_STALL_FACTOR,
     LOOP_STALL_FLOOR_SECONDS,
+    LoopStalls,
     Placement,
     PlacementSetting,
+    StallRun,
     choose,
-    leaves_loop,
     loop_stall_bound,
 )
 from halfserve.settings import Settings
@@ -136,6 +137,22 @@ def test_placement_flags_that_disagree_are_refused(alias: dict[str, object]) -> 
         Settings(**alias)  # type: ignore[arg-type]
 
 
+class Loop:
+    """Forwards on a made-up event loop's clock, and what its :class:`LoopStalls` says of each."""
+
+    def __init__(self, bound: float = LOOP_STALL_FLOOR_SECONDS) -> None:
+        self.stalls = LoopStalls(bound)
+        self.now = 1000.0
+
+    def run(self, pattern: list[tuple[float, float]]) -> list[StallRun | None]:
+        """Each forward of ``pattern``: the seconds the loop did other work before it, and the seconds it took."""
+        runs = []
+        for gap, seconds in pattern:
+            self.now += gap + seconds
+            runs.append(self.stalls.note(self.now, seconds))
+        return runs
+
+
 @pytest.mark.parametrize(
     ("batch_seconds", "bound"),
     [
@@ -144,11 +161,63 @@ def test_placement_flags_that_disagree_are_refused(alias: dict[str, object]) -> 
         (0.02, LOOP_STALL_FACTOR * 0.02),  # a forward placed on the loop by the operator, longer than the floor's tenth
     ],
 )
-def test_a_forward_on_the_event_loop_leaves_it_past_ten_times_its_warm_up_and_at_least_the_floor(
+def test_a_forward_on_the_event_loop_runs_long_past_ten_times_its_warm_up_and_at_least_the_floor(
     batch_seconds: float | None, bound: float
 ) -> None:
     assert loop_stall_bound(batch_seconds) == pytest.approx(bound)
-    assert not leaves_loop(bound, loop_stall_bound(batch_seconds))
-    assert not leaves_loop(bound / 2, loop_stall_bound(batch_seconds))
-    assert leaves_loop(bound * 1.01, loop_stall_bound(batch_seconds))
-    assert leaves_loop(6.1, loop_stall_bound(batch_seconds))  # a request that made an iterating model loop 6 s
+    loop = Loop(loop_stall_bound(batch_seconds))
+    # Forwards at the bound do not run long: a thousand of them back to back never move the model.
+    assert loop.run([(0.0, bound)] * 1000) == [None] * 1000
+    # Just past it they do: back to back, they soon hold up the loop past the budget.
+    runs = loop.run([(0.0, bound * 1.01)] * 20)
+    assert runs[0] is None
+    assert any(runs)
+
+
+def test_forwards_just_under_any_one_forwards_bound_leave_the_loop_once_they_hold_it_up_past_the_budget() -> None:
+    # Two clients sending an input that makes each forward sleep 45 ms: the loop answers a request or two between.
+    loop = Loop()
+    runs = loop.run([(0.001, 0.045)] * 4)
+    assert runs[:3] == [None, None, None]  # 90 ms less the longest: within the budget of 100 ms
+    assert runs[3] is not None
+    assert runs[3].count == 4
+    assert runs[3].seconds == pytest.approx(0.18)
+    assert runs[3].longest == pytest.approx(0.045)
+    assert runs[3].span == pytest.approx(0.183)
+
+
+@pytest.mark.parametrize("gap", [0.0, 3.0, 5.0, 60.0, 300.0])
+def test_two_forwards_of_seconds_leave_the_loop_at_the_second_even_a_while_apart(gap: float) -> None:
+    loop = Loop()
+    first, second = loop.run([(0.0, 6.0), (gap, 6.0)])
+    assert first is None  # one forward alone, however long, may be a pause of the host
+    assert second is not None
+    assert second.count == 2
+    assert second.span == pytest.approx(12.0 + gap)
+
+
+def test_one_long_pause_and_hiccups_just_past_the_bound_stay_on_the_loop() -> None:
+    # A full collection of a large heap in one forward, then a descheduled thread now and again.
+    loop = Loop()
+    assert loop.run([(1.0, 2.0), (0.5, 0.012), (2.0, 0.015), (5.0, 0.012)]) == [None] * 4
+
+
+def test_hiccups_under_the_bound_never_leave_the_loop_nor_do_a_few_past_it() -> None:
+    loop = Loop()
+    assert loop.run([(0.0005, 0.009)] * 10_000) == [None] * 10_000  # under the bound: not long
+    # Past it, one every two seconds for an hour (0.6% of the time), then one of seconds: still on the loop.
+    assert loop.run([(2.0, 0.012)] * 1800 + [(2.0, 3.0)]) == [None] * 1801
+    # One past it every second holds up the loop for 1.2% of the time: the tenth in ten seconds moves it.
+    runs = loop.run([(1.0, 0.012)] * 10)
+    assert runs[:-1] == [None] * 9
+    assert runs[-1] is not None
+
+
+def test_long_forwards_spaced_wider_than_the_budgets_share_stay_on_the_loop() -> None:
+    # A pause of 300 ms every 40 s: under 1% of the time.
+    loop = Loop()
+    assert loop.run([(40.0, 0.3)] * 100) == [None] * 100
+    # Every 20 s, 300 ms is 1.5% of the time: the second moves it.
+    first, second = Loop().run([(20.0, 0.3)] * 2)
+    assert first is None
+    assert second is not None

@@ -142,8 +142,8 @@ class Engine:
         """How batches run: on the instances' threads until :func:`halfserve.engine.runners.place` gives it another
         placement's runner (the repository, as :func:`halfserve.placement.choose` decided)."""
         self.placement_changed: str | None = None
-        """Why batches no longer run where the repository placed them (None while they do): a forward on the event
-        loop that ran past its bound (:class:`halfserve.engine.loop.LoopRunner`)."""
+        """Why batches no longer run where the repository placed them (None while they do): forwards on the event
+        loop that ran long past their budget (:class:`halfserve.engine.loop.LoopRunner`)."""
         self.batch_seconds: float | None = None
         """A full batch's forward (:attr:`batch_rows`) on the settled intra-op threads, timed by :meth:`settle_threads`
         (None until)."""
