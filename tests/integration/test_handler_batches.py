@@ -6,6 +6,7 @@ bad payload among good ones fails alone: its batch is rerun one request per call
 from __future__ import annotations
 
 import asyncio
+import base64
 import gc
 import json
 import textwrap
@@ -16,7 +17,8 @@ import pytest
 
 from halfserve import storage
 from halfserve.settings import Settings
-from tests.e2e.test_handlers import HANDLER_CODE, build_store, csv, digits_rows, with_handler
+from tests.e2e.test_handlers import HANDLER_CODE, b64, build_store, csv, digits_rows, with_handler
+from tests.integration.test_v2 import AUTH, TOKEN
 from tests.security.test_model_code import started
 
 pytestmark = pytest.mark.slow
@@ -159,3 +161,23 @@ async def test_a_payload_the_handler_refuses_is_freed_with_its_answer(store: tup
             assert sum(isinstance(o, ValueError) and marker in str(o) for o in gc.get_objects()) == 0
         finally:
             gc.enable()
+
+
+async def test_an_unloaded_handler_model_answers_its_state_before_its_handler_or_base64_runs(
+    store: tuple[Path, Path, Path],
+) -> None:
+    """KServe V1's TorchServe envelope to an unloaded model with a handler: 503 'unloaded', as ``/predictions`` and
+    V1's tensors answer, whatever the instances hold; its base64 is not decoded nor its handler called (a payload the
+    handler refuses had been its 400, bad base64 a 400 naming the instance)."""
+    root, code, log = store
+    rows = digits_rows()[:2]
+    settings = Settings(store=root, code_path=[code], admin_token=TOKEN)
+    async with started(settings, BATCHED) as client:
+        assert (await client.post(f"/models/{BATCHED}/unload", headers=AUTH)).status_code == 200
+        calls(log)
+        sent = [[{"data": b64(rows[0])}], [{"data": base64.b64encode(b"boom").decode()}], [{"data": "!!"}]]
+        answers = [await client.post(f"/v1/models/{BATCHED}:predict", json={"instances": i}) for i in sent]
+        tensors = await client.post(f"/v1/models/{BATCHED}:predict", json={"instances": [[[[0.0] * 8] * 8]]})
+    for r in [*answers, tensors]:
+        assert (r.status_code, r.json()) == (503, {"error": f"model {BATCHED!r} is unloaded"})
+    assert calls(log) == []

@@ -259,3 +259,28 @@ async def test_a_refused_photo_is_freed_with_its_answer_on_every_route(tmp_path:
             assert await live_image_errors() == 0, "grpc"
         finally:
             gc.enable()
+
+
+async def test_kserve_v1_and_predict_answer_an_unloaded_model_s_state_before_decoding_its_photos(
+    tmp_path: Path,
+) -> None:
+    """Photos that do not decode, sent to unloaded models through KServe V1 (TorchServe's envelope, or ``b64``
+    instances) and ``/predict``: 503 'unloaded', as ``/predictions`` answers, not the photo's 400."""
+    save_photo_cnn(tmp_path)
+    save_tiny_mlp(tmp_path)  # takes no images: had answered "takes no images" once unloaded too
+    junk = base64.b64encode(b"not a photo").decode()
+    async with serving(Settings(store=tmp_path, precision="fp32", admin_token=TOKEN)) as client:
+        for name in ("photo", "tiny"):
+            assert (await client.post(f"/v2/repository/models/{name}/unload", headers=AUTH)).status_code == 200
+        answers = {
+            (name, how): await client.post(path, json=body)
+            for name in ("photo", "tiny")
+            for how, path, body in [
+                ("envelope", f"/v1/models/{name}:predict", {"instances": [{"data": junk}]}),
+                ("bad base64", f"/v1/models/{name}:predict", {"instances": [{"data": "!!"}]}),
+                ("b64", f"/v1/models/{name}:predict", {"instances": [{"b64": junk}]}),
+                ("predict", "/predict", {"model": name, "inputs": [{"b64": junk}]}),
+            ]
+        }
+    for (name, _), r in answers.items():
+        assert (r.status_code, r.json()) == (503, {"error": f"model {name!r} is unloaded"}), r.text

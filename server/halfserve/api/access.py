@@ -22,7 +22,9 @@ from halfserve.serving import (
     AppState,
     LocalModel,
     ModelHandle,
+    ModelState,
     SharedRegions,
+    not_serving,
     shown,
     why_model_not_ready,
 )
@@ -41,6 +43,15 @@ def of_version(served: H, version: str | None) -> H:
             f"{UNKNOWN_MODEL}{served.name!r} version {asked} is not found (it serves version {served.version})",
         )
     return served
+
+
+def check_taken(served: ModelHandle) -> None:
+    """Refuse a request to ``served`` where it is unloaded or failed (:func:`~halfserve.serving.not_serving`'s 503)
+    before its body is judged: a body checked against the manifest of a version no longer served (one that takes no
+    images), decoded or handed to its handler would answer the client's mistake, or the handler's, for a model that
+    serves nothing. A loading model is left to its queue, which waits for it or refuses in the same words."""
+    if served.state in (ModelState.UNLOADED, ModelState.FAILED):
+        raise not_serving(served)
 
 
 def why_not_ready(s: AppState) -> str | None:

@@ -24,6 +24,7 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 from starlette.types import Scope
 
+from halfserve.api.access import check_taken
 from halfserve.api.dataplane import handled
 from halfserve.api.dataplane.decode import from_base64
 from halfserve.api.dataplane.infer import infer
@@ -177,6 +178,7 @@ async def predict(request: Request) -> Response:
     timeout = client_timeout(request)
     served = deps.served_model(request, request.path_params["model_name"], None)
     note(request, served)
+    check_taken(served)  # before the body is read: nothing of it decoded, nor handed to a handler, for no model
     payload = await read_fields(request, settings, FIELDS, "send instances (or inputs)")
     if len(payload) != 1:
         raise InvalidInputError(

@@ -10,7 +10,7 @@ import orjson
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from halfserve.api.access import of_version
+from halfserve.api.access import check_taken, of_version
 from halfserve.api.dataplane.infer import infer
 from halfserve.api.dataplane.samples import decode_inputs
 from halfserve.api.http import deps, guard
@@ -144,6 +144,7 @@ async def predict(request: Request) -> Response:
         raise InvalidInputError(f"version: expected an integer, got {as_json(version)}")
     served = of_version(app.service.get(name), None if version is None else str(version))
     note(request, served)
+    check_taken(served)  # before its photos or texts are decoded: the model's state is the answer
     # No finiteness check: JSON carries no NaN or infinity, and decoding refuses numbers the dtype cannot hold.
     result = await infer(app, served, decode_inputs(samples, served, settings), timeout)
     answered(request, result)
