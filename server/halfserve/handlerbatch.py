@@ -17,8 +17,11 @@ so a small request caught in a batch with a heavy one is answered before the hea
 
 A request's deadline is kept while it is queued here (answered :class:`DeadlineExceededError` at once, never run);
 once its batch runs, the run is given the longest time left of the batch's requests, which bounds its wait for the
-model. A request whose caller stops waiting (a client gone) is withdrawn if still queued, and its answers discarded
-if its batch runs: the batch runs as a task of its own, never in a caller's.
+model. A batch the model holds before an instance takes it (``held`` of its requests: an instance process restarting)
+is as good as queued: a deadline that passes meanwhile answers its request so, and the batch goes on for the others,
+the expired one's answers discarded; once an instance took the batch, its requests are left to finish. A request
+whose caller stops waiting (a client gone) is withdrawn if still queued, and its answers discarded if its batch runs:
+the batch runs as a task of its own, never in a caller's.
 
 Pure asyncio: no torch, no HTTP, and not the model's batcher; tested with a fake run and a fake clock.
 """
@@ -77,6 +80,7 @@ class HandlerBatcher(Generic[J, R]):
         weight: Callable[[J], int] = lambda _: 0,
         max_queue_bytes: int | None = None,
         also_held: Callable[[], int] = lambda: 0,
+        held: Callable[[J], bool] = lambda _: False,
         clock: Clock | None = None,
     ) -> None:
         if max_batch_size < 1 or max_queue_payloads < 1 or max_delay < 0 or concurrency < 1:
@@ -89,6 +93,8 @@ class HandlerBatcher(Generic[J, R]):
         self.also_held = also_held
         """Bytes held besides, counted against ``max_queue_bytes`` too: a call past its time limit still reads its
         payloads after its batch is over."""
+        self.held = held
+        """Whether a job of a batch running waits in the model, no instance having taken its batch yet."""
         self.alone = alone
         self.max_batch_size = max_batch_size
         self.max_delay = max_delay
@@ -170,7 +176,9 @@ class HandlerBatcher(Generic[J, R]):
             self._held_bytes -= queued.weight
 
     def _expire(self, queued: _Queued[J, R]) -> None:
-        if not queued.future.done() and queued in self._queue:
+        if queued.future.done():
+            return
+        if queued in self._queue or (queued.running and self.held(queued.job)):
             queued.future.set_exception(DeadlineExceededError("deadline passed while the request was queued"))
 
     def _cut(self) -> None:

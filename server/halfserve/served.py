@@ -7,7 +7,7 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import Awaitable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -30,6 +30,7 @@ from halfserve.padding import PaddingCheck
 from halfserve.serving import (
     Handled,
     HandlerPayload,
+    HeldAnswer,
     InvalidInputError,
     ModelState,
     Output,
@@ -200,7 +201,7 @@ class ServedModel:
         finish = self._prediction if length is None else functools.partial(self._prediction, length=length)
         return batcher.enqueue(x, deadline, finish, group)
 
-    def handle(self, payloads: Sequence[HandlerPayload]) -> Awaitable[Handled] | None:
+    def handle(self, payloads: Sequence[HandlerPayload]) -> HeldAnswer[Handled] | None:
         """See :meth:`halfserve.serving.ModelHandle.handle`: in an instance process where its instances are processes
         and it takes one input as one array; ``None`` otherwise (rows packed into records, or token ids whose range is
         checked here, are built on this process's handler threads)."""
@@ -209,32 +210,7 @@ class ServedModel:
             return None
         if packs_records(self.manifest) or self.index_limits:
             return None
-        return self._handled(engine.handle(list(payloads)), self.batcher.stats)
-
-    async def _handled(self, future: asyncio.Future[HandledOutcomes], stats: BatchStats) -> Handled:
-        # Counted in the model's statistics as the batcher counts a handler batch's one submit on handler threads.
-        start = time.perf_counter()
-        stats.requests += 1
-        try:
-            answers, outcomes = await future
-        except BaseException:
-            stats.failed_batches += 1
-            stats.failed += 1
-            raise
-        elapsed, rows = time.perf_counter() - start, len(answers)
-        stats.batches += 1
-        stats.rows += rows
-        stats.batch_sizes[rows] += 1
-        stats.compute_seconds += elapsed
-        stats.batch_compute_seconds[rows] = stats.batch_compute_seconds.get(rows, 0.0) + elapsed
-        stats.succeeded += 1
-        stats.success_seconds += elapsed
-        stats.last_inference = time.time()
-        outs = [o for o in outcomes if isinstance(o, Output)]
-        assert len(outs) == len(outcomes), "a handler batch's forwards failed as a whole or not at all"
-        data = outs[0].data if len(outs) == 1 else np.concatenate([o.data for o in outs])
-        tags = tuple(dict.fromkeys(o.precision for o in outs if o.precision is not None))
-        return Handled(answers, self._prediction(data, tags))
+        return _Handling(engine.handle(list(payloads)), self.batcher.stats, self._prediction)
 
     def _input(self, inputs: Tensors) -> np.ndarray:
         """The request's rows as the batcher takes them: the one input's array, or the model's inputs packed into
@@ -364,3 +340,61 @@ def _execution(info: EngineInfo) -> dict[str, object]:
         "placement": info.placement.value,
         "placement_changed": info.placement_changed,
     }
+
+
+class _Handling(HeldAnswer[Handled]):
+    """A handler batch's answer from an instance process (``sent``, the engine's), counted in the model's statistics
+    as the batcher counts a handler batch's one submit on handler threads; started when ``sent`` is. Cancelled, it
+    cancels ``sent``, which withdraws a batch no process took yet."""
+
+    __slots__ = ("_sent", "_stats", "_start", "_prediction")
+
+    def __init__(
+        self,
+        sent: HeldAnswer[HandledOutcomes],
+        stats: BatchStats,
+        prediction: Callable[[np.ndarray, tuple[Precision, ...]], Prediction],
+    ) -> None:
+        super().__init__(loop=sent.get_loop())
+        self._sent, self._stats, self._prediction = sent, stats, prediction
+        self._start = time.perf_counter()
+        stats.requests += 1
+        sent.add_done_callback(self._answered)
+        self.add_done_callback(self._left)
+
+    def started(self) -> bool:
+        return self._sent.started()
+
+    def _left(self, _: asyncio.Future[Handled]) -> None:
+        if self.cancelled():
+            self._sent.cancel()
+
+    def _answered(self, sent: asyncio.Future[HandledOutcomes]) -> None:
+        stats = self._stats
+        error = None if sent.cancelled() else sent.exception()
+        if sent.cancelled() or error is not None:
+            stats.failed_batches += 1
+            stats.failed += 1
+            if self.done():
+                return
+            if error is None:
+                self.cancel()
+            else:
+                self.set_exception(error)
+            return
+        answers, outcomes = sent.result()
+        elapsed, rows = time.perf_counter() - self._start, len(answers)
+        stats.batches += 1
+        stats.rows += rows
+        stats.batch_sizes[rows] += 1
+        stats.compute_seconds += elapsed
+        stats.batch_compute_seconds[rows] = stats.batch_compute_seconds.get(rows, 0.0) + elapsed
+        stats.succeeded += 1
+        stats.success_seconds += elapsed
+        stats.last_inference = time.time()
+        outs = [o for o in outcomes if isinstance(o, Output)]
+        assert len(outs) == len(outcomes), "a handler batch's forwards failed as a whole or not at all"
+        data = outs[0].data if len(outs) == 1 else np.concatenate([o.data for o in outs])
+        tags = tuple(dict.fromkeys(o.precision for o in outs if o.precision is not None))
+        if not self.done():
+            self.set_result(Handled(answers, self._prediction(data, tags)))

@@ -262,14 +262,17 @@ answer is a plain awaitable started when the runner was called; one whose answer
 have."""
 
 
-class HeldAnswer(asyncio.Future[list[Outcome]]):
-    """A runner's answer for a batch its engine may hold before an instance takes it: instance processes
-    (:mod:`halfserve.isolated`) hold a batch while every process is restarting, and until the process it was sent to
-    takes it.
+A = TypeVar("A")
 
-    Until :meth:`started`, the batch's rows are as good as queued: a request's deadline that passes meanwhile answers
-    it as one in the queue does (:mod:`halfserve.batching`), and its rows' outputs are discarded; the batch's other
-    requests go on."""
+
+class HeldAnswer(asyncio.Future[A]):
+    """The answer for a batch its engine may hold before an instance takes it (a runner's, or a handler batch's:
+    :meth:`ModelHandle.handle`): instance processes (:mod:`halfserve.isolated`) hold a batch while every process is
+    restarting, and until the process it was sent to takes it.
+
+    Until :meth:`started`, the batch's requests are as good as queued: a deadline that passes meanwhile answers its
+    request as one in the queue does (:mod:`halfserve.batching`, :mod:`halfserve.handlerbatch`), and that request's
+    outputs are discarded; the batch's other requests go on."""
 
     __slots__ = ()
 
@@ -346,10 +349,11 @@ class ModelHandle(Protocol):
         cancelling the future withdraws the rows not yet running.
         """
 
-    def handle(self, payloads: Sequence[HandlerPayload]) -> Awaitable[Handled] | None:
+    def handle(self, payloads: Sequence[HandlerPayload]) -> HeldAnswer[Handled] | None:
         """``payloads`` through the model's handler (its manifest's ``handler`` section), ``preprocess``, forward and
-        ``postprocess`` as one batch in an instance process; ``None`` where the handler runs in this process instead
-        (instances are threads, or this is a front-end), on its handler threads. Fails as those calls would:
+        ``postprocess`` as one batch in an instance process, started once a process took it; ``None`` where the
+        handler runs in this process instead (instances are threads, or this is a front-end), on its handler threads.
+        Cancelled before a process took it, the batch is withdrawn. Fails as those calls would:
         :class:`InvalidInputError` (``preprocess`` raised), :class:`InternalError` (the handler's inputs or answers
         are wrong, or ``postprocess`` raised), :class:`DeadlineExceededError` (a call ran past ``timeout_s``),
         :class:`BatchFailedError` (the forward failed) or :class:`InstanceLostError` (the handler killed its

@@ -253,3 +253,42 @@ async def test_a_caller_that_leaves_is_withdrawn_or_its_answer_dropped() -> None
     await settle()
     assert companion.result() == ["B"]
     assert handler.calls == [[("a",), ("b",)]]  # the withdrawn request never ran
+
+
+async def test_a_deadline_passing_while_the_model_holds_the_batch_answers_as_queued_and_the_batch_goes_on() -> None:
+    """A batch the model holds before an instance takes it (every instance process restarting): the request whose
+    deadline passes is answered as a queued one at its deadline, the other gets its answer once the batch runs; once
+    taken, a request is left to finish past its deadline."""
+    handler, clock = FakeHandler(), FakeClock()
+    handler.gate.clear()
+    taken: set[Job] = set()
+    b = HandlerBatcher(
+        handler,
+        size=len,
+        alone=_alone,
+        max_batch_size=2,
+        max_delay=0.010,
+        max_queue_payloads=8,
+        concurrency=1,
+        held=lambda job: job not in taken,
+        clock=clock,
+    )
+    timed, plain = b.submit(("a",), deadline=clock.now() + 0.3), b.submit(("b",))
+    await settle()
+    assert handler.calls == [[("a",), ("b",)]]  # one batch, held
+    await clock.advance(0.3)
+    with pytest.raises(DeadlineExceededError, match="^deadline passed while the request was queued$"):
+        timed.result()
+    assert not plain.done()
+    left = b.submit(("c",), deadline=clock.now() + 0.3)
+    taken.add(("c",))  # an instance takes its batch as soon as it runs
+    handler.gate.set()
+    await settle()
+    assert plain.result() == ["B"]
+    handler.gate.clear()
+    await settle()
+    await clock.advance(1.0)
+    assert not left.done()  # taken: left to finish
+    handler.gate.set()
+    await settle()
+    assert left.result() == ["C"]

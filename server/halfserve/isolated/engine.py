@@ -22,7 +22,7 @@ import os
 import socket
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -69,9 +69,13 @@ def _handle(instance: InstanceProcess, future: asyncio.Future[HandledOutcomes], 
     return instance.handle(payloads, future)
 
 
-class _Answer(HeldAnswer):
-    """A batch's answer from an instance process: started once the process it was sent to took it (noted its op's id
-    in shared memory); held, not started, while it waits for a process idle or restarting."""
+A = TypeVar("A")
+
+
+class _Answer(HeldAnswer[A]):
+    """A batch's answer from an instance process (its outcomes, or a handler batch's answers): started once the
+    process it was sent to took it (noted its op's id in shared memory); held, not started, while it waits for a
+    process idle or restarting."""
 
     __slots__ = ("_instance", "_op")
 
@@ -294,17 +298,17 @@ class ProcessEngine:
         """The most rows in one batch, and how many batches may be in flight: one per instance process."""
         return max_batch_size, len(self.instances)
 
-    def run(self, chunks: list[np.ndarray]) -> asyncio.Future[list[Outcome]]:
+    def run(self, chunks: list[np.ndarray]) -> HeldAnswer[list[Outcome]]:
         """Send a batch to an idle instance process: the future of its outcomes (the runner contract), a
         :class:`~halfserve.serving.HeldAnswer` started once a process took the batch."""
-        future = _Answer(self._loop)
+        future: _Answer[list[Outcome]] = _Answer(self._loop)
         self._dispatch(functools.partial(_run, chunks=chunks, raw=False), future)
         return future
 
-    def handle(self, payloads: list[HandlerPayload]) -> asyncio.Future[HandledOutcomes]:
+    def handle(self, payloads: list[HandlerPayload]) -> HeldAnswer[HandledOutcomes]:
         """Send a handler batch to an idle instance process: the future of each payload's JSON answer and the outputs
-        of its rows (:mod:`halfserve.isolated.handling`)."""
-        future: asyncio.Future[HandledOutcomes] = self._loop.create_future()
+        of its rows (:mod:`halfserve.isolated.handling`), started once a process took the batch."""
+        future: _Answer[HandledOutcomes] = _Answer(self._loop)
         self._dispatch(functools.partial(_handle, payloads=payloads), future)
         return future
 

@@ -37,6 +37,7 @@ from halfserve.serving import (
     DeadlineExceededError,
     Handled,
     HandlerTimeLimitError,
+    HeldAnswer,
     InstanceLostError,
     InternalError,
     InvalidInputError,
@@ -144,7 +145,7 @@ async def postprocess(
     return handlercheck.answers(value, len(payloads))
 
 
-@dataclass(frozen=True)
+@dataclass(eq=False)
 class Job:
     """One HTTP request in a handler batch: its payloads, and the model and server it is answered by."""
 
@@ -152,6 +153,8 @@ class Job:
     served: ModelHandle
     settings: Settings
     payloads: list[Payload]
+    sent: HeldAnswer[Handled] | None = None
+    """Its batch as sent to an instance process last, which may hold it before a process takes it."""
 
 
 class Answered(NamedTuple):
@@ -167,6 +170,8 @@ async def _run_batch(jobs: list[Job], timeout: float | None) -> list[Answered]:
     payloads = [p for job in jobs for p in job.payloads]
     handled = first.served.handle([(p.field, p.data, p.content_type) for p in payloads])
     if handled is not None:  # in the instance process that runs the forward
+        for job in jobs:
+            job.sent = handled
         answers, result = await _in_instance(first, handled, timeout)
     else:
         # Awaited here, not by infer: the handler's call is held to its own timeout_s, not to the decoding threads'
@@ -214,6 +219,12 @@ def _alone(e: BaseException) -> bool:
     return isinstance(e, InvalidInputError | OverLimitError | InternalError | BatchFailedError | HandlerTimeLimitError)
 
 
+def _held(job: Job) -> bool:
+    """Whether ``job``'s batch waits for an instance process to take it (every one restarting): its deadline answers
+    it as a queued request's does."""
+    return job.sent is not None and not job.sent.done() and not job.sent.started()
+
+
 def _size(job: Job) -> int:
     return len(job.payloads)
 
@@ -247,6 +258,7 @@ def _batcher(served: ModelHandle, settings: Settings, spec: HandlerSection) -> H
             weight=_weight,
             # Payloads a call past its limit still reads hold memory as queued ones do, until the call returns.
             also_held=functools.partial(handlers.stuck_bytes, served.name),
+            held=_held,
             alone=_alone,
             max_batch_size=1,
             max_delay=0.0,
