@@ -155,6 +155,8 @@ def same_in_both(name: str, value: str) -> str:
         ("PUT", "/v2/models/tiny/infer"),  # a 405 naming POST
         ("POST", "/v2/models/tiny/versions/1/frobnicate"),
         ("POST", "/nonexistent"),
+        ("POST", "/v1/models/tiny:explain"),  # explanations are not served: a route of its own had taken it
+        ("GET", "/v1/models/tiny:explain"),
     ],
 )
 def test_a_large_body_for_no_route_gets_the_router_s_answer_not_the_relay_s_413(
@@ -171,6 +173,18 @@ def test_a_large_body_for_no_route_gets_the_router_s_answer_not_the_relay_s_413(
     assert found[0] == found[1], found
     assert found[0][0] in (404, 405), found
     assert exchange(relayed.url, close_head("GET", "/v2/models/tiny"))[0] == 200
+
+
+@pytest.mark.parametrize("framing", FRAMINGS)
+@pytest.mark.parametrize("path", ["/v2/models/tiny", "/models/tiny"])
+def test_a_get_s_body_past_the_relay_cap_is_left_unread_as_one_process_leaves_it(
+    relayed: ServerProcess, single: ServerProcess, path: str, framing: str
+) -> None:
+    """No route reads a GET's body: one process answers the GET; a front-end had refused the body with a 413."""
+    extra, body = FRAMINGS[framing]
+    for server in (relayed, single):
+        status, _, answer = exchange(server.url, close_head("GET", path, *extra), body)
+        assert (status, orjson.loads(answer)["name"]) == (200, "tiny"), (server.url, answer)
 
 
 @pytest.mark.parametrize("framing", FRAMINGS)

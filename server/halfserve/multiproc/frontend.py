@@ -206,28 +206,34 @@ class FrontendApp:
 
         A body past the limit is refused only where a route takes the request: the engine process is asked that,
         without the body (:data:`ROUTE_ONLY`), and where none does, its 404 or 405 is the answer, as without
-        front-ends (a 413 had said "too large" of a request that no route takes).
+        front-ends (a 413 had said "too large" of a request that no route takes). A GET's or HEAD's body past the
+        limit is not read: the request is relayed without it, as one process answers it (no route reads such a body).
         """
         declared = scope_header(scope, b"content-length")
         headers = [(k, v) for k, v in scope["headers"] if k not in HOP_BY_HOP and k not in (RELAYED_CLIENT, ROUTE_ONLY)]
         client = scope.get("client")
         if client:
             headers.append((RELAYED_CLIENT, str(client[0]).encode("latin-1")))
+        # No route reads a GET's or HEAD's body (one process leaves it unread): one past the cap is relayed without it.
+        ignored = scope["method"] in ("GET", "HEAD")
+        content: bytes | None = None
         if declared is not None and declared.isdigit() and int(declared) > RELAY_BODY_BYTES:
-            too_large = f"body: {declared.decode()} bytes exceed {MANAGEMENT_LIMIT}"
-            await self._refuse_body(scope, receive, send, headers, too_large)
-            return
-        if declared is not None:
-            headers.append((b"content-length", declared))  # the body goes on as sent, not re-chunked
-        has_body = declared is not None or scope_header(scope, b"transfer-encoding") is not None
-        try:
-            content = await _body(receive) if has_body else None
-        except _ClientGone:
-            return  # nobody to answer
-        except _TooLarge:
-            too_large = f"body: more than {RELAY_BODY_BYTES} bytes ({MANAGEMENT_LIMIT})"
-            await self._refuse_body(scope, receive, send, headers, too_large)
-            return
+            if not ignored:
+                too_large = f"body: {declared.decode()} bytes exceed {MANAGEMENT_LIMIT}"
+                await self._refuse_body(scope, receive, send, headers, too_large)
+                return
+        elif declared is not None or scope_header(scope, b"transfer-encoding") is not None:
+            try:
+                content = await _body(receive)
+            except _ClientGone:
+                return  # nobody to answer
+            except _TooLarge:
+                if not ignored:
+                    too_large = f"body: more than {RELAY_BODY_BYTES} bytes ({MANAGEMENT_LIMIT})"
+                    await self._refuse_body(scope, receive, send, headers, too_large)
+                    return
+            if declared is not None and content is not None:
+                headers.append((b"content-length", declared))  # the body goes on as sent, not re-chunked
         response = await self._ask(scope, receive, send, headers, content)
         if response is None:
             return

@@ -303,13 +303,6 @@ def _enveloped(given: object) -> bool:
     return isinstance(given, list) and bool(given) and isinstance(given[0], dict) and bool(given[0].keys() & FIELDS_TS)
 
 
-@router.post("/v1/models/{model_name}:explain", response_class=Response, include_in_schema=False)
-async def explain(model_name: str) -> Response:
-    """KServe's explanations, which this server does not serve: a 404 saying so, rather than the readiness route's
-    405."""
-    raise _not_explained(model_name)
-
-
 def _not_explained(name: str) -> APIError:
     """The 404 of ``:explain``, whatever the method: explanations are not served."""
     return APIError(404, f"explanations are not served here; /v1/models/{name[:200]}:predict answers the model")
