@@ -35,12 +35,15 @@ from halfserve.api.http import (
     MANAGEMENT_BODY_BYTES,
     MANAGEMENT_LIMIT,
     RELAYED_CLIENT,
+    REQUEST_ID_HEADER,
     ROUTE_ONLY,
     answer_first,
     direct_routes,
     error_response,
     head_as_get,
     scope_header,
+    scope_request_id,
+    too_large_message,
 )
 from halfserve.httpserver import DrainingServer, uvicorn_config
 from halfserve.multiproc.client import BackplaneClient, RemoteMetrics, RemoteService
@@ -206,8 +209,9 @@ class FrontendApp:
 
         A body past the limit is refused only where a route takes the request: the engine process is asked that,
         without the body (:data:`ROUTE_ONLY`), and where none does, its 404 or 405 is the answer, as without
-        front-ends (a 413 had said "too large" of a request that no route takes). A GET's or HEAD's body past the
-        limit is not read: the request is relayed without it, as one process answers it (no route reads such a body).
+        front-ends (a 413 had said "too large" of a request that no route takes); its 413 is worded as the engine
+        process words it and carries the request's id. A GET's or HEAD's body past the limit is not read: the
+        request is relayed without it, as one process answers it (no route reads such a body).
         """
         declared = scope_header(scope, b"content-length")
         headers = [(k, v) for k, v in scope["headers"] if k not in HOP_BY_HOP and k not in (RELAYED_CLIENT, ROUTE_ONLY)]
@@ -219,7 +223,7 @@ class FrontendApp:
         content: bytes | None = None
         if declared is not None and declared.isdigit() and int(declared) > RELAY_BODY_BYTES:
             if not ignored:
-                too_large = f"body: {declared.decode()} bytes exceed {MANAGEMENT_LIMIT}"
+                too_large = too_large_message(declared.decode(), RELAY_BODY_BYTES, MANAGEMENT_LIMIT)
                 await self._refuse_body(scope, receive, send, headers, too_large)
                 return
         elif declared is not None or scope_header(scope, b"transfer-encoding") is not None:
@@ -229,7 +233,7 @@ class FrontendApp:
                 return  # nobody to answer
             except _TooLarge:
                 if not ignored:
-                    too_large = f"body: more than {RELAY_BODY_BYTES} bytes ({MANAGEMENT_LIMIT})"
+                    too_large = too_large_message(None, RELAY_BODY_BYTES, MANAGEMENT_LIMIT)
                     await self._refuse_body(scope, receive, send, headers, too_large)
                     return
             if declared is not None and content is not None:
@@ -258,7 +262,9 @@ class FrontendApp:
             return
         try:
             if ROUTE_ONLY.decode() in response.headers:
-                await error_response(413, too_large)(scope, receive, send)
+                await error_response(413, too_large, {REQUEST_ID_HEADER: scope_request_id(scope).decode()})(
+                    scope, receive, send
+                )
             else:
                 await _pass_on(scope, send, response)
         finally:

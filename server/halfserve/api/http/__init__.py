@@ -33,7 +33,8 @@ from halfserve.api.http import (
 )
 from halfserve.api.http.deps import MANAGEMENT_BODY_BYTES, MANAGEMENT_LIMIT, RELAYED_CLIENT, ROUTE_ONLY
 from halfserve.api.http.errors import error_response
-from halfserve.api.http.limits import scope_header
+from halfserve.api.http.limits import scope_header, too_large_message
+from halfserve.api.http.telemetry import REQUEST_ID_HEADER, scope_request_id
 from halfserve.transport import Answer, DirectHandler
 
 _ANSWERED_FIRST: dict[object, telemetry.Endpoint] = {
@@ -207,6 +208,7 @@ __all__ = [
     "MANAGEMENT_BODY_BYTES",
     "MANAGEMENT_LIMIT",
     "RELAYED_CLIENT",
+    "REQUEST_ID_HEADER",
     "ROUTE_ONLY",
     "App",
     "answer_first",
@@ -215,4 +217,6 @@ __all__ = [
     "head_as_get",
     "install",
     "scope_header",
+    "scope_request_id",
+    "too_large_message",
 ]

@@ -76,6 +76,14 @@ async def read_fields(request: Request, settings: Settings, fields: Collection[s
     return payload
 
 
+def too_large_message(declared: str | None, limit: int, setting: str) -> str:
+    """The 413 of a body past ``limit`` (named by ``setting``): of its ``declared`` length, or of one counted past the
+    limit as it arrived (chunked), in one wording wherever it is refused (a route, or a front-end's relay)."""
+    if declared is None:
+        return f"body: more than {limit} bytes ({setting})"
+    return f"body: {declared} bytes exceed the limit of {limit} bytes ({setting})"
+
+
 async def read_body(request: Request, limit: int, setting: str = "max_body_bytes") -> bytes:
     """The request body, decompressed when its ``Content-Encoding`` is gzip or deflate (as Triton and tritonclient's
     ``request_compression_algorithm`` do); a 413 once it is known to exceed ``limit`` (``max_body_bytes``), before
@@ -86,7 +94,7 @@ async def read_body(request: Request, limit: int, setting: str = "max_body_bytes
     # The HTTP server hands the app no more than Content-Length bytes, so a declared length over the limit is refused
     # before reading; a body without one (chunked) is counted as it arrives.
     if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise APIError(413, f"body: {declared.decode()} bytes exceed the limit of {limit} bytes ({setting})")
+        raise APIError(413, too_large_message(declared.decode(), limit, setting))
     COMPRESSED_BYTES.set(None)  # a connection's requests may share a context: none inherits another's
     text.CLIENT.set(request.client.host if request.client is not None else "")
     body = await _receive_body(request, limit, setting)
@@ -123,7 +131,7 @@ async def _receive_body(request: Request, limit: int, setting: str) -> bytes:
         more = message.get("more_body", False)
         received += len(part)
         if received > limit:
-            raise APIError(413, f"body: more than {limit} bytes ({setting})")
+            raise APIError(413, too_large_message(None, limit, setting))
         parts.append(part)
     body = parts[0] if len(parts) == 1 else b"".join(parts)
     request._body = body  # Starlette's cache of the body: request.body() answers from it

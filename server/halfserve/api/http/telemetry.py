@@ -51,6 +51,12 @@ def request_id(request: Request) -> bytes:
     return _sane_or_new(raw_header(request, _REQUEST_ID_KEY))
 
 
+def scope_request_id(scope: Scope) -> bytes:
+    """The id of the request ``scope`` carries, as :class:`RequestIdMiddleware` gives it: for an answer made ahead of
+    that layer (a front-end's own refusal)."""
+    return _sane_or_new(next((bytes(v) for k, v in scope["headers"] if k == _REQUEST_ID_KEY), None))
+
+
 def _sane_or_new(given: bytes | None) -> bytes:
     if given is not None and _REQUEST_ID.fullmatch(given):
         return given
@@ -71,7 +77,7 @@ class RequestIdMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        rid = _sane_or_new(next((bytes(v) for k, v in scope["headers"] if k == _REQUEST_ID_KEY), None))
+        rid = scope_request_id(scope)
         scope[REQUEST_ID] = rid  # for an answer made outside this layer (errors.install's last resort)
 
         async def send_with_id(message: Message) -> None:
