@@ -49,7 +49,7 @@ from halfserve import calibration, store
 from halfserve.engine.core import Engine
 from halfserve.execution import Compile
 from halfserve.manifest import FidelityBar, Manifest, Precision
-from halfserve.storage import StoreError
+from halfserve.storage import ReportedError, StoreError
 
 CALIBRATION = calibration.CALIBRATION
 RANDOM_SAMPLES = calibration.RANDOM_SAMPLES
@@ -364,8 +364,10 @@ class HalfForwardError(Exception):
 
 
 def forward_fails(precision: Precision, error: BaseException) -> str:
-    """Why a model whose forward in ``precision`` raised ``error`` is not served in it."""
-    return f"{precision.value} forward fails where fp32's does not: {type(error).__name__}: {error}"
+    """Why a model whose forward in ``precision`` raised ``error`` is not served in it, in the same words wherever it
+    ran (an instance process reports its error's type in its words)."""
+    said = str(error) if isinstance(error, ReportedError) else f"{type(error).__name__}: {error}"
+    return f"{precision.value} forward fails where fp32's does not: {said}"
 
 
 class UnanswerableError(StoreError):

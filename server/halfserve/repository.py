@@ -44,7 +44,7 @@ from halfserve.serving import (
     why_model_not_ready,
 )
 from halfserve.settings import Settings
-from halfserve.storage import StoreError
+from halfserve.storage import ReportedError, StoreError
 from halfserve.store import LoadedModel
 
 log = logging.getLogger(__name__)
@@ -174,7 +174,7 @@ class ModelRepository:
                     self.settings, loaded, precision, self.device, max_batch_size, fixed, kept
                 )
             except EngineError as e:
-                raise StoreError(str(e)) from None
+                raise ReportedError(str(e)) from None
             served.warmup_seconds = processes.warmup_seconds
             return processes
         engine = measured()

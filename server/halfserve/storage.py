@@ -47,6 +47,11 @@ class StoreError(Exception):
     """A model store, manifest or checkpoint is missing or invalid; the message names the file and field."""
 
 
+class ReportedError(StoreError):
+    """A load's failure that another process reported in its own words (an instance process that failed to start:
+    ``RuntimeError: ...``), which name the error's type already."""
+
+
 def check_name(name: str) -> str:
     """Reject model names that could escape the store directory."""
     # fullmatch: with match, "$" would let a trailing newline through.
