@@ -29,3 +29,10 @@ async def until(condition: Callable[[], object], what: str, timeout: float = DEA
     while not condition():
         assert time.monotonic() < deadline, f"not within {timeout:g} s: {what}"
         await asyncio.sleep(every)
+
+
+async def freed(count: Callable[[], int], what: str) -> None:
+    """Return once ``count()`` of objects still alive is 0, for a test that turned the collector off to see what only
+    a collection would free. A worker thread drops its failed call, and the error it raised, a moment after it woke
+    the event loop with it, so the answer can come back first; a cycle stays however long the wait."""
+    await until(lambda: count() == 0, what, every=0.01)

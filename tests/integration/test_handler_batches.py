@@ -20,6 +20,7 @@ from halfserve.settings import Settings
 from tests.e2e.test_handlers import HANDLER_CODE, b64, build_store, csv, digits_rows, with_handler
 from tests.integration.test_v2 import AUTH, TOKEN
 from tests.security.test_model_code import started
+from tests.waiting import freed
 
 pytestmark = pytest.mark.slow
 
@@ -156,9 +157,10 @@ async def test_a_payload_the_handler_refuses_is_freed_with_its_answer(store: tup
                 refused = await client.put(f"/predictions/{BATCHED}", content=bad)
                 assert refused.status_code == 400, refused.text
                 assert marker in refused.json()["message"]
-            for _ in range(3):  # the callbacks a request left (a failed future's wake-up)
-                await asyncio.sleep(0)
-            assert sum(isinstance(o, ValueError) and marker in str(o) for o in gc.get_objects()) == 0
+            await freed(
+                lambda: sum(isinstance(o, ValueError) and marker in str(o) for o in gc.get_objects()),
+                "the handler's refusals freed",
+            )
         finally:
             gc.enable()
 

@@ -5,7 +5,6 @@ its methods, and answers ``/explanations`` in TorchServe's shape."""
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import gc
 import io
@@ -27,6 +26,7 @@ from halfserve.settings import Settings
 from tests.conftest import free_port, save_photo_cnn, save_tiny_mlp, shm_key
 from tests.integration.conftest import serving
 from tests.integration.test_shm import AUTH, TOKEN, register
+from tests.waiting import freed
 
 INFER = "/v2/models/photo/infer"
 SERVICE = "/inference.GRPCInferenceService/"
@@ -217,11 +217,8 @@ JUNK_BYTES = 1017
 """The size of the refused photo below, which names its errors apart from any other test's."""
 
 
-async def live_image_errors() -> int:
-    """Image errors still reachable or waiting in a cycle, once the event loop has run the callbacks a request left
-    (a failed future's wake-up): the collector is off, so only reference counts free."""
-    for _ in range(3):
-        await asyncio.sleep(0)
+def live_image_errors() -> int:
+    """Image errors still reachable or waiting in a cycle: the collector is off, so only reference counts free."""
     return sum(isinstance(o, ImageError) and f"({JUNK_BYTES} bytes)" in str(o) for o in gc.get_objects())
 
 
@@ -248,7 +245,7 @@ async def test_a_refused_photo_is_freed_with_its_answer_on_every_route(tmp_path:
                 for _ in range(3):
                     r = await send()
                     assert r.status_code == 400, (route, r.text)
-                assert await live_image_errors() == 0, route
+                await freed(live_image_errors, f"{route}: the refused photos' errors freed")
             request = service_pb2.ModelInferRequest(model_name="photo")
             photo = request.inputs.add(name="photo", datatype="BYTES", shape=[1])
             photo.contents.bytes_contents.append(base64.b64decode(junk))
@@ -256,7 +253,7 @@ async def test_a_refused_photo_is_freed_with_its_answer_on_every_route(tmp_path:
                 with pytest.raises(grpc.aio.AioRpcError) as refused:
                     await call(channel, "ModelInfer", request, service_pb2.ModelInferResponse)
                 assert refused.value.code() is grpc.StatusCode.INVALID_ARGUMENT, refused.value.details()
-            assert await live_image_errors() == 0, "grpc"
+            await freed(live_image_errors, "gRPC: the refused photos' errors freed")
         finally:
             gc.enable()
 
