@@ -11,9 +11,9 @@ that computed them), or an exception that fails that chunk's request alone.
 
 Faults stay with the requests that cause them. A batch whose runner raises is bisected: its chunks are rerun as two
 smaller batches, recursively, until the failing chunks stand alone, so only their requests fail. A batch that lost its
-instance (:class:`~halfserve.serving.InstanceLostError`: a killed instance process) is rerun one chunk per batch
+instance (:class:`~halfserve.errors.InstanceLostError`: a killed instance process) is rerun one chunk per batch
 instead,
-and a runner with no instance to take the batch (:class:`~halfserve.serving.ModelNotReadyError`) fails its requests with
+and a runner with no instance to take the batch (:class:`~halfserve.errors.ModelNotReadyError`) fails its requests with
 that error, to be sent again. A runner that raises
 :class:`BatchTooLargeError` (the device ran out of memory) makes the batcher halve its batch size for good and rerun
 the rows in batches of the new size, splitting requests where needed. The batcher knows chunks and so owns the split;
@@ -46,20 +46,17 @@ from halfserve.clock import Clock, LoopClock, Timer
 if TYPE_CHECKING:
     from halfserve.manifest import Precision
 
-from halfserve.serving import (
+from halfserve.errors import (
     BatchFailedError,
     BatchTooLargeError,
     DeadlineExceededError,
-    HeldAnswer,
     InstanceLostError,
     ModelNotReadyError,
-    Outcome,
-    Output,
     QueueFullError,
     RequestTooLargeError,
-    Runner,
     ShuttingDownError,
 )
+from halfserve.serving import HeldAnswer, Outcome, Output, Runner
 
 __all__ = ["BatchObserver", "Batcher"]
 

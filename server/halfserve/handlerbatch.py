@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 from halfserve.clock import Clock, LoopClock, Timer
-from halfserve.serving import DeadlineExceededError, InternalError, QueueFullError, RequestTooLargeError
+from halfserve.errors import DeadlineExceededError, InternalError, QueueFullError, RequestTooLargeError
 
 J = TypeVar("J")
 """A request's job: what the run is given for it."""

@@ -3,7 +3,7 @@
 same way: the data plane's handler threads (:mod:`halfserve.api.dataplane.handled`) and an instance process
 (:mod:`halfserve.isolated.handling`), which imports nothing of ``api/``.
 
-Everything wrong here is the handler's, an :class:`~halfserve.serving.InternalError` (a 500) naming what was expected
+Everything wrong here is the handler's, an :class:`~halfserve.errors.InternalError` (a 500) naming what was expected
 and what came. Torch-free: a torch tensor is read through its ``detach`` without importing torch.
 """
 
@@ -12,10 +12,11 @@ from __future__ import annotations
 import numpy as np
 import orjson
 
+from halfserve.errors import InternalError, InvalidInputError
 from halfserve.handlers import one_line
 from halfserve.manifest import Manifest, TensorSpec
 from halfserve.packing import PackError, check_length
-from halfserve.serving import InternalError, InvalidInputError, Tensors
+from halfserve.serving import Tensors
 
 
 def _array(value: object, where: str) -> np.ndarray:

@@ -17,9 +17,10 @@ import torch
 from torch import nn
 
 from halfserve.engine.inputs import takes_positionally
+from halfserve.errors import IdOutOfRangeError
 from halfserve.instance import torch_dtype
 from halfserve.manifest import Manifest
-from halfserve.serving import IdOutOfRangeError, Tensors
+from halfserve.serving import Tensors
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +74,7 @@ def index_limits(module: nn.Module, manifest: Manifest) -> dict[str, int]:
 
 
 def check_indices(limits: Mapping[str, int], manifest: Manifest, inputs: Tensors) -> None:
-    """An :class:`~halfserve.serving.IdOutOfRangeError` (a 400) naming the input, its first bad row and value and the
+    """An :class:`~halfserve.errors.IdOutOfRangeError` (a 400) naming the input, its first bad row and value and the
     valid range when an input of ``limits`` holds an id outside it. Values a variable input's ``truncate`` cuts off are
     not looked at."""
     for name, rows in limits.items():

@@ -15,9 +15,9 @@ import torch
 from halfserve import fidelity, mixed
 from halfserve.batching import Batcher
 from halfserve.engine.protocol import ModelEngine
+from halfserve.errors import ModelNotReadyError
 from halfserve.manifest import Precision
 from halfserve.served import PrecisionSource, ServedModel
-from halfserve.serving import ModelNotReadyError
 from halfserve.settings import LiveFidelityAction, Settings
 from halfserve.store import LoadedModel
 

@@ -3,14 +3,14 @@
 The object is the client's, and it may shrink it, or fill the tmpfs it lives on, at any moment. A mapping would turn
 either into SIGBUS on the next access, which kills the process however it is guarded: a size check before the access
 always leaves a window. So the server never maps a client's object: it reads with ``preadv`` into a buffer of its own
-and writes with ``pwrite``, and a shrunk object is a short read (:class:`~halfserve.serving.RegionError`), a full tmpfs
-``ENOSPC`` (:class:`~halfserve.serving.RegionFullError`). The routes that register regions and name them in requests are
+and writes with ``pwrite``, and a shrunk object is a short read (:class:`~halfserve.errors.RegionError`), a full tmpfs
+``ENOSPC`` (:class:`~halfserve.errors.RegionFullError`). The routes that register regions and name them in requests are
 :mod:`halfserve.api.http.shm`.
 
 Each region keeps a descriptor open in the engine process and in each front-end, so their number is held to
 ``max_shm_regions`` (:class:`Regions`), and a name to :data:`MAX_REGION_NAME` printable characters: a descriptor table
 filled by regions would leave none for new connections. A descriptor the server cannot get for a region (its open-file
-limit reached all the same) is its own shortage, :class:`~halfserve.serving.ServerResourceError` (503), not the
+limit reached all the same) is its own shortage, :class:`~halfserve.errors.ServerResourceError` (503), not the
 client's mistake.
 """
 
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from halfserve.serving import OverLimitError, RegionError, RegionFullError, ServerResourceError
+from halfserve.errors import OverLimitError, RegionError, RegionFullError, ServerResourceError
 
 log = logging.getLogger(__name__)
 

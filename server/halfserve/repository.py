@@ -26,6 +26,7 @@ from halfserve.engine.core import Engine, module_bytes
 from halfserve.engine.intraop import fixed_timing
 from halfserve.engine.protocol import EngineError, ModelEngine
 from halfserve.engine.traced import TraceRefused
+from halfserve.errors import ModelNotReadyError
 from halfserve.execution import Batching
 from halfserve.fallback import VersionFallback
 from halfserve.indices import index_limits
@@ -36,13 +37,7 @@ from halfserve.manifest import Manifest, Precision, load_manifest
 from halfserve.placement import Placement, available_cores, choose, in_process, pads_to_buckets
 from halfserve.precision import resolve_device
 from halfserve.served import PrecisionSource, ServedModel
-from halfserve.serving import (
-    ModelNotReadyError,
-    ModelState,
-    Runner,
-    find,
-    why_model_not_ready,
-)
+from halfserve.serving import ModelState, Runner, find, why_model_not_ready
 from halfserve.settings import Settings
 from halfserve.storage import ReportedError, StoreError
 from halfserve.store import LoadedModel

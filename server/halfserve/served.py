@@ -17,6 +17,7 @@ import numpy as np
 from halfserve.batching import Batcher
 from halfserve.batchstats import BatchStats
 from halfserve.engine.protocol import EngineInfo, ModelEngine
+from halfserve.errors import InvalidInputError
 from halfserve.execution import Batching
 from halfserve.fidelity import Fidelity
 from halfserve.indices import check_indices
@@ -27,17 +28,7 @@ from halfserve.manifest import Manifest, Precision
 from halfserve.mixed import Outcome
 from halfserve.packing import LENGTH, PackError, pack, packs_records, padded_length, sequence_input
 from halfserve.padding import PaddingCheck
-from halfserve.serving import (
-    Handled,
-    HandlerPayload,
-    HeldAnswer,
-    InvalidInputError,
-    ModelState,
-    Output,
-    Prediction,
-    Tensors,
-    not_serving,
-)
+from halfserve.serving import Handled, HandlerPayload, HeldAnswer, ModelState, Output, Prediction, Tensors, not_serving
 from halfserve.store import LoadedModel
 
 _repository_log = logging.getLogger("halfserve.repository")

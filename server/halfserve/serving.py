@@ -9,9 +9,9 @@ Tensors cross as **named numpy arrays**: a request is a mapping of input name to
 first dimension, a :class:`Prediction` a mapping of output name to its rows. Today's models take one input and give
 one output: the one-entry case.
 
-Also here, below both sides: the domain errors (a route maps them onto HTTP statuses; the multi-process wire carries
-them by name), the readiness rule, the runner contract the batcher calls (implemented by the engine), and the typed
-state an app holds. Neutral: no HTTP, no torch.
+Also here, below both sides: the readiness rule, the runner contract the batcher calls (implemented by the engine),
+and the typed state an app holds. The domain errors a request fails with are the contract's own module beside it
+(:mod:`halfserve.errors`). Neutral: no HTTP, no torch.
 """
 
 from __future__ import annotations
@@ -20,9 +20,11 @@ import asyncio
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypeVar, cast
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypeVar
 
 import numpy as np
+
+from halfserve.errors import InvalidInputError, ModelNotFoundError, ModelNotReadyError, ModelUnavailableError
 
 if TYPE_CHECKING:
     from halfserve.batchstats import BatchStats
@@ -41,170 +43,6 @@ class ModelState(str, Enum):
     READY = "ready"
     FAILED = "failed"
     UNLOADED = "unloaded"
-
-
-# Domain errors -------------------------------------------------------------------------------------------------------
-
-
-class ServingError(Exception):
-    """Base of the errors a request can fail with below the transports; each maps onto one refusal
-    (:class:`~halfserve.api.dataplane.refusals.Refusal`), which each transport answers in its own terms."""
-
-
-class ModelNotFoundError(ServingError, LookupError):
-    """No model of that name is known to the server."""
-
-
-class ModelUnavailableError(ModelNotFoundError):
-    """The model is known, but no version of it can serve: it failed to load, or was unloaded."""
-
-
-class ModelNotReadyError(ServingError, RuntimeError):
-    """The model is known but cannot take requests now (loading, draining, or reloaded under the request).
-
-    ``retry`` says whether the same request may succeed if sent again in a moment (a ``Retry-After``), and
-    ``retry_after`` in how many seconds.
-    """
-
-    def __init__(self, message: str, retry: bool = True, retry_after: int = 1) -> None:
-        super().__init__(message)
-        self.retry = retry
-        self.retry_after = retry_after
-
-
-class InvalidInputError(ServingError, ValueError):
-    """The request does not match the model or the protocol: a missing, unexpected or misshapen tensor, a malformed
-    field (the message names it)."""
-
-
-class IdOutOfRangeError(InvalidInputError):
-    """An integer input holds an id outside the embedding table it indexes (:mod:`halfserve.indices`), found where the
-    request's rows reach the model, below the routes: the message names the row by the column format's ``inputs``;
-    :meth:`in_rows` names it as a route of the row format does (KServe V1's ``instances``)."""
-
-    def __init__(self, name: str, row: int, value: int, rows: int) -> None:
-        self.name, self.row, self.value, self.rows = name, row, value, rows
-        super().__init__(f"inputs: input {name!r} row {row} holds {value}, {self._outside()}")
-
-    def _outside(self) -> str:
-        return f"outside 0..{self.rows - 1}: the ids the model's embedding of {self.rows} rows takes"
-
-    def in_rows(self, field: str) -> InvalidInputError:
-        """The refusal naming the row as ``field[row]``."""
-        return InvalidInputError(f"{field}[{self.row}]: input {self.name!r} holds {self.value}, {self._outside()}")
-
-
-class OverLimitError(ServingError):
-    """The request carries more than one of the server's limits allows (rows, values, text bytes), refused before it
-    is queued, or a registration would pass one (``max_shm_regions``); the message names the field and the setting."""
-
-
-class BatchingError(ServingError):
-    """Base class of the errors a queued request can fail with."""
-
-
-class QueueFullError(BatchingError):
-    """The queue holds ``max_queue_rows`` rows; the request was not accepted."""
-
-
-class DeadlineExceededError(BatchingError):
-    """The request's deadline passed while it was queued; it was never run."""
-
-
-class HandlerTimeLimitError(DeadlineExceededError):
-    """A handler's ``preprocess`` or ``postprocess`` call ran past its ``timeout_s``: a 504 as a deadline is, but one
-    request of a batch of several may have caused it (its payloads the slow ones), so each is rerun alone."""
-
-
-class ShuttingDownError(BatchingError):
-    """The batcher is draining and accepts no new requests, or a drain's timeout cut the request off.
-
-    ``retry`` says whether the same request may succeed if sent again (to another replica, after a ``Retry-After``):
-    a request cut off by the drain was accepted, and inference is idempotent.
-    """
-
-    def __init__(self, message: str, retry: bool = False) -> None:
-        super().__init__(message)
-        self.retry = retry
-
-
-class BatchFailedError(BatchingError):
-    """The runner failed on this request's rows (alone: other requests of the batch were rerun without it)."""
-
-
-class RequestTooLargeError(BatchingError):
-    """The request has more rows than the queue can ever hold; retrying cannot help."""
-
-
-class RegionError(ServingError, ValueError):
-    """A shared memory region cannot be opened, read or written as asked (a client's mistake, or its object shrank)."""
-
-
-class RegionFullError(RegionError):
-    """The file system holding a shared memory object has no room for an output written into it."""
-
-
-class ServerResourceError(ServingError):
-    """The server is out of a resource of its own (file descriptors, at its open-file limit) that the request needs:
-    its shortage, not the client's mistake, and one that may pass as other clients' connections close."""
-
-    retry_after = 5
-    """The seconds a client is told to wait (``Retry-After``): a shortage passes as connections close, which takes
-    longer than a full queue's moment, and clients sent back sooner would only find it again."""
-
-
-_WIRE_ERRORS: dict[str, type[ServingError]] = {
-    cls.__name__: cls
-    for cls in (
-        ServingError,
-        ModelNotFoundError,
-        ModelUnavailableError,
-        ModelNotReadyError,
-        InvalidInputError,
-        IdOutOfRangeError,
-        QueueFullError,
-        DeadlineExceededError,
-        ShuttingDownError,
-        BatchFailedError,
-        RequestTooLargeError,
-        RegionError,
-        RegionFullError,
-        ServerResourceError,
-    )
-}
-
-
-def error_to_wire(e: BaseException) -> dict[str, object]:
-    """``e`` as another process can raise it again (:func:`error_from_wire`): its kind and message."""
-    if isinstance(e, ServingError) and type(e).__name__ in _WIRE_ERRORS:
-        wire: dict[str, object] = {"kind": type(e).__name__, "message": str(e)}
-        if isinstance(e, ModelNotReadyError):
-            wire["retry"] = e.retry
-            wire["retry_after"] = e.retry_after
-        if isinstance(e, IdOutOfRangeError):
-            wire["id"] = [e.name, e.row, e.value, e.rows]
-        return wire
-    # Anything else failed inside the server: it answers as an internal error, under its own type's name.
-    return {"kind": "internal", "message": f"{type(e).__name__}: {e}"}
-
-
-def error_from_wire(wire: Mapping[str, object]) -> Exception:
-    """The exception :func:`error_to_wire` described."""
-    kind, message = wire.get("kind"), str(wire.get("message"))
-    cls = _WIRE_ERRORS.get(kind) if isinstance(kind, str) else None
-    if cls is ModelNotReadyError:
-        after = wire.get("retry_after", 1)
-        return ModelNotReadyError(message, bool(wire.get("retry", True)), after if isinstance(after, int) else 1)
-    if cls is IdOutOfRangeError:
-        name, row, value, rows = cast(list[Any], wire["id"])
-        return IdOutOfRangeError(str(name), int(row), int(value), int(rows))
-    if cls is not None:
-        return cls(message)
-    return InternalError(message)
-
-
-class InternalError(RuntimeError):
-    """An unexpected failure in another process, carried as its ``"<type>: <message>"``."""
 
 
 # Results -------------------------------------------------------------------------------------------------------------
@@ -281,23 +119,6 @@ class HeldAnswer(asyncio.Future[A]):
         return True
 
 
-class BatchTooLargeError(Exception):
-    """Raised by a runner that cannot run this many rows at once (the device is out of memory).
-
-    The batcher halves its batch size for good and reruns the rows in smaller batches; only a single row that still
-    does not fit fails its request.
-    """
-
-
-class InstanceLostError(Exception):
-    """Raised by a runner whose instance died (or was killed, hung) running the batch: an instance process's end.
-
-    Any of the batch's requests may have killed it, and a rerun that holds that request kills the next instance too,
-    so the batcher reruns each chunk alone rather than in halves; a chunk that loses its instance alone fails its
-    request without a retry.
-    """
-
-
 # The service ---------------------------------------------------------------------------------------------------------
 
 
@@ -344,8 +165,9 @@ class ModelHandle(Protocol):
         """Queue ``inputs`` for batching; the future's result is their prediction.
 
         ``timeout`` (seconds, the client's) and the model's ``request_timeout_ms``, whichever is shorter, bound how
-        long the rows may wait to start: past it the future fails with :class:`DeadlineExceededError`. Raises at once
-        what refuses the request before queueing (:class:`ModelNotReadyError`, :class:`QueueFullError`, ...);
+        long the rows may wait to start: past it the future fails with
+        :class:`~halfserve.errors.DeadlineExceededError`. Raises at once what refuses the request before queueing
+        (:class:`~halfserve.errors.ModelNotReadyError`, :class:`~halfserve.errors.QueueFullError`, ...);
         cancelling the future withdraws the rows not yet running.
         """
 
@@ -353,11 +175,11 @@ class ModelHandle(Protocol):
         """``payloads`` through the model's handler (its manifest's ``handler`` section), ``preprocess``, forward and
         ``postprocess`` as one batch in an instance process, started once a process took it; ``None`` where the
         handler runs in this process instead (instances are threads, or this is a front-end), on its handler threads.
-        Cancelled before a process took it, the batch is withdrawn. Fails as those calls would:
-        :class:`InvalidInputError` (``preprocess`` raised), :class:`InternalError` (the handler's inputs or answers
-        are wrong, or ``postprocess`` raised), :class:`DeadlineExceededError` (a call ran past ``timeout_s``),
-        :class:`BatchFailedError` (the forward failed) or :class:`InstanceLostError` (the handler killed its
-        process)."""
+        Cancelled before a process took it, the batch is withdrawn. Fails as those calls would (the errors of
+        :mod:`halfserve.errors`): :class:`InvalidInputError` (``preprocess`` raised), :class:`InternalError` (the
+        handler's inputs or answers are wrong, or ``postprocess`` raised), :class:`DeadlineExceededError` (a call ran
+        past ``timeout_s``), :class:`BatchFailedError` (the forward failed) or :class:`InstanceLostError` (the handler
+        killed its process)."""
 
 
 class ModelService(Protocol):

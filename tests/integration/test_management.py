@@ -12,7 +12,7 @@ import pytest
 
 from halfserve import storage
 from halfserve.api.http import ROUTE_ONLY
-from halfserve.serving import ModelNotReadyError
+from halfserve.errors import ModelNotReadyError
 from halfserve.settings import Settings
 from tests.conftest import save_tiny_mlp
 from tests.integration.conftest import serving

@@ -336,8 +336,8 @@ async def test_a_server_out_of_descriptors_answers_503_not_the_client_s_400(
 def test_a_front_end_that_cannot_mirror_a_region_answers_503_until_it_can(segment: shared_memory.SharedMemory) -> None:
     """A front-end's copy of a region it had no file descriptor for had been dropped: requests naming it read "no
     shared memory region 'r' is registered", blaming the client for the server's shortage."""
+    from halfserve.errors import ServerResourceError
     from halfserve.regions import Regions
-    from halfserve.serving import ServerResourceError
 
     engine = Regions(most=4)
     engine.register("r", shm_key(segment), 0, 1024)

@@ -17,8 +17,8 @@ import pytest
 from halfserve import __version__
 from halfserve.api.dataplane import plan
 from halfserve.api.dataplane.decode import to_input_dtype
+from halfserve.errors import InvalidInputError
 from halfserve.manifest import DataType, TensorSpec
-from halfserve.serving import InvalidInputError
 from halfserve.settings import Settings
 from tests.conftest import save_tiny_mlp
 from tests.integration.conftest import serving

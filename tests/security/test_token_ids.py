@@ -49,9 +49,9 @@ def test_a_hugging_face_models_id_inputs_get_their_own_tables_range(tmp_path: Pa
     ``token_type_ids``; the attention mask indexes nothing."""
     transformers = pytest.importorskip("transformers")
     from halfserve import store
+    from halfserve.errors import InvalidInputError
     from halfserve.indices import check_indices, index_limits
     from halfserve.manifest import DataType, Manifest, TensorSpec
-    from halfserve.serving import InvalidInputError
 
     config = transformers.BertConfig(
         vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, num_labels=3

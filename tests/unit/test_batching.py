@@ -13,7 +13,7 @@ import pytest
 
 from halfserve.batchcut import Pending, cut_batch, seconds_until_cut
 from halfserve.batching import Batcher
-from halfserve.serving import BatchFailedError, DeadlineExceededError, QueueFullError, ShuttingDownError
+from halfserve.errors import BatchFailedError, DeadlineExceededError, QueueFullError, ShuttingDownError
 from tests.waiting import until
 
 

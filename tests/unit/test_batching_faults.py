@@ -13,17 +13,15 @@ import pytest
 
 from halfserve.batchcut import Chunk, Pending, split_rows
 from halfserve.batching import Batcher
-from halfserve.serving import (
+from halfserve.errors import (
     BatchFailedError,
     BatchTooLargeError,
     DeadlineExceededError,
-    HeldAnswer,
     InstanceLostError,
     ModelNotReadyError,
-    Outcome,
-    Output,
     RequestTooLargeError,
 )
+from halfserve.serving import HeldAnswer, Outcome, Output
 from tests.waiting import until
 
 POISON = -1.0

@@ -14,8 +14,9 @@ from halfserve.batching import Batcher
 from halfserve.engine.core import Engine
 from halfserve.engine.faults import is_out_of_memory
 from halfserve.engine.protocol import PrecisionOverflowError
+from halfserve.errors import BatchTooLargeError
 from halfserve.manifest import OverflowPolicy, Precision
-from halfserve.serving import BatchTooLargeError, Output
+from halfserve.serving import Output
 from tests.conftest import save_tiny_mlp
 from tests.fault_models import Poisonable, save_overflowing_linear
 

@@ -8,8 +8,8 @@ import asyncio
 
 import pytest
 
+from halfserve.errors import DeadlineExceededError, InternalError, QueueFullError, RequestTooLargeError
 from halfserve.handlerbatch import HandlerBatcher
-from halfserve.serving import DeadlineExceededError, InternalError, QueueFullError, RequestTooLargeError
 from tests.unit.test_batching import FakeClock, settle
 
 Job = tuple[str, ...]

@@ -15,7 +15,7 @@ from PIL import Image
 
 from halfserve import calibration, cli, draftcheck, store
 from halfserve.api.dataplane.samples import decode_inputs
-from halfserve.serving import OverLimitError
+from halfserve.errors import OverLimitError
 from halfserve.settings import MAX_IMAGE_PIXELS, MOST_IMAGE_PIXELS, Settings
 from tests.conftest import DIGITS_CNN_IMPORT, DIGITS_PHOTO
 from tests.unit.test_images import claiming, png_claiming

@@ -12,12 +12,12 @@ import numpy as np
 import orjson
 import pytest
 
+from halfserve.errors import DeadlineExceededError, ModelNotReadyError, error_from_wire, error_to_wire
 from halfserve.ipc import exports
 from halfserve.ipc.channel import Channel
 from halfserve.ipc.frames import FRAME, FrameError, FrameReader, frame
 from halfserve.ipc.memory import InstanceMemory, Slots
 from halfserve.ipc.tensors import descr, dtype_of, from_payload, inline, nbytes
-from halfserve.serving import DeadlineExceededError, ModelNotReadyError, error_from_wire, error_to_wire
 
 TENSORS = {
     "image": np.arange(24, dtype=np.float32).reshape(2, 3, 4),

@@ -12,7 +12,7 @@ import pytest
 
 from halfserve.api.dataplane.bounds import parse_json
 from halfserve.api.errors import from_exception
-from halfserve.serving import OverLimitError
+from halfserve.errors import OverLimitError
 
 
 def test_a_body_as_long_as_the_limit_is_parsed() -> None:

@@ -9,8 +9,8 @@ import pytest
 
 from halfserve.api.dataplane.bounds import JSON_LITERALS, holds_literals
 from halfserve.api.dataplane.codec import cast_json_numbers, decode_json, decode_samples
+from halfserve.errors import InvalidInputError
 from halfserve.manifest import DataType, TensorSpec
-from halfserve.serving import InvalidInputError
 
 BEYOND = "^inputs: values beyond the range of {}$"
 """Integers the parser handed over as floats (past int64), or floats."""

@@ -50,10 +50,12 @@ ONE_PATH = (
     "halfserve.batching",
     "halfserve.batchcut",
     "halfserve.precision",
+    "halfserve.serving",
+    "halfserve.errors",
 )
 """Modules whose names are imported from where they are defined only: none of them re-exports another's (the
 batcher re-exported the contract's errors, the store the manifest's names, the precision policy the manifest's
-``Precision``)."""
+``Precision``); the serving contract imports the domain errors it raises, and none is taken from it."""
 
 
 def importing_files() -> list[Path]:

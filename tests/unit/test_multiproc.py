@@ -17,6 +17,13 @@ import numpy as np
 import pytest
 
 from halfserve.api.dataplane.metadata import metadata
+from halfserve.errors import (
+    DeadlineExceededError,
+    InternalError,
+    ModelNotReadyError,
+    ModelUnavailableError,
+    error_to_wire,
+)
 from halfserve.execution import Batching
 from halfserve.ipc.frames import FrameReader, frame
 from halfserve.ipc.memory import Slots
@@ -29,15 +36,7 @@ from halfserve.multiproc.engine_side import Backplane, _Connection
 from halfserve.regions import Regions
 from halfserve.repository import ModelRepository
 from halfserve.served import ServedModel
-from halfserve.serving import (
-    DeadlineExceededError,
-    InternalError,
-    ModelNotReadyError,
-    ModelState,
-    ModelUnavailableError,
-    check_ready,
-    error_to_wire,
-)
+from halfserve.serving import ModelState, check_ready
 from halfserve.settings import Settings
 from tests.unit.test_transport import RecordingTransport
 from tests.waiting import DEADLINE_S

@@ -24,10 +24,11 @@ from halfserve.api.dataplane.request import Inference
 from halfserve.api.dataplane.samples import decode_inputs
 from halfserve.api.grpc.grpc_codec import infer_request
 from halfserve.api.grpc.grpc_limits import check_infer_request
+from halfserve.errors import InvalidInputError, OverLimitError, QueueFullError
 from halfserve.execution import Batching
 from halfserve.imageinput import ImageInput
 from halfserve.manifest import Manifest, Precision, TensorSpec
-from halfserve.serving import InvalidInputError, ModelHandle, OverLimitError, QueueFullError
+from halfserve.serving import ModelHandle
 from halfserve.settings import Settings
 from tests.unit.test_images import png_claiming
 

@@ -12,7 +12,7 @@ import pytest
 from halfserve.api.dataplane.refusals import Refusal, cut_off_by_shutdown, refused
 from halfserve.api.errors import STATUSES, HeldError, RefusedError, from_exception
 from halfserve.api.grpc.grpc_service import CODES, _refusal
-from halfserve.serving import (
+from halfserve.errors import (
     BatchFailedError,
     DeadlineExceededError,
     IdOutOfRangeError,

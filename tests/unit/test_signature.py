@@ -17,9 +17,10 @@ from halfserve.api.dataplane.json_request import read_request
 from halfserve.api.dataplane.request import BinaryData, InferRequest, RequestInput, SharedMemory, Texts
 from halfserve.api.dataplane.samples import decode_inputs
 from halfserve.api.grpc.grpc_codec import infer_request
+from halfserve.errors import InvalidInputError, OverLimitError, ServingError
 from halfserve.execution import Batching
 from halfserve.manifest import DataType, Manifest, Precision, TensorSpec
-from halfserve.serving import InvalidInputError, ModelHandle, OverLimitError, ServingError
+from halfserve.serving import ModelHandle
 from halfserve.settings import Settings
 
 MAX_LENGTH = 8

@@ -97,7 +97,7 @@ def forget(e: BaseException) -> None:
 
 def from_exception(e: Exception) -> APIError:
     """``e`` when it is an :class:`APIError`, else the refusal an error raised below the routes
-    (:mod:`halfserve.serving`'s domain errors) means."""
+    (:mod:`halfserve.errors`'s domain errors) means."""
     if isinstance(e, APIError):
         return e
     answer = refused(e)

@@ -32,11 +32,12 @@ from halfserve.engine.inputs import Normalizer, has_conv2d, takes_positionally
 from halfserve.engine.protocol import BatchRunner, EngineInfo
 from halfserve.engine.rows import checked
 from halfserve.engine.threads import ThreadRunner
+from halfserve.errors import BatchTooLargeError
 from halfserve.execution import Compile, Execution
 from halfserve.instance import Instance, bucket_for, torch_dtype
 from halfserve.manifest import OverflowPolicy, Precision
 from halfserve.placement import Placement, pads_to_buckets
-from halfserve.serving import BatchTooLargeError, Outcome
+from halfserve.serving import Outcome
 from halfserve.store import LoadedModel
 
 log = logging.getLogger(__name__)
@@ -263,7 +264,7 @@ class Engine:
         """Run the chunks of one batch as a single forward, synchronously; returns one outcome per chunk, after the
         overflow policy (:meth:`run` is the batcher's way in, on an instance's thread).
 
-        Raises :class:`~halfserve.serving.BatchTooLargeError` when the device runs out of memory.
+        Raises :class:`~halfserve.errors.BatchTooLargeError` when the device runs out of memory.
         """
         try:
             out = self.forward(chunks, inst)

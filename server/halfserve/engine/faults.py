@@ -1,6 +1,6 @@
 """The two faults of a forward that the engine recognises, because they need torch to see:
 
-* Out of memory (:func:`is_out_of_memory`): the forward raises :class:`~halfserve.serving.BatchTooLargeError`
+* Out of memory (:func:`is_out_of_memory`): the forward raises :class:`~halfserve.errors.BatchTooLargeError`
   instead, and the batcher (which owns chunks and batch sizes) halves its batch size and reruns the rows in smaller
   batches.
 * Overflow (:class:`OverflowGuard`): a half-precision forward whose output is not finite where the input was (fp16

@@ -27,6 +27,15 @@ from halfserve import precision as prec
 from halfserve.compilation import tune_cudnn
 from halfserve.engine.core import Engine
 from halfserve.engine.intraop import fixed_timing, set_intra_op_threads
+from halfserve.errors import (
+    BatchFailedError,
+    DeadlineExceededError,
+    InternalError,
+    InvalidInputError,
+    ModelUnavailableError,
+    OverLimitError,
+    QueueFullError,
+)
 from halfserve.instance import Instance, pin_host
 from halfserve.ipc.channel import Channel
 from halfserve.ipc.exports import ImportedRegions
@@ -38,16 +47,7 @@ from halfserve.isolated.handling import InstanceHandler
 from halfserve.isolated.protocol import IN_FRAME, INPUT_REGION, ChildConfig
 from halfserve.manifest import Precision
 from halfserve.precision import resolve_device
-from halfserve.serving import (
-    BatchFailedError,
-    DeadlineExceededError,
-    InternalError,
-    InvalidInputError,
-    ModelUnavailableError,
-    Output,
-    OverLimitError,
-    QueueFullError,
-)
+from halfserve.serving import Output
 
 log = logging.getLogger(__name__)
 

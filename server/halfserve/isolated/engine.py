@@ -31,6 +31,7 @@ from halfserve import models, store
 from halfserve import precision as prec
 from halfserve.compilecache import CacheOutcome
 from halfserve.engine.protocol import EngineError, EngineInfo
+from halfserve.errors import InstanceLostError, ModelNotReadyError
 from halfserve.ipc import exports
 from halfserve.ipc.memory import InstanceMemory
 from halfserve.isolated import child, handover
@@ -40,7 +41,7 @@ from halfserve.isolated.supervision import Supervisor
 from halfserve.isolated.wire import InstanceProcess
 from halfserve.manifest import OverflowPolicy, Precision
 from halfserve.placement import Placement, available_cores
-from halfserve.serving import HandlerPayload, HeldAnswer, InstanceLostError, ModelNotReadyError, Outcome, Output
+from halfserve.serving import HandlerPayload, HeldAnswer, Outcome, Output
 from halfserve.settings import Settings
 from halfserve.store import LoadedModel
 

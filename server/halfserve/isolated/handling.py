@@ -6,10 +6,10 @@ Built once, when the process starts, under the trust rule the server process app
 ``--code-path``, which the process registers before anything else). Its calls run on threads of their own, each
 bounded by the section's ``timeout_s``, as :mod:`halfserve.handlers` bounds them in the server process; what goes wrong
 is answered with the same kinds as there (:mod:`halfserve.api.dataplane.handled`): ``preprocess`` raising an
-:class:`~halfserve.serving.InvalidInputError`, wrong inputs or answers or ``postprocess`` raising an
-:class:`~halfserve.serving.InternalError`, a call past its limit a :class:`~halfserve.serving.HandlerTimeLimitError`,
-the forward failing a :class:`~halfserve.serving.BatchFailedError`. A handler that kills the process is the batch's
-:class:`~halfserve.serving.InstanceLostError`, raised by the server process's side, whose supervisor restarts it.
+:class:`~halfserve.errors.InvalidInputError`, wrong inputs or answers or ``postprocess`` raising an
+:class:`~halfserve.errors.InternalError`, a call past its limit a :class:`~halfserve.errors.HandlerTimeLimitError`,
+the forward failing a :class:`~halfserve.errors.BatchFailedError`. A handler that kills the process is the batch's
+:class:`~halfserve.errors.InstanceLostError`, raised by the server process's side, whose supervisor restarts it.
 
 Both ends of the ``handle`` op are here: the frame the server process sends (:func:`handle_frame`) and its payloads
 read back as requests in the instance process (:func:`requests`), and the answers in the frame that comes back
@@ -28,19 +28,17 @@ import numpy as np
 
 from halfserve import handlercheck, handlers
 from halfserve.engine.core import Engine
-from halfserve.instance import Instance
-from halfserve.isolated.protocol import ChildConfig
-from halfserve.serving import (
+from halfserve.errors import (
     BatchFailedError,
-    HandlerPayload,
     HandlerTimeLimitError,
     InternalError,
     InvalidInputError,
-    Outcome,
-    Output,
     OverLimitError,
     QueueFullError,
 )
+from halfserve.instance import Instance
+from halfserve.isolated.protocol import ChildConfig
+from halfserve.serving import HandlerPayload, Outcome, Output
 
 HandledOutcomes = tuple[list[bytes], list[Outcome]]
 """A handler batch's answers, one JSON body per payload, and its outputs' outcomes, one per forward."""

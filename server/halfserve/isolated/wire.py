@@ -19,6 +19,18 @@ from typing import Any, Protocol, cast
 import numpy as np
 
 from halfserve.engine.protocol import EngineError, PrecisionOverflowError
+from halfserve.errors import (
+    BatchFailedError,
+    BatchTooLargeError,
+    DeadlineExceededError,
+    HandlerTimeLimitError,
+    InstanceLostError,
+    InternalError,
+    InvalidInputError,
+    ModelUnavailableError,
+    OverLimitError,
+    QueueFullError,
+)
 from halfserve.handlerinput import HandlerSection
 from halfserve.ipc import exports
 from halfserve.ipc.frames import FrameReader, frame
@@ -29,21 +41,7 @@ from halfserve.isolated.handling import HandledOutcomes
 from halfserve.isolated.protocol import IN_FRAME, INPUT_REGION
 from halfserve.isolated.supervision import Watchdog
 from halfserve.manifest import Precision
-from halfserve.serving import (
-    BatchFailedError,
-    BatchTooLargeError,
-    DeadlineExceededError,
-    HandlerPayload,
-    HandlerTimeLimitError,
-    InstanceLostError,
-    InternalError,
-    InvalidInputError,
-    ModelUnavailableError,
-    Outcome,
-    Output,
-    OverLimitError,
-    QueueFullError,
-)
+from halfserve.serving import HandlerPayload, Outcome, Output
 
 _ERRORS: dict[str, Callable[[str], Exception]] = {
     "BatchTooLargeError": BatchTooLargeError,

@@ -24,7 +24,7 @@ front-end's requests.
 
 The package, split by concern; each part imports the routes only through :func:`halfserve.api.http.answer_first`.
 The frames, the slots and the named tensors in them are :mod:`halfserve.ipc`'s, as instance processes' are; errors
-cross as the contract's domain errors (:func:`halfserve.serving.error_to_wire`):
+cross as the contract's domain errors (:func:`halfserve.errors.error_to_wire`):
 
 * :mod:`~halfserve.multiproc.engine_side`: the engine process's end
   (:class:`~halfserve.multiproc.engine_side.Backplane`);

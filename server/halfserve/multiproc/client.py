@@ -20,22 +20,13 @@ from typing import Any, cast
 
 import orjson
 
+from halfserve.errors import ModelNotReadyError, error_from_wire
 from halfserve.execution import Batching
 from halfserve.ipc.frames import FrameReader, frame
 from halfserve.ipc.memory import Slots
 from halfserve.ipc.tensors import from_payload, inline, nbytes
 from halfserve.manifest import Manifest, Precision
-from halfserve.serving import (
-    HandlerPayload,
-    Interface,
-    ModelNotReadyError,
-    ModelState,
-    Prediction,
-    Tensors,
-    error_from_wire,
-    find,
-    why_model_not_ready,
-)
+from halfserve.serving import HandlerPayload, Interface, ModelState, Prediction, Tensors, find, why_model_not_ready
 from halfserve.settings import Settings
 from halfserve.transport import CoalescedWrites
 

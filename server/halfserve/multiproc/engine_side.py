@@ -17,6 +17,7 @@ from typing import Any, cast
 import orjson
 
 from halfserve import manifest as store
+from halfserve.errors import ModelNotReadyError, error_to_wire
 from halfserve.instance import pin_host
 from halfserve.ipc import exports
 from halfserve.ipc.frames import FrameReader, frame
@@ -26,7 +27,7 @@ from halfserve.metrics import Metrics
 from halfserve.packing import LENGTH
 from halfserve.regions import Regions
 from halfserve.repository import ModelRepository
-from halfserve.serving import Interface, ModelNotReadyError, Prediction, Tensors, error_to_wire
+from halfserve.serving import Interface, Prediction, Tensors
 from halfserve.transport import CoalescedWrites
 
 log = logging.getLogger(__name__)

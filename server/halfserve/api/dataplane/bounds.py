@@ -3,8 +3,8 @@ by default the model's ``max_batch_size`` and never past its ``max_queue_rows``;
 a JSON header (``max_json_values``, counted before it is parsed), and non-finite inputs (``allow_nonfinite_inputs`` in
 the model's manifest).
 
-Over a limit is an :class:`~halfserve.serving.OverLimitError` naming the field and the setting, a malformed or
-non-finite input an :class:`~halfserve.serving.InvalidInputError`. The transports' own limits (a body's bytes, its
+Over a limit is an :class:`~halfserve.errors.OverLimitError` naming the field and the setting, a malformed or
+non-finite input an :class:`~halfserve.errors.InvalidInputError`. The transports' own limits (a body's bytes, its
 encoding, a deadline header) are theirs: :mod:`halfserve.api.http.limits`, :mod:`halfserve.api.grpc.grpc_limits`.
 """
 
@@ -19,9 +19,10 @@ from typing import Any
 import numpy as np
 import orjson
 
+from halfserve.errors import InvalidInputError, OverLimitError
 from halfserve.execution import Batching
 from halfserve.manifest import sample_values
-from halfserve.serving import InvalidInputError, ModelHandle, OverLimitError
+from halfserve.serving import ModelHandle
 from halfserve.settings import Settings
 
 INLINE_BYTES = 1 << 20

@@ -18,9 +18,10 @@ import numpy as np
 
 from halfserve import text
 from halfserve.api.dataplane.bounds import JSON_LITERALS
+from halfserve.errors import InvalidInputError, ModelNotReadyError, OverLimitError, QueueFullError
 from halfserve.manifest import DataType, TensorSpec
 from halfserve.packing import PackError, check_length
-from halfserve.serving import InvalidInputError, ModelHandle, ModelNotReadyError, OverLimitError, QueueFullError
+from halfserve.serving import ModelHandle
 from halfserve.settings import Settings
 
 COMPRESSED_BYTES: ContextVar[int | None] = ContextVar("halfserve_compressed_bytes", default=None)
@@ -232,7 +233,7 @@ def decode_samples(samples: Any, spec: TensorSpec, field: str = "inputs") -> np.
     """A JSON list of samples (each a nested list of the per-sample shape) as one array, rows first, in ``spec``'s
     dtype; its shape is for :func:`~halfserve.api.dataplane.signature.check_shape` to check against ``spec``.
 
-    Raises :class:`~halfserve.serving.InvalidInputError` naming ``field`` when the list is empty, ragged or
+    Raises :class:`~halfserve.errors.InvalidInputError` naming ``field`` when the list is empty, ragged or
     non-numeric.
     """
     if not isinstance(samples, list):

@@ -8,7 +8,8 @@ import asyncio
 from collections.abc import Awaitable
 from typing import TypeVar
 
-from halfserve.serving import DeadlineExceededError, ModelHandle
+from halfserve.errors import DeadlineExceededError
+from halfserve.serving import ModelHandle
 
 T = TypeVar("T")
 

@@ -2,7 +2,7 @@
 :class:`~halfserve.api.dataplane.request.InferRequest` a transport reads from its wire (HTTP's JSON header and binary
 data, :mod:`.json_request`; gRPC's ``ModelInferRequest``), its tensors as JSON ``data``, binary data (the binary tensor
 extension, see :mod:`halfserve.api.dataplane.codec`), shared memory (the shared memory extension) or texts; every
-entry checked against the model's signature (:mod:`.signature`), refused (:class:`~halfserve.serving.InvalidInputError`)
+entry checked against the model's signature (:mod:`.signature`), refused (:class:`~halfserve.errors.InvalidInputError`)
 naming the field.
 
 Datatypes. A request's input datatype need not equal the manifest's; it must be able to feed it:
@@ -54,8 +54,9 @@ from halfserve.api.dataplane.request import (
 )
 from halfserve.api.dataplane.signature import Wording, check_shape
 from halfserve.api.dataplane.spans import RegionSource, span
+from halfserve.errors import InvalidInputError, OverLimitError
 from halfserve.manifest import DataType, Manifest, Precision, TensorSpec, sent_inputs
-from halfserve.serving import InvalidInputError, ModelHandle, OverLimitError
+from halfserve.serving import ModelHandle
 from halfserve.settings import Settings
 
 

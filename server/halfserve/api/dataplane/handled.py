@@ -29,25 +29,20 @@ from halfserve.api.dataplane.deadline import shortest
 from halfserve.api.dataplane.infer import infer
 from halfserve.api.dataplane.photos import image_count
 from halfserve.api.dataplane.refusals import cut_off_by_shutdown
-from halfserve.handlerbatch import HandlerBatcher
-from halfserve.handlerinput import HandlerSection, HandlerStyle
-from halfserve.serving import (
-    AppState,
+from halfserve.errors import (
     BatchFailedError,
     DeadlineExceededError,
-    Handled,
     HandlerTimeLimitError,
-    HeldAnswer,
     InstanceLostError,
     InternalError,
     InvalidInputError,
-    ModelHandle,
     ModelUnavailableError,
     OverLimitError,
-    Prediction,
     QueueFullError,
-    Tensors,
 )
+from halfserve.handlerbatch import HandlerBatcher
+from halfserve.handlerinput import HandlerSection, HandlerStyle
+from halfserve.serving import AppState, Handled, HeldAnswer, ModelHandle, Prediction, Tensors
 from halfserve.settings import Settings
 
 

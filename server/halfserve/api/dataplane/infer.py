@@ -12,7 +12,8 @@ from typing import cast
 
 from halfserve.api.dataplane.deadline import within
 from halfserve.api.dataplane.refusals import cut_off_by_shutdown
-from halfserve.serving import AppState, InternalError, ModelHandle, Prediction, ServingError, Tensors
+from halfserve.errors import InternalError, ServingError
+from halfserve.serving import AppState, ModelHandle, Prediction, Tensors
 
 
 async def infer(
@@ -28,7 +29,7 @@ async def infer(
     :func:`~halfserve.api.dataplane.refusals.cut_off_by_shutdown` (to send again). A refusal before queueing (not
     ready, queue full), a passed deadline and every other domain error go on up as they are, for the transport to
     answer (:func:`~halfserve.api.dataplane.refusals.refused`); anything else as an
-    :class:`~halfserve.serving.InternalError` naming its type.
+    :class:`~halfserve.errors.InternalError` naming its type.
     """
     try:
         given: Tensors

@@ -22,8 +22,9 @@ from halfserve.api.dataplane.request import (
     RequestOutput,
     parameters,
 )
+from halfserve.errors import InvalidInputError
 from halfserve.manifest import sent_inputs
-from halfserve.serving import InvalidInputError, ModelHandle
+from halfserve.serving import ModelHandle
 
 
 def read_request(payload: object, binary: memoryview | None, served: ModelHandle) -> InferRequest:

@@ -9,8 +9,8 @@ from halfserve.api.dataplane.codec import JSON_UNSUPPORTED, element_count
 from halfserve.api.dataplane.refusals import count
 from halfserve.api.dataplane.request import OutputRequest, RequestOutput, flag
 from halfserve.api.dataplane.spans import RegionSource, Span, span
+from halfserve.errors import InvalidInputError
 from halfserve.manifest import TensorSpec
-from halfserve.serving import InvalidInputError
 
 
 def unknown_output(field: str, got: object, model: str, names: list[str]) -> InvalidInputError:

@@ -9,7 +9,8 @@ import numpy as np
 
 from halfserve import images
 from halfserve.api.dataplane.bounds import check_size
-from halfserve.serving import InvalidInputError, ModelHandle, OverLimitError, QueueFullError
+from halfserve.errors import InvalidInputError, OverLimitError, QueueFullError
+from halfserve.serving import ModelHandle
 from halfserve.settings import Settings
 
 

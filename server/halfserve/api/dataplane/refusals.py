@@ -2,7 +2,7 @@
 (:data:`halfserve.api.errors.STATUSES`), gRPC onto a status code (:data:`halfserve.api.grpc.grpc_service.CODES`),
 with the same message.
 
-The data plane raises :mod:`halfserve.serving`'s domain errors; :func:`refused` says what each means to a client.
+The data plane raises :mod:`halfserve.errors`'s domain errors; :func:`refused` says what each means to a client.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-from halfserve.serving import (
+from halfserve.errors import (
     BatchFailedError,
     DeadlineExceededError,
     InternalError,

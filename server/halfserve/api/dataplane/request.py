@@ -11,8 +11,9 @@ from typing import Any
 import numpy as np
 
 from halfserve.api.dataplane.spans import Span
+from halfserve.errors import InvalidInputError
 from halfserve.manifest import DataType, Manifest, TensorSpec
-from halfserve.serving import InvalidInputError, ModelHandle
+from halfserve.serving import ModelHandle
 from halfserve.settings import Settings
 
 

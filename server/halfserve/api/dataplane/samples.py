@@ -13,8 +13,9 @@ from halfserve.api.dataplane.codec import decode_samples, encode_texts
 from halfserve.api.dataplane.decode import from_base64
 from halfserve.api.dataplane.photos import decode_photos, image_count, no_images
 from halfserve.api.dataplane.signature import Wording, check_shape
+from halfserve.errors import InvalidInputError
 from halfserve.manifest import TensorSpec, sent_inputs
-from halfserve.serving import InvalidInputError, ModelHandle
+from halfserve.serving import ModelHandle
 from halfserve.settings import Settings
 
 

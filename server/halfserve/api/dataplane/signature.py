@@ -13,8 +13,9 @@ from enum import Enum
 
 from halfserve.api.dataplane.bounds import check_size
 from halfserve.api.dataplane.codec import checked_length
+from halfserve.errors import InvalidInputError
 from halfserve.manifest import TensorSpec
-from halfserve.serving import InvalidInputError, ModelHandle
+from halfserve.serving import ModelHandle
 from halfserve.settings import Settings
 
 

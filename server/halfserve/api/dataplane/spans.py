@@ -9,7 +9,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from halfserve.api.dataplane.refusals import count
-from halfserve.serving import InvalidInputError, SharedRegion, SharedRegions
+from halfserve.errors import InvalidInputError
+from halfserve.serving import SharedRegion, SharedRegions
 
 
 @dataclass(frozen=True)

@@ -31,8 +31,9 @@ from halfserve.api.dataplane.request import (
     RequestOutput,
     Texts,
 )
+from halfserve.errors import InvalidInputError
 from halfserve.manifest import DataType
-from halfserve.serving import InvalidInputError, ModelHandle, Prediction
+from halfserve.serving import ModelHandle, Prediction
 from halfserve.settings import Settings
 
 _TYPED_FIELDS: dict[str, tuple[str, np.dtype[Any]]] = {

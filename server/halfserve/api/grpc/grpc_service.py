@@ -49,12 +49,12 @@ from halfserve.api.errors import APIError, RefusedError, forget, from_exception,
 from halfserve.api.grpc.grpc_codec import infer_request, infer_response
 from halfserve.api.grpc.grpc_limits import PROBES, Admission, message_cap, parse, server_options, store_models
 from halfserve.api.grpc.grpc_peers import PeerConnections
+from halfserve.errors import InvalidInputError
 from halfserve.manifest import sample_values
 from halfserve.metrics import request_labels
 from halfserve.serving import (
     AppState,
     Interface,
-    InvalidInputError,
     LocalModel,
     ModelAdmin,
     ModelHandle,

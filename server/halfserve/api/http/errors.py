@@ -14,7 +14,7 @@ from starlette.responses import Response
 from starlette.types import Scope
 
 from halfserve.api.errors import APIError, forget, from_exception, held
-from halfserve.serving import ServingError
+from halfserve.errors import ServingError
 
 
 def error_response(status: int, message: str, headers: dict[str, str] | None = None) -> Response:

@@ -35,16 +35,10 @@ from halfserve.api.http import deps, guard
 from halfserve.api.http.errors import RoutingShape, error_response, error_responses, json_ok
 from halfserve.api.http.limits import TIMEOUT_PARAMETER, client_timeout, read_fields
 from halfserve.api.http.telemetry import answered, metered, note
+from halfserve.errors import IdOutOfRangeError, InvalidInputError
 from halfserve.handlerinput import HandlerStyle
 from halfserve.manifest import sent_inputs
-from halfserve.serving import (
-    IdOutOfRangeError,
-    Interface,
-    InvalidInputError,
-    ModelHandle,
-    Tensors,
-    why_model_not_ready,
-)
+from halfserve.serving import Interface, ModelHandle, Tensors, why_model_not_ready
 
 router = APIRouter()
 

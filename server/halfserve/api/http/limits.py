@@ -24,7 +24,8 @@ from halfserve import text
 from halfserve.api.dataplane.bounds import INLINE_BYTES, MAX_TIMEOUT_US, parse_json
 from halfserve.api.dataplane.codec import COMPRESSED_BYTES
 from halfserve.api.errors import APIError
-from halfserve.serving import AppState, InvalidInputError
+from halfserve.errors import InvalidInputError
+from halfserve.serving import AppState
 from halfserve.settings import Settings
 
 TIMEOUT_HEADER = "X-Request-Timeout-Ms"

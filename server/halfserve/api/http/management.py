@@ -17,8 +17,8 @@ from halfserve.api.admin import load_from_store
 from halfserve.api.errors import APIError, from_exception
 from halfserve.api.http.deps import AUTH_ERRORS, BEARER, json_object, json_response, repository, require_admin
 from halfserve.api.http.errors import as_json, error_responses, json_ok
+from halfserve.errors import ModelNotFoundError, ModelNotReadyError
 from halfserve.manifest import Precision
-from halfserve.serving import ModelNotFoundError, ModelNotReadyError
 from halfserve.storage import StoreError
 
 router = APIRouter()

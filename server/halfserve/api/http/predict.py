@@ -17,7 +17,8 @@ from halfserve.api.http import deps, guard
 from halfserve.api.http.errors import as_json, error_responses
 from halfserve.api.http.limits import TIMEOUT_PARAMETER, client_timeout, read_fields
 from halfserve.api.http.telemetry import answered, metered, note
-from halfserve.serving import Interface, InvalidInputError
+from halfserve.errors import InvalidInputError
+from halfserve.serving import Interface
 
 router = APIRouter()
 

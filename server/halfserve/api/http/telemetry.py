@@ -23,9 +23,10 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from halfserve.api.errors import APIError, forget, from_exception, held
 from halfserve.api.http.errors import REQUEST_ID, error_response
 from halfserve.api.http.limits import raw_header
+from halfserve.errors import InternalError, ServingError
 from halfserve.logs import ACCESS_LOGGER
 from halfserve.metrics import request_labels
-from halfserve.serving import AppState, Interface, InternalError, ModelHandle, Prediction, ServingError
+from halfserve.serving import AppState, Interface, ModelHandle, Prediction
 from halfserve.transport import BODY_TIMED_OUT
 
 log = logging.getLogger(ACCESS_LOGGER)

@@ -28,7 +28,8 @@ from halfserve.api.http.limits import client_timeout, raw_header, read_body
 from halfserve.api.http.shm import authorised_regions
 from halfserve.api.http.telemetry import answered, metered, note
 from halfserve.api.http.v2_schema import INFER_SCHEMA
-from halfserve.serving import Interface, InvalidInputError, check_ready, why_model_not_ready
+from halfserve.errors import InvalidInputError
+from halfserve.serving import Interface, check_ready, why_model_not_ready
 from halfserve.version import __version__
 
 router = APIRouter()
