@@ -23,6 +23,7 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 from starlette.types import Scope
 
+from halfserve.api.access import check_taken
 from halfserve.api.dataplane import handled
 from halfserve.api.dataplane.infer import infer
 from halfserve.api.dataplane.photos import decode_photos, image_count
@@ -32,7 +33,7 @@ from halfserve.api.http import deps, multipart
 from halfserve.api.http.errors import RoutingShape, error_responses, json_ok
 from halfserve.api.http.limits import TIMEOUT_PARAMETER, client_timeout, raw_header, read_body
 from halfserve.api.http.telemetry import Endpoint, answered, metered, note
-from halfserve.serving import Interface, ModelHandle, ModelState, not_serving
+from halfserve.serving import Interface, ModelHandle
 
 router = APIRouter()
 
@@ -161,11 +162,7 @@ async def predictions(request: Request) -> Response:
         request, request.path_params["model"], None if version is None else version_named(version)
     )
     note(request, served)
-    if served.state is ModelState.UNLOADED:
-        # Its state answers first, as V2's routes answer it: a body judged against the manifest of a version no longer
-        # served (one that takes no images) would read as the client's mistake. A failed load is TorchServe's 404,
-        # with its reason, below.
-        raise not_serving(served)
+    check_taken(served, refuse_failed=False)  # a failed model is answered past its body, as check_taken says
     body = await read_body(request, settings.max_body_bytes)
     content_type = (raw_header(request, b"content-type") or b"").decode("latin-1")
     if multipart.is_multipart(content_type):
