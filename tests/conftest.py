@@ -8,6 +8,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import textwrap
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -118,18 +119,50 @@ def tiny_engines(root: Path) -> tuple[Engine, Engine]:
     return one, Engine(store.load(root, "pair"), Precision.FP32, cpu, max_batch_size=8)
 
 
+OPERATOR_NET = textwrap.dedent(
+    """
+    from torch import nn
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.l = nn.Linear(6, 4)
+
+        def forward(self, x):
+            return self.l(x)
+
+    def build() -> nn.Module:
+        return Net()
+    """
+)
+"""The source of a module of the operator's whose ``build`` gives a ``Linear(6, 4)`` (input [6], output [4]); a test
+writes it under a module name of its own into :func:`operator_code`'s folder, and may edit it there."""
+
+
+@pytest.fixture
+def operator_code(tmp_path: Path) -> Iterator[Path]:
+    """An empty --code-path folder of the operator's (``tmp_path/code``): the modules imported from it are forgotten
+    afterwards, and ``sys.path`` is as it was before (a load or an import adds the folder to it)."""
+    folder = tmp_path / "code"
+    folder.mkdir()
+    before = list(sys.path)
+    yield folder
+    sys.path[:] = before
+    for name, module in list(sys.modules.items()):
+        if Path(getattr(module, "__file__", None) or "/").is_relative_to(folder.resolve()):
+            del sys.modules[name]
+
+
 HALF_FAILS = "opcode_halffails"
 """A module of the operator's whose model runs in fp32 and raises in a half precision: its forward casts a boolean
 input with ``.float()`` into weights of the half dtype."""
 
 
 @pytest.fixture
-def half_fails_code(tmp_path: Path) -> Iterator[Path]:
+def half_fails_code(operator_code: Path) -> Path:
     """A --code-path folder holding :data:`HALF_FAILS` (``opcode_halffails:build``: inputs ``ids`` INT64 [6] and
-    ``keep`` BOOL [6], output [3]); its module is forgotten afterwards."""
-    folder = tmp_path / "code"
-    folder.mkdir()
-    (folder / f"{HALF_FAILS}.py").write_text(
+    ``keep`` BOOL [6], output [3]); its module is forgotten afterwards (:func:`operator_code`)."""
+    (operator_code / f"{HALF_FAILS}.py").write_text(
         "from torch import nn\n\n\n"
         "class Net(nn.Module):\n"
         "    def __init__(self):\n"
@@ -140,8 +173,7 @@ def half_fails_code(tmp_path: Path) -> Iterator[Path]:
         "def build():\n"
         "    return Net()\n"
     )
-    yield folder
-    sys.modules.pop(HALF_FAILS, None)
+    return operator_code
 
 
 def save_half_fails(root: Path, **manifest_fields: object) -> Path:

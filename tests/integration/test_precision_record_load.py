@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import logging
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -17,6 +16,7 @@ import torch
 from halfserve import cli, models
 from halfserve.manifest import Precision
 from halfserve.settings import FidelityCheck, Settings
+from tests.conftest import OPERATOR_NET
 from tests.integration.conftest import serving
 
 MLP = {"in_features": 6, "hidden": [8], "out_features": 4}
@@ -149,28 +149,11 @@ async def test_a_version_without_a_record_measures_as_before(store_dir: Path) ->
     assert entry["fidelity"]["samples"] == 64  # type: ignore[index]
 
 
-TEAM_NET = """
-    from torch import nn
-
-    class Net(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.l = nn.Linear(6, 4)
-
-        def forward(self, x):
-            return self.l(x)
-
-    def build() -> nn.Module:
-        return Net()
-"""
-
-
 async def test_a_record_of_code_since_changed_is_measured_again(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, operator_code: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    code = tmp_path / "code"
-    code.mkdir()
-    (code / "opstale_net.py").write_text(textwrap.dedent(TEAM_NET))
+    code = operator_code
+    (code / "opstale_net.py").write_text(OPERATOR_NET)
     store_dir = tmp_path / "store"
     torch.manual_seed(0)
     torch.save({"l.weight": torch.randn(4, 6), "l.bias": torch.randn(4)}, tmp_path / "w.pth")

@@ -6,9 +6,6 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import json
-import sys
-import textwrap
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -19,6 +16,7 @@ from halfserve.importer import describe, import_model
 from halfserve.manifest import Precision, TensorSpec, load_manifest
 from halfserve.precision_record import RecordCheck, RecordError
 from halfserve.version import __version__
+from tests.conftest import OPERATOR_NET
 
 MLP = {"in_features": 6, "hidden": [8], "out_features": 4}
 FEATURES = [TensorSpec(name="features", shape=[6])]
@@ -134,36 +132,17 @@ def test_a_record_from_before_records_held_the_code_is_measured_again(imported: 
 
 
 @pytest.fixture
-def code_dir(tmp_path: Path) -> Iterator[Path]:
+def code_dir(operator_code: Path) -> Path:
     """A --code-path folder of the operator's, with a package and a single-file module beside a helper."""
-    folder = tmp_path / "code"
-    (folder / "opdigest_pkg" / "layers").mkdir(parents=True)
-    (folder / "opdigest_pkg" / "__init__.py").write_text("")
-    (folder / "opdigest_pkg" / "layers" / "__init__.py").write_text("SHIFT = 0.0\n")
-    net = """
-        from torch import nn
-
-        class Net(nn.Module):
-            def __init__(self) -> None:
-                super().__init__()
-                self.l = nn.Linear(6, 4)
-
-            def forward(self, x):
-                return self.l(x)
-
-        def build() -> nn.Module:
-            return Net()
-    """
-    (folder / "opdigest_pkg" / "net.py").write_text(textwrap.dedent(net))
-    (folder / "opdigest_one.py").write_text(textwrap.dedent(net))
-    (folder / "opdigest_helper.py").write_text("SCALE = 1.0\n")
+    (operator_code / "opdigest_pkg" / "layers").mkdir(parents=True)
+    (operator_code / "opdigest_pkg" / "__init__.py").write_text("")
+    (operator_code / "opdigest_pkg" / "layers" / "__init__.py").write_text("SHIFT = 0.0\n")
+    (operator_code / "opdigest_pkg" / "net.py").write_text(OPERATOR_NET)
+    (operator_code / "opdigest_one.py").write_text(OPERATOR_NET)
+    (operator_code / "opdigest_helper.py").write_text("SCALE = 1.0\n")
     importlib.invalidate_caches()
-    models.add_code_path([folder])
-    before = list(sys.path)
-    yield folder
-    sys.path[:] = before
-    for name in [m for m in sys.modules if m.startswith("opdigest_")]:
-        del sys.modules[name]
+    models.add_code_path([operator_code])
+    return operator_code
 
 
 @pytest.mark.parametrize(
