@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 import pytest
@@ -31,6 +33,26 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA de
 def loaded(tmp_path: Path) -> store.LoadedModel:
     save_tiny_mlp(tmp_path)
     return store.load(tmp_path, "tiny")
+
+
+T = TypeVar("T")
+
+
+def spy_forward(engine: Engine, what: Callable[[], T]) -> list[T]:
+    """What ``what`` says at each forward of ``engine``'s model from now on (the thread it runs on, say), in order."""
+    seen: list[T] = []
+    original = engine.model.forward
+
+    def spy(x: torch.Tensor) -> torch.Tensor:
+        seen.append(what())
+        return original(x)
+
+    engine.model.forward = spy  # type: ignore[method-assign]
+    return seen
+
+
+def thread_name() -> str:
+    return threading.current_thread().name
 
 
 def test_batch_buckets_are_powers_of_two_up_to_the_limit() -> None:
@@ -105,14 +127,7 @@ def test_run_batch_returns_one_float32_output_per_chunk(loaded: store.LoadedMode
 
 async def test_forward_runs_off_the_event_loop_thread(loaded: store.LoadedModel) -> None:
     engine = Engine(loaded, Precision.FP32, CPU)
-    seen: list[str] = []
-    original = engine.model.forward
-
-    def spy(x: torch.Tensor) -> torch.Tensor:
-        seen.append(threading.current_thread().name)
-        return original(x)
-
-    engine.model.forward = spy  # type: ignore[method-assign]
+    seen = spy_forward(engine, thread_name)
     await engine.run([np.zeros((2, 16), dtype=np.float32)])
     assert len(seen) == 1
     assert seen[0].startswith("engine-tiny")
@@ -129,14 +144,7 @@ async def test_forwards_on_the_event_loop_past_their_budget_move_the_engines_bat
     runner = engine.runner
     assert isinstance(runner, LoopRunner)
     assert runner.stalls.bound == LOOP_STALL_FLOOR_SECONDS
-    seen: list[str] = []
-    original = engine.model.forward
-
-    def spy(x: torch.Tensor) -> torch.Tensor:
-        seen.append(threading.current_thread().name)
-        return original(x)
-
-    engine.model.forward = spy  # type: ignore[method-assign]
+    seen = spy_forward(engine, thread_name)
     x = np.zeros((2, 16), dtype=np.float32)
     try:
         await engine.run([x])  # a fast forward stays on the loop
@@ -176,14 +184,7 @@ async def test_an_engine_on_the_event_loop_runs_each_batch_there_at_once(
     engine = Engine(loaded, Precision.FP32, CPU)
     runners.place(engine, Placement.EVENT_LOOP, 8)
     engine.threads = threads
-    seen: list[tuple[str, int]] = []
-    original = engine.model.forward
-
-    def spy(x: torch.Tensor) -> torch.Tensor:
-        seen.append((threading.current_thread().name, torch.get_num_threads()))
-        return original(x)
-
-    engine.model.forward = spy  # type: ignore[method-assign]
+    seen = spy_forward(engine, lambda: (thread_name(), torch.get_num_threads()))
     caller_threads = torch.get_num_threads()
     chunks = [np.random.default_rng(i).standard_normal((n, 16)).astype(np.float32) for i, n in enumerate((1, 3))]
     try:
