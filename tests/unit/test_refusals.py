@@ -24,6 +24,7 @@ from halfserve.errors import (
     QueueFullError,
     RegionFullError,
     RequestTooLargeError,
+    ServingError,
     error_from_wire,
     error_to_wire,
 )
@@ -137,6 +138,23 @@ def test_a_model_not_ready_says_when_to_retry_across_a_process_and_in_retry_afte
     assert from_exception(carried).headers == {"Retry-After": "30"}
     assert from_exception(ModelNotReadyError("loading")).headers == {"Retry-After": "1"}
     assert from_exception(ModelNotReadyError("no text", retry=False, retry_after=30)).headers is None
+
+
+def _kinds(cls: type[ServingError]) -> list[type[ServingError]]:
+    return [k for sub in cls.__subclasses__() for k in (sub, *_kinds(sub))]
+
+
+@pytest.mark.parametrize(
+    "kind", [k for k in _kinds(ServingError) if k is not IdOutOfRangeError], ids=lambda k: k.__name__
+)
+def test_every_domain_error_crosses_a_process_as_itself(kind: type[ServingError]) -> None:
+    """A front-end process answers what the engine process refused as one process would: a kind missing from the wire
+    would reach the client as a 500 internal error (a 413 over a limit, a handler's time limit, had either been
+    raised in the engine process)."""
+    carried = error_from_wire(error_to_wire(kind("why")))
+    assert type(carried) is kind
+    assert str(carried) == "why"
+    assert from_exception(carried).status == from_exception(kind("why")).status
 
 
 def test_a_token_id_out_of_range_keeps_its_row_across_a_process() -> None:
