@@ -6,10 +6,12 @@ load, where that model fails with the reason while the others serve."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import shutil
 import textwrap
+import time
 from pathlib import Path
 
 import httpx
@@ -23,6 +25,7 @@ from halfserve.manifest import load_manifest
 from halfserve.settings import Settings
 from tests.conftest import DIGITS_CNN_IMPORT, ServerProcess, StartServer
 from tests.security.test_model_code import started
+from tests.waiting import DEADLINE_S
 
 pytestmark = pytest.mark.slow
 
@@ -214,12 +217,47 @@ async def test_a_handler_in_the_model_folder_fails_its_model_at_load_and_runs_no
         ok = await client.put(f"/predictions/{MODEL}", content=csv(digits_rows()[0]))
         assert ok.status_code == 200, ok.text
         refused = await client.put("/predictions/shipped", content=csv(digits_rows()[0]))
-        assert refused.status_code == 404, refused.text
-        assert "shipped_handler" in refused.json()["message"]
+        assert refused.status_code == 503, refused.text  # TorchServe's answer for a model without a worker
+        assert refused.json()["message"].startswith("model 'shipped' is failed: handler 'shipped_handler:Digits': ")
         listed = (await client.get("/models")).text
     assert "shipped_handler" in listed
     assert "--code-path" in listed
     assert not marker.exists()
+
+
+async def test_a_model_whose_handler_failed_to_build_is_answered_at_once_without_building_it_again(
+    store: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """A handler whose build raised failed its model at load; each request to ``/predictions`` had built it again (the
+    team's ``__init__`` run per request, a request waiting out a build that hangs) to answer a 404, past its body. Now
+    the model's state is the answer, before the body: 503 ``is failed``, with the load's error, as V1 and /predict."""
+    root, code = store
+    builds = tmp_path / "builds"
+    record = f"        with open({str(builds)!r}, 'a') as f:\n            f.write('built\\n')\n"
+    failing = HANDLER_CODE.replace(
+        "class Digits:",
+        f"class Digits:\n    def __init__(self):\n{record}        raise RuntimeError('no labels file')\n",
+        1,
+    )
+    (code / "failing_handler.py").write_text(failing)
+    with_handler(root, "failing", "failing_handler:Digits")
+    try:
+        async with started(Settings(store=root, code_path=[code]), MODEL) as client:
+            deadline = time.monotonic() + DEADLINE_S
+            while (await client.get("/models/failing")).json()["state"] != "failed":  # loaded after MODEL, maybe
+                assert time.monotonic() < deadline, "model 'failing' did not fail its load"
+                await asyncio.sleep(0.05)
+            assert builds.read_text() == "built\n"  # the load's build, which failed it
+            answers = [
+                await client.put("/predictions/failing", content=body) for body in (csv(digits_rows()[0]), b"", b"x,y")
+            ]
+    finally:
+        shutil.rmtree(root / "failing")
+    for r in answers:
+        assert r.status_code == 503, r.text
+        assert r.json()["message"].startswith("model 'failing' is failed: handler 'failing_handler:Digits': ")
+        assert "no labels file" in r.json()["message"]
+    assert builds.read_text() == "built\n"  # not built again by a request
 
 
 def test_a_handler_in_the_model_folder_is_refused_at_import(

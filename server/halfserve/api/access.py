@@ -45,16 +45,13 @@ def of_version(served: H, version: str | None) -> H:
     return served
 
 
-def check_taken(served: ModelHandle, *, refuse_failed: bool = True) -> None:
+def check_taken(served: ModelHandle) -> None:
     """Refuse a request to ``served`` where it is unloaded or failed (:func:`~halfserve.serving.not_serving`'s 503)
     before its body is judged: a body checked against the manifest of a version no longer served (one that takes no
-    images), decoded or handed to its handler would answer the client's mistake, or the handler's, for a model that
-    serves nothing. A loading model is left to its queue, which waits for it or refuses in the same words.
-
-    ``refuse_failed=False`` lets a failed model pass, for TorchServe's ``/predictions``, which answers it past its
-    body: TorchServe's 404 with the handler's load error where its handler is what failed to load (the build is tried
-    again), else the queue's 503."""
-    if served.state is ModelState.UNLOADED or (refuse_failed and served.state is ModelState.FAILED):
+    images), decoded or handed to its handler (built again for it, where the build is what failed) would answer the
+    client's mistake, or the handler's, for a model that serves nothing. A loading model is left to its queue, which
+    waits for it or refuses in the same words."""
+    if served.state in (ModelState.UNLOADED, ModelState.FAILED):
         raise not_serving(served)
 
 

@@ -162,7 +162,7 @@ async def predictions(request: Request) -> Response:
         request, request.path_params["model"], None if version is None else version_named(version)
     )
     note(request, served)
-    check_taken(served, refuse_failed=False)  # a failed model is answered past its body, as check_taken says
+    check_taken(served)
     body = await read_body(request, settings.max_body_bytes)
     content_type = (raw_header(request, b"content-type") or b"").decode("latin-1")
     if multipart.is_multipart(content_type):
