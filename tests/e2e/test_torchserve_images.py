@@ -6,6 +6,7 @@ answered; and the same through ``--http-workers`` front-ends."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import io
 import json
 import shutil
@@ -139,6 +140,24 @@ def test_form_fields_are_a_batch_answered_one_per_image(server: ServerProcess) -
     assert [top(a) for a in r.json()] == want
     one = httpx.post(f"{server.url}/predictions/{MODEL}", files=form([photo(images[0], "PNG")], "body"))
     assert top(one.json()) == want[0]  # one image: the answer itself, not a list of one
+
+
+def test_kserve_s_torchserve_envelope_is_answered_as_predictions_answers(server: ServerProcess) -> None:
+    """KServe's TorchServe predictor sends an image_classifier archive's photos as ``{"instances": [{"data": b64}]}``
+    and answers what the handler answers: each photo's top five classes, as ``/predictions`` gives them (the raw
+    logits had come back); ``{"b64": ...}`` instances, KServe V1's own photos, still get the output."""
+    images = pixels()[:4]
+    files = [photo(x, "PNG") for x in images]
+    predictions = httpx.post(f"{server.url}/predictions/{MODEL}", files=form(files), timeout=TIMEOUT)
+    encoded = [base64.b64encode(f).decode() for f in files]
+    url = f"{server.url}/v1/models/{MODEL}:predict"
+    enveloped = httpx.post(url, json={"instances": [{"data": e} for e in encoded]}, timeout=TIMEOUT)
+    b64 = httpx.post(url, json={"instances": [{"b64": e} for e in encoded]}, timeout=TIMEOUT)
+    assert enveloped.status_code == 200, enveloped.text
+    assert enveloped.json() == {"predictions": predictions.json()}
+    assert [top(a) for a in enveloped.json()["predictions"]] == tensor_labels(server.url, images)
+    assert b64.status_code == 200, b64.text
+    assert [len(row) for row in b64.json()["predictions"]] == [len(LABELS)] * len(images)
 
 
 def test_jpegs_get_the_tensors_labels_for_most_rows(server: ServerProcess) -> None:

@@ -81,8 +81,12 @@ async def test_photos_as_b64_instances(tmp_path: Path) -> None:
         torchserve = await client.post("/v1/models/photo:predict", json={"instances": enveloped})
         not_photo = await client.post("/v1/models/photo:predict", json={"instances": [enveloped[0], {"data": "aGk="}]})
         not_b64 = await client.post("/v1/models/photo:predict", json={"instances": [{"data": "?"}]})
+        raw = await client.post("/predictions/photo", content=base64.b64decode(photos[0]["b64"]))
+        alone = await client.post("/predict", json={"inputs": photos[:1]})  # a batch of one, as raw's
     assert torchserve.status_code == 200, torchserve.text  # had been "instances.data: unexpected input"
-    assert torchserve.json()["predictions"] == plain.json()["outputs"]
+    assert torchserve.json()["predictions"] == plain.json()["outputs"]  # as /predictions answers an unlabelled one
+    # Each value in a float32's shortest form, as /predict writes it: /predictions had written the double's digits.
+    assert raw.json() == alone.json()["outputs"][0], raw.text
     assert not_photo.status_code == 400
     assert not_photo.json()["error"].startswith("instances[1].data: "), not_photo.text
     assert not_b64.status_code == 400

@@ -7,9 +7,9 @@ import httpx
 import numpy as np
 import pytest
 
+from halfserve.api.dataplane.stockanswers import top_classes
 from halfserve.api.errors import APIError
 from halfserve.api.http import multipart
-from halfserve.api.http.torchserve import top_classes
 
 
 def sent(files: list[tuple[str, tuple[str, bytes, str]]]) -> tuple[bytes, str]:

@@ -11,7 +11,8 @@ V2 feed it, except for TorchServe's KServe envelope (``{"instances": [{"data": .
 predictor sends): each instance is one payload of a handler batch, as a file of ``/predictions``' form is
 (:func:`envelope`), and the answer is the handler's, one prediction per instance. A model without a handler whose
 manifest decodes photos or texts through one input (an imported stock ``image_classifier`` archive) takes the
-envelope too, its payloads as photos or texts.
+envelope too, its payloads as photos or texts, answered as ``/predictions`` answers them
+(:mod:`~halfserve.api.dataplane.stockanswers`: a labelled model's top five classes), as TorchServe's would be.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from halfserve.api.dataplane.decode import from_base64
 from halfserve.api.dataplane.infer import infer
 from halfserve.api.dataplane.photos import decode_photos, image_count
 from halfserve.api.dataplane.samples import decode_inputs
+from halfserve.api.dataplane.stockanswers import stock_answers
 from halfserve.api.errors import APIError
 from halfserve.api.http import deps, guard
 from halfserve.api.http.errors import RoutingShape, error_response, error_responses, json_ok
@@ -196,7 +198,9 @@ async def predict(request: Request) -> Response:
         answered(request, answer.prediction)
         return Response(b'{"predictions":[' + b",".join(answer.answers) + b"]}", media_type="application/json")
     decoding: Awaitable[Tensors]
-    if field == "instances" and _enveloped(given) and _reads_envelope(served):
+    enveloped = field == "instances" and _enveloped(given) and _reads_envelope(served)
+    stock = enveloped and served.manifest.image is not None  # an image_classifier's photos, answered as it answers
+    if enveloped:
         # An imported archive whose handler this server runs itself (a stock image_classifier's photos, a text
         # classifier's texts): the envelope's texts are its photos' base64, or its texts, as that handler reads them.
         if served.manifest.image is not None:
@@ -217,6 +221,9 @@ async def predict(request: Request) -> Response:
             raise
         raise e.in_rows(field) from None
     answered(request, result)
+    if stock:  # as KServe's TorchServe predictor gives the stock handler's answers
+        answers = await stock_answers(served, result.outputs)
+        return Response(b'{"predictions":[' + b",".join(answers) + b"]}", media_type="application/json")
     specs = served.manifest.outputs
     if len(specs) == 1:
         predictions: Any = result.outputs[specs[0].name]

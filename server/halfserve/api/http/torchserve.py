@@ -12,12 +12,10 @@ Errors carry TorchServe's ``code``, ``type`` and ``message``, which its clients 
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import re
 from typing import Any
 
-import numpy as np
 import orjson
 from fastapi import APIRouter, Request
 from starlette.responses import Response
@@ -27,8 +25,8 @@ from halfserve.api.access import check_taken
 from halfserve.api.dataplane import handled
 from halfserve.api.dataplane.infer import infer
 from halfserve.api.dataplane.photos import decode_photos, image_count
-from halfserve.api.dataplane.refusals import Refusal
-from halfserve.api.errors import APIError, RefusedError
+from halfserve.api.dataplane.stockanswers import stock_answers
+from halfserve.api.errors import APIError
 from halfserve.api.http import deps, multipart
 from halfserve.api.http.errors import RoutingShape, error_responses, json_ok
 from halfserve.api.http.limits import TIMEOUT_PARAMETER, client_timeout, raw_header, read_body
@@ -37,8 +35,6 @@ from halfserve.serving import Interface, ModelHandle
 
 router = APIRouter()
 
-TOP_K = 5
-"""Classes in a labelled answer: TorchServe's ``image_classifier`` default ``topk``."""
 FIELDS = ("data", "body")
 """The form fields TorchServe's handlers read an image from."""
 ERROR_TYPES = {
@@ -96,16 +92,6 @@ PREDICTIONS_SCHEMA: dict[str, Any] = {
         ),
     },
 }
-
-
-def top_classes(row: np.ndarray, labels: list[str], k: int = TOP_K) -> dict[str, float]:
-    """The ``k`` most probable classes of one output row after softmax, highest first (the first of equal ones), as
-    ``{label: probability}``."""
-    scores = row.astype(np.float64)
-    exp = np.exp(scores - scores.max())
-    probabilities = exp / exp.sum()
-    order = np.argsort(-probabilities, kind="stable")[:k]
-    return {labels[i]: float(probabilities[i]) for i in order}
 
 
 def error(status: int, message: str, kind: str | None = None, headers: dict[str, str] | None = None) -> Response:
@@ -182,40 +168,9 @@ async def predictions(request: Request) -> Response:
     image_count(settings, served, len(photos), fields[0] if len(fields) == 1 else "form")
     result = await infer(app, served, decode_photos(photos, fields, served, settings), timeout)
     answered(request, result)
-    out = result.outputs[served.manifest.outputs[0].name]
-    if served.manifest.answer is not None:
-        return Response(await _shaped(served, result.outputs), media_type="application/json")
-    labels = served.manifest.labels
-    answers: list[Any]
-    if labels is not None and out.ndim == 2:
-        answers = [top_classes(row, labels) for row in out]
-    else:  # orjson writes a NaN or an infinity (overflow policy allow) as null
-        answers = out.tolist() if out.ndim == 1 else out.reshape(len(out), -1).tolist()  # ndim 1: a value per row
-    answer = answers[0] if len(answers) == 1 else answers
-    return Response(orjson.dumps(answer), media_type="application/json")
-
-
-INLINE_VALUES = 1 << 16
-"""Output values past which a declared answer is built in a worker thread: a segmentation of 21 classes at 224x224
-(a million values) took 13 ms of one core here, with its JSON; a detector's 100 boxes per image, well under one."""
-
-
-async def _shaped(served: ModelHandle, outputs: dict[str, np.ndarray]) -> bytes:
-    """The body of a model's declared answer (its manifest's ``answer``), off the event loop where the outputs are
-    large; a 500 naming the output where they do not hold what the section declares."""
-    section = served.manifest.answer
-    assert section is not None
-
-    def build() -> bytes:
-        try:
-            answers = section.answers(outputs, served.manifest.labels)
-        except ValueError as e:  # the model's outputs, not the request, are at fault
-            raise RefusedError(Refusal.FAILED, f"model {served.name}: {e}") from None
-        return orjson.dumps(answers[0] if len(answers) == 1 else answers, option=orjson.OPT_SERIALIZE_NUMPY)
-
-    if sum(a.size for a in outputs.values()) <= INLINE_VALUES:
-        return build()
-    return await asyncio.to_thread(build)
+    answers = await stock_answers(served, result.outputs)
+    body = answers[0] if len(answers) == 1 else b"[" + b",".join(answers) + b"]"
+    return Response(body, media_type="application/json")
 
 
 async def _handled(
