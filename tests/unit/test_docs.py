@@ -260,6 +260,29 @@ def test_the_console_script_answers_help() -> None:
 
 
 @pytest.mark.parametrize("doc", DOCS, ids=doc_id)
+def test_every_code_fence_closes_on_a_line_of_its_own(doc: Path) -> None:
+    # A closing fence with text after it does not close (docs/model-store.md's "``` A model in its own file" did not):
+    # the site showed the prose and the commands after it as one block, where code_blocks above saw the block closed.
+    wrong = []
+    open_at: int | None = None
+    for number, line in enumerate(read(doc).splitlines(), 1):
+        fence = re.match(r"^\s*```(.*)$", line)
+        if not fence:
+            continue
+        if open_at is None:
+            if re.fullmatch(r"[\w+-]*", fence.group(1).strip()) is None:
+                wrong.append(f"line {number} opens a block with text after the fence: {line!r}")
+            open_at = number
+        else:
+            if fence.group(1).strip():
+                wrong.append(f"line {number} is to close the block opened on line {open_at} but has text after it")
+            open_at = None
+    if open_at is not None:
+        wrong.append(f"the block opened on line {open_at} never closes")
+    assert not wrong, f"{doc_id(doc)}: {wrong}"
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=doc_id)
 def test_every_shell_block_is_valid_bash(doc: Path) -> None:
     for block in code_blocks(read(doc)):
         if block.language in {"bash", "sh", "shell"}:
