@@ -86,8 +86,9 @@ class ServedModel:
     precision_source: PrecisionSource | None = None
     """What decided the precision served (None: not loaded yet)."""
     precision_record: dict[str, Any] | None = None
-    """:meth:`halfserve.precision_record.AtLoad.shown`: the version's precision record as the load checked it (None:
-    not measured: fp32, or the check is off)."""
+    """:meth:`halfserve.precision_record.AtLoad.shown`: the version's precision record as the load checked it, kept
+    whatever the load then served and across precision switches (None: the load held no half precision to a bar: fp32,
+    the check off, or a half forward that failed at warm-up)."""
     calibration: str | None = None
     """Where the version's stored calibration samples came from (None: it stores none)."""
     padding: PaddingCheck | None = None

@@ -149,8 +149,8 @@ class ModelHandle(Protocol):
 
     @property
     def precision_record(self) -> dict[str, Any] | None:
-        """The version's precision record as its load checked it (:mod:`halfserve.precision_record`); None: its
-        precision was not measured (fp32, or the check is off)."""
+        """The version's precision record as its load checked it (:mod:`halfserve.precision_record`); None: the load
+        held no half precision to a bar (fp32, or the check is off)."""
 
     @property
     def serving(self) -> bool:

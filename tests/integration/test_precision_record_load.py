@@ -114,6 +114,24 @@ async def test_a_trusted_record_below_the_bar_serves_fp32(store_dir: Path) -> No
     assert "bf16 top-1 agreement with fp32 is 0.5000" in str(entry["fp32_fallback"])
 
 
+@pytest.mark.parametrize(
+    "settings",
+    [{"precision": Precision.FP32}, {"precision": Precision.BF16, "fidelity_bar": FidelityCheck.OFF}],
+    ids=["loaded-in-fp32", "bar-off"],
+)
+async def test_no_record_is_shown_where_the_load_held_no_half_precision_to_a_bar(
+    store_dir: Path, settings: dict[str, object]
+) -> None:
+    # The store holds a record all the same (the import wrote it): /models shows the load's check, not the file.
+    async with serving(Settings(store=store_dir, **settings)) as client:  # type: ignore[arg-type]
+        entry = await listed(client)
+        meta = (await client.get("/v2/models/net")).json()
+    assert (store_dir / "net" / "1" / "precision.json").is_file()
+    assert entry["precision"] == settings["precision"].value  # type: ignore[attr-defined]
+    assert entry["precision_record"] is None
+    assert meta["parameters"]["precision_record"] == ""
+
+
 async def test_measure_at_every_load_when_told(store_dir: Path) -> None:
     edit_record(store_dir)
     settings = Settings(store=store_dir, precision=Precision.BF16, fidelity_bar=FidelityCheck.MEASURE)
