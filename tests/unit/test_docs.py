@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from halfserve.cli import build_parser
+from halfserve.serving import Interface
 
 ROOT = Path(__file__).resolve().parents[2]
 SRC = ROOT / "server"
@@ -250,6 +251,15 @@ def test_the_configuration_s_setting_flags_are_serve_flags() -> None:
     flags = set(re.findall(r"`(--[a-z][\w-]*)", section))
     assert flags
     assert not sorted(flags - FLAGS["serve"])
+
+
+def test_the_metrics_protocol_label_s_values_are_the_interfaces() -> None:
+    # The page had left out `v1`, which KServe V1's requests are counted under.
+    text = read(ROOT / "docs" / "operations.md")
+    row = next(line for line in text.splitlines() if line.startswith("| `halfserve_requests_total`"))
+    listed = re.search(r"protocol \((.*?)\), status", row)
+    assert listed, row
+    assert sorted(re.findall(r"`(\w+)`(?::|,|$)", listed.group(1))) == sorted(i.value for i in Interface)
 
 
 def test_the_console_script_answers_help() -> None:
