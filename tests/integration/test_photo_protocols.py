@@ -148,6 +148,7 @@ async def test_torchserve_s_inference_api_takes_its_version_spelling_methods_and
         nowhere = await client.post("/predictions/photo/1/more", content=png(100))
         bare = [await client.post("/predictions", content=png(100)), await client.get("/explanations")]
         explained = [await client.post(p, content=png(100)) for p in ("/explanations/photo", "/explanations/photo/1")]
+        explained_get = await client.get("/explanations/photo")
         still = await client.post("/predictions/photo", content=png(100))
     assert plain.status_code == 200, plain.text
     for v, r in answered.items():
@@ -167,6 +168,9 @@ async def test_torchserve_s_inference_api_takes_its_version_spelling_methods_and
     }
     # POST alone had been named, then "PUT, POST" or "POST, PUT" from one start to the next (a set's order).
     assert get.headers["allow"] == "POST, PUT"
+    # docs/torchserve.md: /explanations takes the methods of /predictions, so a GET is refused as one there is.
+    assert (explained_get.status_code, explained_get.json()) == (405, get.json())
+    assert explained_get.headers["allow"] == "POST, PUT"
     for r in [*explained, nowhere, *bare]:  # had been this server's {"error": "Not Found"}
         assert r.status_code == 404
         body = r.json()
