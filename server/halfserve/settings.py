@@ -167,8 +167,10 @@ class Settings(BaseSettings):
     """Override every manifest's precision; ``fp32`` is the fallback switch. A half precision named here is still held
     to each model's fidelity bar (``fidelity_bar``)."""
     fidelity_bar: FidelityCheck = FidelityCheck.DEFAULT
-    """``default``: every model served in a half precision is compared with fp32 at load, and one below its bar is
-    served in fp32 instead; ``off``: no model is measured, each is served in the precision asked for."""
+    """``default``: every model served in a half precision is held to its fidelity bar at load, measured against fp32
+    unless its version's precision record matches the load, and one below its bar is served with a mixed-precision
+    plan or in fp32 instead; ``measure``: as ``default``, but measured at every load whatever the record; ``off``: no
+    model is measured, each is served in the precision asked for."""
     mixed_search_seconds: float = Field(default=120.0, ge=0.0, le=3600.0)
     """How long a load may search for a mixed-precision plan (:mod:`halfserve.mixed`: the fewest modules kept in fp32
     so a model below its fidelity bar in half precision meets it) before serving the whole model in fp32, and a live

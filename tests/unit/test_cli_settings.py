@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 from pathlib import Path
 
 import pytest
@@ -85,6 +86,17 @@ def test_a_flags_help_keeps_an_acronym_and_lowers_a_word() -> None:
     assert helps["http_workers"].startswith("HTTP front-end processes")  # had read "hTTP front-end processes"
     assert helps["port"][0].islower()
     assert helps["admin_token_file"].startswith("a file holding")  # "A file": a word, not an acronym
+
+
+def test_a_flag_whose_help_describes_its_choices_describes_each() -> None:
+    # --fidelity-bar's had described default and off, not measure.
+    described = 0
+    for action in serve_parser()._actions:
+        named = re.findall(r"(?:^|; )(\w+): ", str(action.help))
+        if action.choices and set(named) & set(action.choices):
+            described += 1
+            assert sorted(named) == sorted(action.choices), (action.dest, action.help)
+    assert described  # the reader found the form: a change of the help's wording cannot empty this check
 
 
 def test_threads_and_the_instance_batch_timeout_have_bounds() -> None:
