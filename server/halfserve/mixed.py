@@ -238,7 +238,8 @@ def search(
     assert best is not None
     k, fidelity = best
     if k == len(ranked):
-        outcome.reason = f"only keeping all {k} modules with parameters in fp32 meets the bar: that is the fp32 model"
+        which = "its one module" if k == 1 else f"all {k} modules"
+        outcome.reason = f"only keeping {which} with parameters in fp32 meets the bar: that is the fp32 model"
         return outcome
     modules = tuple(ranked[:k])
     outcome.plan = Plan(

@@ -242,7 +242,15 @@ def test_the_search_bisects_to_the_shortest_prefix_and_stops_at_its_time_limit()
         ranked, lambda p: figures(1.0 if len(p) == 8 else 0.5), DEFAULT_BAR, model, Precision.BF16, 60.0, lambda: 0.0
     )
     assert everything.plan is None
-    assert "that is the fp32 model" in str(everything.reason)
+    assert str(everything.reason) == (
+        "only keeping all 8 modules with parameters in fp32 meets the bar: that is the fp32 model"
+    )
+    one = mixed.search(
+        ["0"], lambda p: figures(1.0 if p else 0.5), DEFAULT_BAR, model, Precision.BF16, 60.0, lambda: 0.0
+    )
+    assert str(one.reason) == (  # had read "all 1 modules"
+        "only keeping its one module with parameters in fp32 meets the bar: that is the fp32 model"
+    )
     off = mixed.search(ranked, measure, DEFAULT_BAR, model, Precision.BF16, 0.0, clock=lambda: 0.0)
     assert off.plan is None
     assert "time limit" in str(off.reason)
