@@ -287,8 +287,9 @@ class Settings(BaseSettings):
     instead of timing one at warm-up: the same choices on every start,
     whatever else the host runs meanwhile (every model, at any thread count). Unset: timed at warm-up."""
     placement: PlacementSetting = PlacementSetting.AUTO
-    """Where every model's batches run (:class:`halfserve.placement.Placement`): ``instance_threads`` (each batch on
-    an idle instance's thread), ``event_loop`` (on the event loop's own thread: a CPU model with one instance),
+    """Where every model's batches run (:class:`halfserve.placement.Placement`): ``auto`` (chosen per model at its
+    load), ``instance_threads`` (each batch on an idle instance's thread), ``event_loop`` (on the event loop's own
+    thread: a CPU model with one instance),
     ``beside_loop`` (a CPU model's forward as a traced TorchScript graph in torch's inter-op pool, launched from the
     event loop and run beside it without the GIL, two batches of up to half ``max_batch_size`` in flight: one instance
     and one input, not with padding, ``inductor`` or autocast, and a model that traces to a graph giving its outputs

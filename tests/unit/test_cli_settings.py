@@ -99,6 +99,18 @@ def test_a_flag_whose_help_describes_its_choices_describes_each() -> None:
     assert described  # the reader found the form: a change of the help's wording cannot empty this check
 
 
+def test_a_flag_whose_help_names_its_choices_names_each() -> None:
+    # --placement's had named every choice but auto, its default.
+    named = 0
+    for action in serve_parser()._actions:
+        text = re.sub(r" \(default: [^)]*\)$", "", str(action.help))  # the default's name alone describes nothing
+        said = {str(c) for c in action.choices or () if re.search(rf"\b{re.escape(str(c))}\b", text)}
+        if len(said) >= 2:
+            named += 1
+            assert said == {str(c) for c in action.choices or ()}, (action.dest, action.help)
+    assert named >= 2
+
+
 def test_threads_and_the_instance_batch_timeout_have_bounds() -> None:
     """--threads 100000 had exhausted the host's processes before the server aborted; an instance batch timeout of a
     millisecond had failed every request."""
