@@ -90,6 +90,7 @@ class CompiledEngine(Protocol):
     precision: Precision
     device: torch.device
     fp32_modules: tuple[str, ...]
+    input_precision: Precision
     channels_last: bool
     inductor: bool
     """Whether it compiles with torch.compile (else with AOTInductor: the other mode cached)."""
@@ -164,6 +165,9 @@ def engine_key(engine: CompiledEngine, sizes: list[int]) -> str:
         "compile": (Compile.INDUCTOR if engine.inductor else Compile.AOTI).value,
         "precision": engine.precision.value,
         "fp32_modules": sorted(engine.fp32_modules),
+        # The dtype a plan's packages give the model's inputs (fp32; earlier halfserve gave the half dtype, which a
+        # kept first module then read rounded): an entry of the other is not reused.
+        **({"inputs_as": engine.input_precision.value} if engine.fp32_modules else {}),
         "buckets": sorted(sizes),
         "channels_last": engine.channels_last,
         "inputs": [t.model_dump(mode="json") for t in m.inputs],

@@ -16,7 +16,9 @@ The search (:func:`search`):
 2. measures the model with every candidate in fp32: when even that misses the bar (the fragile part has no
    parameters, or is the whole model), there is no plan;
 3. bisects the length of the ranked prefix, measuring each with the real fidelity check, to the shortest one that
-   meets the bar.
+   meets the bar. Bisection takes a longer prefix to do no worse, which a sample whose answer is a small difference
+   of large terms can break (each rounding left before it moves it by about its own size, one way or the other): a
+   shorter plan may then be missed, never an unmeasured one served.
 
 Every measurement is the load's own (:func:`halfserve.fidelity.measure` against the host's fp32 weights, on the same
 samples), and the search stops at a time limit (``mixed_search_seconds``): what it found by then, or no plan.

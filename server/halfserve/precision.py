@@ -149,9 +149,11 @@ def cast_floating(value: Any, dtype: torch.dtype) -> Any:
 def keep_fp32(model: nn.Module, names: Sequence[str], half: torch.dtype, weights: nn.Module) -> None:
     """Keep the modules ``names`` of ``model`` (already cast to ``half``) in fp32, a mixed-precision plan
     (:mod:`halfserve.mixed`): their weights and computation are fp32 and their floating inputs are cast up on the way
-    in. Their outputs stay fp32, so a plan that keeps the last projection in fp32 answers with its fp32 scores (cast
-    down, scores that differ by less than ``half`` resolves would tie again); every other module holding parameters
-    casts its floating inputs to ``half`` on the way in, so each boundary gives the module after it its own dtype.
+    in, so the model is to be given its inputs in fp32 (the engine does): rounded to ``half`` first, a kept module
+    that reads them would compute in fp32 on half-precision values. Their outputs stay fp32, so a plan that keeps the
+    last projection in fp32 answers with its fp32 scores (cast down, scores that differ by less than ``half``
+    resolves would tie again); every other module holding parameters casts its floating inputs to ``half`` on the
+    way in, so each boundary gives the module after it its own dtype.
     The kept modules' weights are copied from ``weights`` (the host's fp32 model): cast up from ``half``, they would
     have lost what the plan keeps them for."""
 

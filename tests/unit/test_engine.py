@@ -96,6 +96,33 @@ def test_engine_casts_a_copy_and_leaves_the_host_weights_fp32(
     engine.close()
 
 
+@pytest.mark.parametrize("mode", ["bf16", "fp16"])
+def test_a_plan_s_modules_kept_in_fp32_compute_exactly_as_fp32_does(loaded: store.LoadedModel, mode: str) -> None:
+    # A kept module that reads the model's input reads it as it came: rounded to the half dtype on the way in, it
+    # moved a fragile classifier's scores with nothing else of the model left in half precision.
+    x = np.random.default_rng(0).standard_normal((8, 16)).astype(np.float32)
+    fp32 = Engine(loaded, Precision.FP32, CPU)
+    first, every = (
+        Engine(loaded, Precision(mode), CPU, fp32_modules=("net.0",)),
+        Engine(loaded, Precision(mode), CPU, fp32_modules=("net.0", "net.2")),
+    )
+    try:
+        seen: dict[Engine, torch.Tensor] = {}
+        for engine in (fp32, first):
+            hook = engine.model.get_submodule("net.0").register_forward_hook(
+                lambda _m, _a, out, engine=engine: seen.__setitem__(engine, out.clone())
+            )
+            engine.compute(x)
+            hook.remove()
+        assert seen[first].dtype == torch.float32
+        assert torch.equal(seen[first], seen[fp32])
+        assert {p.dtype for p in every.model.parameters()} == {torch.float32}
+        np.testing.assert_array_equal(every.compute(x), fp32.compute(x))
+    finally:
+        for engine in (fp32, first, every):
+            engine.close()
+
+
 @pytest.mark.parametrize(("mode", "shared"), [("fp32", True), ("autocast", True), ("bf16", False), ("fp16", False)])
 def test_fp32_weights_on_the_cpu_are_held_once(loaded: store.LoadedModel, mode: str, shared: bool) -> None:
     engine = Engine(loaded, Precision(mode), CPU)

@@ -128,6 +128,10 @@ class Engine:
         """A mixed-precision plan's modules, kept in fp32 (:mod:`halfserve.mixed`); none where the weights are fp32."""
         if self.fp32_modules:
             prec.keep_fp32(model, self.fp32_modules, half, loaded.module)
+        self.input_precision = Precision.FP32 if self.fp32_modules else self.precision
+        """What floating inputs are cast to before the forward. A plan's model takes them in fp32: each module with
+        parameters casts its own (:func:`halfserve.precision.keep_fp32`), and a kept module that reads the input
+        would otherwise compute in fp32 on values already rounded to the half dtype."""
         if self.channels_last:
             model = model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
         self.model: nn.Module = model
@@ -203,12 +207,12 @@ class Engine:
         )
 
     def _prepare(self, t: torch.Tensor) -> torch.Tensor:
-        """A device batch as the model takes it: normalised (when the manifest says so) and cast to the serving dtype
-        on the device (the copy moved the rows as they arrived; a host-side cast would cost a CPU pass and an unpinned
-        temporary), NHWC where the engine runs channels_last."""
+        """A device batch as the model takes it: normalised (when the manifest says so) and cast to the dtype it
+        takes (:attr:`input_precision`) on the device (the copy moved the rows as they arrived; a host-side cast
+        would cost a CPU pass and an unpinned temporary), NHWC where the engine runs channels_last."""
         if self._normalize is not None:
             t = self._normalize(t)
-        t = prec.cast_input(t, self.precision)
+        t = prec.cast_input(t, self.input_precision)
         if self.channels_last:
             t = t.contiguous(memory_format=torch.channels_last)
         return t
@@ -240,7 +244,7 @@ class Engine:
             batch = chunks[0] if len(chunks) == 1 else np.concatenate(chunks)
             with inst.on_stream():
                 outs, padding = records.run(
-                    self.manifest, self.model, batch, size, self.device, self.precision, self.positional
+                    self.manifest, self.model, batch, size, self.device, self.input_precision, self.positional
                 )
                 self._count_padding(padding)
                 inst.forwards += 1
