@@ -21,6 +21,7 @@ from tritonclient.utils import InferenceServerException
 
 from halfserve import grpc_messages
 from tests.conftest import ServerProcess, free_port, save_tiny_mlp, shm_key
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -435,9 +436,14 @@ def test_sigterm_answers_the_call_in_flight_then_exits_cleanly(server_factory: S
             except InferenceServerException as e:
                 answer["error"] = e
 
+    def queued() -> int:
+        return int(httpx.get(f"{draining.url}/models/{MODEL}/stats", timeout=10).json()["queued_rows"])
+
     thread = threading.Thread(target=call)
     thread.start()
-    time.sleep(0.5)  # queued, waiting out its batch delay
+    # Queued, waiting out its batch delay, before the signal: a call that comes after it is refused, as it should be.
+    # (One answered first, on a host that took the whole delay to look, has nothing left to drain.)
+    wait_until(lambda: answer or queued() == 2, "the call queued")
     draining.process.proc.send_signal(signal.SIGTERM)
     thread.join(timeout=30)
     assert answer.get("error") is None
