@@ -327,9 +327,14 @@ def test_sigterm_answers_every_front_ends_requests_then_exits(tmp_path: Path) ->
     assert [p.name.startswith("halfserve-") for p in scratch.iterdir()] == [True]
     bodies = [{"model": MODEL, "inputs": samples(1, seed=i).tolist()} for i in range(24)]
 
+    def accepted() -> int:
+        return int(httpx.get(f"{server.url}/models/{MODEL}/stats", timeout=10).json()["requests"])
+
     async def load_then_stop() -> list[httpx.Response]:
         requests = asyncio.ensure_future(post_many(server.url, bodies))
-        await asyncio.sleep(0.3)  # requests in flight on both front-ends
+        # Every request in flight, through both front-ends, before the signal: one sent after it is refused (the
+        # port closes), as it should be.
+        await until(lambda: accepted() == len(bodies), "every request accepted", every=0.05)
         server.proc.send_signal(signal.SIGTERM)
         return await requests
 
