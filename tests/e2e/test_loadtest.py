@@ -66,9 +66,6 @@ def test_self_contained_sweep_over_two_precisions(tmp_path: Path) -> None:
     assert (out / "server-fp32.log").is_file()
 
 
-GRPC_PORT = free_port()
-
-
 def test_self_contained_sweep_over_grpc(tmp_path: Path) -> None:
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "halfserve", "loadtest", "--store", str(SHIPPED_STORE), "--model", MODEL]
@@ -83,18 +80,25 @@ def test_self_contained_sweep_over_grpc(tmp_path: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def running_server(server_factory: StartServer) -> ServerProcess:
-    grpc = ("--grpc", "--grpc-port", str(GRPC_PORT))
+def grpc_port() -> int:
+    """Picked as the server that binds it starts: picked as the module was collected, it stayed free, unheld, for
+    however long the tests before this module ran, and anything binding a port meanwhile could take it."""
+    return free_port()
+
+
+@pytest.fixture(scope="module")
+def running_server(server_factory: StartServer, grpc_port: int) -> ServerProcess:
+    grpc = ("--grpc", "--grpc-port", str(grpc_port))
     return server_factory(SHIPPED_STORE, "--models", MODEL, "--precision", "fp32", *grpc)
 
 
 @pytest.mark.parametrize("protocol", ["predict", "v2-json", "v2-binary", "grpc"])
-def test_against_a_running_server(running_server: ServerProcess, tmp_path: Path, protocol: str) -> None:
+def test_against_a_running_server(running_server: ServerProcess, grpc_port: int, tmp_path: Path, protocol: str) -> None:
     url = running_server.url.replace("127.0.0.1", "localhost")
     argv = ["--url", url, "--concurrency", "2,8", "--requests", "40", "--rows-per-request", "3"]
     argv += ["--protocol", protocol, "--warmup", "0", "--client-ceiling", "0", "--out", str(tmp_path), "--no-progress"]
     if protocol == "grpc":
-        argv += ["--grpc-url", f"localhost:{GRPC_PORT}"]
+        argv += ["--grpc-url", f"localhost:{grpc_port}"]
     assert loadtest_main(argv) == 0
     data = check_report(tmp_path, ["fp32"], [2, 8], requests=40, rows=3)
     assert data["mode"] == "url"
