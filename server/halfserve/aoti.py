@@ -9,8 +9,10 @@ with torch's reason: ``aoti`` is asked for by name, and an engine that fell back
 at another speed than the one asked for, with its reason only in a log (the docs' "compile cache" section).
 
 The packages go in the compile cache as one entry (:mod:`halfserve.compilecache`) under the engine's key with
-``aoti`` as its mode, checked against its digest before torch sees a byte: torch loads an altered package without a
-word (its library is code it runs), so a torn, truncated or altered entry is rebuilt, never loaded.
+``aoti`` as its mode and the digests of the model's code and the version's files (a package holds the weights and
+the forward: :func:`halfserve.compilecache.built_from`), checked against its digest before torch sees a byte:
+torch loads an altered package without a word (its library is code it runs), so a torn, truncated or altered entry
+is rebuilt, never loaded.
 
 Torch's AOTInductor entry points are ``torch._inductor``'s, not public API: read by name at run time, as
 :mod:`halfserve.compilation` reads torch.compile's limits.

@@ -1,5 +1,6 @@
-"""What a precision record (:mod:`halfserve.precision_record`) knows of the code that builds its model, so that a
-record measured before that code changed is not trusted.
+"""What a precision record (:mod:`halfserve.precision_record`) and an AOTInductor package in the compile cache
+(:mod:`halfserve.compilecache`) know of what builds their model, the code and the version's files, so that one made
+before either changed is not trusted.
 
 The operator's code (a ``module:factory`` from a ``--code-path`` folder or an installed ``halfserve.architectures``
 entry point, or a name such code registers) is read, not trusted by name: the digest covers every ``.py`` file of the
@@ -14,11 +15,13 @@ from __future__ import annotations
 
 import hashlib
 import importlib.metadata
+import json
 import os
 import sys
 from pathlib import Path
 
 from halfserve import models
+from halfserve.manifest import Manifest
 
 MAX_FILES = 256
 """The most source files a digest reads: a package's own, not a checkout with its tools and vendored libraries."""
@@ -27,6 +30,25 @@ MAX_BYTES = 8 * 1024 * 1024
 OWN = "halfserve"
 """The digest of halfserve's own models: the record's ``halfserve`` version covers their code."""
 _SKIPPED = ("__pycache__",)
+RECORD = "precision.json"
+"""A version's precision record, which holds its files' digest, so is not part of it."""
+_CHUNK = 1 << 20
+_IDENTITY_FIELDS = ("architecture", "arch_kwargs", "inputs", "outputs")
+"""The manifest fields that change what a version computes (its bar and precision are compared on their own)."""
+
+
+def files_digest(version_dir: Path, manifest: Manifest) -> str:
+    """sha256 over the version folder's files (names and contents, the record and temporary files aside) and the
+    manifest's fields that change what the version computes."""
+    h = hashlib.sha256(json.dumps(manifest.model_dump(mode="json", include=set(_IDENTITY_FIELDS))).encode())
+    for file in sorted(version_dir.iterdir()):
+        if file.name == RECORD or file.name.startswith(".") or not file.is_file():
+            continue
+        h.update(f"\0{file.name}\0".encode())
+        with file.open("rb") as f:
+            while chunk := f.read(_CHUNK):
+                h.update(chunk)
+    return h.hexdigest()
 
 
 class TooMuchCode(Exception):

@@ -3,9 +3,11 @@ instance process loads them instead of compiling.
 
 An entry is torch's own "mega-cache" (:func:`torch.compiler.save_cache_artifacts`: the FX graphs TorchInductor
 built, their AOTAutograd wrappers, autotuning results), written after warm-up under a key of everything that changes
-the code compiled: the model version, precision, device, torch and Python versions, batch buckets, execution mode,
-mixed-precision plan (:func:`key`). At the next warm-up under that key it goes back into torch's caches
-(:func:`torch.compiler.load_cache_artifacts`) before the first forward, and the FX graphs are found instead of built.
+the code compiled: the model version, precision, device, torch, Python and halfserve versions, batch buckets,
+execution mode, mixed-precision plan (:func:`engine_key`); an AOTInductor entry, which holds the weights and the
+compiled forward, also by the digests of the model's code and of the version's files (:func:`built_from`). At the
+next warm-up under that key it goes back into torch's caches (:func:`torch.compiler.load_cache_artifacts`) before
+the first forward, and the FX graphs are found instead of built.
 
 What it holds and what still runs: the entry has TorchInductor's FX graph artifacts (the generated wrapper code),
 AOTAutograd's and the autotuning results, and on a GPU the Triton kernels built (torch bundles them into the FX graph
@@ -49,13 +51,15 @@ from typing import Protocol
 
 import torch
 
+from halfserve import codedigest
 from halfserve.execution import Compile
 from halfserve.hostinfo import cpu_model
 from halfserve.manifest import Manifest, Precision
+from halfserve.version import __version__
 
 log = logging.getLogger(__name__)
 
-FORMAT = 2
+FORMAT = 3
 """The layout of a key's parts; a change makes every older entry a miss."""
 ENTRY_SUFFIX = ".artifacts"
 DIGEST_SUFFIX = ".sha256"
@@ -94,6 +98,10 @@ class CompiledEngine(Protocol):
     channels_last: bool
     inductor: bool
     """Whether it compiles with torch.compile (else with AOTInductor: the other mode cached)."""
+
+    @property
+    def built_from(self) -> Mapping[str, object] | None:
+        """:func:`built_from` its version (asked only of an AOTInductor engine with a usable cache)."""
 
 
 class CorruptEntry(Exception):
@@ -147,17 +155,54 @@ def key(parts: Mapping[str, object]) -> str:
 
 def runtime_parts(device: torch.device, cpu_name: str) -> dict[str, object]:
     """The parts of a key that the host and its software decide: the device's name (a CPU's model and the vector
-    instructions torch uses there: the kernels are built for them), the torch and Python versions."""
+    instructions torch uses there: the kernels are built for them), the torch and Python versions, and halfserve's
+    (what it exports around the model, its input preparation and casts, is its own code)."""
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
     else:
         name = f"{cpu_name} ({torch.backends.cpu.get_cpu_capability()})"
-    return {"device": name, "torch": torch.__version__, "python": f"{sys.version_info.major}.{sys.version_info.minor}"}
+    return {
+        "device": name,
+        "torch": torch.__version__,
+        "python": f"{sys.version_info.major}.{sys.version_info.minor}",
+        "halfserve": __version__,
+    }
 
 
-def engine_key(engine: CompiledEngine, sizes: list[int]) -> str:
-    """The entry name of ``engine`` compiled at batch sizes ``sizes``."""
+def built_from(name: str, version_dir: Path, manifest: Manifest) -> dict[str, object] | None:
+    """What an AOTInductor package of model ``name``'s version in ``version_dir`` was built from, beyond the key's
+    other parts: the code that builds the model (:func:`halfserve.codedigest.of`) and the version's files
+    (:func:`halfserve.codedigest.files_digest`), as a precision record has them. A package holds the weights and the
+    compiled forward and is loaded as is, so a version whose files changed under the same number, or whose code was
+    edited, must not find it.
+
+    ``None`` where the code cannot be digested: no entry could say which code it holds, so the engine neither reads
+    nor writes one (one INFO line says so) and compiles at every start."""
+    code = codedigest.of(manifest.architecture)
+    if code is None:
+        log.info(
+            "%s: compile cache not used, compiled at every start: the code of its architecture %r cannot be digested "
+            "(more than %d files or %d bytes, or no module's), so no entry could say which code it holds",
+            *(name, manifest.architecture, codedigest.MAX_FILES, codedigest.MAX_BYTES),
+        )
+        return None
+    return {"code": code, "files": codedigest.files_digest(version_dir, manifest)}
+
+
+def engine_key(engine: CompiledEngine, sizes: list[int]) -> str | None:
+    """The entry name of ``engine`` compiled at batch sizes ``sizes``; ``None`` for an AOTInductor engine whose
+    model's code cannot be digested (:func:`built_from`): it has no entry.
+
+    An ``inductor`` entry's key leaves out the code and the files: its FX graphs are keyed again by torch, by the
+    graph Dynamo traces from the code at every start, and take the weights as inputs (torch's ``freezing`` is off),
+    so edited code only misses (:attr:`CacheOutcome.STALE`) and other weights change nothing compiled."""
     m = engine.manifest
+    built: Mapping[str, object] = {}
+    if not engine.inductor:
+        found = engine.built_from
+        if found is None:
+            return None
+        built = found
     parts = {
         "model": m.name,
         "version": engine.version,
@@ -172,6 +217,7 @@ def engine_key(engine: CompiledEngine, sizes: list[int]) -> str:
         "channels_last": engine.channels_last,
         "inputs": [t.model_dump(mode="json") for t in m.inputs],
         "normalize": m.normalize.model_dump(mode="json") if m.normalize else None,
+        **built,
     }
     return key({**parts, **runtime_parts(engine.device, cpu_model())})
 
@@ -352,7 +398,10 @@ def warming(
 ) -> contextlib.AbstractContextManager[None]:
     """What an engine's warm-up runs in: for a torch.compile ``engine`` (None for one that is not), :func:`compiling`
     under its key at batch sizes ``sizes``, so its entry is read before the compiles and written after."""
-    return contextlib.nullcontext() if engine is None else compiling(cache, engine_key(engine, sizes), use)
+    if engine is None:
+        return contextlib.nullcontext()
+    name = engine_key(engine, sizes)
+    return compiling(cache if name is not None else None, name or "", use)
 
 
 @contextlib.contextmanager

@@ -10,7 +10,6 @@ missing, unreadable or too large, the load measures as it always has and says wh
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 from collections.abc import Sequence
@@ -31,13 +30,10 @@ from halfserve.version import __version__
 
 log = logging.getLogger(__name__)
 
-RECORD = "precision.json"
+RECORD = codedigest.RECORD
 MAX_RECORD_BYTES = 64 * 1024
 """A record is well under 2 KiB; a larger file is not one, and is never read whole into memory."""
 FORMAT = 1
-_CHUNK = 1 << 20
-_IDENTITY_FIELDS = ("architecture", "arch_kwargs", "inputs", "outputs")
-"""The manifest fields that change what a version computes (its bar and precision are compared on their own)."""
 
 
 class RecordCheck(str, Enum):
@@ -70,7 +66,8 @@ class Conditions:
     device: dict[str, Any]
     """:meth:`halfserve.precision.DeviceKind.as_dict` of the device it runs on."""
     files_digest: str
-    """sha256 over the version's files and the manifest fields that change what it computes (:func:`files_digest`)."""
+    """sha256 over the version's files and the manifest fields that change what it computes
+    (:func:`halfserve.codedigest.files_digest`)."""
     code: str | None = field(default=None, kw_only=True)
     """:func:`halfserve.codedigest.of` the architecture: the code that builds the model. ``None`` (a record written
     before records held it, or code too large to digest) matches nothing, so such a record is measured again."""
@@ -131,20 +128,6 @@ def path(version_dir: Path) -> Path:
     return version_dir / RECORD
 
 
-def files_digest(version_dir: Path, manifest: Manifest) -> str:
-    """sha256 over the version folder's files (names and contents, the record and temporary files aside) and the
-    manifest's fields that change what the version computes."""
-    h = hashlib.sha256(json.dumps(manifest.model_dump(mode="json", include=set(_IDENTITY_FIELDS))).encode())
-    for file in sorted(version_dir.iterdir()):
-        if file.name == RECORD or file.name.startswith(".") or not file.is_file():
-            continue
-        h.update(f"\0{file.name}\0".encode())
-        with file.open("rb") as f:
-            while chunk := f.read(_CHUNK):
-                h.update(chunk)
-    return h.hexdigest()
-
-
 def conditions(
     version_dir: Path, manifest: Manifest, precision: Precision, held_to: Bar, device: DeviceKind
 ) -> Conditions:
@@ -154,7 +137,7 @@ def conditions(
         bar=held_to.as_dict(),
         torch=torch.__version__,
         device=device.as_dict(),
-        files_digest=files_digest(version_dir, manifest),
+        files_digest=codedigest.files_digest(version_dir, manifest),
         code=codedigest.of(manifest.architecture),
         halfserve=__version__,
     )

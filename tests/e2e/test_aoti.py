@@ -1,16 +1,17 @@
 """``compile: aoti`` through real servers, each start a process of its own: a cold start exports and compiles an
 AOTInductor package into the compile cache, a second start loads it and compiles nothing (in instance threads and in
-instance processes), and an altered package is rebuilt, never loaded."""
+instance processes), an altered package is rebuilt, never loaded, and a package of other weights is never served."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from halfserve import store
+from halfserve import models, store
 from halfserve.compilecache import DIGEST_SUFFIX, CompileCache
 from halfserve.execution import Batching, Execution
 from tests.conftest import needs_cxx, save_tiny_mlp
@@ -89,3 +90,21 @@ def test_an_altered_package_is_rebuilt_with_a_warning(first: tuple[Path, Path, S
     assert "WARNING" in next(line for line in again.log.splitlines() if "rebuilt, not used" in line)
     np.testing.assert_array_equal(again.answers, start.answers)
     assert CompileCache(mine).read(entry.stem)  # written again, whole
+
+
+def test_weights_rewritten_under_the_same_version_build_a_new_package(
+    first: tuple[Path, Path, Start], tmp_path: Path
+) -> None:
+    """A package holds the weights: the same name, version and architecture with other weights finds no entry."""
+    store_path, cache, _ = first
+    mine, rewritten = copied(cache, tmp_path), tmp_path / "store"
+    shutil.copytree(store_path, rewritten)
+    torch.manual_seed(1)
+    module = models.build("mlp", in_features=16, hidden=[32], out_features=4)
+    store.write_weights(rewritten / "tiny" / "1", module, {"name": "tiny"})
+    again = serve_once(rewritten, mine, tmp_path / "rewritten", *BF16)
+    assert again.execution["compile_cache"] == "miss"
+    assert again.execution["compiled_graphs"] == 1
+    reference = eager_fp32(rewritten)
+    np.testing.assert_allclose(again.answers, reference, atol=0.02 * np.abs(reference).max(), rtol=0)
+    assert len(entries(mine)) == 2  # the first weights' package kept beside this one

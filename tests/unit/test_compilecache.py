@@ -3,6 +3,7 @@ entry torch cannot read (the round trip through real compiles is tests/e2e/test_
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 from pathlib import Path
@@ -11,13 +12,13 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from halfserve import compilecache, store
+from halfserve import aoti, codedigest, compilecache, models, store
 from halfserve.compilecache import CacheOutcome, CacheUse, CompileCache, CorruptEntry
 from halfserve.engine.core import Engine
 from halfserve.execution import Execution
-from halfserve.manifest import Precision
+from halfserve.manifest import Manifest, Precision, TensorSpec
 from halfserve.settings import Settings
-from tests.conftest import save_tiny_mlp
+from tests.conftest import OPERATOR_NET, save_tiny_mlp
 
 PARTS = {"model": "digits", "version": 1, "precision": "bf16", "torch": "2.13.0", "buckets": [1, 8]}
 
@@ -170,3 +171,92 @@ def test_an_entry_holds_each_save_whole() -> None:
         compilecache.unpack(compilecache.pack(parts)[:-1])
     with pytest.raises(CorruptEntry, match="do not add up"):
         compilecache.unpack(bytes(8) + b"x")
+
+
+AOTI = Execution(compile="aoti")
+
+
+@pytest.fixture
+def operator_model(operator_code: Path, tmp_path: Path) -> Path:
+    """A store whose model ``op`` is built by the operator's ``--code-path`` module ``opkey_net``, compiled with
+    AOTInductor; returns the module's file."""
+    code = operator_code / "opkey_net.py"
+    code.write_text(OPERATOR_NET)
+    importlib.invalidate_caches()
+    models.add_code_path([operator_code])
+    torch.manual_seed(0)
+    manifest = Manifest(
+        name="op",
+        architecture="opkey_net:build",
+        inputs=[TensorSpec(name="x", shape=[6])],
+        outputs=[TensorSpec(name="y", shape=[4])],
+        execution=AOTI,
+    )
+    store.save(tmp_path / "store", manifest, models.build("opkey_net:build"))
+    return code
+
+
+def aoti_key(root: Path, cache: CompileCache) -> str | None:
+    """The key of model ``op``'s AOTInductor entry as a fresh load (a restart) makes it."""
+    engine = Engine(store.load(root, "op"), Precision.FP32, torch.device("cpu"), compile_cache=cache)
+    try:
+        return compilecache.engine_key(engine, [1, 8])
+    finally:
+        engine.close()
+
+
+def test_an_aoti_key_changes_with_the_code_the_weights_and_halfserve(
+    operator_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root, cache = tmp_path / "store", CompileCache(tmp_path / "cache")
+    base = aoti_key(root, cache)
+    assert base is not None
+    assert aoti_key(root, cache) == base  # the same model, version, code and host: its entry is found
+    operator_model.write_text(OPERATOR_NET.replace("return self.l(x)", "return self.l(x) * 2"))
+    edited = aoti_key(root, cache)  # the team's edit, same name, version and architecture
+    assert edited not in {base, None}
+    torch.manual_seed(1)
+    store.write_weights(root / "op" / "1", models.build("opkey_net:build"), {"name": "op"})
+    rewritten = aoti_key(root, cache)  # other weights under the same version number
+    assert rewritten not in {base, edited, None}
+    monkeypatch.setattr(compilecache, "__version__", "0.0.0-other")
+    assert aoti_key(root, cache) not in {base, edited, rewritten, None}
+
+
+def test_an_aoti_engine_whose_code_cannot_be_digested_compiles_without_the_cache(
+    operator_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(codedigest, "MAX_FILES", 0)  # past the bound: its code cannot be told
+    handed: list[object] = []
+
+    def packaged(*args: object) -> tuple[object, float]:
+        handed.append(args[5])  # the cache and key it would read and write
+        return lambda t: t, 0.0
+
+    monkeypatch.setattr(aoti, "packaged", packaged)
+    cache = CompileCache(tmp_path / "cache")
+    engine = Engine(store.load(tmp_path / "store", "op"), Precision.FP32, torch.device("cpu"), compile_cache=cache)
+    try:
+        with caplog.at_level(logging.INFO, logger="halfserve.compilecache"):
+            assert compilecache.engine_key(engine, [1, 8]) is None
+            engine._load_packages([1, 8])
+    finally:
+        engine.close()
+    assert handed == [None]
+    said = [r.getMessage() for r in caplog.records if "compile cache not used" in r.getMessage()]
+    assert len(said) == 1
+    assert "opkey_net:build" in said[0]
+    assert "cannot be digested" in said[0]
+
+
+def test_an_inductor_key_leaves_the_code_and_files_to_torchs_own_keys(tmp_path: Path) -> None:
+    save_tiny_mlp(tmp_path, execution=Execution(compile="inductor"))
+    engine = Engine(store.load(tmp_path, "tiny"), Precision.FP32, torch.device("cpu"))
+    try:
+        first = compilecache.engine_key(engine, [1, 8])
+        torch.manual_seed(1)
+        store.write_weights(tmp_path / "tiny" / "1", torch.nn.Linear(1, 1), {"name": "tiny"})
+        assert compilecache.engine_key(engine, [1, 8]) == first
+        assert "built_from" not in engine.__dict__  # nothing digested for it
+    finally:
+        engine.close()

@@ -19,7 +19,7 @@ import logging
 import threading
 import time
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import numpy as np
 import torch
@@ -90,6 +90,7 @@ class Engine:
         self.out_float = loaded.manifest.outputs[0].datatype.numpy.kind == "f"
         """Whether the (first) output is floating, returned as float32; integer and bool outputs keep their type."""
         self.manifest = loaded.manifest
+        self._version_dir = loaded.path.parent
         self.named = packing.packs_records(loaded.manifest)
         """Rows travel as records (:func:`halfserve.packing.input_records`): several inputs or outputs, or variable
         ones. Such a batch runs eagerly (no CUDA graph), each input copied to the device on its own."""
@@ -168,6 +169,11 @@ class Engine:
         self._packaged: aoti.Packaged | None = None
         if self.inductor and self.buckets:
             self._make_room_for_compiles(self.buckets)  # before any batch: with --no-warmup they compile under load
+
+    @functools.cached_property
+    def built_from(self) -> Mapping[str, object] | None:
+        """What its AOTInductor packages are built from (:func:`halfserve.compilecache.built_from`), digested once."""
+        return compilecache.built_from(self.name, self._version_dir, self.manifest)
 
     @property
     def overflows(self) -> int:
@@ -352,7 +358,8 @@ class Engine:
         with self._lock:
             if self._packaged is not None:
                 return
-            cached = (self._cache, compilecache.engine_key(self, sizes)) if self._cache and self._cache.usable else None
+            name = compilecache.engine_key(self, sizes) if self._cache and self._cache.usable else None
+            cached = (self._cache, name) if self._cache and name is not None else None
             example = torch.zeros((1, *self.sample_shape), dtype=torch_dtype(self.input_dtype), device=self.device)
             with prec.inference(self.precision, self.device):  # the exported program holds the precision's casts
                 packaged, self.compile_seconds = aoti.packaged(
