@@ -176,6 +176,30 @@ def built(store: Path, name: str, version: int, section: HandlerSection, max_ima
     return _built.get((str(store), name, version, section.code, max_image_pixels))
 
 
+def past_build_limit(section: HandlerSection) -> str:
+    """Why a version whose handler's build ran past :data:`BUILD_TIMEOUT_S` is refused."""
+    return f"handler {section.code!r}: building it (its initialize) ran past {BUILD_TIMEOUT_S:g} s"
+
+
+def build_within(section: HandlerSection, *args: Any) -> Any:
+    """:func:`build` (``args`` its other arguments) on a daemon thread, waited for :data:`BUILD_TIMEOUT_S` at most:
+    past it, :class:`HandlerLoadError`. A build that hangs runs on in its thread, which does not hold the process's
+    exit (an import that refused it ends)."""
+    done: concurrent.futures.Future[Any] = concurrent.futures.Future()
+
+    def run() -> None:
+        try:
+            done.set_result(build(section, *args))
+        except BaseException as e:  # the caller's, to raise in its own thread
+            done.set_exception(e)
+
+    threading.Thread(target=run, name="halfserve-handler-build", daemon=True).start()
+    try:
+        return done.result(BUILD_TIMEOUT_S)
+    except concurrent.futures.TimeoutError:
+        raise HandlerLoadError(past_build_limit(section)) from None
+
+
 _running: dict[str, int] = {}
 """Calls running or waiting for a thread, per model: each has threads and a bound of its own, so a handler that hangs
 holds its own model's threads, never another model's."""

@@ -241,7 +241,7 @@ def import_model(
     module = module.float().eval()
     if draft.handler is not None:  # built once here, so a handler that cannot be built is refused before writing
         try:
-            handlers.build(draft.handler, (), name, folder, draft.batching.max_batch_size, max_image_pixels)
+            handlers.build_within(draft.handler, (), name, folder, draft.batching.max_batch_size, max_image_pixels)
         except handlers.HandlerLoadError as e:
             raise ImportFailure(f"--handler: {e}") from None
     if outputs:

@@ -233,10 +233,7 @@ class ModelRepository:
             except handlers.HandlerLoadError as e:
                 raise StoreError(str(e)) from None
             except TimeoutError:  # the build runs on in its thread, holding only this model's handler lock
-                raise StoreError(
-                    f"handler {loaded.manifest.handler.code!r}: building it (its initialize) ran past "
-                    f"{handlers.BUILD_TIMEOUT_S:g} s"
-                ) from None
+                raise StoreError(handlers.past_build_limit(loaded.manifest.handler)) from None
         await self._check_padding(served, loaded)
         await asyncio.to_thread(outputcheck.at_load, loaded)  # a manifest that lies to clients fails here, not requests
         served.index_limits = await asyncio.to_thread(index_limits, loaded.module, loaded.manifest)

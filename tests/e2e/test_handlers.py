@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from sklearn.datasets import load_digits
 
-from halfserve import cli, storage
+from halfserve import cli, handlers, storage
 from halfserve.handlerinput import HandlerSection
 from halfserve.manifest import load_manifest
 from halfserve.settings import Settings
@@ -276,6 +276,27 @@ def test_a_handler_in_the_model_folder_is_refused_at_import(
     assert "--handler: handler 'folder_handler:Digits'" in err
     assert "--code-path" in err
     assert not (tmp_path / "refused").exists()
+
+
+def test_an_import_whose_handler_build_hangs_is_refused_at_the_build_limit(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A handler whose build hangs (an initialize that waits on a resource) had held ``halfserve import`` for ever, as
+    serving it fails the load at the limit: the import is refused at the same limit, naming the handler, and writes
+    nothing."""
+    code = tmp_path / "code"
+    code.mkdir()
+    hanging = HANDLER_CODE.replace(
+        "class Digits:", "class Digits:\n    def __init__(self):\n        time.sleep(30)\n", 1
+    )
+    (code / "hanging_handler.py").write_text(hanging)
+    monkeypatch.setattr(handlers, "BUILD_TIMEOUT_S", 0.5)
+    rest = ["--store", str(tmp_path / "store"), "--code-path", str(code), "--samples", "8"]
+    argv = [*DIGITS_CNN_IMPORT, "--name", "hangs", "--handler", "hanging_handler:Digits", *rest]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "--handler: handler 'hanging_handler:Digits': building it (its initialize) ran past 0.5 s" in err
+    assert not (tmp_path / "store" / "hangs").exists()
 
 
 def test_front_end_processes_answer_through_the_handler_too(
