@@ -371,6 +371,7 @@ def import_(args: argparse.Namespace) -> int:
             args.strict,
             extra,
             max_image_pixels=args.max_image_pixels,
+            index_labels=getattr(args, "index_labels", False),
             **fields,
         )
         copies.install()
@@ -445,6 +446,8 @@ def _from_archive(args: argparse.Namespace, archive: Archive, copies: CodeCopies
         args.architecture = mar.trust_model_file(archive, args.code_path or [], copies)
     if args.labels is None and archive.labels is not None:
         args.labels = archive.labels
+    # TorchServe's image_classifier names each class by its index where the archive has no index_to_name.json.
+    args.index_labels = archive.handler == mar.IMAGE_CLASSIFIER and args.labels is None
     if archive.handler_file is not None:  # last, as the model file is: copied once the rest is settled
         args.handler = mar.extract_code(archive, args.archive_code, args.store, copies)
         args.code_path = [*(args.code_path or []), args.archive_code]

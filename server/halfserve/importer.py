@@ -192,6 +192,7 @@ def import_model(
     strict: bool = False,
     extra_files: Mapping[str, Path] | None = None,
     max_image_pixels: int = MAX_IMAGE_PIXELS,
+    index_labels: bool = False,
     **manifest_fields: Any,
 ) -> Imported:
     """Write ``source``'s weights as the next version of ``name`` in the store at ``root`` (see the module), with
@@ -254,6 +255,8 @@ def import_model(
         raise ImportFailure(f"{reason}; its forward returns {outputcheck.returned(one, 1)}: {outputcheck.ONE_ROW}")
     if hugging_face and labels is None:
         labels = hugging_face_labels(source, outputs[0])
+    if index_labels and labels is None and len(outputs) == 1 and len(shape := outputs[0].shape) == 1 and shape[0] > 0:
+        labels = [str(i) for i in range(shape[0])]  # each class by its index, as TorchServe names it without a mapping
     manifest = _manifest(
         {**draft.model_dump(exclude_none=True), "outputs": outputs, "labels": labels, "answer": answer}
     )

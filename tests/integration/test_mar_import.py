@@ -48,7 +48,13 @@ def tiny_net() -> torch.nn.Module:
 
 
 def archive(
-    path: Path, net: torch.nn.Module, *, handler: str = "image_classifier", model_name: str = "tinynet", **extra: bytes
+    path: Path,
+    net: torch.nn.Module,
+    *,
+    handler: str = "image_classifier",
+    model_name: str = "tinynet",
+    labels: bool = True,
+    **extra: bytes,
 ) -> Path:
     """A .mar laid out as torch-model-archiver lays it out (MAR-INF/MANIFEST.json beside the files by base name)."""
     weights = io.BytesIO()
@@ -66,7 +72,9 @@ def archive(
         "archiverVersion": "0.12.0",
     }
     files = {"MAR-INF/MANIFEST.json": json.dumps(manifest).encode(), "model.py": MODEL_FILE.encode()}
-    files |= {"model.pt": weights.getvalue(), "index_to_name.json": json.dumps(LABELS).encode(), **extra}
+    files |= {"model.pt": weights.getvalue(), **extra}
+    if labels:
+        files["index_to_name.json"] = json.dumps(LABELS).encode()
     with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as z:
         for name, data in files.items():
             z.writestr(name, data)
@@ -94,12 +102,14 @@ def torchserve_pixels(data: bytes) -> np.ndarray:
     return x.transpose(2, 0, 1)
 
 
-def reference_top5(net: torch.nn.Module, data: bytes) -> dict[str, float]:
-    """TorchServe's image_classifier in Pillow and numpy: its transforms, then softmax top 5, in fp32."""
+def reference_top5(net: torch.nn.Module, data: bytes, labels: dict[str, str] | None = LABELS) -> dict[str, float]:
+    """TorchServe's image_classifier in Pillow and numpy: its transforms, then softmax top 5, in fp32; each class by
+    its index where the archive has no labels (``map_class_to_label`` without a mapping)."""
     with torch.no_grad():
         probs = torch.softmax(net(torch.from_numpy(torchserve_pixels(data))[None]), 1)[0]
     values, indices = probs.topk(5)
-    return {LABELS[str(int(i))]: float(v) for v, i in zip(values, indices, strict=True)}
+    named = (lambda i: labels[i]) if labels is not None else (lambda i: i)
+    return {named(str(int(i))): float(v) for v, i in zip(values, indices, strict=True)}
 
 
 def import_mar(mar: Path, store: Path, *extra: str) -> int:
@@ -115,7 +125,21 @@ async def test_an_image_classifier_archive_answers_photos_as_torchserve_s_handle
     await answers_as_torchserve(tmp_path / "store", code, net)
 
 
-async def answers_as_torchserve(store: Path, code: Path, net: torch.nn.Module) -> None:
+async def test_an_image_classifier_archive_without_labels_names_classes_by_index_as_torchserve_does(
+    tmp_path: Path,
+) -> None:
+    """Without index_to_name.json TorchServe's image_classifier answers the top 5 keyed by class index
+    (``{"9": 0.62, ...}``); the raw logits had come back."""
+    net = tiny_net()
+    code = tmp_path / "code"
+    mar = archive(tmp_path / "tinynet.mar", net, labels=False)
+    assert import_mar(mar, tmp_path / "store", "--trust-model-file", "--code-path", str(code)) == 0
+    await answers_as_torchserve(tmp_path / "store", code, net, None)
+
+
+async def answers_as_torchserve(
+    store: Path, code: Path, net: torch.nn.Module, labels: dict[str, str] | None = LABELS
+) -> None:
     """A JPEG and a PNG posted to ``/predictions/tinynet`` get the reference's top 5, highest first, with
     probabilities within half precision's tolerance."""
     async with serving(Settings(store=store, code_path=[code])) as client:
@@ -123,7 +147,7 @@ async def answers_as_torchserve(store: Path, code: Path, net: torch.nn.Module) -
             data = photo(fmt)
             r = await client.put("/predictions/tinynet", content=data)  # type: ignore[attr-defined]  # curl -T
             assert r.status_code == 200, r.text
-            got, want = r.json(), reference_top5(net, data)
+            got, want = r.json(), reference_top5(net, data, labels)
             assert list(got) == list(want), (fmt, got, want)  # the same labels, highest first
             for label, p in want.items():
                 assert got[label] == pytest.approx(p, abs=0.02), (fmt, label)
