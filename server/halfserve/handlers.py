@@ -4,7 +4,9 @@ once per loaded version, and called on threads of its own, never on the event lo
 Its calls are bounded as tokenizing is: at most :data:`HANDLER_THREADS` run and :data:`HANDLER_QUEUE` wait; one more
 is refused busy (a 503 with ``Retry-After``). A call past the section's ``timeout_s`` is answered as timed out, but
 Python cannot stop a thread: the call runs on, and keeps its place in the bound until it returns, so handlers that
-hang fill the bound and their model's requests are refused busy rather than piling up threads.
+hang fill the bound and their model's requests are refused busy rather than piling up threads. A handler that keeps a
+batch's state on itself (the ``torchserve`` style) runs one call at a time, a call past its limit included: the next
+waits for it as for a thread (:func:`wait_free`).
 
 Torch-free: the code is resolved through :mod:`halfserve.models`, imported where a handler is first built (the load
 path), so the data plane that calls handlers loads no torch.
@@ -19,6 +21,7 @@ import enum
 import os
 import re
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -244,13 +247,83 @@ def stuck_bytes(model: str) -> int:
     return _stuck.get(model, 0)
 
 
-async def run(stage: Stage, call: Callable[[], Any], timeout_s: float, model: str, weight: int = 0) -> Any:
+_calls: dict[int, concurrent.futures.Future[Any]] = {}
+"""The call each handler object that runs one call at a time runs now, by the object's id, until the call returns (one
+past its time limit included). The call's own function holds the object, so an id here is never another's."""
+_calls_lock = threading.Lock()
+
+
+def running_call(handler: object) -> concurrent.futures.Future[Any] | None:
+    """The call ``handler`` runs now (recorded by :func:`hold`), or ``None``."""
+    with _calls_lock:
+        return _calls.get(id(handler))
+
+
+def hold(handler: object, call: concurrent.futures.Future[Any]) -> None:
+    """Record ``call`` as the one ``handler`` runs, until it is done (or withdrawn before it ran)."""
+    key = id(handler)
+    with _calls_lock:
+        _calls[key] = call
+
+    def done(_: object) -> None:
+        with _calls_lock:
+            if _calls.get(key) is call:
+                del _calls[key]
+
+    call.add_done_callback(done)
+
+
+def occupied(stage: Stage, model: str, timeout_s: float) -> str:
+    """Why a call waited for its handler in vain: an earlier call, past its time limit, still runs on it."""
+    return (
+        f"handler {stage.value}: the handler of model {model!r} still ran an earlier call past its time limit after "
+        f"{timeout_s:g} s (a torchserve-style handler runs one call at a time)"
+    )
+
+
+def wait_free(handler: object, timeout_s: float) -> bool:
+    """Whether ``handler`` runs no call (:func:`hold`) now or within ``timeout_s``, waiting on this thread."""
+    deadline = time.monotonic() + timeout_s
+    while (prior := running_call(handler)) is not None:
+        left = deadline - time.monotonic()
+        if left <= 0 or not concurrent.futures.wait([prior], left).done:
+            return False
+    return True
+
+
+async def _free(handler: object, timeout_s: float) -> bool:
+    """:func:`wait_free` on the event loop."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while (prior := running_call(handler)) is not None:
+        left = deadline - loop.time()
+        if left <= 0:
+            return False
+        # asyncio.wait, never wait_for: a wrapped future cancelled by a timeout would cancel the call it wraps.
+        done, _ = await asyncio.wait([asyncio.wrap_future(prior)], timeout=left)
+        if not done:
+            return False
+    return True
+
+
+async def run(
+    stage: Stage,
+    call: Callable[[], Any],
+    timeout_s: float,
+    model: str,
+    weight: int = 0,
+    exclusive: object | None = None,
+) -> Any:
     """``call()`` on one of model ``model``'s handler threads within ``timeout_s`` of its start:
     :class:`HandlerRaisedError` when it raises, :class:`HandlerTimeoutError` past the limit (it runs on, see the
     module), :class:`HandlerBusyError` when the model's bound is full or no thread came free within ``timeout_s``
     (calls past their limit hold them all; the call is withdrawn, never run): the time limit is the call's own, not
     its wait for a thread, which another request's call may hold. ``weight`` (the bytes of the payloads the call
-    reads) is counted in :func:`stuck_bytes` from its time limit until it returns."""
+    reads) is counted in :func:`stuck_bytes` from its time limit until it returns. ``exclusive``, the handler object
+    where it runs one call at a time: the call first waits up to ``timeout_s`` for the object's earlier call to
+    return, and is refused busy, never run, if it does not."""
+    if exclusive is not None and not await _free(exclusive, timeout_s):
+        raise HandlerBusyError(occupied(stage, model, timeout_s))
     held = running(model)
     if held >= HANDLER_THREADS + HANDLER_QUEUE:
         raise HandlerBusyError(
@@ -271,6 +344,8 @@ async def run(stage: Stage, call: Callable[[], Any], timeout_s: float, model: st
         return _guarded(call)
 
     queued = _threads(model).submit(started)
+    if exclusive is not None:  # recorded before any await: a call after this one on the loop waits for it
+        hold(exclusive, queued)
     future = asyncio.wrap_future(queued, loop=loop)
     future.add_done_callback(finished)
     try:

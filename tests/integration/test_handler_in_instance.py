@@ -20,6 +20,7 @@ from halfserve import storage
 from halfserve.settings import Settings
 from tests.e2e.test_handlers import HANDLER_CODE, b64, build_store, csv, digits_rows, with_handler
 from tests.security.test_model_code import started
+from tests.waiting import DEADLINE_S
 
 pytestmark = pytest.mark.slow
 
@@ -36,6 +37,8 @@ CODE = HANDLER_CODE + textwrap.dedent(
     """
 
     import os
+    import pathlib
+    import threading
 
 
     class Where(Digits):
@@ -73,10 +76,44 @@ CODE = HANDLER_CODE + textwrap.dedent(
         def postprocess(self, data):
             digits = data.argmax(1).tolist()
             return [{"digit": d, "given": g, "pid": os.getpid()} for d, g in zip(digits, self.given, strict=True)]
+
+
+    # TorchServe's contract, keeping its batch's state on self from preprocess to postprocess as TorchServe's handlers
+    # do. A payload "hold <file>" waits for <file> to exist before it keeps its tag; another payload whose preprocess
+    # runs while a held one does creates that file, and its postprocess waits for the held call to end: only calls
+    # run side by side on the handler then answer with another request's tag.
+    class KeepsTag:
+
+        def initialize(self, context):
+            self.tag, self.release, self.idle = "", None, threading.Event()
+            self.idle.set()
+
+        def preprocess(self, data):
+            text = data[0].get("data") or data[0].get("body")
+            text = text.decode() if isinstance(text, (bytes, bytearray)) else text
+            if text.startswith("hold "):
+                self.idle.clear()
+                self.release = pathlib.Path(text[len("hold "):])
+                waited = time.monotonic() + 60
+                while not self.release.exists() and time.monotonic() < waited:
+                    time.sleep(0.01)
+                self.tag, self.release = text, None
+                self.idle.set()
+            else:
+                self.tag, held = text, self.release
+                if held is not None:
+                    held.touch()
+            return np.zeros((len(data), 1, 8, 8), dtype=np.float32)
+
+        def postprocess(self, data):
+            self.idle.wait(60)
+            return [{"tag": self.tag} for _ in data]
     """
 )
 TEXT_NAME = "digits_text"
 """A model answered by ``TextDigits``, a ``torchserve``-style handler (made by the test that serves it)."""
+KEEPS_NAME = "digits_keeps"
+"""A model answered by ``KeepsTag``, a ``torchserve``-style handler (made by the test that serves it)."""
 
 
 def build(root: Path, code: Path) -> None:
@@ -246,3 +283,36 @@ async def test_a_torchserve_style_handler_in_an_instance_process_is_given_a_v1_i
     assert {p["pid"] for p in predictions} != {os.getpid()}  # run in the instance process
     assert raw.status_code == 200, raw.text
     assert (raw.json()["digit"], raw.json()["given"]) == (expected[0], "bytes")
+
+
+@pytest.mark.parametrize("placement", ["instance_processes", "instance_threads"])
+async def test_a_torchserve_style_handler_runs_no_call_beside_one_past_its_time_limit(
+    store: tuple[Path, Path], tmp_path: Path, placement: str
+) -> None:
+    """A TorchServe handler keeps its batch's state on itself, so it runs one batch at a time: a call past its time
+    limit (answered 504) still runs on it, and the next request waits for it rather than run beside it and be
+    answered with that call's state. Refused busy when the call still runs after the time limit; once it returned,
+    a request gets its own answer."""
+    root, code = store
+    shutil.copytree(root, tmp_path / "store")
+    with_handler(tmp_path / "store", KEEPS_NAME, f"{MODULE}:KeepsTag", style="torchserve", timeout_s=TIMEOUT_S)
+    release = tmp_path / "release"
+    settings = Settings(store=tmp_path / "store", code_path=[code], placement=placement, models=[KEEPS_NAME])  # type: ignore[arg-type]
+    url = f"/predictions/{KEEPS_NAME}"
+    async with started(settings, KEEPS_NAME) as client:
+        held = await client.put(url, content=f"hold {release}".encode())
+        beside = await client.put(url, content=b"beside")
+        release.touch()  # the held call returns
+        deadline = asyncio.get_running_loop().time() + DEADLINE_S
+        while (after := await client.put(url, content=b"after")).status_code == 503:
+            assert asyncio.get_running_loop().time() < deadline, after.text
+    assert held.status_code == 504, held.text
+    assert "tag" not in beside.json(), beside.text  # never the held call's
+    assert beside.status_code == 503, beside.text
+    message = beside.json()["message"]
+    assert (
+        "handler preprocess: the handler of model 'digits_keeps' still ran an earlier call past its time limit"
+        in message
+    )
+    assert after.status_code == 200, after.text
+    assert after.json() == {"tag": "after"}

@@ -13,7 +13,7 @@ from pydantic import ValidationError
 from halfserve import handlers, models
 from halfserve.handlerinput import HandlerSection
 from halfserve.handlers import HandlerBusyError, HandlerLoadError, HandlerRaisedError, HandlerTimeoutError, Stage
-from tests.waiting import until
+from tests.waiting import DEADLINE_S, until
 
 LIMIT_S = 0.5
 """The time limit of a call held until the test releases it, which it runs past. It must first get its thread within
@@ -124,6 +124,24 @@ async def test_a_model_whose_calls_hang_holds_only_its_own_threads(monkeypatch: 
     assert await handlers.run(Stage.PREPROCESS, lambda: 3, 5, "other") == 3
     release.set()
     await until(lambda: handlers.running("hangs") == 0, "the stuck call returned")
+
+
+async def test_a_handler_taking_one_call_at_a_time_runs_none_beside_one_past_its_limit() -> None:
+    """``exclusive`` (a TorchServe handler, which keeps its batch's state on itself): the next call on the object
+    waits for the one past its limit, refused busy and never run while that one still runs, run once it returned;
+    another object's calls go on meanwhile."""
+    handler, other = object(), object()
+    release, ran = threading.Event(), threading.Event()
+    with pytest.raises(HandlerTimeoutError):
+        await handlers.run(Stage.PREPROCESS, release.wait, LIMIT_S, "one", exclusive=handler)
+    with pytest.raises(HandlerBusyError, match=r"still ran an earlier call past its time limit after 0\.05 s"):
+        await handlers.run(Stage.POSTPROCESS, ran.set, 0.05, "one", exclusive=handler)
+    assert not handlers.wait_free(handler, 0.05)
+    assert await handlers.run(Stage.PREPROCESS, lambda: 2, 5, "one", exclusive=other) == 2
+    release.set()
+    assert await handlers.run(Stage.PREPROCESS, lambda: 3, DEADLINE_S, "one", exclusive=handler) == 3
+    assert handlers.wait_free(handler, 0)
+    assert not ran.is_set()
 
 
 def test_a_handler_building_holds_only_its_own_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

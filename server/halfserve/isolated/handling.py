@@ -36,6 +36,7 @@ from halfserve.errors import (
     OverLimitError,
     QueueFullError,
 )
+from halfserve.handlerinput import HandlerStyle
 from halfserve.instance import Instance
 from halfserve.isolated.protocol import ChildConfig
 from halfserve.serving import HandlerPayload, Outcome, Output
@@ -79,8 +80,15 @@ class InstanceHandler:
             began.set()
             return call()
 
-        future = self._threads.submit(started)
         limit = self.section.timeout_s
+        # A TorchServe handler keeps a batch's state on itself from preprocess to postprocess: a call past its time
+        # limit still runs on it, so the next batch's calls wait for it rather than run beside it.
+        exclusive = self.section.style is HandlerStyle.TORCHSERVE
+        if exclusive and not handlers.wait_free(self.handler, limit):
+            raise QueueFullError(f"{handlers.occupied(stage, self.manifest.name, limit)}; retry shortly")
+        future = self._threads.submit(started)
+        if exclusive:
+            handlers.hold(self.handler, future)
         if not began.wait(limit) and future.cancel():  # the limit is the call's own, not its wait for a thread
             raise QueueFullError(
                 f"model {self.manifest.name!r}: handler {stage.value}: no handler thread came free within {limit:g} s "

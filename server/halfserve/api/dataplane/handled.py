@@ -83,11 +83,16 @@ def payload_count(
 
 
 async def _call(
-    served: ModelHandle, stage: handlers.Stage, call: functools.partial[Any], limit: float, payloads: list[Payload]
+    served: ModelHandle, spec: HandlerSection, handler: Any, stage: handlers.Stage, payloads: list[Payload], *args: Any
 ) -> Any:
+    """``handler``'s ``stage`` method called with ``args``, answered as the module says."""
+    call = functools.partial(getattr(handler, stage.value), *args)
     weight = _bytes(payloads)  # held by a call past its limit until it returns
+    # A TorchServe handler keeps a batch's state on itself from preprocess to postprocess: a call past its time limit
+    # still runs on it, so the next batch's calls wait for it rather than run beside it.
+    exclusive = handler if spec.style is HandlerStyle.TORCHSERVE else None
     try:
-        return await handlers.run(stage, call, limit, served.name, weight)
+        return await handlers.run(stage, call, spec.timeout_s, served.name, weight, exclusive)
     except handlers.HandlerInputTooLargeError as e:
         raise OverLimitError(str(e)) from None
     except handlers.HandlerRaisedError as e:
@@ -119,8 +124,7 @@ async def preprocess(served: ModelHandle, settings: Settings, payloads: list[Pay
     assert spec is not None, "called for a model with a handler section"
     handler = await _handler(served, settings, spec)
     requests = [p.as_request() for p in payloads]
-    call = functools.partial(handler.preprocess, requests)
-    value = await _call(served, handlers.Stage.PREPROCESS, call, spec.timeout_s, payloads)
+    value = await _call(served, spec, handler, handlers.Stage.PREPROCESS, payloads, requests)
     return handlercheck.checked_inputs(value, served.manifest, len(payloads))
 
 
@@ -135,8 +139,7 @@ async def postprocess(
     names = [t.name for t in served.manifest.outputs]
     given: object = outputs[names[0]] if len(names) == 1 else outputs
     requests = [p.as_request() for p in payloads]
-    call = functools.partial(handler.postprocess, given, requests)
-    value = await _call(served, handlers.Stage.POSTPROCESS, call, spec.timeout_s, payloads)
+    value = await _call(served, spec, handler, handlers.Stage.POSTPROCESS, payloads, given, requests)
     return handlercheck.answers(value, len(payloads))
 
 
