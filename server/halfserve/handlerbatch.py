@@ -225,10 +225,11 @@ class HandlerBatcher(Generic[J, R]):
             self._running -= 1
             self._cut()
 
-    async def _answer(self, batch: list[_Queued[J, R]]) -> None:
+    async def _answer(self, batch: list[_Queued[J, R]]) -> BaseException | None:
+        """Run ``batch``'s requests still waiting and answer them; the error they were failed with, if any."""
         live = [q for q in batch if not q.future.done()]
         if not live:
-            return
+            return None
         try:
             results = await self.run([q.job for q in live], self._timeout(live))
             if len(results) != len(live):
@@ -240,15 +241,23 @@ class HandlerBatcher(Generic[J, R]):
                 # still holds a handler thread: side by side, a heavy request's call would take the thread a light
                 # one's postprocess waits for), the lightest first, so a small request is not kept waiting behind a
                 # heavy one's second run.
-                for q in sorted(live, key=lambda q: q.weight):
-                    await self._answer([q])
-                return
+                ordered = sorted(live, key=lambda q: q.weight)
+                for i, q in enumerate(ordered):
+                    failed = await self._answer([q])
+                    if failed is not None and not self.alone(failed):
+                        # Not that request's doing (the handler's threads all held by calls past their limit, the
+                        # model gone): each of the rest would wait its turn to hear the same.
+                        for rest in ordered[i + 1 :]:
+                            _fail(rest, failed)
+                        break
+                return None
             for q in live:
                 _fail(q, e)
-            return
+            return e
         for q, result in zip(live, results, strict=True):
             if not q.future.done():
                 q.future.set_result(result)
+        return None
 
 
 def _fail(queued: _Queued[J, R], e: BaseException) -> None:

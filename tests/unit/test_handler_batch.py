@@ -150,6 +150,27 @@ async def test_a_failure_no_request_caused_fails_the_batch_without_reruns() -> N
             f.result()
 
 
+async def test_reruns_stop_at_a_failure_no_request_caused_and_the_rest_hear_it() -> None:
+    """A batch failed by a hung call is rerun one request at a time; once a rerun is refused for what no request did
+    (every handler thread held by calls past their limit), the rest had waited their turns, a time limit each, to
+    hear the same (a request 122 s behind 8 hung ones): they hear it at once."""
+    calls: list[list[Job]] = []
+
+    async def hung(jobs: list[Job], timeout: float | None) -> list[list[str]]:
+        calls.append(jobs)
+        if len(jobs) > 1:
+            raise ValueError("handler preprocess ran past its time limit")  # one of them hung: alone may tell
+        raise QueueFullError("handler calls are all busy")
+
+    b = HandlerBatcher(hung, size=len, alone=_alone, max_batch_size=3, max_delay=1, max_queue_payloads=4, concurrency=1)
+    futures = [b.submit(("a",)), b.submit(("bb",)), b.submit(("ccc",))]
+    await settle()
+    assert calls == [[("a",), ("bb",), ("ccc",)], [("a",)]]
+    for f in futures:
+        with pytest.raises(QueueFullError, match="all busy"):
+            f.result()
+
+
 async def test_the_queue_is_bounded_in_payloads() -> None:
     handler, clock = FakeHandler(), FakeClock()
     handler.gate.clear()
