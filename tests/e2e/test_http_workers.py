@@ -250,6 +250,9 @@ def test_bad_requests_get_4xx_naming_the_problem_while_good_ones_are_answered(wo
     unknown = httpx.get(f"{workers_server.url}/models/no_such_model", timeout=30)
     assert unknown.status_code == 404
     assert unknown.json()["error"].startswith("Request for unknown model: 'no_such_model' is not found")
+    for method, path in (("PUT", f"/predictions/{MODEL}/"), ("GET", f"/models/{MODEL}/"), ("POST", "/v2/health/")):
+        slash = httpx.request(method, f"{workers_server.url}{path}", headers={"Host": "10.9.9.9:1"}, timeout=30)
+        assert (slash.status_code, slash.headers.get("location")) == (404, None), path  # not redirected
 
 
 def test_metrics_count_the_front_ends_requests(workers_server: ServerProcess) -> None:

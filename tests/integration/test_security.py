@@ -120,3 +120,21 @@ async def test_management_calls_answer_only_to_the_configured_token(tiny_store: 
         r = await client.post("/v2/repository/models/tiny/unload", headers=AUTH)
         assert r.status_code == 403
         assert (await client.get("/v2/models/tiny/ready")).status_code == 200
+
+
+async def test_a_trailing_slash_is_not_found_rather_than_redirected_to_the_clients_host(tiny_store: Path) -> None:
+    host = {"Host": "10.9.9.9:1"}
+    async with serving(Settings(store=tiny_store)) as client:
+        for method, path, same_family in [
+            ("PUT", "/predictions/tiny/", "/predictions/tiny/1/x/y"),
+            ("POST", "/v1/models/tiny:predict/", "/v1/models/tiny:predict/x"),
+            ("GET", "/ping/", "/pingx"),
+            ("GET", "/models/tiny/", "/models/tiny/1/x/y"),
+            ("POST", "/v2/models/tiny/infer/", "/v2/models/tiny/infer/x"),
+        ]:
+            r = await client.request(method, path, headers=host, content=b"{}")
+            assert r.status_code == 404, (path, r.status_code, r.headers)
+            assert "location" not in r.headers
+            unrouted = await client.request(method, same_family, headers=host, content=b"{}")
+            assert r.json() == unrouted.json(), path  # the route family's own wording
+        assert (await client.put("/predictions/tiny", content=b"{}")).status_code != 404

@@ -184,6 +184,10 @@ async def _run(
 def install(app: FastAPI) -> None:
     """Add every route, the JSON error handlers and request ids to ``app``."""
     errors.install(app, torchserve.ROUTING_SHAPES | kserve_v1.ROUTING_SHAPES)
+    # A path with a trailing slash is not found, as on TorchServe's management port: Starlette's redirect answered
+    # 307 with an empty body and a Location built from the client's Host header. The --http-workers front-ends relay
+    # every such path here.
+    app.router.redirect_slashes = False
     app.add_middleware(telemetry.RequestIdMiddleware)
     # v2_triton ahead of v2: its /v2/models/stats must match before v2's /v2/models/{model_name}.
     routers = [
