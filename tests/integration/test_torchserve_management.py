@@ -142,10 +142,15 @@ async def test_a_method_no_route_takes_is_a_405_naming_what_is_allowed(
 async def test_abusive_requests_are_refused_and_it_keeps_serving(management: httpx.AsyncClient) -> None:
     r = await management.get("/models", params={"next_page_token": "9" * 5000})  # past int()'s digit limit
     assert r.json() == {"models": []}  # past every page, not an error that quotes it
-    for odd in ("+1", "1_0", " 1", "\u0661", "\uff11", "1.5", "0x10"):  # int() takes the first five
-        r = await management.get("/models", params={"limit": odd})
-        assert r.status_code == 400, odd
-        assert "limit: expected an integer (ASCII digits)" in r.json()["message"]
+    for odd in ("+1", "-1", "1_0", " 1", "\u0661", "\uff11", "1.5", "0x10"):  # int() takes the first six
+        for field in ("limit", "next_page_token"):
+            r = await management.get("/models", params={field: odd})
+            assert r.status_code == 400, (field, odd)
+            assert f"{field}: expected an integer (ASCII digits)" in r.json()["message"]
+    for token in ("-1", "-3", "-" + "9" * 30):  # TorchServe's own answer is page 0: a poller would loop
+        r = await management.get("/models", params={"limit": 2, "next_page_token": token})
+        assert (r.status_code, r.json()["type"]) == (400, "BadRequestException"), token
+    assert (await management.get("/models", params={"next_page_token": ""})).status_code == 200  # as if absent
     for version in ("1e0", "01", "+1", "1.", "0.99999999999999999", "\u0661", " 1"):  # float() takes them all
         r = await management.get(f"/models/alpha/{version}")
         assert r.json()["type"] == "ModelVersionNotFoundException", version

@@ -54,15 +54,10 @@ _USE_INSTEAD = {
 """This server's management call for each of TorchServe's calls that change something."""
 
 
-_INTEGER = re.compile(r"-?[0-9]+", re.ASCII)
+_INTEGER = re.compile(r"[0-9]+", re.ASCII)
 _DIGITS = 18
 _FAR: int = 10**_DIGITS
 """Digits read of an integer query parameter: more is past any page (TorchServe's own parse would overflow)."""
-
-
-def _far(raw: str) -> int:
-    """An integer of more than :data:`_DIGITS` digits: as far as one of that many, with its sign."""
-    return -_FAR if raw.startswith("-") else _FAR
 
 
 def _json(obj: object) -> Response:
@@ -70,14 +65,15 @@ def _json(obj: object) -> Response:
 
 
 def _query_int(request: Request, name: str, default: int) -> int:
-    """The integer query parameter ``name``, or ``default`` when absent; a 400 naming it when it is not an integer
-    (TorchServe would take the default silently, which pages a poller through the wrong models)."""
+    """The integer query parameter ``name``, or ``default`` when absent; a 400 naming it when it is not a count in
+    ASCII digits (TorchServe would take the default silently, or page 0 for a negative token, which pages a poller
+    through the wrong models)."""
     raw = request.query_params.get(name)
     if raw is None or raw == "":
         return default
-    if _INTEGER.fullmatch(raw) is None:  # int() takes "+1", "1_0", " 1" and other scripts' digits too
+    if _INTEGER.fullmatch(raw) is None:  # int() takes "-1", "+1", "1_0", " 1" and other scripts' digits too
         raise APIError(400, f"{name}: expected an integer (ASCII digits), got {raw[:40]!r}")
-    return int(raw) if len(raw.lstrip("-")) <= _DIGITS else _far(raw)
+    return int(raw) if len(raw) <= _DIGITS else _FAR
 
 
 def _torchserve_errors(endpoint: Endpoint) -> Endpoint:
@@ -104,9 +100,9 @@ async def list_models(request: Request) -> Response:
     """``GET /models``: the served models by name, ``limit`` at a time from ``next_page_token`` (a position in the
     names' order), with ``nextPageToken`` while more follow."""
     limit = _query_int(request, "limit", DEFAULT_LIMIT)
-    start = max(_query_int(request, "next_page_token", 0), 0)
+    start = _query_int(request, "next_page_token", 0)
     models = deps.repository(request).models
-    if not 0 <= limit <= DEFAULT_LIMIT:
+    if limit > DEFAULT_LIMIT:
         limit = DEFAULT_LIMIT
     names = sorted(models)
     end = start + limit
