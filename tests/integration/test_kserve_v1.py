@@ -79,12 +79,17 @@ async def test_photos_as_b64_instances(tmp_path: Path) -> None:
         # TorchServe's KServe envelope, as KServe's TorchServe predictor sends an image_classifier archive's photos.
         enveloped = [{"data": photos[0]["b64"]}, {"body": photos[1]["b64"]}]
         torchserve = await client.post("/v1/models/photo:predict", json={"instances": enveloped})
+        # Wrapped as GNU base64 and Python's encodebytes wrap it, which TorchServe's VisionHandler decodes.
+        lines = [{"data": base64.encodebytes(base64.b64decode(p["b64"])).decode()} for p in photos]
+        wrapped = await client.post("/v1/models/photo:predict", json={"instances": lines})
         not_photo = await client.post("/v1/models/photo:predict", json={"instances": [enveloped[0], {"data": "aGk="}]})
         not_b64 = await client.post("/v1/models/photo:predict", json={"instances": [{"data": "?"}]})
         raw = await client.post("/predictions/photo", content=base64.b64decode(photos[0]["b64"]))
         alone = await client.post("/predict", json={"inputs": photos[:1]})  # a batch of one, as raw's
     assert torchserve.status_code == 200, torchserve.text  # had been "instances.data: unexpected input"
     assert torchserve.json()["predictions"] == plain.json()["outputs"]  # as /predictions answers an unlabelled one
+    assert "\n" in lines[0]["data"]
+    assert wrapped.json() == torchserve.json(), wrapped.text
     # Each value in a float32's shortest form, as /predict writes it: /predictions had written the double's digits.
     assert raw.json() == alone.json()["outputs"][0], raw.text
     assert not_photo.status_code == 400

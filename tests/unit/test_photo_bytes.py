@@ -18,7 +18,7 @@ from PIL import Image
 
 from halfserve import grpc_messages as pb
 from halfserve import images, text
-from halfserve.api.dataplane.decode import decode, tokenize
+from halfserve.api.dataplane.decode import decode, from_base64, tokenize
 from halfserve.api.dataplane.json_request import read_request
 from halfserve.api.dataplane.request import Inference
 from halfserve.api.dataplane.samples import decode_inputs
@@ -117,6 +117,23 @@ async def test_every_transport_decodes_the_photos_into_the_input_they_feed() -> 
         assert x.dtype == np.float32
         assert x.shape == (3, 1, 8, 8)
         np.testing.assert_array_equal(x, EXPECTED)
+
+
+async def test_wrapped_base64_is_read_as_the_decoders_of_torchserve_and_browsers_read_it() -> None:
+    def wrapped(photo: bytes, line: str) -> str:
+        text = b64(photo)
+        return line.join(text[i : i + 8] for i in range(0, len(text), 8)) + line
+
+    for line in ("\n", "\r\n", " ", "\t"):
+        x = await via_json([wrapped(p, line) for p in PHOTOS])
+        np.testing.assert_array_equal(x, EXPECTED)
+        photos = [{"b64": wrapped(p, line)} for p in PHOTOS]
+        np.testing.assert_array_equal((await decode_inputs(photos, SERVED, SETTINGS))["pixels"], EXPECTED)
+    assert from_base64(base64.encodebytes(PHOTOS[0]).decode(), "f") == PHOTOS[0]  # GNU base64's 76 columns
+    text = b64(PHOTOS[0])
+    for odd in (text[:-1], text[:4] + "_" + text[5:], text[:8] + "\v" + text[8:], text[:8] + "\u00a0" + text[8:], "!"):
+        with pytest.raises(InvalidInputError, match=r"^f: not base64 \(standard alphabet, padded\)$"):
+            from_base64(odd, "f")
 
 
 async def test_a_decoded_request_holds_its_photos_until_tokenize_decodes_them() -> None:

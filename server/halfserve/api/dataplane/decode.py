@@ -373,12 +373,26 @@ def _unnested(values: object, shape: list[int], field: str, strings: str) -> obj
     )
 
 
+_ASCII_WHITESPACE = str.maketrans("", "", "\t\n\f\r ")
+"""What base64 may hold between its characters: the line breaks of wrapped base64 (MIME's CRLF every 76, GNU
+``base64`` without ``-w0``, Python's ``base64.encodebytes``), which TorchServe's ``VisionHandler`` decodes, and the
+rest of the whitespace a browser's ``atob`` skips. Anything else outside the alphabet is refused."""
+
+
 def from_base64(value: str, field: str) -> bytes:
-    """A base64 string's bytes (standard alphabet, padded), or a 400 naming ``field``."""
+    """A base64 string's bytes (standard alphabet, padded, ASCII whitespace between its characters ignored), or a
+    400 naming ``field``."""
     try:
         return base64.b64decode(value, validate=True)
     except (binascii.Error, ValueError):
-        raise InvalidInputError(f"{field}: not base64 (standard alphabet, padded)") from None
+        pass
+    unwrapped = value.translate(_ASCII_WHITESPACE)
+    if len(unwrapped) < len(value):
+        try:
+            return base64.b64decode(unwrapped, validate=True)
+        except (binascii.Error, ValueError):
+            pass
+    raise InvalidInputError(f"{field}: not base64 (standard alphabet, padded)")
 
 
 def _binary_texts(view: memoryview, rows: int, shape: list[int], field: str) -> list[bytes]:
