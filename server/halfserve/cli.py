@@ -436,6 +436,12 @@ def _from_archive(args: argparse.Namespace, archive: Archive, copies: CodeCopies
         args.input = args.input or [mar.IMAGE_INPUT]
         args.image_preset = args.image_preset or "torchserve"
     if archive.handler_file is None:
+        if args.image is None and any(importflags.parse_tensor(t, "--input").name == mar.IMAGE for t in args.input):
+            raise mar.MarError(
+                f"--input {mar.IMAGE}: photos are sent under the name {mar.IMAGE!r} (V2's input, beside the tensor "
+                "they feed), so the tensor input needs another name (--input input:FP32:...), or the photos another "
+                "with --image NAME"
+            )
         args.image = args.image or mar.IMAGE
         args.answer = args.answer or mar.STOCK_ANSWERS[archive.handler]
     if args.architecture is None:

@@ -110,6 +110,11 @@ def image_section(
     input. Checked against that input by the manifest."""
     if len(inputs) != 1:
         raise ImportFailure("--image: images feed a model with one input")
+    if name == inputs[0].name:
+        raise ImportFailure(
+            f"--image {name}: {name!r} is also the tensor input's name (--input); photos and the tensor they feed need "
+            "a name each: give another to --image or to --input"
+        )
     section: dict[str, Any] = {"input": name, "feeds": inputs[0].name}
     if preset is not None:
         try:

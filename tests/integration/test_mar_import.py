@@ -305,6 +305,12 @@ async def test_the_detector_and_segmenter_stock_handlers_become_their_answers(
     assert import_mar(detector, store, *trust) == 2  # its images come in any size; a batch holds one
     assert "object_detector takes images of any size" in capsys.readouterr().err
     assert not code.exists()  # refused before the model file was copied
+    # The photos' own name, image, for the tensor too: had been refused with no word of which flag to change.
+    assert import_mar(detector, store, *trust, "--input", "image:FP32:3x32x40") == 2
+    assert "the tensor input needs another name (--input input:FP32:...)" in capsys.readouterr().err
+    assert not code.exists()
+    assert import_mar(detector, store, *trust, "--input", "image:FP32:3x32x40", "--image", "image") == 2
+    assert "--image image: 'image' is also the tensor input's name (--input)" in capsys.readouterr().err
     assert import_mar(detector, store, *trust, "--input", "input:FP32:3x32x40") == 0
     segmenter = stock_archive(tmp_path / "seg.mar", "image_segmenter", SEGMENTER_FILE)
     assert import_mar(segmenter, store, *trust) == 0

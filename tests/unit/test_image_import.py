@@ -91,7 +91,10 @@ def test_import_writes_the_image_section_and_the_labels(tmp_path: Path, capsys: 
         (["--image", "image", "--image-preset", "torchserve"], "transforms give RGB pixels of shape [3, 224, 224]"),
         (["--image", "image", "--image-mode", "L", "--image-resize", "256"], "give crop, or resize as"),
         (["--image-mode", "L"], "--image-*: give --image NAME too"),
-        (["--image", "pixels", "--image-mode", "L", "--image-resize", "8x8"], "also the name of a tensor input"),
+        (
+            ["--image", "pixels", "--image-mode", "L", "--image-resize", "8x8"],
+            "--image pixels: 'pixels' is also the tensor input's name (--input); photos and the tensor",
+        ),
     ],
 )
 def test_import_refuses_transforms_that_do_not_fit_the_input(
