@@ -55,9 +55,10 @@ def _check_shape(dims: list[int], spec: TensorSpec, model: str, where: str) -> N
 
 def checked_inputs(value: object, manifest: Manifest, rows: int) -> Tensors:
     """What ``preprocess`` returned as the model's inputs: an array (a model of one input) or a mapping by input name,
-    each ``rows`` rows of the input's shape, in a dtype that casts to the input's without changing kind (floats to
-    the input's floats, integers to its integers); an :class:`InternalError` naming what was expected and what came,
-    an :class:`InvalidInputError` for NaN or infinite values the model does not accept."""
+    each ``rows`` rows of the input's shape, in a dtype that casts to the input's by numpy's ``same_kind`` rule
+    (floats to the input's floats, integers to its integers or floats, never floats to integers); an
+    :class:`InternalError` naming what was expected and what came, an :class:`InvalidInputError` for NaN or infinite
+    values the model does not accept."""
     specs = manifest.inputs
     names = [t.name for t in specs]
     if isinstance(value, dict):
