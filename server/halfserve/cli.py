@@ -147,7 +147,9 @@ def serve(args: argparse.Namespace) -> int:
         remove_temporary_files()  # also when the server failed to start
     if frontends is not None and frontends.failure is not None:
         print(f"halfserve serve: {frontends.failure}", file=sys.stderr)
+        server.exit_past_drain(STARTUP_FAILURE)
         return STARTUP_FAILURE
+    server.exit_past_drain(0)
     return 0
 
 

@@ -213,9 +213,35 @@ def _threads(model: str) -> concurrent.futures.ThreadPoolExecutor:
     found = _executors.get(model)
     if found is None:  # threads start as calls need them: a model whose handler is idle holds none
         found = _executors[model] = concurrent.futures.ThreadPoolExecutor(
-            HANDLER_THREADS, thread_name_prefix="halfserve-handler"
+            HANDLER_THREADS, thread_name_prefix=f"{_THREAD_PREFIX}{model}"
         )
     return found
+
+
+_THREAD_PREFIX = "halfserve-handler-"
+_calling: dict[threading.Thread, str] = {}
+"""The handler threads in a call now, with their model's name."""
+_calling_lock = threading.Lock()
+
+
+def abandon(deadline: float) -> dict[str, int]:
+    """At a shutdown: stop every model's handler threads, wait for the calls still running until ``deadline`` (a
+    :func:`time.monotonic` time), and return the models whose calls still run then, with how many.
+
+    The threads are not daemons (the executor's), and the interpreter's exit joins them without a limit: a call that
+    hangs past its time limit held the process's exit for as long as it slept, or forever. The caller ends the process
+    without that join when any are left (:meth:`halfserve.httpserver.DrainingServer.exit_past_drain`)."""
+    for executor in _executors.values():
+        executor.shutdown(wait=False, cancel_futures=True)  # idle threads end now; waiting calls never start
+    with _calling_lock:
+        calling = list(_calling)
+    for thread in calling:  # a thread ends as its call returns: its executor is shut down
+        thread.join(max(0.0, deadline - time.monotonic()))
+    left: dict[str, int] = {}
+    with _calling_lock:
+        for model in _calling.values():
+            left[model] = left.get(model, 0) + 1
+    return left
 
 
 def _guarded(call: Callable[[], Any]) -> Any:
@@ -341,7 +367,14 @@ async def run(
     def started() -> Any:  # on the handler thread
         with contextlib.suppress(RuntimeError):  # the loop closed meanwhile (a shutdown): nobody waits for it
             loop.call_soon_threadsafe(began.set)
-        return _guarded(call)
+        thread = threading.current_thread()
+        with _calling_lock:
+            _calling[thread] = model
+        try:
+            return _guarded(call)
+        finally:
+            with _calling_lock:
+                del _calling[thread]
 
     queued = _threads(model).submit(started)
     if exclusive is not None:  # recorded before any await: a call after this one on the loop waits for it

@@ -9,8 +9,11 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import os
 import signal
 import socket
+import sys
+import time
 from collections.abc import Callable
 from types import FrameType
 from typing import Any
@@ -18,6 +21,7 @@ from typing import Any
 import uvicorn
 from starlette.types import ASGIApp
 
+from halfserve import handlers
 from halfserve.httpprotocol import HttpLimits, LimitedHttpProtocol
 from halfserve.settings import Settings
 from halfserve.transport import Direct
@@ -39,10 +43,31 @@ class DrainingServer(uvicorn.Server):
         super().__init__(config)
         self._on_signal = on_signal
         self._on_shutdown = on_shutdown
+        self._signalled: float | None = None
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self._signalled is None:
+            self._signalled = time.monotonic()
         self._on_signal()
         super().handle_exit(sig, frame)
+
+    def exit_past_drain(self, code: int) -> None:
+        """After :meth:`run`: end the process with ``code`` now if handler calls still run once the drain timeout from
+        the signal has passed, naming their models; return as soon as none do.
+
+        Python cannot stop a thread, and its exit waits for every one: a handler call that hung past its time limit
+        (answered long ago) kept the process alive for as long as it ran, past the drain timeout that promises the
+        exit, and forever for one that never returns."""
+        budget = float(self.config.timeout_graceful_shutdown or 0.0)
+        left = handlers.abandon((self._signalled or time.monotonic()) + budget)
+        if not left:
+            return
+        calls = ", ".join(f"model {model!r}: {n}" for model, n in sorted(left.items()))
+        log.error("drain: handler calls still running past the drain timeout are abandoned (%s); exiting", calls)
+        logging.shutdown()
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        os._exit(code)
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         """uvicorn's shutdown, after taking the connections waiting to be accepted; then ``on_shutdown``; a SIGTERM

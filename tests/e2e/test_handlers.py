@@ -10,6 +10,8 @@ import asyncio
 import base64
 import json
 import shutil
+import signal
+import subprocess
 import textwrap
 import time
 from pathlib import Path
@@ -97,10 +99,17 @@ HANDLER_CODE = textwrap.dedent(
         def preprocess(self, requests):
             time.sleep(3)
             return super().preprocess(requests)
+
+
+    class Hangs(Digits):
+        def preprocess(self, requests):
+            time.sleep(3600)
     '''
 )
 """The handlers of the tests: ``Digits`` right, each other one wrong in one way (tests/security)."""
 MODULE = "digits_handlers"
+HUNG = "hangs"
+"""A model whose handler's preprocess never returns in a test's time."""
 
 
 def csv(row: np.ndarray) -> bytes:
@@ -142,6 +151,7 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     code = root.parent / "handler-code"
     build_store(root, code)
     with_handler(root, "shipped", "shipped_handler:Digits")
+    with_handler(root, HUNG, f"{MODULE}:Hangs", timeout_s=1)
     (root / "shipped" / "shipped_handler.py").write_text(HANDLER_CODE)
     return root, code
 
@@ -314,3 +324,23 @@ def test_front_end_processes_answer_through_the_handler_too(
         assert r.json()["digit"] == expected[i]
         assert v1.status_code == 200, v1.text
         assert v1.json()["predictions"][0]["digit"] == expected[i]
+
+
+@pytest.mark.parametrize("workers", [[], ["--http-workers", "2"]], ids=["one-process", "front-ends"])
+def test_a_handler_call_that_hangs_does_not_hold_the_exit_past_the_drain_timeout(
+    server_factory: StartServer, store: tuple[Path, Path], workers: list[str]
+) -> None:
+    root, code = store
+    server = server_factory(root, "--code-path", str(code), "--models", HUNG, "--drain-timeout", "2", *workers)
+    r = httpx.put(f"{server.url}/predictions/{HUNG}", content=csv(digits_rows()[0]), timeout=TIMEOUT)
+    assert r.status_code == 504, r.text
+    server.proc.send_signal(signal.SIGTERM)
+    try:  # a bound on a hang (the call sleeps an hour), not a measurement
+        code_at_exit = server.proc.wait(timeout=DEADLINE_S)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the server did not exit after SIGTERM:\n{server.log.read_text()}")
+    log = server.log.read_text()
+    assert code_at_exit == 0, log
+    assert f"model {HUNG} drained:" in log
+    assert f"handler calls still running past the drain timeout are abandoned (model '{HUNG}': 1)" in log
+    assert "did not drain in time" not in log  # front-ends: each ended itself, none was killed

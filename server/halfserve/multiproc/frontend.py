@@ -373,4 +373,6 @@ def run(
     if app.engine_lost:
         if app.engine_gone():  # its temporary folder (the two sockets) is left to nobody else
             shutil.rmtree(os.path.dirname(api_socket), ignore_errors=True)
+        server.exit_past_drain(1)
         sys.exit(1)
+    server.exit_past_drain(0)

@@ -20,6 +20,10 @@ from halfserve.multiproc import frontend
 from halfserve.settings import Settings
 
 log = logging.getLogger(__name__)
+EXIT_MARGIN_S = 1.0
+"""A front-end's time to exit after its own drain timeout, counted from the signal sent here: at that timeout it ends
+itself, abandoning the handler calls that still run (:meth:`halfserve.httpserver.DrainingServer.exit_past_drain`);
+killed a moment earlier, its drain's last answers and log lines were lost."""
 
 
 class Frontends:
@@ -91,9 +95,10 @@ class Frontends:
                     os.kill(process.pid, signal.SIGTERM)
 
     async def join(self, timeout: float) -> None:
-        """Wait up to ``timeout`` for the front-ends to exit, then kill what is left."""
+        """Wait up to ``timeout`` (and :data:`EXIT_MARGIN_S` more when it is not 0) for the front-ends to exit, then
+        kill what is left."""
         self.stop()
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + (timeout + EXIT_MARGIN_S if timeout else 0.0)
         for process in self.processes.values():
             await asyncio.to_thread(process.join, max(0.0, deadline - time.monotonic()))
             if process.is_alive():
