@@ -203,6 +203,63 @@ def build_within(section: HandlerSection, *args: Any) -> Any:
         raise HandlerLoadError(past_build_limit(section)) from None
 
 
+_building: dict[tuple[str, str, int, str, int], tuple[asyncio.Future[Any], float]] = {}
+"""The builds running now, from :func:`handler_in_time`, with when each runs past :data:`BUILD_TIMEOUT_S`."""
+
+
+async def handler_in_time(
+    store: Path,
+    name: str,
+    version: int,
+    section: HandlerSection,
+    code_path: Sequence[Path] = (),
+    batch_size: int = 1,
+    max_image_pixels: int = MAX_IMAGE_PIXELS,
+) -> Any:
+    """:func:`handler`, built on a thread, never on the event loop, within :data:`BUILD_TIMEOUT_S` of the build's
+    start: past it :class:`HandlerLoadError` (:func:`past_build_limit`), the build running on. One build of a handler
+    at a time: a caller that comes while one runs waits for that one, to the same limit, and holds no thread meanwhile
+    (a caller that waited on the build's lock held one for as long as a build hung, and every request came to wait
+    so)."""
+    found = built(store, name, version, section, max_image_pixels)
+    if found is not None:
+        return found
+    key = (str(store), name, version, section.code, max_image_pixels)
+    building = _building.get(key)
+    if building is None:
+        loop = asyncio.get_running_loop()
+        started: asyncio.Future[Any] = loop.create_future()
+
+        def work() -> None:  # on the build's thread
+            outcome = _guarded(lambda: handler(store, name, version, section, code_path, batch_size, max_image_pixels))
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile (a shutdown): nobody waits for it
+                loop.call_soon_threadsafe(_settle, started, outcome)
+
+        # A daemon, not the loop's default executor: a build that hangs holds neither that executor's threads nor
+        # the process's exit (asyncio.run's end and the interpreter's both wait for those without a limit).
+        threading.Thread(target=work, name=f"halfserve-build-{name}", daemon=True).start()
+        building = _building[key] = started, time.monotonic() + BUILD_TIMEOUT_S
+        started.add_done_callback(lambda done: _built_or_failed(key, done))
+    future, deadline = building
+    try:
+        return await asyncio.wait_for(asyncio.shield(future), max(0.0, deadline - time.monotonic()))
+    except TimeoutError:
+        raise HandlerLoadError(past_build_limit(section)) from None
+
+
+def _settle(future: asyncio.Future[Any], outcome: Any) -> None:
+    if isinstance(outcome, _Raised):
+        future.set_exception(outcome.error)
+    else:
+        future.set_result(outcome)
+
+
+def _built_or_failed(key: tuple[str, str, int, str, int], done: asyncio.Future[Any]) -> None:
+    del _building[key]  # a build that failed is tried again by the next caller, as a load tries it again
+    if not done.cancelled():
+        done.exception()  # retrieved, for a build that failed after every caller stopped waiting
+
+
 _running: dict[str, int] = {}
 """Calls running or waiting for a thread, per model: each has threads and a bound of its own, so a handler that hangs
 holds its own model's threads, never another model's."""

@@ -218,8 +218,7 @@ class ModelRepository:
             except text.TextError as e:
                 raise StoreError(str(e)) from None
         if loaded.manifest.handler is not None:  # built here, so one that cannot be built fails the load
-            built = asyncio.to_thread(
-                handlers.handler,
+            built = handlers.handler_in_time(
                 self.settings.store,
                 served.name,
                 served.version,
@@ -229,11 +228,9 @@ class ModelRepository:
                 self.settings.max_image_pixels,
             )
             try:
-                await asyncio.wait_for(built, handlers.BUILD_TIMEOUT_S)
-            except handlers.HandlerLoadError as e:
+                await built
+            except handlers.HandlerLoadError as e:  # past the build's limit too: it runs on, holding only its own lock
                 raise StoreError(str(e)) from None
-            except TimeoutError:  # the build runs on in its thread, holding only this model's handler lock
-                raise StoreError(handlers.past_build_limit(loaded.manifest.handler)) from None
         await self._check_padding(served, loaded)
         await asyncio.to_thread(outputcheck.at_load, loaded)  # a manifest that lies to clients fails here, not requests
         served.index_limits = await asyncio.to_thread(index_limits, loaded.module, loaded.manifest)

@@ -4,6 +4,7 @@ which a call past its time limit keeps its place in until its thread returns (Py
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from pydantic import ValidationError
 from halfserve import handlers, models
 from halfserve.handlerinput import HandlerSection
 from halfserve.handlers import HandlerBusyError, HandlerLoadError, HandlerRaisedError, HandlerTimeoutError, Stage
+from halfserve.settings import MAX_IMAGE_PIXELS
 from tests.waiting import DEADLINE_S, until
 
 LIMIT_S = 0.5
@@ -170,3 +172,35 @@ def test_a_handler_building_holds_only_its_own_model(tmp_path: Path, monkeypatch
     finally:
         release.set()
         slow.join(30)
+
+
+async def test_a_build_past_its_limit_fails_every_caller_at_the_limit_and_runs_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A front-end process builds its own handler on its first request: a build that hangs answered no request to
+    that model, and each held a thread waiting on the build's lock. Now every caller is told at the build's limit,
+    holding no thread; the one build runs on, and once it returns its handler serves."""
+    monkeypatch.setattr(handlers, "BUILD_TIMEOUT_S", LIMIT_S)
+    release = threading.Event()
+    builds: list[str] = []
+
+    def build(section: HandlerSection, *args: object) -> object:
+        builds.append(section.code)
+        release.wait()
+        return section.code
+
+    monkeypatch.setattr(handlers, "build", build)
+    section = HandlerSection(code="hung_handler:H")
+    callers = [handlers.handler_in_time(tmp_path, "hung", 1, section) for _ in range(3)]
+    failures = await asyncio.gather(*callers, return_exceptions=True)
+    assert [str(f) for f in failures] == [
+        f"handler 'hung_handler:H': building it (its initialize) ran past {LIMIT_S:g} s"
+    ] * 3
+    assert all(isinstance(f, HandlerLoadError) for f in failures)
+    with pytest.raises(HandlerLoadError, match="ran past"):  # a later caller, while the build still runs
+        await handlers.handler_in_time(tmp_path, "hung", 1, section)
+    assert builds == ["hung_handler:H"]
+    release.set()
+    await until(lambda: handlers.built(tmp_path, "hung", 1, section, MAX_IMAGE_PIXELS) is not None, "the build ended")
+    assert await handlers.handler_in_time(tmp_path, "hung", 1, section) == "hung_handler:H"
+    assert builds == ["hung_handler:H"]

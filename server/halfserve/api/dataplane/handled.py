@@ -36,7 +36,7 @@ from halfserve.errors import (
     InstanceLostError,
     InternalError,
     InvalidInputError,
-    ModelUnavailableError,
+    ModelNotReadyError,
     OverLimitError,
     QueueFullError,
 )
@@ -106,16 +106,15 @@ async def _call(
 
 
 async def _handler(served: ModelHandle, settings: Settings, spec: HandlerSection) -> Any:
-    """The model version's handler: the one its load built, else built now on a thread, never on the event loop,
-    where waiting for a build would stall every request."""
+    """The model version's handler: the one its load built, else (a front-end process's first request) built now, held
+    to the time limit of a load's build (:func:`halfserve.handlers.handler_in_time`)."""
     key = (settings.store, served.name, served.version, spec)
-    pixels = settings.max_image_pixels
     try:
-        return handlers.built(*key, pixels) or await asyncio.to_thread(
-            handlers.handler, *key, settings.code_path, served.batching.max_batch_size, pixels
+        return await handlers.handler_in_time(
+            *key, settings.code_path, served.batching.max_batch_size, settings.max_image_pixels
         )
-    except handlers.HandlerLoadError as e:  # the load failed on it too: the model has no version to serve
-        raise ModelUnavailableError(f"model {served.name!r}: {e}") from None
+    except handlers.HandlerLoadError as e:  # this build failed or ran past the limit: as a load that failed on it, 503
+        raise ModelNotReadyError(f"model {served.name!r}: {e}", retry=False) from None
 
 
 async def preprocess(served: ModelHandle, settings: Settings, payloads: list[Payload]) -> Tensors:
