@@ -217,6 +217,15 @@ def test_kserve_v1_instances_are_answered_by_the_handler_in_instance_processes(
     )
 
 
+async def failed(client: httpx.AsyncClient, name: str) -> None:
+    """Return once model ``name``'s load has failed: it may load after the model ``started`` waited for, and until
+    then a request finds it loading, not failed."""
+    deadline = time.monotonic() + DEADLINE_S
+    while (await client.get(f"/models/{name}")).json()["state"] != "failed":
+        assert time.monotonic() < deadline, f"model {name!r} did not fail its load"
+        await asyncio.sleep(0.05)
+
+
 async def test_a_handler_in_the_model_folder_fails_its_model_at_load_and_runs_nothing(
     store: tuple[Path, Path], tmp_path: Path
 ) -> None:
@@ -226,6 +235,7 @@ async def test_a_handler_in_the_model_folder_fails_its_model_at_load_and_runs_no
     async with started(Settings(store=root, code_path=[code]), MODEL) as client:
         ok = await client.put(f"/predictions/{MODEL}", content=csv(digits_rows()[0]))
         assert ok.status_code == 200, ok.text
+        await failed(client, "shipped")
         refused = await client.put("/predictions/shipped", content=csv(digits_rows()[0]))
         assert refused.status_code == 503, refused.text  # TorchServe's answer for a model without a worker
         assert refused.json()["message"].startswith("model 'shipped' is failed: handler 'shipped_handler:Digits': ")
@@ -253,10 +263,7 @@ async def test_a_model_whose_handler_failed_to_build_is_answered_at_once_without
     with_handler(root, "failing", "failing_handler:Digits")
     try:
         async with started(Settings(store=root, code_path=[code]), MODEL) as client:
-            deadline = time.monotonic() + DEADLINE_S
-            while (await client.get("/models/failing")).json()["state"] != "failed":  # loaded after MODEL, maybe
-                assert time.monotonic() < deadline, "model 'failing' did not fail its load"
-                await asyncio.sleep(0.05)
+            await failed(client, "failing")
             assert builds.read_text() == "built\n"  # the load's build, which failed it
             answers = [
                 await client.put("/predictions/failing", content=body) for body in (csv(digits_rows()[0]), b"", b"x,y")
